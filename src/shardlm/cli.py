@@ -1,0 +1,165 @@
+"""The `shardlm` command: train, eval, generate, data prepare, export.
+
+`shardlm train [CONFIG] [--section.key value ...] [--out DIR] [--resume DIR] [--print-config]` runs
+under plain Python or torchrun (`torchrun --nproc-per-node N -m shardlm train ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config, parse_overrides, preset_names, validate
+
+TRAIN_EPILOG = """\
+Any config key can be overridden as --section.key value (sections: model, data, train, parallel),
+for example --train.steps 100 --train.precision bf16. Use --print-config to see them all.
+"""
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardlm train", description="Train a model.", epilog=TRAIN_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default=None,
+                   help=f"a TOML file or a preset ({', '.join(preset_names())}); default: the embedded default")
+    p.add_argument("--out", default=None, help="run directory for metrics.jsonl, TensorBoard and checkpoints "
+                                               "(default: runs/<config name>)")
+    p.add_argument("--resume", default=None, help="a run directory (its latest complete checkpoint) or a checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = _train_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    if args.resume and args.config is None:
+        # Resuming a run without naming its config continues with the config it was saved with.
+        from .checkpoint import load_checkpoint
+        from .config import _apply, _flatten, config_from_dict
+        cfg = config_from_dict(load_checkpoint(args.resume, with_optimizer=False)["state"]["config"])
+        _apply(cfg, overrides)
+    else:
+        cfg = load_config(args.config, overrides)
+    if args.print_config:
+        p = cfg.parallel
+        validate(cfg, world_size=p.dp * p.tp * p.pp)  # the layout's own world size: torchrun is not needed here
+        print(cfg.to_toml())
+        return 0
+    from .trainer import Trainer
+    out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
+    trainer = Trainer(cfg, out_dir=out, resume=args.resume)
+    if trainer.mesh.is_main:
+        n = cfg.model.num_params()
+        print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
+              f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}), writing {out}", flush=True)
+    trainer.run()
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm eval", description="Perplexity of a model on a text file: "
+                                "non-overlapping windows of --seq-len tokens, every position but the last "
+                                "predicting the next token.")
+    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--data", required=True, help="a UTF-8 text file")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    a = p.parse_args(argv)
+    from .inference import evaluate_ids, load_pretrained, pick_device
+    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
+    text = Path(a.data).read_text(encoding="utf-8")
+    r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
+    print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
+                                       f"{r['tokens']} predicted tokens")
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm generate", description="Decode from a model with a KV cache.")
+    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help='print {"completion": ...}')
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
+        raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
+    from .inference import generate_text, load_pretrained, pick_device
+    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
+    text = generate_text(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
+    print(json.dumps({"completion": text}) if a.json else a.prompt + text)
+    return 0
+
+
+def cmd_data(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm data", description="Data preparation.")
+    sub = p.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="tokenize .txt/.jsonl/.parquet into memory-mapped token shards")
+    prep.add_argument("--input", nargs="+", required=True, help="input files (.txt, .jsonl, .parquet)")
+    prep.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a directory holding one")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    a = p.parse_args(argv)
+    from .data.prepare import prepare
+    index = prepare(a.input, a.tokenizer, a.out, shard_tokens=a.shard_tokens, text_field=a.text_field)
+    print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents in {len(index['shards'])} "
+          f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm export",
+                                description="Write a Hugging Face directory (config.json, model.safetensors, "
+                                            "tokenizer) from a shardlm run or checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    a = p.parse_args(argv)
+    from .checkpoint import load_checkpoint
+    from .config import config_from_dict
+    from .model.hf import write_hf_dir
+    from .precision import DTYPES
+    from .tokenizer import load_tokenizer
+    ckpt = load_checkpoint(a.checkpoint, with_optimizer=False)
+    cfg = config_from_dict(ckpt["state"]["config"]).model
+    write_hf_dir(ckpt["model"], cfg, a.out, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype])
+    print(f"exported {ckpt['path']} -> {a.out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "data": cmd_data, "export": cmd_export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: shardlm {train,eval,generate,data,export} ...\n\n"
+              "  train     train a model (default: the embedded default on the stdlib's sources)\n"
+              "  eval      perplexity of a model on a text file\n"
+              "  generate  sample from a model\n"
+              "  data      prepare token shards (data prepare --help)\n"
+              "  export    write a Hugging Face checkpoint directory\n\n"
+              "Each has --help.")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"shardlm: unknown command {cmd!r} (train, eval, generate, data, export)", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[cmd](rest)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

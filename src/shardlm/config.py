@@ -1,0 +1,391 @@
+"""Typed run configuration: four sections (model, data, train, parallel) loaded from TOML or a preset,
+overridden by dotted command-line flags, validated before any work starts.
+
+The layout follows torchtitan's job config (dataclasses + TOML + `--section.key value` flags). This
+module imports no torch: the planner shares `ModelConfig` and its shape arithmetic with the runtime,
+so parameter counts have one source of truth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"            # llama (RoPE, RMSNorm, SwiGLU, GQA) | gpt2 (learned positions, LayerNorm, GELU)
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0          # 0 means num_heads (multi-head attention)
+    head_dim: int = 0              # 0 means hidden_size // num_heads
+    ffn_hidden_size: int = 0       # 0 means 4h for gpt2, the Llama rule (8h/3 rounded up to 256) for llama
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # HF's rope_scaling, e.g. {"rope_type": "llama3", ...}
+    tie_embeddings: bool = False
+    qkv_bias: bool = False         # Qwen2 puts biases on q, k, v only
+    sliding_window: int = 0        # Mistral's window; 0 means full causal attention
+    init_std: float = 0.02
+
+    # Derived shapes. Everything that counts parameters or FLOPs goes through these.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "gpt2"
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters by group, exactly as the runtime model allocates them."""
+        h, q, kv, f, v = self.hidden_size, self.num_heads * self.head_size, self.kv_heads * self.head_size, self.ffn_size, self.vocab_size
+        bias = self.has_bias
+        qkv = h * (q + 2 * kv) + ((q + 2 * kv) if (bias or self.qkv_bias) else 0)
+        attn_out = q * h + (h if bias else 0)
+        if self.arch == "gpt2":
+            mlp = 2 * h * f + f + h
+            norms = 2 * 2 * h
+        else:
+            mlp = 3 * h * f
+            norms = 2 * h
+        layer = qkv + attn_out + mlp + norms
+        embed = v * h
+        pos = self.max_seq_len * h if self.arch == "gpt2" else 0
+        final_norm = 2 * h if self.arch == "gpt2" else h
+        head = 0 if self.tie_embeddings else v * h
+        return {"embedding": embed, "position": pos, "layers": layer * self.num_layers,
+                "per_layer": layer, "final_norm": final_norm, "lm_head": head}
+
+    def num_params(self) -> int:
+        c = self.param_counts()
+        return c["embedding"] + c["position"] + c["layers"] + c["final_norm"] + c["lm_head"]
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x (parameters that do a matmul per token) + attention.
+
+        Matmul parameters exclude the input and position embeddings (a lookup) but include the output
+        head, tied or not. Attention adds 12 * L * (heads * head_dim) * seq per token (QK^T and AV,
+        forward and backward, counting the full square as torchtitan and Megatron's MFU do).
+        """
+        c = self.param_counts()
+        matmul = c["layers"] + c["final_norm"] + self.vocab_size * self.hidden_size
+        return 6 * matmul + 12 * self.num_layers * self.num_heads * self.head_size * seq_len
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                 # a directory from `shardlm data prepare`; "" uses the embedded default corpus
+    eval_path: str = ""            # another prepared directory for eval; "" holds out the last windows of `path`
+    eval_windows: int = 16         # windows held out when eval_path is empty
+    tokenizer: str = "byte"        # used only for the embedded default corpus
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    global_batch_size: int = 8
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    lr_schedule: str = "cosine"    # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    optimizer: str = "adamw"       # adamw | sgd (SGD with momentum, for tests that Adam's scale invariance would hide)
+    momentum: float = 0.9
+    grad_clip: float = 1.0         # 0 disables clipping
+    seed: int = 0
+    precision: str = "fp32"        # fp32 | bf16 | fp16
+    recompute: str = "none"        # none | selective | full
+    compile: bool = False
+    device: str = "auto"           # auto | cpu | cuda
+    log_every: int = 10
+    eval_every: int = 0            # 0 disables periodic eval
+    eval_batches: int = 4
+    save_every: int = 0            # 0 saves only at the end
+    keep_checkpoints: int = 2
+    peak_tflops: float = 0.0       # 0 looks the device up; used for MFU
+    sample_tokens: int = 0         # print a sample of this many tokens after training
+    sample_prompt: str = ""
+    tensorboard: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload: str = "none"          # none | optimizer | params
+    dp_mode: str = "ddp"           # ddp | classic
+    timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+SECTIONS = ("model", "data", "train", "parallel")
+CONFIG_DIRS = (Path(__file__).resolve().parent / "configs", Path(__file__).resolve().parents[2] / "configs")
+
+CHOICES = {
+    "model.arch": ("llama", "gpt2"),
+    "train.lr_schedule": ("cosine", "linear", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.recompute": ("none", "selective", "full"),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "parallel.offload": ("none", "optimizer", "params"),
+    "parallel.dp_mode": ("ddp", "classic"),
+}
+POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
+            "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
+            "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp",
+            "parallel.timeout_s", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
+NON_NEGATIVE = ("model.num_kv_heads", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
+                "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
+                "train.save_every", "train.sample_tokens", "train.peak_tflops", "data.eval_windows",
+                "train.min_lr_ratio", "train.momentum", "train.seed")
+
+
+def preset_names() -> list[str]:
+    names = set()
+    for d in CONFIG_DIRS:
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def _resolve_source(source: str) -> Path:
+    p = Path(source)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    for d in CONFIG_DIRS:
+        if (d / f"{source}.toml").is_file():
+            return d / f"{source}.toml"
+    raise ConfigError(f"config {source!r} is neither a TOML file nor a preset (presets: {', '.join(preset_names())})")
+
+
+def _convert(key: str, value: Any, typ: Any) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or fail naming the key."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, str):
+                f = float(value)  # accepts 1e5 as well as 100000
+                if not f.is_integer():
+                    raise ValueError
+                return int(f)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if typ is dict:
+            if isinstance(value, str):
+                import json
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+    except (ValueError, TypeError):
+        pass
+    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
+
+
+def _apply(cfg: Config, flat: dict[str, Any]) -> None:
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ConfigError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
+        obj = getattr(cfg, section)
+        hints = get_type_hints(type(obj))
+        if name not in hints:
+            known = ", ".join(f.name for f in fields(obj))
+            raise ConfigError(f"unknown config key {key!r} (known in [{section}]: {known})")
+        setattr(obj, name, _convert(key, value, hints[name]))
+
+
+def _flatten(d: dict, where: str) -> dict[str, Any]:
+    flat = {}
+    for section, body in d.items():
+        if section not in SECTIONS or not isinstance(body, dict):
+            raise ConfigError(f"unknown config section [{section}] in {where} (sections: {', '.join(SECTIONS)})")
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def load_config(source: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults <- preset or TOML file (`source`; None means the embedded default) <- dotted overrides."""
+    cfg = Config()
+    path = _resolve_source(source or "default")
+    try:
+        with open(path, "rb") as f:
+            _apply(cfg, _flatten(tomllib.load(f), str(path)))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    _apply(cfg, overrides or {})
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    cfg = Config()
+    _apply(cfg, _flatten(d, "saved config"))
+    return cfg
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Fail before any work with a message naming the key and the value."""
+    def get(key):
+        s, n = key.split(".")
+        return getattr(getattr(cfg, s), n)
+
+    for key, allowed in CHOICES.items():
+        if get(key) not in allowed:
+            raise ConfigError(f"{key} = {get(key)!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not get(key) > 0:
+            raise ConfigError(f"{key} = {get(key)!r} must be positive")
+    for key in NON_NEGATIVE:
+        if get(key) < 0:
+            raise ConfigError(f"{key} = {get(key)!r} must not be negative")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.head_dim == 0 and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
+    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling):
+        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias or rope_scaling")
+    if m.arch == "llama" and m.head_size % 2:
+        raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if m.sliding_window and t.seq_len > m.sliding_window:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.sliding_window = {m.sliding_window}; "
+                          "sliding-window attention is not implemented")
+    if t.min_lr_ratio > 1:
+        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
+    if p.dp * p.tp * p.pp != world_size:
+        raise ConfigError(f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
+                          f"{p.dp * p.tp * p.pp} != world size {world_size}")
+    if t.global_batch_size % (t.micro_batch_size * p.dp):
+        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size ({t.micro_batch_size}) x parallel.dp ({p.dp})")
+    if p.offload != "none" and p.zero_stage < 1:
+        raise ConfigError(f"parallel.offload = {p.offload!r} needs parallel.zero_stage >= 1 (it is {p.zero_stage})")
+    if p.offload == "params" and p.zero_stage < 3:
+        raise ConfigError(f"parallel.offload = 'params' needs parallel.zero_stage = 3 (it is {p.zero_stage})")
+    if not 0 <= p.zero_stage <= 3:
+        raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
+    # Strategies that are validated but not built yet are refused, never silently ignored.
+    for key, value, default in (("parallel.dp", p.dp, 1), ("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
+                                ("parallel.zero_stage", p.zero_stage, 0), ("parallel.offload", p.offload, "none"),
+                                ("parallel.dp_mode", p.dp_mode, "ddp")):
+        if value != default:
+            raise ConfigError(f"{key} = {value!r} is not supported yet by this version of shardlm "
+                              f"(only {default!r}); the strategy is on the roadmap")
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--section.key value` and `--section.key=value` pairs into a flat dict."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {a!r}: overrides look like --section.key value")
+        key = a[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{key} is missing a value")
+            value = args[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def dump_toml(d: dict) -> str:
+    """A minimal TOML writer for our flat two-level config (tomllib only reads)."""
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    lines = []
+    for section, body in d.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {val(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Token shards: preparation, layout-independent sampling, and the embedded default corpus."""

@@ -1,0 +1,40 @@
+"""The embedded default corpus: the Python standard library's own sources.
+
+Every machine that runs shardlm has them, so `shardlm train` with no arguments trains on real text with
+no download. The files are chosen deterministically (sorted top-level modules, up to a byte budget)
+and tokenized once with the byte tokenizer into a cache directory keyed by that choice.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+from .prepare import INDEX, prepare
+
+BUDGET_BYTES = 4 << 20
+
+
+def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for p in sorted(stdlib.glob("*.py")):
+        size = p.stat().st_size
+        if total + size > budget:
+            continue
+        files.append(p)
+        total += size
+    if not files:
+        raise FileNotFoundError(f"no Python sources found in {stdlib} for the default corpus")
+    return files
+
+
+def default_corpus(progress: bool = False) -> Path:
+    """Prepare (once) and return the directory of the default corpus."""
+    files = default_sources()
+    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
+    if not (cache / INDEX).is_file():
+        prepare(files, "byte", cache, progress=progress)
+    return cache

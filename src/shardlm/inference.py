@@ -1,0 +1,134 @@
+"""Load a trained model (HF directory, shardlm run or checkpoint) and use it: perplexity and generation.
+
+Generation decodes with a KV cache, one prefill then one token per step, as HF's `generate` does;
+temperature 0 is greedy. Sampling applies temperature, then top-k, then top-p (Holtzman et al. 2020).
+Evaluation cuts the text into non-overlapping windows of N tokens and averages the cross-entropy of
+every next-token prediction inside them.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import STATE, load_checkpoint, resolve_checkpoint
+from .config import ModelConfig, config_from_dict
+from .model import Decoder, KVCache, build_model
+from .model.hf import is_hf_dir, read_hf_dir
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def load_pretrained(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[Decoder, Tokenizer, ModelConfig]:
+    path = Path(path)
+    if is_hf_dir(path):
+        cfg, state = read_hf_dir(path)
+        tok_dir = path
+    else:
+        ckpt = load_checkpoint(path, with_optimizer=False)
+        cfg = config_from_dict(ckpt["state"]["config"]).model
+        state, tok_dir = ckpt["model"], ckpt["path"]
+    model = build_model(cfg, device=device, dtype=torch.float32, init=False)
+    model.load_state_dict(state, strict=True)
+    model = model.to(dtype).eval()
+    return model, load_tokenizer(tok_dir), cfg
+
+
+def is_model_dir(path: str | Path) -> bool:
+    path = Path(path)
+    if is_hf_dir(path) or (path / STATE).is_file():
+        return True
+    try:
+        resolve_checkpoint(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> torch.Tensor:
+    """New tokens only, shape [batch, <= max_new_tokens]; stops early when every row produced eos."""
+    was_training = model.training
+    model.eval()
+    b, t = ids.shape
+    total = t + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_seq_len {model.cfg.max_seq_len}")
+    cache = KVCache(model.cfg, b, total, ids.device, next(model.parameters()).dtype)
+    gen = torch.Generator(device=ids.device)
+    gen.manual_seed(seed)
+    logits = model(ids, cache=cache)[:, -1]
+    out = []
+    done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)
+        out.append(nxt)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if bool(done.all()):
+                break
+        logits = model(nxt[:, None], cache=cache)[:, -1]
+    model.train(was_training)
+    return torch.stack(out, dim=1) if out else ids.new_zeros((b, 0))
+
+
+def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+    device = next(model.parameters()).device
+    ids = tok.encode(prompt)
+    if not ids:
+        if tok.eos_id is None:
+            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [tok.eos_id]
+    new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
+                       seed, eos_id=tok.eos_id)
+    return tok.decode(new[0].tolist())
+
+
+@torch.no_grad()
+def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int = 8) -> dict:
+    """Mean next-token cross-entropy (fp32) over non-overlapping windows of seq_len tokens."""
+    if seq_len < 2:
+        raise ValueError(f"--seq-len {seq_len} must be at least 2")
+    if seq_len > model.cfg.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    device = next(model.parameters()).device
+    windows = torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
+    total, count = 0.0, 0
+    model.eval()
+    for i in range(0, n, batch_size):
+        w = windows[i:i + batch_size].to(device)
+        logits = model(w[:, :-1]).float()
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
+        count += w[:, 1:].numel()
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}

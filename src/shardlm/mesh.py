@@ -1,0 +1,76 @@
+"""The device mesh: ranks laid out as a (pp, dp, tp) grid, tensor parallel innermost so that its heavy
+collectives stay inside a node (Narayanan et al. 2021). As in picotron, the grid is a reshaped arange
+and each axis's process groups are the grid's lines along that axis.
+
+The layout is validated from the environment torchrun sets, on every rank, before the process group
+exists, so a bad layout fails with the same message everywhere and no rank waits in a collective.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, validate
+
+
+@dataclass
+class Mesh:
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_group: object = None
+    tp_group: object = None
+    pp_group: object = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int]:
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def build_mesh(dp: int, tp: int, pp: int) -> Mesh:
+    """Groups for an initialised process group (or a single process when none is initialised)."""
+    if not dist.is_initialized():
+        return Mesh(dp=dp, tp=tp, pp=pp)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if dp * tp * pp != world:
+        raise ValueError(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size {world}")
+    grid = torch.arange(world).view(pp, dp, tp)
+    pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    mesh = Mesh(world=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)), dp=dp, tp=tp, pp=pp,
+                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
+    # Every rank must create every group, in the same order, even those it is not in.
+    for axis, lines in (("tp", grid.reshape(-1, tp)), ("dp", grid.transpose(1, 2).reshape(-1, dp)),
+                        ("pp", grid.permute(1, 2, 0).reshape(-1, pp))):
+        for line in lines.tolist():
+            group = dist.new_group(line)
+            if rank in line:
+                setattr(mesh, f"{axis}_group", group)
+    return mesh
+
+
+def init_distributed(cfg: Config) -> Mesh:
+    world, rank, local_rank = world_from_env()
+    validate(cfg, world)
+    if world == 1:
+        return Mesh()
+    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    p = cfg.parallel
+    return build_mesh(p.dp, p.tp, p.pp)

@@ -1,0 +1,88 @@
+"""Throughput, MFU and memory, reported to the console, OUT/metrics.jsonl and TensorBoard.
+
+MFU (model FLOPs utilisation, Chowdhery et al. 2022) = tokens/s x FLOPs per token / the device's peak,
+where FLOPs per token = 6 x (parameters that do a matmul per token, i.e. all but the input and position
+embeddings) + 12 x layers x heads x head_dim x seq (attention scores and values, forward and backward,
+counting the full causal square as torchtitan and Megatron do; see ModelConfig.flops_per_token).
+Recomputation does not change model FLOPs: MFU counts useful work only. The peak is the dense 16-bit
+tensor-core rate of the GPU (looked up by name) or train.peak_tflops; on a CPU with no peak given, MFU
+is not reported.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks from the vendors' datasheets
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
+    "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
+}
+
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak device memory allocated since the last reset (CUDA); process RSS high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except ImportError:  # pragma: no cover - non-POSIX
+        return 0.0
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: Path | None, enabled: bool, tensorboard: bool, resume_step: int | None = None):
+        self.enabled = enabled and out_dir is not None
+        self.path = out_dir / "metrics.jsonl" if self.enabled else None
+        self.tb = None
+        if not self.enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            # A resumed run writing where it crashed: drop records past the checkpoint it resumes from.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.is_file():
+            self.path.unlink()
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self.tb.add_scalar(k if "/" in k else f"train/{k}", v, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_line(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | grad-norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {r['mem_gib']:.2f} GiB"
+            + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""))

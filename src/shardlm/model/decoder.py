@@ -1,0 +1,258 @@
+"""One decoder-only transformer for GPT-2 (Radford et al. 2019) and the Llama family (Touvron et al. 2023;
+Qwen2 and Mistral are Llama with qkv biases or a sliding window), built from the tensor-parallel layers
+so that later strategies shard it without rework. The layout follows nanoGPT's one-screen model; the
+numerics follow Hugging Face transformers' implementations, which the tests compare against.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _degree, scaled_std
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding (Su et al. 2021), with HF's `linear` and `llama3` scaling."""
+    dim = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"model.rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Preallocated keys and values per layer for incremental decoding: one prefill, then a token per step."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.pos = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k, v):
+        start, end = self.pos, self.pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp_group=None):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        tp = _degree(tp_group)
+        self.n_heads, self.n_kv = cfg.num_heads // tp, cfg.kv_heads // tp
+        self.head_dim = cfg.head_size
+        # q, k and v in one matmul; under tensor parallelism each rank holds [q_r; k_r; v_r].
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.kv_heads) * self.head_dim,
+                                        bias=cfg.has_bias or cfg.qkv_bias, group=tp_group, init_std=cfg.init_std)
+        self.out = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.has_bias,
+                                     group=tp_group, init_std=scaled_std(cfg.init_std, cfg.num_layers))
+        self.recompute_core = False
+
+    def core(self, q, k, v, causal: bool, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=self.n_kv != self.n_heads)
+
+    def forward(self, x, rope=None, cache: KVCache | None = None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                     self.n_kv * self.head_dim], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        mask, causal = None, True
+        if cache is not None:
+            past = cache.pos
+            k, v = cache.update(self.layer, k, v)
+            if past:  # new queries see every cached key plus the causal part of their own block
+                causal = False
+                if t > 1:
+                    mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
+        if self.recompute_core and self.training:
+            y = checkpoint(self.core, q, k, v, causal, mask, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, causal, mask)
+        return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group=None):
+        super().__init__()
+        self.gated = cfg.arch != "gpt2"
+        f = cfg.ffn_size
+        # SwiGLU (Shazeer 2020) fuses gate and up into one matmul: [gate; up] per tensor-parallel rank.
+        self.up = ColumnParallelLinear(cfg.hidden_size, 2 * f if self.gated else f, bias=cfg.has_bias,
+                                       group=tp_group, init_std=cfg.init_std)
+        self.down = RowParallelLinear(f, cfg.hidden_size, bias=cfg.has_bias, group=tp_group,
+                                      init_std=scaled_std(cfg.init_std, cfg.num_layers))
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
+        return self.down(h)
+
+
+class RMSNorm(nn.Module):
+    """Zhang & Sennrich 2019; computed in fp32 and cast back, as HF Llama does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "gpt2":
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp_group=None):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer, tp_group)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg, tp_group)
+
+    def forward(self, x, rope=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group, init_std=cfg.init_std)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.arch == "gpt2" else None
+        self.layers = nn.ModuleList(Block(cfg, i, tp_group) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, group=tp_group, gather_output=True, init_std=cfg.init_std)
+        self.recompute = "none"
+        self._rope_cache: dict = {}
+
+    # ---- construction -------------------------------------------------------------------------
+    def set_recompute(self, mode: str) -> None:
+        """none | selective (only the attention core is recomputed) | full (each block is recomputed)."""
+        self.recompute = mode
+        for block in self.layers:
+            block.attn.recompute_core = mode == "selective"
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from its own generator, seeded by (seed, name), so a parameter's
+        values do not depend on which other parameters a rank materialises or on the device order."""
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            if name.endswith("bias"):
+                p.zero_()
+            elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
+                p.fill_(1.0)
+            else:
+                std = getattr(owner, "init_std", self.cfg.init_std)
+                g = torch.Generator(device=p.device)
+                g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+                p.normal_(0.0, std, generator=g)
+        self._rope_cache.clear()
+
+    # ---- forward ------------------------------------------------------------------------------
+    def rope(self, start: int, length: int, device, dtype):
+        key = (device, dtype)
+        cached = self._rope_cache.get(key)
+        if cached is None or cached[0].shape[0] < start + length:
+            n = max(self.cfg.max_seq_len, start + length)
+            inv_freq = rope_inv_freq(self.cfg, device)
+            freqs = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cached = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_cache[key] = cached
+        return cached[0][start:start + length], cached[1][start:start + length]
+
+    def hidden_states(self, ids, cache: KVCache | None = None):
+        start = cache.pos if cache is not None else 0
+        t = ids.shape[1]
+        x = self.embed(ids)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(start, start + t, device=ids.device))
+        else:
+            rope = self.rope(start, t, ids.device, x.dtype)
+        for block in self.layers:
+            if self.recompute == "full" and self.training and cache is None:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, cache)
+        if cache is not None:
+            cache.pos += t
+        return self.norm(x)
+
+    def logits(self, h):
+        if self.lm_head is None:
+            return F.linear(h, self.embed.weight)
+        return self.lm_head(h)
+
+    def forward(self, ids, targets=None, cache: KVCache | None = None):
+        """Logits, or with `targets` the mean next-token cross-entropy in fp32."""
+        h = self.hidden_states(ids, cache)
+        logits = self.logits(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, tp_group=None,
+                init: bool = True) -> Decoder:
+    """Construct on the meta device, then materialise on `device` only the parameters this rank owns."""
+    with torch.device("meta"):
+        model = Decoder(cfg, tp_group)
+    model.to_empty(device=device)
+    if init:
+        model.init_weights(seed)
+    return model.to(dtype)

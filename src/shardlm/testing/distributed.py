@@ -1,0 +1,96 @@
+"""Run a function on N processes as one process group, for tests: gloo on CPU, NCCL with CUDA.
+
+Each worker is a fresh spawned interpreter that joins a TCP rendezvous on a free local port, calls
+`fn(rank, world_size, *args)` and sends back its return value or its traceback. The parent waits at
+most `timeout` seconds in total: a rank that hangs (say, in a collective its peers never join) makes
+the whole call fail with a TimeoutError after every worker is killed, so a hang fails the test
+instead of blocking CI.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, backend, fn, args, results, pg_timeout):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # N workers share the machine's cores
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        out = fn(rank, world, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks raised; the message holds each rank's traceback."""
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str | None = None) -> list:
+    """`fn(rank, world_size, *args)` on `world_size` ranks; returns the per-rank results in rank order.
+
+    `fn` must be importable (a module-level function), as spawned workers import it by name.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, timeout), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[str, object]] = {}
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                                   f"(a hang, or a peer that died)" + _errors(got))
+            try:
+                rank, status, out = results.get(timeout=min(left, 0.5))
+                got[rank] = (status, out)
+                if status == "error":
+                    # Give the others a moment to report their own errors, then stop waiting for them.
+                    deadline = min(deadline, time.monotonic() + 5.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    raise DistributedError(f"ranks {dead} died without reporting (exit codes "
+                                           f"{[procs[r].exitcode for r in dead]})" + _errors(got))
+    finally:
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = _errors(got)
+    if errors:
+        raise DistributedError(errors)
+    return [got[r][1] for r in range(world_size)]
+
+
+def _errors(got: dict) -> str:
+    return "".join(f"\n--- rank {r} ---\n{out}" for r, (status, out) in sorted(got.items()) if status == "error")

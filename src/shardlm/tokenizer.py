@@ -1,0 +1,89 @@
+"""Tokenizers through Hugging Face's `tokenizers` library: any tokenizer.json, or the built-in byte-level one.
+
+The byte tokenizer is itself a tokenizer.json (a byte-level BPE with no merges whose id for byte b is b,
+plus an end-of-text token 256), so byte-level runs export to HF directories like any other model.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
+BYTE_EOS = "<|endoftext|>"
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel pre-tokenizers use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_tokenizer() -> HFTokenizer:
+    from tokenizers import decoders, models, pre_tokenizers
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab[BYTE_EOS] = 256
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BYTE_EOS])
+    return tok
+
+
+class Tokenizer:
+    """encode / decode / eos_id / vocab_size / save over one `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: HFTokenizer, source: Path | None = None, eos_token: str | None = None):
+        self.tok = tok
+        self.source = source  # the directory or file it came from, for copying side files on save
+        eos = eos_token if eos_token is not None else next(
+            (t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+        self.eos_id = tok.token_to_id(eos) if eos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(directory / "tokenizer.json"))
+        if self.source is not None and self.source.is_dir():
+            for name in HF_SIDE_FILES:
+                if (self.source / name).is_file() and name != "generation_config.json":
+                    shutil.copy(self.source / name, directory / name)
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """`byte`, a tokenizer.json file, or a directory holding one (an HF checkpoint, a run, a data dir)."""
+    if str(spec) == "byte":
+        return Tokenizer(byte_tokenizer(), eos_token=BYTE_EOS)
+    path = Path(spec)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    eos = None
+    cfg = file.parent / "tokenizer_config.json"
+    if cfg.is_file():
+        value = json.loads(cfg.read_text()).get("eos_token")
+        eos = value.get("content") if isinstance(value, dict) else value
+    return Tokenizer(HFTokenizer.from_file(str(file)), source=file.parent, eos_token=eos)

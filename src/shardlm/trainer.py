@@ -1,0 +1,190 @@
+"""The training loop: gradient accumulation, mixed precision, clipping, schedule, eval, logging, checkpoints.
+
+One step consumes global_batch_size samples: each data-parallel rank runs global / (micro x dp)
+micro-batches of micro_batch_size, scaling each micro-batch loss by 1 / accumulation so the summed
+gradient is the gradient of the mean loss over the global batch (every sample has the same number of
+tokens, so the mean of micro-batch means is the global mean). Everything a step depends on is a
+function of the step number and the checkpointed state, which is what makes a resumed run reproduce
+the uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from .config import Config, config_from_dict
+from .data.loader import open_train_data
+from .inference import generate_text, pick_device
+from .mesh import Mesh, init_distributed
+from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
+from .model import build_model
+from .optim import MasterWeightOptimizer, lr_at
+from .precision import DTYPES, make_loss_scaler
+from .tokenizer import load_tokenizer
+
+
+class Trainer:
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
+                 mesh: Mesh | None = None, log=print):
+        self.cfg, self.log = cfg, log
+        self.mesh = mesh if mesh is not None else init_distributed(cfg)
+        self.out = Path(out_dir) if out_dir is not None else None
+        t = cfg.train
+        self.device = pick_device(t.device)
+        if self.device.type == "cuda" and self.mesh.world > 1:
+            self.device = torch.device("cuda", self.mesh.local_rank)
+        torch.manual_seed(t.seed)
+
+        data_dir = self._data_dir()
+        self.tokenizer = load_tokenizer(data_dir)
+        self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
+                                    cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
+                                    self.mesh.dp, self.mesh.dp_rank)
+
+        self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed, tp_group=self.mesh.tp_group)
+        self.model.set_recompute(t.recompute)
+        self.model.train()
+        self.forward = self.model
+        if t.compile:
+            for block in self.model.layers:
+                block.compile()
+        self.scaler = make_loss_scaler(t.precision)
+        self.opt = MasterWeightOptimizer(self.model, t, self.scaler)
+        self.step = 0
+        self.resumed_from = None
+        if resume is not None:
+            self._resume(resume)
+        self.flops_per_token = cfg.model.flops_per_token(t.seq_len)
+        self.peak = peak_flops(self.device, t.peak_tflops)
+        same_dir = resume is not None and self.out is not None and Path(resume).resolve() == self.out.resolve()
+        self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
+                                     resume_step=self.step if same_dir else None)
+        if self.out is not None and self.mesh.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(cfg.to_toml())
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _data_dir(self) -> Path:
+        if self.cfg.data.path:
+            return Path(self.cfg.data.path)
+        from .data.default import default_corpus
+        if self.mesh.is_main:
+            path = default_corpus(progress=True)
+        if self.mesh.world > 1:
+            dist.barrier()
+        return default_corpus() if not self.mesh.is_main else path
+
+    def _resume(self, resume) -> None:
+        ckpt = load_checkpoint(resume)
+        saved = config_from_dict(ckpt["state"]["config"])
+        if saved.model != self.cfg.model:
+            raise ValueError(f"cannot resume {ckpt['path']}: its model config differs from this run's\n"
+                             f"  saved: {saved.model}\n  now:   {self.cfg.model}")
+        data = ckpt["state"]["data"]
+        if data["train_windows"] != self.data.train_windows or data["seed"] != self.data.sampler.seed:
+            raise ValueError(f"cannot resume {ckpt['path']}: its data ({data['train_windows']} windows, seed "
+                             f"{data['seed']}) differs from this run's ({self.data.train_windows}, "
+                             f"{self.data.sampler.seed}); the sample order would not continue")
+        if data["consumed_samples"] % self.cfg.train.global_batch_size:
+            raise ValueError(f"cannot resume {ckpt['path']} with train.global_batch_size "
+                             f"{self.cfg.train.global_batch_size}: {data['consumed_samples']} samples were consumed")
+        self.opt.load(ckpt["model"], ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
+        set_rng_state(ckpt["rng"])
+        self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
+        self.resumed_from = ckpt["path"]
+        if self.step >= self.cfg.train.steps:
+            self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
+                     "nothing to do (raise train.steps to continue)")
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, bool]:
+        accum = self.cfg.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.data.micro_batch_at(self.step, micro))
+            loss = self.forward(x, y) / accum
+            total += loss.detach()
+            (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        norm, applied = self.opt.step(lr_at(self.step, self.cfg.train), self.step + 1)
+        return total.item(), norm, applied
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        self.model.eval()
+        losses = [self.forward(x.to(self.device), y.to(self.device)).item()
+                  for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
+        self.model.train()
+        return sum(losses) / len(losses) if losses else None
+
+    def save(self) -> Path | None:
+        if self.out is None or not self.mesh.is_main:
+            return None
+        state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
+                 "loss_scaler": self.scaler.state_dict()}
+        return save_checkpoint(self.out, self.step, self.opt.master_state(), self.opt.state_by_name(), state,
+                               self.tokenizer, keep=self.cfg.train.keep_checkpoints)
+
+    def run(self) -> list[dict]:
+        from tqdm import tqdm
+
+        t = self.cfg.train
+        records = []
+        tokens_per_step = t.global_batch_size * t.seq_len
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not self.mesh.is_main or not sys.stderr.isatty())
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        since, steps_since = time.perf_counter(), 0
+        saved_at = None
+        try:
+            while self.step < t.steps:
+                loss, norm, applied = self.train_step()
+                self.step += 1
+                steps_since += 1
+                bar.update(1)
+                do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
+                if self.step % t.log_every == 0 or self.step == t.steps or do_eval:
+                    elapsed = time.perf_counter() - since
+                    tok_s = steps_since * tokens_per_step / elapsed
+                    rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
+                           "tokens_per_s": tok_s,
+                           "mfu": tok_s * self.flops_per_token / (self.peak * self.mesh.world) if self.peak else None,
+                           "mem_gib": memory_gib(self.device), "skipped_steps": self.scaler.skipped_steps}
+                    if t.precision == "fp16":
+                        rec["loss_scale"] = self.scaler.scale
+                    if do_eval:
+                        rec["eval_loss"] = self.evaluate()
+                    records.append(rec)
+                    self.metrics.log(rec)
+                    if self.mesh.is_main:
+                        line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "")
+                        (bar.write if not bar.disable else self.log)(line)
+                    since, steps_since = time.perf_counter(), 0
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                    self.save()
+                    saved_at = self.step
+        except KeyboardInterrupt:
+            # Between steps the state is consistent: keep what was trained, then stop.
+            if saved_at != self.step and self.step > 0:
+                path = self.save()
+                if path:
+                    self.log(f"interrupted: saved {path}")
+            raise
+        finally:
+            bar.close()
+        if self.step > 0 and (self.resumed_from is None or records):
+            path = self.save()
+            if path:
+                self.log(f"saved {path}")
+        self.metrics.close()
+        if t.sample_tokens and self.mesh.is_main:
+            self.log("sample:\n" + t.sample_prompt + generate_text(
+                self.model, self.tokenizer, t.sample_prompt, min(t.sample_tokens, self.cfg.model.max_seq_len - 8),
+                temperature=0.8, top_k=40, seed=t.seed))
+        return records

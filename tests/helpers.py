@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face models and tokenizers, built locally (no download), as test references."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+        "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 20
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE trained on TEXT, saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+
+
+def hf_model(kind: str, vocab: int = 300, seed: int = 0):
+    """A tiny random transformers model of `kind` (llama, llama3, llama_tied, qwen2, mistral, gpt2)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=50000.0))
+    elif kind == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+        try:
+            cfg = tf.LlamaConfig(**common, rope_parameters={**rope, "rope_theta": 500000.0})
+        except TypeError:  # transformers 4.x
+            cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=rope)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "llama_tied":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    elif kind == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=128,
+                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # HF zero-initialises biases and sets norms to one: perturb everything
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def save_hf(kind: str, directory: Path, with_tokenizer: bool = True):
+    model = hf_model(kind)
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        make_tokenizer(directory)
+    return model
+
+
+def run_cli(*args, check=True, env=None, timeout=240):
+    """`python -m shardlm ...` in a subprocess; returns the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "shardlm", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
