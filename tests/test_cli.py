@@ -1,0 +1,57 @@
+"""The command line: help for every command, the config flags, export, and torchrun layout checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import run_cli
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["eval"], ["generate"], ["data"], ["data", "prepare"], ["export"]])
+def test_help(cmd):
+    proc = run_cli(*cmd, "--help")
+    assert "usage" in proc.stdout.lower()
+
+
+def test_print_config_and_errors():
+    out = run_cli("train", "tiny", "--train.steps", "3", "--print-config").stdout
+    assert "[train]" in out and "steps = 3" in out
+    bad = run_cli("train", "tiny", "--train.micro_batch_size", "3", check=False)
+    assert bad.returncode == 2
+    assert "train.global_batch_size = 8 is not divisible by train.micro_batch_size (3)" in bad.stderr
+    unknown = run_cli("train", "tiny", "--train.bogus", "1", check=False)
+    assert unknown.returncode == 2 and "train.bogus" in unknown.stderr
+
+
+def test_train_export_eval_generate_roundtrip(tmp_path):
+    run_cli("train", "tiny", "--train.steps", "3", "--out", tmp_path / "run")
+    run_cli("export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+    from shardlm.inference import load_pretrained
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, tok, _ = load_pretrained(tmp_path / "run")
+    ids = torch.tensor([tok.encode("def main():\n    return 1")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
+    text = tmp_path / "t.txt"
+    text.write_text("import os\nimport sys\n" * 20)
+    a = json.loads(run_cli("eval", "--model", tmp_path / "run", "--data", text, "--seq-len", 16, "--json").stdout)
+    b = json.loads(run_cli("eval", "--model", tmp_path / "hf", "--data", text, "--seq-len", 16, "--json").stdout)
+    assert a["tokens"] == b["tokens"] == (len(text.read_text()) // 16) * 15
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    g = json.loads(run_cli("generate", "--model", tmp_path / "run", "--prompt", "def", "--max-new-tokens", 5,
+                           "--json").stdout)
+    assert isinstance(g["completion"], str)
+
+
+def test_torchrun_refuses_a_layout_that_does_not_fill_the_world(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "shardlm", "train", "tiny", "--train.steps", "2", "--out", tmp_path / "r"],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode != 0
+    msg = "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2"
+    assert (proc.stdout + proc.stderr).count(msg) == 2  # every rank says it, before any collective

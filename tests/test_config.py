@@ -1,0 +1,67 @@
+"""Config: presets, TOML, dotted overrides, and validation that names the key and the value."""
+import pytest
+
+from shardlm.config import ConfigError, load_config, parse_overrides, preset_names, validate
+
+
+def test_presets_exist_and_validate():
+    assert {"default", "tiny", "gpt2-124m", "tinyllama-1.1b", "llama2-7b", "llama3-8b"} <= set(preset_names())
+    for name in preset_names():
+        validate(load_config(name))
+    t = load_config("tinyllama-1.1b").model
+    assert (t.hidden_size, t.num_layers, t.num_heads, t.kv_heads, t.ffn_size, t.vocab_size) == (2048, 22, 32, 4, 5632, 32000)
+
+
+def test_toml_file_and_overrides(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text('[model]\nhidden_size = 32\nnum_heads = 2\n[train]\nsteps = 7\nprecision = "bf16"\n')
+    cfg = load_config(str(f), parse_overrides(["--train.steps", "9", "--train.lr=1e-4", "--model.tie_embeddings", "true"]))
+    assert cfg.model.hidden_size == 32 and cfg.train.steps == 9 and cfg.train.lr == 1e-4
+    assert cfg.model.tie_embeddings is True and cfg.train.precision == "bf16"
+    assert cfg.grad_accum_steps == cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train.nonsense": "1"}, "unknown config key 'train.nonsense'"),
+    ({"optim.lr": "1"}, "unknown config key 'optim.lr'"),
+    ({"train.steps": "ten"}, "train.steps = 'ten' is not a valid int"),
+    ({"train.steps": "0"}, "train.steps = 0 must be positive"),
+    ({"model.hidden_size": "-8"}, "model.hidden_size = -8 must be positive"),
+    ({"train.global_batch_size": "10", "train.micro_batch_size": "4"}, "train.global_batch_size = 10 is not divisible"),
+    ({"model.num_kv_heads": "3"}, "model.num_heads = 4 is not divisible by model.num_kv_heads = 3"),
+    ({"train.seq_len": "4096"}, "train.seq_len = 4096 exceeds model.max_seq_len = 128"),
+    ({"train.precision": "fp8"}, "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
+    ({"train.recompute": "some"}, "train.recompute = 'some' is not one of none, selective, full"),
+    ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
+    ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),
+    ({"parallel.zero_stage": "2"}, "parallel.zero_stage = 2 is not supported yet"),
+])
+def test_invalid_values_name_key_and_value(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", overrides))
+    assert message in str(e.value)
+
+
+def test_layout_must_match_world_size():
+    cfg = load_config("tiny")
+    with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2"):
+        validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="parallel.tp = 2 is not supported yet"):
+        validate(load_config("tiny", {"parallel.tp": "2"}), world_size=2)
+
+
+def test_unknown_preset_and_bad_override_syntax():
+    with pytest.raises(ConfigError, match="neither a TOML file nor a preset"):
+        load_config("no-such-preset")
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["steps", "3"])
+    with pytest.raises(ConfigError, match="missing a value"):
+        parse_overrides(["--train.steps"])
+
+
+def test_toml_roundtrip():
+    import tomllib
+    from shardlm.config import config_from_dict
+    cfg = load_config("llama3-8b", {"model.rope_scaling": '{"rope_type": "linear", "factor": 2.0}'})
+    again = config_from_dict(tomllib.loads(cfg.to_toml()))
+    assert again == cfg

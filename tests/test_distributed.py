@@ -1,0 +1,44 @@
+"""The multi-process harness itself, the device mesh, and the tensor-parallel layers at degree 2 and 4."""
+import pytest
+import torch
+
+import dist_fns
+from shardlm.testing.distributed import DistributedError, run_distributed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_harness_runs_collectives(world):
+    assert run_distributed(dist_fns.all_reduce_rank, world) == [world * (world + 1) / 2] * world
+
+
+def test_harness_fails_a_hang_within_its_timeout():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 10s"):
+        run_distributed(dist_fns.hang_on_rank_one, 2, timeout=10)
+
+
+def test_harness_reports_a_rank_error():
+    with pytest.raises(DistributedError, match="boom on rank 0"):
+        run_distributed(dist_fns.raise_on_rank_zero, 2, timeout=60)
+
+
+def test_mesh_groups_at_world_4():
+    results = run_distributed(dist_fns.mesh_groups, 4, 2, 2, 1)
+    # grid (pp=1, dp=2, tp=2): tp pairs {0,1},{2,3}; dp pairs {0,2},{1,3}
+    coords = [r[0] for r in results]
+    assert coords == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    sums = [r[1] for r in results]
+    assert [s["tp"] for s in sums] == [1, 1, 5, 5]
+    assert [s["dp"] for s in sums] == [2, 4, 2, 4]
+    assert [s["pp"] for s in sums] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_layers_equal_degree_one(world):
+    y, x_grad, col_grad, row_grad, emb_grad = dist_fns.tensor_parallel_mlp(0, 1, 0, distributed=False)
+    n = 16 // world
+    for rank, (y_r, xg, cg, rg, eg) in enumerate(run_distributed(dist_fns.tensor_parallel_mlp, world, 0)):
+        torch.testing.assert_close(y_r, y, rtol=1e-5, atol=1e-5)  # partial sums add in another order
+        torch.testing.assert_close(xg, x_grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cg, col_grad[rank * n:(rank + 1) * n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rg, row_grad[:, rank * n:(rank + 1) * n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eg, emb_grad.chunk(world)[rank], rtol=1e-5, atol=1e-5)

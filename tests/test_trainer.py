@@ -1,0 +1,223 @@
+"""The single-process trainer: learning, exact resume, atomic checkpoints, accumulation, precision, recompute."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from shardlm.checkpoint import complete_checkpoints, resolve_checkpoint
+from shardlm.config import load_config
+from shardlm.optim import MasterWeightOptimizer
+from shardlm.precision import DynamicLossScaler, LossScaleError, NoLossScaler
+from shardlm.trainer import Trainer
+
+
+def train(tmp_path, name="run", resume=None, **overrides):
+    cfg = load_config("tiny", {k.replace("__", "."): v for k, v in overrides.items()})
+    trainer = Trainer(cfg, out_dir=tmp_path / name, resume=resume, log=lambda *a: None)
+    return trainer, trainer.run()
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+def test_loss_falls_and_metrics_are_written(tmp_path):
+    trainer, recs = train(tmp_path, train__steps=30, train__eval_every=10)
+    assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 31))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib"):
+        assert key in lines[0], key
+    assert "eval_loss" in lines[9] and lines[29]["eval_loss"] < lines[9]["eval_loss"]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "run" / "config.toml").is_file()
+    assert len(complete_checkpoints(tmp_path / "run")) == 1
+
+
+def test_resume_from_a_checkpoint_reproduces_losses_exactly(tmp_path):
+    _, full = train(tmp_path, "full", train__steps=10, train__save_every=4, train__keep_checkpoints=5)
+    ckpts = complete_checkpoints(tmp_path / "full")
+    assert [p.name for p in ckpts] == ["step_00000004", "step_00000008", "step_00000010"]
+    trainer, rest = train(tmp_path, "resumed", resume=ckpts[0], train__steps=10)
+    assert [r["step"] for r in rest] == list(range(5, 11))
+    assert losses(rest) == losses(full)[4:]  # exact, not approximate
+    assert [r["grad_norm"] for r in rest] == [r["grad_norm"] for r in full][4:]
+
+
+def test_resume_allows_more_steps(tmp_path):
+    train(tmp_path, "a", train__steps=4, train__lr_schedule="constant", train__warmup_steps=0)
+    trainer, more = train(tmp_path, "a", resume=tmp_path / "a", train__steps=6, train__lr_schedule="constant",
+                          train__warmup_steps=0)
+    assert [r["step"] for r in more] == [5, 6]
+    _, ref = train(tmp_path, "ref", train__steps=6, train__lr_schedule="constant", train__warmup_steps=0)
+    assert losses(more) == losses(ref)[4:]
+    lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_refuses_a_different_model(tmp_path):
+    train(tmp_path, "a", train__steps=2)
+    with pytest.raises(ValueError, match="model config differs"):
+        train(tmp_path, "b", resume=tmp_path / "a", model__hidden_size=32)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
+    import shardlm.checkpoint as ck
+    real = ck.save_file
+    calls = []
+
+    def dying_save(tensors, path, metadata=None):
+        calls.append(path)
+        if "optimizer" in path:
+            raise KeyboardInterrupt("killed mid-save")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(ck, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path, "a", resume=tmp_path / "a", train__steps=6, train__save_every=2, train__keep_checkpoints=5)
+    assert calls, "the save was not attempted"
+    assert resolve_checkpoint(tmp_path / "a").name == "step_00000004"
+    leftovers = [p.name for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert leftovers  # the half-written directory is there, and ignored
+
+
+def test_killed_run_resumes_on_the_same_trajectory(tmp_path):
+    """SIGKILL a real training process after a checkpoint, resume it, and compare with an uninterrupted run."""
+    args = ["tiny", "--train.steps", "40", "--train.save_every", "3", "--train.log_every", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ref = subprocess.run([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "ref"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert ref.returncode == 0, ref.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "run"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = resolve_checkpoint(tmp_path / "run").name
+    resumed = subprocess.run([sys.executable, "-m", "shardlm", "train", "--resume", tmp_path / "run"],
+                             capture_output=True, text=True, env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    got, want = read(tmp_path / "run"), read(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, 41)), f"resumed from {done}"
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    _, one = train(tmp_path, "one", train__micro_batch_size=8, train__steps=5)
+    _, acc = train(tmp_path, "acc", train__micro_batch_size=2, train__steps=5)
+    # Same math; only the order of summation over the batch differs.
+    torch.testing.assert_close(losses(acc), losses(one), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_training(tmp_path, mode):
+    _, ref = train(tmp_path, "none", train__steps=4)
+    trainer, got = train(tmp_path, mode, train__steps=4, train__recompute=mode)
+    torch.testing.assert_close(losses(got), losses(ref), rtol=1e-6, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5, atol=0)
+
+
+def test_recompute_actually_recomputes():
+    from shardlm.model import build_model
+    cfg = load_config("tiny").model
+    model = build_model(cfg)
+    calls = {"n": 0}
+    for block in model.layers:
+        orig = block.mlp.forward
+        block.mlp.forward = lambda x, orig=orig: (calls.__setitem__("n", calls["n"] + 1), orig(x))[1]
+    model.set_recompute("full")
+    ids = torch.randint(0, 100, (2, 16))
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    assert calls["n"] == 2 * cfg.num_layers  # forward, then again in backward
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
+    trainer, recs = train(tmp_path, train__steps=12, train__precision=precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert all(p.dtype == dtype for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.opt.masters)
+    for p, m in zip(trainer.opt.params, trainer.opt.masters):
+        assert torch.equal(p, m.to(dtype))  # the 16-bit weights are the rounded masters
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
+    if precision == "fp16":
+        assert recs[-1]["loss_scale"] == 2.0**16
+
+
+def test_fp16_overflow_skips_the_step_on_the_scaler_schedule(tmp_path):
+    cfg = load_config("tiny", {"train.precision": "fp16"})
+    trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
+    before = [m.clone() for m in trainer.opt.masters]
+    for p in trainer.model.parameters():
+        p.grad = torch.zeros_like(p)
+    next(trainer.model.parameters()).grad[0, 0] = float("inf")
+    norm, applied = trainer.opt.step(1e-3, 1)
+    assert not applied and trainer.scaler.skipped_steps == 1
+    assert trainer.scaler.scale == 2.0**16  # hysteresis 2: the first overflow does not halve yet
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.opt.masters))
+    next(trainer.model.parameters()).grad = None
+    for p in trainer.model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    trainer.opt.step(1e-3, 2)
+    assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 2
+
+
+def test_dynamic_loss_scaler_rules():
+    s = DynamicLossScaler(growth_interval=3)
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 2.0**17
+    s.update(True)
+    assert s.scale == 2.0**17
+    s.update(True)
+    assert s.scale == 2.0**16
+    s.update(True)  # hysteresis is only restored by growth
+    assert s.scale == 2.0**15 and s.skipped_steps == 3
+    low = DynamicLossScaler(scale=2.0, hysteresis=1, hysteresis_left=1)
+    low.update(True)
+    assert low.scale == 1.0
+    with pytest.raises(LossScaleError, match="minimum loss scale"):
+        low.update(True)
+    with pytest.raises(FloatingPointError, match="diverged"):
+        NoLossScaler().update(True, 3)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_optimizer_step_matches_torch_reference(optimizer):
+    """Clipping by the global norm and the update equal torch's clip_grad_norm_ + optimizer."""
+    from shardlm.model import build_model
+    cfg = load_config("tiny", {"train.optimizer": optimizer, "train.grad_clip": 0.5, "train.weight_decay": 0.1})
+    model, ref = build_model(cfg.model, seed=1), build_model(cfg.model, seed=1)
+    opt = MasterWeightOptimizer(model, cfg.train, NoLossScaler())
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    rest = [p for p in ref.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    t = cfg.train
+    ref_opt = (torch.optim.AdamW(groups, lr=1e-2, betas=(t.beta1, t.beta2), eps=t.eps) if optimizer == "adamw"
+               else torch.optim.SGD(groups, lr=1e-2, momentum=t.momentum))
+    ids = torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        ref(ids[:, :-1], ids[:, 1:]).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norm, applied = opt.step(1e-2, 1)
+        assert applied
+        assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=n)
+
+
+def test_sgd_training_runs(tmp_path):
+    _, recs = train(tmp_path, train__steps=6, train__optimizer="sgd", train__lr=0.1)
+    assert all(r["loss"] == r["loss"] for r in recs)
