@@ -41,7 +41,7 @@ def timed(step, warm: int, steps: int) -> tuple[float, float]:
 def run_shardlm(args, extra: list[str]):
     from shardlm.config import load_config, parse_overrides
     from shardlm.trainer import Trainer
-    over = {"train.seq_len": args.seq, "train.micro_batch_size": args.micro_batch,
+    over = {"train.seq_len": args.seq, "model.max_seq_len": max(args.seq, load_config(args.preset).model.max_seq_len), "train.micro_batch_size": args.micro_batch,
             "train.global_batch_size": args.micro_batch, "train.precision": "bf16", "train.steps": 10**6,
             "train.eval_every": 0, "train.tensorboard": "false", "train.device": "cuda"}
     over.update(parse_overrides(extra))
@@ -108,16 +108,20 @@ def main() -> None:
     for spec in args.systems:
         system, *over = spec.split(":")
         label = over[0] if over else system
+        # Extra tokens are config overrides (--train.compile true) or environment settings (NAME=value).
+        tokens = over[1].split() if len(over) > 1 else []
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **dict(t.split("=", 1) for t in tokens if "=" in t and not t.startswith("--"))}
         cmd = [sys.executable, __file__, "--child", system, "--preset", args.preset, "--seq", str(args.seq),
                "--micro-batch", str(args.micro_batch), "--warm", str(args.warm), "--steps", str(args.steps),
-               *(over[1].split() if len(over) > 1 else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+               *(t for t in tokens if t.startswith("--") or "=" not in t)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(f"{label}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
         r = json.loads(lines[-1][7:])
         r["system"] = label
+        r["spec"] = spec
         rows.append(r)
         print(json.dumps(r), flush=True)
     base = next((r for r in rows if r["system"] == "hf-compile"), None)
@@ -134,7 +138,8 @@ def main() -> None:
                                 "gpus": 1, "system": r["system"], "model": args.preset, "seq": args.seq,
                                 "micro_batch": args.micro_batch, "tok_s_gpu": round(r["tok_s_gpu"]),
                                 "mfu": round(r["mfu"], 4), "peak_mem_gib": round(r["peak_mem_gib"], 2),
-                                "command": "python bench/single_gpu.py " + " ".join(sys.argv[1:])}) + "\n")
+                                "command": f"python bench/single_gpu.py --seq {args.seq} --micro-batch {args.micro_batch} "
+                                           f"--systems '{r['spec']}'"}) + "\n")
 
 
 if __name__ == "__main__":

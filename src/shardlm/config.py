@@ -128,7 +128,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"        # fp32 | bf16 | fp16
     recompute: str = "none"        # none | selective | full
-    compile: bool = False
+    compile: bool = False          # torch.compile each block
+    loss_chunk_tokens: int = 4096  # fused head + cross-entropy over chunks of this many tokens; 0: plain
     device: str = "auto"           # auto | cpu | cuda
     log_every: int = 10
     eval_every: int = 0            # 0 disables periodic eval
@@ -189,7 +190,7 @@ POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.
             "parallel.timeout_s", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
 NON_NEGATIVE = ("model.num_kv_heads", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
-                "train.save_every", "train.sample_tokens", "train.peak_tflops", "data.eval_windows",
+                "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed")
 
 

@@ -1,10 +1,11 @@
 """The optimizer step with fp32 master weights, global-norm clipping and the learning-rate schedule.
 
-`MasterWeightOptimizer` keeps an fp32 copy of every 16-bit parameter and runs AdamW (Loshchilov &
-Hutter 2019; fused on GPU) or SGD with momentum on the copies, as mixed-precision training prescribes;
-in fp32 the parameters are their own masters. Gradients are unscaled into the masters, clipped by the
-global L2 norm (Pascanu et al. 2013), and a step whose norm is not finite is skipped. Its state is
-saved by parameter name, so a checkpoint does not depend on how parameters are laid out or sharded.
+`MasterWeightOptimizer` keeps an fp32 copy of the 16-bit parameters (one flat buffer, see flat.py) and
+runs AdamW (Loshchilov & Hutter 2019) or SGD with momentum on it in one fused pass (kernels.py), as
+mixed-precision training prescribes; in fp32 the parameters are their own masters. Gradients are
+unscaled, clipped by the global L2 norm (Pascanu et al. 2013), and a step whose norm is not finite is
+skipped. Its state is saved by parameter name, so a checkpoint does not depend on how parameters are
+laid out or sharded.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
+from .flat import FlatParams
+from .kernels import adamw_master_step, sgd_master_step, sum_of_squares
+from .precision import DynamicLossScaler
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -29,93 +33,103 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all gradients, in fp32, as one tensor (no host sync)."""
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
-
-
 class MasterWeightOptimizer:
-    def __init__(self, model: nn.Module, cfg: TrainConfig, loss_scaler):
+    """AdamW or SGD over the model's flat buffers, with fp32 masters when the parameters are 16-bit.
+
+    `step` never waits for the host: the global norm, the clip/unscale factor and the skip flag stay on
+    the device, and the kernels read them there. The loss scaler, which must decide on the host, is
+    updated here only in fp16; elsewhere a non-finite norm skips the step on the device and is reported
+    by `check_finite` when the trainer next logs.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, loss_scaler, pad_multiple: int = 1):
         self.cfg, self.scaler = cfg, loss_scaler
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.masters = [p.detach().float().clone() if self.mixed else p for p in self.params]
-        decay = [m for m, p in zip(self.masters, self.params) if p.dim() >= 2]
-        no_decay = [m for m, p in zip(self.masters, self.params) if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # The optimizer's parameter order (decay group first) differs from the model's; keep the map.
-        order = {id(m): i for i, m in enumerate(self.masters)}
-        self.opt_order = [order[id(m)] for g in groups for m in g["params"]]
-        on_gpu = self.masters[0].is_cuda
-        if cfg.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                         fused=on_gpu or None, foreach=None if on_gpu else True)
-        else:
-            self.opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+        self.flat = FlatParams(model, cfg.weight_decay, pad_multiple)
+        self.names, self.params = self.flat.names, self.flat.params
+        self.mixed = self.flat.data.dtype != torch.float32
+        self.master = self.flat.data.float() if self.mixed else self.flat.data
+        zeros = lambda: torch.zeros_like(self.master)  # noqa: E731
+        self.state = {"exp_avg": zeros(), "exp_avg_sq": zeros()} if cfg.optimizer == "adamw" else {"momentum_buffer": zeros()}
+        self.steps_taken = 0
+        dev = self.master.device
+        self._skip = torch.zeros((), dtype=torch.int32, device=dev)
+        self._nonfinite = torch.zeros((), dtype=torch.int32, device=dev)
+        self.last_norm = torch.zeros((), device=dev)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [self.flat.view(self.master, i) for i in range(len(self.params))]
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self.flat.zero_grad()
 
     @torch.no_grad()
-    def step(self, lr: float, step: int) -> tuple[float, bool]:
-        """Unscale, clip and apply; returns (grad norm before clipping, whether the step was applied)."""
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        grads = []
-        for p, m in zip(self.params, self.masters):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.mixed:
-                m.grad = p.grad.float()
-            grads.append(m.grad)
-        if self.scaler.scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = global_grad_norm(grads).item()
-        finite = math.isfinite(norm)
-        self.scaler.update(not finite, step)
-        if finite:
-            if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-                torch._foreach_mul_(grads, self.cfg.grad_clip / (norm + 1e-6))
-            self.opt.step()
-            if self.mixed:
-                torch._foreach_copy_(list(self.params), self.masters)
-        if self.mixed:
-            for m in self.masters:
-                m.grad = None
+    def step(self, lr: float, step: int) -> None:
+        """Unscale, clip by the global norm and apply; a step with a non-finite norm changes nothing."""
+        cfg = self.cfg
+        loss_scale = self.scaler.scale
+        norm = sum_of_squares(self.flat.grad).sqrt() / loss_scale
+        finite = torch.isfinite(norm)
+        self._skip.copy_(~finite)
+        if isinstance(self.scaler, DynamicLossScaler):  # fp16: the scale schedule is decided on the host
+            applied = bool(finite)
+            self.scaler.update(not applied, step)
+            if not applied:
+                self.last_norm = norm
+                self.zero_grad()
+                return
+        else:
+            self._nonfinite += self._skip  # reported (and fatal) at the next sync
+        scale = torch.full((), 1.0 / loss_scale, device=norm.device)
+        if cfg.grad_clip > 0:
+            scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
+        self.last_norm = norm
+        self.steps_taken += 1
+        param = self.flat.data if self.mixed else None
+        for seg in self.flat.segments:
+            sl = slice(seg.start, seg.end)
+            args = (self.master[sl], None if param is None else param[sl], self.flat.grad[sl])
+            if cfg.optimizer == "adamw":
+                adamw_master_step(*args, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], scale, self._skip,
+                                  step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                                  weight_decay=seg.weight_decay)
+            else:
+                sgd_master_step(*args, self.state["momentum_buffer"][sl], scale, self._skip, step=self.steps_taken,
+                                lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
         self.zero_grad()
-        return norm, finite
+
+    def sync(self, step: int) -> tuple[float, int]:
+        """Host view of the last step: (its grad norm, steps skipped so far); bf16/fp32 divergence raises."""
+        if int(self._nonfinite):
+            self.scaler.update(True, step)  # raises: a non-finite norm in bf16/fp32 is divergence
+        return float(self.last_norm), self.scaler.skipped_steps
 
     # ---- layout-free state: tensors keyed by parameter name --------------------------------------
     def master_state(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach() for n, m in zip(self.names, self.masters)}
+        return dict(zip(self.names, self.masters))
 
     def state_by_name(self) -> dict[str, torch.Tensor]:
         out = {}
-        for name, m in zip(self.names, self.masters):
-            for k, v in self.opt.state.get(m, {}).items():
-                out[f"{name}::{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        for i, name in enumerate(self.names):
+            for k, buf in self.state.items():
+                out[f"{name}::{k}"] = self.flat.view(buf, i)
+            out[f"{name}::step"] = torch.tensor(float(self.steps_taken))
         return out
 
+    @torch.no_grad()
     def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.names if n not in masters]
         if missing:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")
-        with torch.no_grad():
-            for name, p, m in zip(self.names, self.params, self.masters):
-                m.copy_(masters[name])
-                if self.mixed:
-                    p.copy_(m)
-        sd = self.opt.state_dict()
-        index = {n: i for i, n in enumerate(self.names)}
-        per_param: dict[int, dict] = {}
-        for key, v in state.items():
-            name, k = key.split("::")
-            if name not in index:
-                raise KeyError(f"checkpoint optimizer state names unknown parameter {name!r}")
-            per_param.setdefault(index[name], {})[k] = v
-        sd["state"] = {pos: per_param[i] for pos, i in enumerate(self.opt_order) if i in per_param}
-        self.opt.load_state_dict(sd)
+        unknown = {k.split("::")[0] for k in state} - set(self.names)
+        if unknown:
+            raise KeyError(f"checkpoint optimizer state names unknown parameters {sorted(unknown)[:4]}")
+        for i, name in enumerate(self.names):
+            self.flat.view(self.master, i).copy_(masters[name])
+            for k, buf in self.state.items():
+                if f"{name}::{k}" not in state:
+                    raise KeyError(f"checkpoint lacks optimizer state {name}::{k} (saved with another optimizer?)")
+                self.flat.view(buf, i).copy_(state[f"{name}::{k}"])
+        if self.mixed:
+            self.flat.data.copy_(self.master)
+        self.steps_taken = int(state[f"{self.names[0]}::step"]) if self.names else 0

@@ -48,6 +48,7 @@ class Trainer:
 
         self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed, tp_group=self.mesh.tp_group)
         self.model.set_recompute(t.recompute)
+        self.model.loss_chunk = t.loss_chunk_tokens
         self.model.train()
         self.forward = self.model
         if t.compile:
@@ -103,7 +104,8 @@ class Trainer:
                      "nothing to do (raise train.steps to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float, bool]:
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
@@ -111,8 +113,8 @@ class Trainer:
             loss = self.forward(x, y) / accum
             total += loss.detach()
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-        norm, applied = self.opt.step(lr_at(self.step, self.cfg.train), self.step + 1)
-        return total.item(), norm, applied
+        self.opt.step(lr_at(self.step, self.cfg.train), self.step + 1)
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -144,18 +146,20 @@ class Trainer:
         saved_at = None
         try:
             while self.step < t.steps:
-                loss, norm, applied = self.train_step()
+                loss = self.train_step()
                 self.step += 1
                 steps_since += 1
                 bar.update(1)
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
                 if self.step % t.log_every == 0 or self.step == t.steps or do_eval:
+                    norm, skipped = self.opt.sync(self.step)
+                    loss = loss.item()
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
                            "tokens_per_s": tok_s,
                            "mfu": tok_s * self.flops_per_token / (self.peak * self.mesh.world) if self.peak else None,
-                           "mem_gib": memory_gib(self.device), "skipped_steps": self.scaler.skipped_steps}
+                           "mem_gib": memory_gib(self.device), "skipped_steps": skipped}
                     if t.precision == "fp16":
                         rec["loss_scale"] = self.scaler.scale
                     if do_eval:

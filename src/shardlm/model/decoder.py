@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .loss import linear_cross_entropy
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _degree, scaled_std
 
 
@@ -174,6 +175,7 @@ class Decoder(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, group=tp_group, gather_output=True, init_std=cfg.init_std)
         self.recompute = "none"
+        self.loss_chunk = 4096  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
         self._rope_cache: dict = {}
 
     # ---- construction -------------------------------------------------------------------------
@@ -233,18 +235,19 @@ class Decoder(nn.Module):
             cache.pos += t
         return self.norm(x)
 
-    def logits(self, h):
-        if self.lm_head is None:
-            return F.linear(h, self.embed.weight)
-        return self.lm_head(h)
+    @property
+    def head_weight(self):
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, ids, targets=None, cache: KVCache | None = None):
-        """Logits, or with `targets` the mean next-token cross-entropy in fp32."""
+        """Logits, or with `targets` the mean next-token cross-entropy in fp32 (never forming all logits)."""
         h = self.hidden_states(ids, cache)
-        logits = self.logits(h)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        if not self.loss_chunk:
+            logits = F.linear(h, self.head_weight)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return linear_cross_entropy(h, self.head_weight, targets, self.loss_chunk)
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, tp_group=None,

@@ -8,6 +8,7 @@ instead of blocking CI.
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -35,7 +36,10 @@ def _worker(rank, world, port, backend, fn, args, results, pg_timeout):
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world, *args)
-        results.put((rank, "ok", out))
+        # Tensors go back by value: torch's shared-memory handles die with this process.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -89,7 +93,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
     errors = _errors(got)
     if errors:
         raise DistributedError(errors)
-    return [got[r][1] for r in range(world_size)]
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
 
 
 def _errors(got: dict) -> str:
