@@ -81,3 +81,22 @@ def test_param_counts_match_published_sizes(preset):
     published = {"gpt2-124m": 124.48e6, "tinyllama-1.1b": 1.100e9, "llama2-7b": 6.738e9, "llama3-8b": 8.030e9}[preset]
     # gpt2-124m pads the vocabulary to 50304 (+36.9k parameters).
     assert abs(cfg.num_params() - published) / published < 0.001
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 4096])
+def test_chunked_head_and_loss_equal_plain_cross_entropy(chunk):
+    from shardlm.model.loss import linear_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 50, 16, generator=g, requires_grad=True)
+    w = torch.randn(100, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 100, (3, 50), generator=g)
+    loss = linear_cross_entropy(h, w, t, chunk)
+    (loss * 3).backward()  # a non-unit incoming gradient, as accumulation and loss scaling give
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h2, w2).view(-1, 100), t.view(-1))
+    (ref * 3).backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk), ref)

@@ -129,7 +129,8 @@ class TrainConfig:
     precision: str = "fp32"        # fp32 | bf16 | fp16
     recompute: str = "none"        # none | selective | full
     compile: bool = False          # torch.compile each block
-    loss_chunk_tokens: int = 4096  # fused head + cross-entropy over chunks of this many tokens; 0: plain
+    loss_chunk_tokens: int = 2048  # fused head + cross-entropy over chunks of this many tokens; 0: plain
+    attention: str = "auto"        # SDPA backend: auto | flash | cudnn | efficient | math
     device: str = "auto"           # auto | cpu | cuda
     log_every: int = 10
     eval_every: int = 0            # 0 disables periodic eval
@@ -181,6 +182,7 @@ CHOICES = {
     "train.recompute": ("none", "selective", "full"),
     "train.optimizer": ("adamw", "sgd"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.attention": ("auto", "flash", "cudnn", "efficient", "math"),
     "parallel.offload": ("none", "optimizer", "params"),
     "parallel.dp_mode": ("ddp", "classic"),
 }

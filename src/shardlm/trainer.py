@@ -49,6 +49,8 @@ class Trainer:
         self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed, tp_group=self.mesh.tp_group)
         self.model.set_recompute(t.recompute)
         self.model.loss_chunk = t.loss_chunk_tokens
+        self.model.compile_loss = t.compile and self.device.type == "cuda"
+        self.model.set_attention(t.attention)
         self.model.train()
         self.forward = self.model
         if t.compile:

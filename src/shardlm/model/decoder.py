@@ -78,10 +78,15 @@ class Attention(nn.Module):
         self.out = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.has_bias,
                                      group=tp_group, init_std=scaled_std(cfg.init_std, cfg.num_layers))
         self.recompute_core = False
+        self.expand_kv = False  # SDPA backends without native GQA get K/V repeated per query head
 
     def core(self, q, k, v, causal: bool, mask=None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=self.n_kv != self.n_heads)
+        gqa = self.n_kv != self.n_heads
+        if gqa and self.expand_kv:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            gqa = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
     def forward(self, x, rope=None, cache: KVCache | None = None):
         b, t, _ = x.shape
@@ -175,7 +180,9 @@ class Decoder(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, group=tp_group, gather_output=True, init_std=cfg.init_std)
         self.recompute = "none"
-        self.loss_chunk = 4096  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
+        self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
+        self.compile_loss = False
+        self.attention = "auto"
         self._rope_cache: dict = {}
 
     # ---- construction -------------------------------------------------------------------------
@@ -184,6 +191,21 @@ class Decoder(nn.Module):
         self.recompute = mode
         for block in self.layers:
             block.attn.recompute_core = mode == "selective"
+
+    def set_attention(self, backend: str) -> None:
+        """auto lets PyTorch pick the SDPA kernel; flash | cudnn | efficient | math allow only that one, so
+        an unsupported case fails loudly instead of silently running the slow math kernel. The flags are
+        process-wide (torch.backends.cuda), as SDPA's backend selection is."""
+        self.attention = backend
+        for block in self.layers:
+            block.attn.expand_kv = backend in ("cudnn", "efficient")
+        if backend == "auto":
+            return
+        import torch.backends.cuda as tbc
+        tbc.enable_flash_sdp(backend == "flash")
+        tbc.enable_cudnn_sdp(backend == "cudnn")
+        tbc.enable_mem_efficient_sdp(backend == "efficient")
+        tbc.enable_math_sdp(backend == "math")
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -247,7 +269,7 @@ class Decoder(nn.Module):
         if not self.loss_chunk:
             logits = F.linear(h, self.head_weight)
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-        return linear_cross_entropy(h, self.head_weight, targets, self.loss_chunk)
+        return linear_cross_entropy(h, self.head_weight, targets, self.loss_chunk, self.compile_loss)
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, tp_group=None,

@@ -14,45 +14,62 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_TOKENS = 4096
+CHUNK_TOKENS = 2048
+
+
+def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy (fp32) of a chunk and d(mean loss over n)/d(logits) in the logits' dtype."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    loss = (lse - x.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = (x - lse[:, None]).exp()
+    grad = grad.scatter_add(1, targets[:, None], torch.full_like(grad[:, :1], -1.0))
+    return loss, (grad / n).to(logits.dtype)
+
+
+_compiled_ce_and_grad = None
+
+
+def _fused_ce_and_grad():
+    """ce_and_grad compiled into one or two kernels (one read of the logits, one write of the gradient)."""
+    global _compiled_ce_and_grad
+    if _compiled_ce_and_grad is None:
+        _compiled_ce_and_grad = torch.compile(ce_and_grad, dynamic=False)
+    return _compiled_ce_and_grad
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk: int):
+    def forward(ctx, h, weight, targets, chunk: int, compiled: bool):
         h2 = h.reshape(-1, h.shape[-1])
         t = targets.reshape(-1)
         n = t.numel()
+        step = _fused_ce_and_grad() if compiled else ce_and_grad
         grad_h = torch.empty_like(h2)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk):
             hc, tc = h2[s:s + chunk], t[s:s + chunk]
-            logits = (hc @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-            # d(mean loss)/d(logits), written over the logits buffer to keep one chunk alive
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, tc[:, None], torch.full_like(grad[:, :1], -1.0))
-            grad = grad.div_(n).to(h.dtype)
-            grad_h[s:s + chunk] = grad @ weight
-            grad_w += grad.t() @ hc  # each chunk's product in the compute dtype, summed in fp32
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            loss, grad = step(hc @ weight.t(), tc, n)
+            total += loss
+            torch.mm(grad, weight, out=grad_h[s:s + chunk])
+            grad_w.addmm_(grad.t(), hc)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.h_shape = h.shape
         return total / n
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype), None, None
+        return (grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype), None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                         chunk: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
     """mean_i CE(h_i W^T, t_i) in fp32, equal to F.cross_entropy(F.linear(h, W).float(), t)."""
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         total = sum(F.cross_entropy((h2[s:s + chunk] @ weight.t()).float(), t[s:s + chunk], reduction="sum")
                     for s in range(0, t.numel(), chunk))
         return total / t.numel()
-    return LinearCrossEntropy.apply(h, weight, targets, chunk)
+    return LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)
