@@ -34,11 +34,16 @@ def test_toml_file_and_overrides(tmp_path):
     ({"train.recompute": "some"}, "train.recompute = 'some' is not one of none, selective, full"),
     ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
     ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),
-    ({"parallel.zero_stage": "2"}, "parallel.zero_stage = 2 is not supported yet"),
+    ({"parallel.zero_stage": "4"}, "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
+    ({"parallel.offload": "params", "parallel.zero_stage": "2"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
+    ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
+    ({"parallel.tp": "2"}, "parallel.tp = 2 is not supported yet"),
+    ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
 ])
 def test_invalid_values_name_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(load_config("tiny", overrides))
+        cfg = load_config("tiny", overrides)
+        validate(cfg, world_size=cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
     assert message in str(e.value)
 
 
@@ -46,8 +51,8 @@ def test_layout_must_match_world_size():
     cfg = load_config("tiny")
     with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2"):
         validate(cfg, world_size=2)
-    with pytest.raises(ConfigError, match="parallel.tp = 2 is not supported yet"):
-        validate(load_config("tiny", {"parallel.tp": "2"}), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4"):
+        validate(load_config("tiny", {"parallel.dp": "2"}), world_size=4)
 
 
 def test_unknown_preset_and_bad_override_syntax():

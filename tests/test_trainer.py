@@ -11,7 +11,7 @@ import torch
 
 from shardlm.checkpoint import complete_checkpoints, resolve_checkpoint
 from shardlm.config import load_config
-from shardlm.optim import MasterWeightOptimizer
+from shardlm.parallel.data import LocalEngine
 from shardlm.precision import DynamicLossScaler, LossScaleError, NoLossScaler
 from shardlm.trainer import Trainer
 
@@ -145,8 +145,8 @@ def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
     trainer, recs = train(tmp_path, train__steps=12, train__precision=precision)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert all(p.dtype == dtype for p in trainer.model.parameters())
-    assert all(m.dtype == torch.float32 for m in trainer.opt.masters)
-    for p, m in zip(trainer.opt.params, trainer.opt.masters):
+    assert all(m.dtype == torch.float32 for m in trainer.engine.opt.masters)
+    for p, m in zip(trainer.engine.opt.params, trainer.engine.opt.masters):
         assert torch.equal(p, m.to(dtype))  # the 16-bit weights are the rounded masters
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
     if precision == "fp16":
@@ -156,14 +156,14 @@ def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
 def test_fp16_overflow_skips_the_step_on_the_scaler_schedule(tmp_path):
     cfg = load_config("tiny", {"train.precision": "fp16"})
     trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
-    before = [m.clone() for m in trainer.opt.masters]
+    before = [m.clone() for m in trainer.engine.opt.masters]
     next(trainer.model.parameters()).grad[0, 0] = float("inf")
-    trainer.opt.step(1e-3, 1)
-    assert trainer.opt.steps_taken == 0 and trainer.scaler.skipped_steps == 1
+    trainer.engine.step(1e-3, 1)
+    assert trainer.engine.opt.steps_taken == 0 and trainer.scaler.skipped_steps == 1
     assert trainer.scaler.scale == 2.0**16  # hysteresis 2: the first overflow does not halve yet
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.opt.masters))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.engine.opt.masters))
     next(trainer.model.parameters()).grad.fill_(float("nan"))
-    trainer.opt.step(1e-3, 2)
+    trainer.engine.step(1e-3, 2)
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 2
 
 
@@ -193,7 +193,7 @@ def test_optimizer_step_matches_torch_reference(optimizer):
     from shardlm.model import build_model
     cfg = load_config("tiny", {"train.optimizer": optimizer, "train.grad_clip": 0.5, "train.weight_decay": 0.1})
     model, ref = build_model(cfg.model, seed=1), build_model(cfg.model, seed=1)
-    opt = MasterWeightOptimizer(model, cfg.train, NoLossScaler())
+    opt = LocalEngine(model, cfg, NoLossScaler())
     decay = [p for p in ref.parameters() if p.dim() >= 2]
     rest = [p for p in ref.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]

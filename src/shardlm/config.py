@@ -151,6 +151,9 @@ class ParallelConfig:
     zero_stage: int = 0
     offload: str = "none"          # none | optimizer | params
     dp_mode: str = "ddp"           # ddp | classic
+    bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
+    reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
+    persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
 
 
@@ -185,15 +188,16 @@ CHOICES = {
     "train.attention": ("auto", "flash", "cudnn", "efficient", "math"),
     "parallel.offload": ("none", "optimizer", "params"),
     "parallel.dp_mode": ("ddp", "classic"),
+    "parallel.reduce_dtype": ("fp32", "compute"),
 }
 POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp",
-            "parallel.timeout_s", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
+            "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
 NON_NEGATIVE = ("model.num_kv_heads", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
-                "train.min_lr_ratio", "train.momentum", "train.seed")
+                "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold")
 
 
 def preset_names() -> list[str]:
@@ -343,10 +347,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.offload = 'params' needs parallel.zero_stage = 3 (it is {p.zero_stage})")
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
+    if p.dp_mode == "classic" and p.zero_stage:
+        raise ConfigError(f"parallel.dp_mode = 'classic' keeps everything on one rank; it cannot be combined "
+                          f"with parallel.zero_stage = {p.zero_stage}")
     # Strategies that are validated but not built yet are refused, never silently ignored.
-    for key, value, default in (("parallel.dp", p.dp, 1), ("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
-                                ("parallel.zero_stage", p.zero_stage, 0), ("parallel.offload", p.offload, "none"),
-                                ("parallel.dp_mode", p.dp_mode, "ddp")):
+    for key, value, default in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1)):
         if value != default:
             raise ConfigError(f"{key} = {value!r} is not supported yet by this version of shardlm "
                               f"(only {default!r}); the strategy is on the roadmap")

@@ -1,72 +1,112 @@
-"""Flat parameter and gradient buffers: every trainable parameter becomes a view into one contiguous
-buffer, and its `.grad` a view into a second one that autograd accumulates into in place.
+"""Flat parameter and gradient buckets: every trainable parameter becomes a view into the contiguous
+buffer of its bucket, and its `.grad` a view into the bucket's gradient buffer, which autograd then
+accumulates into in place.
 
 This is the memory layout of Megatron-LM's DistributedOptimizer, DeepSpeed's ZeRO and PyTorch DDP's
-`gradient_as_bucket_view`: the optimizer, the gradient-norm reduction and later the data-parallel
-collectives each work on a handful of large contiguous ranges instead of hundreds of tensors.
-Parameters that take weight decay (matrices) come first, the rest (norms, biases) after, so each group
-is one range. The buffer is padded to a multiple of `pad_multiple` elements, so it splits into equal,
-rank-aligned shards.
+`gradient_as_bucket_view`: the optimizer, the gradient-norm reduction and the data-parallel collectives
+work on a few large contiguous ranges instead of hundreds of tensors. Buckets are listed in the order
+their gradients become ready (reverse registration order, as DDP does) so that each can be reduced
+while backward goes on. Within a bucket, parameters that take weight decay (matrices) come first and
+the rest (norms, biases) after, so each bucket has at most two optimizer segments; each bucket is padded
+to a multiple of `pad_multiple` elements, so it splits into equal rank-aligned shards.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A range [start, end) of the flat buffer that shares one optimizer setting."""
-    start: int
-    end: int
-    weight_decay: float
+@dataclass
+class Bucket:
+    index: int
+    params: list[int]            # indices into FlatParams.params
+    offsets: list[int]           # each parameter's offset inside the bucket
+    numel: int                   # padded to a multiple of pad_multiple
+    decay_numel: int             # elements [0, decay_numel) take weight decay
+    data: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # room for a strategy's per-bucket state
+
+
+def split_buckets(names: list[str], sizes: list[int], bucket_numel: int) -> list[list[str]]:
+    """Consecutive names grouped into buckets of about bucket_numel elements (a big tensor gets its own)."""
+    out, cur, n = [], [], 0
+    for name, size in zip(names, sizes):
+        if cur and n + size > bucket_numel:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(name)
+        n += size
+    if cur:
+        out.append(cur)
+    return out
 
 
 class FlatParams:
-    def __init__(self, model: nn.Module, weight_decay: float, pad_multiple: int = 1):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, model: nn.Module, buckets: list[list[str]] | None = None, pad_multiple: int = 1,
+                 grad_buffers: bool = True, materialize: bool = True):
+        named = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
         if not named:
             raise ValueError("the model has no trainable parameters")
-        dtypes = {p.dtype for _, p in named}
+        dtypes = {p.dtype for p in named.values()}
         if len(dtypes) != 1:
             raise ValueError(f"flat buffers need one parameter dtype, found {sorted(map(str, dtypes))}")
-        named.sort(key=lambda np_: np_[1].dim() < 2)  # stable: matrices first, in model order
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.offsets, off = [], 0
-        for p in self.params:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
-        self.padded = -(-off // pad_multiple) * pad_multiple
-        decay_end = sum(p.numel() for p in self.params if p.dim() >= 2)
-        self.segments = [s for s in (Segment(0, decay_end, weight_decay), Segment(decay_end, self.padded, 0.0))
-                         if s.end > s.start]
-        p0 = self.params[0]
-        self.data = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        self.grad = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        with torch.no_grad():
-            for p, o in zip(self.params, self.offsets):
-                self.data[o:o + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.data[o:o + p.numel()].view_as(p)
-                p.grad = self.grad[o:o + p.numel()].view_as(p)
+        groups = buckets if buckets is not None else [list(named)]
+        if sorted(n for g in groups for n in g) != sorted(named):
+            raise ValueError("the buckets must list every trainable parameter exactly once")
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.where: list[tuple[int, int]] = []  # parameter i -> (bucket, offset)
+        self.buckets: list[Bucket] = []
+        for b, group in enumerate(groups):
+            group = sorted(group, key=lambda n: named[n].dim() < 2)  # stable: matrices first
+            offsets, off, decay = [], 0, 0
+            for name in group:
+                offsets.append(off)
+                off += named[name].numel()
+                decay += named[name].numel() if named[name].dim() >= 2 else 0
+            numel = -(-off // pad_multiple) * pad_multiple
+            idx = list(range(len(self.params), len(self.params) + len(group)))
+            self.buckets.append(Bucket(b, idx, offsets, numel, decay))
+            for name, o in zip(group, offsets):
+                self.names.append(name)
+                self.params.append(named[name])
+                self.where.append((b, o))
+        self.dtype = next(iter(dtypes))
+        self.device = self.params[0].device
+        if materialize:
+            for bucket in self.buckets:
+                bucket.data = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+                with torch.no_grad():
+                    for i in bucket.params:
+                        self.view(bucket.data, i).copy_(self.params[i].detach())
+                        self.params[i].data = self.view(bucket.data, i)
+                if grad_buffers:
+                    bucket.grad = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+                    for i in bucket.params:
+                        self.params[i].grad = self.view(bucket.grad, i)
 
-    def view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's slice of a buffer laid out like the flat parameters (a master or state buffer)."""
-        o = self.offsets[i]
-        return buf[o:o + self.params[i].numel()].view(self.params[i].shape)
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def view(self, bucket_buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's slice of a buffer laid out like its bucket (data, grad, or a full master)."""
+        _, o = self.where[i]
+        return bucket_buf[o:o + self.params[i].numel()].view(self.params[i].shape)
+
+    def bucket_of(self, i: int) -> Bucket:
+        return self.buckets[self.where[i][0]]
 
     def zero_grad(self) -> None:
-        self.grad.zero_()
-        # A user (or a library) may have replaced .grad; point it back at the flat buffer.
-        for i, p in enumerate(self.params):
-            if p.grad is None or p.grad.data_ptr() != self.grad[self.offsets[i]:].data_ptr():
-                p.grad = self.view(self.grad, i)
-
-    def check_views(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.data_ptr() != self.data[self.offsets[i]:].data_ptr():
-                raise RuntimeError(f"parameter {self.names[i]} no longer lives in the flat buffer "
-                                   "(was the model moved or cast after the optimizer was built?)")
+        for bucket in self.buckets:
+            if bucket.grad is None:
+                continue
+            bucket.grad.zero_()
+            # A user (or a library) may have replaced .grad; point it back at the bucket.
+            for i in bucket.params:
+                p = self.params[i]
+                if p.grad is None or p.grad.data_ptr() != self.view(bucket.grad, i).data_ptr():
+                    p.grad = self.view(bucket.grad, i)

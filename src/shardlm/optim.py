@@ -10,9 +10,10 @@ laid out or sharded.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from .config import TrainConfig
 from .flat import FlatParams
@@ -33,70 +34,140 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class MasterWeightOptimizer:
-    """AdamW or SGD over the model's flat buffers, with fp32 masters when the parameters are 16-bit.
+@dataclass(frozen=True)
+class Segment:
+    """Elements [lo, hi) of this rank's shard of a bucket that share one weight decay."""
+    bucket: int
+    lo: int
+    hi: int
+    weight_decay: float
 
-    `step` never waits for the host: the global norm, the clip/unscale factor and the skip flag stay on
-    the device, and the kernels read them there. The loss scaler, which must decide on the host, is
-    updated here only in fp16; elsewhere a non-finite norm skips the step on the device and is reported
-    by `check_finite` when the trainer next logs.
+
+class MasterWeightOptimizer:
+    """AdamW or SGD on this rank's shard of every bucket, with fp32 master weights.
+
+    Unsharded (one process, DDP, classic DP) the shard of a bucket is the whole bucket; under ZeRO it is
+    the rank's 1/N slice, and the global gradient norm sums the shards' squares over the group. The
+    caller says where each bucket's gradient shard is (`grad_shard`) and where the updated 16-bit
+    weights go (`param_shard`). With `offload` the masters and moments live in (pinned) CPU memory and
+    the step runs there (ZeRO-Offload, Ren et al. 2021). `step` never waits for the host unless it must
+    (fp16's loss scale, offload): the norm, the clip/unscale factor and the skip flag stay on the device.
     """
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, loss_scaler, pad_multiple: int = 1):
-        self.cfg, self.scaler = cfg, loss_scaler
-        self.flat = FlatParams(model, cfg.weight_decay, pad_multiple)
-        self.names, self.params = self.flat.names, self.flat.params
-        self.mixed = self.flat.data.dtype != torch.float32
-        self.master = self.flat.data.float() if self.mixed else self.flat.data
-        zeros = lambda: torch.zeros_like(self.master)  # noqa: E731
-        self.state = {"exp_avg": zeros(), "exp_avg_sq": zeros()} if cfg.optimizer == "adamw" else {"momentum_buffer": zeros()}
+    def __init__(self, flat: FlatParams, cfg: TrainConfig, loss_scaler, group=None, shard: bool = False,
+                 offload: bool = False, initial_shards=None):
+        self.flat, self.cfg, self.scaler, self.group = flat, cfg, loss_scaler, group
+        self.world = dist.get_world_size(group) if (shard and group is not None) else 1
+        self.rank = dist.get_rank(group) if (shard and group is not None) else 0
+        self.sharded = self.world > 1
+        self.offload = offload
+        self.names, self.params = flat.names, flat.params
+        self.device = flat.device
+        home = torch.device("cpu") if offload else self.device
+        self.shard_len = [b.numel // self.world for b in flat.buckets]
+        self.master_off = [sum(self.shard_len[:i]) for i in range(len(flat.buckets))]
+        total = sum(self.shard_len)
+        self.alias = not (self.sharded or offload or flat.dtype != torch.float32)
+        if self.alias:  # fp32 on one rank's full buckets: the parameters are their own masters
+            self.master_parts = [b.data for b in flat.buckets]
+            self.master = None
+        else:
+            pin = offload and torch.cuda.is_available()
+            self.master = torch.empty(total, dtype=torch.float32, device=home, pin_memory=pin)
+            with torch.no_grad():
+                for b in flat.buckets:
+                    src = initial_shards[b.index] if initial_shards is not None else self.shard_of(b.data, b.index)
+                    self.master_part(b.index).copy_(src)
+            self.master_parts = [self.master_part(b.index) for b in flat.buckets]
+        zeros = lambda: [torch.zeros_like(m) for m in self.master_parts]  # noqa: E731
+        keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
+        self.state = {k: zeros() for k in keys}
+        self.segments = []
+        for b in flat.buckets:
+            lo, hi = self.rank * self.shard_len[b.index], (self.rank + 1) * self.shard_len[b.index]
+            for s_lo, s_hi, wd in ((0, b.decay_numel, cfg.weight_decay), (b.decay_numel, b.numel, 0.0)):
+                a, z = max(lo, s_lo), min(hi, s_hi)
+                if z > a:
+                    self.segments.append(Segment(b.index, a - lo, z - lo, wd))
         self.steps_taken = 0
-        dev = self.master.device
-        self._skip = torch.zeros((), dtype=torch.int32, device=dev)
-        self._nonfinite = torch.zeros((), dtype=torch.int32, device=dev)
-        self.last_norm = torch.zeros((), device=dev)
+        self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.last_norm = torch.zeros((), device=self.device)
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def shard_of(self, bucket_buf: torch.Tensor, b: int) -> torch.Tensor:
+        n = self.shard_len[b]
+        return bucket_buf[self.rank * n:(self.rank + 1) * n]
+
+    def master_part(self, b: int) -> torch.Tensor:
+        return self.master[self.master_off[b]:self.master_off[b] + self.shard_len[b]]
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        return [self.flat.view(self.master, i) for i in range(len(self.params))]
+        """Unsharded only: each parameter's fp32 master, shaped like it."""
+        assert not self.sharded
+        return [self.flat.view(self.master_parts[self.flat.where[i][0]], i) for i in range(len(self.params))]
 
-    def zero_grad(self) -> None:
-        self.flat.zero_grad()
-
+    # ---- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, step: int) -> None:
-        """Unscale, clip by the global norm and apply; a step with a non-finite norm changes nothing."""
+    def step(self, lr: float, step: int, grad_shard, param_shard, grad_factor: float = 1.0) -> bool:
+        """Clip by the global norm and apply. `grad_shard(b)`: bucket b's gradient shard (any float dtype,
+        equal to grad_factor x the true gradient x the loss scale); `param_shard(b)`: where the updated
+        16-bit weights go, or None. Returns False when fp16 overflowed and the step was skipped."""
         cfg = self.cfg
         loss_scale = self.scaler.scale
-        norm = sum_of_squares(self.flat.grad).sqrt() / loss_scale
+        grads = [grad_shard(b.index) for b in self.flat.buckets]
+        sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for g in grads:
+            sumsq += sum_of_squares(g).to(self.device)
+        if self.sharded:
+            dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
+        norm = sumsq.sqrt() * (grad_factor / loss_scale)
         finite = torch.isfinite(norm)
         self._skip.copy_(~finite)
+        self.last_norm = norm
         if isinstance(self.scaler, DynamicLossScaler):  # fp16: the scale schedule is decided on the host
             applied = bool(finite)
             self.scaler.update(not applied, step)
             if not applied:
-                self.last_norm = norm
-                self.zero_grad()
-                return
+                return False
         else:
             self._nonfinite += self._skip  # reported (and fatal) at the next sync
-        scale = torch.full((), 1.0 / loss_scale, device=norm.device)
+        scale = torch.full((), grad_factor / loss_scale, device=self.device)
         if cfg.grad_clip > 0:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
-        self.last_norm = norm
         self.steps_taken += 1
-        param = self.flat.data if self.mixed else None
-        for seg in self.flat.segments:
-            sl = slice(seg.start, seg.end)
-            args = (self.master[sl], None if param is None else param[sl], self.flat.grad[sl])
+        if self.offload:
+            scale, skip = scale.cpu(), self._skip.cpu()
+            grads = [g.to("cpu", torch.float32) for g in grads]
+        else:
+            skip = self._skip
+        outs = {}
+        for seg in self.segments:
+            b = seg.bucket
+            sl = slice(seg.lo, seg.hi)
+            master = self.master_parts[b][sl]
+            if self.alias:
+                out = None
+            else:
+                if b not in outs:
+                    dst = param_shard(b)
+                    # Offloaded: write 16-bit results on the CPU, then copy the shard back in one go.
+                    staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda) if self.offload else dst
+                    outs[b] = (dst, staged)
+                out = outs[b][1][sl]
+            args = (master, out, grads[b][sl])
             if cfg.optimizer == "adamw":
-                adamw_master_step(*args, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], scale, self._skip,
+                adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
                                   step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                                   weight_decay=seg.weight_decay)
             else:
-                sgd_master_step(*args, self.state["momentum_buffer"][sl], scale, self._skip, step=self.steps_taken,
+                sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=self.steps_taken,
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
-        self.zero_grad()
+        if self.offload:
+            for dst, staged in outs.values():
+                dst.copy_(staged, non_blocking=True)
+        return True
 
     def sync(self, step: int) -> tuple[float, int]:
         """Host view of the last step: (its grad norm, steps skipped so far); bf16/fp32 divergence raises."""
@@ -104,32 +175,58 @@ class MasterWeightOptimizer:
             self.scaler.update(True, step)  # raises: a non-finite norm in bf16/fp32 is divergence
         return float(self.last_norm), self.scaler.skipped_steps
 
-    # ---- layout-free state: tensors keyed by parameter name --------------------------------------
+    # ---- layout-free state: full tensors keyed by parameter name (collective when sharded) ---------
+    def _full(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each bucket's full buffer from the shards (an all-gather per bucket when sharded)."""
+        out = []
+        for b, part in zip(self.flat.buckets, parts):
+            part = part.to(self.device)
+            if not self.sharded:
+                out.append(part)
+                continue
+            full = torch.empty(b.numel, dtype=part.dtype, device=self.device)
+            dist.all_gather_into_tensor(full, part.contiguous(), group=self.group)
+            out.append(full)
+        return out
+
     def master_state(self) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, self.masters))
+        full = self._full(self.master_parts)
+        return {n: self.flat.view(full[self.flat.where[i][0]], i) for i, n in enumerate(self.names)}
 
     def state_by_name(self) -> dict[str, torch.Tensor]:
         out = {}
-        for i, name in enumerate(self.names):
-            for k, buf in self.state.items():
-                out[f"{name}::{k}"] = self.flat.view(buf, i)
+        for k, parts in self.state.items():
+            full = self._full(parts)
+            for i, name in enumerate(self.names):
+                out[f"{name}::{k}"] = self.flat.view(full[self.flat.where[i][0]], i)
+        for name in self.names:
             out[f"{name}::step"] = torch.tensor(float(self.steps_taken))
         return out
 
     @torch.no_grad()
-    def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Take this rank's shard of every bucket from full per-name tensors; returns the 16-bit weights of
+        this rank's bucket shards (the caller puts them where its layout keeps parameters)."""
         missing = [n for n in self.names if n not in masters]
         if missing:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")
         unknown = {k.split("::")[0] for k in state} - set(self.names)
         if unknown:
             raise KeyError(f"checkpoint optimizer state names unknown parameters {sorted(unknown)[:4]}")
-        for i, name in enumerate(self.names):
-            self.flat.view(self.master, i).copy_(masters[name])
-            for k, buf in self.state.items():
-                if f"{name}::{k}" not in state:
-                    raise KeyError(f"checkpoint lacks optimizer state {name}::{k} (saved with another optimizer?)")
-                self.flat.view(buf, i).copy_(state[f"{name}::{k}"])
-        if self.mixed:
-            self.flat.data.copy_(self.master)
-        self.steps_taken = int(state[f"{self.names[0]}::step"]) if self.names else 0
+        for k in self.state:
+            absent = [n for n in self.names if f"{n}::{k}" not in state]
+            if absent:
+                raise KeyError(f"checkpoint lacks optimizer state {absent[0]}::{k} (saved with another optimizer?)")
+
+        def scatter(parts, get):
+            for b, part in zip(self.flat.buckets, parts):
+                full = torch.zeros(b.numel, dtype=torch.float32)
+                for i in b.params:
+                    self.flat.view(full, i).copy_(get(self.names[i]))
+                part.copy_(self.shard_of(full, b.index))
+
+        scatter(self.master_parts, lambda n: masters[n])
+        for k, parts in self.state.items():
+            scatter(parts, lambda n, k=k: state[f"{n}::{k}"])
+        self.steps_taken = int(state[f"{self.names[0]}::step"])
+        return [m.to(self.device, self.flat.dtype) for m in self.master_parts]

@@ -23,7 +23,8 @@ from .inference import generate_text, pick_device
 from .mesh import Mesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .model import build_model
-from .optim import MasterWeightOptimizer, lr_at
+from .optim import lr_at
+from .parallel.data import build_engine
 from .precision import DTYPES, make_loss_scaler
 from .tokenizer import load_tokenizer
 
@@ -57,7 +58,7 @@ class Trainer:
             for block in self.model.layers:
                 block.compile()
         self.scaler = make_loss_scaler(t.precision)
-        self.opt = MasterWeightOptimizer(self.model, t, self.scaler)
+        self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
         self.step = 0
         self.resumed_from = None
         if resume is not None:
@@ -96,7 +97,7 @@ class Trainer:
         if data["consumed_samples"] % self.cfg.train.global_batch_size:
             raise ValueError(f"cannot resume {ckpt['path']} with train.global_batch_size "
                              f"{self.cfg.train.global_batch_size}: {data['consumed_samples']} samples were consumed")
-        self.opt.load(ckpt["model"], ckpt["optimizer"])
+        self.engine.load(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
@@ -111,28 +112,43 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
+            last = micro == accum - 1
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.micro_batch_at(self.step, micro))
             loss = self.forward(x, y) / accum
             total += loss.detach()
+            self.engine.before_backward(last)
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-        self.opt.step(lr_at(self.step, self.cfg.train), self.step + 1)
+            self.engine.after_backward(last)
+        self.engine.step(lr_at(self.step, self.cfg.train), self.step + 1)
         return total
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """The mean of a per-rank scalar over the data-parallel group (each rank saw 1/dp of the batch)."""
+        if self.mesh.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.mesh.dp_group)
+            value /= self.mesh.dp
+        return value.item()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         self.model.eval()
+        # Every rank evaluates the same batches: ZeRO-3's parameter gathers are collectives.
         losses = [self.forward(x.to(self.device), y.to(self.device)).item()
                   for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
 
     def save(self) -> Path | None:
-        if self.out is None or not self.mesh.is_main:
+        if self.out is None:
+            return None
+        masters, optim = self.engine.full_state()  # a collective when the state is sharded
+        if not self.mesh.is_main:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict()}
-        return save_checkpoint(self.out, self.step, self.opt.master_state(), self.opt.state_by_name(), state,
-                               self.tokenizer, keep=self.cfg.train.keep_checkpoints)
+        return save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
+                               keep=self.cfg.train.keep_checkpoints)
 
     def run(self) -> list[dict]:
         from tqdm import tqdm
@@ -154,8 +170,8 @@ class Trainer:
                 bar.update(1)
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
                 if self.step % t.log_every == 0 or self.step == t.steps or do_eval:
-                    norm, skipped = self.opt.sync(self.step)
-                    loss = loss.item()
+                    norm, skipped = self.engine.sync(self.step)
+                    loss = self.global_mean(loss)
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
@@ -189,8 +205,11 @@ class Trainer:
             if path:
                 self.log(f"saved {path}")
         self.metrics.close()
-        if t.sample_tokens and self.mesh.is_main:
-            self.log("sample:\n" + t.sample_prompt + generate_text(
-                self.model, self.tokenizer, t.sample_prompt, min(t.sample_tokens, self.cfg.model.max_seq_len - 8),
-                temperature=0.8, top_k=40, seed=t.seed))
+        if t.sample_tokens:
+            # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
+            room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
+            text = generate_text(self.model, self.tokenizer, t.sample_prompt, max(0, min(t.sample_tokens, room)),
+                                 temperature=0.8, top_k=40, seed=t.seed)
+            if self.mesh.is_main:
+                self.log("sample:\n" + t.sample_prompt + text)
         return records

@@ -1,0 +1,286 @@
+"""ZeRO stages 1-3 over flat, rank-aligned buckets (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models"), with optimizer and parameter offload (Ren et al. 2021,
+"ZeRO-Offload").
+
+Every bucket is padded to a multiple of N (the data-parallel degree) and rank r owns elements
+[r B/N, (r+1) B/N) of each bucket B: its fp32 master weights, Adam moments and reduced gradients are
+kept for that slice only (Megatron-LM's distributed optimizer lays shards out the same way).
+
+- Stage 1 shards the optimizer state. Gradients accumulate into full 16-bit bucket buffers; on the last
+  micro-step each bucket is reduce-scattered as soon as its gradients are in (overlapping backward), the
+  optimizer updates the owned slice, and an all-gather per bucket returns the updated weights.
+- Stage 2 also shards gradients. No full gradient buffer exists: as autograd produces a parameter's
+  gradient it is copied into its bucket's transient buffer and freed; a complete bucket is
+  reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
+  micro-step (as DeepSpeed's stage 2 does), so gradient memory stays at the shard plus the buckets in
+  flight.
+- Stage 3 also shards parameters. Buckets are units: one per transformer block, one for the embeddings,
+  final norm and head (the root), and one for all parameters of at most `parallel.persist_threshold`
+  elements, which stay whole. A block's unit is all-gathered just before its forward and again before
+  its backward (when the gradient of its output arrives), its storage freed after each; the next
+  unit's all-gather is issued early so it overlaps the current block's compute. Gradients are reduced
+  as in stage 2.
+
+The gradient norm is the square root of the sum over ranks of each shard's sum of squares, so it is the
+global norm on every rank, and an fp16 overflow anywhere skips the step everywhere.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..flat import FlatParams
+from ..optim import MasterWeightOptimizer
+from .data import BucketReadiness, LocalEngine, reverse_order_buckets
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
+    """Units in the order backward completes them: blocks last-to-first, the small whole parameters, the root."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    small = [n for n, p in named if p.numel() <= persist_threshold]
+    units = []
+    for i in reversed(range(len(model.layers))):
+        unit = [n for n, p in named if n.startswith(f"layers.{i}.") and n not in small]
+        if unit:
+            units.append(unit)
+    root = [n for n, p in named if not n.startswith("layers.") and n not in small]
+    return [u for u in units + [small, root] if u]
+
+
+class ZeroEngine(LocalEngine):
+    def __init__(self, model: nn.Module, cfg, scaler, group):
+        p = cfg.parallel
+        self.cfg, self.group, self.stage = cfg, group, p.zero_stage
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        item = next(model.parameters()).element_size()
+        if self.stage == 3:
+            units = stage3_units(model, int(p.persist_threshold))
+            small = set(n for n, q in model.named_parameters() if q.numel() <= p.persist_threshold)
+            self.flat = FlatParams(model, units, pad_multiple=self.world, materialize=False)
+            self.persistent = [all(self.flat.names[i] in small for i in b.params) for b in self.flat.buckets]
+        else:
+            self.flat = FlatParams(model, reverse_order_buckets(model, p.bucket_mb, item), pad_multiple=self.world,
+                                   grad_buffers=self.stage == 1)
+            self.persistent = [True] * len(self.flat.buckets)
+        flat = self.flat
+        self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
+        self.offload_params = p.offload == "params"
+        if self.stage == 3:
+            self._materialize_stage3(model)
+        self.opt = MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, offload=p.offload != "none",
+                                         initial_shards=[b.extra.get("shard") for b in flat.buckets]
+                                         if self.stage == 3 else None)
+        # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
+        self.gshard = [torch.zeros(self.opt.shard_len[b.index], dtype=self.reduce_dtype, device=flat.device)
+                       for b in flat.buckets]
+        self.works: list = []
+        self.ready = BucketReadiness(flat, self._launch, None if self.stage == 1 else self._take_grad)
+        self.in_backward = False
+        self.gather_work: dict[int, object] = {}
+
+    # ---- stage 3: parameters live as shards; units are gathered around their use -----------------
+    def _materialize_stage3(self, model: nn.Module) -> None:
+        flat = self.flat
+        pin = self.offload_params and torch.cuda.is_available()
+        for b in flat.buckets:
+            full = torch.zeros(b.numel, dtype=flat.dtype, device=flat.device)
+            with torch.no_grad():
+                for i in b.params:
+                    flat.view(full, i).copy_(flat.params[i].detach())
+                    flat.params[i].data = flat.view(full, i)
+            b.data = full
+            n = b.numel // self.world
+            shard = full[self.rank * n:(self.rank + 1) * n].clone()
+            b.extra["shard"] = shard.to("cpu").pin_memory() if pin else (shard.cpu() if self.offload_params else shard)
+            b.extra["gathered"] = True
+            if not self.persistent[b.index]:
+                self._release(b.index)
+        unit_of_block = {}
+        for b in flat.buckets:
+            for i in b.params:
+                name = flat.names[i]
+                if name.startswith("layers."):
+                    unit_of_block.setdefault(int(name.split(".")[1]), b.index)
+        self.block_units = [unit_of_block.get(i) for i in range(len(model.layers))]
+        self.root_unit = next((b.index for b in flat.buckets if not self.persistent[b.index]
+                               and not flat.names[b.params[0]].startswith("layers.")), None)
+        for i, block in enumerate(model.layers):
+            block.register_forward_pre_hook(self._block_pre_hook(i))
+            block.register_forward_hook(self._block_post_hook(i))
+        model.register_forward_pre_hook(lambda mod, args: self._gather(self.root_unit))
+        model.register_forward_hook(self._model_post_hook)
+
+    def _release(self, b: int) -> None:
+        bucket = self.flat.buckets[b]
+        if bucket.extra.get("gathered") and not self.persistent[b]:
+            _free(bucket.data)
+            bucket.extra["gathered"] = False
+
+    def _issue_gather(self, b: int | None) -> None:
+        if b is None or b in self.gather_work:
+            return
+        bucket = self.flat.buckets[b]
+        if bucket.extra["gathered"]:
+            return
+        _alloc(bucket.data)
+        shard = bucket.extra["shard"].to(self.flat.device, non_blocking=True)
+        if self.world == 1:
+            bucket.data.copy_(shard)
+            work = None
+        else:
+            work = dist.all_gather_into_tensor(bucket.data, shard, group=self.group, async_op=True)
+        self.gather_work[b] = (work, shard)
+        bucket.extra["gathered"] = True
+
+    def _gather(self, b: int | None) -> None:
+        if b is None:
+            return
+        self._issue_gather(b)
+        work = self.gather_work.pop(b, None)
+        if work is not None and work[0] is not None:
+            work[0].wait()
+
+    def _block_pre_hook(self, i: int):
+        def hook(module, args):
+            self._gather(self.block_units[i])
+            if not self.in_backward and i + 1 < len(self.block_units):
+                self._issue_gather(self.block_units[i + 1])  # prefetch: overlaps this block's forward
+        return hook
+
+    def _block_post_hook(self, i: int):
+        def hook(module, args, output):
+            if self.in_backward:  # a recomputation inside backward: the unit stays for its gradients
+                return output
+            self._release(self.block_units[i])
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(self._pre_backward(i))
+            return output
+        return hook
+
+    def _pre_backward(self, i: int):
+        def hook(grad):
+            self.in_backward = True
+            self._gather(self.block_units[i])
+            if i > 0:
+                self._issue_gather(self.block_units[i - 1])  # prefetch the block backward visits next
+            return grad
+        return hook
+
+    def _model_post_hook(self, module, args, output):
+        if not torch.is_grad_enabled():  # eval or generation: nothing will need the root again
+            self._release(self.root_unit)
+        return output
+
+    # ---- gradients -----------------------------------------------------------------------------
+    def _take_grad(self, i: int, param: nn.Parameter) -> None:
+        """Stages 2, 3: move a fresh gradient into its bucket's transient buffer and free it."""
+        bucket = self.flat.bucket_of(i)
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        self.flat.view(bucket.grad, i).copy_(param.grad)
+        param.grad = None
+
+    def _launch(self, b: int) -> None:
+        bucket = self.flat.buckets[b]
+        if bucket.grad is None:  # no parameter of this bucket received a gradient this micro-step
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        src = bucket.grad if bucket.grad.dtype == self.reduce_dtype else bucket.grad.to(self.reduce_dtype)
+        out = torch.empty(self.opt.shard_len[b], dtype=self.reduce_dtype, device=self.flat.device)
+        if self.world == 1:
+            out.copy_(src)
+            work = None
+        else:
+            work = dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
+        self.works.append((work, b, out, src))
+        if self.stage == 3 and not self.persistent[b] and b != self.root_unit:
+            self._release(b)  # this block's backward is done: its gradients are all in
+        if self.stage > 1:
+            self._drain(keep=2)  # bound the full-size bucket gradients alive at once
+
+    def _drain(self, keep: int = 0) -> None:
+        """Finish all but the newest `keep` reductions: fold each into the gradient shard, free its bucket."""
+        while len(self.works) > keep:
+            work, b, out, src = self.works.pop(0)
+            if work is not None:
+                work.wait()
+            if self.stage == 1:
+                self.gshard[b].copy_(out)
+            else:
+                self.gshard[b] += out
+                self.flat.buckets[b].grad = None
+
+    def before_backward(self, last: bool) -> None:
+        if self.stage == 1 and not last:
+            return  # stage 1 accumulates full gradients locally until the last micro-step
+        self.ready.arm()
+
+    def after_backward(self, last: bool) -> None:
+        if not self.ready.active:
+            return
+        self.ready.flush()
+        self._drain()
+        self.in_backward = False
+        if self.stage == 3:
+            self._release(self.root_unit)
+
+    def grad_factor(self) -> float:
+        return 1.0 / self.world
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _param_shard(self, b: int) -> torch.Tensor:
+        bucket = self.flat.buckets[b]
+        if self.stage == 3 and not self.persistent[b]:
+            return bucket.extra["shard"]
+        return self.opt.shard_of(bucket.data, b)
+
+    @torch.no_grad()
+    def step(self, lr: float, step: int) -> None:
+        applied = self.opt.step(lr, step, lambda b: self.gshard[b], self._param_shard, self.grad_factor())
+        if applied:
+            self._publish()
+        for g in self.gshard:
+            g.zero_()
+        if self.stage == 1:
+            self.flat.zero_grad()
+
+    def _publish(self) -> None:
+        """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params)."""
+        for b in self.flat.buckets:
+            if not self.persistent[b.index]:
+                continue
+            if self.stage == 3:
+                b.extra["shard"].copy_(self.opt.shard_of(b.data, b.index))
+            if self.world > 1:
+                mine = self.opt.shard_of(b.data, b.index).clone()
+                dist.all_gather_into_tensor(b.data, mine, group=self.group)
+
+    @torch.no_grad()
+    def load(self, masters: dict, state: dict) -> None:
+        shards = self.opt.load(masters, state)
+        for b, part in zip(self.flat.buckets, shards):
+            if self.stage == 3:
+                b.extra["shard"].copy_(part)
+            if b.extra.get("gathered", True):
+                for i in b.params:
+                    self.flat.view(b.data, i).copy_(masters[self.flat.names[i]])
+
+    def tensor_bytes(self) -> dict[str, int]:
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        if self.stage == 3:
+            params = [b.extra["shard"] for b in self.flat.buckets if not self.persistent[b.index]]
+            params += [b.data for b in self.flat.buckets if self.persistent[b.index]]
+        else:
+            params = [b.data for b in self.flat.buckets]
+        grads = list(self.gshard) + [b.grad for b in self.flat.buckets if b.grad is not None]
+        opt = [self.opt.master] + [t for parts in self.opt.state.values() for t in parts]
+        return {"params": nbytes(params), "grads": nbytes(grads), "optimizer": nbytes(opt)}
