@@ -31,7 +31,9 @@ def mesh_groups(rank, world, dp, tp, pp):
     members = {}
     for axis in ("dp", "tp", "pp"):
         t = torch.tensor([float(rank)])
-        dist.all_reduce(t, group=getattr(m, f"{axis}_group"))
+        group = getattr(m, f"{axis}_group")
+        if group is not None:  # an axis of size 1 has no group and needs no communication
+            dist.all_reduce(t, group=group)
         members[axis] = t.item()
     return (m.dp_rank, m.tp_rank, m.pp_rank), members
 
@@ -60,3 +62,60 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     y = row(torch.relu(col(x)))
     y.square().sum().backward()
     return y.detach(), x.grad, col.weight.grad, row.weight.grad, e.weight.grad
+
+
+# ---- data-parallel family -------------------------------------------------------------------------
+
+def owned_slices(engine, which: str) -> dict:
+    """This rank's owned elements of every parameter, as {name: (lo, hi, values)} in the parameter's
+    flattened coordinates. `which` is "grad" (the true gradient about to be applied) or an optimizer
+    state key such as "exp_avg"."""
+    from shardlm.parallel.data import ClassicEngine, DDPEngine, LocalEngine
+    from shardlm.parallel.zero import ZeroEngine
+    flat, opt = engine.flat, engine.opt
+    if opt is None:  # classic DP: only the root holds gradients to apply and optimizer state
+        return {}
+    out = {}
+    for b in flat.buckets:
+        n = opt.shard_len[b.index]
+        lo_b = opt.rank * n
+        if which == "grad":
+            if isinstance(engine, ZeroEngine):
+                buf = engine.gshard[b.index].float() * engine.grad_factor()
+            else:  # local, DDP, classic root: full buckets holding sums over ranks
+                assert isinstance(engine, (LocalEngine, DDPEngine, ClassicEngine))
+                buf = b.grad.float()[lo_b:lo_b + n] * engine.grad_factor()
+        else:
+            buf = opt.state[which][b.index].float().to("cpu")
+        for i in b.params:
+            off, size = flat.where[i][1], flat.params[i].numel()
+            lo, hi = max(off, lo_b), min(off + size, lo_b + n)
+            if hi > lo:
+                out[flat.names[i]] = (lo - off, hi - off, buf[lo - lo_b:hi - lo_b].detach().clone().cpu())
+    return out
+
+
+def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
+    """Train `tiny` with `overrides`; return the losses, the gathered master weights, and this rank's
+    owned gradient (last step) and optimizer-state slices."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"train.log_every": "1", "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, out_dir=out_dir, resume=resume, log=lambda *a: None)
+    engine = trainer.engine
+    captured = {}
+    real_step = engine.step
+
+    def step(lr, n):
+        if n == cfg.train.steps:
+            captured["grad"] = owned_slices(engine, "grad")
+        real_step(lr, n)
+    engine.step = step
+    records = trainer.run()
+    key = "exp_avg" if cfg.train.optimizer == "adamw" else "momentum_buffer"
+    masters, _ = engine.full_state()
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
+            "grad": captured.get("grad", {}), "state": owned_slices(engine, key),
+            "bytes": engine.tensor_bytes(), "numel": engine.flat.numel}
+

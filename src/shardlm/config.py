@@ -333,8 +333,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "sliding-window attention is not implemented")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
-    if t.warmup_steps > t.steps:
-        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
     if p.dp * p.tp * p.pp != world_size:
         raise ConfigError(f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
                           f"{p.dp * p.tp * p.pp} != world size {world_size}")

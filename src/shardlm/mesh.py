@@ -41,7 +41,7 @@ def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def build_mesh(dp: int, tp: int, pp: int) -> Mesh:
+def build_mesh(dp: int, tp: int, pp: int, timeout: timedelta | None = None) -> Mesh:
     """Groups for an initialised process group (or a single process when none is initialised)."""
     if not dist.is_initialized():
         return Mesh(dp=dp, tp=tp, pp=pp)
@@ -52,11 +52,18 @@ def build_mesh(dp: int, tp: int, pp: int) -> Mesh:
     pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
     mesh = Mesh(world=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)), dp=dp, tp=tp, pp=pp,
                 dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
-    # Every rank must create every group, in the same order, even those it is not in.
+    # Every rank must create every group, in the same order, even those it is not in. An axis that
+    # spans the whole world is the default group itself; one of size 1 needs no group.
     for axis, lines in (("tp", grid.reshape(-1, tp)), ("dp", grid.transpose(1, 2).reshape(-1, dp)),
                         ("pp", grid.permute(1, 2, 0).reshape(-1, pp))):
+        size = lines.shape[1]
+        if size == world:
+            setattr(mesh, f"{axis}_group", dist.group.WORLD)
+            continue
+        if size == 1:
+            continue
         for line in lines.tolist():
-            group = dist.new_group(line)
+            group = dist.new_group(line, timeout=timeout)
             if rank in line:
                 setattr(mesh, f"{axis}_group", group)
     return mesh
@@ -73,4 +80,4 @@ def init_distributed(cfg: Config) -> Mesh:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
     p = cfg.parallel
-    return build_mesh(p.dp, p.tp, p.pp)
+    return build_mesh(p.dp, p.tp, p.pp, timedelta(seconds=p.timeout_s))

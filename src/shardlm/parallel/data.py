@@ -170,7 +170,7 @@ class ClassicEngine(LocalEngine):
     def step(self, lr: float, step: int) -> None:
         if self.opt is not None:
             self.opt.step(lr, step, lambda b: self.flat.buckets[b].grad, lambda b: self.flat.buckets[b].data,
-                          1.0 / self.world)
+                          self.grad_factor())
             self.stats.copy_(torch.stack([self.opt.last_norm.float(), torch.tensor(float(self.scaler.scale)).to(self.stats),
                                           torch.tensor(float(self.scaler.skipped_steps)).to(self.stats)]))
         for b in self.flat.buckets:
@@ -180,6 +180,9 @@ class ClassicEngine(LocalEngine):
             self.scaler.scale = float(self.stats[1])
             self.scaler.skipped_steps = int(self.stats[2])
         self.flat.zero_grad()
+
+    def grad_factor(self) -> float:
+        return 1.0 / self.world  # the root holds the sum over ranks
 
     def sync(self, step: int) -> tuple[float, int]:
         if self.opt is not None:

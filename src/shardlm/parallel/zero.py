@@ -81,7 +81,10 @@ class ZeroEngine(LocalEngine):
                                          initial_shards=[b.extra.get("shard") for b in flat.buckets]
                                          if self.stage == 3 else None)
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
-        self.gshard = [torch.zeros(self.opt.shard_len[b.index], dtype=self.reduce_dtype, device=flat.device)
+        # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer.
+        self.gshard_in_bucket = self.stage == 1 and self.reduce_dtype == flat.dtype
+        self.gshard = [self.opt.shard_of(b.grad, b.index) if self.gshard_in_bucket else
+                       torch.zeros(self.opt.shard_len[b.index], dtype=self.reduce_dtype, device=flat.device)
                        for b in flat.buckets]
         self.works: list = []
         self.ready = BucketReadiness(flat, self._launch, None if self.stage == 1 else self._take_grad)
@@ -120,7 +123,9 @@ class ZeroEngine(LocalEngine):
         model.register_forward_pre_hook(lambda mod, args: self._gather(self.root_unit))
         model.register_forward_hook(self._model_post_hook)
 
-    def _release(self, b: int) -> None:
+    def _release(self, b: int | None) -> None:
+        if b is None:
+            return
         bucket = self.flat.buckets[b]
         if bucket.extra.get("gathered") and not self.persistent[b]:
             _free(bucket.data)
@@ -281,6 +286,7 @@ class ZeroEngine(LocalEngine):
             params += [b.data for b in self.flat.buckets if self.persistent[b.index]]
         else:
             params = [b.data for b in self.flat.buckets]
-        grads = list(self.gshard) + [b.grad for b in self.flat.buckets if b.grad is not None]
+        grads = [b.grad for b in self.flat.buckets if b.grad is not None]
+        grads += [] if self.gshard_in_bucket else self.gshard
         opt = [self.opt.master] + [t for parts in self.opt.state.values() for t in parts]
         return {"params": nbytes(params), "grads": nbytes(grads), "optimizer": nbytes(opt)}

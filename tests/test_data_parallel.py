@@ -1,0 +1,165 @@
+"""The data-parallel family against one process: classic DP, DDP, ZeRO-1/2/3 and offload, at world sizes
+2 and 4 (gloo on CPU, fp32): losses, gathered weights, each rank's gradient and optimizer shards; the
+ZeRO paper's memory per stage; resharding resume; torchrun; bad layouts; dead and stalled ranks."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dist_fns
+from shardlm.testing.distributed import run_distributed
+
+# Gradients are summed over ranks in another order than one process sums its micro-batches, so values
+# differ in the last bits of fp32 and that difference compounds over steps through the optimizer.
+RTOL, ATOL = 1e-5, 1e-6
+
+MODES = {
+    "classic": {"parallel.dp_mode": "classic"},
+    "ddp": {},
+    "zero1": {"parallel.zero_stage": "1"},
+    "zero2": {"parallel.zero_stage": "2"},
+    "zero3": {"parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
+    "zero3-offload": {"parallel.zero_stage": "3", "parallel.offload": "optimizer", "parallel.persist_threshold": "100"},
+    "zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params", "parallel.persist_threshold": "100"},
+}
+
+
+def reference(overrides):
+    """The same training in this process, with the same micro-batches."""
+    return dist_fns.train_and_capture(0, 1, overrides)
+
+
+def flat_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return t.detach().float().reshape(-1)[lo:hi]
+
+
+def check_against_reference(results, ref, world):
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=RTOL, atol=0)
+    masters = next(r["masters"] for r in results if r["masters"] is not None)
+    assert masters.keys() == ref["masters"].keys()
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(masters[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    for key in ("grad", "state"):
+        covered = {}
+        for r in results:
+            for name, (lo, hi, got) in r[key].items():
+                full_lo, full_hi, full = ref[key][name]
+                assert (full_lo, full_hi) == (0, full.numel())
+                torch.testing.assert_close(got, full[lo:hi], rtol=RTOL, atol=ATOL, msg=f"{key} {name}[{lo}:{hi}]")
+                covered[name] = covered.get(name, 0) + hi - lo
+        # Together the ranks own every element exactly once (sharded) or each holds all of it (replicated).
+        for name, (_, _, full) in ref[key].items():
+            assert covered.get(name, 0) in (full.numel(), world * full.numel()), (key, name, covered.get(name))
+
+
+CASES = [(mode, world, "adamw") for mode in MODES for world in (2, 4)] + \
+        [(mode, 2, "sgd") for mode in ("classic", "ddp", "zero1", "zero2", "zero3")]
+
+
+@pytest.mark.parametrize("mode, world, optimizer", CASES)
+def test_equals_one_process(mode, world, optimizer):
+    micro = 8 // (2 * world)  # two micro-batches per rank per step: accumulation is exercised
+    common = {"train.steps": "4", "train.global_batch_size": "8", "train.micro_batch_size": str(micro),
+              "train.optimizer": optimizer, "train.lr": "1e-2" if optimizer == "sgd" else "3e-3"}
+    ref = reference(common)
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world)}, timeout=240)
+    check_against_reference(results, ref, world)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_per_stage_matches_the_zero_paper(stage):
+    """Bytes held at rest per rank at N = 4 with bf16 weights and Adam: (2 + 2 + K) Phi, 2 Phi + 2 Phi +
+    K Phi / N, 2 Phi + (2 + K) Phi / N, (2 + 2 + K) Phi / N with K = 12 (fp32 master, momentum, variance)."""
+    world = 4
+    over = {"train.steps": "1", "train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",
+            "parallel.zero_stage": str(stage), "parallel.reduce_dtype": "compute",
+            "parallel.persist_threshold": "0", "parallel.bucket_mb": "0.05"}
+    results = run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
+    for r in results:
+        phi, got = r["numel"], r["bytes"]
+        n = world
+        want = {0: (2 * phi, 2 * phi, 12 * phi), 1: (2 * phi, 2 * phi, 12 * phi / n),
+                2: (2 * phi, 2 * phi / n, 12 * phi / n), 3: (2 * phi / n, 2 * phi / n, 12 * phi / n)}[stage]
+        # Padding aside: each bucket is padded to a multiple of N elements.
+        for key, expected in zip(("params", "grads", "optimizer"), want):
+            slack = 16 * world * 64  # < N elements of padding per bucket, at most 16 bytes each, < 64 buckets
+            assert expected <= got[key] <= expected + slack, (stage, key, got[key], expected)
+
+
+@pytest.mark.parametrize("target", [
+    {"parallel.dp": "1"},
+    {"parallel.dp": "4", "parallel.zero_stage": "3"},
+    {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.offload": "optimizer"},
+])
+def test_resharding_resume_continues_the_trajectory(tmp_path, target):
+    common = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "train.save_every": "3", "train.keep_checkpoints": "5"}
+    full = run_distributed(dist_fns.train_and_capture, 2,
+                           {**common, "parallel.dp": "2", "parallel.zero_stage": "2"}, str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    world = int(target["parallel.dp"])
+    if world == 1:
+        resumed = [dist_fns.train_and_capture(0, 1, {**common, **target}, str(tmp_path / "b"), ckpt)]
+    else:
+        resumed = run_distributed(dist_fns.train_and_capture, world, {**common, **target}, str(tmp_path / "b"), ckpt,
+                                  timeout=240)
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+def _metrics(path):
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("layout", [["--parallel.zero_stage", "2"], ["--parallel.dp_mode", "classic"]])
+def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, layout):
+    args = ["tiny", "--train.steps", "5", "--train.precision", "fp32", "--train.log_every", "1",
+            "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "one"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shardlm", "train", *args, "--parallel.dp", "2", *layout, "--out", tmp_path / "two"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=RTOL, atol=0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fate", ["dies", "stalls"])
+def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fate):
+    """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`) must fail."""
+    port = _free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1"}
+    peer = ("import os, sys, time, datetime, torch.distributed as d; "
+            "d.init_process_group('gloo', timeout=datetime.timedelta(seconds=5)); "
+            + ("os._exit(1)" if fate == "dies" else "time.sleep(120)"))
+    p1 = subprocess.Popen([sys.executable, "-c", peer], env={**base, "RANK": "1", "LOCAL_RANK": "1"})
+    t0 = time.monotonic()
+    try:
+        p0 = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                             "--parallel.timeout_s", "5", "--out", tmp_path / "r"],
+                            capture_output=True, text=True, env={**base, "RANK": "0", "LOCAL_RANK": "0"}, timeout=90)
+    finally:
+        p1.kill()
+        p1.wait()
+    elapsed = time.monotonic() - t0
+    assert p0.returncode != 0
+    assert elapsed < 60, elapsed
