@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .flat import FlatParams
+from .parallel.comm import all_gather_into_tensor
 from .kernels import adamw_master_step, sgd_master_step, sum_of_squares
 from .precision import DynamicLossScaler
 
@@ -185,7 +186,7 @@ class MasterWeightOptimizer:
                 out.append(part)
                 continue
             full = torch.empty(b.numel, dtype=part.dtype, device=self.device)
-            dist.all_gather_into_tensor(full, part.contiguous(), group=self.group)
+            all_gather_into_tensor(full, part.contiguous(), group=self.group)
             out.append(full)
         return out
 

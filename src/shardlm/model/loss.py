@@ -72,4 +72,11 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         total = sum(F.cross_entropy((h2[s:s + chunk] @ weight.t()).float(), t[s:s + chunk], reduction="sum")
                     for s in range(0, t.numel(), chunk))
         return total / t.numel()
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        # Under autocast (fp32 weights, 16-bit compute) cast once here; the casts' backward returns the
+        # gradients in the parameters' dtype, and the Function runs in one dtype throughout.
+        dtype = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            return LinearCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, compiled)
     return LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
+from .comm import all_gather_into_tensor, reduce_scatter_tensor
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
 
@@ -143,7 +144,7 @@ class ZeroEngine(LocalEngine):
             bucket.data.copy_(shard)
             work = None
         else:
-            work = dist.all_gather_into_tensor(bucket.data, shard, group=self.group, async_op=True)
+            work = all_gather_into_tensor(bucket.data, shard, group=self.group, async_op=True)
         self.gather_work[b] = (work, shard)
         bucket.extra["gathered"] = True
 
@@ -205,7 +206,7 @@ class ZeroEngine(LocalEngine):
             out.copy_(src)
             work = None
         else:
-            work = dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
+            work = reduce_scatter_tensor(out, src, group=self.group, async_op=True)
         self.works.append((work, b, out, src))
         if self.stage == 3 and not self.persistent[b] and b != self.root_unit:
             self._release(b)  # this block's backward is done: its gradients are all in
@@ -267,7 +268,7 @@ class ZeroEngine(LocalEngine):
                 b.extra["shard"].copy_(self.opt.shard_of(b.data, b.index))
             if self.world > 1:
                 mine = self.opt.shard_of(b.data, b.index).clone()
-                dist.all_gather_into_tensor(b.data, mine, group=self.group)
+                all_gather_into_tensor(b.data, mine, group=self.group)
 
     @torch.no_grad()
     def load(self, masters: dict, state: dict) -> None:
