@@ -119,3 +119,24 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "grad": captured.get("grad", {}), "state": owned_slices(engine, key),
             "bytes": engine.tensor_bytes(), "numel": engine.flat.numel}
 
+
+
+def zero3_residency(rank, world):
+    """Which ZeRO-3 units hold their full parameters at rest, after forward, and after backward."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "train.micro_batch_size": "2",
+                               "parallel.persist_threshold": "100", "train.tensorboard": "false"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    eng = trainer.engine
+    held = lambda: [b.data.untyped_storage().size() > 0 for b in eng.flat.buckets]  # noqa: E731
+    kinds = ["persistent" if eng.persistent[b.index] else "root" if b.index == eng.root_unit else "block"
+             for b in eng.flat.buckets]
+    rest = held()
+    x, y = trainer.data.micro_batch_at(0, 0)
+    loss = trainer.model(x, y)
+    after_forward = held()
+    eng.before_backward(True)
+    loss.backward()
+    eng.after_backward(True)
+    return kinds, rest, after_forward, held()

@@ -163,3 +163,12 @@ def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fat
     elapsed = time.monotonic() - t0
     assert p0.returncode != 0
     assert elapsed < 60, elapsed
+
+
+def test_zero3_frees_each_block_after_use():
+    kinds, rest, after_forward, after_backward = run_distributed(dist_fns.zero3_residency, 2, timeout=120)[0]
+    assert "block" in kinds and "root" in kinds and "persistent" in kinds
+    for kind, a, f, b in zip(kinds, rest, after_forward, after_backward):
+        assert a == (kind == "persistent")  # at rest only the small parameters are whole
+        assert f == (kind != "block")  # blocks are freed after their forward; the root waits for backward
+        assert b == (kind == "persistent")

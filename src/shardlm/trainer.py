@@ -56,12 +56,7 @@ class Trainer:
         self.forward = self.model
         if t.compile:
             for block in self.model.layers:
-                if cfg.parallel.zero_stage == 3:
-                    # ZeRO-3's gather/free hooks sit on the block: compile what runs between them.
-                    block.attn.compile()
-                    block.mlp.compile()
-                else:
-                    block.compile()
+                block.compile()
         self.scaler = make_loss_scaler(t.precision)
         self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
         self.step = 0

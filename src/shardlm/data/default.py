@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -36,5 +37,12 @@ def default_corpus(progress: bool = False) -> Path:
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
     if not (cache / INDEX).is_file():
-        prepare(files, "byte", cache, progress=progress)
+        # Several processes of one machine (ranks, concurrent jobs) may get here at once: each prepares
+        # into its own directory and the first to finish renames it into place.
+        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+        prepare(files, "byte", tmp, progress=progress)
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another process won the race: its copy is complete
+            shutil.rmtree(tmp, ignore_errors=True)
     return cache

@@ -36,6 +36,12 @@ from .comm import all_gather_into_tensor, reduce_scatter_tensor
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
 
+def _eager(fn):
+    """Hooks run eagerly even inside a compiled block: collectives and storage resizes stay out of the
+    graph (a graph break), as FSDP2's hooks do under torch.compile."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -157,6 +163,7 @@ class ZeroEngine(LocalEngine):
             work[0].wait()
 
     def _block_pre_hook(self, i: int):
+        @_eager
         def hook(module, args):
             self._gather(self.block_units[i])
             if not self.in_backward and i + 1 < len(self.block_units):
@@ -164,6 +171,7 @@ class ZeroEngine(LocalEngine):
         return hook
 
     def _block_post_hook(self, i: int):
+        @_eager
         def hook(module, args, output):
             if self.in_backward:  # a recomputation inside backward: the unit stays for its gradients
                 return output
@@ -174,6 +182,7 @@ class ZeroEngine(LocalEngine):
         return hook
 
     def _pre_backward(self, i: int):
+        @_eager
         def hook(grad):
             self.in_backward = True
             self._gather(self.block_units[i])
