@@ -130,8 +130,8 @@ def zero3_residency(rank, world):
     trainer = Trainer(cfg, log=lambda *a: None)
     eng = trainer.engine
     held = lambda: [b.data.untyped_storage().size() > 0 for b in eng.flat.buckets]  # noqa: E731
-    kinds = ["persistent" if eng.persistent[b.index] else "root" if b.index == eng.root_unit else "block"
-             for b in eng.flat.buckets]
+    kinds = ["persistent" if eng.persistent[b.index] else "embed" if b.index == eng.embed_unit
+             else "head" if b.index == eng.head_unit else "block" for b in eng.flat.buckets]
     rest = held()
     x, y = trainer.data.micro_batch_at(0, 0)
     loss = trainer.model(x, y)

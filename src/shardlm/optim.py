@@ -148,15 +148,13 @@ class MasterWeightOptimizer:
             b = seg.bucket
             sl = slice(seg.lo, seg.hi)
             master = self.master_parts[b][sl]
-            if self.alias:
-                out = None
-            else:
-                if b not in outs:
-                    dst = param_shard(b)
-                    # Offloaded: write 16-bit results on the CPU, then copy the shard back in one go.
-                    staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda) if self.offload else dst
-                    outs[b] = (dst, staged)
-                out = outs[b][1][sl]
+            if b not in outs:
+                dst = None if self.alias else param_shard(b)  # None: nothing to write back
+                # Offloaded: write 16-bit results on the CPU, then copy the shard back in one go.
+                staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda) \
+                    if (self.offload and dst is not None) else dst
+                outs[b] = (dst, staged)
+            out = None if outs[b][1] is None else outs[b][1][sl]
             args = (master, out, grads[b][sl])
             if cfg.optimizer == "adamw":
                 adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
@@ -167,7 +165,8 @@ class MasterWeightOptimizer:
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
         if self.offload:
             for dst, staged in outs.values():
-                dst.copy_(staged, non_blocking=True)
+                if dst is not None:
+                    dst.copy_(staged, non_blocking=True)
         return True
 
     def sync(self, step: int) -> tuple[float, int]:

@@ -14,12 +14,16 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
   reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
   micro-step (as DeepSpeed's stage 2 does), so gradient memory stays at the shard plus the buckets in
   flight.
-- Stage 3 also shards parameters. Buckets are units: one per transformer block, one for the embeddings,
-  final norm and head (the root), and one for all parameters of at most `parallel.persist_threshold`
-  elements, which stay whole. A block's unit is all-gathered just before its forward and again before
-  its backward (when the gradient of its output arrives), its storage freed after each; the next
-  unit's all-gather is issued early so it overlaps the current block's compute. Gradients are reduced
-  as in stage 2.
+- Stage 3 also shards parameters. Buckets are units: one per transformer block, one for the input
+  embeddings, one for the final norm and output head (one "root" unit when the head is tied to the
+  embedding), and one for all parameters of at most `parallel.persist_threshold` elements, which stay
+  whole. A block's unit is all-gathered just before its forward and again before its backward (when
+  the gradient of its output arrives), its storage freed after each; the next unit's all-gather is
+  issued early so it overlaps the current block's compute. The embedding unit is freed as soon as
+  the embeddings are looked up (their backward needs no weights), the head unit after backward.
+  As in FSDP2, the 16-bit weights are not stored: each gather casts the rank's fp32 master slice,
+  so parameters cost (2 + K) Phi / N per rank instead of (2 + 2 + K) Phi / N (with parameter offload
+  the 16-bit slice is kept in pinned CPU memory instead). Gradients are reduced as in stage 2.
 
 The gradient norm is the square root of the sum over ranks of each shard's sum of squares, so it is the
 global norm on every rank, and an fp16 overflow anywhere skips the step everywhere.
@@ -50,17 +54,24 @@ def _alloc(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
+EMBED_PREFIXES = ("embed.", "pos_embed.")
+
+
 def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
-    """Units in the order backward completes them: blocks last-to-first, the small whole parameters, the root."""
+    """Units in the order backward completes them: the head, blocks last-to-first, the small whole
+    parameters, the embeddings (one root unit holding embeddings and head when they are tied)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     small = [n for n, p in named if p.numel() <= persist_threshold]
-    units = []
+    blocks = []
     for i in reversed(range(len(model.layers))):
-        unit = [n for n, p in named if n.startswith(f"layers.{i}.") and n not in small]
-        if unit:
-            units.append(unit)
-    root = [n for n, p in named if not n.startswith("layers.") and n not in small]
-    return [u for u in units + [small, root] if u]
+        blocks.append([n for n, p in named if n.startswith(f"layers.{i}.") and n not in small])
+    rest = [n for n, p in named if not n.startswith("layers.") and n not in small]
+    if model.lm_head is None:  # tied: the embedding is also the head
+        head, embed = [], rest
+    else:
+        head = [n for n in rest if not n.startswith(EMBED_PREFIXES)]
+        embed = [n for n in rest if n.startswith(EMBED_PREFIXES)]
+    return [u for u in [head, *blocks, small, embed] if u]
 
 
 class ZeroEngine(LocalEngine):
@@ -87,6 +98,10 @@ class ZeroEngine(LocalEngine):
         self.opt = MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, offload=p.offload != "none",
                                          initial_shards=[b.extra.get("shard") for b in flat.buckets]
                                          if self.stage == 3 else None)
+        if self.stage == 3 and p.offload == "none":
+            for b in flat.buckets:
+                if not self.persistent[b.index]:
+                    del b.extra["shard"]  # gathers cast the fp32 master slice: no 16-bit copy at rest
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer.
         self.gshard_in_bucket = self.stage == 1 and self.reduce_dtype == flat.dtype
@@ -113,22 +128,32 @@ class ZeroEngine(LocalEngine):
             shard = full[self.rank * n:(self.rank + 1) * n].clone()
             b.extra["shard"] = shard.to("cpu").pin_memory() if pin else (shard.cpu() if self.offload_params else shard)
             b.extra["gathered"] = True
-            if not self.persistent[b.index]:
-                self._release(b.index)
-        unit_of_block = {}
+        unit_of_block, self.embed_unit, self.head_unit = {}, None, None
         for b in flat.buckets:
-            for i in b.params:
-                name = flat.names[i]
-                if name.startswith("layers."):
-                    unit_of_block.setdefault(int(name.split(".")[1]), b.index)
+            if self.persistent[b.index]:
+                continue
+            name = flat.names[b.params[0]]
+            if name.startswith("layers."):
+                unit_of_block[int(name.split(".")[1])] = b.index
+            elif any(flat.names[i].startswith(EMBED_PREFIXES) for i in b.params):
+                self.embed_unit = b.index
+            else:
+                self.head_unit = b.index
+        tied = model.lm_head is None
+        if tied:
+            self.head_unit = self.embed_unit  # one root unit, kept from forward until after backward
         self.block_units = [unit_of_block.get(i) for i in range(len(model.layers))]
-        self.root_unit = next((b.index for b in flat.buckets if not self.persistent[b.index]
-                               and not flat.names[b.params[0]].startswith("layers.")), None)
         for i, block in enumerate(model.layers):
             block.register_forward_pre_hook(self._block_pre_hook(i))
             block.register_forward_hook(self._block_post_hook(i))
-        model.register_forward_pre_hook(lambda mod, args: self._gather(self.root_unit))
+        model.register_forward_pre_hook(_eager(lambda mod, args: self._gather(self.embed_unit)))
+        if not tied:
+            # The embeddings' backward needs no weights: free them once the lookup is done.
+            model.layers[0].register_forward_pre_hook(_eager(lambda mod, args: self._release(self.embed_unit)))
+            model.norm.register_forward_pre_hook(_eager(lambda mod, args: self._gather(self.head_unit)))
         model.register_forward_hook(self._model_post_hook)
+        for b in flat.buckets:  # at rest, only the small parameters are whole
+            self._release(b.index)
 
     def _release(self, b: int | None) -> None:
         if b is None:
@@ -145,7 +170,10 @@ class ZeroEngine(LocalEngine):
         if bucket.extra["gathered"]:
             return
         _alloc(bucket.data)
-        shard = bucket.extra["shard"].to(self.flat.device, non_blocking=True)
+        if "shard" in bucket.extra:
+            shard = bucket.extra["shard"].to(self.flat.device, non_blocking=True)
+        else:
+            shard = self.opt.master_part(b).to(self.flat.dtype)
         if self.world == 1:
             bucket.data.copy_(shard)
             work = None
@@ -166,8 +194,8 @@ class ZeroEngine(LocalEngine):
         @_eager
         def hook(module, args):
             self._gather(self.block_units[i])
-            if not self.in_backward and i + 1 < len(self.block_units):
-                self._issue_gather(self.block_units[i + 1])  # prefetch: overlaps this block's forward
+            if not self.in_backward:  # prefetch what forward needs next: overlaps this block's compute
+                self._issue_gather(self.block_units[i + 1] if i + 1 < len(self.block_units) else self.head_unit)
         return hook
 
     def _block_post_hook(self, i: int):
@@ -191,24 +219,25 @@ class ZeroEngine(LocalEngine):
             return grad
         return hook
 
+    @_eager
     def _model_post_hook(self, module, args, output):
-        if not torch.is_grad_enabled():  # eval or generation: nothing will need the root again
-            self._release(self.root_unit)
+        if not torch.is_grad_enabled():  # eval or generation: nothing will need the head again
+            self._release(self.head_unit)
         return output
 
     # ---- gradients -----------------------------------------------------------------------------
     def _take_grad(self, i: int, param: nn.Parameter) -> None:
         """Stages 2, 3: move a fresh gradient into its bucket's transient buffer and free it."""
         bucket = self.flat.bucket_of(i)
-        if bucket.grad is None:
-            bucket.grad = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        if bucket.grad is None:  # in the reduction dtype: the cast happens in this copy, not in another pass
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=self.flat.device)
         self.flat.view(bucket.grad, i).copy_(param.grad)
         param.grad = None
 
     def _launch(self, b: int) -> None:
         bucket = self.flat.buckets[b]
         if bucket.grad is None:  # no parameter of this bucket received a gradient this micro-step
-            bucket.grad = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=self.flat.device)
         src = bucket.grad if bucket.grad.dtype == self.reduce_dtype else bucket.grad.to(self.reduce_dtype)
         out = torch.empty(self.opt.shard_len[b], dtype=self.reduce_dtype, device=self.flat.device)
         if self.world == 1:
@@ -217,10 +246,10 @@ class ZeroEngine(LocalEngine):
         else:
             work = reduce_scatter_tensor(out, src, group=self.group, async_op=True)
         self.works.append((work, b, out, src))
-        if self.stage == 3 and not self.persistent[b] and b != self.root_unit:
-            self._release(b)  # this block's backward is done: its gradients are all in
+        if self.stage == 3 and b != self.head_unit:
+            self._release(b)  # this unit's backward is done: its gradients are all in
         if self.stage > 1:
-            self._drain(keep=2)  # bound the full-size bucket gradients alive at once
+            self._drain(keep=1)  # bound the full-size bucket gradients alive at once
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the newest `keep` reductions: fold each into the gradient shard, free its bucket."""
@@ -246,16 +275,16 @@ class ZeroEngine(LocalEngine):
         self._drain()
         self.in_backward = False
         if self.stage == 3:
-            self._release(self.root_unit)
+            self._release(self.head_unit)
 
     def grad_factor(self) -> float:
         return 1.0 / self.world
 
     # ---- the step ------------------------------------------------------------------------------
-    def _param_shard(self, b: int) -> torch.Tensor:
+    def _param_shard(self, b: int) -> torch.Tensor | None:
         bucket = self.flat.buckets[b]
         if self.stage == 3 and not self.persistent[b]:
-            return bucket.extra["shard"]
+            return bucket.extra.get("shard")  # None: the next gather casts the master itself
         return self.opt.shard_of(bucket.data, b)
 
     @torch.no_grad()
@@ -283,7 +312,7 @@ class ZeroEngine(LocalEngine):
     def load(self, masters: dict, state: dict) -> None:
         shards = self.opt.load(masters, state)
         for b, part in zip(self.flat.buckets, shards):
-            if self.stage == 3:
+            if "shard" in b.extra:
                 b.extra["shard"].copy_(part)
             if b.extra.get("gathered", True):
                 for i in b.params:
@@ -292,7 +321,7 @@ class ZeroEngine(LocalEngine):
     def tensor_bytes(self) -> dict[str, int]:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         if self.stage == 3:
-            params = [b.extra["shard"] for b in self.flat.buckets if not self.persistent[b.index]]
+            params = [b.extra["shard"] for b in self.flat.buckets if "shard" in b.extra and not self.persistent[b.index]]
             params += [b.data for b in self.flat.buckets if self.persistent[b.index]]
         else:
             params = [b.data for b in self.flat.buckets]
