@@ -107,8 +107,9 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     real_step = engine.step
 
     def step(lr, n):
-        if n == cfg.train.steps:
+        if n == cfg.train.steps:  # gradients are all in and reduced: what a rank holds at its peak
             captured["grad"] = owned_slices(engine, "grad")
+            captured["bytes"] = engine.tensor_bytes()
         real_step(lr, n)
     engine.step = step
     records = trainer.run()
@@ -117,7 +118,7 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": owned_slices(engine, key),
-            "bytes": engine.tensor_bytes(), "numel": engine.flat.numel}
+            "bytes": captured["bytes"], "numel": engine.flat.numel}
 
 
 

@@ -76,9 +76,9 @@ def test_equals_one_process(mode, world, optimizer):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_per_stage_matches_the_zero_paper(stage):
-    """Bytes held at rest per rank at N = 4 with bf16 weights and Adam: (2 + 2 + K) Phi, 2 Phi + 2 Phi +
+    """Bytes held per rank, gradients reduced and before the step, at N = 4 with bf16 weights and Adam: (2 + 2 + K) Phi, 2 Phi + 2 Phi +
     K Phi / N, 2 Phi + (2 + K) Phi / N with K = 12 (fp32 master, momentum, variance) for stages 0-2.
-    Stage 3 holds no 16-bit weights at rest (each gather casts the fp32 master slice, as FSDP2 does):
+    Stage 3 holds no 16-bit weights outside a gather (each gather casts the fp32 master slice, as FSDP2 does):
     (2 + K) Phi / N, below the paper's (2 + 2 + K) Phi / N."""
     world = 4
     over = {"train.steps": "1", "train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",

@@ -103,11 +103,12 @@ class ZeroEngine(LocalEngine):
                 if not self.persistent[b.index]:
                     del b.extra["shard"]  # gathers cast the fp32 master slice: no 16-bit copy at rest
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
-        # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer.
+        # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
+        # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
+        # gradients do), so forward's activation peak never shares memory with gradients.
         self.gshard_in_bucket = self.stage == 1 and self.reduce_dtype == flat.dtype
-        self.gshard = [self.opt.shard_of(b.grad, b.index) if self.gshard_in_bucket else
-                       torch.zeros(self.opt.shard_len[b.index], dtype=self.reduce_dtype, device=flat.device)
-                       for b in flat.buckets]
+        self.gshard: list[torch.Tensor | None] = [self.opt.shard_of(b.grad, b.index) if self.gshard_in_bucket
+                                                  else None for b in flat.buckets]
         self.works: list = []
         self.ready = BucketReadiness(flat, self._launch, None if self.stage == 1 else self._take_grad)
         self.in_backward = False
@@ -257,10 +258,13 @@ class ZeroEngine(LocalEngine):
             work, b, out, src = self.works.pop(0)
             if work is not None:
                 work.wait()
-            if self.stage == 1:
+            if self.gshard_in_bucket:
                 self.gshard[b].copy_(out)
+            elif self.gshard[b] is None:
+                self.gshard[b] = out
             else:
                 self.gshard[b] += out
+            if self.stage > 1:
                 self.flat.buckets[b].grad = None
 
     def before_backward(self, last: bool) -> None:
@@ -292,10 +296,10 @@ class ZeroEngine(LocalEngine):
         applied = self.opt.step(lr, step, lambda b: self.gshard[b], self._param_shard, self.grad_factor())
         if applied:
             self._publish()
-        for g in self.gshard:
-            g.zero_()
         if self.stage == 1:
             self.flat.zero_grad()
+        if not self.gshard_in_bucket:
+            self.gshard = [None] * len(self.gshard)
 
     def _publish(self) -> None:
         """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params)."""
@@ -326,6 +330,6 @@ class ZeroEngine(LocalEngine):
         else:
             params = [b.data for b in self.flat.buckets]
         grads = [b.grad for b in self.flat.buckets if b.grad is not None]
-        grads += [] if self.gshard_in_bucket else self.gshard
+        grads += [] if self.gshard_in_bucket else [g for g in self.gshard if g is not None]
         opt = [self.opt.master] + [t for parts in self.opt.state.values() for t in parts]
         return {"params": nbytes(params), "grads": nbytes(grads), "optimizer": nbytes(opt)}
