@@ -20,25 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from common import PEAK, flops_per_token, timed
+
 ROOT = Path(__file__).resolve().parents[1]
-PEAK = 989e12
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"], "shardlm-zero1": ["--parallel.zero_stage", "1"],
            "shardlm-zero2": ["--parallel.zero_stage", "2"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
            "shardlm-zero3-offload": ["--parallel.zero_stage", "3", "--parallel.offload", "optimizer"]}
 PEERS = ("torch-ddp", "torch-fsdp2", "hf-fsdp2", "ds-zero2", "ds-zero3")
-
-
-def timed(step, warm, steps):
-    import torch
-    for _ in range(warm):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
 def worker(args, extra):
@@ -68,7 +56,7 @@ def worker(args, extra):
         step = peer_step(args.system, cfg, x, world)
     dt, mem = timed(step, args.warm, args.steps)
     tokens = args.micro_batch * args.seq
-    flops = 6 * (m.num_params() - m.param_counts()["embedding"]) + 12 * m.num_layers * m.hidden_size * args.seq
+    flops = flops_per_token(m, args.seq)
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tokens / dt,
                                       "mfu": tokens / dt * flops / PEAK, "peak_mem_gib": mem}), flush=True)

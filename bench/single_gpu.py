@@ -22,20 +22,9 @@ from pathlib import Path
 
 import torch
 
-PEAK = 989e12
+from common import PEAK, flops_per_token, timed
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(step, warm: int, steps: int) -> tuple[float, float]:
-    for _ in range(warm):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
 def run_shardlm(args, extra: list[str]):
@@ -84,7 +73,7 @@ def run_hf(args, mode: str):
 def child(args, system: str, extra: list[str]) -> None:
     (dt, mem), m = run_shardlm(args, extra) if system.startswith("shardlm") else run_hf(args, system)
     tokens = args.micro_batch * args.seq
-    flops = 6 * (m.num_params() - m.param_counts()["embedding"]) + 12 * m.num_layers * m.hidden_size * args.seq
+    flops = flops_per_token(m, args.seq)
     print("RESULT " + json.dumps({"system": system, "step_s": dt, "tok_s_gpu": tokens / dt,
                                   "mfu": tokens / dt * flops / PEAK, "peak_mem_gib": mem}), flush=True)
 

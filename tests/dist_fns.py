@@ -141,3 +141,20 @@ def zero3_residency(rank, world):
     loss.backward()
     eng.after_backward(True)
     return kinds, rest, after_forward, held()
+
+
+def fp16_overflow_on_rank_one(rank, world, overrides: dict):
+    """Rank 1's loss overflows; every rank must skip the step and keep its weights."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"train.precision": "fp16", "parallel.dp": str(world), "train.micro_batch_size": "2",
+                               "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    before, _ = trainer.engine.full_state()
+    before = {k: v.clone() for k, v in before.items()} if before is not None else None
+    real_forward = trainer.forward
+    trainer.forward = lambda x, y: real_forward(x, y) * (float("inf") if rank == 1 else 1.0)
+    trainer.train_step()
+    after, _ = trainer.engine.full_state()
+    unchanged = None if before is None else all(torch.equal(before[k], after[k]) for k in before)
+    return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged

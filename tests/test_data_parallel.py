@@ -184,3 +184,20 @@ def test_zero3_with_tied_embeddings_equals_one_process():
     results = run_distributed(dist_fns.train_and_capture, 2, {**common, **MODES["zero3"], "parallel.dp": "2"},
                               timeout=240)
     check_against_reference(results, ref, 2)
+
+
+@pytest.mark.parametrize("mode", ["classic", "ddp", "zero1", "zero3"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mode):
+    results = run_distributed(dist_fns.fp16_overflow_on_rank_one, 2, MODES[mode], timeout=120)
+    for skipped, scale, unchanged in results:
+        assert skipped == 1 and scale == 2.0**16  # counted; hysteresis 2 keeps the scale this time
+        assert unchanged in (True, None)  # None: a classic-DP rank that holds no optimizer state
+    assert any(u is True for _, _, u in results)
+
+
+def test_zero3_with_full_recomputation_equals_one_process():
+    common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2"}
+    ref = reference(common)
+    results = run_distributed(dist_fns.train_and_capture, 2,
+                              {**common, **MODES["zero3"], "train.recompute": "full", "parallel.dp": "2"}, timeout=240)
+    check_against_reference(results, ref, 2)
