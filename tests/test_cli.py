@@ -10,7 +10,7 @@ import torch
 from helpers import run_cli
 
 
-@pytest.mark.parametrize("cmd", [[], ["train"], ["eval"], ["generate"], ["data"], ["data", "prepare"], ["export"]])
+@pytest.mark.parametrize("cmd", [[], ["train"], ["eval"], ["generate"], ["data"], ["data", "prepare"], ["export"], ["plan"]])
 def test_help(cmd):
     proc = run_cli(*cmd, "--help")
     assert "usage" in proc.stdout.lower()

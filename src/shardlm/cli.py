@@ -136,23 +136,29 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "data": cmd_data, "export": cmd_export}
+def cmd_plan(argv: list[str]) -> int:
+    from .plan.cli import run
+    return run(argv)
+
+
+COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "data": cmd_data, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardlm {train,eval,generate,data,export} ...\n\n"
+        print("usage: shardlm {train,eval,generate,data,export,plan} ...\n\n"
               "  train     train a model (default: the embedded default on the stdlib's sources)\n"
               "  eval      perplexity of a model on a text file\n"
               "  generate  sample from a model\n"
               "  data      prepare token shards (data prepare --help)\n"
-              "  export    write a Hugging Face checkpoint directory\n\n"
+              "  export    write a Hugging Face checkpoint directory\n"
+              "  plan      predict memory, time and communication of a layout, or search the best one\n\n"
               "Each has --help.")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"shardlm: unknown command {cmd!r} (train, eval, generate, data, export)", file=sys.stderr)
+        print(f"shardlm: unknown command {cmd!r} (train, eval, generate, data, export, plan)", file=sys.stderr)
         return 2
     try:
         return COMMANDS[cmd](rest)

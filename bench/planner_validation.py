@@ -1,0 +1,78 @@
+"""The planner against reality: predicted peak memory and step time beside what was measured on the GPU.
+
+    python bench/planner_validation.py [--record bench/results.jsonl]
+
+The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py and
+bench/data_parallel.py wrote on the device (torch.cuda.max_memory_allocated and the timed step), taken
+from the newest commit that measured each layout. Floors: memory within 10%, step time within 25%.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from shardlm.config import load_config  # noqa: E402
+from shardlm.plan import Layout, Workload, estimate, gpu  # noqa: E402
+
+# (bench, gpus, system) -> the layout that system ran
+LAYOUTS = {
+    ("single_gpu", 1, "shardlm"): Layout(),
+    ("single_gpu", 1, "shardlm-selective"): Layout(recompute="selective"),
+    ("single_gpu", 1, "shardlm-full"): Layout(recompute="full"),
+    ("data_parallel", 1, "shardlm-ddp"): Layout(),
+    ("data_parallel", 4, "shardlm-ddp"): Layout(dp=4),
+    ("data_parallel", 4, "shardlm-ddp-bf16reduce"): Layout(dp=4, reduce_dtype="compute"),
+    ("data_parallel", 4, "shardlm-zero1"): Layout(dp=4, zero=1),
+    ("data_parallel", 4, "shardlm-zero2"): Layout(dp=4, zero=2),
+    ("data_parallel", 4, "shardlm-zero3"): Layout(dp=4, zero=3),
+    ("data_parallel", 1, "shardlm-zero1"): Layout(zero=1),
+    ("data_parallel", 1, "shardlm-zero2"): Layout(zero=2),
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(ROOT / "bench" / "results.jsonl"))
+    p.add_argument("--record", default=None, help="append planner_validation rows here")
+    args = p.parse_args()
+    rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
+    latest = {}
+    for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
+        key = (r["bench"], r["gpus"], r["system"], r["seq"], r["micro_batch"])
+        if (r["bench"], r["gpus"], r["system"]) in LAYOUTS and r["model"] == "tinyllama-1.1b":
+            latest[key] = r
+    out, ok = [], True
+    print(f"{'layout':<34}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
+    for (bench, gpus, system, seq, mb), r in sorted(latest.items()):
+        layout = LAYOUTS[(bench, gpus, system)]
+        m = load_config(r["model"]).model
+        e = estimate(m, Workload(seq, mb, mb * layout.dp), layout, gpu("h200" if "H200" in r["card"] else "h100"))
+        mem = e.memory.total / 2**30
+        step = seq * mb / r["tok_s_gpu"]
+        mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1
+        ok &= abs(mem_err) <= 0.10 and abs(step_err) <= 0.25
+        name = f"{system} x{gpus} s{seq} mb{mb}"
+        print(f"{name:<34}{mem:>9.1f}{r['peak_mem_gib']:>7.1f}{100 * mem_err:>+6.1f}%"
+              f"{e.step_time_s:>11.3f}{step:>8.3f}{100 * step_err:>+6.1f}%")
+        out.append({"bench": "planner_validation", "date": datetime.date.today().isoformat(), "card": r["card"],
+                    "gpus": gpus, "system": name, "model": r["model"], "seq": seq, "micro_batch": mb,
+                    "tok_s_gpu": r["tok_s_gpu"], "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"],
+                    "predicted_mem_gib": round(mem, 2), "predicted_step_s": round(e.step_time_s, 4),
+                    "measured_step_s": round(step, 4), "measured_commit": r.get("commit", ""),
+                    "command": "python bench/planner_validation.py"})
+    print(f"\n{len(out)} layouts; all within 10% memory and 25% step time: {ok}")
+    if args.record:
+        with open(args.record, "a") as f:
+            for row in out:
+                f.write(json.dumps(row) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Hugging Face config.json <-> shardlm ModelConfig, with no torch import (the planner reads HF configs too)."""
+from __future__ import annotations
+
+from .config import ModelConfig
+
+LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                   "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}.get(model_type)
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
+    if arch == "GPT2LMHeadModel":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"GPT-2 activation_function {act!r} is not supported (gelu_new)")
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or not hf.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
+                             "scale_attn_weights=false) are not supported")
+        return ModelConfig(arch="gpt2", vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_layers=hf["n_layer"],
+                           num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+                           max_seq_len=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                           tie_embeddings=hf.get("tie_word_embeddings", True))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias = true is not supported")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+    window = 0
+    if arch == "MistralForCausalLM" or (arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window")):
+        window = hf.get("sliding_window") or 0
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or 0
+    if head_dim == hf["hidden_size"] // heads:
+        head_dim = 0  # the default; keep configs equal whether or not HF wrote it out
+    return ModelConfig(
+        arch="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim, ffn_hidden_size=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta), rope_scaling=rope, tie_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")), sliding_window=window)
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None) -> dict:
+    """config.json for the HF class that matches these shapes (Qwen2 for qkv biases, Mistral for a window)."""
+    if cfg.arch == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+                "n_inner": cfg.ffn_size, "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
+                "activation_function": "gelu_new", "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+                "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
+                "torch_dtype": dtype}
+    if cfg.qkv_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    elif cfg.sliding_window:
+        arch, model_type = "MistralForCausalLM", "mistral"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
+    rope = {"rope_type": "default"} if not cfg.rope_scaling else dict(cfg.rope_scaling)
+    out = {"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+           # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
+           "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling or None,
+           "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+           "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": dtype}
+    if model_type == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    if model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    return out

@@ -1,0 +1,63 @@
+"""The planner: per-GPU memory, FLOPs, step time, MFU and communication of a training layout, before launch.
+
+Pure arithmetic (no torch import), sharing the runtime's shape arithmetic (shardlm.config.ModelConfig).
+memory.py, flops.py and comm.py each document their formulas and sources; search.py ranks layouts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import ModelConfig
+from .comm import comm_bytes, comm_seconds
+from .flops import ADAM_BYTES, CPU_ADAM_S, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
+from .hardware import GPU, gpu
+from .layout import Layout, PlanError, Workload, check
+from .memory import Memory, estimate_memory, paper_model_states, stage_params
+
+__all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "paper_model_states"]
+
+HEADROOM = 0.10  # of the card's memory kept free for the CUDA context, fragmentation and spikes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory: Memory
+    flops_per_step: float      # per GPU, including recomputation
+    step_time_s: float
+    mfu: float
+    bubble: float
+    comm_bytes_per_step: dict
+    fits: bool
+    tokens_per_s: float        # whole cluster
+    train_flops: float = 0.0
+    train_days: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"] = {**asdict(self.memory), "total": self.memory.total}
+        d["activation_per_layer"] = d["memory"].pop("activation_per_layer")
+        return d
+
+
+def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int = 8, gpus: int | None = None,
+             efficiency: float = EFFICIENCY) -> Estimate:
+    check(m, w, L, gpus)
+    mem = estimate_memory(m, w, L)
+    tokens_per_gpu = w.global_batch * w.seq / (L.dp * L.cp)  # a model replica's tokens, split over tp x pp
+    model = model_flops_per_token(m, w.seq) * tokens_per_gpu / (L.tp * L.pp)
+    extra = recompute_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
+    b = bubble(w, L)
+    compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
+    phi = stage_params(m, L, 0)
+    shard = phi / L.dp if L.zero >= 1 else phi
+    optimizer = shard * CPU_ADAM_S if L.offload != "none" else shard * ADAM_BYTES / g.hbm_bw
+    step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
+    mfu = model / (step * g.peak_flops)
+    tokens_per_s = w.global_batch * w.seq / step
+    train_flops = train_days = 0.0
+    if w.tokens:
+        n = m.num_params() - m.param_counts()["embedding"] - m.param_counts()["position"]
+        train_flops = (8 if L.recompute == "full" else 6) * n * w.tokens
+        train_days = w.tokens / tokens_per_s / 86400
+    fits = mem.total <= g.memory * (1 - HEADROOM)
+    return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days)

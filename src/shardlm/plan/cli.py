@@ -1,0 +1,141 @@
+"""`shardlm plan`: predict a layout's per-GPU memory, time and communication, or search for the best one."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import ModelConfig, load_config
+from . import HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from .hardware import GPUS, parse_bytes
+
+GiB = 2**30
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardlm plan", description="Predict per-GPU memory, FLOPs, step time, MFU "
+                                "and communication for a layout, or --search the best layout for a cluster.")
+    m = p.add_argument_group("model (one of)")
+    m.add_argument("--model", help="a preset (tinyllama-1.1b, ...), a TOML config, an HF config.json or checkpoint dir")
+    m.add_argument("--arch", choices=("gpt", "llama"))
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        m.add_argument(f"--{name}", type=int)
+    m.add_argument("--params", type=float, help="a bare parameter count: model states only")
+    w = p.add_argument_group("work")
+    w.add_argument("--seq", type=int, default=2048)
+    w.add_argument("--micro-batch", type=int, default=1)
+    w.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x dp")
+    w.add_argument("--tokens", type=float, default=0.0, help="total training tokens (for train_flops, train_days)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=None, help="default: the layout's dp x tp x pp x cp")
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    c.add_argument("--gpu-memory", help="e.g. 80GiB")
+    c.add_argument("--gpu-tflops", type=float, help="dense 16-bit peak, TFLOP/s")
+    c.add_argument("--hbm-bw", help="e.g. 3.35TB/s")
+    c.add_argument("--nvlink-bw", help="per GPU, one direction, e.g. 450GB/s")
+    c.add_argument("--network-bw", help="per GPU, e.g. 50GB/s")
+    lay = p.add_argument_group("layout")
+    for name in ("dp", "tp", "pp", "cp", "ep"):
+        lay.add_argument(f"--{name}", type=int, default=1)
+    lay.add_argument("--zero", type=int, default=0)
+    lay.add_argument("--offload", default="none")
+    lay.add_argument("--sp", action="store_true")
+    lay.add_argument("--recompute", default="none")
+    lay.add_argument("--pp-schedule", default="1f1b")
+    lay.add_argument("--virtual-stages", type=int, default=1)
+    lay.add_argument("--precision", default="bf16")
+    lay.add_argument("--attention", default="flash")
+    lay.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"))
+    p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def model_from_args(a) -> ModelConfig:
+    if a.model:
+        path = Path(a.model)
+        if path.is_dir() or path.suffix == ".json":
+            from ..hf_config import model_config_from_hf
+            cfg_file = path / "config.json" if path.is_dir() else path
+            if not cfg_file.is_file():
+                raise PlanError(f"--model {a.model}: no config.json there")
+            return model_config_from_hf(json.loads(cfg_file.read_text()))
+        return load_config(a.model).model
+    need = ("layers", "hidden", "heads", "vocab")
+    missing = [n for n in need if getattr(a, n) is None]
+    if a.arch is None or missing:
+        raise PlanError("give --model, or --arch with --layers --hidden --heads --vocab (and optionally --kv-heads "
+                        f"--ffn), or --params{'; missing ' + ', '.join('--' + n for n in missing) if a.arch else ''}")
+    return ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers, hidden_size=a.hidden,
+                       num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
+                       vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt")
+
+
+def fmt(x: float) -> str:
+    return f"{x / GiB:.2f} GiB"
+
+
+def run(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    overrides = {"memory": parse_bytes(a.gpu_memory) if a.gpu_memory else None,
+                 "peak_flops": a.gpu_tflops * 1e12 if a.gpu_tflops else None,
+                 "hbm_bw": parse_bytes(a.hbm_bw) if a.hbm_bw else None,
+                 "nvlink_bw": parse_bytes(a.nvlink_bw) if a.nvlink_bw else None,
+                 "network_bw": parse_bytes(a.network_bw) if a.network_bw else None}
+    g = gpu(a.gpu, **overrides)
+    if a.params:
+        n = a.dp
+        out = {f"zero{s}": paper_model_states(a.params, s, n) for s in range(4)}
+        if a.json:
+            print(json.dumps({"model_states_bytes": out, "dp": n}))
+        else:
+            print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), dp {n}:")
+            for k, v in out.items():
+                print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if v <= g.memory * (1 - HEADROOM) else 'does not fit'}"
+                      f" {g.name})")
+        return 0
+    model = model_from_args(a)
+    layout = Layout(dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero=a.zero, offload=a.offload, sp=a.sp,
+                    recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
+                    precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype)
+    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * a.dp, a.tokens)
+    if a.search:
+        from .search import search, why
+        gpus = a.gpus or layout.gpus
+        best, scored, rejected, headroom = search(model, work if a.global_batch else
+                                                  Workload(a.seq, a.micro_batch, a.micro_batch * gpus, a.tokens),
+                                                  g, gpus, a.gpus_per_node, layout, a.top)
+        if a.json:
+            print(json.dumps([{"layout": vars(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+            return 0
+        print(f"{scored} layouts scored for {gpus} x {g.name}; {rejected} do not fit in {100 * (1 - headroom):.0f}% "
+              f"of {fmt(g.memory)}")
+        for rank, (e, w, L) in enumerate(best, 1):
+            desc = (f"dp {L.dp} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
+                    f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero} mb {w.micro_batch} recompute {L.recompute}")
+            print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s ({why(e, L, best[0][0])})")
+        if not best:
+            print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
+        return 0
+    e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus)
+    if a.json:
+        print(json.dumps(e.to_dict()))
+        return 0
+    mem = e.memory
+    rows = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
+            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
+            ("total", f"{fmt(mem.total)} of {fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'}, "
+                      f"{100 * HEADROOM:.0f}% headroom)"),
+            ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
+            ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
+            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
+            ("bubble", f"{100 * e.bubble:.1f}%")]
+    rows += [(f"comm {k}/step", f"{v / 1e9:.2f} GB") for k, v in e.comm_bytes_per_step.items() if v]
+    if a.tokens:
+        rows += [("train FLOPs", f"{e.train_flops:.3e}"), ("train days", f"{e.train_days:.1f}")]
+    print(f"{g.name}, per GPU (worst pipeline stage):")
+    for k, v in rows:
+        print(f"  {k:<18}{v}")
+    return 0

@@ -1,0 +1,43 @@
+"""FLOPs per step and the predicted step time.
+
+Model FLOPs per token are ModelConfig.flops_per_token, the runtime's own count: 6 x matmul parameters +
+12 x layers x heads x head_dim x seq (Narayanan et al. 2021, eq. 3, and the torchtitan convention;
+for the GPT block this is their 72 B s l h^2 (1 + s/(6h) + V/(16 l h)) per batch). Recomputation adds
+forward work the MFU does not credit: full recomputation one more forward of the layers (8N instead of
+6N per token), selective the attention scores and values again (12 -> 16 L h s).
+
+Step time = compute / (peak x efficiency) x (1 + pipeline bubble) + the optimizer's memory traffic +
+the part of each collective not hidden behind compute. The efficiency (the fraction of the dense peak
+that shardlm's fused blocks reach, 0.55) and the exposed fractions of collectives (all-reduce 0.85,
+reduce-scatter 0.3, ZeRO-3's prefetched gathers 0.1, ZeRO-1/2's post-step all-gather 1.0) were measured
+on H200s with tinyllama-1.1b (bench/README.md); override them for other hardware.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .layout import Layout, Workload
+
+EFFICIENCY = 0.55
+ADAM_BYTES = 28          # per parameter: 16-bit grad in, fp32 master, m, v in and out, 16-bit weight out
+CPU_ADAM_S = 12e-9       # seconds per parameter of torch's CPU AdamW (measured: 3.3 s for 275M)
+
+
+def model_flops_per_token(m: ModelConfig, seq: int) -> float:
+    return m.flops_per_token(seq)
+
+
+def recompute_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float:
+    c = m.param_counts()
+    attn = 4 * m.num_layers * m.num_heads * m.head_size * seq  # one forward of QK^T and AV
+    if recompute == "full":
+        return 2 * (c["layers"]) + attn
+    if recompute == "selective":
+        return attn
+    return 0.0
+
+
+def bubble(w: Workload, L: Layout) -> float:
+    if L.pp == 1:
+        return 0.0
+    m = w.global_batch // (w.micro_batch * L.dp)
+    return (L.pp - 1) / (m * (L.virtual_stages if L.pp_schedule == "interleaved" else 1))

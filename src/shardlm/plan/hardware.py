@@ -1,0 +1,49 @@
+"""Accelerator and interconnect figures the planner uses, from the vendors' datasheets.
+
+Peaks are dense 16-bit tensor-core rates; bandwidths are per GPU, in bytes/s. NVLink is the per-GPU
+one-direction rate (a ring collective moves data at about this rate per link); the network is the
+per-GPU NIC rate of a typical cluster (one 400 Gb/s NIC per GPU). Every figure can be overridden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: float          # bytes
+    peak_flops: float      # dense bf16/fp16 FLOP/s
+    hbm_bw: float          # bytes/s
+    nvlink_bw: float       # bytes/s per GPU, one direction, inside a node
+    network_bw: float      # bytes/s per GPU across nodes
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80GB", 80e9, 989e12, 3.35e12, 450e9, 50e9),
+    "h200": GPU("H200 SXM 141GB", 141e9, 989e12, 4.8e12, 450e9, 50e9),
+    "a100": GPU("A100 SXM 80GB", 80e9, 312e12, 2.0e12, 300e9, 25e9),
+    "a100-40gb": GPU("A100 SXM 40GB", 40e9, 312e12, 1.55e12, 300e9, 25e9),
+    "l40s": GPU("L40S 48GB", 48e9, 362e12, 0.864e12, 32e9, 25e9),
+    "b200": GPU("B200 180GB", 180e9, 2250e12, 8e12, 900e9, 50e9),
+}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '80GB', '3.35TB/s', '1e12' -> bytes (or bytes/s)."""
+    t = text.strip().removesuffix("/s").replace(" ", "")
+    units = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return float(t[:-len(unit)]) * mult
+    return float(t)
+
+
+def gpu(name: str, **overrides) -> GPU:
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown --gpu {name!r} (known: {', '.join(GPUS)}); override its figures with "
+                         "--gpu-memory, --gpu-tflops, --hbm-bw, --nvlink-bw, --network-bw")
+    return replace(GPUS[key], **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,171 @@
+"""Per-GPU memory of a training layout, for the worst pipeline stage.
+
+Model states (Rajbhandari et al. 2020, ZeRO, section 3): with mixed-precision Adam a parameter costs
+2 bytes (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master, momentum, variance), so Phi
+parameters need (2 + 2 + K) Phi bytes, e.g. 7B -> 112 GB; stage 1 divides K by Nd, stage 2 also the
+gradients, stage 3 everything: 2 Phi + 2 Phi + K Phi / Nd, 2 Phi + (2 + K) Phi / Nd, (2 + 2 + K) Phi / Nd
+(`paper_model_states`). shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master),
+and its stage 2/3 gradient shards exist from backward until the step, in the reduction dtype.
+
+Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Table 2), for that paper's GPT block (GELU 4h MLP, standard attention, dropout), in bytes:
+sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh(34/t +
+5as/(ht)) adding sequence parallelism; the 5as/h term vanishes with selective recomputation; full
+recomputation keeps 2sbh (the layer input, /t with sequence parallelism). Any other model is counted by
+the tensors shardlm's block actually saves (2 bytes each in 16-bit): both norms' inputs and outputs,
+q, k, v (GQA-sized), the attention output, the MLP's up projection (2f for SwiGLU) and activation, and
+with standard attention the softmax output (2as^2 per token-row batch); flash attention keeps only a
+per-head log-sum-exp, so no s^2 term. A pipeline stage holds several micro-batches in flight: GPipe m,
+1F1B min(p, m) on the first stage, interleaved 1F1B that times (1 + (p - 1) / (p v)) (Narayanan et
+al. 2021).
+
+Buffers: the output head and loss (shardlm's chunked head: one chunk of fp32 logits, its gradient and
+the head's gradient; otherwise the full bf16 logits, their fp32 copy and gradient), ZeRO-3's gathered
+units (the current block, the prefetched next one and the head), DDP and ZeRO reduction buckets in
+flight, and a fixed 256 MiB for cuBLAS and attention workspaces. The CUDA context (about 0.5-1 GiB)
+is outside what PyTorch allocates and is left to the headroom that `fits` keeps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from .layout import Layout, Workload
+
+MiB = 2**20
+WORKSPACE = 256 * MiB
+BUCKET_BYTES = 25 * MiB
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    activation_per_layer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def paper_model_states(phi: float, stage: int, nd: int, k: int = 12) -> float:
+    """ZeRO paper, Figure 1: bytes of model states per GPU for Phi parameters at data-parallel degree Nd."""
+    return {0: (2 + 2 + k) * phi, 1: 2 * phi + 2 * phi + k * phi / nd, 2: 2 * phi + (2 + k) * phi / nd,
+            3: (2 + 2 + k) * phi / nd}[stage]
+
+
+def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
+    """Parameters held by pipeline stage `stage` (before ZeRO), after tensor parallelism."""
+    c = m.param_counts()
+    layers = m.num_layers // L.pp
+    n = layers * c["per_layer"] / L.tp
+    if stage == 0:
+        n += c["embedding"] / L.tp + c["position"]
+    if stage == L.pp - 1:
+        n += c["final_norm"] + (c["lm_head"] / L.tp if not m.tie_embeddings or L.pp > 1 else 0)
+        if m.tie_embeddings and L.pp > 1:
+            n += c["embedding"] / L.tp  # the last stage keeps its own copy of a tied head
+    return n
+
+
+def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
+    s, b, h, a, t = w.seq / L.cp, w.micro_batch, m.hidden_size, m.num_heads, L.tp
+    sbh = s * b * h
+    if m.arch == "gpt2" and L.attention == "standard" and m.ffn_size == 4 * h:
+        if L.recompute == "full":
+            per = 2 * sbh / (t if L.sp else 1)
+        else:
+            score = 0.0 if L.recompute == "selective" else 5 * a * s / (h * t)
+            per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score)
+    else:
+        act = 2 if L.precision != "fp32" else 4
+        if L.recompute == "full":
+            per = act * sbh / (t if L.sp else 1)
+        else:
+            q, kv, f = a * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+            norms = 4 * sbh / (t if L.sp else 1)  # two norms, input and output each
+            attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
+            mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
+            per = act * (norms + attn + mlp)
+            if L.attention == "standard" and L.recompute != "selective":
+                per += act * a * s * s * b / t  # softmax probabilities
+            per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
+    return per
+
+
+def in_flight(w: Workload, L: Layout) -> float:
+    """Micro-batches whose activations the worst (first) pipeline stage holds at once."""
+    m = w.global_batch // (w.micro_batch * L.dp)
+    if L.pp == 1:
+        return 1
+    if L.pp_schedule == "gpipe":
+        return m
+    held = min(L.pp, m)
+    if L.pp_schedule == "interleaved":
+        held *= 1 + (L.pp - 1) / (L.pp * L.virtual_stages)
+    return held
+
+
+def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:
+    tokens = w.seq * w.micro_batch / L.cp
+    v, h = m.vocab_size / L.tp, m.hidden_size
+    act = 2 if L.precision != "fp32" else 4
+    final = 2 * act * tokens * h  # the final norm's input and output
+    if L.loss_chunk:
+        c = min(L.loss_chunk, tokens)
+        return final + c * v * (4 + act) + v * h * act + tokens * h * act
+    return final + tokens * v * (act + 4 + 4)  # logits, their fp32 copy, the softmax gradient
+
+
+def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
+    worst = None
+    for stage in sorted({0, L.pp - 1}):
+        phi = stage_params(m, L, stage)
+        n = L.dp
+        mixed = L.precision != "fp32"
+        p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
+        red = 4 if L.reduce_dtype == "fp32" else g_b
+        params, grads, opt = p_b * phi, g_b * phi, k * phi
+        if L.zero >= 1:
+            opt = k * phi / n
+        if L.zero == 1 and red != g_b:
+            grads += red * phi / n  # the reduced shard beside the full 16-bit gradients
+        if L.zero >= 2:
+            grads = red * phi / n
+        if L.zero == 3:
+            params = (p_b * phi / n) if L.offload == "params" else 0.0
+            if not mixed:
+                params = 0.0
+        if L.offload != "none":
+            opt = 0.0
+            if L.offload == "params":
+                params = 0.0
+        per_layer = activation_per_layer(m, w, L)
+        layers = m.num_layers // L.pp
+        acts = per_layer * layers * in_flight(w, L)
+        if L.recompute == "full":  # the layer being recomputed holds its full activations
+            acts += activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
+        if stage == 0 and L.pp > 1:
+            acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
+        buffers = WORKSPACE
+        if stage == L.pp - 1:
+            buffers += head_and_loss(m, w, L)
+        unit = m.param_counts()["per_layer"] / L.tp * p_b
+        if L.zero == 3:
+            head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
+            buffers += 2 * unit + head
+            grads_at_peak = 0.0  # gradient shards appear during backward, as activations are freed
+        else:
+            grads_at_peak = grads
+        if L.zero >= 2:
+            buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
+        elif L.dp > 1 and red != g_b:
+            buffers += 2 * BUCKET_BYTES * red / g_b
+        peak = params + grads_at_peak + opt + acts + buffers
+        cand = (peak, Memory(params, grads_at_peak if L.zero >= 2 else grads, opt, acts, buffers, per_layer))
+        if worst is None or cand[0] > worst[0]:
+            worst = cand
+    return worst[1]

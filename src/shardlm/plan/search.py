@@ -1,0 +1,73 @@
+"""Enumerate every valid layout for a cluster, drop those that do not fit, rank the rest by throughput.
+
+The space: dp x tp x pp = GPUs with tp inside a node and dividing the heads, pp dividing the layers,
+ZeRO 0-3 (3 only without pipelining), sequence parallelism with tp > 1, recomputation none / selective /
+full, every micro-batch that divides the per-replica batch, and the 1F1B or interleaved schedule. Each
+layout is a few hundred arithmetic operations, so tens of thousands are scored in well under a second.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import ModelConfig
+from . import Estimate, HEADROOM, estimate
+from .hardware import GPU
+from .layout import Layout, PlanError, Workload
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout):
+    for tp in divisors(min(gpus, gpus_per_node)):
+        if m.num_heads % tp or m.kv_heads % tp or gpus % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if m.num_layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if w.global_batch % dp:
+                continue
+            for micro in divisors(w.global_batch // dp):
+                if micro > 64:
+                    break
+                for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        for recompute in ("none", "selective", "full"):
+                            schedules = [("1f1b", 1)]
+                            if pp > 1 and m.num_layers % (pp * 2) == 0:
+                                schedules.append(("interleaved", 2))
+                            for sched, v in schedules:
+                                yield replace(w, micro_batch=micro), replace(
+                                    base, dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, recompute=recompute,
+                                    pp_schedule=sched, virtual_stages=v)
+
+
+def why(e: Estimate, L: Layout, best: Estimate | None) -> str:
+    parts = [f"mem {e.memory.total / 2**30:.1f} GiB", f"step {e.step_time_s:.3f}s", f"MFU {100 * e.mfu:.1f}%"]
+    if e.bubble:
+        parts.append(f"bubble {100 * e.bubble:.0f}%")
+    if L.recompute != "none":
+        parts.append(f"{L.recompute} recompute costs compute")
+    if best is not None and e is not best:
+        parts.append(f"{best.tokens_per_s / e.tokens_per_s:.2f}x slower than the best")
+    return ", ".join(parts)
+
+
+def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, base: Layout = Layout(),
+           top: int = 5):
+    """(ranked fitting (estimate, workload, layout) triples, number scored, number that did not fit)."""
+    fitting, scored, rejected = [], 0, 0
+    for work, layout in layouts(m, w, gpus, gpus_per_node, base):
+        try:
+            e = estimate(m, work, layout, g, gpus_per_node, gpus)
+        except PlanError:
+            continue
+        scored += 1
+        if e.fits:
+            fitting.append((e, work, layout))
+        else:
+            rejected += 1
+    fitting.sort(key=lambda t: (-t[0].tokens_per_s, t[0].memory.total))  # ties: the one with more room
+    return fitting[:top], scored, rejected, HEADROOM

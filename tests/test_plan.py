@@ -1,0 +1,118 @@
+"""The planner against published figures, its errors, its speed, and that it imports no torch."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import run_cli
+from shardlm.config import ModelConfig, load_config
+from shardlm.plan import Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from shardlm.plan.memory import activation_per_layer
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, Nd = 64, K = 12: 120, 31.4, 16.6, 1.88 GB."""
+    got = [paper_model_states(7.5e9, s, 64) / 1e9 for s in range(4)]
+    assert got == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.05)
+
+
+def test_sixteen_bytes_per_parameter():
+    """Mixed-precision Adam: 2 + 2 + 12 bytes per parameter; a 7B model needs 112 GB of model states."""
+    assert paper_model_states(7e9, 0, 1) == 112e9
+
+
+GPT3 = ModelConfig(arch="gpt2", vocab_size=51200, hidden_size=12288, num_layers=96, num_heads=96, max_seq_len=2048)
+
+
+@pytest.mark.parametrize("layout, factor", [
+    (Layout(), 34 + 5 * 96 * 2048 / 12288),                                  # no parallelism
+    (Layout(tp=8), 10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)),              # tensor parallel
+    (Layout(tp=8, sp=True), 34 / 8 + 5 * 96 * 2048 / (12288 * 8)),          # + sequence parallel
+    (Layout(tp=8, recompute="selective"), 10 + 24 / 8),                       # + selective recomputation
+    (Layout(tp=8, sp=True, recompute="selective"), 34 / 8),
+    (Layout(tp=8, sp=True, recompute="full"), 2 / 8),
+    (Layout(recompute="full"), 2),
+])
+def test_korthikanti_table_2(layout, factor):
+    """Korthikanti et al. 2022, Table 2, for their GPT-3 175B block (s 2048, b 1, h 12288, a 96, t 8)."""
+    w = Workload(seq=2048, micro_batch=1, global_batch=1)
+    got = activation_per_layer(GPT3, w, Layout(**{**layout.__dict__, "attention": "standard"}))
+    assert got == pytest.approx(2048 * 12288 * factor)
+    # Section 5's headline: sequence parallelism with selective recomputation cuts activations 5x vs TP.
+    if layout == Layout(tp=8, sp=True, recompute="selective"):
+        tp_only = activation_per_layer(GPT3, w, Layout(tp=8, attention="standard"))
+        assert tp_only / got == pytest.approx(5.4, abs=0.1)
+
+
+@pytest.mark.parametrize("recompute, coeff", [("none", 72), ("full", 96)])
+def test_narayanan_flops(recompute, coeff):
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per step with recomputation;
+    without it the layers' term is 72 (the logit layer is 6 B s V h either way)."""
+    from shardlm.plan.flops import model_flops_per_token, recompute_flops_per_token
+    m = ModelConfig(arch="gpt2", vocab_size=51200, hidden_size=12288, num_layers=96, num_heads=96, max_seq_len=2048,
+                    tie_embeddings=True)
+    s, l, h, V = 2048, 96, 12288, 51200
+    per_token = model_flops_per_token(m, s) + recompute_flops_per_token(m, s, recompute)
+    paper = coeff * l * h * h * (1 + s / (6 * h)) + 6 * V * h
+    assert per_token == pytest.approx(paper, rel=2e-3)  # our count includes biases and norms
+
+
+def test_predictions_match_measured_tinyllama_memory():
+    """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md)."""
+    m, g = load_config("tinyllama-1.1b").model, gpu("h200")
+    cases = [(Workload(2048, 4, 4), Layout(), 28.1), (Workload(2048, 4, 4), Layout(recompute="full"), 18.0),
+             (Workload(2048, 4, 16), Layout(dp=4, zero=3), 14.9), (Workload(2048, 4, 16), Layout(dp=4, zero=2), 16.9)]
+    for w, L, measured in cases:
+        predicted = estimate(m, w, L, g).memory.total / 2**30
+        assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
+
+
+def test_bad_layouts_name_the_value():
+    m, g = load_config("tinyllama-1.1b").model, gpu("h100")
+    w = Workload(2048, 1, 8)
+    for layout, msg in [(Layout(tp=3), "--tp 3 does not divide the 32 attention heads"),
+                        (Layout(tp=8), "--tp 8 does not divide the 4 KV heads"),
+                        (Layout(pp=23), "--pp 23 exceeds the model's 22 layers"),
+                        (Layout(zero=3, pp=2), "--zero 3 with --pp 2 is not supported"),
+                        (Layout(offload="params", zero=2), "--offload params needs --zero 3")]:
+        with pytest.raises(PlanError, match=msg):
+            estimate(m, w, layout, g)
+    with pytest.raises(PlanError, match=r"= 2 != --gpus 4"):
+        estimate(m, w, Layout(dp=2), g, gpus=4)
+    with pytest.raises(ValueError, match="unknown --gpu 'tpu'"):
+        gpu("tpu")
+
+
+def test_scores_ten_thousand_layouts_quickly():
+    m, g = load_config("llama2-7b").model, gpu("h100")
+    w = Workload(4096, 1, 256)
+    layouts = [Layout(dp=d, zero=z, recompute=r) for d in (8, 16, 32, 64) for z in range(4)
+               for r in ("none", "selective", "full")]
+    t = time.perf_counter()
+    n = 0
+    while n < 10_000:
+        for L in layouts:
+            estimate(m, w, L, g)
+            n += 1
+    assert time.perf_counter() - t < 2.0  # about 0.4 s on one core of the CI machine
+
+
+def test_cli_json_search_and_no_torch():
+    out = json.loads(run_cli("plan", "--model", "tinyllama-1.1b", "--seq", 2048, "--micro-batch", 4, "--gpu", "h200",
+                             "--tokens", 1e9, "--json").stdout)
+    for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+        assert out["memory"][key] >= 0
+    for key in ("activation_per_layer", "flops_per_step", "step_time_s", "mfu", "bubble", "comm_bytes_per_step",
+                "fits", "train_flops", "train_days"):
+        assert key in out
+    assert set(out["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep"}
+    ranked = json.loads(run_cli("plan", "--model", "llama2-7b", "--gpus", 16, "--search", "--seq", 4096,
+                                "--global-batch", 64, "--json").stdout)
+    assert ranked and all(r["fits"] for r in ranked)
+    assert [r["tokens_per_s"] for r in ranked] == sorted((r["tokens_per_s"] for r in ranked), reverse=True)
+    bad = run_cli("plan", "--model", "tinyllama-1.1b", "--tp", 3, check=False)
+    assert bad.returncode == 2 and "--tp 3" in bad.stderr
+    code = "import sys, shardlm.plan.cli, shardlm.plan.search; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
