@@ -116,3 +116,19 @@ def test_cli_json_search_and_no_torch():
     assert bad.returncode == 2 and "--tp 3" in bad.stderr
     code = "import sys, shardlm.plan.cli, shardlm.plan.search; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_mixture_of_experts_counts_and_expert_parallel_traffic():
+    """Mixtral 8x7B: 46.7B parameters, about 12.9B active per token (Jiang et al. 2024)."""
+    m = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, num_experts=8, top_k=2)
+    assert m.num_params() == pytest.approx(46.7e9, rel=0.002)
+    active = m.param_counts()["active_per_layer"] * 32 + 2 * 32000 * 4096
+    assert active == pytest.approx(12.9e9, rel=0.005)
+    w = Workload(4096, 1, 64)
+    one = estimate(m, w, Layout(dp=8, zero=1), gpu("h100"))
+    ep = estimate(m, w, Layout(dp=8, ep=8, zero=1), gpu("h100"))
+    assert one.comm_bytes_per_step["ep"] == 0 < ep.comm_bytes_per_step["ep"]
+    assert ep.memory.params < one.memory.params / 3  # experts (most of the weights) split 8 ways
+    with pytest.raises(PlanError, match="--ep 3 must divide the 8 experts"):
+        estimate(m, w, Layout(dp=6, ep=3), gpu("h100"))

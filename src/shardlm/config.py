@@ -41,6 +41,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False         # Qwen2 puts biases on q, k, v only
     sliding_window: int = 0        # Mistral's window; 0 means full causal attention
+    num_experts: int = 0           # Mixtral-style MoE MLP with this many experts (planner only so far)
+    top_k: int = 2                 # experts each token is routed to
     init_std: float = 0.02
 
     # Derived shapes. Everything that counts parameters or FLOPs goes through these.
@@ -76,13 +78,18 @@ class ModelConfig:
         else:
             mlp = 3 * h * f
             norms = 2 * h
-        layer = qkv + attn_out + mlp + norms
+        experts = max(1, self.num_experts)
+        router = h * self.num_experts
+        layer = qkv + attn_out + mlp * experts + router + norms
         embed = v * h
         pos = self.max_seq_len * h if self.arch == "gpt2" else 0
         final_norm = 2 * h if self.arch == "gpt2" else h
         head = 0 if self.tie_embeddings else v * h
         return {"embedding": embed, "position": pos, "layers": layer * self.num_layers,
-                "per_layer": layer, "final_norm": final_norm, "lm_head": head}
+                "per_layer": layer, "final_norm": final_norm, "lm_head": head,
+                # what one token's forward multiplies by: top_k of the experts
+                "active_per_layer": layer - mlp * (experts - min(experts, self.top_k)),
+                "expert_per_layer": mlp * self.num_experts}
 
     def num_params(self) -> int:
         c = self.param_counts()
@@ -96,7 +103,7 @@ class ModelConfig:
         forward and backward, counting the full square as torchtitan and Megatron's MFU do).
         """
         c = self.param_counts()
-        matmul = c["layers"] + c["final_norm"] + self.vocab_size * self.hidden_size
+        matmul = c["active_per_layer"] * self.num_layers + c["final_norm"] + self.vocab_size * self.hidden_size
         return 6 * matmul + 12 * self.num_layers * self.num_heads * self.head_size * seq_len
 
 
@@ -194,7 +201,7 @@ POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
-NON_NEGATIVE = ("model.num_kv_heads", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
+NON_NEGATIVE = ("model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold")
@@ -331,6 +338,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if m.sliding_window and t.seq_len > m.sliding_window:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.sliding_window = {m.sliding_window}; "
                           "sliding-window attention is not implemented")
+    if m.num_experts:
+        raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
+                          "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
     if p.dp * p.tp * p.pp != world_size:

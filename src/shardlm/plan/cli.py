@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ModelConfig, load_config
@@ -20,6 +21,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--arch", choices=("gpt", "llama"))
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         m.add_argument(f"--{name}", type=int)
+    m.add_argument("--experts", type=int, default=0, help="mixture-of-experts MLP with this many experts")
+    m.add_argument("--top-k", type=int, default=2, help="experts per token")
     m.add_argument("--params", type=float, help="a bare parameter count: model states only")
     w = p.add_argument_group("work")
     w.add_argument("--seq", type=int, default=2048)
@@ -61,8 +64,10 @@ def model_from_args(a) -> ModelConfig:
             cfg_file = path / "config.json" if path.is_dir() else path
             if not cfg_file.is_file():
                 raise PlanError(f"--model {a.model}: no config.json there")
-            return model_config_from_hf(json.loads(cfg_file.read_text()))
-        return load_config(a.model).model
+            cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
+        else:
+            cfg = load_config(a.model).model
+        return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg
     need = ("layers", "hidden", "heads", "vocab")
     missing = [n for n in need if getattr(a, n) is None]
     if a.arch is None or missing:
@@ -70,7 +75,8 @@ def model_from_args(a) -> ModelConfig:
                         f"--ffn), or --params{'; missing ' + ', '.join('--' + n for n in missing) if a.arch else ''}")
     return ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers, hidden_size=a.hidden,
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
-                       vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt")
+                       vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt",
+                       num_experts=a.experts, top_k=a.top_k)
 
 
 def fmt(x: float) -> str:

@@ -40,7 +40,10 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     pp = 0.0 if L.pp == 1 else 2 * tokens * m.hidden_size * act * micro
     kv = m.kv_heads * m.head_size / t
     cp = 0.0 if L.cp == 1 else 2 * (L.cp - 1) / L.cp * 2 * tokens * L.cp * kv * act * layers * micro
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": 0.0}
+    # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
+    # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
+    ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
 
 
 def link_bw(g: GPU, group: int, stride: int, gpus_per_node: int) -> float:
@@ -57,7 +60,8 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
     tp_bw = link_bw(g, L.tp, 1, gpus_per_node)
     dp_bw = link_bw(g, L.dp, L.tp * L.cp, gpus_per_node)
     pp_bw = link_bw(g, L.pp, L.tp * L.cp * L.dp, gpus_per_node)
-    t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / tp_bw
+    ep_bw = link_bw(g, L.ep, L.tp * L.cp, gpus_per_node)
+    t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / tp_bw + b["ep"] / ep_bw
     if L.dp > 1:
         if L.zero == 0:
             t += b["dp"] / dp_bw * EXPOSED["allreduce"]

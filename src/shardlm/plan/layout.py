@@ -79,8 +79,13 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
         raise PlanError("--offload params needs --zero 3")
     if L.sp and L.tp == 1:
         raise PlanError("--sp (sequence parallelism) needs --tp > 1")
-    if L.ep > 1 and not getattr(model, "num_experts", 0):
-        raise PlanError(f"--ep {L.ep} needs a mixture-of-experts model")
+    if L.ep > 1 and not model.num_experts:
+        raise PlanError(f"--ep {L.ep} needs a mixture-of-experts model (--experts)")
+    if model.num_experts and (model.num_experts % L.ep or L.dp % L.ep):
+        raise PlanError(f"--ep {L.ep} must divide the {model.num_experts} experts and --dp {L.dp} "
+                        "(expert parallelism is carved out of data parallelism)")
+    if model.num_experts and not 1 <= model.top_k <= model.num_experts:
+        raise PlanError(f"--top-k {model.top_k} must be between 1 and the {model.num_experts} experts")
     if work.seq % L.cp or (L.sp and work.seq % L.tp):
         raise PlanError(f"--seq {work.seq} must divide by --cp {L.cp}" + (f" and --tp {L.tp}" if L.sp else ""))
     if work.global_batch % (work.micro_batch * L.dp):

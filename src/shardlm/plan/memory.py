@@ -58,10 +58,11 @@ def paper_model_states(phi: float, stage: int, nd: int, k: int = 12) -> float:
 
 
 def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
-    """Parameters held by pipeline stage `stage` (before ZeRO), after tensor parallelism."""
+    """Parameters held by pipeline stage `stage` (before ZeRO), after tensor and expert parallelism."""
     c = m.param_counts()
     layers = m.num_layers // L.pp
-    n = layers * c["per_layer"] / L.tp
+    dense = c["per_layer"] - c["expert_per_layer"]
+    n = layers * (dense + c["expert_per_layer"] / L.ep) / L.tp
     if stage == 0:
         n += c["embedding"] / L.tp + c["position"]
     if stage == L.pp - 1:
@@ -89,6 +90,8 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             norms = 4 * sbh / (t if L.sp else 1)  # two norms, input and output each
             attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
+            if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
+                mlp = mlp * m.top_k + s * b * (h + m.num_experts) * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective":
                 per += act * a * s * s * b / t  # softmax probabilities
