@@ -16,7 +16,8 @@ from .memory import Memory, estimate_memory, paper_model_states, stage_params
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "paper_model_states"]
 
-HEADROOM = 0.10  # of the card's memory kept free for the CUDA context, fragmentation and spikes
+HEADROOM = 0.10      # of the card's memory kept free for allocator fragmentation and transient spikes
+CUDA_CONTEXT = 0.75 * 2**30  # CUDA context, cuBLAS and NCCL state: outside torch's allocator, so outside `total`
 
 
 @dataclass(frozen=True)
@@ -59,5 +60,5 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
         n = m.num_params() - m.param_counts()["embedding"] - m.param_counts()["position"]
         train_flops = (8 if L.recompute == "full" else 6) * n * w.tokens
         train_days = w.tokens / tokens_per_s / 86400
-    fits = mem.total <= g.memory * (1 - HEADROOM)
+    fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
     return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days)

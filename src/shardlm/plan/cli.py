@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ModelConfig, load_config
-from . import HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
 from .hardware import GPUS, parse_bytes
 
 GiB = 2**30
@@ -99,7 +99,8 @@ def run(argv: list[str]) -> int:
         else:
             print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), dp {n}:")
             for k, v in out.items():
-                print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if v <= g.memory * (1 - HEADROOM) else 'does not fit'}"
+                fits = v + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
+            print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if fits else 'does not fit'}"
                       f" {g.name})")
         return 0
     model = model_from_args(a)
@@ -132,8 +133,8 @@ def run(argv: list[str]) -> int:
     mem = e.memory
     rows = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
             ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
-            ("total", f"{fmt(mem.total)} of {fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'}, "
-                      f"{100 * HEADROOM:.0f}% headroom)"),
+            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
+                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
             ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
             ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
             ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),

@@ -22,8 +22,9 @@ al. 2021).
 Buffers: the output head and loss (shardlm's chunked head: one chunk of fp32 logits, its gradient and
 the head's gradient; otherwise the full bf16 logits, their fp32 copy and gradient), ZeRO-3's gathered
 units (the current block, the prefetched next one and the head), DDP and ZeRO reduction buckets in
-flight, and a fixed 256 MiB for cuBLAS and attention workspaces. The CUDA context (about 0.5-1 GiB)
-is outside what PyTorch allocates and is left to the headroom that `fits` keeps.
+flight, and a fixed 256 MiB for cuBLAS and attention workspaces. `total` is what
+torch.cuda.max_memory_allocated would report; `fits` adds the CUDA context (0.75 GiB, outside PyTorch's
+allocator) and keeps 10% of the card for allocator fragmentation (plan/__init__.py).
 """
 from __future__ import annotations
 
