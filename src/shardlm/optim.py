@@ -177,16 +177,16 @@ class MasterWeightOptimizer:
 
     # ---- layout-free state: full tensors keyed by parameter name (collective when sharded) ---------
     def _full(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each bucket's full buffer from the shards (an all-gather per bucket when sharded)."""
+        """Each bucket's full buffer from the shards (an all-gather per bucket when sharded), moved to the
+        CPU bucket by bucket so saving never holds more than one full bucket in device memory."""
         out = []
         for b, part in zip(self.flat.buckets, parts):
-            part = part.to(self.device)
             if not self.sharded:
                 out.append(part)
                 continue
             full = torch.empty(b.numel, dtype=part.dtype, device=self.device)
-            all_gather_into_tensor(full, part.contiguous(), group=self.group)
-            out.append(full)
+            all_gather_into_tensor(full, part.to(self.device).contiguous(), group=self.group)
+            out.append(full.cpu())
         return out
 
     def master_state(self) -> dict[str, torch.Tensor]:
