@@ -37,7 +37,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
         from .checkpoint import load_checkpoint
-        from .config import _apply, _flatten, config_from_dict
+        from .config import _apply, config_from_dict
         cfg = config_from_dict(load_checkpoint(args.resume, with_optimizer=False)["state"]["config"])
         _apply(cfg, overrides)
     else:

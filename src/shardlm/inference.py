@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import STATE, load_checkpoint, resolve_checkpoint
+from .checkpoint import load_checkpoint
 from .config import ModelConfig, config_from_dict
 from .model import Decoder, KVCache, build_model
 from .model.hf import is_hf_dir, read_hf_dir
@@ -41,17 +41,6 @@ def load_pretrained(path: str | Path, device="cpu", dtype=torch.float32) -> tupl
     model.load_state_dict(state, strict=True)
     model = model.to(dtype).eval()
     return model, load_tokenizer(tok_dir), cfg
-
-
-def is_model_dir(path: str | Path) -> bool:
-    path = Path(path)
-    if is_hf_dir(path) or (path / STATE).is_file():
-        return True
-    try:
-        resolve_checkpoint(path)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
