@@ -16,6 +16,11 @@ def test_help(cmd):
     assert "usage" in proc.stdout.lower()
 
 
+def test_overrides_without_a_config_name():
+    out = run_cli("train", "--train.steps", "50", "--train.log_every=10", "--print-config").stdout
+    assert "steps = 50" in out and "log_every = 10" in out and "hidden_size = 256" in out  # the default preset
+
+
 def test_print_config_and_errors():
     out = run_cli("train", "tiny", "--train.steps", "3", "--print-config").stdout
     assert "[train]" in out and "steps = 3" in out

@@ -30,9 +30,28 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Our own flags and the config name for argparse; every --section.key [value] for parse_overrides.
+
+    argparse alone cannot do this: with an optional positional it takes the value of an unknown
+    `--train.steps 50` as the config name."""
+    ours, overrides, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            take = 1 if "=" in a else 2
+            overrides += argv[i:i + take]
+            i += take
+        else:
+            ours.append(a)
+            i += 1
+    return ours, overrides
+
+
 def cmd_train(argv: list[str]) -> int:
     parser = _train_parser()
-    args, rest = parser.parse_known_args(argv)
+    ours, rest = _split_train_args(argv)
+    args = parser.parse_args(ours)
     overrides = parse_overrides(rest)
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
