@@ -72,7 +72,7 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k if "/" in k else f"train/{k}", v, record["step"])
             self.tb.flush()
 

@@ -70,10 +70,6 @@ class TokenShards:
                 raise DataError(f"shard {path} is corrupt: its checksum does not match {self.dir / INDEX}")
         return data
 
-    @property
-    def vocab_size(self) -> int:
-        return self.index["vocab_size"]
-
 
 class WindowDataset:
     """Non-overlapping windows of seq_len + 1 tokens over all shards (a window never spans two shards)."""
