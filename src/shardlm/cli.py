@@ -74,6 +74,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}), writing {out}", flush=True)
     trainer.run()
+    trainer.close()
     return 0
 
 

@@ -33,7 +33,9 @@ class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
                  mesh: Mesh | None = None, log=print):
         self.cfg, self.log = cfg, log
+        self.owns_process_group = mesh is None and not dist.is_initialized()
         self.mesh = mesh if mesh is not None else init_distributed(cfg)
+        self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
         self.device = pick_device(t.device)
@@ -213,3 +215,11 @@ class Trainer:
             if self.mesh.is_main:
                 self.log("sample:\n" + t.sample_prompt + text)
         return records
+
+    def close(self) -> None:
+        # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
+        # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
+        # after a failure the launcher's kill is safer than waiting on peers.
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
