@@ -158,3 +158,29 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     after, _ = trainer.engine.full_state()
     unchanged = None if before is None else all(torch.equal(before[k], after[k]) for k in before)
     return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged
+
+
+def reduced_bf16_gradients(rank, world, overrides: dict):
+    """Each rank's bf16 gradients are a seeded random tensor; returns the reduced buckets beside the
+    fp32 sum over all ranks rounded to bf16, which an fp32 reduction of bf16 gradients must produce."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",
+                               "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    eng, model = trainer.engine, trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads_of(r):
+        g = torch.Generator().manual_seed(1000 + r)
+        return [torch.randn(p.shape, generator=g).mul_(1 + r).to(torch.bfloat16) for p in params]  # on the CPU
+    mine = grads_of(rank)
+    eng.before_backward(True)
+    sum(torch.sum(p * g.to(p.device)) for p, g in zip(params, mine)).backward()
+    eng.after_backward(True)
+    expected = [torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0).to(torch.bfloat16)
+                for i in range(len(params))]
+    got = [eng.flat.view(eng.flat.bucket_of(i).grad, i).cpu() for i in range(len(params))]
+    names = eng.flat.names
+    order = {id(p): i for i, p in enumerate(eng.flat.params)}
+    return [(names[order[id(p)]], got[order[id(p)]], e) for p, e in zip(params, expected)]

@@ -201,3 +201,12 @@ def test_zero3_with_full_recomputation_equals_one_process():
     results = run_distributed(dist_fns.train_and_capture, 2,
                               {**common, **MODES["zero3"], "train.recompute": "full", "parallel.dp": "2"}, timeout=240)
     check_against_reference(results, ref, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_sums_bf16_gradients_in_fp32(world):
+    """The fp32 reduction of 16-bit gradients (reduce-scatter in fp32, all-gather in bf16) gives the fp32
+    sum over ranks rounded once to bf16, on every rank."""
+    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, {}, timeout=120):
+        for name, got, expected in rank_result:
+            assert torch.equal(got, expected), name

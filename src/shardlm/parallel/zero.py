@@ -8,7 +8,10 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
 
 - Stage 1 shards the optimizer state. Gradients accumulate into full 16-bit bucket buffers; on the last
   micro-step each bucket is reduce-scattered as soon as its gradients are in (overlapping backward), the
-  optimizer updates the owned slice, and an all-gather per bucket returns the updated weights.
+  optimizer updates the owned slice, and an all-gather per bucket returns the updated weights. The
+  all-gathers are issued in the order the next forward reads the buckets and left in flight: forward
+  waits for a bucket only just before the first module that reads it (the embeddings, a block, the
+  head), so they overlap its compute (Megatron-LM's distributed optimizer overlaps them likewise).
 - Stage 2 also shards gradients. No full gradient buffer exists: as autograd produces a parameter's
   gradient it is copied into its bucket's transient buffer and freed; a complete bucket is
   reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
@@ -113,6 +116,10 @@ class ZeroEngine(LocalEngine):
         self.ready = BucketReadiness(flat, self._launch, None if self.stage == 1 else self._take_grad)
         self.in_backward = False
         self.gather_work: dict[int, object] = {}
+        self.publishing: dict[int, tuple] = {}  # bucket -> (all-gather in flight, its input)
+        self.publish_order = list(range(len(flat.buckets)))
+        if self.stage < 3 and self.world > 1:
+            self._await_publish_in_forward(model)
 
     # ---- stage 3: parameters live as shards; units are gathered around their use -----------------
     def _materialize_stage3(self, model: nn.Module) -> None:
@@ -226,6 +233,34 @@ class ZeroEngine(LocalEngine):
             self._release(self.head_unit)
         return output
 
+    # ---- stages 1, 2: updated weights arrive while the next forward runs ----------------------
+    def _await_publish_in_forward(self, model: nn.Module) -> None:
+        last = len(model.layers) + 1
+
+        def point(name: str) -> int:  # where forward first reads a parameter: 0 embeddings, i + 1 block i
+            if name.startswith("layers."):
+                return int(name.split(".")[1]) + 1
+            return 0 if name.startswith(EMBED_PREFIXES) else last
+        first = [last] * len(self.flat.buckets)
+        for i, name in enumerate(self.flat.names):
+            b = self.flat.where[i][0]
+            first[b] = min(first[b], point(name))
+        self.first_read = first
+        self.publish_order = sorted(range(len(first)), key=lambda b: (first[b], b))
+        model.register_forward_pre_hook(_eager(lambda mod, args: self._await_published(0)))
+        for i, block in enumerate(model.layers):
+            block.register_forward_pre_hook(_eager(lambda mod, args, at=i + 1: self._await_published(at)))
+        model.norm.register_forward_pre_hook(_eager(lambda mod, args: self._await_published(last)))
+
+    def _await_published(self, at: int | None = None) -> None:
+        """Wait (the compute stream waits, on GPU) for the weights read at forward point `at` or before;
+        None: for all of them."""
+        if not self.publishing:
+            return
+        for b in [b for b in self.publishing if at is None or self.first_read[b] <= at]:
+            work, _ = self.publishing.pop(b)
+            work.wait()
+
     # ---- gradients -----------------------------------------------------------------------------
     def _take_grad(self, i: int, param: nn.Parameter) -> None:
         """Stages 2, 3: move a fresh gradient into its bucket's transient buffer and free it."""
@@ -268,6 +303,7 @@ class ZeroEngine(LocalEngine):
                 self.flat.buckets[b].grad = None
 
     def before_backward(self, last: bool) -> None:
+        self._await_published()  # backward reads the weights too, whatever forward waited for
         if self.stage == 1 and not last:
             return  # stage 1 accumulates full gradients locally until the last micro-step
         self.ready.arm()
@@ -293,6 +329,7 @@ class ZeroEngine(LocalEngine):
 
     @torch.no_grad()
     def step(self, lr: float, step: int) -> None:
+        self._await_published()
         applied = self.opt.step(lr, step, lambda b: self.gshard[b], self._param_shard, self.grad_factor())
         if applied:
             self._publish()
@@ -302,18 +339,23 @@ class ZeroEngine(LocalEngine):
             self.gshard = [None] * len(self.gshard)
 
     def _publish(self) -> None:
-        """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params)."""
-        for b in self.flat.buckets:
-            if not self.persistent[b.index]:
+        """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params),
+        in the order forward reads them; stages 1 and 2 leave them in flight (`_await_published`)."""
+        for i in self.publish_order:
+            b = self.flat.buckets[i]
+            if not self.persistent[i]:
                 continue
             if self.stage == 3:
-                b.extra["shard"].copy_(self.opt.shard_of(b.data, b.index))
+                b.extra["shard"].copy_(self.opt.shard_of(b.data, i))
             if self.world > 1:
-                mine = self.opt.shard_of(b.data, b.index).clone()
-                all_gather_into_tensor(b.data, mine, group=self.group)
+                mine = self.opt.shard_of(b.data, i).clone()
+                self.publishing[i] = (all_gather_into_tensor(b.data, mine, group=self.group, async_op=True), mine)
+        if self.stage == 3:
+            self._await_published()
 
     @torch.no_grad()
     def load(self, masters: dict, state: dict) -> None:
+        self._await_published()
         shards = self.opt.load(masters, state)
         for b, part in zip(self.flat.buckets, shards):
             if "shard" in b.extra:
