@@ -40,6 +40,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.tp": "2"}, "parallel.tp = 2 is not supported yet"),
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
+    ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
 ])
 def test_invalid_values_name_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -210,3 +210,13 @@ def test_ddp_sums_bf16_gradients_in_fp32(world):
     for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, {}, timeout=120):
         for name, got, expected in rank_result:
             assert torch.equal(got, expected), name
+
+
+def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
+    from shardlm.parallel.zero import offload_threads
+    assert offload_threads(3) == 3
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert offload_threads(0) == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert offload_threads(0) == 1

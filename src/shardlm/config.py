@@ -162,6 +162,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
+    offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
 
 
 @dataclass
@@ -204,7 +205,8 @@ POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.
 NON_NEGATIVE = ("model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
-                "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold")
+                "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
+                "parallel.offload_threads")
 
 
 def preset_names() -> list[str]:

@@ -66,7 +66,12 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
         partial = torch.empty(triton.cdiv(x.numel(), BLOCK), device=x.device, dtype=torch.float32)
         _sumsq_kernel[(partial.numel(),)](x, partial, x.numel(), BLOCK=BLOCK)
         return partial.sum()
-    return x.float().pow(2).sum()  # torch.sum sums pairwise on CPU; vector_norm there loses ~1e-6
+    # torch.sum sums pairwise on CPU (vector_norm there loses ~1e-6); a chunk at a time keeps the fp32
+    # temporaries in cache instead of allocating (and page-faulting) two copies of a large gradient.
+    chunk = 1 << 20
+    if x.numel() <= chunk:
+        return x.float().pow(2).sum()
+    return torch.stack([c.float().pow(2).sum() for c in x.split(chunk)]).sum()
 
 
 def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor,
@@ -85,10 +90,18 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
     if bool(skip):
         return
     g = grad.float() * scale if (grad.dtype != torch.float32 or float(scale) != 1.0) else grad
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+    if master.device.type == "cpu" and hasattr(torch, "_fused_adamw_"):
+        # The vectorised, multi-threaded kernel behind torch.optim.AdamW(fused=True) on the CPU: one pass
+        # over the four tensors instead of six, about 7x faster than the ops below; it is what makes
+        # optimizer offload usable. The step count is read, not incremented.
+        torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
+                            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                            maximize=False)
+    else:
+        master.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps), value=-lr / bc1)
     if param is not None:
         param.copy_(master)
 

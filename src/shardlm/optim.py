@@ -80,6 +80,10 @@ class MasterWeightOptimizer:
                     src = initial_shards[b.index] if initial_shards is not None else self.shard_of(b.data, b.index)
                     self.master_part(b.index).copy_(src)
             self.master_parts = [self.master_part(b.index) for b in flat.buckets]
+        # Offloaded gradients land in one persistent (pinned) fp32 host buffer: a fresh allocation per step
+        # would page-fault its way through gigabytes, and a pageable target makes the copy synchronous.
+        self.host_grad = torch.empty(total, dtype=torch.float32, pin_memory=torch.cuda.is_available()) \
+            if offload else None
         zeros = lambda: [torch.zeros_like(m) for m in self.master_parts]  # noqa: E731
         keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
         self.state = {k: zeros() for k in keys}
@@ -139,8 +143,14 @@ class MasterWeightOptimizer:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
         self.steps_taken += 1
         if self.offload:
-            scale, skip = scale.cpu(), self._skip.cpu()
-            grads = [g.to("cpu", torch.float32) for g in grads]
+            host = [self.host_grad[self.master_off[b]:self.master_off[b] + self.shard_len[b]]
+                    for b in range(len(grads))]
+            for h, g in zip(host, grads):
+                h.copy_(g, non_blocking=True)
+            scale, skip = scale.cpu(), self._skip.cpu()  # waits for the copies above too
+            for h in host:
+                h.mul_(scale)
+            grads, scale = host, torch.ones(())
         else:
             skip = self._skip
         outs = {}

@@ -1,6 +1,7 @@
 """ZeRO stages 1-3 over flat, rank-aligned buckets (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models"), with optimizer and parameter offload (Ren et al. 2021,
-"ZeRO-Offload").
+"ZeRO-Offload"). The offloaded step runs torch's vectorised CPU AdamW kernel on a persistent pinned
+fp32 gradient buffer, with `parallel.offload_threads` threads (default: the rank's share of the cores).
 
 Every bucket is padded to a multiple of N (the data-parallel degree) and rank r owns elements
 [r B/N, (r+1) B/N) of each bucket B: its fp32 master weights, Adam moments and reduced gradients are
@@ -33,6 +34,8 @@ global norm on every rank, and an fp16 overflow anywhere skips the step everywhe
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,6 +61,15 @@ def _alloc(t: torch.Tensor) -> None:
 
 
 EMBED_PREFIXES = ("embed.", "pos_embed.")
+
+
+def offload_threads(requested: int) -> int:
+    """Threads for the CPU optimizer step: as asked, else this rank's share of the cores it may run on
+    (torchrun sets OMP_NUM_THREADS=1 per rank, which would leave the offloaded step on one core)."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
@@ -96,6 +108,8 @@ class ZeroEngine(LocalEngine):
         flat = self.flat
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
         self.offload_params = p.offload == "params"
+        if p.offload != "none":
+            torch.set_num_threads(offload_threads(p.offload_threads))
         if self.stage == 3:
             self._materialize_stage3(model)
         self.opt = MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, offload=p.offload != "none",
