@@ -202,6 +202,7 @@ class Trainer:
             raise
         finally:
             bar.close()
+        self.engine.finish()
         if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()
             if path:

@@ -19,7 +19,7 @@
   and the all-gather are queued on a side stream, so backward never waits for them.
 
 Every engine offers the trainer the same calls: `before_backward(last)`, `after_backward(last)`,
-`step(lr, step)`, `sync(step)`, and layout-free `full_state()` / `load(...)`.
+`step(lr, step)`, `sync(step)`, `finish()`, and layout-free `full_state()` / `load(...)`.
 """
 from __future__ import annotations
 
@@ -103,6 +103,9 @@ class LocalEngine:
 
     def sync(self, step: int) -> tuple[float, int]:
         return self.opt.sync(step)
+
+    def finish(self) -> None:
+        """Complete any communication still in flight (training is over)."""
 
     def full_state(self):
         """(masters, optimizer state) by parameter name; a collective where state is sharded."""

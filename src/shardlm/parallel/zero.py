@@ -266,6 +266,9 @@ class ZeroEngine(LocalEngine):
             block.register_forward_pre_hook(_eager(lambda mod, args, at=i + 1: self._await_published(at)))
         model.norm.register_forward_pre_hook(_eager(lambda mod, args: self._await_published(last)))
 
+    def finish(self) -> None:
+        self._await_published()
+
     def _await_published(self, at: int | None = None) -> None:
         """Wait (the compute stream waits, on GPU) for the weights read at forward point `at` or before;
         None: for all of them."""
