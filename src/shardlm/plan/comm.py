@@ -1,7 +1,8 @@
 """Bytes each GPU sends per step on each parallel axis, and how long that takes on its link.
 
 Ring collectives (Patarasuk & Yuan 2009): an all-reduce of B bytes moves 2(n-1)/n B per GPU, a
-reduce-scatter or an all-gather (n-1)/n B. DDP all-reduces the gradients once per step; ZeRO-1/2
+reduce-scatter or an all-gather (n-1)/n B. DDP all-reduces the gradients once per step (16-bit
+gradients reduced in fp32: an fp32 reduce-scatter, then a 16-bit all-gather); ZeRO-1/2
 reduce-scatter them and all-gather the updated weights (the same volume); ZeRO-3 also gathers the
 weights again for backward: 1.5x DDP (Rajbhandari et al. 2020, section 7). Tensor parallelism runs four
 collectives of b s h per layer per micro-batch (two all-reduces forward, two backward; with sequence
@@ -29,7 +30,8 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     if n == 1:
         dp = 0.0
     elif L.zero == 0:
-        dp = 2 * ring * phi * red
+        # 16-bit gradients reduced in fp32: an fp32 reduce-scatter and a 16-bit all-gather (parallel/data.py)
+        dp = 2 * ring * phi * red if red == act else ring * phi * (red + act)
     elif L.zero in (1, 2):
         dp = ring * phi * (red + act)
     else:

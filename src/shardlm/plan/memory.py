@@ -5,7 +5,8 @@ Model states (Rajbhandari et al. 2020, ZeRO, section 3): with mixed-precision Ad
 parameters need (2 + 2 + K) Phi bytes, e.g. 7B -> 112 GB; stage 1 divides K by Nd, stage 2 also the
 gradients, stage 3 everything: 2 Phi + 2 Phi + K Phi / Nd, 2 Phi + (2 + K) Phi / Nd, (2 + 2 + K) Phi / Nd
 (`paper_model_states`). shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master),
-and its stage 2/3 gradient shards exist from backward until the step, in the reduction dtype.
+and its gradient shards in the reduction dtype (stages 2 and 3, and stage 1 when that dtype differs
+from the gradients') exist from backward until the step, so they never meet forward's activation peak.
 
 Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Table 2), for that paper's GPT block (GELU 4h MLP, standard attention, dropout), in bytes:
@@ -135,10 +136,10 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         params, grads, opt = p_b * phi, g_b * phi, k * phi
         if L.zero >= 1:
             opt = k * phi / n
-        if L.zero == 1 and red != g_b:
-            grads += red * phi / n  # the reduced shard beside the full 16-bit gradients
+        # The reduced shard (beside stage 1's full 16-bit gradients) lives from backward to the step only.
+        shard = red * phi / n if (L.zero >= 2 or (L.zero == 1 and red != g_b)) else 0.0
         if L.zero >= 2:
-            grads = red * phi / n
+            grads = 0.0
         if L.zero == 3:
             params = (p_b * phi / n) if L.offload == "params" else 0.0
             if not mixed:
@@ -161,15 +162,13 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.zero == 3:
             head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
             buffers += 2 * unit + head
-            grads_at_peak = 0.0  # gradient shards appear during backward, as activations are freed
-        else:
-            grads_at_peak = grads
         if L.zero >= 2:
             buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
         elif L.dp > 1 and red != g_b:
             buffers += 2 * BUCKET_BYTES * red / g_b
-        peak = params + grads_at_peak + opt + acts + buffers
-        cand = (peak, Memory(params, grads_at_peak if L.zero >= 2 else grads, opt, acts, buffers, per_layer))
+        # Forward's end, with every activation alive, or the step, with the reduced shards instead.
+        peak = params + grads + opt + buffers + max(acts, shard)
+        cand = (peak, Memory(params, grads, opt, acts, buffers, per_layer))
         if worst is None or cand[0] > worst[0]:
             worst = cand
     return worst[1]
