@@ -161,8 +161,10 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
 
 
 def reduced_bf16_gradients(rank, world, overrides: dict):
-    """Each rank's bf16 gradients are a seeded random tensor; returns the reduced buckets beside the
-    fp32 sum over all ranks rounded to bf16, which an fp32 reduction of bf16 gradients must produce."""
+    """Each rank's bf16 gradients are a seeded random tensor; returns, per parameter, what the reduction
+    left on this rank beside what an fp32 reduction of bf16 gradients must give there: DDP's bucket holds
+    the fp32 sum over ranks rounded once to bf16; a ZeRO rank's fp32 gradient shard holds its slice of
+    the fp32 sum (NaN marks elements outside the rank's slice)."""
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
     cfg = load_config("tiny", {"train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",
@@ -178,9 +180,22 @@ def reduced_bf16_gradients(rank, world, overrides: dict):
     eng.before_backward(True)
     sum(torch.sum(p * g.to(p.device)) for p, g in zip(params, mine)).backward()
     eng.after_backward(True)
-    expected = [torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0).to(torch.bfloat16)
-                for i in range(len(params))]
-    got = [eng.flat.view(eng.flat.bucket_of(i).grad, i).cpu() for i in range(len(params))]
-    names = eng.flat.names
-    order = {id(p): i for i, p in enumerate(eng.flat.params)}
-    return [(names[order[id(p)]], got[order[id(p)]], e) for p, e in zip(params, expected)]
+    total = [torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0) for i in range(len(params))]
+    flat, order = eng.flat, {id(p): i for i, p in enumerate(eng.flat.params)}
+    out = []
+    for p, t in zip(params, total):
+        i = order[id(p)]
+        b = flat.bucket_of(i)
+        if cfg.parallel.zero_stage == 0:
+            out.append((flat.names[i], flat.view(b.grad, i).cpu(), t.to(torch.bfloat16)))
+            continue
+        # This rank's slice of the bucket, placed where the parameter lies in it.
+        n = b.numel // world
+        full_got = torch.full((b.numel,), float("nan"))
+        full_got[rank * n:(rank + 1) * n] = eng.gshard[b.index].float().cpu()
+        full_want = torch.full((b.numel,), float("nan"))
+        full_want[rank * n:(rank + 1) * n] = 0.0
+        want = flat.view(full_want, i).clone()
+        want[~want.isnan()] = t[~want.isnan()]
+        out.append((flat.names[i], flat.view(full_got, i).clone(), want))
+    return out

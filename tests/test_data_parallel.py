@@ -203,13 +203,28 @@ def test_zero3_with_full_recomputation_equals_one_process():
     check_against_reference(results, ref, 2)
 
 
+@pytest.mark.parametrize("algo", ["all_to_all", "ring"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_sums_bf16_gradients_in_fp32(world):
-    """The fp32 reduction of 16-bit gradients (reduce-scatter in fp32, all-gather in bf16) gives the fp32
-    sum over ranks rounded once to bf16, on every rank."""
-    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, {}, timeout=120):
+def test_ddp_sums_bf16_gradients_in_fp32(world, algo):
+    """The fp32 reduction of 16-bit gradients (an fp32 reduce-scatter, by either algorithm, then a bf16
+    all-gather) gives the fp32 sum over ranks rounded once to bf16, on every rank."""
+    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, {"parallel.reduce_algo": algo},
+                                       timeout=120):
         for name, got, expected in rank_result:
             assert torch.equal(got, expected), name
+
+
+@pytest.mark.parametrize("stage,algo", [(1, "all_to_all"), (2, "all_to_all"), (2, "ring"), (3, "all_to_all")])
+def test_zero_sums_bf16_gradients_in_fp32(stage, algo):
+    """ZeRO's fp32 gradient shard of bf16 gradients is the rank's slice of the fp32 sum over ranks (no
+    16-bit rounding on the way), whichever algorithm moved the data. all_to_all adds the ranks' copies
+    in rank order, as the reference does: equal bits. The ring adds them in ring order: an fp32 sum of
+    terms of far apart magnitudes can then differ in its last bit."""
+    over = {"parallel.zero_stage": str(stage), "parallel.reduce_algo": algo}
+    tol = 0.0 if algo == "all_to_all" else 2**-22
+    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, 4, over, timeout=120):
+        for name, got, expected in rank_result:
+            assert torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True), name
 
 
 def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):

@@ -12,10 +12,11 @@
   gradient is accumulated, overlapping the rest of backward. Buckets are launched strictly in order,
   so every rank issues the same collectives in the same sequence. Earlier micro-steps accumulate
   locally with no communication. `parallel.reduce_dtype` chooses fp32 or the compute dtype for the
-  reduction. Reducing 16-bit gradients in fp32 runs the all-reduce as its two halves (a ring all-reduce
-  is a reduce-scatter followed by an all-gather): the reduce-scatter sums in fp32, each rank rounds its
-  summed slice to the gradients' dtype, and the all-gather moves 16-bit values. The result is the one
-  an fp32 all-reduce rounded into the 16-bit buffer gives, for 3/4 of its traffic. On GPU the rounding
+  reduction. Reducing 16-bit gradients in fp32 runs the all-reduce as its two halves (an all-reduce is a
+  reduce-scatter followed by an all-gather): the reduce-scatter sums in fp32 (`comm.start_reduce_scatter`:
+  by default the 16-bit values travel and each rank sums its slice in fp32), each rank rounds its summed
+  slice to the gradients' dtype, and the all-gather moves 16-bit values. The result is the one an fp32
+  all-reduce rounded into the 16-bit buffer gives, for half of its traffic. On GPU the sum, the rounding
   and the all-gather are queued on a side stream, so backward never waits for them.
 
 Every engine offers the trainer the same calls: `before_backward(last)`, `after_backward(last)`,
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
-from .comm import all_gather_into_tensor, reduce_scatter_tensor
+from .comm import all_gather_into_tensor, start_reduce_scatter
 
 
 def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
@@ -145,16 +146,14 @@ class DDPEngine(LocalEngine):
         if grad.dtype == self.reduce_dtype:
             self.works.append((dist.all_reduce(grad, group=self.group, async_op=True), ()))
             return
-        wide = grad.to(self.reduce_dtype)
-        n = wide.numel() // self.world
-        mine = torch.empty(n, dtype=self.reduce_dtype, device=grad.device)
-        rs = reduce_scatter_tensor(mine, wide, group=self.group, async_op=True)
+        rs, mine, keep = start_reduce_scatter(grad, self.reduce_dtype, self.group, self.cfg.parallel.reduce_algo)
+        n = grad.numel() // self.world
         own = grad[self.rank * n:(self.rank + 1) * n]
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
             rs.wait()  # on GPU: the side stream waits, the compute stream runs on
-            own.copy_(mine)
+            own.copy_(mine())
             ag = all_gather_into_tensor(grad, own, group=self.group, async_op=True)
-        self.works.append((ag, (wide, mine)))
+        self.works.append((ag, keep))
 
     def before_backward(self, last: bool) -> None:
         if last:

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
-from .comm import all_gather_into_tensor, reduce_scatter_tensor
+from .comm import all_gather_into_tensor, start_reduce_scatter
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
 
@@ -61,6 +61,12 @@ def _alloc(t: torch.Tensor) -> None:
 
 
 EMBED_PREFIXES = ("embed.", "pos_embed.")
+# Stage 2 bounds the full-size bucket gradients alive at once by finishing the oldest reduction when
+# more than this many are in flight. Finishing one makes the compute stream wait for it, so the bound
+# must cover a whole compiled block, whose gradients all arrive at once (about 4 buckets of the default
+# 25 MB in a 1B model's block): waiting for the previous bucket alone stalled backward on every bucket
+# of the block. Stage 3's buckets are whole blocks already: one in flight suffices there.
+REDUCTIONS_IN_FLIGHT = 4
 
 
 def offload_threads(requested: int) -> int:
@@ -107,6 +113,9 @@ class ZeroEngine(LocalEngine):
             self.persistent = [True] * len(self.flat.buckets)
         flat = self.flat
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
+        # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
+        # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
+        self.bucket_dtype = self.reduce_dtype if p.reduce_algo == "ring" else flat.dtype
         self.offload_params = p.offload == "params"
         if p.offload != "none":
             torch.set_num_threads(offload_threads(p.offload_threads))
@@ -282,34 +291,33 @@ class ZeroEngine(LocalEngine):
     def _take_grad(self, i: int, param: nn.Parameter) -> None:
         """Stages 2, 3: move a fresh gradient into its bucket's transient buffer and free it."""
         bucket = self.flat.bucket_of(i)
-        if bucket.grad is None:  # in the reduction dtype: the cast happens in this copy, not in another pass
-            bucket.grad = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=self.flat.device)
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.bucket_dtype, device=self.flat.device)
         self.flat.view(bucket.grad, i).copy_(param.grad)
         param.grad = None
 
     def _launch(self, b: int) -> None:
         bucket = self.flat.buckets[b]
         if bucket.grad is None:  # no parameter of this bucket received a gradient this micro-step
-            bucket.grad = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=self.flat.device)
-        src = bucket.grad if bucket.grad.dtype == self.reduce_dtype else bucket.grad.to(self.reduce_dtype)
-        out = torch.empty(self.opt.shard_len[b], dtype=self.reduce_dtype, device=self.flat.device)
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.bucket_dtype, device=self.flat.device)
         if self.world == 1:
-            out.copy_(src)
-            work = None
+            work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
         else:
-            work = reduce_scatter_tensor(out, src, group=self.group, async_op=True)
-        self.works.append((work, b, out, src))
+            work, result, keep = start_reduce_scatter(bucket.grad, self.reduce_dtype, self.group,
+                                                      self.cfg.parallel.reduce_algo)
+        self.works.append((work, b, result, keep))
         if self.stage == 3 and b != self.head_unit:
             self._release(b)  # this unit's backward is done: its gradients are all in
         if self.stage > 1:
-            self._drain(keep=1)  # bound the full-size bucket gradients alive at once
+            self._drain(keep=REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1)
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the newest `keep` reductions: fold each into the gradient shard, free its bucket."""
         while len(self.works) > keep:
-            work, b, out, src = self.works.pop(0)
+            work, b, result, _ = self.works.pop(0)
             if work is not None:
                 work.wait()
+            out = result()
             if self.gshard_in_bucket:
                 self.gshard[b].copy_(out)
             elif self.gshard[b] is None:

@@ -50,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--precision", default="bf16")
     lay.add_argument("--attention", default="flash")
     lay.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"))
+    lay.add_argument("--reduce-algo", default="all_to_all", choices=("all_to_all", "ring"))
     p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
@@ -106,7 +107,8 @@ def run(argv: list[str]) -> int:
     model = model_from_args(a)
     layout = Layout(dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero=a.zero, offload=a.offload, sp=a.sp,
                     recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
-                    precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype)
+                    precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
+                    reduce_algo=a.reduce_algo)
     work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * a.dp, a.tokens)
     if a.search:
         from .search import search, why

@@ -2,9 +2,10 @@
 
 Ring collectives (Patarasuk & Yuan 2009): an all-reduce of B bytes moves 2(n-1)/n B per GPU, a
 reduce-scatter or an all-gather (n-1)/n B. DDP all-reduces the gradients once per step (16-bit
-gradients reduced in fp32: an fp32 reduce-scatter, then a 16-bit all-gather); ZeRO-1/2
-reduce-scatter them and all-gather the updated weights (the same volume); ZeRO-3 also gathers the
-weights again for backward: 1.5x DDP (Rajbhandari et al. 2020, section 7). Tensor parallelism runs four
+gradients reduced in fp32: a reduce-scatter, then a 16-bit all-gather; the reduce-scatter moves 16-bit
+values with reduce_algo all_to_all, fp32 values with ring); ZeRO-1/2 reduce-scatter them and all-gather
+the updated weights (the same volume); ZeRO-3 also gathers the weights again for backward: 1.5x DDP
+(Rajbhandari et al. 2020, section 7). Tensor parallelism runs four
 collectives of b s h per layer per micro-batch (two all-reduces forward, two backward; with sequence
 parallelism the same volume as all-gathers and reduce-scatters); pipeline parallelism sends b s h
 activations forward and their gradients back across each stage boundary per micro-batch; context
@@ -26,12 +27,13 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     phi = stage_params(m, L, 0)
     n = L.dp
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
+    if L.reduce_algo == "all_to_all":
+        red = act  # the 16-bit values travel; each rank sums its slice in fp32 (parallel/comm.py)
     ring = (n - 1) / n
     if n == 1:
         dp = 0.0
     elif L.zero == 0:
-        # 16-bit gradients reduced in fp32: an fp32 reduce-scatter and a 16-bit all-gather (parallel/data.py)
-        dp = 2 * ring * phi * red if red == act else ring * phi * (red + act)
+        dp = ring * phi * (red + act)  # a reduce-scatter and a 16-bit all-gather (parallel/data.py)
     elif L.zero in (1, 2):
         dp = ring * phi * (red + act)
     else:
