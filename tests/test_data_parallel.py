@@ -236,3 +236,19 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
     assert offload_threads(0) == cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
     assert offload_threads(0) == 1
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode):
+    """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
+    travel) or by an fp32 ring reduce-scatter gives the same run, bit for bit, at two ranks (a sum of
+    two fp32 terms does not depend on their order)."""
+    common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "train.precision": "bf16", "parallel.dp": "2", **MODES[mode]}
+    runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240)
+            for algo in ("all_to_all", "ring")]
+    for a, b in zip(*runs):
+        assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
+    masters = [next(r["masters"] for r in run if r["masters"] is not None) for run in runs]
+    for name, value in masters[0].items():
+        assert torch.equal(value, masters[1][name]), name
