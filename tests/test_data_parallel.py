@@ -203,8 +203,14 @@ def test_zero3_with_full_recomputation_equals_one_process():
     check_against_reference(results, ref, 2)
 
 
-@pytest.mark.parametrize("algo", ["all_to_all", "ring"])
-@pytest.mark.parametrize("world", [2, 4])
+def gpus_for(world):
+    """A copy-engine case: it needs `world` GPUs (peer-to-peer copies); skipped elsewhere."""
+    return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"copy_engine needs {world} GPUs")
+
+
+@pytest.mark.parametrize("algo,world", [("all_to_all", 2), ("ring", 2), ("all_to_all", 4), ("ring", 4),
+                                        pytest.param("copy_engine", 2, marks=gpus_for(2)),
+                                        pytest.param("copy_engine", 4, marks=gpus_for(4))])
 def test_ddp_sums_bf16_gradients_in_fp32(world, algo):
     """The fp32 reduction of 16-bit gradients (an fp32 reduce-scatter, by either algorithm, then a bf16
     all-gather) gives the fp32 sum over ranks rounded once to bf16, on every rank."""
@@ -238,17 +244,29 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
     assert offload_threads(0) == 1
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero2"])
-def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode):
+@pytest.mark.parametrize("mode,other", [("ddp", "ring"), ("zero2", "ring"),
+                                        pytest.param("ddp", "copy_engine", marks=gpus_for(2))])
+def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
-    travel) or by an fp32 ring reduce-scatter gives the same run, bit for bit, at two ranks (a sum of
-    two fp32 terms does not depend on their order)."""
+    travel), by an fp32 ring reduce-scatter or by copy-engine transfers gives the same run, bit for bit,
+    at two ranks (a sum of two fp32 terms does not depend on their order)."""
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "train.precision": "bf16", "parallel.dp": "2", **MODES[mode]}
     runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240)
-            for algo in ("all_to_all", "ring")]
+            for algo in ("all_to_all", other)]
     for a, b in zip(*runs):
         assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     masters = [next(r["masters"] for r in run if r["masters"] is not None) for run in runs]
     for name, value in masters[0].items():
         assert torch.equal(value, masters[1][name]), name
+
+
+def test_copy_engine_reduction_needs_gpus():
+    """Without GPUs the copy-engine reduction is refused with a message naming it, on every rank."""
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("GPUs present")
+    with pytest.raises(Exception, match="copy_engine"):
+        run_distributed(dist_fns.train_and_capture, 2, {"train.steps": "1", "train.global_batch_size": "4",
+                                                         "train.micro_batch_size": "2", "parallel.dp": "2",
+                                                         "train.device": "cpu", "parallel.reduce_algo": "copy_engine"},
+                        timeout=120)

@@ -17,7 +17,9 @@
   by default the 16-bit values travel and each rank sums its slice in fp32), each rank rounds its summed
   slice to the gradients' dtype, and the all-gather moves 16-bit values. The result is the one an fp32
   all-reduce rounded into the 16-bit buffer gives, for half of its traffic. On GPU the sum, the rounding
-  and the all-gather are queued on a side stream, so backward never waits for them.
+  and the all-gather are queued on a side stream, so backward never waits for them. On GPUs,
+  `parallel.reduce_algo copy_engine` moves the buckets with the copy engines instead of NCCL's kernels
+  (`comm.CopyEngineAllReduce`), leaving every SM to backward.
 
 Every engine offers the trainer the same calls: `before_backward(last)`, `after_backward(last)`,
 `step(lr, step)`, `sync(step)`, `finish()`, and layout-free `full_state()` / `load(...)`.
@@ -32,7 +34,7 @@ from torch import nn
 
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
-from .comm import all_gather_into_tensor, start_reduce_scatter
+from .comm import CopyEngineAllReduce, all_gather_into_tensor, start_reduce_scatter
 
 
 def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
@@ -139,10 +141,20 @@ class DDPEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.works: list = []  # (work, tensors the collective uses until it completes)
         self.side = torch.cuda.Stream(self.flat.device) if self.flat.device.type == "cuda" else None
+        self.copy_engine = None
+        if p.reduce_algo == "copy_engine":
+            self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
+                                                   self.flat.device, group, self.reduce_dtype, self.side, p.timeout_s)
+            for i, b in enumerate(self.flat.buckets):
+                b.grad = self.copy_engine.bucket(i)
+            self.flat.zero_grad()  # points every .grad at its view of the symmetric buffer
         self.ready = BucketReadiness(self.flat, self._launch)
 
     def _launch(self, b: int) -> None:
         grad = self.flat.buckets[b].grad
+        if self.copy_engine is not None:
+            self.works.append((self.copy_engine.launch(b), ()))
+            return
         if grad.dtype == self.reduce_dtype:
             self.works.append((dist.all_reduce(grad, group=self.group, async_op=True), ()))
             return
