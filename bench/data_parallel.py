@@ -22,7 +22,8 @@ from pathlib import Path
 from common import PEAK, flops_per_token, timed
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"], "shardlm-zero1": ["--parallel.zero_stage", "1"],
+SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
+           "shardlm-ddp-ce": ["--parallel.reduce_algo", "copy_engine"], "shardlm-zero1": ["--parallel.zero_stage", "1"],
            "shardlm-zero2": ["--parallel.zero_stage", "2"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
            "shardlm-zero3-offload": ["--parallel.zero_stage", "3", "--parallel.offload", "optimizer"]}
 PEERS = ("torch-ddp", "torch-fsdp2", "hf-fsdp2", "ds-zero2", "ds-zero3")
