@@ -22,6 +22,8 @@ persistent GEMMs, one CTA per SM, wait for those SMs: the slowdown measured abov
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -59,8 +61,8 @@ class _Done:
 
 class CopyEngineAllReduce:
     """Bucketed all-reduce over symmetric memory with copy-engine transfers (see the module docstring).
-    `allocate` gives the gradient buffer (one symmetric allocation, buckets at `offsets`); `launch(b)`
-    queues bucket b's reduction on `stream` after the current stream's work and returns a waitable."""
+    `bucket(b)` is bucket b's view of the one symmetric gradient buffer; `launch(b)` queues bucket b's
+    reduction on `stream` after the current stream's work and returns a waitable."""
 
     def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, reduce_dtype,
                  stream, timeout_s: float):
@@ -75,7 +77,6 @@ class CopyEngineAllReduce:
         self.buffer.zero_()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
-            import warnings
             with warnings.catch_warnings():  # deprecated (unneeded) from torch 2.9; torch 2.8 needs it
                 warnings.simplefilter("ignore")
                 enable(group.group_name)
