@@ -199,3 +199,12 @@ def reduced_bf16_gradients(rank, world, overrides: dict):
         want[~want.isnan()] = t[~want.isnan()]
         out.append((flat.names[i], flat.view(full_got, i).clone(), want))
     return out
+
+
+def chosen_reduce_algo(rank, world, overrides: dict):
+    """The reduction algorithm the engine settled on (what `parallel.reduce_algo auto` resolved to)."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.micro_batch_size": "2",
+                               "train.tensorboard": "false", **overrides})
+    return Trainer(cfg, log=lambda *a: None).engine.algo

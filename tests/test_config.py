@@ -41,7 +41,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
-    ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of all_to_all, ring, copy_engine"),
+    ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
     ({"parallel.reduce_algo": "copy_engine", "parallel.zero_stage": "2"},
      "parallel.reduce_algo = 'copy_engine' is implemented for DDP only"),
 ])

@@ -261,6 +261,16 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
         assert torch.equal(value, masters[1][name]), name
 
 
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_auto_reduction_takes_the_copy_engines_only_for_ddp_on_the_gpus_of_one_node(mode):
+    gpus = torch.cuda.device_count() >= 2
+    over = {"parallel.zero_stage": "2"} if mode == "zero2" else {}
+    if gpus:
+        over["train.device"] = "cuda"
+    want = "copy_engine" if (gpus and mode == "ddp") else "all_to_all"
+    assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120) == [want, want]
+
+
 def test_copy_engine_reduction_needs_gpus():
     """Without GPUs the copy-engine reduction is refused with a message naming it, on every rank."""
     if torch.cuda.device_count() >= 2:
@@ -270,3 +280,27 @@ def test_copy_engine_reduction_needs_gpus():
                                                          "train.micro_batch_size": "2", "parallel.dp": "2",
                                                          "train.device": "cpu", "parallel.reduce_algo": "copy_engine"},
                         timeout=120)
+
+
+def test_a_reduction_that_never_finishes_ends_the_process_with_a_message():
+    """The copy-engine reduction waits on flags in the GPU's command stream, which no timeout of its own
+    ends; its watchdog must exit with a message naming the stalled bucket (checked with a fake event)."""
+    code = ("import time\nfrom shardlm.parallel.comm import Watchdog\n"
+            "class Never:\n    def query(self): return False\n"
+            "w = Watchdog(0.3, 'reduction of bucket')\nw.watch(Never(), 7)\ntime.sleep(30)\nprint('still alive')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "still alive" not in done.stdout
+    assert "reduction of bucket 7 made no progress for 0.3 s" in done.stderr
+
+
+def test_a_finished_reduction_keeps_the_watchdog_quiet():
+    from shardlm.parallel.comm import Watchdog
+
+    class Done:
+        def query(self):
+            return True
+    w = Watchdog(0.2, "reduction of bucket")
+    w.watch(Done(), 0)
+    time.sleep(0.6)  # a wrong watchdog would have ended this test's process by now
+    w.close()
+    assert not w.pending and not w.thread.is_alive()

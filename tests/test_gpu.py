@@ -3,7 +3,7 @@ their PyTorch fallbacks, and a short bf16 training on the GPU."""
 import pytest
 import torch
 
-from shardlm.kernels import adamw_master_step, sum_of_squares
+from shardlm.kernels import adamw_master_step, sum_of_squares, sum_over_ranks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,6 +31,23 @@ def test_fused_adamw_matches_the_fallback(dtype):
     before = master.clone()
     adamw_master_step(master, param, grad, m, v, scale, torch.ones_like(no), **kw)  # skip flag set
     assert torch.equal(master, before)
+
+
+@cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_sum_over_ranks_rounds_the_fp32_sum_once(world):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 5 * 4096 + 3
+    spread = torch.logspace(-4, 4, n, device="cuda")  # magnitudes far apart: order and rounding matter
+    rows = (torch.randn(world, n, device="cuda", generator=g) * spread).bfloat16()
+    for rank in range(world):
+        own = (torch.randn(n, device="cuda", generator=g) * spread).bfloat16()
+        terms = [own if j == rank else rows[j] for j in range(world)]
+        want = torch.stack(terms).float().cpu().sum(0).bfloat16()
+        mine = rows.clone()
+        mine[rank] = float("nan")  # never read
+        sum_over_ranks(mine, own, rank, own)  # in place, as the copy-engine reduction does
+        assert torch.equal(own.cpu(), want)
 
 
 @cuda
@@ -64,3 +81,42 @@ def test_compiled_chunked_loss_matches_eager():
         out.append((loss.detach(), h.grad.clone(), w.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-3)
+
+
+@cuda
+def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
+    """DDP's ~70 buckets are stepped by one kernel over their joined buffers (a table of where weight decay
+    applies); the result must be the per-bucket step's, bit for bit."""
+    from shardlm.config import load_config
+    from shardlm.flat import FlatParams
+    from shardlm.model import build_model
+    from shardlm.optim import MasterWeightOptimizer
+    from shardlm.parallel.data import reverse_order_buckets
+    from shardlm import optim
+    from shardlm.precision import NoLossScaler
+    launches = []
+    monkeypatch.setattr(optim, "adamw_master_step", lambda *a, **k: (launches.append(k.get("decay_table") is not None),
+                                                                      adamw_master_step(*a, **k)))
+    cfg = load_config("tiny", {"train.precision": "bf16", "train.device": "cuda", "train.weight_decay": "0.1"})
+    runs = []
+    for joined in (True, False):
+        model = build_model(cfg.model, torch.device("cuda"), torch.bfloat16, 0)
+        flat = FlatParams(model, reverse_order_buckets(model, 0.01, 2), pad_multiple=4)
+        assert len(flat.buckets) > 5
+        opt = MasterWeightOptimizer(flat, cfg.train, NoLossScaler())
+        if not joined:
+            opt.decay_table = None  # the bucket-by-bucket path
+        g = torch.Generator(device="cuda").manual_seed(1)
+        start = opt.master.clone()
+        launches.clear()
+        for step in range(3):
+            for b in flat.buckets:  # small gradients: the clip factor stays exactly 1
+                b.grad.copy_(torch.randn(b.numel, device="cuda", generator=g) * 1e-4)
+            opt.step(1e-3, step, lambda i: flat.buckets[i].grad, lambda i: flat.buckets[i].data)
+        assert launches == ([True] * 3 if joined else [False] * 3 * len(opt.segments))
+        assert not torch.equal(opt.master, start)
+        runs.append((opt.master.clone(), opt.state["exp_avg_sq"][0].clone(), [b.data.clone() for b in flat.buckets],
+                     float(opt.last_norm)))
+    (m1, v1, p1, n1), (m2, v2, p2, n2) = runs
+    assert torch.equal(m1, m2) and torch.equal(v1, v2) and all(torch.equal(a, b) for a, b in zip(p1, p2))
+    assert n1 == pytest.approx(n2, rel=1e-6)

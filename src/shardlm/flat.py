@@ -77,14 +77,19 @@ class FlatParams:
         self.dtype = next(iter(dtypes))
         self.device = self.params[0].device
         if materialize:
-            for bucket in self.buckets:
-                bucket.data = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            # One allocation each for all buckets' weights and gradients, buckets back to back: the
+            # optimizer then runs over all of them in one kernel launch instead of one per bucket.
+            starts = [sum(b.numel for b in self.buckets[:k]) for k in range(len(self.buckets))]
+            data = torch.zeros(sum(b.numel for b in self.buckets), dtype=self.dtype, device=self.device)
+            grad = torch.zeros_like(data) if grad_buffers else None
+            for bucket, start in zip(self.buckets, starts):
+                bucket.data = data[start:start + bucket.numel]
                 with torch.no_grad():
                     for i in bucket.params:
                         self.view(bucket.data, i).copy_(self.params[i].detach())
                         self.params[i].data = self.view(bucket.data, i)
                 if grad_buffers:
-                    bucket.grad = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+                    bucket.grad = grad[start:start + bucket.numel]
                     for i in bucket.params:
                         self.params[i].grad = self.view(bucket.grad, i)
 

@@ -17,9 +17,10 @@
   by default the 16-bit values travel and each rank sums its slice in fp32), each rank rounds its summed
   slice to the gradients' dtype, and the all-gather moves 16-bit values. The result is the one an fp32
   all-reduce rounded into the 16-bit buffer gives, for half of its traffic. On GPU the sum, the rounding
-  and the all-gather are queued on a side stream, so backward never waits for them. On GPUs,
-  `parallel.reduce_algo copy_engine` moves the buckets with the copy engines instead of NCCL's kernels
-  (`comm.CopyEngineAllReduce`), leaving every SM to backward.
+  and the all-gather are queued on a side stream, so backward never waits for them. On the GPUs of one
+  node, `parallel.reduce_algo copy_engine` (what `auto`, the default, picks there) moves the buckets
+  with the copy engines instead of NCCL's kernels (`comm.CopyEngineAllReduce`), leaving the SMs to
+  backward.
 
 Every engine offers the trainer the same calls: `before_backward(last)`, `after_backward(last)`,
 `step(lr, step)`, `sync(step)`, `finish()`, and layout-free `full_state()` / `load(...)`.
@@ -34,7 +35,7 @@ from torch import nn
 
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
-from .comm import CopyEngineAllReduce, all_gather_into_tensor, start_reduce_scatter
+from .comm import CopyEngineAllReduce, all_gather_into_tensor, resolve_reduce_algo, start_reduce_scatter
 
 
 def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
@@ -141,8 +142,9 @@ class DDPEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.works: list = []  # (work, tensors the collective uses until it completes)
         self.side = torch.cuda.Stream(self.flat.device) if self.flat.device.type == "cuda" else None
+        self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device, ddp=True)
         self.copy_engine = None
-        if p.reduce_algo == "copy_engine":
+        if self.algo == "copy_engine":
             self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
                                                    self.flat.device, group, self.reduce_dtype, self.side, p.timeout_s)
             for i, b in enumerate(self.flat.buckets):
@@ -158,7 +160,7 @@ class DDPEngine(LocalEngine):
         if grad.dtype == self.reduce_dtype:
             self.works.append((dist.all_reduce(grad, group=self.group, async_op=True), ()))
             return
-        rs, mine, keep = start_reduce_scatter(grad, self.reduce_dtype, self.group, self.cfg.parallel.reduce_algo)
+        rs, mine, keep = start_reduce_scatter(grad, self.reduce_dtype, self.group, self.algo)
         n = grad.numel() // self.world
         own = grad[self.rank * n:(self.rank + 1) * n]
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
@@ -182,6 +184,10 @@ class DDPEngine(LocalEngine):
 
     def grad_factor(self) -> float:
         return 1.0 / self.world  # buckets hold sums; the mean is taken inside the optimizer's scale
+
+    def finish(self) -> None:
+        if self.copy_engine is not None:
+            self.copy_engine.close()
 
 
 class ClassicEngine(LocalEngine):

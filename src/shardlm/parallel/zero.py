@@ -42,7 +42,7 @@ from torch import nn
 
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
-from .comm import all_gather_into_tensor, start_reduce_scatter
+from .comm import all_gather_into_tensor, resolve_reduce_algo, start_reduce_scatter
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
 
@@ -115,7 +115,8 @@ class ZeroEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
-        self.bucket_dtype = self.reduce_dtype if p.reduce_algo == "ring" else flat.dtype
+        self.algo = resolve_reduce_algo(p.reduce_algo, group, flat.device, ddp=False) if group is not None else "all_to_all"
+        self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
         self.offload_params = p.offload == "params"
         if p.offload != "none":
             torch.set_num_threads(offload_threads(p.offload_threads))
@@ -304,7 +305,7 @@ class ZeroEngine(LocalEngine):
             work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
         else:
             work, result, keep = start_reduce_scatter(bucket.grad, self.reduce_dtype, self.group,
-                                                      self.cfg.parallel.reduce_algo)
+                                                      self.algo)
         self.works.append((work, b, result, keep))
         if self.stage == 3 and b != self.head_unit:
             self._release(b)  # this unit's backward is done: its gradients are all in

@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--precision", default="bf16")
     lay.add_argument("--attention", default="flash")
     lay.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"))
-    lay.add_argument("--reduce-algo", default="all_to_all", choices=("all_to_all", "ring", "copy_engine"))
+    lay.add_argument("--reduce-algo", default="auto", choices=("auto", "all_to_all", "ring", "copy_engine"))
     p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")

@@ -27,7 +27,7 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     phi = stage_params(m, L, 0)
     n = L.dp
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
-    if L.reduce_algo in ("all_to_all", "copy_engine"):
+    if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
         red = act  # the 16-bit values travel; each rank sums its slice in fp32 (parallel/comm.py)
     ring = (n - 1) / n
     if n == 1:

@@ -36,7 +36,7 @@ class Layout:
     precision: str = "bf16"        # fp32 | bf16 | fp16
     attention: str = "flash"       # flash | standard
     reduce_dtype: str = "fp32"     # fp32 | compute
-    reduce_algo: str = "all_to_all"  # all_to_all | ring | copy_engine: how 16-bit gradients are summed in fp32
+    reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine: how 16-bit gradients are summed in fp32
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
 
     @property
