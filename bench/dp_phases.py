@@ -80,6 +80,7 @@ VARIANTS = {
     "local-carve8": ({}, 1, {}, {"carve": 8}),
     "ddp-ring": ({"parallel.reduce_algo": "ring"}, world, {}, {}),
     "ddp-ce": ({"parallel.reduce_algo": "copy_engine"}, world, {}, {}),
+    "ddp-a2a": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {}),
     "zero1-ring": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero2-ring": ({"parallel.zero_stage": "2", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero3-ring": ({"parallel.zero_stage": "3", "parallel.reduce_algo": "ring"}, world, {}, {}),

@@ -29,6 +29,7 @@ LAYOUTS = {
     ("data_parallel", 4, "shardlm-ddp"): Layout(dp=4),
     ("data_parallel", 4, "shardlm-ddp-bf16reduce"): Layout(dp=4, reduce_dtype="compute"),
     ("data_parallel", 4, "shardlm-ddp-ce"): Layout(dp=4, reduce_algo="copy_engine"),
+    ("data_parallel", 4, "shardlm-ddp-a2a"): Layout(dp=4, reduce_algo="all_to_all"),
     ("data_parallel", 4, "shardlm-zero3-offload"): Layout(dp=4, zero=3, offload="optimizer"),
     ("data_parallel", 4, "shardlm-zero1"): Layout(dp=4, zero=1),
     ("data_parallel", 4, "shardlm-zero2"): Layout(dp=4, zero=2),
