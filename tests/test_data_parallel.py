@@ -304,3 +304,26 @@ def test_a_finished_reduction_keeps_the_watchdog_quiet():
     time.sleep(0.6)  # a wrong watchdog would have ended this test's process by now
     w.close()
     assert not w.pending and not w.thread.is_alive()
+
+
+@gpus_for(2)
+def test_a_stalled_peer_ends_the_copy_engine_reduction_within_the_timeout(tmp_path):
+    """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets; its watchdog
+    must end the waiting rank with a message within parallel.timeout_s (NCCL takes no part in the wait)."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, time, torch\n"
+        "from shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
+        "cfg = load_config('tiny', {'parallel.dp': '2', 'train.device': 'cuda', 'train.precision': 'bf16',\n"
+        "                           'train.tensorboard': 'false', 'train.compile': 'false', 'parallel.timeout_s': '10'})\n"
+        "tr = Trainer(cfg, log=lambda *a: None)\n"
+        "assert tr.engine.algo == 'copy_engine', tr.engine.algo\n"
+        "tr.train_step(); torch.cuda.synchronize()\n"
+        "if int(os.environ['RANK']) == 1:\n    time.sleep(300)\n"
+        "tr.train_step(); torch.cuda.synchronize()\nprint('rank 0 went on')\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0 and "rank 0 went on" not in done.stdout
+    assert "made no progress for 10 s" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - t0 < 150

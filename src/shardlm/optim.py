@@ -51,8 +51,8 @@ def _joined(parts: list, offsets: list[int]) -> torch.Tensor | None:
     first = parts[0]
     size = first.element_size()
     for p, o in zip(parts, offsets):
-        if (p.dtype != first.dtype or not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or p.data_ptr() != first.data_ptr() + o * size):
+        same_buffer = p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if p.dtype != first.dtype or not p.is_contiguous() or not same_buffer or p.data_ptr() != first.data_ptr() + o * size:
             return None
     n = offsets[-1] + parts[-1].numel()
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (n,))

@@ -20,13 +20,17 @@ phases are ordered across GPUs by flags that the GPUs' command processors write 
 (`StreamFlags`), so no kernel spins either. NCCL's kernels instead hold an SM per channel while they
 run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slowdown measured above.
 On 4 H200s (bench/dp_phases.py, forward + backward of 105-109 ms alone) DDP's slowed by 10.5 ms with
-all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's "low-contention" collectives
-(torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work the same way.
+all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's
+"low-contention" collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work
+the same way.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -94,7 +98,6 @@ class StreamFlags:
     WAIT_GEQ = 0x0
 
     def __init__(self, group, kinds: int, device: torch.device):
-        import ctypes
         from torch.distributed import _symmetric_memory as symm_mem
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -105,7 +108,8 @@ class StreamFlags:
         self.slots = symm_mem.empty(kinds * self.world, dtype=torch.int32, device=device)
         self.slots.zero_()
         torch.cuda.synchronize(device)  # zeroed before any peer can signal into it
-        self.ptrs = symm_mem.rendezvous(self.slots, group).buffer_ptrs
+        self.handle = symm_mem.rendezvous(self.slots, group)  # held: it keeps the peers' slots mapped
+        self.ptrs = self.handle.buffer_ptrs
 
     def _addr(self, owner: int, kind: int, src: int) -> int:
         return self.ptrs[owner] + 4 * (kind * self.world + src)
@@ -118,7 +122,8 @@ class StreamFlags:
     def wait(self, stream, kind: int, value: int) -> None:
         for j in range(self.world):
             if j != self.rank:
-                self._check(self._wait(stream.cuda_stream, self._addr(self.rank, kind, j), value, self.WAIT_GEQ), "Wait")
+                addr = self._addr(self.rank, kind, j)
+                self._check(self._wait(stream.cuda_stream, addr, value, self.WAIT_GEQ), "Wait")
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -132,8 +137,6 @@ class Watchdog:
     has made no progress for `timeout_s` (a peer died or stalled), instead of leaving it hung."""
 
     def __init__(self, timeout_s: float, what: str):
-        import collections
-        import threading
         self.timeout_s, self.what = timeout_s, what
         self.pending = collections.deque()  # (deadline, event, label)
         self.stop = threading.Event()

@@ -115,7 +115,7 @@ class ZeroEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
-        self.algo = resolve_reduce_algo(p.reduce_algo, group, flat.device, ddp=False) if group is not None else "all_to_all"
+        self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device, ddp=False)
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
         self.offload_params = p.offload == "params"
         if p.offload != "none":
