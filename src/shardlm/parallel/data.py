@@ -145,8 +145,13 @@ class DDPEngine(LocalEngine):
         self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device, ddp=True)
         self.copy_engine = None
         if self.algo == "copy_engine":
-            self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
-                                                   self.flat.device, group, self.reduce_dtype, self.side, p.timeout_s)
+            try:
+                self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
+                                                       self.flat.device, group, self.reduce_dtype, self.side,
+                                                       p.timeout_s)
+            except Exception as e:  # no symmetric memory here (driver, container): say what still works
+                raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
+                                   "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
             for i, b in enumerate(self.flat.buckets):
                 b.grad = self.copy_engine.bucket(i)
             self.flat.zero_grad()  # points every .grad at its view of the symmetric buffer
