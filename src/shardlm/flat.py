@@ -12,6 +12,7 @@ to a multiple of `pad_multiple` elements, so it splits into equal rank-aligned s
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -79,8 +80,9 @@ class FlatParams:
         if materialize:
             # One allocation each for all buckets' weights and gradients, buckets back to back: the
             # optimizer then runs over all of them in one kernel launch instead of one per bucket.
-            starts = [sum(b.numel for b in self.buckets[:k]) for k in range(len(self.buckets))]
-            data = torch.zeros(sum(b.numel for b in self.buckets), dtype=self.dtype, device=self.device)
+            sizes = [b.numel for b in self.buckets]
+            starts = [0, *itertools.accumulate(sizes)][:-1]
+            data = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
             grad = torch.zeros_like(data) if grad_buffers else None
             for bucket, start in zip(self.buckets, starts):
                 bucket.data = data[start:start + bucket.numel]

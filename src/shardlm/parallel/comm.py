@@ -15,7 +15,8 @@ dtype that may be wider than the bucket's (16-bit gradients summed in fp32). Two
 `CopyEngineAllReduce` ("copy_engine", DDP on the GPUs of one node; what "auto" picks there) takes the
 SMs out of the traffic: the gradient buckets live in symmetric memory (every rank maps its peers'
 buffers), and each rank pulls its slice of every peer's bucket with peer-to-peer copies, which the GPU's
-copy engines run; sums them in fp32 (one small kernel); and pulls the peers' summed slices back. The
+copy engines run; sums them in fp32 (one small kernel, whatever `parallel.reduce_dtype` says: a 16-bit
+sum accumulates in fp32 anyway); and pulls the peers' summed slices back. The
 phases are ordered across GPUs by flags that the GPUs' command processors write and wait on
 (`StreamFlags`), so no kernel spins either. NCCL's kernels instead hold an SM per channel while they
 run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slowdown measured above.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -168,14 +170,14 @@ class CopyEngineAllReduce:
 
     READY, SUMMED, DONE = range(3)  # flag kinds
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, reduce_dtype,
-                 stream, timeout_s: float):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream,
+                 timeout_s: float):
         if device.type != "cuda":
             raise ValueError("parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies)")
         from torch.distributed import _symmetric_memory as symm_mem
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self.numels, self.dtype, self.reduce_dtype, self.stream = numels, dtype, reduce_dtype, stream
+        self.offsets = [0, *itertools.accumulate(numels)][:-1]
+        self.numels, self.dtype, self.stream = numels, dtype, stream
         self.buffer = symm_mem.empty(sum(numels), dtype=dtype, device=device)
         self.buffer.zero_()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)

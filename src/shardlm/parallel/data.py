@@ -147,8 +147,7 @@ class DDPEngine(LocalEngine):
         if self.algo == "copy_engine":
             try:
                 self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
-                                                       self.flat.device, group, self.reduce_dtype, self.side,
-                                                       p.timeout_s)
+                                                       self.flat.device, group, self.side, p.timeout_s)
             except Exception as e:  # no symmetric memory here (driver, container): say what still works
                 raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
                                    "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
