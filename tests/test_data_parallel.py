@@ -146,7 +146,8 @@ def _free_port():
 
 @pytest.mark.parametrize("fate", ["dies", "stalls"])
 def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fate):
-    """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`) must fail."""
+    """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`, on the CPU like
+    its gloo peer, also on a machine with GPUs) must fail. The GPU case: the copy-engine test below."""
     port = _free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1"}
@@ -157,7 +158,7 @@ def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fat
     t0 = time.monotonic()
     try:
         p0 = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
-                             "--parallel.timeout_s", "5", "--out", tmp_path / "r"],
+                             "--parallel.timeout_s", "5", "--train.device", "cpu", "--out", tmp_path / "r"],
                             capture_output=True, text=True, env={**base, "RANK": "0", "LOCAL_RANK": "0"}, timeout=90)
     finally:
         p1.kill()
@@ -282,48 +283,72 @@ def test_copy_engine_reduction_needs_gpus():
                         timeout=120)
 
 
-def test_a_reduction_that_never_finishes_ends_the_process_with_a_message():
-    """The copy-engine reduction waits on flags in the GPU's command stream, which no timeout of its own
-    ends; its watchdog must exit with a message naming the stalled bucket (checked with a fake event)."""
+@pytest.mark.parametrize("how", ["event", "guard"])
+def test_work_that_never_finishes_ends_the_process_with_a_message(how):
+    """GPU work waiting on a stalled peer (copy-engine flags in the command stream, or an NCCL collective)
+    and host sections waiting on peers have no timeout of their own that ends the process in time; the
+    watchdog must exit with a message naming what stalled (a fake event here, and a guarded sleep)."""
+    stall = ("w.watch(Never(), 'training step 7')\ntime.sleep(30)\n" if how == "event" else
+             "with w.guard('training step 7'):\n    time.sleep(30)\n")
     code = ("import time\nfrom shardlm.parallel.comm import Watchdog\n"
             "class Never:\n    def query(self): return False\n"
-            "w = Watchdog(0.3, 'reduction of bucket')\nw.watch(Never(), 7)\ntime.sleep(30)\nprint('still alive')\n")
+            "w = Watchdog(0.3)\n" + stall + "print('still alive')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "still alive" not in done.stdout
-    assert "reduction of bucket 7 made no progress for 0.3 s" in done.stderr
+    assert "training step 7 made no progress for 0.3 s" in done.stderr
 
 
-def test_a_finished_reduction_keeps_the_watchdog_quiet():
+def test_the_trainer_guards_its_waits_on_peers():
+    """The trainer's host sections that wait on peers (here the metrics of a step) run under its watchdog:
+    one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own
+    (gloo times out by itself), so the test gives it one."""
+    code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
+            "from shardlm.parallel.comm import Watchdog\n"
+            "cfg = load_config('tiny', {'train.steps': '2', 'train.log_every': '1', 'train.device': 'cpu',\n"
+            "                           'train.tensorboard': 'false'})\n"
+            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\n"
+            "tr.engine.sync = lambda step: time.sleep(30)\ntr.run()\nprint('still alive')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
+    assert "the metrics of step 1 made no progress for 0.5 s" in done.stderr
+
+
+def test_finished_work_keeps_the_watchdog_quiet():
     from shardlm.parallel.comm import Watchdog
 
     class Done:
         def query(self):
             return True
-    w = Watchdog(0.2, "reduction of bucket")
-    w.watch(Done(), 0)
+    w = Watchdog(0.2)
+    w.watch(Done(), "training step 1")
+    with w.guard("a quick section"):
+        time.sleep(0.05)
     time.sleep(0.6)  # a wrong watchdog would have ended this test's process by now
     w.close()
     assert not w.pending and not w.thread.is_alive()
 
 
 @gpus_for(2)
-def test_a_stalled_peer_ends_the_copy_engine_reduction_within_the_timeout(tmp_path):
-    """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets; its watchdog
-    must end the waiting rank with a message within parallel.timeout_s (NCCL takes no part in the wait)."""
+@pytest.mark.parametrize("algo", ["copy_engine", "all_to_all"])
+def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo):
+    """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets, and NCCL, at its
+    timeout, would abort and let the step finish on wrong data: the trainer's watchdog must end the
+    waiting rank with a message within parallel.timeout_s, before any later step completes."""
     script = tmp_path / "stall.py"
     script.write_text(
         "import os, time, torch\n"
         "from shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
         "cfg = load_config('tiny', {'parallel.dp': '2', 'train.device': 'cuda', 'train.precision': 'bf16',\n"
-        "                           'train.tensorboard': 'false', 'train.compile': 'false', 'parallel.timeout_s': '10'})\n"
+        "                           'train.tensorboard': 'false', 'train.compile': 'false', 'parallel.timeout_s': '10',\n"
+        f"                           'parallel.reduce_algo': '{algo}'}})\n"
         "tr = Trainer(cfg, log=lambda *a: None)\n"
-        "assert tr.engine.algo == 'copy_engine', tr.engine.algo\n"
-        "tr.train_step(); torch.cuda.synchronize()\n"
+        f"assert tr.engine.algo == '{algo}', tr.engine.algo\n"
+        "tr.train_step(); tr.step += 1; torch.cuda.synchronize()\n"
         "if int(os.environ['RANK']) == 1:\n    time.sleep(300)\n"
-        "tr.train_step(); torch.cuda.synchronize()\nprint('rank 0 went on')\n")
+        "tr.train_step(); tr.step += 1; torch.cuda.synchronize()\nprint('rank 0 went on')\n")
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], capture_output=True, text=True, timeout=200)
     assert done.returncode != 0 and "rank 0 went on" not in done.stdout
-    assert "made no progress for 10 s" in done.stderr, done.stderr[-3000:]
+    assert "training step 2 made no progress for 10 s" in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - t0 < 150

@@ -77,7 +77,11 @@ def init_distributed(cfg: Config) -> Mesh:
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    # gloo raises at the timeout. NCCL's watchdog would abort the communicator and let the step go on with
+    # the aborted collectives' data: the trainer's own watchdog (parallel/comm.py) ends the rank at
+    # timeout_s instead, and NCCL's, at twice that, is only the backstop.
     p = cfg.parallel
-    return build_mesh(p.dp, p.tp, p.pp, timedelta(seconds=p.timeout_s))
+    timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    return build_mesh(p.dp, p.tp, p.pp, timeout)

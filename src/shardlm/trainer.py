@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from .mesh import Mesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .model import build_model
 from .optim import lr_at
+from .parallel.comm import Watchdog
 from .parallel.data import build_engine
 from .precision import DTYPES, make_loss_scaler
 from .tokenizer import load_tokenizer
@@ -41,6 +43,11 @@ class Trainer:
         self.device = pick_device(t.device)
         if self.device.type == "cuda" and self.mesh.world > 1:
             self.device = torch.device("cuda", self.mesh.local_rank)
+        # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
+        # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
+        # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
+        distributed_gpu = self.device.type == "cuda" and self.mesh.world > 1
+        self.watchdog = Watchdog(cfg.parallel.timeout_s) if distributed_gpu else None
         torch.manual_seed(t.seed)
 
         data_dir = self._data_dir()
@@ -109,6 +116,10 @@ class Trainer:
                      "nothing to do (raise train.steps to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def _guard(self, label: str):
+        """A host section that waits on peer ranks: guarded by the watchdog where there is one."""
+        return self.watchdog.guard(label) if self.watchdog is not None else nullcontext()
+
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
@@ -122,6 +133,10 @@ class Trainer:
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
             self.engine.after_backward(last)
         self.engine.step(lr_at(self.step, self.cfg.train), self.step + 1)
+        if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
+            done = torch.cuda.Event()
+            done.record()
+            self.watchdog.watch(done, f"training step {self.step + 1}")
         return total
 
     def global_mean(self, value: torch.Tensor) -> float:
@@ -144,7 +159,8 @@ class Trainer:
     def save(self) -> Path | None:
         if self.out is None:
             return None
-        masters, optim = self.engine.full_state()  # a collective when the state is sharded
+        with self._guard(f"the checkpoint gather at step {self.step}"):
+            masters, optim = self.engine.full_state()  # a collective when the state is sharded
         if not self.mesh.is_main:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
@@ -172,8 +188,9 @@ class Trainer:
                 bar.update(1)
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
                 if self.step % t.log_every == 0 or self.step == t.steps or do_eval:
-                    norm, skipped = self.engine.sync(self.step)
-                    loss = self.global_mean(loss)
+                    with self._guard(f"the metrics of step {self.step}"):
+                        norm, skipped = self.engine.sync(self.step)
+                        loss = self.global_mean(loss)
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
@@ -183,7 +200,8 @@ class Trainer:
                     if t.precision == "fp16":
                         rec["loss_scale"] = self.scaler.scale
                     if do_eval:
-                        rec["eval_loss"] = self.evaluate()
+                        with self._guard(f"the evaluation at step {self.step}"):
+                            rec["eval_loss"] = self.evaluate()
                     records.append(rec)
                     self.metrics.log(rec)
                     if self.mesh.is_main:
@@ -211,13 +229,17 @@ class Trainer:
         if t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
             room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
-            text = generate_text(self.model, self.tokenizer, t.sample_prompt, max(0, min(t.sample_tokens, room)),
-                                 temperature=0.8, top_k=40, seed=t.seed)
+            with self._guard("the sample"):
+                text = generate_text(self.model, self.tokenizer, t.sample_prompt,
+                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed)
             if self.mesh.is_main:
                 self.log("sample:\n" + t.sample_prompt + text)
         return records
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
         # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
         # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
         # after a failure the launcher's kill is safer than waiting on peers. The barrier first: a rank

@@ -28,6 +28,7 @@ the same way.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import os
@@ -133,27 +134,53 @@ class StreamFlags:
             raise RuntimeError(f"cuStream{what}Value32 failed with CUresult {rc}")
 
 
-class Watchdog:
-    """A stream that waits on a flag no peer will ever set never errors out by itself: this thread
-    watches the reductions in flight and, like NCCL's watchdog, ends the process with a message when one
-    has made no progress for `timeout_s` (a peer died or stalled), instead of leaving it hung."""
+class _Flag:
+    """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
 
-    def __init__(self, timeout_s: float, what: str):
-        self.timeout_s, self.what = timeout_s, what
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Watchdog:
+    """Ends the process with a message when watched work makes no progress for `timeout_s` (a peer rank
+    died or stalled). Needed on GPUs: a stream that waits on a flag no peer will ever set (the copy
+    engines' `StreamFlags`) never errors out by itself, and NCCL's own watchdog, at its timeout, aborts the
+    communicator, which lets the waiting kernels finish on whatever data they hold: the step goes on with
+    wrong numbers (a checkpoint could be written from them) until NCCL ends the process about a minute
+    later. The trainer's watchdog fires first (NCCL's timeout is set longer, see mesh.py): it watches
+    each step's completion on the GPU (`watch`, an event) and host sections that wait on peers (`guard`).
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
         self.pending = collections.deque()  # (deadline, event, label)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shardlm-watchdog", daemon=True)
         self.thread.start()
 
     def watch(self, event, label: str) -> None:
+        """`event` (anything with query(), such as a CUDA event) must be done within timeout_s from now."""
         self.pending.append((time.monotonic() + self.timeout_s, event, label))
+
+    @contextlib.contextmanager
+    def guard(self, label: str):
+        """The block must return within timeout_s (it waits on peers: collectives, their results)."""
+        flag = _Flag()
+        self.watch(flag, label)
+        try:
+            yield
+        finally:
+            flag.done = True
 
     def _run(self) -> None:
         while not self.stop.wait(min(1.0, self.timeout_s / 4)):
             while self.pending and self.pending[0][1].query():
                 self.pending.popleft()
             if self.pending and time.monotonic() > self.pending[0][0]:
-                print(f"shardlm: {self.what} {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
+                print(f"shardlm: {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
                       f"(parallel.timeout_s): a peer rank died or stalled; exiting", file=sys.stderr, flush=True)
                 os._exit(1)
 
@@ -166,12 +193,12 @@ class CopyEngineAllReduce:
     """Bucketed all-reduce over symmetric memory with copy-engine transfers (see the module docstring).
     `bucket(b)` is bucket b's view of the one symmetric gradient buffer; `launch(b)` queues bucket b's
     reduction on `stream` after the current stream's work and returns a waitable. Buckets must be
-    launched in the same order on every rank, the last one last."""
+    launched in the same order on every rank, the last one last. A peer that never signals leaves the
+    stream waiting for ever: whoever runs the steps watches them (the trainer's `Watchdog`)."""
 
     READY, SUMMED, DONE = range(3)  # flag kinds
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream,
-                 timeout_s: float):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
         if device.type != "cuda":
             raise ValueError("parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies)")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -187,7 +214,6 @@ class CopyEngineAllReduce:
                 enable(group.group_name)
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.flags = StreamFlags(group, 3, device)
-        self.watchdog = Watchdog(timeout_s, "copy-engine gradient reduction of bucket")
         self.seq = 0  # bucket launches so far: the value this launch's flags carry
 
     def bucket(self, b: int) -> torch.Tensor:
@@ -210,23 +236,18 @@ class CopyEngineAllReduce:
         with torch.cuda.stream(self.stream):
             self._all(self.READY)  # every rank's bucket b is complete
             parts = torch.empty(w, n, dtype=self.dtype, device=grad.device)  # row r unused: ours stays put
-            for k in range(1, w):
-                j = (r + k) % w  # ranks start at different peers, spreading the links' load
+            peers = [(r + k) % w for k in range(1, w)]  # ranks start at different peers, spreading the load
+            for j in peers:
                 parts[j].copy_(self._peer(j, b, r * n, n))
             # Only this rank reads its own slice r, so the sum may overwrite it now.
             own = grad[r * n:(r + 1) * n]
             sum_over_ranks(parts, own, r, own)
             self._all(self.SUMMED)  # every summed slice is in place, and every peer is done reading ours
-            for k in range(1, w):
-                j = (r + k) % w
+            for j in peers:
                 grad[j * n:(j + 1) * n].copy_(self._peer(j, b, j * n, n))
             if b == len(self.numels) - 1:
                 # Peers read our summed slices until here; the buffer may change (zero_grad) only after.
                 self._all(self.DONE)
             done = torch.cuda.Event()
             done.record()
-        self.watchdog.watch(done, b)
         return _Done(done)
-
-    def close(self) -> None:
-        self.watchdog.close()

@@ -147,7 +147,7 @@ class DDPEngine(LocalEngine):
         if self.algo == "copy_engine":
             try:
                 self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
-                                                       self.flat.device, group, self.side, p.timeout_s)
+                                                       self.flat.device, group, self.side)
             except Exception as e:  # no symmetric memory here (driver, container): say what still works
                 raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
                                    "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
@@ -188,10 +188,6 @@ class DDPEngine(LocalEngine):
 
     def grad_factor(self) -> float:
         return 1.0 / self.world  # buckets hold sums; the mean is taken inside the optimizer's scale
-
-    def finish(self) -> None:
-        if self.copy_engine is not None:
-            self.copy_engine.close()
 
 
 class ClassicEngine(LocalEngine):
