@@ -147,7 +147,7 @@ def _free_port():
 @pytest.mark.parametrize("fate", ["dies", "stalls"])
 def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fate):
     """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`, on the CPU like
-    its gloo peer, also on a machine with GPUs) must fail. The GPU case: the copy-engine test below."""
+    its gloo peer, also on a machine with GPUs) must fail. The GPU case: the stalled-peer test below."""
     port = _free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1"}
