@@ -54,59 +54,25 @@ OUT = os.environ.get("OUT", "/tmp")
 CPU = {"launch": 0.0}
 
 VARIANTS = {
-    # name: (overrides, dp, pg options, patches)
+    # name: (overrides, dp, pg options, patches). One variant per idea that bench/README.md reports.
     "local": ({}, 1, {}, {}),
-    "ddp": ({}, world, {}, {}),
-    "ddp-hipri": ({}, world, {"hipri": True}, {}),
-    "ddp-ctas8": ({}, world, {"hipri": True, "max_ctas": 8}, {}),
-    "ddp-ctas16": ({}, world, {"hipri": True, "max_ctas": 16}, {}),
-    "ddp-b100": ({"parallel.bucket_mb": "100"}, world, {"hipri": True}, {}),
-    "ddp-bf16": ({"parallel.reduce_dtype": "compute"}, world, {"hipri": True}, {}),
-    "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),
-    "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
-    "zero2-hipri": ({"parallel.zero_stage": "2"}, world, {"hipri": True}, {}),
-    "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
-    "zero1-hipri": ({"parallel.zero_stage": "1"}, world, {"hipri": True}, {}),
-    "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),
-    "ddp-carve8": ({}, world, {}, {"carve": 8}),
-    "ddp-carve16": ({}, world, {}, {"carve": 16}),
-    "ddp-carve32": ({}, world, {}, {"carve": 32}),
-    "ddp-ctas8-carve8": ({}, world, {"max_ctas": 8}, {"carve": 8}),
-    "ddp-ctas4": ({}, world, {"max_ctas": 4}, {}),
-    "ddp-bf16-carve8": ({"parallel.reduce_dtype": "compute"}, world, {}, {"carve": 8}),
-    "zero2-carve8": ({"parallel.zero_stage": "2"}, world, {}, {"carve": 8}),
-    "zero2-carve16": ({"parallel.zero_stage": "2"}, world, {}, {"carve": 16}),
-    "zero1-carve8": ({"parallel.zero_stage": "1"}, world, {}, {"carve": 8}),
-    "local-carve8": ({}, 1, {}, {"carve": 8}),
-    "ddp-ring": ({"parallel.reduce_algo": "ring"}, world, {}, {}),
+    "ddp": ({}, world, {}, {}),  # reduce_algo auto: the copy engines on one node's GPUs
     "ddp-ce": ({"parallel.reduce_algo": "copy_engine"}, world, {}, {}),
     "ddp-a2a": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {}),
+    "ddp-ring": ({"parallel.reduce_algo": "ring"}, world, {}, {}),
+    "ddp-bf16": ({"parallel.reduce_dtype": "compute", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
+    "ddp-b100": ({"parallel.bucket_mb": "100", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
+    "ddp-hipri": ({"parallel.reduce_algo": "all_to_all"}, world, {"hipri": True}, {}),  # NCCL high-priority streams
+    "ddp-ctas8": ({"parallel.reduce_algo": "all_to_all"}, world, {"max_ctas": 8}, {}),  # fewer NCCL CTAs
+    "ddp-carve8": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"carve": 8}),  # cuBLAS SM carveout
+    "ddp-lt-carve24": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"lt": True, "carve": 24}),
+    "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
+    "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
+    "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
+    "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),
     "zero1-ring": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero2-ring": ({"parallel.zero_stage": "2", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero3-ring": ({"parallel.zero_stage": "3", "parallel.reduce_algo": "ring"}, world, {}, {}),
-    "ddp-c4": ({}, world, {"max_ctas": 4}, {}),
-    "ddp-c8": ({}, world, {"max_ctas": 8}, {}),
-    "ddp-c16": ({}, world, {"max_ctas": 16}, {}),
-    "zero1-c8": ({"parallel.zero_stage": "1"}, world, {"max_ctas": 8}, {}),
-    "zero2-c8": ({"parallel.zero_stage": "2"}, world, {"max_ctas": 8}, {}),
-    "ddp-b100c8": ({"parallel.bucket_mb": "100"}, world, {"max_ctas": 8}, {}),
-    "local-lt": ({}, 1, {}, {"lt": True}),
-    "local-lt-carve8": ({}, 1, {}, {"lt": True, "carve": 8}),
-    "local-lt-carve24": ({}, 1, {}, {"lt": True, "carve": 24}),
-    "ddp-lt": ({}, world, {}, {"lt": True}),
-    "ddp-lt-carve24": ({}, world, {}, {"lt": True, "carve": 24}),
-    "ddp-lt-ctas8-carve8": ({}, world, {"max_ctas": 8}, {"lt": True, "carve": 8}),
-    "ddp-lt-ctas16-carve16": ({}, world, {"max_ctas": 16}, {"lt": True, "carve": 16}),
-    "ddp-lt-ctas4-carve4": ({}, world, {"max_ctas": 4}, {"lt": True, "carve": 4}),
-    "ddp-bf16-lt-ctas8-carve8": ({"parallel.reduce_dtype": "compute"}, world, {"max_ctas": 8}, {"lt": True, "carve": 8}),
-    "zero2-lt-ctas8-carve8": ({"parallel.zero_stage": "2"}, world, {"max_ctas": 8}, {"lt": True, "carve": 8}),
-    "zero2-lt-ctas8-carve8f": ({"parallel.zero_stage": "2"}, world, {"max_ctas": 8},
-                               {"lt": True, "carve": 8, "carve_fwd": True}),
-    "zero1-lt-ctas8-carve8f": ({"parallel.zero_stage": "1"}, world, {"max_ctas": 8},
-                               {"lt": True, "carve": 8, "carve_fwd": True}),
-    "zero3-lt-ctas8-carve8f": ({"parallel.zero_stage": "3"}, world, {"max_ctas": 8},
-                               {"lt": True, "carve": 8, "carve_fwd": True}),
-    "ddp-lt-ctas8-carve8f": ({}, world, {"max_ctas": 8}, {"lt": True, "carve": 8, "carve_fwd": True}),
 }
 BLAS0 = torch._C._get_blas_preferred_backend()
 
@@ -194,10 +160,7 @@ def measure(name, warm=3, steps=10, profile=False):
 
     def one():
         mark("start")
-        if carve and GPU and patches.get("carve_fwd"):
-            torch._C._set_sm_carveout_experimental(carve)
         tr.train_step()
-        torch._C._set_sm_carveout_experimental(None)
         tr.step += 1
         ev.append(dict(marks))
     for _ in range(warm):
