@@ -66,6 +66,8 @@ VARIANTS = {
     "ddp-ctas8": ({"parallel.reduce_algo": "all_to_all"}, world, {"max_ctas": 8}, {}),  # fewer NCCL CTAs
     "ddp-carve8": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"carve": 8}),  # cuBLAS SM carveout
     "ddp-lt-carve24": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"lt": True, "carve": 24}),
+    "ddp-b10": ({"parallel.bucket_mb": "10"}, world, {}, {}),  # copy engines, smaller / larger buckets
+    "ddp-b50": ({"parallel.bucket_mb": "50"}, world, {}, {}),
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
