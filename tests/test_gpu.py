@@ -87,12 +87,12 @@ def test_compiled_chunked_loss_matches_eager():
 def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
     """DDP's ~70 buckets are stepped by one kernel over their joined buffers (a table of where weight decay
     applies); the result must be the per-bucket step's, bit for bit."""
+    from shardlm import optim
     from shardlm.config import load_config
     from shardlm.flat import FlatParams
     from shardlm.model import build_model
     from shardlm.optim import MasterWeightOptimizer
     from shardlm.parallel.data import reverse_order_buckets
-    from shardlm import optim
     from shardlm.precision import NoLossScaler
     launches = []
     monkeypatch.setattr(optim, "adamw_master_step", lambda *a, **k: (launches.append(k.get("decay_table") is not None),

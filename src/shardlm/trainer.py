@@ -237,15 +237,16 @@ class Trainer:
         return records
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-            self.watchdog = None
         # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
         # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
         # after a failure the launcher's kill is safer than waiting on peers. The barrier first: a rank
         # done early (rank 0 still writes the checkpoint and the sample) tore its gloo group down while
         # the peer's last messages were in flight, and aborted at exit about once in fifty runs.
         if self.owns_process_group and dist.is_initialized():
-            dist.barrier()
+            with self._guard("the final barrier"):  # a peer that stalls at the end must not hang this rank
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
