@@ -7,9 +7,10 @@ each timed per phase with CUDA events on the compute stream: forward + backward,
 `local` runs one process per GPU without communication (every GPU busy, as in the 4-GPU run); a
 `+prof` suffix also profiles two steps on rank 0 ($OUT/prof-NAME.txt, trace-NAME.json.gz, and the
 compute vs NCCL busy time). Variants set config overrides, NCCL group options (high-priority streams,
-max_ctas), a cuBLAS SM carveout during backward (with cuBLASLt preferred), or ZeRO-2's reductions in
-flight; see VARIANTS. Rows go to stdout and $OUT/variants.jsonl. Workload: tinyllama-1.1b, seq 2048,
-micro-batch 4 per GPU, bf16 (the tiny preset on CPU, a dry run of the script itself).
+max_ctas), a cuBLAS SM carveout during backward (with cuBLASLt preferred), ZeRO-2's reductions in
+flight, or DDP's norm taken by the optimizer's own pass; see VARIANTS. Rows go to stdout and
+$OUT/variants.jsonl. Workload: tinyllama-1.1b, seq 2048, micro-batch 4 per GPU, bf16 (the tiny preset
+on CPU, a dry run of the script itself).
 """
 import gc
 import json
@@ -68,6 +69,7 @@ VARIANTS = {
     "ddp-lt-carve24": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"lt": True, "carve": 24}),
     "ddp-b10": ({"parallel.bucket_mb": "10"}, world, {}, {}),  # copy engines, smaller / larger buckets
     "ddp-b50": ({"parallel.bucket_mb": "50"}, world, {}, {}),
+    "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),  # the optimizer's own norm pass, not the slices'
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
@@ -123,6 +125,8 @@ def measure(name, warm=3, steps=10, profile=False):
     torch.manual_seed(0)
     tr = Trainer(cfg, out_dir=None, mesh=mesh, log=lambda *a: None)
     eng = tr.engine
+    if patches.get("fullnorm") and getattr(eng, "copy_engine", None) is not None:
+        eng.copy_engine.squares = None
     ev = []
     marks = {}
 

@@ -160,11 +160,9 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged
 
 
-def reduced_bf16_gradients(rank, world, overrides: dict):
-    """Each rank's bf16 gradients are a seeded random tensor; returns, per parameter, what the reduction
-    left on this rank beside what an fp32 reduction of bf16 gradients must give there: DDP's bucket holds
-    the fp32 sum over ranks rounded once to bf16; a ZeRO rank's fp32 gradient shard holds its slice of
-    the fp32 sum (NaN marks elements outside the rank's slice)."""
+def _seeded_bf16_backward(rank, world, overrides: dict):
+    """A bf16 DDP/ZeRO engine whose last micro-step's backward gives each rank r the seeded gradients
+    grads_of(r), reduced by the engine (after_backward has run). Returns (cfg, engine, params, grads_of)."""
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
     cfg = load_config("tiny", {"train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",
@@ -176,10 +174,28 @@ def reduced_bf16_gradients(rank, world, overrides: dict):
     def grads_of(r):
         g = torch.Generator().manual_seed(1000 + r)
         return [torch.randn(p.shape, generator=g).mul_(1 + r).to(torch.bfloat16) for p in params]  # on the CPU
-    mine = grads_of(rank)
     eng.before_backward(True)
-    sum(torch.sum(p * g.to(p.device)) for p, g in zip(params, mine)).backward()
+    sum(torch.sum(p * g.to(p.device)) for p, g in zip(params, grads_of(rank))).backward()
     eng.after_backward(True)
+    return cfg, eng, params, grads_of
+
+
+def ddp_grad_sumsq(rank, world, overrides: dict):
+    """(the sum of squares DDP hands its optimizer, in bits and as a float; that of the reduced gradient
+    this rank holds, in float64), after one seeded bf16 backward."""
+    _, eng, _, _ = _seeded_bf16_backward(rank, world, overrides)
+    got = eng.grad_sumsq()
+    assert got is not None, "this reduction does not take the norm's squares from its slices"
+    want = sum(b.grad.double().pow(2).sum().item() for b in eng.flat.buckets)
+    return got.cpu().view(torch.int32).item(), got.item(), want
+
+
+def reduced_bf16_gradients(rank, world, overrides: dict):
+    """Each rank's bf16 gradients are a seeded random tensor; returns, per parameter, what the reduction
+    left on this rank beside what an fp32 reduction of bf16 gradients must give there: DDP's bucket holds
+    the fp32 sum over ranks rounded once to bf16; a ZeRO rank's fp32 gradient shard holds its slice of
+    the fp32 sum (NaN marks elements outside the rank's slice)."""
+    cfg, eng, params, grads_of = _seeded_bf16_backward(rank, world, overrides)
     total = [torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0) for i in range(len(params))]
     flat, order = eng.flat, {id(p): i for i, p in enumerate(eng.flat.params)}
     out = []

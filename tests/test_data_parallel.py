@@ -221,6 +221,19 @@ def test_ddp_sums_bf16_gradients_in_fp32(world, algo):
             assert torch.equal(got, expected), name
 
 
+@pytest.mark.parametrize("algo,world", [("all_to_all", 2), ("ring", 2), ("all_to_all", 4),
+                                        pytest.param("copy_engine", 2, marks=gpus_for(2)),
+                                        pytest.param("copy_engine", 4, marks=gpus_for(4))])
+def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
+    """DDP's gradient sum of squares, summed from each rank's reduce-scatter slices as they are reduced,
+    is that of the reduced gradient (only the order of the fp32 additions differs) and the same bits on
+    every rank: clipping then scales every rank's update alike."""
+    results = run_distributed(dist_fns.ddp_grad_sumsq, world, {"parallel.reduce_algo": algo}, timeout=120)
+    assert len({bits for bits, _, _ in results}) == 1
+    for _, got, want in results:
+        assert got == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage,algo,world", [(1, "all_to_all", 4), (2, "all_to_all", 4), (2, "ring", 4),
                                               (3, "all_to_all", 4), (2, "all_to_all", 2)])
 def test_zero_sums_bf16_gradients_in_fp32(stage, algo, world):

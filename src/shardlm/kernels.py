@@ -89,18 +89,29 @@ def sum_over_ranks(rows: torch.Tensor, own: torch.Tensor, rank: int, out: torch.
 
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) in fp32 as a 0-dim device tensor, deterministic (block partials, then one sum)."""
+    partial = torch.empty(square_parts(x), device=x.device, dtype=torch.float32)
+    sum_of_squares_into(x, partial)
+    return partial.sum()
+
+
+def square_parts(x: torch.Tensor) -> int:
+    """How many partial sums `sum_of_squares_into` writes for x (their sum is sum(x^2))."""
+    return triton.cdiv(x.numel(), BLOCK) if triton_ok(x) else 1
+
+
+def sum_of_squares_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the square_parts(x) fp32 partial sums of x^2 into `out`, one per block of x: whoever sums them
+    in a fixed order gets the same bits every time."""
     if x.numel() == 0:
-        return torch.zeros((), device=x.device)
-    if triton_ok(x):
-        partial = torch.empty(triton.cdiv(x.numel(), BLOCK), device=x.device, dtype=torch.float32)
-        _sumsq_kernel[(partial.numel(),)](x, partial, x.numel(), BLOCK=BLOCK)
-        return partial.sum()
-    # torch.sum sums pairwise on CPU (vector_norm there loses ~1e-6); a chunk at a time keeps the fp32
-    # temporaries in cache instead of allocating (and page-faulting) two copies of a large gradient.
-    chunk = 1 << 20
-    if x.numel() <= chunk:
-        return x.float().pow(2).sum()
-    return torch.stack([c.float().pow(2).sum() for c in x.split(chunk)]).sum()
+        out.zero_()
+    elif triton_ok(x):
+        _sumsq_kernel[(out.numel(),)](x, out, x.numel(), BLOCK=BLOCK)
+    else:
+        # torch.sum sums pairwise on CPU (vector_norm there loses ~1e-6); a chunk at a time keeps the fp32
+        # temporaries in cache instead of allocating (and page-faulting) two copies of a large gradient.
+        chunk = 1 << 20
+        out.copy_(torch.stack([c.float().pow(2).sum() for c in x.split(chunk)]).sum() if x.numel() > chunk
+                  else x.float().pow(2).sum())
 
 
 def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor,

@@ -138,10 +138,13 @@ class MasterWeightOptimizer:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, step: int, grad_shard, param_shard, grad_factor: float = 1.0) -> bool:
+    def step(self, lr: float, step: int, grad_shard, param_shard, grad_factor: float = 1.0,
+             sumsq: torch.Tensor | None = None) -> bool:
         """Clip by the global norm and apply. `grad_shard(b)`: bucket b's gradient shard (any float dtype,
         equal to grad_factor x the true gradient x the loss scale); `param_shard(b)`: where the updated
-        16-bit weights go, or None. Returns False when fp16 overflowed and the step was skipped."""
+        16-bit weights go, or None; `sumsq`: the whole gradient's sum of squares where the caller already
+        has it (a device scalar, alike on every rank). Returns False when fp16 overflowed and the step
+        was skipped."""
         cfg = self.cfg
         loss_scale = self.scaler.scale
         grads = [grad_shard(b.index) for b in self.flat.buckets]
@@ -156,11 +159,12 @@ class MasterWeightOptimizer:
             needed = flat[:1] + flat[2:] + ([] if self.alias else flat[1:2])  # alias: no 16-bit copy to write
             if any(t is None for t in needed):
                 flat = None
-        sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for g in ([flat[2]] if flat is not None else grads):
-            sumsq += sum_of_squares(g).to(self.device)
-        if self.sharded:
-            dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
+        if sumsq is None:
+            sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
+            for g in ([flat[2]] if flat is not None else grads):
+                sumsq += sum_of_squares(g).to(self.device)
+            if self.sharded:
+                dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
         norm = sumsq.sqrt() * (grad_factor / loss_scale)
         finite = torch.isfinite(norm)
         self._skip.copy_(~finite)

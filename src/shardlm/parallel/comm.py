@@ -40,7 +40,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..kernels import sum_over_ranks
+from ..kernels import square_parts, sum_of_squares_into, sum_over_ranks
 
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,6 +78,33 @@ def start_reduce_scatter(bucket: torch.Tensor, dtype: torch.dtype, group, algo: 
     parts = torch.empty_like(bucket)  # row j: rank j's copy of this rank's slice
     work = dist.all_to_all_single(parts, bucket, group=group, async_op=True)
     return work, (lambda: parts.view(world, n).sum(0, dtype=dtype)), (bucket, parts)
+
+
+class SliceSquares:
+    """The global gradient norm's sum of squares, taken as the reduction goes (what ZeRO does for its
+    shards, here for DDP's reduce-scatter slices): each rank squares its summed slice of a bucket as soon
+    as that slice is reduced (on the side stream, while backward runs on), and the ranks' totals are added
+    in rank order: the same bits on every rank and by every algorithm. The optimizer then has no pass over
+    the whole gradient to make after the last bucket arrives (0.5 ms per step of tinyllama-1.1b on an
+    H200, all of it after the slowest rank's backward). `slices[b]`: this rank's slice of bucket b."""
+
+    def __init__(self, slices: list[torch.Tensor]):
+        self.slices = slices
+        self.offsets = [0, *itertools.accumulate(square_parts(s) for s in slices)]
+        self.parts = torch.zeros(self.offsets[-1], dtype=torch.float32, device=slices[0].device)
+
+    def add(self, b: int) -> None:
+        """Square bucket b's slice (once it holds the summed values), on the current stream."""
+        sum_of_squares_into(self.slices[b], self.parts[self.offsets[b]:self.offsets[b + 1]])
+
+    def rank_total(self, out: torch.Tensor) -> None:
+        """This rank's share into `out` (0-dim): valid once every bucket of the step has been added."""
+        torch.sum(self.parts, 0, out=out)
+
+    @staticmethod
+    def over_ranks(totals: torch.Tensor, out: torch.Tensor) -> None:
+        """The sum over the ranks' totals (a tensor in rank order) into `out`, alike on every rank."""
+        torch.sum(totals, 0, out=out)
 
 
 class _Done:
@@ -215,6 +242,15 @@ class CopyEngineAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.flags = StreamFlags(group, 3, device)
         self.seq = 0  # bucket launches so far: the value this launch's flags carry
+        # The gradient's sum of squares (see SliceSquares), valid once the last bucket's launch completes.
+        # Each rank's total goes into its slot of a symmetric buffer before it signals SUMMED, and every
+        # rank reads all slots after it: no collective of its own. `squares = None` leaves the norm to
+        # the optimizer (for measuring what this is worth).
+        self.squares = SliceSquares([self.bucket(b)[self.rank * (n // self.world):(self.rank + 1) * (n // self.world)]
+                                     for b, n in enumerate(numels)])
+        self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
+        self.totals_handle = symm_mem.rendezvous(self.totals, group)
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
 
     def bucket(self, b: int) -> torch.Tensor:
         return self.buffer[self.offsets[b]:self.offsets[b] + self.numels[b]]
@@ -242,11 +278,19 @@ class CopyEngineAllReduce:
             # Only this rank reads its own slice r, so the sum may overwrite it now.
             own = grad[r * n:(r + 1) * n]
             sum_over_ranks(parts, own, r, own)
+            last = b == len(self.numels) - 1
+            if self.squares is not None:
+                self.squares.add(b)
+                if last:
+                    self.squares.rank_total(out=self.totals[0])
             self._all(self.SUMMED)  # every summed slice is in place, and every peer is done reading ours
+            if self.squares is not None and last:  # before the pulls below: the optimizer needs it first
+                slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(w)]
+                SliceSquares.over_ranks(torch.cat(slots), self.sumsq)
             for j in peers:
                 grad[j * n:(j + 1) * n].copy_(self._peer(j, b, j * n, n))
-            if b == len(self.numels) - 1:
-                # Peers read our summed slices until here; the buffer may change (zero_grad) only after.
+            if last:
+                # Peers read our summed slices (and our total) until here; the buffer may change (zero_grad) only after.
                 self._all(self.DONE)
             done = torch.cuda.Event()
             done.record()

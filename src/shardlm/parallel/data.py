@@ -20,7 +20,9 @@
   and the all-gather are queued on a side stream, so backward never waits for them. On the GPUs of one
   node, `parallel.reduce_algo copy_engine` (what `auto`, the default, picks there) moves the buckets
   with the copy engines instead of NCCL's kernels (`comm.CopyEngineAllReduce`), leaving the SMs to
-  backward.
+  backward. Wherever the reduction goes through slices, each rank squares its summed slices as they
+  are reduced and the clipping norm adds the ranks' totals (`comm.SliceSquares`): the optimizer makes
+  no pass over the whole gradient after the last bucket arrives.
 
 Every engine offers the trainer the same calls: `before_backward(last)`, `after_backward(last)`,
 `step(lr, step)`, `sync(step)`, `finish()`, and layout-free `full_state()` / `load(...)`.
@@ -35,7 +37,8 @@ from torch import nn
 
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
-from .comm import CopyEngineAllReduce, all_gather_into_tensor, resolve_reduce_algo, start_reduce_scatter
+from .comm import (CopyEngineAllReduce, SliceSquares, all_gather_into_tensor, resolve_reduce_algo,
+                   start_reduce_scatter)
 
 
 def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
@@ -102,8 +105,12 @@ class LocalEngine:
 
     def step(self, lr: float, step: int) -> None:
         self.opt.step(lr, step, lambda b: self.flat.buckets[b].grad, lambda b: self.flat.buckets[b].data,
-                      self.grad_factor())
+                      self.grad_factor(), sumsq=self.grad_sumsq())
         self.flat.zero_grad()
+
+    def grad_sumsq(self) -> torch.Tensor | None:
+        """The gradient's sum of squares where the reduction already took it; None: the optimizer does."""
+        return None
 
     def sync(self, step: int) -> tuple[float, int]:
         return self.opt.sync(step)
@@ -154,7 +161,16 @@ class DDPEngine(LocalEngine):
             for i, b in enumerate(self.flat.buckets):
                 b.grad = self.copy_engine.bucket(i)
             self.flat.zero_grad()  # points every .grad at its view of the symmetric buffer
+        # Where buckets are reduced as reduce-scatter + all-gather, the norm's squares come from the slices.
+        self.squares = None
+        if self.copy_engine is None and self.flat.dtype != self.reduce_dtype:
+            self.squares = SliceSquares([self._own(b.grad) for b in self.flat.buckets])
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         self.ready = BucketReadiness(self.flat, self._launch)
+
+    def _own(self, grad: torch.Tensor) -> torch.Tensor:
+        n = grad.numel() // self.world
+        return grad[self.rank * n:(self.rank + 1) * n]
 
     def _launch(self, b: int) -> None:
         grad = self.flat.buckets[b].grad
@@ -165,11 +181,12 @@ class DDPEngine(LocalEngine):
             self.works.append((dist.all_reduce(grad, group=self.group, async_op=True), ()))
             return
         rs, mine, keep = start_reduce_scatter(grad, self.reduce_dtype, self.group, self.algo)
-        n = grad.numel() // self.world
-        own = grad[self.rank * n:(self.rank + 1) * n]
+        own = self._own(grad)
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
             rs.wait()  # on GPU: the side stream waits, the compute stream runs on
             own.copy_(mine())
+            if self.squares is not None:
+                self.squares.add(b)
             ag = all_gather_into_tensor(grad, own, group=self.group, async_op=True)
         self.works.append((ag, keep))
 
@@ -185,6 +202,17 @@ class DDPEngine(LocalEngine):
             work.wait()
         # The compute stream now waits for every collective, so the buffers they used can be reused.
         self.works.clear()
+        if self.squares is not None:
+            mine = torch.empty(1, dtype=torch.float32, device=self.flat.device)
+            self.squares.rank_total(out=mine[0])
+            totals = torch.empty(self.world, dtype=torch.float32, device=self.flat.device)
+            all_gather_into_tensor(totals, mine, group=self.group)
+            SliceSquares.over_ranks(totals, self.sumsq)
+
+    def grad_sumsq(self) -> torch.Tensor | None:
+        if self.copy_engine is not None:
+            return self.copy_engine.sumsq if self.copy_engine.squares is not None else None
+        return self.sumsq if self.squares is not None else None
 
     def grad_factor(self) -> float:
         return 1.0 / self.world  # buckets hold sums; the mean is taken inside the optimizer's scale
