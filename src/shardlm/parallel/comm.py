@@ -246,14 +246,18 @@ class CopyEngineAllReduce:
         # Each rank's total goes into its slot of a symmetric buffer before it signals SUMMED, and every
         # rank reads all slots after it: no collective of its own. `squares = None` leaves the norm to
         # the optimizer (for measuring what this is worth).
-        self.squares = SliceSquares([self.bucket(b)[self.rank * (n // self.world):(self.rank + 1) * (n // self.world)]
-                                     for b, n in enumerate(numels)])
+        self.squares = SliceSquares([self._own(b) for b in range(len(numels))])
         self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
         self.totals_handle = symm_mem.rendezvous(self.totals, group)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
 
     def bucket(self, b: int) -> torch.Tensor:
         return self.buffer[self.offsets[b]:self.offsets[b] + self.numels[b]]
+
+    def _own(self, b: int) -> torch.Tensor:
+        """This rank's slice of bucket b: the one it sums."""
+        n = self.numels[b] // self.world
+        return self.bucket(b)[self.rank * n:(self.rank + 1) * n]
 
     def _peer(self, j: int, b: int, start: int, n: int) -> torch.Tensor:
         return self.handle.get_buffer(j, (n,), self.dtype, self.offsets[b] + start)
@@ -276,7 +280,7 @@ class CopyEngineAllReduce:
             for j in peers:
                 parts[j].copy_(self._peer(j, b, r * n, n))
             # Only this rank reads its own slice r, so the sum may overwrite it now.
-            own = grad[r * n:(r + 1) * n]
+            own = self._own(b)
             sum_over_ranks(parts, own, r, own)
             last = b == len(self.numels) - 1
             if self.squares is not None:
@@ -284,13 +288,14 @@ class CopyEngineAllReduce:
                 if last:
                     self.squares.rank_total(out=self.totals[0])
             self._all(self.SUMMED)  # every summed slice is in place, and every peer is done reading ours
-            if self.squares is not None and last:  # before the pulls below: the optimizer needs it first
+            if self.squares is not None and last:  # every peer's total is in its slot now
                 slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(w)]
                 SliceSquares.over_ranks(torch.cat(slots), self.sumsq)
             for j in peers:
                 grad[j * n:(j + 1) * n].copy_(self._peer(j, b, j * n, n))
             if last:
-                # Peers read our summed slices (and our total) until here; the buffer may change (zero_grad) only after.
+                # Peers read our summed slices (and our total) until here; the buffers may change (zero_grad,
+                # the next step's total) only after.
                 self._all(self.DONE)
             done = torch.cuda.Event()
             done.record()

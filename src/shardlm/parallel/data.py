@@ -165,7 +165,7 @@ class DDPEngine(LocalEngine):
         self.squares = None
         if self.copy_engine is None and self.flat.dtype != self.reduce_dtype:
             self.squares = SliceSquares([self._own(b.grad) for b in self.flat.buckets])
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+            self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         self.ready = BucketReadiness(self.flat, self._launch)
 
     def _own(self, grad: torch.Tensor) -> torch.Tensor:
