@@ -224,3 +224,26 @@ def chosen_reduce_algo(rank, world, overrides: dict):
     cfg = load_config("tiny", {"parallel.dp": str(world), "train.micro_batch_size": "2",
                                "train.tensorboard": "false", **overrides})
     return Trainer(cfg, log=lambda *a: None).engine.algo
+
+
+def engine_freed_with_its_trainer(rank, world, overrides: dict) -> bool:
+    """Build a trainer, take two steps, drop it: is its engine (gradients, optimizer state) collected?"""
+    import gc
+    import weakref
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+
+    def build():
+        cfg = load_config("tiny", {"train.tensorboard": "false", "train.precision": "bf16", "parallel.dp": str(world),
+                                   "train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
+                                   **overrides})
+        trainer = Trainer(cfg, log=lambda *a: None)
+        for _ in range(2):
+            trainer.train_step()
+            trainer.step += 1
+        trainer.engine.finish()
+        return weakref.ref(trainer.engine)
+    engine = build()
+    gc.collect()
+    return engine() is None
+

@@ -204,6 +204,14 @@ def test_zero3_with_full_recomputation_equals_one_process():
     check_against_reference(results, ref, 2)
 
 
+@pytest.mark.parametrize("mode", ["classic", "ddp", "zero1", "zero2", "zero3"])
+def test_an_engine_is_freed_with_its_trainer(mode):
+    """A sweep or a notebook builds many trainers in one process: each engine, with its gradients and
+    optimizer state, must go when its trainer goes (the gradient hooks that parameters keep must not
+    hold it)."""
+    assert run_distributed(dist_fns.engine_freed_with_its_trainer, 2, MODES[mode], timeout=120) == [True, True]
+
+
 def gpus_for(world):
     """A copy-engine case: it needs `world` GPUs (peer-to-peer copies); skipped elsewhere."""
     return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"copy_engine needs {world} GPUs")

@@ -29,6 +29,7 @@ Every engine offers the trainer the same calls: `before_backward(last)`, `after_
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -61,9 +62,14 @@ class BucketReadiness:
 
     def _hook(self, i: int):
         b = self.flat.where[i][0]
+        # Weakly: a parameter keeps its hooks where Python's collector does not look, so a hook holding
+        # this object would keep the engine (its gradients, its optimizer state) alive as long as the
+        # parameters, cycle or not: every engine built in one process would stay in memory.
+        ref = weakref.ref(self)
 
         def hook(param):
-            if not self.active:
+            self = ref()
+            if self is None or not self.active:
                 return
             if self.on_grad is not None:
                 self.on_grad(i, param)
