@@ -171,6 +171,7 @@ class DDPEngine(LocalEngine):
         self.squares = None
         if self.copy_engine is None and self.flat.dtype != self.reduce_dtype:
             self.squares = SliceSquares([self._own(b.grad) for b in self.flat.buckets])
+            self.totals = torch.zeros(self.world, dtype=torch.float32, device=self.flat.device)  # by rank
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         self.ready = BucketReadiness(self.flat, self._launch)
 
@@ -211,9 +212,8 @@ class DDPEngine(LocalEngine):
         if self.squares is not None:
             mine = torch.empty(1, dtype=torch.float32, device=self.flat.device)
             self.squares.rank_total(out=mine[0])
-            totals = torch.empty(self.world, dtype=torch.float32, device=self.flat.device)
-            all_gather_into_tensor(totals, mine, group=self.group)
-            SliceSquares.over_ranks(totals, self.sumsq)
+            all_gather_into_tensor(self.totals, mine, group=self.group)
+            SliceSquares.over_ranks(self.totals, self.sumsq)
 
     def grad_sumsq(self) -> torch.Tensor | None:
         if self.copy_engine is not None:
