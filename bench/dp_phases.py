@@ -69,7 +69,10 @@ VARIANTS = {
     "ddp-lt-carve24": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"lt": True, "carve": 24}),
     "ddp-b10": ({"parallel.bucket_mb": "10"}, world, {}, {}),  # copy engines, smaller / larger buckets
     "ddp-b50": ({"parallel.bucket_mb": "50"}, world, {}, {}),
-    "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),  # the optimizer's own norm pass, not the slices'
+    "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),
+    "ddp-whole0": ({}, world, {}, {"whole0": True}),  # block 0 compiled as one graph, not two (trainer.py)
+    "ddp-noemb": ({}, world, {}, {"noemb": True}),  # timing only: no embedding gradient at all
+    "local-noemb": ({}, 1, {}, {"noemb": True}),  # the optimizer's own norm pass, not the slices'
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
@@ -123,7 +126,20 @@ def measure(name, warm=3, steps=10, profile=False):
         mesh = Mesh()
     Z.REDUCTIONS_IN_FLIGHT = patches.get("inflight", 4)
     torch.manual_seed(0)
+    import shardlm.trainer as T
+    build = T.build_engine
+
+    def build_engine(model, *a):
+        if patches.get("noemb"):
+            model.embed.weight.requires_grad_(False)
+        if patches.get("whole0") and GPU:
+            b0 = model.layers[0]
+            del b0.attn_half, b0.mlp_half
+            b0.compile()
+        return build(model, *a)
+    T.build_engine = build_engine
     tr = Trainer(cfg, out_dir=None, mesh=mesh, log=lambda *a: None)
+    T.build_engine = build
     eng = tr.engine
     if patches.get("fullnorm") and getattr(eng, "copy_engine", None) is not None:
         eng.copy_engine.squares = None

@@ -140,6 +140,27 @@ def test_recompute_actually_recomputes():
     assert calls["n"] == 2 * cfg.num_layers  # forward, then again in backward
 
 
+@pytest.mark.parametrize("halves", [False, True])
+def test_a_block_compiled_in_halves_hands_over_its_mlp_gradients_first(halves):
+    """What data parallelism relies on for block 0 (trainer.py): compiled as two graphs, the block's MLP
+    gradients are accumulated before its attention's backward has run; compiled whole, not."""
+    from shardlm.model import build_model
+    model = build_model(load_config("tiny").model)
+    block = model.layers[0]
+    x = model.embed(torch.randint(0, 100, (2, 16))).detach().requires_grad_()
+    rope = model.rope(0, 16, x.device, x.dtype)
+    want = torch.autograd.grad(block(x, rope).square().sum(), x)[0]
+    block.compile_in_halves(backend="aot_eager") if halves else block.compile(backend="aot_eager")
+    attn = list(block.attn.parameters())
+    before_attention = []
+    for p in block.mlp.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: before_attention.append(all(q.grad is None for q in attn)))
+    out = block(x, rope).square().sum()
+    out.backward()
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-7)
+    assert before_attention == [halves] * len(list(block.mlp.parameters()))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
     trainer, recs = train(tmp_path, train__steps=12, train__precision=precision)

@@ -64,8 +64,13 @@ class Trainer:
         self.model.train()
         self.forward = self.model
         if t.compile:
-            for block in self.model.layers:
-                block.compile()
+            for i, block in enumerate(self.model.layers):
+                # Block 0's backward is the last: with data parallelism its gradients are reduced after it,
+                # on the critical path, unless they arrive in two parts (4x H200: 0.5 ms per step).
+                if i == 0 and self.mesh.dp > 1:
+                    block.compile_in_halves()
+                else:
+                    block.compile()
         self.scaler = make_loss_scaler(t.precision)
         self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
         self.step = 0

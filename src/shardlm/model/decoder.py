@@ -165,8 +165,21 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp_group)
 
     def forward(self, x, rope=None, cache=None):
-        x = x + self.attn(self.attn_norm(x), rope, cache)
+        return self.mlp_half(self.attn_half(x, rope, cache))
+
+    def attn_half(self, x, rope=None, cache=None):
+        return x + self.attn(self.attn_norm(x), rope, cache)
+
+    def mlp_half(self, x):
         return x + self.mlp(self.mlp_norm(x))
+
+    def compile_in_halves(self, **options) -> None:
+        """Compile attention and MLP as two graphs instead of one. A compiled graph hands autograd all of
+        its parameters' gradients together when its backward ends, so the MLP's gradients then arrive
+        before the attention's backward runs instead of after it: for the block whose backward comes
+        last, data parallelism can reduce them while that backward runs rather than after it."""
+        self.attn_half = torch.compile(self.attn_half, **options)
+        self.mlp_half = torch.compile(self.mlp_half, **options)
 
 
 class Decoder(nn.Module):
