@@ -76,44 +76,6 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(0), tl.sum(x * x, axis=0))
 
 
-    @triton.jit
-    def _table_rows_kernel(ids_ptr, perm_ptr, ends_ptr, rows_ptr, table_ptr, d, R: tl.constexpr, BLOCK_D: tl.constexpr):
-        # Program (i, c): if sorted position i starts a run of equal ids, the run's rows summed in fp32 into
-        # the id's row of the table, columns block c. One program per (run, block), a fixed order inside:
-        # the same bits every time. R rows at a time, so a frequent token's long run stays short to walk.
-        i = tl.program_id(0)
-        row = tl.load(ids_ptr + i)
-        prev = tl.load(ids_ptr + tl.maximum(i - 1, 0))
-        starts = (i == 0) | (prev != row)
-        end = tl.where(starts, tl.load(ends_ptr + i), i)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        cmask = cols < d
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in range(i, end, R):
-            js = j + tl.arange(0, R)
-            jm = js < end
-            src = tl.load(perm_ptr + js, mask=jm, other=0)
-            tile = tl.load(rows_ptr + src[:, None] * d + cols[None, :], mask=jm[:, None] & cmask[None, :], other=0.0)
-            acc += tl.sum(tile.to(tl.float32), axis=0)
-        if starts:
-            tl.store(table_ptr + row * d + cols, acc.to(table_ptr.dtype.element_ty), mask=cmask)
-
-
-def embedding_table_from_rows(ids: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> None:
-    """Into `table`, zero on entry (a gradient after zero_grad): table[v] = the sum of rows[k] over every k
-    with ids[k] == v, in fp32 rounded once, deterministically: an embedding's weight gradient. torch's
-    embedding backward (a sort, fp32 partials of every run written out, then their sums, then a copy)
-    took 0.6 ms for 32,768 rows of 2,048 on an H200; this kernel reads each row once and writes only the
-    rows present."""
-    if not triton_ok(table):
-        table.copy_(torch.ops.aten.embedding_dense_backward(rows, ids, table.shape[0], -1, False))
-        return
-    sorted_ids, perm = torch.sort(ids, stable=True)
-    ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
-    d = rows.shape[1]
-    _table_rows_kernel[(ids.numel(), triton.cdiv(d, 256))](sorted_ids, perm, ends, rows, table, d, R=16, BLOCK_D=256)
-
-
 def sum_over_ranks(rows: torch.Tensor, own: torch.Tensor, rank: int, out: torch.Tensor) -> None:
     """out = the sum in fp32, in rank order, of rows[j] over the ranks j, with `own` standing in for
     rows[rank] (which is never read), rounded once to out's dtype; `out` may be `own`. One pass: a

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..flat import FlatParams, split_buckets
-from ..kernels import embedding_table_from_rows
 from ..optim import MasterWeightOptimizer
 from .comm import (CopyEngineAllReduce, SideDone, SliceSquares, all_gather_into_tensor, resolve_reduce_algo,
                    start_reduce_scatter)
@@ -124,7 +123,7 @@ class EmbeddingRows:
 
     def into(self, grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Every rank's (ids, rows) into `grad`, the embedding's dense table."""
-        embedding_table_from_rows(ids, rows, grad)  # zero on entry: zero_grad ran after the last step
+        grad.copy_(torch.ops.aten.embedding_dense_backward(rows, ids, grad.shape[0], -1, False))
 
 
 class BucketReadiness:
