@@ -28,7 +28,6 @@ from common import PEAK, flops_per_token  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.mesh import Mesh  # noqa: E402
 from shardlm.parallel import zero as Z  # noqa: E402
-import shardlm.trainer as T  # noqa: E402
 from shardlm.trainer import Trainer  # noqa: E402
 
 os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
@@ -72,8 +71,6 @@ VARIANTS = {
     "ddp-b50": ({"parallel.bucket_mb": "50"}, world, {}, {}),
     "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),
     "ddp-whole0": ({}, world, {}, {"whole0": True}),  # block 0 compiled as one graph, not two (trainer.py)
-    "ddp-dense": ({"parallel.embed_grad": "dense"}, world, {}, {}),  # the embedding's gradient as a table
-    "ddp-dense-whole0": ({"parallel.embed_grad": "dense"}, world, {}, {"whole0": True}),  # as before both
     "ddp-noemb": ({}, world, {}, {"noemb": True}),  # timing only: no embedding gradient at all
     "local-noemb": ({}, 1, {}, {"noemb": True}),  # the optimizer's own norm pass, not the slices'
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
@@ -129,6 +126,7 @@ def measure(name, warm=3, steps=10, profile=False):
         mesh = Mesh()
     Z.REDUCTIONS_IN_FLIGHT = patches.get("inflight", 4)
     torch.manual_seed(0)
+    import shardlm.trainer as T
     build = T.build_engine
 
     def build_engine(model, *a):

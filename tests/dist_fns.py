@@ -118,8 +118,7 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": owned_slices(engine, key),
-            "bytes": captured["bytes"], "numel": engine.flat.numel,
-            "rows_steps": engine.rows.exchanged if getattr(engine, "rows", None) is not None else None}
+            "bytes": captured["bytes"], "numel": engine.flat.numel}
 
 
 

@@ -212,42 +212,6 @@ def test_an_engine_is_freed_with_its_trainer(mode):
     assert run_distributed(dist_fns.engine_freed_with_its_trainer, 2, MODES[mode], timeout=120) == [True, True]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ddp_with_the_embedding_gradient_as_rows_equals_one_process(world):
-    """DDP forming the embedding's gradient from every rank's (token ids, output-gradient rows): the same
-    training as one process, and the table really came from rows at every step."""
-    common = {"train.steps": "4", "train.global_batch_size": "8", "train.micro_batch_size": str(8 // world)}
-    ref = reference(common)
-    results = run_distributed(dist_fns.train_and_capture, world,
-                              {**common, "parallel.dp": str(world), "parallel.embed_grad": "rows"}, timeout=240)
-    check_against_reference(results, ref, world)
-    assert [r["rows_steps"] for r in results] == [4] * world
-
-
-def test_the_embedding_gradient_takes_rows_where_they_move_fewer_bytes():
-    from shardlm.config import load_config
-    from shardlm.model import build_model
-    from shardlm.parallel.data import EmbeddingRows
-
-    def choice(preset, world, gpu=True, **over):
-        cfg = load_config(preset, {"parallel.dp": str(world), "train.micro_batch_size": "4", "train.seq_len": "2048",
-                                   "train.global_batch_size": str(4 * world), **over})
-        model = build_model(cfg.model, device="meta", init=False)
-        got = EmbeddingRows.choose(model, cfg, world, gpu)
-        return got and got[1]
-    # tinyllama-1.1b: 8,192 tokens' rows (33.6 MB) against a 131 MB table: rows at 4 ranks, dense at 8.
-    assert choice("tinyllama-1.1b", 4) == 8192
-    assert choice("tinyllama-1.1b", 4, gpu=False) is None  # auto: not on the CPU
-    assert choice("tinyllama-1.1b", 4, gpu=False, **{"parallel.embed_grad": "rows"}) == 8192
-    assert choice("tinyllama-1.1b", 8) is None
-    assert choice("tinyllama-1.1b", 4, **{"parallel.embed_grad": "dense"}) is None
-    assert choice("tinyllama-1.1b", 4, **{"train.global_batch_size": "32"}) is None  # accumulation
-    with pytest.raises(ValueError, match="accumulation micro-steps"):
-        choice("tinyllama-1.1b", 4, **{"train.global_batch_size": "32", "parallel.embed_grad": "rows"})
-    with pytest.raises(ValueError, match="tied to the output head"):
-        choice("tiny", 2, **{"model.tie_embeddings": "true", "parallel.embed_grad": "rows"})
-
-
 def gpus_for(world):
     """A copy-engine case: it needs `world` GPUs (peer-to-peer copies); skipped elsewhere."""
     return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"copy_engine needs {world} GPUs")
@@ -318,20 +282,6 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     masters = [next(r["masters"] for r in run if r["masters"] is not None) for run in runs]
     for name, value in masters[0].items():
         assert torch.equal(value, masters[1][name]), name
-
-
-@pytest.mark.parametrize("other", ["ring", pytest.param("copy_engine", marks=gpus_for(2))])
-def test_bf16_embedding_rows_are_the_same_by_either_reduction_algorithm(other):
-    """With the embedding's gradient formed from rows, bf16 training is the same run, bit for bit, whether
-    the rows travel through the process group or by copy-engine transfers, and close to the dense table's."""
-    common = {"train.steps": "3", "train.global_batch_size": "4", "train.micro_batch_size": "2",
-              "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02"}
-    runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo, "parallel.embed_grad": rows},
-                            timeout=240) for algo, rows in (("all_to_all", "rows"), (other, "rows"), (other, "dense"))]
-    assert [r["rows_steps"] for run in runs for r in run] == [3, 3, 3, 3, None, None]
-    for a, b in zip(*runs[:2]):
-        assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
-    torch.testing.assert_close(runs[2][0]["losses"], runs[0][0]["losses"], rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])

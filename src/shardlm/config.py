@@ -161,7 +161,6 @@ class ParallelConfig:
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
     reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP on GPUs): how gradients are summed (parallel/comm.py)
-    embed_grad: str = "auto"       # auto | dense | rows: DDP exchanges the embedding's gradient as a table or as its tokens' rows (parallel/data.py)
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
@@ -200,7 +199,6 @@ CHOICES = {
     "parallel.dp_mode": ("ddp", "classic"),
     "parallel.reduce_dtype": ("fp32", "compute"),
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
-    "parallel.embed_grad": ("auto", "dense", "rows"),
 }
 POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",

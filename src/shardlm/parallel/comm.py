@@ -107,18 +107,14 @@ class SliceSquares:
         torch.sum(totals, 0, out=out)
 
 
-class SideDone:
-    """Work queued on the current (side) stream up to here: waiting makes the waiter's current stream wait.
-    On the CPU the work already ran, synchronously: nothing to wait for."""
+class _Done:
+    """A collective finished by the side stream at `event`: waiting makes the current stream wait."""
 
-    def __init__(self, on_gpu: bool = True):
-        self.event = torch.cuda.Event() if on_gpu else None
-        if self.event is not None:
-            self.event.record()
+    def __init__(self, event):
+        self.event = event
 
     def wait(self):
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream().wait_event(self.event)
 
 
 class StreamFlags:
@@ -229,8 +225,7 @@ class CopyEngineAllReduce:
 
     READY, SUMMED, DONE = range(3)  # flag kinds
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream,
-                 rows: tuple[int, int] | None = None):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
         if device.type != "cuda":
             raise ValueError("parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies)")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -255,28 +250,6 @@ class CopyEngineAllReduce:
         self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
         self.totals_handle = symm_mem.rendezvous(self.totals, group)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
-        # rows = (tokens, width): room for this rank's embedding-gradient rows and their token ids, which
-        # `launch(b, rows=...)` gathers from every rank (see DDPEngine: EmbeddingRows).
-        self.rows = rows
-        if rows is not None:
-            self.row_ids = symm_mem.empty(rows[0], dtype=torch.int64, device=device)
-            self.row_vals = symm_mem.empty(rows[0] * rows[1], dtype=dtype, device=device)
-            self.row_handles = [symm_mem.rendezvous(t, group) for t in (self.row_ids, self.row_vals)]
-
-    def stage_rows(self, ids: torch.Tensor, vals: torch.Tensor) -> None:
-        """This rank's embedding-gradient rows and token ids, for the peers to pull (on the current stream)."""
-        self.row_ids.copy_(ids.reshape(-1))
-        self.row_vals.view(self.rows[0], self.rows[1]).copy_(vals.reshape(self.rows))
-
-    def _gather_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's staged (ids, rows), in rank order."""
-        (t, d), w = self.rows, self.world
-        ids = torch.empty(w, t, dtype=torch.int64, device=self.row_ids.device)
-        vals = torch.empty(w, t * d, dtype=self.dtype, device=self.row_ids.device)
-        for j in [(self.rank + k) % w for k in range(w)]:
-            ids[j].copy_(self.row_handles[0].get_buffer(j, (t,), torch.int64, 0))
-            vals[j].copy_(self.row_handles[1].get_buffer(j, (t * d,), self.dtype, 0))
-        return ids.view(-1), vals.view(w * t, d)
 
     def bucket(self, b: int) -> torch.Tensor:
         return self.buffer[self.offsets[b]:self.offsets[b] + self.numels[b]]
@@ -294,26 +267,21 @@ class CopyEngineAllReduce:
         self.flags.signal(self.stream, kind, self.seq)
         self.flags.wait(self.stream, kind, self.seq)
 
-    def launch(self, b: int, rows=None):
-        """`rows`, for the embedding's bucket: a function that writes the whole summed bucket from every
-        rank's staged (ids, rows) (`stage_rows`), in place of the reduce-scatter and the all-gather."""
+    def launch(self, b: int):
         w, r = self.world, self.rank
         n = self.numels[b] // w
         grad = self.bucket(b)
         self.seq += 1
         self.stream.wait_stream(torch.cuda.current_stream())
-        peers = [(r + k) % w for k in range(1, w)]  # ranks start at different peers, spreading the load
         with torch.cuda.stream(self.stream):
-            self._all(self.READY)  # every rank's bucket b (or its rows) is complete
-            if rows is not None:
-                rows(*self._gather_rows())
-            else:
-                parts = torch.empty(w, n, dtype=self.dtype, device=grad.device)  # row r unused: ours stays put
-                for j in peers:
-                    parts[j].copy_(self._peer(j, b, r * n, n))
-                # Only this rank reads its own slice r, so the sum may overwrite it now.
-                own = self._own(b)
-                sum_over_ranks(parts, own, r, own)
+            self._all(self.READY)  # every rank's bucket b is complete
+            parts = torch.empty(w, n, dtype=self.dtype, device=grad.device)  # row r unused: ours stays put
+            peers = [(r + k) % w for k in range(1, w)]  # ranks start at different peers, spreading the load
+            for j in peers:
+                parts[j].copy_(self._peer(j, b, r * n, n))
+            # Only this rank reads its own slice r, so the sum may overwrite it now.
+            own = self._own(b)
+            sum_over_ranks(parts, own, r, own)
             last = b == len(self.numels) - 1
             if self.squares is not None:
                 self.squares.add(b)
@@ -323,11 +291,12 @@ class CopyEngineAllReduce:
             if self.squares is not None and last:  # every peer's total is in its slot now
                 slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(w)]
                 SliceSquares.over_ranks(torch.cat(slots), self.sumsq)
-            for j in peers if rows is None else ():
+            for j in peers:
                 grad[j * n:(j + 1) * n].copy_(self._peer(j, b, j * n, n))
             if last:
                 # Peers read our summed slices (and our total) until here; the buffers may change (zero_grad,
                 # the next step's total) only after.
                 self._all(self.DONE)
-            done = SideDone()
-        return done
+            done = torch.cuda.Event()
+            done.record()
+        return _Done(done)

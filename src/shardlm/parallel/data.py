@@ -38,92 +38,14 @@ from torch import nn
 
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
-from .comm import (CopyEngineAllReduce, SideDone, SliceSquares, all_gather_into_tensor, resolve_reduce_algo,
+from .comm import (CopyEngineAllReduce, SliceSquares, all_gather_into_tensor, resolve_reduce_algo,
                    start_reduce_scatter)
 
 
-def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int, alone: str | None = None) -> list[list[str]]:
-    """Buckets in the order backward produces the gradients; parameter `alone` in a bucket of its own."""
+def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
-    cap = max(1, int(bucket_mb * 2**20 / itemsize))
-    out, run = [], []
-    for n, p in named + [(None, None)]:
-        if n is None or n == alone:
-            out += split_buckets([m for m, _ in run], [q.numel() for _, q in run], cap)
-            out += [[n]] if n is not None else []
-            run = []
-        else:
-            run.append((n, p))
-    return out
-
-
-class EmbeddingRows:
-    """The embedding's gradient exchanged as rows (Megatron-LM and DeepSpeed reduce it as a dense table).
-    A rank's gradient for the embedding table is zero but in the rows of the tokens it looked up, so it
-    is exactly (its token ids, the gradient of the embedding's output): every rank gathers every rank's
-    pairs and forms the summed table itself, the way one process forms it from the whole batch (one fp32
-    accumulation per row, rounded once, in the same order on every rank: the same bits everywhere). The
-    table is the last gradient backward produces, so its exchange is all tail: tinyllama-1.1b's 131 MB
-    table costs a reduce-scatter and an all-gather of 98 MB each per rank at 4 GPUs, its 8,192 tokens'
-    rows one all-gather of 101 MB. `auto` takes rows on GPUs where they move fewer bytes and the table
-    is the embedding's alone (a tied head's gradient is dense) and no accumulation micro-steps hold
-    earlier gradients in it; the embedding then hands this object its output's gradient instead of
-    computing the dense table (`VocabParallelEmbedding.grad_sink`). Not on the CPU by default: there
-    gloo's blocking all-gathers after backward cost more than the table's asynchronous reduction (2
-    processes of the tiny preset: 16-17 ms per step against 11-13)."""
-
-    def __init__(self, engine, module, tokens: int):
-        self.engine = weakref.ref(engine)  # the model holds this object: it must not keep the engine alive
-        self.module, self.tokens = module, tokens
-        self.staged = None
-        self.exchanged = 0  # steps whose table was formed from rows
-
-    @staticmethod
-    def choose(model: nn.Module, cfg, world: int, gpu: bool = True):
-        """The embedding module whose gradient travels as rows under `parallel.embed_grad`, or None."""
-        mode, t, m = cfg.parallel.embed_grad, cfg.train, cfg.model
-        if mode == "dense":
-            return None
-        embed = getattr(model, "embed", None)
-        tokens = t.micro_batch_size * t.seq_len
-        why = ("the embedding is tied to the output head (its gradient is dense)" if m.tie_embeddings else
-               "tensor parallelism splits the embedding" if cfg.parallel.tp > 1 else
-               f"{cfg.grad_accum_steps} accumulation micro-steps sum earlier gradients into the table"
-               if cfg.grad_accum_steps > 1 else
-               "the model has no trainable embedding" if embed is None or not embed.weight.requires_grad else None)
-        # Bytes into each rank: (world-1) x tokens x (row + id) against a reduce-scatter plus an all-gather
-        # of the table, 2 (world-1)/world x vocab x row.
-        item = embed.weight.element_size() if embed is not None else 2
-        fewer = tokens * (m.hidden_size * item + 8) < 2 * m.vocab_size * m.hidden_size * item / world
-        if mode == "rows" and why is not None:
-            raise ValueError(f"parallel.embed_grad = 'rows' cannot be used here: {why}")
-        if why is not None or (mode == "auto" and not (fewer and gpu)):
-            return None
-        return embed, tokens
-
-    def __call__(self, ids: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Called by the embedding's backward: True if this exchange takes the gradient."""
-        engine = self.engine()
-        if engine is None or not engine.ready.active:
-            return False  # not a data-parallel step: the embedding forms its own dense gradient
-        if ids.numel() != self.tokens:
-            raise RuntimeError(f"the embedding saw {ids.numel()} tokens; its gradient exchange was sized for "
-                               f"train.micro_batch_size x train.seq_len = {self.tokens}")
-        if engine.copy_engine is not None:
-            engine.copy_engine.stage_rows(ids, grad)
-        self.staged = (ids.reshape(-1), grad.reshape(self.tokens, -1))
-        engine.ready.arrived(engine.rows_param)
-        return True
-
-    def take(self):
-        """This step's staged (ids, rows), or None if the embedding's gradient arrived dense."""
-        staged, self.staged = self.staged, None
-        self.exchanged += staged is not None
-        return staged
-
-    def into(self, grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Every rank's (ids, rows) into `grad`, the embedding's dense table."""
-        grad.copy_(torch.ops.aten.embedding_dense_backward(rows, ids, grad.shape[0], -1, False))
+    return split_buckets([n for n, _ in named], [p.numel() for _, p in named],
+                         max(1, int(bucket_mb * 2**20 / itemsize)))
 
 
 class BucketReadiness:
@@ -139,6 +61,7 @@ class BucketReadiness:
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(flat.params)]
 
     def _hook(self, i: int):
+        b = self.flat.where[i][0]
         # Weakly: a parameter keeps its hooks where Python's collector does not look, so a hook holding
         # this object would keep the engine (its gradients, its optimizer state) alive as long as the
         # parameters, cycle or not: every engine built in one process would stay in memory.
@@ -150,15 +73,11 @@ class BucketReadiness:
                 return
             if self.on_grad is not None:
                 self.on_grad(i, param)
-            self.arrived(i)
+            self.pending[b] -= 1
+            while self.next < len(self.pending) and self.pending[self.next] == 0:
+                self.launch(self.next)
+                self.next += 1
         return hook
-
-    def arrived(self, i: int) -> None:
-        """Parameter i's gradient is in."""
-        self.pending[self.flat.where[i][0]] -= 1
-        while self.next < len(self.pending) and self.pending[self.next] == 0:
-            self.launch(self.next)
-            self.next += 1
 
     def arm(self) -> None:
         self.active = True
@@ -231,11 +150,8 @@ class DDPEngine(LocalEngine):
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         item = next(model.parameters()).element_size()
-        rows = EmbeddingRows.choose(model, cfg, self.world, gpu=next(model.parameters()).is_cuda)
-        alone = next(n for n, q in model.named_parameters() if q is rows[0].weight) if rows else None
         # Buckets padded to a multiple of the world size split into equal reduce-scatter slices.
-        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item, alone),
-                         pad_multiple=self.world)
+        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item), pad_multiple=self.world)
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.works: list = []  # (work, tensors the collective uses until it completes)
         self.side = torch.cuda.Stream(self.flat.device) if self.flat.device.type == "cuda" else None
@@ -243,9 +159,8 @@ class DDPEngine(LocalEngine):
         self.copy_engine = None
         if self.algo == "copy_engine":
             try:
-                shape = (rows[1], model.cfg.hidden_size) if rows else None
                 self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
-                                                       self.flat.device, group, self.side, rows=shape)
+                                                       self.flat.device, group, self.side)
             except Exception as e:  # no symmetric memory here (driver, container): say what still works
                 raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
                                    "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
@@ -259,12 +174,6 @@ class DDPEngine(LocalEngine):
             self.totals = torch.zeros(self.world, dtype=torch.float32, device=self.flat.device)  # by rank
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         self.ready = BucketReadiness(self.flat, self._launch)
-        self.rows = None
-        if rows:
-            self.rows = EmbeddingRows(self, *rows)
-            self.rows_param = next(i for i, q in enumerate(self.flat.params) if q is rows[0].weight)
-            self.rows_bucket = self.flat.where[self.rows_param][0]
-            rows[0].grad_sink = self.rows
 
     def _own(self, grad: torch.Tensor) -> torch.Tensor:
         n = grad.numel() // self.world
@@ -272,15 +181,8 @@ class DDPEngine(LocalEngine):
 
     def _launch(self, b: int) -> None:
         grad = self.flat.buckets[b].grad
-        staged = self.rows.take() if self.rows is not None and b == self.rows_bucket else None
-        if staged is not None:
-            table = self.flat.view(grad, self.rows_param)
-            into = lambda ids, rows: self.rows.into(table, ids, rows)  # noqa: E731
         if self.copy_engine is not None:
-            self.works.append((self.copy_engine.launch(b, rows=into if staged else None), ()))
-            return
-        if staged is not None:
-            self.works.append(self._gather_rows(b, staged, into))
+            self.works.append((self.copy_engine.launch(b), ()))
             return
         if grad.dtype == self.reduce_dtype:
             self.works.append((dist.all_reduce(grad, group=self.group, async_op=True), ()))
@@ -294,22 +196,6 @@ class DDPEngine(LocalEngine):
                 self.squares.add(b)
             ag = all_gather_into_tensor(grad, own, group=self.group, async_op=True)
         self.works.append((ag, keep))
-
-    def _gather_rows(self, b: int, staged, into):
-        """The embedding's bucket from every rank's (ids, rows), through the process group."""
-        ids, rows = staged
-        with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
-            if self.side is not None:
-                self.side.wait_stream(torch.cuda.current_stream())
-            all_ids = ids.new_empty(self.world * ids.numel())
-            all_rows = rows.new_empty(self.world * rows.shape[0], rows.shape[1])
-            all_gather_into_tensor(all_ids, ids, group=self.group)
-            all_gather_into_tensor(all_rows, rows, group=self.group)
-            into(all_ids, all_rows)
-            if self.squares is not None:
-                self.squares.add(b)
-            done = SideDone(self.side is not None)
-        return done, (ids, rows, all_ids, all_rows)
 
     def before_backward(self, last: bool) -> None:
         if last:

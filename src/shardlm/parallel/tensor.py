@@ -126,25 +126,6 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={_degree(self.group)}, bias={self.bias is not None}"
 
 
-class _EmbeddingGradToSink(torch.autograd.Function):
-    """F.embedding whose backward first offers (ids, output gradient) to `sink`: if the sink takes them
-    (returns True), the weight gets no gradient from autograd (the sink forms it); else the dense
-    gradient, as F.embedding's backward would give."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, sink):
-        ctx.save_for_backward(ids)
-        ctx.sink, ctx.rows = sink, weight.shape[0]
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        if ctx.sink(ids, grad):
-            return None, None, None
-        return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.rows, -1, False), None
-
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split over the group; out-of-shard ids look up zeros."""
 
@@ -154,12 +135,9 @@ class VocabParallelEmbedding(nn.Module):
         rows = _split(num_embeddings, group, "vocab_size")
         self.vocab_start = _rank(group) * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
-        self.grad_sink = None  # see _EmbeddingGradToSink (set by data parallelism: parallel/data.py)
 
     def forward(self, ids):
         if _degree(self.group) == 1:
-            if self.grad_sink is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-                return _EmbeddingGradToSink.apply(ids, self.weight, self.grad_sink)
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
