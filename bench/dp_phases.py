@@ -8,7 +8,8 @@ each timed per phase with CUDA events on the compute stream: forward + backward,
 `+prof` suffix also profiles two steps on rank 0 ($OUT/prof-NAME.txt, trace-NAME.json.gz, and the
 compute vs NCCL busy time). Variants set config overrides, NCCL group options (high-priority streams,
 max_ctas), a cuBLAS SM carveout during backward (with cuBLASLt preferred), ZeRO-2's reductions in
-flight, or DDP's norm taken by the optimizer's own pass; see VARIANTS. Rows go to stdout and
+flight, DDP's norm taken by the optimizer's own pass, block 0 compiled whole, or (timing only) no
+embedding gradient; see VARIANTS. Rows go to stdout and
 $OUT/variants.jsonl. Workload: tinyllama-1.1b, seq 2048, micro-batch 4 per GPU, bf16 (the tiny preset
 on CPU, a dry run of the script itself).
 """
@@ -28,6 +29,7 @@ from common import PEAK, flops_per_token  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.mesh import Mesh  # noqa: E402
 from shardlm.parallel import zero as Z  # noqa: E402
+import shardlm.trainer as T  # noqa: E402
 from shardlm.trainer import Trainer  # noqa: E402
 
 os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
@@ -69,10 +71,10 @@ VARIANTS = {
     "ddp-lt-carve24": ({"parallel.reduce_algo": "all_to_all"}, world, {}, {"lt": True, "carve": 24}),
     "ddp-b10": ({"parallel.bucket_mb": "10"}, world, {}, {}),  # copy engines, smaller / larger buckets
     "ddp-b50": ({"parallel.bucket_mb": "50"}, world, {}, {}),
-    "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),
+    "ddp-fullnorm": ({}, world, {}, {"fullnorm": True}),  # the optimizer's own norm pass, not the slices'
     "ddp-whole0": ({}, world, {}, {"whole0": True}),  # block 0 compiled as one graph, not two (trainer.py)
     "ddp-noemb": ({}, world, {}, {"noemb": True}),  # timing only: no embedding gradient at all
-    "local-noemb": ({}, 1, {}, {"noemb": True}),  # the optimizer's own norm pass, not the slices'
+    "local-noemb": ({}, 1, {}, {"noemb": True}),
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
@@ -126,7 +128,6 @@ def measure(name, warm=3, steps=10, profile=False):
         mesh = Mesh()
     Z.REDUCTIONS_IN_FLIGHT = patches.get("inflight", 4)
     torch.manual_seed(0)
-    import shardlm.trainer as T
     build = T.build_engine
 
     def build_engine(model, *a):
