@@ -64,10 +64,12 @@ class Trainer:
         self.model.train()
         self.forward = self.model
         if t.compile:
+            ddp = self.mesh.dp > 1 and cfg.parallel.zero_stage == 0 and cfg.parallel.dp_mode == "ddp"
             for i, block in enumerate(self.model.layers):
-                # Block 0's backward is the last: with data parallelism its gradients are reduced after it,
-                # on the critical path, unless they arrive in two parts (4x H200: 0.5 ms per step).
-                if i == 0 and self.mesh.dp > 1:
+                # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
+                # unless they arrive in two parts (0.1-0.5 ms per step on 4 H100s or H200s, bench/README.md;
+                # ZeRO not measured).
+                if i == 0 and ddp:
                     block.compile_in_halves()
                 else:
                     block.compile()
