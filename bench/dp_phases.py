@@ -139,8 +139,10 @@ def measure(name, warm=3, steps=10, profile=False):
             b0.compile()
         return build(model, *a)
     T.build_engine = build_engine
-    tr = Trainer(cfg, out_dir=None, mesh=mesh, log=lambda *a: None)
-    T.build_engine = build
+    try:
+        tr = Trainer(cfg, out_dir=None, mesh=mesh, log=lambda *a: None)
+    finally:  # a variant that fails must not leave its patches to the next
+        T.build_engine = build
     eng = tr.engine
     if patches.get("fullnorm") and getattr(eng, "copy_engine", None) is not None:
         eng.copy_engine.squares = None
