@@ -11,6 +11,10 @@ def all_reduce_rank(rank, world):
     return t.item()
 
 
+def visible_gpus(rank, world):
+    return torch.cuda.device_count()
+
+
 def hang_on_rank_one(rank, world):
     if rank == 1:
         time.sleep(3600)
@@ -134,7 +138,7 @@ def zero3_residency(rank, world):
     kinds = ["persistent" if eng.persistent[b.index] else "embed" if b.index == eng.embed_unit
              else "head" if b.index == eng.head_unit else "block" for b in eng.flat.buckets]
     rest = held()
-    x, y = trainer.data.micro_batch_at(0, 0)
+    x, y = (t.to(trainer.device) for t in trainer.data.micro_batch_at(0, 0))
     loss = trainer.model(x, y)
     after_forward = held()
     eng.before_backward(True)

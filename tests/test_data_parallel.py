@@ -30,8 +30,8 @@ MODES = {
 
 
 def reference(overrides):
-    """The same training in this process, with the same micro-batches."""
-    return dist_fns.train_and_capture(0, 1, overrides)
+    """The same training in this process, with the same micro-batches, on the CPU as the ranks are."""
+    return dist_fns.train_and_capture(0, 1, {"train.device": "cpu", **overrides})
 
 
 def flat_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -109,7 +109,8 @@ def test_resharding_resume_continues_the_trajectory(tmp_path, target):
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
     world = int(target["parallel.dp"])
     if world == 1:
-        resumed = [dist_fns.train_and_capture(0, 1, {**common, **target}, str(tmp_path / "b"), ckpt)]
+        resumed = [dist_fns.train_and_capture(0, 1, {**common, **target, "train.device": "cpu"}, str(tmp_path / "b"),
+                                              ckpt)]
     else:
         resumed = run_distributed(dist_fns.train_and_capture, world, {**common, **target}, str(tmp_path / "b"), ckpt,
                                   timeout=240)
@@ -217,6 +218,11 @@ def gpus_for(world):
     return pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"copy_engine needs {world} GPUs")
 
 
+def on(algo: str) -> str:
+    """Where a case runs: the copy engines on GPUs, every other algorithm on the CPU (gloo), as specified."""
+    return "cuda" if algo == "copy_engine" else "cpu"
+
+
 @pytest.mark.parametrize("algo,world", [("all_to_all", 2), ("ring", 2), ("all_to_all", 4), ("ring", 4),
                                         pytest.param("copy_engine", 2, marks=gpus_for(2)),
                                         pytest.param("copy_engine", 4, marks=gpus_for(4))])
@@ -224,7 +230,7 @@ def test_ddp_sums_bf16_gradients_in_fp32(world, algo):
     """The fp32 reduction of 16-bit gradients (an fp32 reduce-scatter, by either algorithm, then a bf16
     all-gather) gives the fp32 sum over ranks rounded once to bf16, on every rank."""
     for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, {"parallel.reduce_algo": algo},
-                                       timeout=120):
+                                       timeout=120, device=on(algo)):
         for name, got, expected in rank_result:
             assert torch.equal(got, expected), name
 
@@ -236,7 +242,8 @@ def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
     """DDP's gradient sum of squares, summed from each rank's reduce-scatter slices as they are reduced,
     is that of the reduced gradient (only the order of the fp32 additions differs) and the same bits on
     every rank: clipping then scales every rank's update alike."""
-    results = run_distributed(dist_fns.ddp_grad_sumsq, world, {"parallel.reduce_algo": algo}, timeout=120)
+    results = run_distributed(dist_fns.ddp_grad_sumsq, world, {"parallel.reduce_algo": algo}, timeout=120,
+                              device=on(algo))
     assert len({bits for bits, _, _ in results}) == 1
     for _, got, want in results:
         assert got == pytest.approx(want, rel=1e-6)
@@ -275,8 +282,8 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     many reductions are in flight at once."""
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02", **MODES[mode]}
-    runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240)
-            for algo in ("all_to_all", other)]
+    runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240,
+                            device=on(other)) for algo in ("all_to_all", other)]
     for a, b in zip(*runs):
         assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     masters = [next(r["masters"] for r in run if r["masters"] is not None) for run in runs]
@@ -291,13 +298,13 @@ def test_auto_reduction_takes_the_copy_engines_only_for_ddp_on_the_gpus_of_one_n
     if gpus:
         over["train.device"] = "cuda"
     want = "copy_engine" if (gpus and mode == "ddp") else "all_to_all"
-    assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120) == [want, want]
+    assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120, device="cuda" if gpus else "cpu") \
+        == [want, want]
 
 
 def test_copy_engine_reduction_needs_gpus():
-    """Without GPUs the copy-engine reduction is refused with a message naming it, on every rank."""
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("GPUs present")
+    """Without GPUs the copy-engine reduction is refused with a message naming it, on every rank (the
+    harness's CPU ranks see no GPU, on any machine)."""
     with pytest.raises(Exception, match="copy_engine"):
         run_distributed(dist_fns.train_and_capture, 2, {"train.steps": "1", "train.global_batch_size": "4",
                                                          "train.micro_batch_size": "2", "parallel.dp": "2",

@@ -11,6 +11,12 @@ def test_harness_runs_collectives(world):
     assert run_distributed(dist_fns.all_reduce_rank, world) == [world * (world + 1) / 2] * world
 
 
+def test_harness_cpu_ranks_see_no_gpu():
+    """CPU ranks (the default) must not drift onto a GPU where the machine has one: the tests compare them
+    with references computed on the CPU."""
+    assert run_distributed(dist_fns.visible_gpus, 2) == [0, 0]
+
+
 def test_harness_fails_a_hang_within_its_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 10s"):
         run_distributed(dist_fns.hang_on_rank_one, 2, timeout=10)

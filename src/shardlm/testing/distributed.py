@@ -1,5 +1,10 @@
 """Run a function on N processes as one process group, for tests: gloo on CPU, NCCL with CUDA.
 
+The CPU is the default everywhere: its workers see no GPU (CUDA_VISIBLE_DEVICES is emptied before
+anything touches CUDA), so code that picks its device itself (`train.device auto`) stays on the CPU and
+a test checked against a CPU reference means the same on a GPU machine. `device="cuda"` gives each
+rank its own GPU and NCCL.
+
 Each worker is a fresh spawned interpreter that joins a TCP rendezvous on a free local port, calls
 `fn(rank, world_size, *args)` and sends back its return value or its traceback. The parent waits at
 most `timeout` seconds in total: a rank that hangs (say, in a collective its peers never join) makes
@@ -30,6 +35,8 @@ def free_port() -> int:
 def _worker(rank, world, port, backend, fn, args, results, pg_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA first initialises, which nothing has yet
     torch.set_num_threads(1)  # N workers share the machine's cores
     try:
         if backend == "nccl":
@@ -51,12 +58,17 @@ class DistributedError(RuntimeError):
     """One or more ranks raised; the message holds each rank's traceback."""
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str | None = None) -> list:
-    """`fn(rank, world_size, *args)` on `world_size` ranks; returns the per-rank results in rank order.
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: str = "cpu") -> list:
+    """`fn(rank, world_size, *args)` on `world_size` ranks, on the CPU (gloo) or one GPU each
+    (`device="cuda"`, NCCL); returns the per-rank results in rank order.
 
     `fn` must be importable (a module-level function), as spawned workers import it by name.
     """
-    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"{world_size} ranks on GPUs need {world_size} GPUs; {torch.cuda.device_count()} visible")
+    backend = "nccl" if device == "cuda" else "gloo"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
