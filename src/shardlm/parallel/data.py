@@ -172,6 +172,7 @@ class DDPEngine(LocalEngine):
         if self.copy_engine is None and self.flat.dtype != self.reduce_dtype:
             self.squares = SliceSquares([self._own(b.grad) for b in self.flat.buckets])
             self.totals = torch.zeros(self.world, dtype=torch.float32, device=self.flat.device)  # by rank
+            self.mine = torch.zeros(1, dtype=torch.float32, device=self.flat.device)  # this rank's, sent
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         self.ready = BucketReadiness(self.flat, self._launch)
 
@@ -210,9 +211,8 @@ class DDPEngine(LocalEngine):
         # The compute stream now waits for every collective, so the buffers they used can be reused.
         self.works.clear()
         if self.squares is not None:
-            mine = torch.empty(1, dtype=torch.float32, device=self.flat.device)
-            self.squares.rank_total(out=mine[0])
-            all_gather_into_tensor(self.totals, mine, group=self.group)
+            self.squares.rank_total(out=self.mine[0])
+            all_gather_into_tensor(self.totals, self.mine, group=self.group)
             SliceSquares.over_ranks(self.totals, self.sumsq)
 
     def grad_sumsq(self) -> torch.Tensor | None:
