@@ -223,7 +223,8 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter from its own generator, seeded by (seed, name), so a parameter's
-        values do not depend on which other parameters a rank materialises or on the device order."""
+        values do not depend on which other parameters a rank materialises or on the device order. They
+        do depend on the device type: CUDA's generator draws other numbers than the CPU's for one seed."""
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
