@@ -5,8 +5,11 @@ anything touches CUDA), so code that picks its device itself (`train.device auto
 a test checked against a CPU reference means the same on a GPU machine. `device="cuda"` gives each
 rank its own GPU and NCCL.
 
-Each worker is a fresh spawned interpreter that joins a TCP rendezvous on a free local port, calls
-`fn(rank, world_size, *args)` and sends back its return value or its traceback. The parent waits at
+CPU workers fork from a server process that imported torch and shardlm once (multiprocessing's
+forkserver): a fresh interpreter per worker spent 2 s per test importing them on a 2-core machine, more on
+GPU hosts. GPU workers are fresh interpreters (spawn), so that CUDA starts in no process they fork from.
+Every worker takes the caller's environment as it is at the call, joins a TCP rendezvous on a free local
+port, calls `fn(rank, world_size, *args)` and sends back its return value or its traceback. The parent waits at
 most `timeout` seconds in total: a rank that hangs (say, in a collective its peers never join) makes
 the whole call fail with a TimeoutError after every worker is killed, so a hang fails the test
 instead of blocking CI.
@@ -32,7 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, backend, fn, args, results, pg_timeout):
+def _worker(rank, world, port, backend, fn, args, results, pg_timeout, env):
+    os.environ.clear()  # a forked worker holds the server's environment, from the first call
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if backend == "gloo":
@@ -69,11 +74,16 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"{world_size} ranks on GPUs need {world_size} GPUs; {torch.cuda.device_count()} visible")
     backend = "nccl" if device == "cuda" else "gloo"
-    ctx = mp.get_context("spawn")
+    if device == "cuda":
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlm.trainer"])  # once, when it starts
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, timeout), daemon=True)
-             for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, timeout, env),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
