@@ -250,4 +250,3 @@ def engine_freed_with_its_trainer(rank, world, overrides: dict) -> bool:
     engine = build()
     gc.collect()
     return engine() is None
-

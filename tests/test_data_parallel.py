@@ -30,9 +30,9 @@ MODES = {
 }
 
 
-def reference(overrides):
-    """The same training in this process, with the same micro-batches, on the CPU as the ranks are."""
-    return dist_fns.train_and_capture(0, 1, {"train.device": "cpu", **overrides})
+def reference(overrides, device="cpu"):
+    """The same training in this process, with the same micro-batches, on the device the ranks use."""
+    return dist_fns.train_and_capture(0, 1, {"train.device": device, **overrides})
 
 
 def flat_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_equals_one_process(mode, world, optimizer):
 
 @functools.lru_cache(maxsize=None)
 def gpu_reference(optimizer: str) -> dict:
-    return dist_fns.train_and_capture(0, 1, {"train.device": "cuda", **equality_case(optimizer, 4)})
+    return reference(equality_case(optimizer, 4), device="cuda")
 
 
 # On the GPUs NCCL's ring and the copy engines add the ranks' gradients in yet another order. Where an

@@ -150,7 +150,10 @@ def test_a_block_compiled_in_halves_hands_over_its_mlp_gradients_first(halves):
     x = model.embed(torch.randint(0, 100, (2, 16))).detach().requires_grad_()
     rope = model.rope(0, 16, x.device, x.dtype)
     want = torch.autograd.grad(block(x, rope).square().sum(), x)[0]
-    block.compile_in_halves(backend="aot_eager") if halves else block.compile(backend="aot_eager")
+    if halves:
+        block.compile_in_halves(backend="aot_eager")
+    else:
+        block.compile(backend="aot_eager")
     attn = list(block.attn.parameters())
     before_attention = []
     for p in block.mlp.parameters():
