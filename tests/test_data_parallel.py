@@ -150,16 +150,21 @@ def _metrics(path):
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("layout", [["--parallel.zero_stage", "2"], ["--parallel.dp_mode", "classic"]])
-def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, layout):
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.zero_stage", "2"]),
+    (2, ["--parallel.dp_mode", "classic"]),
+    (2, ["--parallel.zero_stage", "1", "--parallel.offload", "optimizer"]),
+    (4, ["--parallel.zero_stage", "3"]),
+], ids=["zero2", "classic", "zero1-offload", "zero3-dp4"])
+def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout):
     args = ["tiny", "--train.steps", "5", "--train.precision", "fp32", "--train.log_every", "1",
             "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "one"],
                          capture_output=True, text=True, env=env, timeout=240)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "shardlm", "train", *args, "--parallel.dp", "2", *layout, "--out", tmp_path / "two"],
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          "-m", "shardlm", "train", *args, "--parallel.dp", str(nproc), *layout, "--out", tmp_path / "two"],
                          capture_output=True, text=True, env=env, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
