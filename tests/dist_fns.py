@@ -250,3 +250,54 @@ def engine_freed_with_its_trainer(rank, world, overrides: dict) -> bool:
     engine = build()
     gc.collect()
     return engine() is None
+
+
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+               "barrier")
+
+
+def _count_collectives(calls: list) -> None:
+    """Record every torch.distributed collective this process issues from here on, into `calls`: the
+    functions are replaced in torch.distributed and wherever shardlm's modules hold them by name."""
+    import sys
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return wrapper
+    wrapped = {}
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            wrapped[fn] = wrapped.get(fn) or counted(fn)
+            setattr(dist, name, wrapped[fn])
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("shardlm"):
+            for attr, value in list(vars(mod).items()):
+                if callable(value) and value in wrapped:
+                    setattr(mod, attr, wrapped[value])
+
+
+def collectives_per_micro_step(rank, world, overrides: dict) -> list[int]:
+    """How many collectives each micro-step (its forward and backward) issues, over two steps; what the
+    optimizer step issues is left out."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    engine, calls, per_micro = trainer.engine, [], []
+    _count_collectives(calls)
+    real_after_backward = engine.after_backward
+
+    def after_backward(last):
+        real_after_backward(last)
+        per_micro.append(len(calls))
+        calls.clear()
+    engine.after_backward = after_backward
+    for _ in range(2):
+        calls.clear()
+        trainer.train_step()
+        trainer.step += 1
+    return per_micro

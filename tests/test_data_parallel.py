@@ -196,6 +196,17 @@ def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fat
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.parametrize("mode", ["classic", "ddp", "zero1"])
+def test_accumulation_micro_steps_communicate_only_on_the_last(mode):
+    """DDP, classic DP and ZeRO-1 accumulate gradients locally: the first two of three micro-steps issue
+    no collective, the last one reduces. (ZeRO-2/3 reduce-scatter every micro-step, so that no rank
+    holds a full gradient.)"""
+    overrides = {"train.global_batch_size": "12", "train.micro_batch_size": "2", **MODES[mode]}
+    for counts in run_distributed(dist_fns.collectives_per_micro_step, 2, overrides, timeout=120):
+        assert counts[0] == counts[1] == counts[3] == counts[4] == 0, counts
+        assert counts[2] > 0 and counts[5] > 0, counts
+
+
 def test_zero3_frees_each_block_after_use():
     kinds, rest, after_forward, after_backward = run_distributed(dist_fns.zero3_residency, 2, timeout=120)[0]
     assert sorted(set(kinds)) == ["block", "embed", "head", "persistent"]
