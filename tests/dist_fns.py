@@ -258,13 +258,15 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
 
 
 def _count_collectives(calls: list) -> None:
-    """Record every torch.distributed collective this process issues from here on, into `calls`: the
-    functions are replaced in torch.distributed and wherever shardlm's modules hold them by name."""
+    """Record every torch.distributed collective this process issues from here on, into `calls`, as (its
+    name, the element count of its first tensor argument): the functions are replaced in
+    torch.distributed and wherever shardlm's modules hold them by name."""
     import sys
 
     def counted(fn):
         def wrapper(*args, **kwargs):
-            calls.append(fn.__name__)
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            calls.append((fn.__name__, None if first is None else first.numel()))
             return fn(*args, **kwargs)
         return wrapper
     wrapped = {}
@@ -280,9 +282,9 @@ def _count_collectives(calls: list) -> None:
                     setattr(mod, attr, wrapped[value])
 
 
-def collectives_per_micro_step(rank, world, overrides: dict) -> list[int]:
-    """How many collectives each micro-step (its forward and backward) issues, over two steps; what the
-    optimizer step issues is left out."""
+def collectives_per_micro_step(rank, world, overrides: dict) -> tuple[list[list], list]:
+    """The collectives each micro-step (its forward and backward) issues, over two steps, and those of
+    the last optimizer step."""
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
     cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
@@ -293,11 +295,11 @@ def collectives_per_micro_step(rank, world, overrides: dict) -> list[int]:
 
     def after_backward(last):
         real_after_backward(last)
-        per_micro.append(len(calls))
+        per_micro.append(list(calls))
         calls.clear()
     engine.after_backward = after_backward
     for _ in range(2):
         calls.clear()
         trainer.train_step()
         trainer.step += 1
-    return per_micro
+    return per_micro, list(calls)

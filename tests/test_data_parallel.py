@@ -202,9 +202,25 @@ def test_accumulation_micro_steps_communicate_only_on_the_last(mode):
     no collective, the last one reduces. (ZeRO-2/3 reduce-scatter every micro-step, so that no rank
     holds a full gradient.)"""
     overrides = {"train.global_batch_size": "12", "train.micro_batch_size": "2", **MODES[mode]}
-    for counts in run_distributed(dist_fns.collectives_per_micro_step, 2, overrides, timeout=120):
+    for micro_steps, _ in run_distributed(dist_fns.collectives_per_micro_step, 2, overrides, timeout=120):
+        counts = [len(calls) for calls in micro_steps]
         assert counts[0] == counts[1] == counts[3] == counts[4] == 0, counts
         assert counts[2] > 0 and counts[5] > 0, counts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("algo", ["all_to_all", "ring"])
+def test_zero_reduce_scatters_gradients_and_all_gathers_weights(stage, algo):
+    """Real reduce-scatters (NCCL's, or an all-to-all of 16-bit values summed by each slice's owner) and
+    all-gathers: the only all-reduce is the clipping norm's single element, never a gradient."""
+    overrides = {"train.global_batch_size": "8", "train.micro_batch_size": "2", "train.precision": "bf16",
+                 "parallel.reduce_algo": algo, **MODES[f"zero{stage}"]}
+    scatter = {"all_to_all": {"all_to_all_single"}, "ring": {"reduce_scatter_tensor", "reduce_scatter_single"}}[algo]
+    for micro_steps, step in run_distributed(dist_fns.collectives_per_micro_step, 2, overrides, timeout=120):
+        calls = [c for m in micro_steps for c in m] + step
+        names = {name for name, _ in calls}
+        assert names & scatter and names & {"all_gather_into_tensor", "all_gather_single"}, names
+        assert all(numel == 1 for name, numel in calls if name == "all_reduce"), calls
 
 
 def test_zero3_frees_each_block_after_use():
