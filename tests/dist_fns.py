@@ -257,16 +257,16 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "barrier")
 
 
-def _count_collectives(calls: list) -> None:
+def _count_collectives(calls: list, progress=lambda: None) -> None:
     """Record every torch.distributed collective this process issues from here on, into `calls`, as (its
-    name, the element count of its first tensor argument): the functions are replaced in
-    torch.distributed and wherever shardlm's modules hold them by name."""
+    name, the element count of its first tensor argument, `progress()` at the call): the functions are
+    replaced in torch.distributed and wherever shardlm's modules hold them by name."""
     import sys
 
     def counted(fn):
         def wrapper(*args, **kwargs):
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            calls.append((fn.__name__, None if first is None else first.numel()))
+            calls.append((fn.__name__, None if first is None else first.numel(), progress()))
             return fn(*args, **kwargs)
         return wrapper
     wrapped = {}
@@ -303,3 +303,24 @@ def collectives_per_micro_step(rank, world, overrides: dict) -> tuple[list[list]
         trainer.train_step()
         trainer.step += 1
     return per_micro, list(calls)
+
+
+def ddp_launches_in_backward(rank, world, overrides: dict):
+    """DDP's collectives in one step, each with the number of gradients autograd had produced when it was
+    issued; the engine's buckets (parameter names) and the parameters' (name, numel) in registration order."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    arrived = [0]
+    for p in trainer.model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: arrived.__setitem__(0, arrived[0] + 1))
+    calls = []
+    _count_collectives(calls, progress=lambda: arrived[0])
+    trainer.engine.before_backward(True)
+    x, y = trainer.data.micro_batch_at(0, 0)
+    trainer.model(x, y).backward()
+    trainer.engine.after_backward(True)
+    flat = trainer.engine.flat
+    return calls, [[flat.names[i] for i in b.params] for b in flat.buckets], \
+        [(n, p.numel()) for n, p in trainer.model.named_parameters()]

@@ -208,6 +208,24 @@ def test_accumulation_micro_steps_communicate_only_on_the_last(mode):
         assert counts[2] > 0 and counts[5] > 0, counts
 
 
+def test_ddp_reduces_buckets_in_reverse_order_while_backward_runs():
+    """Buckets of at most `parallel.bucket_mb` (a bigger tensor alone) in reverse registration order, the
+    order backward produces gradients; the first bucket's reduction is issued after a few gradients,
+    long before backward ends, and one collective follows another as the buckets fill."""
+    mb = 0.02
+    calls, buckets, params = run_distributed(dist_fns.ddp_launches_in_backward, 2,
+                                             {"parallel.bucket_mb": str(mb)}, timeout=120)[0]
+    registered, sizes = [n for n, _ in params], dict(params)
+    backward_order = {n: i for i, n in enumerate(registered[::-1])}
+    # Consecutive runs of that order (within a bucket the matrices are laid out first).
+    assert [n for b in buckets for n in sorted(b, key=backward_order.get)] == registered[::-1]
+    for b in buckets:
+        assert len(b) == 1 or sum(sizes[n] for n in b) * 4 <= mb * 2**20, b
+    during = [seen for _, _, seen in calls if seen < len(registered)]  # issued before backward ended
+    assert len(buckets) > 10 and len(during) >= len(buckets) - 2, (len(buckets), calls)
+    assert during[0] < len(registered) // 4 and during == sorted(during), during
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("algo", ["all_to_all", "ring"])
 def test_zero_reduce_scatters_gradients_and_all_gathers_weights(stage, algo):
@@ -218,9 +236,9 @@ def test_zero_reduce_scatters_gradients_and_all_gathers_weights(stage, algo):
     scatter = {"all_to_all": {"all_to_all_single"}, "ring": {"reduce_scatter_tensor", "reduce_scatter_single"}}[algo]
     for micro_steps, step in run_distributed(dist_fns.collectives_per_micro_step, 2, overrides, timeout=120):
         calls = [c for m in micro_steps for c in m] + step
-        names = {name for name, _ in calls}
+        names = {name for name, _, _ in calls}
         assert names & scatter and names & {"all_gather_into_tensor", "all_gather_single"}, names
-        assert all(numel == 1 for name, numel in calls if name == "all_reduce"), calls
+        assert all(numel == 1 for name, numel, _ in calls if name == "all_reduce"), calls
 
 
 def test_zero3_frees_each_block_after_use():
