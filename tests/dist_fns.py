@@ -324,3 +324,31 @@ def ddp_launches_in_backward(rank, world, overrides: dict):
     flat = trainer.engine.flat
     return calls, [[flat.names[i] for i in b.params] for b in flat.buckets], \
         [(n, p.numel()) for n, p in trainer.model.named_parameters()]
+
+
+def zero3_prefetch(rank, world):
+    """Whether ZeRO-3 has issued the gather of the unit that comes next while a block computes: in
+    forward, the next block's (or the head's) once block i starts; in backward, block i - 1's while
+    block i's gradients arrive."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "model.num_layers": "4",
+                               "parallel.persist_threshold": "100", "train.micro_batch_size": "2",
+                               "train.tensorboard": "false"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    eng, layers = trainer.engine, trainer.model.layers
+    units = eng.block_units + [eng.head_unit]
+    forward, backward = {}, {}
+
+    def issued(seen: dict, i: int, unit: int) -> None:
+        seen.setdefault(i, unit in eng.gather_work)
+    for i, block in enumerate(layers):  # these run after the engine's own hooks
+        block.register_forward_pre_hook(lambda mod, args, i=i: issued(forward, i, units[i + 1]))
+        if i > 0:
+            block.mlp.down.weight.register_post_accumulate_grad_hook(lambda p, i=i: issued(backward, i, units[i - 1]))
+    x, y = trainer.data.micro_batch_at(0, 0)
+    loss = trainer.model(x, y)
+    eng.before_backward(True)
+    loss.backward()
+    eng.after_backward(True)
+    return forward, backward

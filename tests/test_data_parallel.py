@@ -251,6 +251,12 @@ def test_zero3_frees_each_block_after_use():
         assert b == (kind == "persistent")
 
 
+def test_zero3_prefetches_the_next_block_while_one_computes():
+    forward, backward = run_distributed(dist_fns.zero3_prefetch, 2, timeout=120)[0]
+    assert forward == {0: True, 1: True, 2: True, 3: True}
+    assert backward == {1: True, 2: True, 3: True}
+
+
 def test_zero3_with_tied_embeddings_equals_one_process():
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "model.tie_embeddings": "true"}
