@@ -64,6 +64,25 @@ def test_torchrun_refuses_a_layout_that_does_not_fill_the_world(tmp_path):
     assert "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_every_rank_refuses_more_processes_per_node_than_gpus(monkeypatch, local_rank):
+    """4 processes on a node with 2 GPUs: every rank (those that have a GPU too) stops with a message
+    saying what to do, before the process group; not a CUDA error on rank 2 while ranks 0 and 1 wait."""
+    import torch.distributed as dist
+    from shardlm.config import ConfigError, load_config
+    from shardlm.mesh import init_distributed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
+    for key, value in {"WORLD_SIZE": "4", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
+                       "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"4 processes on this node need one GPU each, but 2 are visible: "
+                                          r"start at most 2 per node \(torchrun --nproc-per-node 2\)"):
+        init_distributed(load_config("tiny", {"parallel.dp": "4", "train.micro_batch_size": "2"}))
+    assert not dist.is_initialized()
+
+
 def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
     """Both ranks of a world of 2, launched as torchrun would but without its supervision, each print the
     error and exit; a rank that went on into a collective would wait for its peer until the timeout."""

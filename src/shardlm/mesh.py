@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import Config, validate
+from .config import Config, ConfigError, validate
 
 
 @dataclass
@@ -76,6 +76,14 @@ def init_distributed(cfg: Config) -> Mesh:
         return Mesh()
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
+        # Every rank of the node checks the node's process count, so none goes on into a rendezvous that
+        # the ranks without a GPU never join.
+        local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
+        gpus = torch.cuda.device_count()
+        if local_world > gpus:
+            raise ConfigError(f"{local_world} processes on this node need one GPU each, but {gpus} "
+                              f"{'is' if gpus == 1 else 'are'} visible: start at most {gpus} per node "
+                              f"(torchrun --nproc-per-node {gpus}), or train on the CPU (--train.device cpu)")
         torch.cuda.set_device(local_rank)
     # gloo raises at the timeout. NCCL's watchdog would abort the communicator and let the step go on with
     # the aborted collectives' data: the trainer's own watchdog (parallel/comm.py) ends the rank at
