@@ -167,7 +167,8 @@ def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                           "-m", "shardlm", "train", *args, "--parallel.dp", str(nproc), *layout, "--out", tmp_path / "two"],
                          capture_output=True, text=True, env=env, timeout=240)
-    assert two.returncode == 0, two.stderr[-3000:]
+    # Both streams, long enough to hold a rank's own traceback ahead of torchrun's summary.
+    assert two.returncode == 0, f"stdout:\n{two.stdout[-2000:]}\nstderr:\n{two.stderr[-8000:]}"
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=RTOL, atol=0)
