@@ -352,3 +352,23 @@ def zero3_prefetch(rank, world):
     loss.backward()
     eng.after_backward(True)
     return forward, backward
+
+
+def offload_placement(rank, world, overrides: dict) -> dict:
+    """ZeRO-3 on the GPUs after one step: where the masters, the optimizer state, the host gradient buffer
+    and the 16-bit parameter shards live, and the GPU memory this rank then holds."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "train.device": "cuda",
+                               "train.precision": "bf16", "train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
+                               "parallel.persist_threshold": "0", "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer.train_step()
+    torch.cuda.synchronize()
+    opt, flat = trainer.engine.opt, trainer.engine.flat
+    where = lambda t: (t.device.type, t.is_pinned())  # noqa: E731
+    return {"master": where(opt.master), "state": {where(p) for parts in opt.state.values() for p in parts},
+            "host_grad": None if opt.host_grad is None else where(opt.host_grad),
+            "shards": {where(b.extra["shard"]) for b in flat.buckets if "shard" in b.extra},
+            "shard_numel": opt.master.numel(), "buckets": len(flat.buckets),
+            "gpu_bytes": torch.cuda.memory_allocated()}

@@ -102,6 +102,25 @@ def test_equals_one_process_on_four_gpus(mode, optimizer):
     check_against_reference(results, gpu_reference(optimizer), 4, atol=GPU_ATOL[optimizer])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (pinned host memory needs CUDA)")
+def test_offload_keeps_masters_and_optimizer_state_in_pinned_host_memory():
+    none, opt, params = (run_distributed(dist_fns.offload_placement, 2, over, timeout=180, device="cuda")[0]
+                         for over in ({}, {"parallel.offload": "optimizer"}, {"parallel.offload": "params"}))
+    # Without offload, gathers cast the fp32 master slice on the GPU: no 16-bit shard is kept.
+    assert none["master"] == ("cuda", False) and none["shards"] == set()
+    for got in (opt, params):
+        assert got["master"] == got["host_grad"] == ("cpu", True)
+        assert got["state"] == {("cpu", False)}  # read and written by the CPU step only: no pinning needed
+    assert opt["shards"] == {("cuda", False)} and params["shards"] == {("cpu", True)}
+    # Per element of the shard: the fp32 master and both Adam moments (12 bytes) leave the GPU; offloading
+    # the optimizer keeps a bf16 shard there (2 bytes), offloading the parameters too moves that out.
+    # The allocator rounds each tensor up to 512 bytes: the offloaded mode's per-bucket shards may
+    # round up where the three flat fp32 buffers did not (measured on 2x H100: 10 n - 64 bytes).
+    n, rounding = opt["shard_numel"], 512 * opt["buckets"]
+    assert none["gpu_bytes"] - opt["gpu_bytes"] >= 10 * n - rounding, (none, opt)
+    assert none["gpu_bytes"] - params["gpu_bytes"] >= 12 * n - rounding, (none, params)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_per_stage_matches_the_zero_paper(stage):
     """Bytes held per rank, gradients reduced and before the step, at N = 4 with bf16 weights and Adam: (2 + 2 + K) Phi, 2 Phi + 2 Phi +
