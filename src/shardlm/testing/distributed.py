@@ -6,8 +6,9 @@ a test checked against a CPU reference means the same on a GPU machine. `device=
 rank its own GPU and NCCL.
 
 CPU workers fork from a server process that imported torch and shardlm once (multiprocessing's
-forkserver; importing torch does not start CUDA): the suite ran in 172 s instead of 374 s on a 2-core
-machine, where each fresh interpreter spent 2 s importing them. GPU workers are fresh interpreters
+forkserver; importing torch does not start CUDA) and the modules they would import lazily: on a 2-core
+machine a fresh interpreter spent 2 s importing torch, and a forked worker another 1.7 s on the lazy
+imports; the suite takes 148 s, 374 s before. GPU workers are fresh interpreters
 (spawn), so that CUDA starts in no process they fork from. Every worker takes the caller's environment
 as it is at the call, joins a TCP rendezvous on a free local port, calls `fn(rank, world_size, *args)`
 and sends back its return value or its traceback. The parent waits at most `timeout` seconds in total:
