@@ -99,14 +99,19 @@ def owned_slices(engine, which: str) -> dict:
     return out
 
 
+def tiny_trainer(world: int, overrides: dict, **kwargs):
+    """A quiet `tiny` trainer on `world` data-parallel ranks (no TensorBoard, no log lines); `overrides` win."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
+    return Trainer(cfg, log=lambda *a: None, **kwargs)
+
+
 def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     """Train `tiny` with `overrides`; return the losses, the gathered master weights, and this rank's
     owned gradient (last step) and optimizer-state slices."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"train.log_every": "1", "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, out_dir=out_dir, resume=resume, log=lambda *a: None)
-    engine = trainer.engine
+    trainer = tiny_trainer(world, {"train.log_every": "1", **overrides}, out_dir=out_dir, resume=resume)
+    cfg, engine = trainer.cfg, trainer.engine
     captured = {}
     real_step = engine.step
 
@@ -125,14 +130,10 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "bytes": captured["bytes"], "numel": engine.flat.numel}
 
 
-
 def zero3_residency(rank, world):
     """Which ZeRO-3 units hold their full parameters at rest, after forward, and after backward."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "train.micro_batch_size": "2",
-                               "parallel.persist_threshold": "100", "train.tensorboard": "false"})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "train.micro_batch_size": "2",
+                                   "parallel.persist_threshold": "100"})
     eng = trainer.engine
     held = lambda: [b.data.untyped_storage().size() > 0 for b in eng.flat.buckets]  # noqa: E731
     kinds = ["persistent" if eng.persistent[b.index] else "embed" if b.index == eng.embed_unit
@@ -149,11 +150,7 @@ def zero3_residency(rank, world):
 
 def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     """Rank 1's loss overflows; every rank must skip the step and keep its weights."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"train.precision": "fp16", "parallel.dp": str(world), "train.micro_batch_size": "2",
-                               "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, {"train.precision": "fp16", "train.micro_batch_size": "2", **overrides})
     before, _ = trainer.engine.full_state()
     before = {k: v.clone() for k, v in before.items()} if before is not None else None
     real_forward = trainer.forward
@@ -167,12 +164,8 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
 def _seeded_bf16_backward(rank, world, overrides: dict):
     """A bf16 DDP/ZeRO engine whose last micro-step's backward gives each rank r the seeded gradients
     grads_of(r), reduced by the engine (after_backward has run). Returns (cfg, engine, params, grads_of)."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"train.precision": "bf16", "parallel.dp": str(world), "train.micro_batch_size": "2",
-                               "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, log=lambda *a: None)
-    eng, model = trainer.engine, trainer.model
+    trainer = tiny_trainer(world, {"train.precision": "bf16", "train.micro_batch_size": "2", **overrides})
+    cfg, eng, model = trainer.cfg, trainer.engine, trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
 
     def grads_of(r):
@@ -223,25 +216,17 @@ def reduced_bf16_gradients(rank, world, overrides: dict):
 
 def chosen_reduce_algo(rank, world, overrides: dict):
     """The reduction algorithm the engine settled on (what `parallel.reduce_algo auto` resolved to)."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "train.micro_batch_size": "2",
-                               "train.tensorboard": "false", **overrides})
-    return Trainer(cfg, log=lambda *a: None).engine.algo
+    return tiny_trainer(world, {"train.micro_batch_size": "2", **overrides}).engine.algo
 
 
 def engine_freed_with_its_trainer(rank, world, overrides: dict) -> bool:
     """Build a trainer, take two steps, drop it: is its engine (gradients, optimizer state) collected?"""
     import gc
     import weakref
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
 
     def build():
-        cfg = load_config("tiny", {"train.tensorboard": "false", "train.precision": "bf16", "parallel.dp": str(world),
-                                   "train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
-                                   **overrides})
-        trainer = Trainer(cfg, log=lambda *a: None)
+        trainer = tiny_trainer(world, {"train.precision": "bf16", "train.micro_batch_size": "2",
+                                       "train.global_batch_size": str(2 * world), **overrides})
         for _ in range(2):
             trainer.train_step()
             trainer.step += 1
@@ -285,10 +270,7 @@ def _count_collectives(calls: list, progress=lambda: None) -> None:
 def collectives_per_micro_step(rank, world, overrides: dict) -> tuple[list[list], list]:
     """The collectives each micro-step (its forward and backward) issues, over two steps, and those of
     the last optimizer step."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, overrides)
     engine, calls, per_micro = trainer.engine, [], []
     _count_collectives(calls)
     real_after_backward = engine.after_backward
@@ -308,10 +290,7 @@ def collectives_per_micro_step(rank, world, overrides: dict) -> tuple[list[list]
 def ddp_launches_in_backward(rank, world, overrides: dict):
     """DDP's collectives in one step, each with the number of gradients autograd had produced when it was
     issued; the engine's buckets (parameter names) and the parameters' (name, numel) in registration order."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, overrides)
     arrived = [0]
     for p in trainer.model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: arrived.__setitem__(0, arrived[0] + 1))
@@ -330,12 +309,8 @@ def zero3_prefetch(rank, world):
     """Whether ZeRO-3 has issued the gather of the unit that comes next while a block computes: in
     forward, the next block's (or the head's) once block i starts; in backward, block i - 1's while
     block i's gradients arrive."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "model.num_layers": "4",
-                               "parallel.persist_threshold": "100", "train.micro_batch_size": "2",
-                               "train.tensorboard": "false"})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "model.num_layers": "4",
+                                   "parallel.persist_threshold": "100", "train.micro_batch_size": "2"})
     eng, layers = trainer.engine, trainer.model.layers
     units = eng.block_units + [eng.head_unit]
     forward, backward = {}, {}
@@ -357,16 +332,15 @@ def zero3_prefetch(rank, world):
 def offload_placement(rank, world, overrides: dict) -> dict:
     """ZeRO-3 on the GPUs after one step: where the masters, the optimizer state, the host gradient buffer
     and the 16-bit parameter shards live, and the GPU memory this rank then holds."""
-    from shardlm.config import load_config
-    from shardlm.trainer import Trainer
-    cfg = load_config("tiny", {"parallel.dp": str(world), "parallel.zero_stage": "3", "train.device": "cuda",
-                               "train.precision": "bf16", "train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
-                               "parallel.persist_threshold": "0", "train.tensorboard": "false", **overrides})
-    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "train.device": "cuda", "train.precision": "bf16",
+                                   "train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
+                                   "parallel.persist_threshold": "0", **overrides})
     trainer.train_step()
     torch.cuda.synchronize()
     opt, flat = trainer.engine.opt, trainer.engine.flat
-    where = lambda t: (t.device.type, t.is_pinned())  # noqa: E731
+
+    def where(t):
+        return t.device.type, t.is_pinned()
     return {"master": where(opt.master), "state": {where(p) for parts in opt.state.values() for p in parts},
             "host_grad": None if opt.host_grad is None else where(opt.host_grad),
             "shards": {where(b.extra["shard"]) for b in flat.buckets if "shard" in b.extra},

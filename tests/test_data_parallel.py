@@ -35,10 +35,6 @@ def reference(overrides, device="cpu"):
     return dist_fns.train_and_capture(0, 1, {"train.device": device, **overrides})
 
 
-def flat_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return t.detach().float().reshape(-1)[lo:hi]
-
-
 def check_against_reference(results, ref, world, atol=ATOL):
     for r in results:
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
@@ -231,8 +227,8 @@ def test_accumulation_micro_steps_communicate_only_on_the_last(mode):
 
 def test_ddp_reduces_buckets_in_reverse_order_while_backward_runs():
     """Buckets of at most `parallel.bucket_mb` (a bigger tensor alone) in reverse registration order, the
-    order backward produces gradients; the first bucket's reduction is issued after a few gradients,
-    long before backward ends, and one collective follows another as the buckets fill."""
+    order backward produces gradients; one all-reduce per bucket, in bucket order, each issued as its
+    bucket fills: the first after a few gradients, every one before backward ends."""
     mb = 0.02
     calls, buckets, params = run_distributed(dist_fns.ddp_launches_in_backward, 2,
                                              {"parallel.bucket_mb": str(mb)}, timeout=120)[0]
@@ -242,9 +238,12 @@ def test_ddp_reduces_buckets_in_reverse_order_while_backward_runs():
     assert [n for b in buckets for n in sorted(b, key=backward_order.get)] == registered[::-1]
     for b in buckets:
         assert len(b) == 1 or sum(sizes[n] for n in b) * 4 <= mb * 2**20, b
-    during = [seen for _, _, seen in calls if seen < len(registered)]  # issued before backward ended
-    assert len(buckets) > 10 and len(during) >= len(buckets) - 2, (len(buckets), calls)
-    assert during[0] < len(registered) // 4 and during == sorted(during), during
+    assert len(buckets) > 10 and len(calls) == len(buckets), calls
+    for (name, numel, _), b in zip(calls, buckets):
+        assert name == "all_reduce" and 0 <= numel - sum(sizes[n] for n in b) < 2, (calls, b)  # padded to 2 ranks
+    seen = [s for _, _, s in calls]  # gradients produced when each was issued
+    assert seen[0] < len(registered) // 4 and seen[-1] < len(registered), seen
+    assert all(a < b for a, b in zip(seen, seen[1:])), seen  # each at its own point of backward
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
