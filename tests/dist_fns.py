@@ -346,3 +346,17 @@ def offload_placement(rank, world, overrides: dict) -> dict:
             "shards": {where(b.extra["shard"]) for b in flat.buckets if "shard" in b.extra},
             "shard_numel": opt.master.numel(), "buckets": len(flat.buckets),
             "gpu_bytes": torch.cuda.memory_allocated()}
+
+
+def engine_released_on_close(rank, world, overrides: dict) -> tuple[bool, bool]:
+    """A trainer that set up its own process group (as under torchrun) takes a step and closes: is its
+    engine, which holds the group, collected by then, and is the group gone?"""
+    import weakref
+    dist.destroy_process_group()  # the harness's: the trainer makes its own from the same environment
+    trainer = tiny_trainer(world, {"train.micro_batch_size": "2", "train.global_batch_size": str(2 * world),
+                                   **overrides})
+    assert trainer.owns_process_group
+    trainer.train_step()
+    engine = weakref.ref(trainer.engine)
+    trainer.close()
+    return engine() is None, dist.is_initialized()

@@ -9,6 +9,7 @@ the uninterrupted one exactly.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from contextlib import nullcontext
@@ -252,6 +253,12 @@ class Trainer:
         if self.owns_process_group and dist.is_initialized():
             with self._guard("the final barrier"):  # a peer that stalls at the end must not hang this rank
                 dist.barrier()
+            # destroy_process_group drops only torch's own references to the groups: the engine's (its
+            # optimizer's, ZeRO-3's hooks on the model) would keep them, and their gloo threads, for the
+            # garbage collector at interpreter shutdown. Release them now, while Python still runs.
+            self.engine = self.model = self.forward = None
+            self.mesh.dp_group = self.mesh.tp_group = self.mesh.pp_group = None
+            gc.collect()
             dist.destroy_process_group()
             self.owns_process_group = False
         if self.watchdog is not None:
