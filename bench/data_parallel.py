@@ -24,6 +24,7 @@ from common import PEAK, flops_per_token, timed
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
            "shardlm-ddp-a2a": ["--parallel.reduce_algo", "all_to_all"], "shardlm-zero1": ["--parallel.zero_stage", "1"],
+           "shardlm-zero1-a2a": ["--parallel.zero_stage", "1", "--parallel.reduce_algo", "all_to_all"],
            "shardlm-zero2": ["--parallel.zero_stage", "2"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
            "shardlm-zero3-offload": ["--parallel.zero_stage", "3", "--parallel.offload", "optimizer"]}
 PEERS = ("torch-ddp", "torch-fsdp2", "hf-fsdp2", "ds-zero2", "ds-zero3")
@@ -57,8 +58,7 @@ def worker(args, extra):
     dt, mem = timed(step, args.warm, args.steps)
     if args.system.startswith("shardlm") and getattr(trainer.engine, "copy_engine", None) is not None:
         # Symmetric memory is mapped outside PyTorch's caching allocator, which the peak above counts.
-        buf = trainer.engine.copy_engine.buffer
-        mem += buf.numel() * buf.element_size() / 2**30
+        mem += trainer.engine.copy_engine.symmetric_bytes() / 2**30
     tokens = args.micro_batch * args.seq
     flops = flops_per_token(m, args.seq)
     if int(os.environ.get("RANK", 0)) == 0:

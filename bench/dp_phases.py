@@ -75,7 +75,8 @@ VARIANTS = {
     "ddp-whole0": ({}, world, {}, {"whole0": True}),  # block 0 compiled as one graph, not two (trainer.py)
     "ddp-noemb": ({}, world, {}, {"noemb": True}),  # timing only: no embedding gradient at all
     "local-noemb": ({}, 1, {}, {"noemb": True}),
-    "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),
+    "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),  # the copy engines on one node's GPUs
+    "zero1-a2a": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
     "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),

@@ -43,7 +43,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
     ({"parallel.reduce_algo": "copy_engine", "parallel.zero_stage": "2"},
-     "parallel.reduce_algo = 'copy_engine' is implemented for DDP only"),
+     "parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO-1 only"),
 ])
 def test_invalid_values_name_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -356,15 +356,17 @@ def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
 
 
 @pytest.mark.parametrize("stage,algo,world", [(1, "all_to_all", 4), (2, "all_to_all", 4), (2, "ring", 4),
-                                              (3, "all_to_all", 4), (2, "all_to_all", 2)])
+                                              (3, "all_to_all", 4), (2, "all_to_all", 2),
+                                              pytest.param(1, "copy_engine", 2, marks=gpus_for(2)),
+                                              pytest.param(1, "copy_engine", 4, marks=gpus_for(4))])
 def test_zero_sums_bf16_gradients_in_fp32(stage, algo, world):
     """ZeRO's fp32 gradient shard of bf16 gradients is the rank's slice of the fp32 sum over ranks (no
-    16-bit rounding on the way), whichever algorithm moved the data. all_to_all adds the ranks' copies
-    in rank order, as the reference does: equal bits. The ring adds them in ring order: an fp32 sum of
-    terms of far apart magnitudes can then differ in its last bit."""
+    16-bit rounding on the way), whichever algorithm moved the data. all_to_all and the copy engines add
+    the ranks' copies in rank order, as the reference does: equal bits. The ring adds them in ring order:
+    an fp32 sum of terms of far apart magnitudes can then differ in its last bit."""
     over = {"parallel.zero_stage": str(stage), "parallel.reduce_algo": algo}
-    tol = 0.0 if algo == "all_to_all" else 2**-22
-    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, over, timeout=120):
+    tol = 2**-22 if algo == "ring" else 0.0
+    for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, over, timeout=120, device=on(algo)):
         for name, got, expected in rank_result:
             assert torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True), name
 
@@ -379,15 +381,22 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
     assert offload_threads(0) == 1
 
 
+ZERO1_OFFLOAD = {"parallel.zero_stage": "1", "parallel.offload": "optimizer"}
+
+
 @pytest.mark.parametrize("mode,other", [("ddp", "ring"), ("zero2", "ring"),
-                                        pytest.param("ddp", "copy_engine", marks=gpus_for(2))])
+                                        pytest.param("ddp", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero1", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero1-offload", "copy_engine", marks=gpus_for(2))])
 def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
     travel), by an fp32 ring reduce-scatter or by copy-engine transfers gives the same run, bit for bit,
-    at two ranks (a sum of two fp32 terms does not depend on their order). Small buckets (ten), so that
-    many reductions are in flight at once."""
+    at two ranks (a sum of two fp32 terms does not depend on their order); for ZeRO-1 that also checks
+    the copy engines' all-gather of the updated weights. Small buckets (ten), so that many reductions
+    are in flight at once."""
+    layout = ZERO1_OFFLOAD if mode == "zero1-offload" else MODES[mode]
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
-              "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02", **MODES[mode]}
+              "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02", **layout}
     runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240,
                             device=on(other)) for algo in ("all_to_all", other)]
     for a, b in zip(*runs):
@@ -397,13 +406,13 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
         assert torch.equal(value, masters[1][name]), name
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero2"])
-def test_auto_reduction_takes_the_copy_engines_only_for_ddp_on_the_gpus_of_one_node(mode):
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2"])
+def test_auto_reduction_takes_the_copy_engines_only_for_ddp_and_zero1_on_the_gpus_of_one_node(mode):
     gpus = torch.cuda.device_count() >= 2
-    over = {"parallel.zero_stage": "2"} if mode == "zero2" else {}
+    over = dict(MODES[mode])
     if gpus:
         over["train.device"] = "cuda"
-    want = "copy_engine" if (gpus and mode == "ddp") else "all_to_all"
+    want = "copy_engine" if (gpus and mode in ("ddp", "zero1")) else "all_to_all"
     assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120, device="cuda" if gpus else "cpu") \
         == [want, want]
 
@@ -464,8 +473,8 @@ def test_finished_work_keeps_the_watchdog_quiet():
 
 
 @gpus_for(2)
-@pytest.mark.parametrize("algo", ["copy_engine", "all_to_all"])
-def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo):
+@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("all_to_all", 0)])
+def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stage):
     """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets, and NCCL, at its
     timeout, would abort and let the step finish on wrong data: the trainer's watchdog must end the
     waiting rank with a message within parallel.timeout_s, before any later step completes."""
@@ -475,7 +484,7 @@ def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo):
         "from shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
         "cfg = load_config('tiny', {'parallel.dp': '2', 'train.device': 'cuda', 'train.precision': 'bf16',\n"
         "                           'train.tensorboard': 'false', 'train.compile': 'false', 'parallel.timeout_s': '10',\n"
-        f"                           'parallel.reduce_algo': '{algo}'}})\n"
+        f"                           'parallel.reduce_algo': '{algo}', 'parallel.zero_stage': '{stage}'}})\n"
         "tr = Trainer(cfg, log=lambda *a: None)\n"
         f"assert tr.engine.algo == '{algo}', tr.engine.algo\n"
         "tr.train_step(); tr.step += 1; torch.cuda.synchronize()\n"

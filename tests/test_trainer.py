@@ -273,3 +273,26 @@ def test_sgd_training_learns(tmp_path):
     _, recs = train(tmp_path, train__steps=6, train__optimizer="sgd", train__lr=0.1)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
+
+
+def test_rehomed_buckets_keep_their_values_and_take_backward_gradients():
+    """FlatParams.rehome moves weights and gradients into other flat buffers (the copy engines' symmetric
+    memory): the values come along, the parameters and their .grad become views of the new buffers, and
+    backward accumulates there."""
+    from shardlm.flat import FlatParams
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    flat = FlatParams(model, [["1.weight", "1.bias"], ["0.weight", "0.bias"]], pad_multiple=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.ones(1, 3)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    total = sum(b.numel for b in flat.buckets)
+    data, grad = torch.full((total,), float("nan")), torch.full((total,), float("nan"))
+    flat.rehome(data=data, grad=grad)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and torch.equal(p.grad, grads[n])
+        assert p.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    model(torch.ones(1, 3)).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, 2 * grads[n])
+    assert torch.equal(grad, torch.cat([b.grad for b in flat.buckets]))

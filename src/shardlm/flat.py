@@ -95,6 +95,28 @@ class FlatParams:
                     for i in bucket.params:
                         self.params[i].grad = self.view(bucket.grad, i)
 
+    @torch.no_grad()
+    def rehome(self, data: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
+        """Move the buckets' weights into `data` and their gradients into `grad` (flat buffers holding the
+        buckets back to back, such as symmetric memory the peers map), parameters and .grad following."""
+        start = 0
+        for bucket in self.buckets:
+            span = slice(start, start + bucket.numel)
+            start += bucket.numel
+            if data is not None:
+                data[span].copy_(bucket.data)
+                bucket.data = data[span]
+                for i in bucket.params:
+                    self.params[i].data = self.view(bucket.data, i)
+            if grad is not None:
+                if bucket.grad is None:
+                    grad[span].zero_()
+                else:
+                    grad[span].copy_(bucket.grad)
+                bucket.grad = grad[span]
+                for i in bucket.params:
+                    self.params[i].grad = self.view(bucket.grad, i)
+
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)

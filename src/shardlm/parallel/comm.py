@@ -23,7 +23,8 @@ run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slow
 On 4 H200s (bench/dp_phases.py, forward + backward of 105-109 ms alone) DDP's slowed by 10.5 ms with
 all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's
 "low-contention" collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work
-the same way.
+the same way. `CopyEngineZero1` splits the same transfers into ZeRO-1's reduce-scatter (during backward)
+and its all-gather of the updated weights (during the next forward).
 """
 from __future__ import annotations
 
@@ -47,13 +48,14 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 REDUCE_ALGOS = ("auto", "all_to_all", "ring", "copy_engine")
 
 
-def resolve_reduce_algo(algo: str, group, device: torch.device, ddp: bool) -> str:
-    """What `parallel.reduce_algo auto` means here: the copy engines for DDP when every rank of the job
-    is on this node, on GPUs that reach each other peer to peer (symmetric memory spans one node), the
-    all-to-all otherwise. Every rank decides alike: the inputs are the same on all of them."""
+def resolve_reduce_algo(algo: str, group, device: torch.device, copy_engine_ok: bool) -> str:
+    """What `parallel.reduce_algo auto` means here: the copy engines where the engine has them
+    (`copy_engine_ok`: DDP, ZeRO-1) and every rank of the job is on this node, on GPUs that reach each
+    other peer to peer (symmetric memory spans one node), the all-to-all otherwise. Every rank decides
+    alike: the inputs are the same on all of them."""
     if algo != "auto":
         return algo
-    if not ddp or device.type != "cuda" or dist.get_world_size(group) < 2:
+    if not copy_engine_ok or device.type != "cuda" or dist.get_world_size(group) < 2:
         return "all_to_all"
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     gpus = torch.cuda.device_count()
@@ -216,7 +218,92 @@ class Watchdog:
         self.thread.join()
 
 
-class CopyEngineAllReduce:
+def start_copy_engine(cls, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
+    """`cls(...)`, a copy-engine collective, or an error saying what still works where it cannot be set
+    up (no symmetric memory in this driver or container)."""
+    try:
+        return cls(numels, dtype, device, group, stream)
+    except Exception as e:
+        raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
+                           "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
+
+
+class PeerBuckets:
+    """Buckets back to back in one symmetric buffer: every rank of `group` maps its peers' copies, so the
+    copy engines can pull a peer's slice of a bucket straight into local memory. Each bucket's numel is a
+    multiple of the world size; slice r of a bucket is rank r's (the one it sums, or the one it updates)."""
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.offsets = [0, *itertools.accumulate(numels)][:-1]
+        self.numels, self.dtype = numels, dtype
+        self.buffer = symm_mem.empty(sum(numels), dtype=dtype, device=device)
+        self.buffer.zero_()
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():  # deprecated (unneeded) from torch 2.9; torch 2.8 needs it
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
+        self.handle = symm_mem.rendezvous(self.buffer, group)  # held: it keeps the peers' buffers mapped
+        # Ranks start at different peers, spreading the load over the links.
+        self.peers = [(self.rank + k) % self.world for k in range(1, self.world)]
+
+    def bucket(self, b: int) -> torch.Tensor:
+        return self.buffer[self.offsets[b]:self.offsets[b] + self.numels[b]]
+
+    def slice(self, b: int, j: int) -> torch.Tensor:
+        """Slice j of this rank's bucket b."""
+        n = self.numels[b] // self.world
+        return self.bucket(b)[j * n:(j + 1) * n]
+
+    def _peer_slice(self, j: int, b: int, k: int) -> torch.Tensor:
+        """Slice k of peer j's bucket b, read over the peer-to-peer link."""
+        n = self.numels[b] // self.world
+        return self.handle.get_buffer(j, (n,), self.dtype, self.offsets[b] + k * n)
+
+    def pull_own_slices(self, b: int) -> torch.Tensor:
+        """The reduce-scatter's transfers: a (world, n) tensor whose row j is peer j's copy of this rank's
+        slice of bucket b (row `rank` is left unset: this rank's own copy stays in place)."""
+        rows = torch.empty(self.world, self.numels[b] // self.world, dtype=self.dtype, device=self.buffer.device)
+        for j in self.peers:
+            rows[j].copy_(self._peer_slice(j, b, self.rank))
+        return rows
+
+    def pull_peer_slices(self, b: int) -> None:
+        """The all-gather's transfers: every peer's own slice of bucket b into its place here."""
+        for j in self.peers:
+            self.slice(b, j).copy_(self._peer_slice(j, b, j))
+
+
+class _CopyEngineCollective:
+    """Flags shared by the copy-engine collectives: `_all(kind)` holds `stream` until every rank has
+    reached point `kind` of the current launch (`seq`, which every rank advances alike)."""
+
+    def __init__(self, group, kinds: int, device: torch.device, stream):
+        if device.type != "cuda":
+            raise ValueError("parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies)")
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.stream = stream
+        self.flags = StreamFlags(group, kinds, device)
+        self.seq = 0
+
+    def symmetric_bytes(self) -> int:
+        """Bytes in symmetric memory, which PyTorch's caching allocator (and its peak) does not count."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in vars(self).values() if isinstance(b, PeerBuckets))
+
+    def _all(self, kind: int) -> None:
+        self.flags.signal(self.stream, kind, self.seq)
+        self.flags.wait(self.stream, kind, self.seq)
+
+    @staticmethod
+    def _done() -> _Done:
+        event = torch.cuda.Event()
+        event.record()
+        return _Done(event)
+
+
+class CopyEngineAllReduce(_CopyEngineCollective):
     """Bucketed all-reduce over symmetric memory with copy-engine transfers (see the module docstring).
     `bucket(b)` is bucket b's view of the one symmetric gradient buffer; `launch(b)` queues bucket b's
     reduction on `stream` after the current stream's work and returns a waitable. Buckets must be
@@ -226,77 +313,89 @@ class CopyEngineAllReduce:
     READY, SUMMED, DONE = range(3)  # flag kinds
 
     def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
-        if device.type != "cuda":
-            raise ValueError("parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies)")
+        super().__init__(group, 3, device, stream)
         from torch.distributed import _symmetric_memory as symm_mem
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.offsets = [0, *itertools.accumulate(numels)][:-1]
-        self.numels, self.dtype, self.stream = numels, dtype, stream
-        self.buffer = symm_mem.empty(sum(numels), dtype=dtype, device=device)
-        self.buffer.zero_()
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            with warnings.catch_warnings():  # deprecated (unneeded) from torch 2.9; torch 2.8 needs it
-                warnings.simplefilter("ignore")
-                enable(group.group_name)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
-        self.flags = StreamFlags(group, 3, device)
-        self.seq = 0  # bucket launches so far: the value this launch's flags carry
+        self.grads = PeerBuckets(numels, dtype, device, group)
+        self.last = len(numels) - 1
         # The gradient's sum of squares (see SliceSquares), valid once the last bucket's launch completes.
         # Each rank's total goes into its slot of a symmetric buffer before it signals SUMMED, and every
         # rank reads all slots after it: no collective of its own. `squares = None` leaves the norm to
         # the optimizer (for measuring what this is worth).
-        self.squares = SliceSquares([self._own(b) for b in range(len(numels))])
+        self.squares = SliceSquares([self.grads.slice(b, self.rank) for b in range(len(numels))])
         self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
         self.totals_handle = symm_mem.rendezvous(self.totals, group)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
 
     def bucket(self, b: int) -> torch.Tensor:
-        return self.buffer[self.offsets[b]:self.offsets[b] + self.numels[b]]
-
-    def _own(self, b: int) -> torch.Tensor:
-        """This rank's slice of bucket b: the one it sums."""
-        n = self.numels[b] // self.world
-        return self.bucket(b)[self.rank * n:(self.rank + 1) * n]
-
-    def _peer(self, j: int, b: int, start: int, n: int) -> torch.Tensor:
-        return self.handle.get_buffer(j, (n,), self.dtype, self.offsets[b] + start)
-
-    def _all(self, kind: int) -> None:
-        """Every rank reaches point `kind` of this launch before this stream goes on."""
-        self.flags.signal(self.stream, kind, self.seq)
-        self.flags.wait(self.stream, kind, self.seq)
+        return self.grads.bucket(b)
 
     def launch(self, b: int):
-        w, r = self.world, self.rank
-        n = self.numels[b] // w
-        grad = self.bucket(b)
         self.seq += 1
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             self._all(self.READY)  # every rank's bucket b is complete
-            parts = torch.empty(w, n, dtype=self.dtype, device=grad.device)  # row r unused: ours stays put
-            peers = [(r + k) % w for k in range(1, w)]  # ranks start at different peers, spreading the load
-            for j in peers:
-                parts[j].copy_(self._peer(j, b, r * n, n))
-            # Only this rank reads its own slice r, so the sum may overwrite it now.
-            own = self._own(b)
-            sum_over_ranks(parts, own, r, own)
-            last = b == len(self.numels) - 1
+            rows = self.grads.pull_own_slices(b)
+            # Only this rank reads its own slice, so the sum may overwrite it now.
+            own = self.grads.slice(b, self.rank)
+            sum_over_ranks(rows, own, self.rank, own)
             if self.squares is not None:
                 self.squares.add(b)
-                if last:
+                if b == self.last:
                     self.squares.rank_total(out=self.totals[0])
             self._all(self.SUMMED)  # every summed slice is in place, and every peer is done reading ours
-            if self.squares is not None and last:  # every peer's total is in its slot now
-                slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(w)]
+            if self.squares is not None and b == self.last:  # every peer's total is in its slot now
+                slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(self.world)]
                 SliceSquares.over_ranks(torch.cat(slots), self.sumsq)
-            for j in peers:
-                grad[j * n:(j + 1) * n].copy_(self._peer(j, b, j * n, n))
-            if last:
+            self.grads.pull_peer_slices(b)
+            if b == self.last:
                 # Peers read our summed slices (and our total) until here; the buffers may change (zero_grad,
                 # the next step's total) only after.
                 self._all(self.DONE)
-            done = torch.cuda.Event()
-            done.record()
-        return _Done(done)
+            return self._done()
+
+
+class CopyEngineZero1(_CopyEngineCollective):
+    """ZeRO-1's two collectives by the copy engines, as DDP's all-reduce above is made of them: the
+    gradient buckets and the 16-bit weights both live in symmetric memory (`grads`, `params`). During
+    backward each bucket is reduce-scattered as soon as it is complete (`reduce_scatter`): this rank pulls
+    its slice of every peer's bucket and sums them in fp32 into its gradient shard. After the optimizer
+    has updated this rank's slices, `all_gather` pulls every peer's updated slices, bucket by bucket in
+    the order given (the order the next forward reads them), and leaves them in flight. The SMs stay with
+    forward and backward, which NCCL's kernels would slow (see the module docstring)."""
+
+    READY, REDUCED, UPDATED, GATHERED = range(4)  # flag kinds
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
+        super().__init__(group, 4, device, stream)
+        self.grads = PeerBuckets(numels, dtype, device, group)
+        self.params = PeerBuckets(numels, dtype, device, group)
+        self.last = len(numels) - 1
+
+    def reduce_scatter(self, b: int, out: torch.Tensor) -> _Done:
+        """Queue bucket b's reduction into `out` (this rank's slice, any float dtype; it may be that slice
+        of the bucket itself) after the current stream's work; buckets in the same order on every rank."""
+        self.seq += 1
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._all(self.READY)  # every rank's bucket b is complete
+            rows = self.grads.pull_own_slices(b)
+            sum_over_ranks(rows, self.grads.slice(b, self.rank), self.rank, out)
+            if b == self.last:
+                self._all(self.REDUCED)  # peers are done reading our gradients: they may be zeroed
+            return self._done()
+
+    def all_gather(self, order: list[int]) -> dict[int, _Done]:
+        """Queue the all-gather of every bucket's updated slices, in `order`, after the current stream's
+        work (the optimizer's); returns a waitable per bucket."""
+        self.seq += 1
+        self.stream.wait_stream(torch.cuda.current_stream())
+        done = {}
+        with torch.cuda.stream(self.stream):
+            self._all(self.UPDATED)  # every rank's slices hold this step's weights
+            for b in order:
+                self.params.pull_peer_slices(b)
+                done[b] = self._done()
+            # Peers read our slices until here: the next step's optimizer may overwrite them only after.
+            self._all(self.GATHERED)
+            done[order[-1]] = self._done()
+        return done

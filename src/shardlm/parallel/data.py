@@ -39,7 +39,7 @@ from torch import nn
 from ..flat import FlatParams, split_buckets
 from ..optim import MasterWeightOptimizer
 from .comm import (CopyEngineAllReduce, SliceSquares, all_gather_into_tensor, resolve_reduce_algo,
-                   start_reduce_scatter)
+                   start_copy_engine, start_reduce_scatter)
 
 
 def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
@@ -155,18 +155,12 @@ class DDPEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.works: list = []  # (work, tensors the collective uses until it completes)
         self.side = torch.cuda.Stream(self.flat.device) if self.flat.device.type == "cuda" else None
-        self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device, ddp=True)
+        self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device, copy_engine_ok=True)
         self.copy_engine = None
         if self.algo == "copy_engine":
-            try:
-                self.copy_engine = CopyEngineAllReduce([b.numel for b in self.flat.buckets], self.flat.dtype,
-                                                       self.flat.device, group, self.side)
-            except Exception as e:  # no symmetric memory here (driver, container): say what still works
-                raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
-                                   "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
-            for i, b in enumerate(self.flat.buckets):
-                b.grad = self.copy_engine.bucket(i)
-            self.flat.zero_grad()  # points every .grad at its view of the symmetric buffer
+            self.copy_engine = start_copy_engine(CopyEngineAllReduce, [b.numel for b in self.flat.buckets],
+                                                 self.flat.dtype, self.flat.device, group, self.side)
+            self.flat.rehome(grad=self.copy_engine.grads.buffer)
         # Where buckets are reduced as reduce-scatter + all-gather, the norm's squares come from the slices.
         self.squares = None
         if self.copy_engine is None and self.flat.dtype != self.reduce_dtype:

@@ -13,6 +13,9 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
   all-gathers are issued in the order the next forward reads the buckets and left in flight: forward
   waits for a bucket only just before the first module that reads it (the embeddings, a block, the
   head), so they overlap its compute (Megatron-LM's distributed optimizer overlaps them likewise).
+  On the GPUs of one node (`parallel.reduce_algo auto` or `copy_engine`) both collectives run on the
+  copy engines over symmetric memory (`comm.CopyEngineZero1`, as DDP's all-reduce does), leaving the
+  SMs to backward and forward.
 - Stage 2 also shards gradients. No full gradient buffer exists: as autograd produces a parameter's
   gradient it is copied into its bucket's transient buffer and freed; a complete bucket is
   reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
@@ -42,7 +45,8 @@ from torch import nn
 
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
-from .comm import all_gather_into_tensor, resolve_reduce_algo, start_reduce_scatter
+from .comm import (CopyEngineZero1, all_gather_into_tensor, resolve_reduce_algo, start_copy_engine,
+                   start_reduce_scatter)
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
 
@@ -115,8 +119,14 @@ class ZeroEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
-        self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device, ddp=False)
+        self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device,
+                                                                           copy_engine_ok=self.stage == 1)
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
+        self.copy_engine = None
+        if self.algo == "copy_engine":
+            self.copy_engine = start_copy_engine(CopyEngineZero1, [b.numel for b in flat.buckets], flat.dtype,
+                                                 flat.device, group, torch.cuda.Stream(flat.device))
+            flat.rehome(data=self.copy_engine.params.buffer, grad=self.copy_engine.grads.buffer)
         self.offload_params = p.offload == "params"
         if p.offload != "none":
             torch.set_num_threads(offload_threads(p.offload_threads))
@@ -303,6 +313,10 @@ class ZeroEngine(LocalEngine):
             bucket.grad = torch.zeros(bucket.numel, dtype=self.bucket_dtype, device=self.flat.device)
         if self.world == 1:
             work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
+        elif self.copy_engine is not None:
+            out = self.gshard[b] if self.gshard_in_bucket else \
+                torch.empty(bucket.numel // self.world, dtype=self.reduce_dtype, device=self.flat.device)
+            work, result, keep = self.copy_engine.reduce_scatter(b, out), (lambda: out), ()
         else:
             work, result, keep = start_reduce_scatter(bucket.grad, self.reduce_dtype, self.group,
                                                       self.algo)
@@ -320,7 +334,8 @@ class ZeroEngine(LocalEngine):
                 work.wait()
             out = result()
             if self.gshard_in_bucket:
-                self.gshard[b].copy_(out)
+                if out is not self.gshard[b]:  # the copy engines sum into the shard itself
+                    self.gshard[b].copy_(out)
             elif self.gshard[b] is None:
                 self.gshard[b] = out
             else:
@@ -367,6 +382,9 @@ class ZeroEngine(LocalEngine):
     def _publish(self) -> None:
         """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params),
         in the order forward reads them; stages 1 and 2 leave them in flight (`_await_published`)."""
+        if self.copy_engine is not None:
+            self.publishing = {b: (work, None) for b, work in self.copy_engine.all_gather(self.publish_order).items()}
+            return
         for i in self.publish_order:
             b = self.flat.buckets[i]
             if not self.persistent[i]:
