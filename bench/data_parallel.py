@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
            "shardlm-ddp-a2a": ["--parallel.reduce_algo", "all_to_all"], "shardlm-zero1": ["--parallel.zero_stage", "1"],
            "shardlm-zero1-a2a": ["--parallel.zero_stage", "1", "--parallel.reduce_algo", "all_to_all"],
-           "shardlm-zero2": ["--parallel.zero_stage", "2"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
+           "shardlm-zero2": ["--parallel.zero_stage", "2"],
+           "shardlm-zero2-a2a": ["--parallel.zero_stage", "2", "--parallel.reduce_algo", "all_to_all"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
            "shardlm-zero3-offload": ["--parallel.zero_stage", "3", "--parallel.offload", "optimizer"]}
 PEERS = ("torch-ddp", "torch-fsdp2", "hf-fsdp2", "ds-zero2", "ds-zero3")
 

@@ -77,7 +77,8 @@ VARIANTS = {
     "local-noemb": ({}, 1, {}, {"noemb": True}),
     "zero1": ({"parallel.zero_stage": "1"}, world, {}, {}),  # the copy engines on one node's GPUs
     "zero1-a2a": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
-    "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),
+    "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),  # the copy engines on one node's GPUs
+    "zero2-a2a": ({"parallel.zero_stage": "2", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
     "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),
     "zero1-ring": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "ring"}, world, {}, {}),

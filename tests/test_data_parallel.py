@@ -358,14 +358,17 @@ def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
 @pytest.mark.parametrize("stage,algo,world", [(1, "all_to_all", 4), (2, "all_to_all", 4), (2, "ring", 4),
                                               (3, "all_to_all", 4), (2, "all_to_all", 2),
                                               pytest.param(1, "copy_engine", 2, marks=gpus_for(2)),
-                                              pytest.param(1, "copy_engine", 4, marks=gpus_for(4))])
+                                              pytest.param(2, "copy_engine", 2, marks=gpus_for(2)),
+                                              pytest.param(1, "copy_engine", 4, marks=gpus_for(4)),
+                                              pytest.param(2, "copy_engine", 4, marks=gpus_for(4))])
 def test_zero_sums_bf16_gradients_in_fp32(stage, algo, world):
     """ZeRO's fp32 gradient shard of bf16 gradients is the rank's slice of the fp32 sum over ranks (no
-    16-bit rounding on the way), whichever algorithm moved the data. all_to_all and the copy engines add
-    the ranks' copies in rank order, as the reference does: equal bits. The ring adds them in ring order:
-    an fp32 sum of terms of far apart magnitudes can then differ in its last bit."""
+    16-bit rounding on the way), whichever algorithm moved the data. all_to_all adds the ranks' copies
+    with the reference's own op: equal bits, as two terms give by any algorithm. The ring adds them in
+    ring order and the copy engines' kernel in rank order, which torch's sum need not follow: at four
+    ranks an fp32 sum of terms of far apart magnitudes can then differ in its last bit."""
     over = {"parallel.zero_stage": str(stage), "parallel.reduce_algo": algo}
-    tol = 2**-22 if algo == "ring" else 0.0
+    tol = 0.0 if algo == "all_to_all" or world == 2 else 2**-22
     for rank_result in run_distributed(dist_fns.reduced_bf16_gradients, world, over, timeout=120, device=on(algo)):
         for name, got, expected in rank_result:
             assert torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True), name
@@ -387,6 +390,7 @@ ZERO1_OFFLOAD = {"parallel.zero_stage": "1", "parallel.offload": "optimizer"}
 @pytest.mark.parametrize("mode,other", [("ddp", "ring"), ("zero2", "ring"),
                                         pytest.param("ddp", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero1", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero2", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero1-offload", "copy_engine", marks=gpus_for(2))])
 def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
@@ -406,13 +410,13 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
         assert torch.equal(value, masters[1][name]), name
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2"])
-def test_auto_reduction_takes_the_copy_engines_only_for_ddp_and_zero1_on_the_gpus_of_one_node(mode):
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
+def test_auto_reduction_takes_the_copy_engines_for_ddp_and_zero1_2_on_the_gpus_of_one_node(mode):
     gpus = torch.cuda.device_count() >= 2
     over = dict(MODES[mode])
     if gpus:
         over["train.device"] = "cuda"
-    want = "copy_engine" if (gpus and mode in ("ddp", "zero1")) else "all_to_all"
+    want = "copy_engine" if (gpus and mode in ("ddp", "zero1", "zero2")) else "all_to_all"
     assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120, device="cuda" if gpus else "cpu") \
         == [want, want]
 
@@ -473,7 +477,7 @@ def test_finished_work_keeps_the_watchdog_quiet():
 
 
 @gpus_for(2)
-@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("all_to_all", 0)])
+@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("copy_engine", 2), ("all_to_all", 0)])
 def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stage):
     """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets, and NCCL, at its
     timeout, would abort and let the step finish on wrong data: the trainer's watchdog must end the
@@ -496,3 +500,21 @@ def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stag
     assert done.returncode != 0 and "rank 0 went on" not in done.stdout
     assert "training step 2 made no progress for 10 s" in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - t0 < 150
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_the_staging_ring_keeps_any_window_of_consecutive_buckets_apart(window):
+    """ZeRO-2's copy-engine staging reuses ring ranges: any `window` consecutive buckets (those in use at
+    once) must occupy disjoint ranges inside the ring, for buckets of any sizes, and the ring must stay
+    smaller than the whole gradient where the window is."""
+    from shardlm.parallel.comm import ring_offsets
+    gen = torch.Generator().manual_seed(window)
+    for _ in range(50):
+        numels = (torch.randint(1, 40, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen) * 4).tolist()
+        offsets, size = ring_offsets(numels, window)
+        assert size <= sum(numels)
+        assert all(0 <= o and o + n <= size for o, n in zip(offsets, numels))
+        for b in range(len(numels)):
+            spans = sorted((offsets[c], offsets[c] + numels[c]) for c in range(b, min(b + window, len(numels))))
+            assert all(a[1] <= z[0] for a, z in zip(spans, spans[1:])), (numels, window, b)
+    assert ring_offsets([10] * 100, 5)[1] == 60

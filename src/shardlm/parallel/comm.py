@@ -23,8 +23,8 @@ run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slow
 On 4 H200s (bench/dp_phases.py, forward + backward of 105-109 ms alone) DDP's slowed by 10.5 ms with
 all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's
 "low-contention" collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work
-the same way. `CopyEngineZero1` splits the same transfers into ZeRO-1's reduce-scatter (during backward)
-and its all-gather of the updated weights (during the next forward).
+the same way. `CopyEngineZero` splits the same transfers into ZeRO-1/2's reduce-scatter (during backward)
+and their all-gather of the updated weights (during the next forward).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ REDUCE_ALGOS = ("auto", "all_to_all", "ring", "copy_engine")
 
 def resolve_reduce_algo(algo: str, group, device: torch.device, copy_engine_ok: bool) -> str:
     """What `parallel.reduce_algo auto` means here: the copy engines where the engine has them
-    (`copy_engine_ok`: DDP, ZeRO-1) and every rank of the job is on this node, on GPUs that reach each
+    (`copy_engine_ok`: DDP, ZeRO-1/2) and every rank of the job is on this node, on GPUs that reach each
     other peer to peer (symmetric memory spans one node), the all-to-all otherwise. Every rank decides
     alike: the inputs are the same on all of them."""
     if algo != "auto":
@@ -218,27 +218,43 @@ class Watchdog:
         self.thread.join()
 
 
-def start_copy_engine(cls, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
+def start_copy_engine(cls, *args, **kwargs):
     """`cls(...)`, a copy-engine collective, or an error saying what still works where it cannot be set
     up (no symmetric memory in this driver or container)."""
     try:
-        return cls(numels, dtype, device, group, stream)
+        return cls(*args, **kwargs)
     except Exception as e:
         raise RuntimeError(f"the copy-engine gradient reduction could not be set up ({e}); "
                            "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
 
 
+def ring_offsets(numels: list[int], window: int) -> tuple[list[int], int]:
+    """Buckets placed one after another in a ring, wrapping to its start where the next one does not fit:
+    (offsets, ring size). The ring is just large enough that any `window` consecutive buckets occupy
+    disjoint ranges (their sum, plus at most one wrap's unused tail, smaller than the largest bucket)."""
+    size = min(sum(numels), max(sum(numels[i:i + window]) for i in range(len(numels))) + max(numels))
+    offsets, pos = [], 0
+    for n in numels:
+        if pos + n > size:
+            pos = 0
+        offsets.append(pos)
+        pos += n
+    return offsets, size
+
+
 class PeerBuckets:
-    """Buckets back to back in one symmetric buffer: every rank of `group` maps its peers' copies, so the
-    copy engines can pull a peer's slice of a bucket straight into local memory. Each bucket's numel is a
+    """Buckets in one symmetric buffer (back to back, or at given `offsets` within `size` elements, which may
+    overlap: a ring whose ranges are reused): every rank of `group` maps its peers' copies, so the copy
+    engines can pull a peer's slice of a bucket straight into local memory. Each bucket's numel is a
     multiple of the world size; slice r of a bucket is rank r's (the one it sums, or the one it updates)."""
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group,
+                 offsets: list[int] | None = None, size: int | None = None):
         from torch.distributed import _symmetric_memory as symm_mem
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.offsets = [0, *itertools.accumulate(numels)][:-1]
+        self.offsets = offsets if offsets is not None else [0, *itertools.accumulate(numels)][:-1]
         self.numels, self.dtype = numels, dtype
-        self.buffer = symm_mem.empty(sum(numels), dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(size if size is not None else sum(numels), dtype=dtype, device=device)
         self.buffer.zero_()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
@@ -354,21 +370,30 @@ class CopyEngineAllReduce(_CopyEngineCollective):
             return self._done()
 
 
-class CopyEngineZero1(_CopyEngineCollective):
-    """ZeRO-1's two collectives by the copy engines, as DDP's all-reduce above is made of them: the
-    gradient buckets and the 16-bit weights both live in symmetric memory (`grads`, `params`). During
-    backward each bucket is reduce-scattered as soon as it is complete (`reduce_scatter`): this rank pulls
-    its slice of every peer's bucket and sums them in fp32 into its gradient shard. After the optimizer
-    has updated this rank's slices, `all_gather` pulls every peer's updated slices, bucket by bucket in
-    the order given (the order the next forward reads them), and leaves them in flight. The SMs stay with
-    forward and backward, which NCCL's kernels would slow (see the module docstring)."""
+class CopyEngineZero(_CopyEngineCollective):
+    """ZeRO-1/2's two collectives by the copy engines, as DDP's all-reduce above is made of them. During
+    backward each gradient bucket is reduce-scattered as soon as it is complete (`reduce_scatter`): this
+    rank pulls its slice of every peer's bucket and sums them in fp32 into its gradient shard. After the
+    optimizer has updated this rank's slices of the 16-bit weights (`params`, in symmetric memory),
+    `all_gather` pulls every peer's updated slices, bucket by bucket in the order given (the order the
+    next forward reads them), and leaves them in flight. The SMs stay with forward and backward, which
+    NCCL's kernels would slow (see the module docstring).
+
+    Stage 1 keeps every gradient bucket in symmetric memory (`grads`, the whole gradient). Stage 2
+    (`window`: how many consecutive buckets may be in use at once) stages a bucket's gradients there
+    only while it is reduced, in a ring (`ring_offsets`): the ranks then also agree that every peer is
+    done reading a bucket before its range may be reused, so gradient memory stays at the shard plus the
+    ring."""
 
     READY, REDUCED, UPDATED, GATHERED = range(4)  # flag kinds
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream,
+                 window: int | None = None):
         super().__init__(group, 4, device, stream)
-        self.grads = PeerBuckets(numels, dtype, device, group)
+        ring = ring_offsets(numels, window) if window is not None else (None, None)
+        self.grads = PeerBuckets(numels, dtype, device, group, *ring)
         self.params = PeerBuckets(numels, dtype, device, group)
+        self.staged = window is not None
         self.last = len(numels) - 1
 
     def reduce_scatter(self, b: int, out: torch.Tensor) -> _Done:
@@ -380,8 +405,9 @@ class CopyEngineZero1(_CopyEngineCollective):
             self._all(self.READY)  # every rank's bucket b is complete
             rows = self.grads.pull_own_slices(b)
             sum_over_ranks(rows, self.grads.slice(b, self.rank), self.rank, out)
-            if b == self.last:
-                self._all(self.REDUCED)  # peers are done reading our gradients: they may be zeroed
+            if self.staged or b == self.last:
+                # Peers are done reading our bucket: its range may be reused (stage 2) or zeroed (stage 1).
+                self._all(self.REDUCED)
             return self._done()
 
     def all_gather(self, order: list[int]) -> dict[int, _Done]:

@@ -14,13 +14,14 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
   waits for a bucket only just before the first module that reads it (the embeddings, a block, the
   head), so they overlap its compute (Megatron-LM's distributed optimizer overlaps them likewise).
   On the GPUs of one node (`parallel.reduce_algo auto` or `copy_engine`) both collectives run on the
-  copy engines over symmetric memory (`comm.CopyEngineZero1`, as DDP's all-reduce does), leaving the
+  copy engines over symmetric memory (`comm.CopyEngineZero`, as DDP's all-reduce does), leaving the
   SMs to backward and forward.
 - Stage 2 also shards gradients. No full gradient buffer exists: as autograd produces a parameter's
   gradient it is copied into its bucket's transient buffer and freed; a complete bucket is
   reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
   micro-step (as DeepSpeed's stage 2 does), so gradient memory stays at the shard plus the buckets in
-  flight.
+  flight. By the copy engines, a bucket's gradients stay with their parameters until the bucket is
+  complete and are then staged in a symmetric ring of REDUCTIONS_IN_FLIGHT + 1 buckets' room.
 - Stage 3 also shards parameters. Buckets are units: one per transformer block, one for the input
   embeddings, one for the final norm and output head (one "root" unit when the head is tied to the
   embedding), and one for all parameters of at most `parallel.persist_threshold` elements, which stay
@@ -45,7 +46,7 @@ from torch import nn
 
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
-from .comm import (CopyEngineZero1, all_gather_into_tensor, resolve_reduce_algo, start_copy_engine,
+from .comm import (CopyEngineZero, all_gather_into_tensor, resolve_reduce_algo, start_copy_engine,
                    start_reduce_scatter)
 from .data import BucketReadiness, LocalEngine, reverse_order_buckets
 
@@ -120,13 +121,16 @@ class ZeroEngine(LocalEngine):
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
         self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device,
-                                                                           copy_engine_ok=self.stage == 1)
+                                                                           copy_engine_ok=self.stage < 3)
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
         self.copy_engine = None
         if self.algo == "copy_engine":
-            self.copy_engine = start_copy_engine(CopyEngineZero1, [b.numel for b in flat.buckets], flat.dtype,
-                                                 flat.device, group, torch.cuda.Stream(flat.device))
-            flat.rehome(data=self.copy_engine.params.buffer, grad=self.copy_engine.grads.buffer)
+            # Stage 2's ring holds the buckets in flight and the one being staged (see _stage).
+            window = None if self.stage == 1 else REDUCTIONS_IN_FLIGHT + 1
+            self.copy_engine = start_copy_engine(CopyEngineZero, [b.numel for b in flat.buckets], flat.dtype,
+                                                 flat.device, group, torch.cuda.Stream(flat.device), window=window)
+            flat.rehome(data=self.copy_engine.params.buffer,
+                        grad=self.copy_engine.grads.buffer if self.stage == 1 else None)
         self.offload_params = p.offload == "params"
         if p.offload != "none":
             torch.set_num_threads(offload_threads(p.offload_threads))
@@ -147,7 +151,10 @@ class ZeroEngine(LocalEngine):
         self.gshard: list[torch.Tensor | None] = [self.opt.shard_of(b.grad, b.index) if self.gshard_in_bucket
                                                   else None for b in flat.buckets]
         self.works: list = []
-        self.ready = BucketReadiness(flat, self._launch, None if self.stage == 1 else self._take_grad)
+        # Stages 2, 3 take each gradient from its parameter as it arrives, except by the copy engines,
+        # which stage a bucket's gradients once the bucket is complete.
+        take = self.stage > 1 and self.copy_engine is None
+        self.ready = BucketReadiness(flat, self._launch, self._take_grad if take else None)
         self.in_backward = False
         self.gather_work: dict[int, object] = {}
         self.publishing: dict[int, tuple] = {}  # bucket -> (all-gather in flight, its input)
@@ -314,6 +321,8 @@ class ZeroEngine(LocalEngine):
         if self.world == 1:
             work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
         elif self.copy_engine is not None:
+            if self.stage == 2:
+                self._stage(b)
             out = self.gshard[b] if self.gshard_in_bucket else \
                 torch.empty(bucket.numel // self.world, dtype=self.reduce_dtype, device=self.flat.device)
             work, result, keep = self.copy_engine.reduce_scatter(b, out), (lambda: out), ()
@@ -325,6 +334,24 @@ class ZeroEngine(LocalEngine):
             self._release(b)  # this unit's backward is done: its gradients are all in
         if self.stage > 1:
             self._drain(keep=REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1)
+
+    def _stage(self, b: int) -> None:
+        """Stage 2 by the copy engines: bucket b's gradients into its range of the symmetric ring (zeros
+        for parameters that got none), freed from the parameters. The range is free: the ring holds
+        REDUCTIONS_IN_FLIGHT + 1 consecutive buckets apart, and _launch keeps at most
+        REDUCTIONS_IN_FLIGHT reductions in flight, each waited for only once every peer has read it."""
+        if self.works and self.works[0][1] <= b - REDUCTIONS_IN_FLIGHT - 1:
+            raise RuntimeError(f"bucket {self.works[0][1]}'s reduction is still in flight where bucket {b} is staged")
+        bucket, region = self.flat.buckets[b], self.copy_engine.grads.bucket(b)
+        for i in bucket.params:
+            param = self.flat.params[i]
+            if param.grad is None:
+                self.flat.view(region, i).zero_()
+            else:
+                self.flat.view(region, i).copy_(param.grad)
+                param.grad = None
+        used = sum(self.flat.params[i].numel() for i in bucket.params)
+        region[used:].zero_()  # the padding
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the newest `keep` reductions: fold each into the gradient shard, free its bucket."""
