@@ -384,21 +384,22 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
     assert offload_threads(0) == 1
 
 
-ZERO1_OFFLOAD = {"parallel.zero_stage": "1", "parallel.offload": "optimizer"}
+OFFLOADED = {f"zero{s}-offload": {"parallel.zero_stage": str(s), "parallel.offload": "optimizer"} for s in (1, 2)}
 
 
 @pytest.mark.parametrize("mode,other", [("ddp", "ring"), ("zero2", "ring"),
                                         pytest.param("ddp", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero1", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero2", "copy_engine", marks=gpus_for(2)),
-                                        pytest.param("zero1-offload", "copy_engine", marks=gpus_for(2))])
+                                        pytest.param("zero1-offload", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero2-offload", "copy_engine", marks=gpus_for(2))])
 def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
     travel), by an fp32 ring reduce-scatter or by copy-engine transfers gives the same run, bit for bit,
-    at two ranks (a sum of two fp32 terms does not depend on their order); for ZeRO-1 that also checks
-    the copy engines' all-gather of the updated weights. Small buckets (ten), so that many reductions
+    at two ranks (a sum of two fp32 terms does not depend on their order); for ZeRO-1/2 that also checks
+    the copy engines' all-gather of the updated weights, and ZeRO-2's reuse of its staging ring. Small buckets (ten), so that many reductions
     are in flight at once."""
-    layout = ZERO1_OFFLOAD if mode == "zero1-offload" else MODES[mode]
+    layout = OFFLOADED.get(mode) or MODES[mode]
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02", **layout}
     runs = [run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.reduce_algo": algo}, timeout=240,
