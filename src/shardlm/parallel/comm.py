@@ -321,7 +321,7 @@ class _CopyEngineCollective:
 
 class CopyEngineAllReduce(_CopyEngineCollective):
     """Bucketed all-reduce over symmetric memory with copy-engine transfers (see the module docstring).
-    `bucket(b)` is bucket b's view of the one symmetric gradient buffer; `launch(b)` queues bucket b's
+    `grads` holds the gradient buckets (the engine's gradients live there); `launch(b)` queues bucket b's
     reduction on `stream` after the current stream's work and returns a waitable. Buckets must be
     launched in the same order on every rank, the last one last. A peer that never signals leaves the
     stream waiting for ever: whoever runs the steps watches them (the trainer's `Watchdog`)."""
@@ -341,9 +341,6 @@ class CopyEngineAllReduce(_CopyEngineCollective):
         self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
         self.totals_handle = symm_mem.rendezvous(self.totals, group)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
-
-    def bucket(self, b: int) -> torch.Tensor:
-        return self.grads.bucket(b)
 
     def launch(self, b: int):
         self.seq += 1
