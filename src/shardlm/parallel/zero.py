@@ -316,19 +316,19 @@ class ZeroEngine(LocalEngine):
 
     def _launch(self, b: int) -> None:
         bucket = self.flat.buckets[b]
-        if bucket.grad is None:  # no parameter of this bucket received a gradient this micro-step
-            bucket.grad = torch.zeros(bucket.numel, dtype=self.bucket_dtype, device=self.flat.device)
-        if self.world == 1:
-            work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
-        elif self.copy_engine is not None:
+        if self.copy_engine is not None:
             if self.stage == 2:
-                self._stage(b)
+                self._stage(b)  # into the symmetric ring: stage 2 has no bucket.grad by the copy engines
             out = self.gshard[b] if self.gshard_in_bucket else \
                 torch.empty(bucket.numel // self.world, dtype=self.reduce_dtype, device=self.flat.device)
             work, result, keep = self.copy_engine.reduce_scatter(b, out), (lambda: out), ()
         else:
-            work, result, keep = start_reduce_scatter(bucket.grad, self.reduce_dtype, self.group,
-                                                      self.algo)
+            if bucket.grad is None:  # no parameter of this bucket received a gradient this micro-step
+                bucket.grad = torch.zeros(bucket.numel, dtype=self.bucket_dtype, device=self.flat.device)
+            if self.world == 1:
+                work, result, keep = None, (lambda g=bucket.grad: g.to(self.reduce_dtype, copy=True)), ()
+            else:
+                work, result, keep = start_reduce_scatter(bucket.grad, self.reduce_dtype, self.group, self.algo)
         self.works.append((work, b, result, keep))
         if self.stage == 3 and b != self.head_unit:
             self._release(b)  # this unit's backward is done: its gradients are all in
