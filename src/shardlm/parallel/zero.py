@@ -123,10 +123,12 @@ class ZeroEngine(LocalEngine):
         self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device,
                                                                            copy_engine_ok=self.stage < 3)
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
+        # Reductions stage 2 keeps in flight; fixed here, since the copy engines' ring is sized for it.
+        self.in_flight = REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1
         self.copy_engine = None
         if self.algo == "copy_engine":
             # Stage 2's ring holds the buckets in flight and the one being staged (see _stage).
-            window = None if self.stage == 1 else REDUCTIONS_IN_FLIGHT + 1
+            window = None if self.stage == 1 else self.in_flight + 1
             self.copy_engine = start_copy_engine(CopyEngineZero, [b.numel for b in flat.buckets], flat.dtype,
                                                  flat.device, group, torch.cuda.Stream(flat.device), window=window)
             flat.rehome(data=self.copy_engine.params.buffer,
@@ -333,15 +335,13 @@ class ZeroEngine(LocalEngine):
         if self.stage == 3 and b != self.head_unit:
             self._release(b)  # this unit's backward is done: its gradients are all in
         if self.stage > 1:
-            self._drain(keep=REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1)
+            self._drain(keep=self.in_flight)
 
     def _stage(self, b: int) -> None:
         """Stage 2 by the copy engines: bucket b's gradients into its range of the symmetric ring (zeros
-        for parameters that got none), freed from the parameters. The range is free: the ring holds
-        REDUCTIONS_IN_FLIGHT + 1 consecutive buckets apart, and _launch keeps at most
-        REDUCTIONS_IN_FLIGHT reductions in flight, each waited for only once every peer has read it."""
-        if self.works and self.works[0][1] <= b - REDUCTIONS_IN_FLIGHT - 1:
-            raise RuntimeError(f"bucket {self.works[0][1]}'s reduction is still in flight where bucket {b} is staged")
+        for parameters that got none), freed from the parameters. The range is free: the ring keeps
+        `in_flight` + 1 consecutive buckets apart, and _launch keeps at most `in_flight` reductions in
+        flight, each waited for only once every peer has read it."""
         bucket, region = self.flat.buckets[b], self.copy_engine.grads.bucket(b)
         for i in bucket.params:
             param = self.flat.params[i]
