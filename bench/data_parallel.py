@@ -27,6 +27,7 @@ SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtyp
            "shardlm-zero1-a2a": ["--parallel.zero_stage", "1", "--parallel.reduce_algo", "all_to_all"],
            "shardlm-zero2": ["--parallel.zero_stage", "2"],
            "shardlm-zero2-a2a": ["--parallel.zero_stage", "2", "--parallel.reduce_algo", "all_to_all"], "shardlm-zero3": ["--parallel.zero_stage", "3"],
+           "shardlm-zero3-a2a": ["--parallel.zero_stage", "3", "--parallel.reduce_algo", "all_to_all"],
            "shardlm-zero3-offload": ["--parallel.zero_stage", "3", "--parallel.offload", "optimizer"]}
 PEERS = ("torch-ddp", "torch-fsdp2", "hf-fsdp2", "ds-zero2", "ds-zero3")
 

@@ -80,7 +80,8 @@ VARIANTS = {
     "zero2": ({"parallel.zero_stage": "2"}, world, {}, {}),  # the copy engines on one node's GPUs
     "zero2-a2a": ({"parallel.zero_stage": "2", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
     "zero2-old": ({"parallel.zero_stage": "2"}, world, {}, {"inflight": 1}),  # one reduction in flight
-    "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),
+    "zero3": ({"parallel.zero_stage": "3"}, world, {}, {}),  # the copy engines on one node's GPUs
+    "zero3-a2a": ({"parallel.zero_stage": "3", "parallel.reduce_algo": "all_to_all"}, world, {}, {}),
     "zero1-ring": ({"parallel.zero_stage": "1", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero2-ring": ({"parallel.zero_stage": "2", "parallel.reduce_algo": "ring"}, world, {}, {}),
     "zero3-ring": ({"parallel.zero_stage": "3", "parallel.reduce_algo": "ring"}, world, {}, {}),
@@ -205,9 +206,10 @@ def measure(name, warm=3, steps=10, profile=False):
           for k, a, b in (("fwd_bwd", "start", "bwd_end"), ("comm_tail", "bwd_end", "comm_end"),
                           ("opt", "comm_end", "step_end"))}
     tok = 4 * cfg.train.seq_len / dt
+    ce = getattr(tr.engine, "copy_engine", None)  # symmetric memory: outside the allocator's peak
     res = {"name": name, "step_ms": dt * 1e3, "tok_s_gpu": tok,
            "mfu": tok * flops_per_token(cfg.model, cfg.train.seq_len) / PEAK,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "launch_cpu_ms": CPU["launch"] * 1e3 / steps,
+           "peak_gib": (torch.cuda.max_memory_allocated() + (ce.symmetric_bytes() if ce else 0)) / 2**30, "launch_cpu_ms": CPU["launch"] * 1e3 / steps,
            **{k: round(v, 2) for k, v in ph.items()}}
     if profile and rank == 0:
         from torch.profiler import ProfilerActivity, profile as prof

@@ -42,8 +42,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
-    ({"parallel.reduce_algo": "copy_engine", "parallel.zero_stage": "3"},
-     "parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO-1/2 only"),
+    ({"parallel.reduce_algo": "copy_engine", "parallel.dp_mode": "classic"},
+     "parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO, not for parallel.dp_mode = 'classic'"),
 ])
 def test_invalid_values_name_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:

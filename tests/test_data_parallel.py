@@ -359,8 +359,10 @@ def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
                                               (3, "all_to_all", 4), (2, "all_to_all", 2),
                                               pytest.param(1, "copy_engine", 2, marks=gpus_for(2)),
                                               pytest.param(2, "copy_engine", 2, marks=gpus_for(2)),
+                                              pytest.param(3, "copy_engine", 2, marks=gpus_for(2)),
                                               pytest.param(1, "copy_engine", 4, marks=gpus_for(4)),
-                                              pytest.param(2, "copy_engine", 4, marks=gpus_for(4))])
+                                              pytest.param(2, "copy_engine", 4, marks=gpus_for(4)),
+                                              pytest.param(3, "copy_engine", 4, marks=gpus_for(4))])
 def test_zero_sums_bf16_gradients_in_fp32(stage, algo, world):
     """ZeRO's fp32 gradient shard of bf16 gradients is the rank's slice of the fp32 sum over ranks (no
     16-bit rounding on the way), whichever algorithm moved the data. all_to_all adds the ranks' copies
@@ -385,6 +387,7 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
 
 
 OFFLOADED = {f"zero{s}-offload": {"parallel.zero_stage": str(s), "parallel.offload": "optimizer"} for s in (1, 2)}
+OFFLOADED.update({m: MODES[m] for m in ("zero3-offload", "zero3-offload-params")})
 
 
 @pytest.mark.parametrize("mode,other", [("ddp", "ring"), ("zero2", "ring"),
@@ -392,13 +395,17 @@ OFFLOADED = {f"zero{s}-offload": {"parallel.zero_stage": str(s), "parallel.offlo
                                         pytest.param("zero1", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero2", "copy_engine", marks=gpus_for(2)),
                                         pytest.param("zero1-offload", "copy_engine", marks=gpus_for(2)),
-                                        pytest.param("zero2-offload", "copy_engine", marks=gpus_for(2))])
+                                        pytest.param("zero2-offload", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero3", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero3-offload", "copy_engine", marks=gpus_for(2)),
+                                        pytest.param("zero3-offload-params", "copy_engine", marks=gpus_for(2))])
 def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
     """bf16 training with accumulation: summing the gradients in fp32 by all-to-all (16-bit values
     travel), by an fp32 ring reduce-scatter or by copy-engine transfers gives the same run, bit for bit,
-    at two ranks (a sum of two fp32 terms does not depend on their order); for ZeRO-1/2 that also checks
-    the copy engines' all-gather of the updated weights, and ZeRO-2's reuse of its staging ring. Small buckets (ten), so that many reductions
-    are in flight at once."""
+    at two ranks (a sum of two fp32 terms does not depend on their order); for ZeRO that also checks the
+    copy engines' all-gathers of the weights (ZeRO-1/2's after the step, ZeRO-3's of each unit around its
+    use) and ZeRO-2/3's reuse of their staging ring. Small buckets (ten), so that many reductions are in
+    flight at once."""
     layout = OFFLOADED.get(mode) or MODES[mode]
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "train.precision": "bf16", "parallel.dp": "2", "parallel.bucket_mb": "0.02", **layout}
@@ -411,13 +418,13 @@ def test_bf16_training_is_the_same_by_either_reduction_algorithm(mode, other):
         assert torch.equal(value, masters[1][name]), name
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
-def test_auto_reduction_takes_the_copy_engines_for_ddp_and_zero1_2_on_the_gpus_of_one_node(mode):
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3", "zero3-offload-params"])
+def test_auto_reduction_takes_the_copy_engines_on_the_gpus_of_one_node(mode):
     gpus = torch.cuda.device_count() >= 2
     over = dict(MODES[mode])
     if gpus:
         over["train.device"] = "cuda"
-    want = "copy_engine" if (gpus and mode in ("ddp", "zero1", "zero2")) else "all_to_all"
+    want = "copy_engine" if gpus else "all_to_all"
     assert run_distributed(dist_fns.chosen_reduce_algo, 2, over, timeout=120, device="cuda" if gpus else "cpu") \
         == [want, want]
 
@@ -478,7 +485,8 @@ def test_finished_work_keeps_the_watchdog_quiet():
 
 
 @gpus_for(2)
-@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("copy_engine", 2), ("all_to_all", 0)])
+@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("copy_engine", 2), ("copy_engine", 3),
+                                        ("all_to_all", 0)])
 def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stage):
     """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets, and NCCL, at its
     timeout, would abort and let the step finish on wrong data: the trainer's watchdog must end the
@@ -518,4 +526,5 @@ def test_the_staging_ring_keeps_any_window_of_consecutive_buckets_apart(window):
         for b in range(len(numels)):
             spans = sorted((offsets[c], offsets[c] + numels[c]) for c in range(b, min(b + window, len(numels))))
             assert all(a[1] <= z[0] for a, z in zip(spans, spans[1:])), (numels, window, b)
-    assert ring_offsets([10] * 100, 5)[1] == 60
+    assert ring_offsets([10] * 100, 5)[1] == 50  # equal buckets wrap with no tail
+    assert ring_offsets([30, 20, 20, 20, 10, 30], 2)[1] < 50 + 30

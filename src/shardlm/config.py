@@ -160,7 +160,7 @@ class ParallelConfig:
     dp_mode: str = "ddp"           # ddp | classic
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
-    reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP, ZeRO-1/2 on GPUs): how gradients are summed (parallel/comm.py)
+    reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP, ZeRO on GPUs): how gradients are summed (parallel/comm.py)
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
@@ -359,9 +359,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.offload = 'params' needs parallel.zero_stage = 3 (it is {p.zero_stage})")
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
-    if p.reduce_algo == "copy_engine" and (p.zero_stage > 2 or p.dp_mode == "classic"):
-        raise ConfigError("parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO-1/2 only "
-                          f"(parallel.zero_stage = {p.zero_stage}, parallel.dp_mode = {p.dp_mode!r})")
+    if p.reduce_algo == "copy_engine" and p.dp_mode == "classic":
+        raise ConfigError("parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO, not for "
+                          "parallel.dp_mode = 'classic'")
     if p.dp_mode == "classic" and p.zero_stage:
         raise ConfigError(f"parallel.dp_mode = 'classic' keeps everything on one rank; it cannot be combined "
                           f"with parallel.zero_stage = {p.zero_stage}")

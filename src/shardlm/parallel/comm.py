@@ -23,8 +23,9 @@ run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slow
 On 4 H200s (bench/dp_phases.py, forward + backward of 105-109 ms alone) DDP's slowed by 10.5 ms with
 all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's
 "low-contention" collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work
-the same way. `CopyEngineZero` splits the same transfers into ZeRO-1/2's reduce-scatter (during backward)
-and their all-gather of the updated weights (during the next forward).
+the same way. `CopyEngineZero` splits the same transfers into ZeRO's reduce-scatter (during backward) and
+its all-gathers of the weights (ZeRO-1/2's of the updated weights during the next forward, ZeRO-3's of
+each unit around its use).
 """
 from __future__ import annotations
 
@@ -48,14 +49,13 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 REDUCE_ALGOS = ("auto", "all_to_all", "ring", "copy_engine")
 
 
-def resolve_reduce_algo(algo: str, group, device: torch.device, copy_engine_ok: bool) -> str:
-    """What `parallel.reduce_algo auto` means here: the copy engines where the engine has them
-    (`copy_engine_ok`: DDP, ZeRO-1/2) and every rank of the job is on this node, on GPUs that reach each
-    other peer to peer (symmetric memory spans one node), the all-to-all otherwise. Every rank decides
-    alike: the inputs are the same on all of them."""
+def resolve_reduce_algo(algo: str, group, device: torch.device) -> str:
+    """What `parallel.reduce_algo auto` means here: the copy engines where every rank of the job is on this
+    node, on GPUs that reach each other peer to peer (symmetric memory spans one node), the all-to-all
+    otherwise. Every rank decides alike: the inputs are the same on all of them."""
     if algo != "auto":
         return algo
-    if not copy_engine_ok or device.type != "cuda" or dist.get_world_size(group) < 2:
+    if device.type != "cuda" or dist.get_world_size(group) < 2:
         return "all_to_all"
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     gpus = torch.cuda.device_count()
@@ -228,18 +228,35 @@ def start_copy_engine(cls, *args, **kwargs):
                            "--parallel.reduce_algo all_to_all reduces through the process group instead") from e
 
 
-def ring_offsets(numels: list[int], window: int) -> tuple[list[int], int]:
-    """Buckets placed one after another in a ring, wrapping to its start where the next one does not fit:
-    (offsets, ring size). The ring is just large enough that any `window` consecutive buckets occupy
-    disjoint ranges (their sum, plus at most one wrap's unused tail, smaller than the largest bucket)."""
-    size = min(sum(numels), max(sum(numels[i:i + window]) for i in range(len(numels))) + max(numels))
+def _ring_place(numels: list[int], size: int) -> list[int]:
     offsets, pos = [], 0
     for n in numels:
         if pos + n > size:
             pos = 0
         offsets.append(pos)
         pos += n
-    return offsets, size
+    return offsets
+
+
+def _windows_disjoint(numels: list[int], offsets: list[int], window: int) -> bool:
+    for b in range(len(numels)):
+        spans = sorted((offsets[c], offsets[c] + numels[c]) for c in range(b, min(b + window, len(numels))))
+        if any(a[1] > z[0] for a, z in zip(spans, spans[1:])):
+            return False
+    return True
+
+
+def ring_offsets(numels: list[int], window: int) -> tuple[list[int], int]:
+    """Buckets placed one after another in a ring, wrapping to its start where the next one does not fit:
+    (offsets, ring size), the ring just large enough that any `window` consecutive buckets occupy disjoint
+    ranges. The largest window's sum, plus the largest bucket (room for one wrap's unused tail), always
+    is; a smaller size often is too (buckets of equal sizes wrap with no tail), and is taken where it is."""
+    widest = max(sum(numels[i:i + window]) for i in range(len(numels)))
+    safe = min(sum(numels), widest + max(numels))
+    for size in sorted({widest + d for d in (0, *numels)}):
+        if size < safe and _windows_disjoint(numels, _ring_place(numels, size), window):
+            return _ring_place(numels, size), size
+    return _ring_place(numels, safe), safe
 
 
 class PeerBuckets:
@@ -277,6 +294,10 @@ class PeerBuckets:
         """Slice k of peer j's bucket b, read over the peer-to-peer link."""
         n = self.numels[b] // self.world
         return self.handle.get_buffer(j, (n,), self.dtype, self.offsets[b] + k * n)
+
+    def peer_bucket(self, j: int, b: int) -> torch.Tensor:
+        """Peer j's whole bucket b, read over the peer-to-peer link."""
+        return self.handle.get_buffer(j, (self.numels[b],), self.dtype, self.offsets[b])
 
     def pull_own_slices(self, b: int) -> torch.Tensor:
         """The reduce-scatter's transfers: a (world, n) tensor whose row j is peer j's copy of this rank's
@@ -368,28 +389,40 @@ class CopyEngineAllReduce(_CopyEngineCollective):
 
 
 class CopyEngineZero(_CopyEngineCollective):
-    """ZeRO-1/2's two collectives by the copy engines, as DDP's all-reduce above is made of them. During
-    backward each gradient bucket is reduce-scattered as soon as it is complete (`reduce_scatter`): this
-    rank pulls its slice of every peer's bucket and sums them in fp32 into its gradient shard. After the
-    optimizer has updated this rank's slices of the 16-bit weights (`params`, in symmetric memory),
-    `all_gather` pulls every peer's updated slices, bucket by bucket in the order given (the order the
-    next forward reads them), and leaves them in flight. The SMs stay with forward and backward, which
-    NCCL's kernels would slow (see the module docstring).
+    """ZeRO's collectives by the copy engines, as DDP's all-reduce above is made of them. During backward
+    each gradient bucket is reduce-scattered as soon as it is complete (`reduce_scatter`): this rank pulls
+    its slice of every peer's bucket and sums them in fp32 into its gradient shard. The SMs stay with
+    forward and backward, which NCCL's kernels would slow (see the module docstring).
 
-    Stage 1 keeps every gradient bucket in symmetric memory (`grads`, the whole gradient). Stage 2
-    (`window`: how many consecutive buckets may be in use at once) stages a bucket's gradients there
-    only while it is reduced, in a ring (`ring_offsets`): the ranks then also agree that every peer is
-    done reading a bucket before its range may be reused, so gradient memory stays at the shard plus the
-    ring."""
+    Stages 1, 2: after the optimizer has updated this rank's slices of the 16-bit weights (`params`, whole
+    buckets in symmetric memory), `all_gather` pulls every peer's updated slices, bucket by bucket in the
+    order given (the order the next forward reads them), and leaves them in flight. Stage 1 keeps every
+    gradient bucket in symmetric memory (`grads`, the whole gradient).
+
+    Stage 2 (`window`: how many consecutive buckets may be in use at once) stages a bucket's gradients in
+    symmetric memory only while it is reduced, in a ring (`ring_offsets`): the ranks then also agree that
+    every peer is done reading a bucket before its range may be reused, so gradient memory stays at the
+    shard plus the ring. Stage 3 reduces its units the same way.
+
+    Stage 3 (`gather_slots`): `gather` assembles a unit whenever forward or backward needs it, on a stream
+    of its own. Each rank puts its 16-bit slice (cast from wherever it lives: the fp32 master, a 16-bit
+    shard, the CPU) into the next of a few small symmetric slots, and every rank pulls the peers' slots.
+    No 16-bit copy of the weights is kept at rest (as FSDP2 keeps none): gathers in flight are bounded by
+    the slots, and a slot is refilled only once every peer has read it."""
 
     READY, REDUCED, UPDATED, GATHERED = range(4)  # flag kinds
 
     def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream,
-                 window: int | None = None):
+                 window: int | None = None, gather_slots: int = 0):
         super().__init__(group, 4, device, stream)
         ring = ring_offsets(numels, window) if window is not None else (None, None)
         self.grads = PeerBuckets(numels, dtype, device, group, *ring)
-        self.params = PeerBuckets(numels, dtype, device, group)
+        if gather_slots:
+            self.slots = PeerBuckets([max(numels) // self.world] * gather_slots, dtype, device, group)
+            self.gather_stream = torch.cuda.Stream(device)
+            self.gathers = 0  # issued so far, alike on every rank: gather k uses slot k % gather_slots
+        else:
+            self.params = PeerBuckets(numels, dtype, device, group)
         self.staged = window is not None
         self.last = len(numels) - 1
 
@@ -408,8 +441,8 @@ class CopyEngineZero(_CopyEngineCollective):
             return self._done()
 
     def all_gather(self, order: list[int]) -> dict[int, _Done]:
-        """Queue the all-gather of every bucket's updated slices, in `order`, after the current stream's
-        work (the optimizer's); returns a waitable per bucket."""
+        """Stages 1, 2: queue the all-gather of every bucket's updated slices, in `order`, after the
+        current stream's work (the optimizer's); returns a waitable per bucket."""
         self.seq += 1
         self.stream.wait_stream(torch.cuda.current_stream())
         done = {}
@@ -422,3 +455,26 @@ class CopyEngineZero(_CopyEngineCollective):
             self._all(self.GATHERED)
             done[order[-1]] = self._done()
         return done
+
+    def gather(self, src: torch.Tensor, out: torch.Tensor) -> _Done:
+        """Stage 3: queue the all-gather of a unit into `out` (a local buffer, rank r's slice at r), this
+        rank's slice read from `src` (any dtype, any device) after the current stream's work; every rank
+        gathers the same units in the same order. Returns a waitable."""
+        self.gathers += 1
+        k, slots = self.gathers, len(self.slots.numels)
+        slot, n = k % slots, out.numel() // self.world
+        stream = self.gather_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if k > slots:
+                self.flags.wait(stream, self.GATHERED, k - slots)  # every peer has read the slot's last unit
+            mine = self.slots.bucket(slot)[:n]
+            mine.copy_(src)
+            self.flags.signal(stream, self.UPDATED, k)
+            self.flags.wait(stream, self.UPDATED, k)  # every peer's slice is in its slot
+            rows = out.view(self.world, n)
+            rows[self.rank].copy_(mine)
+            for j in self.slots.peers:
+                rows[j].copy_(self.slots.peer_bucket(j, slot)[:n])
+            self.flags.signal(stream, self.GATHERED, k)
+            return self._done()

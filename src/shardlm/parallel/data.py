@@ -155,7 +155,7 @@ class DDPEngine(LocalEngine):
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.works: list = []  # (work, tensors the collective uses until it completes)
         self.side = torch.cuda.Stream(self.flat.device) if self.flat.device.type == "cuda" else None
-        self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device, copy_engine_ok=True)
+        self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device)
         self.copy_engine = None
         if self.algo == "copy_engine":
             self.copy_engine = start_copy_engine(CopyEngineAllReduce, [b.numel for b in self.flat.buckets],

@@ -21,7 +21,8 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
   reduce-scattered into the rank's persistent gradient shard and its buffer freed. This runs on every
   micro-step (as DeepSpeed's stage 2 does), so gradient memory stays at the shard plus the buckets in
   flight. By the copy engines, a bucket's gradients stay with their parameters until the bucket is
-  complete and are then staged in a symmetric ring of REDUCTIONS_IN_FLIGHT + 1 buckets' room.
+  complete and are then staged in a symmetric ring with room for the REDUCTIONS_IN_FLIGHT buckets
+  in flight.
 - Stage 3 also shards parameters. Buckets are units: one per transformer block, one for the input
   embeddings, one for the final norm and output head (one "root" unit when the head is tied to the
   embedding), and one for all parameters of at most `parallel.persist_threshold` elements, which stay
@@ -31,7 +32,9 @@ kept for that slice only (Megatron-LM's distributed optimizer lays shards out th
   the embeddings are looked up (their backward needs no weights), the head unit after backward.
   As in FSDP2, the 16-bit weights are not stored: each gather casts the rank's fp32 master slice,
   so parameters cost (2 + K) Phi / N per rank instead of (2 + 2 + K) Phi / N (with parameter offload
-  the 16-bit slice is kept in pinned CPU memory instead). Gradients are reduced as in stage 2.
+  the 16-bit slice is kept in pinned CPU memory instead). Gradients are reduced as in stage 2, one unit
+  in flight. By the copy engines, each gather puts the rank's cast slice into one of two small symmetric
+  slots and pulls the peers' (`comm.CopyEngineZero.gather`), still with no 16-bit weights at rest.
 
 The gradient norm is the square root of the sum over ranks of each shard's sum of squares, so it is the
 global norm on every rank, and an fp16 overflow anywhere skips the step everywhere.
@@ -118,24 +121,27 @@ class ZeroEngine(LocalEngine):
             self.persistent = [True] * len(self.flat.buckets)
         flat = self.flat
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
+        self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device)
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
-        self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device,
-                                                                           copy_engine_ok=self.stage < 3)
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
         # Reductions stage 2 keeps in flight; fixed here, since the copy engines' ring is sized for it.
         self.in_flight = REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1
         self.copy_engine = None
         if self.algo == "copy_engine":
-            # Stage 2's ring holds the buckets in flight and the one being staged (see _stage).
-            window = None if self.stage == 1 else self.in_flight + 1
+            # Stage 2's and 3's ring holds the buckets in flight, the one being staged among them (see
+            # _launch); stage 3's gathers in flight are the unit in use and the one prefetched.
             self.copy_engine = start_copy_engine(CopyEngineZero, [b.numel for b in flat.buckets], flat.dtype,
-                                                 flat.device, group, torch.cuda.Stream(flat.device), window=window)
-            flat.rehome(data=self.copy_engine.params.buffer,
-                        grad=self.copy_engine.grads.buffer if self.stage == 1 else None)
+                                                 flat.device, group, torch.cuda.Stream(flat.device),
+                                                 window=None if self.stage == 1 else self.in_flight,
+                                                 gather_slots=2 if self.stage == 3 else 0)
+            if self.stage < 3:
+                flat.rehome(data=self.copy_engine.params.buffer,
+                            grad=self.copy_engine.grads.buffer if self.stage == 1 else None)
         self.offload_params = p.offload == "params"
         if p.offload != "none":
             torch.set_num_threads(offload_threads(p.offload_threads))
+        self.gather_work: dict[int, tuple] = {}  # stage 3: unit -> (its gather in flight, the gather's input)
         if self.stage == 3:
             self._materialize_stage3(model)
         self.opt = MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, offload=p.offload != "none",
@@ -158,7 +164,6 @@ class ZeroEngine(LocalEngine):
         take = self.stage > 1 and self.copy_engine is None
         self.ready = BucketReadiness(flat, self._launch, self._take_grad if take else None)
         self.in_backward = False
-        self.gather_work: dict[int, object] = {}
         self.publishing: dict[int, tuple] = {}  # bucket -> (all-gather in flight, its input)
         self.publish_order = list(range(len(flat.buckets)))
         if self.stage < 3 and self.world > 1:
@@ -211,6 +216,9 @@ class ZeroEngine(LocalEngine):
             return
         bucket = self.flat.buckets[b]
         if bucket.extra.get("gathered") and not self.persistent[b]:
+            work = self.gather_work.pop(b, None)  # a prefetch never waited for
+            if work is not None and work[0] is not None:
+                work[0].wait()  # it may still be writing into the storage freed next
             _free(bucket.data)
             bucket.extra["gathered"] = False
 
@@ -221,15 +229,17 @@ class ZeroEngine(LocalEngine):
         if bucket.extra["gathered"]:
             return
         _alloc(bucket.data)
-        if "shard" in bucket.extra:
-            shard = bucket.extra["shard"].to(self.flat.device, non_blocking=True)
+        src = bucket.extra.get("shard")  # None: the gather casts the fp32 master slice
+        src = self.opt.master_part(b) if src is None else src
+        if self.copy_engine is not None:
+            work, shard = self.copy_engine.gather(src, bucket.data), None
         else:
-            shard = self.opt.master_part(b).to(self.flat.dtype)
-        if self.world == 1:
-            bucket.data.copy_(shard)
-            work = None
-        else:
-            work = all_gather_into_tensor(bucket.data, shard, group=self.group, async_op=True)
+            shard = src.to(self.flat.device, self.flat.dtype, non_blocking=True)
+            if self.world == 1:
+                bucket.data.copy_(shard)
+                work = None
+            else:
+                work = all_gather_into_tensor(bucket.data, shard, group=self.group, async_op=True)
         self.gather_work[b] = (work, shard)
         bucket.extra["gathered"] = True
 
@@ -319,8 +329,11 @@ class ZeroEngine(LocalEngine):
     def _launch(self, b: int) -> None:
         bucket = self.flat.buckets[b]
         if self.copy_engine is not None:
-            if self.stage == 2:
-                self._stage(b)  # into the symmetric ring: stage 2 has no bucket.grad by the copy engines
+            if self.stage > 1:
+                # Into the symmetric ring (stages 2, 3 have no bucket.grad by the copy engines), where the
+                # ranges of the `in_flight` - 1 reductions still running are apart from b's.
+                self._drain(keep=self.in_flight - 1)
+                self._stage(b)
             out = self.gshard[b] if self.gshard_in_bucket else \
                 torch.empty(bucket.numel // self.world, dtype=self.reduce_dtype, device=self.flat.device)
             work, result, keep = self.copy_engine.reduce_scatter(b, out), (lambda: out), ()
@@ -338,10 +351,10 @@ class ZeroEngine(LocalEngine):
             self._drain(keep=self.in_flight)
 
     def _stage(self, b: int) -> None:
-        """Stage 2 by the copy engines: bucket b's gradients into its range of the symmetric ring (zeros
+        """Stages 2, 3 by the copy engines: bucket b's gradients into its range of the symmetric ring (zeros
         for parameters that got none), freed from the parameters. The range is free: the ring keeps
-        `in_flight` + 1 consecutive buckets apart, and _launch keeps at most `in_flight` reductions in
-        flight, each waited for only once every peer has read it."""
+        `in_flight` consecutive buckets apart, and _launch stages b with at most `in_flight` - 1 reductions
+        in flight, each waited for only once every peer has read it."""
         bucket, region = self.flat.buckets[b], self.copy_engine.grads.bucket(b)
         for i in bucket.params:
             param = self.flat.params[i]
@@ -398,6 +411,10 @@ class ZeroEngine(LocalEngine):
     @torch.no_grad()
     def step(self, lr: float, step: int) -> None:
         self._await_published()
+        for work, _ in self.gather_work.values():  # a prefetch not waited for yet still reads the masters
+            if work is not None:
+                work.wait()
+        self.gather_work.clear()
         applied = self.opt.step(lr, step, lambda b: self.gshard[b], self._param_shard, self.grad_factor())
         if applied:
             self._publish()
@@ -409,7 +426,7 @@ class ZeroEngine(LocalEngine):
     def _publish(self) -> None:
         """All-gather the updated slices of every bucket kept whole (stages 1, 2; stage 3's small params),
         in the order forward reads them; stages 1 and 2 leave them in flight (`_await_published`)."""
-        if self.copy_engine is not None:
+        if self.copy_engine is not None and self.stage < 3:
             self.publishing = {b: (work, None) for b, work in self.copy_engine.all_gather(self.publish_order).items()}
             return
         for i in self.publish_order:
@@ -418,7 +435,9 @@ class ZeroEngine(LocalEngine):
                 continue
             if self.stage == 3:
                 b.extra["shard"].copy_(self.opt.shard_of(b.data, i))
-            if self.world > 1:
+            if self.copy_engine is not None:  # stage 3
+                self.publishing[i] = (self.copy_engine.gather(b.extra["shard"], b.data), None)
+            elif self.world > 1:
                 mine = self.opt.shard_of(b.data, i).clone()
                 self.publishing[i] = (all_gather_into_tensor(b.data, mine, group=self.group, async_op=True), mine)
         if self.stage == 3:
