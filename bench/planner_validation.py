@@ -32,6 +32,8 @@ LAYOUTS = {
     ("data_parallel", 2, "shardlm-zero2"): Layout(dp=2, zero=2),
     ("data_parallel", 2, "shardlm-zero1-a2a"): Layout(dp=2, zero=1, reduce_algo="all_to_all"),
     ("data_parallel", 2, "shardlm-zero2-a2a"): Layout(dp=2, zero=2, reduce_algo="all_to_all"),
+    ("data_parallel", 2, "shardlm-zero3"): Layout(dp=2, zero=3),
+    ("data_parallel", 2, "shardlm-zero3-a2a"): Layout(dp=2, zero=3, reduce_algo="all_to_all"),
     ("data_parallel", 4, "shardlm-ddp-bf16reduce"): Layout(dp=4, reduce_dtype="compute"),
     ("data_parallel", 4, "shardlm-ddp-ce"): Layout(dp=4, reduce_algo="copy_engine"),
     ("data_parallel", 4, "shardlm-ddp-a2a"): Layout(dp=4, reduce_algo="all_to_all"),
