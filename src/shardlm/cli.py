@@ -70,9 +70,15 @@ def cmd_train(argv: list[str]) -> int:
     out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
     trainer = Trainer(cfg, out_dir=out, resume=args.resume)
     if trainer.mesh.is_main:
-        n = cfg.model.num_params()
+        n, p = cfg.model.num_params(), cfg.parallel
+        layout = ""
+        if p.dp > 1:  # what auto resolved to is worth seeing: it decides the speed
+            kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
+            algo = getattr(trainer.engine, "algo", None)
+            layout = f", {kind} over {p.dp} ranks" + (f" (reduce_algo {algo})" if algo else "")
         print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
-              f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}), writing {out}", flush=True)
+              f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
+              flush=True)
     trainer.run()
     trainer.close()
     return 0
