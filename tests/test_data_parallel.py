@@ -190,35 +190,6 @@ def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout)
     torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=RTOL, atol=0)
 
 
-@gpus_for(2)
-def test_zero3_by_the_copy_engines_saves_resumes_and_samples_on_gpus(tmp_path):
-    """End to end under torchrun on 2 GPUs with ZeRO-3 by the copy engines (what `auto` picks there), its
-    units gathered (a low persist_threshold): the run saves at step 3 (an all-gather of the masters) and
-    ends with a sample (every rank decodes; each token's forward gathers every unit through the slots).
-    Resumed from step 3, it continues on the same losses. GPU kernels that add with atomics (the
-    embedding's backward) need not repeat their rounding, hence a tolerance; a resume that left stale
-    weights in any unit would be far off it."""
-    args = ["tiny", "--train.device", "cuda", "--train.precision", "bf16", "--train.steps", "6",
-            "--train.log_every", "1", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
-            "--train.save_every", "3", "--train.keep_checkpoints", "5", "--train.sample_tokens", "8",
-            "--train.tensorboard", "false", "--parallel.dp", "2", "--parallel.zero_stage", "3",
-            "--parallel.persist_threshold", "100"]
-
-    def train(out, *more):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "shardlm", "train", *args, "--out", str(out), *more],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}"
-        return done.stdout + done.stderr
-    log = train(tmp_path / "a")
-    assert "ZeRO-3 over 2 ranks (reduce_algo copy_engine)" in log
-    assert "sample:" in log
-    train(tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_00000003"))
-    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
-    assert [r["step"] for r in b] == [4, 5, 6]
-    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a][3:], rtol=2e-3, atol=0)
-
-
 @pytest.mark.parametrize("fate", ["dies", "stalls"])
 def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fate):
     """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`, on the CPU like
@@ -538,6 +509,35 @@ def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stag
     assert done.returncode != 0 and "rank 0 went on" not in done.stdout
     assert "training step 2 made no progress for 10 s" in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - t0 < 150
+
+
+@gpus_for(2)
+def test_zero3_by_the_copy_engines_saves_resumes_and_samples_on_gpus(tmp_path):
+    """End to end under torchrun on 2 GPUs with ZeRO-3 by the copy engines (what `auto` picks there), its
+    units gathered (a low persist_threshold): the run saves at step 3 (an all-gather of the masters) and
+    ends with a sample (every rank decodes; each token's forward gathers every unit through the slots).
+    Resumed from step 3, it continues on the same losses. GPU kernels that add with atomics (the
+    embedding's backward) need not repeat their rounding, hence a tolerance; a resume that left stale
+    weights in any unit would be far off it."""
+    args = ["tiny", "--train.device", "cuda", "--train.precision", "bf16", "--train.steps", "6",
+            "--train.log_every", "1", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+            "--train.save_every", "3", "--train.keep_checkpoints", "5", "--train.sample_tokens", "8",
+            "--train.tensorboard", "false", "--parallel.dp", "2", "--parallel.zero_stage", "3",
+            "--parallel.persist_threshold", "100"]
+
+    def train(out, *more):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "shardlm", "train", *args, "--out", str(out), *more],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}"
+        return done.stdout + done.stderr
+    log = train(tmp_path / "a")
+    assert "ZeRO-3 over 2 ranks (reduce_algo copy_engine)" in log
+    assert "sample:" in log
+    train(tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5, 6]
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a][3:], rtol=2e-3, atol=0)
 
 
 @pytest.mark.parametrize("window", [1, 2, 5])
