@@ -254,8 +254,10 @@ def ring_offsets(numels: list[int], window: int) -> tuple[list[int], int]:
     widest = max(sum(numels[i:i + window]) for i in range(len(numels)))
     safe = min(sum(numels), widest + max(numels))
     for size in sorted({widest + d for d in (0, *numels)}):
-        if size < safe and _windows_disjoint(numels, _ring_place(numels, size), window):
-            return _ring_place(numels, size), size
+        if size < safe:
+            offsets = _ring_place(numels, size)
+            if _windows_disjoint(numels, offsets, window):
+                return offsets, size
     return _ring_place(numels, safe), safe
 
 

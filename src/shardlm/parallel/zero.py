@@ -347,7 +347,7 @@ class ZeroEngine(LocalEngine):
         self.works.append((work, b, result, keep))
         if self.stage == 3 and b != self.head_unit:
             self._release(b)  # this unit's backward is done: its gradients are all in
-        if self.stage > 1:
+        if self.stage > 1 and self.copy_engine is None:  # the copy engines drained before staging
             self._drain(keep=self.in_flight)
 
     def _stage(self, b: int) -> None:
