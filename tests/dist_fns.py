@@ -1,4 +1,6 @@
 """Module-level functions that the spawned test workers import by name."""
+import os
+import signal
 import time
 
 import torch
@@ -360,3 +362,19 @@ def engine_released_on_close(rank, world, overrides: dict) -> tuple[bool, bool]:
     engine = weakref.ref(trainer.engine)
     trainer.close()
     return engine() is None, dist.is_initialized()
+
+
+def signal_mid_step_on_rank_one(rank, world, overrides: dict, out_dir, at_step: int):
+    """Train `tiny` where rank 1 alone receives SIGTERM in the middle of step `at_step` (after backward,
+    before the update); returns what each rank's run did."""
+    trainer = tiny_trainer(world, {"train.log_every": "1", **overrides}, out_dir=out_dir)
+    real_step = trainer.engine.step
+
+    def step(lr, n):
+        if rank == 1 and n == at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_step(lr, n)
+    trainer.engine.step = step
+    records = trainer.run()
+    return {"stopped_by": trainer.stopped_by, "steps": [r["step"] for r in records],
+            "losses": [r["loss"] for r in records]}

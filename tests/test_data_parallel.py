@@ -5,6 +5,7 @@ GPUs, also the equality on NCCL against one GPU."""
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -160,6 +161,20 @@ def test_resharding_resume_continues_the_trajectory(tmp_path, target):
     for r in resumed:
         torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
 
+
+def test_a_signal_to_one_rank_stops_every_rank_after_that_step_on_a_resumable_checkpoint(tmp_path):
+    """SIGTERM reaches rank 1 alone, in the middle of step 3 (ZeRO-2: the state is sharded, so saving it is
+    collective). Both ranks finish step 3, stop, and save it; resumed, the run gives the uninterrupted one's
+    losses, which it would not if the update of step 3 had been cut short, or saved as step 2's."""
+    common = {"train.steps": "5", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "parallel.dp": "2", "parallel.zero_stage": "2"}
+    stopped = run_distributed(dist_fns.signal_mid_step_on_rank_one, 2, common, str(tmp_path / "a"), 3, timeout=240)
+    for r in stopped:
+        assert r["stopped_by"] == signal.SIGTERM and r["steps"] == [1, 2, 3]
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    resumed = run_distributed(dist_fns.train_and_capture, 2, common, str(tmp_path / "b"), ckpt, timeout=240)
+    full = run_distributed(dist_fns.train_and_capture, 2, common, timeout=240)
+    assert stopped[0]["losses"] + resumed[0]["losses"] == full[0]["losses"]
 
 def _metrics(path):
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
@@ -539,6 +554,34 @@ def test_zero3_by_the_copy_engines_saves_resumes_and_samples_on_gpus(tmp_path):
     assert [r["step"] for r in b] == [4, 5, 6]
     torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a][3:], rtol=2e-3, atol=0)
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpus_for(2))])
+def test_sigterm_to_torchrun_stops_every_rank_on_one_saved_step(tmp_path, device):
+    """torchrun, sent SIGTERM (as a scheduler stops a job), sends it on to its workers and kills them if they
+    take longer than 30 s. The ranks finish the step, agree to stop after it (over the default group on
+    the CPU; on GPUs over a gloo group beside NCCL's), save it, and exit; the run resumes from it."""
+    args = ["tiny", "--train.device", device, "--train.log_every", "1", "--train.tensorboard", "false",
+            "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--parallel.dp", "2",
+            "--parallel.zero_stage", "2"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
+           "train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*run, "--train.steps", "100000", "--out", str(tmp_path / "a")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, log[-3000:]  # the job did not finish
+    k = _metrics(tmp_path / "a")[-1]["step"]
+    assert f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
+    done = subprocess.run([*run, "--train.steps", str(k + 2), "--out", str(tmp_path / "a"),
+                           "--resume", str(tmp_path / "a")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path / "a")] == list(range(1, k + 3))
 
 @pytest.mark.parametrize("window", [1, 2, 5])
 def test_the_staging_ring_keeps_any_window_of_consecutive_buckets_apart(window):

@@ -296,3 +296,51 @@ def test_rehomed_buckets_keep_their_values_and_take_backward_gradients():
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, 2 * grads[n])
     assert torch.equal(grad, torch.cat([b.grad for b in flat.buckets]))
+
+
+def test_sigterm_stops_after_the_step_saves_it_and_the_resumed_run_continues_exactly(tmp_path):
+    """A preempted run (SIGTERM, as Slurm or torchrun send) finishes the step it is in, saves it, says how
+    to continue and exits with 128 + 15; resumed, it gives the uninterrupted run's losses. The schedule is
+    constant, so that the reference may stop where the signal happened to stop the run."""
+    args = ["--train.lr_schedule", "constant", "--train.log_every", "1", "--train.tensorboard", "false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "tiny", "--train.steps", "100000", *args,
+                             "--out", tmp_path / "run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    stopped = read(tmp_path / "run")
+    k = stopped[-1]["step"]
+    assert [r["step"] for r in stopped] == list(range(1, k + 1))  # the last step is logged too
+    assert resolve_checkpoint(tmp_path / "run").name == f"step_{k:08d}"
+    assert f"stopped by SIGTERM after step {k} of 100000; to continue, run again with --resume {tmp_path / 'run'}" in out
+    assert "sample:" not in out
+    steps = ["--train.steps", str(k + 3)]
+    resumed = subprocess.run([sys.executable, "-m", "shardlm", "train", "--resume", tmp_path / "run", *steps],
+                             capture_output=True, text=True, env=env, timeout=240)
+    ref = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", *steps, *args, "--out", tmp_path / "ref"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert resumed.returncode == 0 and ref.returncode == 0, resumed.stderr[-2000:] + ref.stderr[-2000:]
+    got, want = read(tmp_path / "run"), read(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, k + 4))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_sigint_waits_for_the_step_but_a_second_one_interrupts_at_once():
+    from shardlm.preemption import StopSignals
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's SIGTERM and the terminal's SIGINT: one request
+        time.sleep(0.01)  # Python runs handlers between bytecodes
+        assert stop.received == signal.SIGTERM and stop.agreed() == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is before

@@ -81,7 +81,8 @@ def cmd_train(argv: list[str]) -> int:
               flush=True)
     trainer.run()
     trainer.close()
-    return 0
+    # A run stopped by a signal (and saved) did not finish: exit as one the signal ended does.
+    return 128 + trainer.stopped_by if trainer.stopped_by else 0
 
 
 def cmd_eval(argv: list[str]) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from .optim import lr_at
 from .parallel.comm import Watchdog
 from .parallel.data import build_engine
 from .precision import DTYPES, make_loss_scaler
+from .preemption import StopSignals, host_group, signal_name
 from .tokenizer import load_tokenizer
 
 
@@ -77,6 +79,8 @@ class Trainer:
         self.scaler = make_loss_scaler(t.precision)
         self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
         self.step = 0
+        self.stopped_by = 0  # the signal that stopped run() early, if one did
+        self.host_group = None  # for the ranks' stop check (preemption.py); destroyed with the others
         self.resumed_from = None
         if resume is not None:
             self._resume(resume)
@@ -177,6 +181,14 @@ class Trainer:
                                keep=self.cfg.train.keep_checkpoints)
 
     def run(self) -> list[dict]:
+        """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
+        and saves it (preemption.py), and `stopped_by` names the signal."""
+        if self.host_group is None:  # made here, not in __init__: code that only steps never needs it
+            self.host_group = host_group(timedelta(seconds=self.cfg.parallel.timeout_s))
+        with StopSignals(self.host_group) as signals:
+            return self._run(signals)
+
+    def _run(self, signals: StopSignals) -> list[dict]:
         from tqdm import tqdm
 
         t = self.cfg.train
@@ -187,15 +199,16 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         since, steps_since = time.perf_counter(), 0
-        saved_at = None
-        try:
+        with closing(bar):
             while self.step < t.steps:
                 loss = self.train_step()
                 self.step += 1
                 steps_since += 1
                 bar.update(1)
+                with self._guard(f"the stop check of step {self.step}"):
+                    self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
-                if self.step % t.log_every == 0 or self.step == t.steps or do_eval:
+                if self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         norm, skipped = self.engine.sync(self.step)
                         loss = self.global_mean(loss)
@@ -216,24 +229,21 @@ class Trainer:
                         line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "")
                         (bar.write if not bar.disable else self.log)(line)
                     since, steps_since = time.perf_counter(), 0
+                if self.stopped_by:
+                    break
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()
-                    saved_at = self.step
-        except KeyboardInterrupt:
-            # Between steps the state is consistent: keep what was trained, then stop.
-            if saved_at != self.step and self.step > 0:
-                path = self.save()
-                if path:
-                    self.log(f"interrupted: saved {path}")
-            raise
-        finally:
-            bar.close()
         self.engine.finish()
         if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()
             if path:
                 self.log(f"saved {path}")
         self.metrics.close()
+        if self.stopped_by:
+            if self.mesh.is_main:
+                how = f"; to continue, run again with --resume {self.out}" if self.out is not None else ""
+                self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
+            return records
         if t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
             room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
@@ -257,7 +267,7 @@ class Trainer:
             # optimizer's, ZeRO-3's hooks on the model) would keep them, and their gloo threads, for the
             # garbage collector at interpreter shutdown. Release them now, while Python still runs.
             self.engine = self.model = self.forward = None
-            self.mesh.dp_group = self.mesh.tp_group = self.mesh.pp_group = None
+            self.mesh.dp_group = self.mesh.tp_group = self.mesh.pp_group = self.host_group = None
             gc.collect()
             dist.destroy_process_group()
             self.owns_process_group = False

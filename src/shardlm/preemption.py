@@ -1,0 +1,73 @@
+"""A graceful stop on SIGTERM or SIGINT: finish the step, agree across ranks, save, exit (the scheme of
+Megatron-LM's `--exit-signal-handler`).
+
+Schedulers preempting a job (Slurm, Kubernetes), torchrun shutting its workers down and Ctrl-C send
+SIGTERM or SIGINT. Acting in the handler would save a step half applied (some buckets updated and not
+others, or all of them before the step counter moved, so that a resumed run repeats a batch), and ranks
+caught at different steps would enter the collective save out of step. So the handler only records the
+signal; after every step the training loop asks whether any rank received one (`agreed`: one integer
+all-reduced over a gloo group, on the host, so no GPU sync), and every rank stops after the same step.
+A second SIGINT interrupts at once, as Python's default handler does, with nothing saved (torchrun
+passes a Ctrl-C on to its workers as SIGTERM, after the terminal's SIGINT: that is one request).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Within `with StopSignals(group):`, SIGTERM and SIGINT only set `received` (the first one's
+    number); `agreed()` is the largest number any rank of `group` received (0: none), alike on every
+    rank. Handlers are installed only in the main thread, where Python runs them; elsewhere nothing
+    changes. `group`: a group that carries CPU tensors (gloo), or None for a single process."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.received = 0
+        self._seen: set[int] = set()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and signum in self._seen:
+            raise KeyboardInterrupt  # Ctrl-C twice: the user will not wait for the step to end
+        self._seen.add(signum)
+        self.received = self.received or signum
+
+    def agreed(self) -> int:
+        """A collective over `group`: every rank must call it at the same point of the same step."""
+        if self.group is None:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+
+def host_group(timeout=None):
+    """A group over the whole world for small host-side collectives: the default group where it is gloo
+    already, else a gloo group beside it (NCCL carries only GPU tensors, and reading one back would make
+    the host wait for the GPU). Collective: every rank calls it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
