@@ -176,6 +176,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_that_step_on_a_resumable_ch
     full = run_distributed(dist_fns.train_and_capture, 2, common, timeout=240)
     assert stopped[0]["losses"] + resumed[0]["losses"] == full[0]["losses"]
 
+
 def _metrics(path):
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
 
@@ -582,6 +583,7 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_saved_step(tmp_path, device
                            "--resume", str(tmp_path / "a")], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in _metrics(tmp_path / "a")] == list(range(1, k + 3))
+
 
 @pytest.mark.parametrize("window", [1, 2, 5])
 def test_the_staging_ring_keeps_any_window_of_consecutive_buckets_apart(window):

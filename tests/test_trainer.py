@@ -337,7 +337,7 @@ def test_sigint_waits_for_the_step_but_a_second_one_interrupts_at_once():
     before = signal.getsignal(signal.SIGINT)
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)  # torchrun's SIGTERM and the terminal's SIGINT: one request
+        os.kill(os.getpid(), signal.SIGINT)  # one SIGINT beside a SIGTERM (torchrun under Ctrl-C): one request
         time.sleep(0.01)  # Python runs handlers between bytecodes
         assert stop.received == signal.SIGTERM and stop.agreed() == signal.SIGTERM
         with pytest.raises(KeyboardInterrupt):
