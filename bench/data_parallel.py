@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,25 @@ def peer_step(system, cfg, x, world):
     return step
 
 
+def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a torchrun job; exit code None when it ran past `timeout` seconds. A job
+    that hangs is sent SIGABRT, whose handler (faulthandler) prints every rank's Python stack, then killed
+    with its ranks (the whole process group), so that it neither holds the GPUs nor eats the call."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**env, "PYTHONFAULTHANDLER": "1"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        return None, out, err
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=4)
@@ -145,6 +165,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)  # 10 left DDP's 4-GPU figure 3% noisy
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
+    p.add_argument("--timeout", type=float, default=300, help="seconds one system may take (default 300)")
     p.add_argument("--system", default=None, help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
     if args.system:
@@ -156,10 +177,14 @@ def main():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
                __file__, "--system", system, "--preset", args.preset, "--seq", str(args.seq), "--micro-batch",
                str(args.micro_batch), "--warm", str(args.warm), "--steps", str(args.steps), *SHARDLM.get(system, [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(f"{system}: failed\n{proc.stderr[-2500:]}", file=sys.stderr, flush=True)
+        code, out, err = run_job(cmd, env, args.timeout)
+        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        if code is None:
+            print(f"{system}: timed out after {args.timeout} s; the ranks' Python stacks:\n{err[-6000:]}",
+                  file=sys.stderr, flush=True)
+            continue
+        if code or not lines:
+            print(f"{system}: failed\n{err[-2500:]}", file=sys.stderr, flush=True)
             continue
         rows.append(json.loads(lines[-1][7:]))
         print(json.dumps(rows[-1]), flush=True)
