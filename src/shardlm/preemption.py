@@ -40,7 +40,8 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # None: the handler was not set from Python (an embedding application's); the default is closest.
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
