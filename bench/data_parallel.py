@@ -59,9 +59,9 @@ def worker(args, extra):
         x = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq), device="cuda")
         step = peer_step(args.system, cfg, x, world)
     dt, mem = timed(step, args.warm, args.steps)
-    if args.system.startswith("shardlm") and getattr(trainer.engine, "copy_engine", None) is not None:
+    if args.system.startswith("shardlm"):
         # Symmetric memory is mapped outside PyTorch's caching allocator, which the peak above counts.
-        mem += trainer.engine.copy_engine.symmetric_bytes() / 2**30
+        mem += trainer.engine.symmetric_bytes() / 2**30
     tokens = args.micro_batch * args.seq
     flops = flops_per_token(m, args.seq)
     if int(os.environ.get("RANK", 0)) == 0:

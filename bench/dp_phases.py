@@ -147,8 +147,8 @@ def measure(name, warm=3, steps=10, profile=False):
     finally:  # a variant that fails must not leave its patches to the next
         T.build_engine = build
     eng = tr.engine
-    if patches.get("fullnorm") and getattr(eng, "copy_engine", None) is not None:
-        eng.copy_engine.squares = None
+    if patches.get("fullnorm") and getattr(getattr(eng, "transport", None), "impl", None) is not None:
+        eng.transport.impl.squares = None
     ev = []
     marks = {}
 
@@ -156,7 +156,7 @@ def measure(name, warm=3, steps=10, profile=False):
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         marks[k] = e
-    ab, st, bb = eng.after_backward, eng.step, eng.before_backward
+    ab, st, bb = eng.finish_backward, eng.optimizer_step, eng.prepare_backward
     carve = patches.get("carve")
     if GPU:
         torch.backends.cuda.preferred_blas_library("cublaslt" if patches.get("lt") else BLAS0)
@@ -176,7 +176,7 @@ def measure(name, warm=3, steps=10, profile=False):
     def step_(lr, s):
         st(lr, s)
         mark("step_end")
-    eng.after_backward, eng.step, eng.before_backward = after_backward, step_, before_backward
+    eng.finish_backward, eng.optimizer_step, eng.prepare_backward = after_backward, step_, before_backward
     if hasattr(eng, "ready"):
         launch = eng.ready.launch
 
@@ -206,10 +206,9 @@ def measure(name, warm=3, steps=10, profile=False):
           for k, a, b in (("fwd_bwd", "start", "bwd_end"), ("comm_tail", "bwd_end", "comm_end"),
                           ("opt", "comm_end", "step_end"))}
     tok = 4 * cfg.train.seq_len / dt
-    ce = getattr(tr.engine, "copy_engine", None)  # symmetric memory: outside the allocator's peak
     res = {"name": name, "step_ms": dt * 1e3, "tok_s_gpu": tok,
            "mfu": tok * flops_per_token(cfg.model, cfg.train.seq_len) / PEAK,
-           "peak_gib": (torch.cuda.max_memory_allocated() + (ce.symmetric_bytes() if ce else 0)) / 2**30, "launch_cpu_ms": CPU["launch"] * 1e3 / steps,
+           "peak_gib": (torch.cuda.max_memory_allocated() + tr.engine.symmetric_bytes()) / 2**30, "launch_cpu_ms": CPU["launch"] * 1e3 / steps,
            **{k: round(v, 2) for k, v in ph.items()}}
     if profile and rank == 0:
         from torch.profiler import ProfilerActivity, profile as prof

@@ -72,35 +72,6 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
 
 # ---- data-parallel family -------------------------------------------------------------------------
 
-def owned_slices(engine, which: str) -> dict:
-    """This rank's owned elements of every parameter, as {name: (lo, hi, values)} in the parameter's
-    flattened coordinates. `which` is "grad" (the true gradient about to be applied) or an optimizer
-    state key such as "exp_avg"."""
-    from shardlm.parallel.data import ClassicEngine, DDPEngine, LocalEngine
-    from shardlm.parallel.zero import ZeroEngine
-    flat, opt = engine.flat, engine.opt
-    if opt is None:  # classic DP: only the root holds gradients to apply and optimizer state
-        return {}
-    out = {}
-    for b in flat.buckets:
-        n = opt.shard_len[b.index]
-        lo_b = opt.rank * n
-        if which == "grad":
-            if isinstance(engine, ZeroEngine):
-                buf = engine.gshard[b.index].float() * engine.grad_factor()
-            else:  # local, DDP, classic root: full buckets holding sums over ranks
-                assert isinstance(engine, (LocalEngine, DDPEngine, ClassicEngine))
-                buf = b.grad.float()[lo_b:lo_b + n] * engine.grad_factor()
-        else:
-            buf = opt.state[which][b.index].float().to("cpu")
-        for i in b.params:
-            off, size = flat.where[i][1], flat.params[i].numel()
-            lo, hi = max(off, lo_b), min(off + size, lo_b + n)
-            if hi > lo:
-                out[flat.names[i]] = (lo - off, hi - off, buf[lo - lo_b:hi - lo_b].detach().clone().cpu())
-    return out
-
-
 def tiny_trainer(world: int, overrides: dict, **kwargs):
     """A quiet `tiny` trainer on `world` data-parallel ranks (no TensorBoard, no log lines); `overrides` win."""
     from shardlm.config import load_config
@@ -115,68 +86,69 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     trainer = tiny_trainer(world, {"train.log_every": "1", **overrides}, out_dir=out_dir, resume=resume)
     cfg, engine = trainer.cfg, trainer.engine
     captured = {}
-    real_step = engine.step
+    real_step = engine.optimizer_step
 
     def step(lr, n):
         if n == cfg.train.steps:  # gradients are all in and reduced: what a rank holds at its peak
-            captured["grad"] = owned_slices(engine, "grad")
-            captured["bytes"] = engine.tensor_bytes()
+            captured["grad"] = engine.owned_shards("grad")
+            captured["bytes"] = engine.memory()
         real_step(lr, n)
-    engine.step = step
+    engine.optimizer_step = step
     records = trainer.run()
     key = "exp_avg" if cfg.train.optimizer == "adamw" else "momentum_buffer"
-    masters, _ = engine.full_state()
+    masters, _ = engine.gather_full_state()
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
-            "grad": captured.get("grad", {}), "state": owned_slices(engine, key),
+            "grad": captured.get("grad", {}), "state": engine.owned_shards(key),
             "bytes": captured["bytes"], "numel": engine.flat.numel}
 
 
 def zero3_residency(rank, world):
-    """Which ZeRO-3 units hold their full parameters at rest, after forward, and after backward."""
+    """Each ZeRO-3 unit's kind, and whether its full weights occupy memory at rest, after forward, and after
+    backward."""
     trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "train.micro_batch_size": "2",
                                    "parallel.persist_threshold": "100"})
     eng = trainer.engine
-    held = lambda: [b.data.untyped_storage().size() > 0 for b in eng.flat.buckets]  # noqa: E731
-    kinds = ["persistent" if eng.persistent[b.index] else "embed" if b.index == eng.embed_unit
-             else "head" if b.index == eng.head_unit else "block" for b in eng.flat.buckets]
+    held = lambda: [u.resident for u in eng.unit_states()]  # noqa: E731
+    kinds = [u.kind for u in eng.unit_states()]
     rest = held()
     x, y = (t.to(trainer.device) for t in trainer.data.micro_batch_at(0, 0))
     loss = trainer.model(x, y)
     after_forward = held()
-    eng.before_backward(True)
+    eng.prepare_backward(True)
     loss.backward()
-    eng.after_backward(True)
+    eng.finish_backward(True)
     return kinds, rest, after_forward, held()
 
 
 def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     """Rank 1's loss overflows; every rank must skip the step and keep its weights."""
     trainer = tiny_trainer(world, {"train.precision": "fp16", "train.micro_batch_size": "2", **overrides})
-    before, _ = trainer.engine.full_state()
+    before, _ = trainer.engine.gather_full_state()
     before = {k: v.clone() for k, v in before.items()} if before is not None else None
     real_forward = trainer.forward
     trainer.forward = lambda x, y: real_forward(x, y) * (float("inf") if rank == 1 else 1.0)
     trainer.train_step()
-    after, _ = trainer.engine.full_state()
+    after, _ = trainer.engine.gather_full_state()
     unchanged = None if before is None else all(torch.equal(before[k], after[k]) for k in before)
     return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged
 
 
 def _seeded_bf16_backward(rank, world, overrides: dict):
     """A bf16 DDP/ZeRO engine whose last micro-step's backward gives each rank r the seeded gradients
-    grads_of(r), reduced by the engine (after_backward has run). Returns (cfg, engine, params, grads_of)."""
+    grads_of(r), reduced by the engine (finish_backward has run). Returns (cfg, engine, [(name, param)], grads_of)."""
     trainer = tiny_trainer(world, {"train.precision": "bf16", "train.micro_batch_size": "2", **overrides})
     cfg, eng, model = trainer.cfg, trainer.engine, trainer.model
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
 
     def grads_of(r):
         g = torch.Generator().manual_seed(1000 + r)
         return [torch.randn(p.shape, generator=g).mul_(1 + r).to(torch.bfloat16) for p in params]  # on the CPU
-    eng.before_backward(True)
+    eng.prepare_backward(True)
     sum(torch.sum(p * g.to(p.device)) for p, g in zip(params, grads_of(rank))).backward()
-    eng.after_backward(True)
-    return cfg, eng, params, grads_of
+    eng.finish_backward(True)
+    return cfg, eng, named, grads_of
 
 
 def ddp_grad_sumsq(rank, world, overrides: dict):
@@ -185,34 +157,25 @@ def ddp_grad_sumsq(rank, world, overrides: dict):
     _, eng, _, _ = _seeded_bf16_backward(rank, world, overrides)
     got = eng.grad_sumsq()
     assert got is not None, "this reduction does not take the norm's squares from its slices"
-    want = sum(b.grad.double().pow(2).sum().item() for b in eng.flat.buckets)
+    # owned_shards("grad") is the mean over the ranks; the reduction's squares are of the sum.
+    want = sum((v.double() * world).pow(2).sum().item() for _, _, v in eng.owned_shards("grad").values())
     return got.cpu().view(torch.int32).item(), got.item(), want
 
 
 def reduced_bf16_gradients(rank, world, overrides: dict):
-    """Each rank's bf16 gradients are a seeded random tensor; returns, per parameter, what the reduction
-    left on this rank beside what an fp32 reduction of bf16 gradients must give there: DDP's bucket holds
-    the fp32 sum over ranks rounded once to bf16; a ZeRO rank's fp32 gradient shard holds its slice of
-    the fp32 sum (NaN marks elements outside the rank's slice)."""
-    cfg, eng, params, grads_of = _seeded_bf16_backward(rank, world, overrides)
-    total = [torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0) for i in range(len(params))]
-    flat, order = eng.flat, {id(p): i for i, p in enumerate(eng.flat.params)}
+    """Each rank's bf16 gradients are a seeded random tensor; returns, for every parameter element this rank
+    owns, what the reduction left there beside what an fp32 reduction of bf16 gradients must give: DDP's
+    bucket holds the fp32 sum over ranks rounded once to bf16; a ZeRO rank's fp32 gradient shard holds
+    its slice of the fp32 sum. owned_shards gives the mean over ranks: times the world (a power of two,
+    exactly) it is the sum again."""
+    cfg, eng, named, grads_of = _seeded_bf16_backward(rank, world, overrides)
+    total = {n: torch.stack([gs[i].float() for gs in map(grads_of, range(world))]).sum(0)
+             for i, (n, _) in enumerate(named)}
     out = []
-    for p, t in zip(params, total):
-        i = order[id(p)]
-        b = flat.bucket_of(i)
-        if cfg.parallel.zero_stage == 0:
-            out.append((flat.names[i], flat.view(b.grad, i).cpu(), t.to(torch.bfloat16)))
-            continue
-        # This rank's slice of the bucket, placed where the parameter lies in it.
-        n = b.numel // world
-        full_got = torch.full((b.numel,), float("nan"))
-        full_got[rank * n:(rank + 1) * n] = eng.gshard[b.index].float().cpu()
-        full_want = torch.full((b.numel,), float("nan"))
-        full_want[rank * n:(rank + 1) * n] = 0.0
-        want = flat.view(full_want, i).clone()
-        want[~want.isnan()] = t[~want.isnan()]
-        out.append((flat.names[i], flat.view(full_got, i).clone(), want))
+    for name, (lo, hi, got) in eng.owned_shards("grad").items():
+        t = total[name].flatten()[lo:hi]
+        want = t.to(torch.bfloat16).float() if cfg.parallel.zero_stage == 0 else t
+        out.append((name, got * world, want))
     return out
 
 
@@ -232,7 +195,7 @@ def engine_freed_with_its_trainer(rank, world, overrides: dict) -> bool:
         for _ in range(2):
             trainer.train_step()
             trainer.step += 1
-        trainer.engine.finish()
+        trainer.engine.wait_for_weights()
         return weakref.ref(trainer.engine)
     engine = build()
     gc.collect()
@@ -275,13 +238,13 @@ def collectives_per_micro_step(rank, world, overrides: dict) -> tuple[list[list]
     trainer = tiny_trainer(world, overrides)
     engine, calls, per_micro = trainer.engine, [], []
     _count_collectives(calls)
-    real_after_backward = engine.after_backward
+    real_finish_backward = engine.finish_backward
 
-    def after_backward(last):
-        real_after_backward(last)
+    def finish_backward(last):
+        real_finish_backward(last)
         per_micro.append(list(calls))
         calls.clear()
-    engine.after_backward = after_backward
+    engine.finish_backward = finish_backward
     for _ in range(2):
         calls.clear()
         trainer.train_step()
@@ -298,10 +261,10 @@ def ddp_launches_in_backward(rank, world, overrides: dict):
         p.register_post_accumulate_grad_hook(lambda p: arrived.__setitem__(0, arrived[0] + 1))
     calls = []
     _count_collectives(calls, progress=lambda: arrived[0])
-    trainer.engine.before_backward(True)
+    trainer.engine.prepare_backward(True)
     x, y = trainer.data.micro_batch_at(0, 0)
     trainer.model(x, y).backward()
-    trainer.engine.after_backward(True)
+    trainer.engine.finish_backward(True)
     flat = trainer.engine.flat
     return calls, [[flat.names[i] for i in b.params] for b in flat.buckets], \
         [(n, p.numel()) for n, p in trainer.model.named_parameters()]
@@ -314,20 +277,23 @@ def zero3_prefetch(rank, world):
     trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "model.num_layers": "4",
                                    "parallel.persist_threshold": "100", "train.micro_batch_size": "2"})
     eng, layers = trainer.engine, trainer.model.layers
-    units = eng.block_units + [eng.head_unit]
+    states = eng.unit_states()
+    unit = {("block", u.block) if u.kind == "block" else (u.kind, None): i for i, u in enumerate(states)}
+    following = [unit["block", i + 1] for i in range(len(layers) - 1)] + [unit["head", None]]
     forward, backward = {}, {}
 
-    def issued(seen: dict, i: int, unit: int) -> None:
-        seen.setdefault(i, unit in eng.gather_work)
+    def issued(seen: dict, i: int, u: int) -> None:
+        seen.setdefault(i, eng.unit_states()[u].gather_in_flight)
     for i, block in enumerate(layers):  # these run after the engine's own hooks
-        block.register_forward_pre_hook(lambda mod, args, i=i: issued(forward, i, units[i + 1]))
+        block.register_forward_pre_hook(lambda mod, args, i=i: issued(forward, i, following[i]))
         if i > 0:
-            block.mlp.down.weight.register_post_accumulate_grad_hook(lambda p, i=i: issued(backward, i, units[i - 1]))
+            block.mlp.down.weight.register_post_accumulate_grad_hook(
+                lambda p, i=i: issued(backward, i, unit["block", i - 1]))
     x, y = trainer.data.micro_batch_at(0, 0)
     loss = trainer.model(x, y)
-    eng.before_backward(True)
+    eng.prepare_backward(True)
     loss.backward()
-    eng.after_backward(True)
+    eng.finish_backward(True)
     return forward, backward
 
 
@@ -339,15 +305,14 @@ def offload_placement(rank, world, overrides: dict) -> dict:
                                    "parallel.persist_threshold": "0", **overrides})
     trainer.train_step()
     torch.cuda.synchronize()
-    opt, flat = trainer.engine.opt, trainer.engine.flat
+    held = trainer.engine.held_tensors()
 
-    def where(t):
-        return t.device.type, t.is_pinned()
-    return {"master": where(opt.master), "state": {where(p) for parts in opt.state.values() for p in parts},
-            "host_grad": None if opt.host_grad is None else where(opt.host_grad),
-            "shards": {where(b.extra["shard"]) for b in flat.buckets if "shard" in b.extra},
-            "shard_numel": opt.master.numel(), "buckets": len(flat.buckets),
-            "gpu_bytes": torch.cuda.memory_allocated()}
+    def where(kind):
+        return {(t.device.type, t.is_pinned()) for k, t in held if k == kind}
+    masters = [t for k, t in held if k == "masters"]
+    return {"master": where("masters"), "state": where("optimizer"), "host_grad": where("host_grads"),
+            "shards": where("param_shards"), "shard_numel": sum(t.numel() for t in masters),
+            "buckets": len(trainer.engine.flat.buckets), "gpu_bytes": torch.cuda.memory_allocated()}
 
 
 def engine_released_on_close(rank, world, overrides: dict) -> tuple[bool, bool]:
@@ -368,13 +333,13 @@ def signal_mid_step_on_rank_one(rank, world, overrides: dict, out_dir, at_step: 
     """Train `tiny` where rank 1 alone receives SIGTERM in the middle of step `at_step` (after backward,
     before the update); returns what each rank's run did."""
     trainer = tiny_trainer(world, {"train.log_every": "1", **overrides}, out_dir=out_dir)
-    real_step = trainer.engine.step
+    real_step = trainer.engine.optimizer_step
 
     def step(lr, n):
         if rank == 1 and n == at_step:
             os.kill(os.getpid(), signal.SIGTERM)
         real_step(lr, n)
-    trainer.engine.step = step
+    trainer.engine.optimizer_step = step
     records = trainer.run()
     return {"stopped_by": trainer.stopped_by, "steps": [r["step"] for r in records],
             "losses": [r["loss"] for r in records]}

@@ -104,9 +104,9 @@ def test_offload_keeps_masters_and_optimizer_state_in_pinned_host_memory():
     none, opt, params = (run_distributed(dist_fns.offload_placement, 2, over, timeout=180, device="cuda")[0]
                          for over in ({}, {"parallel.offload": "optimizer"}, {"parallel.offload": "params"}))
     # Without offload, gathers cast the fp32 master slice on the GPU: no 16-bit shard is kept.
-    assert none["master"] == ("cuda", False) and none["shards"] == set()
+    assert none["master"] == {("cuda", False)} and none["shards"] == set()
     for got in (opt, params):
-        assert got["master"] == got["host_grad"] == ("cpu", True)
+        assert got["master"] == got["host_grad"] == {("cpu", True)}
         assert got["state"] == {("cpu", False)}  # read and written by the CPU step only: no pinning needed
     assert opt["shards"] == {("cuda", False)} and params["shards"] == {("cpu", True)}
     # Per element of the shard: the fp32 master and both Adam moments (12 bytes) leave the GPU; offloading
@@ -280,12 +280,12 @@ def test_zero_reduce_scatters_gradients_and_all_gathers_weights(stage, algo):
 
 def test_zero3_frees_each_block_after_use():
     kinds, rest, after_forward, after_backward = run_distributed(dist_fns.zero3_residency, 2, timeout=120)[0]
-    assert sorted(set(kinds)) == ["block", "embed", "head", "persistent"]
+    assert sorted(set(kinds)) == ["block", "embed", "head", "unsharded"]
     for kind, a, f, b in zip(kinds, rest, after_forward, after_backward):
-        assert a == (kind == "persistent")  # at rest only the small parameters are whole
+        assert a == (kind == "unsharded")  # at rest only the small parameters are whole
         # Blocks are freed after their forward and the embeddings after the lookup; the head waits for backward.
-        assert f == (kind in ("persistent", "head")), kind
-        assert b == (kind == "persistent")
+        assert f == (kind in ("unsharded", "head")), kind
+        assert b == (kind == "unsharded")
 
 
 def test_zero3_prefetches_the_next_block_while_one_computes():
@@ -393,7 +393,7 @@ def test_zero_sums_bf16_gradients_in_fp32(stage, algo, world):
 
 
 def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
-    from shardlm.parallel.zero import offload_threads
+    from shardlm.parallel.offload import offload_threads
     assert offload_threads(3) == 3
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -462,7 +462,7 @@ def test_work_that_never_finishes_ends_the_process_with_a_message(how):
     watchdog must exit with a message naming what stalled (a fake event here, and a guarded sleep)."""
     stall = ("w.watch(Never(), 'training step 7')\ntime.sleep(30)\n" if how == "event" else
              "with w.guard('training step 7'):\n    time.sleep(30)\n")
-    code = ("import time\nfrom shardlm.parallel.comm import Watchdog\n"
+    code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\n"
             "class Never:\n    def query(self): return False\n"
             "w = Watchdog(0.3)\n" + stall + "print('still alive')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -475,18 +475,18 @@ def test_the_trainer_guards_its_waits_on_peers():
     one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own
     (gloo times out by itself), so the test gives it one."""
     code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
-            "from shardlm.parallel.comm import Watchdog\n"
+            "from shardlm.runtime.watchdog import Watchdog\n"
             "cfg = load_config('tiny', {'train.steps': '2', 'train.log_every': '1', 'train.device': 'cpu',\n"
             "                           'train.tensorboard': 'false'})\n"
             "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\n"
-            "tr.engine.sync = lambda step: time.sleep(30)\ntr.run()\nprint('still alive')\n")
+            "tr.engine.step_stats = lambda step: time.sleep(30)\ntr.run()\nprint('still alive')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
     assert "the metrics of step 1 made no progress for 0.5 s" in done.stderr
 
 
 def test_finished_work_keeps_the_watchdog_quiet():
-    from shardlm.parallel.comm import Watchdog
+    from shardlm.runtime.watchdog import Watchdog
 
     class Done:
         def query(self):
@@ -590,7 +590,7 @@ def test_the_staging_ring_keeps_any_window_of_consecutive_buckets_apart(window):
     """ZeRO-2/3's copy-engine staging reuses ring ranges: any `window` consecutive buckets (those in use at
     once) must occupy disjoint ranges inside the ring, for buckets of any sizes, and the ring must stay
     smaller than the whole gradient where the window is."""
-    from shardlm.parallel.comm import ring_offsets
+    from shardlm.comm.copy_engine import ring_offsets
     gen = torch.Generator().manual_seed(window)
     for _ in range(50):
         numels = (torch.randint(1, 40, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen) * 4).tolist()

@@ -92,7 +92,7 @@ def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
     from shardlm.flat import FlatParams
     from shardlm.model import build_model
     from shardlm.optim import MasterWeightOptimizer
-    from shardlm.parallel.data import reverse_order_buckets
+    from shardlm.parallel.buckets import reverse_order_buckets
     from shardlm.precision import NoLossScaler
     launches = []
     monkeypatch.setattr(optim, "adamw_master_step", lambda *a, **k: (launches.append(k.get("decay_table") is not None),

@@ -11,7 +11,7 @@ import torch
 
 from shardlm.checkpoint import complete_checkpoints, resolve_checkpoint
 from shardlm.config import load_config
-from shardlm.parallel.data import LocalEngine
+from shardlm.parallel.engine import LocalEngine
 from shardlm.precision import DynamicLossScaler, LossScaleError, NoLossScaler
 from shardlm.trainer import Trainer
 
@@ -169,9 +169,13 @@ def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
     trainer, recs = train(tmp_path, train__steps=12, train__precision=precision)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert all(p.dtype == dtype for p in trainer.model.parameters())
-    assert all(m.dtype == torch.float32 for m in trainer.engine.opt.masters)
-    for p, m in zip(trainer.engine.opt.params, trainer.engine.opt.masters):
-        assert torch.equal(p, m.to(dtype))  # the 16-bit weights are the rounded masters
+    masters = [t for kind, t in trainer.engine.held_tensors() if kind == "masters"]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    owned = trainer.engine.owned_shards("master")
+    for name, p in trainer.model.named_parameters():
+        lo, hi, m = owned[name]
+        assert (lo, hi) == (0, p.numel())
+        assert torch.equal(p.flatten(), m.to(dtype))  # the 16-bit weights are the rounded masters
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
     if precision == "fp16":
         assert recs[-1]["loss_scale"] == 2.0**16
@@ -180,14 +184,16 @@ def test_mixed_precision_keeps_fp32_masters(tmp_path, precision):
 def test_fp16_overflow_skips_the_step_on_the_scaler_schedule(tmp_path):
     cfg = load_config("tiny", {"train.precision": "fp16"})
     trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
-    before = [m.clone() for m in trainer.engine.opt.masters]
+    before = trainer.engine.owned_shards("master")
     next(trainer.model.parameters()).grad[0, 0] = float("inf")
-    trainer.engine.step(1e-3, 1)
-    assert trainer.engine.opt.steps_taken == 0 and trainer.scaler.skipped_steps == 1
+    trainer.engine.optimizer_step(1e-3, 1)
+    assert trainer.scaler.skipped_steps == 1
     assert trainer.scaler.scale == 2.0**16  # hysteresis 2: the first overflow does not halve yet
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.engine.opt.masters))
+    after = trainer.engine.owned_shards("master")
+    assert all(torch.equal(before[n][2], after[n][2]) for n in before)
+    assert not any(v.any() for _, _, v in trainer.engine.owned_shards("exp_avg").values())  # no step was taken
     next(trainer.model.parameters()).grad.fill_(float("nan"))
-    trainer.engine.step(1e-3, 2)
+    trainer.engine.optimizer_step(1e-3, 2)
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 2
 
 
@@ -231,8 +237,8 @@ def test_optimizer_step_matches_torch_reference(optimizer):
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
-        opt.step(1e-2, 1)
-        norm, skipped = opt.sync(1)
+        opt.optimizer_step(1e-2, 1)
+        norm, skipped = opt.step_stats(1)
         assert skipped == 0
         assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -333,7 +339,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_resumed_run_continues_exa
 
 
 def test_sigint_waits_for_the_step_but_a_second_one_interrupts_at_once():
-    from shardlm.preemption import StopSignals
+    from shardlm.runtime.preemption import StopSignals
     before = signal.getsignal(signal.SIGINT)
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -160,7 +160,7 @@ class ParallelConfig:
     dp_mode: str = "ddp"           # ddp | classic
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
-    reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP, ZeRO on GPUs): how gradients are summed (parallel/comm.py)
+    reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP, ZeRO on GPUs): how gradients are summed (comm/)
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores

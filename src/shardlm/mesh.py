@@ -86,7 +86,7 @@ def init_distributed(cfg: Config) -> Mesh:
                               f"(torchrun --nproc-per-node {gpus}), or train on the CPU (--train.device cpu)")
         torch.cuda.set_device(local_rank)
     # gloo raises at the timeout. NCCL's watchdog would abort the communicator and let the step go on with
-    # the aborted collectives' data: the trainer's own watchdog (parallel/comm.py) ends the rank at
+    # the aborted collectives' data: the trainer's own watchdog (runtime/watchdog.py) ends the rank at
     # timeout_s instead, and NCCL's, at twice that, is only the backstop.
     p = cfg.parallel
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))

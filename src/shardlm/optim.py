@@ -5,7 +5,8 @@ runs AdamW (Loshchilov & Hutter 2019) or SGD with momentum on it in one fused pa
 mixed-precision training prescribes; in fp32 the parameters are their own masters. Gradients are
 unscaled, clipped by the global L2 norm (Pascanu et al. 2013), and a step whose norm is not finite is
 skipped. Its state is saved by parameter name, so a checkpoint does not depend on how parameters are
-laid out or sharded.
+laid out or sharded. The offloaded variant (masters, moments and the step on the CPU) is
+parallel/offload.py.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .comm.collectives import all_gather_into_tensor
 from .config import TrainConfig
 from .flat import FlatParams
-from .parallel.comm import all_gather_into_tensor
-from .kernels import adamw_master_step, decay_table, sgd_master_step, sum_of_squares, triton_ok
+from .grad_norm import sum_of_squares_over
+from .kernels import adamw_master_step, decay_table, sgd_master_step, triton_ok
 from .precision import DynamicLossScaler
 
 
@@ -64,43 +66,38 @@ class MasterWeightOptimizer:
     Unsharded (one process, DDP, classic DP) the shard of a bucket is the whole bucket; under ZeRO it is
     the rank's 1/N slice, and the global gradient norm sums the shards' squares over the group. The
     caller says where each bucket's gradient shard is (`grad_shard`) and where the updated 16-bit
-    weights go (`param_shard`). With `offload` the masters and moments live in (pinned) CPU memory and
-    the step runs there (ZeRO-Offload, Ren et al. 2021). `step` never waits for the host unless it must
-    (fp16's loss scale, offload): the norm, the clip/unscale factor and the skip flag stay on the device.
+    weights go (`param_shard`). `step` never waits for the host unless it must (fp16's loss scale): the
+    norm, the clip/unscale factor and the skip flag stay on the device.
     """
+    offloaded = False  # the masters and moments live on the CPU and the step runs there (parallel/offload.py)
 
     def __init__(self, flat: FlatParams, cfg: TrainConfig, loss_scaler, group=None, shard: bool = False,
-                 offload: bool = False, initial_shards=None):
+                 initial_shards=None):
         self.flat, self.cfg, self.scaler, self.group = flat, cfg, loss_scaler, group
         self.world = dist.get_world_size(group) if (shard and group is not None) else 1
         self.rank = dist.get_rank(group) if (shard and group is not None) else 0
         self.sharded = self.world > 1
-        self.offload = offload
         self.names, self.params = flat.names, flat.params
         self.device = flat.device
-        home = torch.device("cpu") if offload else self.device
+        home = torch.device("cpu") if self.offloaded else self.device
         self.shard_len = [b.numel // self.world for b in flat.buckets]
         self.master_off = [sum(self.shard_len[:i]) for i in range(len(flat.buckets))]
-        total = sum(self.shard_len)
-        self.alias = not (self.sharded or offload or flat.dtype != torch.float32)
+        self.total = sum(self.shard_len)
+        self.alias = not (self.sharded or self.offloaded or flat.dtype != torch.float32)
         if self.alias:  # fp32 on one rank's full buckets: the parameters are their own masters
             self.master_parts = [b.data for b in flat.buckets]
             self.master = None
         else:
-            pin = offload and torch.cuda.is_available()
-            self.master = torch.empty(total, dtype=torch.float32, device=home, pin_memory=pin)
+            pin = self.offloaded and torch.cuda.is_available()
+            self.master = torch.empty(self.total, dtype=torch.float32, device=home, pin_memory=pin)
             with torch.no_grad():
                 for b in flat.buckets:
                     src = initial_shards[b.index] if initial_shards is not None else self.shard_of(b.data, b.index)
                     self.master_part(b.index).copy_(src)
             self.master_parts = [self.master_part(b.index) for b in flat.buckets]
-        # Offloaded gradients land in one persistent (pinned) fp32 host buffer: a fresh allocation per step
-        # would page-fault its way through gigabytes, and a pageable target makes the copy synchronous.
-        self.host_grad = torch.empty(total, dtype=torch.float32, pin_memory=torch.cuda.is_available()) \
-            if offload else None
 
         def zeros():  # one buffer per state, laid out like the masters, viewed per bucket
-            flat = torch.zeros(total, dtype=torch.float32, device=home)
+            flat = torch.zeros(self.total, dtype=torch.float32, device=home)
             return [flat[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
         keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
         self.state = {k: zeros() for k in keys}
@@ -114,9 +111,9 @@ class MasterWeightOptimizer:
         # The one-launch step over all buckets (see step) needs where weight decay applies, as a table. It
         # serves unsharded buffers only: ZeRO's gradient shards are separate allocations, never joined.
         self.decay_table = None
-        if self.device.type == "cuda" and not offload and not self.sharded:
+        if self.device.type == "cuda" and not self.offloaded and not self.sharded:
             self.decay_table = decay_table([(self.master_off[s.bucket] + s.lo, self.master_off[s.bucket] + s.hi)
-                                            for s in self.segments if s.weight_decay], total, self.device)
+                                            for s in self.segments if s.weight_decay], self.total, self.device)
         self.steps_taken = 0
         self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
@@ -149,22 +146,10 @@ class MasterWeightOptimizer:
         loss_scale = self.scaler.scale
         grads = [grad_shard(b.index) for b in self.flat.buckets]
         params = [None if self.alias else param_shard(b.index) for b in self.flat.buckets]
-        # One fused pass over all buckets when every per-bucket tensor is a view of one buffer (DDP, one
-        # process): one norm and one update launch in all, not several per bucket (~70 of them in DDP),
-        # whose small tails added 1.4 ms to a step.
-        flat = None  # (master, param, grad, exp_avg, exp_avg_sq), each joined over the buckets
-        if cfg.optimizer == "adamw" and self.decay_table is not None and triton_ok(self.master_parts[0]):
-            flat = [_joined(ts, self.master_off) for ts in
-                    (self.master_parts, params, grads, self.state["exp_avg"], self.state["exp_avg_sq"])]
-            needed = flat[:1] + flat[2:] + ([] if self.alias else flat[1:2])  # alias: no 16-bit copy to write
-            if any(t is None for t in needed):
-                flat = None
+        joined = self._joined(grads, params)
         if sumsq is None:
-            sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
-            for g in ([flat[2]] if flat is not None else grads):
-                sumsq += sum_of_squares(g).to(self.device)
-            if self.sharded:
-                dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
+            sumsq = sum_of_squares_over([joined[2]] if joined is not None else grads, self.device,
+                                        self.group if self.sharded else None)
         norm = sumsq.sqrt() * (grad_factor / loss_scale)
         finite = torch.isfinite(norm)
         self._skip.copy_(~finite)
@@ -180,34 +165,33 @@ class MasterWeightOptimizer:
         if cfg.grad_clip > 0:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
         self.steps_taken += 1
-        if self.offload:
-            host = [self.host_grad[self.master_off[b]:self.master_off[b] + self.shard_len[b]]
-                    for b in range(len(grads))]
-            for h, g in zip(host, grads):
-                h.copy_(g, non_blocking=True)
-            scale, skip = scale.cpu(), self._skip.cpu()  # waits for the copies above too
-            for h in host:
-                h.mul_(scale)
-            grads, scale = host, torch.ones(())
+        if joined is not None:
+            adamw_master_step(*joined, scale, self._skip, step=self.steps_taken, lr=lr, beta1=cfg.beta1,
+                              beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                              decay_table=self.decay_table)
         else:
-            skip = self._skip
-        if flat is not None:
-            adamw_master_step(*flat, scale, skip, step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                              eps=cfg.eps, weight_decay=cfg.weight_decay, decay_table=self.decay_table)
-            return True
-        outs = {}
+            self._apply(lr, grads, params, scale, self._skip)
+        return True
+
+    def _joined(self, grads: list, params: list) -> list | None:
+        """(master, param, grad, exp_avg, exp_avg_sq), each one tensor over all buckets, where every per-bucket
+        tensor is a view of one buffer (DDP, one process): the step is then one norm and one update launch
+        in all, not several per bucket, whose small tails add up (bench/README.md). None otherwise."""
+        if self.cfg.optimizer != "adamw" or self.decay_table is None or not triton_ok(self.master_parts[0]):
+            return None
+        joined = [_joined(ts, self.master_off) for ts in
+                  (self.master_parts, params, grads, self.state["exp_avg"], self.state["exp_avg_sq"])]
+        needed = joined[:1] + joined[2:] + ([] if self.alias else joined[1:2])  # alias: no 16-bit copy to write
+        return None if any(t is None for t in needed) else joined
+
+    def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
+        """The update of every segment: grads[b] times `scale` is the step's gradient of bucket b's shard;
+        the updated 16-bit weights go to params[b] (None: nothing to write back)."""
+        cfg = self.cfg
         for seg in self.segments:
-            b = seg.bucket
-            sl = slice(seg.lo, seg.hi)
-            master = self.master_parts[b][sl]
-            if b not in outs:
-                dst = params[b]  # None: nothing to write back
-                # Offloaded: write 16-bit results on the CPU, then copy the shard back in one go.
-                staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda) \
-                    if (self.offload and dst is not None) else dst
-                outs[b] = (dst, staged)
-            out = None if outs[b][1] is None else outs[b][1][sl]
-            args = (master, out, grads[b][sl])
+            b, sl = seg.bucket, slice(seg.lo, seg.hi)
+            out = None if params[b] is None else params[b][sl]
+            args = (self.master_parts[b][sl], out, grads[b][sl])
             if cfg.optimizer == "adamw":
                 adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
                                   step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
@@ -215,11 +199,6 @@ class MasterWeightOptimizer:
             else:
                 sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=self.steps_taken,
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
-        if self.offload:
-            for dst, staged in outs.values():
-                if dst is not None:
-                    dst.copy_(staged, non_blocking=True)
-        return True
 
     def sync(self, step: int) -> tuple[float, int]:
         """Host view of the last step: (its grad norm, steps skipped so far); bf16/fp32 divergence raises."""

@@ -22,15 +22,16 @@ import torch.distributed as dist
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .config import Config, config_from_dict
 from .data.loader import open_train_data
-from .inference import generate_text, pick_device
+from .inference import generate_text
 from .mesh import Mesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .model import build_model
 from .optim import lr_at
-from .parallel.comm import Watchdog
-from .parallel.data import build_engine
+from .parallel import build_engine
 from .precision import DTYPES, make_loss_scaler
-from .preemption import StopSignals, host_group, signal_name
+from .runtime.device import pick_device
+from .runtime.preemption import StopSignals, host_group, signal_name
+from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
 
 
@@ -80,7 +81,7 @@ class Trainer:
         self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
-        self.host_group = None  # for the ranks' stop check (preemption.py); destroyed with the others
+        self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
         self.resumed_from = None
         if resume is not None:
             self._resume(resume)
@@ -118,7 +119,7 @@ class Trainer:
         if data["consumed_samples"] % self.cfg.train.global_batch_size:
             raise ValueError(f"cannot resume {ckpt['path']} with train.global_batch_size "
                              f"{self.cfg.train.global_batch_size}: {data['consumed_samples']} samples were consumed")
-        self.engine.load(ckpt["model"], ckpt["optimizer"])
+        self.engine.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
@@ -141,10 +142,10 @@ class Trainer:
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.micro_batch_at(self.step, micro))
             loss = self.forward(x, y) / accum
             total += loss.detach()
-            self.engine.before_backward(last)
+            self.engine.prepare_backward(last)
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-            self.engine.after_backward(last)
-        self.engine.step(lr_at(self.step, self.cfg.train), self.step + 1)
+            self.engine.finish_backward(last)
+        self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
             done.record()
@@ -172,7 +173,7 @@ class Trainer:
         if self.out is None:
             return None
         with self._guard(f"the checkpoint gather at step {self.step}"):
-            masters, optim = self.engine.full_state()  # a collective when the state is sharded
+            masters, optim = self.engine.gather_full_state()  # a collective when the state is sharded
         if not self.mesh.is_main:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
@@ -182,7 +183,7 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
-        and saves it (preemption.py), and `stopped_by` names the signal."""
+        and saves it (runtime/preemption.py), and `stopped_by` names the signal."""
         if self.host_group is None:  # made here, not in __init__: code that only steps never needs it
             self.host_group = host_group(timedelta(seconds=self.cfg.parallel.timeout_s))
         with StopSignals(self.host_group) as signals:
@@ -210,7 +211,7 @@ class Trainer:
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
                 if self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
-                        norm, skipped = self.engine.sync(self.step)
+                        norm, skipped = self.engine.step_stats(self.step)
                         loss = self.global_mean(loss)
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
@@ -233,7 +234,7 @@ class Trainer:
                     break
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()
-        self.engine.finish()
+        self.engine.wait_for_weights()
         if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()
             if path:

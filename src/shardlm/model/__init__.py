@@ -1,4 +1,4 @@
 """The decoder model and its Hugging Face state-dict adapter."""
-from .decoder import Block, Decoder, KVCache, build_model
+from .decoder import Block, Decoder, DecoderParts, KVCache, build_model
 
-__all__ = ["Block", "Decoder", "KVCache", "build_model"]
+__all__ = ["Block", "Decoder", "DecoderParts", "KVCache", "build_model"]

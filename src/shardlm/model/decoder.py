@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,16 @@ class Block(nn.Module):
         self.mlp_half = torch.compile(self.mlp_half, **options)
 
 
+@dataclass
+class DecoderParts:
+    """The decoder's parts in the order forward runs them: what data-parallel engines and parallel strategies
+    ask for (ZeRO-3's units, where forward first reads each weight), instead of parsing parameter names."""
+    embeddings: list[nn.Module]    # token (and position) embeddings
+    layers: list[nn.Module]        # the transformer blocks
+    final_norm: nn.Module
+    head: nn.Module | None         # the output projection; None when it is tied to the token embedding
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group=None):
         super().__init__()
@@ -197,6 +208,10 @@ class Decoder(nn.Module):
         self.compile_loss = False
         self.attention = "auto"
         self._rope_cache: dict = {}
+
+    def parts(self) -> DecoderParts:
+        return DecoderParts([m for m in (self.embed, self.pos_embed) if m is not None], list(self.layers),
+                            self.norm, self.lm_head)
 
     # ---- construction -------------------------------------------------------------------------
     def set_recompute(self, mode: str) -> None:

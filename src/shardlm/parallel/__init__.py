@@ -1,0 +1,25 @@
+"""Parallel strategies, one file each; `build_engine` picks the data-parallel engine of a layout."""
+from __future__ import annotations
+
+from torch import nn
+
+from .engine import Engine, LocalEngine
+
+
+def build_engine(model: nn.Module, cfg, mesh, scaler) -> Engine:
+    """The data-parallel engine for cfg.parallel over the mesh's data-parallel group: one process, classic
+    DP, DDP, or ZeRO stage 1-3 (with offload)."""
+    p = cfg.parallel
+    if p.zero_stage == 3:
+        from .zero3 import Zero3Engine
+        return Zero3Engine(model, cfg, scaler, mesh.dp_group)
+    if p.zero_stage > 0:
+        from .zero import ZeroEngine
+        return ZeroEngine(model, cfg, scaler, mesh.dp_group)
+    if mesh.dp == 1:
+        return LocalEngine(model, cfg, scaler)
+    if p.dp_mode == "classic":
+        from .classic import ClassicEngine
+        return ClassicEngine(model, cfg, scaler, mesh.dp_group)
+    from .ddp import DDPEngine
+    return DDPEngine(model, cfg, scaler, mesh.dp_group)

@@ -28,12 +28,12 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     n = L.dp
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
-        red = act  # the 16-bit values travel; each rank sums its slice in fp32 (parallel/comm.py)
+        red = act  # the 16-bit values travel; each rank sums its slice in fp32 (comm/collectives.py)
     ring = (n - 1) / n
     if n == 1:
         dp = 0.0
     elif L.zero == 0:
-        dp = ring * phi * (red + act)  # a reduce-scatter and a 16-bit all-gather (parallel/data.py)
+        dp = ring * phi * (red + act)  # a reduce-scatter and a 16-bit all-gather (comm/transport.py)
     elif L.zero in (1, 2):
         dp = ring * phi * (red + act)
     else:

@@ -83,7 +83,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
         # (materialising a model built on the meta device) and torch._dynamo (ZeRO's eager-only hooks),
         # 1.7 s a worker on a 2-core machine and about 3 s on a GPU host.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
-                                    "shardlm.trainer", "shardlm.parallel.zero"])
+                                    "shardlm.trainer", "shardlm.parallel.zero3", "shardlm.parallel.ddp",
+                                    "shardlm.parallel.classic"])
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)

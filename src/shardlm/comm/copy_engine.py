@@ -1,112 +1,30 @@
-"""Collectives shared by the data-parallel engines.
+"""Collectives by the GPUs' copy engines over symmetric memory, on the GPUs of one node.
 
-`all_gather_into_tensor` / `reduce_scatter_tensor`: torch 2.13 renamed them all_gather_single and
-reduce_scatter_single (same signatures, old names deprecated); torch 2.11 has only the old ones.
-
-`start_reduce_scatter` sums equal-sized buckets over the ranks of a group, rank r keeping slice r, in a
-dtype that may be wider than the bucket's (16-bit gradients summed in fp32). Two ways to widen:
-- "ring": NCCL reduce-scatters an fp32 copy of the bucket, so fp32 values travel: (n-1)/n x 4 bytes
-  per element leave each rank.
-- "all_to_all": the 16-bit values travel and each rank sums the n copies of its slice in fp32 itself,
-  once they have arrived: (n-1)/n x 2 bytes per element, the same fp32 sum rounded once. Half the
-  traffic of "ring", and less of the compute slowdown that overlapping traffic causes (on 4 H200s,
-  backward overlapped with the reduction slows down about in proportion to the bytes moved).
-
-`CopyEngineAllReduce` ("copy_engine", DDP on the GPUs of one node; what "auto" picks there) takes the
-SMs out of the traffic: the gradient buckets live in symmetric memory (every rank maps its peers'
-buffers), and each rank pulls its slice of every peer's bucket with peer-to-peer copies, which the GPU's
-copy engines run; sums them in fp32 (one small kernel, whatever `parallel.reduce_dtype` says: a 16-bit
-sum accumulates in fp32 anyway); and pulls the peers' summed slices back. The
-phases are ordered across GPUs by flags that the GPUs' command processors write and wait on
-(`StreamFlags`), so no kernel spins either. NCCL's kernels instead hold an SM per channel while they
-run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: the slowdown measured above.
-On 4 H200s (bench/dp_phases.py, forward + backward of 105-109 ms alone) DDP's slowed by 10.5 ms with
-all_to_all, 5.6 ms with barrier kernels between the copies, 2.1-3.9 ms with the flags. PyTorch's
-"low-contention" collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work
-the same way. `CopyEngineZero` splits the same transfers into ZeRO's reduce-scatter (during backward) and
-its all-gathers of the weights (ZeRO-1/2's of the updated weights during the next forward, ZeRO-3's of
-each unit around its use).
+`CopyEngineAllReduce` (DDP) takes the SMs out of the traffic: the gradient buckets live in symmetric
+memory (every rank maps its peers' buffers), and each rank pulls its slice of every peer's bucket with
+peer-to-peer copies, which the copy engines run; sums them in fp32 (one small kernel, whatever
+`parallel.reduce_dtype` says: a 16-bit sum accumulates in fp32 anyway); and pulls the peers' summed
+slices back. The phases are ordered across GPUs by flags that the GPUs' command processors write and
+wait on (`StreamFlags`), so no kernel spins either. NCCL's kernels instead hold an SM per channel while
+they run, and cuBLAS's persistent GEMMs, one CTA per SM, wait for those SMs: overlapped with backward,
+NCCL's reduction slows it down (bench/README.md has the measurements). PyTorch's "low-contention"
+collectives (torch.distributed._symmetric_memory) and nvFuser's CUDA-IPC transport work the same way.
+`CopyEngineZero` splits the same transfers into ZeRO's reduce-scatter (during backward) and its
+all-gathers of the weights (ZeRO-1/2's of the updated weights during the next forward, ZeRO-3's of each
+unit around its use).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import ctypes
 import itertools
-import os
-import sys
-import threading
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from ..kernels import square_parts, sum_of_squares_into, sum_over_ranks
+from ..grad_norm import SliceSquares
+from ..kernels import sum_over_ranks
 
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-REDUCE_ALGOS = ("auto", "all_to_all", "ring", "copy_engine")
-
-
-def resolve_reduce_algo(algo: str, group, device: torch.device) -> str:
-    """What `parallel.reduce_algo auto` means here: the copy engines where every rank of the job is on this
-    node, on GPUs that reach each other peer to peer (symmetric memory spans one node), the all-to-all
-    otherwise. Every rank decides alike: the inputs are the same on all of them."""
-    if algo != "auto":
-        return algo
-    if device.type != "cuda" or dist.get_world_size(group) < 2:
-        return "all_to_all"
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    gpus = torch.cuda.device_count()
-    if local is None or local != world or gpus < int(world):
-        return "all_to_all"  # several nodes, or GPUs this process cannot see
-    peers = all(torch.cuda.can_device_access_peer(i, j) for i in range(gpus) for j in range(gpus) if i != j)
-    return "copy_engine" if peers else "all_to_all"
-
-
-def start_reduce_scatter(bucket: torch.Tensor, dtype: torch.dtype, group, algo: str = "all_to_all"):
-    """Launch the sum over `group` (two ranks or more) of `bucket` (numel a multiple of the group size),
-    reduced in `dtype`. Returns (work, result, keep): after `work.wait()`, `result()` gives this rank's
-    summed slice in `dtype`; `keep` holds the buffers the collective uses until it completes."""
-    world = dist.get_world_size(group)
-    n = bucket.numel() // world
-    if bucket.dtype == dtype or algo == "ring":
-        src = bucket.to(dtype)
-        out = torch.empty(n, dtype=dtype, device=bucket.device)
-        return reduce_scatter_tensor(out, src, group=group, async_op=True), (lambda: out), (src, out)
-    if algo != "all_to_all":
-        raise ValueError(f"unknown reduction algorithm {algo!r}: expected all_to_all or ring")
-    parts = torch.empty_like(bucket)  # row j: rank j's copy of this rank's slice
-    work = dist.all_to_all_single(parts, bucket, group=group, async_op=True)
-    return work, (lambda: parts.view(world, n).sum(0, dtype=dtype)), (bucket, parts)
-
-
-class SliceSquares:
-    """The global gradient norm's sum of squares, taken as the reduction goes (what ZeRO does for its
-    shards, here for DDP's reduce-scatter slices): each rank squares its summed slice of a bucket as soon
-    as that slice is reduced (on the side stream, while backward runs on), and the ranks' totals are added
-    in rank order: the same bits on every rank and by every algorithm. The optimizer then has no pass over
-    the whole gradient to make after the last bucket arrives (0.5 ms per step of tinyllama-1.1b on an
-    H200, all of it after the slowest rank's backward). `slices[b]`: this rank's slice of bucket b."""
-
-    def __init__(self, slices: list[torch.Tensor]):
-        self.slices = slices
-        self.offsets = [0, *itertools.accumulate(square_parts(s) for s in slices)]
-        self.parts = torch.zeros(self.offsets[-1], dtype=torch.float32, device=slices[0].device)
-
-    def add(self, b: int) -> None:
-        """Square bucket b's slice (once it holds the summed values), on the current stream."""
-        sum_of_squares_into(self.slices[b], self.parts[self.offsets[b]:self.offsets[b + 1]])
-
-    def rank_total(self, out: torch.Tensor) -> None:
-        """This rank's share into `out` (0-dim): valid once every bucket of the step has been added."""
-        torch.sum(self.parts, 0, out=out)
-
-    @staticmethod
-    def over_ranks(totals: torch.Tensor, out: torch.Tensor) -> None:
-        """The sum over the ranks' totals (a tensor in rank order) into `out`, alike on every rank."""
-        torch.sum(totals, 0, out=out)
 
 
 class _Done:
@@ -163,59 +81,6 @@ class StreamFlags:
             raise RuntimeError(f"cuStream{what}Value32 failed with CUresult {rc}")
 
 
-class _Flag:
-    """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
-class Watchdog:
-    """Ends the process with a message when watched work makes no progress for `timeout_s` (a peer rank
-    died or stalled). Needed on GPUs: a stream that waits on a flag no peer will ever set (the copy
-    engines' `StreamFlags`) never errors out by itself, and NCCL's own watchdog, at its timeout, aborts the
-    communicator, which lets the waiting kernels finish on whatever data they hold: the step goes on with
-    wrong numbers (a checkpoint could be written from them) until NCCL ends the process about a minute
-    later. The trainer's watchdog fires first (NCCL's timeout is set longer, see mesh.py): it watches
-    each step's completion on the GPU (`watch`, an event) and host sections that wait on peers (`guard`).
-    """
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.pending = collections.deque()  # (deadline, event, label)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="shardlm-watchdog", daemon=True)
-        self.thread.start()
-
-    def watch(self, event, label: str) -> None:
-        """`event` (anything with query(), such as a CUDA event) must be done within timeout_s from now."""
-        self.pending.append((time.monotonic() + self.timeout_s, event, label))
-
-    @contextlib.contextmanager
-    def guard(self, label: str):
-        """The block must return within timeout_s (it waits on peers: collectives, their results)."""
-        flag = _Flag()
-        self.watch(flag, label)
-        try:
-            yield
-        finally:
-            flag.done = True
-
-    def _run(self) -> None:
-        while not self.stop.wait(min(1.0, self.timeout_s / 4)):
-            while self.pending and self.pending[0][1].query():
-                self.pending.popleft()
-            if self.pending and time.monotonic() > self.pending[0][0]:
-                print(f"shardlm: {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
-                      f"(parallel.timeout_s): a peer rank died or stalled; exiting", file=sys.stderr, flush=True)
-                os._exit(1)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def start_copy_engine(cls, *args, **kwargs):

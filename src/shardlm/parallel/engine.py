@@ -1,0 +1,162 @@
+"""The engine interface: what the trainer asks of a data-parallel strategy, declared once.
+
+An engine owns the model's trainable parameters laid out in flat buckets (flat.py), the optimizer with
+its fp32 masters (optim.py), and whatever communication its strategy needs. A training step calls, in
+this order:
+
+    for each micro-batch:  forward; engine.prepare_backward(last); backward; engine.finish_backward(last)
+    engine.optimizer_step(lr, step)
+
+and the trainer reads `step_stats` only when it logs (it waits for the device). Strategies:
+`LocalEngine` (one process, here), `ClassicEngine` (classic.py), `DDPEngine` (ddp.py), `ZeroEngine`
+(ZeRO-1/2, zero.py), `Zero3Engine` (zero3.py); optimizer offload is optimizer placement (offload.py).
+Every engine keeps its state layout-free on the outside: `gather_full_state` and `load_full_state`
+speak full tensors by parameter name, so a checkpoint does not depend on the layout that wrote it.
+The inspection calls (`owned_shards`, `held_tensors`, `memory`) are what tests and tools read.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..flat import FlatParams
+from ..optim import MasterWeightOptimizer
+
+
+class Engine:
+    flat: FlatParams
+    opt: MasterWeightOptimizer | None  # None on a rank that holds no optimizer state (classic DP)
+    algo: str | None = None            # how gradients are summed over the ranks (None: they are not)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def prepare_backward(self, last: bool) -> None:
+        """Before a micro-batch's backward (`last`: the step's last micro-batch): arm the gradient hooks that
+        reduce buckets as backward completes them, and make sure the weights backward reads are in place."""
+
+    def finish_backward(self, last: bool) -> None:
+        """After a micro-batch's backward: launch what the hooks did not, and make the compute stream wait for
+        every gradient reduction of this micro-batch."""
+
+    def optimizer_step(self, lr: float, step: int) -> None:
+        """Clip by the global gradient norm and update (skipped everywhere if fp16 overflowed anywhere)."""
+        raise NotImplementedError
+
+    def step_stats(self, step: int) -> tuple[float, int]:
+        """Host view of the last optimizer step: (its gradient norm, steps skipped so far). Waits for the
+        device; raises if a bf16/fp32 step diverged."""
+        raise NotImplementedError
+
+    def wait_for_weights(self) -> None:
+        """Complete the weight transfers still in flight (ZeRO-1/2 leave the updated weights' all-gathers to
+        overlap the next forward): call before reading the weights outside a step."""
+
+    # ---- layout-free state ------------------------------------------------------------------------
+    def gather_full_state(self) -> tuple[dict | None, dict | None]:
+        """(fp32 masters, optimizer state) as full tensors by parameter name (`name::key` for the state); a
+        collective when the state is sharded. (None, None) on ranks that hold no optimizer."""
+        raise NotImplementedError
+
+    def load_full_state(self, masters: dict, state: dict) -> None:
+        """Take this rank's part of full per-name masters and optimizer state, and the weights from them."""
+        raise NotImplementedError
+
+    # ---- inspection -------------------------------------------------------------------------------
+    def grad_shard(self, b: int) -> torch.Tensor:
+        """Bucket b's reduced gradient owned by this rank: the sum over the data-parallel ranks (times the
+        loss scale), valid from the last micro-batch's finish_backward until optimizer_step."""
+        raise NotImplementedError
+
+    def grad_factor(self) -> float:
+        """What turns grad_shard's sum into the mean over the global batch."""
+        return 1.0
+
+    def owned_shards(self, which: str) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """This rank's owned elements of every parameter as {name: (lo, hi, fp32 values on the CPU)}, lo:hi in
+        the parameter's flattened coordinates. `which`: "grad" (the mean gradient about to be applied,
+        loss scale included, before clipping), "master", or an optimizer state ("exp_avg", "exp_avg_sq",
+        "momentum_buffer"). Empty on a rank that holds no optimizer state."""
+        flat, opt = self.flat, self.opt
+        if opt is None:
+            return {}
+        out = {}
+        for b in flat.buckets:
+            n = opt.shard_len[b.index]
+            lo_b = opt.rank * n
+            if which == "grad":
+                buf = self.grad_shard(b.index).float() * self.grad_factor()
+            elif which == "master":
+                buf = opt.master_parts[b.index].float()
+            else:
+                buf = opt.state[which][b.index].float()
+            for i in b.params:
+                off, size = flat.where[i][1], flat.params[i].numel()
+                lo, hi = max(off, lo_b), min(off + size, lo_b + n)
+                if hi > lo:
+                    out[flat.names[i]] = (lo - off, hi - off, buf[lo - lo_b:hi - lo_b].detach().cpu().clone())
+        return out
+
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor this rank holds for the model's training state, each with its kind: "params" (16-bit
+        or fp32 weights kept whole), "param_shards" (ZeRO-3's 16-bit slices), "grads", "masters",
+        "optimizer" (the moments) and "host_grads" (offload's staging buffer)."""
+        out = [("params", b.data) for b in self.flat.buckets]
+        out += [("grads", b.grad) for b in self.flat.buckets if b.grad is not None]
+        return out + self._optimizer_tensors()
+
+    def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        opt = self.opt
+        if opt is None:
+            return []
+        out = [("masters", opt.master)] if opt.master is not None else []
+        out += [("optimizer", t) for parts in opt.state.values() for t in parts]
+        return out + ([("host_grads", opt.host_grad)] if getattr(opt, "host_grad", None) is not None else [])
+
+    def symmetric_bytes(self) -> int:
+        """Bytes in symmetric memory (the copy engines' buffers), which PyTorch's allocator statistics miss."""
+        transport = getattr(self, "transport", None)
+        return transport.symmetric_bytes() if transport is not None else 0
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state (masters included)."""
+        kinds = {"params": "params", "param_shards": "params", "grads": "grads", "masters": "optimizer",
+                 "optimizer": "optimizer"}
+        out = {"params": 0, "grads": 0, "optimizer": 0}
+        seen = set()
+        for kind, t in self.held_tensors():
+            if kind in kinds and id(t) not in seen:
+                seen.add(id(t))
+                out[kinds[kind]] += t.numel() * t.element_size()
+        return out
+
+
+class LocalEngine(Engine):
+    """One data-parallel rank: flat buckets and the optimizer, nothing to communicate."""
+
+    def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1):
+        self.cfg = cfg
+        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple)
+        self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        return self.flat.buckets[b].grad  # the whole bucket: the optimizer is not sharded
+
+    def grad_sumsq(self) -> torch.Tensor | None:
+        """The gradient's sum of squares where the reduction already took it; None: the optimizer does."""
+        return None
+
+    def optimizer_step(self, lr: float, step: int) -> None:
+        self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor(),
+                      sumsq=self.grad_sumsq())
+        self.flat.zero_grad()
+
+    def step_stats(self, step: int) -> tuple[float, int]:
+        return self.opt.sync(step)
+
+    def gather_full_state(self):
+        return self.opt.master_state(), self.opt.state_by_name()
+
+    @torch.no_grad()
+    def load_full_state(self, masters: dict, state: dict) -> None:
+        shards = self.opt.load(masters, state)
+        for b, part in zip(self.flat.buckets, shards):
+            b.data.copy_(part)

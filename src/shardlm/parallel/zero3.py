@@ -1,0 +1,254 @@
+"""ZeRO stage 3: parameters sharded too (Rajbhandari et al. 2020), with parameter offload to the CPU as an
+option (ZeRO-Offload / ZeRO-Infinity's CPU tier, Ren et al. 2021).
+
+Buckets are units: one per transformer block, one for the input embeddings, one for the final norm and
+output head (one root unit holding embeddings, final norm and head when the head is tied to the
+embedding), and one for all parameters of at most `parallel.persist_threshold` elements, which stay
+whole ("unsharded"). The model says which module is which (`model.parts()`). A block's unit is
+all-gathered just before its forward and again before its backward (when the gradient of its output
+arrives), its storage freed after each; the next unit's all-gather is issued early so it overlaps the
+current block's compute. The embedding unit is freed as soon as the embeddings are looked up (their
+backward needs no weights), the head unit after backward.
+
+As in FSDP2, the 16-bit weights are not stored: each gather casts the rank's fp32 master slice, so
+parameters cost (2 + K) Phi / N per rank instead of (2 + 2 + K) Phi / N; with parameter offload the
+16-bit slice is kept in pinned CPU memory instead. Gradients are reduced as in stage 2 (zero.py), one
+unit in flight. By the copy engines, each gather puts the rank's cast slice into one of two small
+symmetric slots and pulls the peers' (comm/copy_engine.py), still with no 16-bit weights at rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..flat import FlatParams
+from .zero import ZeroEngine, eager
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
+    """Units in the order backward completes them: the head, blocks last-to-first, the small unsharded
+    parameters, the embeddings (one root unit holding embeddings, final norm and head when they are tied)."""
+    parts = model.parts()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    name_of = {id(p): n for n, p in named}
+    small = [n for n, p in named if p.numel() <= persist_threshold]
+
+    def unit(modules) -> list[str]:
+        return [name_of[id(p)] for m in modules for p in m.parameters()
+                if id(p) in name_of and name_of[id(p)] not in small]
+    blocks = [unit([layer]) for layer in reversed(parts.layers)]
+    embed = unit(parts.embeddings)
+    head = unit([parts.final_norm] + ([parts.head] if parts.head is not None else []))
+    if parts.head is None:  # tied: the embedding is also the head
+        head, embed = [], embed + head
+    return [u for u in [head, *blocks, small, embed] if u]
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """Where one ZeRO-3 unit stands (`Zero3Engine.unit_states`)."""
+    kind: str                # "embed", "block", "head" or "unsharded" (the small parameters kept whole)
+    block: int | None        # the block's index, for kind "block"
+    resident: bool           # its full 16-bit weights occupy memory now
+    gather_in_flight: bool   # a gather was issued and not yet waited for (a prefetch)
+
+
+class Zero3Engine(ZeroEngine):
+    def __init__(self, model: nn.Module, cfg, scaler, group):
+        super().__init__(model, cfg, scaler, group)
+        if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
+            self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
+
+    def _flat_params(self, model: nn.Module) -> FlatParams:
+        threshold = int(self.cfg.parallel.persist_threshold)
+        flat = FlatParams(model, stage3_units(model, threshold), pad_multiple=self.world, materialize=False)
+        small = {n for n, q in model.named_parameters() if q.numel() <= threshold}
+        self.unsharded = [all(flat.names[i] in small for i in b.params) for b in flat.buckets]
+        return flat
+
+    def _shard_parameters(self, model: nn.Module) -> list:
+        flat = self.flat
+        self.offload_params = self.cfg.parallel.offload == "params"
+        pin = self.offload_params and torch.cuda.is_available()
+        # param_shards[b]: this rank's 16-bit slice of unit b where one is kept (None: gathers cast the master)
+        self.param_shards: list[torch.Tensor | None] = []
+        self.gathered: list[bool] = []
+        self.gathers: dict[int, tuple] = {}  # unit -> (its gather in flight, the gather's input)
+        self.in_backward = False
+        for b in flat.buckets:
+            full = torch.zeros(b.numel, dtype=flat.dtype, device=flat.device)
+            with torch.no_grad():
+                for i in b.params:
+                    flat.view(full, i).copy_(flat.params[i].detach())
+                    flat.params[i].data = flat.view(full, i)
+            b.data = full
+            shard = self._own(full).clone()
+            self.param_shards.append(shard.to("cpu").pin_memory() if pin else (shard.cpu() if self.offload_params else shard))
+            self.gathered.append(True)
+        self._register_hooks(model)
+        for b in flat.buckets:  # at rest, only the small parameters are whole
+            self._release(b.index)
+        return list(self.param_shards)
+
+    def _own(self, full: torch.Tensor) -> torch.Tensor:
+        n = full.numel() // self.world
+        return full[self.rank * n:(self.rank + 1) * n]
+
+    def _register_hooks(self, model: nn.Module) -> None:
+        flat, parts = self.flat, model.parts()
+        block_of = {id(q): i for i, layer in enumerate(parts.layers) for q in layer.parameters()}
+        embedding = {id(q) for m in parts.embeddings for q in m.parameters()}
+        unit_of_block, self.embed_unit, self.head_unit = {}, None, None
+        for b in flat.buckets:
+            if self.unsharded[b.index]:
+                continue
+            first = flat.params[b.params[0]]
+            if id(first) in block_of:
+                unit_of_block[block_of[id(first)]] = b.index
+            elif any(id(flat.params[i]) in embedding for i in b.params):
+                self.embed_unit = b.index
+            else:
+                self.head_unit = b.index
+        tied = parts.head is None
+        if tied:
+            self.head_unit = self.embed_unit  # one root unit, kept from forward until after backward
+        self.block_units = [unit_of_block.get(i) for i in range(len(parts.layers))]
+        for i, block in enumerate(parts.layers):
+            block.register_forward_pre_hook(self._block_pre_hook(i))
+            block.register_forward_hook(self._block_post_hook(i))
+        model.register_forward_pre_hook(eager(lambda mod, args: self._gather(self.embed_unit)))
+        if not tied:
+            # The embeddings' backward needs no weights: free them once the lookup is done.
+            parts.layers[0].register_forward_pre_hook(eager(lambda mod, args: self._release(self.embed_unit)))
+            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._gather(self.head_unit)))
+        model.register_forward_hook(self._model_post_hook)
+
+    def _wait_for_weights_in_forward(self, model: nn.Module) -> None:
+        pass  # the unsharded parameters' all-gathers complete inside the step
+
+    def unit_states(self) -> list[UnitState]:
+        block = {u: i for i, u in enumerate(self.block_units) if u is not None}
+        out = []
+        for b in self.flat.buckets:
+            u = b.index
+            kind = ("unsharded" if self.unsharded[u] else "embed" if u == self.embed_unit
+                    else "head" if u == self.head_unit else "block")
+            out.append(UnitState(kind, block.get(u), b.data.untyped_storage().size() > 0, u in self.gathers))
+        return out
+
+    # ---- gathers around each unit's use --------------------------------------------------------
+    def _release(self, b: int | None) -> None:
+        if b is None or not self.gathered[b] or self.unsharded[b]:
+            return
+        work = self.gathers.pop(b, None)  # a prefetch never waited for
+        if work is not None and work[0] is not None:
+            work[0].wait()  # it may still be writing into the storage freed next
+        _free(self.flat.buckets[b].data)
+        self.gathered[b] = False
+
+    def _issue_gather(self, b: int | None) -> None:
+        if b is None or b in self.gathers or self.gathered[b]:
+            return
+        bucket = self.flat.buckets[b]
+        _alloc(bucket.data)
+        src = self.param_shards[b]
+        src = self.opt.master_part(b) if src is None else src  # None: the gather casts the fp32 master slice
+        self.gathers[b] = self.transport.gather(src, bucket.data)
+        self.gathered[b] = True
+
+    def _gather(self, b: int | None) -> None:
+        if b is None:
+            return
+        self._issue_gather(b)
+        work = self.gathers.pop(b, None)
+        if work is not None and work[0] is not None:
+            work[0].wait()
+
+    def _block_pre_hook(self, i: int):
+        @eager
+        def hook(module, args):
+            self._gather(self.block_units[i])
+            if not self.in_backward:  # prefetch what forward needs next: overlaps this block's compute
+                self._issue_gather(self.block_units[i + 1] if i + 1 < len(self.block_units) else self.head_unit)
+        return hook
+
+    def _block_post_hook(self, i: int):
+        @eager
+        def hook(module, args, output):
+            if self.in_backward:  # a recomputation inside backward: the unit stays for its gradients
+                return output
+            self._release(self.block_units[i])
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(self._pre_backward(i))
+            return output
+        return hook
+
+    def _pre_backward(self, i: int):
+        @eager
+        def hook(grad):
+            self.in_backward = True
+            self._gather(self.block_units[i])
+            if i > 0:
+                self._issue_gather(self.block_units[i - 1])  # prefetch the block backward visits next
+            return grad
+        return hook
+
+    @eager
+    def _model_post_hook(self, module, args, output):
+        if not torch.is_grad_enabled():  # eval or generation: nothing will need the head again
+            self._release(self.head_unit)
+        return output
+
+    # ---- ZeroEngine's seams --------------------------------------------------------------------
+    def _after_launch(self, b: int) -> None:
+        if b != self.head_unit:
+            self._release(b)  # this unit's backward is done: its gradients are all in
+
+    def _backward_done(self) -> None:
+        self.in_backward = False
+        self._release(self.head_unit)
+
+    def _param_shard(self, b: int) -> torch.Tensor | None:
+        if self.unsharded[b]:
+            return self.opt.shard_of(self.flat.buckets[b].data, b)
+        return self.param_shards[b]  # None: the next gather casts the master itself
+
+    def _before_step(self) -> None:
+        for work, _ in self.gathers.values():  # a prefetch not waited for yet still reads the masters
+            if work is not None:
+                work.wait()
+        self.gathers.clear()
+
+    def _gather_updated_weights(self) -> None:
+        """Only the unsharded units are whole between steps: their updated slices go out now."""
+        for b in self.gather_order:
+            if not self.unsharded[b]:
+                continue
+            bucket = self.flat.buckets[b]
+            self.param_shards[b].copy_(self.opt.shard_of(bucket.data, b))
+            if self.world > 1:
+                self.weight_gathers[b] = self.transport.gather(self.param_shards[b], bucket.data)
+        self._wait_weight_gathers()
+
+    def _load_bucket(self, bucket, part: torch.Tensor, masters: dict) -> None:
+        if self.param_shards[bucket.index] is not None:
+            self.param_shards[bucket.index].copy_(part)
+        if self.gathered[bucket.index]:
+            super()._load_bucket(bucket, part, masters)
+
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("params", b.data) for b in self.flat.buckets if self.unsharded[b.index]]
+        out += [("param_shards", s) for b, s in zip(self.flat.buckets, self.param_shards)
+                if s is not None and not self.unsharded[b.index]]
+        return out + [t for t in super().held_tensors() if t[0] != "params"]
+

@@ -1,0 +1,65 @@
+"""A watchdog that ends a rank whose collectives make no progress (a peer died or stalled), with a message.
+
+Needed on GPUs: a stream that waits on a flag no peer will ever set (the copy engines' `StreamFlags`)
+never errors out by itself, and NCCL's own watchdog, at its timeout, aborts the communicator, which lets
+the waiting kernels finish on whatever data they hold: the step would go on with wrong numbers (a
+checkpoint could be written from them) until NCCL ends the process later. The trainer's watchdog fires
+first (NCCL's timeout is set longer, see mesh.py): it watches each step's completion on the GPU
+(`watch`, an event) and host sections that wait on peers (`guard`). gloo raises at its own timeout.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+import time
+
+
+class _Flag:
+    """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Watchdog:
+    """Ends the process with a message when watched work makes no progress for `timeout_s`."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.pending = collections.deque()  # (deadline, event, label)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shardlm-watchdog", daemon=True)
+        self.thread.start()
+
+    def watch(self, event, label: str) -> None:
+        """`event` (anything with query(), such as a CUDA event) must be done within timeout_s from now."""
+        self.pending.append((time.monotonic() + self.timeout_s, event, label))
+
+    @contextlib.contextmanager
+    def guard(self, label: str):
+        """The block must return within timeout_s (it waits on peers: collectives, their results)."""
+        flag = _Flag()
+        self.watch(flag, label)
+        try:
+            yield
+        finally:
+            flag.done = True
+
+    def _run(self) -> None:
+        while not self.stop.wait(min(1.0, self.timeout_s / 4)):
+            while self.pending and self.pending[0][1].query():
+                self.pending.popleft()
+            if self.pending and time.monotonic() > self.pending[0][0]:
+                print(f"shardlm: {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
+                      f"(parallel.timeout_s): a peer rank died or stalled; exiting", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
