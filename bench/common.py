@@ -1,6 +1,7 @@
-"""What every benchmark here shares: the timing loop and the one FLOPs-per-token formula all systems are
-charged (6 x non-embedding parameters + 12 x layers x hidden x seq, the torchtitan convention that
-../shared/bench/peer_baseline.py uses) against the dense bf16 peak of an H100/H200."""
+"""What every benchmark here shares: the timing loop and the dense bf16 peak of an H100/H200 that every
+system is charged against, with the one FLOPs-per-token definition (shardlm.config.ModelConfig.flops_per_token:
+6 x matmul parameters + 12 x layers x heads x head_dim x seq, the torchtitan convention that
+../shared/bench/peer_baseline.py uses)."""
 import time
 
 PEAK = 989e12
@@ -19,6 +20,3 @@ def timed(step, warm: int, steps: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
 
-
-def flops_per_token(m, seq: int) -> int:
-    return 6 * (m.num_params() - m.param_counts()["embedding"]) + 12 * m.num_layers * m.hidden_size * seq

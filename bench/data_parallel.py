@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import PEAK, flops_per_token, timed
+from common import PEAK, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
@@ -63,7 +63,7 @@ def worker(args, extra):
         # Symmetric memory is mapped outside PyTorch's caching allocator, which the peak above counts.
         mem += trainer.engine.symmetric_bytes() / 2**30
     tokens = args.micro_batch * args.seq
-    flops = flops_per_token(m, args.seq)
+    flops = m.flops_per_token(args.seq)
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tokens / dt,
                                       "mfu": tokens / dt * flops / PEAK, "peak_mem_gib": mem}), flush=True)

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "bench")]
-from common import PEAK, flops_per_token  # noqa: E402
+from common import PEAK  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
-from shardlm.mesh import Mesh  # noqa: E402
+from shardlm.mesh import DeviceMesh  # noqa: E402
 from shardlm.parallel import zero as Z  # noqa: E402
 import shardlm.trainer as T  # noqa: E402
 from shardlm.trainer import Trainer  # noqa: E402
@@ -126,9 +126,10 @@ def measure(name, warm=3, steps=10, profile=False):
             if "max_ctas" in pgo:
                 opts.config.max_ctas = pgo["max_ctas"]
         group = dist.new_group(list(range(world)), pg_options=opts)
-        mesh = Mesh(world=world, rank=rank, local_rank=local, dp=dp, dp_rank=rank, dp_group=group)
+        mesh = DeviceMesh({"pp": 1, "dp": dp, "cp": 1, "tp": 1}, {"pp": 0, "dp": rank, "cp": 0, "tp": 0},
+                          {"dp": group}, rank, local)
     else:
-        mesh = Mesh()
+        mesh = DeviceMesh()
     Z.REDUCTIONS_IN_FLIGHT = patches.get("inflight", 4)
     torch.manual_seed(0)
     build = T.build_engine
@@ -207,7 +208,7 @@ def measure(name, warm=3, steps=10, profile=False):
                           ("opt", "comm_end", "step_end"))}
     tok = 4 * cfg.train.seq_len / dt
     res = {"name": name, "step_ms": dt * 1e3, "tok_s_gpu": tok,
-           "mfu": tok * flops_per_token(cfg.model, cfg.train.seq_len) / PEAK,
+           "mfu": tok * cfg.model.flops_per_token(cfg.train.seq_len) / PEAK,
            "peak_gib": (torch.cuda.max_memory_allocated() + tr.engine.symmetric_bytes()) / 2**30, "launch_cpu_ms": CPU["launch"] * 1e3 / steps,
            **{k: round(v, 2) for k, v in ph.items()}}
     if profile and rank == 0:

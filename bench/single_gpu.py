@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEAK, flops_per_token, timed
+from common import PEAK, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def run_hf(args, mode: str):
 def child(args, system: str, extra: list[str]) -> None:
     (dt, mem), m = run_shardlm(args, extra) if system.startswith("shardlm") else run_hf(args, system)
     tokens = args.micro_batch * args.seq
-    flops = flops_per_token(m, args.seq)
+    flops = m.flops_per_token(args.seq)
     print("RESULT " + json.dumps({"system": system, "step_s": dt, "tok_s_gpu": tokens / dt,
                                   "mfu": tokens / dt * flops / PEAK, "peak_mem_gib": mem}), flush=True)
 

@@ -33,7 +33,7 @@ def raise_on_rank_zero(rank, world):
 
 def mesh_groups(rank, world, dp, tp, pp):
     from shardlm.mesh import build_mesh
-    m = build_mesh(dp, tp, pp)
+    m = build_mesh(pp=pp, dp=dp, tp=tp)
     members = {}
     for axis in ("dp", "tp", "pp"):
         t = torch.tensor([float(rank)])

@@ -63,7 +63,7 @@ def test_predictions_match_measured_tinyllama_memory():
     """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md)."""
     m, g = load_config("tinyllama-1.1b").model, gpu("h200")
     cases = [(Workload(2048, 4, 4), Layout(), 28.1), (Workload(2048, 4, 4), Layout(recompute="full"), 18.0),
-             (Workload(2048, 4, 16), Layout(dp=4, zero=3), 14.9), (Workload(2048, 4, 16), Layout(dp=4, zero=2), 16.9)]
+             (Workload(2048, 4, 16), Layout(dp=4, zero_stage=3), 14.9), (Workload(2048, 4, 16), Layout(dp=4, zero_stage=2), 16.9)]
     for w, L, measured in cases:
         predicted = estimate(m, w, L, g).memory.total / 2**30
         assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
@@ -73,12 +73,12 @@ def test_bad_layouts_name_the_value():
     m, g = load_config("tinyllama-1.1b").model, gpu("h100")
     w = Workload(2048, 1, 8)
     for layout, msg in [(Layout(tp=3), "--tp 3 does not divide the 32 attention heads"),
-                        (Layout(tp=8), "--tp 8 does not divide the 4 KV heads"),
                         (Layout(pp=23), "--pp 23 exceeds the model's 22 layers"),
-                        (Layout(zero=3, pp=2), "--zero 3 with --pp 2 is not supported"),
-                        (Layout(offload="params", zero=2), "--offload params needs --zero 3")]:
+                        (Layout(zero_stage=3, pp=2), "--zero 3 with --pp 2 is not supported"),
+                        (Layout(offload="params", zero_stage=2), "--offload params needs --zero 3")]:
         with pytest.raises(PlanError, match=msg):
             estimate(m, w, layout, g)
+    estimate(m, w, Layout(tp=8), g)  # 4 KV heads at tp 8: each rank keeps them whole (tensor.py)
     with pytest.raises(PlanError, match=r"= 2 != --gpus 4"):
         estimate(m, w, Layout(dp=2), g, gpus=4)
     with pytest.raises(ValueError, match="unknown --gpu 'tpu'"):
@@ -88,7 +88,7 @@ def test_bad_layouts_name_the_value():
 def test_scores_ten_thousand_layouts_quickly():
     m, g = load_config("llama2-7b").model, gpu("h100")
     w = Workload(4096, 1, 256)
-    layouts = [Layout(dp=d, zero=z, recompute=r) for d in (8, 16, 32, 64) for z in range(4)
+    layouts = [Layout(dp=d, zero_stage=z, recompute=r) for d in (8, 16, 32, 64) for z in range(4)
                for r in ("none", "selective", "full")]
     t = time.perf_counter()
     n = 0
@@ -126,8 +126,8 @@ def test_mixture_of_experts_counts_and_expert_parallel_traffic():
     active = m.param_counts()["active_per_layer"] * 32 + 2 * 32000 * 4096
     assert active == pytest.approx(12.9e9, rel=0.005)
     w = Workload(4096, 1, 64)
-    one = estimate(m, w, Layout(dp=8, zero=1), gpu("h100"))
-    ep = estimate(m, w, Layout(dp=8, ep=8, zero=1), gpu("h100"))
+    one = estimate(m, w, Layout(dp=8, zero_stage=1), gpu("h100"))
+    ep = estimate(m, w, Layout(dp=8, ep=8, zero_stage=1), gpu("h100"))
     assert one.comm_bytes_per_step["ep"] == 0 < ep.comm_bytes_per_step["ep"]
     assert ep.memory.params < one.memory.params / 3  # experts (most of the weights) split 8 ways
     with pytest.raises(PlanError, match="--ep 3 must divide the 8 experts"):

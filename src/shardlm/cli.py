@@ -56,14 +56,13 @@ def cmd_train(argv: list[str]) -> int:
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
         from .checkpoint import load_checkpoint
-        from .config import _apply, config_from_dict
+        from .config import apply_overrides, config_from_dict
         cfg = config_from_dict(load_checkpoint(args.resume, with_optimizer=False)["state"]["config"])
-        _apply(cfg, overrides)
+        apply_overrides(cfg, overrides)
     else:
         cfg = load_config(args.config, overrides)
     if args.print_config:
-        p = cfg.parallel
-        validate(cfg, world_size=p.dp * p.tp * p.pp)  # the layout's own world size: torchrun is not needed here
+        validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
     from .trainer import Trainer

@@ -152,11 +152,18 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    """The layout: how the work is split over the ranks. One schema for the runtime and the planner (whose
+    `plan.Layout` adds the training options that change memory and time); `check_layout` checks it."""
+    dp: int = 1                    # data parallel
+    tp: int = 1                    # tensor parallel (Megatron column/row split), innermost in the mesh
+    pp: int = 1                    # pipeline stages
+    cp: int = 1                    # context parallel (sequence split over ranks)
+    ep: int = 1                    # expert parallel, carved out of dp x cp
+    sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     zero_stage: int = 0
     offload: str = "none"          # none | optimizer | params
+    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1        # model chunks per pipeline rank (interleaved 1F1B)
     dp_mode: str = "ddp"           # ddp | classic
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
@@ -164,6 +171,10 @@ class ParallelConfig:
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
 
 
 @dataclass
@@ -199,10 +210,12 @@ CHOICES = {
     "parallel.dp_mode": ("ddp", "classic"),
     "parallel.reduce_dtype": ("fp32", "compute"),
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
 }
 POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
-            "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp",
+            "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
+            "parallel.ep", "parallel.virtual_stages",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
 NON_NEGATIVE = ("model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
@@ -271,7 +284,9 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
 
 
-def _apply(cfg: Config, flat: dict[str, Any]) -> None:
+def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
+    """Set `section.key` values (strings from the command line, or TOML values) on `cfg`, converted to each
+    field's type; an unknown key or a value of the wrong type raises ConfigError naming it."""
     for key, value in flat.items():
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
@@ -300,16 +315,16 @@ def load_config(source: str | None = None, overrides: dict[str, Any] | None = No
     path = _resolve_source(source or "default")
     try:
         with open(path, "rb") as f:
-            _apply(cfg, _flatten(tomllib.load(f), str(path)))
+            apply_overrides(cfg, _flatten(tomllib.load(f), str(path)))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
-    _apply(cfg, overrides or {})
+    apply_overrides(cfg, overrides or {})
     return cfg
 
 
 def config_from_dict(d: dict) -> Config:
     cfg = Config()
-    _apply(cfg, _flatten(d, "saved config"))
+    apply_overrides(cfg, _flatten(d, "saved config"))
     return cfg
 
 
@@ -347,29 +362,96 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
-    if p.dp * p.tp * p.pp != world_size:
-        raise ConfigError(f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
-                          f"{p.dp * p.tp * p.pp} != world size {world_size}")
-    if t.global_batch_size % (t.micro_batch_size * p.dp):
-        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size ({t.micro_batch_size}) x parallel.dp ({p.dp})")
-    if p.offload != "none" and p.zero_stage < 1:
-        raise ConfigError(f"parallel.offload = {p.offload!r} needs parallel.zero_stage >= 1 (it is {p.zero_stage})")
-    if p.offload == "params" and p.zero_stage < 3:
-        raise ConfigError(f"parallel.offload = 'params' needs parallel.zero_stage = 3 (it is {p.zero_stage})")
-    if not 0 <= p.zero_stage <= 3:
-        raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
-    if p.reduce_algo == "copy_engine" and p.dp_mode == "classic":
-        raise ConfigError("parallel.reduce_algo = 'copy_engine' is implemented for DDP and ZeRO, not for "
-                          "parallel.dp_mode = 'classic'")
-    if p.dp_mode == "classic" and p.zero_stage:
-        raise ConfigError(f"parallel.dp_mode = 'classic' keeps everything on one rank; it cannot be combined "
-                          f"with parallel.zero_stage = {p.zero_stage}")
     # Strategies that are validated but not built yet are refused, never silently ignored.
-    for key, value, default in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1)):
-        if value != default:
-            raise ConfigError(f"{key} = {value!r} is not supported yet by this version of shardlm "
-                              f"(only {default!r}); the strategy is on the roadmap")
+    for key in ("tp", "pp", "cp", "ep"):
+        if getattr(p, key) != 1:
+            raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} is not supported yet by this version of shardlm "
+                              "(only 1); the strategy is on the roadmap")
+    check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+# ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
+
+@dataclass(frozen=True)
+class Naming:
+    """How a layout check names what it refuses: by config key (`parallel.tp = 3`), or by the planner's
+    flags (`--tp 3`)."""
+    flags: bool = False
+    CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
+                   "seq": "train.seq_len"}
+    FLAGS = {"zero_stage": "zero"}
+
+    def key(self, name: str) -> str:
+        if self.flags:
+            return "--" + self.FLAGS.get(name, name).replace("_", "-")
+        return self.CONFIG_KEYS.get(name, f"parallel.{name}")
+
+    def show(self, name: str, value) -> str:
+        if self.flags:
+            return self.key(name) if value is True else f"{self.key(name)} {value}"
+        return f"{self.key(name)} = {value!r}"
+
+
+def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
+                 world: int | None = None, naming: Naming = Naming()) -> None:
+    """A layout against the model, the batch and (when given) the world size; raises ConfigError naming the
+    values. Every rank runs it before any collective, and the planner before it estimates."""
+    key, show = naming.key, naming.show
+    for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
+    for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"])):
+        if getattr(p, name) not in allowed:
+            raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
+    if world is not None and p.world != world:
+        axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
+        got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
+        raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
+    if m.ffn_size % p.tp:
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+    if p.sp and p.tp == 1:
+        raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
+    if p.sp and seq % p.tp:
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)} for sequence parallelism")
+    if p.pp > m.num_layers:
+        raise ConfigError(f"{show('pp', p.pp)} exceeds the model's {m.num_layers} layers")
+    if m.num_layers % (p.pp * p.virtual_stages):
+        raise ConfigError(f"{m.num_layers} layers do not split into {show('pp', p.pp)} x "
+                          f"{show('virtual_stages', p.virtual_stages)} equal stages")
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
+    if p.zero_stage == 3 and p.pp > 1:
+        raise ConfigError(f"{show('zero_stage', 3)} with {show('pp', p.pp)} is not supported (parameters would be "
+                          f"gathered for every micro-batch of every stage); use {show('zero_stage', 1)} with "
+                          "pipeline parallelism")
+    if p.offload != "none" and p.zero_stage < 1:
+        raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
+    if p.offload == "params" and p.zero_stage < 3:
+        raise ConfigError(f"{show('offload', p.offload)} needs {show('zero_stage', 3)} (it is {p.zero_stage})")
+    if p.dp_mode == "classic" and p.zero_stage:
+        raise ConfigError(f"{show('dp_mode', 'classic')} keeps everything on one rank; it cannot be combined "
+                          f"with {show('zero_stage', p.zero_stage)}")
+    if p.reduce_algo == "copy_engine" and p.dp_mode == "classic":
+        raise ConfigError(f"{show('reduce_algo', 'copy_engine')} is implemented for DDP and ZeRO, not for "
+                          f"{show('dp_mode', 'classic')}")
+    if p.ep > 1 and not m.num_experts:
+        raise ConfigError(f"{show('ep', p.ep)} needs a mixture-of-experts model (model.num_experts)")
+    if m.num_experts and (m.num_experts % p.ep or (p.dp * p.cp) % p.ep):
+        raise ConfigError(f"{show('ep', p.ep)} must divide the {m.num_experts} experts and {key('dp')} x {key('cp')} "
+                          f"({p.dp * p.cp}): expert parallelism is carved out of data and context parallelism")
+    if m.num_experts and not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
+    if seq % p.cp:
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
+    if min(seq, micro_batch, global_batch) < 1:
+        raise ConfigError(f"{key('seq')}, {key('micro_batch')} and {key('global_batch')} must be positive")
+    if global_batch % (micro_batch * p.dp):
+        raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
+                          f"({micro_batch}) x {key('dp')} ({p.dp})")
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:

@@ -1,14 +1,21 @@
-"""The device mesh: ranks laid out as a (pp, dp, tp) grid, tensor parallel innermost so that its heavy
-collectives stay inside a node (Narayanan et al. 2021). As in picotron, the grid is a reshaped arange
-and each axis's process groups are the grid's lines along that axis.
+"""The device mesh: ranks laid out as a grid with named axes (pp, dp, cp, tp), tensor parallel innermost so
+that its heavy collectives stay inside a node (Narayanan et al. 2021). As in picotron, the grid is a
+reshaped arange; a group over some axes is a line (or plane) of the grid along them, and every rank
+creates every group, in the same order, once, when the mesh is built. Besides one group per axis the mesh
+holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
+which gradients are reduced) and `pp+tp` (the ranks holding different parts of one model replica, over
+which the gradient norm is summed). Expert parallelism will be carved out of dp x cp, as Megatron and
+torchtitan do.
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
 exists, so a bad layout fails with the same message everywhere and no rank waits in a collective.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -16,80 +23,113 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, validate
 
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+DERIVED = (("dp", "cp"), ("pp", "tp"))
+
 
 @dataclass
-class Mesh:
-    world: int = 1
+class DeviceMesh:
+    sizes: dict = field(default_factory=lambda: dict.fromkeys(AXES, 1))   # axis -> degree
+    coords: dict = field(default_factory=lambda: dict.fromkeys(AXES, 0))  # axis -> this rank's index on it
+    groups: dict = field(default_factory=dict)  # "tp", "dp+cp", ... -> process group; absent: size 1
     rank: int = 0
     local_rank: int = 0
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    dp_rank: int = 0
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_group: object = None
-    tp_group: object = None
-    pp_group: object = None
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes.values())
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def size(self, axes: str) -> int:
+        """The degree of an axis, or of several joined by '+' ("dp+cp")."""
+        return math.prod(self.sizes[a] for a in axes.split("+"))
+
+    def coord(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def group(self, axes: str):
+        """The process group over an axis or a derived set of axes ("dp+cp"); None where its size is 1."""
+        return self.groups.get(axes)
+
+    def release_groups(self) -> None:
+        self.groups = {}
+
+    # The data-parallel and tensor-parallel views most code asks for.
+    dp = property(lambda self: self.sizes["dp"])
+    tp = property(lambda self: self.sizes["tp"])
+    pp = property(lambda self: self.sizes["pp"])
+    cp = property(lambda self: self.sizes["cp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    tp_rank = property(lambda self: self.coords["tp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    dp_group = property(lambda self: self.group("dp"))
+    tp_group = property(lambda self: self.group("tp"))
+    pp_group = property(lambda self: self.group("pp"))
 
 
 def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def build_mesh(dp: int, tp: int, pp: int, timeout: timedelta | None = None) -> Mesh:
-    """Groups for an initialised process group (or a single process when none is initialised)."""
+def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None) -> DeviceMesh:
+    """The mesh of an initialised process group (or of one process when none is initialised)."""
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     if not dist.is_initialized():
-        return Mesh(dp=dp, tp=tp, pp=pp)
+        if math.prod(sizes.values()) != 1:
+            raise ValueError(f"a mesh of {sizes} needs an initialised process group of that many ranks")
+        return DeviceMesh()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if dp * tp * pp != world:
-        raise ValueError(f"dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size {world}")
-    grid = torch.arange(world).view(pp, dp, tp)
-    pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
-    mesh = Mesh(world=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)), dp=dp, tp=tp, pp=pp,
-                dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
-    # Every rank must create every group, in the same order, even those it is not in. An axis that
-    # spans the whole world is the default group itself; one of size 1 needs no group.
-    for axis, lines in (("tp", grid.reshape(-1, tp)), ("dp", grid.transpose(1, 2).reshape(-1, dp)),
-                        ("pp", grid.permute(1, 2, 0).reshape(-1, pp))):
-        size = lines.shape[1]
-        if size == world:
-            setattr(mesh, f"{axis}_group", dist.group.WORLD)
-            continue
+    if math.prod(sizes.values()) != world:
+        raise ValueError(f"mesh {sizes} does not have the world size {world}")
+    grid = torch.arange(world).view(*(sizes[a] for a in AXES))
+    coords = dict(zip(AXES, (int(i) for i in (grid == rank).nonzero()[0])))
+    mesh = DeviceMesh(sizes, coords, {}, rank, int(os.environ.get("LOCAL_RANK", 0)))
+    # Every rank must create every group, in the same order, even those it is not in. A group that spans
+    # the whole world is the default group itself; one of size 1 needs no group.
+    for axes in [(a,) for a in AXES] + list(DERIVED):
+        size = math.prod(sizes[a] for a in axes)
         if size == 1:
             continue
-        for line in lines.tolist():
+        name = "+".join(axes)
+        if size == world:
+            mesh.groups[name] = dist.group.WORLD
+            continue
+        inner = [AXES.index(a) for a in axes]
+        outer = [i for i in range(len(AXES)) if i not in inner]
+        for line in grid.permute(*outer, *inner).reshape(-1, size).tolist():
             group = dist.new_group(line, timeout=timeout)
             if rank in line:
-                setattr(mesh, f"{axis}_group", group)
+                mesh.groups[name] = group
     return mesh
 
 
-def init_distributed(cfg: Config) -> Mesh:
+def init_distributed(cfg: Config) -> DeviceMesh:
     world, rank, local_rank = world_from_env()
     validate(cfg, world)
     if world == 1:
-        return Mesh()
+        return DeviceMesh()
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
     if use_cuda:
         # Every rank of the node checks the node's process count, so none goes on into a rendezvous that
         # the ranks without a GPU never join.
-        local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
         gpus = torch.cuda.device_count()
         if local_world > gpus:
             raise ConfigError(f"{local_world} processes on this node need one GPU each, but {gpus} "
                               f"{'is' if gpus == 1 else 'are'} visible: start at most {gpus} per node "
                               f"(torchrun --nproc-per-node {gpus}), or train on the CPU (--train.device cpu)")
         torch.cuda.set_device(local_rank)
+    p = cfg.parallel
+    if p.tp > 1 and local_world % p.tp and rank == 0:
+        warnings.warn(f"parallel.tp = {p.tp} spans nodes of {local_world} processes each: it works, but its "
+                      "collectives (several per layer) then cross the network and will be slow", stacklevel=2)
     # gloo raises at the timeout. NCCL's watchdog would abort the communicator and let the step go on with
     # the aborted collectives' data: the trainer's own watchdog (runtime/watchdog.py) ends the rank at
     # timeout_s instead, and NCCL's, at twice that, is only the backstop.
-    p = cfg.parallel
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    return build_mesh(p.dp, p.tp, p.pp, timeout)
+    return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout)

@@ -23,7 +23,7 @@ from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .config import Config, config_from_dict
 from .data.loader import open_train_data
 from .inference import generate_text
-from .mesh import Mesh, init_distributed
+from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .model import build_model
 from .optim import lr_at
@@ -37,7 +37,7 @@ from .tokenizer import load_tokenizer
 
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
-                 mesh: Mesh | None = None, log=print):
+                 mesh: DeviceMesh | None = None, log=print):
         self.cfg, self.log = cfg, log
         self.owns_process_group = mesh is None and not dist.is_initialized()
         self.mesh = mesh if mesh is not None else init_distributed(cfg)
@@ -268,7 +268,8 @@ class Trainer:
             # optimizer's, ZeRO-3's hooks on the model) would keep them, and their gloo threads, for the
             # garbage collector at interpreter shutdown. Release them now, while Python still runs.
             self.engine = self.model = self.forward = None
-            self.mesh.dp_group = self.mesh.tp_group = self.mesh.pp_group = self.host_group = None
+            self.mesh.release_groups()
+            self.host_group = None
             gc.collect()
             dist.destroy_process_group()
             self.owns_process_group = False

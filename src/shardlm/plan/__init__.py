@@ -50,7 +50,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     b = bubble(w, L)
     compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
     phi = stage_params(m, L, 0)
-    shard = phi / L.dp if L.zero >= 1 else phi
+    shard = phi / L.dp if L.zero_stage >= 1 else phi
     optimizer = shard * CPU_ADAM_S if L.offload != "none" else shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
     mfu = model / (step * g.peak_flops)

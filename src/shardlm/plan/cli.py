@@ -105,7 +105,7 @@ def run(argv: list[str]) -> int:
                       f" {g.name})")
         return 0
     model = model_from_args(a)
-    layout = Layout(dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero=a.zero, offload=a.offload, sp=a.sp,
+    layout = Layout(dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload, sp=a.sp,
                     recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo)
@@ -123,7 +123,7 @@ def run(argv: list[str]) -> int:
               f"of {fmt(g.memory)}")
         for rank, (e, w, L) in enumerate(best, 1):
             desc = (f"dp {L.dp} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
-                    f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero} mb {w.micro_batch} recompute {L.recompute}")
+                    f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
             print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s ({why(e, L, best[0][0])})")
         if not best:
             print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")

@@ -32,9 +32,9 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     ring = (n - 1) / n
     if n == 1:
         dp = 0.0
-    elif L.zero == 0:
+    elif L.zero_stage == 0:
         dp = ring * phi * (red + act)  # a reduce-scatter and a 16-bit all-gather (comm/transport.py)
-    elif L.zero in (1, 2):
+    elif L.zero_stage in (1, 2):
         dp = ring * phi * (red + act)
     else:
         dp = ring * phi * (red + 2 * act)
@@ -67,9 +67,9 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
     ep_bw = link_bw(g, L.ep, L.tp * L.cp, gpus_per_node)
     t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / tp_bw + b["ep"] / ep_bw
     if L.dp > 1:
-        if L.zero == 0:
+        if L.zero_stage == 0:
             t += b["dp"] / dp_bw * EXPOSED["allreduce"]
-        elif L.zero in (1, 2):
+        elif L.zero_stage in (1, 2):
             t += b["dp"] / dp_bw * (EXPOSED["reduce_scatter"] + EXPOSED["allgather_step"]) / 2
         else:
             t += b["dp"] / dp_bw * EXPOSED["zero3_gather"]

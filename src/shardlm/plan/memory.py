@@ -134,13 +134,13 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
         red = 4 if L.reduce_dtype == "fp32" else g_b
         params, grads, opt = p_b * phi, g_b * phi, k * phi
-        if L.zero >= 1:
+        if L.zero_stage >= 1:
             opt = k * phi / n
         # The reduced shard (beside stage 1's full 16-bit gradients) lives from backward to the step only.
-        shard = red * phi / n if (L.zero >= 2 or (L.zero == 1 and red != g_b)) else 0.0
-        if L.zero >= 2:
+        shard = red * phi / n if (L.zero_stage >= 2 or (L.zero_stage == 1 and red != g_b)) else 0.0
+        if L.zero_stage >= 2:
             grads = 0.0
-        if L.zero == 3:
+        if L.zero_stage == 3:
             params = (p_b * phi / n) if L.offload == "params" else 0.0
             if not mixed:
                 params = 0.0
@@ -159,10 +159,10 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if stage == L.pp - 1:
             buffers += head_and_loss(m, w, L)
         unit = m.param_counts()["per_layer"] / L.tp * p_b
-        if L.zero == 3:
+        if L.zero_stage == 3:
             head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
             buffers += 2 * unit + head
-        if L.zero >= 2:
+        if L.zero_stage >= 2:
             buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
         elif L.dp > 1 and red != g_b:
             buffers += 2 * BUCKET_BYTES * red / g_b

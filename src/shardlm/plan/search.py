@@ -40,7 +40,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
                                 schedules.append(("interleaved", 2))
                             for sched, v in schedules:
                                 yield replace(w, micro_batch=micro), replace(
-                                    base, dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, recompute=recompute,
+                                    base, dp=dp, tp=tp, pp=pp, zero_stage=zero, sp=sp, recompute=recompute,
                                     pp_schedule=sched, virtual_stages=v)
 
 
