@@ -14,7 +14,7 @@ def all_reduce_rank(rank, world):
 
 
 def visible_gpus(rank, world):
-    return torch.cuda.device_count()
+    return torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def hang_on_rank_one(rank, world):

@@ -11,10 +11,12 @@ def test_harness_runs_collectives(world):
     assert run_distributed(dist_fns.all_reduce_rank, world) == [world * (world + 1) / 2] * world
 
 
-def test_harness_cpu_ranks_see_no_gpu():
+def test_harness_cpu_ranks_see_no_gpu(monkeypatch):
     """CPU ranks (the default) must not drift onto a GPU where the machine has one: the tests compare them
-    with references computed on the CPU."""
-    assert run_distributed(dist_fns.visible_gpus, 2) == [0, 0]
+    with references computed on the CPU. The caller here asks for GPU 0; its CPU ranks must still see none,
+    on any machine."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_distributed(dist_fns.visible_gpus, 2) == [(0, "")] * 2
 
 
 def test_harness_fails_a_hang_within_its_timeout():

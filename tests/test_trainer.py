@@ -100,8 +100,11 @@ def test_killed_run_resumes_on_the_same_trajectory(tmp_path):
     while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL
     done = resolve_checkpoint(tmp_path / "run").name
+    # The kill landed mid-run: the run had neither finished nor logged its last step.
+    logged = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert done != "step_00000040" and len(logged) < 40, (done, len(logged))
     resumed = subprocess.run([sys.executable, "-m", "shardlm", "train", "--resume", tmp_path / "run"],
                              capture_output=True, text=True, env=env, timeout=240)
     assert resumed.returncode == 0, resumed.stderr

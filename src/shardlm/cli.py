@@ -65,9 +65,22 @@ def cmd_train(argv: list[str]) -> int:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
-    from .trainer import Trainer
+    from .runtime.watchdog import peer_failure
     out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
-    trainer = Trainer(cfg, out_dir=out, resume=args.resume)
+    try:
+        return _train(cfg, out, args.resume)
+    except RuntimeError as e:
+        why = peer_failure(e)
+        if why is None:
+            raise
+        print(f"shardlm train: error: {why}; within parallel.timeout_s = {cfg.parallel.timeout_s:g} s",
+              file=sys.stderr)
+        return 1
+
+
+def _train(cfg, out: str, resume: str | None) -> int:
+    from .trainer import Trainer
+    trainer = Trainer(cfg, out_dir=out, resume=resume)
     if trainer.mesh.is_main:
         n, p = cfg.model.num_params(), cfg.parallel
         layout = ""

@@ -13,7 +13,7 @@ to a multiple of `pad_multiple` elements, so it splits into equal rank-aligned s
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ class Bucket:
     decay_numel: int             # elements [0, decay_numel) take weight decay
     data: torch.Tensor | None = None
     grad: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)  # room for a strategy's per-bucket state
 
 
 def split_buckets(names: list[str], sizes: list[int], bucket_numel: int) -> list[list[str]]:

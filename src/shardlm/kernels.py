@@ -138,8 +138,8 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
     g = grad.float() * scale if (grad.dtype != torch.float32 or float(scale) != 1.0) else grad
     if master.device.type == "cpu" and hasattr(torch, "_fused_adamw_"):
         # The vectorised, multi-threaded kernel behind torch.optim.AdamW(fused=True) on the CPU: one pass
-        # over the four tensors instead of six, about 7x faster than the ops below; it is what makes
-        # optimizer offload usable. The step count is read, not incremented.
+        # over the four tensors instead of six (bench/README.md times it against the ops below); it is what
+        # makes optimizer offload usable. The step count is read, not incremented.
         torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
                             beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
                             maximize=False)
@@ -156,7 +156,7 @@ def decay_table(intervals: list[tuple[int, int]], n: int, device) -> torch.Tenso
     """The elements [a, b) of a flat buffer of n that take weight decay, cut at the kernel's block
     boundaries: a (blocks, K, 2) int64 table of each block's intervals, K the most any block holds,
     unused rows (0, 0). The one-launch step over many buckets reads it; blocks stay aligned, so its
-    loads stay vectorised, where a table of unaligned chunks made the step three times slower."""
+    loads stay vectorised (a table of unaligned chunks would not be: bench/README.md)."""
     blocks = -(-n // BLOCK)
     if not intervals:
         return torch.zeros(blocks, 1, 2, dtype=torch.int64, device=device)

@@ -60,7 +60,7 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
 
-        self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed, tp_group=self.mesh.tp_group)
+        self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed)
         self.model.set_recompute(t.recompute)
         self.model.loss_chunk = t.loss_chunk_tokens
         self.model.compile_loss = t.compile and self.device.type == "cuda"
@@ -71,8 +71,7 @@ class Trainer:
             ddp = self.mesh.dp > 1 and cfg.parallel.zero_stage == 0 and cfg.parallel.dp_mode == "ddp"
             for i, block in enumerate(self.model.layers):
                 # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
-                # unless they arrive in two parts (0.1-0.5 ms per step on 4 H100s or H200s, bench/README.md;
-                # ZeRO not measured).
+                # unless they arrive in two parts (bench/README.md measures what that saves).
                 if i == 0 and ddp:
                     block.compile_in_halves()
                 else:
@@ -259,8 +258,8 @@ class Trainer:
         # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
         # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
         # after a failure the launcher's kill is safer than waiting on peers. The barrier first: a rank
-        # done early (rank 0 still writes the checkpoint and the sample) tore its gloo group down while
-        # the peer's last messages were in flight, and aborted at exit about once in fifty runs.
+        # done early (rank 0 still writes the checkpoint and the sample) could tear its gloo group down
+        # while the peer's last messages are in flight, and abort at exit.
         if self.owns_process_group and dist.is_initialized():
             with self._guard("the final barrier"):  # a peer that stalls at the end must not hang this rank
                 dist.barrier()

@@ -1,7 +1,8 @@
 """One decoder-only transformer for GPT-2 (Radford et al. 2019) and the Llama family (Touvron et al. 2023;
-Qwen2 and Mistral are Llama with qkv biases or a sliding window), built from the tensor-parallel layers
-so that later strategies shard it without rework. The layout follows nanoGPT's one-screen model; the
-numerics follow Hugging Face transformers' implementations, which the tests compare against.
+Qwen2 and Mistral are Llama with qkv biases or a sliding window), written for one device: parallel
+strategies transform it (parallel/), replacing its linears and embeddings by sharded ones. The layout
+follows nanoGPT's one-screen model; the numerics follow Hugging Face transformers' implementations, which
+the tests compare against.
 """
 from __future__ import annotations
 
@@ -16,7 +17,18 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .loss import linear_cross_entropy
-from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _degree, scaled_std
+
+
+def scaled_std(std: float, num_layers: int) -> float:
+    """GPT-2's init for projections that write into the residual stream: std / sqrt(2 L)."""
+    return std / math.sqrt(2 * num_layers)
+
+
+def linear(in_features: int, out_features: int, bias: bool, init_std: float) -> nn.Linear:
+    """A linear layer that carries its initialisation's standard deviation (read by init_weights)."""
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.init_std = init_std
+    return layer
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -67,17 +79,17 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp_group=None):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        tp = _degree(tp_group)
-        self.n_heads, self.n_kv = cfg.num_heads // tp, cfg.kv_heads // tp
+        # The heads this module computes: all of them here; a tensor-parallel rank's share once sharded.
+        self.n_heads, self.n_kv = cfg.num_heads, cfg.kv_heads
         self.head_dim = cfg.head_size
-        # q, k and v in one matmul; under tensor parallelism each rank holds [q_r; k_r; v_r].
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.kv_heads) * self.head_dim,
-                                        bias=cfg.has_bias or cfg.qkv_bias, group=tp_group, init_std=cfg.init_std)
-        self.out = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.has_bias,
-                                     group=tp_group, init_std=scaled_std(cfg.init_std, cfg.num_layers))
+        # q, k and v in one matmul (rows [q; k; v]).
+        self.qkv = linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.kv_heads) * self.head_dim,
+                          cfg.has_bias or cfg.qkv_bias, cfg.init_std)
+        self.out = linear(cfg.num_heads * self.head_dim, cfg.hidden_size, cfg.has_bias,
+                          scaled_std(cfg.init_std, cfg.num_layers))
         self.recompute_core = False
         self.expand_kv = False  # SDPA backends without native GQA get K/V repeated per query head
 
@@ -116,15 +128,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group=None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gated = cfg.arch != "gpt2"
         f = cfg.ffn_size
-        # SwiGLU (Shazeer 2020) fuses gate and up into one matmul: [gate; up] per tensor-parallel rank.
-        self.up = ColumnParallelLinear(cfg.hidden_size, 2 * f if self.gated else f, bias=cfg.has_bias,
-                                       group=tp_group, init_std=cfg.init_std)
-        self.down = RowParallelLinear(f, cfg.hidden_size, bias=cfg.has_bias, group=tp_group,
-                                      init_std=scaled_std(cfg.init_std, cfg.num_layers))
+        # SwiGLU (Shazeer 2020) fuses gate and up into one matmul (rows [gate; up]).
+        self.up = linear(cfg.hidden_size, 2 * f if self.gated else f, cfg.has_bias, cfg.init_std)
+        self.down = linear(f, cfg.hidden_size, cfg.has_bias, scaled_std(cfg.init_std, cfg.num_layers))
 
     def forward(self, x):
         h = self.up(x)
@@ -158,12 +168,12 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp_group=None):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, layer, tp_group)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg, tp_group)
+        self.mlp = MLP(cfg)
 
     def forward(self, x, rope=None, cache=None):
         return self.mlp_half(self.attn_half(x, rope, cache))
@@ -194,15 +204,14 @@ class DecoderParts:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group=None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group, init_std=cfg.init_std)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.arch == "gpt2" else None
-        self.layers = nn.ModuleList(Block(cfg, i, tp_group) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
-        self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
-            cfg.hidden_size, cfg.vocab_size, group=tp_group, gather_output=True, init_std=cfg.init_std)
+        self.lm_head = None if cfg.tie_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std)
         self.recompute = "none"
         self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
         self.compile_loss = False
@@ -301,11 +310,10 @@ class Decoder(nn.Module):
         return linear_cross_entropy(h, self.head_weight, targets, self.loss_chunk, self.compile_loss)
 
 
-def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, tp_group=None,
-                init: bool = True) -> Decoder:
-    """Construct on the meta device, then materialise on `device` only the parameters this rank owns."""
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, init: bool = True) -> Decoder:
+    """Construct on the meta device, then materialise on `device`."""
     with torch.device("meta"):
-        model = Decoder(cfg, tp_group)
+        model = Decoder(cfg)
     model.to_empty(device=device)
     if init:
         model.init_weights(seed)

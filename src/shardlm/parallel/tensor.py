@@ -8,8 +8,6 @@ until tensor parallelism is switched on: the model is built from these layers fr
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -147,12 +145,3 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={_degree(self.group)}"
 
-
-def init_normal_(t: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
-    with torch.no_grad():
-        t.normal_(0.0, std, generator=generator)
-
-
-def scaled_std(std: float, num_layers: int) -> float:
-    """GPT-2's init for projections that write into the residual stream: std / sqrt(2 L)."""
-    return std / math.sqrt(2 * num_layers)

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+import torch.distributed as dist
+
 
 class _Flag:
     """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
@@ -63,3 +65,14 @@ class Watchdog:
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """One line saying that a collective failed because a peer rank died or stalled, if `error` is such a
+    failure (gloo raises plain RuntimeErrors naming its transport; NCCL and the store raise DistError)."""
+    text = str(error)
+    if not (isinstance(error, getattr(dist, "DistError", ())) or "/gloo/" in text or "NCCL" in text):
+        return None
+    detail = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    detail = detail.split("] ", 1)[-1] if detail.startswith("[") else detail  # drop gloo's source location
+    return f"a peer rank died or stalled (communication failed: {detail})"

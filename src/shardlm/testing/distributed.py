@@ -6,9 +6,8 @@ a test checked against a CPU reference means the same on a GPU machine. `device=
 rank its own GPU and NCCL.
 
 CPU workers fork from a server process that imported torch and shardlm once (multiprocessing's
-forkserver; importing torch does not start CUDA) and the modules they would import lazily: on a 2-core
-machine a fresh interpreter spent 2 s importing torch, and a forked worker another 1.7 s on the lazy
-imports; the suite takes 148 s, 374 s before. GPU workers are fresh interpreters
+forkserver; importing torch does not start CUDA) and the modules they would import lazily, so no worker
+pays for those imports again (bench/README.md has what it saves). GPU workers are fresh interpreters
 (spawn), so that CUDA starts in no process they fork from. Every worker takes the caller's environment
 as it is at the call, joins a TCP rendezvous on a free local port, calls `fn(rank, world_size, *args)`
 and sends back its return value or its traceback. The parent waits at most `timeout` seconds in total:
@@ -80,8 +79,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
     else:
         ctx = mp.get_context("forkserver")
         # Once, when the server starts, with what workers would otherwise import each time, lazily: sympy
-        # (materialising a model built on the meta device) and torch._dynamo (ZeRO's eager-only hooks),
-        # 1.7 s a worker on a 2-core machine and about 3 s on a GPU host.
+        # (materialising a model built on the meta device) and torch._dynamo (ZeRO's eager-only hooks).
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
                                     "shardlm.trainer", "shardlm.parallel.zero3", "shardlm.parallel.ddp",
                                     "shardlm.parallel.classic"])

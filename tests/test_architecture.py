@@ -1,0 +1,99 @@
+"""The package's layering (docs/architecture.md): imports point down, never in a cycle, and every module
+imports on its own."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Bottom to top. A module imports modules of lower layers, or of its own package (parallel.zero3 ->
+# parallel.zero); never anything above it.
+LAYERS = [
+    ["config"],                                                                                    # no torch
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
+    ["plan", "grad_norm", "data", "model", "mesh"],                                      # plan: no torch
+    ["comm"],
+    ["optim"],
+    ["parallel"],
+    ["inference", "testing"],
+    ["trainer"],
+    ["cli"],
+    ["__main__"],
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / "shardlm").rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The shardlm modules `name` imports (functions' lazy imports included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                out.add(target if target in known else base)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m in known and m != name}
+
+
+def layer(name: str) -> int:
+    top = name.split(".")[1] if name != "shardlm" else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    return len(LAYERS)  # the package's own __init__
+
+
+def test_imports_point_down_and_form_no_cycle():
+    mods = modules()
+    graph = {name: imports(name, path, set(mods)) for name, path in mods.items()}
+    unplaced = [m for m in mods if m != "shardlm" and layer(m) == len(LAYERS)]
+    assert not unplaced, f"place these modules in a layer: {unplaced}"
+    upward = [(m, d) for m, deps in graph.items() for d in deps
+              if layer(d) > layer(m) or (layer(d) == layer(m) and d.split(".")[1] != m.split(".")[1])]
+    assert not upward, f"imports that do not point down: {upward}"
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in graph[node]:
+            assert state.get(dep) != "open", "import cycle: " + " -> ".join(stack + [dep])
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, into an interpreter that holds no other shardlm module (torch stays
+    loaded, so this takes seconds): an import cycle that only shows in some import order fails here."""
+    names = sorted(m for m in modules() if not m.endswith("__main__"))
+    code = ("import importlib, sys, torch\n"
+            f"for name in {names!r}:\n"
+            "    for m in [m for m in sys.modules if m == 'shardlm' or m.startswith('shardlm.')]:\n"
+            "        del sys.modules[m]\n"
+            "    importlib.import_module(name)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_planner_and_the_config_import_no_torch():
+    code = ("import sys, shardlm.config, shardlm.hf_config, shardlm.plan.cli, shardlm.plan.search\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]

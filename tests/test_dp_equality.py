@@ -1,0 +1,157 @@
+"""The data-parallel family against one process: classic DP, DDP, ZeRO-1/2/3 and offload, at world sizes
+2 and 4 (gloo on CPU, fp32): losses, gathered weights, each rank's gradient and optimizer shards, over
+accumulated steps; tied embeddings, recomputation, fp16 overflow, resharding resume, torchrun. With 4
+GPUs, also the equality on NCCL against one GPU."""
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import ATOL, MODES, RTOL, check_against_reference, equality_case, gpus_for, read_metrics, reference
+from shardlm.testing.distributed import run_distributed
+
+
+CASES = [(mode, world, optimizer) for mode in MODES for world in (2, 4) for optimizer in ("adamw", "sgd")]
+
+
+@pytest.mark.parametrize("mode, world, optimizer", CASES)
+def test_equals_one_process(mode, world, optimizer):
+    common = equality_case(optimizer, world)
+    ref = reference(common)
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world)}, timeout=240)
+    check_against_reference(results, ref, world)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_reference(optimizer: str) -> dict:
+    return reference(equality_case(optimizer, 4), device="cuda")
+
+
+# On the GPUs NCCL's ring and the copy engines add the ranks' gradients in yet another order. Where an
+# element's gradient sums to almost nothing (terms cancelling), Adam's step lr * m / (sqrt(v) + eps) turns
+# that rounding difference into up to lr / eps times as much in the weight: 1.2e-6 at most on 4x H200
+# (2026-11-26, one element of the 139,584; 1.3e-6 at 2 GPUs), just over the CPU cases' 1e-6. SGD, which does not amplify it,
+# keeps their tolerance.
+
+
+GPU_ATOL = {"adamw": 5e-6, "sgd": ATOL}
+
+
+GPU_CASES = [(mode, "adamw") for mode in MODES] + [(mode, "sgd") for mode in ("ddp", "zero2", "zero3")]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("mode, optimizer", GPU_CASES)
+def test_equals_one_process_on_four_gpus(mode, optimizer):
+    """The same check on 4 GPUs over NCCL (DDP by the copy engines, as `auto` picks on one node) against
+    one process on one GPU: what a user runs, beside what the issue specifies on the CPU."""
+    over = {**equality_case(optimizer, 4), **MODES[mode], "parallel.dp": "4"}
+    results = run_distributed(dist_fns.train_and_capture, 4, over, timeout=240, device="cuda")
+    check_against_reference(results, gpu_reference(optimizer), 4, atol=GPU_ATOL[optimizer])
+
+
+def test_zero3_with_tied_embeddings_equals_one_process():
+    common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "model.tie_embeddings": "true"}
+    ref = reference(common)
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, **MODES["zero3"], "parallel.dp": "2"},
+                              timeout=240)
+    check_against_reference(results, ref, 2)
+
+
+def test_zero3_with_full_recomputation_equals_one_process():
+    common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2"}
+    ref = reference(common)
+    results = run_distributed(dist_fns.train_and_capture, 2,
+                              {**common, **MODES["zero3"], "train.recompute": "full", "parallel.dp": "2"}, timeout=240)
+    check_against_reference(results, ref, 2)
+
+
+@pytest.mark.parametrize("mode", ["classic", "ddp", "zero1", "zero3"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mode):
+    results = run_distributed(dist_fns.fp16_overflow_on_rank_one, 2, MODES[mode], timeout=120)
+    for skipped, scale, unchanged in results:
+        assert skipped == 1 and scale == 2.0**16  # counted; hysteresis 2 keeps the scale this time
+        assert unchanged in (True, None)  # None: a classic-DP rank that holds no optimizer state
+    assert any(u is True for _, _, u in results)
+
+
+@pytest.mark.parametrize("target", [
+    {"parallel.dp": "1"},
+    {"parallel.dp": "4", "parallel.zero_stage": "3"},
+    {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.offload": "optimizer"},
+])
+def test_resharding_resume_continues_the_trajectory(tmp_path, target):
+    common = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "train.save_every": "3", "train.keep_checkpoints": "5"}
+    full = run_distributed(dist_fns.train_and_capture, 2,
+                           {**common, "parallel.dp": "2", "parallel.zero_stage": "2"}, str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    world = int(target["parallel.dp"])
+    if world == 1:
+        resumed = [dist_fns.train_and_capture(0, 1, {**common, **target, "train.device": "cpu"}, str(tmp_path / "b"),
+                                              ckpt)]
+    else:
+        resumed = run_distributed(dist_fns.train_and_capture, world, {**common, **target}, str(tmp_path / "b"), ckpt,
+                                  timeout=240)
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.zero_stage", "2"]),
+    (2, ["--parallel.dp_mode", "classic"]),
+    (2, ["--parallel.zero_stage", "1", "--parallel.offload", "optimizer"]),
+    (4, ["--parallel.zero_stage", "3"]),
+], ids=["zero2", "classic", "zero1-offload", "zero3-dp4"])
+def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout):
+    # On the CPU on every machine, as the issue's contract is stated (a 2-GPU host has no GPU for 4 ranks).
+    args = ["tiny", "--train.device", "cpu", "--train.steps", "5", "--train.precision", "fp32", "--train.log_every", "1",
+            "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
+    # faulthandler: a rank that aborts prints where (its Python stack), not only "terminate called".
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    one = subprocess.run([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "one"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          "-m", "shardlm", "train", *args, "--parallel.dp", str(nproc), *layout, "--out", tmp_path / "two"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    # Both streams, long enough to hold a rank's own traceback ahead of torchrun's summary.
+    assert two.returncode == 0, f"stdout:\n{two.stdout[-2000:]}\nstderr:\n{two.stderr[-8000:]}"
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=RTOL, atol=0)
+
+
+@gpus_for(2)
+def test_zero3_by_the_copy_engines_saves_resumes_and_samples_on_gpus(tmp_path):
+    """End to end under torchrun on 2 GPUs with ZeRO-3 by the copy engines (what `auto` picks there), its
+    units gathered (a low persist_threshold): the run saves at step 3 (an all-gather of the masters) and
+    ends with a sample (every rank decodes; each token's forward gathers every unit through the slots).
+    Resumed from step 3, it continues on the same losses. GPU kernels that add with atomics (the
+    embedding's backward) need not repeat their rounding, hence a tolerance; a resume that left stale
+    weights in any unit would be far off it."""
+    args = ["tiny", "--train.device", "cuda", "--train.precision", "bf16", "--train.steps", "6",
+            "--train.log_every", "1", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+            "--train.save_every", "3", "--train.keep_checkpoints", "5", "--train.sample_tokens", "8",
+            "--train.tensorboard", "false", "--parallel.dp", "2", "--parallel.zero_stage", "3",
+            "--parallel.persist_threshold", "100"]
+
+    def train(out, *more):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "shardlm", "train", *args, "--out", str(out), *more],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}"
+        return done.stdout + done.stderr
+    log = train(tmp_path / "a")
+    assert "ZeRO-3 over 2 ranks (reduce_algo copy_engine)" in log
+    assert "sample:" in log
+    train(tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5, 6]
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a][3:], rtol=2e-3, atol=0)

@@ -1,0 +1,155 @@
+"""Failures of a distributed run: a signal to one rank, SIGTERM to torchrun, a dead or stalled peer (on
+the CPU and on GPUs), and the watchdog that ends a rank whose peers make no progress."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dist_fns
+from dp_cases import gpus_for, read_metrics
+from shardlm.testing.distributed import free_port, run_distributed
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_that_step_on_a_resumable_checkpoint(tmp_path):
+    """SIGTERM reaches rank 1 alone, in the middle of step 3 (ZeRO-2: the state is sharded, so saving it is
+    collective). Both ranks finish step 3, stop, and save it; resumed, the run gives the uninterrupted one's
+    losses, which it would not if the update of step 3 had been cut short, or saved as step 2's."""
+    common = {"train.steps": "5", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+              "parallel.dp": "2", "parallel.zero_stage": "2"}
+    stopped = run_distributed(dist_fns.signal_mid_step_on_rank_one, 2, common, str(tmp_path / "a"), 3, timeout=240)
+    for r in stopped:
+        assert r["stopped_by"] == signal.SIGTERM and r["steps"] == [1, 2, 3]
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    resumed = run_distributed(dist_fns.train_and_capture, 2, common, str(tmp_path / "b"), ckpt, timeout=240)
+    full = run_distributed(dist_fns.train_and_capture, 2, common, timeout=240)
+    assert stopped[0]["losses"] + resumed[0]["losses"] == full[0]["losses"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpus_for(2))])
+def test_sigterm_to_torchrun_stops_every_rank_on_one_saved_step(tmp_path, device):
+    """torchrun, sent SIGTERM (as a scheduler stops a job), sends it on to its workers and kills them if they
+    take longer than 30 s. The ranks finish the step, agree to stop after it (over the default group on
+    the CPU; on GPUs over a gloo group beside NCCL's), save it, and exit; the run resumes from it."""
+    args = ["tiny", "--train.device", device, "--train.log_every", "1", "--train.tensorboard", "false",
+            "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--parallel.dp", "2",
+            "--parallel.zero_stage", "2"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
+           "train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*run, "--train.steps", "100000", "--out", str(tmp_path / "a")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, log[-3000:]  # the job did not finish
+    k = read_metrics(tmp_path / "a")[-1]["step"]
+    assert f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
+    done = subprocess.run([*run, "--train.steps", str(k + 2), "--out", str(tmp_path / "a"),
+                           "--resume", str(tmp_path / "a")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "a")] == list(range(1, k + 3))
+
+
+@pytest.mark.parametrize("fate", ["dies", "stalls"])
+def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fate):
+    """Rank 1 joins the process group, then exits or hangs; rank 0 (a real `shardlm train`, on the CPU like
+    its gloo peer, also on a machine with GPUs) must fail. The GPU case: the stalled-peer test below."""
+    port = free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1"}
+    peer = ("import os, sys, time, datetime, torch.distributed as d; "
+            "d.init_process_group('gloo', timeout=datetime.timedelta(seconds=5)); "
+            + ("os._exit(1)" if fate == "dies" else "time.sleep(120)"))
+    p1 = subprocess.Popen([sys.executable, "-c", peer], env={**base, "RANK": "1", "LOCAL_RANK": "1"})
+    t0 = time.monotonic()
+    try:
+        p0 = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                             "--parallel.timeout_s", "5", "--train.device", "cpu", "--out", tmp_path / "r"],
+                            capture_output=True, text=True, env={**base, "RANK": "0", "LOCAL_RANK": "0"}, timeout=90)
+    finally:
+        p1.kill()
+        p1.wait()
+    elapsed = time.monotonic() - t0
+    assert p0.returncode == 1, p0.stderr[-2000:]
+    assert "shardlm train: error: a peer rank died or stalled" in p0.stderr, p0.stderr[-2000:]
+    assert "parallel.timeout_s = 5 s" in p0.stderr and "Traceback" not in p0.stderr, p0.stderr[-2000:]
+    assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("how", ["event", "guard"])
+def test_work_that_never_finishes_ends_the_process_with_a_message(how):
+    """GPU work waiting on a stalled peer (copy-engine flags in the command stream, or an NCCL collective)
+    and host sections waiting on peers have no timeout of their own that ends the process in time; the
+    watchdog must exit with a message naming what stalled (a fake event here, and a guarded sleep)."""
+    stall = ("w.watch(Never(), 'training step 7')\ntime.sleep(30)\n" if how == "event" else
+             "with w.guard('training step 7'):\n    time.sleep(30)\n")
+    code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\n"
+            "class Never:\n    def query(self): return False\n"
+            "w = Watchdog(0.3)\n" + stall + "print('still alive')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "still alive" not in done.stdout
+    assert "training step 7 made no progress for 0.3 s" in done.stderr
+
+
+def test_the_trainer_guards_its_waits_on_peers():
+    """The trainer's host sections that wait on peers (here the metrics of a step) run under its watchdog:
+    one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own
+    (gloo times out by itself), so the test gives it one."""
+    code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
+            "from shardlm.runtime.watchdog import Watchdog\n"
+            "cfg = load_config('tiny', {'train.steps': '2', 'train.log_every': '1', 'train.device': 'cpu',\n"
+            "                           'train.tensorboard': 'false'})\n"
+            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\n"
+            "tr.engine.step_stats = lambda step: time.sleep(30)\ntr.run()\nprint('still alive')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
+    assert "the metrics of step 1 made no progress for 0.5 s" in done.stderr
+
+
+def test_finished_work_keeps_the_watchdog_quiet():
+    from shardlm.runtime.watchdog import Watchdog
+
+    class Done:
+        def query(self):
+            return True
+    w = Watchdog(0.2)
+    w.watch(Done(), "training step 1")
+    with w.guard("a quick section"):
+        time.sleep(0.05)
+    time.sleep(0.6)  # a wrong watchdog would have ended this test's process by now
+    w.close()
+    assert not w.pending and not w.thread.is_alive()
+
+
+@gpus_for(2)
+@pytest.mark.parametrize("algo,stage", [("copy_engine", 0), ("copy_engine", 1), ("copy_engine", 2), ("copy_engine", 3),
+                                        ("all_to_all", 0)])
+def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stage):
+    """On GPUs the copy-engine reduction waits on flags that a stalled peer never sets, and NCCL, at its
+    timeout, would abort and let the step finish on wrong data: the trainer's watchdog must end the
+    waiting rank with a message within parallel.timeout_s, before any later step completes."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, time, torch\n"
+        "from shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
+        "cfg = load_config('tiny', {'parallel.dp': '2', 'train.device': 'cuda', 'train.precision': 'bf16',\n"
+        "                           'train.tensorboard': 'false', 'train.compile': 'false', 'parallel.timeout_s': '10',\n"
+        f"                           'parallel.reduce_algo': '{algo}', 'parallel.zero_stage': '{stage}'}})\n"
+        "tr = Trainer(cfg, log=lambda *a: None)\n"
+        f"assert tr.engine.algo == '{algo}', tr.engine.algo\n"
+        "tr.train_step(); tr.step += 1; torch.cuda.synchronize()\n"
+        "if int(os.environ['RANK']) == 1:\n    time.sleep(300)\n"
+        "tr.train_step(); tr.step += 1; torch.cuda.synchronize()\nprint('rank 0 went on')\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0 and "rank 0 went on" not in done.stdout
+    assert "training step 2 made no progress for 10 s" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - t0 < 150
