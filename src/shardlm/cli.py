@@ -108,7 +108,8 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     a = p.parse_args(argv)
-    from .inference import evaluate_ids, load_pretrained, pick_device
+    from .inference import evaluate_ids, load_pretrained
+    from .runtime.device import pick_device
     model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
     text = Path(a.data).read_text(encoding="utf-8")
     r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
@@ -131,7 +132,8 @@ def cmd_generate(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
         raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
-    from .inference import generate_text, load_pretrained, pick_device
+    from .inference import generate_text, load_pretrained
+    from .runtime.device import pick_device
     model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
     text = generate_text(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
     print(json.dumps({"completion": text}) if a.json else a.prompt + text)

@@ -20,14 +20,6 @@ from .model.hf import is_hf_dir, read_hf_dir
 from .tokenizer import Tokenizer, load_tokenizer
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
-    return torch.device(name)
-
-
 def load_pretrained(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[Decoder, Tokenizer, ModelConfig]:
     path = Path(path)
     if is_hf_dir(path):

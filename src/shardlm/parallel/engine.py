@@ -44,7 +44,7 @@ class Engine:
     def step_stats(self, step: int) -> tuple[float, int]:
         """Host view of the last optimizer step: (its gradient norm, steps skipped so far). Waits for the
         device; raises if a bf16/fp32 step diverged."""
-        raise NotImplementedError
+        return self.opt.sync(step)
 
     def wait_for_weights(self) -> None:
         """Complete the weight transfers still in flight (ZeRO-1/2 leave the updated weights' all-gathers to
@@ -54,7 +54,7 @@ class Engine:
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
         """(fp32 masters, optimizer state) as full tensors by parameter name (`name::key` for the state); a
         collective when the state is sharded. (None, None) on ranks that hold no optimizer."""
-        raise NotImplementedError
+        return self.opt.master_state(), self.opt.state_by_name()
 
     def load_full_state(self, masters: dict, state: dict) -> None:
         """Take this rank's part of full per-name masters and optimizer state, and the weights from them."""
@@ -148,12 +148,6 @@ class LocalEngine(Engine):
         self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor(),
                       sumsq=self.grad_sumsq())
         self.flat.zero_grad()
-
-    def step_stats(self, step: int) -> tuple[float, int]:
-        return self.opt.sync(step)
-
-    def gather_full_state(self):
-        return self.opt.master_state(), self.opt.state_by_name()
 
     @torch.no_grad()
     def load_full_state(self, masters: dict, state: dict) -> None:

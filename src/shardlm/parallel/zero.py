@@ -215,13 +215,7 @@ class ZeroEngine(Engine):
             self.weight_gathers = self.transport.all_gather_weights(
                 self.gather_order, lambda b: self.opt.shard_of(self.flat.buckets[b].data, b))
 
-    def step_stats(self, step: int) -> tuple[float, int]:
-        return self.opt.sync(step)
-
     # ---- layout-free state ---------------------------------------------------------------------
-    def gather_full_state(self):
-        return self.opt.master_state(), self.opt.state_by_name()
-
     @torch.no_grad()
     def load_full_state(self, masters: dict, state: dict) -> None:
         self._wait_weight_gathers()
