@@ -1,0 +1,140 @@
+"""Vocab-parallel, chunked, fused output head + cross-entropy.
+
+The head's vocabulary rows are split over the tensor-parallel group (Megatron-LM's vocab-parallel
+cross-entropy, Shoeybi et al. 2019, `megatron/core/tensor_parallel/cross_entropy.py`), and the tokens are
+processed in chunks whose gradients are formed in the forward pass (Wijmans et al. 2024, "Cut Your Losses
+in Large-Vocabulary Language Models"; model/loss.py is the single-device version). Per chunk each rank
+forms only its own [chunk, vocab/tp] logits; the softmax normaliser needs three numbers per token from
+the whole vocabulary, which two small all-reduces provide (the global max, then the sum of exponentials
+stacked with the target's logit), so neither the full [tokens, vocab] logits nor a gather of them across
+ranks ever exists.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..model.loss import CHUNK_TOKENS, linear_cross_entropy
+from .tensor import _degree
+
+
+def _fp32(logits: torch.Tensor, valid: int) -> torch.Tensor:
+    x = logits.float()
+    if valid < x.shape[-1]:
+        # Padding rows (vocabulary padded to a multiple of tp) are no token: -inf gives them no
+        # probability mass, hence a zero gradient, whatever their weights hold.
+        cols = torch.arange(x.shape[-1], device=x.device)
+        x = x.masked_fill(cols >= valid, float("-inf"))
+    return x
+
+
+def local_max(logits: torch.Tensor, valid: int) -> torch.Tensor:
+    return _fp32(logits, valid).amax(dim=-1)
+
+
+def local_partials(logits, valid: int, gmax, t_local, owned) -> torch.Tensor:
+    """[2, rows]: this rank's share of sum_v exp(x_v - max) and of the target's logit (0 where the
+    target row lives on another rank), stacked so that one all-reduce sums both."""
+    x = _fp32(logits, valid)
+    sum_exp = (x - gmax[:, None]).exp().sum(dim=-1)
+    target = x.gather(1, t_local[:, None]).squeeze(1).masked_fill(~owned, 0.0)
+    return torch.stack([sum_exp, target])
+
+
+def local_logit_grad(logits, valid: int, lse, t_local, owned, n: int) -> torch.Tensor:
+    """d(mean loss over n)/d(local logits) = (softmax - onehot) / n, in the logits' dtype."""
+    x = _fp32(logits, valid)
+    grad = (x - lse[:, None]).exp()
+    grad = grad.scatter_add(1, t_local[:, None], -owned[:, None].to(grad.dtype))
+    return (grad / n).to(logits.dtype)
+
+
+_compiled_steps = None
+
+
+def _steps(compiled: bool):
+    global _compiled_steps
+    if not compiled:
+        return local_max, local_partials, local_logit_grad
+    if _compiled_steps is None:
+        _compiled_steps = tuple(torch.compile(f, dynamic=False) for f in (local_max, local_partials, local_logit_grad))
+    return _compiled_steps
+
+
+def _chunk_loss(hc, weight, tc, group, vocab_start: int, valid: int, n: int, steps, want_grad: bool):
+    """Summed fp32 loss of one chunk and, if wanted, d(mean loss)/d(local logits)."""
+    max_fn, partials_fn, grad_fn = steps
+    logits = hc @ weight.t()
+    owned = (tc >= vocab_start) & (tc < vocab_start + weight.shape[0])
+    t_local = (tc - vocab_start).clamp(0, weight.shape[0] - 1)  # any in-range index where not owned
+    gmax = max_fn(logits, valid)
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+    stats = partials_fn(logits, valid, gmax, t_local, owned)
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    lse = gmax + stats[0].log()
+    loss = (lse - stats[1]).sum()
+    return loss, (grad_fn(logits, valid, lse, t_local, owned, n) if want_grad else None)
+
+
+class VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, group, vocab_start: int, valid: int, chunk: int, compiled: bool):
+        h2 = h.reshape(-1, h.shape[-1])
+        t = targets.reshape(-1)
+        n = t.numel()
+        steps = _steps(compiled)
+        grad_h = torch.empty_like(h2)
+        grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk):
+            hc = h2[s:s + chunk]
+            loss, grad = _chunk_loss(hc, weight, t[s:s + chunk], group, vocab_start, valid, n, steps, True)
+            total += loss
+            torch.mm(grad, weight, out=grad_h[s:s + chunk])  # partial: this rank's vocabulary rows only
+            grad_w.addmm_(grad.t(), hc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_shape = h.shape
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return ((grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype),
+                None, None, None, None, None, None)
+
+
+def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,
+                                 vocab_start: int, vocab_size: int, chunk: int = CHUNK_TOKENS,
+                                 compiled: bool = False) -> torch.Tensor:
+    """mean_i CE(h_i W^T, t_i) in fp32, the same on every rank of `group`, where W is the full head
+    whose rows [vocab_start, vocab_start + len(weight)) this rank holds in `weight`.
+
+    h: [..., hidden], all the tokens, identical on every rank; targets: [...] global ids in
+    [0, vocab_size). Rows of `weight` whose global index is >= vocab_size are padding: they take no part
+    in the softmax and get a zero gradient (their weights must be finite; zero is the natural init).
+
+    Gradient contract: the returned gradient of `h` is PARTIAL, the contribution of this rank's
+    vocabulary rows only. The caller must put `copy_to_tp(h, group)` (identity forward, all-reduce
+    backward) in front of `h`, which sums the partials over the group; this function does not. The
+    gradient of `weight` is complete for this rank's rows. With no group (degree 1) this is
+    model.loss.linear_cross_entropy.
+    """
+    if _degree(group) == 1:
+        return linear_cross_entropy(h, weight[:vocab_size] if weight.shape[0] > vocab_size else weight,
+                                    targets, chunk, compiled)
+    valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        # Evaluation: the same chunked collectives, no gradients formed.
+        h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        steps, n = _steps(compiled), t.numel()
+        total = sum(_chunk_loss(h2[s:s + chunk], weight, t[s:s + chunk], group, vocab_start, valid, n, steps,
+                                False)[0] for s in range(0, n, chunk))
+        return total / n
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        # As in model/loss.py: cast once here, and the Function runs in one dtype throughout.
+        dtype = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            return VocabParallelLinearCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, group,
+                                                         vocab_start, valid, chunk, compiled)
+    return VocabParallelLinearCrossEntropy.apply(h, weight, targets, group, vocab_start, valid, chunk, compiled)
