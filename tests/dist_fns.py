@@ -53,9 +53,9 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     emb = torch.randn(12, 8, generator=g)
     ids = torch.randint(0, 12, (3, 5), generator=g)
     group = dist.group.WORLD if distributed else None
-    e = VocabParallelEmbedding(12, 8, group=group)
-    col = ColumnParallelLinear(8, 16, bias=True, group=group)
-    row = RowParallelLinear(16, 8, bias=True, group=group)
+    e = VocabParallelEmbedding(12, 8, group, sequence_parallel=False)
+    col = ColumnParallelLinear(8, (16,), True, group, sequence_parallel=False, init_std=0.02)
+    row = RowParallelLinear(16, 8, True, group, sequence_parallel=False, init_std=0.02)
     n = 16 // world
     with torch.no_grad():
         e.weight.copy_(emb.chunk(world)[rank])
@@ -96,7 +96,7 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     engine.optimizer_step = step
     records = trainer.run()
     key = "exp_avg" if cfg.train.optimizer == "adamw" else "momentum_buffer"
-    masters, _ = engine.gather_full_state()
+    masters, _ = trainer.parallel.gather_full_state()  # full tensors by name, on the main rank
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": engine.owned_shards(key),
@@ -126,8 +126,8 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     trainer = tiny_trainer(world, {"train.precision": "fp16", "train.micro_batch_size": "2", **overrides})
     before, _ = trainer.engine.gather_full_state()
     before = {k: v.clone() for k, v in before.items()} if before is not None else None
-    real_forward = trainer.forward
-    trainer.forward = lambda x, y: real_forward(x, y) * (float("inf") if rank == 1 else 1.0)
+    real_forward = trainer.forward_backward.forward
+    trainer.forward_backward.forward = lambda x, y: real_forward(x, y) * (float("inf") if rank == 1 else 1.0)
     trainer.train_step()
     after, _ = trainer.engine.gather_full_state()
     unchanged = None if before is None else all(torch.equal(before[k], after[k]) for k in before)
@@ -343,3 +343,32 @@ def signal_mid_step_on_rank_one(rank, world, overrides: dict, out_dir, at_step: 
     records = trainer.run()
     return {"stopped_by": trainer.stopped_by, "steps": [r["step"] for r in records],
             "losses": [r["loss"] for r in records]}
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+
+def initial_full_state(rank, world, overrides: dict):
+    """The full weights, gathered by name, of a freshly built trainer (before any step)."""
+    trainer = tiny_trainer(world, {"train.micro_batch_size": "2", **overrides})
+    masters, _ = trainer.parallel.gather_full_state()
+    return None if masters is None else {k: v.float().cpu() for k, v in masters.items()}
+
+
+def eval_and_sample(rank, world, overrides: dict, out_dir=None, resume=None):
+    """The eval loss and a greedy continuation of a trainer (resumed from a checkpoint when given)."""
+    from shardlm.inference import generate_text
+    trainer = tiny_trainer(world, {"train.micro_batch_size": "2", **overrides}, out_dir=out_dir, resume=resume)
+    text = generate_text(trainer.model, trainer.tokenizer, "def ", 12)
+    return trainer.evaluate(), text
+
+
+def warnings_of_a_trainer(rank, world, overrides: dict, local_world: int):
+    """The warnings rank 0 gives while setting up a trainer on a node of `local_world` processes."""
+    import warnings
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    dist.destroy_process_group()  # the harness's: the trainer makes its own from the environment
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = tiny_trainer(world, {"train.micro_batch_size": "2", **overrides})
+        trainer.close()
+    return [str(w.message) for w in seen]

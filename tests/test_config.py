@@ -37,7 +37,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.zero_stage": "4"}, "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
     ({"parallel.offload": "params", "parallel.zero_stage": "2"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
-    ({"parallel.tp": "2"}, "parallel.tp = 2 is not supported yet"),
+    ({"parallel.pp": "2"}, "parallel.pp = 2 is not supported yet"),
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),

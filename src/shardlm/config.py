@@ -363,7 +363,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
     # Strategies that are validated but not built yet are refused, never silently ignored.
-    for key in ("tp", "pp", "cp", "ep"):
+    for key in ("pp", "cp", "ep"):
         if getattr(p, key) != 1:
             raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} is not supported yet by this version of shardlm "
                               "(only 1); the strategy is on the roadmap")
@@ -408,7 +408,9 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if world is not None and p.world != world:
         axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
         got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
-        raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}")
+        hint = ("" if naming.flags or world != 1 else
+                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`")
+        raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     if m.num_heads % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
     if m.ffn_size % p.tp:

@@ -2,7 +2,8 @@
 sum of squares of every gradient element of the model, counted once, whatever the layout.
 
 Sharded gradients (ZeRO, or a reduce-scatter's slices) are squared where they live and the ranks' sums
-added; `SliceSquares` takes the squares as the reduction goes, so that no pass over the whole gradient
+added; under tensor parallelism an element several ranks hold is counted by one of them (optim.py's
+`count_once`, from each parameter's sharding); `SliceSquares` takes the squares as the reduction goes, so that no pass over the whole gradient
 is left to make after the last bucket arrives (bench/README.md measures what that saves).
 """
 from __future__ import annotations
@@ -10,19 +11,16 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.distributed as dist
 
 from .kernels import square_parts, sum_of_squares, sum_of_squares_into
 
 
-def sum_of_squares_over(parts: list[torch.Tensor], device, group=None) -> torch.Tensor:
-    """Sum of squares of `parts` (this rank's gradient shards, any device) as an fp32 scalar on `device`,
-    added over `group` when the shards are split over it. inf or nan anywhere becomes inf or nan everywhere."""
+def sum_of_squares_over(parts: list[torch.Tensor], device) -> torch.Tensor:
+    """Sum of squares of `parts` (this rank's gradient shards, any device) as an fp32 scalar on `device`; the
+    caller adds the ranks' sums (an all-reduce carries inf or nan anywhere to every rank)."""
     sumsq = torch.zeros((), device=device, dtype=torch.float32)
     for g in parts:
         sumsq += sum_of_squares(g).to(device)
-    if group is not None:
-        dist.all_reduce(sumsq, group=group)
     return sumsq
 
 

@@ -61,10 +61,10 @@ def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, tempera
     if total > model.cfg.max_seq_len:
         raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len {model.cfg.max_seq_len}")
-    cache = KVCache(model.cfg, b, total, ids.device, next(model.parameters()).dtype)
+    cache = KVCache(model.cfg, b, total, ids.device, next(model.parameters()).dtype, model.cache_heads())
     gen = torch.Generator(device=ids.device)
     gen.manual_seed(seed)
-    logits = model(ids, cache=cache)[:, -1]
+    logits = model(ids, cache=cache, last_only=True)[:, -1]
     out = []
     done = torch.zeros(b, dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):
@@ -74,7 +74,7 @@ def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, tempera
             done |= nxt == eos_id
             if bool(done.all()):
                 break
-        logits = model(nxt[:, None], cache=cache)[:, -1]
+        logits = model(nxt[:, None], cache=cache, last_only=True)[:, -1]
     model.train(was_training)
     return torch.stack(out, dim=1) if out else ids.new_zeros((b, 0))
 

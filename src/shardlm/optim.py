@@ -114,10 +114,28 @@ class MasterWeightOptimizer:
         if self.device.type == "cuda" and not self.offloaded and not self.sharded:
             self.decay_table = decay_table([(self.master_off[s.bucket] + s.lo, self.master_off[s.bucket] + s.hi)
                                             for s in self.segments if s.weight_decay], self.total, self.device)
+        self.duplicates: list[tuple[int, int, int]] = []
+        self.model_group = None
         self.steps_taken = 0
         self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
         self.last_norm = torch.zeros((), device=self.device)
+
+    def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
+        """Tensor (and pipeline) parallelism: the ranks of `model_group` hold different parts of one model, so
+        the global norm adds their sums of squares over it; `duplicates` are (bucket, lo, hi) element ranges
+        this rank holds that another rank of the group holds too and counts."""
+        self.duplicates, self.model_group = duplicates, model_group
+
+    def _duplicate_sumsq(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """The sum of squares of this rank's shard of the duplicated elements (another rank counts them)."""
+        parts = []
+        for b, lo, hi in self.duplicates:
+            off = self.rank * self.shard_len[b]
+            a, z = max(lo, off), min(hi, off + self.shard_len[b])
+            if z > a:
+                parts.append(grads[b][a - off:z - off])
+        return sum_of_squares_over(parts, self.device) if parts else None
 
     # ---- layout ---------------------------------------------------------------------------------
     def shard_of(self, bucket_buf: torch.Tensor, b: int) -> torch.Tensor:
@@ -147,9 +165,17 @@ class MasterWeightOptimizer:
         grads = [grad_shard(b.index) for b in self.flat.buckets]
         params = [None if self.alias else param_shard(b.index) for b in self.flat.buckets]
         joined = self._joined(grads, params)
+        duplicate = self._duplicate_sumsq(grads)
         if sumsq is None:
-            sumsq = sum_of_squares_over([joined[2]] if joined is not None else grads, self.device,
-                                        self.group if self.sharded else None)
+            sumsq = sum_of_squares_over([joined[2]] if joined is not None else grads, self.device)
+            if duplicate is not None:
+                sumsq -= duplicate
+            if self.sharded:
+                dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
+        elif duplicate is not None:  # the caller's sum over the whole (unsharded) gradient
+            sumsq = sumsq - duplicate
+        if self.model_group is not None:
+            dist.all_reduce(sumsq, group=self.model_group)
         norm = sumsq.sqrt() * (grad_factor / loss_scale)
         finite = torch.isfinite(norm)
         self._skip.copy_(~finite)

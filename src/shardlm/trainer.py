@@ -25,10 +25,9 @@ from .data.loader import open_train_data
 from .inference import generate_text
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
-from .model import build_model
 from .optim import lr_at
-from .parallel import build_engine
-from .precision import DTYPES, make_loss_scaler
+from .parallel.parallelize import parallelize
+from .precision import make_loss_scaler
 from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, signal_name
 from .runtime.watchdog import Watchdog
@@ -60,24 +59,10 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
 
-        self.model = build_model(cfg.model, self.device, DTYPES[t.precision], t.seed)
-        self.model.set_recompute(t.recompute)
-        self.model.loss_chunk = t.loss_chunk_tokens
-        self.model.compile_loss = t.compile and self.device.type == "cuda"
-        self.model.set_attention(t.attention)
-        self.model.train()
-        self.forward = self.model
-        if t.compile:
-            ddp = self.mesh.dp > 1 and cfg.parallel.zero_stage == 0 and cfg.parallel.dp_mode == "ddp"
-            for i, block in enumerate(self.model.layers):
-                # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
-                # unless they arrive in two parts (bench/README.md measures what that saves).
-                if i == 0 and ddp:
-                    block.compile_in_halves()
-                else:
-                    block.compile()
         self.scaler = make_loss_scaler(t.precision)
-        self.engine = build_engine(self.model, cfg, self.mesh, self.scaler)
+        self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler)
+        self.model, self.engine = self.parallel.model, self.parallel.engine
+        self.forward_backward = self.parallel.forward_backward
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
@@ -118,7 +103,7 @@ class Trainer:
         if data["consumed_samples"] % self.cfg.train.global_batch_size:
             raise ValueError(f"cannot resume {ckpt['path']} with train.global_batch_size "
                              f"{self.cfg.train.global_batch_size}: {data['consumed_samples']} samples were consumed")
-        self.engine.load_full_state(ckpt["model"], ckpt["optimizer"])
+        self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
@@ -135,15 +120,9 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
-        total = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            last = micro == accum - 1
-            x, y = (t.to(self.device, non_blocking=True) for t in self.data.micro_batch_at(self.step, micro))
-            loss = self.forward(x, y) / accum
-            total += loss.detach()
-            self.engine.prepare_backward(last)
-            (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-            self.engine.finish_backward(last)
+        batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                   for x, y in (self.data.micro_batch_at(self.step, m) for m in range(accum)))
+        total = self.forward_backward(batches, accum, self.device)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
@@ -163,7 +142,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         self.model.eval()
         # Every rank evaluates the same batches: ZeRO-3's parameter gathers are collectives.
-        losses = [self.forward(x.to(self.device), y.to(self.device)).item()
+        losses = [self.model(x.to(self.device), y.to(self.device)).item()
                   for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
@@ -172,7 +151,7 @@ class Trainer:
         if self.out is None:
             return None
         with self._guard(f"the checkpoint gather at step {self.step}"):
-            masters, optim = self.engine.gather_full_state()  # a collective when the state is sharded
+            masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
         if not self.mesh.is_main:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
@@ -266,7 +245,7 @@ class Trainer:
             # destroy_process_group drops only torch's own references to the groups: the engine's (its
             # optimizer's, ZeRO-3's hooks on the model) would keep them, and their gloo threads, for the
             # garbage collector at interpreter shutdown. Release them now, while Python still runs.
-            self.engine = self.model = self.forward = None
+            self.engine = self.model = self.forward_backward = self.parallel = None
             self.mesh.release_groups()
             self.host_group = None
             gc.collect()

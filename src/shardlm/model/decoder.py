@@ -60,10 +60,11 @@ def rotate_half(x):
 
 
 class KVCache:
-    """Preallocated keys and values per layer for incremental decoding: one prefill, then a token per step."""
+    """Preallocated keys and values per layer for incremental decoding: one prefill, then a token per step.
+    `kv_heads`: the key/value heads each layer computes here (Decoder.cache_heads)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
-        shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, kv_heads: int | None = None):
+        shape = (batch, kv_heads or cfg.kv_heads, max_len, cfg.head_size)
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.pos = 0
@@ -90,24 +91,30 @@ class Attention(nn.Module):
                           cfg.has_bias or cfg.qkv_bias, cfg.init_std)
         self.out = linear(cfg.num_heads * self.head_dim, cfg.hidden_size, cfg.has_bias,
                           scaled_std(cfg.init_std, cfg.num_layers))
+        # The key/value head each query head reads, where this module computes more key/value heads than
+        # its queries use (tensor parallelism keeping all of them on every rank); None: grouped as GQA.
+        self.kv_index: list[int] | None = None
         self.recompute_core = False
         self.expand_kv = False  # SDPA backends without native GQA get K/V repeated per query head
 
     def core(self, q, k, v, causal: bool, mask=None):
-        gqa = self.n_kv != self.n_heads
+        gqa = k.shape[1] != self.n_heads
         if gqa and self.expand_kv:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            k = k.repeat_interleave(self.n_heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(self.n_heads // v.shape[1], dim=1)
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
     def forward(self, x, rope=None, cache: KVCache | None = None):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                                     self.n_kv * self.head_dim], dim=-1)
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]  # the whole sequence, also where x holds a slice of it (sequence parallelism)
+        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
+                            dim=-1)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.kv_index is not None:
+            k, v = k[:, self.kv_index], v[:, self.kv_index]
         if rope is not None:
             cos, sin = rope
             q = q * cos + rotate_half(q) * sin
@@ -161,6 +168,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class LMOutput(nn.Module):
+    """The output head and the loss: logits h W^T, or the mean next-token cross-entropy in fp32, by default
+    through the fused chunked kernel (loss.py) that never forms all logits. It holds no parameters (the
+    head's weight, lm_head's or the tied embedding's, is passed in): tensor parallelism replaces it by its
+    vocab-parallel version."""
+
+    def forward(self, h, weight, targets=None, chunk: int = 2048, compiled: bool = False):
+        if targets is None:
+            return F.linear(h, weight)
+        if not chunk:
+            logits = F.linear(h, weight)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return linear_cross_entropy(h, weight, targets, chunk, compiled)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "gpt2":
         return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -212,6 +234,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std)
+        self.output = LMOutput()
         self.recompute = "none"
         self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
         self.compile_loss = False
@@ -247,21 +270,27 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter from its own generator, seeded by (seed, name), so a parameter's
-        values do not depend on which other parameters a rank materialises or on the device order. They
-        do depend on the device type: CUDA's generator draws other numbers than the CPU's for one seed."""
+        values do not depend on which other parameters a rank materialises or on the device order. A
+        sharded parameter (its module's `shardings`, parallel/tensor.py) draws the full tensor and keeps
+        its own slice, so any layout starts from the same weights. They do depend on the device type:
+        CUDA's generator draws other numbers than the CPU's for one seed."""
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
-            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            mod_name, _, attr = name.rpartition(".")
+            owner = self.get_submodule(mod_name) if mod_name else self
             if name.endswith("bias"):
                 p.zero_()
             elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
                 p.fill_(1.0)
             else:
+                spec = getattr(owner, "shardings", {}).get(attr)
                 std = getattr(owner, "init_std", self.cfg.init_std)
                 g = torch.Generator(device=p.device)
                 g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-                p.normal_(0.0, std, generator=g)
+                full = torch.empty(spec.full_shape(p.shape) if spec else p.shape, dtype=p.dtype, device=p.device)
+                full.normal_(0.0, std, generator=g)
+                p.copy_(spec.local(full) if spec else full)
         self._rope_cache.clear()
 
     # ---- forward ------------------------------------------------------------------------------
@@ -299,15 +328,18 @@ class Decoder(nn.Module):
     def head_weight(self):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, ids, targets=None, cache: KVCache | None = None):
-        """Logits, or with `targets` the mean next-token cross-entropy in fp32 (never forming all logits)."""
+    def cache_heads(self) -> int:
+        """The key/value heads a KV cache holds per layer for this module's attention."""
+        attn = self.layers[0].attn
+        return attn.n_heads if attn.kv_index is not None else attn.n_kv
+
+    def forward(self, ids, targets=None, cache: KVCache | None = None, last_only: bool = False):
+        """Logits (of the last position only, with `last_only`), or with `targets` the mean next-token
+        cross-entropy in fp32 (never forming all logits)."""
         h = self.hidden_states(ids, cache)
-        if targets is None:
-            return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
-        if not self.loss_chunk:
-            logits = F.linear(h, self.head_weight)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-        return linear_cross_entropy(h, self.head_weight, targets, self.loss_chunk, self.compile_loss)
+        if last_only:
+            h = h[:, -1:]
+        return self.output(h, self.head_weight, targets, self.loss_chunk, self.compile_loss)
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, init: bool = True) -> Decoder:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..model.loss import CHUNK_TOKENS, linear_cross_entropy
-from .tensor import _degree
 
 
 def _fp32(logits: torch.Tensor, valid: int) -> torch.Tensor:
@@ -119,7 +118,7 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
     gradient of `weight` is complete for this rank's rows. With no group (degree 1) this is
     model.loss.linear_cross_entropy.
     """
-    if _degree(group) == 1:
+    if group is None or dist.get_world_size(group) == 1:
         return linear_cross_entropy(h, weight[:vocab_size] if weight.shape[0] > vocab_size else weight,
                                     targets, chunk, compiled)
     valid = max(0, min(weight.shape[0], vocab_size - vocab_start))

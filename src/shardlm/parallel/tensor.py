@@ -1,34 +1,80 @@
-"""Megatron-style tensor-parallel layers (Shoeybi et al. 2019, Megatron-LM).
+"""Megatron tensor parallelism (Shoeybi et al. 2019, "Megatron-LM") with sequence parallelism (Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), as a transform of the
+one-device model (`tensor_parallel`), the way torchtitan's `parallelize_llama` applies its plan.
 
-A ColumnParallelLinear splits the output features over the tensor-parallel group, a RowParallelLinear
-splits the input features; a column layer followed by a row layer needs one all-reduce in forward
-(`reduce_from_tp`) and one in backward (`copy_to_tp`). VocabParallelEmbedding splits the vocabulary.
-With no group (degree 1) every layer is the plain single-device op, which is how the model runs
-until tensor parallelism is switched on: the model is built from these layers from the start.
+Each block's attention and MLP become a column-parallel linear (output features split: each rank holds its
+heads' q, k and v, its slice of gate and of up) followed by a row-parallel one (input features split), so
+a block needs one all-reduce of activations in forward (`reduce_from_tp`, Megatron's g) and one in
+backward (`copy_to_tp`, f). The vocabulary is split too: a vocab-parallel embedding (padded to a
+multiple of the degree) and a vocab-parallel cross-entropy (cross_entropy.py) that never gathers logits.
+With sequence parallelism (`parallel.sp`) the norms and residuals hold only this rank's slice of the
+sequence: the all-reduces become an all-gather along the sequence before each column-parallel linear and
+a reduce-scatter after each row-parallel one (the same bytes), and activations outside the linears take
+1/tp of the memory. It applies in training mode; evaluation and generation run the plain
+tensor-parallel path on the same weights (a single generated token cannot be split).
+
+Every parameter carries its sharding (`TPSharding`, on its module), which says how the full tensor maps to
+the local one: initialisation draws the full tensor and keeps the rank's slice (a tp = 2 run starts from
+exactly the tp = 1 model), checkpoints gather and re-split by name, and the gradient norm counts an
+element held by several ranks once. A parameter whose gradient each rank only partly computes (the
+norms, row-parallel biases and position embeddings under sequence parallelism, where each rank sees its
+tokens only; key/value heads kept whole on every rank when there are fewer than the ranks) has those
+gradients summed over the group as autograd produces them (`sum_partial_gradients`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from .cross_entropy import vocab_parallel_cross_entropy
 
-def _degree(group) -> int:
+
+def degree(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _rank(group) -> int:
+def rank_in(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+# ---- the collectives around the parallel layers ------------------------------------------------------
+
+def _seq_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, h] slices of the sequence -> [b, tp s, h] on every rank."""
+    tp = degree(group)
+    buf = _gathered(x, group)
+    return buf.view(tp, *x.shape).transpose(0, 1).reshape(x.shape[0], tp * x.shape[1], *x.shape[2:])
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, S, h] partial sums -> this rank's [b, S / tp, h] slice of their sum."""
+    tp = degree(group)
+    b, s = x.shape[0], x.shape[1] // tp
+    src = x.reshape(b, tp, s, *x.shape[2:]).transpose(0, 1).contiguous()  # no copy when b == 1
+    out = torch.empty((b, s, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_tensor(out, src.view(tp * b, s, *x.shape[2:]), group=group)  # slices along dim 0
+    return out
+
+
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `x`, stacked along dimension 0 (rank order): [tp x.shape[0], ...]."""
+    buf = torch.empty((degree(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into_tensor(buf, x.contiguous(), group=group)
+    return buf
+
+
 class _CopyToTP(torch.autograd.Function):
-    """Identity in forward, all-reduce of the input gradient in backward (Megatron's `f`)."""
+    """Megatron's f: identity in forward, all-reduce of the input gradient in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -38,7 +84,7 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce of partial sums in forward, identity in backward (Megatron's `g`)."""
+    """Megatron's g: all-reduce of partial sums in forward, identity in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -51,97 +97,336 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather along the last dimension in forward, keep the local slice in backward."""
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism's f: all-gather along the sequence in forward, reduce-scatter in backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return _seq_all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        n = dist.get_world_size(ctx.group)
-        return grad.chunk(n, dim=-1)[dist.get_rank(ctx.group)].contiguous(), None
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence in forward, all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_all_gather(grad, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension (the vocabulary's logits) in forward, the local slice in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(_gathered(x, group).chunk(degree(group)), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(degree(ctx.group), dim=-1)[rank_in(ctx.group)].contiguous(), None
 
 
 def copy_to_tp(x, group):
-    return x if _degree(group) == 1 else _CopyToTP.apply(x, group)
+    return x if degree(group) == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x, group):
-    return x if _degree(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if degree(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x, group):
-    return x if _degree(group) == 1 else _GatherFromTP.apply(x, group)
+def gather_from_sp(x, group):
+    return x if degree(group) == 1 else _GatherFromSP.apply(x, group)
 
 
-def _split(n: int, group, what: str) -> int:
-    d = _degree(group)
-    if n % d:
-        raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel degree {d}")
-    return n // d
+def reduce_scatter_to_sp(x, group):
+    return x if degree(group) == 1 else _ReduceScatterToSP.apply(x, group)
 
+
+# ---- how a parameter is sharded ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TPSharding:
+    """How a parameter's full tensor maps to tensor-parallel rank `rank`'s local one. Along `dim` the full
+    tensor is the concatenation of `parts` (fused components: q, k, v; gate, up; or one), each split
+    evenly over the ranks (rank r keeps its r-th slice) or, where `split` says not, kept whole on every
+    rank; the local tensor concatenates what the rank keeps of each. `pad` zero rows after the last part
+    make it divisible (a vocabulary padded to a multiple of the degree). `dim` None: every rank holds the
+    whole tensor."""
+    rank: int
+    degree: int
+    dim: int | None = None
+    parts: tuple[int, ...] = ()
+    split: tuple[bool, ...] = ()
+    pad: int = 0
+
+    def _sizes(self) -> list[int]:
+        sizes = list(self.parts)
+        sizes[-1] += self.pad
+        return sizes
+
+    def _local_sizes(self) -> list[int]:
+        return [n // self.degree if s else n for n, s in zip(self._sizes(), self.split)]
+
+    def full_shape(self, local_shape) -> tuple[int, ...]:
+        shape = list(local_shape)
+        if self.dim is not None:
+            shape[self.dim] = sum(self.parts)
+        return tuple(shape)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        if self.dim is None:
+            return full
+        if self.pad:
+            pad_shape = list(full.shape)
+            pad_shape[self.dim] = self.pad
+            full = torch.cat([full, full.new_zeros(pad_shape)], self.dim)
+        pieces = full.split(self._sizes(), self.dim)
+        return torch.cat([p.chunk(self.degree, self.dim)[self.rank] if s else p
+                          for p, s in zip(pieces, self.split)], self.dim)
+
+    def full(self, locals_by_rank: list[torch.Tensor]) -> torch.Tensor:
+        if self.dim is None:
+            return locals_by_rank[0]
+        segments = [t.split(self._local_sizes(), self.dim) for t in locals_by_rank]
+        parts = [torch.cat([seg[i] for seg in segments], self.dim) if s else segments[0][i]
+                 for i, s in enumerate(self.split)]
+        return torch.cat(parts, self.dim).narrow(self.dim, 0, sum(self.parts))
+
+    def duplicates(self, local_shape) -> list[tuple[int, int]]:
+        """Element ranges (of the flattened local tensor) that another rank holds too; rank 0 counts them."""
+        numel = int(torch.Size(local_shape).numel())
+        if self.rank == 0:
+            return []
+        if self.dim is None:
+            return [(0, numel)]
+        row = numel // local_shape[0]  # whole parts are rows of dimension 0
+        out, start = [], 0
+        for n, s in zip(self._local_sizes(), self.split):
+            if not s:
+                out.append((start * row, (start + n) * row))
+            start += n
+        return out
+
+
+def _tag(module: nn.Module, shardings: dict, partial: dict | None = None) -> None:
+    """Record on `module` how its direct parameters are sharded, and from which row of dimension 0 on each
+    one's gradient is partial (0: all of it), so they survive the module's materialisation."""
+    module.shardings = shardings
+    module.partial_grads = partial or {}
+
+
+def replicated(module: nn.Module, group, partial: bool = False) -> nn.Module:
+    """Tag a module whose parameters every rank holds whole; `partial`: each rank computes part of their
+    gradients (it sees only its slice of the sequence)."""
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    _tag(module, {n: TPSharding(rank_in(group), degree(group)) for n in names},
+         {n: 0 for n in names} if partial else {})
+    return module
+
+
+# ---- the parallel layers -----------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A's rows (output features) split over the group; each rank holds out/tp rows."""
+    """y = x A^T with A's rows (output features) split over the group, each fused component (`parts`: q, k,
+    v; gate, up) on its own, so rank r holds [q_r; k_r; v_r], never one contiguous block of the fused
+    matrix (that would give one rank all of q). A component `whole` stays complete on every rank (key and
+    value heads fewer than the ranks); its rows' gradients are partial, and summed. `pad` zero rows
+    (split with the last part) make an undivisible output size divisible."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, group=None,
-                 gather_output: bool = False, init_std: float = 0.02):
+    def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, group, sequence_parallel: bool,
+                 init_std: float, whole: tuple[bool, ...] | None = None, pad: int = 0):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.group, self.gather_output, self.init_std = group, gather_output, init_std
-        self.weight = nn.Parameter(torch.empty(_split(out_features, group, "out_features"), in_features))
-        self.bias = nn.Parameter(torch.empty(self.weight.shape[0])) if bias else None
+        whole = whole or (False,) * len(parts)
+        self.group, self.sequence_parallel, self.init_std = group, sequence_parallel, init_std
+        spec = TPSharding(rank_in(group), degree(group), 0, tuple(parts), tuple(not w for w in whole), pad)
+        rows = sum(spec._local_sizes())
+        self.weight = nn.Parameter(torch.empty(rows, in_features))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
+        first_whole = sum(n for n, w in zip(spec._local_sizes(), whole) if not w) if any(whole) else None
+        partial = {} if first_whole is None else {n: first_whole for n in ("weight", "bias") if getattr(self, n) is not None}
+        _tag(self, {n: spec for n in ("weight", "bias") if getattr(self, n) is not None}, partial)
 
     def forward(self, x):
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
-        return gather_from_tp(y, self.group) if self.gather_output else y
-
-    def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, tp={_degree(self.group)}, bias={self.bias is not None}"
+        x = gather_from_sp(x, self.group) if self.sequence_parallel and self.training else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A's columns (input features) split; partial sums are all-reduced, bias added once."""
+    """y = x A^T with A's columns (input features) split: partial sums all-reduced (or reduce-scattered along
+    the sequence), the bias added once after."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, group=None,
-                 init_std: float = 0.02):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool,
+                 init_std: float):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.group, self.init_std = group, init_std
-        self.weight = nn.Parameter(torch.empty(out_features, _split(in_features, group, "in_features")))
+        self.group, self.sequence_parallel, self.init_std = group, sequence_parallel, init_std
+        tp, rank = degree(group), rank_in(group)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        shardings = {"weight": TPSharding(rank, tp, 1, (in_features,), (True,))}
+        if bias:
+            shardings["bias"] = TPSharding(rank, tp)
+        _tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel and self.training else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
-
-    def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, tp={_degree(self.group)}, bias={self.bias is not None}"
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose vocabulary rows are split over the group; out-of-shard ids look up zeros."""
+    """An embedding whose vocabulary rows (padded to a multiple of the degree) are split over the group: ids
+    outside this rank's rows look up zeros, and the ranks' lookups are summed (reduce-scattered along the
+    sequence with sequence parallelism)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, init_std: float = 0.02):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, sequence_parallel: bool):
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.group, self.init_std = num_embeddings, embedding_dim, group, init_std
-        rows = _split(num_embeddings, group, "vocab_size")
-        self.vocab_start = _rank(group) * rows
+        tp, rank = degree(group), rank_in(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.num_embeddings = num_embeddings
+        rows = -(-num_embeddings // tp)
+        self.vocab_start = rank * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
+        _tag(self, {"weight": TPSharding(rank, tp, 0, (num_embeddings,), (True,), rows * tp - num_embeddings)})
 
     def forward(self, ids):
-        if _degree(self.group) == 1:
-            return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel and self.training:
+            return reduce_scatter_to_sp(out, self.group)
         return reduce_from_tp(out, self.group)
 
-    def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}, tp={_degree(self.group)}"
 
+class SequenceParallelPositions(nn.Module):
+    """GPT-2's learned positions under sequence parallelism: the rows of this rank's slice of the sequence
+    (the token embeddings arrive sliced). Every rank holds all rows; each computes part of their gradient."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        replicated(self, group, partial=True)
+
+    def forward(self, positions):
+        if self.training:
+            positions = positions.chunk(degree(self.group))[rank_in(self.group)]
+        return F.embedding(positions, self.weight)
+
+
+class VocabParallelOutput(nn.Module):
+    """The output head over this rank's vocabulary rows: the vocab-parallel cross-entropy, or the logits
+    gathered over the group (padding dropped) where they are asked for."""
+
+    def __init__(self, group, vocab_start: int, vocab_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, h, weight, targets=None, chunk: int = 2048, compiled: bool = False):
+        h = gather_from_sp(h, self.group) if self.sequence_parallel and self.training else copy_to_tp(h, self.group)
+        if targets is None:
+            return _GatherLastDim.apply(F.linear(h, weight), self.group)[..., :self.vocab_size]
+        return vocab_parallel_cross_entropy(h, weight, targets, self.group, self.vocab_start, self.vocab_size,
+                                            chunk or targets.numel(), compiled)
+
+
+# ---- the transform -----------------------------------------------------------------------------------
+
+def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
+    """Shard a decoder over `group`, in place, on the meta device (before its weights exist): the linears of
+    every block, the embeddings, the head and the loss are replaced by their parallel versions; the norms
+    (and GPT-2's positions) stay whole on every rank. Parameter names are those of the one-device model."""
+    cfg, tp, sp = model.cfg, degree(group), sequence_parallel
+    h, hd, f = cfg.hidden_size, cfg.head_size, cfg.ffn_size
+    for block in model.parts().layers:
+        attn, mlp = block.attn, block.mlp
+        nq, nkv = attn.n_heads, attn.n_kv
+        kv_whole = nkv % tp != 0
+        attn.qkv = ColumnParallelLinear(h, (nq * hd, nkv * hd, nkv * hd), attn.qkv.bias is not None, group, sp,
+                                        attn.qkv.init_std, whole=(False, kv_whole, kv_whole))
+        attn.out = RowParallelLinear(nq * hd, h, attn.out.bias is not None, group, sp, attn.out.init_std)
+        attn.n_heads = nq // tp
+        if kv_whole:  # every rank computes all key/value heads and reads those of its query heads
+            attn.kv_index = [(rank_in(group) * attn.n_heads + j) // (nq // nkv) for j in range(attn.n_heads)]
+        else:
+            attn.n_kv = nkv // tp
+        up_parts = (f, f) if mlp.gated else (f,)
+        mlp.up = ColumnParallelLinear(h, up_parts, mlp.up.bias is not None, group, sp, mlp.up.init_std)
+        mlp.down = RowParallelLinear(f, h, mlp.down.bias is not None, group, sp, mlp.down.init_std)
+        replicated(block.attn_norm, group, partial=sp)
+        replicated(block.mlp_norm, group, partial=sp)
+    model.embed = VocabParallelEmbedding(cfg.vocab_size, h, group, sp)
+    if model.pos_embed is not None:
+        model.pos_embed = SequenceParallelPositions(cfg.max_seq_len, h, group) if sp else replicated(model.pos_embed, group)
+    replicated(model.norm, group, partial=sp)
+    if model.lm_head is not None:
+        rows = model.embed.weight.shape[0]
+        model.lm_head = ColumnParallelLinear(h, (cfg.vocab_size,), False, group, sp, model.lm_head.init_std,
+                                             pad=rows * tp - cfg.vocab_size)
+    model.output = VocabParallelOutput(group, model.embed.vocab_start, cfg.vocab_size, sp)
+
+
+def shardings(model: nn.Module) -> dict[str, TPSharding]:
+    """Every tensor-parallel parameter's sharding, by name (empty for a model that is not sharded)."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, spec in getattr(module, "shardings", {}).items():
+            out[f"{mod_name}.{name}" if mod_name else name] = spec
+    return out
+
+
+def sum_partial_gradients(model: nn.Module, group) -> None:
+    """After the weights exist: sum over the group the gradients each rank computes only part of, as
+    autograd produces them (before they are accumulated, so every engine sees complete gradients)."""
+    for module in model.modules():
+        for name, first_row in getattr(module, "partial_grads", {}).items():
+            getattr(module, name).register_hook(_summed_from(first_row, group))
+
+
+def _summed_from(first_row: int, group):
+    def hook(grad):
+        grad = grad.clone()
+        part = grad[first_row:]
+        if part.is_contiguous():
+            dist.all_reduce(part, group=group)
+        else:  # pragma: no cover - rows of a contiguous gradient are contiguous
+            summed = part.contiguous()
+            dist.all_reduce(summed, group=group)
+            part.copy_(summed)
+        return grad
+    return hook
+
+
+# ---- layout-free state: full tensors by name ---------------------------------------------------------
+
+def gather_full(state: dict[str, torch.Tensor], specs: dict[str, TPSharding], group, device) -> dict:
+    """Full tensors from every rank's local ones (names `param` or `param::key`), gathered over the group."""
+    out = {}
+    for key, local in state.items():
+        spec = specs.get(key.split("::")[0])
+        if spec is None or spec.dim is None or local.dim() == 0:
+            out[key] = local
+            continue
+        parts = [torch.empty_like(local, device=device) for _ in range(spec.degree)]
+        dist.all_gather(parts, local.to(device).contiguous(), group=group)
+        out[key] = spec.full([p.to(local.device) for p in parts])
+    return out
+
+
+def take_local(state: dict[str, torch.Tensor], specs: dict[str, TPSharding]) -> dict:
+    """This rank's local tensors from full ones by name (`param` or `param::key`)."""
+    out = {}
+    for key, full in state.items():
+        spec = specs.get(key.split("::")[0])
+        out[key] = spec.local(full).contiguous() if spec is not None and full.dim() > 0 else full
+    return out

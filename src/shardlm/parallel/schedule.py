@@ -1,0 +1,35 @@
+"""The per-step seam: forward and backward over one step's micro-batches, with the engine's gradient
+synchronisation around each backward. A model that is whole on every rank of its data-parallel group
+(one process, data and tensor parallelism) runs `ForwardBackward`; a pipeline runs a schedule's action
+table in its place, behind the same call."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .engine import Engine
+
+
+class ForwardBackward:
+    """Gradient accumulation (Megatron-LM's forward_backward_no_pipelining): each micro-batch's mean loss is
+    divided by the number of micro-batches, so the summed gradient is the gradient of the mean loss over
+    the step's batch (every sample has the same number of tokens); the engine reduces gradients over the
+    data-parallel ranks on the last micro-batch, or on each for ZeRO-2/3."""
+
+    def __init__(self, model: nn.Module, engine: Engine, scaler):
+        self.forward, self.engine, self.scaler = model, engine, scaler
+
+    def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], count: int,
+                 device: torch.device) -> torch.Tensor:
+        """Run the step's `count` micro-batches; returns the mean loss as a device tensor (no host sync)."""
+        total = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == count - 1
+            loss = self.forward(x, y) / count
+            total += loss.detach()
+            self.engine.prepare_backward(last)
+            (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+            self.engine.finish_backward(last)
+        return total

@@ -1,0 +1,175 @@
+"""Tensor parallelism (Megatron column/row split, vocab-parallel embedding and loss) with and without sequence
+parallelism, alone and composed with DDP and ZeRO, against one process (gloo on CPU, fp32): per-step
+losses, gradient norms and the gathered weights; initialisation, resharding resume, eval and generation."""
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import ATOL, RTOL
+from shardlm.testing.distributed import run_distributed
+
+COMMON = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2"}
+# A row-parallel linear sums each output from tp partial sums, so activations differ from one process's in
+# the last bits of fp32 from the first layer on (data parallelism only reorders the final gradient sum).
+# AdamW's step lr m / (sqrt(v) + eps) does not depend on the gradient's scale, so where an element's
+# gradient nearly cancels, that difference moves the weight by up to a fraction of lr: 1.4e-6 after
+# three steps at tp 2, 3.0e-6 on GPT-2 at tp 4 (2026-11-27). GPT-2's key bias has an exactly zero
+# gradient (softmax ignores a constant added to every score of a query's row), so AdamW moves it by rounding
+# noise alone, in any layout: up to 6.8e-6 on GPT-2 at tp 4 with sequence parallelism. SGD, which does not
+# amplify any of this, and which shows a gradient off by a constant factor that Adam would hide, keeps the
+# data-parallel tolerance.
+ADAM_ATOL = {"llama": 5e-6, "gpt2": 1e-5}
+OPTIMIZERS = {"adamw": {}, "sgd": {"train.optimizer": "sgd", "train.lr": "1e-2"}}
+# GPT-2 with tied embeddings and a vocabulary no degree divides (padded rows); Llama with GQA (2 KV heads
+# for 4 query heads: split at tp 2, kept whole on every rank at tp 4).
+MODELS = {"llama": {}, "gpt2": {"model.arch": "gpt2", "model.tie_embeddings": "true", "model.num_kv_heads": "0",
+                                "model.vocab_size": "509"}}
+
+
+def check_equal(results, ref, rtol=RTOL, atol=ATOL):
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=rtol, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=rtol, atol=0)
+    main = [r["masters"] for r in results if r["masters"] is not None]
+    assert len(main) == 1, "the full state is gathered on the main rank only"
+    assert main[0].keys() == ref["masters"].keys()
+    for name, value in ref["masters"].items():
+        assert main[0][name].shape == value.shape, name
+        torch.testing.assert_close(main[0][name], value, rtol=rtol, atol=atol, msg=name)
+
+
+def run(world, overrides):
+    ref = dist_fns.train_and_capture(0, 1, {"train.device": "cpu", **COMMON, **overrides,
+                                            "parallel.tp": "1", "parallel.dp": "1", "parallel.sp": "false",
+                                            "parallel.zero_stage": "0"})
+    return run_distributed(dist_fns.train_and_capture, world, {**COMMON, **overrides}, timeout=240), ref
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_tensor_parallel_equals_one_process(model, tp, sp, optimizer):
+    results, ref = run(tp, {**MODELS[model], **OPTIMIZERS[optimizer], "parallel.tp": str(tp), "parallel.dp": "1",
+                            "parallel.sp": str(sp)})
+    check_equal(results, ref, atol=ADAM_ATOL[model] if optimizer == "adamw" else ATOL)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero3"])
+def test_data_times_tensor_parallel_equals_one_process(model, mode):
+    """dp 2 x tp 2 (two micro-batches per rank: accumulation), ZeRO sharding over each tp rank's dp group."""
+    layout = {"parallel.tp": "2", "parallel.dp": "2", "parallel.zero_stage": mode[-1] if mode != "ddp" else "0",
+              "parallel.persist_threshold": "100", "parallel.sp": str(mode == "zero3")}
+    results, ref = run(4, {**MODELS[model], **layout})
+    check_equal(results, ref, atol=ADAM_ATOL[model])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_tensor_and_sequence_parallel_with_recomputation(recompute):
+    results, ref = run(2, {"parallel.tp": "2", "parallel.dp": "1", "parallel.sp": "true", "train.recompute": recompute,
+                           "train.optimizer": "sgd", "train.lr": "1e-2"})
+    check_equal(results, ref)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_tensor_parallel_model_starts_from_the_one_process_weights(model):
+    """Each rank draws every full tensor from its (seed, name) generator and keeps its slice: gathered, the
+    weights are the one-process model's, bit for bit (padding rows aside)."""
+    from shardlm.config import load_config
+    from shardlm.model import build_model
+    cfg = load_config("tiny", MODELS[model])
+    want = build_model(cfg.model, seed=cfg.train.seed).state_dict()
+    for tp in (2, 4):
+        got = run_distributed(dist_fns.initial_full_state, tp, {**MODELS[model], "parallel.tp": str(tp),
+                                                                "parallel.dp": "1"}, timeout=120)[0]
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (tp, name)
+
+
+@pytest.mark.parametrize("layout", [{"parallel.tp": "2", "parallel.dp": "1"},
+                                    {"parallel.tp": "2", "parallel.dp": "2", "parallel.zero_stage": "1"}])
+def test_fp16_overflow_on_one_tensor_parallel_rank_skips_the_step_everywhere(layout):
+    world = int(layout["parallel.tp"]) * int(layout["parallel.dp"])
+    results = run_distributed(dist_fns.fp16_overflow_on_rank_one, world, layout, timeout=120)
+    for skipped, scale, unchanged in results:
+        assert skipped == 1 and scale == 2.0**16 and unchanged in (True, None)
+    assert any(u is True for _, _, u in results)
+
+
+def test_eval_and_generation_under_tensor_parallelism_equal_one_process():
+    """Evaluation (the vocab-parallel loss, no logits gathered) and greedy generation (only the last
+    position's logits gathered) of a tp 2 model with sequence parallelism give the one-process results."""
+    one = dist_fns.eval_and_sample(0, 1, {"train.device": "cpu", "parallel.dp": "1"})
+    for loss, text in run_distributed(dist_fns.eval_and_sample, 2, {"parallel.tp": "2", "parallel.dp": "1",
+                                                                   "parallel.sp": "true"}, timeout=120):
+        assert loss == pytest.approx(one[0], rel=1e-5) and text == one[1]
+
+
+RESUME = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2", "train.save_every": "3",
+          "train.keep_checkpoints": "5"}
+
+
+@pytest.mark.parametrize("target", [
+    {"parallel.tp": "1", "parallel.dp": "1"},
+    {"parallel.tp": "1", "parallel.dp": "4", "parallel.zero_stage": "3"},
+    {"parallel.tp": "4", "parallel.dp": "1", "parallel.sp": "true"},
+], ids=["tp1", "dp4-zero3", "tp4-sp"])
+def test_a_tp2_dp2_checkpoint_resumes_under_another_layout_on_the_same_trajectory(tmp_path, target):
+    full = run_distributed(dist_fns.train_and_capture, 4, {**RESUME, "parallel.tp": "2", "parallel.dp": "2"},
+                           str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    world = int(target["parallel.tp"]) * int(target["parallel.dp"])
+    if world == 1:
+        resumed = [dist_fns.train_and_capture(0, 1, {**RESUME, **target, "train.device": "cpu"}, str(tmp_path / "b"),
+                                              ckpt)]
+    else:
+        resumed = run_distributed(dist_fns.train_and_capture, world, {**RESUME, **target}, str(tmp_path / "b"), ckpt,
+                                  timeout=240)
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+def test_export_of_a_tensor_parallel_run_is_the_one_process_runs_hf_directory(tmp_path):
+    """`shardlm export` writes full tensors whatever the layout that trained them: the tp 2 x dp 2 run's HF
+    directory holds the config and the tensors of the tp 1 run's (equal up to the optimizer tolerance)."""
+    import json
+
+    from helpers import run_cli
+    from safetensors.torch import load_file
+    steps = {**RESUME, "train.steps": "3", "train.save_every": "0"}
+    run_distributed(dist_fns.train_and_capture, 4, {**steps, "parallel.tp": "2", "parallel.dp": "2"},
+                    str(tmp_path / "tp"), timeout=240)
+    dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"}, str(tmp_path / "one"))
+    for run in ("tp", "one"):
+        run_cli("export", "--checkpoint", tmp_path / run, "--out", tmp_path / f"hf-{run}")
+    assert json.loads((tmp_path / "hf-tp" / "config.json").read_text()) == \
+        json.loads((tmp_path / "hf-one" / "config.json").read_text())
+    got, want = (load_file(tmp_path / f"hf-{run}" / "model.safetensors") for run in ("tp", "one"))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ADAM_ATOL["llama"], msg=name)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    ({"parallel.tp": "3"}, 3, "parallel.tp = 3 does not divide the 4 attention heads"),
+    ({"parallel.tp": "2"}, 4, "parallel.dp (1) x parallel.tp (2) x parallel.pp (1) = 2 != world size 4"),
+    ({"parallel.tp": "2"}, 1, "!= world size 1: start 2 processes, e.g. `torchrun --nproc-per-node 2"),
+    ({"parallel.sp": "true"}, 1, "parallel.sp = True (sequence parallelism) needs parallel.tp > 1"),
+    ({"parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "31"}, 2,
+     "train.seq_len = 31 must divide by parallel.tp = 2 for sequence parallelism"),
+])
+def test_bad_tensor_parallel_layouts_fail_early_naming_the_values(overrides, world, message):
+    from shardlm.config import ConfigError, load_config, validate
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", overrides), world_size=world)
+    assert message in str(e.value)
+
+
+def test_a_tensor_parallel_group_that_spans_nodes_is_warned_about():
+    """tp 2 where each node runs one process: it works, but its per-layer collectives cross the network."""
+    seen = run_distributed(dist_fns.warnings_of_a_trainer, 2, {"parallel.tp": "2", "parallel.dp": "1"}, 1, timeout=120)
+    assert any("parallel.tp = 2 spans nodes of 1 processes" in w for w in seen[0]), seen[0]
+    assert not any("spans nodes" in w for w in run_distributed(dist_fns.warnings_of_a_trainer, 2, {
+        "parallel.tp": "2", "parallel.dp": "1"}, 2, timeout=120)[0])
