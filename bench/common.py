@@ -1,7 +1,10 @@
-"""What every benchmark here shares: the timing loop and the dense bf16 peak of an H100/H200 that every
-system is charged against, with the one FLOPs-per-token definition (shardlm.config.ModelConfig.flops_per_token:
-6 x matmul parameters + 12 x layers x heads x head_dim x seq, the torchtitan convention that
-../shared/bench/peer_baseline.py uses)."""
+"""What every benchmark here shares: the timing loop, the runner of one torchrun job per system, and the dense
+bf16 peak of an H100/H200 that every system is charged against, with the one FLOPs-per-token definition
+(shardlm.config.ModelConfig.flops_per_token: 6 x matmul parameters + 12 x layers x heads x head_dim x seq,
+the torchtitan convention that ../shared/bench/peer_baseline.py uses)."""
+import os
+import signal
+import subprocess
 import time
 
 PEAK = 989e12
@@ -20,3 +23,21 @@ def timed(step, warm: int, steps: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
 
+
+def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a torchrun job; exit code None when it ran past `timeout` seconds. A job
+    that hangs is sent SIGABRT, whose handler (faulthandler) prints every rank's Python stack, then killed
+    with its ranks (the whole process group), so that it neither holds the GPUs nor eats the call."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**env, "PYTHONFAULTHANDLER": "1"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        return None, out, err

@@ -15,12 +15,10 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from common import PEAK, timed
+from common import PEAK, run_job, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
@@ -134,25 +132,6 @@ def peer_step(system, cfg, x, world):
         engine.backward(loss)
         engine.step()
     return step
-
-
-def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
-    """(exit code, stdout, stderr) of a torchrun job; exit code None when it ran past `timeout` seconds. A job
-    that hangs is sent SIGABRT, whose handler (faulthandler) prints every rank's Python stack, then killed
-    with its ranks (the whole process group), so that it neither holds the GPUs nor eats the call."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**env, "PYTHONFAULTHANDLER": "1"})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            out, err = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        return None, out, err
 
 
 def main():
