@@ -2,9 +2,9 @@
 
     python bench/planner_validation.py [--record bench/results.jsonl]
 
-The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py and
-bench/data_parallel.py wrote on the device (torch.cuda.max_memory_allocated and the timed step), taken
-from the newest commit that measured each layout. Floors: memory within 10%, step time within 25%.
+The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py
+and bench/tensor_parallel.py wrote on the device (torch.cuda.max_memory_allocated, plus symmetric memory,
+and the timed step), the newest row of each layout. Floors: memory within 10%, step time within 25%.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ LAYOUTS = {
     ("data_parallel", 1, "shardlm-zero1"): Layout(zero_stage=1),
     ("data_parallel", 1, "shardlm-zero2"): Layout(zero_stage=2),
     ("data_parallel", 1, "shardlm-zero3"): Layout(zero_stage=3),
+    ("tensor_parallel", 4, "shardlm-tp4-sp"): Layout(tp=4, sp=True),
+    ("tensor_parallel", 4, "shardlm-tp4"): Layout(tp=4),
+    # shardlm-tp2-dp2 joins once a row counts its symmetric memory (the first one did not).
 }
 
 
@@ -55,17 +58,18 @@ def main():
     rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
     latest = {}
     for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
-        key = (r["bench"], r["gpus"], r["system"], r["seq"], r["micro_batch"])
-        if (r["bench"], r["gpus"], r["system"]) in LAYOUTS and r["model"] == "tinyllama-1.1b":
+        key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"])
+        if (r["bench"], r["gpus"], r["system"]) in LAYOUTS and r["model"] in ("tinyllama-1.1b", "llama2-7b"):
             latest[key] = r
     out, ok = [], True
     print(f"{'layout':<34}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
-    for (bench, gpus, system, seq, mb), r in sorted(latest.items()):
+    for (bench, gpus, system, model, seq, mb), r in sorted(latest.items()):
         layout = LAYOUTS[(bench, gpus, system)]
-        m = load_config(r["model"]).model
-        e = estimate(m, Workload(seq, mb, mb * layout.dp), layout, gpu("h200" if "H200" in r["card"] else "h100"))
+        m = load_config(model).model
+        batch = r.get("global_batch", mb * layout.dp)
+        e = estimate(m, Workload(seq, mb, batch), layout, gpu("h200" if "H200" in r["card"] else "h100"))
         mem = e.memory.total / 2**30
-        step = seq * mb / r["tok_s_gpu"]
+        step = batch * seq / (r["tok_s_gpu"] * gpus)
         mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1
         ok &= abs(mem_err) <= 0.10 and abs(step_err) <= 0.25
         name = f"{system} x{gpus} s{seq} mb{mb}"

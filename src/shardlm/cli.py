@@ -84,10 +84,12 @@ def _train(cfg, out: str, resume: str | None) -> int:
     if trainer.mesh.is_main:
         n, p = cfg.model.num_params(), cfg.parallel
         layout = ""
+        if p.tp > 1:
+            layout += f", tensor parallel over {p.tp} ranks" + (" with sequence parallelism" if p.sp else "")
         if p.dp > 1:  # what auto resolved to is worth seeing: it decides the speed
             kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
             algo = getattr(trainer.engine, "algo", None)
-            layout = f", {kind} over {p.dp} ranks" + (f" (reduce_algo {algo})" if algo else "")
+            layout += f", {kind} over {p.dp} ranks" + (f" (reduce_algo {algo})" if algo else "")
         print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
               flush=True)
