@@ -41,3 +41,27 @@ def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str,
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         return None, out, err
+
+
+def job_env(root) -> dict:
+    """The environment of a benchmark's torchrun jobs: this checkout's shardlm first, NVLink multicast off."""
+    return {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict | None:
+    """Run one system's torchrun job and return the JSON its rank 0 printed after "RESULT ", or None (said on
+    stderr, with the job's own stderr) when it failed or ran past `timeout`."""
+    import json
+    import sys
+    code, out, err = run_job(cmd, env, timeout)
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if code is None:
+        print(f"{system}: timed out after {timeout} s; the ranks' Python stacks:\n{err[-6000:]}", file=sys.stderr,
+              flush=True)
+    elif code or not lines:
+        print(f"{system}: failed\n{err[-3000:]}", file=sys.stderr, flush=True)
+    else:
+        return json.loads(lines[-1][7:])
+    return None
+

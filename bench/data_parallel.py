@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import PEAK, run_job, timed
+from common import PEAK, job_env, run_system, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
@@ -149,24 +149,16 @@ def main():
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = job_env(ROOT)
     rows = []
     for system in args.systems:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
                __file__, "--system", system, "--preset", args.preset, "--seq", str(args.seq), "--micro-batch",
                str(args.micro_batch), "--warm", str(args.warm), "--steps", str(args.steps), *SHARDLM.get(system, [])]
-        code, out, err = run_job(cmd, env, args.timeout)
-        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        if code is None:
-            print(f"{system}: timed out after {args.timeout} s; the ranks' Python stacks:\n{err[-6000:]}",
-                  file=sys.stderr, flush=True)
-            continue
-        if code or not lines:
-            print(f"{system}: failed\n{err[-2500:]}", file=sys.stderr, flush=True)
-            continue
-        rows.append(json.loads(lines[-1][7:]))
-        print(json.dumps(rows[-1]), flush=True)
+        row = run_system(system, cmd, env, args.timeout)
+        if row is not None:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     import torch
     card = torch.cuda.get_device_name()
     by = {r["system"]: r for r in rows}

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import PEAK, run_job, timed
+from common import PEAK, job_env, run_system, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
@@ -252,8 +252,7 @@ def main():
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = job_env(ROOT)
     rows = []
     for system in args.systems:
         gpus = math.prod(int(v) for k, v in SHARDLM.get(system, {}).items() if k in ("parallel.tp", "parallel.dp")) \
@@ -262,13 +261,10 @@ def main():
                "--system", system, *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                      if k in ("preset", "seq", "global_batch", "micro_batch", "warm", "steps",
                                               "compile", "device")), *extra]
-        code, out, err = run_job(cmd, env, args.timeout)
-        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        if code is None or code or not lines:
-            print(f"{system}: {'timed out' if code is None else 'failed'}\n{err[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        rows.append(json.loads(lines[-1][7:]))
-        print(json.dumps(rows[-1]), flush=True)
+        row = run_system(system, cmd, env, args.timeout)
+        if row is not None:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     card = "cpu"
     if args.device == "cuda":
         import torch

@@ -11,6 +11,8 @@ logits (bf16 logits, their fp32 upcast, softmax, gradient) to one chunk's worth.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,18 +41,21 @@ def _fused_ce_and_grad():
 
 
 class LinearCrossEntropy(torch.autograd.Function):
+    """mean_i CE over chunks of tokens whose gradients are formed in forward. `chunk_loss(hc, weight, tc, n,
+    want_grad)` gives one chunk's summed fp32 loss and d(mean loss over n)/d(its logits) (the single-device
+    one below; the vocab-parallel one in parallel/cross_entropy.py)."""
+
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk: int, compiled: bool):
+    def forward(ctx, h, weight, targets, chunk: int, chunk_loss):
         h2 = h.reshape(-1, h.shape[-1])
         t = targets.reshape(-1)
         n = t.numel()
-        step = _fused_ce_and_grad() if compiled else ce_and_grad
         grad_h = torch.empty_like(h2)
         grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk):
-            hc, tc = h2[s:s + chunk], t[s:s + chunk]
-            loss, grad = step(hc @ weight.t(), tc, n)
+            hc = h2[s:s + chunk]
+            loss, grad = chunk_loss(hc, weight, t[s:s + chunk], n, True)
             total += loss
             torch.mm(grad, weight, out=grad_h[s:s + chunk])
             grad_w.addmm_(grad.t(), hc)
@@ -64,19 +69,32 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype), None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
-    """mean_i CE(h_i W^T, t_i) in fp32, equal to F.cross_entropy(F.linear(h, W).float(), t)."""
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          chunk_loss) -> torch.Tensor:
+    """The mean loss through `chunk_loss` (see LinearCrossEntropy), chunk by chunk: with gradients formed in
+    forward where autograd needs them, and the same chunks without them in evaluation."""
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        total = sum(F.cross_entropy((h2[s:s + chunk] @ weight.t()).float(), t[s:s + chunk], reduction="sum")
-                    for s in range(0, t.numel(), chunk))
-        return total / t.numel()
+        n = t.numel()
+        return sum(chunk_loss(h2[s:s + chunk], weight, t[s:s + chunk], n, False)[0] for s in range(0, n, chunk)) / n
     dev = h.device.type
     if torch.is_autocast_enabled(dev):
         # Under autocast (fp32 weights, 16-bit compute) cast once here; the casts' backward returns the
         # gradients in the parameters' dtype, and the Function runs in one dtype throughout.
         dtype = torch.get_autocast_dtype(dev)
         with torch.autocast(dev, enabled=False):
-            return LinearCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, compiled)
-    return LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)
+            return LinearCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, chunk_loss)
+    return LinearCrossEntropy.apply(h, weight, targets, chunk, chunk_loss)
+
+
+def _local_chunk_loss(compiled: bool, hc, weight, tc, n: int, want_grad: bool):
+    logits = hc @ weight.t()
+    if not want_grad:
+        return F.cross_entropy(logits.float(), tc, reduction="sum"), None
+    return (_fused_ce_and_grad() if compiled else ce_and_grad)(logits, tc, n)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
+    """mean_i CE(h_i W^T, t_i) in fp32, equal to F.cross_entropy(F.linear(h, W).float(), t)."""
+    return chunked_cross_entropy(h, weight, targets, chunk, functools.partial(_local_chunk_loss, compiled))

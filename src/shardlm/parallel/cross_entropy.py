@@ -11,10 +11,12 @@ ranks ever exists.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from ..model.loss import CHUNK_TOKENS, linear_cross_entropy
+from ..model.loss import CHUNK_TOKENS, chunked_cross_entropy, linear_cross_entropy
 
 
 def _fp32(logits: torch.Tensor, valid: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ def _steps(compiled: bool):
     return _compiled_steps
 
 
-def _chunk_loss(hc, weight, tc, group, vocab_start: int, valid: int, n: int, steps, want_grad: bool):
+def _chunk_loss(group, vocab_start: int, valid: int, steps, hc, weight, tc, n: int, want_grad: bool):
     """Summed fp32 loss of one chunk and, if wanted, d(mean loss)/d(local logits)."""
     max_fn, partials_fn, grad_fn = steps
     logits = hc @ weight.t()
@@ -72,34 +74,8 @@ def _chunk_loss(hc, weight, tc, group, vocab_start: int, valid: int, n: int, ste
     dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     lse = gmax + stats[0].log()
     loss = (lse - stats[1]).sum()
+    # grad_h = grad @ weight is then partial: this rank's vocabulary rows only (see below).
     return loss, (grad_fn(logits, valid, lse, t_local, owned, n) if want_grad else None)
-
-
-class VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, targets, group, vocab_start: int, valid: int, chunk: int, compiled: bool):
-        h2 = h.reshape(-1, h.shape[-1])
-        t = targets.reshape(-1)
-        n = t.numel()
-        steps = _steps(compiled)
-        grad_h = torch.empty_like(h2)
-        grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, n, chunk):
-            hc = h2[s:s + chunk]
-            loss, grad = _chunk_loss(hc, weight, t[s:s + chunk], group, vocab_start, valid, n, steps, True)
-            total += loss
-            torch.mm(grad, weight, out=grad_h[s:s + chunk])  # partial: this rank's vocabulary rows only
-            grad_w.addmm_(grad.t(), hc)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.h_shape = h.shape
-        return total / n
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        return ((grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype),
-                None, None, None, None, None, None)
 
 
 def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,
@@ -122,18 +98,5 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
         return linear_cross_entropy(h, weight[:vocab_size] if weight.shape[0] > vocab_size else weight,
                                     targets, chunk, compiled)
     valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
-    if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
-        # Evaluation: the same chunked collectives, no gradients formed.
-        h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        steps, n = _steps(compiled), t.numel()
-        total = sum(_chunk_loss(h2[s:s + chunk], weight, t[s:s + chunk], group, vocab_start, valid, n, steps,
-                                False)[0] for s in range(0, n, chunk))
-        return total / n
-    dev = h.device.type
-    if torch.is_autocast_enabled(dev):
-        # As in model/loss.py: cast once here, and the Function runs in one dtype throughout.
-        dtype = torch.get_autocast_dtype(dev)
-        with torch.autocast(dev, enabled=False):
-            return VocabParallelLinearCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, group,
-                                                         vocab_start, valid, chunk, compiled)
-    return VocabParallelLinearCrossEntropy.apply(h, weight, targets, group, vocab_start, valid, chunk, compiled)
+    chunk_loss = functools.partial(_chunk_loss, group, vocab_start, valid, _steps(compiled))
+    return chunked_cross_entropy(h, weight, targets, chunk, chunk_loss)
