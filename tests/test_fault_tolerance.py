@@ -49,7 +49,8 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_saved_step(tmp_path, device
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, log[-3000:]  # the job did not finish
     k = read_metrics(tmp_path / "a")[-1]["step"]
-    assert f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert (f"stopped by SIGTERM after step {k} of 100000; to continue: torchrun --nproc-per-node 2 -m shardlm train "
+            f"--resume {tmp_path / 'a'}") in log, log[-3000:]
     assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
     done = subprocess.run([*run, "--train.steps", str(k + 2), "--out", str(tmp_path / "a"),
                            "--resume", str(tmp_path / "a")], env=env, capture_output=True, text=True, timeout=300)

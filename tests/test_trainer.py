@@ -328,7 +328,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_resumed_run_continues_exa
     k = stopped[-1]["step"]
     assert [r["step"] for r in stopped] == list(range(1, k + 1))  # the last step is logged too
     assert resolve_checkpoint(tmp_path / "run").name == f"step_{k:08d}"
-    assert f"stopped by SIGTERM after step {k} of 100000; to continue, run again with --resume {tmp_path / 'run'}" in out
+    assert f"stopped by SIGTERM after step {k} of 100000; to continue: shardlm train --resume {tmp_path / 'run'}" in out
     assert "sample:" not in out
     steps = ["--train.steps", str(k + 3)]
     resumed = subprocess.run([sys.executable, "-m", "shardlm", "train", "--resume", tmp_path / "run", *steps],

@@ -5,18 +5,24 @@ A checkpoint is a directory `RUN/checkpoints/step_00000042/` holding the fp32 ma
 (optimizer.safetensors, `name::key` tensors), everything else that a resumed run needs to continue
 bit-for-bit (state.json: step, config, data position, loss scaler; rng.pt), and the tokenizer.
 It is written under a temporary name, fsynced, and renamed into place: a run killed mid-save leaves
-only a temporary directory, which loading ignores, so it resumes from the previous complete one.
+only a temporary directory, which loading ignores (and the next run removes), so it resumes from the
+previous complete one. state.json, written last, records each file's size and CRC32; loading verifies
+them, and a run directory whose newest checkpoint is damaged (truncated, emptied, a flipped bit, a file
+missing) resumes from the newest one that verifies, saying so.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .config import RunError
 
 CKPT_DIR = "checkpoints"
 STATE = "state.json"
@@ -50,30 +56,66 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointError(RunError):
+    """A checkpoint could not be written, or one on disk is damaged; the message names the file."""
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories that saves cut short (a crash, a full disk) left behind."""
+    root = Path(run_dir) / CKPT_DIR
+    partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
                     optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2) -> Path:
+    """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
+    write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     root = Path(run_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
-    save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-    torch.save(rng_state(), tmp / "rng.pt")
-    if tokenizer is not None:
-        tokenizer.tok.save(str(tmp / "tokenizer.json"))
-    (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=1) + "\n")
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
+        save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        torch.save(rng_state(), tmp / "rng.pt")
+        if tokenizer is not None:
+            tokenizer.tok.save(str(tmp / "tokenizer.json"))
+        files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)} for f in sorted(tmp.iterdir())}
+        (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = complete_checkpoints(run_dir)
+        kept = f"{earlier[-1]} is kept" if earlier else "no earlier checkpoint exists"
+        raise CheckpointError(f"saving step {step} to {final} failed: {e.strerror or e}; {kept}") from None
+    # Only checkpoints up to this step rotate out: one of a later step is not this run's to delete.
+    older = [p for p in complete_checkpoints(run_dir) if p.name <= final.name]
+    for old in older[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -83,24 +125,77 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the latest complete checkpoint of a run directory."""
+def read_state(path: str | Path) -> dict:
+    """state.json of a checkpoint, or of the newest checkpoint of a run directory whose state.json reads,
+    without reading (or verifying) the tensors: what a resumed run's config comes from."""
     path = Path(path)
-    if (path / STATE).is_file():
+    candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
+    if not candidates:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})")
+    for ckpt in candidates:
+        try:
+            state = json.loads((ckpt / STATE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and "config" in state:
+            return state
+    raise CheckpointError(f"no state.json under {path} is readable JSON with a config")
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The checkpoint's state (state.json), after checking that every file it records is there, whole and
+    unchanged; CheckpointError names the first file that is not."""
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / STATE} is not readable JSON ({e})") from None
+    if not isinstance(state, dict) or not {"step", "config", "data"} <= state.keys():
+        raise CheckpointError(f"{path / STATE} lacks the step, config or data of the checkpoint")
+    for name, want in state.get("files", {}).items():  # checkpoints written before checksums have none
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} were written (truncated or replaced)")
+        if _crc32(f) != want["crc32"]:
+            raise CheckpointError(f"{f} does not match its checksum (corrupted on disk)")
+    return state
+
+
+def resolve_checkpoint(path: str | Path, log=None) -> Path:
+    """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
+    a damaged one is skipped with a message through `log`."""
+    path = Path(path)
+    if (path / STATE).is_file() or path.name.startswith("step_"):
+        verify_checkpoint(path)
         return path
     found = complete_checkpoints(path)
     if not found:
         raise FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})")
-    return found[-1]
+    problems = []
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if problems and log is not None:
+            log(f"skipping damaged checkpoints ({'; '.join(problems)}); resuming from {ckpt}")
+        return ckpt
+    raise CheckpointError(f"no checkpoint of {path} verifies: {'; '.join(problems)}")
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for any damage it finds
+        raise CheckpointError(f"{path} could not be read ({e})") from None
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> dict:
-    ckpt = resolve_checkpoint(path)
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None) -> dict:
+    ckpt = resolve_checkpoint(path, log)
     out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text()),
            "model": _read_tensors(ckpt / "model.safetensors")}
     if with_optimizer:

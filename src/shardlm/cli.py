@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config, parse_overrides, preset_names, validate
+from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
 
 TRAIN_EPILOG = """\
 Any config key can be overridden as --section.key value (sections: model, data, train, parallel),
@@ -26,6 +26,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="run directory for metrics.jsonl, TensorBoard and checkpoints "
                                                "(default: runs/<config name>)")
     p.add_argument("--resume", default=None, help="a run directory (its latest complete checkpoint) or a checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="train into an --out that holds another run's "
+                                                            "checkpoints, deleting them and its metrics")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     return p
 
@@ -55,9 +57,9 @@ def cmd_train(argv: list[str]) -> int:
     overrides = parse_overrides(rest)
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
-        from .checkpoint import load_checkpoint
+        from .checkpoint import read_state
         from .config import apply_overrides, config_from_dict
-        cfg = config_from_dict(load_checkpoint(args.resume, with_optimizer=False)["state"]["config"])
+        cfg = config_from_dict(read_state(args.resume)["config"])
         apply_overrides(cfg, overrides)
     else:
         cfg = load_config(args.config, overrides)
@@ -68,19 +70,26 @@ def cmd_train(argv: list[str]) -> int:
     from .runtime.watchdog import peer_failure
     out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
     try:
-        return _train(cfg, out, args.resume)
+        return _train(cfg, out, args.resume, args.overwrite)
+    except RunError:
+        raise
     except RuntimeError as e:
         why = peer_failure(e)
-        if why is None:
-            raise
-        print(f"shardlm train: error: {why}; within parallel.timeout_s = {cfg.parallel.timeout_s:g} s",
-              file=sys.stderr)
-        return 1
+        if why is not None:
+            print(f"shardlm train: error: {why}; within parallel.timeout_s = {cfg.parallel.timeout_s:g} s",
+                  file=sys.stderr)
+            return 1
+        if "out of memory" in str(e) or "can't allocate memory" in str(e):
+            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
+                  "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
+                  "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
+            return 1
+        raise
 
 
-def _train(cfg, out: str, resume: str | None) -> int:
+def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
     from .trainer import Trainer
-    trainer = Trainer(cfg, out_dir=out, resume=resume)
+    trainer = Trainer(cfg, out_dir=out, resume=resume, overwrite=overwrite)
     if trainer.mesh.is_main:
         n, p = cfg.model.num_params(), cfg.parallel
         layout = ""
@@ -190,7 +199,7 @@ COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardlm {train,eval,generate,data,export,plan} ...\n\n"
+        print("usage: shardlm {train,eval,generate,data,export,plan} ... | shardlm --version\n\n"
               "  train     train a model (default: the embedded default on the stdlib's sources)\n"
               "  eval      perplexity of a model on a text file\n"
               "  generate  sample from a model\n"
@@ -198,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
               "  export    write a Hugging Face checkpoint directory\n"
               "  plan      predict memory, time and communication of a layout, or search the best one\n\n"
               "Each has --help.")
+        return 0
+    if argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            print(f"shardlm {version('shardlm')}")
+        except PackageNotFoundError:  # run from a source tree that pip has not installed
+            from . import __version__
+            print(f"shardlm {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
@@ -208,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,10 +24,15 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the value."""
 
 
+class RunError(RuntimeError):
+    """A run cannot go on (a damaged checkpoint, numbers that stopped being finite, a failed save): the
+    command reports it in one line and exits non-zero."""
+
+
 @dataclass
 class ModelConfig:
     arch: str = "llama"            # llama (RoPE, RMSNorm, SwiGLU, GQA) | gpt2 (learned positions, LayerNorm, GELU)
-    vocab_size: int = 512
+    vocab_size: int = 0            # 0: the training data's tokenizer size
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -212,12 +217,12 @@ CHOICES = {
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
 }
-POSITIVE = ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
+POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
-            "parallel.ep", "parallel.virtual_stages",
+            "parallel.ep", "parallel.virtual_stages", "model.init_std",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
-NON_NEGATIVE = ("model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
+NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
@@ -328,11 +333,35 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
+ROPE_KEYS = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum")  # in [0, 1)
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Fail before any work with a message naming the key and the value."""
     def get(key):
         s, n = key.split(".")
         return getattr(getattr(cfg, s), n)
+
+    for section in SECTIONS:  # nan compares false with everything, so the range checks below would pass it
+        obj = getattr(cfg, section)
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
+    for key in UNIT_INTERVAL:
+        if not 0 <= get(key) < 1:
+            raise ConfigError(f"{key} = {get(key)!r} must be in [0, 1)")
+    scaling = cfg.model.rope_scaling
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ROPE_KEYS:
+            raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
+        missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
+        if missing:
+            raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "
+                              f"{', '.join(sorted(scaling)) or 'nothing'})")
 
     for key, allowed in CHOICES.items():
         if get(key) not in allowed:

@@ -11,6 +11,7 @@ is not reported.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -52,7 +53,8 @@ class MetricsLogger:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.is_file():
-            # A resumed run writing where it crashed: drop records past the checkpoint it resumes from.
+            # A run resumed into its own directory: its history up to the checkpoint stays, and what the
+            # abandoned future logged after it goes (here and, by purge_step, in TensorBoard).
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
@@ -61,15 +63,18 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError:
                 self.tb = None
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        # Strict JSON: a value that is not finite is written as null (json.dumps would write a bare NaN).
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):

@@ -37,6 +37,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class NonFiniteGradient(FloatingPointError):
+    """A bf16/fp32 step's gradient was not finite; the step was skipped. `step`: the first such step."""
+
+    def __init__(self, step: int, norm: float):
+        super().__init__(f"the gradient of step {step} was not finite (its norm: {norm})")
+        self.step, self.norm = step, norm
+
+
 @dataclass(frozen=True)
 class Segment:
     """Elements [lo, hi) of this rank's shard of a bucket that share one weight decay."""
@@ -119,6 +127,7 @@ class MasterWeightOptimizer:
         self.steps_taken = 0
         self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._first_nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # its step; 0: none
         self.last_norm = torch.zeros((), device=self.device)
 
     def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
@@ -187,6 +196,8 @@ class MasterWeightOptimizer:
                 return False
         else:
             self._nonfinite += self._skip  # reported (and fatal) at the next sync
+            first = (self._first_nonfinite == 0) & ~finite
+            self._first_nonfinite.copy_(torch.where(first, step, self._first_nonfinite))
         scale = torch.full((), grad_factor / loss_scale, device=self.device)
         if cfg.grad_clip > 0:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
@@ -227,9 +238,10 @@ class MasterWeightOptimizer:
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
 
     def sync(self, step: int) -> tuple[float, int]:
-        """Host view of the last step: (its grad norm, steps skipped so far); bf16/fp32 divergence raises."""
+        """Host view of the last step: (its grad norm, steps skipped so far). In bf16/fp32 a step whose
+        gradient was not finite (skipped, so the weights stay finite) raises NonFiniteGradient."""
         if int(self._nonfinite):
-            self.scaler.update(True, step)  # raises: a non-finite norm in bf16/fp32 is divergence
+            raise NonFiniteGradient(int(self._first_nonfinite), float(self.last_norm))
         return float(self.last_norm), self.scaler.skipped_steps
 
     # ---- layout-free state: full tensors keyed by parameter name (collective when sharded) ---------

@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .config import RunError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class LossScaleError(RuntimeError):
+class LossScaleError(RunError):
     """fp16 gradients overflow even at the minimum loss scale."""
 
 

@@ -10,6 +10,8 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
+import math
+import os
 import sys
 import time
 from contextlib import closing, nullcontext
@@ -19,13 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
-from .config import Config, config_from_dict
+from . import rundir
+from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, set_rng_state
+from .config import Config, ConfigError, RunError, config_from_dict
 from .data.loader import open_train_data
 from .inference import generate_text
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
-from .optim import lr_at
+from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
@@ -34,10 +37,14 @@ from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
 
 
+class TrainingError(RunError):
+    """The run cannot go on (its numbers stopped being finite); the message says where and why."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
-                 mesh: DeviceMesh | None = None, log=print):
-        self.cfg, self.log = cfg, log
+                 mesh: DeviceMesh | None = None, log=print, overwrite: bool = False):
+        self.cfg, self.log, self.overwrite = cfg, log, overwrite
         self.owns_process_group = mesh is None and not dist.is_initialized()
         self.mesh = mesh if mesh is not None else init_distributed(cfg)
         self.owns_process_group &= dist.is_initialized()
@@ -52,9 +59,14 @@ class Trainer:
         distributed_gpu = self.device.type == "cuda" and self.mesh.world > 1
         self.watchdog = Watchdog(cfg.parallel.timeout_s) if distributed_gpu else None
         torch.manual_seed(t.seed)
+        if self.out is not None:
+            rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite, self.mesh.is_main, log)
 
         data_dir = self._data_dir()
         self.tokenizer = load_tokenizer(data_dir)
+        if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
+            cfg.model.vocab_size = self.tokenizer.vocab_size
+        self._check_memory()
         self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
@@ -67,11 +79,11 @@ class Trainer:
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
         self.resumed_from = None
+        same_dir = False
         if resume is not None:
-            self._resume(resume)
+            same_dir = self._resume(resume)
         self.flops_per_token = cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
-        same_dir = resume is not None and self.out is not None and Path(resume).resolve() == self.out.resolve()
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None)
         if self.out is not None and self.mesh.is_main:
@@ -89,9 +101,31 @@ class Trainer:
             dist.barrier()
         return default_corpus() if not self.mesh.is_main else path
 
-    def _resume(self, resume) -> None:
-        ckpt = load_checkpoint(resume)
+    def _check_memory(self) -> None:
+        """Refuse a model whose weights, gradients and optimizer state alone (a lower bound of what training
+        needs, by the planner's count) exceed the memory this device has free, before allocating any."""
+        from .plan import Layout, Workload, estimate_memory
+        t = self.cfg.train
+        mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
+                              Layout.from_config(self.cfg))
+        need = mem.params + mem.grads + mem.optimizer
+        free = _free_memory(self.device)
+        if free is not None and need > free:
+            raise ConfigError(f"the model ({self.cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
+                              f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
+                              f"{self.device} has {free / 2**30:.1f} GiB free: shrink the model, or shard it "
+                              "(parallel.zero_stage 3, parallel.tp, more ranks)")
+
+    def _resume(self, resume) -> bool:
+        """Load a checkpoint; returns whether it continues its own run in this run's directory."""
+        ckpt = load_checkpoint(resume, log=self.log if self.mesh.is_main else None)
+        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), ckpt["path"],
+                                                                  self.overwrite, self.mesh.is_main)
         saved = config_from_dict(ckpt["state"]["config"])
+        if own and saved.train.global_batch_size != self.cfg.train.global_batch_size:
+            raise ConfigError(f"{ckpt['path']} was trained with train.global_batch_size "
+                              f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
+                              f"steps would be numbered anew beside its checkpoints; resume into another --out")
         if saved.model != self.cfg.model:
             raise ValueError(f"cannot resume {ckpt['path']}: its model config differs from this run's\n"
                              f"  saved: {saved.model}\n  now:   {self.cfg.model}")
@@ -111,6 +145,7 @@ class Trainer:
         if self.step >= self.cfg.train.steps:
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      "nothing to do (raise train.steps to continue)")
+        return own
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -123,12 +158,39 @@ class Trainer:
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                    for x, y in (self.data.micro_batch_at(self.step, m) for m in range(accum)))
         total = self.forward_backward(batches, accum, self.device)
+        if self.cfg.train.precision == "fp16":
+            self._refuse_nan_loss(total)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
             done.record()
             self.watchdog.watch(done, f"training step {self.step + 1}")
         return total
+
+    def _refuse_nan_loss(self, loss: torch.Tensor) -> None:
+        """fp16: a loss-scale overflow gives inf gradients and a skipped step; a nan loss (forward) is not one,
+        and skipping it would skip every step from here on. fp16 waits for the host each step anyway."""
+        nan = torch.isnan(loss).to(torch.float32)
+        if dist.is_initialized():
+            dist.all_reduce(nan, op=dist.ReduceOp.MAX)  # every rank stops alike
+        if nan.item():
+            raise TrainingError(f"step {self.step + 1}: the loss is nan in fp16, which is no loss-scale overflow: "
+                                "the run diverged (lower train.lr, or train.precision bf16)")
+
+    def _diagnose(self, e: NonFiniteGradient) -> TrainingError:
+        """Where the gradient stopped being finite says why: before any update the weights are the
+        initialisation's, so the data or model.init_std are to blame, not the learning rate."""
+        if e.step <= 1 and self.resumed_from is None:
+            why = ("at step 1, before any update: the data or the model's initialisation (model.init_std), "
+                   "not the learning rate")
+        else:
+            why = (f"after {e.step - 1} updates the run diverged (lower train.lr = {self.cfg.train.lr:g} or raise "
+                   f"train.warmup_steps = {self.cfg.train.warmup_steps})")
+        return TrainingError(f"{e}: {why}; the step was skipped, the weights are finite ({self._last_checkpoint()})")
+
+    def _last_checkpoint(self) -> str:
+        found = complete_checkpoints(self.out) if self.out is not None else []
+        return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved"
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean of a per-rank scalar over the data-parallel group (each rank saw 1/dp of the batch)."""
@@ -154,10 +216,22 @@ class Trainer:
             masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
         if not self.mesh.is_main:
             return None
+        self._refuse_unusable_weights(masters)
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict()}
         return save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
                                keep=self.cfg.train.keep_checkpoints)
+
+    def _refuse_unusable_weights(self, masters: dict) -> None:
+        """No checkpoint holds weights that are not finite, or in fp16 beyond its range (the 16-bit copy
+        would be inf): the run stops instead, its last good checkpoint kept."""
+        limit = torch.finfo(torch.float16).max if self.cfg.train.precision == "fp16" else math.inf
+        bad = next((name for name, w in masters.items()
+                    if not bool(torch.isfinite(w).all()) or (limit < math.inf and bool(w.abs().gt(limit).any()))), None)
+        if bad is not None:
+            raise TrainingError(f"step {self.step}: the weights of {bad} are not finite"
+                                + (" in fp16" if limit != math.inf else "") + f"; not saved ({self._last_checkpoint()}): "
+                                "the run diverged (lower train.lr)")
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
@@ -189,7 +263,10 @@ class Trainer:
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
                 if self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
-                        norm, skipped = self.engine.step_stats(self.step)
+                        try:
+                            norm, skipped = self.engine.step_stats(self.step)
+                        except NonFiniteGradient as e:
+                            raise self._diagnose(e) from None
                         loss = self.global_mean(loss)
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
@@ -220,7 +297,7 @@ class Trainer:
         self.metrics.close()
         if self.stopped_by:
             if self.mesh.is_main:
-                how = f"; to continue, run again with --resume {self.out}" if self.out is not None else ""
+                how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""
                 self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
             return records
         if t.sample_tokens:
@@ -254,3 +331,24 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None
+
+
+def _free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` (None where it cannot be told)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def resume_command(out: Path, world: int) -> str:
+    """The command that continues a run saved in `out`, launched as this one was."""
+    if world == 1:
+        return f"shardlm train --resume {out}"
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launch = f"torchrun --nproc-per-node {world // nodes}" + (f" --nnodes {nodes} ..." if nodes > 1 else "")
+    return f"{launch} -m shardlm train --resume {out}"

@@ -6,12 +6,15 @@ idle through the optimizer step; rank 0 also holds the only optimizer state.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..flat import FlatParams
-from ..optim import MasterWeightOptimizer
+from ..optim import MasterWeightOptimizer, NonFiniteGradient
+from ..precision import DynamicLossScaler
 from .engine import LocalEngine
 
 
@@ -51,7 +54,10 @@ class ClassicEngine(LocalEngine):
     def step_stats(self, step: int) -> tuple[float, int]:
         if self.opt is not None:
             return self.opt.sync(step)
-        return float(self.stats[0]), int(self.stats[2])
+        norm = float(self.stats[0])
+        if not math.isfinite(norm) and not isinstance(self.scaler, DynamicLossScaler):
+            raise NonFiniteGradient(step, norm)  # as the root raises: every rank stops alike
+        return norm, int(self.stats[2])
 
     def gather_full_state(self):
         return (None, None) if self.opt is None else super().gather_full_state()

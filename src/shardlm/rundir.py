@@ -1,0 +1,73 @@
+"""The run directory (`--out`): a run's checkpoints, metrics.jsonl, TensorBoard events and config, and the
+rules that keep two runs from mixing in one directory or a run from losing its own work.
+
+- A directory that holds another run's checkpoints is refused; the user continues that run (`--resume`),
+  starts over in it (`--overwrite`, which deletes them), or picks another `--out`. Without this a new
+  run's metrics would replace the old run's, and checkpoint rotation would delete the new run's first
+  checkpoint in favour of the old run's higher step numbers.
+- A run resumed into its own directory from an explicitly chosen earlier checkpoint would continue next
+  to checkpoints of the future it abandons: refused unless `--overwrite` deletes them. (Resuming a run
+  directory picks its newest checkpoint that verifies; later ones are then damaged, and replaced.)
+- Temporary directories of saves cut short are removed.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .checkpoint import CKPT_DIR, checkpoint_step, complete_checkpoints, remove_partial
+from .config import ConfigError
+
+METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
+
+
+def contains(directory: Path, path: Path) -> bool:
+    directory, path = directory.resolve(), path.resolve()
+    return path == directory or directory in path.parents
+
+
+def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> None:
+    """Check `out` (on every rank, so all refuse alike) and prepare it (on the main rank) before the run
+    writes anything into it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    existing = complete_checkpoints(out)
+    own = resume is not None and contains(out, Path(resume))
+    if existing and not own and not overwrite:
+        raise ConfigError(f"{out} already holds a run's checkpoints (up to {existing[-1].name}): continue that run "
+                          f"with --resume {out}, start over in it with --overwrite (deletes its checkpoints and "
+                          "metrics), or train into another --out")
+    if not main:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".shardlm-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
+    partial = remove_partial(out)
+    if partial:
+        log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR}")
+    if existing and overwrite and not own:
+        shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
+        (out / METRICS).unlink(missing_ok=True)
+        log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
+
+
+def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, main: bool) -> bool:
+    """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses to resume
+    an explicitly chosen earlier checkpoint beside later ones unless `overwrite`, which deletes them."""
+    if not contains(out, checkpoint):
+        return False
+    later = [p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)]
+    if later and Path(resume).resolve() != out.resolve():
+        if not overwrite:
+            raise ConfigError(f"{out} holds checkpoints after {checkpoint.name} ({', '.join(p.name for p in later)}): "
+                              f"resuming {checkpoint.name} into it would mix two futures of the run; resume into "
+                              "another --out, or pass --overwrite to delete the later checkpoints")
+        if main:
+            for p in later:
+                shutil.rmtree(p, ignore_errors=True)
+    return True
