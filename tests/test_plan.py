@@ -132,3 +132,53 @@ def test_mixture_of_experts_counts_and_expert_parallel_traffic():
     assert ep.memory.params < one.memory.params / 3  # experts (most of the weights) split 8 ways
     with pytest.raises(PlanError, match="--ep 3 must divide the 8 experts"):
         estimate(m, w, Layout(dp=6, ep=3), gpu("h100"))
+
+
+def test_cli_params_text_lists_every_stage_and_train_flops():
+    """--params: the text lists the four ZeRO stages its JSON holds; --tokens adds 6 x parameters x tokens."""
+    text = run_cli("plan", "--params", 7e9, "--dp", 64, "--tokens", 1e12).stdout
+    for stage, gb in enumerate(("112.0", "29.3", "15.5", "1.8")):
+        assert f"zero{stage}: {gb} GB per GPU" in text
+    assert "train FLOPs" in text and "4.200e+22" in text
+    out = json.loads(run_cli("plan", "--params", 7e9, "--dp", 64, "--tokens", 1e12, "--json").stdout)
+    assert out["train_flops"] == pytest.approx(6 * 7e9 * 1e12)
+
+
+def test_cli_gpus_without_a_layout_is_data_parallel():
+    text = run_cli("plan", "--model", "tinyllama-1.1b", "--gpus", 8).stdout
+    assert "layout: dp 8 (data parallel over --gpus 8" in text
+    out = json.loads(run_cli("plan", "--model", "tinyllama-1.1b", "--gpus", 8, "--tp", 2, "--json").stdout)
+    assert (out["layout"]["dp"], out["layout"]["tp"]) == (4, 2)
+    given = run_cli("plan", "--model", "tinyllama-1.1b", "--gpus", 8, "--dp", 4, check=False)
+    assert given.returncode == 2 and "--dp (4) x --tp (1) x --pp (1) = 4 != --gpus 8" in given.stderr
+    odd = run_cli("plan", "--model", "tinyllama-1.1b", "--gpus", 8, "--tp", 3, check=False)
+    assert odd.returncode == 2 and "--gpus 8" in odd.stderr and "--tp 3" in odd.stderr
+
+
+def test_cli_search_without_gpus_says_it_searched_one():
+    text = run_cli("plan", "--model", "tinyllama-1.1b", "--search", "--global-batch", 8, "--top", 1).stdout
+    assert "searched layouts for 1 GPU (give --gpus N to search a cluster)" in text
+
+
+def test_gpu_table_has_the_seeds_cards():
+    """V100 SXM2 32GB; A800 and H800, the A100 and H100 with less NVLink (400 GB/s against 600 and 900)."""
+    v100, a100, a800, h100, h800 = (gpu(n) for n in ("v100", "a100", "a800", "h100", "h800"))
+    assert (v100.memory, v100.peak_flops, v100.hbm_bw, v100.nvlink_bw) == (32e9, 125e12, 900e9, 150e9)
+    assert a800.nvlink_bw / a100.nvlink_bw == pytest.approx(400 / 600)
+    assert h800.nvlink_bw <= h100.nvlink_bw / 2
+    for fast, slow in ((a100, a800), (h100, h800)):
+        assert (fast.memory, fast.peak_flops, fast.hbm_bw, fast.network_bw) == \
+            (slow.memory, slow.peak_flops, slow.hbm_bw, slow.network_bw)
+
+
+def test_cli_tokens_give_gpu_hours_and_cost():
+    args = ("plan", "--model", "tinyllama-1.1b", "--gpu", "h200", "--dp", 4, "--micro-batch", 4, "--tokens", 1e11,
+            "--price-per-gpu-hour", 2.5)
+    out = json.loads(run_cli(*args, "--json").stdout)
+    assert out["gpu_hours"] == pytest.approx(out["train_days"] * 24 * 4)
+    assert out["cost"] == pytest.approx(out["gpu_hours"] * 2.5)
+    text = run_cli(*args).stdout
+    assert f"{out['gpu_hours']:,.0f}" in text and f"{out['cost']:,.0f}" in text
+    for bad in ("--tokens=-1e9", "--price-per-gpu-hour=-1"):
+        r = run_cli("plan", "--model", "tinyllama-1.1b", bad, check=False)
+        assert r.returncode == 2 and bad.split("=")[0] in r.stderr and "negative" in r.stderr

@@ -32,6 +32,8 @@ class Estimate:
     tokens_per_s: float        # whole cluster
     train_flops: float = 0.0
     train_days: float = 0.0
+    gpu_hours: float = 0.0     # training cost is counted in these: days x 24 x GPUs
+    cost: float = 0.0          # gpu_hours x the price per GPU-hour, when one is given
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -41,7 +43,7 @@ class Estimate:
 
 
 def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int = 8, gpus: int | None = None,
-             efficiency: float = EFFICIENCY) -> Estimate:
+             efficiency: float = EFFICIENCY, price_per_gpu_hour: float = 0.0) -> Estimate:
     check(m, w, L, gpus)
     mem = estimate_memory(m, w, L)
     tokens_per_gpu = w.global_batch * w.seq / (L.dp * L.cp)  # a model replica's tokens, split over tp x pp
@@ -60,5 +62,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
         n = m.num_params() - m.param_counts()["embedding"] - m.param_counts()["position"]
         train_flops = (8 if L.recompute == "full" else 6) * n * w.tokens
         train_days = w.tokens / tokens_per_s / 86400
+    gpu_hours = train_days * 24 * L.gpus
     fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
-    return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days)
+    return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days,
+                    gpu_hours, gpu_hours * price_per_gpu_hour)

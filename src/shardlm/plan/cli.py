@@ -23,14 +23,18 @@ def parser() -> argparse.ArgumentParser:
         m.add_argument(f"--{name}", type=int)
     m.add_argument("--experts", type=int, default=0, help="mixture-of-experts MLP with this many experts")
     m.add_argument("--top-k", type=int, default=2, help="experts per token")
-    m.add_argument("--params", type=float, help="a bare parameter count: model states only")
+    m.add_argument("--params", type=float,
+                   help="a bare parameter count: model states (with --tokens, train FLOPs) only")
     w = p.add_argument_group("work")
     w.add_argument("--seq", type=int, default=2048)
     w.add_argument("--micro-batch", type=int, default=1)
     w.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x dp")
-    w.add_argument("--tokens", type=float, default=0.0, help="total training tokens (for train_flops, train_days)")
+    w.add_argument("--tokens", type=float, default=0.0,
+                   help="total training tokens (for train_flops, train_days, gpu_hours)")
+    w.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="with --tokens: the training's cost")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=None, help="default: the layout's dp x tp x pp x cp")
+    c.add_argument("--gpus", type=int, default=None, help="default: the layout's dp x tp x pp x cp; without "
+                   "--dp, data parallel over the GPUs that --tp, --pp and --cp leave")
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
     c.add_argument("--gpu-memory", help="e.g. 80GiB")
@@ -39,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--nvlink-bw", help="per GPU, one direction, e.g. 450GB/s")
     c.add_argument("--network-bw", help="per GPU, e.g. 50GB/s")
     lay = p.add_argument_group("layout")
-    for name in ("dp", "tp", "pp", "cp", "ep"):
+    lay.add_argument("--dp", type=int, default=None, help="default: 1, or what fills --gpus")
+    for name in ("tp", "pp", "cp", "ep"):
         lay.add_argument(f"--{name}", type=int, default=1)
     lay.add_argument("--zero", type=int, default=0)
     lay.add_argument("--offload", default="none")
@@ -84,67 +89,134 @@ def fmt(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
 
 
+def check_flags(a) -> None:
+    """The values no layout check sees."""
+    for flag, value in (("--tokens", a.tokens), ("--price-per-gpu-hour", a.price_per_gpu_hour)):
+        if value < 0:
+            raise PlanError(f"{flag} {value:g} must not be negative")
+    if a.params is not None and a.params <= 0:
+        raise PlanError(f"--params {a.params:g} must be positive")
+    if a.gpus is not None and a.gpus < 1:
+        raise PlanError(f"--gpus {a.gpus} must be at least 1")
+    if a.price_per_gpu_hour and not a.tokens:
+        raise PlanError("--price-per-gpu-hour needs --tokens: the cost is that of training on them")
+    if a.price_per_gpu_hour and a.params:
+        raise PlanError("--price-per-gpu-hour needs a model to time (--model or --arch); --params gives model "
+                        "states and train FLOPs only")
+
+
+def data_parallel(a) -> tuple[int, str]:
+    """--dp, or when it is left out beside --gpus N, the data-parallel degree that fills N (with a line saying
+    so): a cluster size alone is a question about data parallelism, not a layout of one GPU."""
+    if a.dp is not None or a.gpus is None or a.search:
+        return a.dp or 1, ""
+    rest = a.tp * a.pp * a.cp
+    if rest < 1:
+        return 1, ""  # the layout check names the bad degree
+    if a.gpus % rest:
+        raise PlanError(f"--gpus {a.gpus} is not a multiple of --tp {a.tp} x --pp {a.pp} x --cp {a.cp} = {rest}, "
+                        "so no data-parallel degree fills it")
+    dp = a.gpus // rest
+    if dp == 1:
+        return dp, ""
+    axes = " x ".join([f"dp {dp}"] + [f"{n} {v}" for n, v in (("tp", a.tp), ("pp", a.pp), ("cp", a.cp)) if v > 1])
+    return dp, f"layout: {axes} (data parallel over --gpus {a.gpus}; give --dp/--tp/--pp to choose)"
+
+
 def run(argv: list[str]) -> int:
     a = parser().parse_args(argv)
+    check_flags(a)
     overrides = {"memory": parse_bytes(a.gpu_memory) if a.gpu_memory else None,
                  "peak_flops": a.gpu_tflops * 1e12 if a.gpu_tflops else None,
                  "hbm_bw": parse_bytes(a.hbm_bw) if a.hbm_bw else None,
                  "nvlink_bw": parse_bytes(a.nvlink_bw) if a.nvlink_bw else None,
                  "network_bw": parse_bytes(a.network_bw) if a.network_bw else None}
     g = gpu(a.gpu, **overrides)
+    dp, note = data_parallel(a)
     if a.params:
-        n = a.dp
-        out = {f"zero{s}": paper_model_states(a.params, s, n) for s in range(4)}
-        if a.json:
-            print(json.dumps({"model_states_bytes": out, "dp": n}))
-        else:
-            print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), dp {n}:")
-            for k, v in out.items():
-                fits = v + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
-            print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if fits else 'does not fit'}"
-                      f" {g.name})")
-        return 0
+        return model_states(a, g, dp, note)
     model = model_from_args(a)
-    layout = Layout(dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload, sp=a.sp,
+    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload, sp=a.sp,
                     recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo)
-    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * a.dp, a.tokens)
     if a.search:
-        from .search import search, why
-        gpus = a.gpus or layout.gpus
-        best, scored, rejected, headroom = search(model, work if a.global_batch else
-                                                  Workload(a.seq, a.micro_batch, a.micro_batch * gpus, a.tokens),
-                                                  g, gpus, a.gpus_per_node, layout, a.top)
-        if a.json:
-            print(json.dumps([{"layout": vars(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
-            return 0
-        print(f"{scored} layouts scored for {gpus} x {g.name}; {rejected} do not fit in {100 * (1 - headroom):.0f}% "
-              f"of {fmt(g.memory)}")
-        for rank, (e, w, L) in enumerate(best, 1):
-            desc = (f"dp {L.dp} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
-                    f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
-            print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s ({why(e, L, best[0][0])})")
-        if not best:
-            print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
-        return 0
-    e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus)
+        return search_layouts(a, model, layout, g)
+    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
+    e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
-        print(json.dumps(e.to_dict()))
+        print(json.dumps({**e.to_dict(), "layout": vars(layout)}))
         return 0
-    mem = e.memory
-    rows = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
-            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
-            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
-                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
-            ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
-            ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
-            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
-            ("bubble", f"{100 * e.bubble:.1f}%")]
-    rows += [(f"comm {k}/step", f"{v / 1e9:.2f} GB") for k, v in e.comm_bytes_per_step.items() if v]
-    if a.tokens:
-        rows += [("train FLOPs", f"{e.train_flops:.3e}"), ("train days", f"{e.train_days:.1f}")]
+    if note:
+        print(note)
     print(f"{g.name}, per GPU (worst pipeline stage):")
-    for k, v in rows:
+    for k, v in rows(a, e, g, layout):
         print(f"  {k:<18}{v}")
     return 0
+
+
+def model_states(a, g, dp: int, note: str) -> int:
+    """--params: the ZeRO paper's model states per GPU at each stage, and with --tokens 6 x params x tokens."""
+    out = {f"zero{s}": paper_model_states(a.params, s, dp) for s in range(4)}
+    train_flops = 6 * a.params * a.tokens
+    if a.json:
+        print(json.dumps({"model_states_bytes": out, "dp": dp, "train_flops": train_flops}))
+        return 0
+    if note:
+        print(note)
+    print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), dp {dp}:")
+    for k, v in out.items():
+        fits = v + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
+        print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if fits else 'does not fit'} {g.name})")
+    if a.tokens:
+        print(f"train FLOPs {train_flops:.3e} (6 x parameters x {a.tokens:.3g} tokens)")
+    return 0
+
+
+def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
+    from .search import search, why
+    gpus = a.gpus or layout.gpus
+    batch = a.global_batch or a.micro_batch * gpus
+    best, scored, rejected, headroom = search(model, Workload(a.seq, a.micro_batch, batch, a.tokens), g, gpus,
+                                              a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
+    if a.json:
+        print(json.dumps([{"layout": vars(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+        return 0
+    if a.gpus is None:
+        print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")
+    print(f"{scored} layouts scored for {gpus} x {g.name}; {rejected} do not fit in {100 * (1 - headroom):.0f}% "
+          f"of {fmt(g.memory)}")
+    for rank, (e, w, L) in enumerate(best, 1):
+        desc = (f"dp {L.dp} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
+                f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
+        print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
+    if not best:
+        print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
+    return 0
+
+
+def training(a, e) -> str:
+    """A searched layout's training time and cost, when --tokens asks for them."""
+    if not a.tokens:
+        return ""
+    cost = f", cost {e.cost:,.0f}" if a.price_per_gpu_hour else ""
+    return f", {e.train_days:.1f} days, {e.gpu_hours:,.0f} GPU-hours{cost}"
+
+
+def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
+    mem = e.memory
+    out = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
+           ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
+           ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
+                     f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
+           ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
+           ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
+           ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
+           ("bubble", f"{100 * e.bubble:.1f}%")]
+    out += [(f"comm {k}/step", f"{v / 1e9:.2f} GB") for k, v in e.comm_bytes_per_step.items() if v]
+    if a.tokens:
+        out += [("train FLOPs", f"{e.train_flops:.3e}"), ("train days", f"{e.train_days:.1f}"),
+                ("GPU-hours", f"{e.gpu_hours:,.0f} ({layout.gpus} GPUs)")]
+    if a.price_per_gpu_hour:
+        out.append(("cost", f"{e.cost:,.0f} at {a.price_per_gpu_hour:g} per GPU-hour"))
+    return out

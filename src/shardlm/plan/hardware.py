@@ -1,8 +1,10 @@
 """Accelerator and interconnect figures the planner uses, from the vendors' datasheets.
 
 Peaks are dense 16-bit tensor-core rates; bandwidths are per GPU, in bytes/s. NVLink is the per-GPU
-one-direction rate (a ring collective moves data at about this rate per link); the network is the
-per-GPU NIC rate of a typical cluster (one 400 Gb/s NIC per GPU). Every figure can be overridden.
+one-direction rate (a ring collective moves data at about this rate per link), half the datasheet's
+"NVLink bandwidth", which counts both directions; the network is the per-GPU NIC rate of a typical
+cluster of the card's generation (one NIC per GPU: 400 Gb/s for Hopper and Blackwell, 200 Gb/s for
+Ampere and the L40S, 100 Gb/s for Volta). Every figure can be overridden.
 """
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ GPUS = {
     "h200": GPU("H200 SXM 141GB", 141e9, 989e12, 4.8e12, 450e9, 50e9),
     "a100": GPU("A100 SXM 80GB", 80e9, 312e12, 2.0e12, 300e9, 25e9),
     "a100-40gb": GPU("A100 SXM 40GB", 40e9, 312e12, 1.55e12, 300e9, 25e9),
+    # The export-control variants: the same chip and memory, NVLink cut to 400 GB/s (A800 SXM against the
+    # A100's 600; H800 SXM against the H100's 900, the "half" the press reported), per their datasheets.
+    "a800": GPU("A800 SXM 80GB", 80e9, 312e12, 2.0e12, 200e9, 25e9),
+    "h800": GPU("H800 SXM 80GB", 80e9, 989e12, 3.35e12, 200e9, 50e9),
+    # V100 SXM2 32GB: 125 TFLOP/s is its fp16 tensor-core peak (Volta has no bf16: plan it with --precision
+    # fp16), 900 GB/s HBM2, NVLink 300 GB/s both directions.
+    "v100": GPU("V100 SXM2 32GB", 32e9, 125e12, 0.9e12, 150e9, 12.5e9),
     "l40s": GPU("L40S 48GB", 48e9, 362e12, 0.864e12, 32e9, 25e9),
     "b200": GPU("B200 180GB", 180e9, 2250e12, 8e12, 900e9, 50e9),
 }

@@ -56,12 +56,12 @@ def why(e: Estimate, L: Layout, best: Estimate | None) -> str:
 
 
 def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, base: Layout = Layout(),
-           top: int = 5):
+           top: int = 5, price_per_gpu_hour: float = 0.0):
     """(ranked fitting (estimate, workload, layout) triples, number scored, number that did not fit)."""
     fitting, scored, rejected = [], 0, 0
     for work, layout in layouts(m, w, gpus, gpus_per_node, base):
         try:
-            e = estimate(m, work, layout, g, gpus_per_node, gpus)
+            e = estimate(m, work, layout, g, gpus_per_node, gpus, price_per_gpu_hour=price_per_gpu_hour)
         except PlanError:
             continue
         scored += 1
