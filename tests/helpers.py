@@ -28,7 +28,8 @@ def make_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 
 
 def hf_model(kind: str, vocab: int = 300, seed: int = 0):
-    """A tiny random transformers model of `kind` (llama, llama3, llama_tied, qwen2, mistral, gpt2)."""
+    """A tiny random transformers model of `kind` (llama, llama3, llama_tied, qwen2, qwen2_window, mistral,
+    mistral_window, gpt2); the _window kinds attend over the last 8 positions."""
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -47,8 +48,13 @@ def hf_model(kind: str, vocab: int = 300, seed: int = 0):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif kind == "qwen2_window":  # max_window_layers 0: every layer slides
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=8,
+                                                   max_window_layers=0))
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    elif kind == "mistral_window":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
     elif kind == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=128,
                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))

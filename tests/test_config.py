@@ -39,6 +39,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
     ({"parallel.pp": "2"}, "parallel.pp = 2 is not supported yet"),
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
+    ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
+    ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
@@ -50,6 +52,10 @@ def test_invalid_values_name_key_and_value(overrides, message):
         cfg = load_config("tiny", overrides)
         validate(cfg, world_size=cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
     assert message in str(e.value)
+
+
+def test_training_beyond_the_sliding_window_validates():
+    validate(load_config("tiny", {"model.sliding_window": "8", "train.seq_len": "32"}))
 
 
 def test_layout_must_match_world_size():

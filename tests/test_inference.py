@@ -20,10 +20,27 @@ def test_greedy_generation_matches_transformers(kind, tmp_path):
     assert got.tolist() == expected[:, prompt.shape[1]:].tolist()
 
 
-def test_kv_cache_decoding_equals_full_forward():
+@pytest.mark.parametrize("kind", ["mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("prompt", ["To be", "To be, or not to be, that is the question"])
+def test_greedy_generation_past_the_window_matches_transformers(kind, prompt, tmp_path):
+    """A window of 8: prompts shorter and longer than it, and 24 new tokens, so the prefill and the cached
+    steps both drop keys."""
+    ref = save_hf(kind, tmp_path)
+    model, tok, cfg = load_pretrained(tmp_path)
+    ids = torch.tensor([tok.encode(prompt)])
+    assert cfg.sliding_window == 8 and ids.shape[1] + 24 > 2 * cfg.sliding_window
+    expected = ref.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = generate_ids(model, ids, 24)
+    assert got.tolist() == expected[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_kv_cache_decoding_equals_full_forward(window):
+    import dataclasses
+
     from shardlm.config import load_config
     from shardlm.model import build_model
-    cfg = load_config("tiny").model
+    cfg = dataclasses.replace(load_config("tiny").model, sliding_window=window)
     model = build_model(cfg, seed=1).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -1,12 +1,18 @@
-"""Hugging Face parity: logits equal transformers' (fp32, atol 1e-5); export -> import is exact."""
+"""Hugging Face parity: logits equal transformers' (fp32, atol 1e-5); export -> import is exact; a config
+feature shardlm does not implement is refused, never ignored."""
+import dataclasses
+import re
+
 import pytest
 import torch
 
 from helpers import hf_model
+from shardlm.config import ConfigError, load_config
+from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
 from shardlm.model.hf import read_hf_dir, write_hf_dir
 
-KINDS = ["llama", "llama3", "llama_tied", "qwen2", "mistral", "gpt2"]
+KINDS = ["llama", "llama3", "llama_tied", "qwen2", "qwen2_window", "mistral", "mistral_window", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -33,6 +39,91 @@ def test_logits_match_transformers_and_export_roundtrips(kind, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_the_window_cases_test_the_window(tmp_path):
+    """transformers' windowed Mistral equals full causal attention before position `window` and differs from
+    it at every position after, so matching it (above, 48 positions over a window of 8) tests the window."""
+    ref = hf_model("mistral_window")
+    ref.save_pretrained(tmp_path)
+    cfg, state = read_hf_dir(tmp_path)
+    full = build_model(dataclasses.replace(cfg, sliding_window=0), init=False)
+    full.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = ref(ids).logits, full.eval()(ids)
+    w = cfg.sliding_window
+    torch.testing.assert_close(got[:, :w], expected[:, :w], rtol=0, atol=1e-5)
+    assert (got[:, w:] - expected[:, w:]).abs().amax(-1).min() > 1e-3
+
+
+def test_no_mask_while_the_window_spans_every_key():
+    """Within the window attention stays plain causal SDPA (is_causal, no mask: flash applies)."""
+    model = build_model(dataclasses.replace(load_config("tiny").model, sliding_window=8))
+    assert model.window_mask(0, 8, "cpu") is None and model.window_mask(5, 3, "cpu") is None
+    band = model.window_mask(6, 4, "cpu")  # queries 6..9 over keys 0..9: query i sees i-7..i
+    assert band.tolist() == [[j <= i and j > i - 8 for j in range(10)] for i in range(6, 10)]
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_window_trains_under_recompute(recompute):
+    cfg = dataclasses.replace(load_config("tiny").model, sliding_window=5)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+
+    def loss_and_grads(mode, window):
+        model = build_model(dataclasses.replace(cfg, sliding_window=window), seed=1)
+        model.set_recompute(mode)
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = loss_and_grads("none", 5)
+    loss_r, grads_r = loss_and_grads(recompute, 5)
+    torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
+    for g, g_r in zip(grads, grads_r):
+        torch.testing.assert_close(g_r, g, rtol=0, atol=1e-7)
+    assert abs(loss_and_grads("none", 0)[0] - loss) > 1e-4  # the window is in effect
+
+
+def _hf(cls, **kw):
+    import transformers as tf
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300)
+    return getattr(tf, cls)(**common, **kw).to_dict()
+
+
+REFUSED = [
+    # Llama's attention_bias also puts a bias on o_proj, which shardlm would drop (logits off by ~1.6).
+    (lambda: _hf("LlamaConfig", attention_bias=True), "attention_bias = True"),
+    (lambda: _hf("LlamaConfig", mlp_bias=True), "mlp_bias = True"),
+    (lambda: _hf("LlamaConfig", hidden_act="gelu"), "hidden_act = 'gelu'"),
+    (lambda: _hf("LlamaConfig", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type = 'yarn'"),
+    (lambda: _hf("LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type = 'dynamic'"),
+    (lambda: {**_hf("LlamaConfig"), "partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    # A window on the second layer only, as transformers 5 writes it and as 4.x did (no layer_types).
+    (lambda: _hf("Qwen2Config", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+     "layer_types = ['full_attention', 'sliding_attention']"),
+    (lambda: {k: v for k, v in _hf("Qwen2Config", use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=1).items() if k != "layer_types"}, "max_window_layers = 1"),
+]
+
+
+@pytest.mark.parametrize("make, message", REFUSED, ids=[m for _, m in REFUSED])
+def test_unimplemented_hf_features_are_refused(make, message):
+    with pytest.raises(ConfigError, match=re.escape("Hugging Face config " + message)):
+        model_config_from_hf(make())
+
+
+def test_features_transformers_ignores_are_not_refused():
+    """Mistral and Qwen2 build bias-free MLPs and o_proj whatever attention_bias and mlp_bias say, and Qwen2
+    slides no layer without use_sliding_window."""
+    for cls in ("MistralConfig", "Qwen2Config"):
+        assert model_config_from_hf(_hf(cls, sliding_window=None, attention_bias=True, mlp_bias=True)).sliding_window == 0
+    assert model_config_from_hf(_hf("Qwen2Config", sliding_window=8, max_window_layers=0)).sliding_window == 0
+    assert model_config_from_hf(_hf("Qwen2Config", use_sliding_window=True, sliding_window=8,
+                                    max_window_layers=0)).sliding_window == 8
 
 
 def test_loss_matches_transformers(tmp_path):

@@ -45,7 +45,7 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # HF's rope_scaling, e.g. {"rope_type": "llama3", ...}
     tie_embeddings: bool = False
     qkv_bias: bool = False         # Qwen2 puts biases on q, k, v only
-    sliding_window: int = 0        # Mistral's window; 0 means full causal attention
+    sliding_window: int = 0        # Mistral's window: position i attends to i-window+1..i; 0: full causal attention
     num_experts: int = 0           # Mixtral-style MoE MLP with this many experts (planner only so far)
     top_k: int = 2                 # experts each token is routed to
     init_std: float = 0.02
@@ -377,15 +377,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
-    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling):
-        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias or rope_scaling")
+    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling or m.sliding_window):
+        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
+                          "sliding_window")
     if m.arch == "llama" and m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
-    if m.sliding_window and t.seq_len > m.sliding_window:
-        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.sliding_window = {m.sliding_window}; "
-                          "sliding-window attention is not implemented")
+    if m.sliding_window and t.seq_len > m.sliding_window and t.attention == "flash":
+        raise ConfigError(f"train.attention = 'flash' takes no attention mask, which model.sliding_window = "
+                          f"{m.sliding_window} below train.seq_len = {t.seq_len} needs (use auto, efficient or math)")
     if m.num_experts:
         raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
                           "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")

@@ -1,10 +1,35 @@
-"""Hugging Face config.json <-> shardlm ModelConfig, with no torch import (the planner reads HF configs too)."""
+"""Hugging Face config.json <-> shardlm ModelConfig, with no torch import (the planner reads HF configs too).
+
+A key that transformers reads for the architecture and that would change the model's math is either mapped
+or refused with its name and value: a checkpoint never loads into a model that computes something else.
+"""
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _refuse(key: str, value, why: str):
+    raise ConfigError(f"Hugging Face config {key} = {value!r} is not supported: {why}")
+
+
+def _qwen2_window(hf: dict) -> int:
+    """Qwen2 slides a window over the layers from max_window_layers on (or those layer_types names), and only
+    with use_sliding_window; shardlm has one attention pattern for every layer."""
+    if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
+        return 0
+    first = hf.get("max_window_layers", 28)  # Qwen2Config's default
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    if not set(types) <= {"full_attention", "sliding_attention"}:
+        _refuse("layer_types", types, "shardlm has full and sliding-window attention only")
+    if len(set(types)) > 1:
+        key, value = ("layer_types", types) if hf.get("layer_types") else ("max_window_layers", first)
+        _refuse(key, value, "a sliding window on some layers only (shardlm applies one window to every layer)")
+    return hf["sliding_window"] if types[0] == "sliding_attention" else 0
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -13,29 +38,42 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                    "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}.get(model_type)
     if arch not in SUPPORTED:
-        raise ValueError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
+        raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
     if arch == "GPT2LMHeadModel":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"GPT-2 activation_function {act!r} is not supported (gelu_new)")
+            _refuse("activation_function", act, "GPT-2's MLP here is gelu_new")
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or not hf.get("scale_attn_weights", True):
-            raise ValueError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
-                             "scale_attn_weights=false) are not supported")
+            raise ConfigError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
+                              "scale_attn_weights=false) are not supported")
         return ModelConfig(arch="gpt2", vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_layers=hf["n_layer"],
                            num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
                            max_seq_len=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                            tie_embeddings=hf.get("tie_word_embeddings", True))
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias = true is not supported")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        _refuse("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu)")
+    if arch == "LlamaForCausalLM":  # Mistral and Qwen2 build their linears without these, whatever the config says
+        if hf.get("mlp_bias"):
+            _refuse("mlp_bias", hf["mlp_bias"], "the MLP has no biases")
+        if hf.get("attention_bias"):
+            _refuse("attention_bias", hf["attention_bias"],
+                    "Llama then adds a bias to o_proj too; shardlm has biases on q, k and v only (Qwen2)")
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = dict(hf.get(rope_key) or {})
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _refuse(f"{rope_key}.rope_type", kind, f"RoPE scaling is one of {', '.join(ROPE_TYPES)}")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _refuse("partial_rotary_factor", partial, "RoPE rotates every dimension of a head")
+    if kind == "default":
         rope = {}
     window = 0
-    if arch == "MistralForCausalLM" or (arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window")):
+    if arch == "MistralForCausalLM":  # every layer slides (Mistral ignores layer_types)
         window = hf.get("sliding_window") or 0
+    elif arch == "Qwen2ForCausalLM":
+        window = _qwen2_window(hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or 0
     if head_dim == hf["hidden_size"] // heads:
@@ -46,7 +84,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         head_dim=head_dim, ffn_hidden_size=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta), rope_scaling=rope, tie_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")), sliding_window=window)
+        qkv_bias=arch == "Qwen2ForCausalLM", sliding_window=window)
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None) -> dict:
@@ -74,8 +112,10 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
            "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
            "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": dtype}
-    if model_type == "qwen2":
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    if model_type == "qwen2":  # a window slides over the layers from max_window_layers on
+        window = cfg.sliding_window or None
+        out.update(use_sliding_window=bool(window), sliding_window=window,
+                   max_window_layers=0 if window else cfg.num_layers)
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out

@@ -105,7 +105,8 @@ class Attention(nn.Module):
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None):
+    def forward(self, x, rope=None, cache: KVCache | None = None, mask=None):
+        """`mask`: the sliding window's boolean mask (Decoder.window_mask); None: causal attention."""
         qkv = self.qkv(x)
         b, t = qkv.shape[:2]  # the whole sequence, also where x holds a slice of it (sequence parallelism)
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
@@ -119,11 +120,11 @@ class Attention(nn.Module):
             cos, sin = rope
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        mask, causal = None, True
+        causal = mask is None
         if cache is not None:
             past = cache.pos
             k, v = cache.update(self.layer, k, v)
-            if past:  # new queries see every cached key plus the causal part of their own block
+            if past and mask is None:  # new queries see every cached key plus the causal part of their own block
                 causal = False
                 if t > 1:
                     mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
@@ -197,11 +198,11 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope=None, cache=None):
-        return self.mlp_half(self.attn_half(x, rope, cache))
+    def forward(self, x, rope=None, cache=None, mask=None):
+        return self.mlp_half(self.attn_half(x, rope, cache, mask))
 
-    def attn_half(self, x, rope=None, cache=None):
-        return x + self.attn(self.attn_norm(x), rope, cache)
+    def attn_half(self, x, rope=None, cache=None, mask=None):
+        return x + self.attn(self.attn_norm(x), rope, cache, mask)
 
     def mlp_half(self, x):
         return x + self.mlp(self.mlp_norm(x))
@@ -240,6 +241,7 @@ class Decoder(nn.Module):
         self.compile_loss = False
         self.attention = "auto"
         self._rope_cache: dict = {}
+        self._mask_cache: tuple = (None, None)  # (key, mask): training repeats one shape every step
 
     def parts(self) -> DecoderParts:
         return DecoderParts([m for m in (self.embed, self.pos_embed) if m is not None], list(self.layers),
@@ -306,6 +308,21 @@ class Decoder(nn.Module):
             self._rope_cache[key] = cached
         return cached[0][start:start + length], cached[1][start:start + length]
 
+    def window_mask(self, start: int, length: int, device):
+        """Sliding-window attention as SDPA's boolean mask for the queries at positions start..start+length-1
+        over the keys 0..start+length-1: query i sees key j where i - window < j <= i, the window counting
+        the query itself (Mistral; HF's sliding_window_overlay). None where no query's window excludes a
+        key: plain causal attention then keeps the fastest kernels (flash takes no mask)."""
+        window = self.cfg.sliding_window
+        if not window or start + length <= window:
+            return None
+        key = (device, start, length, window)
+        if self._mask_cache[0] != key:
+            i = torch.arange(start, start + length, device=device)[:, None]
+            j = torch.arange(start + length, device=device)
+            self._mask_cache = (key, (j <= i) & (j > i - window))
+        return self._mask_cache[1]
+
     def hidden_states(self, ids, cache: KVCache | None = None):
         start = cache.pos if cache is not None else 0
         t = ids.shape[1]
@@ -315,11 +332,12 @@ class Decoder(nn.Module):
             x = x + self.pos_embed(torch.arange(start, start + t, device=ids.device))
         else:
             rope = self.rope(start, t, ids.device, x.dtype)
+        mask = self.window_mask(start, t, ids.device)
         for block in self.layers:
             if self.recompute == "full" and self.training and cache is None:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope, cache)
+                x = block(x, rope, cache, mask)
         if cache is not None:
             cache.pos += t
         return self.norm(x)
