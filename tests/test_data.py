@@ -1,5 +1,7 @@
 """Token shards: formats, dtypes, streaming, integrity errors, and the layout-independent sampler."""
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -23,9 +25,9 @@ def _inputs(tmp_path):
 
 def test_prepare_txt_jsonl_parquet_in_order(tmp_path):
     inputs = _inputs(tmp_path)
-    index = prepare(inputs, "byte", tmp_path / "out", shard_tokens=1000, progress=False)
+    index = prepare(inputs, "byte", tmp_path / "out", shard_tokens=1024, progress=False)
     assert index["dtype"] == "uint16" and index["documents"] == 1 + 5 + 2
-    assert len(index["shards"]) > 1  # rolled over at 1000 tokens
+    assert len(index["shards"]) > 1  # rolled over at 1024 tokens
     shards = TokenShards(tmp_path / "out", model_vocab=257)
     stream = np.concatenate([np.asarray(t) for t in shards.tokens])
     docs = [TEXT[:2000]] + [f"document {i}: " + TEXT[i * 100:(i + 1) * 100] for i in range(5)] + [TEXT[:300], "short row"]
@@ -134,3 +136,173 @@ def test_data_prepare_cli(tmp_path):
     bad = run_cli("data", "prepare", "--input", tmp_path / "missing.txt", "--tokenizer", "byte",
                   "--out", tmp_path / "x", check=False)
     assert bad.returncode == 2 and "missing.txt" in bad.stderr
+
+
+def _snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _scratch_dirs(out):
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(out.name + ".")]
+
+
+@pytest.mark.parametrize("second", ["bad.jsonl", "binary.txt", "missing.txt", "disk_full"])
+def test_a_failed_prepare_keeps_the_previous_dataset(tmp_path, monkeypatch, second):
+    (tmp_path / "good.txt").write_text(TEXT)
+    out = tmp_path / "out"
+    prepare([tmp_path / "good.txt"], "byte", out, shard_tokens=1024, progress=False)
+    before = _snapshot(out)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp_path / "binary.txt").write_bytes(b"text first\n" + bytes(range(256)))
+    inputs = [tmp_path / "good.txt", tmp_path / second]
+    if second == "disk_full":
+        import shardlm.data.prepare as prep
+        real = prep.ShardWriter._close
+
+        def close_then_fill(self):
+            real(self)
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(prep.ShardWriter, "_close", close_then_fill)
+        inputs = [tmp_path / "good.txt"]
+    with pytest.raises((ValueError, OSError), match=re.escape(f"{out} still holds its previous dataset")):
+        prepare(inputs, "byte", out, shard_tokens=2048, progress=False)
+    assert _snapshot(out) == before
+    assert np.asarray(TokenShards(out).tokens[0]).tolist()[:5] == list(TEXT[:5].encode())
+    assert _scratch_dirs(out) == []
+
+
+def test_a_new_dataset_replaces_the_old_one_whole(tmp_path, monkeypatch):
+    from shardlm.data import swap
+    make_tokenizer(tmp_path / "tok")
+    (tmp_path / "in.txt").write_text(TEXT[:3000])
+    out = tmp_path / "out"
+    prepare([tmp_path / "in.txt"], tmp_path / "tok", out, shard_tokens=1024, progress=False)
+    assert (out / "tokenizer_config.json").is_file() and (out / "shard_00001.bin").is_file()
+    prepare([tmp_path / "in.txt"], "byte", out, progress=False)
+    assert sorted(os.listdir(out)) == ["index.json", "shard_00000.bin", "tokenizer.json"]  # no stale shard or config
+    monkeypatch.setattr(swap, "_exchange", lambda a, b: False)  # filesystems without RENAME_EXCHANGE
+    prepare([tmp_path / "in.txt"], "byte", out, shard_tokens=1024, progress=False)
+    assert len(TokenShards(out, model_vocab=257).tokens) == 3
+    assert _scratch_dirs(out) == []
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    prepare([tmp_path / "in.txt"], "byte", link, progress=False)
+    assert link.is_symlink() and len(TokenShards(link).tokens) == 1
+
+
+def test_an_output_holding_other_files_is_refused(tmp_path):
+    (tmp_path / "in.txt").write_text("abc")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.md").write_text("mine")
+    with pytest.raises(ValueError, match="out holds files that are not part of a prepared dataset .notes.md."):
+        prepare([tmp_path / "in.txt"], "byte", tmp_path / "out", progress=False)
+    assert os.listdir(tmp_path / "out") == ["notes.md"]
+
+
+def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
+    import fcntl
+
+    from shardlm.data import swap
+    (tmp_path / "in.txt").write_text("abc")
+    out = tmp_path / "out"
+    dead = tmp_path / "out.prepare-tmp-1-dead"
+    live = tmp_path / "out.prepare-tmp-2-live"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "shard_00000.bin").write_bytes(b"partial")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the run that owns it does
+    try:
+        prepare([tmp_path / "in.txt"], "byte", out, progress=False)
+        assert not dead.exists() and live.is_dir()
+    finally:
+        os.close(fd)
+    # A crash between the two renames of the fallback swap: the old dataset waits under its backup name.
+    backup = tmp_path / "out.prepare-old-3-crash"
+    out.rename(backup)
+    swap.remove_leftovers(out)
+    assert not backup.exists() and not live.exists()
+    assert np.asarray(TokenShards(out).tokens[0]).tolist() == [97, 98, 99, 256]
+
+
+UNREADABLE = [
+    ("bad.txt", b"line one\nline two \xff\xfe end\n", r"bad.txt: not UTF-8 text \(line 2, byte offset 18\)"),
+    ("nul.txt", b"looks like text\n\x00\x01\x02\x03",
+     r"nul.txt: binary data, not text \(a NUL byte at line 2, byte offset 16\)"),
+    ("utf16.txt", "hello\n".encode("utf-16"),
+     r"utf16.txt: not UTF-8 text \(line 1, byte offset 0\); it starts with a UTF-16 byte-order mark"),
+    ("bad.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad.jsonl:2: not UTF-8 text \(byte offset 28\)"),
+    ("json.jsonl", b'{"text": "ok"}\n\n{"text": "a",}\n', r"json.jsonl:3: not JSON \(.* at column 14\)"),
+    ("field.jsonl", b'{"text": "ok"}\n{"body": "b"}\n', r"field.jsonl:2: no 'text' field \(fields: 'body'\)"),
+    ("type.jsonl", b'{"text": "ok"}\n{"text": 5}\n', r"type.jsonl:2: 'text' is a number, not a string"),
+    ("null.jsonl", b'{"text": null}\n', r"null.jsonl:1: 'text' is null, not a string"),
+    ("array.jsonl", b'["text"]\n', r"array.jsonl:1: an array, not an object with a 'text' field"),
+    ("surrogate.jsonl", b'{"text": "a\\ud800b"}\n', r"surrogate.jsonl:1: 'text' holds an unpaired surrogate"),
+    ("fake.parquet", b"not a parquet file", r"fake.parquet: not a readable parquet file"),
+]
+
+
+@pytest.mark.parametrize("name,data,message", [pytest.param(*case, id=case[0]) for case in UNREADABLE])
+def test_unreadable_inputs_are_named(tmp_path, name, data, message):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        prepare([tmp_path / name], "byte", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_columns_must_exist_and_hold_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=r"a.parquet: no column 'text' \(columns: body\)"):
+        prepare([tmp_path / "a.parquet"], "byte", tmp_path / "out", progress=False)
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b.parquet: column 'text' holds int64, not strings"):
+        prepare([tmp_path / "b.parquet"], "byte", tmp_path / "out", progress=False)
+    pq.write_table(pa.table({"text": pa.array(["ab", "c", "ab"]).dictionary_encode()}), tmp_path / "c.parquet")
+    prepare([tmp_path / "c.parquet"], "byte", tmp_path / "out", progress=False)
+    assert np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist() == [97, 98, 256, 99, 256, 97, 98, 256]
+
+
+def test_text_streams_in_pieces_that_keep_characters_whole(tmp_path, monkeypatch):
+    import shardlm.data.prepare as prep
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 64)
+    one_line = "é€𝄞x" * 300  # no newline or space: cut at character boundaries
+    (tmp_path / "long.txt").write_text(one_line)
+    prepare([tmp_path / "long.txt"], "byte", tmp_path / "out", progress=False)
+    assert bytes(np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()[:-1]) == one_line.encode()
+    body = "".join(f"line {i} é\n" for i in range(100)).encode()
+    (tmp_path / "late.txt").write_bytes(body + b"bad \xc3(\n")
+    with pytest.raises(ValueError, match=rf"late.txt: not UTF-8 text \(line 101, byte offset {len(body) + 4}\)"):
+        prepare([tmp_path / "late.txt"], "byte", tmp_path / "out2", progress=False)
+
+
+@pytest.mark.parametrize("value", [0, -5, 1, 1 << 41, 1.5, True, "1000"])
+def test_shard_tokens_are_checked(tmp_path, value):
+    (tmp_path / "in.txt").write_text("abc")
+    with pytest.raises(ValueError, match="shard_tokens"):
+        prepare([tmp_path / "in.txt"], "byte", tmp_path / "out", shard_tokens=value, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def _error_line(proc):
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_data_prepare_cli_errors_are_one_line(tmp_path):
+    (tmp_path / "in.txt").write_text(TEXT)
+    (tmp_path / "bin.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    out = tmp_path / "out"
+    run_cli("data", "prepare", "--input", tmp_path / "in.txt", "--tokenizer", "byte", "--out", out)
+    before = _snapshot(out)
+    for value, says in (("0", "0 is out of range"), ("-5", "-5 is out of range"), ("1e30", "10000000000000000"),
+                        ("lots", "'lots' is not a whole number of tokens")):
+        bad = run_cli("data", "prepare", "--input", tmp_path / "in.txt", "--tokenizer", "byte", "--out", out,
+                      "--shard-tokens", value, check=False)
+        assert _error_line(bad).startswith(f"shardlm data: error: --shard-tokens {says}")
+    bad = run_cli("data", "prepare", "--input", tmp_path / "in.txt", tmp_path / "bin.txt", "--tokenizer", "byte",
+                  "--out", out, "--shard-tokens", "1e4", check=False)
+    assert _error_line(bad) == (f"shardlm data: error: {tmp_path / 'bin.txt'}: not UTF-8 text (line 1, byte offset 0); "
+                                f"{out} still holds its previous dataset")
+    assert _snapshot(out) == before

@@ -159,10 +159,11 @@ def cmd_data(argv: list[str]) -> int:
     prep.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a directory holding one")
     prep.add_argument("--out", required=True)
     prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
-    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    prep.add_argument("--shard-tokens", default=str(1 << 27), help="tokens per shard file (1024 to 2^40)")
     a = p.parse_args(argv)
-    from .data.prepare import prepare
-    index = prepare(a.input, a.tokenizer, a.out, shard_tokens=a.shard_tokens, text_field=a.text_field)
+    from .data.prepare import prepare, token_count
+    index = prepare(a.input, a.tokenizer, a.out, shard_tokens=token_count(a.shard_tokens, "--shard-tokens"),
+                    text_field=a.text_field)
     print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents in {len(index['shards'])} "
           f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
     return 0

@@ -5,11 +5,18 @@ header (magic, token count) followed by uint16 or uint32 token ids, documents se
 tokenizer's end-of-text id. `index.json` lists the shards with their token counts, largest id and
 CRC32, so a truncated or corrupt shard is caught at load time and named. Inputs are streamed in
 bounded chunks, so multi-GB files need little memory.
+
+The dataset is built in a scratch directory beside the output and swapped in only when complete
+(swap.py), so a failed or killed run never costs the dataset the output held. Inputs are read
+strictly: bytes that are not UTF-8 text, a jsonl line that is not a JSON object with a string text
+field, a parquet column that is missing or not strings, each stop the run with an error naming the
+file (and line) rather than reaching the shards as U+FFFD or a tokenizer's type error.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -17,12 +24,46 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer import HF_SIDE_FILES, Tokenizer, load_tokenizer
+from .swap import building
 
 MAGIC = b"SHLMTOK1"
 HEADER_BYTES = 16
 INDEX = "index.json"
-CHUNK_CHARS = 1 << 20  # text per tokenizer call: bounds memory, large enough to keep the Rust tokenizer busy
+# Text per tokenizer call and bytes per text-file read: bounds memory, keeps the Rust tokenizer busy.
+CHUNK_CHARS = 1 << 20
+# Below the floor a typo (1 for 1M) makes a file per token and shards shorter than one training
+# window, which the loader never spans; above the ceiling a single shard is terabytes.
+MIN_SHARD_TOKENS, MAX_SHARD_TOKENS = 1 << 10, 1 << 40
+OWN_FILES = {INDEX, INDEX + ".tmp", "tokenizer.json", *HF_SIDE_FILES}
+
+
+class PrepareError(ValueError):
+    """An input that cannot be read as text of its kind, a bad size, or an output that cannot be replaced."""
+
+
+def check_shard_tokens(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise PrepareError(f"{name} must be a whole number of tokens, got {value!r}")
+    if not MIN_SHARD_TOKENS <= value <= MAX_SHARD_TOKENS:
+        raise PrepareError(f"{name} {value} is out of range: a shard holds {MIN_SHARD_TOKENS:,} to "
+                           f"{MAX_SHARD_TOKENS:,} (2^40) tokens")
+    return int(value)
+
+
+def token_count(text: str, flag: str) -> int:
+    """A command-line shard size: 134217728, 134_217_728 or 1.5e8, checked against the bounds."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is None or not number.is_integer():
+            raise PrepareError(f"{flag} {text!r} is not a whole number of tokens") from None
+        value = int(number)
+    return check_shard_tokens(value, flag)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -75,19 +116,123 @@ class ShardWriter:
         return self.shards
 
 
-def _chunks_of_file(path: Path) -> Iterator[str]:
-    """A text file in pieces that end at line boundaries (BPE merges rarely cross a newline)."""
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        buf: list[str] = []
-        size = 0
-        for line in f:
-            buf.append(line)
-            size += len(line)
-            if size >= CHUNK_CHARS:
-                yield "".join(buf)
-                buf, size = [], 0
-        if buf:
-            yield "".join(buf)
+def _decode(path: Path, data: bytes, offset: int, line: int) -> str:
+    """`data` (from byte `offset`, line `line` of `path`) as text; the first byte that is not UTF-8
+    text, or is a NUL (binary files decode as UTF-8 often enough), is reported by line and offset."""
+    nul = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if nul < 0 or e.start < nul:
+            at = e.start
+            line += data.count(b"\n", 0, at)
+            bom = offset + at == 0 and data[:2] in (b"\xff\xfe", b"\xfe\xff")
+            hint = "; it starts with a UTF-16 byte-order mark" if bom else ""
+            raise PrepareError(f"{path}: not UTF-8 text (line {line}, byte offset {offset + at}){hint}") from None
+    if nul >= 0:
+        line += data.count(b"\n", 0, nul)
+        raise PrepareError(f"{path}: binary data, not text (a NUL byte at line {line}, byte offset {offset + nul})")
+    return text
+
+
+def _cut(data: bytes, at_least: int, long_line: int) -> int:
+    """Where a piece of `data` ends, 0 for not yet: at the first line end from `at_least` bytes on, as
+    BPE merges rarely cross a newline; once `long_line` bytes hold none, at the last newline or space,
+    else at a character boundary, so memory stays bounded on files without newlines."""
+    if len(data) < at_least:
+        return 0
+    cut = data.find(b"\n", at_least - 1) + 1
+    if cut or len(data) < long_line:
+        return cut
+    cut = data.rfind(b"\n") + 1 or data.rfind(b" ") + 1
+    if cut:
+        return cut
+    cut = len(data) - 1
+    while cut > len(data) - 4 and data[cut] & 0xC0 == 0x80:  # back over UTF-8 continuation bytes
+        cut -= 1
+    return cut
+
+
+def _text_pieces(path: Path) -> Iterator[tuple[str, int]]:
+    """A text file as (text, bytes) pieces of at least CHUNK_CHARS bytes (but the last)."""
+    offset, line, data = 0, 1, b""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(CHUNK_CHARS)
+            data += block
+            cut = _cut(data, CHUNK_CHARS, 4 * CHUNK_CHARS) if block else len(data)
+            if cut:
+                piece, data = data[:cut], data[cut:]
+                yield _decode(path, piece, offset, line), len(piece)
+                offset, line = offset + len(piece), line + piece.count(b"\n")
+            if not block:
+                return
+
+
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{where}: not UTF-8 text (byte offset {offset + e.start})") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise PrepareError(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object with a "
+                                   f"{text_field!r} field")
+            if text_field not in record:
+                keys = ", ".join(map(repr, list(record)[:8])) or "none"
+                raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")
+            if not text.isascii() and "\\u" in line:  # only a \uD800-style escape makes a lone surrogate
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise PrepareError(f"{where}: {text_field!r} holds an unpaired surrogate "
+                                       f"({e.object[e.start]!a}), not Unicode text") from None
+            yield text, len(raw)
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError("reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise PrepareError(f"{path}: not a readable parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise PrepareError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
+    kind = schema.field(text_field).type
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    string_view = getattr(pa.types, "is_string_view", lambda t: False)
+    if not (pa.types.is_string(values) or pa.types.is_large_string(values) or string_view(values)):
+        raise PrepareError(f"{path}: column {text_field!r} holds {kind}, not strings")
+    per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
+    try:
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text, per_row
+    except pa.ArrowException as e:
+        raise PrepareError(f"{path}: unreadable parquet data ({e})") from None
 
 
 def iter_pieces(path: Path, text_field: str) -> Iterator[tuple[str, bool, int]]:
@@ -97,62 +242,45 @@ def iter_pieces(path: Path, text_field: str) -> Iterator[tuple[str, bool, int]]:
     """
     suffix = path.suffix.lower()
     if suffix in (".txt", ".text", ".md", ".py", ""):
-        pieces = _chunks_of_file(path)
+        pieces = _text_pieces(path)
         piece = next(pieces, None)
         while piece is not None:
             following = next(pieces, None)
-            yield piece, following is None, len(piece.encode("utf-8", errors="replace"))
+            yield piece[0], following is None, piece[1]
             piece = following
     elif suffix == ".jsonl":
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    text = json.loads(raw)[text_field]
-                    if not isinstance(text, str):
-                        raise TypeError("not a string")
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: no {text_field!r} string field ({e})") from None
-                yield text, True, len(raw)
+        for text, nbytes in _jsonl_documents(path, text_field):
+            yield text, True, nbytes
     elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError("reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)})")
-        per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield text, True, per_row
+        for text, nbytes in _parquet_documents(path, text_field):
+            yield text, True, nbytes
     else:
-        raise ValueError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
+        raise PrepareError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
 
 
-def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
-            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True) -> dict:
-    """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index."""
+def _output_dir(out: Path) -> Path:
+    """The real directory `out` names (the swap renames it, so a symlink is followed to what it points
+    at), refused when it holds anything a dataset does not: that would go with the old dataset."""
+    final = Path(os.path.realpath(out))
+    if os.path.lexists(final) and not final.is_dir():
+        raise PrepareError(f"{out} exists and is not a directory")
+    if final.is_dir():
+        foreign = sorted(n for n in os.listdir(final) if n not in OWN_FILES and not re.fullmatch(r"shard_\d+\.bin", n))
+        if foreign:
+            more = ", ..." if len(foreign) > 3 else ""
+            raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
+                               f"{more}): the output directory is replaced whole, so give a new or empty one")
+    return final
+
+
+def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, text_field: str,
+           progress: bool) -> dict:
     from tqdm import tqdm
 
-    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    inputs = [Path(p) for p in inputs]
-    for p in inputs:
-        if not p.is_file():
-            raise FileNotFoundError(f"input {p} does not exist")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX).unlink(missing_ok=True)  # an index is written last: its presence means complete
-    for old in out.glob("shard_*.bin"):
-        old.unlink()
     dtype = token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
     documents = 0
-    bar = tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
-               disable=not progress)
     pending: list[tuple[str, bool]] = []
     pending_chars = 0
 
@@ -165,23 +293,59 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 documents += 1
         pending, pending_chars = [], 0
 
-    for path in inputs:
-        for text, ends, nbytes in iter_pieces(path, text_field):
-            pending.append((text, ends))
-            pending_chars += len(text)
-            if pending_chars >= CHUNK_CHARS:
-                flush()
-            bar.update(nbytes)
-    flush()
-    bar.close()
+    # Closed before an error propagates, so the error is the last line the command prints.
+    with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
+              disable=not progress) as bar:
+        try:
+            for path in inputs:
+                for text, ends, nbytes in iter_pieces(path, text_field):
+                    pending.append((text, ends))
+                    pending_chars += len(text)
+                    if pending_chars >= CHUNK_CHARS:
+                        flush()
+                    bar.update(nbytes)
+            flush()
+        except BaseException:
+            if writer.file is not None:  # the scratch directory is removed: let go of its open shard
+                writer.file.close()
+            raise
     shards = writer.finish()
     if not shards:
-        raise ValueError("the inputs hold no text")
+        raise PrepareError("the inputs hold no text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "documents": documents,
              "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     tok.save(out)
-    tmp = out / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1) + "\n")
-    os.replace(tmp, out / INDEX)
+    (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
+
+
+def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
+            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True) -> dict:
+    """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index.
+
+    `out` is replaced only by a complete dataset: after any error it holds what it held before.
+    """
+    shard_tokens = check_shard_tokens(shard_tokens, "shard_tokens")
+    out = Path(out)
+    final = None
+    try:
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        inputs = [Path(p) for p in inputs]
+        for p in inputs:
+            if p.is_dir():
+                raise PrepareError(f"input {p} is a directory, not a file")
+            if not p.is_file():
+                raise FileNotFoundError(f"input {p} does not exist")
+        final = _output_dir(out)
+        with building(final) as scratch:
+            return _write(inputs, tok, scratch, shard_tokens, text_field, progress)
+    except (ValueError, OSError) as e:
+        final = final or Path(os.path.realpath(out))
+        if (final / INDEX).is_file():
+            note = f"; {out} still holds its previous dataset"
+        elif os.path.lexists(final):
+            note = f"; {out} is unchanged"
+        else:
+            note = ""
+        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{e}{note}") from e
