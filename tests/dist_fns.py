@@ -372,3 +372,20 @@ def warnings_of_a_trainer(rank, world, overrides: dict, local_world: int):
         trainer = tiny_trainer(world, {"train.micro_batch_size": "2", **overrides})
         trainer.close()
     return [str(w.message) for w in seen]
+
+
+def heartbeat_names_the_silent_rank(rank, world):
+    """Every rank beats every 0.2 s; rank 1 stops after a second. What rank 0 then reports, and what it
+    reported while all beat."""
+    from shardlm.runtime.heartbeat import Heartbeat
+    beat = Heartbeat(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), interval=0.2)
+    time.sleep(1.0)
+    while_all = beat.report() if rank == 0 else None
+    dist.barrier()
+    if rank == 1:
+        beat.close()
+    time.sleep(1.5)
+    after = beat.report() if rank == 0 else None
+    dist.barrier()
+    beat.close()
+    return while_all, after

@@ -79,7 +79,8 @@ def test_a_dead_or_stalled_rank_ends_the_others_within_the_timeout(tmp_path, fat
         p1.wait()
     elapsed = time.monotonic() - t0
     assert p0.returncode == 1, p0.stderr[-2000:]
-    assert "shardlm train: error: a peer rank died or stalled" in p0.stderr, p0.stderr[-2000:]
+    # The peer here is no shardlm process: it never beats, and is named as never heard from.
+    assert "shardlm train: error: a peer rank died or stalled: rank 1 (never heard from)" in p0.stderr, p0.stderr[-2000:]
     assert "parallel.timeout_s = 5 s" in p0.stderr and "Traceback" not in p0.stderr, p0.stderr[-2000:]
     assert elapsed < 60, elapsed
 
@@ -154,3 +155,9 @@ def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stag
     assert done.returncode != 0 and "rank 0 went on" not in done.stdout
     assert "training step 2 made no progress for 10 s" in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - t0 < 150
+
+
+def test_the_heartbeat_names_the_rank_that_fell_silent():
+    while_all, after = run_distributed(dist_fns.heartbeat_names_the_silent_rank, 3, timeout=60)[0]
+    assert while_all == "which one could not be told"  # everyone beats: nobody to name
+    assert after.startswith("rank 1 (silent for ") and "rank 2" not in after, after

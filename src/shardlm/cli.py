@@ -67,8 +67,10 @@ def cmd_train(argv: list[str]) -> int:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
+    from .runtime.heartbeat import Heartbeat
     from .runtime.watchdog import peer_failure
     out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
+    heartbeat = Heartbeat.from_env()
     try:
         return _train(cfg, out, args.resume, args.overwrite)
     except RunError:
@@ -76,8 +78,9 @@ def cmd_train(argv: list[str]) -> int:
     except RuntimeError as e:
         why = peer_failure(e)
         if why is not None:
-            print(f"shardlm train: error: {why}; within parallel.timeout_s = {cfg.parallel.timeout_s:g} s",
-                  file=sys.stderr)
+            who = heartbeat.report() if heartbeat is not None else "which one could not be told"
+            print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
+                  f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
             return 1
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
@@ -85,6 +88,9 @@ def cmd_train(argv: list[str]) -> int:
                   "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
             return 1
         raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.close()
 
 
 def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:

@@ -439,7 +439,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
         got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
         hint = ("" if naming.flags or world != 1 else
-                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`")
+                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
+                "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     if m.num_heads % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")

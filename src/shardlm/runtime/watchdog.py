@@ -68,11 +68,12 @@ class Watchdog:
 
 
 def peer_failure(error: BaseException) -> str | None:
-    """One line saying that a collective failed because a peer rank died or stalled, if `error` is such a
-    failure (gloo raises plain RuntimeErrors naming its transport; NCCL and the store raise DistError)."""
+    """What failed, in a few words, if `error` is a collective that failed because a peer rank died or
+    stalled (gloo raises plain RuntimeErrors naming its transport; NCCL and the store raise DistError)."""
     text = str(error)
     if not (isinstance(error, getattr(dist, "DistError", ())) or "/gloo/" in text or "NCCL" in text):
         return None
     detail = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     detail = detail.split("] ", 1)[-1] if detail.startswith("[") else detail  # drop gloo's source location
-    return f"a peer rank died or stalled (communication failed: {detail})"
+    detail = detail.split(". This is typically", 1)[0].rstrip(".")  # and its advice to read the peer's logs
+    return f"communication failed: {detail}"

@@ -1,0 +1,284 @@
+"""Runs that would lose work, produce wrong numbers silently, or end in a traceback: run directories that
+would mix two runs, damaged checkpoints, failed saves, non-finite numbers, and the errors users cause.
+Each ends in one clear line and a non-zero status, or in the right outcome."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import run_cli
+from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
+from shardlm.config import ConfigError, load_config, validate
+from shardlm.trainer import Trainer, TrainingError
+
+QUIET = ["--train.tensorboard", "false", "--train.log_every", "1"]
+
+
+def train_cli(*args, check=False):
+    return run_cli("train", "tiny", *QUIET, *map(str, args), check=check)
+
+
+def steps_of(run):
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def no_traceback(proc, status=None):
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("shardlm "), proc.stderr[-2000:]
+    if status is not None:
+        assert proc.returncode == status, (proc.returncode, proc.stderr[-2000:])
+    return lines[-1]
+
+
+# ---- run directories ----------------------------------------------------------------------------------
+
+def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train_cli("--train.steps", 6, "--train.save_every", 3, "--out", run, check=True)
+    before = [p.name for p in complete_checkpoints(run)]
+    proc = train_cli("--train.steps", 2, "--train.seed", 5, "--out", run)
+    line = no_traceback(proc, 2)
+    assert f"{run} already holds a run's checkpoints (up to step_00000006)" in line
+    assert f"--resume {run}" in line and "--overwrite" in line
+    assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
+    train_cli("--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"] and steps_of(run) == [1, 2]
+
+
+def test_rotation_never_deletes_a_checkpoint_for_later_steps(tmp_path):
+    """A later step's checkpoint is not this run's to rotate out: saving step 5 beside steps 10 and 20
+    keeps all three (rotation once deleted the new step 5 in favour of the old, higher steps)."""
+    w = {"w": torch.zeros(2)}
+    for step in (10, 20, 5):
+        save_checkpoint(tmp_path, step, w, {}, {"config": {}, "data": {}}, keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005", "step_00000010", "step_00000020"]
+
+
+def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path):
+    """Beside later checkpoints it is refused (two futures would mix); with --overwrite the later ones go,
+    and metrics.jsonl and TensorBoard keep the history up to the checkpoint, with no step twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000003"
+    args = ["tiny", "--train.log_every", "1", "--train.steps", "6", "--train.save_every", "3", "--out", run]
+    run_cli("train", *args)
+    refused = run_cli("train", *args, "--resume", ckpt, check=False)
+    assert "holds checkpoints after step_00000003 (step_00000006)" in no_traceback(refused, 2)
+    run_cli("train", *args, "--resume", ckpt, "--overwrite")
+    assert steps_of(run) == list(range(1, 7))
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 7))
+
+
+def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    refused = run_cli("train", "--resume", run, "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
+                      "--train.steps", "6", check=False)
+    assert "was trained with train.global_batch_size 8" in no_traceback(refused, 2)
+    run_cli("train", "--resume", run, "--out", tmp_path / "other", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "4", "--train.steps", "6")
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
+
+
+# ---- checkpoint integrity -----------------------------------------------------------------------------
+
+def damage(path, how):
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "bit-flipped":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "missing":
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "bit-flipped", "missing"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rng.pt"])
+def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previous_one(tmp_path, how, name):
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    newest = run / "checkpoints" / "step_00000004"
+    damage(newest / name, how)
+    with pytest.raises(CheckpointError, match=str(newest / name)):
+        load_checkpoint(newest)
+    said = []
+    cfg.train.steps = 5
+    resumed = Trainer(cfg, out_dir=run, resume=run, log=said.append)
+    assert resumed.step == 2 and resumed.resumed_from.name == "step_00000002"
+    assert any("skipping damaged checkpoints" in s and name in s for s in said), said
+
+
+def test_an_invalid_state_json_is_named(tmp_path):
+    w = {"w": torch.zeros(2)}
+    path = save_checkpoint(tmp_path, 1, w, {}, {"config": {}, "data": {}})
+    (path / "state.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="state.json is not readable JSON"):
+        load_checkpoint(path)
+
+
+def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    partial = run / "checkpoints" / ".tmp-step_00000003-12345"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
+
+
+def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys):
+    """A full disk (ENOSPC) while step 4 is written: the run ends with status 1 and one line; step 2's
+    checkpoint is there and verifies; no partial directory is left."""
+    import shardlm.checkpoint as ckpt
+    from shardlm.cli import main
+    real = ckpt.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if "step_00000004" in filename:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    run = tmp_path / "run"
+    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and "saving step 4" in err[-1] and "No space left on device" in err[-1]
+    assert "step_00000002 is kept" in err[-1]
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
+    load_checkpoint(run)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+# ---- non-finite numbers -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [("train.lr", "nan"), ("train.weight_decay", "inf"), ("train.eps", "nan"),
+                                        ("train.grad_clip", "inf"), ("model.init_std", "nan"),
+                                        ("train.min_lr_ratio", "nan"), ("parallel.timeout_s", "inf")])
+def test_non_finite_config_values_are_refused(key, value):
+    with pytest.raises(ConfigError, match=f"{key} = {value} must be a finite number"):
+        validate(load_config("tiny", {key: value}))
+
+
+@pytest.mark.parametrize("key, value", [("train.beta1", "1"), ("train.beta2", "-0.1"), ("train.momentum", "1.5")])
+def test_betas_and_momentum_are_in_the_unit_interval(key, value):
+    with pytest.raises(ConfigError, match=r"must be in \[0, 1\)"):
+        validate(load_config("tiny", {key: value}))
+
+
+def test_non_finite_gradients_before_any_update_blame_the_initialisation_not_the_learning_rate(tmp_path):
+    proc = train_cli("--model.init_std", "1e30", "--out", tmp_path / "run")
+    line = no_traceback(proc, 1)
+    assert "the gradient of step 1 was not finite" in line and "before any update" in line
+    assert "model.init_std" in line and "lower train.lr" not in line
+
+
+def test_non_finite_gradients_after_updates_say_the_run_diverged(tmp_path):
+    proc = train_cli("--train.lr", "1e30", "--train.steps", "5", "--out", tmp_path / "run")
+    line = no_traceback(proc, 1)
+    assert "the gradient of step 2 was not finite" in line and "after 1 updates the run diverged" in line
+    assert "lower train.lr" in line
+
+
+def test_a_nan_loss_in_fp16_is_divergence_not_an_overflow():
+    cfg = load_config("tiny", {"train.precision": "fp16", "train.tensorboard": "false"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    real = trainer.forward_backward.forward
+    trainer.forward_backward.forward = lambda x, y: real(x, y) * float("nan")
+    before = trainer.engine.owned_shards("master")
+    with pytest.raises(TrainingError, match="the loss is nan in fp16, which is no loss-scale overflow"):
+        trainer.train_step()
+    assert trainer.scaler.skipped_steps == 0  # not counted as an overflow
+    after = trainer.engine.owned_shards("master")
+    assert all(torch.equal(before[n][2], after[n][2]) for n in before)
+
+
+def test_weights_beyond_fp16s_range_are_never_saved(tmp_path):
+    """fp16 SGD with an absurd learning rate: the gradients are finite, the updated fp32 masters too, but
+    beyond fp16's range (their 16-bit copies are inf). The run ends with an error naming them and no
+    checkpoint of them (status 1 through the command)."""
+    run = tmp_path / "run"
+    proc = train_cli("--train.precision", "fp16", "--train.optimizer", "sgd", "--train.lr", "1e9",
+                     "--train.warmup_steps", "0", "--train.grad_clip", "0", "--train.steps", "1", "--out", run)
+    line = no_traceback(proc, 1)
+    assert "step 1: the weights of" in line and "are not finite in fp16; not saved (no checkpoint was saved)" in line
+    assert complete_checkpoints(run) == []
+
+
+def test_metrics_stay_strict_json(tmp_path):
+    """An fp16 step whose loss overflows is skipped and logged: as null, not as a bare Infinity."""
+    cfg = load_config("tiny", {"train.precision": "fp16", "train.steps": "1", "train.tensorboard": "false"})
+    trainer = Trainer(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
+    real = trainer.forward_backward.forward
+    trainer.forward_backward.forward = lambda x, y: real(x, y) * float("inf")
+    trainer.run()
+
+    def refuse(token):
+        raise ValueError(f"bare {token} in metrics.jsonl")
+    records = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] is None and records[0]["skipped_steps"] == 1
+
+
+# ---- the errors users cause ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_train_device_cuda_without_a_gpu(tmp_path):
+    line = no_traceback(train_cli("--train.device", "cuda", "--out", tmp_path / "run"), 2)
+    assert "train.device = 'cuda', but no CUDA device is visible" in line
+
+
+def test_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    assert "--out " in no_traceback(train_cli("--out", tmp_path / "file"), 2) and "is a file" in \
+        train_cli("--out", tmp_path / "file").stderr
+
+
+def test_missing_rope_scaling_keys(tmp_path):
+    proc = train_cli("--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
+    assert "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings" in no_traceback(proc, 2)
+
+
+def test_a_model_larger_than_free_memory_is_refused_before_allocating(tmp_path):
+    proc = train_cli("--model.hidden_size", "200000", "--out", tmp_path / "run")
+    line = no_traceback(proc, 2)
+    assert "needs at least" in line and "GiB free" in line
+
+
+def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path):
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    cfg = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
+    cfg["config"]["parallel"]["dp"] = 2  # as a dp 2 run saved it
+    (run / "checkpoints" / "step_00000002" / "state.json").write_text(json.dumps(cfg))
+    line = no_traceback(run_cli("train", "--resume", run, "--train.steps", "4", check=False), 2)
+    assert "torchrun --nproc-per-node 2" in line and "--parallel.dp 1" in line
+
+
+def test_vocab_size_comes_from_the_data(tmp_path):
+    from helpers import make_tokenizer
+    make_tokenizer(tmp_path / "tok", vocab_size=300)
+    (tmp_path / "text.txt").write_text("to be or not to be " * 400)
+    run_cli("data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", tmp_path / "tok", "--out", tmp_path / "d")
+    cfg = load_config("tiny", {"model.vocab_size": "0", "data.path": str(tmp_path / "d"), "train.steps": "1",
+                               "train.tensorboard": "false", "data.eval_windows": "2"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    assert trainer.cfg.model.vocab_size == 300 and trainer.model.embed.weight.shape[0] == 300
+
+
+def test_version_and_the_first_log_line_at_step_one(tmp_path):
+    from shardlm import __version__
+    assert run_cli("--version").stdout.strip() == f"shardlm {__version__}"
+    out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
+                  "--out", tmp_path / "run").stdout
+    assert "step      1 | loss" in out  # the initial loss, long before log_every
