@@ -3,10 +3,6 @@ would mix two runs, damaged checkpoints, failed saves, non-finite numbers, and t
 Each ends in one clear line and a non-zero status, or in the right outcome."""
 import errno
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
