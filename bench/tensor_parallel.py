@@ -13,7 +13,9 @@ global batch as micro-batches with gradient accumulation, then AdamW, in bf16 wi
   under bf16 autocast with fused AdamW.
 - megatron-tp4: Megatron-core's GPTModel with its local layer spec (no Transformer Engine or apex, so no
   sequence parallelism: its torch norms refuse it), as ../shared/bench/peer_megatron_tp.py builds it, with
-  gradient accumulation; needs the megatron-core and einops wheels.
+  gradient accumulation, and as that script does, bf16 weights updated by torch's AdamW directly (no fp32
+  masters: less memory and a cheaper step than the others); needs the megatron-core and einops wheels.
+The peers run on --gpus ranks (4 for their names); shardlm's systems on the ranks their layout names.
 Every system is charged the same FLOPs per token (ModelConfig.flops_per_token) against 989 TFLOP/s per GPU;
 peak memory is the largest over the ranks. Prints a table and appends rows to bench/results.jsonl.
 """

@@ -389,3 +389,23 @@ def heartbeat_names_the_silent_rank(rank, world):
     dist.barrier()
     beat.close()
     return while_all, after
+
+
+def save_fails_on_rank_zero(rank, world, out_dir):
+    """A full disk on rank 0 while it writes step 2's checkpoint: what each rank raises (none may hang)."""
+    import errno
+
+    import shardlm.checkpoint as ckpt
+    real = ckpt.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if rank == 0 and "step_00000002" in filename:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+    ckpt.save_file = full_disk
+    trainer = tiny_trainer(world, {"train.steps": "2", "train.micro_batch_size": "2"}, out_dir=out_dir)
+    try:
+        trainer.run()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__, str(e)
+    return None

@@ -11,7 +11,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parallel.zero); never anything above it.
 LAYERS = [
     ["config"],                                                                                    # no torch
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat",  # primitives
+     "schedules"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
     ["optim"],
@@ -96,7 +97,7 @@ def test_every_module_imports_on_its_own():
 
 
 def test_the_planner_and_the_config_import_no_torch():
-    code = ("import sys, shardlm.config, shardlm.hf_config, shardlm.plan.cli, shardlm.plan.search\n"
+    code = ("import sys, shardlm.config, shardlm.hf_config, shardlm.plan.cli, shardlm.plan.search, shardlm.schedules\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -278,3 +278,15 @@ def test_version_and_the_first_log_line_at_step_one(tmp_path):
     out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
                   "--out", tmp_path / "run").stdout
     assert "step      1 | loss" in out  # the initial loss, long before log_every
+
+
+def test_a_save_that_fails_on_rank_zero_stops_every_rank(tmp_path):
+    """Rank 0 alone writes checkpoints: when its save fails, rank 1 must not go on into the next collective
+    and wait there; both stop, rank 1 saying rank 0 could not save."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    (kind0, msg0), (kind1, msg1) = run_distributed(dist_fns.save_fails_on_rank_zero, 2, str(tmp_path / "run"),
+                                                   timeout=120)
+    assert kind0 == "CheckpointError" and "No space left on device" in msg0
+    assert kind1 == "TrainingError" and "rank 0 could not save step 2" in msg1
+

@@ -98,13 +98,24 @@ def test_fp16_overflow_on_one_tensor_parallel_rank_skips_the_step_everywhere(lay
     assert any(u is True for _, _, u in results)
 
 
-def test_eval_and_generation_under_tensor_parallelism_equal_one_process():
+@pytest.mark.parametrize("model, tp, sp", [("llama", 2, True), ("llama", 4, False), ("gpt2", 4, True)])
+def test_eval_and_generation_under_tensor_parallelism_equal_one_process(model, tp, sp):
     """Evaluation (the vocab-parallel loss, no logits gathered) and greedy generation (only the last
-    position's logits gathered) of a tp 2 model with sequence parallelism give the one-process results."""
-    one = dist_fns.eval_and_sample(0, 1, {"train.device": "cpu", "parallel.dp": "1"})
-    for loss, text in run_distributed(dist_fns.eval_and_sample, 2, {"parallel.tp": "2", "parallel.dp": "1",
-                                                                   "parallel.sp": "true"}, timeout=120):
+    position's logits gathered) give the one-process results: with sequence parallelism, with KV heads kept
+    whole (Llama at tp 4), and with padded vocabulary rows (GPT-2's 509 at tp 4)."""
+    one = dist_fns.eval_and_sample(0, 1, {**MODELS[model], "train.device": "cpu", "parallel.dp": "1"})
+    for loss, text in run_distributed(dist_fns.eval_and_sample, tp, {**MODELS[model], "parallel.tp": str(tp),
+                                                                    "parallel.dp": "1", "parallel.sp": str(sp)},
+                                      timeout=120):
         assert loss == pytest.approx(one[0], rel=1e-5) and text == one[1]
+
+
+def test_tensor_parallel_with_zero3_on_one_data_parallel_rank():
+    """tp 2 x dp 1 with ZeRO-3 in fp32: the engine frees parameter storage between uses, so its optimizer
+    keeps masters of its own (one data-parallel rank would otherwise alias them to freed storage)."""
+    results, ref = run(2, {"parallel.tp": "2", "parallel.dp": "1", "parallel.zero_stage": "3",
+                           "parallel.persist_threshold": "100"})
+    check_equal(results, ref, atol=ADAM_ATOL["llama"])
 
 
 RESUME = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2", "train.save_every": "3",

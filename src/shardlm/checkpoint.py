@@ -163,12 +163,14 @@ def verify_checkpoint(path: Path) -> dict:
     return state
 
 
-def resolve_checkpoint(path: str | Path, log=None) -> Path:
+def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
-    a damaged one is skipped with a message through `log`."""
+    a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
+    resolved and verified already."""
     path = Path(path)
     if (path / STATE).is_file() or path.name.startswith("step_"):
-        verify_checkpoint(path)
+        if verify:
+            verify_checkpoint(path)
         return path
     found = complete_checkpoints(path)
     if not found:
@@ -194,8 +196,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} could not be read ({e})") from None
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None) -> dict:
-    ckpt = resolve_checkpoint(path, log)
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True) -> dict:
+    ckpt = resolve_checkpoint(path, log, verify)
     out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text()),
            "model": _read_tensors(ckpt / "model.safetensors")}
     if with_optimizer:

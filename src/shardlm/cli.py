@@ -69,7 +69,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     from .runtime.heartbeat import Heartbeat
     from .runtime.watchdog import peer_failure
-    out = args.out or args.resume or str(Path("runs") / Path(args.config or "default").stem)
+    out = args.out or _run_dir_of(args.resume) or str(Path("runs") / Path(args.config or "default").stem)
     heartbeat = Heartbeat.from_env()
     try:
         return _train(cfg, out, args.resume, args.overwrite)
@@ -91,6 +91,14 @@ def cmd_train(argv: list[str]) -> int:
     finally:
         if heartbeat is not None:
             heartbeat.close()
+
+
+def _run_dir_of(resume: str | None) -> str | None:
+    """Where a resumed run writes by default: its own run directory, also when a checkpoint of it is named."""
+    if resume is None:
+        return None
+    path = Path(resume)
+    return str(path.parent.parent) if path.parent.name == "checkpoints" and path.name.startswith("step_") else resume
 
 
 def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:

@@ -384,9 +384,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
-    if m.sliding_window and t.seq_len > m.sliding_window and t.attention == "flash":
+    # The sample after training may run to max_seq_len: past the window too.
+    longest = max(t.seq_len, m.max_seq_len if t.sample_tokens else 0)
+    if m.sliding_window and longest > m.sliding_window and t.attention == "flash":
         raise ConfigError(f"train.attention = 'flash' takes no attention mask, which model.sliding_window = "
-                          f"{m.sliding_window} below train.seq_len = {t.seq_len} needs (use auto, efficient or math)")
+                          f"{m.sliding_window} below {'train.seq_len' if longest == t.seq_len else 'model.max_seq_len (the sample)'} "
+                          f"= {longest} needs (use auto, efficient or math)")
     if m.num_experts:
         raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
                           "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")

@@ -51,8 +51,10 @@ class DeviceMesh:
         return self.coords[axis]
 
     def group(self, axes: str):
-        """The process group over an axis or a derived set of axes ("dp+cp"); None where its size is 1."""
-        return self.groups.get(axes)
+        """The process group over an axis or a derived set of axes ("dp+cp"); None where its size is 1. A
+        set of axes all but one of which have size 1 is that axis's group."""
+        wide = [a for a in axes.split("+") if self.sizes[a] > 1]
+        return self.groups.get("+".join(wide)) if len(wide) == 1 else self.groups.get(axes)
 
     def release_groups(self) -> None:
         self.groups = {}
@@ -91,8 +93,8 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
     # the whole world is the default group itself; one of size 1 needs no group.
     for axes in [(a,) for a in AXES] + list(DERIVED):
         size = math.prod(sizes[a] for a in axes)
-        if size == 1:
-            continue
+        if size == 1 or (len(axes) > 1 and sum(sizes[a] > 1 for a in axes) < 2):
+            continue  # no communication, or the group of one axis already (DeviceMesh.group)
         name = "+".join(axes)
         if size == world:
             mesh.groups[name] = dist.group.WORLD

@@ -80,7 +80,7 @@ class MasterWeightOptimizer:
     offloaded = False  # the masters and moments live on the CPU and the step runs there (parallel/offload.py)
 
     def __init__(self, flat: FlatParams, cfg: TrainConfig, loss_scaler, group=None, shard: bool = False,
-                 initial_shards=None):
+                 initial_shards=None, params_kept: bool = True):
         self.flat, self.cfg, self.scaler, self.group = flat, cfg, loss_scaler, group
         self.world = dist.get_world_size(group) if (shard and group is not None) else 1
         self.rank = dist.get_rank(group) if (shard and group is not None) else 0
@@ -91,8 +91,10 @@ class MasterWeightOptimizer:
         self.shard_len = [b.numel // self.world for b in flat.buckets]
         self.master_off = [sum(self.shard_len[:i]) for i in range(len(flat.buckets))]
         self.total = sum(self.shard_len)
-        self.alias = not (self.sharded or self.offloaded or flat.dtype != torch.float32)
-        if self.alias:  # fp32 on one rank's full buckets: the parameters are their own masters
+        # fp32 on one rank's full buckets whose storage stays (`params_kept`; ZeRO-3 frees it between uses):
+        # the parameters are their own masters.
+        self.alias = params_kept and not (self.sharded or self.offloaded or flat.dtype != torch.float32)
+        if self.alias:
             self.master_parts = [b.data for b in flat.buckets]
             self.master = None
         else:

@@ -26,9 +26,10 @@ def contains(directory: Path, path: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> None:
+def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> str | None:
     """Check `out` (on every rank, so all refuse alike) and prepare it (on the main rank) before the run
-    writes anything into it."""
+    writes anything into it; returns what failed in the main rank's preparation (the caller makes every
+    rank stop on it, not the main rank alone), or None."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
     existing = complete_checkpoints(out)
@@ -38,14 +39,14 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
                           f"with --resume {out}, start over in it with --overwrite (deletes its checkpoints and "
                           "metrics), or train into another --out")
     if not main:
-        return
+        return None
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".shardlm-write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
+        return f"--out {out} cannot be written: {e.strerror or e}"
     partial = remove_partial(out)
     if partial:
         log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR}")
@@ -54,6 +55,7 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
         shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         (out / METRICS).unlink(missing_ok=True)
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
+    return None
 
 
 def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, main: bool) -> bool:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import rundir
-from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint,
+                         set_rng_state)
 from .config import Config, ConfigError, RunError, config_from_dict
 from .data.loader import open_train_data
 from .inference import generate_text
@@ -60,7 +61,10 @@ class Trainer:
         self.watchdog = Watchdog(cfg.parallel.timeout_s) if distributed_gpu else None
         torch.manual_seed(t.seed)
         if self.out is not None:
-            rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite, self.mesh.is_main, log)
+            failed = rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite,
+                                    self.mesh.is_main, log)
+            if self._any_rank(failed is not None):
+                raise ConfigError(failed or f"rank 0 could not prepare --out {self.out} (its message says why)")
 
         data_dir = self._data_dir()
         self.tokenizer = load_tokenizer(data_dir)
@@ -110,15 +114,37 @@ class Trainer:
                               Layout.from_config(self.cfg))
         need = mem.params + mem.grads + mem.optimizer
         free = _free_memory(self.device)
-        if free is not None and need > free:
+        short = free is not None and need > free
+        if self._any_rank(short):  # one rank's busy GPU stops them all, not that rank alone
+            where = f"{self.device} has {free / 2**30:.1f} GiB free" if short else "another rank's device has less free"
             raise ConfigError(f"the model ({self.cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
                               f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
-                              f"{self.device} has {free / 2**30:.1f} GiB free: shrink the model, or shard it "
-                              "(parallel.zero_stage 3, parallel.tp, more ranks)")
+                              f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+
+    def _any_rank(self, failed: bool) -> bool:
+        """Whether this check failed on any rank: every rank reaches this all-reduce, so a failure on one
+        (the main rank's save or directory, one GPU's free memory) stops them all together, instead of
+        leaving the others waiting in their next collective."""
+        if self.mesh.world == 1:
+            return failed
+        flag = torch.tensor([float(failed)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _resume(self, resume) -> bool:
-        """Load a checkpoint; returns whether it continues its own run in this run's directory."""
-        ckpt = load_checkpoint(resume, log=self.log if self.mesh.is_main else None)
+        """Load a checkpoint; returns whether it continues its own run in this run's directory. The main rank
+        picks and verifies it; the others load what it picked."""
+        chosen = [None]
+        if self.mesh.is_main:
+            try:
+                chosen = [str(resolve_checkpoint(resume, self.log))]
+            except (CheckpointError, FileNotFoundError) as e:
+                chosen = [e]
+        if self.mesh.world > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        if isinstance(chosen[0], Exception):
+            raise chosen[0]
+        ckpt = load_checkpoint(chosen[0], log=self.log, verify=False)
         own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), ckpt["path"],
                                                                   self.overwrite, self.mesh.is_main)
         saved = config_from_dict(ckpt["state"]["config"])
@@ -214,13 +240,21 @@ class Trainer:
             return None
         with self._guard(f"the checkpoint gather at step {self.step}"):
             masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
-        if not self.mesh.is_main:
-            return None
-        self._refuse_unusable_weights(masters)
-        state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
-                 "loss_scaler": self.scaler.state_dict()}
-        return save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
-                               keep=self.cfg.train.keep_checkpoints)
+        path, error = None, None
+        if self.mesh.is_main:
+            try:
+                self._refuse_unusable_weights(masters)
+                state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
+                         "loss_scaler": self.scaler.state_dict()}
+                path = save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
+                                       keep=self.cfg.train.keep_checkpoints)
+            except RunError as e:
+                error = e
+        # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
+        # it), and stop with it if it could not save.
+        if self._any_rank(error is not None):
+            raise error or TrainingError(f"rank 0 could not save step {self.step} (its message says why)")
+        return path
 
     def _refuse_unusable_weights(self, masters: dict) -> None:
         """No checkpoint holds weights that are not finite, or in fp16 beyond its range (the 16-bit copy

@@ -26,7 +26,6 @@ from ..grad_norm import SliceSquares
 from ..kernels import sum_over_ranks
 
 
-
 class _Done:
     """A collective finished by the side stream at `event`: waiting makes the current stream wait."""
 
@@ -79,8 +78,6 @@ class StreamFlags:
     def _check(rc: int, what: str) -> None:
         if rc != 0:
             raise RuntimeError(f"cuStream{what}Value32 failed with CUresult {rc}")
-
-
 
 
 def start_copy_engine(cls, *args, **kwargs):

@@ -48,10 +48,11 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                 dst.copy_(src, non_blocking=True)
 
 
-def sharded_optimizer(flat, cfg, scaler, group, initial_shards=None) -> MasterWeightOptimizer:
+def sharded_optimizer(flat, cfg, scaler, group, initial_shards=None, params_kept: bool = True) -> MasterWeightOptimizer:
     """ZeRO's optimizer over this rank's 1/N of every bucket: on the GPU, or on the CPU with
     `parallel.offload` optimizer or params."""
     if cfg.parallel.offload == "none":
-        return MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards)
+        return MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards,
+                                     params_kept=params_kept)
     return OffloadedOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards,
                               threads=cfg.parallel.offload_threads)

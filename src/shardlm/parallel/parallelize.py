@@ -30,10 +30,13 @@ class Parallelized:
 
     def gather_full_state(self):
         """(fp32 masters, optimizer state) as full tensors by parameter name on the mesh's main rank (None,
-        None elsewhere): gathered over data parallelism by the engine, then over tensor parallelism."""
+        None elsewhere): gathered over data parallelism by the engine, then, on the first data-parallel
+        rank's tensor-parallel group only, over tensor parallelism onto its first rank."""
         masters, optim = self.engine.gather_full_state()
         if not self.specs or masters is None:
             return (masters, optim) if self.mesh.is_main else (None, None)
+        if self.mesh.dp_rank != 0:  # its tp group holds what dp rank 0's holds
+            return None, None
         device = next(self.model.parameters()).device
         masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
         optim = gather_full(optim, self.specs, self.mesh.tp_group, device)

@@ -174,7 +174,8 @@ class TPSharding:
         sizes[-1] += self.pad
         return sizes
 
-    def _local_sizes(self) -> list[int]:
+    def local_sizes(self) -> list[int]:
+        """Each part's size along `dim` in the local tensor."""
         return [n // self.degree if s else n for n, s in zip(self._sizes(), self.split)]
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
@@ -197,7 +198,7 @@ class TPSharding:
     def full(self, locals_by_rank: list[torch.Tensor]) -> torch.Tensor:
         if self.dim is None:
             return locals_by_rank[0]
-        segments = [t.split(self._local_sizes(), self.dim) for t in locals_by_rank]
+        segments = [t.split(self.local_sizes(), self.dim) for t in locals_by_rank]
         parts = [torch.cat([seg[i] for seg in segments], self.dim) if s else segments[0][i]
                  for i, s in enumerate(self.split)]
         return torch.cat(parts, self.dim).narrow(self.dim, 0, sum(self.parts))
@@ -211,7 +212,7 @@ class TPSharding:
             return [(0, numel)]
         row = numel // local_shape[0]  # whole parts are rows of dimension 0
         out, start = [], 0
-        for n, s in zip(self._local_sizes(), self.split):
+        for n, s in zip(self.local_sizes(), self.split):
             if not s:
                 out.append((start * row, (start + n) * row))
             start += n
@@ -247,12 +248,14 @@ class ColumnParallelLinear(nn.Module):
                  init_std: float, whole: tuple[bool, ...] | None = None, pad: int = 0):
         super().__init__()
         whole = whole or (False,) * len(parts)
+        if list(whole) != sorted(whole):
+            raise ValueError(f"whole parts must come last (their rows' gradients are summed from a row on): {whole}")
         self.group, self.sequence_parallel, self.init_std = group, sequence_parallel, init_std
         spec = TPSharding(rank_in(group), degree(group), 0, tuple(parts), tuple(not w for w in whole), pad)
-        rows = sum(spec._local_sizes())
+        rows = sum(spec.local_sizes())
         self.weight = nn.Parameter(torch.empty(rows, in_features))
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
-        first_whole = sum(n for n, w in zip(spec._local_sizes(), whole) if not w) if any(whole) else None
+        first_whole = sum(n for n, w in zip(spec.local_sizes(), whole) if not w) if any(whole) else None
         partial = {} if first_whole is None else {n: first_whole for n in ("weight", "bias") if getattr(self, n) is not None}
         _tag(self, {n: spec for n in ("weight", "bias") if getattr(self, n) is not None}, partial)
 
@@ -395,31 +398,31 @@ def sum_partial_gradients(model: nn.Module, group) -> None:
 
 def _summed_from(first_row: int, group):
     def hook(grad):
-        grad = grad.clone()
-        part = grad[first_row:]
-        if part.is_contiguous():
-            dist.all_reduce(part, group=group)
-        else:  # pragma: no cover - rows of a contiguous gradient are contiguous
-            summed = part.contiguous()
-            dist.all_reduce(summed, group=group)
-            part.copy_(summed)
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad[first_row:], group=group)  # rows of a contiguous tensor are contiguous
         return grad
     return hook
 
 
 # ---- layout-free state: full tensors by name ---------------------------------------------------------
 
-def gather_full(state: dict[str, torch.Tensor], specs: dict[str, TPSharding], group, device) -> dict:
-    """Full tensors from every rank's local ones (names `param` or `param::key`), gathered over the group."""
-    out = {}
+def gather_full(state: dict[str, torch.Tensor], specs: dict[str, TPSharding], group, device) -> dict | None:
+    """Full tensors from every rank's local ones (names `param` or `param::key`), gathered tensor by tensor
+    onto the group's first rank, in CPU memory (None elsewhere): a model's full state never sits on one
+    device, nor on every rank."""
+    first = dist.get_global_rank(group, 0)
+    mine = dist.get_rank(group) == 0
+    out = {} if mine else None
     for key, local in state.items():
         spec = specs.get(key.split("::")[0])
         if spec is None or spec.dim is None or local.dim() == 0:
-            out[key] = local
+            if mine:
+                out[key] = local.cpu()
             continue
-        parts = [torch.empty_like(local, device=device) for _ in range(spec.degree)]
-        dist.all_gather(parts, local.to(device).contiguous(), group=group)
-        out[key] = spec.full([p.to(local.device) for p in parts])
+        parts = [torch.empty_like(local, device=device) for _ in range(spec.degree)] if mine else None
+        dist.gather(local.to(device).contiguous(), parts, dst=first, group=group)
+        if mine:
+            out[key] = spec.full([p.cpu() for p in parts])
     return out
 
 

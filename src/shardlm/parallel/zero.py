@@ -64,7 +64,8 @@ class ZeroEngine(Engine):
         self.bucket_dtype = self.reduce_dtype if self.algo == "ring" else flat.dtype
         self.in_flight = REDUCTIONS_IN_FLIGHT if self.stage == 2 else 1
         self.transport = sharded_transport(flat, group, self.algo, self.reduce_dtype, self.stage, self.in_flight)
-        self.opt = sharded_optimizer(flat, cfg, scaler, group, self._shard_parameters(model))
+        shards = self._shard_parameters(model)
+        self.opt = sharded_optimizer(flat, cfg, scaler, group, shards, params_kept=shards is None)
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
         # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
@@ -227,8 +228,5 @@ class ZeroEngine(Engine):
             self.flat.view(bucket.data, i).copy_(masters[self.flat.names[i]])
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = [("params", b.data) for b in self.flat.buckets]
-        out += [("grads", b.grad) for b in self.flat.buckets if b.grad is not None]
-        if not self.grad_shards_in_bucket:
-            out += [("grads", g) for g in self.grad_shards if g is not None]
-        return out + self._optimizer_tensors()
+        shards = [] if self.grad_shards_in_bucket else [("grads", g) for g in self.grad_shards if g is not None]
+        return super().held_tensors() + shards

@@ -65,6 +65,9 @@ def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
     layers = m.num_layers // L.pp
     dense = c["per_layer"] - c["expert_per_layer"]
     n = layers * (dense + c["expert_per_layer"] / L.ep) / L.tp
+    if m.kv_heads % L.tp:  # key/value heads fewer than the ranks stay whole on each (parallel/tensor.py)
+        kv = 2 * m.hidden_size * m.kv_heads * m.head_size
+        n += layers * kv * (1 - 1 / L.tp)
     if stage == 0:
         n += c["embedding"] / L.tp + c["position"]
     if stage == L.pp - 1:

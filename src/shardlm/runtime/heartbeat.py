@@ -36,14 +36,14 @@ class Heartbeat:
         return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=5))
 
     def _beat(self) -> None:
-        try:
-            store = self._client()
-            while True:
+        store = None
+        while not self.stop.is_set():
+            try:  # the store may come up after this process, or go with its host: keep trying
+                store = store or self._client()
                 store.set(f"{PREFIX}{self.rank}", repr(time.time()))
-                if self.stop.wait(self.interval):
-                    return
-        except Exception:  # noqa: BLE001 - no store (its host is gone): there is nothing to report into
-            return
+            except Exception:  # noqa: BLE001
+                store = None
+            self.stop.wait(self.interval)
 
     def silent(self) -> list[tuple[int, float | None]]:
         """(rank, seconds since its last beat, None if never heard) of the peers that fell silent; empty
