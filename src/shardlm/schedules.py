@@ -6,10 +6,9 @@ a new list, not a new engine. This module imports no torch: the planner and the 
 Stages: S = pp x v model chunks in order; chunk c of rank r is stage c pp + r (the looped placement of
 interleaved 1F1B, Narayanan et al. 2021). Compute actions: F (forward of a stage on a micro-batch), B (its
 backward), and for zero-bubble schedules I (the backward to the stage's input) and W (its weights'
-gradients), Qi et al. 2024. `lower` inserts the point-to-point actions: RECV_F before a forward that needs
-the previous stage's activations, SEND_F after it; RECV_B before a backward that needs the next stage's
-gradient, SEND_B after it. Consecutive communication actions with the same peer form one batch
-(batch_isend_irecv), so every batch has one peer.
+gradients), Qi et al. 2024. `lower` inserts the point-to-point actions: RECV_F for a forward that needs
+the previous stage's activations, SEND_F of its output; RECV_B for a backward that needs the next stage's
+gradient, SEND_B of its input's. Consecutive communication actions form one batch (batch_isend_irecv).
 
 - naive: one micro-batch at a time through every stage and back (plain model parallelism).
 - gpipe (Huang et al. 2019): every forward, then every backward; holds m micro-batches' activations.
@@ -17,8 +16,9 @@ gradient, SEND_B after it. Consecutive communication actions with the same peer 
   and one backward in turn, then the remaining backwards; holds at most p micro-batches on rank 0.
 - interleaved (Narayanan et al. 2021): 1F1B over v chunks per rank in groups of p micro-batches (Megatron-LM's
   order); the bubble shrinks v-fold. Needs m a multiple of p.
-- zb-h1 (Qi et al. 2024, ZB-H1): 1F1B whose backward is split into I and W; each rank's W's are deferred by
-  the warm-up count, filling the cool-down's bubble, with 1F1B's memory.
+- zb-h1 (Qi et al. 2024, ZB-H1): 1F1B whose backward is split into I and W; rank r defers its W's by r
+  micro-batches, so the input gradients reach the first stage sooner and the W's fill the cool-down's
+  bubble, with 1F1B's memory.
 
 `validate` checks a table without running it; `simulate` runs it with per-action costs and reports the
 time, each rank's busy time, the bubble and the peak of micro-batches in flight, or the deadlock.
@@ -114,12 +114,14 @@ def _interleaved(pp: int, v: int, m: int) -> list[list[Action]]:
 
 
 def _zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
-    """1F1B with B split into I and W; rank r defers its W's by its warm-up count, so the ranks that wait
-    longest in the cool-down compute weight gradients meanwhile (ZB-H1, Qi et al. 2024, figure 3)."""
+    """1F1B with B split into I and W (ZB-H1, Qi et al. 2024): rank r holds back r W's, computing each
+    micro-batch's W r backwards later. The input gradients (I) then reach the first stage sooner, each
+    rank's last r W's fill the wait for the last ones, and no rank holds more micro-batches than 1F1B's
+    rank 0 (p): with F = I = W the bubble falls from (p - 1) 3 to p - 1 time units."""
     orders = []
     for r, order in enumerate(_one_f_one_b(pp, 1, m)):
         out, pending = [], []
-        delay = pp - r - 1
+        delay = r
         for a in order:
             if a.kind != "B":
                 out.append(a)
@@ -159,29 +161,56 @@ def schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
 # ---- lowering: the point-to-point actions around the compute -------------------------------------------
 
 def lower(orders: list[list[Action]], pp: int, v: int) -> list[list[Action]]:
+    """Each rank's compute order with its communication placed by a lock-step run (as torch's pipelining
+    lowers its schedules): in each tick every rank computes its next action if the data it needs has
+    arrived, then a batch per rank holds the sends of this tick's outputs and the receives of the outputs
+    its peers computed in it. A send and its receive are thus posted in the same tick on both ranks, so
+    every batch completes once all ranks have posted that tick's (no rank waits behind another's send);
+    a receive may come many actions before the compute that reads it."""
     S = pp * v
-    split = any(a.kind == "I" for order in orders for a in order)
-    lowered = []
-    for order in orders:
-        out = []
-        for a in order:
-            if a.kind == "F":
-                if a.stage > 0:
-                    out.append(Action("RECV_F", a.stage, a.mb))
-                out.append(a)
-                if a.stage < S - 1:
-                    out.append(Action("SEND_F", a.stage, a.mb))
-            elif a.kind in ("B", "I"):
-                if a.stage < S - 1:
-                    out.append(Action("RECV_B", a.stage, a.mb))
-                out.append(a)
-                if a.stage > 0:
-                    out.append(Action("SEND_B", a.stage, a.mb))
-            else:
-                assert a.kind == "W" and split
-                out.append(a)
-        lowered.append(out)
+    pos = [0] * pp
+    arrived: list[set] = [set() for _ in range(pp)]
+    lowered: list[list[Action]] = [[] for _ in range(pp)]
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        sends, progressed = [], False
+        for r in range(pp):
+            if pos[r] == len(orders[r]):
+                continue
+            a = orders[r][pos[r]]
+            need = _recv_for(a, S)
+            if need is not None and need not in arrived[r]:
+                continue
+            lowered[r].append(a)
+            pos[r] += 1
+            progressed = True
+            if (send := _send_after(a, S)) is not None:
+                sends.append(send)
+        if not progressed:
+            waiting = ", ".join(f"rank {r} at {orders[r][pos[r]]}" for r in range(pp) if pos[r] < len(orders[r]))
+            raise ScheduleError(f"the compute orders deadlock: {waiting} wait for data never computed")
+        for send in sends:
+            recv = _counterpart(send)
+            dst = rank_of(recv.stage, pp)
+            lowered[rank_of(send.stage, pp)].append(send)
+            lowered[dst].append(recv)
+            arrived[dst].add(recv)
     return lowered
+
+
+def _recv_for(a: Action, S: int) -> Action | None:
+    if a.kind == "F" and a.stage > 0:
+        return Action("RECV_F", a.stage, a.mb)
+    if a.kind in ("B", "I") and a.stage < S - 1:
+        return Action("RECV_B", a.stage, a.mb)
+    return None
+
+
+def _send_after(a: Action, S: int) -> Action | None:
+    if a.kind == "F" and a.stage < S - 1:
+        return Action("SEND_F", a.stage, a.mb)
+    if a.kind in ("B", "I") and a.stage > 0:
+        return Action("SEND_B", a.stage, a.mb)
+    return None
 
 
 def peer(a: Action, pp: int) -> int:
@@ -189,13 +218,13 @@ def peer(a: Action, pp: int) -> int:
     return rank_of(a.stage + (1 if a.kind in ("SEND_F", "RECV_B") else -1), pp)
 
 
-def batches(actions: list[Action], pp: int) -> list[list[Action] | Action]:
-    """The rank's actions with consecutive communication actions to one peer grouped into batches."""
+def batches(actions: list[Action]) -> list[list[Action] | Action]:
+    """The rank's actions with each run of consecutive communication actions as one batch."""
     out: list = []
     for a in actions:
         if a.kind in COMPUTE:
             out.append(a)
-        elif out and isinstance(out[-1], list) and peer(out[-1][0], pp) == peer(a, pp):
+        elif out and isinstance(out[-1], list):
             out[-1].append(a)
         else:
             out.append([a])
@@ -215,11 +244,71 @@ def _counterpart(a: Action) -> Action:
 
 # ---- checking and simulating a table -----------------------------------------------------------------
 
+class Streams:
+    """The point-to-point traffic as NCCL runs batch_isend_irecv: each rank's batches (groups) run on one
+    stream in posting order, a batch launching once the one before it has completed; a send and a receive
+    match when both are launched, in order per direction (the k-th send from a to b is the k-th receive
+    of b from a); a batch completes when all its operations have matched. A send waits for its receive
+    like any operation: two ranks that each post a send before their receive, in separate batches,
+    deadlock."""
+
+    def __init__(self, pp: int, comm: float = 0.0):
+        self.pp, self.comm = pp, comm
+        self.queues = [[] for _ in range(pp)]   # rank -> [(post time, [actions])], in posting order
+        self.head = [0] * pp                    # rank -> index of the batch launched or next to launch
+        self.launched = [None] * pp
+        self.pending: dict = {}                 # (src, dst, "SEND"/"RECV") -> [(action, launch time)]
+        self.matched: dict = {}                 # action -> when it matched
+        self.done_at = [0.0] * pp               # when the rank's last batch completed
+
+    def post(self, rank: int, batch: list[Action], time: float) -> None:
+        self.queues[rank].append((time, batch))
+        self._progress()
+
+    def _launch(self, rank: int) -> None:
+        if self.launched[rank] is None and self.head[rank] < len(self.queues[rank]):
+            post, batch = self.queues[rank][self.head[rank]]
+            start = max(post, self.done_at[rank])
+            self.launched[rank] = batch
+            for a in batch:
+                send = a.kind.startswith("SEND")
+                src, dst = (rank, peer(a, self.pp)) if send else (peer(a, self.pp), rank)
+                self.pending.setdefault((src, dst, "SEND" if send else "RECV"), []).append((a, start))
+
+    def _progress(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for r in range(self.pp):
+                self._launch(r)
+            for (src, dst, kind), sends in list(self.pending.items()):
+                if kind != "SEND":
+                    continue
+                recvs = self.pending.get((src, dst, "RECV"), [])
+                while sends and recvs:
+                    (sa, st), (ra, rt) = sends.pop(0), recvs.pop(0)
+                    if _counterpart(sa) != ra:
+                        raise ScheduleError(f"rank {src} sends {sa} where rank {dst} receives {ra}: their orders differ")
+                    self.matched[sa] = self.matched[ra] = max(st, rt) + self.comm
+                    moved = True
+            for r in range(self.pp):
+                batch = self.launched[r]
+                if batch is not None and all(a in self.matched for a in batch):
+                    self.done_at[r] = max(self.matched[a] for a in batch)
+                    self.launched[r] = None
+                    self.head[r] += 1
+                    moved = True
+
+    def stuck(self) -> list[str]:
+        return [f"rank {r} at [{', '.join(map(str, self.queues[r][self.head[r]][1]))}]"
+                for r in range(self.pp) if self.head[r] < len(self.queues[r])]
+
+
 def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
-    """Without running it: every stage of this rank computes each micro-batch's F once, then its B (or I
-    and W) once, after that F; every send has its receive on the peer and the two ranks post their
-    batches to each other in the same order (per-pair order is what NCCL's point-to-point needs); every
-    receive comes before the compute that uses it. ScheduleError otherwise."""
+    """Without running it: every stage of this rank computes each micro-batch's F once and then its B (or
+    I, then W) once; every receive comes before the compute that uses it and every send after the compute
+    that produces it; and, the ranks' batches posted as written, every send meets its receive under NCCL's
+    ordering (Streams), so every batch completes. ScheduleError otherwise."""
     S = pp * v
     if len(tables) != pp:
         raise ScheduleError(f"{len(tables)} action lists for {pp} ranks")
@@ -230,31 +319,38 @@ def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
                 raise ScheduleError(f"rank {r}: {a} belongs to rank {rank_of(a.stage, pp)}")
             if a in done:
                 raise ScheduleError(f"rank {r}: {a} appears twice")
-            needs = {"B": [("F", a.stage), ("RECV_B", a.stage) if a.stage < S - 1 else None],
-                     "I": [("F", a.stage), ("RECV_B", a.stage) if a.stage < S - 1 else None],
-                     "W": [("I", a.stage)], "F": [("RECV_F", a.stage) if a.stage > 0 else None],
-                     "SEND_F": [("F", a.stage)], "SEND_B": [("B", a.stage), ("I", a.stage)]}.get(a.kind, [])
-            needs = [n for n in needs if n is not None]
-            if a.kind == "SEND_B":  # after its B or its I, whichever the schedule has
-                needs = [n for n in needs if Action(n[0], n[1], a.mb) in done][:1] or needs[:1]
-            for kind, stage in needs:
-                if Action(kind, stage, a.mb) not in done:
-                    raise ScheduleError(f"rank {r}: {a} comes before {Action(kind, stage, a.mb)}")
+            for need in _needs(a, S, done):
+                if need not in done:
+                    raise ScheduleError(f"rank {r}: {a} comes before {need}")
             done.add(a)
         for s in range(r, S, pp):
             for i in range(m):
                 if Action("F", s, i) not in done or not (Action("B", s, i) in done or Action("W", s, i) in done):
                     raise ScheduleError(f"rank {r}: stage {s} does not compute micro-batch {i} forward and backward")
-    for a_rank in range(pp):
-        for b_rank in range(a_rank + 1, pp):
-            mine = [b for b in batches(tables[a_rank], pp) if isinstance(b, list) and peer(b[0], pp) == b_rank]
-            theirs = [b for b in batches(tables[b_rank], pp) if isinstance(b, list) and peer(b[0], pp) == a_rank]
-            for k, (x, y) in enumerate(zip(mine, theirs)):
-                if sorted(map(_counterpart, x)) != sorted(y):
-                    raise ScheduleError(f"ranks {a_rank} and {b_rank} post their batch {k} to each other out of step: "
-                                        f"[{', '.join(map(str, x))}] against [{', '.join(map(str, y))}]")
-            if len(mine) != len(theirs):
-                raise ScheduleError(f"ranks {a_rank} and {b_rank} post {len(mine)} and {len(theirs)} batches to each other")
+    streams = Streams(pp)
+    for r, actions in enumerate(tables):
+        for b in batches(actions):
+            if isinstance(b, list):
+                streams.post(r, b, 0.0)
+    stuck = streams.stuck()
+    if stuck:
+        raise ScheduleError(f"point-to-point deadlock: {'; '.join(stuck)} never complete")
+
+
+def _needs(a: Action, S: int, done: set) -> list[Action]:
+    """What must come before `a` on its rank."""
+    if a.kind == "F":
+        return [Action("RECV_F", a.stage, a.mb)] if a.stage > 0 else []
+    if a.kind in ("B", "I"):
+        return [Action("F", a.stage, a.mb)] + ([Action("RECV_B", a.stage, a.mb)] if a.stage < S - 1 else [])
+    if a.kind == "W":
+        return [Action("I", a.stage, a.mb)]
+    if a.kind == "SEND_F":
+        return [Action("F", a.stage, a.mb)]
+    if a.kind == "SEND_B":  # after its B, or its I where the schedule splits the backward
+        split = Action("I", a.stage, a.mb)
+        return [split if split in done else Action("B", a.stage, a.mb)]
+    return []
 
 
 @dataclass(frozen=True)
@@ -270,28 +366,16 @@ class Simulation:
 
 
 def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm: float = 0.0) -> Simulation:
-    """Run a table with per-action costs (F, B, I, W; a batch takes `comm` once both ranks have posted it):
-    each rank computes in its list's order, posts its batches as it reaches them (posting never blocks),
-    and waits before a compute only for the receive it needs. ScheduleError names the ranks stuck in a
-    deadlock."""
+    """Run a table with per-action costs (F, B, I, W; a send and its receive take `comm` once both are
+    launched): each rank computes in its list's order, posts its batches as it reaches them (posting does
+    not block), and waits before a compute only for the receive it needs. ScheduleError names the ranks
+    stuck in a deadlock."""
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(cost or {})}
-    lists = [batches(t, pp) for t in tables]
+    S = max(a.stage for t in tables for a in t) + 1
+    lists = [batches(t) for t in tables]
+    streams = Streams(pp, comm)
     pos, clock = [0] * pp, [0.0] * pp
     busy, held, peak = [0.0] * pp, [0] * pp, [0] * pp
-    posted: dict = {}     # (rank, peer) -> [post time of each batch, in order]
-    arrived: dict = {}    # action received -> time its batch completed
-    matched: dict = {}    # (rank, peer) -> batches completed so far
-
-    def complete(r: int, q: int) -> None:
-        """Complete the batches both ranks have posted to each other, in order."""
-        key, back = (r, q), (q, r)
-        while matched.get(key, 0) < min(len(posted.get(key, [])), len(posted.get(back, []))):
-            k = matched.get(key, 0)
-            done = max(posted[key][k][0], posted[back][k][0]) + comm
-            for a in posted[key][k][1] + posted[back][k][1]:
-                if a.kind.startswith("RECV"):
-                    arrived[a] = done
-            matched[key] = matched[back] = k + 1
     progress = True
     while progress:
         progress = False
@@ -299,19 +383,13 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
             while pos[r] < len(lists[r]):
                 item = lists[r][pos[r]]
                 if isinstance(item, list):
-                    q = peer(item[0], pp)
-                    posted.setdefault((r, q), []).append((clock[r], item))
-                    complete(r, q)
+                    streams.post(r, item, clock[r])
                 else:
-                    need = None
-                    if item.kind == "F" and item.stage > 0:
-                        need = Action("RECV_F", item.stage, item.mb)
-                    elif item.kind in ("B", "I") and any(a == Action("RECV_B", item.stage, item.mb) for a in tables[r]):
-                        need = Action("RECV_B", item.stage, item.mb)
-                    if need is not None and need not in arrived:
+                    need = [a for a in _needs(item, S, set()) if a.kind.startswith("RECV")]
+                    times = [streams.matched.get(a) for a in need]
+                    if any(t is None for t in times):
                         break
-                    start = max(clock[r], arrived.get(need, 0.0))
-                    clock[r] = start + cost[item.kind]
+                    clock[r] = max([clock[r], *times]) + cost[item.kind]
                     busy[r] += cost[item.kind]
                     if item.kind == "F":
                         held[r] += 1
@@ -320,8 +398,7 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
                         held[r] -= 1
                 pos[r] += 1
                 progress = True
-    stuck = [r for r in range(pp) if pos[r] < len(lists[r])]
+    stuck = [f"rank {r} at {lists[r][pos[r]]}" for r in range(pp) if pos[r] < len(lists[r])]
     if stuck:
-        waits = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in stuck)
-        raise ScheduleError(f"deadlock: {waits} wait for receives that are never sent")
-    return Simulation(max(clock), busy, peak)
+        raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for receives that never complete")
+    return Simulation(max([*clock, *streams.done_at]), busy, peak)

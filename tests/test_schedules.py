@@ -1,0 +1,117 @@
+"""Pipeline schedules as tables, without processes: every schedule validates at pp 2 and 4 with m in {pp, 2pp,
+odd}; the simulator gives each schedule's bubble formula with unit costs and its activation peak; the
+validator and the simulator reject hand-made bad tables."""
+import pytest
+
+from shardlm.schedules import SCHEDULES, Action, ScheduleError, check_layout, schedule, simulate, validate
+
+
+def cases():
+    for name in SCHEDULES:
+        for pp in (2, 4):
+            v = 2 if name == "interleaved" else 1
+            for m in (pp, 2 * pp, pp + 1):
+                if name == "interleaved" and m % pp:
+                    continue  # refused: see test_bad_layouts_are_refused_naming_the_values
+                yield name, pp, v, m
+
+
+@pytest.mark.parametrize("name, pp, v, m", list(cases()))
+def test_every_schedule_validates_and_runs(name, pp, v, m):
+    tables = schedule(name, pp, v, m)
+    validate(tables, pp, v, m)
+    sim = simulate(tables, pp)
+    assert 0 <= sim.bubble < 1
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, m", [(2, 2), (4, 4), (4, 8), (4, 5), (2, 7)])
+def test_gpipe_and_1f1b_bubble_is_the_formula(name, pp, m):
+    sim = simulate(schedule(name, pp, 1, m), pp, {"F": 1, "B": 1})
+    assert sim.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 2, 16), (4, 3, 8)])
+def test_interleaved_bubble_shrinks_by_the_virtual_stages(pp, v, m):
+    """Each of a rank's v chunks costs 1/v of a stage's work."""
+    sim = simulate(schedule("interleaved", pp, v, m), pp, {"F": 1 / v, "B": 1 / v})
+    assert sim.bubble == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_zb_h1_cuts_the_bubble_to_a_third_at_1f1b_memory(pp, m):
+    """With F = I = W = 1 (B = I + W), 1F1B idles (p - 1) 3 units and ZB-H1 (p - 1), holding at most p
+    micro-batches like 1F1B's first stage."""
+    one = simulate(schedule("1f1b", pp, 1, m), pp, {"F": 1, "B": 2})
+    zb = simulate(schedule("zb-h1", pp, 1, m), pp, {"F": 1, "I": 1, "W": 1})
+    assert one.time == 3 * m + 3 * (pp - 1) and zb.time == 3 * m + (pp - 1)
+    assert max(zb.in_flight) == max(one.in_flight) == pp
+
+
+@pytest.mark.parametrize("pp, m", [(4, 8), (4, 16)])
+def test_1f1b_holds_p_micro_batches_and_gpipe_all_of_them(pp, m):
+    assert simulate(schedule("1f1b", pp, 1, m), pp).in_flight == [pp - r for r in range(pp)]
+    assert simulate(schedule("gpipe", pp, 1, m), pp).in_flight == [m] * pp
+    assert simulate(schedule("naive", pp, 1, m), pp).in_flight == [1] * pp
+
+
+def test_bad_layouts_are_refused_naming_the_values():
+    with pytest.raises(ScheduleError, match="needs at least parallel.pp = 4 micro-batches per step"):
+        check_layout("1f1b", 4, 1, 3)
+    with pytest.raises(ScheduleError, match="5 micro-batches per step is not a multiple of it"):
+        check_layout("interleaved", 2, 2, 5)
+    with pytest.raises(ScheduleError, match="needs parallel.pp_schedule = 'interleaved'"):
+        check_layout("1f1b", 2, 2, 4)
+    with pytest.raises(ScheduleError, match="is not one of"):
+        check_layout("dualpipe", 2, 1, 4)
+    check_layout("gpipe", 4, 1, 3)  # GPipe runs with fewer micro-batches than stages
+
+
+def test_a_backward_before_its_forward_is_rejected():
+    tables = schedule("1f1b", 2, 1, 2)
+    last = tables[1]
+    f, b = last.index(Action("F", 1, 0)), last.index(Action("B", 1, 0))
+    last[f], last[b] = last[b], last[f]
+    with pytest.raises(ScheduleError, match=r"rank 1: B1\.0 comes before F1\.0"):
+        validate(tables, 2, 1, 2)
+
+
+def act(text: str) -> Action:
+    """An action from its printed form: SEND_F0.1 is SEND_F of stage 0, micro-batch 1."""
+    head = text.rstrip("0123456789.")
+    stage, mb = text[len(head):].split(".")
+    return Action(head, int(stage), int(mb))
+
+
+def test_sends_out_of_order_are_rejected():
+    """Rank 0 sends micro-batch 1's activations before micro-batch 0's; rank 1 receives 0 first (sends and
+    receives between two ranks match in the order each posts them)."""
+    tables = [[act("F0.0"), act("F0.1"), act("SEND_F0.1"), act("SEND_F0.0"), act("RECV_B0.0"), act("B0.0"),
+               act("RECV_B0.1"), act("B0.1")],
+              [act("RECV_F1.0"), act("RECV_F1.1"), act("F1.0"), act("F1.1"), act("B1.0"), act("SEND_B1.0"),
+               act("B1.1"), act("SEND_B1.1")]]
+    with pytest.raises(ScheduleError, match="sends SEND_F0.1 where rank 1 receives RECV_F1.0"):
+        validate(tables, 2, 1, 2)
+
+
+def test_a_send_posted_before_a_receive_both_ways_deadlocks():
+    """Each rank sends before it receives, in separate batches: NCCL's per-pair order makes both sends wait
+    for receives queued behind them. The validator and the simulator both say so."""
+    tables = [[Action("F", 0, 0), Action("SEND_F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0)],
+              [Action("F", 1, 1), Action("SEND_B", 1, 1), Action("RECV_F", 1, 0), Action("F", 1, 0),
+               Action("B", 1, 0), Action("SEND_B", 1, 0), Action("RECV_F", 1, 1), Action("B", 1, 1)]]
+    with pytest.raises(ScheduleError):
+        validate(tables, 2, 1, 2)
+    deadlocked = [[Action("F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0), Action("SEND_F", 0, 0)],
+                  [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(deadlocked, 2)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(deadlocked, 2, 1, 1)
+
+
+def test_a_missing_receive_is_rejected():
+    tables = schedule("1f1b", 2, 1, 2)
+    tables[1].remove(Action("RECV_F", 1, 1))
+    with pytest.raises(ScheduleError, match=r"rank 1: F1\.1 comes before RECV_F1\.1"):
+        validate(tables, 2, 1, 2)
