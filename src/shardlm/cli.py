@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,7 +82,13 @@ def cmd_train(argv: list[str]) -> int:
             who = heartbeat.report() if heartbeat is not None else "which one could not be told"
             print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
                   f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
-            return 1
+            # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
+            # the process (pytorch#190489): leave now, with the status the message promises.
+            if heartbeat is not None:
+                heartbeat.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
                   "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
