@@ -75,7 +75,7 @@ def peer_step(system, cfg, x, world):
     if system in ("torch-ddp", "torch-fsdp2"):
         from shardlm.model import build_model
         model = build_model(m, "cuda", torch.float32, seed=0)
-        for block in model.layers:
+        for block in model.blocks():
             block.compile()
         if system == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -91,7 +91,7 @@ def peer_step(system, cfg, x, world):
             return step
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
+        for block in model.blocks():
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -138,7 +138,7 @@ def measure(name, warm=3, steps=10, profile=False):
         if patches.get("noemb"):
             model.embed.weight.requires_grad_(False)
         if patches.get("whole0") and GPU:
-            b0 = model.layers[0]
+            b0 = model.blocks()[0]
             del b0.attn_half, b0.mlp_half
             b0.compile()
         return build(model, *a)

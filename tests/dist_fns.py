@@ -134,6 +134,43 @@ def fp16_overflow_on_rank_one(rank, world, overrides: dict):
     return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged
 
 
+def fp16_overflow_on_first_stage(rank, world, overrides: dict):
+    """The first pipeline stage's gradients overflow in backward (the last stage's are finite): every rank
+    must skip the step and keep its weights."""
+    trainer = tiny_trainer(world, {"train.precision": "fp16", "train.micro_batch_size": "1", **overrides})
+    before, _ = trainer.parallel.gather_full_state()
+    before = {k: v.clone() for k, v in before.items()} if before is not None else None
+    if trainer.mesh.pp_rank == 0:
+        next(trainer.model.parameters()).register_hook(lambda g: g * float("inf"))
+    trainer.train_step()
+    after, _ = trainer.parallel.gather_full_state()
+    unchanged = None if before is None else all(torch.equal(before[k], after[k]) for k in before)
+    return trainer.scaler.skipped_steps, trainer.scaler.scale, unchanged
+
+
+def pipeline_in_flight(rank, world, overrides: dict):
+    """Through the pipeline's forward seam, over one step: the most micro-batches whose stage outputs
+    (and so activations) were alive at once on this rank, and whether every output sent on to the next
+    stage had its data freed by the time of the rank's next forward."""
+    import weakref
+    trainer = tiny_trainer(world, {"train.micro_batch_size": "1", **overrides})
+    step, last = trainer.forward_backward, int(overrides.get("parallel.pp", 1)) * int(
+        overrides.get("parallel.virtual_stages", 1)) - 1
+    real, alive, most, freed = step.forward, [], [0], [True]
+
+    def forward(stage, x, y, length):
+        alive[:] = [(r, s) for r, s in alive if r() is not None]
+        # Sent outputs keep one element: the graph backward needs, without the activation itself.
+        freed[0] &= all(r().numel() == 1 for r, s in alive if s != last)
+        out = real(stage, x, y, length)
+        alive.append((weakref.ref(out), stage))
+        most[0] = max(most[0], len(alive))
+        return out
+    step.forward = forward
+    trainer.train_step()
+    return most[0], freed[0]
+
+
 def _seeded_bf16_backward(rank, world, overrides: dict):
     """A bf16 DDP/ZeRO engine whose last micro-step's backward gives each rank r the seeded gradients
     grads_of(r), reduced by the engine (finish_backward has run). Returns (cfg, engine, [(name, param)], grads_of)."""
@@ -276,7 +313,7 @@ def zero3_prefetch(rank, world):
     block i's gradients arrive."""
     trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "model.num_layers": "4",
                                    "parallel.persist_threshold": "100", "train.micro_batch_size": "2"})
-    eng, layers = trainer.engine, trainer.model.layers
+    eng, layers = trainer.engine, trainer.model.blocks()
     states = eng.unit_states()
     unit = {("block", u.block) if u.kind == "block" else (u.kind, None): i for i, u in enumerate(states)}
     following = [unit["block", i + 1] for i in range(len(layers) - 1)] + [unit["head", None]]
@@ -360,6 +397,11 @@ def eval_and_sample(rank, world, overrides: dict, out_dir=None, resume=None):
     trainer = tiny_trainer(world, {"train.micro_batch_size": "2", **overrides}, out_dir=out_dir, resume=resume)
     text = generate_text(trainer.model, trainer.tokenizer, "def ", 12)
     return trainer.evaluate(), text
+
+
+def evaluated(rank, world, overrides: dict):
+    """The eval loss of a freshly built trainer."""
+    return tiny_trainer(world, overrides).evaluate()
 
 
 def warnings_of_a_trainer(rank, world, overrides: dict, local_world: int):

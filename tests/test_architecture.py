@@ -10,9 +10,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top. A module imports modules of lower layers, or of its own package (parallel.zero3 ->
 # parallel.zero); never anything above it.
 LAYERS = [
-    ["config"],                                                                                    # no torch
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat",  # primitives
-     "schedules"],
+    ["schedules"],                                                                                 # no torch
+    ["config"],
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
     ["optim"],

@@ -37,7 +37,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.zero_stage": "4"}, "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
     ({"parallel.offload": "params", "parallel.zero_stage": "2"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
-    ({"parallel.pp": "2"}, "parallel.pp = 2 is not supported yet"),
+    ({"parallel.cp": "2"}, "parallel.cp = 2 is not supported yet"),
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),

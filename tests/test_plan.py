@@ -182,3 +182,19 @@ def test_cli_tokens_give_gpu_hours_and_cost():
     for bad in ("--tokens=-1e9", "--price-per-gpu-hour=-1"):
         r = run_cli("plan", "--model", "tinyllama-1.1b", bad, check=False)
         assert r.returncode == 2 and bad.split("=")[0] in r.stderr and "negative" in r.stderr
+
+
+@pytest.mark.parametrize("schedule, v, bubble, held", [
+    ("gpipe", 1, 3 / 8, 8),                  # (p - 1) / m; every micro-batch
+    ("1f1b", 1, 3 / 8, 4),                   # (p - 1) / m; p
+    ("interleaved", 2, 3 / 16, 4 * (1 + 3 / 8)),  # (p - 1) / (v m); p (1 + (p - 1) / (p v))
+    ("zb-h1", 1, 3 / 24, 4),                 # (p - 1) / (3 m) with F = I = W; p
+    ("naive", 1, 3, 1),                      # one micro-batch in flight, p - 1 stages idle
+])
+def test_pipeline_bubble_and_activations_come_from_the_schedules_table(schedule, v, bubble, held):
+    """The planner runs the same table the trainer runs (schedules.py) through the simulator: pp 4, m 8."""
+    from shardlm.plan.memory import in_flight
+    m, g = load_config("llama2-7b").model, gpu("h100")
+    w, L = Workload(4096, 1, 8), Layout(pp=4, pp_schedule=schedule, virtual_stages=v)
+    assert estimate(m, w, L, g).bubble == pytest.approx(bubble)
+    assert in_flight(w, L) == pytest.approx(held)

@@ -134,7 +134,7 @@ def test_recompute_actually_recomputes():
     cfg = load_config("tiny").model
     model = build_model(cfg)
     calls = {"n": 0}
-    for block in model.layers:
+    for block in model.blocks():
         orig = block.mlp.forward
         block.mlp.forward = lambda x, orig=orig: (calls.__setitem__("n", calls["n"] + 1), orig(x))[1]
     model.set_recompute("full")
@@ -149,7 +149,7 @@ def test_a_block_compiled_in_halves_hands_over_its_mlp_gradients_first(halves):
     gradients are accumulated before its attention's backward has run; compiled whole, not."""
     from shardlm.model import build_model
     model = build_model(load_config("tiny").model)
-    block = model.layers[0]
+    block = model.blocks()[0]
     x = model.embed(torch.randint(0, 100, (2, 16))).detach().requires_grad_()
     rope = model.rope(0, 16, x.device, x.dtype)
     want = torch.autograd.grad(block(x, rope).square().sum(), x)[0]

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from .schedules import SCHEDULES, ScheduleError
+from .schedules import check_layout as check_schedule
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -167,8 +170,9 @@ class ParallelConfig:
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     zero_stage: int = 0
     offload: str = "none"          # none | optimizer | params
-    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved
+    pp_schedule: str = "1f1b"      # naive | gpipe | 1f1b | interleaved | zb-h1 (schedules.py)
     virtual_stages: int = 1        # model chunks per pipeline rank (interleaved 1F1B)
+    pp_layers: str = ""            # layers per pipeline stage, e.g. "10,11,11"; "": balanced by compute
     dp_mode: str = "ddp"           # ddp | classic
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
@@ -215,7 +219,7 @@ CHOICES = {
     "parallel.dp_mode": ("ddp", "classic"),
     "parallel.reduce_dtype": ("fp32", "compute"),
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.pp_schedule": SCHEDULES,
 }
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
@@ -396,7 +400,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
     # Strategies that are validated but not built yet are refused, never silently ignored.
-    for key in ("pp", "cp", "ep"):
+    for key in ("cp", "ep"):
         if getattr(p, key) != 1:
             raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} is not supported yet by this version of shardlm "
                               "(only 1); the strategy is on the roadmap")
@@ -455,15 +459,29 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)} for sequence parallelism")
     if p.pp > m.num_layers:
         raise ConfigError(f"{show('pp', p.pp)} exceeds the model's {m.num_layers} layers")
-    if m.num_layers % (p.pp * p.virtual_stages):
-        raise ConfigError(f"{m.num_layers} layers do not split into {show('pp', p.pp)} x "
-                          f"{show('virtual_stages', p.virtual_stages)} equal stages")
+    stages = p.pp * p.virtual_stages
+    if stages > m.num_layers:
+        raise ConfigError(f"{show('pp', p.pp)} x {show('virtual_stages', p.virtual_stages)} = {stages} stages exceed "
+                          f"the model's {m.num_layers} layers")
+    if p.pp_layers:
+        try:
+            counts = [int(c) for c in p.pp_layers.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != stages or min(counts, default=0) < 1 or sum(counts) != m.num_layers:
+            raise ConfigError(f"{show('pp_layers', p.pp_layers)} must give {stages} positive layer counts, one per "
+                              f"stage, summing to the model's {m.num_layers} layers")
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
-    if p.zero_stage == 3 and p.pp > 1:
-        raise ConfigError(f"{show('zero_stage', 3)} with {show('pp', p.pp)} is not supported (parameters would be "
-                          f"gathered for every micro-batch of every stage); use {show('zero_stage', 1)} with "
-                          "pipeline parallelism")
+    if p.pp > 1:
+        try:
+            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp))
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+    if p.zero_stage >= 2 and p.pp > 1:
+        raise ConfigError(f"{show('zero_stage', p.zero_stage)} with {show('pp', p.pp)} is not supported: ZeRO-2 would "
+                          "reduce-scatter every micro-batch's gradients (m times ZeRO-1's traffic) and ZeRO-3 gather "
+                          f"the parameters for every micro-batch of every stage; use {show('zero_stage', 1)}")
     if p.offload != "none" and p.zero_stage < 1:
         raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
     if p.offload == "params" and p.zero_stage < 3:

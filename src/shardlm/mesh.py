@@ -3,8 +3,9 @@ that its heavy collectives stay inside a node (Narayanan et al. 2021). As in pic
 reshaped arange; a group over some axes is a line (or plane) of the grid along them, and every rank
 creates every group, in the same order, once, when the mesh is built. Besides one group per axis the mesh
 holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
-which gradients are reduced) and `pp+tp` (the ranks holding different parts of one model replica, over
-which the gradient norm is summed). Expert parallelism will be carved out of dp x cp, as Megatron and
+which gradients are reduced), `pp+tp` (the ranks holding different parts of one model replica, over
+which the gradient norm is summed) and `pp_ends` (each line's first and last pipeline stage, which hold
+a tied embedding's two copies). Expert parallelism will be carved out of dp x cp, as Megatron and
 torchtitan do.
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
@@ -53,6 +54,8 @@ class DeviceMesh:
     def group(self, axes: str):
         """The process group over an axis or a derived set of axes ("dp+cp"); None where its size is 1. A
         set of axes all but one of which have size 1 is that axis's group."""
+        if axes not in self.sizes and "+" not in axes:  # a named group of its own, as pp_ends
+            return self.groups.get(axes)
         wide = [a for a in axes.split("+") if self.sizes[a] > 1]
         return self.groups.get("+".join(wide)) if len(wide) == 1 else self.groups.get(axes)
 
@@ -105,6 +108,11 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
             group = dist.new_group(line, timeout=timeout)
             if rank in line:
                 mesh.groups[name] = group
+    if pp > 1:  # the first and last pipeline stage of each line: a tied embedding's two copies
+        for line in grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist():
+            group = dist.new_group([line[0], line[-1]], timeout=timeout)
+            if rank in (line[0], line[-1]):
+                mesh.groups["pp_ends"] = group
     return mesh
 
 

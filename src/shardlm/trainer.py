@@ -230,7 +230,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         self.model.eval()
         # Every rank evaluates the same batches: ZeRO-3's parameter gathers are collectives.
-        losses = [self.model(x.to(self.device), y.to(self.device)).item()
+        losses = [self.parallel.eval_loss(x.to(self.device), y.to(self.device))
                   for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
@@ -335,7 +335,10 @@ class Trainer:
                 how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""
                 self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
             return records
-        if t.sample_tokens:
+        if t.sample_tokens and self.mesh.pp > 1:
+            if self.mesh.is_main:
+                self.log("no sample under pipeline parallelism: `shardlm export` the run and `shardlm generate`")
+        elif t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
             room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
             with self._guard("the sample"):

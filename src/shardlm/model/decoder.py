@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .loss import linear_cross_entropy
+from .weight_grad import Linear
 
 
 def scaled_std(std: float, num_layers: int) -> float:
@@ -24,9 +25,9 @@ def scaled_std(std: float, num_layers: int) -> float:
     return std / math.sqrt(2 * num_layers)
 
 
-def linear(in_features: int, out_features: int, bias: bool, init_std: float) -> nn.Linear:
+def linear(in_features: int, out_features: int, bias: bool, init_std: float) -> Linear:
     """A linear layer that carries its initialisation's standard deviation (read by init_weights)."""
-    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer = Linear(in_features, out_features, bias=bias)
     layer.init_std = init_std
     return layer
 
@@ -227,15 +228,21 @@ class DecoderParts:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The model, or a slice of it: the layers `layers` (all by default), with the embeddings where `first`
+    and the final norm, head and loss where `last`. A slice keeps the whole model's parameter names
+    (`layers.17.attn.qkv.weight`), so pipeline stages checkpoint and load by name like the whole model.
+    Where the head is tied to the embedding, a last slice that is not also first holds its own copy."""
+
+    def __init__(self, cfg: ModelConfig, layers=None, first: bool = True, last: bool = True):
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.arch == "gpt2" else None
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = make_norm(cfg)
-        self.lm_head = None if cfg.tie_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std)
-        self.output = LMOutput()
+        self.cfg, self.first, self.last = cfg, first, last
+        tied_head = last and cfg.tie_embeddings
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or tied_head else None
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if first and cfg.arch == "gpt2" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in (range(cfg.num_layers) if layers is None else layers)})
+        self.norm = make_norm(cfg) if last else None
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std) if last and not tied_head else None
+        self.output = LMOutput() if last else None
         self.recompute = "none"
         self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
         self.compile_loss = False
@@ -244,14 +251,18 @@ class Decoder(nn.Module):
         self._mask_cache: tuple = (None, None)  # (key, mask): training repeats one shape every step
 
     def parts(self) -> DecoderParts:
-        return DecoderParts([m for m in (self.embed, self.pos_embed) if m is not None], list(self.layers),
-                            self.norm, self.lm_head)
+        embeddings = [m for m in (self.embed, self.pos_embed) if m is not None] if self.first else []
+        return DecoderParts(embeddings, list(self.layers.values()), self.norm, self.lm_head)
+
+    def blocks(self, indices=None) -> list[Block]:
+        """The blocks of the given global layer indices (all of this slice's by default), in order."""
+        return list(self.layers.values()) if indices is None else [self.layers[str(i)] for i in indices]
 
     # ---- construction -------------------------------------------------------------------------
     def set_recompute(self, mode: str) -> None:
         """none | selective (only the attention core is recomputed) | full (each block is recomputed)."""
         self.recompute = mode
-        for block in self.layers:
+        for block in self.blocks():
             block.attn.recompute_core = mode == "selective"
 
     def set_attention(self, backend: str) -> None:
@@ -259,7 +270,7 @@ class Decoder(nn.Module):
         an unsupported case fails loudly instead of silently running the slow math kernel. The flags are
         process-wide (torch.backends.cuda), as SDPA's backend selection is."""
         self.attention = backend
-        for block in self.layers:
+        for block in self.blocks():
             block.attn.expand_kv = backend in ("cudnn", "efficient")
         if backend == "auto":
             return
@@ -323,24 +334,29 @@ class Decoder(nn.Module):
             self._mask_cache = (key, (j <= i) & (j > i - window))
         return self._mask_cache[1]
 
-    def hidden_states(self, ids, cache: KVCache | None = None):
+    def hidden_states(self, x, cache: KVCache | None = None, layers=None, embed: bool | None = None,
+                      length: int | None = None):
+        """The blocks `layers` (this slice's by default) over `x`: token ids where `embed` (the first slice's
+        default), else the previous blocks' hidden states. `length`: the whole sequence's, where x holds a
+        slice of it (sequence parallelism between pipeline stages)."""
         start = cache.pos if cache is not None else 0
-        t = ids.shape[1]
-        x = self.embed(ids)
-        rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(start, start + t, device=ids.device))
-        else:
-            rope = self.rope(start, t, ids.device, x.dtype)
-        mask = self.window_mask(start, t, ids.device)
-        for block in self.layers:
+        embed = self.first if embed is None else embed
+        t = length or x.shape[1]
+        device = x.device
+        if embed:
+            x = self.embed(x)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(torch.arange(start, start + t, device=device))
+        rope = None if self.cfg.arch == "gpt2" else self.rope(start, t, device, x.dtype)
+        mask = self.window_mask(start, t, device)
+        for block in self.blocks(layers):
             if self.recompute == "full" and self.training and cache is None:
                 x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
                 x = block(x, rope, cache, mask)
         if cache is not None:
             cache.pos += t
-        return self.norm(x)
+        return x
 
     @property
     def head_weight(self):
@@ -348,13 +364,17 @@ class Decoder(nn.Module):
 
     def cache_heads(self) -> int:
         """The key/value heads a KV cache holds per layer for this module's attention."""
-        attn = self.layers[0].attn
+        attn = self.blocks()[0].attn
         return attn.n_heads if attn.kv_index is not None else attn.n_kv
 
     def forward(self, ids, targets=None, cache: KVCache | None = None, last_only: bool = False):
         """Logits (of the last position only, with `last_only`), or with `targets` the mean next-token
         cross-entropy in fp32 (never forming all logits)."""
-        h = self.hidden_states(ids, cache)
+        return self.head(self.hidden_states(ids, cache), targets, last_only)
+
+    def head(self, h, targets=None, last_only: bool = False):
+        """The final norm, the output head and (with `targets`) the loss, over the last blocks' output."""
+        h = self.norm(h)
         if last_only:
             h = h[:, -1:]
         return self.output(h, self.head_weight, targets, self.loss_chunk, self.compile_loss)

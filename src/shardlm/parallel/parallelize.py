@@ -1,20 +1,24 @@
 """`parallelize`: the one place that turns the one-device model into this rank's part of the layout, as an
-ordered series of transforms, the way torchtitan's `parallelize_llama` reads: tensor (and sequence)
-parallelism on the meta device -> this rank's weights materialised and initialised -> recomputation ->
-compilation -> data parallelism / ZeRO (the engine). Later strategies (pipeline stages, context and
-expert parallelism, LoRA) are further transforms in this list.
+ordered series of transforms, the way torchtitan's `parallelize_llama` reads: the pipeline stage (the
+slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> this rank's
+weights materialised and initialised -> recomputation -> compilation -> data parallelism / ZeRO (the
+engine) -> the step's seam (a plain forward and backward, or a pipeline schedule). Later strategies
+(context and expert parallelism, LoRA) are further transforms in this list.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from .. import schedules
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
 from .engine import Engine
+from .pipeline import PipelineSchedule, split_layers, stage_decoder
 from .schedule import ForwardBackward
 from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
 
@@ -24,34 +28,55 @@ class Parallelized:
     """This rank's part of the model, its engine and the step's seam, and the model's state as full tensors."""
     model: Decoder
     engine: Engine
-    forward_backward: ForwardBackward
+    forward_backward: ForwardBackward | PipelineSchedule
     mesh: DeviceMesh
     specs: dict  # tensor-parallel shardings by parameter name (empty: no tensor parallelism)
 
     def gather_full_state(self):
         """(fp32 masters, optimizer state) as full tensors by parameter name on the mesh's main rank (None,
-        None elsewhere): gathered over data parallelism by the engine, then, on the first data-parallel
-        rank's tensor-parallel group only, over tensor parallelism onto its first rank."""
+        None elsewhere): gathered over data parallelism by the engine, then on the first data-parallel
+        rank's lines only, over tensor parallelism onto its first rank, and over the pipeline's stages."""
         masters, optim = self.engine.gather_full_state()
-        if not self.specs or masters is None:
-            return (masters, optim) if self.mesh.is_main else (None, None)
-        if self.mesh.dp_rank != 0:  # its tp group holds what dp rank 0's holds
-            return None, None
-        device = next(self.model.parameters()).device
-        masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
-        optim = gather_full(optim, self.specs, self.mesh.tp_group, device)
+        if masters is None or (self.mesh.world > 1 and self.mesh.dp_rank != 0):
+            return None, None  # dp rank 0 holds what the others hold
+        if self.specs:
+            device = next(self.model.parameters()).device
+            masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
+            optim = gather_full(optim, self.specs, self.mesh.tp_group, device)
+            if masters is None:
+                return None, None
+        if self.mesh.pp > 1:
+            stages = [None] * self.mesh.pp if self.mesh.pp_rank == 0 else None
+            dist.gather_object((masters, optim), stages, dst=dist.get_global_rank(self.mesh.pp_group, 0),
+                               group=self.mesh.pp_group)
+            if stages is None:
+                return None, None
+            # A tied embedding's copies are equal: the first stage's is the one kept.
+            masters = {k: v for m, _ in reversed(stages) for k, v in m.items()}
+            optim = {k: v for _, o in reversed(stages) for k, v in o.items()}
         return (masters, optim) if self.mesh.is_main else (None, None)
 
     def load_full_state(self, masters: dict, optim: dict) -> None:
+        """This rank's part of full per-name state: its stage's parameters, its tensor-parallel slices."""
+        own = {n for n, _ in self.model.named_parameters()}
+        masters = {k: v for k, v in masters.items() if k in own}
+        optim = {k: v for k, v in optim.items() if k.split("::")[0] in own}
         if self.specs:
             masters, optim = take_local(masters, self.specs), take_local(optim, self.specs)
         self.engine.load_full_state(masters, optim)
 
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if isinstance(self.forward_backward, PipelineSchedule):
+            return self.forward_backward.evaluate(x, y).item()
+        return self.model(x, y).item()
+
 
 def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallelized:
-    t, p = cfg.train, cfg.parallel
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    stages = p.pp * p.virtual_stages
+    layers_of = split_layers(m, stages, p.pp_layers) if p.pp > 1 else None
     with torch.device("meta"):
-        model = Decoder(cfg.model)
+        model = stage_decoder(m, p.pp, p.virtual_stages, mesh.pp_rank, layers_of) if p.pp > 1 else Decoder(m)
     if mesh.tp > 1:
         tensor_parallel(model, mesh.tp_group, p.sp)
     model.to_empty(device=device)
@@ -65,8 +90,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
     model.set_attention(t.attention)
     model.train()
     if t.compile:
-        ddp = mesh.dp > 1 and p.zero_stage == 0 and p.dp_mode == "ddp"
-        for i, block in enumerate(model.layers):
+        ddp = mesh.dp > 1 and p.zero_stage == 0 and p.dp_mode == "ddp" and p.pp == 1
+        for i, block in enumerate(model.blocks()):
             # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
             # unless they arrive in two parts (bench/README.md measures what that saves).
             if i == 0 and ddp:
@@ -75,17 +100,27 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
                 block.compile()
     engine = build_engine(model, cfg, mesh, scaler)
     specs = shardings(model)
-    if specs and engine.opt is not None:
-        engine.opt.count_once(_duplicates(engine, specs), mesh.group("pp+tp"))
-    return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
+    tied_copy = p.pp > 1 and m.tie_embeddings and model.last and not model.first
+    if (specs or p.pp > 1) and engine.opt is not None:
+        engine.opt.count_once(_duplicates(engine, specs, "embed.weight" if tied_copy else None), mesh.group("pp+tp"))
+    if p.pp == 1:
+        return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
+    table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
+    seq_here = t.seq_len // mesh.tp if p.sp else t.seq_len  # a stage's output holds its slice of the sequence
+    tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) else None
+    step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
+                            tied)
+    return Parallelized(model, engine, step, mesh, specs)
 
 
-def _duplicates(engine: Engine, specs: dict) -> list[tuple[int, int, int]]:
-    """(bucket, lo, hi) ranges of the engine's buckets holding elements another tensor-parallel rank holds too."""
+def _duplicates(engine: Engine, specs: dict, copy: str | None) -> list[tuple[int, int, int]]:
+    """(bucket, lo, hi) ranges of the engine's buckets holding elements another rank of the model holds
+    too: tensor-parallel replicas (`specs`), and the last pipeline stage's copy of a tied embedding."""
     flat, out = engine.flat, []
     for i, name in enumerate(flat.names):
-        spec = specs.get(name)
-        if spec is not None:
-            b, off = flat.where[i]
+        b, off = flat.where[i]
+        if name == copy:
+            out.append((b, off, off + flat.params[i].numel()))
+        elif (spec := specs.get(name)) is not None:
             out += [(b, off + lo, off + hi) for lo, hi in spec.duplicates(flat.params[i].shape)]
     return out

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..model.weight_grad import WeightGradStore, linear
 from .cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -238,11 +239,13 @@ def replicated(module: nn.Module, group, partial: bool = False) -> nn.Module:
 # ---- the parallel layers -----------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
+
     """y = x A^T with A's rows (output features) split over the group, each fused component (`parts`: q, k,
     v; gate, up) on its own, so rank r holds [q_r; k_r; v_r], never one contiguous block of the fused
     matrix (that would give one rank all of q). A component `whole` stays complete on every rank (key and
     value heads fewer than the ranks); its rows' gradients are partial, and summed. `pad` zero rows
     (split with the last part) make an undivisible output size divisible."""
+    weight_grads: WeightGradStore | None = None  # a zero-bubble schedule's deferral of dW (model/weight_grad.py)
 
     def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, group, sequence_parallel: bool,
                  init_std: float, whole: tuple[bool, ...] | None = None, pad: int = 0):
@@ -261,12 +264,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         x = gather_from_sp(x, self.group) if self.sequence_parallel and self.training else copy_to_tp(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_grads)
 
 
 class RowParallelLinear(nn.Module):
+
     """y = x A^T with A's columns (input features) split: partial sums all-reduced (or reduce-scattered along
     the sequence), the bias added once after."""
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool,
                  init_std: float):
@@ -281,7 +286,7 @@ class RowParallelLinear(nn.Module):
         _tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_grads)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel and self.training else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
@@ -368,15 +373,18 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
         mlp.down = RowParallelLinear(f, h, mlp.down.bias is not None, group, sp, mlp.down.init_std)
         replicated(block.attn_norm, group, partial=sp)
         replicated(block.mlp_norm, group, partial=sp)
-    model.embed = VocabParallelEmbedding(cfg.vocab_size, h, group, sp)
+    rows = -(-cfg.vocab_size // tp)  # a pipeline stage may hold the embedding, the head, both or neither
+    if model.embed is not None:
+        model.embed = VocabParallelEmbedding(cfg.vocab_size, h, group, sp)
     if model.pos_embed is not None:
         model.pos_embed = SequenceParallelPositions(cfg.max_seq_len, h, group) if sp else replicated(model.pos_embed, group)
-    replicated(model.norm, group, partial=sp)
+    if model.norm is not None:
+        replicated(model.norm, group, partial=sp)
     if model.lm_head is not None:
-        rows = model.embed.weight.shape[0]
         model.lm_head = ColumnParallelLinear(h, (cfg.vocab_size,), False, group, sp, model.lm_head.init_std,
                                              pad=rows * tp - cfg.vocab_size)
-    model.output = VocabParallelOutput(group, model.embed.vocab_start, cfg.vocab_size, sp)
+    if model.output is not None:
+        model.output = VocabParallelOutput(group, rank_in(group) * rows, cfg.vocab_size, sp)
 
 
 def shardings(model: nn.Module) -> dict[str, TPSharding]:

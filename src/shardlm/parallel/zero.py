@@ -109,7 +109,8 @@ class ZeroEngine(Engine):
         model.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(0)))
         for i, block in enumerate(parts.layers):
             block.register_forward_pre_hook(eager(lambda mod, args, at=i + 1: self._wait_weight_gathers(at)))
-        parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(last)))
+        if parts.final_norm is not None:  # a pipeline stage before the last has none
+            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(last)))
 
     def wait_for_weights(self) -> None:
         self._wait_weight_gathers()

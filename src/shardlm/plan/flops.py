@@ -14,7 +14,10 @@ on H200s with tinyllama-1.1b (bench/README.md); override them for other hardware
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..config import ModelConfig
+from ..schedules import Simulation, schedule, simulate
 from .layout import Layout, Workload
 
 EFFICIENCY = 0.55
@@ -29,6 +32,12 @@ def model_flops_per_token(m: ModelConfig, seq: int) -> float:
     return m.flops_per_token(seq)
 
 
+@lru_cache(maxsize=256)
+def simulated(name: str, pp: int, v: int, m: int) -> Simulation:
+    """The pipeline schedule's table (schedules.py), simulated with unit costs."""
+    return simulate(schedule(name, pp, v, m), pp)
+
+
 def recompute_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float:
     c = m.param_counts()
     attn = 4 * m.num_layers * m.num_heads * m.head_size * seq  # one forward of QK^T and AV
@@ -40,7 +49,10 @@ def recompute_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float
 
 
 def bubble(w: Workload, L: Layout) -> float:
+    """Idle time over compute time of the busiest pipeline rank, from the schedule's own table run by the
+    simulator with F = 1, B = 2 (I = W = 1): (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved,
+    (p - 1) / (3 m) for zb-h1, p - 1 for naive."""
     if L.pp == 1:
         return 0.0
-    m = w.global_batch // (w.micro_batch * L.dp)
-    return (L.pp - 1) / (m * (L.virtual_stages if L.pp_schedule == "interleaved" else 1))
+    sim = simulated(L.pp_schedule, L.pp, L.virtual_stages, w.global_batch // (w.micro_batch * L.dp))
+    return sim.time / max(sim.busy) - 1

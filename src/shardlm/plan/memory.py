@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .flops import simulated
 from .layout import Layout, Workload
 
 MiB = 2**20
@@ -105,16 +106,13 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
 
 
 def in_flight(w: Workload, L: Layout) -> float:
-    """Micro-batches whose activations the worst (first) pipeline stage holds at once."""
-    m = w.global_batch // (w.micro_batch * L.dp)
+    """Micro-batches whose activations the worst (first) pipeline rank holds at once, in units of all its
+    layers' (an interleaved rank's chunk holds 1/v of them), from the schedule's simulated table: m for
+    GPipe, p for 1F1B and zb-h1, p (1 + (p - 1) / (p v)) interleaved, 1 naive."""
     if L.pp == 1:
         return 1
-    if L.pp_schedule == "gpipe":
-        return m
-    held = min(L.pp, m)
-    if L.pp_schedule == "interleaved":
-        held *= 1 + (L.pp - 1) / (L.pp * L.virtual_stages)
-    return held
+    sim = simulated(L.pp_schedule, L.pp, L.virtual_stages, w.global_batch // (w.micro_batch * L.dp))
+    return max(sim.in_flight) / L.virtual_stages
 
 
 def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:

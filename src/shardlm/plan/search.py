@@ -35,7 +35,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for recompute in ("none", "selective", "full"):
-                            schedules = [("1f1b", 1)]
+                            schedules = [("1f1b", 1), ("zb-h1", 1)] if pp > 1 else [("1f1b", 1)]
                             if pp > 1 and m.num_layers % (pp * 2) == 0:
                                 schedules.append(("interleaved", 2))
                             for sched, v in schedules:

@@ -1,0 +1,76 @@
+"""Split backward for zero-bubble pipelines (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"; their
+WeightGradStore): a linear layer's backward is two matmuls, the input gradient dX = dY W, which the
+previous stage waits for, and the weight gradient dW = dY^T X, which nobody waits for. While a store
+defers, the linear layers attached to it compute dX only and queue dW's matmul; the schedule runs the
+queue later (its W action), filling the pipeline's idle time with it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    def __init__(self):
+        self.deferring = False
+        self.queue: list = []
+
+    def take(self) -> list:
+        """The weight-gradient matmuls queued since the last take, to run later with `run`."""
+        queue, self.queue = self.queue, []
+        return queue
+
+    @staticmethod
+    @torch.no_grad()
+    def run(queue: list) -> None:
+        for compute in queue:
+            compute()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight gradient a WeightGradStore may defer (`weight_grads`, None: never)."""
+    weight_grads: WeightGradStore | None = None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.weight_grads)
+
+
+def linear(x, weight, bias=None, store: WeightGradStore | None = None):
+    """F.linear, with the weight's (and bias's) gradient deferred while `store` defers."""
+    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    return _DeferrableLinear.apply(x, weight, bias, store)
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    # Into the existing .grad, as autograd does: data-parallel engines keep it as a view of their buckets.
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        # The parameters themselves (leaves: no reference cycle), for the deferred accumulation.
+        ctx.params, ctx.store = (weight, bias), store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        weight_param, bias = ctx.params
+        grad_x = grad @ weight
+        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        if not ctx.store.deferring:
+            return grad_x, grad2.t() @ x2, (grad2.sum(0) if bias is not None else None), None
+
+        def weight_grad():
+            _accumulate(weight_param, grad2.t() @ x2)
+            if bias is not None:
+                _accumulate(bias, grad2.sum(0))
+        ctx.store.queue.append(weight_grad)
+        return grad_x, None, None, None

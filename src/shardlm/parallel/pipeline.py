@@ -1,0 +1,228 @@
+"""Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B and interleaved 1F1B, Narayanan et al. 2021): the
+decoder's layers split into stages over the mesh's pp axis, and one engine that executes any schedule's
+action table (schedules.py) with batched point-to-point sends and receives.
+
+Each rank holds a Decoder slice with the layers of its stages (v of them with virtual stages), under the
+whole model's parameter names; the first stage's rank also holds the embeddings, the last's the final
+norm, the head and the loss. A step runs the rank's actions in order: a batch of sends and receives
+(`batch_isend_irecv`, the receives waited for only where a computation reads them), a forward of a
+stage on a micro-batch, or its backward. Each micro-batch's loss is divided by the number of
+micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
+A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: backward needs only its
+graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
+After the last backward, the tied embedding's two copies (first and last stage) add their gradients,
+and the data-parallel engine reduces every gradient once (DDP, ZeRO-1, classic DP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..model.decoder import Decoder
+from ..model.weight_grad import WeightGradStore
+from ..schedules import Action, batches, peer, rank_of
+from .engine import Engine
+
+
+def split_layers(cfg, stages: int, counts: str = "") -> list[list[int]]:
+    """The layers of each stage: `counts` ("10,11,11") as given, or balanced by compute: a layer costs its
+    FLOPs per token, the last stage's head (and loss) counts too, so it gets fewer layers where the
+    vocabulary is large (the embedding is a lookup: no FLOPs)."""
+    L = cfg.num_layers
+    if counts:
+        sizes = [int(c) for c in counts.split(",")]
+    else:
+        per_layer = cfg.param_counts()["active_per_layer"]
+        head = cfg.vocab_size * cfg.hidden_size / per_layer  # in layers
+        # The smallest last stage whose head plus layers does not exceed the others' even share.
+        sizes = None
+        for last in range(L // stages, -1, -1):
+            rest = L - last
+            if last + head <= -(-rest // (stages - 1)) + 1e-9 or last == 0:
+                base, extra = divmod(rest, stages - 1)
+                sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
+                break
+        if not sizes or min(sizes) == 0:
+            base, extra = divmod(L, stages)
+            sizes = [base + (1 if i < extra else 0) for i in range(stages)]
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+
+
+def stage_decoder(cfg, pp: int, v: int, rank: int, layers_of: list[list[int]]) -> Decoder:
+    """This rank's slice (on the current device, meta for parallelize): the layers of its stages rank,
+    rank + pp, ..."""
+    S = pp * v
+    mine = [i for s in range(rank, S, pp) for i in layers_of[s]]
+    return Decoder(cfg, mine, first=rank_of(0, pp) == rank, last=rank_of(S - 1, pp) == rank)
+
+
+def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from a stage output whose data was freed after sending: the engine, without autograd's
+    shape check of the output against its gradient (as Megatron-LM does)."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)
+
+
+class _Posted:
+    """One batch_isend_irecv call's works (one coalesced work under NCCL, one per operation under gloo),
+    waited for at most once: a gloo send or receive waited for twice blocks for good."""
+
+    def __init__(self, works, tensors):
+        self.works, self.tensors, self.done = works, tensors, False
+
+    def completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done, self.tensors = True, None
+
+
+@dataclass
+class _Step:
+    """What one step's actions pass each other, by (stage, micro-batch)."""
+    data: list          # the micro-batches (inputs, targets)
+    count: int          # micro-batches per step: each loss is divided by it
+    loss: torch.Tensor  # their sum (on the last stage)
+    inputs: dict = field(default_factory=dict)    # a stage's input, whose gradient goes back
+    outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
+    recvs: dict = field(default_factory=dict)     # (kind, stage, mb) -> (batch posted, buffer)
+    deferred: dict = field(default_factory=dict)  # weight-gradient matmuls queued by I, until W
+    sending: list = field(default_factory=list)   # batches with sends in flight
+
+
+class PipelineSchedule:
+    """One step of a schedule's table on this rank (the seam ForwardBackward fills without pipelining)."""
+
+    def __init__(self, model: Decoder, engine: Engine, scaler, mesh, table: list[Action], layers_of: list[list[int]],
+                 activation_shape, tied_group=None):
+        self.model, self.engine, self.scaler, self.mesh = model, engine, scaler, mesh
+        self.table, self.layers_of, self.tied_group = table, layers_of, tied_group
+        self.activation_shape = activation_shape  # (micro-batch, sequence here, hidden): what stages send
+        self.S = len(layers_of)
+        self.group = mesh.pp_group
+        self.pp = mesh.pp
+        self.forward = self._stage_forward  # the seam tests patch, as ForwardBackward's
+        self.weight_grads = WeightGradStore()
+        if any(a.kind == "W" for a in table):
+            # Linears whose gradient a hook sums over tp ranks (key/value heads kept whole) keep dW in I.
+            for module in model.modules():
+                if hasattr(module, "weight_grads") and not getattr(module, "partial_grads", None):
+                    module.weight_grads = self.weight_grads
+
+    def _peer(self, a: Action) -> int:
+        return dist.get_global_rank(self.group, peer(a, self.pp))
+
+    def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int):
+        h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length)
+        return self.model.head(h, targets) if stage == self.S - 1 else h
+
+    def __call__(self, micro_batches, count: int, device: torch.device) -> torch.Tensor:
+        self.engine.wait_for_weights()  # ZeRO-1's all-gathers: forward does not enter through the model here
+        step = _Step(list(micro_batches), count, torch.zeros((), device=device))
+        dtype = next(self.model.parameters()).dtype
+        for item in batches(self.table):
+            # One method per action: its locals (an output, its graph) die with the call, not at the next.
+            if isinstance(item, list):
+                self._post(step, item, dtype, device)
+            elif item.kind == "F":
+                self._forward(step, item)
+            elif item.kind in ("B", "I"):
+                self._backward(step, item)
+            elif item.kind == "W":
+                self.weight_grads.run(step.deferred.pop((item.stage, item.mb)))
+            else:
+                raise ValueError(f"the pipeline engine does not run {item.kind} actions")
+        for posted in step.sending:
+            posted.wait()
+        if self.tied_group is not None:  # the head's copy of the embedding and the embedding's: one weight
+            dist.all_reduce(self.model.embed.weight.grad, group=self.tied_group)
+        self.engine.prepare_backward(True)
+        self.engine.finish_backward(True)  # every bucket at once: no backward is left to overlap
+        dist.all_reduce(step.loss, group=self.group)  # the loss lives on the last stage
+        return step.loss
+
+    def _post(self, step: "_Step", batch: list[Action], dtype, device) -> None:
+        """One batch of sends and receives; the receives are waited for where a computation reads them, the
+        sends (and the tensors they read) kept until they complete."""
+        ops, received, sent = [], [], []
+        for a in batch:
+            key = (a.stage, a.mb)
+            if a.kind == "SEND_F":
+                out = step.outputs[key]
+                sent.append(out.detach())
+                out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # freed once sent
+            elif a.kind == "SEND_B":
+                sent.append(step.inputs.pop(key).grad)
+            else:
+                received.append((a, torch.empty(self.activation_shape, dtype=dtype, device=device)))
+            op, tensor = (dist.isend, sent[-1]) if a.kind.startswith("SEND") else (dist.irecv, received[-1][1])
+            ops.append(dist.P2POp(op, tensor, self._peer(a), self.group))
+        posted = _Posted(dist.batch_isend_irecv(ops), sent)
+        for a, buf in received:
+            step.recvs[(a.kind, a.stage, a.mb)] = (posted, buf)
+        if sent:
+            step.sending.append(posted)
+        step.sending = [p for p in step.sending if not p.completed()]
+
+    def _forward(self, step: "_Step", a: Action) -> None:
+        x, y = step.data[a.mb]
+        if a.stage > 0:
+            x = self._received("RECV_F", a, step.recvs).requires_grad_()
+        out = self.forward(a.stage, x, y, y.shape[1])  # the sequence's length, whatever slice x holds
+        if a.stage == self.S - 1:
+            out = out / step.count
+            step.loss += out.detach()
+        step.inputs[(a.stage, a.mb)], step.outputs[(a.stage, a.mb)] = x, out
+
+    def _backward(self, step: "_Step", a: Action) -> None:
+        """B, or I: B with the linear layers' weight gradients queued for the micro-batch's W."""
+        key = (a.stage, a.mb)
+        self.weight_grads.deferring = a.kind == "I"
+        out = step.outputs.pop(key)
+        if a.stage == self.S - 1:
+            (out * self.scaler.scale if self.scaler.scale != 1.0 else out).backward()
+        else:
+            _run_backward(out, self._received("RECV_B", a, step.recvs))
+        if a.kind == "I":
+            step.deferred[key] = self.weight_grads.take()
+            self.weight_grads.deferring = False
+        if a.stage == 0:
+            step.inputs.pop(key)
+
+    @staticmethod
+    def _received(kind: str, a: Action, recvs: dict) -> torch.Tensor:
+        posted, buf = recvs.pop((kind, a.stage, a.mb))
+        posted.wait()
+        return buf
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, forward only, stage after stage; every rank returns it."""
+        device = x.device
+        loss = torch.zeros((), device=device)
+        shape = (x.shape[0], x.shape[1], self.model.cfg.hidden_size)  # eval: no sequence split
+        h = None
+        for s in range(self.S):
+            if rank_of(s, self.pp) != self.mesh.pp_rank:
+                continue
+            if s > 0:
+                h = torch.empty(shape, dtype=next(self.model.parameters()).dtype, device=device)
+                src = dist.get_global_rank(self.group, rank_of(s - 1, self.pp))
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, src, self.group)]):
+                    w.wait()
+            out = self._stage_forward(s, x if s == 0 else h, y, x.shape[1])
+            if s == self.S - 1:
+                loss = out.float()
+            else:
+                dst = dist.get_global_rank(self.group, rank_of(s + 1, self.pp))
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), dst, self.group)]):
+                    w.wait()
+        dist.all_reduce(loss, group=self.group)
+        return loss
+

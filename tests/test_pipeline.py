@@ -1,0 +1,209 @@
+"""Pipeline parallelism against one process (gloo on CPU, fp32): every schedule at pp 2 and 4 with pp, 2 pp
+and an odd number of micro-batches, interleaving with two virtual stages, and the compositions with data,
+ZeRO-1, tensor and sequence parallelism up to dp 2 x tp 2 x pp 2 on 8 ranks; per-step losses, gradient
+norms and the gathered weights. Then what a schedule holds in memory, fp16 overflow on one stage,
+resharding resume, eval, export and generation from a pipeline checkpoint, and bad layouts."""
+import functools
+
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import ATOL, RTOL
+from shardlm.schedules import SCHEDULES
+from shardlm.testing.distributed import run_distributed
+from test_tensor_parallel import ADAM_ATOL, MODELS, OPTIMIZERS, check_equal
+
+
+def layout(pp, m, schedule="1f1b", v=1, dp=1, tp=1, **extra):
+    """One micro-batch of one sample each: m micro-batches per data-parallel rank and step."""
+    return {"parallel.pp": str(pp), "parallel.dp": str(dp), "parallel.tp": str(tp), "parallel.pp_schedule": schedule,
+            "parallel.virtual_stages": str(v), "model.num_layers": str(max(4, 2 * pp * v)), "train.steps": "3",
+            "train.micro_batch_size": "1", "train.global_batch_size": str(m * dp), **extra}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(items):
+    return dist_fns.train_and_capture(0, 1, {**dict(items), "train.device": "cpu"})
+
+
+def reference(overrides):
+    """The one-process run of the same model, batch and optimizer."""
+    return _reference(tuple(sorted(reference_overrides(overrides).items())))
+
+
+def run(overrides, atol=ATOL):
+    p = {k: int(overrides.get(f"parallel.{k}", 1)) for k in ("pp", "dp", "tp")}
+    results = run_distributed(dist_fns.train_and_capture, p["pp"] * p["dp"] * p["tp"], overrides, timeout=240)
+    check_equal(results, reference(overrides), atol=atol)
+
+
+CASES = [(s, pp, m) for s in SCHEDULES if s != "interleaved" for pp in (2, 4) for m in (pp, 2 * pp, pp + 1)]
+CASES += [("interleaved", pp, m) for pp in (2, 4) for m in (pp, 2 * pp)]
+
+
+@pytest.mark.parametrize("schedule, pp, m", CASES, ids=[f"{s}-pp{pp}-m{m}" for s, pp, m in CASES])
+def test_every_schedule_equals_one_process(schedule, pp, m):
+    run(layout(pp, m, schedule, v=2 if schedule == "interleaved" else 1))
+
+
+# With tensor parallelism, SGD: AdamW amplifies the row-parallel sums' rounding (test_tensor_parallel.py) as
+# much with stages as without (5.7e-6 after three steps on 8 layers at tp 2, pp 2 or 1).
+SGD = OPTIMIZERS["sgd"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+def test_pipeline_times_tensor_and_sequence_parallel(schedule):
+    v = 2 if schedule == "interleaved" else 1
+    run(layout(2, 4, schedule, v=v, tp=2, **{"parallel.sp": "true"}, **SGD))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "classic"])
+def test_pipeline_times_data_parallel(mode):
+    """Gradients accumulate over the step's micro-batches and are reduced once, after the last."""
+    engine = {"parallel.zero_stage": "1"} if mode == "zero1" else {"parallel.dp_mode": mode}
+    run(layout(2, 3, dp=2, **engine))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, extra", [("1f1b", {"parallel.zero_stage": "1"}),
+                                             ("zb-h1", {"train.optimizer": "sgd", "train.lr": "1e-2"})])
+def test_three_dimensional_parallelism_on_eight_ranks(schedule, extra):
+    """dp 2 x tp 2 x pp 2 (sequence parallel): every axis of the mesh in one run."""
+    run(layout(2, 2, schedule, dp=2, tp=2, **{"parallel.sp": "true", **extra}), atol=ADAM_ATOL["llama"])
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_tied_embeddings_across_first_and_last_stage(pp, tp):
+    """GPT-2's head reuses the embedding: the first and last stage each hold a copy, whose gradients are
+    summed every step, so both stay the one weight (and the gathered state holds it once)."""
+    run(layout(pp, pp, tp=tp, **MODELS["gpt2"], **(SGD if tp > 1 else {})), atol=ADAM_ATOL["gpt2"])
+
+
+@pytest.mark.parametrize("recompute, schedule", [("full", "1f1b"), ("selective", "zb-h1"), ("full", "zb-h1")])
+def test_pipeline_with_recomputation(recompute, schedule):
+    run(layout(2, 2, schedule, **{"train.recompute": recompute}))
+
+
+def test_an_uneven_explicit_layer_split():
+    run(layout(2, 3, **{"model.num_layers": "5", "parallel.pp_layers": "3,2"}))
+
+
+def test_a_deferred_weight_gradient_waits_for_its_w_and_then_equals_autograds():
+    """zb-h1's split backward: while the store defers, backward gives the input's gradient and queues the
+    weight's (and bias's); running the queue accumulates what plain autograd would have."""
+    from shardlm.model.weight_grad import Linear, WeightGradStore
+    torch.manual_seed(0)
+    deferred, plain = Linear(8, 6), torch.nn.Linear(8, 6)
+    plain.load_state_dict(deferred.state_dict())
+    store = deferred.weight_grads = WeightGradStore()
+    x = torch.randn(3, 5, 8)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for step in range(2):  # the second accumulates onto the first's gradients
+        store.deferring = True
+        deferred(x1).square().sum().backward()
+        plain(x2).square().sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad)
+        assert (deferred.weight.grad is None) if step == 0 else not torch.equal(deferred.weight.grad, plain.weight.grad)
+        store.deferring = False
+        store.run(store.take())
+        torch.testing.assert_close(deferred.weight.grad, plain.weight.grad)
+        torch.testing.assert_close(deferred.bias.grad, plain.bias.grad)
+
+
+@pytest.mark.parametrize("schedule, pp, m, most", [
+    ("gpipe", 2, 6, 6),   # every micro-batch's activations until the backward phase
+    ("1f1b", 2, 6, 2),    # at most pp on the first stage
+    ("1f1b", 4, 8, 4),
+    ("naive", 2, 6, 1),
+    ("zb-h1", 4, 8, 4),   # as 1f1b
+])
+def test_activations_held_are_the_schedules(schedule, pp, m, most):
+    results = run_distributed(dist_fns.pipeline_in_flight, pp, layout(pp, m, schedule), timeout=120)
+    assert results[0] == (most, True), results
+    assert all(freed for _, freed in results)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_fp16_overflow_on_the_first_stage_skips_the_step_on_every_rank(dp):
+    results = run_distributed(dist_fns.fp16_overflow_on_first_stage, 2 * dp, layout(2, 2, dp=dp), timeout=120)
+    for skipped, scale, unchanged in results:
+        assert skipped == 1 and scale == 2.0**16 and unchanged in (True, None)
+    assert any(u is True for _, _, u in results)
+
+
+RESUME = {"train.steps": "6", "train.save_every": "3", "train.keep_checkpoints": "5"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [
+    {"parallel.pp": "1", "parallel.dp": "4", "parallel.zero_stage": "3"},
+    {"parallel.pp": "4", "parallel.dp": "1", "parallel.tp": "1"},
+    {"parallel.pp": "1", "parallel.dp": "1", "parallel.tp": "1"},
+], ids=["dp4-zero3", "pp4", "one-process"])
+def test_a_pp2_tp2_checkpoint_resumes_under_another_layout_on_the_same_trajectory(tmp_path, target):
+    first = {**layout(2, 4, tp=2), **RESUME, "parallel.persist_threshold": "100"}
+    full = run_distributed(dist_fns.train_and_capture, 4, first, str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    then = {**first, "parallel.tp": "1", **target}
+    world = int(then["parallel.pp"]) * int(then["parallel.dp"])
+    if world == 1:
+        resumed = [dist_fns.train_and_capture(0, 1, {**then, "train.device": "cpu"}, str(tmp_path / "b"), ckpt)]
+    else:
+        resumed = run_distributed(dist_fns.train_and_capture, world, then, str(tmp_path / "b"), ckpt, timeout=240)
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+def test_eval_export_and_generation_from_a_pipeline_run(tmp_path):
+    """The eval loss under pp 2 x tp 2 is the one process's; its checkpoint exports to the one-process run's
+    HF directory, from which `shardlm generate` decodes."""
+    import json
+
+    from helpers import run_cli
+    from safetensors.torch import load_file
+    steps = {**layout(2, 4, tp=2), "train.save_every": "0"}
+    one = dist_fns.evaluated(0, 1, {**reference_overrides(steps), "train.device": "cpu"})
+    for loss in run_distributed(dist_fns.evaluated, 4, steps, timeout=120):
+        assert loss == pytest.approx(one, rel=1e-5)
+
+    run_distributed(dist_fns.train_and_capture, 4, steps, str(tmp_path / "pp"), timeout=240)
+    dist_fns.train_and_capture(0, 1, {**reference_overrides(steps), "train.device": "cpu"}, str(tmp_path / "one"))
+    for name in ("pp", "one"):
+        run_cli("export", "--checkpoint", tmp_path / name, "--out", tmp_path / f"hf-{name}")
+    assert json.loads((tmp_path / "hf-pp" / "config.json").read_text()) == \
+        json.loads((tmp_path / "hf-one" / "config.json").read_text())
+    got, want = (load_file(tmp_path / f"hf-{name}" / "model.safetensors") for name in ("pp", "one"))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ADAM_ATOL["llama"], msg=name)
+    out = run_cli("generate", "--model", tmp_path / "pp", "--prompt", "def ", "--max-new-tokens", "8")
+    assert out.stdout.strip()
+
+
+def reference_overrides(overrides):
+    return {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    ({"parallel.pp": "4"}, 4, "parallel.pp = 4 exceeds the model's 2 layers"),
+    ({"parallel.pp": "2", "train.micro_batch_size": "4", "train.global_batch_size": "4"}, 2,
+     "the 1f1b schedule needs at least parallel.pp = 2 micro-batches per step to fill the pipeline, not 1"),
+    ({"parallel.pp": "4", "model.num_layers": "4", "train.micro_batch_size": "4", "train.global_batch_size": "12"}, 4,
+     "needs at least parallel.pp = 4 micro-batches per step"),
+    ({"parallel.pp": "2", "model.num_layers": "4", "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": "2",
+      "train.micro_batch_size": "1", "train.global_batch_size": "3"}, 2,
+     "3 micro-batches per step is not a multiple of it"),
+    ({"parallel.pp": "2", "model.num_layers": "4", "parallel.pp_layers": "1,2"}, 2,
+     "parallel.pp_layers = '1,2' must give 2 positive layer counts"),
+    ({"parallel.pp": "2", "parallel.virtual_stages": "2", "model.num_layers": "4"}, 2,
+     "parallel.virtual_stages = 2 needs parallel.pp_schedule = 'interleaved'"),
+    ({"parallel.pp": "2", "parallel.dp": "2", "parallel.zero_stage": "2", "train.micro_batch_size": "1"}, 4,
+     "parallel.zero_stage = 2 with parallel.pp = 2 is not supported"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "pipedream"}, 2, "is not one of naive, gpipe, 1f1b"),
+])
+def test_bad_pipeline_layouts_fail_early_naming_the_values(overrides, world, message):
+    from shardlm.config import ConfigError, load_config, validate
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", overrides), world_size=world)
+    assert message in str(e.value)
