@@ -15,6 +15,7 @@ and the data-parallel engine reduces every gradient once (DDP, ZeRO-1, classic D
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -108,12 +109,16 @@ class PipelineSchedule:
         self.group = mesh.pp_group
         self.pp = mesh.pp
         self.forward = self._stage_forward  # the seam tests patch, as ForwardBackward's
+        self.timer = lambda action: nullcontext()  # around each computation: the seam a benchmark times
         self.weight_grads = WeightGradStore()
         if any(a.kind == "W" for a in table):
             # Linears whose gradient a hook sums over tp ranks (key/value heads kept whole) keep dW in I.
             for module in model.modules():
                 if hasattr(module, "weight_grads") and not getattr(module, "partial_grads", None):
                     module.weight_grads = self.weight_grads
+        # NCCL creates a group's communicator at its first operation, with every member: here, rather than
+        # in the first step's sends and receives, which the ranks reach at different times.
+        dist.barrier(group=self.group)
 
     def _peer(self, a: Action) -> int:
         return dist.get_global_rank(self.group, peer(a, self.pp))
@@ -127,17 +132,20 @@ class PipelineSchedule:
         step = _Step(list(micro_batches), count, torch.zeros((), device=device))
         dtype = next(self.model.parameters()).dtype
         for item in batches(self.table):
-            # One method per action: its locals (an output, its graph) die with the call, not at the next.
             if isinstance(item, list):
                 self._post(step, item, dtype, device)
-            elif item.kind == "F":
-                self._forward(step, item)
-            elif item.kind in ("B", "I"):
-                self._backward(step, item)
-            elif item.kind == "W":
-                self.weight_grads.run(step.deferred.pop((item.stage, item.mb)))
-            else:
-                raise ValueError(f"the pipeline engine does not run {item.kind} actions")
+                continue
+            # One method per action: its locals (an output, its graph) die with the call, not at the next.
+            data = self._receive(step, item)  # waited for outside the timer: waiting is no computation
+            with self.timer(item):
+                if item.kind == "F":
+                    self._forward(step, item, data)
+                elif item.kind in ("B", "I"):
+                    self._backward(step, item, data)
+                elif item.kind == "W":
+                    self.weight_grads.run(step.deferred.pop((item.stage, item.mb)))
+                else:
+                    raise ValueError(f"the pipeline engine does not run {item.kind} actions")
         for posted in step.sending:
             posted.wait()
         if self.tied_group is not None:  # the head's copy of the embedding and the embedding's: one weight
@@ -170,36 +178,40 @@ class PipelineSchedule:
             step.sending.append(posted)
         step.sending = [p for p in step.sending if not p.completed()]
 
-    def _forward(self, step: "_Step", a: Action) -> None:
+    def _receive(self, step: "_Step", a: Action) -> torch.Tensor | None:
+        """The received tensor a computation reads (a stage's input, or its output's gradient), waited for."""
+        kind = "RECV_F" if a.kind == "F" and a.stage > 0 else \
+            "RECV_B" if a.kind in ("B", "I") and a.stage < self.S - 1 else None
+        if kind is None:
+            return None
+        posted, buf = step.recvs.pop((kind, a.stage, a.mb))
+        posted.wait()
+        return buf
+
+    def _forward(self, step: "_Step", a: Action, received: torch.Tensor | None) -> None:
         x, y = step.data[a.mb]
-        if a.stage > 0:
-            x = self._received("RECV_F", a, step.recvs).requires_grad_()
+        if received is not None:
+            x = received.requires_grad_()
         out = self.forward(a.stage, x, y, y.shape[1])  # the sequence's length, whatever slice x holds
         if a.stage == self.S - 1:
             out = out / step.count
             step.loss += out.detach()
         step.inputs[(a.stage, a.mb)], step.outputs[(a.stage, a.mb)] = x, out
 
-    def _backward(self, step: "_Step", a: Action) -> None:
+    def _backward(self, step: "_Step", a: Action, grad: torch.Tensor | None) -> None:
         """B, or I: B with the linear layers' weight gradients queued for the micro-batch's W."""
         key = (a.stage, a.mb)
         self.weight_grads.deferring = a.kind == "I"
         out = step.outputs.pop(key)
-        if a.stage == self.S - 1:
+        if grad is None:  # the last stage: out is the loss
             (out * self.scaler.scale if self.scaler.scale != 1.0 else out).backward()
         else:
-            _run_backward(out, self._received("RECV_B", a, step.recvs))
+            _run_backward(out, grad)
         if a.kind == "I":
             step.deferred[key] = self.weight_grads.take()
             self.weight_grads.deferring = False
         if a.stage == 0:
             step.inputs.pop(key)
-
-    @staticmethod
-    def _received(kind: str, a: Action, recvs: dict) -> torch.Tensor:
-        posted, buf = recvs.pop((kind, a.stage, a.mb))
-        posted.wait()
-        return buf
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
