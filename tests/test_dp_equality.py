@@ -109,7 +109,8 @@ def test_resharding_resume_continues_the_trajectory(tmp_path, target):
     (2, ["--parallel.zero_stage", "1", "--parallel.offload", "optimizer"]),
     (4, ["--parallel.zero_stage", "3"]),
     (4, ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.sp", "true", "--parallel.zero_stage", "1"]),
-], ids=["zero2", "classic", "zero1-offload", "zero3-dp4", "tp2-sp-dp2-zero1"])
+    (4, ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero_stage", "1"]),
+], ids=["zero2", "classic", "zero1-offload", "zero3-dp4", "tp2-sp-dp2-zero1", "pp2-dp2-zero1"])
 def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout):
     # On the CPU on every machine, as the contract is stated (a 2-GPU host has no GPU for 4 ranks).
     args = ["tiny", "--train.device", "cpu", "--train.steps", "5", "--train.precision", "fp32", "--train.log_every", "1",
