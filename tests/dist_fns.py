@@ -149,22 +149,30 @@ def fp16_overflow_on_first_stage(rank, world, overrides: dict):
 
 
 def pipeline_in_flight(rank, world, overrides: dict):
-    """Through the pipeline's forward seam, over one step: the most micro-batches whose stage outputs
-    (and so activations) were alive at once on this rank, and whether every output sent on to the next
-    stage had its data freed by the time of the rank's next forward."""
+    """Over one step, the most micro-batches whose activations (the tensors autograd saved in their forward,
+    weights aside) were alive at once on this rank, counted after each forward; and whether every stage
+    output sent on had its data freed by the rank's next forward."""
     import weakref
     trainer = tiny_trainer(world, {"train.micro_batch_size": "1", **overrides})
-    step, last = trainer.forward_backward, int(overrides.get("parallel.pp", 1)) * int(
-        overrides.get("parallel.virtual_stages", 1)) - 1
-    real, alive, most, freed = step.forward, [], [0], [True]
+    step = trainer.forward_backward
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    saved, sent, most, freed, now = [], [], [0], [True], [0]
+
+    def pack(t):  # token ids (the step's inputs and targets, alive all step) are no activations
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in weights:
+            saved.append((now[0], weakref.ref(t)))
+        return t
+    real = step.forward
 
     def forward(stage, x, y, length):
-        alive[:] = [(r, s) for r, s in alive if r() is not None]
-        # Sent outputs keep one element: the graph backward needs, without the activation itself.
-        freed[0] &= all(r().numel() == 1 for r, s in alive if s != last)
-        out = real(stage, x, y, length)
-        alive.append((weakref.ref(out), stage))
-        most[0] = max(most[0], len(alive))
+        freed[0] &= all(r() is None or r().numel() == 1 for r in sent)
+        now[0] += 1
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = real(stage, x, y, length)
+        saved[:] = [(i, r) for i, r in saved if r() is not None]
+        most[0] = max(most[0], len({i for i, _ in saved}))
+        if out.dim() == 3:  # a stage's output, sent on (the last stage returns its loss)
+            sent.append(weakref.ref(out))
         return out
     step.forward = forward
     trainer.train_step()

@@ -45,6 +45,8 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None):
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     # Into the existing .grad, as autograd does: data-parallel engines keep it as a view of their buckets.
+    # No hook runs, as autograd's accumulation would run them: a parameter whose gradient a hook changes
+    # (tensor parallelism's partial sums) is never deferred (parallel/pipeline.py).
     if param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
@@ -63,14 +65,19 @@ class _DeferrableLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         weight_param, bias = ctx.params
-        grad_x = grad @ weight
-        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad @ weight if need_x else None
         if not ctx.store.deferring:
-            return grad_x, grad2.t() @ x2, (grad2.sum(0) if bias is not None else None), None
+            grad2 = grad.reshape(-1, grad.shape[-1])
+            return (grad_x, grad2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None,
+                    grad2.sum(0) if need_b else None, None)
 
         def weight_grad():
-            _accumulate(weight_param, grad2.t() @ x2)
-            if bias is not None:
+            # x itself, not a view, is what the closure keeps: its life is the micro-batch's until W.
+            grad2 = grad.reshape(-1, grad.shape[-1])
+            if need_w:
+                _accumulate(weight_param, grad2.t() @ x.reshape(-1, x.shape[-1]))
+            if need_b:
                 _accumulate(bias, grad2.sum(0))
         ctx.store.queue.append(weight_grad)
         return grad_x, None, None, None

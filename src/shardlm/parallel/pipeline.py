@@ -75,7 +75,9 @@ class _Posted:
         self.works, self.tensors, self.done = works, tensors, False
 
     def completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
+        if not self.done and all(w.is_completed() for w in self.works):
+            self.done, self.tensors = True, None  # the sent tensors may go
+        return self.done
 
     def wait(self) -> None:
         if not self.done:
@@ -135,25 +137,32 @@ class PipelineSchedule:
             if isinstance(item, list):
                 self._post(step, item, dtype, device)
                 continue
-            # One method per action: its locals (an output, its graph) die with the call, not at the next.
-            data = self._receive(step, item)  # waited for outside the timer: waiting is no computation
-            with self.timer(item):
-                if item.kind == "F":
-                    self._forward(step, item, data)
-                elif item.kind in ("B", "I"):
-                    self._backward(step, item, data)
-                elif item.kind == "W":
-                    self.weight_grads.run(step.deferred.pop((item.stage, item.mb)))
-                else:
-                    raise ValueError(f"the pipeline engine does not run {item.kind} actions")
+            self._compute(step, item)
         for posted in step.sending:
             posted.wait()
         if self.tied_group is not None:  # the head's copy of the embedding and the embedding's: one weight
-            dist.all_reduce(self.model.embed.weight.grad, group=self.tied_group)
+            grad = self.model.embed.weight.grad
+            summed = grad.float()  # in fp32, as the data-parallel reductions: two fp16 halves may overflow
+            dist.all_reduce(summed, group=self.tied_group)
+            grad.copy_(summed)
         self.engine.prepare_backward(True)
         self.engine.finish_backward(True)  # every bucket at once: no backward is left to overlap
         dist.all_reduce(step.loss, group=self.group)  # the loss lives on the last stage
         return step.loss
+
+    def _compute(self, step: "_Step", a: Action) -> None:
+        """One computation, in a method of its own: its locals (a received tensor, an output and its graph)
+        die with the call, not at the next action."""
+        data = self._receive(step, a)  # waited for outside the timer: waiting is no computation
+        with self.timer(a):
+            if a.kind == "F":
+                self._forward(step, a, data)
+            elif a.kind in ("B", "I"):
+                self._backward(step, a, data)
+            elif a.kind == "W":
+                self.weight_grads.run(step.deferred.pop((a.stage, a.mb)))
+            else:
+                raise ValueError(f"the pipeline engine does not run {a.kind} actions")
 
     def _post(self, step: "_Step", batch: list[Action], dtype, device) -> None:
         """One batch of sends and receives; the receives are waited for where a computation reads them, the
@@ -216,6 +225,7 @@ class PipelineSchedule:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of one batch, forward only, stage after stage; every rank returns it."""
+        self.engine.wait_for_weights()  # ZeRO-1's all-gathers of the last update (no whole-model forward hook runs)
         device = x.device
         loss = torch.zeros((), device=device)
         shape = (x.shape[0], x.shape[1], self.model.cfg.hidden_size)  # eval: no sequence split
