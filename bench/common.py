@@ -65,3 +65,33 @@ def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict |
         return json.loads(lines[-1][7:])
     return None
 
+
+
+def driver_args(p, timeout: float) -> None:
+    """The arguments every benchmark's driver takes besides its workload's."""
+    import argparse
+    from pathlib import Path
+    p.add_argument("--record", default=str(Path(__file__).resolve().parent / "results.jsonl"))
+    p.add_argument("--timeout", type=float, default=timeout, help=f"seconds one system may take (default {timeout:g})")
+    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+
+
+def run_systems(script: str, systems: list[str], gpus_of, args_of, env: dict, timeout: float) -> list[dict]:
+    """Each system as its own `torchrun --nproc-per-node gpus_of(system) script --system S args_of(S)` job,
+    one after another; the rows of those that finished, each printed as it comes."""
+    import json
+    import sys
+    rows = []
+    for system in systems:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus_of(system)),
+               script, "--system", system, *args_of(system)]
+        row = run_system(system, cmd, env, timeout)
+        if row is not None:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def forwarded(args, names: tuple[str, ...]) -> list[str]:
+    """The driver's own arguments `names` as a worker's command-line flags."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in names]

@@ -15,10 +15,9 @@ import argparse
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
-from common import PEAK, job_env, run_system, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
@@ -143,22 +142,13 @@ def main():
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)  # 10 left DDP's 4-GPU figure 3% noisy
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
-    p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
-    p.add_argument("--timeout", type=float, default=300, help="seconds one system may take (default 300)")
-    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    driver_args(p, timeout=300)
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    env = job_env(ROOT)
-    rows = []
-    for system in args.systems:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
-               __file__, "--system", system, "--preset", args.preset, "--seq", str(args.seq), "--micro-batch",
-               str(args.micro_batch), "--warm", str(args.warm), "--steps", str(args.steps), *SHARDLM.get(system, [])]
-        row = run_system(system, cmd, env, args.timeout)
-        if row is not None:
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps"))
+    rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *SHARDLM.get(s, [])],
+                       job_env(ROOT), args.timeout)
     import torch
     card = torch.cuda.get_device_name()
     by = {r["system"]: r for r in rows}

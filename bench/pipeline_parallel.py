@@ -26,10 +26,9 @@ import contextlib
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
-from common import PEAK, job_env, run_system, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
@@ -255,23 +254,14 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=DEFAULT)
-    p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    env = job_env(ROOT)
-    rows = []
-    for system in args.systems:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
-               __file__, "--system", system, *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                               if k in ("preset", "seq", "micro_batch", "microbatches", "synthetic",
-                                                        "warm", "steps", "compile", "device")), *extra]
-        row = run_system(system, cmd, env, args.timeout)
-        if row is not None:
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
+                           "device"))
+    rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *extra], job_env(ROOT),
+                       args.timeout)
     import torch
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     by = {r["system"]: r for r in rows}

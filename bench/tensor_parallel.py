@@ -26,10 +26,9 @@ import datetime
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
-from common import PEAK, job_env, run_system, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
@@ -248,25 +247,16 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the systems' code on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
-    p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    env = job_env(ROOT)
-    rows = []
-    for system in args.systems:
-        gpus = math.prod(int(v) for k, v in SHARDLM.get(system, {}).items() if k in ("parallel.tp", "parallel.dp")) \
-            if system in SHARDLM else args.gpus
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), __file__,
-               "--system", system, *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                     if k in ("preset", "seq", "global_batch", "micro_batch", "warm", "steps",
-                                              "compile", "device")), *extra]
-        row = run_system(system, cmd, env, args.timeout)
-        if row is not None:
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+    def gpus(system):
+        layout = SHARDLM.get(system)
+        return math.prod(int(v) for k, v in layout.items() if k in ("parallel.tp", "parallel.dp")) if layout else args.gpus
+    own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device"))
+    rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
     card = "cpu"
     if args.device == "cuda":
         import torch

@@ -81,3 +81,15 @@ def run_cli(*args, check=True, env=None, timeout=240):
     if check and proc.returncode != 0:
         raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def assert_same_export(run: Path, reference: Path, out: Path, rtol: float, atol: float) -> None:
+    """`shardlm export` of two runs' checkpoints: the same config.json, tensors equal within the tolerance."""
+    from safetensors.torch import load_file
+    for name, src in (("got", run), ("want", reference)):
+        run_cli("export", "--checkpoint", src, "--out", out / name)
+    assert json.loads((out / "got" / "config.json").read_text()) == json.loads((out / "want" / "config.json").read_text())
+    got, want = (load_file(out / name / "model.safetensors") for name in ("got", "want"))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=atol, msg=name)

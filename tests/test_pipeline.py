@@ -27,6 +27,10 @@ def _reference(items):
     return dist_fns.train_and_capture(0, 1, {**dict(items), "train.device": "cpu"})
 
 
+def reference_overrides(overrides):
+    return {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
+
+
 def reference(overrides):
     """The one-process run of the same model, batch and optimizer."""
     return _reference(tuple(sorted(reference_overrides(overrides).items())))
@@ -170,10 +174,7 @@ def test_a_pp2_tp2_checkpoint_resumes_under_another_layout_on_the_same_trajector
 def test_eval_export_and_generation_from_a_pipeline_run(tmp_path):
     """The eval loss under pp 2 x tp 2 is the one process's; its checkpoint exports to the one-process run's
     HF directory, from which `shardlm generate` decodes."""
-    import json
-
-    from helpers import run_cli
-    from safetensors.torch import load_file
+    from helpers import assert_same_export, run_cli
     steps = {**layout(2, 4, tp=2), "train.save_every": "0"}
     one = dist_fns.evaluated(0, 1, {**reference_overrides(steps), "train.device": "cpu"})
     for loss in run_distributed(dist_fns.evaluated, 4, steps, timeout=120):
@@ -181,20 +182,9 @@ def test_eval_export_and_generation_from_a_pipeline_run(tmp_path):
 
     run_distributed(dist_fns.train_and_capture, 4, steps, str(tmp_path / "pp"), timeout=240)
     dist_fns.train_and_capture(0, 1, {**reference_overrides(steps), "train.device": "cpu"}, str(tmp_path / "one"))
-    for name in ("pp", "one"):
-        run_cli("export", "--checkpoint", tmp_path / name, "--out", tmp_path / f"hf-{name}")
-    assert json.loads((tmp_path / "hf-pp" / "config.json").read_text()) == \
-        json.loads((tmp_path / "hf-one" / "config.json").read_text())
-    got, want = (load_file(tmp_path / f"hf-{name}" / "model.safetensors") for name in ("pp", "one"))
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ADAM_ATOL["llama"], msg=name)
+    assert_same_export(tmp_path / "pp", tmp_path / "one", tmp_path / "hf", RTOL, ADAM_ATOL["llama"])
     out = run_cli("generate", "--model", tmp_path / "pp", "--prompt", "def ", "--max-new-tokens", "8")
     assert out.stdout.strip()
-
-
-def reference_overrides(overrides):
-    return {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
 
 
 @pytest.mark.parametrize("overrides, world, message", [

@@ -145,22 +145,12 @@ def test_a_tp2_dp2_checkpoint_resumes_under_another_layout_on_the_same_trajector
 def test_export_of_a_tensor_parallel_run_is_the_one_process_runs_hf_directory(tmp_path):
     """`shardlm export` writes full tensors whatever the layout that trained them: the tp 2 x dp 2 run's HF
     directory holds the config and the tensors of the tp 1 run's (equal up to the optimizer tolerance)."""
-    import json
-
-    from helpers import run_cli
-    from safetensors.torch import load_file
+    from helpers import assert_same_export
     steps = {**RESUME, "train.steps": "3", "train.save_every": "0"}
     run_distributed(dist_fns.train_and_capture, 4, {**steps, "parallel.tp": "2", "parallel.dp": "2"},
                     str(tmp_path / "tp"), timeout=240)
     dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"}, str(tmp_path / "one"))
-    for run in ("tp", "one"):
-        run_cli("export", "--checkpoint", tmp_path / run, "--out", tmp_path / f"hf-{run}")
-    assert json.loads((tmp_path / "hf-tp" / "config.json").read_text()) == \
-        json.loads((tmp_path / "hf-one" / "config.json").read_text())
-    got, want = (load_file(tmp_path / f"hf-{run}" / "model.safetensors") for run in ("tp", "one"))
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ADAM_ATOL["llama"], msg=name)
+    assert_same_export(tmp_path / "tp", tmp_path / "one", tmp_path / "hf", RTOL, ADAM_ATOL["llama"])
 
 
 @pytest.mark.parametrize("overrides, world, message", [
