@@ -2,9 +2,11 @@
 bf16 peak of an H100/H200 that every system is charged against, with the one FLOPs-per-token definition
 (shardlm.config.ModelConfig.flops_per_token: 6 x matmul parameters + 12 x layers x heads x head_dim x seq,
 the torchtitan convention that ../shared/bench/peer_baseline.py uses)."""
+import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 PEAK = 989e12
@@ -24,23 +26,47 @@ def timed(step, warm: int, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc: torchrun starts each rank in a session of its own, so signalling
+    torchrun's process group reaches none of them."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
     """(exit code, stdout, stderr) of a torchrun job; exit code None when it ran past `timeout` seconds. A job
-    that hangs is sent SIGABRT, whose handler (faulthandler) prints every rank's Python stack, then killed
-    with its ranks (the whole process group), so that it neither holds the GPUs nor eats the call."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**env, "PYTHONFAULTHANDLER": "1"})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+    that hangs has every process of its tree sent SIGABRT, whose handler (faulthandler) prints each rank's
+    Python stack, then SIGKILL, so that it neither holds the GPUs nor eats the call. Its output goes to files,
+    not pipes, which a surviving grandchild would hold open."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**env, "PYTHONFAULTHANDLER": "1"})
         try:
-            out, err = proc.communicate(timeout=15)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        return None, out, err
+            code = None
+            tree = [proc.pid, *_descendants(proc.pid)]
+            for sig, grace in ((signal.SIGABRT, 15), (signal.SIGKILL, 15)):
+                for pid in reversed(tree):  # ranks first, before torchrun can react
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                time.sleep(grace if sig == signal.SIGABRT else 0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=15)
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read()
 
 
 def job_env(root) -> dict:

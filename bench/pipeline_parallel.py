@@ -26,6 +26,8 @@ import contextlib
 import datetime
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
@@ -197,6 +199,7 @@ def bubble_figures(cfg, kinds: dict) -> dict:
 def worker(args, extra):
     import torch
     import torch.distributed as dist
+    t0 = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", 1))
     timer = trainer = None
     if args.system in SHARDLM:
@@ -205,8 +208,12 @@ def worker(args, extra):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
         step = torch_step(args, args.system.removeprefix("torch-"))
-    for _ in range(args.warm):
+    say = (lambda msg: print(f"[{args.system}] {msg}", file=sys.stderr, flush=True)) \
+        if int(os.environ.get("RANK", 0)) == 0 else (lambda msg: None)
+    say(f"built in {time.perf_counter() - t0:.0f} s")
+    for i in range(args.warm):
         step()
+        say(f"warm step {i} done at {time.perf_counter() - t0:.0f} s")
     if timer is not None:
         timer.busy()  # busy time of the timed steps only
     dt, mem = timed(step, 0, args.steps) if args.device == "cuda" else _timed_cpu(step, args.steps)

@@ -118,9 +118,23 @@ class PipelineSchedule:
             for module in model.modules():
                 if hasattr(module, "weight_grads") and not getattr(module, "partial_grads", None):
                     module.weight_grads = self.weight_grads
-        # NCCL creates a group's communicator at its first operation, with every member: here, rather than
-        # in the first step's sends and receives, which the ranks reach at different times.
+        self._connect(next(model.parameters()).device)
+
+    def _connect(self, device: torch.device) -> None:
+        """Every link this rank's table sends or receives on, made now with every rank at once. NCCL creates a
+        group's communicator at its first operation and connects two ranks at their first send or receive,
+        inside ncclGroupEnd, which blocks the CPU until the peer connects too (pytorch#113281). Left to the
+        first step, staggered stages block there while their peers wait on them: a hang on GPUs that gloo
+        never shows."""
         dist.barrier(group=self.group)
+        comm = [a for a in self.table if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")]
+        sends = sorted({self._peer(a) for a in comm if a.kind.startswith("SEND")})
+        recvs = sorted({self._peer(a) for a in comm if a.kind.startswith("RECV")})
+        ops = [dist.P2POp(dist.isend, torch.zeros(1, device=device), p, self.group) for p in sends]
+        ops += [dist.P2POp(dist.irecv, torch.zeros(1, device=device), p, self.group) for p in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def _peer(self, a: Action) -> int:
         return dist.get_global_rank(self.group, peer(a, self.pp))
