@@ -104,20 +104,26 @@ def test_an_uneven_explicit_layer_split():
     run(layout(2, 3, **{"model.num_layers": "5", "parallel.pp_layers": "3,2"}))
 
 
-def test_a_deferred_weight_gradient_waits_for_its_w_and_then_equals_autograds():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_deferred_weight_gradient_waits_for_its_w_and_then_equals_autograds(compiled):
     """zb-h1's split backward: while the store defers, backward gives the input's gradient and queues the
-    weight's (and bias's); running the queue accumulates what plain autograd would have."""
+    weight's (and bias's); running the queue accumulates what plain autograd would have. Also inside a
+    compiled module (aot_eager traces the backward when it compiles the forward, as inductor does)."""
     from shardlm.model.weight_grad import Linear, WeightGradStore
     torch.manual_seed(0)
     deferred, plain = Linear(8, 6), torch.nn.Linear(8, 6)
     plain.load_state_dict(deferred.state_dict())
     store = deferred.weight_grads = WeightGradStore()
+    run = torch.nn.Sequential(deferred, torch.nn.ReLU())
+    if compiled:
+        run.compile(backend="aot_eager")
     x = torch.randn(3, 5, 8)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     for step in range(2):  # the second accumulates onto the first's gradients
-        store.deferring = True
-        deferred(x1).square().sum().backward()
-        plain(x2).square().sum().backward()
+        loss = run(x1).square().sum()
+        store.deferring = True  # as the I action sets it: after the forward
+        loss.backward()
+        torch.relu(plain(x2)).square().sum().backward()
         torch.testing.assert_close(x1.grad, x2.grad)
         assert (deferred.weight.grad is None) if step == 0 else not torch.equal(deferred.weight.grad, plain.weight.grad)
         store.deferring = False

@@ -40,6 +40,14 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None):
     """F.linear, with the weight's (and bias's) gradient deferred while `store` defers."""
     if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
+    return _deferrable_linear(x, weight, bias, store)
+
+
+# Outside any compiled graph: torch.compile traces a Function's backward when it compiles the forward, with
+# the store's `deferring` read then (False) as a constant, so a compiled block would compute every dW at once
+# and leave its W actions nothing to do. The graph breaks here keep the matmul eager and fuse the rest.
+@torch.compiler.disable
+def _deferrable_linear(x, weight, bias, store):
     return _DeferrableLinear.apply(x, weight, bias, store)
 
 
