@@ -116,6 +116,11 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
         layout = ""
         if p.tp > 1:
             layout += f", tensor parallel over {p.tp} ranks" + (" with sequence parallelism" if p.sp else "")
+        if p.pp > 1:
+            layout += f", {p.pp} pipeline stages ({p.pp_schedule})"
+        if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
+            adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
+            layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"
         if p.dp > 1:  # what auto resolved to is worth seeing: it decides the speed
             kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
             algo = getattr(trainer.engine, "algo", None)
@@ -134,6 +139,7 @@ def cmd_eval(argv: list[str]) -> int:
                                 "non-overlapping windows of --seq-len tokens, every position but the last "
                                 "predicting the next token.")
     p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
     p.add_argument("--data", required=True, help="a UTF-8 text file")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=8)
@@ -142,7 +148,7 @@ def cmd_eval(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from .inference import evaluate_ids, load_pretrained
     from .runtime.device import pick_device
-    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
+    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device), adapter=a.adapter)
     text = Path(a.data).read_text(encoding="utf-8")
     r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
     print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
@@ -153,6 +159,7 @@ def cmd_eval(argv: list[str]) -> int:
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="shardlm generate", description="Decode from a model with a KV cache.")
     p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -166,7 +173,7 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
     from .inference import generate_text, load_pretrained
     from .runtime.device import pick_device
-    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device))
+    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device), adapter=a.adapter)
     text = generate_text(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
     print(json.dumps({"completion": text}) if a.json else a.prompt + text)
     return 0
@@ -197,15 +204,27 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: fold the adapters into the weights and write the plain model "
+                        "(default: the adapter alone, in PEFT's format)")
     a = p.parse_args(argv)
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
     from .model.hf import write_hf_dir
+    from .parallel.lora import merged, write_peft_dir
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
     ckpt = load_checkpoint(a.checkpoint, with_optimizer=False)
-    cfg = config_from_dict(ckpt["state"]["config"]).model
-    write_hf_dir(ckpt["model"], cfg, a.out, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype])
+    full = config_from_dict(ckpt["state"]["config"])
+    cfg, lora = full.model, full.lora
+    if a.merge and not lora.rank:
+        raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
+    if lora.rank and not a.merge:
+        write_peft_dir(ckpt["model"], cfg, lora, a.out, dtype=DTYPES[a.dtype])
+        print(f"exported the LoRA adapter of {ckpt['path']} -> {a.out} (PEFT format; --merge for the merged model)")
+        return 0
+    state = merged(ckpt["model"], cfg, lora) if lora.rank else ckpt["model"]
+    write_hf_dir(state, cfg, a.out, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype])
     print(f"exported {ckpt['path']} -> {a.out}")
     return 0
 

@@ -159,6 +159,16 @@ class TrainConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (parallel/lora.py): the base weights frozen, rank-`rank` A and B trained."""
+    rank: int = 0                  # 0: off, every weight trained
+    alpha: float = 16.0            # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)
+    dropout: float = 0.0           # on the adapters' input
+    targets: str = "all-linear"    # Hugging Face module names (q_proj,v_proj / c_attn, ...), or every block linear
+    rslora: bool = False           # rank-stabilised scaling (Kalajdzievski 2023)
+
+
+@dataclass
 class ParallelConfig:
     """The layout: how the work is split over the ranks. One schema for the runtime and the planner (whose
     `plan.Layout` adds the training options that change memory and time); `check_layout` checks it."""
@@ -192,6 +202,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -204,7 +215,7 @@ class Config:
         return dump_toml(self.to_dict())
 
 
-SECTIONS = ("model", "data", "train", "parallel")
+SECTIONS = ("model", "data", "train", "parallel", "lora")
 CONFIG_DIRS = (Path(__file__).resolve().parent / "configs", Path(__file__).resolve().parents[2] / "configs")
 
 CHOICES = {
@@ -230,7 +241,7 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
-                "parallel.offload_threads")
+                "parallel.offload_threads", "lora.rank", "lora.alpha")
 
 
 def preset_names() -> list[str]:
@@ -339,7 +350,7 @@ def config_from_dict(d: dict) -> Config:
 
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum")  # in [0, 1)
+UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -397,6 +408,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if m.num_experts:
         raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
                           "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
+    if cfg.lora.rank:
+        lora_targets(m.arch, cfg.lora.targets)
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
     # Strategies that are validated but not built yet are refused, never silently ignored.
@@ -405,6 +418,34 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} is not supported yet by this version of shardlm "
                               "(only 1); the strategy is on the roadmap")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+# The Hugging Face modules (their names below the layer) a block's linears fuse, for `lora.targets`.
+LORA_MODULES = {
+    "llama": {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.out": ("self_attn.o_proj",),
+              "mlp.up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down": ("mlp.down_proj",)},
+    "gpt2": {"attn.qkv": ("attn.c_attn",), "attn.out": ("attn.c_proj",), "mlp.up": ("mlp.c_fc",),
+             "mlp.down": ("mlp.c_proj",)},
+}
+
+
+def lora_targets(arch: str, targets: str) -> set[str]:
+    """The module names (LORA_MODULES') that `lora.targets` selects: each comma-separated name matches a
+    module whose name it is or ends with (PEFT's rule: c_proj is both of GPT-2's), "all-linear" every one."""
+    known = [n for names in LORA_MODULES[arch].values() for n in names]
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    if wanted == ["all-linear"]:
+        return set(known)
+    chosen = set()
+    for t in wanted:
+        hits = {n for n in known if n == t or n.endswith("." + t)}
+        if not hits:
+            raise ConfigError(f"lora.targets names {t!r}, which is no {arch} module (modules: "
+                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)")
+        chosen |= hits
+    if not chosen:
+        raise ConfigError("lora.targets is empty: name the modules to adapt, or all-linear")
+    return chosen
 
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------

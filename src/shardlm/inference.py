@@ -17,18 +17,27 @@ from .checkpoint import load_checkpoint
 from .config import ModelConfig, config_from_dict
 from .model import Decoder, KVCache, build_model
 from .model.hf import is_hf_dir, read_hf_dir
+from .parallel.lora import merged, read_peft_dir
 from .tokenizer import Tokenizer, load_tokenizer
 
 
-def load_pretrained(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[Decoder, Tokenizer, ModelConfig]:
+def load_pretrained(path: str | Path, device="cpu", dtype=torch.float32,
+                    adapter: str | Path | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+    """A model for inference from an HF directory or a shardlm run, with a LoRA run's adapters, or those of a
+    PEFT adapter directory `adapter`, merged into its weights."""
     path = Path(path)
     if is_hf_dir(path):
         cfg, state = read_hf_dir(path)
         tok_dir = path
     else:
         ckpt = load_checkpoint(path, with_optimizer=False)
-        cfg = config_from_dict(ckpt["state"]["config"]).model
-        state, tok_dir = ckpt["model"], ckpt["path"]
+        full = config_from_dict(ckpt["state"]["config"])
+        cfg, state, tok_dir = full.model, ckpt["model"], ckpt["path"]
+        if full.lora.rank:
+            state = merged(state, cfg, full.lora)
+    if adapter is not None:
+        lora, adapters = read_peft_dir(adapter, cfg)
+        state = merged({**state, **adapters}, cfg, lora)
     model = build_model(cfg, device=device, dtype=torch.float32, init=False)
     model.load_state_dict(state, strict=True)
     model = model.to(dtype).eval()

@@ -292,7 +292,7 @@ class Decoder(nn.Module):
                 continue
             mod_name, _, attr = name.rpartition(".")
             owner = self.get_submodule(mod_name) if mod_name else self
-            if name.endswith("bias"):
+            if name.endswith("bias") or getattr(owner, "zero_init", False):
                 p.zero_()
             elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
                 p.fill_(1.0)

@@ -29,11 +29,17 @@ class WeightGradStore:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight gradient a WeightGradStore may defer (`weight_grads`, None: never)."""
+    """nn.Linear whose weight gradient a WeightGradStore may defer (`weight_grads`, None: never), and to which
+    low-rank adapters may add their update (`lora`, parallel/lora.py)."""
     weight_grads: WeightGradStore | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora = None
+
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.weight_grads)
+        y = linear(x, self.weight, self.bias, self.weight_grads)
+        return y if self.lora is None else y + self.lora(x)
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):

@@ -1,9 +1,10 @@
 """`parallelize`: the one place that turns the one-device model into this rank's part of the layout, as an
 ordered series of transforms, the way torchtitan's `parallelize_llama` reads: the pipeline stage (the
-slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> this rank's
-weights materialised and initialised -> recomputation -> compilation -> data parallelism / ZeRO (the
-engine) -> the step's seam (a plain forward and backward, or a pipeline schedule). Later strategies
-(context and expert parallelism, LoRA) are further transforms in this list.
+slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> low-rank
+adapters (the rest frozen) -> this rank's weights materialised and initialised -> recomputation ->
+compilation -> data parallelism / ZeRO (the engine, over the trainable parameters) -> the step's seam (a
+plain forward and backward, or a pipeline schedule). Later strategies (context and expert parallelism)
+are further transforms in this list.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
 from .engine import Engine
+from .lora import apply_lora
 from .pipeline import PipelineSchedule, split_layers, stage_decoder
 from .schedule import ForwardBackward
 from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
@@ -39,6 +41,8 @@ class Parallelized:
         masters, optim = self.engine.gather_full_state()
         if masters is None or (self.mesh.world > 1 and self.mesh.dp_rank != 0):
             return None, None  # dp rank 0 holds what the others hold
+        # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
+        masters = {**masters, **{n: p.detach() for n, p in self.model.named_parameters() if not p.requires_grad}}
         if self.specs:
             device = next(self.model.parameters()).device
             masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
@@ -63,6 +67,10 @@ class Parallelized:
         optim = {k: v for k, v in optim.items() if k.split("::")[0] in own}
         if self.specs:
             masters, optim = take_local(masters, self.specs), take_local(optim, self.specs)
+        frozen = {n: p for n, p in self.model.named_parameters() if not p.requires_grad}
+        with torch.no_grad():
+            for name, p in frozen.items():
+                p.copy_(masters.pop(name))
         self.engine.load_full_state(masters, optim)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -79,6 +87,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
         model = stage_decoder(m, p.pp, p.virtual_stages, mesh.pp_rank, layers_of) if p.pp > 1 else Decoder(m)
     if mesh.tp > 1:
         tensor_parallel(model, mesh.tp_group, p.sp)
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.init_weights(t.seed)
     model.to(DTYPES[t.precision])
@@ -107,7 +117,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
         return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
     table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
     seq_here = t.seq_len // mesh.tp if p.sp else t.seq_len  # a stage's output holds its slice of the sequence
-    tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) else None
+    tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) and not cfg.lora.rank else None
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
                             tied)
     return Parallelized(model, engine, step, mesh, specs)

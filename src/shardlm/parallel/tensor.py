@@ -254,6 +254,7 @@ class ColumnParallelLinear(nn.Module):
         if list(whole) != sorted(whole):
             raise ValueError(f"whole parts must come last (their rows' gradients are summed from a row on): {whole}")
         self.group, self.sequence_parallel, self.init_std = group, sequence_parallel, init_std
+        self.lora = None
         spec = TPSharding(rank_in(group), degree(group), 0, tuple(parts), tuple(not w for w in whole), pad)
         rows = sum(spec.local_sizes())
         self.weight = nn.Parameter(torch.empty(rows, in_features))
@@ -264,7 +265,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         x = gather_from_sp(x, self.group) if self.sequence_parallel and self.training else copy_to_tp(x, self.group)
-        return linear(x, self.weight, self.bias, self.weight_grads)
+        y = linear(x, self.weight, self.bias, self.weight_grads)
+        return y if self.lora is None else y + self.lora(x)  # adapters: this rank's rows of their update
 
 
 class RowParallelLinear(nn.Module):
@@ -277,6 +279,7 @@ class RowParallelLinear(nn.Module):
                  init_std: float):
         super().__init__()
         self.group, self.sequence_parallel, self.init_std = group, sequence_parallel, init_std
+        self.lora = None
         tp, rank = degree(group), rank_in(group)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -287,6 +290,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = linear(x, self.weight, None, self.weight_grads)
+        if self.lora is not None:  # an adapter's partial product joins the base's before their reduction
+            y = y + self.lora(x)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel and self.training else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
@@ -401,7 +406,8 @@ def sum_partial_gradients(model: nn.Module, group) -> None:
     autograd produces them (before they are accumulated, so every engine sees complete gradients)."""
     for module in model.modules():
         for name, first_row in getattr(module, "partial_grads", {}).items():
-            getattr(module, name).register_hook(_summed_from(first_row, group))
+            if getattr(module, name).requires_grad:  # frozen (a LoRA run's base): no gradient to sum
+                getattr(module, name).register_hook(_summed_from(first_row, group))
 
 
 def _summed_from(first_row: int, group):

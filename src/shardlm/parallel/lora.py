@@ -1,0 +1,222 @@
+"""Low-rank adaptation (Hu et al. 2021, "LoRA"), as a transform of the model like the parallel strategies:
+each targeted linear keeps its weight W0 frozen and adds scale * B A x, with A [rank, in] drawn Gaussian
+(std 1 / rank, PEFT's "gaussian" init) and B [out, rank] zero, so training starts from the base model;
+scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA (Kalajdzievski 2023). Every other parameter is
+frozen too: the optimizer holds state for the adapters alone.
+
+Adapters are named as PEFT names them, one per Hugging Face module: the fused qkv linear carries q_proj,
+k_proj and v_proj's (GPT-2's c_attn is one module, so one adapter), the fused gate/up linear gate_proj and
+up_proj's, each adding into its rows of the fused output. So an adapter exports as PEFT's
+adapter_model.safetensors (`peft_state`), and `merged` folds it into W0 for a plain checkpoint.
+
+Under tensor parallelism an adapter is split like its base: on a column-parallel base, A is whole on every
+rank and B's rows are split with the base's (each rank adds its rows of the update); on a row-parallel
+base, A's columns are split with the base's input and B is whole, and the rank's B (A_r x_r) joins the
+partial sums before the base's all-reduce (or reduce-scatter), so the adapter needs no collective of its
+own. The gradients each rank computes only part of (A on column-parallel bases, B on row-parallel ones)
+are summed over the group like the norms' (tensor.sum_partial_gradients).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LORA_MODULES, LoRAConfig, ModelConfig, lora_targets
+from .tensor import ColumnParallelLinear, RowParallelLinear, TPSharding, _tag, degree, rank_in
+
+
+def scale(lora: LoRAConfig) -> float:
+    return lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
+
+
+class LoRA(nn.Module):
+    """The adapters of one linear layer: `spans` gives each adapter's rows of the layer's (local) output,
+    which has `out_features` rows; rows no adapter covers get no update."""
+
+    def __init__(self, in_features: int, out_features: int, spans: list[tuple[str, int, int]], rank: int,
+                 scaling: float, dropout: float):
+        super().__init__()
+        self.spans, self.out_features, self.scaling = spans, out_features, scaling
+        self.A = nn.ParameterDict({n: nn.Parameter(torch.empty(rank, in_features)) for n, _, _ in spans})
+        self.B = nn.ParameterDict({n: nn.Parameter(torch.empty(stop - start, rank)) for n, start, stop in spans})
+        self.A.init_std = 1.0 / rank  # read by Decoder.init_weights
+        self.B.zero_init = True
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(x)
+        pieces, at = [], 0
+        for name, start, stop in self.spans:
+            if start > at:
+                pieces.append(x.new_zeros(*x.shape[:-1], start - at))
+            pieces.append(F.linear(F.linear(x, self.A[name]), self.B[name]))
+            at = stop
+        if at < self.out_features:
+            pieces.append(x.new_zeros(*x.shape[:-1], self.out_features - at))
+        update = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        return update * self.scaling
+
+
+def _parts(cfg: ModelConfig, path: str) -> tuple[int, ...]:
+    """The full sizes of the fused components of a block linear's output (ColumnParallelLinear's parts)."""
+    hd, f, h = cfg.head_size, cfg.ffn_size, cfg.hidden_size
+    if path == "attn.qkv":
+        return (cfg.num_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
+    if path == "mlp.up":
+        return (f, f) if cfg.arch != "gpt2" else (f,)
+    return (h,)
+
+
+def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lora: LoRAConfig) -> LoRA | None:
+    modules = LORA_MODULES[cfg.arch][path]
+    parts = _parts(cfg, path)
+    # One module per component (q_proj, k_proj, v_proj), or one module over all of them (c_attn).
+    covers = [(i,) for i in range(len(parts))] if len(modules) == len(parts) else [tuple(range(len(parts)))]
+    spec = getattr(base, "shardings", {}).get("weight")
+    column = isinstance(base, ColumnParallelLinear)
+    local = spec.local_sizes() if column else list(parts)
+    starts = [sum(local[:i]) for i in range(len(local) + 1)]
+    mine = [(m.rsplit(".", 1)[1], c) for m, c in zip(modules, covers) if m in chosen]
+    spans = [(name, starts[c[0]], starts[c[-1] + 1]) for name, c in mine]
+    if not spans:
+        return None
+    out, inp = base.weight.shape
+    adapter = LoRA(inp, out, spans, lora.rank, scale(lora), lora.dropout)
+    if isinstance(base, RowParallelLinear):
+        group = base.group
+        full_in = inp * degree(group)
+        _tag(adapter.A, {n: TPSharding(rank_in(group), degree(group), 1, (full_in,), (True,)) for n, _, _ in spans})
+        _tag(adapter.B, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
+             {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
+    elif column:
+        group = base.group
+        _tag(adapter.A, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
+             {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
+        b_specs, b_partial = {}, {}
+        for name, c in mine:
+            split = tuple(spec.split[i] for i in c)
+            b_specs[name] = TPSharding(spec.rank, spec.degree, 0, tuple(parts[i] for i in c), split,
+                                       spec.pad if c[-1] == len(parts) - 1 else 0)
+            if not all(split):  # rows kept whole on every rank (key/value heads): partial, as the base's
+                b_partial[name] = sum(local[i] for i in c if spec.split[i])
+        _tag(adapter.B, b_specs, b_partial)
+    return adapter
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
+    """Attach adapters to the targeted linears of every block (after tensor parallelism, before the weights
+    exist) and freeze every other parameter."""
+    cfg = model.cfg
+    chosen = lora_targets(cfg.arch, lora.targets)
+    for block in model.parts().layers:
+        for path in LORA_MODULES[cfg.arch]:
+            base = block.get_submodule(path)
+            adapter = _adapter(base, cfg, path, chosen, lora)
+            if adapter is not None:
+                base.lora = adapter
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora." in name
+
+
+# ---- full state by name: PEFT's format, and the merged weights ---------------------------------------
+
+def _adapters(state: dict, cfg: ModelConfig):
+    """(layer, block linear path, module name, A, B) of every adapter in a full state dict."""
+    for key, a in state.items():
+        if ".lora.A." not in key:
+            continue
+        prefix, name = key.split(".lora.A.")
+        layer, path = prefix.removeprefix("layers.").split(".", 1)
+        yield int(layer), path, name, a, state[f"{prefix}.lora.B.{name}"]
+
+
+def peft_state(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The adapters of a full state dict under PEFT's names (adapter_model.safetensors)."""
+    root = "base_model.model.transformer.h" if cfg.arch == "gpt2" else "base_model.model.model.layers"
+    out = {}
+    for layer, path, name, a, b in _adapters(state, cfg):
+        module = next(m for m in LORA_MODULES[cfg.arch][path] if m.rsplit(".", 1)[1] == name)
+        out[f"{root}.{layer}.{module}.lora_A.weight"] = a.contiguous()
+        out[f"{root}.{layer}.{module}.lora_B.weight"] = b.contiguous()
+    return out
+
+
+def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> dict:
+    """adapter_config.json for `peft_state`'s tensors."""
+    chosen = sorted(lora_targets(cfg.arch, lora.targets))
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "target_modules": chosen, "bias": "none",
+            "fan_in_fan_out": cfg.arch == "gpt2", "init_lora_weights": "gaussian", "inference_mode": True,
+            "modules_to_save": None, "base_model_name_or_path": base}
+
+
+def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """A full state dict with every adapter folded into its base weight (W0 + scale B A on its rows) and
+    removed: the plain model's state."""
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for layer, path, name, a, b in _adapters(state, cfg):
+        key = f"layers.{layer}.{path}.weight"
+        modules = LORA_MODULES[cfg.arch][path]
+        parts = _parts(cfg, path)
+        start = 0
+        if len(modules) == len(parts):
+            index = [m.rsplit(".", 1)[1] for m in modules].index(name)
+            start = sum(parts[:index])
+        w = out[key].float().clone()
+        w[start:start + b.shape[0]] += scale(lora) * (b.float() @ a.float())
+        out[key] = w.to(state[key].dtype)
+    return out
+
+
+def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=None, base: str | None = None) -> None:
+    """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) from a full state dict, which
+    `peft.PeftModel.from_pretrained` loads onto the Hugging Face base model."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in peft_state(state, cfg).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, lora, base), indent=1) + "\n")
+
+
+def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory: its settings and its tensors under this model's names (the inverse of
+    `write_peft_dir`), for `merged`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from ..config import ConfigError
+    path = Path(path)
+    try:
+        conf = json.loads((path / "adapter_config.json").read_text())
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
+                          f"adapter_model.safetensors): {e}") from None
+    if conf.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
+    lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
+                      rslora=bool(conf.get("use_rslora", False)))
+    where = {m: path_ for path_, modules in LORA_MODULES[cfg.arch].items() for m in modules}
+    state = {}
+    for key, t in tensors.items():
+        head, _, kind = key.rpartition(".lora_")  # ...layers.3.self_attn.q_proj, A.weight
+        parts = head.split(".")
+        i = parts.index("h" if cfg.arch == "gpt2" else "layers")
+        layer, module = int(parts[i + 1]), ".".join(parts[i + 2:])
+        if module not in where or kind not in ("A.weight", "B.weight"):
+            raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
+        state[f"layers.{layer}.{where[module]}.lora.{kind[0]}.{module.rsplit('.', 1)[1]}"] = t
+    return lora, state

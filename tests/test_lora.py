@@ -1,0 +1,168 @@
+"""LoRA (parallel/lora.py) against PEFT on the Hugging Face model (logits and the adapters' gradients), its
+PEFT-format export loaded by PeftModel, the merged export, the frozen base, and LoRA under data, ZeRO,
+tensor and pipeline parallelism against one process (gloo on CPU, fp32)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dist_fns
+from dp_cases import RTOL
+from helpers import run_cli
+from shardlm.config import ConfigError, load_config, validate
+from shardlm.model import Decoder
+from shardlm.model.hf import write_hf_dir
+from shardlm.parallel.lora import apply_lora, is_adapter, write_peft_dir
+from shardlm.testing.distributed import run_distributed
+from test_tensor_parallel import MODELS, OPTIMIZERS, check_equal
+
+peft = pytest.importorskip("peft")
+
+# Some modules of each family left out, so the fused layers also have rows no adapter updates.
+TARGETS = {"llama": "q_proj,v_proj,o_proj,gate_proj,down_proj", "gpt2": "c_attn,c_proj"}
+
+
+def lora_model(arch: str, **lora):
+    cfg = load_config("tiny", {**MODELS[arch], "lora.rank": "4", "lora.alpha": "8", "lora.targets": TARGETS[arch],
+                               **{f"lora.{k}": str(v) for k, v in lora.items()}})
+    validate(cfg)
+    model = Decoder(cfg.model)
+    apply_lora(model, cfg.lora)
+    model.init_weights(0)
+    with torch.no_grad():  # B starts at zero: make the update visible
+        for name, p in model.named_parameters():
+            if ".lora.B." in name:
+                p.normal_(0.0, 0.2)
+    return cfg, model
+
+
+def hf_peft(cfg, model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_hf_dir({k: v for k, v in state.items() if not is_adapter(k)}, cfg.model, tmp_path / "base")
+    write_peft_dir(state, cfg.model, cfg.lora, tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+    return PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+
+
+@pytest.mark.parametrize("arch, rslora", [("llama", False), ("llama", True), ("gpt2", False)])
+def test_logits_and_adapter_gradients_equal_peft(tmp_path, arch, rslora):
+    cfg, model = lora_model(arch, rslora=rslora)
+    theirs = hf_peft(cfg, model, tmp_path)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n, _ in model.named_parameters()
+                                                                          if is_adapter(n)}
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ours_logits, their_logits = model(ids), theirs(input_ids=ids).logits
+    torch.testing.assert_close(ours_logits, their_logits, rtol=1e-5, atol=1e-5)
+    for logits in (ours_logits, their_logits):
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    from shardlm.parallel.lora import peft_state
+    ours = peft_state({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, cfg.model)
+    theirs_grads = {n.replace(".default", ""): p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs_grads.keys()
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base(tmp_path):
+    """Train with adapters; the base weights in the checkpoint are the initial ones bit for bit; PeftModel
+    over the base with the exported adapter, the merged export and `generate --adapter` all agree."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.checkpoint import load_checkpoint
+    from shardlm.inference import load_pretrained
+    from shardlm.tokenizer import load_tokenizer
+    run = tmp_path / "run"
+    run_cli("train", "tiny", "--train.steps", "4", "--lora.rank", "4", "--lora.targets", "q_proj,v_proj,down_proj",
+            "--train.lr", "3e-2", "--out", run)
+    cfg = load_config("tiny")
+    initial = Decoder(cfg.model)
+    initial.init_weights(cfg.train.seed)
+    ckpt = load_checkpoint(run, with_optimizer=False)
+    state = ckpt["model"]
+    for name, want in initial.state_dict().items():
+        assert torch.equal(state[name], want), name
+    assert any(is_adapter(k) and k.endswith("B.q_proj") and state[k].abs().sum() > 0 for k in state)
+
+    write_hf_dir({k: v for k, v in state.items() if not is_adapter(k)}, cfg.model, tmp_path / "base",
+                 load_tokenizer(ckpt["path"]))
+    run_cli("export", "--checkpoint", run, "--out", tmp_path / "adapter")
+    run_cli("export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["r"] == 4 and sorted(conf["target_modules"]) == ["mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    ours, _, _ = load_pretrained(run)
+    on_base, _, _ = load_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        with adapted.disable_adapter():
+            assert not torch.allclose(adapted(input_ids=ids).logits, want, atol=1e-3)  # the adapter matters
+        for got in (merged(input_ids=ids).logits, ours(ids), on_base(ids)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = json.loads(run_cli("generate", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter", "--prompt",
+                           "To be", "--max-new-tokens", 4, "--json").stdout)
+    assert isinstance(g["completion"], str)
+    run_cli("train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
+    with pytest.raises(AssertionError, match="not a LoRA run"):
+        run_cli("export", "--checkpoint", tmp_path / "plain", "--merge", "--out", tmp_path / "x")
+
+
+def test_bad_lora_settings_fail_naming_the_value():
+    for over, words in [({"lora.targets": "q_proj,wq"}, "'wq', which is no llama module"),
+                        ({"lora.dropout": "1.5"}, "lora.dropout = 1.5"),
+                        ({"lora.rank": "-1"}, "lora.rank = -1"),
+                        ({"model.arch": "gpt2", "model.num_kv_heads": "0", "lora.targets": "q_proj"},
+                         "'q_proj', which is no gpt2 module")]:
+        with pytest.raises(ConfigError, match=words):
+            validate(load_config("tiny", {"lora.rank": "4", **over}))
+
+
+# SGD: in the first steps many of A's gradients nearly cancel (B starts at zero), and AdamW turns any
+# rounding difference in them into a step of +-lr (3e-4 relative in the third step's gradient norm at dp 2).
+LORA = {"lora.rank": "4", "lora.alpha": "8", "train.steps": "3", "train.global_batch_size": "8",
+        "train.micro_batch_size": "2", **OPTIMIZERS["sgd"]}
+LAYOUTS = {
+    "dp2-ddp": {"parallel.dp": "2"},
+    "dp2-zero1": {"parallel.dp": "2", "parallel.zero_stage": "1"},
+    "dp2-zero3": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
+    "tp2-sp": {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+    "tp4": {"parallel.tp": "4", "parallel.dp": "1"},
+    "pp2": {"parallel.pp": "2", "parallel.dp": "1", "model.num_layers": "4", "train.micro_batch_size": "1"},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_under_every_layout_equals_one_process(arch, layout):
+    """Adapters split like their bases under tensor parallelism (tp 4 keeps Llama's two key/value heads
+    whole on every rank, and GPT-2's tied embedding is frozen across pipeline stages)."""
+    over = {**MODELS[arch], **LORA, "lora.targets": TARGETS[arch], **LAYOUTS[layout]}
+    world = int(over.get("parallel.dp", 1)) * int(over.get("parallel.tp", 1)) * int(over.get("parallel.pp", 1))
+    ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1", "parallel.tp": "1",
+                                            "parallel.pp": "1", "parallel.sp": "false", "parallel.zero_stage": "0"})
+    results = run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
+    check_equal(results, ref)
+    frozen = [k for k in ref["masters"] if not is_adapter(k)]
+    assert frozen and ref["numel"] == sum(ref["masters"][k].numel() for k in ref["masters"] if is_adapter(k))
+
+
+@pytest.mark.parametrize("target", [{"parallel.dp": "1"}, {"parallel.tp": "2", "parallel.dp": "1"},
+                                    {"parallel.dp": "2", "parallel.zero_stage": "3"}], ids=["one", "tp2", "dp2-zero3"])
+def test_a_lora_checkpoint_resumes_under_another_layout_on_the_same_trajectory(tmp_path, target):
+    """The checkpoint holds the frozen base beside the adapters and their optimizer state."""
+    over = {**LORA, "lora.targets": TARGETS["llama"], "train.steps": "6", "train.save_every": "3",
+            "train.keep_checkpoints": "5", "train.device": "cpu"}
+    full = dist_fns.train_and_capture(0, 1, {**over, "parallel.dp": "1"}, str(tmp_path / "a"))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    world = int(target.get("parallel.tp", 1)) * int(target["parallel.dp"])
+    resumed = run_distributed(dist_fns.train_and_capture, world, {**over, **target}, str(tmp_path / "b"), ckpt,
+                              timeout=240) if world > 1 else \
+        [dist_fns.train_and_capture(0, 1, {**over, **target}, str(tmp_path / "b"), ckpt)]
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full["losses"][3:], rtol=RTOL, atol=0)
