@@ -166,3 +166,70 @@ def test_a_lora_checkpoint_resumes_under_another_layout_on_the_same_trajectory(t
         [dist_fns.train_and_capture(0, 1, {**over, **target}, str(tmp_path / "b"), ckpt)]
     for r in resumed:
         torch.testing.assert_close(r["losses"], full["losses"][3:], rtol=RTOL, atol=0)
+
+
+# ---- QLoRA ---------------------------------------------------------------------------------------------
+
+NF4_HALF_GAP = (1.0 - 0.7229568362236023) / 2  # the widest gap between NF4's levels (Dettmers et al. 2023), halved
+
+
+def test_nf4_dequantisation_error_is_within_nf4s_bound():
+    """Each weight moves by at most half the widest gap between NF4 levels times its block's absmax, plus what
+    the int8 quantisation of that absmax (double quantisation) moves it by: at most 1/127 of the largest."""
+    from shardlm.parallel.qlora import BLOCK, plain, to_nf4
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(3)) * 0.02
+    w[5, 7] = 0.5  # an outlier: its block's scale, not the others', grows
+    err = (plain(to_nf4(w)) - w).abs().reshape(-1, BLOCK)
+    absmax = w.abs().reshape(-1, BLOCK).amax(1, keepdim=True)
+    assert (err <= NF4_HALF_GAP * absmax + absmax.max() / 127).all()
+    assert err.mean() < 0.1 * w.abs().mean() * 4  # and it is a 4-bit code, not noise
+
+
+def test_qlora_computes_as_lora_on_the_dequantised_base_and_takes_a_quarter_of_the_memory():
+    from shardlm.parallel.qlora import base_bytes, plain, quantize_base
+    cfg, model = lora_model("llama")
+    ref = Decoder(cfg.model)
+    apply_lora(ref, cfg.lora)
+    ref.load_state_dict(model.state_dict())
+    quantize_base(model)
+    linears = [block.get_submodule(path) for block in model.parts().layers for path in ("attn.qkv", "attn.out",
+                                                                                        "mlp.up", "mlp.down")]
+    nf4 = sum(base_bytes(linear) for linear in linears)
+    bf16 = sum(linear.weight.numel() * 2 for linear in linears)
+    assert nf4 <= 0.27 * bf16  # 4 bits, plus an int8 scale per 64 weights and an fp32 one per 256 of those
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            q.copy_(plain(p))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    a, b = model(ids[:, :-1], ids[:, 1:]), ref(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    a.backward()
+    b.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+QLORA = {**LORA, "lora.quantize": "nf4", "lora.targets": TARGETS["llama"]}
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
+def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
+    over = {**QLORA, **LAYOUTS[layout]}
+    world = int(over.get("parallel.dp", 1)) * int(over.get("parallel.pp", 1))
+    ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1", "parallel.pp": "1",
+                                            "parallel.zero_stage": "0"})
+    check_equal(run_distributed(dist_fns.train_and_capture, world, over, timeout=240), ref)
+
+
+def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path):
+    """Resuming quantises the saved (dequantised) base again: the same codes, block scales equal up to the
+    double quantisation's rounding (parallel/qlora.py), so the losses follow closely, not bit for bit."""
+    over = {**QLORA, "train.steps": "6", "train.save_every": "3", "train.keep_checkpoints": "5", "train.device": "cpu",
+            "parallel.dp": "1"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
+                                         str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=1e-3, atol=0)
+    run_cli("export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
+    assert (tmp_path / "merged" / "model.safetensors").is_file()

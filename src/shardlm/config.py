@@ -166,6 +166,7 @@ class LoRAConfig:
     dropout: float = 0.0           # on the adapters' input
     targets: str = "all-linear"    # Hugging Face module names (q_proj,v_proj / c_attn, ...), or every block linear
     rslora: bool = False           # rank-stabilised scaling (Kalajdzievski 2023)
+    quantize: str = "none"         # none | nf4: QLoRA's 4-bit base (parallel/qlora.py, through torchao)
 
 
 @dataclass
@@ -231,6 +232,7 @@ CHOICES = {
     "parallel.reduce_dtype": ("fp32", "compute"),
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
     "parallel.pp_schedule": SCHEDULES,
+    "lora.quantize": ("none", "nf4"),
 }
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
@@ -410,6 +412,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
+    elif cfg.lora.quantize != "none":
+        raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
     # Strategies that are validated but not built yet are refused, never silently ignored.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import schedules
 from ..mesh import DeviceMesh
@@ -20,6 +21,7 @@ from ..precision import DTYPES
 from . import build_engine
 from .engine import Engine
 from .lora import apply_lora
+from .qlora import is_nf4, plain, quantize_base, to_nf4
 from .pipeline import PipelineSchedule, split_layers, stage_decoder
 from .schedule import ForwardBackward
 from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
@@ -42,7 +44,7 @@ class Parallelized:
         if masters is None or (self.mesh.world > 1 and self.mesh.dp_rank != 0):
             return None, None  # dp rank 0 holds what the others hold
         # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
-        masters = {**masters, **{n: p.detach() for n, p in self.model.named_parameters() if not p.requires_grad}}
+        masters = {**masters, **{n: plain(p.detach()) for n, p in self.model.named_parameters() if not p.requires_grad}}
         if self.specs:
             device = next(self.model.parameters()).device
             masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
@@ -70,7 +72,13 @@ class Parallelized:
         frozen = {n: p for n, p in self.model.named_parameters() if not p.requires_grad}
         with torch.no_grad():
             for name, p in frozen.items():
-                p.copy_(masters.pop(name))
+                value = masters.pop(name)
+                if is_nf4(p):  # quantised again (parallel/qlora.py says how closely)
+                    owner, _, attr = name.rpartition(".")
+                    value = nn.Parameter(to_nf4(value.to(p.device, p.dtype), name), requires_grad=False)
+                    setattr(self.model.get_submodule(owner), attr, value)
+                else:
+                    p.copy_(value)
         self.engine.load_full_state(masters, optim)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -92,6 +100,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
     model.to_empty(device=device)
     model.init_weights(t.seed)
     model.to(DTYPES[t.precision])
+    if cfg.lora.quantize == "nf4":
+        quantize_base(model)
     if mesh.tp > 1:
         sum_partial_gradients(model, mesh.tp_group)
     model.set_recompute(t.recompute)
