@@ -63,7 +63,8 @@ def cmd_train(argv: list[str]) -> int:
         cfg = config_from_dict(read_state(args.resume)["config"])
         apply_overrides(cfg, overrides)
     else:
-        cfg = load_config(args.config, overrides)
+        from .hf_config import with_init_from
+        cfg = with_init_from(load_config(args.config, overrides), overrides)
     if args.print_config:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())

@@ -156,6 +156,7 @@ class TrainConfig:
     sample_tokens: int = 0         # print a sample of this many tokens after training
     sample_prompt: str = ""
     tensorboard: bool = True
+    init_from: str = ""            # an HF checkpoint directory: its config.json the model section, its weights the start
 
 
 @dataclass

@@ -5,7 +5,7 @@ or refused with its name and value: a checkpoint never loads into a model that c
 """
 from __future__ import annotations
 
-from .config import ConfigError, ModelConfig
+from .config import Config, ConfigError, ModelConfig, apply_overrides
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
@@ -119,3 +119,21 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out
+
+
+def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
+    """`cfg` with the model section of `train.init_from`'s config.json (the `model.*` overrides still win):
+    fine-tuning starts from that checkpoint's model, whatever the preset said."""
+    import json
+    from pathlib import Path
+    if not cfg.train.init_from:
+        return cfg
+    path = Path(cfg.train.init_from) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
+                          f"({e})") from None
+    cfg.model = model_config_from_hf(hf)
+    apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
+    return cfg

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import schedules
+from ..config import ConfigError
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
 from .engine import Engine
-from .lora import apply_lora
+from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, to_nf4
 from .pipeline import PipelineSchedule, split_layers, stage_decoder
 from .schedule import ForwardBackward
@@ -99,6 +100,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
         apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.init_weights(t.seed)
+    if t.init_from:
+        _load_initial(model, t.init_from, shardings(model))
     model.to(DTYPES[t.precision])
     if cfg.lora.quantize == "nf4":
         quantize_base(model)
@@ -131,6 +134,25 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
                             tied)
     return Parallelized(model, engine, step, mesh, specs)
+
+
+def _load_initial(model: Decoder, path: str, specs: dict) -> None:
+    """`train.init_from`'s weights into this rank's parameters (its stage's, its tensor-parallel slices); the
+    adapters of a LoRA run keep their initialisation."""
+    from ..model.hf import read_hf_dir
+    _, state = read_hf_dir(path)
+    own = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ConfigError(f"train.init_from = {path!r} lacks {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''}")
+    local = take_local({n: state[n] for n in own}, specs)
+    with torch.no_grad():
+        for name, p in own.items():
+            if local[name].shape != p.shape:
+                raise ConfigError(f"train.init_from = {path!r}: {name} is {tuple(local[name].shape)} for this "
+                                  f"rank, the model's is {tuple(p.shape)}")
+            p.copy_(local[name])
 
 
 def _duplicates(engine: Engine, specs: dict, copy: str | None) -> list[tuple[int, int, int]]:
