@@ -12,7 +12,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["schedules"],                                                                                 # no torch
     ["config"],
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat",
+     "text_metrics"],                                                                              # primitives
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
     ["optim"],

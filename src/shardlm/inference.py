@@ -2,6 +2,9 @@
 
 Generation decodes with a KV cache, one prefill then one token per step, as HF's `generate` does;
 temperature 0 is greedy. Sampling applies temperature, then top-k, then top-p (Holtzman et al. 2020).
+Many prompts decode in batches of prompts of equal token length (`generate_many`): the KV cache and the
+positions (RoPE, GPT-2's position embeddings) are shared by the rows of a batch, so left padding would shift
+a padded row's positions.
 Evaluation cuts the text into non-overlapping windows of N tokens and averages the cross-entropy of
 every next-token prediction inside them.
 """
@@ -88,17 +91,64 @@ def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, tempera
     return torch.stack(out, dim=1) if out else ids.new_zeros((b, 0))
 
 
-def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
-    device = next(model.parameters()).device
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The prompt's tokens; an empty prompt starts from the end-of-text token, as after a document."""
     ids = tok.encode(prompt)
     if not ids:
         if tok.eos_id is None:
             raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
         ids = [tok.eos_id]
+    return ids
+
+
+def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+    device = next(model.parameters()).device
+    ids = prompt_ids(tok, prompt)
     new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
                        seed, eos_id=tok.eos_id)
     return tok.decode(new[0].tolist())
+
+
+def until_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    """The tokens before the first end-of-text token."""
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None = None,
+                  batch_size: int = 8, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0) -> list[list[int]]:
+    """The new tokens of every prompt (token ids), in order, each cut before its first `eos_id`.
+
+    Prompts of equal length decode together, up to `batch_size` at a time: the rows of a batch share one
+    KV cache position and one set of positions, so prompts are grouped rather than left-padded. Greedy
+    decoding gives each prompt the tokens it gets alone (unless batched matmuls' rounding flips a near tie
+    of two logits). Sampling draws from one generator per batch, seeded with `seed` plus the batch's number."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size} must be at least 1")
+    limit = model.cfg.max_seq_len
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"prompt {i + 1} has no tokens")
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"the model's max_seq_len {limit}")
+    device = next(model.parameters()).device
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    n_batch = 0
+    for length in sorted(by_length):
+        group = by_length[length]
+        for start in range(0, len(group), batch_size):
+            rows = group[start:start + batch_size]
+            ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=device)
+            new = generate_ids(model, ids, max_new_tokens, temperature, top_k, top_p, seed + n_batch, eos_id)
+            for i, row in zip(rows, new.tolist()):
+                out[i] = until_eos(row, eos_id)
+            n_batch += 1
+    return out
 
 
 @torch.no_grad()

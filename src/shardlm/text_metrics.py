@@ -1,0 +1,100 @@
+"""Scores of generated text against references, and the prompt/reference files they come from.
+
+BLEU (Papineni et al. 2002) and chrF (Popović 2015) are corpus scores computed by sacrebleu (Post 2018)
+with its default tokenisation, so they compare with published sacrebleu numbers. ROUGE-1, ROUGE-2 and
+ROUGE-L (Lin 2004) are F1 scores per example by Google's rouge-score (lowercased, Porter-stemmed),
+averaged over the examples. All five are on a 0-100 scale.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import ConfigError
+
+# A task and the scores it reports.
+TASKS = {"bleu": ("bleu", "chrf"), "rouge": ("rouge1", "rouge2", "rougeL")}
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+def parse_tasks(spec: str) -> list[str]:
+    """`bleu,rouge` -> ["bleu", "rouge"]; `loss` (perplexity over a text file) is a task of its own."""
+    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    known = ("loss", *TASKS)
+    for t in tasks:
+        if t not in known:
+            raise ConfigError(f"--tasks: unknown task {t!r} (known: {', '.join(known)})")
+    if not tasks:
+        raise ConfigError(f"--tasks is empty (known: {', '.join(known)})")
+    if "loss" in tasks and len(tasks) > 1:
+        raise ConfigError("--tasks: loss reads a text file and the others a jsonl file of prompts and "
+                          "references; run them separately")
+    return list(dict.fromkeys(tasks))
+
+
+def read_examples(path: str | Path) -> tuple[list[str], list[str]]:
+    """Prompts and references of a jsonl file: one object per line with `prompt` and `completion` (or
+    `reference`), both strings. Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--data {path}: no such file")
+    prompts, refs = [], []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{n}: a JSON object with prompt and completion expected, got "
+                                  f"{type(obj).__name__}")
+            ref = obj.get("completion", obj.get("reference"))
+            if not isinstance(obj.get("prompt"), str) or not isinstance(ref, str):
+                raise ConfigError(f"{path}:{n}: needs string fields prompt and completion (or reference), "
+                                  f"has {', '.join(sorted(obj)) or 'none'}")
+            prompts.append(obj["prompt"])
+            refs.append(ref)
+    if not prompts:
+        raise ConfigError(f"--data {path}: no examples (expected one JSON object per line)")
+    return prompts, refs
+
+
+def _require(module: str, package: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"scoring needs the {package} package: pip install {package} "
+                          f"(or pip install 'shardlm[eval]')") from None
+
+
+def bleu_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
+    """Corpus BLEU and chrF of the hypotheses, one reference each."""
+    sacrebleu = _require("sacrebleu", "sacrebleu")
+    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score, "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score}
+
+
+def rouge_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F1 over the examples, times 100."""
+    rouge_scorer = _require("rouge_score.rouge_scorer", "rouge-score")
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_TYPES, 0.0)
+    for hyp, ref in zip(hyps, refs):
+        s = scorer.score(ref, hyp)  # (target, prediction)
+        for k in ROUGE_TYPES:
+            totals[k] += s[k].fmeasure
+    return {k: 100 * v / len(hyps) for k, v in totals.items()}
+
+
+def score(hyps: list[str], refs: list[str], tasks: list[str]) -> dict[str, float]:
+    """The scores of `tasks` (bleu: BLEU and chrF; rouge: ROUGE-1/2/L), all on a 0-100 scale."""
+    if len(hyps) != len(refs) or not hyps:
+        raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
+    out: dict[str, float] = {}
+    if "bleu" in tasks:
+        out.update(bleu_scores(hyps, refs))
+    if "rouge" in tasks:
+        out.update(rouge_scores(hyps, refs))
+    return out
