@@ -4,11 +4,14 @@ import torch.distributed as dist
 
 
 def problem(seed, shape, hidden, vocab):
-    """h, the full (unpadded) head and the targets of one test case, the same in every process."""
+    """h, the full (unpadded) head and the targets of one test case, the same in every process. Odd seeds
+    leave every third target untrained (-100, F.cross_entropy's default ignore_index: a prompt token)."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(*shape, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g)
     t = torch.randint(0, vocab, shape, generator=g)
+    if seed % 2:
+        t.view(-1)[::3] = -100
     return h, w, t
 
 

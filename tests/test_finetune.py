@@ -1,5 +1,8 @@
 """Fine-tuning from a Hugging Face checkpoint (`train.init_from`): its config.json gives the model section, its
 weights the start, under any layout, with or without LoRA."""
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -58,3 +61,119 @@ def test_the_model_section_comes_from_the_checkpoint(tmp_path):
 def test_a_missing_checkpoint_fails_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="train.init_from = .*nowhere.*config.json"):
         with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "nowhere")}))
+
+
+# ---- instruction data ----------------------------------------------------------------------------------
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def trained_text(out, pad_to=None):
+    """(trained, untrained) bytes of a prepared byte-tokenizer dataset, end-of-text as '#'."""
+    from shardlm.data.loader import TokenShards
+    shards = TokenShards(out)
+    ids = np.concatenate([np.asarray(t) for t in shards.tokens]).astype(np.int64)
+    mask = np.concatenate([np.asarray(m) for m in shards.masks]).astype(bool)
+    text = lambda sel: bytes(int(i) if i < 256 else ord("#") for i in ids[sel]).decode()  # noqa: E731
+    return text(mask), text(~mask)
+
+
+def test_prepare_masks_the_prompts_and_trains_the_answers(tmp_path):
+    from shardlm.data.prepare import prepare
+    data = write_jsonl(tmp_path / "a.jsonl", [
+        {"prompt": "Q: 1+1?\n", "completion": "2"},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                      {"role": "assistant", "content": "ciao"}]}])
+    index = prepare([data], "byte", tmp_path / "out", progress=False)
+    trained, untrained = trained_text(tmp_path / "out")
+    assert trained == "2#hello\nciao\n#"  # answers and the end-of-text that closes each example
+    assert untrained == "Q: 1+1?\n<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n<|user|>\nbye\n<|assistant|>\n"
+    assert index["examples"] == 2 and index["trained_tokens"] == len(trained)
+
+
+def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
+    from shardlm.data.prepare import prepare
+    from shardlm.tokenizer import load_tokenizer
+    tok_dir = tmp_path / "tok"
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "yo"}]}])
+    prepare([data], str(tok_dir), tmp_path / "out", progress=False)
+    trained, untrained = trained_text(tmp_path / "out")
+    assert (trained, untrained) == ("yo##", "[user]hi#[assistant]")
+
+
+def test_pad_to_gives_one_example_per_window(tmp_path):
+    from shardlm.data.loader import DataError, TokenShards, WindowDataset
+    from shardlm.data.prepare import prepare
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ab", "completion": "cd"},
+                                              {"prompt": "x" * 30, "completion": "y" * 30}])
+    index = prepare([data], "byte", tmp_path / "out", pad_to=16, progress=False)
+    assert index["truncated"] == 1
+    windows = WindowDataset(TokenShards(tmp_path / "out"), 16)
+    assert len(windows) == 2
+    x, y = windows.pairs([0, 1])
+    assert bytes(x[0, :4].tolist()).decode() == "abcd" and y[0].tolist()[:5] == [-100, ord("c"), ord("d"), 256, -100]
+    assert (y[0, 4:] == -100).all()  # the padding trains nothing
+    with pytest.raises(DataError, match="--pad-to 32"):
+        WindowDataset(TokenShards(tmp_path / "out"), 32)
+
+
+def sft_data(tmp_path, n=64):
+    from shardlm.data.prepare import prepare
+    rng = np.random.default_rng(0)
+    words = ["apple", "river", "stone", "cloud", "tiger", "lamp"]
+    records = [{"prompt": f"reverse {' '.join(w)}:", "completion": " ".join(reversed(w))}
+               for w in (rng.choice(words, size=int(rng.integers(1, 4))).tolist() for _ in range(n))]
+    prepare([write_jsonl(tmp_path / "sft.jsonl", records)], "byte", tmp_path / "sft", progress=False)
+    return str(tmp_path / "sft")
+
+
+def test_the_loss_is_the_mean_over_the_global_batchs_trained_targets(tmp_path):
+    """Micro-batches hold unequal numbers of trained targets: the step's loss is their sum over all of them
+    divided by their count, not a mean of the micro-batches' means."""
+    import torch.nn.functional as F
+    trainer = dist_fns.tiny_trainer(1, {"data.path": sft_data(tmp_path), "train.seq_len": "24",
+                                        "train.micro_batch_size": "2", "train.global_batch_size": "8",
+                                        "train.device": "cpu"})
+    batches = [trainer.data.micro_batch_at(0, m) for m in range(4)]
+    counts = [int((y != -100).sum()) for _, y in batches]
+    assert len(set(counts)) > 1
+    with torch.no_grad():
+        summed = sum(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten(), reduction="sum") for x, y in batches)
+    torch.testing.assert_close(trainer.train_step(), summed / sum(counts), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("layout", [{"parallel.dp": "2"}, {"parallel.dp": "2", "parallel.zero_stage": "1"},
+                                    {"parallel.pp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
+                                    {"parallel.tp": "2", "parallel.dp": "1"}], ids=["dp2", "dp2-zero1", "pp2", "tp2"])
+def test_instruction_training_under_other_layouts_equals_one_process(tmp_path, layout):
+    from test_tensor_parallel import OPTIMIZERS, check_equal
+    over = {"data.path": sft_data(tmp_path), "train.seq_len": "24", "train.steps": "3", "train.micro_batch_size": "2",
+            "train.global_batch_size": "8", **OPTIMIZERS["sgd"], "lora.rank": "4"}
+    ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1"})
+    world = int(layout.get("parallel.dp", 1)) * int(layout.get("parallel.pp", 1)) * int(layout.get("parallel.tp", 1))
+    check_equal(run_distributed(dist_fns.train_and_capture, world, {**over, **layout}, timeout=240), ref)
+
+
+def test_bad_instruction_data_fails_naming_the_line(tmp_path):
+    from shardlm.data.prepare import PrepareError, prepare
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "a"}])
+    with pytest.raises(PrepareError, match=r"b.jsonl:2: needs string fields prompt and completion"):
+        prepare([bad], "byte", tmp_path / "o1", progress=False)
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(PrepareError, match="c.jsonl:1: no assistant message"):
+        prepare([chat], "byte", tmp_path / "o2", progress=False)
+    text = tmp_path / "t.txt"
+    text.write_text("plain text")
+    with pytest.raises(PrepareError, match="cannot be prepared into one dataset"):
+        prepare([chat, text], "byte", tmp_path / "o3", progress=False)
+    with pytest.raises(PrepareError, match="--pad-to applies to instruction examples"):
+        prepare([text], "byte", tmp_path / "o4", pad_to=16, progress=False)

@@ -239,10 +239,18 @@ def cmd_data(argv: list[str]) -> int:
     prep.add_argument("--out", required=True)
     prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
     prep.add_argument("--shard-tokens", default=str(1 << 27), help="tokens per shard file (1024 to 2^40)")
+    prep.add_argument("--pad-to", type=int, default=None,
+                      help="instruction examples: one per window of this train.seq_len (cut or padded, never "
+                           "packed together); default: packed one after another")
     a = p.parse_args(argv)
     from .data.prepare import prepare, token_count
     index = prepare(a.input, a.tokenizer, a.out, shard_tokens=token_count(a.shard_tokens, "--shard-tokens"),
-                    text_field=a.text_field)
+                    text_field=a.text_field, pad_to=a.pad_to)
+    if "loss_mask" in index:
+        cut = f", {index['truncated']:,} cut to --pad-to" if index["truncated"] else ""
+        print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
+              f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
+        return 0
     print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents in {len(index['shards'])} "
           f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
     return 0

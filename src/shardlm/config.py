@@ -23,6 +23,11 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+# A target that is not trained on (F.cross_entropy's ignore_index): a prompt token or padding of
+# instruction data (data/instruct.py); the losses (model/loss.py, parallel/cross_entropy.py) skip it.
+IGNORE = -100
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the value."""
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import rundir
 from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint,
                          set_rng_state)
-from .config import Config, ConfigError, RunError, config_from_dict
+from .config import IGNORE, Config, ConfigError, RunError, config_from_dict
 from .data.loader import open_train_data
 from .inference import generate_text
 from .mesh import DeviceMesh, init_distributed
@@ -181,9 +181,18 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
-        batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                   for x, y in (self.data.micro_batch_at(self.step, m) for m in range(accum)))
-        total = self.forward_backward(batches, accum, self.device)
+        trained = self.data.trained_tokens(self.step)
+        if trained is None:
+            batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                       for x, y in (self.data.micro_batch_at(self.step, m) for m in range(accum)))
+            total = self.forward_backward(batches, accum, self.device)
+        else:
+            # The step's loss is the mean over the global batch's trained targets: a micro-batch's mean
+            # weighs by its share of them (times dp, which the gradients' mean over the ranks divides out).
+            cpu = [self.data.micro_batch_at(self.step, m) for m in range(accum)]
+            weights = [int((y != IGNORE).sum()) * self.mesh.dp / max(trained, 1) for _, y in cpu]
+            batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu]
+            total = self.forward_backward(batches, accum, self.device, weights)
         if self.cfg.train.precision == "fp16":
             self._refuse_nan_loss(total)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)

@@ -6,6 +6,11 @@ as nanoGPT and Megatron do). The sampler permutes the window indices with a gene
 and each data-parallel rank takes its contiguous slice of them. The global order therefore depends
 only on the seed, never on the number of ranks, and the whole position is one integer: the number
 of samples consumed, which checkpoints save.
+
+Instruction data (data/instruct.py) brings a loss mask shard beside each token shard: targets whose mask is
+0 become IGNORE (-100, F.cross_entropy's ignore_index) and take no part in the loss. Prepared with
+`--pad-to seq_len`, such data holds one example per window of seq_len + 1 tokens, and the windows follow
+each other without overlap.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import IGNORE
 from .prepare import HEADER_BYTES, INDEX, MAGIC
 
 VERIFY_CHUNK = 1 << 24  # tokens scanned at a time when checking a shard
@@ -44,12 +50,20 @@ class TokenShards:
         for s in shards:
             path = self.dir / s["file"]
             self.tokens.append(self._open(path, s, model_vocab, verify))
+        # Loss masks of instruction data, one per token shard and of its length (None: every token trains).
+        masks = self.index.get("loss_mask")
+        self.masks = None if masks is None else [self._open(self.dir / m["file"], m, None, verify, np.dtype(np.uint8))
+                                                  for m in masks]
+        if self.masks is not None and [len(m) for m in self.masks] != [len(t) for t in self.tokens]:
+            raise DataError(f"{index_path}: the loss masks do not match the token shards")
+        self.pad_to = self.index.get("pad_to")
 
-    def _open(self, path: Path, entry: dict, model_vocab: int | None, verify: bool) -> np.memmap:
+    def _open(self, path: Path, entry: dict, model_vocab: int | None, verify: bool, dtype=None) -> np.memmap:
         n = entry["tokens"]
+        dtype = dtype or self.dtype
         if not path.is_file():
             raise DataError(f"shard {path} is missing")
-        expected = HEADER_BYTES + n * self.dtype.itemsize
+        expected = HEADER_BYTES + n * dtype.itemsize
         size = path.stat().st_size
         if size != expected:
             raise DataError(f"shard {path} is truncated or corrupt: {size} bytes, expected {expected}")
@@ -59,7 +73,7 @@ class TokenShards:
             raise DataError(f"shard {path} has a bad header (not a shardlm token shard, or corrupt)")
         if model_vocab is not None and entry["max_id"] >= model_vocab:
             raise DataError(f"shard {path} holds token id {entry['max_id']} >= the model's vocab_size {model_vocab}")
-        data = np.memmap(path, dtype=self.dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
+        data = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
         if verify:
             crc, top = 0, -1
             for i in range(0, n, VERIFY_CHUNK):
@@ -72,11 +86,17 @@ class TokenShards:
 
 
 class WindowDataset:
-    """Non-overlapping windows of seq_len + 1 tokens over all shards (a window never spans two shards)."""
+    """Windows of seq_len + 1 tokens over all shards (a window never spans two shards), each sharing its last
+    token with the next one's first, or one per example where the data was prepared with --pad-to."""
 
     def __init__(self, shards: TokenShards, seq_len: int):
         self.shards, self.seq_len = shards, seq_len
-        counts = [max(0, (len(t) - 1) // seq_len) for t in shards.tokens]
+        if shards.pad_to is not None and shards.pad_to != seq_len:
+            raise DataError(f"{shards.dir} holds one example per window of {shards.pad_to} tokens (--pad-to), "
+                            f"but train.seq_len = {seq_len}: prepare it again with --pad-to {seq_len}")
+        self.stride = seq_len + 1 if shards.pad_to else seq_len
+        counts = [max(0, (len(t) - 1) // seq_len) if not shards.pad_to else len(t) // self.stride
+                  for t in shards.tokens]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.starts[-1] == 0:
             raise DataError(f"{shards.dir} holds fewer than {seq_len + 1} tokens: no window of train.seq_len fits")
@@ -84,13 +104,33 @@ class WindowDataset:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def window(self, i: int) -> np.ndarray:
+    def _slice(self, i: int) -> tuple[int, int]:
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
-        off = (i - int(self.starts[s])) * self.seq_len
+        return s, (i - int(self.starts[s])) * self.stride
+
+    def window(self, i: int) -> np.ndarray:
+        s, off = self._slice(i)
         return np.asarray(self.shards.tokens[s][off:off + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
+
+    def trained(self, indices) -> torch.Tensor | None:
+        """Which targets of the windows `indices` are trained on ([n, seq_len] bool), None: all of them."""
+        if self.shards.masks is None:
+            return None
+        rows = []
+        for i in indices:
+            s, off = self._slice(int(i))
+            rows.append(np.asarray(self.shards.masks[s][off + 1:off + self.seq_len + 1], dtype=bool))
+        return torch.from_numpy(np.stack(rows))
+
+    def pairs(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows `indices`, untrained targets IGNORE."""
+        w = self.batch(indices)
+        x, y = w[:, :-1], w[:, 1:]
+        trained = self.trained(indices)
+        return (x, y) if trained is None else (x, y.masked_fill(~trained, IGNORE))
 
 
 class GlobalSampler:
@@ -123,16 +163,20 @@ class TrainData:
     def micro_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_rank = self.global_batch // self.dp
         start = step * self.global_batch + self.dp_rank * per_rank + micro * self.micro_batch
-        w = self.train.batch(self.sampler.indices(start, self.micro_batch))
-        return w[:, :-1], w[:, 1:]
+        return self.train.pairs(self.sampler.indices(start, self.micro_batch))
+
+    def trained_tokens(self, step: int) -> int | None:
+        """The targets trained on in step `step`'s whole global batch (every rank's), None where every
+        target is: what the step's loss is the mean over."""
+        trained = self.train.trained(self.sampler.indices(step * self.global_batch, self.global_batch))
+        return None if trained is None else int(trained.sum())
 
     def eval_batches(self, count: int):
         if self.eval is None or not len(self.eval_range):
             return
         ids = list(self.eval_range)
         for i in range(0, min(len(ids), count * self.micro_batch), self.micro_batch):
-            w = self.eval.batch(ids[i:i + self.micro_batch])
-            yield w[:, :-1], w[:, 1:]
+            yield self.eval.pairs(ids[i:i + self.micro_batch])
 
     def state(self, step: int) -> dict:
         return {"consumed_samples": step * self.global_batch, "seed": self.sampler.seed,

@@ -73,13 +73,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class ShardWriter:
     """Appends token arrays to numbered shard files of at most `shard_tokens` tokens each."""
 
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int):
-        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, prefix: str = "shard"):
+        self.out, self.dtype, self.shard_tokens, self.prefix = out, dtype, shard_tokens, prefix
         self.shards: list[dict] = []
         self.file = None
 
     def _open(self):
-        name = f"shard_{len(self.shards):05d}.bin"
+        name = f"{self.prefix}_{len(self.shards):05d}.bin"
         self.file = open(self.out / name, "wb")
         self.file.write(MAGIC + struct.pack("<Q", 0))
         self.current = {"file": name, "tokens": 0, "max_id": -1, "crc32": 0}
@@ -320,8 +320,51 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     return index
 
 
+def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, pad_to: int | None,
+                    progress: bool) -> dict:
+    """Instruction examples (data/instruct.py): token shards and loss-mask shards of the same lengths; with
+    `pad_to`, one window of pad_to + 1 tokens per example, never split across shards."""
+    from tqdm import tqdm
+
+    from .instruct import InstructError, examples, fit
+    dtype = token_dtype(tok.vocab_size)
+    if pad_to:
+        shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
+    tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
+    count = truncated = trained = 0
+    try:
+        with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
+                  disable=not progress) as bar:
+            for path in inputs:
+                for ids, mask, nbytes in examples(path, tok):
+                    if pad_to:
+                        ids, mask, cut = fit(ids, mask, pad_to + 1, tok.eos_id)
+                        truncated += cut
+                    tokens.write(ids)
+                    masks.write(mask)
+                    count += 1
+                    trained += int(mask.sum())
+                    bar.update(nbytes)
+    except InstructError as e:
+        for w in (tokens, masks):
+            if w.file is not None:
+                w.file.close()
+        raise PrepareError(str(e)) from None
+    shards, mask_shards = tokens.finish(), masks.finish()
+    if not shards:
+        raise PrepareError("the inputs hold no examples")
+    index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
+             "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "documents": count, "examples": count,
+             "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
+             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated}
+    tok.save(out)
+    (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
-            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True) -> dict:
+            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True,
+            pad_to: int | None = None) -> dict:
     """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index.
 
     `out` is replaced only by a complete dataset: after any error it holds what it held before.
@@ -337,8 +380,19 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 raise PrepareError(f"input {p} is a directory, not a file")
             if not p.is_file():
                 raise FileNotFoundError(f"input {p} does not exist")
+        from .instruct import is_instruct
+        instruct = [is_instruct(p) for p in inputs]
+        if any(instruct) and not all(instruct):
+            raise PrepareError("instruction examples (prompt/completion or messages jsonl) and plain text cannot be "
+                               "prepared into one dataset: " + ", ".join(str(p) for p, i in zip(inputs, instruct) if i))
+        if pad_to is not None and not all(instruct):
+            raise PrepareError("--pad-to applies to instruction examples (prompt/completion or messages jsonl)")
+        if pad_to is not None and pad_to < 1:
+            raise PrepareError(f"--pad-to {pad_to} must be a positive number of tokens (the training's seq_len)")
         final = _output_dir(out)
         with building(final) as scratch:
+            if instruct and all(instruct):
+                return _write_instruct(inputs, tok, scratch, shard_tokens, pad_to, progress)
             return _write(inputs, tok, scratch, shard_tokens, text_field, progress)
     except (ValueError, OSError) as e:
         final = final or Path(os.path.realpath(out))

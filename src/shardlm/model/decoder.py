@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
-from .loss import linear_cross_entropy
+from ..config import IGNORE, ModelConfig
+from .loss import linear_cross_entropy, trained_count
 from .weight_grad import Linear
 
 
@@ -181,7 +181,8 @@ class LMOutput(nn.Module):
             return F.linear(h, weight)
         if not chunk:
             logits = F.linear(h, weight)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                                   reduction="sum", ignore_index=IGNORE) / trained_count(targets)
         return linear_cross_entropy(h, weight, targets, chunk, compiled)
 
 

@@ -16,16 +16,21 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..config import IGNORE
+
 CHUNK_TOKENS = 2048
 
 
-def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy (fp32) of a chunk and d(mean loss over n)/d(logits) in the logits' dtype."""
+def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, n) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy (fp32) of a chunk and d(mean loss over n)/d(logits) in the logits' dtype; targets
+    IGNORE count for nothing."""
     x = logits.float()
+    trained = targets != IGNORE
+    targets = targets.clamp(min=0)
     lse = torch.logsumexp(x, dim=-1)
-    loss = (lse - x.gather(1, targets[:, None]).squeeze(1)).sum()
+    loss = ((lse - x.gather(1, targets[:, None]).squeeze(1)) * trained).sum()
     grad = (x - lse[:, None]).exp()
-    grad = grad.scatter_add(1, targets[:, None], torch.full_like(grad[:, :1], -1.0))
+    grad = grad.scatter_add(1, targets[:, None], torch.full_like(grad[:, :1], -1.0)) * trained[:, None]
     return loss, (grad / n).to(logits.dtype)
 
 
@@ -49,11 +54,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, targets, chunk: int, chunk_loss):
         h2 = h.reshape(-1, h.shape[-1])
         t = targets.reshape(-1)
-        n = t.numel()
+        n = trained_count(t)
         grad_h = torch.empty_like(h2)
         grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, n, chunk):
+        for s in range(0, t.numel(), chunk):
             hc = h2[s:s + chunk]
             loss, grad = chunk_loss(hc, weight, t[s:s + chunk], n, True)
             total += loss
@@ -75,8 +80,8 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     forward where autograd needs them, and the same chunks without them in evaluation."""
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        n = t.numel()
-        return sum(chunk_loss(h2[s:s + chunk], weight, t[s:s + chunk], n, False)[0] for s in range(0, n, chunk)) / n
+        return sum(chunk_loss(h2[s:s + chunk], weight, t[s:s + chunk], 1, False)[0]
+                   for s in range(0, t.numel(), chunk)) / trained_count(t)
     dev = h.device.type
     if torch.is_autocast_enabled(dev):
         # Under autocast (fp32 weights, 16-bit compute) cast once here; the casts' backward returns the
@@ -87,10 +92,15 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     return LinearCrossEntropy.apply(h, weight, targets, chunk, chunk_loss)
 
 
-def _local_chunk_loss(compiled: bool, hc, weight, tc, n: int, want_grad: bool):
+def trained_count(targets: torch.Tensor) -> torch.Tensor:
+    """The targets trained on (at least 1: a batch of prompts alone has loss 0, not 0 / 0), on the device."""
+    return (targets != IGNORE).sum().clamp(min=1)
+
+
+def _local_chunk_loss(compiled: bool, hc, weight, tc, n, want_grad: bool):
     logits = hc @ weight.t()
     if not want_grad:
-        return F.cross_entropy(logits.float(), tc, reduction="sum"), None
+        return F.cross_entropy(logits.float(), tc, reduction="sum", ignore_index=IGNORE), None
     return (_fused_ce_and_grad() if compiled else ce_and_grad)(logits, tc, n)
 
 

@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ..config import IGNORE
 from ..model.loss import CHUNK_TOKENS, chunked_cross_entropy, linear_cross_entropy
 
 
@@ -42,11 +43,12 @@ def local_partials(logits, valid: int, gmax, t_local, owned) -> torch.Tensor:
     return torch.stack([sum_exp, target])
 
 
-def local_logit_grad(logits, valid: int, lse, t_local, owned, n: int) -> torch.Tensor:
-    """d(mean loss over n)/d(local logits) = (softmax - onehot) / n, in the logits' dtype."""
+def local_logit_grad(logits, valid: int, lse, t_local, owned, trained, n) -> torch.Tensor:
+    """d(mean loss over n)/d(local logits) = (softmax - onehot) / n where trained, 0 elsewhere, in the
+    logits' dtype."""
     x = _fp32(logits, valid)
     grad = (x - lse[:, None]).exp()
-    grad = grad.scatter_add(1, t_local[:, None], -owned[:, None].to(grad.dtype))
+    grad = grad.scatter_add(1, t_local[:, None], -owned[:, None].to(grad.dtype)) * trained[:, None]
     return (grad / n).to(logits.dtype)
 
 
@@ -62,20 +64,21 @@ def _steps(compiled: bool):
     return _compiled_steps
 
 
-def _chunk_loss(group, vocab_start: int, valid: int, steps, hc, weight, tc, n: int, want_grad: bool):
+def _chunk_loss(group, vocab_start: int, valid: int, steps, hc, weight, tc, n, want_grad: bool):
     """Summed fp32 loss of one chunk and, if wanted, d(mean loss)/d(local logits)."""
     max_fn, partials_fn, grad_fn = steps
     logits = hc @ weight.t()
-    owned = (tc >= vocab_start) & (tc < vocab_start + weight.shape[0])
+    trained = tc != IGNORE
+    owned = (tc >= vocab_start) & (tc < vocab_start + weight.shape[0])  # an IGNORE target is owned by none
     t_local = (tc - vocab_start).clamp(0, weight.shape[0] - 1)  # any in-range index where not owned
     gmax = max_fn(logits, valid)
     dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
     stats = partials_fn(logits, valid, gmax, t_local, owned)
     dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     lse = gmax + stats[0].log()
-    loss = (lse - stats[1]).sum()
+    loss = ((lse - stats[1]) * trained).sum()
     # grad_h = grad @ weight is then partial: this rank's vocabulary rows only (see below).
-    return loss, (grad_fn(logits, valid, lse, t_local, owned, n) if want_grad else None)
+    return loss, (grad_fn(logits, valid, lse, t_local, owned, trained, n) if want_grad else None)
 
 
 def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,

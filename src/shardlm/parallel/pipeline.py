@@ -90,7 +90,8 @@ class _Posted:
 class _Step:
     """What one step's actions pass each other, by (stage, micro-batch)."""
     data: list          # the micro-batches (inputs, targets)
-    count: int          # micro-batches per step: each loss is divided by it
+    count: int          # micro-batches per step: each loss is divided by it, or
+    weights: list | None  # multiplied by its weight (instruction data: its share of the trained targets)
     loss: torch.Tensor  # their sum (on the last stage)
     inputs: dict = field(default_factory=dict)    # a stage's input, whose gradient goes back
     outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
@@ -143,9 +144,9 @@ class PipelineSchedule:
         h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length)
         return self.model.head(h, targets) if stage == self.S - 1 else h
 
-    def __call__(self, micro_batches, count: int, device: torch.device) -> torch.Tensor:
+    def __call__(self, micro_batches, count: int, device: torch.device, weights=None) -> torch.Tensor:
         self.engine.wait_for_weights()  # ZeRO-1's all-gathers: forward does not enter through the model here
-        step = _Step(list(micro_batches), count, torch.zeros((), device=device))
+        step = _Step(list(micro_batches), count, weights, torch.zeros((), device=device))
         dtype = next(self.model.parameters()).dtype
         for item in batches(self.table):
             if isinstance(item, list):
@@ -217,7 +218,7 @@ class PipelineSchedule:
             x = received.requires_grad_()
         out = self.forward(a.stage, x, y, y.shape[1])  # the sequence's length, whatever slice x holds
         if a.stage == self.S - 1:
-            out = out / step.count
+            out = out / step.count if step.weights is None else out * step.weights[a.mb]
             step.loss += out.detach()
         step.inputs[(a.stage, a.mb)], step.outputs[(a.stage, a.mb)] = x, out
 

@@ -22,12 +22,14 @@ class ForwardBackward:
         self.forward, self.engine, self.scaler = model, engine, scaler
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], count: int,
-                 device: torch.device) -> torch.Tensor:
-        """Run the step's `count` micro-batches; returns the mean loss as a device tensor (no host sync)."""
+                 device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
+        """Run the step's `count` micro-batches; returns the mean loss as a device tensor (no host sync).
+        `weights`: each micro-batch's mean loss times its weight instead of divided by `count`, where they
+        hold unequal numbers of trained targets (instruction data)."""
         total = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             last = i == count - 1
-            loss = self.forward(x, y) / count
+            loss = self.forward(x, y) / count if weights is None else self.forward(x, y) * weights[i]
             total += loss.detach()
             self.engine.prepare_backward(last)
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()

@@ -1,0 +1,134 @@
+"""Instruction data for supervised fine-tuning (`shardlm data prepare` of prompt/completion or chat jsonl):
+token shards as for pretraining, plus a loss mask beside them (1 where the token is trained on: the
+completion, the assistant's turns and the end-of-text token that closes them; 0 for the prompt), so only
+the answers are learned, as in InstructGPT's and Alpaca's supervised fine-tuning.
+
+Each line is {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}. Chat turns are rendered
+with the tokenizer's chat template (tokenizer_config.json's `chat_template`, through jinja2 as transformers
+renders it) when it has one, else as "<|role|>\\ncontent\\n" lines; a turn's tokens are what rendering the
+conversation up to it adds to the rendering before it, masked by whether the assistant said them.
+
+With `pad_to` (the training's seq_len) every example is one window: cut at pad_to tokens, or padded to it
+with end-of-text tokens that are not trained on, so no example attends to another (no packing). Without
+it, examples follow each other in the stream (packed), and a window may hold the end of one example and
+the start of the next.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+class InstructError(ValueError):
+    """A line that is no instruction example."""
+
+
+def is_instruct(path: Path) -> bool:
+    """A jsonl file whose first record is an instruction example (prompt/completion, or messages)."""
+    if path.suffix.lower() != ".jsonl":
+        return False
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    return False
+                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+    return False
+
+
+def _chat_template(tok: Tokenizer):
+    source = getattr(tok, "source", None)
+    cfg = Path(source) / "tokenizer_config.json" if source else None
+    if cfg is None or not cfg.is_file():
+        return None
+    template = json.loads(cfg.read_text()).get("chat_template")
+    if not isinstance(template, str):
+        return None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
+def _render(template, messages: list[dict], eos: str, generation_prompt: bool = False) -> str:
+    """The conversation as text; `generation_prompt` appends what opens the assistant's next turn."""
+    if template is None:
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + \
+            ("<|assistant|>\n" if generation_prompt else "")
+    return template.render(messages=messages, add_generation_prompt=generation_prompt, eos_token=eos, bos_token="")
+
+
+def _pieces(record: dict, where: str, template, eos: str) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of one example, in order."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+            raise InstructError(f"{where}: messages must be a non-empty list of {{role: system|user|assistant, "
+                                "content: string}}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise InstructError(f"{where}: no assistant message: nothing to train on")
+        out, before = [], ""
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":  # the header that opens the answer is prompt, not answer
+                header = _render(template, messages[:i], eos, generation_prompt=True)
+                out.append((_after(header, before, where, i), False))
+                before = header
+            text = _render(template, messages[:i + 1], eos)
+            out.append((_after(text, before, where, i), m["role"] == "assistant"))
+            before = text
+        return out
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise InstructError(f"{where}: needs string fields prompt and completion (or messages)")
+    return [(prompt, False), (completion, True)]
+
+
+def _after(text: str, before: str, where: str, i: int) -> str:
+    if not text.startswith(before):
+        raise InstructError(f"{where}: the chat template renders turn {i + 1} by rewriting the turns before it, "
+                            "so the turns cannot be masked apart")
+    return text[len(before):]
+
+
+def examples(path: Path, tok: Tokenizer):
+    """(token ids, loss mask) of every example of a jsonl file, each closed by the end-of-text token (trained
+    on: the model learns to stop)."""
+    if tok.eos_id is None:
+        raise InstructError("instruction data needs a tokenizer with an end-of-text token")
+    template = _chat_template(tok)
+    eos = tok.decode([tok.eos_id])
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(raw)
+            except ValueError as e:
+                raise InstructError(f"{where}: not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise InstructError(f"{where}: not a JSON object")
+            ids, mask = [], []
+            for text, trained in _pieces(record, where, template, eos):
+                piece = tok.encode(text) if text else []
+                ids += piece
+                mask += [trained] * len(piece)
+            ids.append(tok.eos_id)
+            mask.append(True)
+            yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), len(raw)
+
+
+def fit(ids: np.ndarray, mask: np.ndarray, pad_to: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """One example as one window of `pad_to` tokens: cut (True when it was), or padded with untrained pad_id."""
+    if len(ids) >= pad_to:
+        return ids[:pad_to], mask[:pad_to], len(ids) > pad_to
+    pad = pad_to - len(ids)
+    return (np.concatenate([ids, np.full(pad, pad_id, dtype=ids.dtype)]),
+            np.concatenate([mask, np.zeros(pad, dtype=mask.dtype)]), False)
