@@ -233,3 +233,15 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
     torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=1e-3, atol=0)
     run_cli("export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_adapter_count_and_flops_are_what_the_model_trains(arch):
+    """adapter_count (the planner's and the MFU's) against the parameters the model trains; the FLOPs per
+    token drop the frozen weights' gradient: 4 N + 6 x adapters + attention."""
+    from shardlm.parallel.lora import adapter_count, flops_per_token
+    cfg, model = lora_model(arch)
+    assert adapter_count(cfg.model, cfg.lora) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    full, lora = cfg.model.flops_per_token(32), flops_per_token(cfg.model, 32, cfg.lora)
+    attention = 12 * cfg.model.num_layers * cfg.model.num_heads * cfg.model.head_size * 32
+    assert lora == (full - attention) // 6 * 4 + 6 * adapter_count(cfg.model, cfg.lora) + attention

@@ -30,7 +30,9 @@ from .inference import generate_text
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
+from .parallel.lora import flops_per_token as lora_flops
 from .parallel.parallelize import parallelize
+from .parallel.qlora import NF4_BYTES_PER_WEIGHT
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, signal_name
@@ -86,7 +88,8 @@ class Trainer:
         same_dir = False
         if resume is not None:
             same_dir = self._resume(resume)
-        self.flops_per_token = cfg.model.flops_per_token(t.seq_len)
+        self.flops_per_token = lora_flops(cfg.model, t.seq_len, cfg.lora) if cfg.lora.rank else \
+            cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None)
@@ -113,6 +116,8 @@ class Trainer:
         mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
                               Layout.from_config(self.cfg))
         need = mem.params + mem.grads + mem.optimizer
+        if self.cfg.lora.rank:  # frozen weights have no gradients or optimizer state; the adapters' are small
+            need = mem.params * (NF4_BYTES_PER_WEIGHT / 2 if self.cfg.lora.quantize == "nf4" else 1.0)
         free = _free_memory(self.device)
         short = free is not None and need > free
         if self._any_rank(short):  # one rank's busy GPU stops them all, not that rank alone

@@ -70,6 +70,29 @@ def _parts(cfg: ModelConfig, path: str) -> tuple[int, ...]:
     return (h,)
 
 
+def adapter_count(cfg: ModelConfig, lora: LoRAConfig) -> int:
+    """Parameters of all the model's adapters (A: rank x in, B: its rows x rank per adapted module)."""
+    chosen = lora_targets(cfg.arch, lora.targets)
+    inputs = {"attn.out": cfg.num_heads * cfg.head_size, "mlp.down": cfg.ffn_size}
+    total = 0
+    for path, modules in LORA_MODULES[cfg.arch].items():
+        parts = _parts(cfg, path)
+        rows = list(parts) if len(modules) == len(parts) else [sum(parts)]
+        total += sum(lora.rank * (inputs.get(path, cfg.hidden_size) + r) for m, r in zip(modules, rows) if m in chosen)
+    return cfg.num_layers * total
+
+
+def flops_per_token(cfg: ModelConfig, seq: int, lora: LoRAConfig) -> int:
+    """Training FLOPs per token of LoRA fine-tuning: what is computed, not full training's 6 x N. The frozen
+    matmul parameters N (ModelConfig.flops_per_token's: every block linear and the head) cost 2 N forward and
+    2 N in the backward through their inputs, with no weight gradient; the adapters all three, 6 x theirs;
+    attention its forward and backward, 12 x layers x heads x head_dim x seq. A recomputed forward is not
+    counted (the MFU convention), nor NF4's dequantisation (no matmul)."""
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq
+    matmul = (cfg.flops_per_token(seq) - attention) // 6
+    return 4 * matmul + 6 * adapter_count(cfg, lora) + attention
+
+
 def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lora: LoRAConfig) -> LoRA | None:
     modules = LORA_MODULES[cfg.arch][path]
     parts = _parts(cfg, path)

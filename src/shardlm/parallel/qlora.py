@@ -17,6 +17,7 @@ from torch import nn
 from ..config import LORA_MODULES, ConfigError
 
 BLOCK = 64  # weights per absmax scale (the paper's and torchao's)
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * 256)  # codes, int8 scales, their fp32 scales (at least)
 
 
 def _torchao():
