@@ -164,11 +164,11 @@ def pipeline_in_flight(rank, world, overrides: dict):
         return t
     real = step.forward
 
-    def forward(stage, x, y, length):
+    def forward(stage, x, y, length, documents=None):
         freed[0] &= all(r() is None or r().numel() == 1 for r in sent)
         now[0] += 1
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = real(stage, x, y, length)
+            out = real(stage, x, y, length, documents)
         saved[:] = [(i, r) for i, r in saved if r() is not None]
         most[0] = max(most[0], len({i for i, _ in saved}))
         if out.dim() == 3:  # a stage's output, sent on (the last stage returns its loss)

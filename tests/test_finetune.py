@@ -151,16 +151,41 @@ def test_the_loss_is_the_mean_over_the_global_batchs_trained_targets(tmp_path):
     torch.testing.assert_close(trainer.train_step(), summed / sum(counts), rtol=1e-6, atol=0)
 
 
+GPT2 = {"model.arch": "gpt2", "model.num_kv_heads": "0"}  # learned positions: restarted per packed example too
+
+
 @pytest.mark.parametrize("layout", [{"parallel.dp": "2"}, {"parallel.dp": "2", "parallel.zero_stage": "1"},
                                     {"parallel.pp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
-                                    {"parallel.tp": "2", "parallel.dp": "1"}], ids=["dp2", "dp2-zero1", "pp2", "tp2"])
+                                    {"parallel.tp": "2", "parallel.dp": "1"},
+                                    {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1", **GPT2}],
+                         ids=["dp2", "dp2-zero1", "pp2", "tp2", "tp2-sp-gpt2"])
 def test_instruction_training_under_other_layouts_equals_one_process(tmp_path, layout):
+    """Packed examples (document masks, per-example positions) and completion-only losses, any layout."""
     from test_tensor_parallel import OPTIMIZERS, check_equal
     over = {"data.path": sft_data(tmp_path), "train.seq_len": "24", "train.steps": "3", "train.micro_batch_size": "2",
-            "train.global_batch_size": "8", **OPTIMIZERS["sgd"], "lora.rank": "4"}
+            "train.global_batch_size": "8", **OPTIMIZERS["sgd"], "lora.rank": "4",
+            **{k: v for k, v in layout.items() if k.startswith("model.")}}
     ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1"})
     world = int(layout.get("parallel.dp", 1)) * int(layout.get("parallel.pp", 1)) * int(layout.get("parallel.tp", 1))
     check_equal(run_distributed(dist_fns.train_and_capture, world, {**over, **layout}, timeout=240), ref)
+
+
+@pytest.mark.parametrize("model", [{}, GPT2], ids=["llama", "gpt2"])
+def test_packed_examples_do_not_attend_across_their_boundary(model):
+    """The logits of examples packed into one window equal each example's alone."""
+    cfg = load_config("tiny", model)
+    m = Decoder(cfg.model)
+    m.init_weights(0)
+    eos = 5
+    a, b, c = torch.tensor([[7, 8, 9, eos]]), torch.tensor([[11, 12, eos]]), torch.tensor([[13, 14, 15, 16]])
+    with torch.no_grad():
+        alone = [m(x) for x in (a, b, c)]
+        m.doc_eos = eos
+        packed = m(torch.cat([a, b, c], 1))
+    torch.testing.assert_close(packed, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+    m.doc_eos = None
+    with torch.no_grad():
+        assert not torch.allclose(m(torch.cat([a, b, c], 1)), packed, atol=1e-3)  # unmasked, they do
 
 
 def test_bad_instruction_data_fails_naming_the_line(tmp_path):

@@ -80,6 +80,10 @@ class Trainer:
         self.scaler = make_loss_scaler(t.precision)
         self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler)
         self.model, self.engine = self.parallel.model, self.parallel.engine
+        self.model.doc_eos = self.data.packed_eos
+        if self.model.doc_eos is not None and t.attention == "flash":
+            raise ConfigError("train.attention = 'flash' takes no attention mask, which packed instruction examples "
+                              "need to stay apart (use auto, efficient or math, or prepare the data with --pad-to)")
         self.forward_backward = self.parallel.forward_backward
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did

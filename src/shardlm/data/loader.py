@@ -165,6 +165,13 @@ class TrainData:
         start = step * self.global_batch + self.dp_rank * per_rank + micro * self.micro_batch
         return self.train.pairs(self.sampler.indices(start, self.micro_batch))
 
+    @property
+    def packed_eos(self) -> int | None:
+        """The end-of-text id closing each of the instruction examples packed into the windows, whose
+        attention the model keeps apart (Decoder.documents); None for other data."""
+        shards = self.train.shards
+        return shards.index.get("eos_id") if shards.masks is not None and not shards.pad_to else None
+
     def trained_tokens(self, step: int) -> int | None:
         """The targets trained on in step `step`'s whole global batch (every rank's), None where every
         target is: what the step's loss is the mean over."""

@@ -246,6 +246,7 @@ class Decoder(nn.Module):
         self.output = LMOutput() if last else None
         self.recompute = "none"
         self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
+        self.doc_eos = None  # the end-of-text id of packed examples that must not attend to each other
         self.compile_loss = False
         self.attention = "auto"
         self._rope_cache: dict = {}
@@ -335,21 +336,38 @@ class Decoder(nn.Module):
             self._mask_cache = (key, (j <= i) & (j > i - window))
         return self._mask_cache[1]
 
+    def documents(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Which packed example each position of `ids` belongs to ([b, t]; an end-of-text token closes its
+        example), where examples are packed into windows (`doc_eos`, set from the data); else None."""
+        if self.doc_eos is None:
+            return None
+        ends = (ids == self.doc_eos).int()
+        return ends.cumsum(1) - ends
+
     def hidden_states(self, x, cache: KVCache | None = None, layers=None, embed: bool | None = None,
-                      length: int | None = None):
+                      length: int | None = None, documents: torch.Tensor | None = None):
         """The blocks `layers` (this slice's by default) over `x`: token ids where `embed` (the first slice's
         default), else the previous blocks' hidden states. `length`: the whole sequence's, where x holds a
-        slice of it (sequence parallelism between pipeline stages)."""
+        slice of it (sequence parallelism between pipeline stages). `documents` (`documents(ids)`): packed
+        examples, each attending only to itself, its positions counted from its own start."""
         start = cache.pos if cache is not None else 0
         embed = self.first if embed is None else embed
         t = length or x.shape[1]
         device = x.device
+        if documents is not None:
+            positions, mask = self._packed(documents)
+        else:
+            positions, mask = torch.arange(start, start + t, device=device), self.window_mask(start, t, device)
         if embed:
             x = self.embed(x)
             if self.pos_embed is not None:
-                x = x + self.pos_embed(torch.arange(start, start + t, device=device))
-        rope = None if self.cfg.arch == "gpt2" else self.rope(start, t, device, x.dtype)
-        mask = self.window_mask(start, t, device)
+                x = x + self.pos_embed(positions)
+        rope = None
+        if self.cfg.arch != "gpt2":
+            cos, sin = self.rope(start, t, device, x.dtype)
+            if documents is not None:  # each position's own angle: [b, 1, t, head_dim]
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            rope = (cos, sin)
         for block in self.blocks(layers):
             if self.recompute == "full" and self.training and cache is None:
                 x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
@@ -358,6 +376,17 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.pos += t
         return x
+
+    def _packed(self, documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions (restarting at each example) and the block-diagonal causal mask ([b, 1, t, t]) of
+        packed examples: Llama 3's document masking."""
+        t, device = documents.shape[1], documents.device
+        i = torch.arange(t, device=device)
+        starts = documents.diff(dim=1, prepend=documents[:, :1] - 1) != 0
+        positions = i - torch.where(starts, i, 0).cummax(1).values
+        mask = (documents[:, :, None] == documents[:, None, :]) & (i[None, :] <= i[:, None])
+        window = self.window_mask(0, t, device)
+        return positions, (mask if window is None else mask & window).unsqueeze(1)
 
     @property
     def head_weight(self):
@@ -371,7 +400,8 @@ class Decoder(nn.Module):
     def forward(self, ids, targets=None, cache: KVCache | None = None, last_only: bool = False):
         """Logits (of the last position only, with `last_only`), or with `targets` the mean next-token
         cross-entropy in fp32 (never forming all logits)."""
-        return self.head(self.hidden_states(ids, cache), targets, last_only)
+        documents = self.documents(ids) if cache is None else None
+        return self.head(self.hidden_states(ids, cache, documents=documents), targets, last_only)
 
     def head(self, h, targets=None, last_only: bool = False):
         """The final norm, the output head and (with `targets`) the loss, over the last blocks' output."""

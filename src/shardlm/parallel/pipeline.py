@@ -140,8 +140,9 @@ class PipelineSchedule:
     def _peer(self, a: Action) -> int:
         return dist.get_global_rank(self.group, peer(a, self.pp))
 
-    def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int):
-        h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length)
+    def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int, documents=None):
+        h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length,
+                                     documents=documents)
         return self.model.head(h, targets) if stage == self.S - 1 else h
 
     def __call__(self, micro_batches, count: int, device: torch.device, weights=None) -> torch.Tensor:
@@ -214,9 +215,10 @@ class PipelineSchedule:
 
     def _forward(self, step: "_Step", a: Action, received: torch.Tensor | None) -> None:
         x, y = step.data[a.mb]
+        documents = self.model.documents(x)  # every stage has the ids: packed examples' masks from them
         if received is not None:
             x = received.requires_grad_()
-        out = self.forward(a.stage, x, y, y.shape[1])  # the sequence's length, whatever slice x holds
+        out = self.forward(a.stage, x, y, y.shape[1], documents)  # the sequence's length, whatever slice x holds
         if a.stage == self.S - 1:
             out = out / step.count if step.weights is None else out * step.weights[a.mb]
             step.loss += out.detach()
@@ -253,7 +255,7 @@ class PipelineSchedule:
                 src = dist.get_global_rank(self.group, rank_of(s - 1, self.pp))
                 for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, src, self.group)]):
                     w.wait()
-            out = self._stage_forward(s, x if s == 0 else h, y, x.shape[1])
+            out = self._stage_forward(s, x if s == 0 else h, y, x.shape[1], self.model.documents(x))
             if s == self.S - 1:
                 loss = out.float()
             else:

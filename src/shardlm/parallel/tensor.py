@@ -332,7 +332,7 @@ class SequenceParallelPositions(nn.Module):
 
     def forward(self, positions):
         if self.training:
-            positions = positions.chunk(degree(self.group))[rank_in(self.group)]
+            positions = positions.chunk(degree(self.group), dim=-1)[rank_in(self.group)]  # [t] or [b, t]
         return F.embedding(positions, self.weight)
 
 
