@@ -12,18 +12,36 @@ import time
 PEAK = 989e12
 
 
-def timed(step, warm: int, steps: int) -> tuple[float, float]:
-    """Seconds per step (mean over `steps` after `warm` warm-up steps) and peak GiB allocated while timing."""
+def timed(step, warm: int, steps: int, device: str = "cuda") -> tuple[float, float]:
+    """Seconds per step (mean over `steps` after `warm` warm-up steps) and peak GiB allocated while timing; on
+    the CPU (a benchmark's smoke run) wall time only, peak 0."""
     import torch
+    cuda = device == "cuda"
     for _ in range(warm):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+
+
+def shardlm_trainer(preset: str, overrides: dict, extra: list[str] = ()):
+    """A quiet Trainer of `preset` with `overrides` (then the command line's `--section.key value` extras), and
+    its step: one train_step, the step counter advanced."""
+    from shardlm.config import load_config, parse_overrides
+    from shardlm.trainer import Trainer
+    trainer = Trainer(load_config(preset, {**overrides, **parse_overrides(list(extra))}), out_dir=None,
+                      log=lambda *a: None)
+
+    def step():
+        trainer.train_step()
+        trainer.step += 1
+    return trainer, step
 
 
 def _descendants(pid: int) -> list[int]:

@@ -39,7 +39,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-lora": "none", "shardlm-qlora": "nf4"}
@@ -64,9 +64,7 @@ def adapted_modules(m, targets: str) -> dict[str, tuple[int, int]]:
 
 
 def shardlm_step(args, system: str, extra: list[str]):
-    from shardlm.config import load_config, parse_overrides
     from shardlm.parallel.qlora import base_bytes
-    from shardlm.trainer import Trainer
     over = {"train.seq_len": str(args.seq), "train.micro_batch_size": str(args.micro_batch),
             "train.global_batch_size": str(args.micro_batch * args.microbatches), "train.steps": "1000000",
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(bool(args.compile)).lower(),
@@ -74,12 +72,7 @@ def shardlm_step(args, system: str, extra: list[str]):
             "model.max_seq_len": str(model_config(args).model.max_seq_len), "parallel.dp": "1",
             "lora.rank": str(args.rank), "lora.alpha": str(args.alpha), "lora.dropout": "0",
             "lora.targets": args.targets, "lora.quantize": SHARDLM[system]}
-    over.update(parse_overrides(extra))
-    trainer = Trainer(load_config(args.preset, over), out_dir=None, log=lambda *a: None)
-
-    def step():
-        trainer.train_step()
-        trainer.step += 1
+    trainer, step = shardlm_trainer(args.preset, over, extra)
     model = trainer.model
     info = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "base_gib": base_bytes(model) / 2**30, "compiled": bool(args.compile), "recompute": args.recompute,
@@ -223,7 +216,7 @@ def worker(args, extra):
     for i in range(args.warm):
         step()
         say(f"warm step {i} done at {time.perf_counter() - t0:.0f} s")
-    dt, mem = timed(step, 0, args.steps) if args.device == "cuda" else _timed_cpu(step, args.steps)
+    dt, mem = timed(step, 0, args.steps, args.device)
     if state is not None:
         info.update(compiled=state["compiled"], compile_error=state["compile_error"])
     m = model_config(args).model
@@ -239,14 +232,6 @@ def worker(args, extra):
                                   **info}), flush=True)
     if close is not None:
         close()  # the trainer's process group released before the interpreter exits
-
-
-def _timed_cpu(step, steps: int) -> tuple[float, float]:
-    """The CPU smoke run: wall time only."""
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t) / steps, 0.0
 
 
 def floors(by: dict) -> list[str]:

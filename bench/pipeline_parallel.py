@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
@@ -86,23 +86,15 @@ class BusyTimer:
 
 
 def shardlm_step(args, system: str, extra: list[str]):
-    from shardlm.config import parse_overrides
-    from shardlm.trainer import Trainer
     cfg = model_config(args)
     over = {"train.seq_len": str(args.seq), "train.micro_batch_size": str(args.micro_batch),
             "train.global_batch_size": str(args.micro_batch * args.microbatches), "train.steps": "1000000",
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(args.compile),
             "model.max_seq_len": str(cfg.model.max_seq_len), "model.vocab_size": str(cfg.model.vocab_size),
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
-    over.update(parse_overrides(extra))
-    from shardlm.config import load_config
-    trainer = Trainer(load_config(args.preset, over), out_dir=None, log=lambda *a: None)
+    trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")
     trainer.forward_backward.timer = timer
-
-    def step():
-        trainer.train_step()
-        trainer.step += 1
     return step, timer, trainer
 
 
@@ -216,7 +208,7 @@ def worker(args, extra):
         say(f"warm step {i} done at {time.perf_counter() - t0:.0f} s")
     if timer is not None:
         timer.busy()  # busy time of the timed steps only
-    dt, mem = timed(step, 0, args.steps) if args.device == "cuda" else _timed_cpu(step, args.steps)
+    dt, mem = timed(step, 0, args.steps, args.device)
     row = {"system": args.system, "gpus": world, "step_s": dt}
     tok = args.micro_batch * args.microbatches * args.seq / dt / world
     row.update(tok_s_gpu=tok, mfu=tok * model_config(args).model.flops_per_token(args.seq) / PEAK)
@@ -237,15 +229,6 @@ def worker(args, extra):
         trainer.close()  # its groups and their threads released before the interpreter exits
     else:
         dist.destroy_process_group()
-
-
-def _timed_cpu(step, steps: int) -> tuple[float, float]:
-    """The CPU smoke run (tiny presets, gloo): wall time only."""
-    import time
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t) / steps, 0.0
 
 
 def main():

@@ -28,7 +28,7 @@ import math
 import os
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
@@ -43,18 +43,11 @@ def model_config(args):
 
 
 def shardlm_step(args, system: str, world: int, extra: list[str]):
-    from shardlm.config import load_config, parse_overrides
-    from shardlm.trainer import Trainer
     over = {"train.seq_len": str(args.seq), "train.micro_batch_size": str(args.micro_batch),
             "train.global_batch_size": str(args.global_batch), "train.steps": "1000000", "train.precision": "bf16",
             "train.tensorboard": "false", "train.device": args.device, "train.compile": str(args.compile),
             "model.max_seq_len": str(model_config(args).model.max_seq_len), "parallel.dp": "1", **SHARDLM[system]}
-    over.update(parse_overrides(extra))
-    trainer = Trainer(load_config(args.preset, over), out_dir=None, log=lambda *a: None)
-
-    def step():
-        trainer.train_step()
-        trainer.step += 1
+    trainer, step = shardlm_trainer(args.preset, over, extra)
     # Symmetric memory (ZeRO's buffers over the copy engines) is mapped outside PyTorch's caching allocator,
     # whose peak the timing reads: it is added to that peak.
     return step, trainer.engine.symmetric_bytes() / 2**30
@@ -211,7 +204,7 @@ def worker(args, extra):
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         step = dtensor_step(args, world) if args.system == "dtensor-tp4" else megatron_step(args, world)
-    dt, mem = timed(step, args.warm, args.steps) if args.device == "cuda" else _timed_cpu(step, args)
+    dt, mem = timed(step, args.warm, args.steps, args.device)
     peak = torch.tensor([mem + outside], device=args.device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -222,17 +215,6 @@ def worker(args, extra):
                                       "mfu": tok * flops / PEAK, "peak_mem_gib": float(peak)}), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _timed_cpu(step, args):
-    """The CPU smoke run (tiny presets, gloo): wall time only."""
-    import time
-    for _ in range(args.warm):
-        step()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    return (time.perf_counter() - t) / args.steps, 0.0
 
 
 def main():
