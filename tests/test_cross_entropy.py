@@ -82,3 +82,13 @@ def test_autocast_runs_in_bf16_and_returns_fp32_grads():
         torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
         ref_local = torch.cat([ref_grad_w, torch.zeros(1, HIDDEN)])[19 * rank:19 * (rank + 1)]  # 37 pads to 38
         torch.testing.assert_close(grad_w, ref_local, rtol=5e-2, atol=5e-2)
+
+
+def test_a_frozen_head_gets_no_weight_gradient_and_the_same_input_gradient():
+    """LoRA freezes the head: its weight gradient is neither formed nor returned."""
+    h, w, t = ce_fns.problem(1, SHAPE, HIDDEN, 37)
+    h_a, w_a = h.clone().requires_grad_(), w.clone().requires_grad_()
+    linear_cross_entropy(h_a, w_a, t, chunk=5).backward()
+    h_b = h.clone().requires_grad_()
+    linear_cross_entropy(h_b, w, t, chunk=5).backward()
+    assert torch.equal(h_b.grad, h_a.grad)

@@ -105,9 +105,16 @@ def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
                          "{% if add_generation_prompt %}[assistant]{% endif %}"}))
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                             {"role": "assistant", "content": "yo"}]}])
-    prepare([data], str(tok_dir), tmp_path / "out", progress=False)
+    index = prepare([data], str(tok_dir), tmp_path / "out", progress=False)
     trained, untrained = trained_text(tmp_path / "out")
-    assert (trained, untrained) == ("yo##", "[user]hi#[assistant]")
+    assert (trained, untrained) == ("yo#", "[user]hi#[assistant]")  # the template's own end-of-text closes it
+    # Its end-of-text closes the user's turn too: packed examples could not be told apart by it.
+    from shardlm.data.loader import DataError, TokenShards, WindowDataset
+    assert index["eos_inside_examples"] == 1
+    with pytest.raises(DataError, match="prepare it with --pad-to 8"):
+        WindowDataset(TokenShards(tmp_path / "out"), 8)
+    prepare([data], str(tok_dir), tmp_path / "out", pad_to=8, progress=False)  # into the same directory
+    assert len(WindowDataset(TokenShards(tmp_path / "out"), 8)) == 1
 
 
 def test_pad_to_gives_one_example_per_window(tmp_path):
@@ -196,9 +203,44 @@ def test_bad_instruction_data_fails_naming_the_line(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(PrepareError, match="c.jsonl:1: no assistant message"):
         prepare([chat], "byte", tmp_path / "o2", progress=False)
+    odd = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": "yo"}]}])
+    tok_dir = tmp_path / "tok"
+    from shardlm.tokenizer import load_tokenizer
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")}))
+    with pytest.raises(PrepareError, match="o.jsonl:1: a system message must come first"):
+        prepare([odd], str(tok_dir), tmp_path / "o5", progress=False)
     text = tmp_path / "t.txt"
     text.write_text("plain text")
     with pytest.raises(PrepareError, match="cannot be prepared into one dataset"):
         prepare([chat, text], "byte", tmp_path / "o3", progress=False)
     with pytest.raises(PrepareError, match="--pad-to applies to instruction examples"):
         prepare([text], "byte", tmp_path / "o4", pad_to=16, progress=False)
+
+
+def test_eval_loss_is_the_mean_over_held_out_trained_targets(tmp_path):
+    import torch.nn.functional as F
+    trainer = dist_fns.tiny_trainer(1, {"data.path": sft_data(tmp_path), "train.seq_len": "24", "data.eval_windows": "6",
+                                        "train.micro_batch_size": "2", "train.global_batch_size": "8",
+                                        "train.eval_batches": "3", "train.device": "cpu"})
+    batches = list(trainer.data.eval_batches(3))
+    with torch.no_grad():
+        summed = sum(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten(), reduction="sum") for x, y in batches)
+    count = sum(int((y != -100).sum()) for _, y in batches)
+    assert len({int((y != -100).sum()) for _, y in batches}) > 1
+    assert trainer.evaluate() == pytest.approx(float(summed / count), rel=1e-6)
+
+
+def test_a_run_from_a_checkpoint_resumes_without_it(tmp_path):
+    """Resuming reads the run's checkpoint, not train.init_from again (which may be gone by then)."""
+    import shutil
+    path, _ = hf_dir(tmp_path)
+    over = {"train.init_from": str(path), "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "lora.rank": "4", "train.device": "cpu"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    shutil.rmtree(path)
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(tmp_path / "a" / "checkpoints" / "step_00000002"))
+    assert resumed["losses"] == full["losses"][2:]

@@ -245,3 +245,15 @@ def test_the_adapter_count_and_flops_are_what_the_model_trains(arch):
     full, lora = cfg.model.flops_per_token(32), flops_per_token(cfg.model, 32, cfg.lora)
     attention = 12 * cfg.model.num_layers * cfg.model.num_heads * cfg.model.head_size * 32
     assert lora == (full - attention) // 6 * 4 + 6 * adapter_count(cfg.model, cfg.lora) + attention
+
+
+def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():
+    """An update below bf16's spacing at the base's magnitude survives the merge (writers cast after)."""
+    from shardlm.parallel.lora import merged
+    cfg, model = lora_model("llama")
+    state = {k: (v.bfloat16() if not is_adapter(k) else v) for k, v in model.state_dict().items()}
+    out = merged(state, cfg.model, cfg.lora)
+    key = "layers.0.attn.out.weight"
+    a, b = state["layers.0.attn.out.lora.A.o_proj"], state["layers.0.attn.out.lora.B.o_proj"]
+    assert out[key].dtype == torch.float32
+    torch.testing.assert_close(out[key], state[key].float() + cfg.lora.alpha / cfg.lora.rank * (b @ a))

@@ -78,12 +78,16 @@ class Trainer:
                                     self.mesh.dp, self.mesh.dp_rank)
 
         self.scaler = make_loss_scaler(t.precision)
-        self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler)
+        self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler, resuming=resume is not None)
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.model.doc_eos = self.data.packed_eos
         if self.model.doc_eos is not None and t.attention == "flash":
             raise ConfigError("train.attention = 'flash' takes no attention mask, which packed instruction examples "
                               "need to stay apart (use auto, efficient or math, or prepare the data with --pad-to)")
+        if self.model.doc_eos is not None and t.attention == "auto" and self.device.type == "cuda":
+            # A mask rules out flash, and with grouped-query attention SDPA's auto choice falls to the math
+            # kernel (scores in memory): the memory-efficient kernel, K/V repeated per head, takes the mask.
+            self.model.set_attention("efficient")
         self.forward_backward = self.parallel.forward_backward
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
@@ -248,10 +252,13 @@ class Trainer:
     def evaluate(self) -> float | None:
         self.model.eval()
         # Every rank evaluates the same batches: ZeRO-3's parameter gathers are collectives.
-        losses = [self.parallel.eval_loss(x.to(self.device), y.to(self.device))
+        # Weighted by each batch's trained targets (all of them, but for instruction data's masks): the mean
+        # over the held-out targets, not a mean of batches' means.
+        losses = [(self.parallel.eval_loss(x.to(self.device), y.to(self.device)), int((y != IGNORE).sum()))
                   for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
         self.model.train()
-        return sum(losses) / len(losses) if losses else None
+        trained = sum(n for _, n in losses)
+        return sum(loss * n for loss, n in losses) / trained if trained else None
 
     def save(self) -> Path | None:
         if self.out is None:

@@ -53,7 +53,12 @@ def _chat_template(tok: Tokenizer):
     if not isinstance(template, str):
         return None
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+    def raise_exception(message):  # the helper transformers gives templates, for their own checks
+        raise InstructError(message)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
 
 
 def _render(template, messages: list[dict], eos: str, generation_prompt: bool = False) -> str:
@@ -66,6 +71,16 @@ def _render(template, messages: list[dict], eos: str, generation_prompt: bool = 
 
 def _pieces(record: dict, where: str, template, eos: str) -> list[tuple[str, bool]]:
     """(text, trained) pieces of one example, in order."""
+    import jinja2
+    try:
+        return _split(record, where, template, eos)
+    except InstructError as e:
+        raise InstructError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    except jinja2.TemplateError as e:
+        raise InstructError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
+
+
+def _split(record: dict, where: str, template, eos: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages or not all(
@@ -98,8 +113,8 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask) of every example of a jsonl file, each closed by the end-of-text token (trained
-    on: the model learns to stop)."""
+    """(token ids, loss mask, bytes read) of every example of a jsonl file, each closed by the end-of-text
+    token (trained on: the model learns to stop)."""
     if tok.eos_id is None:
         raise InstructError("instruction data needs a tokenizer with an end-of-text token")
     template = _chat_template(tok)
@@ -120,8 +135,9 @@ def examples(path: Path, tok: Tokenizer):
                 piece = tok.encode(text) if text else []
                 ids += piece
                 mask += [trained] * len(piece)
-            ids.append(tok.eos_id)
-            mask.append(True)
+            if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
+                ids.append(tok.eos_id)
+                mask.append(True)
             yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), len(raw)
 
 

@@ -94,6 +94,10 @@ class WindowDataset:
         if shards.pad_to is not None and shards.pad_to != seq_len:
             raise DataError(f"{shards.dir} holds one example per window of {shards.pad_to} tokens (--pad-to), "
                             f"but train.seq_len = {seq_len}: prepare it again with --pad-to {seq_len}")
+        if shards.masks is not None and not shards.pad_to and shards.index.get("eos_inside_examples"):
+            raise DataError(f"{shards.dir}: {shards.index['eos_inside_examples']} examples hold the end-of-text token "
+                            "inside them (the chat template closes every turn with it), so packed examples "
+                            f"cannot be told apart: prepare it with --pad-to {seq_len} (one example per window)")
         self.stride = seq_len + 1 if shards.pad_to else seq_len
         counts = [max(0, (len(t) - 1) // seq_len) if not shards.pad_to else len(t) // self.stride
                   for t in shards.tokens]

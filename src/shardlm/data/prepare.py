@@ -265,7 +265,7 @@ def _output_dir(out: Path) -> Path:
     if os.path.lexists(final) and not final.is_dir():
         raise PrepareError(f"{out} exists and is not a directory")
     if final.is_dir():
-        foreign = sorted(n for n in os.listdir(final) if n not in OWN_FILES and not re.fullmatch(r"shard_\d+\.bin", n))
+        foreign = sorted(n for n in os.listdir(final) if n not in OWN_FILES and not re.fullmatch(r"(shard|mask)_\d+\.bin", n))
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
@@ -331,12 +331,13 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     if pad_to:
         shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
-    count = truncated = trained = 0
+    count = truncated = trained = inside = 0
     try:
         with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
                   disable=not progress) as bar:
             for path in inputs:
                 for ids, mask, nbytes in examples(path, tok):
+                    inside += bool((ids[:-1] == tok.eos_id).any())  # packing finds examples by this token
                     if pad_to:
                         ids, mask, cut = fit(ids, mask, pad_to + 1, tok.eos_id)
                         truncated += cut
@@ -356,7 +357,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "documents": count, "examples": count,
              "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
-             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated}
+             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index

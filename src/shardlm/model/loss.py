@@ -56,14 +56,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         t = targets.reshape(-1)
         n = trained_count(t)
         grad_h = torch.empty_like(h2)
-        grad_w = torch.zeros_like(weight)  # summed over chunks in the weight's dtype, as autograd would
+        # Summed over chunks in the weight's dtype, as autograd would; none for a frozen head (LoRA).
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, t.numel(), chunk):
             hc = h2[s:s + chunk]
             loss, grad = chunk_loss(hc, weight, t[s:s + chunk], n, True)
             total += loss
             torch.mm(grad, weight, out=grad_h[s:s + chunk])
-            grad_w.addmm_(grad.t(), hc)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), hc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.h_shape = h.shape
         return total / n
@@ -71,7 +73,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape), grad_w * grad_out.to(grad_w.dtype), None, None, None
+        return ((grad_h * grad_out.to(grad_h.dtype)).view(ctx.h_shape),
+                None if grad_w is None else grad_w * grad_out.to(grad_w.dtype), None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,

@@ -181,8 +181,8 @@ def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> 
 
 
 def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
-    """A full state dict with every adapter folded into its base weight (W0 + scale B A on its rows) and
-    removed: the plain model's state."""
+    """A full state dict with every adapter folded into its base weight (W0 + scale B A on its rows, in fp32)
+    and removed: the plain model's state."""
     out = {k: v for k, v in state.items() if not is_adapter(k)}
     for layer, path, name, a, b in _adapters(state, cfg):
         key = f"layers.{layer}.{path}.weight"
@@ -194,7 +194,7 @@ def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.T
             start = sum(parts[:index])
         w = out[key].float().clone()
         w[start:start + b.shape[0]] += scale(lora) * (b.float() @ a.float())
-        out[key] = w.to(state[key].dtype)
+        out[key] = w  # fp32: an update below a bf16 base's spacing would be lost casting back; writers cast
     return out
 
 

@@ -88,7 +88,8 @@ class Parallelized:
         return self.model(x, y).item()
 
 
-def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallelized:
+def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: bool = False) -> Parallelized:
+    """`resuming`: the weights will come from a checkpoint, so `train.init_from` is not read (it may be gone)."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     stages = p.pp * p.virtual_stages
     layers_of = split_layers(m, stages, p.pp_layers) if p.pp > 1 else None
@@ -100,7 +101,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler) -> Parallel
         apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.init_weights(t.seed)
-    if t.init_from:
+    if t.init_from and not resuming:
         _load_initial(model, t.init_from, shardings(model))
     model.to(DTYPES[t.precision])
     if cfg.lora.quantize == "nf4":
