@@ -12,13 +12,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["schedules"],                                                                                 # no torch
     ["config"],
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat",
-     "text_metrics"],                                                                              # primitives
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
     ["optim"],
     ["parallel"],
-    ["inference", "testing"],
+    ["inference", "testing", "text_metrics"],
     ["trainer"],
     ["cli"],
     ["__main__"],

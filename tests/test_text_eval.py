@@ -132,7 +132,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     no_ref = write_jsonl(tmp_path / "no_ref.jsonl", [EXAMPLES[0], {"prompt": "x", "answer": "y"}])
     assert f"{no_ref}:2: needs string fields prompt and completion" in error("--tasks", "bleu", "--data", no_ref)
     not_obj = write_jsonl(tmp_path / "list.jsonl", ['["x", "y"]'])
-    assert f"{not_obj}:1: a JSON object" in error("--tasks", "bleu", "--data", not_obj)
+    assert f"{not_obj}:1: an array, not an object with prompt and completion" in error("--tasks", "bleu", "--data", not_obj)
     assert "needs --seq-len" in error("--data", ok)
 
 

@@ -7,10 +7,10 @@ averaged over the examples. All five are on a 0-100 scale.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .config import ConfigError
+from .data.jsonl import objects
 
 # A task and the scores it reports.
 TASKS = {"bleu": ("bleu", "chrf"), "rouge": ("rouge1", "rouge2", "rougeL")}
@@ -39,23 +39,13 @@ def read_examples(path: str | Path) -> tuple[list[str], list[str]]:
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file")
     prompts, refs = [], []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{n}: a JSON object with prompt and completion expected, got "
-                                  f"{type(obj).__name__}")
-            ref = obj.get("completion", obj.get("reference"))
-            if not isinstance(obj.get("prompt"), str) or not isinstance(ref, str):
-                raise ConfigError(f"{path}:{n}: needs string fields prompt and completion (or reference), "
-                                  f"has {', '.join(sorted(obj)) or 'none'}")
-            prompts.append(obj["prompt"])
-            refs.append(ref)
+    for where, obj, _ in objects(path, ConfigError, " with prompt and completion"):
+        ref = obj.get("completion", obj.get("reference"))
+        if not isinstance(obj.get("prompt"), str) or not isinstance(ref, str):
+            raise ConfigError(f"{where}: needs string fields prompt and completion (or reference), "
+                              f"has {', '.join(sorted(obj)) or 'none'}")
+        prompts.append(obj["prompt"])
+        refs.append(ref)
     if not prompts:
         raise ConfigError(f"--data {path}: no examples (expected one JSON object per line)")
     return prompts, refs

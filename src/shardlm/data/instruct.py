@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import Tokenizer
+from .jsonl import objects
 
 ROLES = ("system", "user", "assistant")
 
@@ -119,26 +120,16 @@ def examples(path: Path, tok: Tokenizer):
         raise InstructError("instruction data needs a tokenizer with an end-of-text token")
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(raw)
-            except ValueError as e:
-                raise InstructError(f"{where}: not JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise InstructError(f"{where}: not a JSON object")
-            ids, mask = [], []
-            for text, trained in _pieces(record, where, template, eos):
-                piece = tok.encode(text) if text else []
-                ids += piece
-                mask += [trained] * len(piece)
-            if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
-                ids.append(tok.eos_id)
-                mask.append(True)
-            yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), len(raw)
+    for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
+        ids, mask = [], []
+        for text, trained in _pieces(record, where, template, eos):
+            piece = tok.encode(text) if text else []
+            ids += piece
+            mask += [trained] * len(piece)
+        if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
+            ids.append(tok.eos_id)
+            mask.append(True)
+        yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes
 
 
 def fit(ids: np.ndarray, mask: np.ndarray, pad_to: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, bool]:

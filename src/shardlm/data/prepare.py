@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, load_tokenizer
+from .jsonl import JSON_KINDS, objects
 from .swap import building
 
 MAGIC = b"SHLMTOK1"
@@ -169,42 +170,21 @@ def _text_pieces(path: Path) -> Iterator[tuple[str, int]]:
                 return
 
 
-JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-              bool: "a boolean", type(None): "null"}
-
-
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
+    for where, record, nbytes in objects(path, PrepareError, f" with a {text_field!r} field"):
+        if text_field not in record:
+            keys = ", ".join(map(repr, list(record)[:8])) or "none"
+            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")
+        if not text.isascii():  # a \uD800-style escape makes a lone surrogate, which UTF-8 cannot encode
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise PrepareError(f"{where}: not UTF-8 text (byte offset {offset + e.start})") from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PrepareError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise PrepareError(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object with a "
-                                   f"{text_field!r} field")
-            if text_field not in record:
-                keys = ", ".join(map(repr, list(record)[:8])) or "none"
-                raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")
-            if not text.isascii() and "\\u" in line:  # only a \uD800-style escape makes a lone surrogate
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise PrepareError(f"{where}: {text_field!r} holds an unpaired surrogate "
-                                       f"({e.object[e.start]!a}), not Unicode text") from None
-            yield text, len(raw)
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PrepareError(f"{where}: {text_field!r} holds an unpaired surrogate "
+                                   f"({e.object[e.start]!a}), not Unicode text") from None
+        yield text, nbytes
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:

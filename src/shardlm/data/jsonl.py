@@ -1,0 +1,34 @@
+"""Strict reading of JSON Lines, shared by `data prepare` (text and instruction examples) and `eval`'s
+prompt files: every non-blank line one JSON object, anything else stopped with the file and line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[tuple[str, dict, int]]:
+    """(where, object, bytes of its line) of every non-blank line of `path`, `where` being "file:line" for the
+    caller's own checks. Bytes that are not UTF-8, a line that is not JSON, or JSON that is not an object
+    raise `error` naming the line (`expected` says what the object should hold, for that message)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 text (byte offset {offset + e.start})") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise error(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object{expected}")
+            yield where, record, len(raw)
