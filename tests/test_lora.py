@@ -257,3 +257,15 @@ def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():
     a, b = state["layers.0.attn.out.lora.A.o_proj"], state["layers.0.attn.out.lora.B.o_proj"]
     assert out[key].dtype == torch.float32
     torch.testing.assert_close(out[key], state[key].float() + cfg.lora.alpha / cfg.lora.rank * (b @ a))
+
+
+def test_a_peft_adapter_with_settings_this_version_does_not_apply_is_refused(tmp_path):
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    for extra, words in [({"rank_pattern": {"q_proj": 8}}, "rank_pattern"), ({"use_dora": True}, "use_dora"),
+                         ({"bias": "all"}, "bias = 'all'"), ({"r": None}, "lacks r")]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, **extra}))
+        with pytest.raises(ConfigError, match=words):
+            read_peft_dir(tmp_path, cfg.model)

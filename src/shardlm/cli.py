@@ -279,7 +279,7 @@ def cmd_export(argv: list[str]) -> int:
     if a.merge and not lora.rank:
         raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
     if lora.rank and not a.merge:
-        write_peft_dir(ckpt["model"], cfg, lora, a.out, dtype=DTYPES[a.dtype])
+        write_peft_dir(ckpt["model"], cfg, lora, a.out, dtype=DTYPES[a.dtype], base=full.train.init_from or None)
         print(f"exported the LoRA adapter of {ckpt['path']} -> {a.out} (PEFT format; --merge for the merged model)")
         return 0
     state = merged(ckpt["model"], cfg, lora) if lora.rank else ckpt["model"]

@@ -230,6 +230,14 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
                           f"adapter_model.safetensors): {e}") from None
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
+    # Settings that would change the update and that this version does not apply: refused, not ignored.
+    unsupported = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform")
+                   if conf.get(k)]
+    if unsupported or conf.get("bias", "none") != "none":
+        raise ConfigError(f"{path}: adapter_config.json sets {', '.join(unsupported) or 'bias = ' + repr(conf['bias'])}, "
+                          "which this version does not load (plain LoRA: one r and lora_alpha for every module)")
+    if not isinstance(conf.get("r"), int) or "lora_alpha" not in conf:
+        raise ConfigError(f"{path}: adapter_config.json lacks r or lora_alpha")
     lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
                       rslora=bool(conf.get("use_rslora", False)))
     where = {m: path_ for path_, modules in LORA_MODULES[cfg.arch].items() for m in modules}

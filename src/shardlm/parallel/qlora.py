@@ -63,10 +63,11 @@ def to_nf4(weight: torch.Tensor, name: str = "weight"):
 def quantize_base(model: nn.Module) -> None:
     """Replace the weight of every block linear by its NF4 form (after the weights are initialised and
     cast; they are frozen)."""
-    for i, block in enumerate(model.parts().layers):
+    for block in model.parts().layers:
         for path in LORA_MODULES[model.cfg.arch]:
             base = block.get_submodule(path)
-            base.weight = nn.Parameter(to_nf4(base.weight, f"layers.{i}.{path}.weight"), requires_grad=False)
+            name = f"layers.{block.attn.layer}.{path}.weight"  # the global index, also on a pipeline stage
+            base.weight = nn.Parameter(to_nf4(base.weight, name), requires_grad=False)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
