@@ -459,3 +459,14 @@ def save_fails_on_rank_zero(rank, world, out_dir):
     except Exception as e:  # noqa: BLE001 - the error is the result
         return type(e).__name__, str(e)
     return None
+
+
+def lora_zero3_frozen(rank, world, overrides: dict):
+    """A LoRA ZeRO-3 run's frozen base at rest after a step: (elements in this rank's frozen shards, elements of
+    the frozen weights over the persist threshold, bytes of theirs resident now)."""
+    trainer = tiny_trainer(world, {"parallel.zero_stage": "3", "lora.rank": "4", "parallel.persist_threshold": "100",
+                                   **overrides})
+    trainer.train_step()  # forward, backward and the update: every gather released after
+    shards = sum(t.numel() for kind, t in trainer.engine.held_tensors() if kind == "frozen_shards")
+    big = [p for p in trainer.model.parameters() if not p.requires_grad and p.numel() > 100]
+    return shards, sum(p.numel() for p in big), sum(p.untyped_storage().size() for p in big)

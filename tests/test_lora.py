@@ -269,3 +269,12 @@ def test_a_peft_adapter_with_settings_this_version_does_not_apply_is_refused(tmp
         (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, **extra}))
         with pytest.raises(ConfigError, match=words):
             read_peft_dir(tmp_path, cfg.model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_zero3_shards_the_frozen_base_too(arch):
+    """No rank holds the whole base at rest: each keeps its 1/N of the frozen weights (padded), as of the
+    trained ones (the memory FSDP + LoRA users run out of)."""
+    for shards, total, resident in run_distributed(dist_fns.lora_zero3_frozen, 2, MODELS[arch], timeout=120):
+        assert resident == 0
+        assert total / 2 <= shards <= total / 2 + 8

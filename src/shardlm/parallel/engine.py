@@ -60,6 +60,14 @@ class Engine:
         """Take this rank's part of full per-name masters and optimizer state, and the weights from them."""
         raise NotImplementedError
 
+    def frozen_state(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters this engine shards (ZeRO-3), whole by name (a collective); the model holds the rest."""
+        return {}
+
+    def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Take this rank's part of the frozen parameters it shards from full `state`; returns the others."""
+        return state
+
     # ---- inspection -------------------------------------------------------------------------------
     def grad_shard(self, b: int) -> torch.Tensor:
         """Bucket b's reduced gradient owned by this rank: the sum over the data-parallel ranks (times the

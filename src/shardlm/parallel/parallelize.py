@@ -42,10 +42,12 @@ class Parallelized:
         None elsewhere): gathered over data parallelism by the engine, then on the first data-parallel
         rank's lines only, over tensor parallelism onto its first rank, and over the pipeline's stages."""
         masters, optim = self.engine.gather_full_state()
+        sharded = self.engine.frozen_state()  # a collective where ZeRO-3 shards a frozen base
         if masters is None or (self.mesh.world > 1 and self.mesh.dp_rank != 0):
             return None, None  # dp rank 0 holds what the others hold
         # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
-        masters = {**masters, **{n: plain(p.detach()) for n, p in self.model.named_parameters() if not p.requires_grad}}
+        masters = {**masters, **sharded, **{n: plain(p.detach()) for n, p in self.model.named_parameters()
+                                            if not p.requires_grad and n not in sharded}}
         if self.specs:
             device = next(self.model.parameters()).device
             masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
@@ -70,10 +72,11 @@ class Parallelized:
         optim = {k: v for k, v in optim.items() if k.split("::")[0] in own}
         if self.specs:
             masters, optim = take_local(masters, self.specs), take_local(optim, self.specs)
-        frozen = {n: p for n, p in self.model.named_parameters() if not p.requires_grad}
+        rest = self.engine.load_frozen({n: masters.pop(n) for n, p in self.model.named_parameters()
+                                        if not p.requires_grad})
         with torch.no_grad():
-            for name, p in frozen.items():
-                value = masters.pop(name)
+            for name, value in rest.items():
+                p = self.model.get_parameter(name)
                 if is_nf4(p):  # quantised again (parallel/qlora.py says how closely)
                     owner, _, attr = name.rpartition(".")
                     value = nn.Parameter(to_nf4(value.to(p.device, p.dtype), name), requires_grad=False)

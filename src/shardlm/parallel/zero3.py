@@ -25,6 +25,7 @@ from torch import nn
 
 from ..flat import FlatParams
 from .zero import ZeroEngine, eager
+from .zero3_frozen import FrozenShards
 
 
 def _free(t: torch.Tensor) -> None:
@@ -65,9 +66,16 @@ class UnitState:
 
 class Zero3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, cfg, scaler, group):
+        self.frozen = None  # a LoRA run's sharded base (zero3_frozen.py), gathered by the same hooks
         super().__init__(model, cfg, scaler, group)
         if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
             self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
+        if self.world > 1 and any(not p.requires_grad for p in model.parameters()):
+            self.frozen = FrozenShards(model, group, int(cfg.parallel.persist_threshold))
+
+    def _frozen(self, op: str, role) -> None:
+        if self.frozen is not None:
+            getattr(self.frozen, op)(role)
 
     def _flat_params(self, model: nn.Module) -> FlatParams:
         threshold = int(self.cfg.parallel.persist_threshold)
@@ -126,12 +134,20 @@ class Zero3Engine(ZeroEngine):
         for i, block in enumerate(parts.layers):
             block.register_forward_pre_hook(self._block_pre_hook(i))
             block.register_forward_hook(self._block_post_hook(i))
-        model.register_forward_pre_hook(eager(lambda mod, args: self._gather(self.embed_unit)))
+        model.register_forward_pre_hook(eager(lambda mod, args: self._gather_role(self.embed_unit, "embed")))
         if not tied:
             # The embeddings' backward needs no weights: free them once the lookup is done.
-            parts.layers[0].register_forward_pre_hook(eager(lambda mod, args: self._release(self.embed_unit)))
-            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._gather(self.head_unit)))
+            parts.layers[0].register_forward_pre_hook(eager(lambda mod, args: self._release_role(self.embed_unit, "embed")))
+            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._gather_role(self.head_unit, "head")))
         model.register_forward_hook(self._model_post_hook)
+
+    def _gather_role(self, b: int | None, role) -> None:
+        self._gather(b)
+        self._frozen("gather", role)
+
+    def _release_role(self, b: int | None, role) -> None:
+        self._release(b)
+        self._frozen("release", role)
 
     def _wait_for_weights_in_forward(self, model: nn.Module) -> None:
         pass  # the unsharded parameters' all-gathers complete inside the step
@@ -177,9 +193,11 @@ class Zero3Engine(ZeroEngine):
     def _block_pre_hook(self, i: int):
         @eager
         def hook(module, args):
-            self._gather(self.block_units[i])
+            self._gather_role(self.block_units[i], ("block", i))
             if not self.in_backward:  # prefetch what forward needs next: overlaps this block's compute
-                self._issue_gather(self.block_units[i + 1] if i + 1 < len(self.block_units) else self.head_unit)
+                last = i + 1 == len(self.block_units)
+                self._issue_gather(self.head_unit if last else self.block_units[i + 1])
+                self._frozen("issue", "head" if last else ("block", i + 1))
         return hook
 
     def _block_post_hook(self, i: int):
@@ -187,7 +205,7 @@ class Zero3Engine(ZeroEngine):
         def hook(module, args, output):
             if self.in_backward:  # a recomputation inside backward: the unit stays for its gradients
                 return output
-            self._release(self.block_units[i])
+            self._release_role(self.block_units[i], ("block", i))
             if torch.is_grad_enabled() and output.requires_grad:
                 output.register_hook(self._pre_backward(i))
             return output
@@ -197,9 +215,13 @@ class Zero3Engine(ZeroEngine):
         @eager
         def hook(grad):
             self.in_backward = True
-            self._gather(self.block_units[i])
+            # The gradient of block i's output is that of block i + 1's input: the later block's backward
+            # is done with its frozen weights (they get no gradient, so no unit completion says so).
+            self._frozen("release", ("block", i + 1))
+            self._gather_role(self.block_units[i], ("block", i))
             if i > 0:
                 self._issue_gather(self.block_units[i - 1])  # prefetch the block backward visits next
+                self._frozen("issue", ("block", i - 1))
             return grad
         return hook
 
@@ -207,6 +229,8 @@ class Zero3Engine(ZeroEngine):
     def _model_post_hook(self, module, args, output):
         if not torch.is_grad_enabled():  # eval or generation: nothing will need the head again
             self._release(self.head_unit)
+            if self.frozen is not None:
+                self.frozen.release_all()
         return output
 
     # ---- ZeroEngine's seams --------------------------------------------------------------------
@@ -217,6 +241,8 @@ class Zero3Engine(ZeroEngine):
     def _backward_done(self) -> None:
         self.in_backward = False
         self._release(self.head_unit)
+        if self.frozen is not None:
+            self.frozen.release_all()
 
     def _param_shard(self, b: int) -> torch.Tensor | None:
         if self.unsharded[b]:
@@ -246,8 +272,19 @@ class Zero3Engine(ZeroEngine):
         if self.gathered[bucket.index]:
             super()._load_bucket(bucket, part, masters)
 
+    def frozen_state(self) -> dict[str, torch.Tensor]:
+        return {} if self.frozen is None else self.frozen.full_state()
+
+    def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.frozen is None:
+            return state
+        names = self.frozen.names()
+        self.frozen.load({n: v for n, v in state.items() if n in names})
+        return {n: v for n, v in state.items() if n not in names}
+
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         out = [("params", b.data) for b in self.flat.buckets if self.unsharded[b.index]]
+        out += self.frozen.held_tensors() if self.frozen is not None else []
         out += [("param_shards", s) for b, s in zip(self.flat.buckets, self.param_shards)
                 if s is not None and not self.unsharded[b.index]]
         return out + [t for t in super().held_tensors() if t[0] != "params"]
