@@ -131,6 +131,8 @@ LAYOUTS = {
     "dp2-ddp": {"parallel.dp": "2"},
     "dp2-zero1": {"parallel.dp": "2", "parallel.zero_stage": "1"},
     "dp2-zero3": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
+    "dp2-zero3-recompute": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100",
+                            "train.recompute": "full"},
     "tp2-sp": {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"},
     "tp4": {"parallel.tp": "4", "parallel.dp": "1"},
     "pp2": {"parallel.pp": "2", "parallel.dp": "1", "model.num_layers": "4", "train.micro_batch_size": "1"},
@@ -213,7 +215,7 @@ def test_qlora_computes_as_lora_on_the_dequantised_base_and_takes_a_quarter_of_t
 QLORA = {**LORA, "lora.quantize": "nf4", "lora.targets": TARGETS["llama"]}
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "pp2"])
 def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
     over = {**QLORA, **LAYOUTS[layout]}
     world = int(over.get("parallel.dp", 1)) * int(over.get("parallel.pp", 1))
