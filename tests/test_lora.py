@@ -2,6 +2,7 @@
 PEFT-format export loaded by PeftModel, the merged export, the frozen base, and LoRA under data, ZeRO,
 tensor and pipeline parallelism against one process (gloo on CPU, fp32)."""
 import json
+import math
 
 import pytest
 import torch
@@ -130,6 +131,7 @@ LORA = {"lora.rank": "4", "lora.alpha": "8", "train.steps": "3", "train.global_b
 LAYOUTS = {
     "dp2-ddp": {"parallel.dp": "2"},
     "dp2-zero1": {"parallel.dp": "2", "parallel.zero_stage": "1"},
+    "dp2-zero2": {"parallel.dp": "2", "parallel.zero_stage": "2"},
     "dp2-zero3": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
     "dp2-zero3-recompute": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100",
                             "train.recompute": "full"},
@@ -280,3 +282,16 @@ def test_zero3_shards_the_frozen_base_too(arch):
     for shards, total, resident in run_distributed(dist_fns.lora_zero3_frozen, 2, MODELS[arch], timeout=120):
         assert resident == 0
         assert total / 2 <= shards <= total / 2 + 8
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lora_in_16_bits_trains_the_adapters_alone(precision):
+    """16-bit weights, fp32 masters of the adapters only, the loss scale (fp16) over the adapters' gradients."""
+    trainer = dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.precision": precision, "train.steps": "8",
+                                        "train.lr": "1e-2", "train.device": "cpu"})
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    losses = [r["loss"] for r in trainer.run()]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if not p.requires_grad)
+    masters = [t for kind, t in trainer.engine.held_tensors() if kind == "masters"]
+    assert sum(t.numel() for t in masters) == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
