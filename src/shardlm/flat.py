@@ -19,6 +19,15 @@ import torch
 from torch import nn
 
 
+def free_storage(t: torch.Tensor) -> None:
+    """Give back a buffer's memory, keeping the tensor (and the views into it) to be refilled later."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 @dataclass
 class Bucket:
     index: int

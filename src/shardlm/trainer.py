@@ -194,18 +194,14 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
-        trained = self.data.trained_tokens(self.step)
-        if trained is None:
-            batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                       for x, y in (self.data.micro_batch_at(self.step, m) for m in range(accum)))
-            total = self.forward_backward(batches, accum, self.device)
-        else:
+        cpu = [self.data.micro_batch_at(self.step, m) for m in range(accum)]
+        trained, weights = self.data.trained_tokens(self.step), None
+        if trained is not None:
             # The step's loss is the mean over the global batch's trained targets: a micro-batch's mean
             # weighs by its share of them (times dp, which the gradients' mean over the ranks divides out).
-            cpu = [self.data.micro_batch_at(self.step, m) for m in range(accum)]
             weights = [int((y != IGNORE).sum()) * self.mesh.dp / max(trained, 1) for _, y in cpu]
-            batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu]
-            total = self.forward_backward(batches, accum, self.device, weights)
+        batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
+        total = self.forward_backward(batches, accum, self.device, weights)
         if self.cfg.train.precision == "fp16":
             self._refuse_nan_loss(total)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)

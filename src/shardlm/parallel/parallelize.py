@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import schedules
 from ..config import ConfigError
@@ -22,7 +21,7 @@ from ..precision import DTYPES
 from . import build_engine
 from .engine import Engine
 from .lora import apply_lora, is_adapter
-from .qlora import is_nf4, plain, quantize_base, to_nf4
+from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, split_layers, stage_decoder
 from .schedule import ForwardBackward
 from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
@@ -78,9 +77,7 @@ class Parallelized:
             for name, value in rest.items():
                 p = self.model.get_parameter(name)
                 if is_nf4(p):  # quantised again (parallel/qlora.py says how closely)
-                    owner, _, attr = name.rpartition(".")
-                    value = nn.Parameter(to_nf4(value.to(p.device, p.dtype), name), requires_grad=False)
-                    setattr(self.model.get_submodule(owner), attr, value)
+                    set_nf4(self.model.get_submodule(name.rpartition(".")[0]), value.to(p.device, p.dtype), name)
                 else:
                     p.copy_(value)
         self.engine.load_full_state(masters, optim)

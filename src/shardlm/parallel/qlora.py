@@ -60,14 +60,18 @@ def to_nf4(weight: torch.Tensor, name: str = "weight"):
     return quantize(weight.detach(), BLOCK, scaler_block)
 
 
+def set_nf4(module: nn.Module, value: torch.Tensor, name: str) -> None:
+    """`module.weight` frozen, as the NF4 form of `value` (`name` for errors)."""
+    module.weight = nn.Parameter(to_nf4(value, name), requires_grad=False)
+
+
 def quantize_base(model: nn.Module) -> None:
     """Replace the weight of every block linear by its NF4 form (after the weights are initialised and
     cast; they are frozen)."""
     for block in model.parts().layers:
         for path in LORA_MODULES[model.cfg.arch]:
             base = block.get_submodule(path)
-            name = f"layers.{block.attn.layer}.{path}.weight"  # the global index, also on a pipeline stage
-            base.weight = nn.Parameter(to_nf4(base.weight, name), requires_grad=False)
+            set_nf4(base, base.weight, f"layers.{block.attn.layer}.{path}.weight")  # global index, any stage
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

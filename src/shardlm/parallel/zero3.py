@@ -23,17 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..flat import FlatParams
+from ..flat import FlatParams, alloc_storage, free_storage
 from .zero import ZeroEngine, eager
 from .zero3_frozen import FrozenShards
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
 def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
@@ -169,14 +161,14 @@ class Zero3Engine(ZeroEngine):
         work = self.gathers.pop(b, None)  # a prefetch never waited for
         if work is not None and work[0] is not None:
             work[0].wait()  # it may still be writing into the storage freed next
-        _free(self.flat.buckets[b].data)
+        free_storage(self.flat.buckets[b].data)
         self.gathered[b] = False
 
     def _issue_gather(self, b: int | None) -> None:
         if b is None or b in self.gathers or self.gathered[b]:
             return
         bucket = self.flat.buckets[b]
-        _alloc(bucket.data)
+        alloc_storage(bucket.data)
         src = self.param_shards[b]
         src = self.opt.master_part(b) if src is None else src  # None: the gather casts the fp32 master slice
         self.gathers[b] = self.transport.gather(src, bucket.data)

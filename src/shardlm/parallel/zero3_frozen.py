@@ -11,15 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..flat import alloc_storage, free_storage
 from .qlora import is_nf4
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
 class FrozenShards:
@@ -53,7 +46,7 @@ class FrozenShards:
                     at += p.numel()
             shard = self._own(full).clone()
             self.units[role] = ([name_of[id(p)] for p in params], params, full, shard)
-            _free(full)
+            free_storage(full)
             self.gathered[role] = False
 
     def _own(self, full: torch.Tensor) -> torch.Tensor:
@@ -65,7 +58,7 @@ class FrozenShards:
         if role not in self.units or self.gathered[role]:
             return
         _, _, full, shard = self.units[role]
-        _alloc(full)
+        alloc_storage(full)
         self.pending[role] = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
         self.gathered[role] = True
 
@@ -82,7 +75,7 @@ class FrozenShards:
         work = self.pending.pop(role, None)
         if work is not None:
             work.wait()  # it may still be writing into the storage freed next
-        _free(self.units[role][2])
+        free_storage(self.units[role][2])
         self.gathered[role] = False
 
     def release_all(self) -> None:
