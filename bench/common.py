@@ -93,6 +93,13 @@ def job_env(root) -> dict:
             "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def rank_error(err: str, lines: int = 40) -> str:
+    """The end of the first failing rank's traceback in a torchrun job's stderr (torchrun prefixes each line
+    with "[rankN]:" and ends with a summary that names no error), else the end of stderr."""
+    tagged = [x for x in err.splitlines() if x.startswith("[rank")]
+    return "\n".join(tagged[-lines:]) if tagged else err[-3000:]
+
+
 def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict | None:
     """Run one system's torchrun job and return the JSON its rank 0 printed after "RESULT ", or None (said on
     stderr, with the job's own stderr) when it failed or ran past `timeout`."""
@@ -104,7 +111,7 @@ def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict |
         print(f"{system}: timed out after {timeout} s; the ranks' Python stacks:\n{err[-6000:]}", file=sys.stderr,
               flush=True)
     elif code or not lines:
-        print(f"{system}: failed\n{err[-3000:]}", file=sys.stderr, flush=True)
+        print(f"{system}: failed\n{rank_error(err)}", file=sys.stderr, flush=True)
     else:
         return json.loads(lines[-1][7:])
     return None

@@ -4,14 +4,16 @@ same shapes, micro-batches and global batch.
     python bench/pipeline_parallel.py --gpus 4 [--preset tinyllama-1.1b --seq 2048 --micro-batch 4 --microbatches 8]
     python bench/pipeline_parallel.py --preset llama2-7b --seq 4096 --micro-batch 1 --microbatches 16 \\
         --systems shardlm-pp4-1f1b shardlm-pp2-tp2-1f1b torch-1f1b
-    python bench/pipeline_parallel.py --synthetic ...   # equal stages (a 256-token vocabulary): bubble vs formula
+    python bench/pipeline_parallel.py --synthetic ...   # equal stages: bubble vs formula
 
 Each system runs as its own `torchrun --nproc-per-node GPUS` job; a step is `--microbatches` micro-batches of
 `--micro-batch` sequences through pp 4 (or pp 2 x tp 2), then AdamW, bf16.
 - shardlm-pp4-{naive,gpipe,1f1b,interleaved,zb-h1}, shardlm-pp2-tp2-1f1b: the trainer's step; interleaved
   with 2 virtual stages; blocks compiled. Each rank's busy time is the sum of its computations' CUDA-event
-  times (PipelineSchedule.timer), its bubble 1 - busy / step time; the row gives the mean over the ranks
-  beside the schedule's formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, and for
+  times (PipelineSchedule.timer), its bubble 1 - busy / the schedule's time (the step without the optimizer,
+  which every schedule shares); the row gives the mean over the ranks
+  beside the schedule's formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved,
+  (p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W)) for zb-h1 with the measured mean times (Qi et al. 2024), and for
   every schedule the simulator's figure (schedules.simulate) with the measured mean F, B, I and W times.
 - torch-{gpipe,1f1b,interleaved}: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B over stages cut from
   Hugging Face's LlamaForCausalLM as ../shared/bench/peer_mp.py builds them (layers split evenly, the head
@@ -44,17 +46,37 @@ DEFAULT = ["shardlm-pp4-gpipe", "shardlm-pp4-1f1b", "shardlm-pp4-interleaved", "
 def model_config(args):
     from shardlm.config import load_config
     over = {"model.max_seq_len": str(max(args.seq, load_config(args.preset).model.max_seq_len))}
-    if args.synthetic:
-        over["model.vocab_size"] = "256"  # the head costs next to nothing: equal stages
+    if args.synthetic:  # equal stages: layers a multiple of the stages (of interleaving's too), a head of nothing
+        step = 2 * args.gpus
+        over["model.num_layers"] = str(-(-load_config(args.preset).model.num_layers // step) * step)
+        over["model.vocab_size"] = "512"  # room for the default data's 257 ids
     return load_config(args.preset, over)
 
 
 class BusyTimer:
-    """CUDA events (on the CPU: the clock) around each computation of the step; `busy()` sums them, and
-    averages them per action kind."""
+    """CUDA events (on the CPU: the clock) around each computation of the step and around the whole schedule
+    (`span`, which leaves the optimizer step out); `busy()` sums them, and averages them per action kind."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.events = cuda, []
+        self.cuda, self.events, self.spans = cuda, [], []
+
+    def _mark(self):
+        import time
+
+        import torch
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def span(self, forward_backward):
+        def timed_schedule(*args, **kwargs):
+            start = self._mark()
+            out = forward_backward(*args, **kwargs)
+            self.spans.append((start, self._mark()))
+            return out
+        return timed_schedule
 
     @contextlib.contextmanager
     def __call__(self, action):
@@ -72,17 +94,20 @@ class BusyTimer:
             end = time.perf_counter()
         self.events.append((action.kind, start, end))
 
-    def busy(self) -> tuple[float, dict]:
+    def busy(self) -> tuple[float, float, dict]:
+        """(busy seconds, schedule seconds, mean seconds per action kind) since the last call."""
         import torch
         if self.cuda:
             torch.cuda.synchronize()
+        seconds = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
         total, kinds = 0.0, {}
         for kind, start, end in self.events:
-            s = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            s = seconds(start, end)
             total += s
             kinds.setdefault(kind, []).append(s)
-        self.events = []
-        return total, {k: sum(v) / len(v) for k, v in kinds.items()}
+        span = sum(seconds(a, b) for a, b in self.spans)
+        self.events, self.spans = [], []
+        return total, span, {k: sum(v) / len(v) for k, v in kinds.items()}
 
 
 def shardlm_step(args, system: str, extra: list[str]):
@@ -91,10 +116,12 @@ def shardlm_step(args, system: str, extra: list[str]):
             "train.global_batch_size": str(args.micro_batch * args.microbatches), "train.steps": "1000000",
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(args.compile),
             "model.max_seq_len": str(cfg.model.max_seq_len), "model.vocab_size": str(cfg.model.vocab_size),
+            "model.num_layers": str(cfg.model.num_layers),
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
     trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")
     trainer.forward_backward.timer = timer
+    trainer.forward_backward = timer.span(trainer.forward_backward)
     return step, timer, trainer
 
 
@@ -184,6 +211,9 @@ def bubble_figures(cfg, kinds: dict) -> dict:
     name = cfg.parallel.pp_schedule
     formula = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
                "interleaved": (p - 1) / (v * m + p - 1)}.get(name)
+    if name == "zb-h1" and {"F", "I", "W"} <= kinds.keys():  # Qi et al. 2024: (p-1)(F+I-W) idle per rank
+        f, i, w = kinds["F"], kinds["I"], kinds["W"]
+        formula = (p - 1) * (f + i - w) / (m * (f + i + w) + (p - 1) * (f + i - w))
     sim = simulate(schedule(name, p, v, m), p, {k: kinds[k] for k in kinds}) if kinds else None
     return {"bubble_formula": formula, "bubble_simulated": sim.bubble if sim else None}
 
@@ -214,8 +244,8 @@ def worker(args, extra):
     row.update(tok_s_gpu=tok, mfu=tok * model_config(args).model.flops_per_token(args.seq) / PEAK)
     per_rank = torch.tensor([mem, 0.0], device=args.device)
     if timer is not None:
-        busy, kinds = timer.busy()
-        per_rank[1] = 1 - busy / args.steps / dt
+        busy, span, kinds = timer.busy()
+        per_rank[1] = 1 - busy / span
         row.update(bubble_figures(trainer.cfg, kinds))
     gathered = [torch.zeros_like(per_rank) for _ in range(world)]
     dist.all_gather(gathered, per_rank)
@@ -238,7 +268,8 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--synthetic", type=int, default=0, help="1: a 256-token vocabulary, so the stages are equal")
+    p.add_argument("--synthetic", type=int, default=0,
+                   help="1: equal stages (a 512-token vocabulary, layers a multiple of 2 x gpus)")
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", type=int, default=1)
@@ -248,14 +279,14 @@ def main():
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
+    own = forwarded(args, ("gpus", "preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
                            "device"))
     rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *extra], job_env(ROOT),
                        args.timeout)
     import torch
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     by = {r["system"]: r for r in rows}
-    print(f"\n{card} x{args.gpus}, {args.preset}{' (synthetic: vocab 256)' if args.synthetic else ''}, seq {args.seq}, "
+    print(f"\n{card} x{args.gpus}, {args.preset}{f' (synthetic: {model_config(args).model.num_layers} layers, vocab 512)' if args.synthetic else ''}, seq {args.seq}, "
           f"{args.microbatches} micro-batches of {args.micro_batch}")
     print(f"{'system':<24}{'tok/s/GPU':>10}{'MFU':>8}{'peak GiB':>10}{'bubble':>8}{'formula':>9}{'sim':>7}"
           f"{'vs torch-1f1b':>15}")
