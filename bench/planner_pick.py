@@ -43,7 +43,7 @@ def candidates(args) -> list[tuple]:
     fitting, _, _, _ = search(cfg.model, work, gpu(args.card), args.gpus, args.gpus, top=10**6)
     chosen, seen = [], set()
     for e, w, L in fitting:
-        key = (L.dp, L.tp, L.pp, L.zero_stage, L.recompute)
+        key = (L.dp, L.tp, L.pp, L.zero_stage if L.dp > 1 else 0, L.recompute)  # ZeRO over one rank: none
         if key in seen:
             continue
         seen.add(key)

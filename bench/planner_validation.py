@@ -2,9 +2,10 @@
 
     python bench/planner_validation.py [--record bench/results.jsonl]
 
-The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py
-and bench/tensor_parallel.py wrote on the device (torch.cuda.max_memory_allocated, plus symmetric memory,
-and the timed step), the newest row of each layout. Floors: memory within 10%, step time within 25%.
+The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
+bench/tensor_parallel.py, bench/pipeline_parallel.py and bench/planner_pick.py wrote on the device
+(torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
+Floors: memory within 10%, step time within 25%.
 """
 from __future__ import annotations
 
@@ -46,8 +47,30 @@ LAYOUTS = {
     ("data_parallel", 1, "shardlm-zero3"): Layout(zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4-sp"): Layout(tp=4, sp=True),
     ("tensor_parallel", 4, "shardlm-tp4"): Layout(tp=4),
-    # shardlm-tp2-dp2 joins once a row counts its symmetric memory (the first one did not).
+    **{("pipeline_parallel", 4, f"shardlm-pp4-{s}"):
+       Layout(pp=4, pp_schedule=s, virtual_stages=2 if s == "interleaved" else 1)
+       for s in ("gpipe", "1f1b", "interleaved", "zb-h1")},
+    ("pipeline_parallel", 4, "shardlm-pp2-tp2-1f1b"): Layout(pp=2, tp=2, sp=True),
+    # shardlm-tp2-dp2's only row leaves out its symmetric memory; planner_pick's dp2-tp2-sp-z1 row is that layout.
 }
+
+
+def pick_layout(system: str) -> Layout:
+    """The layout of a bench/planner_pick.py row, from its name: shardlm-dp2-tp2-sp-pp2-zb-h1-z1-none-mb1."""
+    parts = system.removeprefix("shardlm-").split("-")
+    dp, tp = int(parts[0][2:]), int(parts[1][2:])
+    sp = parts[2] == "sp"
+    rest = parts[3 if sp else 2:]
+    pp = int(rest[0][2:])
+    schedule = "-".join(rest[1:-3]) or "1f1b"
+    return Layout(dp=dp, tp=tp, sp=sp, pp=pp, pp_schedule=schedule, zero_stage=int(rest[-3][1:]),
+                  recompute=rest[-2], virtual_stages=2 if schedule == "interleaved" else 1)
+
+
+def layout_of(r: dict) -> Layout | None:
+    if r["bench"] == "planner_pick":
+        return pick_layout(r["system"])
+    return LAYOUTS.get((r["bench"], r["gpus"], r["system"]))
 
 
 def main():
@@ -58,22 +81,22 @@ def main():
     rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
     latest = {}
     for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
-        key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"])
-        if (r["bench"], r["gpus"], r["system"]) in LAYOUTS and r["model"] in ("tinyllama-1.1b", "llama2-7b"):
+        key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"], r.get("microbatches"))
+        if layout_of(r) is not None and r["model"] in ("tinyllama-1.1b", "llama2-7b"):
             latest[key] = r
     out, ok = [], True
-    print(f"{'layout':<34}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
-    for (bench, gpus, system, model, seq, mb), r in sorted(latest.items()):
-        layout = LAYOUTS[(bench, gpus, system)]
-        m = load_config(model).model
-        batch = r.get("global_batch", mb * layout.dp)
+    print(f"{'layout':<46}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
+    for (bench, gpus, system, model, seq, mb, micro), r in sorted(latest.items(), key=lambda kv: str(kv[0])):
+        layout = layout_of(r)
+        m = load_config(model, {"model.max_seq_len": str(seq)}).model
+        batch = r.get("global_batch", mb * layout.dp * (micro or 1))
         e = estimate(m, Workload(seq, mb, batch), layout, gpu("h200" if "H200" in r["card"] else "h100"))
         mem = e.memory.total / 2**30
         step = batch * seq / (r["tok_s_gpu"] * gpus)
         mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1
         ok &= abs(mem_err) <= 0.10 and abs(step_err) <= 0.25
-        name = f"{system} x{gpus} s{seq} mb{mb}"
-        print(f"{name:<34}{mem:>9.1f}{r['peak_mem_gib']:>7.1f}{100 * mem_err:>+6.1f}%"
+        name = f"{system} x{gpus} s{seq} mb{mb}" + (f" m{micro}" if micro else "")
+        print(f"{name:<46}{mem:>9.1f}{r['peak_mem_gib']:>7.1f}{100 * mem_err:>+6.1f}%"
               f"{e.step_time_s:>11.3f}{step:>8.3f}{100 * step_err:>+6.1f}%")
         out.append({"bench": "planner_validation", "date": datetime.date.today().isoformat(), "card": r["card"],
                     "gpus": gpus, "system": name, "model": r["model"], "seq": seq, "micro_batch": mb,

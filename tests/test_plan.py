@@ -69,6 +69,41 @@ def test_predictions_match_measured_tinyllama_memory():
         assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
 
 
+def test_predictions_match_measured_model_parallel_memory():
+    """llama2-7b on 4x H100 (bench/planner_pick.py, bench/pipeline_parallel.py, 2026-11-27): ZeRO-2/3 with
+    accumulation keep their gradient shards beside the later micro-batches' activations, and each pipeline
+    rank holds the layers of the runtime's own split."""
+    m, g = load_config("llama2-7b").model, gpu("h100")
+    cases = [(Workload(4096, 1, 16), Layout(dp=4, zero_stage=1), 63.1),
+             (Workload(4096, 1, 16), Layout(dp=4, zero_stage=2), 57.4),
+             (Workload(4096, 1, 16), Layout(dp=4, zero_stage=3), 45.2),
+             (Workload(4096, 1, 16), Layout(dp=2, tp=2, sp=True, zero_stage=3), 33.2),
+             (Workload(4096, 1, 16), Layout(pp=4), 49.9)]
+    for w, L, measured in cases:
+        predicted = estimate(m, w, L, g).memory.total / 2**30
+        assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
+
+
+def test_pipeline_ranks_hold_the_runtime_split():
+    """22 layers over 4 stages: the planner counts the runtime's 6, 6, 6 and 4 (schedules.split_layers: the
+    head weighs about 1.5 layers), not 5 each."""
+    from shardlm.plan.memory import stage_params
+    from shardlm.schedules import split_layers
+    m = load_config("tinyllama-1.1b").model
+    L = Layout(pp=4)
+    assert [len(s) for s in split_layers(m, 4)] == [6, 6, 6, 4]
+    assert sum(stage_params(m, L, r) for r in range(4)) == pytest.approx(m.num_params())
+
+
+def test_zero2_pays_per_micro_step():
+    """ZeRO-2 reduces on every micro-step, ZeRO-1 once: with accumulation ZeRO-2 moves more and is slower."""
+    m, g = load_config("llama2-7b").model, gpu("h100")
+    w = Workload(4096, 1, 16)
+    one, two = (estimate(m, w, Layout(dp=4, zero_stage=z), g) for z in (1, 2))
+    assert two.comm_bytes_per_step["dp"] > 2 * one.comm_bytes_per_step["dp"]
+    assert two.step_time_s > one.step_time_s
+
+
 def test_bad_layouts_name_the_value():
     m, g = load_config("tinyllama-1.1b").model, gpu("h100")
     w = Workload(2048, 1, 8)

@@ -402,3 +402,28 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
     if stuck:
         raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for receives that never complete")
     return Simulation(max([*clock, *streams.done_at]), busy, peak)
+
+
+def split_layers(cfg, stages: int, counts: str = "") -> list[list[int]]:
+    """The layers of each stage: `counts` ("10,11,11") as given, or balanced by compute: a layer costs its
+    FLOPs per token, the last stage's head (and loss) counts too, so it gets fewer layers where the
+    vocabulary is large (the embedding is a lookup: no FLOPs)."""
+    L = cfg.num_layers
+    if counts:
+        sizes = [int(c) for c in counts.split(",")]
+    else:
+        per_layer = cfg.param_counts()["active_per_layer"]
+        head = cfg.vocab_size * cfg.hidden_size / per_layer  # in layers
+        # The smallest last stage whose head plus layers does not exceed the others' even share.
+        sizes = None
+        for last in range(L // stages, -1, -1):
+            rest = L - last
+            if last + head <= -(-rest // (stages - 1)) + 1e-9 or last == 0:
+                base, extra = divmod(rest, stages - 1)
+                sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
+                break
+        if not sizes or min(sizes) == 0:
+            base, extra = divmod(L, stages)
+            sizes = [base + (1 if i < extra else 0) for i in range(stages)]
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]

@@ -22,7 +22,7 @@ from . import build_engine
 from .engine import Engine
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
-from .pipeline import PipelineSchedule, split_layers, stage_decoder
+from .pipeline import PipelineSchedule, stage_decoder
 from .schedule import ForwardBackward
 from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
 
@@ -92,7 +92,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     """`resuming`: the weights will come from a checkpoint, so `train.init_from` is not read (it may be gone)."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     stages = p.pp * p.virtual_stages
-    layers_of = split_layers(m, stages, p.pp_layers) if p.pp > 1 else None
+    layers_of = schedules.split_layers(m, stages, p.pp_layers) if p.pp > 1 else None
     with torch.device("meta"):
         model = stage_decoder(m, p.pp, p.virtual_stages, mesh.pp_rank, layers_of) if p.pp > 1 else Decoder(m)
     if mesh.tp > 1:

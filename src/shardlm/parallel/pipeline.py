@@ -27,31 +27,6 @@ from ..schedules import Action, batches, peer, rank_of
 from .engine import Engine
 
 
-def split_layers(cfg, stages: int, counts: str = "") -> list[list[int]]:
-    """The layers of each stage: `counts` ("10,11,11") as given, or balanced by compute: a layer costs its
-    FLOPs per token, the last stage's head (and loss) counts too, so it gets fewer layers where the
-    vocabulary is large (the embedding is a lookup: no FLOPs)."""
-    L = cfg.num_layers
-    if counts:
-        sizes = [int(c) for c in counts.split(",")]
-    else:
-        per_layer = cfg.param_counts()["active_per_layer"]
-        head = cfg.vocab_size * cfg.hidden_size / per_layer  # in layers
-        # The smallest last stage whose head plus layers does not exceed the others' even share.
-        sizes = None
-        for last in range(L // stages, -1, -1):
-            rest = L - last
-            if last + head <= -(-rest // (stages - 1)) + 1e-9 or last == 0:
-                base, extra = divmod(rest, stages - 1)
-                sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
-                break
-        if not sizes or min(sizes) == 0:
-            base, extra = divmod(L, stages)
-            sizes = [base + (1 if i < extra else 0) for i in range(stages)]
-    starts = [sum(sizes[:i]) for i in range(stages)]
-    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
-
-
 def stage_decoder(cfg, pp: int, v: int, rank: int, layers_of: list[list[int]]) -> Decoder:
     """This rank's slice (on the current device, meta for parallelize): the layers of its stages rank,
     rank + pp, ..."""

@@ -5,7 +5,8 @@ reduce-scatter or an all-gather (n-1)/n B. DDP all-reduces the gradients once pe
 gradients reduced in fp32: a reduce-scatter, then a 16-bit all-gather; the reduce-scatter moves 16-bit
 values with reduce_algo all_to_all, fp32 values with ring); ZeRO-1/2 reduce-scatter them and all-gather
 the updated weights (the same volume); ZeRO-3 also gathers the weights again for backward: 1.5x DDP
-(Rajbhandari et al. 2020, section 7). Tensor parallelism runs four
+(Rajbhandari et al. 2020, section 7). With gradient accumulation DDP and ZeRO-1 still reduce once per
+step, while ZeRO-2 and -3 reduce-scatter (and ZeRO-3 gathers) on every micro-step. Tensor parallelism runs four
 collectives of b s h per layer per micro-batch (two all-reduces forward, two backward; with sequence
 parallelism the same volume as all-gathers and reduce-scatters); pipeline parallelism sends b s h
 activations forward and their gradients back across each stage boundary per micro-batch; context
@@ -13,6 +14,8 @@ parallelism all-gathers K and V per layer. An axis that spans GPUs of one node u
 network.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..config import ModelConfig
 from .hardware import GPU
@@ -32,12 +35,12 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     ring = (n - 1) / n
     if n == 1:
         dp = 0.0
-    elif L.zero_stage == 0:
-        dp = ring * phi * (red + act)  # a reduce-scatter and a 16-bit all-gather (comm/transport.py)
-    elif L.zero_stage in (1, 2):
+    elif L.zero_stage in (0, 1):  # once per step: a reduce-scatter and a 16-bit all-gather (comm/transport.py)
         dp = ring * phi * (red + act)
-    else:
-        dp = ring * phi * (red + 2 * act)
+    elif L.zero_stage == 2:  # a reduce-scatter on every micro-step, the all-gather after the step
+        dp = ring * phi * (red * micro + act)
+    else:  # and the weights gathered for forward and for backward on every micro-step
+        dp = ring * phi * (red + 2 * act) * micro
     layers = m.num_layers // L.pp
     t = L.tp
     tp = 0.0 if t == 1 else 4 * 2 * (t - 1) / t * tokens * m.hidden_size * act * layers * micro
@@ -56,6 +59,10 @@ def link_bw(g: GPU, group: int, stride: int, gpus_per_node: int) -> float:
 
 
 EXPOSED = {"allreduce": 0.85, "reduce_scatter": 0.3, "allgather_step": 1.0, "zero3_gather": 0.1, "tp": 1.0, "pp": 0.0}
+# ZeRO-2 and -3 reduce on every micro-step; each micro-step before the last costs this much per gradient
+# bucket (parallel.bucket_mb) beyond the last one's exposed traffic. Fitted to the four ZeRO-2/3 rows with
+# accumulation that bench/planner_pick.py measured (4x H100, llama2-7b, 4 and 8 micro-steps: 58 to 100 us).
+ACCUM_BUCKET_S = 80e-6
 
 
 def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int) -> float:
@@ -67,10 +74,16 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
     ep_bw = link_bw(g, L.ep, L.tp * L.cp, gpus_per_node)
     t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / tp_bw + b["ep"] / ep_bw
     if L.dp > 1:
+        act = 2 if L.precision != "fp32" else 4
+        micro = w.global_batch // (w.micro_batch * L.dp)
+        once = b["dp"] if L.zero_stage < 2 else comm_bytes(m, replace(w, global_batch=w.global_batch // micro), L)["dp"]
         if L.zero_stage == 0:
-            t += b["dp"] / dp_bw * EXPOSED["allreduce"]
+            t += once / dp_bw * EXPOSED["allreduce"]
         elif L.zero_stage in (1, 2):
-            t += b["dp"] / dp_bw * (EXPOSED["reduce_scatter"] + EXPOSED["allgather_step"]) / 2
+            t += once / dp_bw * (EXPOSED["reduce_scatter"] + EXPOSED["allgather_step"]) / 2
         else:
-            t += b["dp"] / dp_bw * EXPOSED["zero3_gather"]
+            t += once / dp_bw * EXPOSED["zero3_gather"]
+        if L.zero_stage >= 2:
+            buckets = stage_params(m, L, 0) * act / (L.bucket_mb * 2**20)
+            t += (micro - 1) * buckets * ACCUM_BUCKET_S
     return t

@@ -4,9 +4,11 @@ Model states (Rajbhandari et al. 2020, ZeRO, section 3): with mixed-precision Ad
 2 bytes (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master, momentum, variance), so Phi
 parameters need (2 + 2 + K) Phi bytes, e.g. 7B -> 112 GB; stage 1 divides K by Nd, stage 2 also the
 gradients, stage 3 everything: 2 Phi + 2 Phi + K Phi / Nd, 2 Phi + (2 + K) Phi / Nd, (2 + 2 + K) Phi / Nd
-(`paper_model_states`). shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master),
-and its gradient shards in the reduction dtype (stages 2 and 3, and stage 1 when that dtype differs
-from the gradients') exist from backward until the step, so they never meet forward's activation peak.
+(`paper_model_states`). shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master).
+Its gradient shards in the reduction dtype (stages 2 and 3, and stage 1 when that dtype differs from the
+gradients') exist from backward until the step: with one micro-batch they never meet forward's activation
+peak, but stages 2 and 3 reduce on every micro-step, so with accumulation (or a pipeline) they sit beside
+the later micro-batches' activations.
 
 Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Table 2), for that paper's GPT block (GELU 4h MLP, standard attention, dropout), in bytes:
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..schedules import split_layers
 from .flops import simulated
 from .layout import Layout, Workload
 
@@ -60,10 +63,20 @@ def paper_model_states(phi: float, stage: int, nd: int, k: int = 12) -> float:
             3: (2 + 2 + k) * phi / nd}[stage]
 
 
+def rank_layers(m: ModelConfig, L: Layout, rank: int) -> int:
+    """Layers held by pipeline rank `rank`: its stages rank, rank + pp, ... of the runtime's own split
+    (schedules.split_layers: balanced by compute, or parallel.pp_layers)."""
+    if L.pp == 1:
+        return m.num_layers
+    stages = L.pp * L.virtual_stages
+    split = split_layers(m, stages, L.pp_layers)
+    return sum(len(split[s]) for s in range(rank, stages, L.pp))
+
+
 def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
-    """Parameters held by pipeline stage `stage` (before ZeRO), after tensor and expert parallelism."""
+    """Parameters held by pipeline rank `stage` (before ZeRO), after tensor and expert parallelism."""
     c = m.param_counts()
-    layers = m.num_layers // L.pp
+    layers = rank_layers(m, L, stage)
     dense = c["per_layer"] - c["expert_per_layer"]
     n = layers * (dense + c["expert_per_layer"] / L.ep) / L.tp
     if m.kv_heads % L.tp:  # key/value heads fewer than the ranks stay whole on each (parallel/tensor.py)
@@ -150,7 +163,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             if L.offload == "params":
                 params = 0.0
         per_layer = activation_per_layer(m, w, L)
-        layers = m.num_layers // L.pp
+        layers = rank_layers(m, L, stage)
         acts = per_layer * layers * in_flight(w, L)
         if L.recompute == "full":  # the layer being recomputed holds its full activations
             acts += activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
@@ -167,8 +180,15 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
         elif L.dp > 1 and red != g_b:
             buffers += 2 * BUCKET_BYTES * red / g_b
-        # Forward's end, with every activation alive, or the step, with the reduced shards instead.
-        peak = params + grads + opt + buffers + max(acts, shard)
+        # Stages 2 and 3 reduce on every micro-step, so once the first backward has run their shards stay
+        # beside the activations of the micro-batches after it (a pipeline's in flight ones too). Otherwise
+        # the shards live from the last backward to the step, and the peak is the larger of the two moments.
+        micro = w.global_batch // (w.micro_batch * L.dp)
+        if shard and L.zero_stage >= 2 and (micro > 1 or L.pp > 1):
+            grads += shard
+        elif shard > acts:  # the step, after the activations are gone
+            grads, acts = grads + shard, 0.0
+        peak = params + grads + opt + buffers + acts
         cand = (peak, Memory(params, grads, opt, acts, buffers, per_layer))
         if worst is None or cand[0] > worst[0]:
             worst = cand
