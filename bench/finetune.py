@@ -20,7 +20,7 @@ linear), no dropout, activations recomputed as `--recompute` says (full by defau
   "compiled" says which).
 - peft-qlora: the same over bitsandbytes' 4-bit NF4 linears (double quantisation, bf16 compute) with
   `prepare_model_for_kbit_training`; skipped with a note where bitsandbytes does not import.
-Every system is charged the same FLOPs per token (`shardlm.parallel.lora.flops_per_token`: the frozen forward and the
+Every system is charged the same FLOPs per token (`shardlm.config.LoRAConfig.flops_per_token`: the frozen forward and the
 backward through the inputs, the adapters' forward and both backwards, attention) against 989 TFLOP/s.
 Peak memory is torch.cuda.max_memory_allocated over the timed steps; "base" is the bytes of the frozen
 weights (shardlm.parallel.qlora.base_bytes; the quantised codes and scales for NF4). The driver prints a
@@ -202,7 +202,6 @@ def worker(args, extra):
     import torch
 
     from shardlm.config import LoRAConfig
-    from shardlm.parallel.lora import adapter_count, flops_per_token
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{args.system}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     close, state = None, None
@@ -221,10 +220,10 @@ def worker(args, extra):
         info.update(compiled=state["compiled"], compile_error=state["compile_error"])
     m = model_config(args).model
     lora = LoRAConfig(rank=args.rank, alpha=args.alpha, targets=args.targets)
-    adapters = adapter_count(m, lora)
+    adapters = lora.adapter_count(m)
     if info["trainable"] != adapters:  # the FLOPs charged would not be what this system trains
         say(f"trains {info['trainable']} parameters where the FLOP count assumes {adapters} in adapters")
-    flops = flops_per_token(m, args.seq, lora)
+    flops = lora.flops_per_token(m, args.seq)
     tok = args.micro_batch * args.microbatches * args.seq / dt
     outside = info.pop("outside_gib")
     print("RESULT " + json.dumps({"system": args.system, "gpus": 1, "step_s": dt, "tok_s_gpu": tok,

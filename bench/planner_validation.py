@@ -3,7 +3,7 @@
     python bench/planner_validation.py [--record bench/results.jsonl]
 
 The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
-bench/tensor_parallel.py, bench/pipeline_parallel.py and bench/planner_pick.py wrote on the device
+bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py and bench/finetune.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
 Floors: memory within 10%, step time within 25%.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardlm.config import load_config  # noqa: E402
+from shardlm.config import LoRAConfig, load_config  # noqa: E402
 from shardlm.plan import Layout, Workload, estimate, gpu  # noqa: E402
 
 # (bench, gpus, system) -> the layout that system ran
@@ -67,9 +67,21 @@ def pick_layout(system: str) -> Layout:
                   recompute=rest[-2], virtual_stages=2 if schedule == "interleaved" else 1)
 
 
+def finetune_layout(r: dict) -> Layout | None:
+    """The layout of a bench/finetune.py row of shardlm's, its LoRA rank and targets read from its command."""
+    if r["system"] not in ("shardlm-lora", "shardlm-qlora"):
+        return None
+    flags = r["command"].split()
+    rank, targets = (flags[flags.index(f) + 1] for f in ("--rank", "--targets"))
+    return Layout(recompute=r["recompute"], lora=LoRAConfig(rank=int(rank), targets=targets,
+                                                           quantize="nf4" if r["system"] == "shardlm-qlora" else "none"))
+
+
 def layout_of(r: dict) -> Layout | None:
     if r["bench"] == "planner_pick":
         return pick_layout(r["system"])
+    if r["bench"] == "finetune":
+        return finetune_layout(r)
     return LAYOUTS.get((r["bench"], r["gpus"], r["system"]))
 
 

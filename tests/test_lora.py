@@ -180,7 +180,8 @@ NF4_HALF_GAP = (1.0 - 0.7229568362236023) / 2  # the widest gap between NF4's le
 def test_nf4_dequantisation_error_is_within_nf4s_bound():
     """Each weight moves by at most half the widest gap between NF4 levels times its block's absmax, plus what
     the int8 quantisation of that absmax (double quantisation) moves it by: at most 1/127 of the largest."""
-    from shardlm.parallel.qlora import BLOCK, plain, to_nf4
+    from shardlm.config import NF4_BLOCK as BLOCK
+    from shardlm.parallel.qlora import plain, to_nf4
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(3)) * 0.02
     w[5, 7] = 0.5  # an outlier: its block's scale, not the others', grows
     err = (plain(to_nf4(w)) - w).abs().reshape(-1, BLOCK)
@@ -241,14 +242,14 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_adapter_count_and_flops_are_what_the_model_trains(arch):
-    """adapter_count (the planner's and the MFU's) against the parameters the model trains; the FLOPs per
+    """LoRAConfig.adapter_count (the planner's and the MFU's) against the parameters the model trains; the FLOPs per
     token drop the frozen weights' gradient: 4 N + 6 x adapters + attention."""
-    from shardlm.parallel.lora import adapter_count, flops_per_token
     cfg, model = lora_model(arch)
-    assert adapter_count(cfg.model, cfg.lora) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    full, lora = cfg.model.flops_per_token(32), flops_per_token(cfg.model, 32, cfg.lora)
+    adapters = cfg.lora.adapter_count(cfg.model)
+    assert adapters == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    full, lora = cfg.model.flops_per_token(32), cfg.lora.flops_per_token(cfg.model, 32)
     attention = 12 * cfg.model.num_layers * cfg.model.num_heads * cfg.model.head_size * 32
-    assert lora == (full - attention) // 6 * 4 + 6 * adapter_count(cfg.model, cfg.lora) + attention
+    assert lora == (full - attention) // 6 * 4 + 6 * adapters + attention
 
 
 def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():

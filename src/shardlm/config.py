@@ -174,6 +174,41 @@ class LoRAConfig:
     rslora: bool = False           # rank-stabilised scaling (Kalajdzievski 2023)
     quantize: str = "none"         # none | nf4: QLoRA's 4-bit base (parallel/qlora.py, through torchao)
 
+    def adapter_count(self, m: ModelConfig) -> int:
+        """Parameters of all the model's adapters (A: rank x in, B: its rows x rank per adapted module)."""
+        chosen = lora_targets(m.arch, self.targets)
+        inputs = {"attn.out": m.num_heads * m.head_size, "mlp.down": m.ffn_size}
+        total = 0
+        for path, modules in LORA_MODULES[m.arch].items():
+            parts = fused_parts(m, path)
+            rows = list(parts) if len(modules) == len(parts) else [sum(parts)]
+            total += sum(self.rank * (inputs.get(path, m.hidden_size) + r) for n, r in zip(modules, rows) if n in chosen)
+        return m.num_layers * total
+
+    def flops_per_token(self, m: ModelConfig, seq: int) -> int:
+        """Training FLOPs per token of LoRA fine-tuning: what is computed, not full training's 6 x N. The
+        frozen matmul parameters N (ModelConfig.flops_per_token's: every block linear and the head) cost 2 N
+        forward and 2 N in the backward through their inputs, with no weight gradient; the adapters all
+        three, 6 x theirs; attention its forward and backward, 12 x layers x heads x head_dim x seq. A
+        recomputed forward is not counted (the MFU convention), nor NF4's dequantisation (no matmul)."""
+        attention = 12 * m.num_layers * m.num_heads * m.head_size * seq
+        matmul = (m.flops_per_token(seq) - attention) // 6
+        return 4 * matmul + 6 * self.adapter_count(m) + attention
+
+
+NF4_BLOCK = 64  # weights per absmax scale in QLoRA's NF4 (the paper's and torchao's)
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)  # codes, int8 scales, their fp32 scales
+
+
+def fused_parts(m: ModelConfig, path: str) -> tuple[int, ...]:
+    """The full sizes of the fused components of a block linear's output (ColumnParallelLinear's parts)."""
+    hd, f, h = m.head_size, m.ffn_size, m.hidden_size
+    if path == "attn.qkv":
+        return (m.num_heads * hd, m.kv_heads * hd, m.kv_heads * hd)
+    if path == "mlp.up":
+        return (f, f) if m.arch != "gpt2" else (f,)
+    return (h,)
+
 
 @dataclass
 class ParallelConfig:

@@ -30,9 +30,7 @@ from .inference import generate_text
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
-from .parallel.lora import flops_per_token as lora_flops
 from .parallel.parallelize import parallelize
-from .parallel.qlora import NF4_BYTES_PER_WEIGHT
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, signal_name
@@ -96,7 +94,7 @@ class Trainer:
         same_dir = False
         if resume is not None:
             same_dir = self._resume(resume)
-        self.flops_per_token = lora_flops(cfg.model, t.seq_len, cfg.lora) if cfg.lora.rank else \
+        self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
@@ -123,9 +121,7 @@ class Trainer:
         t = self.cfg.train
         mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
                               Layout.from_config(self.cfg))
-        need = mem.params + mem.grads + mem.optimizer
-        if self.cfg.lora.rank:  # frozen weights have no gradients or optimizer state; the adapters' are small
-            need = mem.params * (NF4_BYTES_PER_WEIGHT / 2 if self.cfg.lora.quantize == "nf4" else 1.0)
+        need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
         free = _free_memory(self.device)
         short = free is not None and need > free
         if self._any_rank(short):  # one rank's busy GPU stops them all, not that rank alone

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LORA_MODULES, LoRAConfig, ModelConfig, lora_targets
+from ..config import LORA_MODULES, LoRAConfig, ModelConfig, fused_parts, lora_targets
 from .tensor import ColumnParallelLinear, RowParallelLinear, TPSharding, _tag, degree, rank_in
 
 
@@ -60,42 +60,9 @@ class LoRA(nn.Module):
         return update * self.scaling
 
 
-def _parts(cfg: ModelConfig, path: str) -> tuple[int, ...]:
-    """The full sizes of the fused components of a block linear's output (ColumnParallelLinear's parts)."""
-    hd, f, h = cfg.head_size, cfg.ffn_size, cfg.hidden_size
-    if path == "attn.qkv":
-        return (cfg.num_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
-    if path == "mlp.up":
-        return (f, f) if cfg.arch != "gpt2" else (f,)
-    return (h,)
-
-
-def adapter_count(cfg: ModelConfig, lora: LoRAConfig) -> int:
-    """Parameters of all the model's adapters (A: rank x in, B: its rows x rank per adapted module)."""
-    chosen = lora_targets(cfg.arch, lora.targets)
-    inputs = {"attn.out": cfg.num_heads * cfg.head_size, "mlp.down": cfg.ffn_size}
-    total = 0
-    for path, modules in LORA_MODULES[cfg.arch].items():
-        parts = _parts(cfg, path)
-        rows = list(parts) if len(modules) == len(parts) else [sum(parts)]
-        total += sum(lora.rank * (inputs.get(path, cfg.hidden_size) + r) for m, r in zip(modules, rows) if m in chosen)
-    return cfg.num_layers * total
-
-
-def flops_per_token(cfg: ModelConfig, seq: int, lora: LoRAConfig) -> int:
-    """Training FLOPs per token of LoRA fine-tuning: what is computed, not full training's 6 x N. The frozen
-    matmul parameters N (ModelConfig.flops_per_token's: every block linear and the head) cost 2 N forward and
-    2 N in the backward through their inputs, with no weight gradient; the adapters all three, 6 x theirs;
-    attention its forward and backward, 12 x layers x heads x head_dim x seq. A recomputed forward is not
-    counted (the MFU convention), nor NF4's dequantisation (no matmul)."""
-    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq
-    matmul = (cfg.flops_per_token(seq) - attention) // 6
-    return 4 * matmul + 6 * adapter_count(cfg, lora) + attention
-
-
 def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lora: LoRAConfig) -> LoRA | None:
     modules = LORA_MODULES[cfg.arch][path]
-    parts = _parts(cfg, path)
+    parts = fused_parts(cfg, path)
     # One module per component (q_proj, k_proj, v_proj), or one module over all of them (c_attn).
     covers = [(i,) for i in range(len(parts))] if len(modules) == len(parts) else [tuple(range(len(parts)))]
     spec = getattr(base, "shardings", {}).get("weight")
@@ -187,7 +154,7 @@ def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.T
     for layer, path, name, a, b in _adapters(state, cfg):
         key = f"layers.{layer}.{path}.weight"
         modules = LORA_MODULES[cfg.arch][path]
-        parts = _parts(cfg, path)
+        parts = fused_parts(cfg, path)
         start = 0
         if len(modules) == len(parts):
             index = [m.rsplit(".", 1)[1] for m in modules].index(name)

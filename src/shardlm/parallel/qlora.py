@@ -14,10 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import LORA_MODULES, ConfigError
-
-BLOCK = 64  # weights per absmax scale (the paper's and torchao's)
-NF4_BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * 256)  # codes, int8 scales, their fp32 scales (at least)
+from ..config import LORA_MODULES, NF4_BLOCK, ConfigError
 
 
 def _torchao():
@@ -52,12 +49,12 @@ def to_nf4(weight: torch.Tensor, name: str = "weight"):
     """`weight` as an NF4Tensor: blocks of 64, scale blocks of the largest size up to 256 that divides the
     number of blocks (torchao requires it to)."""
     _, quantize = _torchao()
-    if weight.numel() % BLOCK:
-        raise ConfigError(f"{name} has {weight.numel()} elements, not a multiple of NF4's block of {BLOCK}: "
+    if weight.numel() % NF4_BLOCK:
+        raise ConfigError(f"{name} has {weight.numel()} elements, not a multiple of NF4's block of {NF4_BLOCK}: "
                           "lora.quantize = 'nf4' needs layer sizes divisible by 64")
-    blocks = weight.numel() // BLOCK
+    blocks = weight.numel() // NF4_BLOCK
     scaler_block = max(d for d in range(1, min(256, blocks) + 1) if blocks % d == 0)
-    return quantize(weight.detach(), BLOCK, scaler_block)
+    return quantize(weight.detach(), NF4_BLOCK, scaler_block)
 
 
 def set_nf4(module: nn.Module, value: torch.Tensor, name: str) -> None:

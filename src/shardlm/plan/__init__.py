@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import ModelConfig
+from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
 from .comm import comm_bytes, comm_seconds
 from .flops import ADAM_BYTES, CPU_ADAM_S, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
-from .memory import Memory, estimate_memory, paper_model_states, stage_params
+from .memory import Memory, estimate_memory, nf4_weights, paper_model_states, trained_and_frozen
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "paper_model_states"]
 
@@ -47,14 +47,19 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     check(m, w, L, gpus)
     mem = estimate_memory(m, w, L)
     tokens_per_gpu = w.global_batch * w.seq / (L.dp * L.cp)  # a model replica's tokens, split over tp x pp
-    model = model_flops_per_token(m, w.seq) * tokens_per_gpu / (L.tp * L.pp)
+    per_token = L.lora.flops_per_token(m, w.seq) if L.lora.rank else model_flops_per_token(m, w.seq)
+    model = per_token * tokens_per_gpu / (L.tp * L.pp)
     extra = recompute_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     b = bubble(w, L)
     compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
-    phi = stage_params(m, L, 0)
+    phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = phi / L.dp if L.zero_stage >= 1 else phi
     optimizer = shard * CPU_ADAM_S if L.offload != "none" else shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
+    if L.lora.quantize == "nf4":  # each NF4 weight dequantised (read, 16-bit written and read) in every pass
+        passes = 3 if L.recompute == "full" else 2
+        micro = w.global_batch // (w.micro_batch * L.dp)
+        step += passes * micro * nf4_weights(m, L, 0) * (NF4_BYTES_PER_WEIGHT + 4) / g.hbm_bw
     mfu = model / (step * g.peak_flops)
     tokens_per_s = w.global_batch * w.seq / step
     train_flops = train_days = 0.0

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..config import ModelConfig, load_config
+from ..config import LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
 from .hardware import GPUS, parse_bytes
 
@@ -56,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--attention", default="flash")
     lay.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"))
     lay.add_argument("--reduce-algo", default="auto", choices=("auto", "all_to_all", "ring", "copy_engine"))
+    ft = p.add_argument_group("fine-tuning (default: a TOML --model's [lora] section)")
+    ft.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank, the base frozen")
+    ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
+    ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base")
     p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
@@ -83,6 +87,13 @@ def model_from_args(a) -> ModelConfig:
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
                        vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt",
                        num_experts=a.experts, top_k=a.top_k)
+
+
+def lora_from_args(a) -> LoRAConfig:
+    """--lora-rank and its flags, else a TOML config's [lora] section, else none."""
+    if a.lora_rank is None and a.model and Path(a.model).suffix == ".toml":
+        return load_config(a.model).lora
+    return LoRAConfig(rank=a.lora_rank or 0, targets=a.lora_targets, quantize=a.quantize)
 
 
 def fmt(x: float) -> str:
@@ -139,13 +150,13 @@ def run(argv: list[str]) -> int:
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload, sp=a.sp,
                     recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
-                    reduce_algo=a.reduce_algo)
+                    reduce_algo=a.reduce_algo, lora=lora_from_args(a))
     if a.search:
         return search_layouts(a, model, layout, g)
     work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
     e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
-        print(json.dumps({**e.to_dict(), "layout": vars(layout)}))
+        print(json.dumps({**e.to_dict(), "layout": asdict(layout)}))
         return 0
     if note:
         print(note)
@@ -180,7 +191,7 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     best, scored, rejected, headroom = search(model, Workload(a.seq, a.micro_batch, batch, a.tokens), g, gpus,
                                               a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
     if a.json:
-        print(json.dumps([{"layout": vars(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+        print(json.dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
         return 0
     if a.gpus is None:
         print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")

@@ -20,14 +20,15 @@ from dataclasses import replace
 from ..config import ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import stage_params
+from .memory import stage_params, trained_and_frozen
 
 
 def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     act = 2 if L.precision != "fp32" else 4
     micro = w.global_batch // (w.micro_batch * L.dp)
     tokens = w.seq * w.micro_batch / L.cp
-    phi = stage_params(m, L, 0)
+    phi = stage_params(m, L, 0)  # gathered by ZeRO-3
+    grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone
     n = L.dp
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
@@ -36,11 +37,11 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     if n == 1:
         dp = 0.0
     elif L.zero_stage in (0, 1):  # once per step: a reduce-scatter and a 16-bit all-gather (comm/transport.py)
-        dp = ring * phi * (red + act)
+        dp = ring * grads * (red + act)
     elif L.zero_stage == 2:  # a reduce-scatter on every micro-step, the all-gather after the step
-        dp = ring * phi * (red * micro + act)
+        dp = ring * grads * (red * micro + act)
     else:  # and the weights gathered for forward and for backward on every micro-step
-        dp = ring * phi * (red + 2 * act) * micro
+        dp = ring * (grads * red + phi * 2 * act) * micro
     layers = m.num_layers // L.pp
     t = L.tp
     tp = 0.0 if t == 1 else 4 * 2 * (t - 1) / t * tokens * m.hidden_size * act * layers * micro
@@ -84,6 +85,6 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
         else:
             t += once / dp_bw * EXPOSED["zero3_gather"]
         if L.zero_stage >= 2:
-            buckets = stage_params(m, L, 0) * act / (L.bucket_mb * 2**20)
+            buckets = trained_and_frozen(m, L, 0, act)[0] * act / (L.bucket_mb * 2**20)
             t += (micro - 1) * buckets * ACCUM_BUCKET_S
     return t

@@ -4,9 +4,9 @@ workload (sequence length, micro and global batch) and a layout: the runtime's o
 own check (config.check_layout) with errors that name the planner's flags."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, ModelConfig, Naming, ParallelConfig, check_layout
+from ..config import Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig, check_layout, lora_targets
 
 
 class PlanError(ConfigError):
@@ -27,6 +27,7 @@ class Layout(ParallelConfig):
     precision: str = "bf16"        # fp32 | bf16 | fp16
     attention: str = "flash"       # flash | standard
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: every weight trained
 
     @property
     def gpus(self) -> int:
@@ -36,7 +37,7 @@ class Layout(ParallelConfig):
     def from_config(cls, cfg: Config) -> Layout:
         """The layout a training config runs."""
         return cls(**vars(cfg.parallel), recompute=cfg.train.recompute, precision=cfg.train.precision,
-                   loss_chunk=cfg.train.loss_chunk_tokens)
+                   loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora)
 
 
 FLAGS = Naming(flags=True)
@@ -49,6 +50,17 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
                                  ("attention", L.attention, ("flash", "standard"))):
         if value not in allowed:
             raise PlanError(f"--{name} {value!r} is not one of {', '.join(map(str, allowed))}")
+    if L.lora.quantize not in ("none", "nf4"):
+        raise PlanError(f"--quantize {L.lora.quantize!r} is not one of none, nf4")
+    if L.lora.quantize == "nf4" and not L.lora.rank:
+        raise PlanError("--quantize nf4 quantises a frozen base: it needs --lora-rank")
+    if L.lora.rank < 0:
+        raise PlanError(f"--lora-rank {L.lora.rank} must not be negative")
+    if L.lora.rank:
+        try:
+            lora_targets(model.arch, L.lora.targets)
+        except ConfigError as e:
+            raise PlanError(str(e).replace("lora.targets", "--lora-targets")) from None
     try:
         check_layout(model, L, work.seq, work.micro_batch, work.global_batch, gpus, FLAGS)
     except ConfigError as e:

@@ -22,6 +22,11 @@ per-head log-sum-exp, so no s^2 term. A pipeline stage holds several micro-batch
 1F1B min(p, m) on the first stage, interleaved 1F1B that times (1 + (p - 1) / (p v)) (Narayanan et
 al. 2021).
 
+LoRA (Hu et al. 2021): gradients and optimizer state for the adapters alone; the frozen base in 16-bit
+(QLoRA, Dettmers et al. 2023: the block linears in NF4, about 4.13 bits a weight, one of them dequantised
+at a time), sharded by ZeRO-3 like the trained parameters. The activations are counted as in full
+training: the frozen linears save the same inputs, which the adapters' A matrices need.
+
 Buffers: the output head and loss (shardlm's chunked head: one chunk of fp32 logits, its gradient and
 the head's gradient; otherwise the full bf16 logits, their fp32 copy and gradient), ZeRO-3's gathered
 units (the current block, the prefetched next one and the head), DDP and ZeRO reduction buckets in
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ModelConfig
+from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
 from ..schedules import split_layers
 from .flops import simulated
 from .layout import Layout, Workload
@@ -91,6 +96,26 @@ def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
     return n
 
 
+def trained_and_frozen(m: ModelConfig, L: Layout, stage: int, p_b: int) -> tuple[float, float]:
+    """(parameters trained, bytes of the frozen ones) on pipeline rank `stage`, before ZeRO. Without LoRA
+    every parameter trains. With it only the adapters do (LoRAConfig.adapter_count, over the rank's layers
+    and tensor-parallel degree); the base is frozen in 16-bit, QLoRA's block linears in NF4."""
+    phi = stage_params(m, L, stage)
+    if not L.lora.rank:
+        return phi, 0.0
+    adapters = L.lora.adapter_count(m) * rank_layers(m, L, stage) / m.num_layers / L.tp
+    return adapters, phi * p_b - nf4_weights(m, L, stage) * (p_b - NF4_BYTES_PER_WEIGHT)
+
+
+def nf4_weights(m: ModelConfig, L: Layout, stage: int) -> float:
+    """Weights QLoRA stores in NF4 on pipeline rank `stage`: its block linears' (none without QLoRA)."""
+    if not (L.lora.rank and L.lora.quantize == "nf4"):
+        return 0.0
+    q, kv, h, f = m.num_heads * m.head_size, m.kv_heads * m.head_size, m.hidden_size, m.ffn_size
+    per_layer = h * (q + 2 * kv) + q * h + (3 if m.arch != "gpt2" else 2) * h * f
+    return per_layer * rank_layers(m, L, stage) / L.tp
+
+
 def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
     s, b, h, a, t = w.seq / L.cp, w.micro_batch, m.hidden_size, m.num_heads, L.tp
     sbh = s * b * h
@@ -135,17 +160,18 @@ def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:
     final = 2 * act * tokens * h  # the final norm's input and output
     if L.loss_chunk:
         c = min(L.loss_chunk, tokens)
-        return final + c * v * (4 + act) + v * h * act + tokens * h * act
+        head_grad = 0 if L.lora.rank else v * h * act  # a frozen head forms no weight gradient
+        return final + c * v * (4 + act) + head_grad + tokens * h * act
     return final + tokens * v * (act + 4 + 4)  # logits, their fp32 copy, the softmax gradient
 
 
 def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     worst = None
     for stage in sorted({0, L.pp - 1}):
-        phi = stage_params(m, L, stage)
         n = L.dp
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
+        phi, frozen = trained_and_frozen(m, L, stage, p_b)
         red = 4 if L.reduce_dtype == "fp32" else g_b
         params, grads, opt = p_b * phi, g_b * phi, k * phi
         if L.zero_stage >= 1:
@@ -162,6 +188,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             opt = 0.0
             if L.offload == "params":
                 params = 0.0
+        params += frozen / n if L.zero_stage == 3 else frozen  # ZeRO-3 shards a frozen base in its own units
         per_layer = activation_per_layer(m, w, L)
         layers = rank_layers(m, L, stage)
         acts = per_layer * layers * in_flight(w, L)
@@ -172,6 +199,9 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         buffers = WORKSPACE
         if stage == L.pp - 1:
             buffers += head_and_loss(m, w, L)
+        if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
+            buffers += m.hidden_size * max(m.ffn_size * (2 if m.arch != "gpt2" else 1),
+                                           (m.num_heads + 2 * m.kv_heads) * m.head_size) / L.tp * p_b
         unit = m.param_counts()["per_layer"] / L.tp * p_b
         if L.zero_stage == 3:
             head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
