@@ -10,7 +10,7 @@ from helpers import hf_model
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
-from shardlm.model.hf import read_hf_dir, write_hf_dir
+from shardlm.model.hf import open_hf_dir, read_hf_dir, write_hf_dir
 
 KINDS = ["llama", "llama3", "llama_tied", "qwen2", "qwen2_window", "mistral", "mistral_window", "gpt2"]
 
@@ -191,3 +191,18 @@ def test_chunked_head_and_loss_equal_plain_cross_entropy(chunk):
     torch.testing.assert_close(w.grad, w2.grad)
     with torch.no_grad():
         torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk), ref)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tensors_read_one_at_a_time_from_a_sharded_checkpoint(kind, tmp_path):
+    """open_hf_dir reads a tensor only when asked (train.init_from: a rank takes its stage's, one at a time),
+    across the shards of a checkpoint saved in pieces, equal to reading it whole."""
+    ref = hf_model(kind)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    _, whole = read_hf_dir(tmp_path / "hf")
+    _, tensors = open_hf_dir(tmp_path / "hf")
+    assert tensors.names == list(whole)
+    for name in ("layers.1.attn.qkv.weight", "layers.0.mlp.up.weight", "norm.weight"):
+        assert torch.equal(tensors(name), whole[name]), name
+

@@ -29,44 +29,58 @@ def _hf_names(cfg: ModelConfig, i: int) -> dict:
             "down": p + "mlp.down_proj"}
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF tensors (any prefix convention) -> shardlm's state dict."""
-    hf = {k.removeprefix("transformer.") if cfg.arch == "gpt2" else k: v for k, v in hf.items()}
-    if cfg.arch == "gpt2":
-        hf = {("transformer." + k if not k.startswith("lm_head") else k): v for k, v in hf.items()}
-    out: dict[str, torch.Tensor] = {}
-
-    def take(name):
-        if name not in hf:
-            raise KeyError(f"checkpoint is missing {name}")
-        return hf[name]
-
-    if cfg.arch == "gpt2":
-        out["embed.weight"] = take("transformer.wte.weight")
-        out["pos_embed.weight"] = take("transformer.wpe.weight")
-        out["norm.weight"], out["norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
+def hf_recipes(keys, cfg: ModelConfig) -> dict[str, tuple[list[str], object]]:
+    """How each of shardlm's tensors is made from an HF checkpoint with tensor names `keys` (any prefix
+    convention): name -> (the HF names it reads, the function of those tensors that gives it)."""
+    if cfg.arch == "gpt2":  # "h.0..." and "transformer.h.0..." both occur
+        theirs = {(k if k.startswith("lm_head") else "transformer." + k.removeprefix("transformer.")): k
+                  for k in keys}
     else:
-        out["embed.weight"] = take("model.embed_tokens.weight")
-        out["norm.weight"] = take("model.norm.weight")
+        theirs = {k: k for k in keys}
+    same, fuse = (lambda t: t), (lambda *ts: torch.cat(ts))
+    conv1d = lambda t: t.t().contiguous()  # noqa: E731  (GPT-2's Conv1D stores [in, out])
+    out: dict[str, tuple[list[str], object]] = {}
+
+    def put(ours, names, how=same):
+        missing = [n for n in names if n not in theirs]
+        if missing:
+            raise KeyError(f"checkpoint is missing {missing[0]}")
+        out[ours] = ([theirs[n] for n in names], how)
+
+    if cfg.arch == "gpt2":
+        put("embed.weight", ["transformer.wte.weight"])
+        put("pos_embed.weight", ["transformer.wpe.weight"])
+        put("norm.weight", ["transformer.ln_f.weight"])
+        put("norm.bias", ["transformer.ln_f.bias"])
+    else:
+        put("embed.weight", ["model.embed_tokens.weight"])
+        put("norm.weight", ["model.norm.weight"])
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
+        put("lm_head.weight", ["lm_head.weight"])
     for i in range(cfg.num_layers):
         n, p = _hf_names(cfg, i), f"layers.{i}."
         if cfg.arch == "gpt2":
             for ours in ("attn_norm", "mlp_norm"):
-                out[p + ours + ".weight"], out[p + ours + ".bias"] = take(n[ours] + ".weight"), take(n[ours] + ".bias")
-            for ours, theirs in (("attn.qkv", "qkv"), ("attn.out", "out"), ("mlp.up", "up"), ("mlp.down", "down")):
-                out[p + ours + ".weight"] = take(n[theirs] + ".weight").t().contiguous()  # Conv1D stores [in, out]
-                out[p + ours + ".bias"] = take(n[theirs] + ".bias")
+                put(p + ours + ".weight", [n[ours] + ".weight"])
+                put(p + ours + ".bias", [n[ours] + ".bias"])
+            for ours, hf in (("attn.qkv", "qkv"), ("attn.out", "out"), ("mlp.up", "up"), ("mlp.down", "down")):
+                put(p + ours + ".weight", [n[hf] + ".weight"], conv1d)
+                put(p + ours + ".bias", [n[hf] + ".bias"])
             continue
-        out[p + "attn_norm.weight"], out[p + "mlp_norm.weight"] = take(n["attn_norm"] + ".weight"), take(n["mlp_norm"] + ".weight")
-        out[p + "attn.qkv.weight"] = torch.cat([take(n[x] + ".weight") for x in "qkv"])
+        put(p + "attn_norm.weight", [n["attn_norm"] + ".weight"])
+        put(p + "mlp_norm.weight", [n["mlp_norm"] + ".weight"])
+        put(p + "attn.qkv.weight", [n[x] + ".weight" for x in "qkv"], fuse)
         if cfg.qkv_bias:
-            out[p + "attn.qkv.bias"] = torch.cat([take(n[x] + ".bias") for x in "qkv"])
-        out[p + "attn.out.weight"] = take(n["out"] + ".weight")
-        out[p + "mlp.up.weight"] = torch.cat([take(n["gate"] + ".weight"), take(n["up"] + ".weight")])
-        out[p + "mlp.down.weight"] = take(n["down"] + ".weight")
+            put(p + "attn.qkv.bias", [n[x] + ".bias" for x in "qkv"], fuse)
+        put(p + "attn.out.weight", [n["out"] + ".weight"])
+        put(p + "mlp.up.weight", [n["gate"] + ".weight", n["up"] + ".weight"], fuse)
+        put(p + "mlp.down.weight", [n["down"] + ".weight"])
     return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors (any prefix convention) -> shardlm's state dict."""
+    return {ours: how(*(hf[k] for k in keys)) for ours, (keys, how) in hf_recipes(hf.keys(), cfg).items()}
 
 
 def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -111,6 +125,33 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """config.json and every *.safetensors shard (an index file, if any, just lists the same shards)."""
+    cfg, tensors = open_hf_dir(path)
+    return cfg, {name: tensors(name) for name in tensors.names}
+
+
+class HFTensors:
+    """shardlm's tensors of an HF checkpoint, each read from the safetensors files only when asked for, so a
+    rank that needs its pipeline stage's (or one tensor at a time) never holds the whole model."""
+
+    def __init__(self, files: list[Path], cfg: ModelConfig):
+        self.where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                self.where.update((k, f) for k in st.keys())
+        self.recipes = hf_recipes(self.where.keys(), cfg)
+        self.names = list(self.recipes)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        keys, how = self.recipes[name]
+        parts = []
+        for k in keys:
+            with safe_open(str(self.where[k]), framework="pt") as st:
+                parts.append(st.get_tensor(k))
+        return how(*parts)
+
+
+def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
+    """config.json, and the checkpoint's tensors to be read by name (HFTensors)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
@@ -118,12 +159,7 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    hf = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                hf[k] = st.get_tensor(k)
-    return cfg, from_hf_state(hf, cfg)
+    return cfg, HFTensors(files, cfg)
 
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,

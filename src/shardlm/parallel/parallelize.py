@@ -140,20 +140,20 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
 def _load_initial(model: Decoder, path: str, specs: dict) -> None:
     """`train.init_from`'s weights into this rank's parameters (its stage's, its tensor-parallel slices); the
     adapters of a LoRA run keep their initialisation."""
-    from ..model.hf import read_hf_dir
-    _, state = read_hf_dir(path)
+    from ..model.hf import open_hf_dir
+    _, tensors = open_hf_dir(path)
     own = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
-    missing = sorted(set(own) - set(state))
+    missing = sorted(set(own) - set(tensors.names))
     if missing:
         raise ConfigError(f"train.init_from = {path!r} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}")
-    local = take_local({n: state[n] for n in own}, specs)
     with torch.no_grad():
-        for name, p in own.items():
-            if local[name].shape != p.shape:
-                raise ConfigError(f"train.init_from = {path!r}: {name} is {tuple(local[name].shape)} for this "
+        for name, p in own.items():  # one full tensor in memory at a time, this rank's names only
+            local = take_local({name: tensors(name)}, specs)[name]
+            if local.shape != p.shape:
+                raise ConfigError(f"train.init_from = {path!r}: {name} is {tuple(local.shape)} for this "
                                   f"rank, the model's is {tuple(p.shape)}")
-            p.copy_(local[name])
+            p.copy_(local)
 
 
 def _duplicates(engine: Engine, specs: dict, copy: str | None) -> list[tuple[int, int, int]]:
