@@ -81,10 +81,32 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mode):
     assert any(u is True for _, _, u in results)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero2_offload_equals_zero2(world, precision):
+    """Gradient shards accumulated in host memory over four micro-batches per rank, the step on the CPU: the
+    same run, rank by rank, as ZeRO-2 keeping its shards (accumulated in fp32 too) on the device."""
+    common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": str(2 // world),
+              "train.precision": precision, "parallel.dp": str(world), "parallel.zero_stage": "2"}
+
+    def run(over):
+        if world == 1:
+            return [dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu"})]
+        return run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
+    for ref, got in zip(run(common), run({**common, "parallel.offload": "optimizer"})):
+        for key in ("losses", "grad_norms"):
+            torch.testing.assert_close(got[key], ref[key], rtol=RTOL, atol=0)
+        for key in ("grad", "state") + (("masters",) if ref["masters"] is not None else ()):
+            assert got[key].keys() == ref[key].keys()
+            for name, want in ref[key].items():
+                torch.testing.assert_close(got[key][name], want, rtol=RTOL, atol=ATOL, msg=f"{key} {name}")
+
+
 @pytest.mark.parametrize("target", [
     {"parallel.dp": "1"},
     {"parallel.dp": "4", "parallel.zero_stage": "3"},
     {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.offload": "optimizer"},
+    {"parallel.dp": "1", "parallel.zero_stage": "2", "parallel.offload": "optimizer"},
 ])
 def test_resharding_resume_continues_the_trajectory(tmp_path, target):
     common = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",

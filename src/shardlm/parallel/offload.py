@@ -1,16 +1,24 @@
 """Optimizer offload (Ren et al. 2021, "ZeRO-Offload"): the fp32 master weights and the optimizer's moments
 live in CPU memory and the update runs on the CPU; only 16-bit weights and gradients stay on the GPU.
 
-Each step copies this rank's gradient shards into one persistent fp32 host buffer (pinned where there is
-a GPU: a fresh allocation per step would page-fault its way through gigabytes, and a pageable target
-makes the copy synchronous), scales them there, runs torch's vectorised CPU AdamW kernel on
+The gradient shards end up in one persistent fp32 host buffer (pinned where there is a GPU: a fresh
+allocation per step would page-fault its way through gigabytes, and a pageable target makes the copy
+synchronous): stage 1 copies its shards there at the step; the step scales them there, runs torch's vectorised CPU AdamW kernel on
 `parallel.offload_threads` threads (default: this rank's share of the cores), writes the updated 16-bit
 shard into pinned staging memory and copies it back to wherever the engine keeps the weights.
 Parameter offload (ZeRO-3's 16-bit shards on the CPU too) is a placement choice of parallel/zero3.py.
+
+With stages 2 and 3 the gradients leave the GPU as they are reduced (the paper's section 4.1): `HostGradients`
+copies each bucket's reduced shard into pinned staging memory on a stream of its own and a host thread adds
+it into the fp32 host buffer, accumulating across micro-batches there, so no gradient shard stays on the
+GPU; the step then reads that buffer where it lies.
 """
 from __future__ import annotations
 
 import os
+import queue
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,10 +42,15 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         super().__init__(*args, **kwargs)
         self.host_grad = torch.empty(self.total, dtype=torch.float32, pin_memory=torch.cuda.is_available())
 
+    def host_parts(self) -> list[torch.Tensor]:
+        """The fp32 host buffer's view of each bucket's gradient shard."""
+        return [self.host_grad[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
+
     def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
-        host = [self.host_grad[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
+        host = self.host_parts()
         for h, g in zip(host, grads):
-            h.copy_(g, non_blocking=True)
+            if g.data_ptr() != h.data_ptr():  # HostGradients has put them there already
+                h.copy_(g, non_blocking=True)
         scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
         for h in host:
             h.mul_(scale)
@@ -46,6 +59,70 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         for dst, src in zip(params, staged):
             if dst is not None:
                 dst.copy_(src, non_blocking=True)
+
+
+class HostGradients:
+    """Gradient shards accumulated in fp32 in host memory (`host`: one view per bucket), each reduced bucket
+    added as it comes: on a GPU copied down on a stream of its own into one of `slots` pinned staging buffers
+    and added by a host thread once the copy is done, so backward runs on meanwhile; on the CPU added at once."""
+
+    def __init__(self, host: list[torch.Tensor], device: torch.device, slots: int = 4):
+        self.host, self.cuda, self.slots = host, device.type == "cuda", slots
+        self.fresh = [True] * len(host)  # a bucket's first micro-batch of the step writes, later ones add
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging: queue.Queue = queue.Queue()
+        self.made = 0
+        self.pending: deque = deque()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads") if self.cuda else None
+
+    def add(self, b: int, shard: torch.Tensor) -> None:
+        """Add bucket b's reduced shard (ready on the current stream) into its host view."""
+        if not self.cuda:
+            self._fold(b, shard)
+            return
+        buf = self._free_buffer(shard.dtype)
+        staging = buf[:shard.numel()]
+        # The shard may lie in a transport's staging ring that the next reductions overwrite in stream order:
+        # a copy in that order is what the side stream reads.
+        shard = shard.clone()
+        self.stream.wait_stream(torch.cuda.current_stream(shard.device))
+        with torch.cuda.stream(self.stream):
+            staging.copy_(shard, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        shard.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        self.pending.append(self.pool.submit(self._fold_after, b, staging, done, buf))
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()  # raises what the host thread raised
+
+    def _free_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.made < self.slots and self.staging.empty():
+            self.made += 1
+            return torch.empty(max(h.numel() for h in self.host), dtype=dtype, pin_memory=True)
+        return self.staging.get()  # blocks until the host thread has added one in
+
+    def _fold(self, b: int, src: torch.Tensor) -> None:
+        if self.fresh[b]:
+            self.host[b].copy_(src)
+        else:
+            self.host[b].add_(src)
+        self.fresh[b] = False
+
+    def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor) -> None:
+        try:
+            done.synchronize()
+            self._fold(b, staging)
+        finally:
+            self.staging.put(buf)
+
+    def wait(self) -> None:
+        """Every added shard is in the host buffer."""
+        while self.pending:
+            self.pending.popleft().result()
+
+    def step_done(self) -> None:
+        """The step has read the buffer: the next micro-batch starts the sum afresh."""
+        self.fresh = [True] * len(self.host)
 
 
 def sharded_optimizer(flat, cfg, scaler, group, initial_shards=None, params_kept: bool = True) -> MasterWeightOptimizer:

@@ -32,7 +32,7 @@ from ..comm.transport import sharded_transport
 from ..flat import FlatParams
 from .buckets import BucketReadiness, reverse_order_buckets
 from .engine import Engine
-from .offload import sharded_optimizer
+from .offload import HostGradients, sharded_optimizer
 
 # Stage 2 bounds the full-size bucket gradients alive at once by finishing the oldest reduction when
 # more than this many are in flight. Finishing one makes the compute stream wait for it, so the bound
@@ -66,6 +66,9 @@ class ZeroEngine(Engine):
         self.transport = sharded_transport(flat, group, self.algo, self.reduce_dtype, self.stage, self.in_flight)
         shards = self._shard_parameters(model)
         self.opt = sharded_optimizer(flat, cfg, scaler, group, shards, params_kept=shards is None)
+        # Offloaded stages 2 and 3 accumulate the gradient shards in host memory, not on the GPU.
+        self.host_grads = HostGradients(self.opt.host_parts(), flat.device) \
+            if self.opt.offloaded and self.stage >= 2 else None
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
         # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
@@ -159,7 +162,9 @@ class ZeroEngine(Engine):
             if work is not None:
                 work.wait()
             out = result()
-            if self.grad_shards_in_bucket:
+            if self.host_grads is not None:
+                self.host_grads.add(b, out)
+            elif self.grad_shards_in_bucket:
                 if out is not self.grad_shards[b]:  # the copy engines sum into the shard itself
                     self.grad_shards[b].copy_(out)
             elif self.grad_shards[b] is None:
@@ -180,13 +185,15 @@ class ZeroEngine(Engine):
             return
         self.ready.flush()
         self._drain()
+        if last and self.host_grads is not None:
+            self.host_grads.wait()
         self._backward_done()
 
     def _backward_done(self) -> None:
         """Stage 3 releases what backward kept gathered."""
 
     def grad_shard(self, b: int) -> torch.Tensor:
-        return self.grad_shards[b]
+        return self.host_grads.host[b] if self.host_grads is not None else self.grad_shards[b]
 
     def grad_factor(self) -> float:
         return 1.0 / self.world
@@ -204,6 +211,8 @@ class ZeroEngine(Engine):
             self._gather_updated_weights()
         if self.stage == 1:
             self.flat.zero_grad()
+        if self.host_grads is not None:
+            self.host_grads.step_done()
         if not self.grad_shards_in_bucket:
             self.grad_shards = [None] * len(self.grad_shards)
 

@@ -178,6 +178,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             opt = k * phi / n
         # The reduced shard (beside stage 1's full 16-bit gradients) lives from backward to the step only.
         shard = red * phi / n if (L.zero_stage >= 2 or (L.zero_stage == 1 and red != g_b)) else 0.0
+        if L.offload != "none" and L.zero_stage >= 2:  # accumulated in host memory (parallel/offload.py)
+            shard = 0.0
         if L.zero_stage >= 2:
             grads = 0.0
         if L.zero_stage == 3:
