@@ -1,51 +1,113 @@
-"""The offloaded optimizer step alone: MasterWeightOptimizer with `offload` on N bf16 parameters whose
-gradients live on --device (cuda: the real ZeRO-Offload path with its copies over PCIe; cpu: only the
-host-side work), timed over a few steps.
+"""The offloaded optimizer step alone, per parameter, beside DeepSpeedCPUAdam on the same cores: the CPU AdamW
+that ZeRO-Offload's step time rests on (issue: at least as fast per parameter as DeepSpeed's).
 
-    python bench/offload_step.py --params 275e6 --threads 4 [--device cuda]
+    python bench/offload_step.py --params 1e9 --threads 16 [--device cuda] [--record bench/results.jsonl]
 
-275M is a rank's shard of tinyllama-1.1b at 4 GPUs; --threads is what `parallel.offload_threads` sets.
+- shardlm: parallel/offload.py's OffloadedOptimizer over N bf16 parameters, its fp32 gradient shards already
+  in host memory (where HostGradients leaves them): scale, global norm, torch's fused CPU AdamW on the fp32
+  masters and moments, the updated bf16 weights written to pinned memory and copied to --device.
+- deepspeed: DeepSpeedCPUAdam.step over the same N fp32 parameters with fp32 gradients (its AVX kernel; the
+  bf16 copy-back is not in this call), where deepspeed imports (its cpu_adam op builds at first use).
+Both run on --threads threads (torch.set_num_threads; OMP_NUM_THREADS for DeepSpeed's OpenMP loop). Prints
+seconds per step and nanoseconds per parameter (the best of --steps after one warm-up); with --record, one
+row per system, bench "offload_step".
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import sys
 import time
+from pathlib import Path
 
-import torch
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 
-from shardlm.config import load_config
-from shardlm.flat import FlatParams
-from shardlm.optim import MasterWeightOptimizer
-from shardlm.precision import NoLossScaler
+
+def best_of(step, steps: int, cuda: bool) -> float:
+    import torch
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return min(times[1:])
+
+
+def shardlm_step(n: int, device: str):
+    import torch
+    from torch import nn
+
+    from shardlm.config import load_config
+    from shardlm.flat import FlatParams
+    from shardlm.parallel.offload import OffloadedOptimizer
+    from shardlm.precision import NoLossScaler
+    chunk = 16 * 2**20
+    model = nn.Module()
+    model.ws = nn.ParameterList(nn.Parameter(torch.randn(min(chunk, n - i), dtype=torch.bfloat16, device=device))
+                                for i in range(0, n, chunk))
+    flat = FlatParams(model, [[f"ws.{i}"] for i in range(len(model.ws))])
+    opt = OffloadedOptimizer(flat, load_config("tiny", {}).train, NoLossScaler(), None, shard=True)
+    for g in opt.host_parts():
+        g.normal_()
+    grads = opt.host_parts()
+    steps = iter(range(1, 10**9))
+    return lambda: opt.step(1e-4, next(steps), lambda b: grads[b], lambda b: flat.buckets[b].data)
+
+
+def deepspeed_step(n: int):
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    chunk = 16 * 2**20
+    params = [torch.nn.Parameter(torch.randn(min(chunk, n - i))) for i in range(0, n, chunk)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.1, adamw_mode=True)
+    return opt.step
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=100e6)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="0: this process's cores")
+    p.add_argument("--device", default="cpu", help="where the 16-bit weights live (cuda: the copy back is timed)")
+    p.add_argument("--systems", nargs="+", default=["shardlm", "deepspeed"])
+    p.add_argument("--record", default="")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    n, chunk = int(a.params), 16 * 2**20
-    model = nn.Module()
-    model.ws = nn.ParameterList(nn.Parameter(torch.randn(min(chunk, n - i), dtype=torch.bfloat16, device=a.device))
-                                for i in range(0, n, chunk))
-    flat = FlatParams(model, [[f"ws.{i}"] for i in range(len(model.ws))])
-    for b in flat.buckets:
-        b.grad.normal_()
-    opt = MasterWeightOptimizer(flat, load_config("tiny", {}).train, NoLossScaler(), offload=True)
-    times = []
-    for s in range(a.steps):
-        t = time.perf_counter()
-        opt.step(1e-3, s + 1, lambda b: flat.buckets[b].grad, lambda b: flat.buckets[b].data, 0.5)
-        if a.device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    print(f"{n / 1e6:.0f}M parameters, gradients on {a.device}, {torch.get_num_threads()} threads: "
-          f"{min(times[1:]):.3f} s per step (first {times[0]:.3f} s)")
+    import torch
+    threads = a.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    n, cuda = int(a.params), a.device == "cuda"
+    rows = []
+    for system in a.systems:
+        try:
+            step = shardlm_step(n, a.device) if system == "shardlm" else deepspeed_step(n)
+        except ImportError as e:
+            print(f"{system}: skipped ({e})")
+            continue
+        dt = best_of(step, a.steps, cuda)
+        rows.append({"system": system, "s": dt, "ns_per_param": dt / n * 1e9})
+        print(f"{system:<10} {n / 1e6:,.0f}M parameters, {threads} threads: {dt:.3f} s per step, "
+              f"{dt / n * 1e9:.2f} ns per parameter", flush=True)
+    if len(rows) == 2:
+        print(f"shardlm / deepspeed time per parameter: {rows[0]['s'] / rows[1]['s']:.2f} (floor <= 1.0)")
+    if a.record:
+        card = torch.cuda.get_device_name() if cuda else "cpu"
+        with open(a.record, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "offload_step", "date": datetime.date.today().isoformat(), "card": card,
+                                    "gpus": 1 if cuda else 0, "system": r["system"], "model": f"{n} parameters",
+                                    "seq": None, "micro_batch": None, "tok_s_gpu": None, "mfu": None,
+                                    "peak_mem_gib": None, "threads": threads, "step_s": round(r["s"], 4),
+                                    "ns_per_param": round(r["ns_per_param"], 3),
+                                    "command": f"python bench/offload_step.py --params {a.params:g} --threads "
+                                               f"{threads} --device {a.device} --systems {r['system']}"}) + "\n")
 
 
 if __name__ == "__main__":

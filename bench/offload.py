@@ -1,0 +1,143 @@
+"""Offload on one GPU: full training of a 7-8B model with the optimizer (and the parameters) in host memory,
+shardlm beside DeepSpeed's ZeRO-Offload on the same shapes and batch.
+
+    python bench/offload.py [--preset llama2-7b] [--seq 2048] [--micro-batch 1] [--microbatches 8]
+    python bench/offload.py --preset llama3-8b --systems shardlm-zero2-offload
+    CUDA_VISIBLE_DEVICES=0 python bench/offload.py ...   # one GPU of a larger host (say the host's cores)
+
+Each system is its own process on one GPU; a step is --microbatches micro-batches of --micro-batch x --seq
+tokens, bf16, full recomputation, AdamW with the update on the CPU.
+- shardlm-zero2-offload: `parallel.zero_stage 2, parallel.offload optimizer`: 16-bit weights on the GPU,
+  gradient shards accumulated in pinned host memory as each bucket is done, fp32 masters and moments and
+  the step on the CPU (parallel/offload.py). Blocks compiled.
+- shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
+  host memory too, each unit gathered to the GPU around its use.
+- ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload on Hugging Face's LlamaForCausalLM with
+  DeepSpeedCPUAdam and gradient checkpointing, run by --peer-script (../shared/bench/peer_offload.py; it
+  needs deepspeed importable; its cpu_adam op builds at first use).
+MFU charges ModelConfig.flops_per_token (6 N + attention) against 989 TFLOP/s; peak memory is
+torch.cuda.max_memory_allocated. Prints a table with the ratios to ds-zero2-offload and the issue's floor
+(shardlm-zero2-offload >= 1.5x its tokens/s at <= its peak memory); appends rows with bench "offload".
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
+           "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"}}
+PEERS = {"ds-zero2-offload": 2, "ds-zero3-offload": 3}
+BASELINE = "ds-zero2-offload"
+
+
+def model_config(args):
+    from shardlm.config import load_config
+    return load_config(args.preset, {"model.max_seq_len": str(max(args.seq, load_config(args.preset).model.max_seq_len))})
+
+
+def worker(args, extra):
+    """One shardlm system in this process: its RESULT line."""
+    import torch
+    over = {"train.seq_len": str(args.seq), "train.micro_batch_size": str(args.micro_batch),
+            "train.global_batch_size": str(args.micro_batch * args.microbatches), "train.steps": "1000000",
+            "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(bool(args.compile)).lower(),
+            "train.recompute": "full", "train.device": args.device, "parallel.dp": "1",
+            "model.max_seq_len": str(model_config(args).model.max_seq_len), **SHARDLM[args.system]}
+    trainer, step = shardlm_trainer(args.preset, over, extra)
+    dt, mem = timed(step, args.warm, args.steps, args.device)
+    tokens = args.micro_batch * args.microbatches * args.seq
+    m = model_config(args).model
+    print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
+                                  "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK,
+                                  "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30}), flush=True)
+    trainer.close()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peer(args, system: str) -> dict | None:
+    """DeepSpeed's run of --peer-script, its JSON line, for the llama2-7b shape it builds."""
+    if args.preset != "llama2-7b":
+        print(f"{system}: skipped (--peer-script builds the llama2-7b shape only)", file=sys.stderr)
+        return None
+    cmd = [sys.executable, args.peer_script, "--stage", str(PEERS[system]), "--micro", str(args.micro_batch),
+           "--accum", str(args.microbatches), "--seq", str(args.seq), "--steps", str(args.steps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
+    except subprocess.TimeoutExpired:
+        print(f"{system}: timed out after {args.timeout} s", file=sys.stderr)
+        return None
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        print(f"{system}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    r = json.loads(lines[-1])
+    return {"system": system, "params": r["params"], "step_s": r["step_s"], "tok_s": r["tok_s"], "mfu": r["mfu"],
+            "peak_mem_gib": r["peak_mem_gib"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--warm", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--compile", type=int, default=1)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems (tiny presets)")
+    p.add_argument("--peer-script", default=str(ROOT.parent / "shared" / "bench" / "peer_offload.py"))
+    p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
+    driver_args(p, timeout=900)
+    args, extra = p.parse_known_args()
+    if args.system:
+        return worker(args, extra)
+    own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device"))
+    ours = [s for s in args.systems if s in SHARDLM]
+    rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
+    for system in (s for s in args.systems if s in PEERS):
+        row = peer(args, system)
+        if row is not None:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    card = "cpu"
+    if args.device == "cuda":
+        import torch
+        card = torch.cuda.get_device_name()
+    cores = len(os.sched_getaffinity(0))
+    by = {r["system"]: r for r in rows}
+    print(f"\n{card} x1 ({cores} cores), {args.preset}, {args.microbatches} micro-batches of "
+          f"{args.micro_batch} x {args.seq}, full recomputation")
+    print(f"{'system':<30}{'params':>8}{'tok/s':>9}{'MFU':>8}{'peak GiB':>10}{'vs ' + BASELINE:>22}")
+    for r in rows:
+        rel = f"{r['tok_s'] / by[BASELINE]['tok_s']:.2f}" if BASELINE in by else "-"
+        print(f"{r['system']:<30}{r['params'] / 1e9:>7.2f}B{r['tok_s']:>9.0f}{100 * r['mfu']:>7.1f}%"
+              f"{r['peak_mem_gib']:>10.1f}{rel:>22}")
+    ours, theirs = by.get("shardlm-zero2-offload"), by.get(BASELINE)
+    if ours and theirs:
+        speed, mem = ours["tok_s"] / theirs["tok_s"], ours["peak_mem_gib"] / theirs["peak_mem_gib"]
+        print(f"shardlm-zero2-offload / {BASELINE}: {speed:.2f}x tok/s (floor >= 1.5) at {mem:.2f}x peak memory "
+              f"(floor <= 1.0): {'met' if speed >= 1.5 and mem <= 1.0 else 'NOT met'}")
+    if args.record and args.device == "cuda":
+        with open(args.record, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "offload", "date": datetime.date.today().isoformat(), "card": card,
+                                    "gpus": 1, "host_cores": cores, "system": r["system"], "model": args.preset,
+                                    "params": r["params"], "seq": args.seq, "micro_batch": args.micro_batch,
+                                    "microbatches": args.microbatches, "tok_s_gpu": round(r["tok_s"]),
+                                    "mfu": round(r["mfu"], 4), "peak_mem_gib": round(r["peak_mem_gib"], 2),
+                                    "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
+                                               f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
+                                               f"--systems {r['system']}"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
