@@ -251,6 +251,20 @@ def test_a_model_larger_than_free_memory_is_refused_before_allocating(tmp_path):
     assert "needs at least" in line and "GiB free" in line
 
 
+def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
+    """A model whose weights fit (a third of the available memory) but whose offloaded optimizer (nine times
+    that) does not: refused with both figures, nothing allocated."""
+    with open("/proc/meminfo") as f:
+        avail = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) * 1024
+    per_layer = 4 * 1024 * 1024 + 3 * 1024 * 4096  # a hidden 1024, ffn 4096 llama block's weights
+    layers = max(1, int(avail / 3 / 2 / per_layer))
+    proc = train_cli("--model.hidden_size", 1024, "--model.num_heads", 8, "--model.num_kv_heads", 8,
+                     "--model.ffn_hidden_size", 4096, "--model.num_layers", layers, "--parallel.zero_stage", 2,
+                     "--parallel.offload", "optimizer", "--out", tmp_path / "run")
+    line = no_traceback(proc, 2)
+    assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
+
+
 def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path):
     run = tmp_path / "run"
     train_cli("--train.steps", 2, "--out", run, check=True)

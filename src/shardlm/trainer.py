@@ -117,10 +117,10 @@ class Trainer:
     def _check_memory(self) -> None:
         """Refuse a model whose weights, gradients and optimizer state alone (a lower bound of what training
         needs, by the planner's count) exceed the memory this device has free, before allocating any."""
-        from .plan import Layout, Workload, estimate_memory
+        from .plan import Layout, Workload, estimate_memory, host_bytes
         t = self.cfg.train
-        mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
-                              Layout.from_config(self.cfg))
+        layout = Layout.from_config(self.cfg)
+        mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), layout)
         need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
         free = _free_memory(self.device)
         short = free is not None and need > free
@@ -129,6 +129,16 @@ class Trainer:
             raise ConfigError(f"the model ({self.cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
                               f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
                               f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+        # Offload's host memory: every rank of this node takes its share of the same RAM.
+        host, local = host_bytes(self.cfg.model, layout), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        avail = _free_memory(torch.device("cpu")) if host else None
+        short = avail is not None and host * local > avail
+        if self._any_rank(short):
+            where = f"this host has {avail / 2**30:.1f} GiB available" if short else "another rank's host has less"
+            raise ConfigError(f"parallel.offload = {self.cfg.parallel.offload!r} keeps {host / 2**30:.1f} GiB per rank "
+                              f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
+                              f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
+                              f"(parallel.dp), or use a host with more memory")
 
     def _any_rank(self, failed: bool) -> bool:
         """Whether this check failed on any rank: every rank reaches this all-reduce, so a failure on one

@@ -12,9 +12,10 @@ from .comm import comm_bytes, comm_seconds
 from .flops import ADAM_BYTES, CPU_ADAM_S, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
-from .memory import Memory, estimate_memory, nf4_weights, paper_model_states, trained_and_frozen
+from .memory import Memory, estimate_memory, host_bytes, nf4_weights, paper_model_states, trained_and_frozen
 
-__all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "paper_model_states"]
+__all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
+           "paper_model_states"]
 
 HEADROOM = 0.10      # of the card's memory kept free for allocator fragmentation and transient spikes
 CUDA_CONTEXT = 0.75 * 2**30  # CUDA context, cuBLAS and NCCL state: outside torch's allocator, so outside `total`
@@ -34,6 +35,7 @@ class Estimate:
     train_days: float = 0.0
     gpu_hours: float = 0.0     # training cost is counted in these: days x 24 x GPUs
     cost: float = 0.0          # gpu_hours x the price per GPU-hour, when one is given
+    host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (memory.host_bytes)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -70,4 +72,4 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     gpu_hours = train_days * 24 * L.gpus
     fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
     return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days,
-                    gpu_hours, gpu_hours * price_per_gpu_hour)
+                    gpu_hours, gpu_hours * price_per_gpu_hour, host_bytes(m, L))

@@ -220,6 +220,7 @@ def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
+           *([("host memory", f"{fmt(e.host_memory)} per rank (offload)")] if e.host_memory else []),
            ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
            ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
