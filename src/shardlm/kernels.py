@@ -117,10 +117,11 @@ def sum_of_squares_into(x: torch.Tensor, out: torch.Tensor) -> None:
 def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor,
                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scale: torch.Tensor, skip: torch.Tensor,
                       *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      decay_table=None) -> None:
+                      decay_table=None, consume_grad: bool = False) -> None:
     """One AdamW step on fp32 `master` from `grad` x `scale` (any float dtype), unless `skip` is set;
     writes the rounded result to the 16-bit `param` when one is given. Step counts start at 1.
-    `decay_table` (GPU only, from `decay_table()`): `weight_decay` applies only inside its intervals."""
+    `decay_table` (GPU only, from `decay_table()`): `weight_decay` applies only inside its intervals.
+    `consume_grad`: an fp32 CPU `grad` may be left scaled in place, which saves a pass over it."""
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     if triton_ok(master):
         n = master.numel()
@@ -135,14 +136,19 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
         raise ValueError("adamw_master_step: a decay table needs the Triton kernel (CUDA tensors)")
     if bool(skip):
         return
-    g = grad.float() * scale if (grad.dtype != torch.float32 or float(scale) != 1.0) else grad
-    if master.device.type == "cpu" and hasattr(torch, "_fused_adamw_"):
+    fused = master.device.type == "cpu" and hasattr(torch, "_fused_adamw_")
+    unscale = None  # the fused kernel divides the gradient by it as it reads it (in place)
+    if fused and consume_grad and grad.dtype == torch.float32 and float(scale) != 1.0:
+        g, unscale = grad, (1.0 / scale.float()).reshape(())
+    else:
+        g = grad.float() * scale if (grad.dtype != torch.float32 or float(scale) != 1.0) else grad
+    if fused:
         # The vectorised, multi-threaded kernel behind torch.optim.AdamW(fused=True) on the CPU: one pass
         # over the four tensors instead of six (bench/README.md times it against the ops below); it is what
         # makes optimizer offload usable. The step count is read, not incremented.
         torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
                             beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                            maximize=False)
+                            maximize=False, grad_scale=unscale, found_inf=None)
     else:
         master.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(g, 1 - beta1)

@@ -78,6 +78,7 @@ class MasterWeightOptimizer:
     norm, the clip/unscale factor and the skip flag stay on the device.
     """
     offloaded = False  # the masters and moments live on the CPU and the step runs there (parallel/offload.py)
+    consume_grads = False  # the step may leave the gradient buffers scaled in place (offload's own host copy)
 
     def __init__(self, flat: FlatParams, cfg: TrainConfig, loss_scaler, group=None, shard: bool = False,
                  initial_shards=None, params_kept: bool = True):
@@ -234,7 +235,7 @@ class MasterWeightOptimizer:
             if cfg.optimizer == "adamw":
                 adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
                                   step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                                  weight_decay=seg.weight_decay)
+                                  weight_decay=seg.weight_decay, consume_grad=self.consume_grads)
             else:
                 sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=self.steps_taken,
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)

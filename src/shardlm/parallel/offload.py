@@ -3,9 +3,10 @@ live in CPU memory and the update runs on the CPU; only 16-bit weights and gradi
 
 The gradient shards end up in one persistent fp32 host buffer (pinned where there is a GPU: a fresh
 allocation per step would page-fault its way through gigabytes, and a pageable target makes the copy
-synchronous): stage 1 copies its shards there at the step; the step scales them there, runs torch's vectorised CPU AdamW kernel on
-`parallel.offload_threads` threads (default: this rank's share of the cores), writes the updated 16-bit
-shard into pinned staging memory and copies it back to wherever the engine keeps the weights.
+synchronous); stage 1 copies its shards there at the step. The step runs torch's fused CPU AdamW (which
+unscales the gradients as it reads them) on `parallel.offload_threads` threads (default: this rank's share
+of the cores), writes the updated 16-bit shard into pinned staging memory and copies it back to wherever
+the engine keeps the weights.
 Parameter offload (ZeRO-3's 16-bit shards on the CPU too) is a placement choice of parallel/zero3.py.
 
 With stages 2 and 3 the gradients leave the GPU as they are reduced (the paper's section 4.1): `HostGradients`
@@ -36,6 +37,7 @@ def offload_threads(requested: int) -> int:
 
 class OffloadedOptimizer(MasterWeightOptimizer):
     offloaded = True
+    consume_grads = True  # its host gradient buffer is refilled every step
 
     def __init__(self, *args, threads: int = 0, **kwargs):
         torch.set_num_threads(offload_threads(threads))
@@ -52,10 +54,8 @@ class OffloadedOptimizer(MasterWeightOptimizer):
             if g.data_ptr() != h.data_ptr():  # HostGradients has put them there already
                 h.copy_(g, non_blocking=True)
         scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
-        for h in host:
-            h.mul_(scale)
         staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
-        super()._apply(lr, host, staged, torch.ones(()), skip)
+        super()._apply(lr, host, staged, scale, skip)
         for dst, src in zip(params, staged):
             if dst is not None:
                 dst.copy_(src, non_blocking=True)
