@@ -64,6 +64,15 @@ def test_zero3_with_tied_embeddings_equals_one_process():
     check_against_reference(results, ref, 2)
 
 
+@pytest.mark.parametrize("offload", ["none", "params"])
+def test_zero3_prefetching_two_units_ahead_equals_one_process(offload):
+    common = equality_case("adamw", 2)
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, **MODES["zero3"], "parallel.dp": "2",
+                                                               "parallel.prefetch_units": "2", "parallel.offload": offload},
+                              timeout=240)
+    check_against_reference(results, reference(common), 2)
+
+
 def test_zero3_with_full_recomputation_equals_one_process():
     common = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2"}
     ref = reference(common)

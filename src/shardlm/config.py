@@ -230,6 +230,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
     reduce_algo: str = "auto"      # auto | all_to_all | ring | copy_engine (DDP, ZeRO on GPUs): how gradients are summed (comm/)
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
+    prefetch_units: int = 1        # ZeRO-3 gathers this many blocks ahead of the one running (more: memory for overlap)
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
 
@@ -278,7 +279,7 @@ CHOICES = {
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
-            "parallel.ep", "parallel.virtual_stages", "model.init_std",
+            "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",

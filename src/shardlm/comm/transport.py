@@ -124,6 +124,7 @@ class ProcessGroupSharded:
     def __init__(self, flat: FlatParams, group, algo: str, reduce_dtype: torch.dtype):
         self.flat, self.group, self.algo, self.reduce_dtype = flat, group, algo, reduce_dtype
         self.world = dist.get_world_size(group) if group is not None else 1
+        self.upload = None  # the stream that copies offloaded parameters up (made at the first such gather)
 
     def reduce_scatter(self, b: int, out: torch.Tensor | None = None):
         """Launch bucket b's reduction (its `grad` buffer). Returns (work or None, result, keep): after the
@@ -143,15 +144,49 @@ class ProcessGroupSharded:
         return out
 
     def gather(self, src: torch.Tensor, out: torch.Tensor):
-        """Rank r's slice `src` (any dtype, any device) into slice r of `out`, on every rank: (work, input)."""
+        """Rank r's slice `src` (any dtype, any device) into slice r of `out`, on every rank: (work, input).
+        A slice in host memory (parameter offload) is copied up on a stream of its own, so a prefetch runs
+        beside the compute queued before it instead of ahead of it; the work's wait() joins that stream."""
+        if src.device.type == "cpu" and out.is_cuda:
+            return self._gather_from_host(src, out)
         shard = src.to(out.device, out.dtype, non_blocking=True)
         if self.world == 1:
             out.copy_(shard)
             return None, None
         return all_gather_into_tensor(out, shard, group=self.group, async_op=True), shard
 
+    def _gather_from_host(self, src: torch.Tensor, out: torch.Tensor):
+        if self.upload is None:
+            self.upload = torch.cuda.Stream(out.device)
+        self.upload.wait_stream(torch.cuda.current_stream(out.device))  # out's storage was just allocated
+        with torch.cuda.stream(self.upload):
+            if self.world == 1:
+                out.copy_(src, non_blocking=True)
+                return StreamWork(self._recorded()), None
+            shard = src.to(out.device, out.dtype, non_blocking=True)
+            work = all_gather_into_tensor(out, shard, group=self.group, async_op=True)  # after the copy
+            return StreamWork(self._recorded(), work), shard
+
+    def _recorded(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(self.upload)
+        return done
+
     def symmetric_bytes(self) -> int:
         return 0
+
+
+class StreamWork:
+    """A copy on a side stream (and the collective after it, if any) as a work: wait() makes the current
+    stream wait for them."""
+
+    def __init__(self, done: torch.cuda.Event, work=None):
+        self.done, self.work = done, work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        torch.cuda.current_stream().wait_event(self.done)
 
 
 class CopyEngineSharded:

@@ -6,8 +6,8 @@ output head (one root unit holding embeddings, final norm and head when the head
 embedding), and one for all parameters of at most `parallel.persist_threshold` elements, which stay
 whole ("unsharded"). The model says which module is which (`model.parts()`). A block's unit is
 all-gathered just before its forward and again before its backward (when the gradient of its output
-arrives), its storage freed after each; the next unit's all-gather is issued early so it overlaps the
-current block's compute. The embedding unit is freed as soon as the embeddings are looked up (their
+arrives), its storage freed after each; the next units' all-gathers (`parallel.prefetch_units` of them)
+are issued early so they overlap the current block's compute. The embedding unit is freed as soon as the embeddings are looked up (their
 backward needs no weights), the head unit after backward.
 
 As in FSDP2, the 16-bit weights are not stored: each gather casts the rank's fp32 master slice, so
@@ -59,6 +59,7 @@ class UnitState:
 class Zero3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, cfg, scaler, group):
         self.frozen = None  # a LoRA run's sharded base (zero3_frozen.py), gathered by the same hooks
+        self.ahead = cfg.parallel.prefetch_units  # blocks gathered ahead of the running one
         super().__init__(model, cfg, scaler, group)
         if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
             self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
@@ -187,9 +188,12 @@ class Zero3Engine(ZeroEngine):
         def hook(module, args):
             self._gather_role(self.block_units[i], ("block", i))
             if not self.in_backward:  # prefetch what forward needs next: overlaps this block's compute
-                last = i + 1 == len(self.block_units)
-                self._issue_gather(self.head_unit if last else self.block_units[i + 1])
-                self._frozen("issue", "head" if last else ("block", i + 1))
+                n = len(self.block_units)
+                for j in range(i + 1, i + 1 + self.ahead):
+                    self._issue_gather(self.head_unit if j >= n else self.block_units[j])
+                    self._frozen("issue", "head" if j >= n else ("block", j))
+                    if j >= n:
+                        break
         return hook
 
     def _block_post_hook(self, i: int):
@@ -211,9 +215,9 @@ class Zero3Engine(ZeroEngine):
             # is done with its frozen weights (they get no gradient, so no unit completion says so).
             self._frozen("release", ("block", i + 1))
             self._gather_role(self.block_units[i], ("block", i))
-            if i > 0:
-                self._issue_gather(self.block_units[i - 1])  # prefetch the block backward visits next
-                self._frozen("issue", ("block", i - 1))
+            for j in range(i - 1, max(i - 1 - self.ahead, -1), -1):  # the blocks backward visits next
+                self._issue_gather(self.block_units[j])
+                self._frozen("issue", ("block", j))
             return grad
         return hook
 

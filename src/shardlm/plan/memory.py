@@ -29,8 +29,8 @@ training: the frozen linears save the same inputs, which the adapters' A matrice
 
 Buffers: the output head and loss (shardlm's chunked head: one chunk of fp32 logits, its gradient and
 the head's gradient; otherwise the full bf16 logits, their fp32 copy and gradient), ZeRO-3's gathered
-units (the current block, the prefetched next one and the head), DDP and ZeRO reduction buckets in
-flight, and a fixed 256 MiB for cuBLAS and attention workspaces. `total` is what
+units (the current block, the `parallel.prefetch_units` prefetched after it and the head), DDP and ZeRO
+reduction buckets in flight, and a fixed 256 MiB for cuBLAS and attention workspaces. `total` is what
 torch.cuda.max_memory_allocated would report; `fits` adds the CUDA context (0.75 GiB, outside PyTorch's
 allocator) and keeps 10% of the card for allocator fragmentation (plan/__init__.py).
 """
@@ -207,7 +207,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         unit = m.param_counts()["per_layer"] / L.tp * p_b
         if L.zero_stage == 3:
             head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
-            buffers += 2 * unit + head
+            buffers += (1 + L.prefetch_units) * unit + head
         if L.zero_stage >= 2:
             buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
         elif L.dp > 1 and red != g_b:
