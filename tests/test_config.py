@@ -34,6 +34,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"train.recompute": "some"}, "train.recompute = 'some' is not one of none, selective, full"),
     ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
     ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),
+    ({"parallel.offload_dir": "/tmp/nvme"}, "parallel.offload_dir = '/tmp/nvme' needs parallel.offload optimizer or params"),
     ({"parallel.zero_stage": "4"}, "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
     ({"parallel.offload": "params", "parallel.zero_stage": "2"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),

@@ -111,13 +111,37 @@ def test_zero2_offload_equals_zero2(world, precision):
                 torch.testing.assert_close(got[key][name], want, rtol=RTOL, atol=ATOL, msg=f"{key} {name}")
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_state_on_disk_equals_it_in_host_memory(tmp_path, world, optimizer):
+    """parallel.offload_dir: masters and moments streamed through files, segment by segment, double buffered:
+    the same run, rank by rank and bit for bit, as with them in host memory; nothing left in the directory."""
+    common = {**equality_case(optimizer, max(world, 2)), "parallel.dp": str(world), "parallel.zero_stage": "2",
+              "parallel.offload": "optimizer", "parallel.bucket_mb": "0.05"}
+
+    def run(over):
+        if world == 1:
+            return [dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu"})]
+        return run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
+    for ref, got in zip(run(common), run({**common, "parallel.offload_dir": str(tmp_path / "nvme")})):
+        assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"]
+        for key in ("state",) + (("masters",) if ref["masters"] is not None else ()):
+            for name, want in ref[key].items():
+                assert torch.equal(torch.as_tensor(got[key][name][-1] if key == "state" else got[key][name]),
+                                   torch.as_tensor(want[-1] if key == "state" else want)), (key, name)
+    assert list((tmp_path / "nvme").iterdir()) == []
+
+
 @pytest.mark.parametrize("target", [
     {"parallel.dp": "1"},
     {"parallel.dp": "4", "parallel.zero_stage": "3"},
     {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.offload": "optimizer"},
     {"parallel.dp": "1", "parallel.zero_stage": "2", "parallel.offload": "optimizer"},
+    {"parallel.dp": "2", "parallel.zero_stage": "2", "parallel.offload": "optimizer", "parallel.offload_dir": "nvme"},
 ])
 def test_resharding_resume_continues_the_trajectory(tmp_path, target):
+    if "parallel.offload_dir" in target:
+        target = {**target, "parallel.offload_dir": str(tmp_path / target["parallel.offload_dir"])}
     common = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",
               "train.save_every": "3", "train.keep_checkpoints": "5"}
     full = run_distributed(dist_fns.train_and_capture, 2,

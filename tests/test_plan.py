@@ -138,6 +138,18 @@ def test_plan_cli_fine_tuning(tmp_path):
         assert bad.returncode != 0 and msg in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_offload_host_memory():
+    """Per rank in host memory: 18 bytes a parameter of the rank's shard (fp32 masters, two moments,
+    gradients, 16-bit staging), 6 with the masters and moments on disk; none without offload."""
+    m, g, w = load_config("llama2-7b").model, gpu("h100"), Workload(2048, 1, 8)
+    n = m.num_params()
+    host = estimate(m, w, Layout(zero_stage=2, offload="optimizer"), g).host_memory
+    disk = estimate(m, w, Layout(zero_stage=2, offload="optimizer", offload_dir="/nvme"), g).host_memory
+    assert host == pytest.approx(18 * n) and disk == pytest.approx(6 * n)
+    assert estimate(m, w, Layout(dp=2, zero_stage=2, offload="optimizer"), g).host_memory == pytest.approx(9 * n)
+    assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
+
+
 def test_bad_layouts_name_the_value():
     m, g = load_config("tinyllama-1.1b").model, gpu("h100")
     w = Workload(2048, 1, 8)

@@ -233,6 +233,7 @@ class ParallelConfig:
     prefetch_units: int = 1        # ZeRO-3 gathers this many blocks ahead of the one running (more: memory for overlap)
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
+    offload_dir: str = ""          # with offload: keep the fp32 masters and moments in files here (NVMe), not in RAM
 
     @property
     def world(self) -> int:
@@ -571,6 +572,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                           f"the parameters for every micro-batch of every stage; use {show('zero_stage', 1)}")
     if p.offload != "none" and p.zero_stage < 1:
         raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
+    if p.offload_dir and p.offload == "none":
+        raise ConfigError(f"{show('offload_dir', p.offload_dir)} needs {key('offload')} optimizer or params")
     if p.offload == "params" and p.zero_stage < 3:
         raise ConfigError(f"{show('offload', p.offload)} needs {show('zero_stage', 3)} (it is {p.zero_stage})")
     if p.dp_mode == "classic" and p.zero_stage:

@@ -99,19 +99,18 @@ class MasterWeightOptimizer:
             self.master_parts = [b.data for b in flat.buckets]
             self.master = None
         else:
-            pin = self.offloaded and torch.cuda.is_available()
-            self.master = torch.empty(self.total, dtype=torch.float32, device=home, pin_memory=pin)
+            self.master = self._fp32_buffer("master", self.total, home)
             with torch.no_grad():
                 for b in flat.buckets:
                     src = initial_shards[b.index] if initial_shards is not None else self.shard_of(b.data, b.index)
                     self.master_part(b.index).copy_(src)
             self.master_parts = [self.master_part(b.index) for b in flat.buckets]
 
-        def zeros():  # one buffer per state, laid out like the masters, viewed per bucket
-            flat = torch.zeros(self.total, dtype=torch.float32, device=home)
+        def zeros(key):  # one buffer per state, laid out like the masters, viewed per bucket
+            flat = self._fp32_buffer(key, self.total, home).zero_()
             return [flat[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
         keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
-        self.state = {k: zeros() for k in keys}
+        self.state = {k: zeros(k) for k in keys}
         self.segments = []
         for b in flat.buckets:
             lo, hi = self.rank * self.shard_len[b.index], (self.rank + 1) * self.shard_len[b.index]
@@ -132,6 +131,12 @@ class MasterWeightOptimizer:
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
         self._first_nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # its step; 0: none
         self.last_norm = torch.zeros((), device=self.device)
+
+    def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        """Storage for the masters or one optimizer state, all buckets' shards end to end (offload: in host
+        memory, the masters pinned where there is a GPU; or in a file: parallel/offload.py)."""
+        pin = self.offloaded and name == "master" and torch.cuda.is_available()
+        return torch.empty(n, dtype=torch.float32, device=home, pin_memory=pin)
 
     def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
         """Tensor (and pipeline) parallelism: the ranks of `model_group` hold different parts of one model, so

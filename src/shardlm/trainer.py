@@ -338,6 +338,9 @@ class Trainer:
                            "mem_gib": memory_gib(self.device), "skipped_steps": skipped}
                     if t.precision == "fp16":
                         rec["loss_scale"] = self.scaler.scale
+                    disk = getattr(getattr(self.engine, "opt", None), "disk_bytes_per_s", None)
+                    if disk is not None:  # parallel.offload_dir: the optimizer state's read and write rate
+                        rec["disk_gb_s"] = disk / 1e9
                     if do_eval:
                         with self._guard(f"the evaluation at step {self.step}"):
                             rec["eval_loss"] = self.evaluate()

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
+from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
 
 
@@ -125,11 +129,111 @@ class HostGradients:
         self.fresh = [True] * len(self.host)
 
 
+class DiskOffloadedOptimizer(OffloadedOptimizer):
+    """ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021): this rank's fp32 masters and optimizer moments live
+    in files under `parallel.offload_dir`, not in host memory. A step streams them through two sets of
+    segment-sized host buffers: while one segment is updated, a pool of `IO_THREADS` threads reads the next
+    one and writes the previous one back (double buffering). The files are also mapped as tensors
+    (torch.from_file), which checkpointing and loading read and write like any other; they are unlinked at
+    once, so nothing is left behind when the process ends. `disk_bytes_per_s`: the last step's I/O rate."""
+
+    IO_THREADS = 4
+
+    def __init__(self, *args, directory: str, **kwargs):
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
+        self.fds: dict[str, int] = {}
+        self.io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="shardlm-offload-io")
+        self.disk_bytes_per_s = 0.0
+        super().__init__(*args, **kwargs)
+        big = max(seg.hi - seg.lo for seg in self.segments) if self.segments else 0
+        self.work = [{k: torch.empty(big, dtype=torch.float32) for k in self.fds} for _ in range(2)]
+
+    def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        path = self.directory / f"shardlm-{os.getpid()}-{name}.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(fd, n * 4)
+            mapped = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
+        except OSError as e:
+            raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {e.strerror} ({path})") from None
+        finally:
+            path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
+        self.fds[name] = fd
+        return mapped
+
+    def _io(self, write: bool, slot: dict, seg) -> list:
+        """Read (or write) one segment of every file into (from) `slot`'s buffers, a task per file."""
+        offset = (self.master_off[seg.bucket] + seg.lo) * 4
+        n = seg.hi - seg.lo
+        return [self.io.submit(_whole_io, write, fd, memoryview(slot[k][:n].numpy()).cast("B"), offset)
+                for k, fd in self.fds.items()]
+
+    def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
+        host = self.host_parts()
+        for h, g in zip(host, grads):
+            if g.data_ptr() != h.data_ptr():
+                h.copy_(g, non_blocking=True)
+        scale, skip = scale.cpu(), skip.cpu()
+        staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
+        start, moved = time.perf_counter(), 0
+        segs = self.segments
+        reads = {0: self._io(False, self.work[0], segs[0])} if segs else {}
+        writes: dict[int, list] = {}
+        for i, seg in enumerate(segs):
+            slot = self.work[i % 2]
+            for f in reads.pop(i):
+                f.result()
+            if i + 1 < len(segs):  # the other slot is free once the segment before this one is written
+                for f in writes.pop(i - 1, []):
+                    f.result()
+                reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
+            self._update(lr, seg, slot, host, staged, scale, skip)
+            writes[i] = self._io(True, slot, seg)
+            moved += 2 * (seg.hi - seg.lo) * 4 * len(self.fds)
+        for fs in writes.values():
+            for f in fs:
+                f.result()
+        self.disk_bytes_per_s = moved / max(time.perf_counter() - start, 1e-9)
+        for dst, src in zip(params, staged):
+            if dst is not None:
+                dst.copy_(src, non_blocking=True)
+
+    def _update(self, lr, seg, slot, host, staged, scale, skip) -> None:
+        """The optimizer on one segment held in `slot`'s buffers."""
+        cfg, n, b = self.cfg, seg.hi - seg.lo, seg.bucket
+        sl = slice(seg.lo, seg.hi)
+        out = None if staged[b] is None else staged[b][sl]
+        args = (slot["master"][:n], out, host[b][sl])
+        if cfg.optimizer == "adamw":
+            adamw_master_step(*args, slot["exp_avg"][:n], slot["exp_avg_sq"][:n], scale, skip,
+                              step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                              weight_decay=seg.weight_decay, consume_grad=True)
+        else:
+            sgd_master_step(*args, slot["momentum_buffer"][:n], scale, skip, step=self.steps_taken, lr=lr,
+                            momentum=cfg.momentum, weight_decay=seg.weight_decay)
+
+
+def _whole_io(write: bool, fd: int, buf: memoryview, offset: int) -> None:
+    """pwritev / preadv of all of `buf`: one call moves at most about 2 GiB."""
+    done = 0
+    while done < len(buf):
+        n = (os.pwritev if write else os.preadv)(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"offload file: {'write' if write else 'read'} stopped at byte {offset + done}")
+        done += n
+
+
 def sharded_optimizer(flat, cfg, scaler, group, initial_shards=None, params_kept: bool = True) -> MasterWeightOptimizer:
     """ZeRO's optimizer over this rank's 1/N of every bucket: on the GPU, or on the CPU with
-    `parallel.offload` optimizer or params."""
-    if cfg.parallel.offload == "none":
+    `parallel.offload` optimizer or params (its state on a local disk with `parallel.offload_dir`)."""
+    p = cfg.parallel
+    if p.offload == "none":
         return MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards,
                                      params_kept=params_kept)
-    return OffloadedOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards,
-                              threads=cfg.parallel.offload_threads)
+    kind, extra = (DiskOffloadedOptimizer, {"directory": p.offload_dir}) if p.offload_dir else (OffloadedOptimizer, {})
+    return kind(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards, threads=p.offload_threads,
+                **extra)

@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{name}", type=int, default=1)
     lay.add_argument("--zero", type=int, default=0)
     lay.add_argument("--offload", default="none")
+    lay.add_argument("--offload-dir", default="", help="with --offload: the optimizer state in files there (NVMe)")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -147,8 +148,8 @@ def run(argv: list[str]) -> int:
     if a.params:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
-    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload, sp=a.sp,
-                    recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
+    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload,
+                    offload_dir=a.offload_dir, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))
     if a.search:
