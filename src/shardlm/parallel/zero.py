@@ -58,6 +58,9 @@ class ZeroEngine(Engine):
         self.rank = dist.get_rank(group) if group is not None else 0
         self.flat = flat = self._flat_params(model)
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
+        if self.world == 1 and p.offload != "none" and self.stage >= 2:
+            # Nothing to sum, and the host accumulates in fp32: the 16-bit gradients cross PCIe at half the bytes.
+            self.reduce_dtype = flat.dtype
         self.algo = "all_to_all" if group is None else resolve_reduce_algo(p.reduce_algo, group, flat.device)
         # Stages 2 and 3 gather each micro-step's gradients into transient bucket buffers: in the dtype
         # that travels, so a ring reduction's cast to fp32 happens in that copy, not in another pass.
