@@ -118,6 +118,14 @@ def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict |
 
 
 
+def workload_args(p, preset: str = "llama2-7b", seq: int = 2048, micro_batch: int = 1, microbatches: int = 8) -> None:
+    """The model and batch arguments of a benchmark whose step is --microbatches micro-batches of --micro-batch."""
+    p.add_argument("--preset", default=preset)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--micro-batch", type=int, default=micro_batch)
+    p.add_argument("--microbatches", type=int, default=microbatches, help="micro-batches per step (accumulation)")
+
+
 def driver_args(p, timeout: float) -> None:
     """The arguments every benchmark's driver takes besides its workload's."""
     import argparse

@@ -39,7 +39,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed, workload_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-lora": "none", "shardlm-qlora": "nf4"}
@@ -252,10 +252,7 @@ def floors(by: dict) -> list[str]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama2-7b")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (gradient accumulation)")
+    workload_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")

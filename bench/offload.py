@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
+from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed, workload_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
@@ -86,10 +86,7 @@ def peer(args, system: str) -> dict | None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama2-7b")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (gradient accumulation)")
+    workload_args(p)
     p.add_argument("--warm", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--compile", type=int, default=1)
