@@ -160,7 +160,7 @@ def test_meta_init_is_deterministic_and_materialises_everything():
     assert sum(p.numel() for p in a.parameters()) == cfg.num_params()
 
 
-@pytest.mark.parametrize("preset", ["gpt2-124m", "tinyllama-1.1b", "llama2-7b", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["gpt2-124m", "tinyllama-1.1b", "llama2-7b", "llama2-13b", "llama3-8b"])
 def test_param_counts_match_published_sizes(preset):
     """The shape arithmetic (shared with the planner) against the runtime model on the meta device."""
     from shardlm.config import load_config
@@ -169,7 +169,8 @@ def test_param_counts_match_published_sizes(preset):
     with torch.device("meta"):
         model = Decoder(cfg)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
-    published = {"gpt2-124m": 124.48e6, "tinyllama-1.1b": 1.100e9, "llama2-7b": 6.738e9, "llama3-8b": 8.030e9}[preset]
+    published = {"gpt2-124m": 124.48e6, "tinyllama-1.1b": 1.100e9, "llama2-7b": 6.738e9, "llama2-13b": 13.016e9,
+                 "llama3-8b": 8.030e9}[preset]
     # gpt2-124m pads the vocabulary to 50304 (+36.9k parameters).
     assert abs(cfg.num_params() - published) / published < 0.001
 
