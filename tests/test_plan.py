@@ -150,6 +150,23 @@ def test_offload_host_memory():
     assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
 
 
+def test_the_largest_model_a_gpu_and_host_train():
+    """Llama 2 7B scaled to 5120 wide is Llama 2 13B; the largest scaling that fits is bounded by the GPU
+    without offload and by the host's memory with parameter offload."""
+    from shardlm.plan.search import largest, scaled
+    base, g, w = load_config("llama2-7b").model, gpu("h100"), Workload(2048, 1, 8)
+    assert scaled(base, 5120).num_params() == load_config("llama2-13b").model.num_params()
+    full = largest(base, w, Layout(zero_stage=2, recompute="full"), g, None)
+    assert full is not None and 1e9 < full[0].num_params() < base.num_params()
+    small_host = largest(base, w, Layout(zero_stage=3, offload="params", recompute="full"), g, 128 * 2**30)
+    big_host = largest(base, w, Layout(zero_stage=3, offload="params", recompute="full"), g, 512 * 2**30)
+    assert small_host[1].host_memory <= 128 * 2**30 < big_host[1].host_memory <= 512 * 2**30
+    assert 13e9 < big_host[0].num_params() and big_host[1].fits
+    out = run_cli("plan", "--model", "llama2-7b", "--gpu", "h100", "--zero", 3, "--offload", "params",
+                  "--recompute", "full", "--largest", "--host-memory", "512GiB").stdout
+    assert "largest of this shape on H100" in out and "of host memory per rank" in out
+
+
 def test_bad_layouts_name_the_value():
     m, g = load_config("tinyllama-1.1b").model, gpu("h100")
     w = Workload(2048, 1, 8)

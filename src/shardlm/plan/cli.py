@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
     ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base")
     p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
+    p.add_argument("--largest", action="store_true",
+                   help="the largest model of --model's shape (scaled in width and depth) that this layout fits")
+    p.add_argument("--host-memory", help="with --largest: host memory per node, e.g. 512GiB (default: unbounded)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
     return p
@@ -138,11 +141,11 @@ def data_parallel(a) -> tuple[int, str]:
 def run(argv: list[str]) -> int:
     a = parser().parse_args(argv)
     check_flags(a)
-    overrides = {"memory": parse_bytes(a.gpu_memory) if a.gpu_memory else None,
+    overrides = {"memory": parse_bytes(a.gpu_memory, "--gpu-memory") if a.gpu_memory else None,
                  "peak_flops": a.gpu_tflops * 1e12 if a.gpu_tflops else None,
-                 "hbm_bw": parse_bytes(a.hbm_bw) if a.hbm_bw else None,
-                 "nvlink_bw": parse_bytes(a.nvlink_bw) if a.nvlink_bw else None,
-                 "network_bw": parse_bytes(a.network_bw) if a.network_bw else None}
+                 "hbm_bw": parse_bytes(a.hbm_bw, "--hbm-bw") if a.hbm_bw else None,
+                 "nvlink_bw": parse_bytes(a.nvlink_bw, "--nvlink-bw") if a.nvlink_bw else None,
+                 "network_bw": parse_bytes(a.network_bw, "--network-bw") if a.network_bw else None}
     g = gpu(a.gpu, **overrides)
     dp, note = data_parallel(a)
     if a.params:
@@ -154,6 +157,8 @@ def run(argv: list[str]) -> int:
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))
     if a.search:
         return search_layouts(a, model, layout, g)
+    if a.largest:
+        return largest_model(a, model, layout, g)
     work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
     e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
@@ -204,6 +209,25 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
         print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
+    return 0
+
+
+def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
+    from .search import largest
+    host = parse_bytes(a.host_memory, "--host-memory") if a.host_memory else None
+    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * layout.dp)
+    found = largest(base, work, layout, g, host, a.gpus_per_node)
+    if found is None:
+        print(f"no model of this shape fits {g.name} with this layout")
+        return 1
+    m, e = found
+    if a.json:
+        print(json.dumps({"params": m.num_params(), "model": asdict(m), **e.to_dict()}))
+        return 0
+    where = f", {fmt(e.host_memory)} of host memory per rank" if e.host_memory else ""
+    print(f"largest of this shape on {g.name}{' with ' + fmt(host) + ' of host memory' if host else ''}: "
+          f"{m.num_params() / 1e9:.1f}B parameters (hidden {m.hidden_size}, {m.num_layers} layers, {m.num_heads} "
+          f"heads, ffn {m.ffn_size}): {fmt(e.memory.total)} on the GPU{where}, {e.tokens_per_s:,.0f} tok/s")
     return 0
 
 

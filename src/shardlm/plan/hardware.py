@@ -40,14 +40,19 @@ GPUS = {
 }
 
 
-def parse_bytes(text: str) -> float:
-    """'80GiB', '80GB', '3.35TB/s', '1e12' -> bytes (or bytes/s)."""
+def parse_bytes(text: str, flag: str = "") -> float:
+    """'80GiB', '80GB', '3.35TB/s', '1e12' -> bytes (or bytes/s); `flag` names the option in the error."""
     t = text.strip().removesuffix("/s").replace(" ", "")
     units = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            return float(t[:-len(unit)]) * mult
-    return float(t)
+    mult = next((m for unit, m in units.items() if t.endswith(unit)), 1)
+    number = next((t[:-len(unit)] for unit in units if t.endswith(unit)), t)
+    try:
+        value = float(number) * mult
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{flag + ' ' if flag else ''}{text!r} is not a positive size (e.g. 80GiB, 3.35TB/s, 1e12)")
+    return value
 
 
 def gpu(name: str, **overrides) -> GPU:

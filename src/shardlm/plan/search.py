@@ -71,3 +71,35 @@ def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, b
             rejected += 1
     fitting.sort(key=lambda t: (-t[0].tokens_per_s, t[0].memory.total))  # ties: the one with more room
     return fitting[:top], scored, rejected, HEADROOM
+
+
+def scaled(base: ModelConfig, hidden: int) -> ModelConfig:
+    """`base`'s shape at another width: the same head size, layers per unit of width, FFN ratio (rounded to
+    256, as Llama's), key/value groups and vocabulary; Llama 2's 7B and 13B are each other's scaling."""
+    heads = max(1, hidden // base.head_size)
+    layers = max(1, round(hidden * base.num_layers / base.hidden_size))
+    ffn = max(256, round(hidden * base.ffn_size / base.hidden_size / 256) * 256)
+    groups = base.num_heads // base.kv_heads
+    kv = heads // groups if heads % groups == 0 else heads
+    return replace(base, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, num_layers=layers,
+                   ffn_hidden_size=ffn, head_dim=base.head_size)
+
+
+def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: float | None, gpus_per_node: int = 8,
+            step: int = 256) -> tuple[ModelConfig, Estimate] | None:
+    """The widest scaling of `base` (widths in multiples of `step`) whose layout `L` fits the GPU and, with
+    offload, `host_memory` bytes per node (None: unbounded) shared by the node's ranks; None if none does."""
+    best = None
+    ranks_per_node = min(L.gpus, gpus_per_node)
+    for hidden in range(step, 64 * 1024 + 1, step):
+        m = scaled(base, hidden)
+        try:
+            e = estimate(m, w, L, g, gpus_per_node)
+        except PlanError:
+            continue
+        if not e.fits or (host_memory is not None and e.host_memory * ranks_per_node > host_memory):
+            if best is not None:
+                break  # memory grows with the width: nothing wider fits either
+            continue
+        best = (m, e)
+    return best
