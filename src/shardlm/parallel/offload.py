@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..grad_norm import sum_of_squares
 from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
 
@@ -73,6 +74,9 @@ class HostGradients:
     def __init__(self, host: list[torch.Tensor], device: torch.device, slots: int = 4):
         self.host, self.cuda, self.slots = host, device.type == "cuda", slots
         self.fresh = [True] * len(host)  # a bucket's first micro-batch of the step writes, later ones add
+        # On the step's last micro-batch each bucket's sum of squares is taken as it is folded in, while the
+        # data is in cache and backward still runs: the step's norm then needs no pass of its own.
+        self.squares: list | None = None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.staging: queue.Queue = queue.Queue()
         self.made = 0
@@ -105,12 +109,28 @@ class HostGradients:
             return torch.empty(max(h.numel() for h in self.host), dtype=dtype, pin_memory=True)
         return self.staging.get()  # blocks until the host thread has added one in
 
+    def last_micro_batch(self) -> None:
+        """The shards added from now on complete the step's gradient: take their sums of squares."""
+        self.squares = [None] * len(self.host)
+
     def _fold(self, b: int, src: torch.Tensor) -> None:
         if self.fresh[b]:
             self.host[b].copy_(src)
         else:
             self.host[b].add_(src)
         self.fresh[b] = False
+        if self.squares is not None:
+            self.squares[b] = sum_of_squares(self.host[b])
+
+    def sum_of_squares(self, device: torch.device) -> torch.Tensor | None:
+        """The step's gradient's sum of squares on `device` (bucket by bucket, as the optimizer would add
+        them), once wait() has returned; None if some bucket's was not taken."""
+        if self.squares is None or any(q is None for q in self.squares):
+            return None
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for q in self.squares:
+            total += q.to(device)
+        return total
 
     def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor) -> None:
         try:
@@ -127,6 +147,7 @@ class HostGradients:
     def step_done(self) -> None:
         """The step has read the buffer: the next micro-batch starts the sum afresh."""
         self.fresh = [True] * len(self.host)
+        self.squares = None
 
 
 class DiskOffloadedOptimizer(OffloadedOptimizer):

@@ -181,6 +181,8 @@ class ZeroEngine(Engine):
         self._wait_weight_gathers()  # backward reads the weights too, whatever forward waited for
         if self.stage == 1 and not last:
             return  # stage 1 accumulates full gradients locally until the last micro-step
+        if last and self.host_grads is not None:
+            self.host_grads.last_micro_batch()
         self.ready.arm()
 
     def finish_backward(self, last: bool) -> None:
@@ -210,7 +212,7 @@ class ZeroEngine(Engine):
     def optimizer_step(self, lr: float, step: int) -> None:
         self._wait_weight_gathers()
         self._before_step()
-        if self.opt.step(lr, step, self.grad_shard, self._param_shard, self.grad_factor()):
+        if self.opt.step(lr, step, self.grad_shard, self._param_shard, self.grad_factor(), self._host_sumsq()):
             self._gather_updated_weights()
         if self.stage == 1:
             self.flat.zero_grad()
@@ -218,6 +220,16 @@ class ZeroEngine(Engine):
             self.host_grads.step_done()
         if not self.grad_shards_in_bucket:
             self.grad_shards = [None] * len(self.grad_shards)
+
+    def _host_sumsq(self) -> torch.Tensor | None:
+        """Offload's squares, taken as the last micro-batch's gradients were added in host memory, summed over
+        the ranks; None where the optimizer takes them itself (no offload, or elements counted twice)."""
+        sumsq = self.host_grads.sum_of_squares(self.flat.device) if self.host_grads is not None else None
+        if sumsq is None or self.opt.duplicates:
+            return None
+        if self.world > 1:
+            dist.all_reduce(sumsq, group=self.group)
+        return sumsq
 
     def _before_step(self) -> None:
         """Stage 3 waits for prefetches that still read the masters."""
