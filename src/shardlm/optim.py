@@ -178,13 +178,32 @@ class MasterWeightOptimizer:
         has it (a device scalar, alike on every rank). Returns False when fp16 overflowed and the step
         was skipped."""
         cfg = self.cfg
-        loss_scale = self.scaler.scale
         grads = [grad_shard(b.index) for b in self.flat.buckets]
         params = [None if self.alias else param_shard(b.index) for b in self.flat.buckets]
         joined = self._joined(grads, params)
+        scale = self.clip_scale(step, grads, grad_factor, sumsq, joined[2] if joined is not None else None)
+        if scale is None:
+            return False
+        self.steps_taken += 1
+        if joined is not None:
+            adamw_master_step(*joined, scale, self._skip, step=self.steps_taken, lr=lr, beta1=cfg.beta1,
+                              beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                              decay_table=self.decay_table)
+        else:
+            self._apply(lr, grads, params, scale, self._skip)
+        return True
+
+    def clip_scale(self, step: int, grads: list, grad_factor: float, sumsq: torch.Tensor | None,
+                   joined_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The global norm's bookkeeping (`last_norm`, the skip flag, fp16's scale schedule, non-finite
+        steps) and the factor that turns the gradients into the step's clipped mean gradient; None when
+        fp16 overflowed and the step is skipped. `grads`: the shards by bucket (`joined_grad`: all of them
+        as one tensor, where they are views of one buffer, squared in one pass)."""
+        cfg = self.cfg
+        loss_scale = self.scaler.scale
         duplicate = self._duplicate_sumsq(grads)
         if sumsq is None:
-            sumsq = sum_of_squares_over([joined[2]] if joined is not None else grads, self.device)
+            sumsq = sum_of_squares_over([joined_grad] if joined_grad is not None else grads, self.device)
             if duplicate is not None:
                 sumsq -= duplicate
             if self.sharded:
@@ -201,7 +220,7 @@ class MasterWeightOptimizer:
             applied = bool(finite)
             self.scaler.update(not applied, step)
             if not applied:
-                return False
+                return None
         else:
             self._nonfinite += self._skip  # reported (and fatal) at the next sync
             first = (self._first_nonfinite == 0) & ~finite
@@ -209,14 +228,7 @@ class MasterWeightOptimizer:
         scale = torch.full((), grad_factor / loss_scale, device=self.device)
         if cfg.grad_clip > 0:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
-        self.steps_taken += 1
-        if joined is not None:
-            adamw_master_step(*joined, scale, self._skip, step=self.steps_taken, lr=lr, beta1=cfg.beta1,
-                              beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                              decay_table=self.decay_table)
-        else:
-            self._apply(lr, grads, params, scale, self._skip)
-        return True
+        return scale
 
     def _joined(self, grads: list, params: list) -> list | None:
         """(master, param, grad, exp_avg, exp_avg_sq), each one tensor over all buckets, where every per-bucket
