@@ -265,6 +265,13 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
 
 
+def test_an_unusable_offload_dir_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = train_cli("--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
+                     tmp_path / "file" / "x", "--out", tmp_path / "run")
+    assert "parallel.offload_dir" in no_traceback(proc, 2)
+
+
 def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path):
     run = tmp_path / "run"
     train_cli("--train.steps", 2, "--out", run, check=True)

@@ -138,7 +138,7 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
         return
     fused = master.device.type == "cpu" and hasattr(torch, "_fused_adamw_")
     unscale = None  # the fused kernel divides the gradient by it as it reads it (in place)
-    if fused and consume_grad and grad.dtype == torch.float32 and float(scale) != 1.0:
+    if fused and consume_grad and grad.dtype == torch.float32 and float(scale) != 1.0 and float(scale) > 1e-30:
         g, unscale = grad, (1.0 / scale.float()).reshape(())
     else:
         g = grad.float() * scale if (grad.dtype != torch.float32 or float(scale) != 1.0) else grad

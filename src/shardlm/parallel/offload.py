@@ -71,7 +71,7 @@ class HostGradients:
     added as it comes: on a GPU copied down on a stream of its own into one of `slots` pinned staging buffers
     and added by a host thread once the copy is done, so backward runs on meanwhile; on the CPU added at once."""
 
-    def __init__(self, host: list[torch.Tensor], device: torch.device, slots: int = 4):
+    def __init__(self, host: list[torch.Tensor], device: torch.device, slots: int = 8):
         self.host, self.cuda, self.slots = host, device.type == "cuda", slots
         self.fresh = [True] * len(host)  # a bucket's first micro-batch of the step writes, later ones add
         # On the step's last micro-batch each bucket's sum of squares is taken as it is folded in, while the
@@ -81,25 +81,27 @@ class HostGradients:
         self.staging: queue.Queue = queue.Queue()
         self.made = 0
         self.pending: deque = deque()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads") if self.cuda else None
+        # The host thread waits on this device's events (a thread starts on device 0, whose context it
+        # would otherwise create on every rank).
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads", initializer=torch.cuda.set_device,
+                                       initargs=(device,)) if self.cuda else None
 
     def add(self, b: int, shard: torch.Tensor) -> None:
         """Add bucket b's reduced shard (ready on the current stream) into its host view."""
         if not self.cuda:
-            self._fold(b, shard)
+            self._fold(b, shard, self.squares)
             return
         buf = self._free_buffer(shard.dtype)
         staging = buf[:shard.numel()]
-        # The shard may lie in a transport's staging ring that the next reductions overwrite in stream order:
-        # a copy in that order is what the side stream reads.
-        shard = shard.clone()
+        # `shard` is a tensor of its own (every transport's result is): once the side stream has read it, the
+        # allocator may hand its memory on.
         self.stream.wait_stream(torch.cuda.current_stream(shard.device))
         with torch.cuda.stream(self.stream):
             staging.copy_(shard, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the host thread sleeps on it instead of spinning
             done.record(self.stream)
-        shard.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        self.pending.append(self.pool.submit(self._fold_after, b, staging, done, buf))
+        shard.record_stream(self.stream)
+        self.pending.append(self.pool.submit(self._fold_after, b, staging, done, buf, self.squares))
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()  # raises what the host thread raised
 
@@ -113,14 +115,16 @@ class HostGradients:
         """The shards added from now on complete the step's gradient: take their sums of squares."""
         self.squares = [None] * len(self.host)
 
-    def _fold(self, b: int, src: torch.Tensor) -> None:
+    def _fold(self, b: int, src: torch.Tensor, squares: list | None) -> None:
+        """`squares`: the list the shard's add was made for (None before the last micro-batch), so that an
+        earlier micro-batch's add, still running, never squares a partial sum."""
         if self.fresh[b]:
             self.host[b].copy_(src)
         else:
             self.host[b].add_(src)
         self.fresh[b] = False
-        if self.squares is not None:
-            self.squares[b] = sum_of_squares(self.host[b])
+        if squares is not None:
+            squares[b] = sum_of_squares(self.host[b])
 
     def sum_of_squares(self, device: torch.device) -> torch.Tensor | None:
         """The step's gradient's sum of squares on `device` (bucket by bucket, as the optimizer would add
@@ -132,17 +136,23 @@ class HostGradients:
             total += q.to(device)
         return total
 
-    def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor) -> None:
+    def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor, squares: list | None) -> None:
         try:
             done.synchronize()
-            self._fold(b, staging)
+            self._fold(b, staging, squares)
         finally:
             self.staging.put(buf)
 
     def wait(self) -> None:
-        """Every added shard is in the host buffer."""
+        """Every added shard is in the host buffer (the first failure of the host thread raised, after all)."""
+        error = None
         while self.pending:
-            self.pending.popleft().result()
+            try:
+                self.pending.popleft().result()
+            except Exception as e:  # noqa: BLE001  (kept, so that the others are waited for first)
+                error = error or e
+        if error is not None:
+            raise error
 
     def step_done(self) -> None:
         """The step has read the buffer: the next micro-batch starts the sum afresh."""
@@ -175,12 +185,18 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         path = self.directory / f"shardlm-{os.getpid()}-{name}.bin"
+        fd = None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, n * 4)
+            # Blocks reserved now: a full disk is this error, not a SIGBUS when the mapping is first written.
+            os.posix_fallocate(fd, 0, n * 4)
             mapped = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
-        except OSError as e:
-            raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {e.strerror} ({path})") from None
+        except (OSError, RuntimeError) as e:
+            if fd is not None:
+                os.close(fd)
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {why} ({n * 4 / 2**30:.2f} GiB "
+                              f"for {name})") from None
         finally:
             path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
         self.fds[name] = fd

@@ -250,6 +250,14 @@ class Zero3Engine(ZeroEngine):
             if work is not None:
                 work.wait()
         self.gathers.clear()
+        if self.offload_params and self.flat.device.type == "cuda":
+            # Every upload has been waited for by the compute stream; the CPU is about to write the pinned
+            # shards they read from, so it waits for that stream first.
+            torch.cuda.current_stream(self.flat.device).synchronize()
+
+    def load_full_state(self, masters: dict, state: dict) -> None:
+        self._before_step()
+        super().load_full_state(masters, state)
 
     def _gather_updated_weights(self) -> None:
         """Only the unsharded units are whole between steps: their updated slices go out now."""
