@@ -234,6 +234,7 @@ class ParallelConfig:
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
     offload_dir: str = ""          # with offload: keep the fp32 masters and moments in files here (NVMe), not in RAM
+    delayed_update: bool = False   # ZeRO-Offload's delayed update: each gradient one update stale (changes the math)
 
     @property
     def world(self) -> int:
@@ -459,6 +460,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    if p.delayed_update and t.precision == "fp16":
+        raise ConfigError("parallel.delayed_update = True with train.precision = 'fp16': a step skipped for an "
+                          "overflow is only known once the update that was to overlap has run; use bf16")
     # Strategies that are validated but not built yet are refused, never silently ignored.
     for key in ("cp", "ep"):
         if getattr(p, key) != 1:
@@ -574,6 +578,12 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
     if p.offload_dir and p.offload == "none":
         raise ConfigError(f"{show('offload_dir', p.offload_dir)} needs {key('offload')} optimizer or params")
+    if p.delayed_update and not (p.zero_stage == 2 and p.offload == "optimizer" and not p.offload_dir):
+        raise ConfigError(f"{show('delayed_update', True)} is ZeRO-Offload's: it needs {show('zero_stage', 2)} with "
+                          f"{show('offload', 'optimizer')} (and no {key('offload_dir')})")
+    if p.delayed_update and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"{show('delayed_update', True)} runs the update beside the next step, which tensor and "
+                          f"pipeline parallelism would need collectives in; it needs {key('tp')} = {key('pp')} = 1")
     if p.offload == "params" and p.zero_stage < 3:
         raise ConfigError(f"{show('offload', p.offload)} needs {show('zero_stage', 3)} (it is {p.zero_stage})")
     if p.dp_mode == "classic" and p.zero_stage:

@@ -230,6 +230,10 @@ class MasterWeightOptimizer:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
         return scale
 
+    def skip_flag(self) -> torch.Tensor:
+        """Whether the last clip_scale found the gradient not finite (its update then changes nothing)."""
+        return self._skip
+
     def _joined(self, grads: list, params: list) -> list | None:
         """(master, param, grad, exp_avg, exp_avg_sq), each one tensor over all buckets, where every per-bucket
         tensor is a view of one buffer (DDP, one process): the step is then one norm and one update launch

@@ -159,6 +159,62 @@ class HostGradients:
         self.fresh = [True] * len(self.host)
         self.squares = None
 
+    def swap(self, other: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Accumulate into `other` from now on; returns the views filled so far (a delayed update reads them)."""
+        filled, self.host = self.host, other
+        return filled
+
+
+class DelayedUpdate:
+    """ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021, section 4.2): step N's update runs on
+    the CPU while the GPU runs step N + 1's forward and backward on the weights from before it, and lands at
+    step N + 1's own update. So the gradient of step k is taken at the weights of update k - 2 (those of the
+    start for k = 1, 2) and applied on top of update k - 1: it changes the math, and is off by default. Host
+    gradients are double-buffered (4 bytes a parameter more), the updated 16-bit shards staged in pinned
+    memory until they land; the host thread does CPU work only, so no collective or device work leaves the
+    main thread. A checkpoint lands the update first, so a resumed run follows the same trajectory."""
+
+    def __init__(self, opt: "OffloadedOptimizer", host_grads: HostGradients, device: torch.device,
+                 dtype: torch.dtype):
+        self.opt, self.host_grads = opt, host_grads
+        self.cuda = device.type == "cuda"
+        spare = torch.empty(opt.total, dtype=torch.float32, pin_memory=self.cuda)
+        self.spare = [spare[o:o + n] for o, n in zip(opt.master_off, opt.shard_len)]
+        self.staged = [torch.empty(n, dtype=dtype, pin_memory=self.cuda) for n in opt.shard_len]
+        init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-delayed-update", **init)
+        self.pending = None
+        self.copied = None  # the event after the last landing's copies, which read `staged`
+
+    def submit(self, lr: float, step: int, grad_factor: float, sumsq: torch.Tensor | None) -> None:
+        """Start this step's update on the CPU (the norm's bookkeeping, on the main thread, first)."""
+        grads = list(self.host_grads.host)
+        scale = self.opt.clip_scale(step, grads, grad_factor, sumsq)  # None only in fp16, which is refused
+        self.spare = self.host_grads.swap(self.spare)
+        self.opt.steps_taken += 1
+        scale, skip = scale.cpu(), self.opt.skip_flag().cpu()
+        self.pending = self.pool.submit(self._update, lr, grads, scale, skip, self.copied)
+
+    def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> None:
+        if copied is not None:
+            copied.synchronize()  # the last landing's copies have read the staged shards
+        MasterWeightOptimizer._apply(self.opt, lr, grads, self.staged, scale, skip)
+
+    def land(self, param_shard) -> bool:
+        """Wait for the update in flight, if any, and copy its 16-bit shards to `param_shard(b)`."""
+        if self.pending is None:
+            return False
+        self.pending.result()
+        self.pending = None
+        for b, src in enumerate(self.staged):
+            dst = param_shard(b)
+            if dst is not None:
+                dst.copy_(src, non_blocking=True)
+        if self.cuda:
+            self.copied = torch.cuda.Event(blocking=True)
+            self.copied.record()
+        return True
+
 
 class DiskOffloadedOptimizer(OffloadedOptimizer):
     """ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021): this rank's fp32 masters and optimizer moments live

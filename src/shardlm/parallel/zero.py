@@ -32,7 +32,7 @@ from ..comm.transport import sharded_transport
 from ..flat import FlatParams
 from .buckets import BucketReadiness, reverse_order_buckets
 from .engine import Engine
-from .offload import HostGradients, sharded_optimizer
+from .offload import DelayedUpdate, HostGradients, sharded_optimizer
 
 # Stage 2 bounds the full-size bucket gradients alive at once by finishing the oldest reduction when
 # more than this many are in flight. Finishing one makes the compute stream wait for it, so the bound
@@ -72,6 +72,7 @@ class ZeroEngine(Engine):
         # Offloaded stages 2 and 3 accumulate the gradient shards in host memory, not on the GPU.
         self.host_grads = HostGradients(self.opt.host_parts(), flat.device) \
             if self.opt.offloaded and self.stage >= 2 else None
+        self.delayed = DelayedUpdate(self.opt, self.host_grads, flat.device, flat.dtype) if p.delayed_update else None
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
         # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
@@ -119,7 +120,13 @@ class ZeroEngine(Engine):
             parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(last)))
 
     def wait_for_weights(self) -> None:
+        if self.delayed is not None and self.delayed.land(self._param_shard):
+            self._gather_updated_weights()
         self._wait_weight_gathers()
+
+    def gather_full_state(self) -> tuple[dict | None, dict | None]:
+        self.wait_for_weights()  # a delayed update lands before its state is read
+        return super().gather_full_state()
 
     def _wait_weight_gathers(self, at: int | None = None) -> None:
         """Wait (the compute stream waits, on GPU) for the weights read at forward point `at` or before;
@@ -212,6 +219,13 @@ class ZeroEngine(Engine):
     def optimizer_step(self, lr: float, step: int) -> None:
         self._wait_weight_gathers()
         self._before_step()
+        if self.delayed is not None:  # the last step's update lands; this one's runs beside the next step
+            landed = self.delayed.land(self._param_shard)
+            self.delayed.submit(lr, step, self.grad_factor(), self._host_sumsq())
+            if landed:
+                self._gather_updated_weights()
+            self.host_grads.step_done()
+            return
         if self.opt.step(lr, step, self.grad_shard, self._param_shard, self.grad_factor(), self._host_sumsq()):
             self._gather_updated_weights()
         if self.stage == 1:

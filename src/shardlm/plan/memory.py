@@ -236,4 +236,5 @@ def host_bytes(m: ModelConfig, L: Layout) -> float:
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
     # fp32 masters and AdamW's two moments (on disk with parallel.offload_dir), gradients, staged weights
     per_param = (0 if L.offload_dir else 4 + 8) + 4 + 2 + (2 if L.offload == "params" else 0)
+    per_param += 4 if L.delayed_update else 0  # the gradients of the step being updated, beside the next's
     return trained * per_param

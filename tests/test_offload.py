@@ -1,0 +1,60 @@
+"""ZeRO-Offload's one-step delayed parameter update (`parallel.delayed_update`) against its definition, and its
+checkpoints. (Offload's equality with the runs that keep everything on the device is in test_dp_equality.py.)"""
+import pytest
+import torch
+
+import dist_fns
+
+SGD = {"train.optimizer": "sgd", "train.momentum": "0", "train.weight_decay": "0", "train.lr_schedule": "constant",
+       "train.warmup_steps": "0", "train.grad_clip": "0", "train.lr": "0.05", "train.steps": "5",
+       "train.global_batch_size": "4", "train.micro_batch_size": "2", "train.device": "cpu", "train.log_every": "1"}
+DELAYED = {"parallel.zero_stage": "2", "parallel.offload": "optimizer", "parallel.delayed_update": "true"}
+
+
+def gradient_at(oracle, weights: dict, k: int) -> tuple[dict, float]:
+    """Batch k's mean gradient and loss at `weights`, by a plain trainer's own step code (its update skipped)."""
+    with torch.no_grad():
+        for name, p in oracle.model.named_parameters():
+            p.copy_(weights[name])
+    oracle.step = k - 1
+    captured, real = {}, oracle.engine.optimizer_step
+
+    def step(lr, n):  # the gradient captured, then a step of lr 0: the weights stay, the gradients are cleared
+        captured["grad"] = oracle.engine.owned_shards("grad")
+        real(0.0, n)
+    oracle.engine.optimizer_step = step
+    loss = float(oracle.train_step())
+    oracle.engine.optimizer_step = real
+    shapes = dict(oracle.model.named_parameters())
+    return {name: values.reshape(shapes[name].shape) for name, (_, _, values) in captured["grad"].items()}, loss
+
+
+def test_the_delayed_update_is_its_definition():
+    """SGD without momentum or decay at a constant lr, no clipping: update k applies, on top of update k - 1,
+    batch k's gradient taken at the weights of update k - 2 (the start's for k = 1 and 2), so
+    w_k = w_(k-1) - lr g_k(w_(k-2)); each step's loss is batch k's at w_(k-2)."""
+    delayed = dist_fns.tiny_trainer(1, {**SGD, **DELAYED})
+    weights = {0: {n: p.detach().float().clone() for n, p in delayed.model.named_parameters()}}
+    losses = [r["loss"] for r in delayed.run()]
+    got, _ = delayed.parallel.gather_full_state()
+    oracle = dist_fns.tiny_trainer(1, SGD)
+    for k in range(1, 6):
+        grad, loss = gradient_at(oracle, weights[max(k - 2, 0)], k)
+        assert losses[k - 1] == pytest.approx(loss, rel=1e-6), k
+        weights[k] = {n: w - 0.05 * grad[n] for n, w in weights[k - 1].items()}
+    for name, want in weights[5].items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    stale = dist_fns.tiny_trainer(1, SGD)  # and it is not the plain run
+    assert [r["loss"] for r in stale.run()][2:] != pytest.approx(losses[2:], rel=1e-6)
+
+
+def test_a_delayed_update_run_resumes_on_its_trajectory(tmp_path):
+    """A checkpoint lands the update in flight first, in the run that goes on as in the one resumed from it."""
+    over = {**SGD, **DELAYED, "train.optimizer": "adamw", "train.steps": "6", "train.save_every": "3",
+            "train.keep_checkpoints": "5"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
+                                         str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    for name, value in full["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
