@@ -10,6 +10,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
 - shardlm-zero2-offload: `parallel.zero_stage 2, parallel.offload optimizer`: 16-bit weights on the GPU,
   gradient shards accumulated in pinned host memory as each bucket is done, fp32 masters and moments and
   the step on the CPU (parallel/offload.py). Blocks compiled.
+- shardlm-zero2-offload-delayed: the same with the one-step delayed parameter update (`parallel.delayed_update`:
+  changes the math, each gradient one update stale; the step's CPU update runs beside the next step).
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
   host memory too, each unit gathered to the GPU around its use.
 - ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload on Hugging Face's LlamaForCausalLM with
@@ -33,6 +35,8 @@ from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_t
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
+           "shardlm-zero2-offload-delayed": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
+                                             "parallel.delayed_update": "true"},
            "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"}}
 PEERS = {"ds-zero2-offload": 2, "ds-zero3-offload": 3}
 BASELINE = "ds-zero2-offload"
