@@ -38,7 +38,7 @@ def best_of(step, steps: int, cuda: bool) -> float:
     return min(times[1:])
 
 
-def shardlm_step(n: int, device: str):
+def shardlm_step(n: int, device: str, threads: int):
     import torch
     from torch import nn
 
@@ -51,7 +51,7 @@ def shardlm_step(n: int, device: str):
     model.ws = nn.ParameterList(nn.Parameter(torch.randn(min(chunk, n - i), dtype=torch.bfloat16, device=device))
                                 for i in range(0, n, chunk))
     flat = FlatParams(model, [[f"ws.{i}"] for i in range(len(model.ws))])
-    opt = OffloadedOptimizer(flat, load_config("tiny", {}).train, NoLossScaler(), None, shard=True)
+    opt = OffloadedOptimizer(flat, load_config("tiny", {}).train, NoLossScaler(), None, shard=True, threads=threads)
     for g in opt.host_parts():
         g.normal_()
     grads = opt.host_parts()
@@ -87,7 +87,7 @@ def main():
     rows = []
     for system in a.systems:
         try:
-            step = shardlm_step(n, a.device) if system == "shardlm" else deepspeed_step(n)
+            step = shardlm_step(n, a.device, threads) if system == "shardlm" else deepspeed_step(n)
         except ImportError as e:
             print(f"{system}: skipped ({e})")
             continue

@@ -53,6 +53,13 @@ def model_config(args):
     return load_config(args.preset, over)
 
 
+def equal_split(layers: int, layout: dict) -> str:
+    """`parallel.pp_layers` giving every stage (every virtual stage) as many layers: the balanced split would
+    still weigh the head."""
+    stages = int(layout.get("parallel.pp", 1)) * int(layout.get("parallel.virtual_stages", 1))
+    return ",".join([str(layers // stages)] * stages)
+
+
 class BusyTimer:
     """CUDA events (on the CPU: the clock) around each computation of the step and around the whole schedule
     (`span`, which leaves the optimizer step out); `busy()` sums them, and averages them per action kind."""
@@ -117,6 +124,7 @@ def shardlm_step(args, system: str, extra: list[str]):
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(args.compile),
             "model.max_seq_len": str(cfg.model.max_seq_len), "model.vocab_size": str(cfg.model.vocab_size),
             "model.num_layers": str(cfg.model.num_layers),
+            **({"parallel.pp_layers": equal_split(cfg.model.num_layers, SHARDLM[system])} if args.synthetic else {}),
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
     trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")

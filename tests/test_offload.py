@@ -48,13 +48,17 @@ def test_the_delayed_update_is_its_definition():
     assert [r["loss"] for r in stale.run()][2:] != pytest.approx(losses[2:], rel=1e-6)
 
 
-def test_a_delayed_update_run_resumes_on_its_trajectory(tmp_path):
-    """A checkpoint lands the update in flight first, in the run that goes on as in the one resumed from it."""
-    over = {**SGD, **DELAYED, "train.optimizer": "adamw", "train.steps": "6", "train.save_every": "3",
-            "train.keep_checkpoints": "5"}
-    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
-    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
+def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_trajectory(tmp_path):
+    """A checkpoint waits for the update in flight without landing it and keeps the weights one update behind:
+    a run that saves equals one that does not, and a run resumed from its checkpoint continues it."""
+    over = {**SGD, **DELAYED, "train.optimizer": "adamw", "train.steps": "6"}
+    plain = dist_fns.train_and_capture(0, 1, over)
+    saving = {**over, "train.save_every": "3", "train.keep_checkpoints": "5"}
+    full = dist_fns.train_and_capture(0, 1, saving, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, saving, str(tmp_path / "b"),
                                          str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    assert full["losses"] == plain["losses"]
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
     for name, value in full["masters"].items():
+        assert torch.equal(plain["masters"][name], value), name
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)

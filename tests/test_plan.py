@@ -120,6 +120,10 @@ def test_lora_and_qlora_memory_match_the_measured():
     one = estimate(m, Workload(2048, 1, 4), Layout(recompute="full", lora=lora), g).memory
     four = estimate(m, Workload(2048, 1, 4), Layout(dp=4, zero_stage=3, recompute="full", lora=lora), g).memory
     assert four.params < one.params / 3
+    nf4 = LoRAConfig(rank=16, quantize="nf4")  # its 4-bit weights stay whole on every rank (zero3_frozen.py)
+    q1 = estimate(m, Workload(2048, 1, 4), Layout(recompute="full", lora=nf4), g).memory
+    q4 = estimate(m, Workload(2048, 1, 4), Layout(dp=4, zero_stage=3, recompute="full", lora=nf4), g).memory
+    assert 0.85 * q1.params < q4.params < q1.params
 
 
 def test_plan_cli_fine_tuning(tmp_path):
@@ -140,13 +144,16 @@ def test_plan_cli_fine_tuning(tmp_path):
 
 def test_offload_host_memory():
     """Per rank in host memory: 18 bytes a parameter of the rank's shard (fp32 masters, two moments,
-    gradients, 16-bit staging), 6 with the masters and moments on disk; none without offload."""
+    gradients, 16-bit staging) and the gradients' pinned staging slots, 6 with the masters and moments on
+    disk; none without offload."""
     m, g, w = load_config("llama2-7b").model, gpu("h100"), Workload(2048, 1, 8)
     n = m.num_params()
     host = estimate(m, w, Layout(zero_stage=2, offload="optimizer"), g).host_memory
     disk = estimate(m, w, Layout(zero_stage=2, offload="optimizer", offload_dir="/nvme"), g).host_memory
-    assert host == pytest.approx(18 * n) and disk == pytest.approx(6 * n)
-    assert estimate(m, w, Layout(dp=2, zero_stage=2, offload="optimizer"), g).host_memory == pytest.approx(9 * n)
+    staging = 8 * 25 * 2**20 / 2 * 4  # eight 25 MB buckets' shards, in fp32 at most
+    assert host == pytest.approx(18 * n + staging) and disk == pytest.approx(6 * n + staging)
+    two = estimate(m, w, Layout(dp=2, zero_stage=2, offload="optimizer"), g).host_memory
+    assert two == pytest.approx(9 * n + staging / 2)
     assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
 
 
@@ -165,6 +172,12 @@ def test_the_largest_model_a_gpu_and_host_train():
     out = run_cli("plan", "--model", "llama2-7b", "--gpu", "h100", "--zero", 3, "--offload", "params",
                   "--recompute", "full", "--largest", "--host-memory", "512GiB").stdout
     assert "largest of this shape on H100" in out and "of host memory per rank" in out
+    gqa = load_config("llama3-8b").model  # widths that hold no whole key/value group are skipped
+    assert scaled(gqa, 2816) is None
+    m, _ = largest(gqa, w, Layout(zero_stage=2, recompute="full"), g, None)
+    assert m.num_heads == 4 * m.kv_heads and m.hidden_size % 128 == 0
+    bad = run_cli("plan", "--model", "llama2-7b", "--host-memory", "512GiB", check=False)
+    assert bad.returncode != 0 and "give --largest too" in bad.stderr
 
 
 def test_bad_layouts_name_the_value():

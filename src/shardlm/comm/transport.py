@@ -146,8 +146,8 @@ class ProcessGroupSharded:
     def gather(self, src: torch.Tensor, out: torch.Tensor):
         """Rank r's slice `src` (any dtype, any device) into slice r of `out`, on every rank: (work, input).
         A slice in host memory (parameter offload) is copied up on a stream of its own, so a prefetch runs
-        beside the compute queued after it instead of delaying it; the work's wait() joins that stream, and
-        its synchronize() the host (before the CPU writes that slice again)."""
+        beside the compute queued after it instead of delaying it; the work's wait() joins that stream (the
+        CPU waits for the compute stream before it writes that slice again: zero3.py's _before_step)."""
         if src.device.type == "cpu" and out.is_cuda:
             return self._gather_from_host(src, out)
         shard = src.to(out.device, out.dtype, non_blocking=True)
@@ -188,10 +188,6 @@ class StreamWork:
         if self.work is not None:
             self.work.wait()
         torch.cuda.current_stream().wait_event(self.done)
-
-    def synchronize(self) -> None:
-        """The host waits until the copy has read its source."""
-        self.done.synchronize()
 
 
 class CopyEngineSharded:

@@ -43,8 +43,8 @@ def hf_recipes(keys, cfg: ModelConfig) -> dict[str, tuple[list[str], object]]:
 
     def put(ours, names, how=same):
         missing = [n for n in names if n not in theirs]
-        if missing:
-            raise KeyError(f"checkpoint is missing {missing[0]}")
+        if missing:  # a ValueError, which the commands report as an error, not a traceback
+            raise ValueError(f"the checkpoint lacks {missing[0]} (for {ours}): not a complete {cfg.arch} model")
         out[ours] = ([theirs[n] for n in names], how)
 
     if cfg.arch == "gpt2":

@@ -16,9 +16,11 @@ GPU; the step then reads that buffer where it lies.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,7 +174,9 @@ class DelayedUpdate:
     start for k = 1, 2) and applied on top of update k - 1: it changes the math, and is off by default. Host
     gradients are double-buffered (4 bytes a parameter more), the updated 16-bit shards staged in pinned
     memory until they land; the host thread does CPU work only, so no collective or device work leaves the
-    main thread. A checkpoint lands the update first, so a resumed run follows the same trajectory."""
+    main thread. A checkpoint waits for the update in flight without landing it and keeps the live weights
+    beside the masters (`::delayed_weights`), so saving changes nothing and a resumed run lands the saved
+    masters at its first step, as the run it continues would have."""
 
     def __init__(self, opt: "OffloadedOptimizer", host_grads: HostGradients, device: torch.device,
                  dtype: torch.dtype):
@@ -184,6 +188,7 @@ class DelayedUpdate:
         init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-delayed-update", **init)
         self.pending = None
+        self.unlanded = False  # `staged` holds a finished update not yet copied to the weights
         self.copied = None  # the event after the last landing's copies, which read `staged`
 
     def submit(self, lr: float, step: int, grad_factor: float, sumsq: torch.Tensor | None) -> None:
@@ -200,12 +205,24 @@ class DelayedUpdate:
             copied.synchronize()  # the last landing's copies have read the staged shards
         MasterWeightOptimizer._apply(self.opt, lr, grads, self.staged, scale, skip)
 
+    def finish(self) -> None:
+        """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending, self.unlanded = None, True
+
+    def resume(self, masters: list[torch.Tensor]) -> None:
+        """A checkpoint's masters (this rank's shards) are the update that its run had not landed yet."""
+        for staged, master in zip(self.staged, masters):
+            staged.copy_(master)
+        self.unlanded = True
+
     def land(self, param_shard) -> bool:
         """Wait for the update in flight, if any, and copy its 16-bit shards to `param_shard(b)`."""
-        if self.pending is None:
+        self.finish()
+        if not self.unlanded:
             return False
-        self.pending.result()
-        self.pending = None
+        self.unlanded = False
         for b, src in enumerate(self.staged):
             dst = param_shard(b)
             if dst is not None:
@@ -233,6 +250,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         except OSError as e:
             raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
         self.fds: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self.fds)  # the files' space is freed with the optimizer
         self.io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="shardlm-offload-io")
         self.disk_bytes_per_s = 0.0
         super().__init__(*args, **kwargs)
@@ -308,6 +326,12 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         else:
             sgd_master_step(*args, slot["momentum_buffer"][:n], scale, skip, step=self.steps_taken, lr=lr,
                             momentum=cfg.momentum, weight_decay=seg.weight_decay)
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _whole_io(write: bool, fd: int, buf: memoryview, offset: int) -> None:

@@ -125,8 +125,15 @@ class ZeroEngine(Engine):
         self._wait_weight_gathers()
 
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
-        self.wait_for_weights()  # a delayed update lands before its state is read
-        return super().gather_full_state()
+        if self.delayed is None:
+            return super().gather_full_state()
+        self.delayed.finish()  # the masters of the last step, and beside them the weights the next one uses
+        masters, state = super().gather_full_state()
+        if state is not None:
+            state.update({f"{name}::delayed_weights": self.flat.view(self.flat.buckets[self.flat.where[i][0]].data,
+                                                                      i).detach().cpu().clone()
+                          for i, name in enumerate(self.flat.names)})
+        return masters, state
 
     def _wait_weight_gathers(self, at: int | None = None) -> None:
         """Wait (the compute stream waits, on GPU) for the weights read at forward point `at` or before;
@@ -261,6 +268,12 @@ class ZeroEngine(Engine):
         self._wait_weight_gathers()
         for b, part in zip(self.flat.buckets, self.opt.load(masters, state)):
             self._load_bucket(b, part, masters)
+        live = {k.split("::")[0]: v for k, v in state.items() if k.endswith("::delayed_weights")}
+        if self.delayed is not None and live:  # the saved run's weights, one update behind its masters
+            self.delayed.resume([self.opt.master_part(b.index) for b in self.flat.buckets])
+            with torch.no_grad():
+                for i, name in enumerate(self.flat.names):
+                    self.flat.view(self.flat.buckets[self.flat.where[i][0]].data, i).copy_(live[name])
 
     def _load_bucket(self, bucket, part: torch.Tensor, masters: dict) -> None:
         for i in bucket.params:

@@ -2,8 +2,8 @@
 ones and gathered around each use, but with no master weights, gradients or optimizer state; each rank
 keeps its 1/N slice in the model's dtype. Left whole, the base would sit on every rank: the memory that
 users of FSDP with LoRA run out of. Gathers are all_gather_into_tensor over the data-parallel group,
-issued one use ahead like the trained units' (zero3.py calls them by role: a block, the embeddings, the
-head).
+issued ahead of use like the trained units' (`parallel.prefetch_units`; zero3.py calls them by role: a
+block, the embeddings, the head). QLoRA's 4-bit weights stay whole on every rank (a quarter of the base).
 """
 from __future__ import annotations
 

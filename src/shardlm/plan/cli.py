@@ -96,6 +96,9 @@ def model_from_args(a) -> ModelConfig:
 def lora_from_args(a) -> LoRAConfig:
     """--lora-rank and its flags, else a TOML config's [lora] section, else none."""
     if a.lora_rank is None and a.model and Path(a.model).suffix == ".toml":
+        if a.quantize != "none" or a.lora_targets != "all-linear":
+            raise PlanError("--quantize and --lora-targets take effect with --lora-rank; without it the TOML's "
+                            "[lora] section is used")
         return load_config(a.model).lora
     return LoRAConfig(rank=a.lora_rank or 0, targets=a.lora_targets, quantize=a.quantize)
 
@@ -113,6 +116,12 @@ def check_flags(a) -> None:
         raise PlanError(f"--params {a.params:g} must be positive")
     if a.gpus is not None and a.gpus < 1:
         raise PlanError(f"--gpus {a.gpus} must be at least 1")
+    if a.host_memory and not a.largest:
+        raise PlanError("--host-memory bounds --largest's search: give --largest too")
+    if a.largest and a.search:
+        raise PlanError("--largest and --search answer different questions: give one")
+    if a.lora_rank is None and a.lora_targets != "all-linear" and not (a.model and Path(a.model).suffix == ".toml"):
+        raise PlanError("--lora-targets names the modules LoRA adapts: give --lora-rank too")
     if a.price_per_gpu_hour and not a.tokens:
         raise PlanError("--price-per-gpu-hour needs --tokens: the cost is that of training on them")
     if a.price_per_gpu_hour and a.params:
@@ -152,7 +161,8 @@ def run(argv: list[str]) -> int:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload,
-                    offload_dir=a.offload_dir, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule, virtual_stages=a.virtual_stages,
+                    offload_dir=a.offload_dir, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
+                    virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))
     if a.search:

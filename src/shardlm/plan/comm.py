@@ -20,14 +20,14 @@ from dataclasses import replace
 from ..config import ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import stage_params, trained_and_frozen
+from .memory import nf4_weights, rank_layers, stage_params, trained_and_frozen
 
 
 def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     act = 2 if L.precision != "fp32" else 4
     micro = w.global_batch // (w.micro_batch * L.dp)
     tokens = w.seq * w.micro_batch / L.cp
-    phi = stage_params(m, L, 0)  # gathered by ZeRO-3
+    phi = stage_params(m, L, 0) - nf4_weights(m, L, 0)  # gathered by ZeRO-3 (QLoRA's 4-bit weights stay whole)
     grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone
     n = L.dp
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
@@ -42,7 +42,7 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
         dp = ring * grads * (red * micro + act)
     else:  # and the weights gathered for forward and for backward on every micro-step
         dp = ring * (grads * red + phi * 2 * act) * micro
-    layers = m.num_layers // L.pp
+    layers = rank_layers(m, L, 0)
     t = L.tp
     tp = 0.0 if t == 1 else 4 * 2 * (t - 1) / t * tokens * m.hidden_size * act * layers * micro
     pp = 0.0 if L.pp == 1 else 2 * tokens * m.hidden_size * act * micro

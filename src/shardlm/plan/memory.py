@@ -24,8 +24,9 @@ al. 2021).
 
 LoRA (Hu et al. 2021): gradients and optimizer state for the adapters alone; the frozen base in 16-bit
 (QLoRA, Dettmers et al. 2023: the block linears in NF4, about 4.13 bits a weight, one of them dequantised
-at a time), sharded by ZeRO-3 like the trained parameters. The activations are counted as in full
-training: the frozen linears save the same inputs, which the adapters' A matrices need.
+at a time), sharded by ZeRO-3 like the trained parameters except for the 4-bit weights, kept whole. The
+activations are counted as in full training: the frozen linears save the same inputs, which the adapters'
+A matrices need.
 
 Buffers: the output head and loss (shardlm's chunked head: one chunk of fp32 logits, its gradient and
 the head's gradient; otherwise the full bf16 logits, their fp32 copy and gradient), ZeRO-3's gathered
@@ -190,7 +191,10 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             opt = 0.0
             if L.offload == "params":
                 params = 0.0
-        params += frozen / n if L.zero_stage == 3 else frozen  # ZeRO-3 shards a frozen base in its own units
+        if L.zero_stage == 3:  # ZeRO-3 shards a frozen base in its own units, all but QLoRA's 4-bit weights
+            nf4 = nf4_weights(m, L, stage) * NF4_BYTES_PER_WEIGHT
+            frozen = (frozen - nf4) / n + nf4
+        params += frozen
         per_layer = activation_per_layer(m, w, L)
         layers = rank_layers(m, L, stage)
         acts = per_layer * layers * in_flight(w, L)
@@ -237,4 +241,8 @@ def host_bytes(m: ModelConfig, L: Layout) -> float:
     # fp32 masters and AdamW's two moments (on disk with parallel.offload_dir), gradients, staged weights
     per_param = (0 if L.offload_dir else 4 + 8) + 4 + 2 + (2 if L.offload == "params" else 0)
     per_param += 4 if L.delayed_update else 0  # the gradients of the step being updated, beside the next's
-    return trained * per_param
+    # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
+    # shard; a ZeRO-3 bucket is a whole block).
+    unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
+    staging = 8 * unit / L.dp * 4 if L.zero_stage >= 2 else 0.0
+    return trained * per_param + staging

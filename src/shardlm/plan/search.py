@@ -73,15 +73,17 @@ def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, b
     return fitting[:top], scored, rejected, HEADROOM
 
 
-def scaled(base: ModelConfig, hidden: int) -> ModelConfig:
+def scaled(base: ModelConfig, hidden: int) -> ModelConfig | None:
     """`base`'s shape at another width: the same head size, layers per unit of width, FFN ratio (rounded to
-    256, as Llama's), key/value groups and vocabulary; Llama 2's 7B and 13B are each other's scaling."""
-    heads = max(1, hidden // base.head_size)
+    256, as Llama's), query heads per key/value head and vocabulary; Llama 2's 7B and 13B are each other's
+    scaling. None where the width holds no whole number of heads or of key/value groups."""
+    groups = base.num_heads // base.kv_heads
+    if hidden % base.head_size or (hidden // base.head_size) % groups:
+        return None
+    heads = hidden // base.head_size
     layers = max(1, round(hidden * base.num_layers / base.hidden_size))
     ffn = max(256, round(hidden * base.ffn_size / base.hidden_size / 256) * 256)
-    groups = base.num_heads // base.kv_heads
-    kv = heads // groups if heads % groups == 0 else heads
-    return replace(base, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, num_layers=layers,
+    return replace(base, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // groups, num_layers=layers,
                    ffn_hidden_size=ffn, head_dim=base.head_size)
 
 
@@ -93,6 +95,8 @@ def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: floa
     ranks_per_node = min(L.gpus, gpus_per_node)
     for hidden in range(step, 64 * 1024 + 1, step):
         m = scaled(base, hidden)
+        if m is None:
+            continue
         try:
             e = estimate(m, w, L, g, gpus_per_node)
         except PlanError:
