@@ -115,7 +115,7 @@ def test_zero2_offload_equals_zero2(world, precision):
 @pytest.mark.parametrize("world", [1, 2])
 def test_optimizer_state_on_disk_equals_it_in_host_memory(tmp_path, world, optimizer):
     """parallel.offload_dir: masters and moments streamed through files, segment by segment, double buffered:
-    the same run, rank by rank and bit for bit, as with them in host memory; nothing left in the directory."""
+    the same run, rank by rank and bit for bit, as with them in host memory."""
     common = {**equality_case(optimizer, max(world, 2)), "parallel.dp": str(world), "parallel.zero_stage": "2",
               "parallel.offload": "optimizer", "parallel.bucket_mb": "0.05"}
 
@@ -129,7 +129,6 @@ def test_optimizer_state_on_disk_equals_it_in_host_memory(tmp_path, world, optim
             for name, want in ref[key].items():
                 assert torch.equal(torch.as_tensor(got[key][name][-1] if key == "state" else got[key][name]),
                                    torch.as_tensor(want[-1] if key == "state" else want)), (key, name)
-    assert list((tmp_path / "nvme").iterdir()) == []
 
 
 @pytest.mark.parametrize("target", [

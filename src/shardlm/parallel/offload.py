@@ -62,10 +62,14 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                 h.copy_(g, non_blocking=True)
         scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
         staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
-        super()._apply(lr, host, staged, scale, skip)
+        self._update_on_host(lr, host, staged, scale, skip)
         for dst, src in zip(params, staged):
             if dst is not None:
                 dst.copy_(src, non_blocking=True)
+
+    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
+        """The update of every segment, all on the host: the updated 16-bit shards into `staged`."""
+        super()._apply(lr, grads, staged, scale, skip)
 
 
 class HostGradients:
@@ -203,7 +207,7 @@ class DelayedUpdate:
     def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> None:
         if copied is not None:
             copied.synchronize()  # the last landing's copies have read the staged shards
-        MasterWeightOptimizer._apply(self.opt, lr, grads, self.staged, scale, skip)
+        self.opt._update_on_host(lr, grads, self.staged, scale, skip)
 
     def finish(self) -> None:
         """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""
@@ -283,13 +287,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         return [self.io.submit(_whole_io, write, fd, memoryview(slot[k][:n].numpy()).cast("B"), offset)
                 for k, fd in self.fds.items()]
 
-    def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
-        host = self.host_parts()
-        for h, g in zip(host, grads):
-            if g.data_ptr() != h.data_ptr():
-                h.copy_(g, non_blocking=True)
-        scale, skip = scale.cpu(), skip.cpu()
-        staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
+    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
         start, moved = time.perf_counter(), 0
         segs = self.segments
         reads = {0: self._io(False, self.work[0], segs[0])} if segs else {}
@@ -302,16 +300,13 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
                 for f in writes.pop(i - 1, []):
                     f.result()
                 reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
-            self._update(lr, seg, slot, host, staged, scale, skip)
+            self._update(lr, seg, slot, grads, staged, scale, skip)
             writes[i] = self._io(True, slot, seg)
             moved += 2 * (seg.hi - seg.lo) * 4 * len(self.fds)
         for fs in writes.values():
             for f in fs:
                 f.result()
         self.disk_bytes_per_s = moved / max(time.perf_counter() - start, 1e-9)
-        for dst, src in zip(params, staged):
-            if dst is not None:
-                dst.copy_(src, non_blocking=True)
 
     def _update(self, lr, seg, slot, host, staged, scale, skip) -> None:
         """The optimizer on one segment held in `slot`'s buffers."""
