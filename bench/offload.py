@@ -12,6 +12,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
   the step on the CPU (parallel/offload.py). Blocks compiled.
 - shardlm-zero2-offload-delayed: the same with the one-step delayed parameter update (`parallel.delayed_update`:
   changes the math, each gradient one update stale; the step's CPU update runs beside the next step).
+- shardlm-zero2-offload-nvme: the same with the fp32 masters and moments in files under $TMPDIR/shardlm-nvme
+  (`parallel.offload_dir`: ZeRO-Infinity's NVMe tier; the disk bandwidth is logged).
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
   host memory too, each unit gathered to the GPU around its use.
 - ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload on Hugging Face's LlamaForCausalLM with
@@ -29,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed, workload_args
@@ -37,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
            "shardlm-zero2-offload-delayed": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                              "parallel.delayed_update": "true"},
+           "shardlm-zero2-offload-nvme": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
+                                          "parallel.offload_dir": os.path.join(tempfile.gettempdir(), "shardlm-nvme")},
            "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"}}
 PEERS = {"ds-zero2-offload": 2, "ds-zero3-offload": 3}
 BASELINE = "ds-zero2-offload"
@@ -59,9 +64,11 @@ def worker(args, extra):
     dt, mem = timed(step, args.warm, args.steps, args.device)
     tokens = args.micro_batch * args.microbatches * args.seq
     m = model_config(args).model
+    disk = getattr(getattr(trainer.engine, "opt", None), "disk_bytes_per_s", None)
     print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
                                   "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK,
-                                  "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30}), flush=True)
+                                  "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30,
+                                  **({"disk_gb_s": disk / 1e9} if disk is not None else {})}), flush=True)
     trainer.close()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -120,8 +127,9 @@ def main():
     print(f"{'system':<30}{'params':>8}{'tok/s':>9}{'MFU':>8}{'peak GiB':>10}{'vs ' + BASELINE:>22}")
     for r in rows:
         rel = f"{r['tok_s'] / by[BASELINE]['tok_s']:.2f}" if BASELINE in by else "-"
+        disk = f"  (disk {r['disk_gb_s']:.1f} GB/s)" if "disk_gb_s" in r else ""
         print(f"{r['system']:<30}{r['params'] / 1e9:>7.2f}B{r['tok_s']:>9.0f}{100 * r['mfu']:>7.1f}%"
-              f"{r['peak_mem_gib']:>10.1f}{rel:>22}")
+              f"{r['peak_mem_gib']:>10.1f}{rel:>22}{disk}")
     ours, theirs = by.get("shardlm-zero2-offload"), by.get(BASELINE)
     if ours and theirs:
         speed, mem = ours["tok_s"] / theirs["tok_s"], ours["peak_mem_gib"] / theirs["peak_mem_gib"]
@@ -135,6 +143,7 @@ def main():
                                     "params": r["params"], "seq": args.seq, "micro_batch": args.micro_batch,
                                     "microbatches": args.microbatches, "tok_s_gpu": round(r["tok_s"]),
                                     "mfu": round(r["mfu"], 4), "peak_mem_gib": round(r["peak_mem_gib"], 2),
+                                    **({"disk_gb_s": round(r["disk_gb_s"], 2)} if "disk_gb_s" in r else {}),
                                     "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
                                                f"--systems {r['system']}"}) + "\n")

@@ -62,3 +62,43 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
     for name, value in full["masters"].items():
         assert torch.equal(plain["masters"][name], value), name
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+GPU_PAIRS = {  # (the run, the run it must equal, bit for bit or not)
+    "zero2-offload": ({"parallel.offload": "optimizer"}, {}, False),
+    "disk-tier": ({"parallel.offload": "optimizer", "parallel.offload_dir": "nvme"}, {"parallel.offload": "optimizer"},
+                  True),
+    "zero3-offload-params": ({"parallel.zero_stage": "3", "parallel.offload": "params", "parallel.prefetch_units": "2",
+                              "parallel.persist_threshold": "100"},
+                             {"parallel.zero_stage": "3", "parallel.persist_threshold": "100"}, False),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, copy streams)")
+@pytest.mark.parametrize("case", GPU_PAIRS)
+def test_offload_on_a_gpu_equals_keeping_it_there(tmp_path, case):
+    """The GPU paths of offload (gradient buckets copied to pinned memory on their own stream and accumulated
+    there over four micro-batches, the host step's weights copied back, ZeRO-3 units uploaded ahead of use,
+    the disk tier's files) against the same bf16 run on one GPU without them."""
+    run, ref, exact = GPU_PAIRS[case]
+    common = {"train.device": "cuda", "train.precision": "bf16", "train.steps": "4", "train.global_batch_size": "8",
+              "train.micro_batch_size": "2", "parallel.zero_stage": "2", "parallel.bucket_mb": "0.05"}
+    fix = lambda over: {k: str(tmp_path / v) if k == "parallel.offload_dir" else v for k, v in over.items()}  # noqa: E731
+    got, want = (dist_fns.train_and_capture(0, 1, {**common, **fix(over)}) for over in (run, ref))
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-3, "atol": 1e-5}
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(got[key], want[key], **tol)
+    for name, value in want["masters"].items():
+        torch.testing.assert_close(got["masters"][name], value, **tol, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, copy streams)")
+def test_the_delayed_update_on_a_gpu_is_the_one_on_the_cpu():
+    """The delayed update's host thread, double-buffered gradients and staged weights on a GPU: the same
+    trajectory (fp32, so the devices differ by rounding only) as on the CPU, where its definition is tested."""
+    over = {**SGD, **DELAYED, "train.optimizer": "adamw", "train.steps": "6"}
+    cpu = dist_fns.train_and_capture(0, 1, over)
+    gpu = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cuda"})
+    torch.testing.assert_close(gpu["losses"], cpu["losses"], rtol=1e-4, atol=0)
+    for name, value in cpu["masters"].items():
+        torch.testing.assert_close(gpu["masters"][name], value, rtol=1e-3, atol=1e-5, msg=name)
