@@ -65,7 +65,7 @@ class BusyTimer:
     (`span`, which leaves the optimizer step out); `busy()` sums them, and averages them per action kind."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.events, self.spans = cuda, [], []
+        self.cuda, self.events, self.spans, self.timeline = cuda, [], [], []
 
     def _mark(self):
         import time
@@ -99,7 +99,7 @@ class BusyTimer:
             start = time.perf_counter()
             yield
             end = time.perf_counter()
-        self.events.append((action.kind, start, end))
+        self.events.append((action, len(self.spans), start, end))
 
     def busy(self) -> tuple[float, float, dict]:
         """(busy seconds, schedule seconds, mean seconds per action kind) since the last call."""
@@ -108,11 +108,15 @@ class BusyTimer:
             torch.cuda.synchronize()
         seconds = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
         total, kinds = 0.0, {}
-        for kind, start, end in self.events:
+        for action, _, start, end in self.events:
             s = seconds(start, end)
             total += s
-            kinds.setdefault(kind, []).append(s)
+            kinds.setdefault(action.kind, []).append(s)
         span = sum(seconds(a, b) for a, b in self.spans)
+        if self.spans:  # the last step's computations, in ms from its start: where the idle time falls
+            last, (begin, _) = len(self.spans) - 1, self.spans[-1]
+            self.timeline = [(a.kind, a.stage, a.mb, round(1e3 * seconds(begin, s), 3), round(1e3 * seconds(begin, e), 3))
+                             for a, i, s, e in self.events if i == last]
         self.events, self.spans = [], []
         return total, span, {k: sum(v) / len(v) for k, v in kinds.items()}
 
@@ -261,6 +265,13 @@ def worker(args, extra):
     row["stages"] = [{"peak_mem_gib": round(float(g[0]), 2), "bubble": round(float(g[1]), 4)} for g in gathered]
     if timer is not None:
         row["bubble_measured"] = sum(float(g[1]) for g in gathered) / world
+        if args.timeline:
+            timelines = [None] * world
+            dist.all_gather_object(timelines, timer.timeline)
+            if int(os.environ.get("RANK", 0)) == 0:
+                Path(args.timeline).parent.mkdir(parents=True, exist_ok=True)
+                with open(f"{args.timeline}.{args.system}.json", "w") as f:
+                    json.dump({"system": args.system, "ranks": timelines}, f)
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps(row), flush=True)
     if trainer is not None:
@@ -283,12 +294,14 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=DEFAULT)
+    p.add_argument("--timeline", default="", help="PREFIX: each shardlm system's last step, rank by rank, as "
+                   "(kind, stage, micro-batch, start ms, end ms), to PREFIX.SYSTEM.json")
     driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
     own = forwarded(args, ("gpus", "preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
-                           "device"))
+                           "device", "timeline"))
     rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *extra], job_env(ROOT),
                        args.timeout)
     import torch
