@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed, workload_args
@@ -60,8 +61,14 @@ def worker(args, extra):
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(bool(args.compile)).lower(),
             "train.recompute": "full", "train.device": args.device, "parallel.dp": "1",
             "model.max_seq_len": str(model_config(args).model.max_seq_len), **SHARDLM[args.system]}
+    t0 = time.perf_counter()
     trainer, step = shardlm_trainer(args.preset, over, extra)
-    dt, mem = timed(step, args.warm, args.steps, args.device)
+    print(f"[{args.system}] built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    def step_said():  # progress on stderr: a 7B step on the CPU's optimizer takes seconds
+        step()
+        print(f"[{args.system}] step done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    dt, mem = timed(step_said, args.warm, args.steps, args.device)
     tokens = args.micro_batch * args.microbatches * args.seq
     m = model_config(args).model
     disk = getattr(getattr(trainer.engine, "opt", None), "disk_bytes_per_s", None)

@@ -29,23 +29,31 @@ def gradient_at(oracle, weights: dict, k: int) -> tuple[dict, float]:
     return {name: values.reshape(shapes[name].shape) for name, (_, _, values) in captured["grad"].items()}, loss
 
 
-def test_the_delayed_update_is_its_definition():
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, copy streams)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_the_delayed_update_is_its_definition(device):
     """SGD without momentum or decay at a constant lr, no clipping: update k applies, on top of update k - 1,
     batch k's gradient taken at the weights of update k - 2 (the start's for k = 1 and 2), so
-    w_k = w_(k-1) - lr g_k(w_(k-2)); each step's loss is batch k's at w_(k-2)."""
-    delayed = dist_fns.tiny_trainer(1, {**SGD, **DELAYED})
+    w_k = w_(k-1) - lr g_k(w_(k-2)); each step's loss is batch k's at w_(k-2). On a GPU the host thread,
+    the double-buffered gradients and the staged weights run beside the device's streams; its kernels add
+    some gradients with atomics, in no fixed order, hence a looser tolerance there."""
+    sgd = {**SGD, "train.device": device}
+    tol = 1e-6 if device == "cpu" else 1e-4
+    delayed = dist_fns.tiny_trainer(1, {**sgd, **DELAYED})
     weights = {0: {n: p.detach().float().clone() for n, p in delayed.model.named_parameters()}}
     losses = [r["loss"] for r in delayed.run()]
     got, _ = delayed.parallel.gather_full_state()
-    oracle = dist_fns.tiny_trainer(1, SGD)
+    oracle = dist_fns.tiny_trainer(1, sgd)
     for k in range(1, 6):
         grad, loss = gradient_at(oracle, weights[max(k - 2, 0)], k)
-        assert losses[k - 1] == pytest.approx(loss, rel=1e-6), k
+        assert losses[k - 1] == pytest.approx(loss, rel=tol), k
         weights[k] = {n: w - 0.05 * grad[n] for n, w in weights[k - 1].items()}
     for name, want in weights[5].items():
-        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
-    stale = dist_fns.tiny_trainer(1, SGD)  # and it is not the plain run
-    assert [r["loss"] for r in stale.run()][2:] != pytest.approx(losses[2:], rel=1e-6)
+        torch.testing.assert_close(got[name].cpu(), want.cpu(), rtol=10 * tol, atol=tol, msg=name)
+    stale = dist_fns.tiny_trainer(1, sgd)  # and it is not the plain run
+    assert [r["loss"] for r in stale.run()][2:] != pytest.approx(losses[2:], rel=tol)
 
 
 def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_trajectory(tmp_path):
@@ -64,6 +72,7 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
+
 GPU_PAIRS = {  # (the run, the run it must equal, bit for bit or not)
     "zero2-offload": ({"parallel.offload": "optimizer"}, {}, False),
     "disk-tier": ({"parallel.offload": "optimizer", "parallel.offload_dir": "nvme"}, {"parallel.offload": "optimizer"},
@@ -74,31 +83,21 @@ GPU_PAIRS = {  # (the run, the run it must equal, bit for bit or not)
 }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, copy streams)")
+@ON_GPU
 @pytest.mark.parametrize("case", GPU_PAIRS)
 def test_offload_on_a_gpu_equals_keeping_it_there(tmp_path, case):
     """The GPU paths of offload (gradient buckets copied to pinned memory on their own stream and accumulated
-    there over four micro-batches, the host step's weights copied back, ZeRO-3 units uploaded ahead of use,
-    the disk tier's files) against the same bf16 run on one GPU without them."""
+    there in fp32 over four micro-batches, the host step's weights copied back, ZeRO-3 units uploaded ahead
+    of use, the disk tier's files) against the same bf16 run on one GPU without them. SGD, whose update
+    does not magnify a rounding difference as Adam's does for a gradient near zero; the device and the host
+    add in fp32 alike, so what differs is the order of the norm's sum and the update's arithmetic."""
     run, ref, exact = GPU_PAIRS[case]
-    common = {"train.device": "cuda", "train.precision": "bf16", "train.steps": "4", "train.global_batch_size": "8",
-              "train.micro_batch_size": "2", "parallel.zero_stage": "2", "parallel.bucket_mb": "0.05"}
+    common = {**SGD, "train.device": "cuda", "train.precision": "bf16", "train.steps": "4", "train.global_batch_size": "8",
+              "parallel.zero_stage": "2", "parallel.bucket_mb": "0.05"}
     fix = lambda over: {k: str(tmp_path / v) if k == "parallel.offload_dir" else v for k, v in over.items()}  # noqa: E731
     got, want = (dist_fns.train_and_capture(0, 1, {**common, **fix(over)}) for over in (run, ref))
-    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-3, "atol": 1e-5}
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-3, "atol": 1e-5}
     for key in ("losses", "grad_norms"):
         torch.testing.assert_close(got[key], want[key], **tol)
     for name, value in want["masters"].items():
-        torch.testing.assert_close(got["masters"][name], value, **tol, msg=name)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, copy streams)")
-def test_the_delayed_update_on_a_gpu_is_the_one_on_the_cpu():
-    """The delayed update's host thread, double-buffered gradients and staged weights on a GPU: the same
-    trajectory (fp32, so the devices differ by rounding only) as on the CPU, where its definition is tested."""
-    over = {**SGD, **DELAYED, "train.optimizer": "adamw", "train.steps": "6"}
-    cpu = dist_fns.train_and_capture(0, 1, over)
-    gpu = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cuda"})
-    torch.testing.assert_close(gpu["losses"], cpu["losses"], rtol=1e-4, atol=0)
-    for name, value in cpu["masters"].items():
-        torch.testing.assert_close(gpu["masters"][name], value, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["masters"][name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
