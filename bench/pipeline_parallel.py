@@ -36,8 +36,9 @@ from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_t
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
-SHARDLM = {f"shardlm-pp4-{s}": {"parallel.pp": "4", "parallel.pp_schedule": s,
-                                "parallel.virtual_stages": "2" if s == "interleaved" else "1"} for s in SCHEDULE_NAMES}
+SHARDLM = {f"shardlm-pp{pp}-{s}": {"parallel.pp": str(pp), "parallel.pp_schedule": s,
+                                   "parallel.virtual_stages": "2" if s == "interleaved" else "1"}
+           for pp in (2, 4) for s in SCHEDULE_NAMES}
 SHARDLM["shardlm-pp2-tp2-1f1b"] = {"parallel.pp": "2", "parallel.tp": "2", "parallel.sp": "true"}
 PEERS = ("torch-gpipe", "torch-1f1b", "torch-interleaved")
 DEFAULT = ["shardlm-pp4-gpipe", "shardlm-pp4-1f1b", "shardlm-pp4-interleaved", "shardlm-pp4-zb-h1", *PEERS]
