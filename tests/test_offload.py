@@ -49,7 +49,7 @@ def test_the_delayed_update_is_its_definition(device):
     for k in range(1, 6):
         grad, loss = gradient_at(oracle, weights[max(k - 2, 0)], k)
         assert losses[k - 1] == pytest.approx(loss, rel=tol), k
-        weights[k] = {n: w - 0.05 * grad[n] for n, w in weights[k - 1].items()}
+        weights[k] = {n: w - 0.05 * grad[n].to(w.device) for n, w in weights[k - 1].items()}
     for name, want in weights[5].items():
         torch.testing.assert_close(got[name].cpu(), want.cpu(), rtol=10 * tol, atol=tol, msg=name)
     stale = dist_fns.tiny_trainer(1, sgd)  # and it is not the plain run

@@ -4,8 +4,8 @@ reshaped arange; a group over some axes is a line (or plane) of the grid along t
 creates every group, in the same order, once, when the mesh is built. Besides one group per axis the mesh
 holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
 which gradients are reduced), `pp+tp` (the ranks holding different parts of one model replica, over
-which the gradient norm is summed), `pp_ends` (each line's first and last pipeline stage, which hold
-a tied embedding's two copies) and `pp_back` (a pipeline line again, for the gradients sent back). Expert parallelism will be carved out of dp x cp, as Megatron and
+which the gradient norm is summed) and `pp_ends` (each line's first and last pipeline stage, which hold
+a tied embedding's two copies). Expert parallelism will be carved out of dp x cp, as Megatron and
 torchtitan do.
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
@@ -113,13 +113,6 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
             group = dist.new_group([line[0], line[-1]], timeout=timeout)
             if rank in (line[0], line[-1]):
                 mesh.groups["pp_ends"] = group
-        # A second group over each pipeline line, for the gradients going back: NCCL runs a communicator's
-        # operations in order on one stream, so on one group a receive of a gradient still waiting for its
-        # sender would hold up the activations sent after it (and the reverse).
-        for line in grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist():
-            group = dist.new_group(line, timeout=timeout)
-            if rank in line:
-                mesh.groups["pp_back"] = group
     return mesh
 
 

@@ -5,8 +5,8 @@ action table (schedules.py) with batched point-to-point sends and receives.
 Each rank holds a Decoder slice with the layers of its stages (v of them with virtual stages), under the
 whole model's parameter names; the first stage's rank also holds the embeddings, the last's the final
 norm, the head and the loss. A step runs the rank's actions in order: a batch of sends and receives
-(`batch_isend_irecv`, activations and gradients on groups of their own, the receives waited for only
-where a computation reads them), a forward of a stage on a micro-batch, or its backward. Each micro-batch's loss is divided by the number of
+(`batch_isend_irecv`, the receives waited for only where a computation reads them), a forward of a
+stage on a micro-batch, or its backward. Each micro-batch's loss is divided by the number of
 micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
 A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: backward needs only its
 graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
@@ -85,9 +85,6 @@ class PipelineSchedule:
         self.activation_shape = activation_shape  # (micro-batch, sequence here, hidden): what stages send
         self.S = len(layers_of)
         self.group = mesh.pp_group
-        # Activations forward on one group, gradients back on another: a communicator's operations run in
-        # order on its own stream, so the two directions never wait behind each other.
-        self.groups = {"F": self.group, "B": mesh.group("pp_back") or self.group}
         self.pp = mesh.pp
         self.forward = self._stage_forward  # the seam tests patch, as ForwardBackward's
         self.timer = lambda action: nullcontext()  # around each computation: the seam a benchmark times
@@ -106,18 +103,17 @@ class PipelineSchedule:
         first step, staggered stages block there while their peers wait on them: a hang on GPUs that gloo
         never shows."""
         dist.barrier(group=self.group)
-        for direction, group in self.groups.items():
-            comm = [a for a in self.table if a.kind in (f"SEND_{direction}", f"RECV_{direction}")]
-            sends = sorted({self._peer(a) for a in comm if a.kind.startswith("SEND")})
-            recvs = sorted({self._peer(a) for a in comm if a.kind.startswith("RECV")})
-            ops = [dist.P2POp(dist.isend, torch.zeros(1, device=device), p, group) for p in sends]
-            ops += [dist.P2POp(dist.irecv, torch.zeros(1, device=device), p, group) for p in recvs]
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+        comm = [a for a in self.table if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")]
+        sends = sorted({self._peer(a) for a in comm if a.kind.startswith("SEND")})
+        recvs = sorted({self._peer(a) for a in comm if a.kind.startswith("RECV")})
+        ops = [dist.P2POp(dist.isend, torch.zeros(1, device=device), p, self.group) for p in sends]
+        ops += [dist.P2POp(dist.irecv, torch.zeros(1, device=device), p, self.group) for p in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def _peer(self, a: Action) -> int:
-        return dist.get_global_rank(self.group, peer(a, self.pp))  # both groups list a line's ranks alike
+        return dist.get_global_rank(self.group, peer(a, self.pp))
 
     def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int, documents=None):
         h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length,
@@ -160,15 +156,8 @@ class PipelineSchedule:
                 raise ValueError(f"the pipeline engine does not run {a.kind} actions")
 
     def _post(self, step: "_Step", batch: list[Action], dtype, device) -> None:
-        """One batch of sends and receives, as one batch_isend_irecv per direction; the receives are waited
-        for where a computation reads them, the sends (and the tensors they read) kept until they complete."""
-        for direction, group in self.groups.items():
-            mine = [a for a in batch if a.kind.endswith(direction)]
-            if mine:
-                self._post_on(step, mine, group, dtype, device)
-        step.sending = [p for p in step.sending if not p.completed()]
-
-    def _post_on(self, step: "_Step", batch: list[Action], group, dtype, device) -> None:
+        """One batch of sends and receives; the receives are waited for where a computation reads them, the
+        sends (and the tensors they read) kept until they complete."""
         ops, received, sent = [], [], []
         for a in batch:
             key = (a.stage, a.mb)
@@ -181,12 +170,13 @@ class PipelineSchedule:
             else:
                 received.append((a, torch.empty(self.activation_shape, dtype=dtype, device=device)))
             op, tensor = (dist.isend, sent[-1]) if a.kind.startswith("SEND") else (dist.irecv, received[-1][1])
-            ops.append(dist.P2POp(op, tensor, self._peer(a), group))
+            ops.append(dist.P2POp(op, tensor, self._peer(a), self.group))
         posted = _Posted(dist.batch_isend_irecv(ops), sent)
         for a, buf in received:
             step.recvs[(a.kind, a.stage, a.mb)] = (posted, buf)
         if sent:
             step.sending.append(posted)
+        step.sending = [p for p in step.sending if not p.completed()]
 
     def _receive(self, step: "_Step", a: Action) -> torch.Tensor | None:
         """The received tensor a computation reads (a stage's input, or its output's gradient), waited for."""
