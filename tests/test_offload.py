@@ -101,3 +101,20 @@ def test_offload_on_a_gpu_equals_keeping_it_there(tmp_path, case):
         torch.testing.assert_close(got[key], want[key], **tol)
     for name, value in want["masters"].items():
         torch.testing.assert_close(got["masters"][name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_host_gradients_add_16_bit_shards_in_fp32():
+    """Micro-batches' bf16 shards summed in the fp32 host buffer, chunk by chunk past the conversion buffer's
+    size, equal to adding them in fp32 at once."""
+    from shardlm.parallel.offload import HostGradients
+    torch.manual_seed(0)
+    host = torch.zeros(3 * 2**19 + 5)
+    parts = [host[:7], host[7:]]
+    acc = HostGradients(parts, torch.device("cpu"))
+    shards = [[torch.randn(p.numel()).bfloat16() for p in parts] for _ in range(3)]
+    for micro_batch in shards:
+        for b, shard in enumerate(micro_batch):
+            acc.add(b, shard)
+    acc.wait()
+    for b, p in enumerate(parts):
+        assert torch.equal(p, sum(m[b].float() for m in shards))
