@@ -4,6 +4,7 @@ shardlm beside DeepSpeed's ZeRO-Offload on the same shapes and batch.
     python bench/offload.py [--preset llama2-7b] [--seq 2048] [--micro-batch 1] [--microbatches 8]
     python bench/offload.py --preset llama3-8b --systems shardlm-zero2-offload
     CUDA_VISIBLE_DEVICES=0 python bench/offload.py ...   # one GPU of a larger host (say the host's cores)
+    python bench/offload.py --profile 1 ...               # + seconds a step in each host-side phase
 
 Each system is its own process on one GPU; a step is --microbatches micro-batches of --micro-batch x --seq
 tokens, bf16, full recomputation, AdamW with the update on the CPU.
@@ -68,14 +69,25 @@ def worker(args, extra):
     def step_said():  # progress on stderr: a 7B step on the CPU's optimizer takes seconds
         step()
         print(f"[{args.system}] step done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    dt, mem = timed(step_said, args.warm, args.steps, args.device)
+    phases = {}
+    if not args.profile:
+        dt, mem = timed(step_said, args.warm, args.steps, args.device)
+    else:  # seconds a timed step in each host-side phase (parallel/offload.py's shardlm.offload.* ranges)
+        from torch.profiler import ProfilerActivity, profile
+        for _ in range(args.warm):
+            step_said()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            dt, mem = timed(step_said, 0, args.steps, args.device)
+        phases = {e.key.removeprefix("shardlm.offload."): round(e.cpu_time_total / 1e6 / args.steps, 3)
+                  for e in prof.key_averages() if e.key.startswith("shardlm.offload.")}
     tokens = args.micro_batch * args.microbatches * args.seq
     m = model_config(args).model
     disk = getattr(getattr(trainer.engine, "opt", None), "disk_bytes_per_s", None)
     print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
                                   "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK,
                                   "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30,
-                                  **({"disk_gb_s": disk / 1e9} if disk is not None else {})}), flush=True)
+                                  **({"disk_gb_s": disk / 1e9} if disk is not None else {}),
+                                  **({"phases_s": phases} if phases else {})}), flush=True)
     trainer.close()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -109,13 +121,15 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems (tiny presets)")
+    p.add_argument("--profile", type=int, default=0, help="1: print the host-side phases' seconds a step (stderr)")
     p.add_argument("--peer-script", default=str(ROOT.parent / "shared" / "bench" / "peer_offload.py"))
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     driver_args(p, timeout=900)
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
-    own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device"))
+    own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device",
+                          "profile"))
     ours = [s for s in args.systems if s in SHARDLM]
     rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
     for system in (s for s in args.systems if s in PEERS):

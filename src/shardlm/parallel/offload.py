@@ -12,7 +12,8 @@ Parameter offload (ZeRO-3's 16-bit shards on the CPU too) is a placement choice 
 With stages 2 and 3 the gradients leave the GPU as they are reduced (the paper's section 4.1): `HostGradients`
 copies each bucket's reduced shard into pinned staging memory on a stream of its own and a host thread adds
 it into the fp32 host buffer, accumulating across micro-batches there, so no gradient shard stays on the
-GPU; the step then reads that buffer where it lies.
+GPU; the step then reads that buffer where it lies. Profiler ranges named shardlm.offload.* mark the host's
+phases (the adds, the waits for them, the update), which bench/offload.py --profile reports.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch.autograd.profiler import record_function
 
 from ..config import ConfigError
 from ..grad_norm import sum_of_squares
@@ -57,12 +59,14 @@ class OffloadedOptimizer(MasterWeightOptimizer):
 
     def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
         host = self.host_parts()
-        for h, g in zip(host, grads):
-            if g.data_ptr() != h.data_ptr():  # HostGradients has put them there already
-                h.copy_(g, non_blocking=True)
-        scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
+        with record_function("shardlm.offload.gradients_in"):
+            for h, g in zip(host, grads):
+                if g.data_ptr() != h.data_ptr():  # HostGradients has put them there already
+                    h.copy_(g, non_blocking=True)
+            scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
         staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
-        self._update_on_host(lr, host, staged, scale, skip)
+        with record_function("shardlm.offload.host_update"):
+            self._update_on_host(lr, host, staged, scale, skip)
         for dst, src in zip(params, staged):
             if dst is not None:
                 dst.copy_(src, non_blocking=True)
@@ -116,7 +120,8 @@ class HostGradients:
         if self.made < self.slots and self.staging.empty():
             self.made += 1
             return torch.empty(max(h.numel() for h in self.host), dtype=dtype, pin_memory=True)
-        return self.staging.get()  # blocks until the host thread has added one in
+        with record_function("shardlm.offload.wait_for_slot"):  # the host's adds behind the device's backward
+            return self.staging.get()  # blocks until the host thread has added one in
 
     def last_micro_batch(self) -> None:
         """The shards added from now on complete the step's gradient: take their sums of squares."""
@@ -159,11 +164,14 @@ class HostGradients:
 
     def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor, squares: list | None) -> None:
         try:
-            done.synchronize()
-            self._fold(b, staging, squares)
+            with record_function("shardlm.offload.wait_for_copy"):
+                done.synchronize()
+            with record_function("shardlm.offload.host_add"):
+                self._fold(b, staging, squares)
         finally:
             self.staging.put(buf)
 
+    @record_function("shardlm.offload.wait_for_adds")
     def wait(self) -> None:
         """Every added shard is in the host buffer (the first failure of the host thread raised, after all)."""
         error = None
