@@ -132,19 +132,28 @@ def driver_args(p, timeout: float) -> None:
     from pathlib import Path
     p.add_argument("--record", default=str(Path(__file__).resolve().parent / "results.jsonl"))
     p.add_argument("--timeout", type=float, default=timeout, help=f"seconds one system may take (default {timeout:g})")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds all systems may take: none is started past it, each ends by it (a device call's limit)")
     p.add_argument("--system", default=None, help=argparse.SUPPRESS)
 
 
-def run_systems(script: str, systems: list[str], gpus_of, args_of, env: dict, timeout: float) -> list[dict]:
+def run_systems(script: str, systems: list[str], gpus_of, args_of, env: dict, timeout: float,
+                budget: float | None = None) -> list[dict]:
     """Each system as its own `torchrun --nproc-per-node gpus_of(system) script --system S args_of(S)` job,
-    one after another; the rows of those that finished, each printed as it comes."""
+    one after another; the rows of those that finished, each printed as it comes. With a `budget` (seconds
+    for all of them) a system that would start with under a minute of it left is skipped, so that a driver
+    cut short still reports and records what it measured."""
     import json
     import sys
-    rows = []
+    rows, start = [], time.monotonic()
     for system in systems:
+        left = float("inf") if budget is None else budget - (time.monotonic() - start)
+        if left < 60:
+            print(f"{system}: skipped ({left:.0f} s of --budget left)", file=sys.stderr, flush=True)
+            continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus_of(system)),
                script, "--system", system, *args_of(system)]
-        row = run_system(system, cmd, env, timeout)
+        row = run_system(system, cmd, env, min(timeout, left))
         if row is not None:
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -148,7 +148,7 @@ def main():
         return worker(args, extra)
     own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps"))
     rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *SHARDLM.get(s, [])],
-                       job_env(ROOT), args.timeout)
+                       job_env(ROOT), args.timeout, args.budget)
     import torch
     card = torch.cuda.get_device_name()
     by = {r["system"]: r for r in rows}

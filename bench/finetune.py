@@ -282,7 +282,7 @@ def main():
             systems.remove("peft-qlora")
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "rank", "alpha", "targets", "recompute",
                            "warm", "steps", "compile", "peer_compile", "device"))
-    rows = run_systems(__file__, systems, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
+    rows = run_systems(__file__, systems, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
         import torch

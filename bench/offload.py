@@ -131,7 +131,7 @@ def main():
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device",
                           "profile"))
     ours = [s for s in args.systems if s in SHARDLM]
-    rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
+    rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     for system in (s for s in args.systems if s in PEERS):
         row = peer(args, system)
         if row is not None:

@@ -304,7 +304,7 @@ def main():
     own = forwarded(args, ("gpus", "preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
                            "device", "timeline"))
     rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *extra], job_env(ROOT),
-                       args.timeout)
+                       args.timeout, args.budget)
     import torch
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     by = {r["system"]: r for r in rows}

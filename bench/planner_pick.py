@@ -109,7 +109,7 @@ def main():
         own = forwarded(args, ("gpus", "card", "preset", "seq", "global_batch", "count", "warm", "steps", "compile",
                                "device"))
         rows = run_systems(__file__, [c[0] for c in chosen], lambda s: predicted[s][1].world, lambda s: [*own, *extra],
-                           job_env(ROOT), args.timeout)
+                           job_env(ROOT), args.timeout, args.budget)
     else:
         rows = []
     measured = {r["system"]: r for r in rows}

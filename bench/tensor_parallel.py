@@ -238,7 +238,7 @@ def main():
         layout = SHARDLM.get(system)
         return math.prod(int(v) for k, v in layout.items() if k in ("parallel.tp", "parallel.dp")) if layout else args.gpus
     own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device"))
-    rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout)
+    rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
         import torch
