@@ -3,7 +3,8 @@
     python bench/planner_validation.py [--record bench/results.jsonl]
 
 The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
-bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py and bench/finetune.py wrote on the device
+bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, bench/finetune.py and
+bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
 Floors: memory within 10%, step time within 25%.
 """
@@ -51,6 +52,12 @@ LAYOUTS = {
        Layout(pp=4, pp_schedule=s, virtual_stages=2 if s == "interleaved" else 1)
        for s in ("gpipe", "1f1b", "interleaved", "zb-h1")},
     ("pipeline_parallel", 4, "shardlm-pp2-tp2-1f1b"): Layout(pp=2, tp=2, sp=True),
+    ("offload", 1, "shardlm-zero2-offload"): Layout(zero_stage=2, offload="optimizer", recompute="full"),
+    ("offload", 1, "shardlm-zero2-offload-delayed"): Layout(zero_stage=2, offload="optimizer", recompute="full",
+                                                            delayed_update=True),
+    ("offload", 1, "shardlm-zero2-offload-nvme"): Layout(zero_stage=2, offload="optimizer", recompute="full",
+                                                         offload_dir="nvme"),
+    ("offload", 1, "shardlm-zero3-offload-params"): Layout(zero_stage=3, offload="params", recompute="full"),
     # shardlm-tp2-dp2's only row leaves out its symmetric memory; planner_pick's dp2-tp2-sp-z1 row is that layout.
 }
 
@@ -94,7 +101,7 @@ def main():
     latest = {}
     for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
         key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"], r.get("microbatches"))
-        if layout_of(r) is not None and r["model"] in ("tinyllama-1.1b", "llama2-7b"):
+        if layout_of(r) is not None and r["model"] in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
             latest[key] = r
     out, ok = [], True
     print(f"{'layout':<46}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")

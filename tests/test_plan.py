@@ -157,6 +157,28 @@ def test_offload_host_memory():
     assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
 
 
+def test_offload_step_time_follows_its_traffic():
+    """Offload's step time (plan/offload.py) from the host side's traffic: it costs time; the delayed update
+    hides the update behind the next step's GPU work; a slow disk tier is the step's bottleneck and a fast
+    one is not; parameter offload's uploads grow with recomputation's extra forward; and with a slow host
+    fewer, larger micro-batches (fewer host adds) take less time for the same tokens."""
+    m = load_config("llama2-7b").model
+    w, g = Workload(2048, 1, 8), gpu("h100")
+    step = lambda L, w=w, g=g: estimate(m, w, L, g).step_time_s  # noqa: E731
+    zero2 = Layout(zero_stage=2, recompute="full")
+    off = Layout(zero_stage=2, offload="optimizer", recompute="full")
+    assert step(off) > step(zero2)
+    slow_host = gpu("h100", host_bw=20e9)
+    assert step(Layout(**{**off.__dict__, "delayed_update": True}), g=slow_host) < step(off, g=slow_host)
+    nvme = Layout(**{**off.__dict__, "offload_dir": "/nvme"})
+    assert step(nvme, g=gpu("h100", disk_bw=1e9)) > 2 * step(off)
+    assert step(nvme, g=gpu("h100", disk_bw=1e13)) == pytest.approx(step(off))
+    params = Layout(zero_stage=3, offload="params", recompute="full")
+    slow_pcie = gpu("h100", pcie_bw=5e9)
+    assert step(params, g=slow_pcie) > step(Layout(**{**params.__dict__, "recompute": "selective"}), g=slow_pcie)
+    assert step(off, Workload(2048, 4, 8), slow_host) < step(off, w, slow_host)
+
+
 def test_the_largest_model_a_gpu_and_host_train():
     """Llama 2 7B scaled to 5120 wide is Llama 2 13B; the largest scaling that fits is bounded by the GPU
     without offload and by the host's memory with parameter offload."""

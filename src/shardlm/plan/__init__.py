@@ -1,7 +1,7 @@
 """The planner: per-GPU memory, FLOPs, step time, MFU and communication of a training layout, before launch.
 
 Pure arithmetic (no torch import), sharing the runtime's shape arithmetic (shardlm.config.ModelConfig).
-memory.py, flops.py and comm.py each document their formulas and sources; search.py ranks layouts.
+memory.py, flops.py, comm.py and offload.py each document their formulas and sources; search.py ranks layouts.
 """
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass
 
 from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
 from .comm import comm_bytes, comm_seconds
-from .flops import ADAM_BYTES, CPU_ADAM_S, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
+from .flops import ADAM_BYTES, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
 from .memory import Memory, estimate_memory, host_bytes, nf4_weights, paper_model_states, trained_and_frozen
+from .offload import offload_seconds
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
            "paper_model_states"]
@@ -56,7 +57,8 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = phi / L.dp if L.zero_stage >= 1 else phi
-    optimizer = shard * CPU_ADAM_S if L.offload != "none" else shard * ADAM_BYTES / g.hbm_bw
+    optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
+        shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
     if L.lora.quantize == "nf4":  # each NF4 weight dequantised (read, 16-bit written and read) in every pass
         passes = 3 if L.recompute == "full" else 2

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--hbm-bw", help="e.g. 3.35TB/s")
     c.add_argument("--nvlink-bw", help="per GPU, one direction, e.g. 450GB/s")
     c.add_argument("--network-bw", help="per GPU, e.g. 50GB/s")
+    c.add_argument("--pcie-bw", help="offload: per GPU, one direction, e.g. 50GB/s")
+    c.add_argument("--host-bw", help="offload: the node's host memory bandwidth, e.g. 300GB/s")
+    c.add_argument("--disk-bw", help="offload to --offload-dir: the node's disk bandwidth, e.g. 6GB/s")
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, default=None, help="default: 1, or what fills --gpus")
     for name in ("tp", "pp", "cp", "ep"):
@@ -49,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--zero", type=int, default=0)
     lay.add_argument("--offload", default="none")
     lay.add_argument("--offload-dir", default="", help="with --offload: the optimizer state in files there (NVMe)")
+    lay.add_argument("--delayed-update", action="store_true",
+                     help="with --zero 2 --offload optimizer: ZeRO-Offload's one-step delayed update")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -154,14 +159,16 @@ def run(argv: list[str]) -> int:
                  "peak_flops": a.gpu_tflops * 1e12 if a.gpu_tflops else None,
                  "hbm_bw": parse_bytes(a.hbm_bw, "--hbm-bw") if a.hbm_bw else None,
                  "nvlink_bw": parse_bytes(a.nvlink_bw, "--nvlink-bw") if a.nvlink_bw else None,
-                 "network_bw": parse_bytes(a.network_bw, "--network-bw") if a.network_bw else None}
+                 "network_bw": parse_bytes(a.network_bw, "--network-bw") if a.network_bw else None,
+                 **{k: parse_bytes(v, f"--{k.replace('_', '-')}") for k, v in
+                    (("pcie_bw", a.pcie_bw), ("host_bw", a.host_bw), ("disk_bw", a.disk_bw)) if v}}
     g = gpu(a.gpu, **overrides)
     dp, note = data_parallel(a)
     if a.params:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload,
-                    offload_dir=a.offload_dir, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
+                    offload_dir=a.offload_dir, delayed_update=a.delayed_update, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))

@@ -22,10 +22,6 @@ from .layout import Layout, Workload
 
 EFFICIENCY = 0.55
 ADAM_BYTES = 28          # per parameter: 16-bit grad in, fp32 master, m, v in and out, 16-bit weight out
-# Seconds per parameter of the offloaded CPU step (copies to and from the GPU included), with a rank's
-# share of a GPU host's cores (16 on the 4x H200 machine): its 4-GPU tinyllama-1.1b step took 0.476 s
-# against 0.123 s without offload, 0.35 s for each rank's 275M parameters.
-CPU_ADAM_S = 1.3e-9
 
 
 def model_flops_per_token(m: ModelConfig, seq: int) -> float:

@@ -21,21 +21,27 @@ class GPU:
     hbm_bw: float          # bytes/s
     nvlink_bw: float       # bytes/s per GPU, one direction, inside a node
     network_bw: float      # bytes/s per GPU across nodes
+    # Offload's figures (plan/offload.py): PCIe per GPU and direction, pinned copies; the node's host memory
+    # streaming rate and its local NVMe's, shared by the node's ranks. Typical of a dual-socket DDR5 server
+    # with Gen4 NVMe; the planner's offload rows in bench/planner_validation.py calibrate them.
+    pcie_bw: float = 50e9
+    host_bw: float = 100e9
+    disk_bw: float = 6e9
 
 
 GPUS = {
     "h100": GPU("H100 SXM 80GB", 80e9, 989e12, 3.35e12, 450e9, 50e9),
     "h200": GPU("H200 SXM 141GB", 141e9, 989e12, 4.8e12, 450e9, 50e9),
-    "a100": GPU("A100 SXM 80GB", 80e9, 312e12, 2.0e12, 300e9, 25e9),
-    "a100-40gb": GPU("A100 SXM 40GB", 40e9, 312e12, 1.55e12, 300e9, 25e9),
+    "a100": GPU("A100 SXM 80GB", 80e9, 312e12, 2.0e12, 300e9, 25e9, pcie_bw=25e9),
+    "a100-40gb": GPU("A100 SXM 40GB", 40e9, 312e12, 1.55e12, 300e9, 25e9, pcie_bw=25e9),
     # The export-control variants: the same chip and memory, NVLink cut to 400 GB/s (A800 SXM against the
     # A100's 600; H800 SXM against the H100's 900, the "half" the press reported), per their datasheets.
-    "a800": GPU("A800 SXM 80GB", 80e9, 312e12, 2.0e12, 200e9, 25e9),
+    "a800": GPU("A800 SXM 80GB", 80e9, 312e12, 2.0e12, 200e9, 25e9, pcie_bw=25e9),
     "h800": GPU("H800 SXM 80GB", 80e9, 989e12, 3.35e12, 200e9, 50e9),
     # V100 SXM2 32GB: 125 TFLOP/s is its fp16 tensor-core peak (Volta has no bf16: plan it with --precision
     # fp16), 900 GB/s HBM2, NVLink 300 GB/s both directions.
-    "v100": GPU("V100 SXM2 32GB", 32e9, 125e12, 0.9e12, 150e9, 12.5e9),
-    "l40s": GPU("L40S 48GB", 48e9, 362e12, 0.864e12, 32e9, 25e9),
+    "v100": GPU("V100 SXM2 32GB", 32e9, 125e12, 0.9e12, 150e9, 12.5e9, pcie_bw=12e9),
+    "l40s": GPU("L40S 48GB", 48e9, 362e12, 0.864e12, 32e9, 25e9, pcie_bw=25e9),
     "b200": GPU("B200 180GB", 180e9, 2250e12, 8e12, 900e9, 50e9),
 }
 
@@ -59,5 +65,6 @@ def gpu(name: str, **overrides) -> GPU:
     key = name.lower()
     if key not in GPUS:
         raise ValueError(f"unknown --gpu {name!r} (known: {', '.join(GPUS)}); override its figures with "
-                         "--gpu-memory, --gpu-tflops, --hbm-bw, --nvlink-bw, --network-bw")
+                         "--gpu-memory, --gpu-tflops, --hbm-bw, --nvlink-bw, --network-bw, --pcie-bw, --host-bw, "
+                         "--disk-bw")
     return replace(GPUS[key], **{k: v for k, v in overrides.items() if v is not None})

@@ -212,8 +212,9 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.zero_stage == 3:
             head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
             buffers += (1 + L.prefetch_units) * unit + head
-        if L.zero_stage >= 2:
-            buffers += 2 * unit * red / p_b  # transient full-size bucket gradients in the reduction dtype
+        if L.zero_stage >= 2:  # transient full-size bucket gradients in the reduction dtype (an offloading
+            # rank alone copies its 16-bit gradients down as they are: parallel/offload.py's HostGradients)
+            buffers += 2 * unit * (g_b if L.offload != "none" and n == 1 else red) / p_b
         elif L.dp > 1 and red != g_b:
             buffers += 2 * BUCKET_BYTES * red / g_b
         # Stages 2 and 3 reduce on every micro-step, so once the first backward has run their shards stay

@@ -1,0 +1,56 @@
+"""What offload adds to a step (Ren et al. 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity"),
+from the traffic parallel/offload.py makes over PCIe, through host memory and to disk.
+
+Per rank and micro-batch, ZeRO-2/3 copy each reduced gradient shard to pinned memory (16-bit at one rank,
+fp32 after an fp32 reduction) and a host thread adds it into the fp32 buffer (the first micro-batch
+converts: 2 + 4 bytes an element; the others add: 2 + 8), on the last micro-batch also squaring it for the
+norm; with parameter offload every pass (forward, backward, and recomputation's forward) uploads each
+unit's 16-bit shard. These run beside the GPU's work, so a micro-batch takes the longest of the three.
+ZeRO-1 copies its fp32 shard down once, at the step. The update is torch's fused CPU AdamW, memory-bound:
+ADAM_HOST_BYTES an element through host memory (with `parallel.offload_dir` the masters and moments
+stream to and from disk beside it, double-buffered: the slower of the two), then the 16-bit weights go
+back up. With the delayed update (`parallel.delayed_update`) step N's update runs beside step N + 1's
+GPU work: the step takes the longer of the two. Host memory and disk bandwidth are the node's, shared by
+its ranks; PCIe is each GPU's own (hardware.py's figures, all overridable).
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .hardware import GPU
+from .layout import Layout, Workload
+from .memory import trained_and_frozen
+
+ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
+SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
+
+
+def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int, compute: float) -> float:
+    """The seconds offload adds to a step whose GPU work takes `compute` seconds (0 without offload)."""
+    if L.offload == "none":
+        return 0.0
+    ranks = min(L.gpus, gpus_per_node)
+    host_bw, disk_bw = g.host_bw / ranks, g.disk_bw / ranks
+    phi, _ = trained_and_frozen(m, L, 0, 2)
+    shard = phi / L.dp if L.zero_stage >= 1 else phi
+    micro = w.global_batch // (w.micro_batch * L.dp)
+    mixed = L.precision != "fp32"
+    reduced = 2 if mixed and (L.dp == 1 or L.reduce_dtype != "fp32") else 4
+    per_micro = compute / micro
+    if L.zero_stage >= 2:
+        down = shard * reduced / g.pcie_bw
+        passes = 3 if L.recompute == "full" else 2
+        up = passes * shard * 2 / g.pcie_bw if L.offload == "params" else 0.0
+        first = shard * (reduced + 4) / host_bw
+        later = shard * (reduced + 8) / host_bw
+        last = SQUARES_BYTES * shard / host_bw  # the norm's squares, as the last micro-batch's buckets arrive
+        gpu = (max(per_micro, down, up, first + (last if micro == 1 else 0))
+               + max(micro - 2, 0) * max(per_micro, down, up, later)
+               + (max(per_micro, down, up, later + last) if micro > 1 else 0))
+    else:
+        gpu = compute + shard * 4 / g.pcie_bw  # the fp32 shards copied down at the step
+    update = shard * ADAM_HOST_BYTES / host_bw
+    if L.offload_dir:
+        update = max(update, shard * 2 * 12 / disk_bw)  # masters and moments read and written back
+    host = update + shard * 2 / g.pcie_bw  # then the 16-bit weights go back up
+    step = max(gpu, host) if L.delayed_update else gpu + host
+    return step - compute
