@@ -103,7 +103,8 @@ class BusyTimer:
         self.events.append((action, len(self.spans), start, end))
 
     def busy(self) -> tuple[float, float, dict]:
-        """(busy seconds, schedule seconds, mean seconds per action kind) since the last call."""
+        """(busy seconds, schedule seconds, mean seconds per action kind and per (kind, stage)) since the
+        last call."""
         import torch
         if self.cuda:
             torch.cuda.synchronize()
@@ -113,6 +114,7 @@ class BusyTimer:
             s = seconds(start, end)
             total += s
             kinds.setdefault(action.kind, []).append(s)
+            kinds.setdefault((action.kind, action.stage), []).append(s)
         span = sum(seconds(a, b) for a, b in self.spans)
         if self.spans:  # the last step's computations, in ms from its start: where the idle time falls
             last, (begin, _) = len(self.spans) - 1, self.spans[-1]
@@ -217,7 +219,8 @@ def torch_step(args, kind: str):
 
 
 def bubble_figures(cfg, kinds: dict) -> dict:
-    """The schedule's formula and the simulator's bubble with the measured per-action times."""
+    """The schedule's formula and the simulator's bubble with the measured mean time of each action kind
+    (the formula's equal stages), and with each stage's own (`bubble_simulated_stages`)."""
     from shardlm.schedules import schedule, simulate
     p, v = cfg.parallel.pp, cfg.parallel.virtual_stages
     m = cfg.grad_accum_steps
@@ -227,8 +230,11 @@ def bubble_figures(cfg, kinds: dict) -> dict:
     if name == "zb-h1" and {"F", "I", "W"} <= kinds.keys():  # Qi et al. 2024: (p-1)(F+I-W) idle per rank
         f, i, w = kinds["F"], kinds["I"], kinds["W"]
         formula = (p - 1) * (f + i - w) / (m * (f + i + w) + (p - 1) * (f + i - w))
-    sim = simulate(schedule(name, p, v, m), p, {k: kinds[k] for k in kinds}) if kinds else None
-    return {"bubble_formula": formula, "bubble_simulated": sim.bubble if sim else None}
+    table = schedule(name, p, v, m)
+    uniform = simulate(table, p, {k: c for k, c in kinds.items() if isinstance(k, str)}) if kinds else None
+    staged = simulate(table, p, kinds) if kinds else None  # each stage's own times: its imbalance counted
+    return {"bubble_formula": formula, "bubble_simulated": uniform.bubble if uniform else None,
+            "bubble_simulated_stages": staged.bubble if staged else None}
 
 
 def worker(args, extra):
@@ -259,7 +265,11 @@ def worker(args, extra):
     if timer is not None:
         busy, span, kinds = timer.busy()
         per_rank[1] = 1 - busy / span
-        row.update(bubble_figures(trainer.cfg, kinds))
+        everyone = [None] * world  # each rank times its own stages: the simulator wants them all
+        dist.all_gather_object(everyone, kinds)
+        merged = {k: sum(d[k] for d in everyone if k in d) / sum(k in d for d in everyone)
+                  for k in {k for d in everyone for k in d}}
+        row.update(bubble_figures(trainer.cfg, merged))
     gathered = [torch.zeros_like(per_rank) for _ in range(world)]
     dist.all_gather(gathered, per_rank)
     row["peak_mem_gib"] = max(float(g[0]) for g in gathered)
@@ -311,13 +321,13 @@ def main():
     print(f"\n{card} x{args.gpus}, {args.preset}{f' (synthetic: {model_config(args).model.num_layers} layers, vocab 512)' if args.synthetic else ''}, seq {args.seq}, "
           f"{args.microbatches} micro-batches of {args.micro_batch}")
     print(f"{'system':<24}{'tok/s/GPU':>10}{'MFU':>8}{'peak GiB':>10}{'bubble':>8}{'formula':>9}{'sim':>7}"
-          f"{'vs torch-1f1b':>15}")
+          f"{'sim/stage':>10}{'vs torch-1f1b':>15}")
     pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"  # noqa: E731
     for r in rows:
         rel = f"{r['tok_s_gpu'] / by['torch-1f1b']['tok_s_gpu']:.2f}" if "torch-1f1b" in by else "-"
         print(f"{r['system']:<24}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>7.1f}%{r['peak_mem_gib']:>10.1f}"
               f"{pct(r.get('bubble_measured')):>8}{pct(r.get('bubble_formula')):>9}{pct(r.get('bubble_simulated')):>7}"
-              f"{rel:>15}")
+              f"{pct(r.get('bubble_simulated_stages')):>10}{rel:>15}")
     if args.record and args.device == "cuda":
         with open(args.record, "a") as f:
             for r in rows:
@@ -327,7 +337,8 @@ def main():
                                     "micro_batch": args.micro_batch, "microbatches": args.microbatches,
                                     "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
                                     "peak_mem_gib": round(r["peak_mem_gib"], 2), "stages": r["stages"],
-                                    **{k: r[k] for k in ("bubble_measured", "bubble_formula", "bubble_simulated") if k in r},
+                                    **{k: r[k] for k in ("bubble_measured", "bubble_formula", "bubble_simulated",
+                                                          "bubble_simulated_stages") if k in r},
                                     "command": f"python bench/pipeline_parallel.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
                                                f"--synthetic {args.synthetic} --systems {r['system']}"}) + "\n")

@@ -115,3 +115,15 @@ def test_a_missing_receive_is_rejected():
     tables[1].remove(Action("RECV_F", 1, 1))
     with pytest.raises(ScheduleError, match=r"rank 1: F1\.1 comes before RECV_F1\.1"):
         validate(tables, 2, 1, 2)
+
+
+def test_per_stage_costs_count_an_unequal_stage():
+    """Costs per (kind, stage) override the kind's: the same costs for every stage give the uniform bubble,
+    and a slower last stage (a head and loss on it) lengthens everyone's wait for it."""
+    pp, m = 4, 8
+    t = schedule("1f1b", pp, 1, m)
+    uniform = simulate(t, pp, {"F": 1, "B": 2})
+    same = simulate(t, pp, {"F": 1, "B": 2, **{(k, s): c for s in range(pp) for k, c in (("F", 1), ("B", 2))}})
+    assert same.bubble == pytest.approx(uniform.bubble) == pytest.approx((pp - 1) / (m + pp - 1))
+    heavy = simulate(t, pp, {"F": 1, "B": 2, ("F", pp - 1): 1.2, ("B", pp - 1): 2.4})
+    assert heavy.bubble > uniform.bubble + 0.02

@@ -366,10 +366,10 @@ class Simulation:
 
 
 def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm: float = 0.0) -> Simulation:
-    """Run a table with per-action costs (F, B, I, W; a send and its receive take `comm` once both are
-    launched): each rank computes in its list's order, posts its batches as it reaches them (posting does
-    not block), and waits before a compute only for the receive it needs. ScheduleError names the ranks
-    stuck in a deadlock."""
+    """Run a table with per-action costs (F, B, I, W, or (kind, stage) where stages differ; a send and its
+    receive take `comm` once both are launched): each rank computes in its list's order, posts its batches
+    as it reaches them (posting does not block), and waits before a compute only for the receive it needs.
+    ScheduleError names the ranks stuck in a deadlock."""
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(cost or {})}
     S = max(a.stage for t in tables for a in t) + 1
     lists = [batches(t) for t in tables]
@@ -389,8 +389,9 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
                     times = [streams.matched.get(a) for a in need]
                     if any(t is None for t in times):
                         break
-                    clock[r] = max([clock[r], *times]) + cost[item.kind]
-                    busy[r] += cost[item.kind]
+                    c = cost.get((item.kind, item.stage), cost[item.kind])
+                    clock[r] = max([clock[r], *times]) + c
+                    busy[r] += c
                     if item.kind == "F":
                         held[r] += 1
                         peak[r] = max(peak[r], held[r])
