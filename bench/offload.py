@@ -93,17 +93,20 @@ def worker(args, extra):
         torch.cuda.synchronize()
 
 
-def peer(args, system: str) -> dict | None:
+def peer(args, system: str, timeout: float) -> dict | None:
     """DeepSpeed's run of --peer-script, its JSON line, for the llama2-7b shape it builds."""
     if args.preset != "llama2-7b":
         print(f"{system}: skipped (--peer-script builds the llama2-7b shape only)", file=sys.stderr)
         return None
+    if timeout < 60:
+        print(f"{system}: skipped ({timeout:.0f} s of --budget left)", file=sys.stderr)
+        return None
     cmd = [sys.executable, args.peer_script, "--stage", str(PEERS[system]), "--micro", str(args.micro_batch),
            "--accum", str(args.microbatches), "--seq", str(args.seq), "--steps", str(args.steps)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(ROOT))
     except subprocess.TimeoutExpired:
-        print(f"{system}: timed out after {args.timeout} s", file=sys.stderr)
+        print(f"{system}: timed out after {timeout:.0f} s", file=sys.stderr)
         return None
     lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
     if out.returncode or not lines:
@@ -130,10 +133,11 @@ def main():
         return worker(args, extra)
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device",
                           "profile"))
-    ours = [s for s in args.systems if s in SHARDLM]
+    ours, start = [s for s in args.systems if s in SHARDLM], time.monotonic()
     rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     for system in (s for s in args.systems if s in PEERS):
-        row = peer(args, system)
+        left = float("inf") if args.budget is None else args.budget - (time.monotonic() - start)
+        row = peer(args, system, min(args.timeout, left))
         if row is not None:
             rows.append(row)
             print(json.dumps(row), flush=True)
