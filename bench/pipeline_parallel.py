@@ -316,7 +316,9 @@ def main():
         return worker(args, extra)
     own = forwarded(args, ("gpus", "preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
                            "device", "timeline"))
-    rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *extra], job_env(ROOT),
+    ranks = lambda s: int(SHARDLM[s]["parallel.pp"]) * int(SHARDLM[s].get("parallel.tp", 1)) if s in SHARDLM \
+        else args.gpus  # noqa: E731
+    rows = run_systems(__file__, args.systems, ranks, lambda s: [*own, *extra], job_env(ROOT),
                        args.timeout, args.budget)
     import torch
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

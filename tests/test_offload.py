@@ -37,8 +37,8 @@ def test_the_delayed_update_is_its_definition(device):
     """SGD without momentum or decay at a constant lr, no clipping: update k applies, on top of update k - 1,
     batch k's gradient taken at the weights of update k - 2 (the start's for k = 1 and 2), so
     w_k = w_(k-1) - lr g_k(w_(k-2)); each step's loss is batch k's at w_(k-2). On a GPU the host thread,
-    the double-buffered gradients and the staged weights run beside the device's streams; its kernels add
-    some gradients with atomics, in no fixed order, hence a looser tolerance there."""
+    the double-buffered gradients and the staged weights run beside the device's streams; the update runs
+    on the host there and the oracle's on the device, hence a looser tolerance."""
     sgd = {**SGD, "train.device": device}
     tol = 1e-6 if device == "cpu" else 1e-4
     delayed = dist_fns.tiny_trainer(1, {**sgd, **DELAYED})

@@ -208,7 +208,9 @@ def test_bad_layouts_name_the_value():
     for layout, msg in [(Layout(tp=3), "--tp 3 does not divide the 32 attention heads"),
                         (Layout(pp=23), "--pp 23 exceeds the model's 22 layers"),
                         (Layout(zero_stage=3, pp=2), "--zero 3 with --pp 2 is not supported"),
-                        (Layout(offload="params", zero_stage=2), "--offload params needs --zero 3")]:
+                        (Layout(offload="params", zero_stage=2), "--offload params needs --zero 3"),
+                        (Layout(zero_stage=2, offload="optimizer", delayed_update=True, precision="fp16"),
+                         "--delayed-update with --precision fp16")]:
         with pytest.raises(PlanError, match=msg):
             estimate(m, w, layout, g)
     estimate(m, w, Layout(tp=8), g)  # 4 KV heads at tp 8: each rank keeps them whole (tensor.py)
@@ -216,6 +218,11 @@ def test_bad_layouts_name_the_value():
         estimate(m, w, Layout(dp=2), g, gpus=4)
     with pytest.raises(ValueError, match="unknown --gpu 'tpu'"):
         gpu("tpu")
+    for flags, msg in ((["--gpus-per-node", 0], "--gpus-per-node 0 must be at least 1"),
+                       (["--pcie-bw", "50GB/s"], "--pcie-bw times offload's traffic"),
+                       (["--zero", 2, "--offload", "optimizer", "--disk-bw", "6GB/s"], "--disk-bw times offload's")):
+        bad = run_cli("plan", "--model", "tiny", *flags, check=False)
+        assert bad.returncode != 0 and msg in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_scores_ten_thousand_layouts_quickly():

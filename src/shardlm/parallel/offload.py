@@ -12,8 +12,9 @@ Parameter offload (ZeRO-3's 16-bit shards on the CPU too) is a placement choice 
 With stages 2 and 3 the gradients leave the GPU as they are reduced (the paper's section 4.1): `HostGradients`
 copies each bucket's reduced shard into pinned staging memory on a stream of its own and a host thread adds
 it into the fp32 host buffer, accumulating across micro-batches there, so no gradient shard stays on the
-GPU; the step then reads that buffer where it lies. Profiler ranges named shardlm.offload.* mark the host's
-phases (the adds, the waits for them, the update), which bench/offload.py --profile reports.
+GPU; the step then reads that buffer where it lies. Profiler ranges named shardlm.offload.* mark the main
+thread's host phases (waits for staging slots and for the adds, the update) and `HostGradients.seconds`
+sums the host thread's (waits for copies, adds): bench/offload.py --profile reports both.
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ class HostGradients:
         self.made = 0
         self.pending: deque = deque()
         self.converted: torch.Tensor | None = None  # _add_converted's fp32 chunk (one host thread uses it)
+        # The host thread's time in each phase, summed (a profiler records its starting thread's ranges only).
+        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0}
         # The host thread waits on this device's events (a thread starts on device 0, whose context it
         # would otherwise create on every rank).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads", initializer=torch.cuda.set_device,
@@ -144,6 +147,7 @@ class HostGradients:
         """dst += a 16-bit src, converted to fp32 a chunk at a time (each thread's part of a chunk stays in its
         cache between the two passes): torch's mixed-dtype add casts element by element, about five times
         slower, and at 7B parameters this add runs once per micro-batch."""
+        assert dst.numel() == src.numel(), (dst.shape, src.shape)
         chunk = min(dst.numel(), (1 << 19) * torch.get_num_threads())
         if self.converted is None or self.converted.numel() < chunk:
             self.converted = torch.empty(chunk, dtype=dst.dtype)
@@ -164,10 +168,12 @@ class HostGradients:
 
     def _fold_after(self, b: int, staging: torch.Tensor, done, buf: torch.Tensor, squares: list | None) -> None:
         try:
-            with record_function("shardlm.offload.wait_for_copy"):
-                done.synchronize()
-            with record_function("shardlm.offload.host_add"):
-                self._fold(b, staging, squares)
+            start = time.perf_counter()
+            done.synchronize()
+            copied = time.perf_counter()
+            self._fold(b, staging, squares)
+            self.seconds["wait_for_copy"] += copied - start
+            self.seconds["host_add"] += time.perf_counter() - copied
         finally:
             self.staging.put(buf)
 
@@ -230,7 +236,10 @@ class DelayedUpdate:
     def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> None:
         if copied is not None:
             copied.synchronize()  # the last landing's copies have read the staged shards
+        start = time.perf_counter()
         self.opt._update_on_host(lr, grads, self.staged, scale, skip)
+        self.host_grads.seconds["delayed_update"] = self.host_grads.seconds.get("delayed_update", 0.0) + \
+            time.perf_counter() - start
 
     def finish(self) -> None:
         """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""

@@ -121,6 +121,14 @@ def check_flags(a) -> None:
         raise PlanError(f"--params {a.params:g} must be positive")
     if a.gpus is not None and a.gpus < 1:
         raise PlanError(f"--gpus {a.gpus} must be at least 1")
+    if a.gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node {a.gpus_per_node} must be at least 1")
+    for flag, value, needs in (("--pcie-bw", a.pcie_bw, a.offload != "none"), ("--host-bw", a.host_bw, a.offload != "none"),
+                               ("--disk-bw", a.disk_bw, bool(a.offload_dir))):
+        if value and (not needs or a.params):
+            also = " and --offload-dir" if flag == "--disk-bw" else ""
+            raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
+                            "(--model or --arch)")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:

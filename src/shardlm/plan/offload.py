@@ -6,11 +6,12 @@ fp32 after an fp32 reduction) and a host thread adds it into the fp32 buffer (th
 converts: 2 + 4 bytes an element; the others add: 2 + 8), on the last micro-batch also squaring it for the
 norm; with parameter offload every pass (forward, backward, and recomputation's forward) uploads each
 unit's 16-bit shard. These run beside the GPU's work, so a micro-batch takes the longest of the three.
-ZeRO-1 copies its fp32 shard down once, at the step. The update is torch's fused CPU AdamW, memory-bound:
+ZeRO-1 copies its reduced shard down once, at the step. The update is torch's fused CPU AdamW, memory-bound:
 ADAM_HOST_BYTES an element through host memory (with `parallel.offload_dir` the masters and moments
 stream to and from disk beside it, double-buffered: the slower of the two), then the 16-bit weights go
-back up. With the delayed update (`parallel.delayed_update`) step N's update runs beside step N + 1's
-GPU work: the step takes the longer of the two. Host memory and disk bandwidth are the node's, shared by
+back up (parameter offload's stay in host memory). With the delayed update (`parallel.delayed_update`)
+step N's update runs beside step N + 1's GPU work: the step takes the longer of the two, and no less than
+the host's adds and update one after the other (they share its memory bandwidth). Host memory and disk bandwidth are the node's, shared by
 its ranks; PCIe is each GPU's own (hardware.py's figures, all overridable).
 """
 from __future__ import annotations
@@ -46,11 +47,15 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
         gpu = (max(per_micro, down, up, first + (last if micro == 1 else 0))
                + max(micro - 2, 0) * max(per_micro, down, up, later)
                + (max(per_micro, down, up, later + last) if micro > 1 else 0))
+        adds = first + max(micro - 1, 0) * later + last
     else:
-        gpu = compute + shard * 4 / g.pcie_bw  # the fp32 shards copied down at the step
+        gpu = compute + shard * reduced / g.pcie_bw  # the shards copied down at the step
+        adds = 0.0
     update = shard * ADAM_HOST_BYTES / host_bw
     if L.offload_dir:
         update = max(update, shard * 2 * 12 / disk_bw)  # masters and moments read and written back
-    host = update + shard * 2 / g.pcie_bw  # then the 16-bit weights go back up
-    step = max(gpu, host) if L.delayed_update else gpu + host
+    # The 16-bit weights go back up, unless they live in host memory (parameter offload).
+    host = update + (0.0 if L.offload == "params" else shard * 2 / g.pcie_bw)
+    # Overlapped, the update and the next step's adds still share the host's memory bandwidth.
+    step = max(gpu, host, adds + update) if L.delayed_update else gpu + host
     return step - compute
