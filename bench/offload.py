@@ -16,7 +16,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
 - shardlm-zero2-offload-nvme: the same with the fp32 masters and moments in files under $TMPDIR/shardlm-nvme
   (`parallel.offload_dir`: ZeRO-Infinity's NVMe tier; the disk bandwidth is logged).
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
-  host memory too, each unit gathered to the GPU around its use.
+  host memory too, each unit gathered to the GPU around its use; -nvme: the masters, moments and 16-bit
+  shards in files under $TMPDIR/shardlm-nvme (ZeRO-Infinity's NVMe tier).
 - ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload on Hugging Face's LlamaForCausalLM with
   DeepSpeedCPUAdam and gradient checkpointing, run by --peer-script (../shared/bench/peer_offload.py; it
   needs deepspeed importable; its cpu_adam op builds at first use).
@@ -44,7 +45,10 @@ SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offlo
                                              "parallel.delayed_update": "true"},
            "shardlm-zero2-offload-nvme": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                           "parallel.offload_dir": os.path.join(tempfile.gettempdir(), "shardlm-nvme")},
-           "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"}}
+           "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"},
+           "shardlm-zero3-offload-params-nvme": {"parallel.zero_stage": "3", "parallel.offload": "params",
+                                                 "parallel.offload_dir": os.path.join(tempfile.gettempdir(),
+                                                                                      "shardlm-nvme")}}
 PEERS = {"ds-zero2-offload": 2, "ds-zero3-offload": 3}
 BASELINE = "ds-zero2-offload"
 

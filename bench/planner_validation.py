@@ -58,6 +58,8 @@ LAYOUTS = {
     ("offload", 1, "shardlm-zero2-offload-nvme"): Layout(zero_stage=2, offload="optimizer", recompute="full",
                                                          offload_dir="nvme"),
     ("offload", 1, "shardlm-zero3-offload-params"): Layout(zero_stage=3, offload="params", recompute="full"),
+    ("offload", 1, "shardlm-zero3-offload-params-nvme"): Layout(zero_stage=3, offload="params", recompute="full",
+                                                                offload_dir="nvme"),
     # shardlm-tp2-dp2's only row leaves out its symmetric memory; planner_pick's dp2-tp2-sp-z1 row is that layout.
 }
 

@@ -113,11 +113,15 @@ def test_zero2_offload_equals_zero2(world, precision):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_optimizer_state_on_disk_equals_it_in_host_memory(tmp_path, world, optimizer):
-    """parallel.offload_dir: masters and moments streamed through files, segment by segment, double buffered:
-    the same run, rank by rank and bit for bit, as with them in host memory."""
-    common = {**equality_case(optimizer, max(world, 2)), "parallel.dp": str(world), "parallel.zero_stage": "2",
-              "parallel.offload": "optimizer", "parallel.bucket_mb": "0.05"}
+@pytest.mark.parametrize("mode", ["optimizer", "params"])
+def test_offload_state_on_disk_equals_it_in_host_memory(tmp_path, world, optimizer, mode):
+    """parallel.offload_dir: masters and moments streamed through files, segment by segment, double buffered
+    (and with parameter offload the 16-bit shards read from a file too): the same run, rank by rank and bit
+    for bit, as with them in host memory."""
+    stage = {"optimizer": {"parallel.zero_stage": "2"},
+             "params": {"parallel.zero_stage": "3", "parallel.persist_threshold": "100"}}[mode]
+    common = {**equality_case(optimizer, max(world, 2)), "parallel.dp": str(world), **stage,
+              "parallel.offload": mode, "parallel.bucket_mb": "0.05"}
 
     def run(over):
         if world == 1:
@@ -129,6 +133,10 @@ def test_optimizer_state_on_disk_equals_it_in_host_memory(tmp_path, world, optim
             for name, want in ref[key].items():
                 assert torch.equal(torch.as_tensor(got[key][name][-1] if key == "state" else got[key][name]),
                                    torch.as_tensor(want[-1] if key == "state" else want)), (key, name)
+    if mode == "params" and world == 1:  # and the shards were in the file, not in memory
+        trainer = dist_fns.tiny_trainer(1, {**common, "train.device": "cpu", "parallel.offload_dir": str(tmp_path / "p")})
+        shards = [t for name, t in trainer.engine.held_tensors() if name == "param_shards"]
+        assert shards and all(str(tmp_path / "p") in (t.untyped_storage().filename or "") for t in shards)
 
 
 @pytest.mark.parametrize("target", [

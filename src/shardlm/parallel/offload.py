@@ -269,24 +269,54 @@ class DelayedUpdate:
         return True
 
 
-class DiskOffloadedOptimizer(OffloadedOptimizer):
-    """ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021): this rank's fp32 masters and optimizer moments live
-    in files under `parallel.offload_dir`, not in host memory. A step streams them through two sets of
-    segment-sized host buffers: while one segment is updated, a pool of `IO_THREADS` threads reads the next
-    one and writes the previous one back (double buffering). The files are also mapped as tensors
-    (torch.from_file), which checkpointing and loading read and write like any other; they are unlinked at
-    once, so nothing is left behind when the process ends. `disk_bytes_per_s`: the last step's I/O rate."""
+class MappedFiles:
+    """Tensors kept in files under `parallel.offload_dir` (ZeRO-Infinity's NVMe tier): each file's blocks are
+    reserved up front (a full disk is a ConfigError naming the directory, not a SIGBUS when a page is first
+    written), mapped as a tensor (torch.from_file, shared), and unlinked at once, so nothing is left behind
+    when the process ends; the descriptors close, and the space is freed, when this object goes."""
 
-    IO_THREADS = 4
-
-    def __init__(self, *args, directory: str, **kwargs):
+    def __init__(self, directory: str):
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds)  # the files' space is freed with the optimizer
+        weakref.finalize(self, _close_all, self.fds)
+
+    def tensor(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        path = self.directory / f"shardlm-{os.getpid()}-{name}.bin"
+        size = n * torch.empty((), dtype=dtype).element_size()
+        fd = None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            if size:
+                os.posix_fallocate(fd, 0, size)
+            mapped = torch.from_file(str(path), shared=True, size=n, dtype=dtype)
+        except (OSError, RuntimeError) as e:
+            if fd is not None:
+                os.close(fd)
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {why} ({size / 2**30:.2f} GiB "
+                              f"for {name})") from None
+        finally:
+            path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
+        self.fds[name] = fd
+        return mapped
+
+
+class DiskOffloadedOptimizer(OffloadedOptimizer):
+    """ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021): this rank's fp32 masters and optimizer moments live
+    in files under `parallel.offload_dir` (MappedFiles), not in host memory. A step streams them through two
+    sets of segment-sized host buffers: while one segment is updated, a pool of `IO_THREADS` threads reads the
+    next one and writes the previous one back (double buffering). Checkpointing and loading read and write
+    the files' mappings like any other tensor. `disk_bytes_per_s`: the last step's I/O rate."""
+
+    IO_THREADS = 4
+
+    def __init__(self, *args, directory: str, **kwargs):
+        self.files = MappedFiles(directory)  # the files' space is freed with the optimizer
+        self.fds = self.files.fds
         self.io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="shardlm-offload-io")
         self.disk_bytes_per_s = 0.0
         super().__init__(*args, **kwargs)
@@ -294,23 +324,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         self.work = [{k: torch.empty(big, dtype=torch.float32) for k in self.fds} for _ in range(2)]
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
-        path = self.directory / f"shardlm-{os.getpid()}-{name}.bin"
-        fd = None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            # Blocks reserved now: a full disk is this error, not a SIGBUS when the mapping is first written.
-            os.posix_fallocate(fd, 0, n * 4)
-            mapped = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
-        except (OSError, RuntimeError) as e:
-            if fd is not None:
-                os.close(fd)
-            why = e.strerror if isinstance(e, OSError) else str(e)
-            raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {why} ({n * 4 / 2**30:.2f} GiB "
-                              f"for {name})") from None
-        finally:
-            path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
-        self.fds[name] = fd
-        return mapped
+        return self.files.tensor(name, n, torch.float32)
 
     def _io(self, write: bool, slot: dict, seg) -> list:
         """Read (or write) one segment of every file into (from) `slot`'s buffers, a task per file."""

@@ -12,7 +12,8 @@ backward needs no weights), the head unit after backward.
 
 As in FSDP2, the 16-bit weights are not stored: each gather casts the rank's fp32 master slice, so
 parameters cost (2 + K) Phi / N per rank instead of (2 + 2 + K) Phi / N; with parameter offload the
-16-bit slice is kept in pinned CPU memory instead. Gradients are reduced as in stage 2 (zero.py), one
+16-bit slice is kept in pinned CPU memory instead, or with `parallel.offload_dir` in a file on a local disk
+(ZeRO-Infinity's NVMe tier for parameters, Rajbhandari et al. 2021), read through the page cache. Gradients are reduced as in stage 2 (zero.py), one
 unit in flight. By the copy engines, each gather puts the rank's cast slice into one of two small
 symmetric slots and pulls the peers' (comm/copy_engine.py), still with no 16-bit weights at rest.
 """
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatParams, alloc_storage, free_storage
+from .offload import MappedFiles
 from .zero import ZeroEngine, eager
 from .zero3_frozen import FrozenShards
 
@@ -81,6 +83,13 @@ class Zero3Engine(ZeroEngine):
         flat = self.flat
         self.offload_params = self.cfg.parallel.offload == "params"
         pin = self.offload_params and torch.cuda.is_available()
+        # With parallel.offload_dir the 16-bit shards live in a file (ZeRO-Infinity's NVMe tier for parameters),
+        # read through the page cache: host memory holds what the kernel keeps of them, not all of them.
+        on_disk = self.offload_params and bool(self.cfg.parallel.offload_dir)
+        if on_disk:
+            total = sum(b.numel // self.world for b in flat.buckets)
+            self.param_file = MappedFiles(self.cfg.parallel.offload_dir)
+            disk, at = self.param_file.tensor("params", total, flat.dtype), 0
         # param_shards[b]: this rank's 16-bit slice of unit b where one is kept (None: gathers cast the master)
         self.param_shards: list[torch.Tensor | None] = []
         self.gathered: list[bool] = []
@@ -94,7 +103,12 @@ class Zero3Engine(ZeroEngine):
                     flat.params[i].data = flat.view(full, i)
             b.data = full
             shard = self._own(full).clone()
-            self.param_shards.append(shard.to("cpu").pin_memory() if pin else (shard.cpu() if self.offload_params else shard))
+            if on_disk:
+                self.param_shards.append(disk[at:at + shard.numel()].copy_(shard))
+                at += shard.numel()
+            else:
+                self.param_shards.append(shard.to("cpu").pin_memory() if pin else
+                                         (shard.cpu() if self.offload_params else shard))
             self.gathered.append(True)
         self._register_hooks(model)
         for b in flat.buckets:  # at rest, only the small parameters are whole
@@ -251,7 +265,7 @@ class Zero3Engine(ZeroEngine):
                 work.wait()
         self.gathers.clear()
         if self.offload_params and self.flat.device.type == "cuda":
-            # Every upload has been waited for by the compute stream; the CPU is about to write the pinned
+            # Every upload has been waited for by the compute stream; the CPU is about to write the host
             # shards they read from, so it waits for that stream first.
             torch.cuda.current_stream(self.flat.device).synchronize()
 

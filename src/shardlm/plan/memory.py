@@ -235,12 +235,14 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
 def host_bytes(m: ModelConfig, L: Layout) -> float:
     """Host memory one rank's offload needs (parallel/offload.py, pinned where there is a GPU): its shard's
     fp32 masters and optimizer moments (unless they are on disk), its gradient buffer, the 16-bit staging of
-    the updated weights, and with parameter offload the 16-bit shards themselves. 0 without offload."""
+    the updated weights, and with parameter offload the 16-bit shards themselves (unless they are on disk:
+    read through the page cache, which the kernel may evict). 0 without offload."""
     if L.offload == "none":
         return 0.0
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
-    # fp32 masters and AdamW's two moments (on disk with parallel.offload_dir), gradients, staged weights
-    per_param = (0 if L.offload_dir else 4 + 8) + 4 + 2 + (2 if L.offload == "params" else 0)
+    # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
+    # parallel.offload_dir), gradients, staged weights
+    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4 + 2
     per_param += 4 if L.delayed_update else 0  # the gradients of the step being updated, beside the next's
     # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
     # shard; a ZeRO-3 bucket is a whole block).

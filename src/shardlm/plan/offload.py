@@ -5,7 +5,7 @@ Per rank and micro-batch, ZeRO-2/3 copy each reduced gradient shard to pinned me
 fp32 after an fp32 reduction) and a host thread adds it into the fp32 buffer (the first micro-batch
 converts: 2 + 4 bytes an element; the others add: 2 + 8), on the last micro-batch also squaring it for the
 norm; with parameter offload every pass (forward, backward, and recomputation's forward) uploads each
-unit's 16-bit shard. These run beside the GPU's work, so a micro-batch takes the longest of the three.
+unit's 16-bit shard (read from disk with `parallel.offload_dir`, at worst). These run beside the GPU's work, so a micro-batch takes the longest of the three.
 ZeRO-1 copies its reduced shard down once, at the step. The update is torch's fused CPU AdamW, memory-bound:
 ADAM_HOST_BYTES an element through host memory (with `parallel.offload_dir` the masters and moments
 stream to and from disk beside it, double-buffered: the slower of the two), then the 16-bit weights go
@@ -40,7 +40,9 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     if L.zero_stage >= 2:
         down = shard * reduced / g.pcie_bw
         passes = 3 if L.recompute == "full" else 2
-        up = passes * shard * 2 / g.pcie_bw if L.offload == "params" else 0.0
+        # With offload_dir the shards are read from the disk (at worst: the page cache may hold them).
+        read_bw = min(g.pcie_bw, disk_bw) if L.offload_dir else g.pcie_bw
+        up = passes * shard * 2 / read_bw if L.offload == "params" else 0.0
         first = shard * (reduced + 4) / host_bw
         later = shard * (reduced + 8) / host_bw
         last = SQUARES_BYTES * shard / host_bw  # the norm's squares, as the last micro-batch's buckets arrive
