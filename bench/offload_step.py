@@ -6,6 +6,8 @@ that ZeRO-Offload's step time rests on (issue: at least as fast per parameter as
 - shardlm: parallel/offload.py's OffloadedOptimizer over N bf16 parameters, its fp32 gradient shards already
   in host memory (where HostGradients leaves them): scale, global norm, torch's fused CPU AdamW on the fp32
   masters and moments, the updated bf16 weights written to pinned memory and copied to --device.
+- shardlm-kernel: the AdamW kernel alone (kernels.adamw_master_step: torch's fused CPU AdamW) over N fp32
+  masters, moments and gradients: the same work as DeepSpeed's call below, which the issue's floor compares.
 - deepspeed: DeepSpeedCPUAdam.step over the same N fp32 parameters with fp32 gradients (its AVX kernel; the
   bf16 copy-back is not in this call), where deepspeed imports (its cpu_adam op builds at first use).
 Both run on --threads threads (torch.set_num_threads; OMP_NUM_THREADS for DeepSpeed's OpenMP loop). Prints
@@ -59,6 +61,24 @@ def shardlm_step(n: int, device: str, threads: int):
     return lambda: opt.step(1e-4, next(steps), lambda b: grads[b], lambda b: flat.buckets[b].data)
 
 
+def kernel_step(n: int):
+    import torch
+
+    from shardlm.kernels import adamw_master_step
+    chunk = 16 * 2**20
+    parts = [[torch.randn(min(chunk, n - i)) for _ in range(2)] + [torch.zeros(min(chunk, n - i)) for _ in range(2)]
+             for i in range(0, n, chunk)]
+    one, no = torch.ones(()), torch.zeros((), dtype=torch.bool)
+    steps = iter(range(1, 10**9))
+
+    def step():
+        k = next(steps)
+        for master, grad, m, v in parts:
+            adamw_master_step(master, None, grad, m, v, one, no, step=k, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                              weight_decay=0.1)
+    return step
+
+
 def deepspeed_step(n: int):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -76,7 +96,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: this process's cores")
     p.add_argument("--device", default="cpu", help="where the 16-bit weights live (cuda: the copy back is timed)")
-    p.add_argument("--systems", nargs="+", default=["shardlm", "deepspeed"])
+    p.add_argument("--systems", nargs="+", default=["shardlm", "shardlm-kernel", "deepspeed"])
     p.add_argument("--record", default="")
     a = p.parse_args()
     import torch
@@ -87,16 +107,21 @@ def main():
     rows = []
     for system in a.systems:
         try:
-            step = shardlm_step(n, a.device, threads) if system == "shardlm" else deepspeed_step(n)
+            step = {"shardlm": lambda: shardlm_step(n, a.device, threads), "shardlm-kernel": lambda: kernel_step(n),
+                    "deepspeed": lambda: deepspeed_step(n)}[system]()
         except ImportError as e:
             print(f"{system}: skipped ({e})")
             continue
         dt = best_of(step, a.steps, cuda)
         rows.append({"system": system, "s": dt, "ns_per_param": dt / n * 1e9})
-        print(f"{system:<10} {n / 1e6:,.0f}M parameters, {threads} threads: {dt:.3f} s per step, "
+        print(f"{system:<15} {n / 1e6:,.0f}M parameters, {threads} threads: {dt:.3f} s per step, "
               f"{dt / n * 1e9:.2f} ns per parameter", flush=True)
-    if len(rows) == 2:
-        print(f"shardlm / deepspeed time per parameter: {rows[0]['s'] / rows[1]['s']:.2f} (floor <= 1.0)")
+    by = {r["system"]: r["s"] for r in rows}
+    if "deepspeed" in by:
+        for ours in ("shardlm-kernel", "shardlm"):
+            if ours in by:
+                print(f"{ours} / deepspeed time per parameter: {by[ours] / by['deepspeed']:.2f}"
+                      + (" (floor <= 1.0)" if ours == "shardlm-kernel" else " (with the norm and the bf16 weights)"))
     if a.record:
         card = torch.cuda.get_device_name() if cuda else "cpu"
         with open(a.record, "a") as f:
