@@ -94,7 +94,7 @@ class HostGradients:
         self.pending: deque = deque()
         self.converted: torch.Tensor | None = None  # _add_converted's fp32 chunk (one host thread uses it)
         # The host thread's time in each phase, summed (a profiler records its starting thread's ranges only).
-        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0}
+        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0, "delayed_update": 0.0}
         # The host thread waits on this device's events (a thread starts on device 0, whose context it
         # would otherwise create on every rank).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads", initializer=torch.cuda.set_device,
@@ -238,8 +238,7 @@ class DelayedUpdate:
             copied.synchronize()  # the last landing's copies have read the staged shards
         start = time.perf_counter()
         self.opt._update_on_host(lr, grads, self.staged, scale, skip)
-        self.host_grads.seconds["delayed_update"] = self.host_grads.seconds.get("delayed_update", 0.0) + \
-            time.perf_counter() - start
+        self.host_grads.seconds["delayed_update"] += time.perf_counter() - start
 
     def finish(self) -> None:
         """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""
