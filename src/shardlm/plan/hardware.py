@@ -22,10 +22,11 @@ class GPU:
     nvlink_bw: float       # bytes/s per GPU, one direction, inside a node
     network_bw: float      # bytes/s per GPU across nodes
     # Offload's figures (plan/offload.py): PCIe per GPU and direction, pinned copies; the node's host memory
-    # streaming rate and its local NVMe's, shared by the node's ranks. Typical of a dual-socket DDR5 server
-    # with Gen4 NVMe; the planner's offload rows in bench/planner_validation.py calibrate them.
-    pcie_bw: float = 50e9
-    host_bw: float = 100e9
+    # streaming rate and its local NVMe's, shared by the node's ranks. PCIe and host memory as measured on a
+    # 2x H200 host of 32 cores (bench/README.md: pinned copies 55 GB/s, the CPU AdamW's pass 117 GB/s); NVMe
+    # that of a Gen4 drive.
+    pcie_bw: float = 55e9
+    host_bw: float = 117e9
     disk_bw: float = 6e9
 
 

@@ -23,6 +23,10 @@ from .memory import trained_and_frozen
 
 ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
 SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
+# The gradient adds stream at this fraction of the update's rate: measured in a 7B run (bench/README.md),
+# 72 GB/s against the update's 117, with the copies from the GPU writing into the same memory meanwhile
+# and the 16-bit values converted on the way.
+FOLD_SHARE = 0.6
 
 
 def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int, compute: float) -> float:
@@ -43,9 +47,10 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
         # With offload_dir the shards are read from the disk (at worst: the page cache may hold them).
         read_bw = min(g.pcie_bw, disk_bw) if L.offload_dir else g.pcie_bw
         up = passes * shard * 2 / read_bw if L.offload == "params" else 0.0
-        first = shard * (reduced + 4) / host_bw
-        later = shard * (reduced + 8) / host_bw
-        last = SQUARES_BYTES * shard / host_bw  # the norm's squares, as the last micro-batch's buckets arrive
+        fold_bw = FOLD_SHARE * host_bw
+        first = shard * (reduced + 4) / fold_bw
+        later = shard * (reduced + 8) / fold_bw
+        last = SQUARES_BYTES * shard / fold_bw  # the norm's squares, as the last micro-batch's buckets arrive
         gpu = (max(per_micro, down, up, first + (last if micro == 1 else 0))
                + max(micro - 2, 0) * max(per_micro, down, up, later)
                + (max(per_micro, down, up, later + last) if micro > 1 else 0))
