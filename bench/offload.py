@@ -13,6 +13,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
   the step on the CPU (parallel/offload.py). Blocks compiled.
 - shardlm-zero2-offload-delayed: the same with the one-step delayed parameter update (`parallel.delayed_update`:
   changes the math, each gradient one update stale; the step's CPU update runs beside the next step).
+- shardlm-zero2-offload-acts: the same with each block's input (what full recomputation keeps) in pinned host
+  memory until its backward (`parallel.offload_activations`): larger micro-batches in the same GPU memory.
 - shardlm-zero2-offload-nvme: the same with the fp32 masters and moments in files under $TMPDIR/shardlm-nvme
   (`parallel.offload_dir`: ZeRO-Infinity's NVMe tier; the disk bandwidth is logged).
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
@@ -43,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
            "shardlm-zero2-offload-delayed": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                              "parallel.delayed_update": "true"},
+           "shardlm-zero2-offload-acts": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
+                                          "parallel.offload_activations": "true"},
            "shardlm-zero2-offload-nvme": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                           "parallel.offload_dir": os.path.join(tempfile.gettempdir(), "shardlm-nvme")},
            "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"},

@@ -55,6 +55,8 @@ LAYOUTS = {
     ("offload", 1, "shardlm-zero2-offload"): Layout(zero_stage=2, offload="optimizer", recompute="full"),
     ("offload", 1, "shardlm-zero2-offload-delayed"): Layout(zero_stage=2, offload="optimizer", recompute="full",
                                                             delayed_update=True),
+    ("offload", 1, "shardlm-zero2-offload-acts"): Layout(zero_stage=2, offload="optimizer", recompute="full",
+                                                         offload_activations=True),
     ("offload", 1, "shardlm-zero2-offload-nvme"): Layout(zero_stage=2, offload="optimizer", recompute="full",
                                                          offload_dir="nvme"),
     ("offload", 1, "shardlm-zero3-offload-params"): Layout(zero_stage=3, offload="params", recompute="full"),

@@ -118,3 +118,53 @@ def test_host_gradients_add_16_bit_shards_in_fp32():
     acc.wait()
     for b, p in enumerate(parts):
         assert torch.equal(p, sum(m[b].float() for m in shards))
+
+
+FULL = {"train.recompute": "full", "train.steps": "3", "train.global_batch_size": "4", "train.micro_batch_size": "2",
+        "train.device": "cpu"}
+
+
+@pytest.mark.parametrize("case", ["plain", "zero2-offload", "lora"])
+def test_offloaded_activations_equal_full_recomputation(case):
+    """`parallel.offload_activations`: each block's input kept in host memory until its backward (on the CPU
+    a copy, through the same checkpoint and hooks): the same losses, gradient norms and weights as full
+    recomputation keeping them, alone, beside optimizer offload, and under LoRA (whose frozen embedding's
+    output needs no gradient, which a reentrant checkpoint would otherwise leave the adapters without)."""
+    over = {**FULL, **{"zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
+                       "lora": {"lora.rank": "4", "lora.alpha": "8"}, "plain": {}}[case]}
+    want = dist_fns.train_and_capture(0, 1, over)
+    got = dist_fns.train_and_capture(0, 1, {**over, "parallel.offload_activations": "true"})
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+    for name, value in want["masters"].items():
+        torch.testing.assert_close(got["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert got["grad_norms"][0] > 0
+
+
+def test_offloaded_activations_need_full_recomputation():
+    from shardlm.config import ConfigError
+    with pytest.raises(ConfigError, match="train.recompute = 'full'"):
+        dist_fns.tiny_trainer(1, {**FULL, "train.recompute": "selective", "parallel.offload_activations": "true"})
+
+
+@ON_GPU
+def test_offloaded_activations_on_a_gpu_equal_keeping_them_and_take_less_memory():
+    """On a GPU the inputs go down on a stream of their own into pinned memory and come back when backward
+    reaches each block: the same bf16 run as keeping them, at a lower peak (a deep, narrow model whose
+    kept inputs are most of its activations)."""
+    import torch.cuda
+    shape = {"model.num_layers": "16", "train.seq_len": "256", "model.max_seq_len": "256", "train.device": "cuda",
+             "train.precision": "bf16", "train.micro_batch_size": "8", "train.global_batch_size": "16", **SGD_KEYS}
+    runs = {}
+    for offload in ("false", "true"):
+        torch.cuda.reset_peak_memory_stats()
+        runs[offload] = dist_fns.train_and_capture(0, 1, {**FULL, **shape, "parallel.offload_activations": offload})
+        runs[offload]["peak"] = torch.cuda.max_memory_allocated()
+    got, want = runs["true"], runs["false"]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-3, atol=1e-5)
+    assert got["peak"] < want["peak"], (got["peak"], want["peak"])
+
+
+SGD_KEYS = {k: v for k, v in SGD.items() if k not in ("train.device", "train.global_batch_size", "train.micro_batch_size",
+                                                      "train.steps")}

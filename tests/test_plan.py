@@ -343,3 +343,22 @@ def test_pipeline_bubble_and_activations_come_from_the_schedules_table(schedule,
     w, L = Workload(4096, 1, 8), Layout(pp=4, pp_schedule=schedule, virtual_stages=v)
     assert estimate(m, w, L, g).bubble == pytest.approx(bubble)
     assert in_flight(w, L) == pytest.approx(held)
+
+
+def test_offloaded_activations_leave_one_recomputed_layer_on_the_gpu():
+    """With --offload-activations the blocks' inputs that full recomputation keeps move to host memory: the
+    GPU's activations shrink to the recomputed layer's, the host holds the inputs, each step uploads them
+    once more, and without full recomputation the flag is refused."""
+    from shardlm.plan import PlanError
+    m, g, w = load_config("llama2-7b").model, gpu("h100"), Workload(2048, 8, 8)
+    kept = estimate(m, w, Layout(zero_stage=2, offload="optimizer", recompute="full"), g)
+    moved = estimate(m, w, Layout(zero_stage=2, offload="optimizer", recompute="full", offload_activations=True), g)
+    inputs = m.num_layers * 8 * 2048 * m.hidden_size * 2  # bf16 inputs of 32 blocks, 8 sequences
+    assert kept.memory.total - moved.memory.total == pytest.approx(inputs)
+    assert moved.host_memory - kept.host_memory == pytest.approx(inputs)
+    assert moved.step_time_s - kept.step_time_s == pytest.approx(inputs / g.pcie_bw)
+    with pytest.raises(PlanError, match="--recompute full"):
+        estimate(m, w, Layout(recompute="selective", offload_activations=True), g)
+    out = run_cli("plan", "--model", "llama2-7b", "--zero", 2, "--offload", "optimizer", "--recompute", "full",
+                  "--offload-activations", "--micro-batch", 8, "--global-batch", 8, "--seq", 2048).stdout
+    assert "host memory" in out

@@ -235,6 +235,7 @@ class ParallelConfig:
     offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
     offload_dir: str = ""          # with offload: keep the fp32 masters and moments in files here (NVMe), not in RAM
     delayed_update: bool = False   # ZeRO-Offload's delayed update: each gradient one update stale (changes the math)
+    offload_activations: bool = False  # with train.recompute full: each block's input kept in host memory
 
     @property
     def world(self) -> int:
@@ -460,6 +461,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    if p.offload_activations and t.recompute != "full":
+        raise ConfigError("parallel.offload_activations = True offloads what full recomputation keeps of a block (its "
+                          f"input): it needs train.recompute = 'full' (it is {t.recompute!r})")
     if p.delayed_update and t.precision == "fp16":
         raise ConfigError("parallel.delayed_update = True with train.precision = 'fp16': a step skipped for an "
                           "overflow is only known once the update that was to overlap has run; use bf16")

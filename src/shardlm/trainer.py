@@ -120,7 +120,8 @@ class Trainer:
         from .plan import Layout, Workload, estimate_memory, host_bytes
         t = self.cfg.train
         layout = Layout.from_config(self.cfg)
-        mem = estimate_memory(self.cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), layout)
+        work = Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
+        mem = estimate_memory(self.cfg.model, work, layout)
         need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
         free = _free_memory(self.device)
         short = free is not None and need > free
@@ -130,12 +131,14 @@ class Trainer:
                               f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
                               f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
         # Offload's host memory: every rank of this node takes its share of the same RAM.
-        host, local = host_bytes(self.cfg.model, layout), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        host, local = host_bytes(self.cfg.model, layout, work), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         avail = _free_memory(torch.device("cpu")) if host else None
         short = avail is not None and host * local > avail
         if self._any_rank(short):
             where = f"this host has {avail / 2**30:.1f} GiB available" if short else "another rank's host has less"
-            raise ConfigError(f"parallel.offload = {self.cfg.parallel.offload!r} keeps {host / 2**30:.1f} GiB per rank "
+            what = f"parallel.offload = {self.cfg.parallel.offload!r}" if self.cfg.parallel.offload != "none" \
+                else "parallel.offload_activations = True"
+            raise ConfigError(f"{what} keeps {host / 2**30:.1f} GiB per rank "
                               f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                               f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
                               f"(parallel.dp), or use a host with more memory")

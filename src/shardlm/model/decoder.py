@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import IGNORE, ModelConfig
+from .activation_offload import ActivationOffload
 from .loss import linear_cross_entropy, trained_count
 from .weight_grad import Linear
 
@@ -245,6 +246,7 @@ class Decoder(nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std) if last and not tied_head else None
         self.output = LMOutput() if last else None
         self.recompute = "none"
+        self.activation_offload: ActivationOffload | None = None
         self.loss_chunk = 2048  # tokens per chunk of the fused head + cross-entropy; 0 forms all logits
         self.doc_eos = None  # the end-of-text id of packed examples that must not attend to each other
         self.compile_loss = False
@@ -261,9 +263,11 @@ class Decoder(nn.Module):
         return list(self.layers.values()) if indices is None else [self.layers[str(i)] for i in indices]
 
     # ---- construction -------------------------------------------------------------------------
-    def set_recompute(self, mode: str) -> None:
-        """none | selective (only the attention core is recomputed) | full (each block is recomputed)."""
+    def set_recompute(self, mode: str, offload_to: torch.device | None = None) -> None:
+        """none | selective (only the attention core is recomputed) | full (each block is recomputed; with
+        `offload_to`, a device, each block's input waits in host memory for its backward)."""
         self.recompute = mode
+        self.activation_offload = ActivationOffload(offload_to) if offload_to is not None and mode == "full" else None
         for block in self.blocks():
             block.attn.recompute_core = mode == "selective"
 
@@ -369,7 +373,9 @@ class Decoder(nn.Module):
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
             rope = (cos, sin)
         for block in self.blocks(layers):
-            if self.recompute == "full" and self.training and cache is None:
+            if self.recompute == "full" and self.training and cache is None and self.activation_offload is not None:
+                x = self.activation_offload.checkpoint(block, x, rope, None, mask)
+            elif self.recompute == "full" and self.training and cache is None:
                 x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
                 x = block(x, rope, cache, mask)

@@ -108,7 +108,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         quantize_base(model)
     if mesh.tp > 1:
         sum_partial_gradients(model, mesh.tp_group)
-    model.set_recompute(t.recompute)
+    model.set_recompute(t.recompute, offload_to=device if p.offload_activations else None)
     model.loss_chunk = t.loss_chunk_tokens
     model.compile_loss = t.compile and device.type == "cuda"
     model.set_attention(t.attention)

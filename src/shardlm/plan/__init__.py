@@ -12,7 +12,8 @@ from .comm import comm_bytes, comm_seconds
 from .flops import ADAM_BYTES, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
-from .memory import Memory, estimate_memory, host_bytes, nf4_weights, paper_model_states, trained_and_frozen
+from .memory import (Memory, checkpoint_bytes, estimate_memory, host_bytes, in_flight, nf4_weights, paper_model_states,
+                     trained_and_frozen)
 from .offload import offload_seconds
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
@@ -60,6 +61,9 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
         shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
+    if L.offload_activations:  # each block's input comes back up when its backward starts, on the compute stream
+        micro = w.global_batch // (w.micro_batch * L.dp)
+        step += micro / in_flight(w, L) * checkpoint_bytes(m, w, L) / g.pcie_bw
     if L.lora.quantize == "nf4":  # each NF4 weight dequantised (read, 16-bit written and read) in every pass
         passes = 3 if L.recompute == "full" else 2
         micro = w.global_batch // (w.micro_batch * L.dp)
@@ -74,4 +78,4 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     gpu_hours = train_days * 24 * L.gpus
     fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
     return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days,
-                    gpu_hours, gpu_hours * price_per_gpu_hour, host_bytes(m, L))
+                    gpu_hours, gpu_hours * price_per_gpu_hour, host_bytes(m, L, w))

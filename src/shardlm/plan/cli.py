@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--zero", type=int, default=0)
     lay.add_argument("--offload", default="none")
     lay.add_argument("--offload-dir", default="", help="with --offload: the optimizer state in files there (NVMe)")
+    lay.add_argument("--offload-activations", action="store_true",
+                     help="with --recompute full: each block's input kept in host memory until its backward")
     lay.add_argument("--delayed-update", action="store_true",
                      help="with --zero 2 --offload optimizer: ZeRO-Offload's one-step delayed update")
     lay.add_argument("--sp", action="store_true")
@@ -176,7 +178,8 @@ def run(argv: list[str]) -> int:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload,
-                    offload_dir=a.offload_dir, delayed_update=a.delayed_update, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
+                    offload_dir=a.offload_dir, delayed_update=a.delayed_update,
+                    offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,
                     precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))

@@ -56,6 +56,9 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
         raise PlanError("--quantize nf4 quantises a frozen base: it needs --lora-rank")
     if L.lora.rank < 0:
         raise PlanError(f"--lora-rank {L.lora.rank} must not be negative")
+    if L.offload_activations and L.recompute != "full":
+        raise PlanError("--offload-activations offloads what full recomputation keeps of a block (its input): it "
+                        f"needs --recompute full (it is {L.recompute})")
     if L.delayed_update and L.precision == "fp16":
         raise PlanError("--delayed-update with --precision fp16: a step skipped for an overflow is only known once "
                         "the update that was to overlap has run; use bf16")

@@ -198,6 +198,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         per_layer = activation_per_layer(m, w, L)
         layers = rank_layers(m, L, stage)
         acts = per_layer * layers * in_flight(w, L)
+        if L.offload_activations:  # the blocks' inputs wait in host memory (model/activation_offload.py)
+            acts = 0.0
         if L.recompute == "full":  # the layer being recomputed holds its full activations
             acts += activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
         if stage == 0 and L.pp > 1:
@@ -232,13 +234,22 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     return worst[1]
 
 
-def host_bytes(m: ModelConfig, L: Layout) -> float:
+def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout) -> float:
+    """What full recomputation keeps of the worst pipeline rank's blocks from forward to backward: their
+    inputs, of the micro-batches in flight; in host memory with `offload_activations`."""
+    per_layer = activation_per_layer(m, w, L)
+    return max(per_layer * rank_layers(m, L, stage) for stage in {0, L.pp - 1}) * in_flight(w, L)
+
+
+def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     """Host memory one rank's offload needs (parallel/offload.py, pinned where there is a GPU): its shard's
     fp32 masters and optimizer moments (unless they are on disk), its gradient buffer, the 16-bit staging of
     the updated weights, and with parameter offload the 16-bit shards themselves (unless they are on disk:
-    read through the page cache, which the kernel may evict). 0 without offload."""
+    read through the page cache, which the kernel may evict); with `offload_activations` (and a workload `w`)
+    the blocks' inputs. 0 without offload."""
+    acts = checkpoint_bytes(m, w, L) if L.offload_activations and w is not None else 0.0
     if L.offload == "none":
-        return 0.0
+        return acts
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
     # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
     # parallel.offload_dir), gradients, staged weights
@@ -248,4 +259,4 @@ def host_bytes(m: ModelConfig, L: Layout) -> float:
     # shard; a ZeRO-3 bucket is a whole block).
     unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
     staging = 8 * unit / L.dp * 4 if L.zero_stage >= 2 else 0.0
-    return trained * per_param + staging
+    return trained * per_param + staging + acts
