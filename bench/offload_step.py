@@ -6,8 +6,10 @@ that ZeRO-Offload's step time rests on (issue: at least as fast per parameter as
 - shardlm: parallel/offload.py's OffloadedOptimizer over N bf16 parameters, its fp32 gradient shards already
   in host memory (where HostGradients leaves them): scale, global norm, torch's fused CPU AdamW on the fp32
   masters and moments, the updated bf16 weights written to pinned memory and copied to --device.
-- shardlm-kernel: the AdamW kernel alone (kernels.adamw_master_step: torch's fused CPU AdamW) over N fp32
-  masters, moments and gradients: the same work as DeepSpeed's call below, which the issue's floor compares.
+- shardlm-kernel: the AdamW kernel alone (kernels.adamw_master_step: cpu_adam.py's compiled pass, or torch's
+  fused CPU AdamW without a C compiler) over N fp32 masters, moments and gradients: the same work as
+  DeepSpeed's call below, which the issue's floor compares.
+- torch-fused: torch's fused CPU AdamW (torch.optim.AdamW(fused=True)'s kernel) over the same tensors.
 - deepspeed: DeepSpeedCPUAdam.step over the same N fp32 parameters with fp32 gradients (its AVX kernel; the
   bf16 copy-back is not in this call), where deepspeed imports (its cpu_adam op builds at first use).
 Both run on --threads threads (torch.set_num_threads; OMP_NUM_THREADS for DeepSpeed's OpenMP loop). Prints
@@ -79,6 +81,22 @@ def kernel_step(n: int):
     return step
 
 
+def torch_fused_step(n: int):
+    """torch's fused CPU AdamW over the same tensors: what kernels.adamw_master_step runs without a C compiler."""
+    import torch
+    chunk = 16 * 2**20
+    parts = [[torch.randn(min(chunk, n - i)) for _ in range(2)] + [torch.zeros(min(chunk, n - i)) for _ in range(2)]
+             for i in range(0, n, chunk)]
+    steps = iter(range(1, 10**9))
+
+    def step():
+        k = torch.tensor(float(next(steps)))
+        for master, grad, m, v in parts:
+            torch._fused_adamw_([master], [grad], [m], [v], [], [k], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                                eps=1e-8, amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+    return step
+
+
 def deepspeed_step(n: int):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -96,7 +114,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: this process's cores")
     p.add_argument("--device", default="cpu", help="where the 16-bit weights live (cuda: the copy back is timed)")
-    p.add_argument("--systems", nargs="+", default=["shardlm", "shardlm-kernel", "deepspeed"])
+    p.add_argument("--systems", nargs="+", default=["shardlm", "shardlm-kernel", "torch-fused", "deepspeed"])
     p.add_argument("--record", default="")
     a = p.parse_args()
     import torch
@@ -108,7 +126,7 @@ def main():
     for system in a.systems:
         try:
             step = {"shardlm": lambda: shardlm_step(n, a.device, threads), "shardlm-kernel": lambda: kernel_step(n),
-                    "deepspeed": lambda: deepspeed_step(n)}[system]()
+                    "torch-fused": lambda: torch_fused_step(n), "deepspeed": lambda: deepspeed_step(n)}[system]()
         except ImportError as e:
             print(f"{system}: skipped ({e})")
             continue
@@ -118,10 +136,10 @@ def main():
               f"{dt / n * 1e9:.2f} ns per parameter", flush=True)
     by = {r["system"]: r["s"] for r in rows}
     if "deepspeed" in by:
-        for ours in ("shardlm-kernel", "shardlm"):
+        for ours in ("shardlm-kernel", "torch-fused", "shardlm"):
             if ours in by:
                 print(f"{ours} / deepspeed time per parameter: {by[ours] / by['deepspeed']:.2f}"
-                      + (" (floor <= 1.0)" if ours == "shardlm-kernel" else " (with the norm and the bf16 weights)"))
+                      + {"shardlm-kernel": " (floor <= 1.0)", "shardlm": " (with the norm and the bf16 weights)"}.get(ours, ""))
     if a.record:
         card = torch.cuda.get_device_name() if cuda else "cpu"
         with open(a.record, "a") as f:

@@ -103,21 +103,32 @@ def test_offload_on_a_gpu_equals_keeping_it_there(tmp_path, case):
         torch.testing.assert_close(got["masters"][name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_host_gradients_add_16_bit_shards_in_fp32():
-    """Micro-batches' bf16 shards summed in the fp32 host buffer, chunk by chunk past the conversion buffer's
-    size, equal to adding them in fp32 at once."""
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+def test_host_gradients_add_16_bit_shards_in_fp32(kernel, monkeypatch):
+    """Micro-batches' bf16 shards summed in the fp32 host buffer (in one compiled pass, or chunk by chunk past
+    the conversion buffer's size), equal to adding them in fp32 at once; the last one's adds give the sum's
+    sum of squares. `torch`: as without a C compiler."""
+    from shardlm import cpu_adam
     from shardlm.parallel.offload import HostGradients
+    if kernel == "torch":
+        monkeypatch.setattr(cpu_adam, "load", lambda: None)
+    elif cpu_adam.load() is None:
+        pytest.skip("no C compiler")
     torch.manual_seed(0)
     host = torch.zeros(3 * 2**19 + 5)
     parts = [host[:7], host[7:]]
     acc = HostGradients(parts, torch.device("cpu"))
     shards = [[torch.randn(p.numel()).bfloat16() for p in parts] for _ in range(3)]
-    for micro_batch in shards:
+    for k, micro_batch in enumerate(shards):
+        if k == len(shards) - 1:
+            acc.last_micro_batch()  # its adds take the sum's squares too
         for b, shard in enumerate(micro_batch):
             acc.add(b, shard)
     acc.wait()
     for b, p in enumerate(parts):
         assert torch.equal(p, sum(m[b].float() for m in shards))
+    total = acc.sum_of_squares(torch.device("cpu"))
+    assert total.item() == pytest.approx(sum((p.double() ** 2).sum().item() for p in parts), rel=1e-6)
 
 
 FULL = {"train.recompute": "full", "train.steps": "3", "train.global_batch_size": "4", "train.micro_batch_size": "2",
@@ -129,7 +140,7 @@ def test_offloaded_activations_equal_full_recomputation(case):
     """`parallel.offload_activations`: each block's input kept in host memory until its backward (on the CPU
     a copy, through the same checkpoint and hooks): the same losses, gradient norms and weights as full
     recomputation keeping them, alone, beside optimizer offload, and under LoRA (whose frozen embedding's
-    output needs no gradient, which a reentrant checkpoint would otherwise leave the adapters without)."""
+    output needs no gradient)."""
     over = {**FULL, **{"zero2-offload": {"parallel.zero_stage": "2", "parallel.offload": "optimizer"},
                        "lora": {"lora.rank": "4", "lora.alpha": "8"}, "plain": {}}[case]}
     want = dist_fns.train_and_capture(0, 1, over)

@@ -353,3 +353,38 @@ def test_sigint_waits_for_the_step_but_a_second_one_interrupts_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_compiled_cpu_adamw_matches_torch_fused_adamw():
+    """cpu_adam.py's one-pass AdamW (built with this machine's C compiler) against torch's fused CPU AdamW:
+    masters and moments to one rounding, the 16-bit weight the rounded master; a clipping factor applied
+    to the gradient; its sum of squares, in double by fixed blocks, the same bits on 1 or 2 threads."""
+    from shardlm import cpu_adam
+    lib = cpu_adam.load()
+    if lib is None:
+        pytest.skip("no C compiler: kernels.adamw_master_step uses torch's fused AdamW")
+    g = torch.Generator().manual_seed(0)
+    n = 3 * cpu_adam.SQUARES_BLOCK + 5
+    master, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-5
+    step, lr, b1, b2, eps, wd, scale = 5, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7
+    ref = [t.clone() for t in (master, m, v)]
+    torch._fused_adamw_([ref[0]], [grad * scale], [ref[1]], [ref[2]], [], [torch.tensor(float(step))], lr=lr,
+                        beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
+                        found_inf=None)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    cpu_adam.adamw_step(lib, master, grad, m, v, out, scale=scale, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                        weight_decay=wd, bc1=1 - b1**step, bc2=1 - b2**step)
+    for got, want in zip((master, m, v), ref):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-12)
+    assert torch.equal(out, master.to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    try:
+        sums = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            sums.append(cpu_adam.sum_squares(lib, grad))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(sums[0], sums[1])
+    assert sums[0].item() == pytest.approx((grad.double() ** 2).sum().item(), rel=1e-7)

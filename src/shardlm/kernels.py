@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from . import cpu_adam
+
 try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the fallbacks
     import triton
     import triton.language as tl
@@ -109,6 +111,10 @@ def sum_of_squares_into(x: torch.Tensor, out: torch.Tensor) -> None:
     else:
         # torch.sum sums pairwise on CPU (vector_norm there loses ~1e-6); a chunk at a time keeps the fp32
         # temporaries in cache instead of allocating (and page-faulting) two copies of a large gradient.
+        lib = cpu_adam.load() if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() else None
+        if lib is not None:  # one pass, in double (offload squares the fp32 sum of the gradients on the host)
+            out.copy_(cpu_adam.sum_squares(lib, x))
+            return
         chunk = 1 << 20
         out.copy_(torch.stack([c.float().pow(2).sum() for c in x.split(chunk)]).sum() if x.numel() > chunk
                   else x.float().pow(2).sum())
@@ -135,6 +141,14 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
     if decay_table is not None:
         raise ValueError("adamw_master_step: a decay table needs the Triton kernel (CUDA tensors)")
     if bool(skip):
+        return
+    lib = cpu_adam.load() if master.device.type == "cpu" and grad.dtype == torch.float32 and beta1 >= 0.5 and \
+        (param is None or param.dtype == torch.bfloat16) else None
+    if lib is not None and all(t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq)) and \
+            (param is None or param.is_contiguous()):
+        # One pass that also writes the 16-bit weight (cpu_adam.py; bench/offload_step.py times it).
+        cpu_adam.adamw_step(lib, master, grad, exp_avg, exp_avg_sq, param, scale=float(scale), lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
         return
     fused = master.device.type == "cpu" and hasattr(torch, "_fused_adamw_")
     unscale = None  # the fused kernel divides the gradient by it as it reads it (in place)

@@ -8,9 +8,8 @@ block. The GPU then no longer holds layers x micro-batch x sequence x hidden of 
 micro-batches fit, and where gradients are accumulated in host memory (optimizer offload) fewer
 micro-batches mean fewer passes over the host's fp32 sum.
 
-The block runs under torch's reentrant checkpoint: it saves its inputs with `save_for_backward`, which
-passes them through autograd's saved-tensor hooks; the non-reentrant checkpoint keeps them in a closure,
-out of the hooks' reach.
+The block runs under torch's (non-reentrant) checkpoint, which saves its inputs through autograd's
+saved-tensor hooks: hooks around it see exactly the tensors it keeps, its own inner hooks the rest.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 class ActivationOffload:
-    """Saved-tensor hooks that keep the tensors a reentrant checkpoint saves in host memory (pinned on a GPU:
+    """Saved-tensor hooks that keep the tensors a checkpoint saves in host memory (pinned on a GPU:
     the copies run asynchronously on `stream`). On the CPU they keep a copy, so the same path runs there."""
 
     def __init__(self, device: torch.device):
@@ -28,15 +27,11 @@ class ActivationOffload:
 
     def checkpoint(self, block, x: torch.Tensor, *args):
         """`block(x, *args)` recomputed in backward, its input `x` kept in host memory meanwhile."""
-        if not x.requires_grad:
-            # A reentrant checkpoint computes no weight gradients unless an input requires grad (a frozen
-            # embedding's output does not): the block's input then gets a gradient nobody reads.
-            x = x.detach().requires_grad_(True)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return checkpoint(block, x, *args, use_reentrant=True)
+            return checkpoint(block, x, *args, use_reentrant=False)
 
     def _pack(self, t: torch.Tensor):
-        if not t.requires_grad:  # the rotary tables and masks: shared by every block, small
+        if not t.is_floating_point():  # a boolean mask, shared by every block
             return t
         if not self.cuda:
             return t.clone()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.autograd.profiler import record_function
 
+from .. import cpu_adam
 from ..config import ConfigError
 from ..grad_norm import sum_of_squares
 from ..kernels import adamw_master_step, sgd_master_step
@@ -133,6 +134,13 @@ class HostGradients:
     def _fold(self, b: int, src: torch.Tensor, squares: list | None) -> None:
         """`squares`: the list the shard's add was made for (None before the last micro-batch), so that an
         earlier micro-batch's add, still running, never squares a partial sum."""
+        lib = cpu_adam.load() if src.dtype == torch.bfloat16 and src.is_contiguous() else None
+        if lib is not None:  # one pass, the squares taken on the way (cpu_adam.py)
+            total = cpu_adam.fold_bf16(lib, self.host[b], src, write=self.fresh[b], squares=squares is not None)
+            self.fresh[b] = False
+            if squares is not None:
+                squares[b] = total
+            return
         if self.fresh[b]:
             self.host[b].copy_(src)
         elif src.dtype == self.host[b].dtype:

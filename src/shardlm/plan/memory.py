@@ -37,6 +37,8 @@ allocator) and keeps 10% of the card for allocator fragmentation (plan/__init__.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
@@ -234,10 +236,13 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     return worst[1]
 
 
-def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout) -> float:
+def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = False) -> float:
     """What full recomputation keeps of the worst pipeline rank's blocks from forward to backward: their
-    inputs, of the micro-batches in flight; in host memory with `offload_activations`."""
+    inputs, of the micro-batches in flight; in host memory with `offload_activations`. `pinned`: as the
+    pinned allocator holds them, each rounded up to a power of two bytes."""
     per_layer = activation_per_layer(m, w, L)
+    if pinned:
+        per_layer = 2.0 ** math.ceil(math.log2(per_layer))
     return max(per_layer * rank_layers(m, L, stage) for stage in {0, L.pp - 1}) * in_flight(w, L)
 
 
@@ -247,7 +252,7 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     the updated weights, and with parameter offload the 16-bit shards themselves (unless they are on disk:
     read through the page cache, which the kernel may evict); with `offload_activations` (and a workload `w`)
     the blocks' inputs. 0 without offload."""
-    acts = checkpoint_bytes(m, w, L) if L.offload_activations and w is not None else 0.0
+    acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
     if L.offload == "none":
         return acts
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
