@@ -311,3 +311,20 @@ def test_a_save_that_fails_on_rank_zero_stops_every_rank(tmp_path):
     assert kind0 == "CheckpointError" and "No space left on device" in msg0
     assert kind1 == "TrainingError" and "rank 0 could not save step 2" in msg1
 
+
+
+def test_a_non_finite_gradient_under_optimizer_offload_leaves_every_weight_as_it_was():
+    """bf16 with the update on the host: a nan loss stops the run with its message, and neither the fp32
+    masters nor the 16-bit weights the model computes with were touched by the skipped update."""
+    cfg = load_config("tiny", {"train.precision": "bf16", "train.tensorboard": "false", "parallel.zero_stage": "2",
+                               "parallel.offload": "optimizer", "train.steps": "1", "train.log_every": "1"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    real = trainer.forward_backward.forward
+    trainer.forward_backward.forward = lambda x, y: real(x, y) * float("nan")
+    masters = trainer.engine.owned_shards("master")
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(TrainingError, match="not finite"):
+        trainer.run()
+    after = trainer.engine.owned_shards("master")
+    assert all(torch.equal(masters[n][2], after[n][2]) for n in masters)
+    assert all(torch.equal(weights[n], p) for n, p in trainer.model.named_parameters())

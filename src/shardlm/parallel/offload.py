@@ -66,11 +66,16 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                 if g.data_ptr() != h.data_ptr():  # HostGradients has put them there already
                     h.copy_(g, non_blocking=True)
             scale, skip = scale.cpu(), skip.cpu()  # waits for the copies above too
-        staged = [None if p is None else torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda) for p in params]
+        if bool(skip):  # a gradient that is not finite: the weights stay as they are (the next sync reports it)
+            return
+        # 16-bit weights that live in host memory (parameter offload) are updated where they lie: nothing
+        # reads them until the next forward; the others through pinned staging, then copied up.
+        staged = [p if p is None or p.device.type == "cpu" else torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                  for p in params]
         with record_function("shardlm.offload.host_update"):
             self._update_on_host(lr, host, staged, scale, skip)
         for dst, src in zip(params, staged):
-            if dst is not None:
+            if dst is not None and src is not dst:
                 dst.copy_(src, non_blocking=True)
 
     def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor) -> None:

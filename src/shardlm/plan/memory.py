@@ -257,8 +257,10 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
         return acts
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
     # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
-    # parallel.offload_dir), gradients, staged weights
-    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4 + 2
+    # parallel.offload_dir), gradients, and the updated 16-bit weights' staging on their way to the GPU
+    # (parameter offload updates its shards where they lie)
+    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4 + \
+        (0 if L.offload == "params" else 2)
     per_param += 4 if L.delayed_update else 0  # the gradients of the step being updated, beside the next's
     # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
     # shard; a ZeRO-3 bucket is a whole block).
