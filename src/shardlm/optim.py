@@ -245,11 +245,12 @@ class MasterWeightOptimizer:
         needed = joined[:1] + joined[2:] + ([] if self.alias else joined[1:2])  # alias: no 16-bit copy to write
         return None if any(t is None for t in needed) else joined
 
-    def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
-        """The update of every segment: grads[b] times `scale` is the step's gradient of bucket b's shard;
-        the updated 16-bit weights go to params[b] (None: nothing to write back)."""
+    def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor,
+               segments: list | None = None) -> None:
+        """The update of every segment (or of `segments`): grads[b] times `scale` is the step's gradient of
+        bucket b's shard; the updated 16-bit weights go to params[b] (None: nothing to write back)."""
         cfg = self.cfg
-        for seg in self.segments:
+        for seg in self.segments if segments is None else segments:
             b, sl = seg.bucket, slice(seg.lo, seg.hi)
             out = None if params[b] is None else params[b][sl]
             args = (self.master_parts[b][sl], out, grads[b][sl])

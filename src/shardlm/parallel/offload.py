@@ -19,6 +19,7 @@ sums the host thread's (waits for copies, adds): bench/offload.py --profile repo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import time
@@ -72,15 +73,21 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         # reads them until the next forward; the others through pinned staging, then copied up.
         staged = [p if p is None or p.device.type == "cpu" else torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
                   for p in params]
-        with record_function("shardlm.offload.host_update"):
-            self._update_on_host(lr, host, staged, scale, skip)
-        for dst, src in zip(params, staged):
-            if dst is not None and src is not dst:
-                dst.copy_(src, non_blocking=True)
 
-    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
-        """The update of every segment, all on the host: the updated 16-bit shards into `staged`."""
-        super()._apply(lr, grads, staged, scale, skip)
+        def landed(b: int) -> None:  # each bucket goes up as soon as it is updated, beside the next ones' update
+            if params[b] is not None and staged[b] is not params[b]:
+                params[b].copy_(staged[b], non_blocking=True)
+        with record_function("shardlm.offload.host_update"):
+            self._update_on_host(lr, host, staged, scale, skip, landed)
+
+    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor,
+                        landed=None) -> None:
+        """The update of every segment, all on the host: the updated 16-bit shards into `staged`, and
+        `landed(b)` called once bucket b's is complete."""
+        for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket):
+            super()._apply(lr, grads, staged, scale, skip, segments=list(run))
+            if landed is not None:
+                landed(b)
 
 
 class HostGradients:
@@ -345,7 +352,8 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         return [self.io.submit(_whole_io, write, fd, memoryview(slot[k][:n].numpy()).cast("B"), offset)
                 for k, fd in self.fds.items()]
 
-    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
+    def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor,
+                        landed=None) -> None:
         start, moved = time.perf_counter(), 0
         segs = self.segments
         reads = {0: self._io(False, self.work[0], segs[0])} if segs else {}
@@ -359,6 +367,8 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
                     f.result()
                 reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
             self._update(lr, seg, slot, grads, staged, scale, skip)
+            if landed is not None and (i + 1 == len(segs) or segs[i + 1].bucket != seg.bucket):
+                landed(seg.bucket)
             writes[i] = self._io(True, slot, seg)
             moved += 2 * (seg.hi - seg.lo) * 4 * len(self.fds)
         for fs in writes.values():

@@ -6,10 +6,10 @@ fp32 after an fp32 reduction) and a host thread adds it into the fp32 buffer (th
 converts: 2 + 4 bytes an element; the others add: 2 + 8), on the last micro-batch also squaring it for the
 norm; with parameter offload every pass (forward, backward, and recomputation's forward) uploads each
 unit's 16-bit shard (read from disk with `parallel.offload_dir`, at worst). These run beside the GPU's work, so a micro-batch takes the longest of the three.
-ZeRO-1 copies its reduced shard down once, at the step. The update is torch's fused CPU AdamW, memory-bound:
+ZeRO-1 copies its reduced shard down once, at the step. The update is a CPU AdamW pass, memory-bound:
 ADAM_HOST_BYTES an element through host memory (with `parallel.offload_dir` the masters and moments
-stream to and from disk beside it, double-buffered: the slower of the two), then the 16-bit weights go
-back up (parameter offload's stay in host memory). With the delayed update (`parallel.delayed_update`)
+stream to and from disk beside it, double-buffered: the slower of the two), the 16-bit weights going back
+up bucket by bucket beside it (parameter offload's stay in host memory). With the delayed update (`parallel.delayed_update`)
 step N's update runs beside step N + 1's GPU work: the step takes the longer of the two, and no less than
 the host's adds and update one after the other (they share its memory bandwidth). Host memory and disk bandwidth are the node's, shared by
 its ranks; PCIe is each GPU's own (hardware.py's figures, all overridable).
@@ -61,8 +61,9 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     update = shard * ADAM_HOST_BYTES / host_bw
     if L.offload_dir:
         update = max(update, shard * 2 * 12 / disk_bw)  # masters and moments read and written back
-    # The 16-bit weights go back up, unless they live in host memory (parameter offload).
-    host = update + (0.0 if L.offload == "params" else shard * 2 / g.pcie_bw)
+    # The 16-bit weights go back up bucket by bucket as they are updated, unless they live in host memory
+    # (parameter offload): the slower of the two.
+    host = update if L.offload == "params" else max(update, shard * 2 / g.pcie_bw)
     # Overlapped, the update and the next step's adds still share the host's memory bandwidth.
     step = max(gpu, host, adds + update) if L.delayed_update else gpu + host
     return step - compute
