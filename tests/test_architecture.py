@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parallel.zero); never anything above it.
 LAYERS = [
     ["schedules"],                                                                                 # no torch
-    ["config"],
+    ["config", "cpu_adam"],                                                                       # no shardlm imports
     ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
