@@ -111,10 +111,6 @@ def sum_of_squares_into(x: torch.Tensor, out: torch.Tensor) -> None:
     else:
         # torch.sum sums pairwise on CPU (vector_norm there loses ~1e-6); a chunk at a time keeps the fp32
         # temporaries in cache instead of allocating (and page-faulting) two copies of a large gradient.
-        lib = cpu_adam.load() if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() else None
-        if lib is not None:  # one pass, in double (offload squares the fp32 sum of the gradients on the host)
-            out.copy_(cpu_adam.sum_squares(lib, x))
-            return
         chunk = 1 << 20
         out.copy_(torch.stack([c.float().pow(2).sum() for c in x.split(chunk)]).sum() if x.numel() > chunk
                   else x.float().pow(2).sum())
@@ -123,11 +119,13 @@ def sum_of_squares_into(x: torch.Tensor, out: torch.Tensor) -> None:
 def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor,
                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scale: torch.Tensor, skip: torch.Tensor,
                       *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      decay_table=None, consume_grad: bool = False) -> None:
+                      decay_table=None, consume_grad: bool = False, host_kernel: bool = False) -> None:
     """One AdamW step on fp32 `master` from `grad` x `scale` (any float dtype), unless `skip` is set;
     writes the rounded result to the 16-bit `param` when one is given. Step counts start at 1.
     `decay_table` (GPU only, from `decay_table()`): `weight_decay` applies only inside its intervals.
-    `consume_grad`: an fp32 CPU `grad` may be left scaled in place, which saves a pass over it."""
+    `consume_grad`: an fp32 CPU `grad` may be left scaled in place, which saves a pass over it.
+    `host_kernel`: on the CPU, cpu_adam.py's compiled pass where it builds (offload's optimizer, whose ranks each
+    update their own shard; a replicated update keeps torch's kernel, the same on every rank)."""
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     if triton_ok(master):
         n = master.numel()
@@ -142,8 +140,8 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
         raise ValueError("adamw_master_step: a decay table needs the Triton kernel (CUDA tensors)")
     if bool(skip):
         return
-    lib = cpu_adam.load() if master.device.type == "cpu" and grad.dtype == torch.float32 and beta1 >= 0.5 and \
-        (param is None or param.dtype == torch.bfloat16) else None
+    lib = cpu_adam.load() if host_kernel and master.device.type == "cpu" and grad.dtype == torch.float32 and \
+        beta1 > 0.5 and (param is None or param.dtype == torch.bfloat16) else None
     if lib is not None and all(t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq)) and \
             (param is None or param.is_contiguous()):
         # One pass that also writes the 16-bit weight (cpu_adam.py; bench/offload_step.py times it).

@@ -257,7 +257,8 @@ class MasterWeightOptimizer:
             if cfg.optimizer == "adamw":
                 adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
                                   step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                                  weight_decay=seg.weight_decay, consume_grad=self.consume_grads)
+                                  weight_decay=seg.weight_decay, consume_grad=self.consume_grads,
+                                  host_kernel=self.offloaded)
             else:
                 sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=self.steps_taken,
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)

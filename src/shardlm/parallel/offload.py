@@ -53,6 +53,7 @@ class OffloadedOptimizer(MasterWeightOptimizer):
 
     def __init__(self, *args, threads: int = 0, **kwargs):
         torch.set_num_threads(offload_threads(threads))
+        cpu_adam.load()  # built now, not in the middle of the first step
         super().__init__(*args, **kwargs)
         self.host_grad = torch.empty(self.total, dtype=torch.float32, pin_memory=torch.cuda.is_available())
 
@@ -146,8 +147,9 @@ class HostGradients:
     def _fold(self, b: int, src: torch.Tensor, squares: list | None) -> None:
         """`squares`: the list the shard's add was made for (None before the last micro-batch), so that an
         earlier micro-batch's add, still running, never squares a partial sum."""
-        lib = cpu_adam.load() if src.dtype == torch.bfloat16 and src.is_contiguous() else None
-        if lib is not None:  # one pass, the squares taken on the way (cpu_adam.py)
+        lib = cpu_adam.load()
+        if lib is not None and src.dtype == torch.bfloat16 and src.is_contiguous():
+            # One pass, the squares taken on the way (cpu_adam.py).
             total = cpu_adam.fold_bf16(lib, self.host[b], src, write=self.fresh[b], squares=squares is not None)
             self.fresh[b] = False
             if squares is not None:
@@ -161,7 +163,7 @@ class HostGradients:
             self._add_converted(self.host[b], src)
         self.fresh[b] = False
         if squares is not None:
-            squares[b] = sum_of_squares(self.host[b])
+            squares[b] = cpu_adam.sum_squares(lib, self.host[b]) if lib is not None else sum_of_squares(self.host[b])
 
     def _add_converted(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst += a 16-bit src, converted to fp32 a chunk at a time (each thread's part of a chunk stays in its
@@ -385,7 +387,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         if cfg.optimizer == "adamw":
             adamw_master_step(*args, slot["exp_avg"][:n], slot["exp_avg_sq"][:n], scale, skip,
                               step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                              weight_decay=seg.weight_decay, consume_grad=True)
+                              weight_decay=seg.weight_decay, consume_grad=True, host_kernel=True)
         else:
             sgd_master_step(*args, slot["momentum_buffer"][:n], scale, skip, step=self.steps_taken, lr=lr,
                             momentum=cfg.momentum, weight_decay=seg.weight_decay)
