@@ -100,6 +100,15 @@ def test_pipeline_with_recomputation(recompute, schedule):
     run(layout(2, 2, schedule, **{"train.recompute": recompute}))
 
 
+@pytest.mark.parametrize("schedule, tp", [("zb-h1", 1), ("1f1b", 2)])
+def test_offloaded_activations_under_pipelines(schedule, tp):
+    """Full recomputation with each block's input kept in host memory (parallel.offload_activations) under a
+    split backward (zb-h1) and beside tensor and sequence parallelism (with SGD, as the other tensor-parallel
+    cases: Adam magnifies the reductions' rounding for gradients near zero): the one-process run's numbers."""
+    sp = {"parallel.sp": "true", **SGD} if tp > 1 else {}
+    run(layout(2, 2, schedule, tp=tp, **sp, **{"train.recompute": "full", "parallel.offload_activations": "true"}))
+
+
 def test_an_uneven_explicit_layer_split():
     run(layout(2, 3, **{"model.num_layers": "5", "parallel.pp_layers": "3,2"}))
 
