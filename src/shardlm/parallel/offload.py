@@ -72,12 +72,13 @@ class OffloadedOptimizer(MasterWeightOptimizer):
             return
         # 16-bit weights that live in host memory (parameter offload) are updated where they lie: nothing
         # reads them until the next forward; the others through pinned staging, then copied up.
-        staged = [p if p is None or p.device.type == "cpu" else torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-                  for p in params]
+        staged = _Staged(params)
 
         def landed(b: int) -> None:  # each bucket goes up as soon as it is updated, beside the next ones' update
             if params[b] is not None and staged[b] is not params[b]:
                 params[b].copy_(staged[b], non_blocking=True)
+                staged[b] = None  # the pinned allocator reuses it once the copy is done: a bucket or two staged
+
         with record_function("shardlm.offload.host_update"):
             self._update_on_host(lr, host, staged, scale, skip, landed)
 
@@ -89,6 +90,22 @@ class OffloadedOptimizer(MasterWeightOptimizer):
             super()._apply(lr, grads, staged, scale, skip, segments=list(run))
             if landed is not None:
                 landed(b)
+
+
+class _Staged(list):
+    """Where the update writes bucket b's 16-bit weights: the weights themselves where they live in host memory
+    (parameter offload), else pinned staging allocated when the update reaches the bucket, so that only the
+    buckets not yet copied up hold any."""
+
+    def __init__(self, params: list):
+        super().__init__([p if p is None or p.device.type == "cpu" else False for p in params])
+        self.params = params
+
+    def __getitem__(self, b):
+        if super().__getitem__(b) is False:
+            p = self.params[b]
+            self[b] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+        return super().__getitem__(b)
 
 
 class HostGradients:

@@ -249,7 +249,7 @@ def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = Fals
 def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     """Host memory one rank's offload needs (parallel/offload.py, pinned where there is a GPU): its shard's
     fp32 masters and optimizer moments (unless they are on disk), its gradient buffer, the 16-bit staging of
-    the updated weights, and with parameter offload the 16-bit shards themselves (unless they are on disk:
+    the updated weights (a bucket or two at a time), and with parameter offload the 16-bit shards themselves (unless they are on disk:
     read through the page cache, which the kernel may evict); with `offload_activations` (and a workload `w`)
     the blocks' inputs. 0 without offload."""
     acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
@@ -257,13 +257,17 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
         return acts
     trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
     # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
-    # parallel.offload_dir), gradients, and the updated 16-bit weights' staging on their way to the GPU
-    # (parameter offload updates its shards where they lie)
-    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4 + \
-        (0 if L.offload == "params" else 2)
-    per_param += 4 if L.delayed_update else 0  # the gradients of the step being updated, beside the next's
+    # parallel.offload_dir), gradients
+    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4
+    # The delayed update: the gradients of the step being updated beside the next's, and its updated 16-bit
+    # weights staged until they land.
+    per_param += 4 + 2 if L.delayed_update else 0
     # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
-    # shard; a ZeRO-3 bucket is a whole block).
+    # shard; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
+    # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
+    # offload updates its shards where they lie).
     unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
     staging = 8 * unit / L.dp * 4 if L.zero_stage >= 2 else 0.0
+    if L.offload != "params" and not L.delayed_update:
+        staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.dp * 2))
     return trained * per_param + staging + acts
