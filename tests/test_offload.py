@@ -131,6 +131,10 @@ def test_host_gradients_add_16_bit_shards_in_fp32(kernel, monkeypatch):
     assert total.item() == pytest.approx(sum((p.double() ** 2).sum().item() for p in parts), rel=1e-6)
 
 
+SGD_KEYS = {k: v for k, v in SGD.items() if k not in ("train.device", "train.global_batch_size", "train.micro_batch_size",
+                                                      "train.steps")}
+
+
 FULL = {"train.recompute": "full", "train.steps": "3", "train.global_batch_size": "4", "train.micro_batch_size": "2",
         "train.device": "cpu"}
 
@@ -163,7 +167,6 @@ def test_offloaded_activations_on_a_gpu_equal_keeping_them_and_take_less_memory(
     """On a GPU the inputs go down on a stream of their own into pinned memory and come back when backward
     reaches each block: the same bf16 run as keeping them, at a lower peak (a deep, narrow model whose
     kept inputs are most of its activations)."""
-    import torch.cuda
     shape = {"model.num_layers": "16", "train.seq_len": "256", "model.max_seq_len": "256", "train.device": "cuda",
              "train.precision": "bf16", "train.micro_batch_size": "8", "train.global_batch_size": "16", **SGD_KEYS}
     runs = {}
@@ -175,7 +178,3 @@ def test_offloaded_activations_on_a_gpu_equal_keeping_them_and_take_less_memory(
     for key in ("losses", "grad_norms"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-3, atol=1e-5)
     assert got["peak"] < want["peak"], (got["peak"], want["peak"])
-
-
-SGD_KEYS = {k: v for k, v in SGD.items() if k not in ("train.device", "train.global_batch_size", "train.micro_batch_size",
-                                                      "train.steps")}
