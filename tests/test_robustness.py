@@ -260,7 +260,7 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
     layers = max(1, int(avail / 3 / 2 / per_layer))
     proc = train_cli("--model.hidden_size", 1024, "--model.num_heads", 8, "--model.num_kv_heads", 8,
                      "--model.ffn_hidden_size", 4096, "--model.num_layers", layers, "--parallel.zero_stage", 2,
-                     "--parallel.offload", "optimizer", "--out", tmp_path / "run")
+                     "--parallel.offload", "optimizer", "--train.device", "cpu", "--out", tmp_path / "run")
     line = no_traceback(proc, 2)
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
 

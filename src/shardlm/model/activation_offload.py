@@ -31,7 +31,7 @@ class ActivationOffload:
             return checkpoint(block, x, *args, use_reentrant=False)
 
     def _pack(self, t: torch.Tensor):
-        if not t.is_floating_point():  # a boolean mask, shared by every block
+        if not t.is_floating_point() or (self.cuda and not t.is_cuda):  # a boolean mask, checkpoint's marker
             return t
         if not self.cuda:
             return t.clone()
