@@ -160,6 +160,16 @@ def test_meta_init_is_deterministic_and_materialises_everything():
     assert sum(p.numel() for p in a.parameters()) == cfg.num_params()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_materialised_as_such_equals_the_fp32_one_cast_down(dtype):
+    """Weights drawn in fp32 and rounded once, as an fp32 model cast to 16 bits holds them, without ever
+    holding the fp32 copy (a 13B model's does not fit an 80 GB GPU beside its 16-bit one)."""
+    cfg = load_config("tiny").model
+    fp32, direct = build_model(cfg, seed=5), build_model(cfg, dtype=dtype, seed=5)
+    for (n, p), q in zip(fp32.named_parameters(), direct.parameters()):
+        assert q.dtype == dtype and torch.equal(p.to(dtype), q), n
+
+
 @pytest.mark.parametrize("preset", ["gpt2-124m", "tinyllama-1.1b", "llama2-7b", "llama2-13b", "llama3-8b"])
 def test_param_counts_match_published_sizes(preset):
     """The shape arithmetic (shared with the planner) against the runtime model on the meta device."""

@@ -292,7 +292,9 @@ class Decoder(nn.Module):
         values do not depend on which other parameters a rank materialises or on the device order. A
         sharded parameter (its module's `shardings`, parallel/tensor.py) draws the full tensor and keeps
         its own slice, so any layout starts from the same weights. They do depend on the device type:
-        CUDA's generator draws other numbers than the CPU's for one seed."""
+        CUDA's generator draws other numbers than the CPU's for one seed. Values are drawn in fp32 and
+        rounded to the parameter's dtype, so a 16-bit model materialised as such holds the weights an fp32
+        one cast down would (without the fp32 copy: a 13B model's is 52 GB)."""
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
@@ -307,7 +309,7 @@ class Decoder(nn.Module):
                 std = getattr(owner, "init_std", self.cfg.init_std)
                 g = torch.Generator(device=p.device)
                 g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-                full = torch.empty(spec.full_shape(p.shape) if spec else p.shape, dtype=p.dtype, device=p.device)
+                full = torch.empty(spec.full_shape(p.shape) if spec else p.shape, dtype=torch.float32, device=p.device)
                 full.normal_(0.0, std, generator=g)
                 p.copy_(spec.local(full) if spec else full)
         self._rope_cache.clear()
@@ -420,8 +422,8 @@ class Decoder(nn.Module):
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0, init: bool = True) -> Decoder:
     """Construct on the meta device, then materialise on `device`."""
     with torch.device("meta"):
-        model = Decoder(cfg)
+        model = Decoder(cfg).to(dtype)
     model.to_empty(device=device)
     if init:
         model.init_weights(seed)
-    return model.to(dtype)
+    return model

@@ -36,6 +36,7 @@ from ..config import ConfigError
 from ..grad_norm import sum_of_squares
 from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
+from ..runtime.device import host_empty
 
 
 def offload_threads(requested: int) -> int:
@@ -55,7 +56,7 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         torch.set_num_threads(offload_threads(threads))
         cpu_adam.load()  # built now, not in the middle of the first step
         super().__init__(*args, **kwargs)
-        self.host_grad = torch.empty(self.total, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+        self.host_grad = host_empty(self.total, torch.float32, pin=torch.cuda.is_available())
 
     def host_parts(self) -> list[torch.Tensor]:
         """The fp32 host buffer's view of each bucket's gradient shard."""
@@ -254,9 +255,9 @@ class DelayedUpdate:
                  dtype: torch.dtype):
         self.opt, self.host_grads = opt, host_grads
         self.cuda = device.type == "cuda"
-        spare = torch.empty(opt.total, dtype=torch.float32, pin_memory=self.cuda)
-        self.spare = [spare[o:o + n] for o, n in zip(opt.master_off, opt.shard_len)]
-        self.staged = [torch.empty(n, dtype=dtype, pin_memory=self.cuda) for n in opt.shard_len]
+        self.spare_buffer = host_empty(opt.total, torch.float32, pin=self.cuda)
+        self.spare = [self.spare_buffer[o:o + n] for o, n in zip(opt.master_off, opt.shard_len)]
+        self.staged = [host_empty(n, dtype, pin=self.cuda) for n in opt.shard_len]
         init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-delayed-update", **init)
         self.pending = None

@@ -99,11 +99,11 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         tensor_parallel(model, mesh.tp_group, p.sp)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
+    model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
     model.to_empty(device=device)
     model.init_weights(t.seed)
     if t.init_from and not resuming:
         _load_initial(model, t.init_from, shardings(model))
-    model.to(DTYPES[t.precision])
     if cfg.lora.quantize == "nf4":
         quantize_base(model)
     if mesh.tp > 1:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatParams, alloc_storage, free_storage
+from ..runtime.device import host_empty
 from .offload import MappedFiles
 from .zero import ZeroEngine, eager
 from .zero3_frozen import FrozenShards
@@ -107,8 +108,8 @@ class Zero3Engine(ZeroEngine):
                 self.param_shards.append(disk[at:at + shard.numel()].copy_(shard))
                 at += shard.numel()
             else:
-                self.param_shards.append(shard.to("cpu").pin_memory() if pin else
-                                         (shard.cpu() if self.offload_params else shard))
+                self.param_shards.append(host_empty(shard.numel(), shard.dtype, pin).copy_(shard)
+                                         if self.offload_params else shard)
             self.gathered.append(True)
         self._register_hooks(model)
         for b in flat.buckets:  # at rest, only the small parameters are whole

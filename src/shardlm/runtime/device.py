@@ -1,5 +1,7 @@
-"""Which device a run uses."""
+"""Which device a run uses, and host memory that the GPU's copy engines can read and write asynchronously."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -14,3 +16,26 @@ def pick_device(name: str = "auto") -> torch.device:
         raise ConfigError("train.device = 'cuda', but no CUDA device is visible to this process: use "
                           "train.device auto or cpu")
     return torch.device(name)
+
+
+# torch's pinned allocator rounds every block up to a power of two bytes, so a 52 GB buffer (a 13B
+# model's fp32 gradients) would hold 64 GiB; from this size on a buffer is page-locked in place instead,
+# at its exact size (as torch's distributed checkpoint stager does).
+EXACT_PIN_BYTES = 1 << 28
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor of `numel` elements, page-locked if `pin`. The caller keeps the tensor
+    itself (not only views of it) for as long as it copies through it: its page lock ends with it."""
+    if not pin:
+        return torch.empty(numel, dtype=dtype)
+    if numel * dtype.itemsize < EXACT_PIN_BYTES:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    t = torch.empty(numel, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    code = int(cudart.cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 1))  # 1: cudaHostRegisterPortable
+    if code != 0:
+        raise RuntimeError(f"page-locking {numel * dtype.itemsize / 2**30:.1f} GiB of host memory failed "
+                           f"(cudaError {code}): the host may limit locked memory (ulimit -l)")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
