@@ -6,7 +6,8 @@ The measured figures are the rows of bench/results.jsonl that bench/single_gpu.p
 bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, bench/finetune.py and
 bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
-Floors: memory within 10%, step time within 25%.
+Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
+compiled steps in their steady state. Floors: memory within 10%, step time within 25%.
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def finetune_layout(r: dict) -> Layout | None:
 
 
 def layout_of(r: dict) -> Layout | None:
+    flags = r.get("command", "").split()
+    if any(f in flags and flags[flags.index(f) + 1] == "0" for f in ("--compile", "--warm")):
+        return None
     if r["bench"] == "planner_pick":
         return pick_layout(r["system"])
     if r["bench"] == "finetune":
