@@ -20,9 +20,12 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
   host memory too, each unit gathered to the GPU around its use; -nvme: the masters, moments and 16-bit
   shards in files under $TMPDIR/shardlm-nvme (ZeRO-Infinity's NVMe tier).
-- ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload on Hugging Face's LlamaForCausalLM with
-  DeepSpeedCPUAdam and gradient checkpointing, run by --peer-script (../shared/bench/peer_offload.py; it
-  needs deepspeed importable; its cpu_adam op builds at first use).
+- ds-zero2-offload, ds-zero3-offload: DeepSpeed's ZeRO-Offload (optimizer states and the update on the CPU)
+  on Hugging Face's LlamaForCausalLM of the preset's shape, by ../shared/bench/peer_offload.py's method
+  (bf16 weights, sdpa, gradient checkpointing, DeepSpeedCPUAdam, each micro-batch through engine.step);
+  ds-zero3-offload-params: ZeRO-Infinity's parameter offload too (`offload_param` to pinned CPU memory).
+  ZeRO-3's model is built under deepspeed.zero.Init, partitioned as it is made, as DeepSpeed's users build
+  models larger than the GPU. Needs deepspeed importable (its cpu_adam op builds at first use).
 MFU charges ModelConfig.flops_per_token (6 N + attention) against 989 TFLOP/s; peak memory is
 torch.cuda.max_memory_allocated. Prints a table with the ratios to ds-zero2-offload and the issue's floor
 (shardlm-zero2-offload >= 1.5x its tokens/s at <= its peak memory); appends rows with bench "offload".
@@ -33,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +55,8 @@ SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offlo
            "shardlm-zero3-offload-params-nvme": {"parallel.zero_stage": "3", "parallel.offload": "params",
                                                  "parallel.offload_dir": os.path.join(tempfile.gettempdir(),
                                                                                       "shardlm-nvme")}}
-PEERS = {"ds-zero2-offload": 2, "ds-zero3-offload": 3}
+# DeepSpeed systems: (ZeRO stage, parameters offloaded too)
+PEERS = {"ds-zero2-offload": (2, False), "ds-zero3-offload": (3, False), "ds-zero3-offload-params": (3, True)}
 BASELINE = "ds-zero2-offload"
 
 
@@ -105,28 +108,51 @@ def worker(args, extra):
         torch.cuda.synchronize()
 
 
-def peer(args, system: str, timeout: float) -> dict | None:
-    """DeepSpeed's run of --peer-script, its JSON line, for the llama2-7b shape it builds."""
-    if args.preset != "llama2-7b":
-        print(f"{system}: skipped (--peer-script builds the llama2-7b shape only)", file=sys.stderr)
-        return None
-    if timeout < 60:
-        print(f"{system}: skipped ({timeout:.0f} s of --budget left)", file=sys.stderr)
-        return None
-    cmd = [sys.executable, args.peer_script, "--stage", str(PEERS[system]), "--micro", str(args.micro_batch),
-           "--accum", str(args.microbatches), "--seq", str(args.seq), "--steps", str(args.steps)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(ROOT))
-    except subprocess.TimeoutExpired:
-        print(f"{system}: timed out after {timeout:.0f} s", file=sys.stderr)
-        return None
-    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-    if out.returncode or not lines:
-        print(f"{system}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
-        return None
-    r = json.loads(lines[-1])
-    return {"system": system, "params": r["params"], "step_s": r["step_s"], "tok_s": r["tok_s"], "mfu": r["mfu"],
-            "peak_mem_gib": r["peak_mem_gib"]}
+def ds_worker(args):
+    """One DeepSpeed system in this process (PEERS): its RESULT line, charged the same FLOPs as shardlm's."""
+    import deepspeed
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlm.hf_config import hf_config_from_model
+    m = model_config(args).model
+    if m.arch != "llama":
+        raise SystemExit(f"{args.system}: the preset's arch is {m.arch!r}; DeepSpeed runs HF's LlamaForCausalLM")
+    stage, params_too = PEERS[args.system]
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+            "contiguous_gradients": True}
+    if params_too:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.microbatches,
+              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9}
+    hf = LlamaConfig(**{**hf_config_from_model(m, "bfloat16"), "attn_implementation": "sdpa"})
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    t0 = time.perf_counter()
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
+            model = LlamaForCausalLM(hf)
+    else:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(hf).to(torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-5),
+                                           config=config)
+    print(f"[{args.system}] built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    x = torch.randint(0, hf.vocab_size, (args.micro_batch, args.seq), device="cuda")
+
+    def step():
+        for _ in range(args.microbatches):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        print(f"[{args.system}] step done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    dt, mem = timed(step, args.warm, args.steps, "cuda")
+    tokens = args.micro_batch * args.microbatches * args.seq
+    print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
+                                  "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem}),
+          flush=True)
 
 
 def main():
@@ -138,22 +164,22 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems (tiny presets)")
     p.add_argument("--profile", type=int, default=0,
                    help="1: each row gets the host-side phases' seconds a step (phases_s); rows not recorded")
-    p.add_argument("--peer-script", default=str(ROOT.parent / "shared" / "bench" / "peer_offload.py"))
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     driver_args(p, timeout=900)
     args, extra = p.parse_known_args()
     if args.system:
-        return worker(args, extra)
+        return ds_worker(args) if args.system in PEERS else worker(args, extra)
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device",
                           "profile"))
-    ours, start = [s for s in args.systems if s in SHARDLM], time.monotonic()
-    rows = run_systems(__file__, ours, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
-    for system in (s for s in args.systems if s in PEERS):
-        left = float("inf") if args.budget is None else args.budget - (time.monotonic() - start)
-        row = peer(args, system, min(args.timeout, left))
-        if row is not None:
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    unknown = [s for s in args.systems if s not in SHARDLM and s not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}: choose from {[*SHARDLM, *PEERS]}")
+    if args.device != "cuda" and any(s in PEERS for s in args.systems):
+        print(f"{', '.join(s for s in args.systems if s in PEERS)}: skipped (DeepSpeed's offload runs on a GPU)",
+              file=sys.stderr)
+        args.systems = [s for s in args.systems if s in SHARDLM]
+    rows = run_systems(__file__, args.systems, lambda s: 1, lambda s: [*own, *(extra if s in SHARDLM else [])],
+                       job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
         import torch
