@@ -22,6 +22,7 @@ from .flat import FlatParams
 from .grad_norm import sum_of_squares_over
 from .kernels import adamw_master_step, decay_table, sgd_master_step, triton_ok
 from .precision import DynamicLossScaler
+from .runtime.device import host_empty
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -135,8 +136,9 @@ class MasterWeightOptimizer:
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         """Storage for the masters or one optimizer state, all buckets' shards end to end (offload: in host
         memory, the masters pinned where there is a GPU; or in a file: parallel/offload.py)."""
-        pin = self.offloaded and name == "master" and torch.cuda.is_available()
-        return torch.empty(n, dtype=torch.float32, device=home, pin_memory=pin)
+        if home.type != "cpu":
+            return torch.empty(n, dtype=torch.float32, device=home)
+        return host_empty(n, torch.float32, pin=self.offloaded and name == "master" and torch.cuda.is_available())
 
     def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
         """Tensor (and pipeline) parallelism: the ranks of `model_group` hold different parts of one model, so

@@ -154,7 +154,7 @@ class HostGradients:
     def _free_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         if self.made < self.slots and self.staging.empty():
             self.made += 1
-            return torch.empty(max(h.numel() for h in self.host), dtype=dtype, pin_memory=True)
+            return host_empty(max(h.numel() for h in self.host), dtype, pin=True)
         with record_function("shardlm.offload.wait_for_slot"):  # the host's adds behind the device's backward
             return self.staging.get()  # blocks until the host thread has added one in
 
