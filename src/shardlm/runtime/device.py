@@ -37,5 +37,5 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     if code != 0:
         raise RuntimeError(f"page-locking {numel * dtype.itemsize / 2**30:.1f} GiB of host memory failed "
                            f"(cudaError {code}): the host may limit locked memory (ulimit -l)")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr()).atexit = False  # the process's end unlocks it
     return t
