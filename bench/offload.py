@@ -117,8 +117,8 @@ def ds_worker(args):
 
     from shardlm.hf_config import hf_config_from_model
     m = model_config(args).model
-    if m.arch != "llama":
-        raise SystemExit(f"{args.system}: the preset's arch is {m.arch!r}; DeepSpeed runs HF's LlamaForCausalLM")
+    if m.arch != "llama" or m.qkv_bias or m.sliding_window:  # LlamaConfig would drop a bias or a window
+        raise SystemExit(f"{args.system}: DeepSpeed runs HF's LlamaForCausalLM, a plain Llama; {args.preset} is not")
     stage, params_too = PEERS[args.system]
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
             "contiguous_gradients": True}
@@ -210,6 +210,7 @@ def main():
                                     **({"disk_gb_s": round(r["disk_gb_s"], 2)} if "disk_gb_s" in r else {}),
                                     "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
+                                               f"--warm {args.warm} --steps {args.steps} --compile {args.compile} "
                                                f"--systems {r['system']}"}) + "\n")
 
 

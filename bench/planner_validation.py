@@ -90,8 +90,8 @@ def finetune_layout(r: dict) -> Layout | None:
 
 
 def layout_of(r: dict) -> Layout | None:
-    flags = r.get("command", "").split()
-    if any(f in flags and flags[flags.index(f) + 1] == "0" for f in ("--compile", "--warm")):
+    flags = " ".join(r.get("command", "").split()) + " "
+    if any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
         return None
     if r["bench"] == "planner_pick":
         return pick_layout(r["system"])

@@ -25,8 +25,9 @@ EXACT_PIN_BYTES = 1 << 28
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host tensor of `numel` elements, page-locked if `pin`. The caller keeps the tensor
-    itself (not only views of it) for as long as it copies through it: its page lock ends with it."""
+    """An uninitialised host tensor of `numel` elements, page-locked if `pin`. The lock ends with its
+    storage (the last tensor viewing it), which must outlive the asynchronous copies that read or write it:
+    unlike the caching allocator's blocks, this memory is freed at once."""
     if not pin:
         return torch.empty(numel, dtype=dtype)
     if numel * dtype.itemsize < EXACT_PIN_BYTES:
@@ -37,5 +38,5 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     if code != 0:
         raise RuntimeError(f"page-locking {numel * dtype.itemsize / 2**30:.1f} GiB of host memory failed "
                            f"(cudaError {code}): the host may limit locked memory (ulimit -l)")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr()).atexit = False  # the process's end unlocks it
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr()).atexit = False  # exit unlocks it
     return t
