@@ -151,15 +151,17 @@ def test_offload_host_memory():
     n = m.num_params()
     host = estimate(m, w, Layout(zero_stage=2, offload="optimizer"), g).host_memory
     disk = estimate(m, w, Layout(zero_stage=2, offload="optimizer", offload_dir="/nvme"), g).host_memory
-    staging = 8 * 25 * 2**20 / 2 * 4 + 2 * 32 * 2**20  # eight 25 MB buckets' shards, in fp32 at most; two bf16
+    # eight 25 MB buckets' gradient shards (bf16 at one rank), two buckets' updated bf16 weights
+    staging = 8 * 25 * 2**20 / 2 * 2 + 2 * 32 * 2**20
     assert host == pytest.approx(16 * n + staging) and disk == pytest.approx(4 * n + staging)
     params = Layout(zero_stage=3, offload="params")
-    unit = m.param_counts()["per_layer"] * 8 * 4  # ZeRO-3's staging slots hold a whole block's shard
+    unit = m.param_counts()["per_layer"] * 8 * 2  # ZeRO-3's staging slots hold a whole block's shard
     assert estimate(m, w, params, g).host_memory == pytest.approx(18 * n + unit)
     assert estimate(m, w, Layout(**{**params.__dict__, "offload_dir": "/nvme"}), g).host_memory == \
         pytest.approx(4 * n + unit)  # the 16-bit shards on disk too
     two = estimate(m, w, Layout(dp=2, zero_stage=2, offload="optimizer"), g).host_memory
-    assert two == pytest.approx(8 * n + staging / 2)  # each rank's half
+    # each rank's half, its gradient shards reduced in fp32 (the default reduce_dtype)
+    assert two == pytest.approx(8 * n + 8 * 25 * 2**20 / 2 / 2 * 4 + 2 * 16 * 2**20)
     assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
 
 

@@ -236,6 +236,12 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     return worst[1]
 
 
+def reduced_bytes(L: Layout) -> int:
+    """Bytes an element of a reduced gradient shard takes as it leaves the GPU under offload: 16-bit at one
+    rank or with a 16-bit reduction, else fp32."""
+    return 2 if L.precision != "fp32" and (L.dp == 1 or L.reduce_dtype != "fp32") else 4
+
+
 def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = False) -> float:
     """What full recomputation keeps of the worst pipeline rank's blocks from forward to backward: their
     inputs, of the micro-batches in flight; in host memory with `offload_activations`. `pinned`: as the
@@ -263,11 +269,11 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     # weights staged until they land.
     per_param += 4 + 2 if L.delayed_update else 0
     # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
-    # shard; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
+    # shard, locked at their exact size; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
     # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
     # offload updates its shards where they lie).
     unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
-    staging = 8 * unit / L.dp * 4 if L.zero_stage >= 2 else 0.0
+    staging = 8 * unit / L.dp * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
     if L.offload != "params" and not L.delayed_update:
         staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.dp * 2))
     return trained * per_param + staging + acts

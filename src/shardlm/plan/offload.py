@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import trained_and_frozen
+from .memory import reduced_bytes, trained_and_frozen
 
 ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
 SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
@@ -38,8 +38,7 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = phi / L.dp if L.zero_stage >= 1 else phi
     micro = w.global_batch // (w.micro_batch * L.dp)
-    mixed = L.precision != "fp32"
-    reduced = 2 if mixed and (L.dp == 1 or L.reduce_dtype != "fp32") else 4
+    reduced = reduced_bytes(L)
     per_micro = compute / micro
     if L.zero_stage >= 2:
         down = shard * reduced / g.pcie_bw
