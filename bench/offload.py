@@ -15,6 +15,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
   changes the math, each gradient one update stale; the step's CPU update runs beside the next step).
 - shardlm-zero2-offload-acts: the same with each block's input (what full recomputation keeps) in pinned host
   memory until its backward (`parallel.offload_activations`): larger micro-batches in the same GPU memory.
+- shardlm-zero2-offload-overlap, -acts-overlap: the same with the update beside the next step's first forward,
+  which waits block by block for its weights (`parallel.overlap_update`: exact).
 - shardlm-zero2-offload-nvme: the same with the fp32 masters and moments in files under $TMPDIR/shardlm-nvme
   (`parallel.offload_dir`: ZeRO-Infinity's NVMe tier; the disk bandwidth is logged).
 - shardlm-zero3-offload-params: `parallel.zero_stage 3, parallel.offload params`: the 16-bit weights in
@@ -49,6 +51,11 @@ SHARDLM = {"shardlm-zero2-offload": {"parallel.zero_stage": "2", "parallel.offlo
                                              "parallel.delayed_update": "true"},
            "shardlm-zero2-offload-acts": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                           "parallel.offload_activations": "true"},
+           "shardlm-zero2-offload-overlap": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
+                                             "parallel.overlap_update": "true"},
+           "shardlm-zero2-offload-acts-overlap": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
+                                                  "parallel.offload_activations": "true",
+                                                  "parallel.overlap_update": "true"},
            "shardlm-zero2-offload-nvme": {"parallel.zero_stage": "2", "parallel.offload": "optimizer",
                                           "parallel.offload_dir": os.path.join(tempfile.gettempdir(), "shardlm-nvme")},
            "shardlm-zero3-offload-params": {"parallel.zero_stage": "3", "parallel.offload": "params"},

@@ -1,9 +1,12 @@
 """ZeRO-Offload's one-step delayed parameter update (`parallel.delayed_update`) against its definition, and its
 checkpoints. (Offload's equality with the runs that keep everything on the device is in test_dp_equality.py.)"""
+import time
+
 import pytest
 import torch
 
 import dist_fns
+from shardlm.config import ConfigError, load_config, validate
 
 SGD = {"train.optimizer": "sgd", "train.momentum": "0", "train.weight_decay": "0", "train.lr_schedule": "constant",
        "train.warmup_steps": "0", "train.grad_clip": "0", "train.lr": "0.05", "train.steps": "5",
@@ -73,10 +76,67 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
 
 
 
+def slowed_update(monkeypatch, seconds: float, waits: bool = True) -> None:
+    """Each bucket's overlapped update takes `seconds` longer, so that the next forward reaches buckets not
+    yet updated; `waits=False` takes forward's waits away (the control: the test can fail)."""
+    from shardlm.parallel import update_overlap
+    start = update_overlap.OverlappedUpdate.start
+
+    def slow_start(self, buckets, update, land):
+        def slow(b):
+            time.sleep(seconds)
+            update(b)
+        return start(self, buckets, slow, land)
+    monkeypatch.setattr(update_overlap.OverlappedUpdate, "start", slow_start)
+    if not waits:
+        monkeypatch.setattr(update_overlap.Landing, "wait", lambda self: None)
+
+
+OVERLAP = {"parallel.zero_stage": "2", "parallel.offload": "optimizer", "train.optimizer": "adamw", "train.steps": "4",
+           "train.global_batch_size": "4", "train.micro_batch_size": "2", "train.device": "cpu", "train.log_every": "1",
+           "parallel.bucket_mb": "0.05"}
+
+
+@pytest.mark.parametrize("stage,precision", [("2", "bf16"), ("1", "fp32")])
+def test_the_overlapped_update_equals_the_update_in_place(stage, precision, tmp_path, monkeypatch):
+    """`parallel.overlap_update`: the update runs bucket by bucket on a host thread while the next step's
+    forward waits block by block for its weights; slowed down so that forward catches up with it, and with
+    an evaluation and a checkpoint (which wait for all of it) between steps: bit for bit the plain run."""
+    over = {**OVERLAP, "parallel.zero_stage": stage, "train.precision": precision, "train.eval_every": "2",
+            "train.save_every": "2", "train.keep_checkpoints": "5"}
+    plain = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "plain"))
+    slowed_update(monkeypatch, 0.02)
+    got = dist_fns.train_and_capture(0, 1, {**over, "parallel.overlap_update": "true"}, str(tmp_path / "overlap"))
+    assert got["losses"] == plain["losses"] and got["grad_norms"] == plain["grad_norms"]
+    for name, value in plain["masters"].items():
+        assert torch.equal(got["masters"][name], value), name
+    for name, (_, _, value) in plain["state"].items():
+        assert torch.equal(got["state"][name][2], value), name
+    resumed = dist_fns.train_and_capture(0, 1, {**over, "parallel.overlap_update": "true"}, str(tmp_path / "resumed"),
+                                         str(tmp_path / "overlap" / "checkpoints" / "step_00000002"))
+    assert resumed["losses"] == got["losses"][2:]
+
+
+def test_forward_reading_weights_before_their_overlapped_update_would_differ(monkeypatch):
+    """The control for the test above: without forward's waits the slowed update loses the race."""
+    plain = dist_fns.train_and_capture(0, 1, OVERLAP)
+    slowed_update(monkeypatch, 0.05, waits=False)
+    raced = dist_fns.train_and_capture(0, 1, {**OVERLAP, "parallel.overlap_update": "true"})
+    assert raced["losses"][1:] != plain["losses"][1:]
+
+
+def test_the_overlapped_update_needs_one_rank_s_optimizer_offload():
+    for extra in ({"parallel.offload": "none"}, {"parallel.delayed_update": "true"}, {"parallel.zero_stage": "3"}):
+        with pytest.raises(ConfigError, match="overlap_update"):
+            validate(load_config("tiny", {**OVERLAP, "parallel.overlap_update": "true", **extra}))
+
+
 GPU_PAIRS = {  # (the run, the run it must equal, bit for bit or not)
     "zero2-offload": ({"parallel.offload": "optimizer"}, {}, False),
     "disk-tier": ({"parallel.offload": "optimizer", "parallel.offload_dir": "nvme"}, {"parallel.offload": "optimizer"},
                   True),
+    "overlapped-update": ({"parallel.offload": "optimizer", "parallel.overlap_update": "true"},
+                          {"parallel.offload": "optimizer"}, True),
     "zero3-offload-params": ({"parallel.zero_stage": "3", "parallel.offload": "params", "parallel.prefetch_units": "2",
                               "parallel.persist_threshold": "100"},
                              {"parallel.zero_stage": "3", "parallel.persist_threshold": "100"}, False),

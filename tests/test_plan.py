@@ -167,7 +167,7 @@ def test_offload_host_memory():
 
 def test_offload_step_time_follows_its_traffic():
     """Offload's step time (plan/offload.py) from the host side's traffic: it costs time; the delayed update
-    hides the update behind the next step's GPU work; a slow disk tier is the step's bottleneck and a fast
+    hides the update behind the next step's GPU work, the exact overlap behind its first forward only; a slow disk tier is the step's bottleneck and a fast
     one is not; parameter offload's uploads grow with recomputation's extra forward; and with a slow host
     fewer, larger micro-batches (fewer host adds) take less time for the same tokens."""
     m = load_config("llama2-7b").model
@@ -178,6 +178,10 @@ def test_offload_step_time_follows_its_traffic():
     assert step(off) > step(zero2)
     slow_host = gpu("h100", host_bw=20e9)
     assert step(Layout(**{**off.__dict__, "delayed_update": True}), g=slow_host) < step(off, g=slow_host)
+    # The exact overlap hides the update behind the next step's first forward at most: less than the delay.
+    overlapped = step(Layout(**{**off.__dict__, "overlap_update": True}), w=Workload(2048, 8, 8))
+    assert step(Layout(**{**off.__dict__, "delayed_update": True}), w=Workload(2048, 8, 8)) <= overlapped \
+        < step(off, w=Workload(2048, 8, 8))
     nvme = Layout(**{**off.__dict__, "offload_dir": "/nvme"})
     assert step(nvme, g=gpu("h100", disk_bw=1e9)) > 2 * step(off)
     assert step(nvme, g=gpu("h100", disk_bw=1e13)) == pytest.approx(step(off))

@@ -57,12 +57,15 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         cpu_adam.load()  # built now, not in the middle of the first step
         super().__init__(*args, **kwargs)
         self.host_grad = host_empty(self.total, torch.float32, pin=torch.cuda.is_available())
+        # parallel.overlap_update: the engine's OverlappedUpdate, and the landings of the update in flight
+        self.overlap, self.landings = None, {}
 
     def host_parts(self) -> list[torch.Tensor]:
         """The fp32 host buffer's view of each bucket's gradient shard."""
         return [self.host_grad[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
 
     def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
+        self.landings = {}
         host = self.host_parts()
         with record_function("shardlm.offload.gradients_in"):
             for h, g in zip(host, grads):
@@ -80,6 +83,12 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                 params[b].copy_(staged[b], non_blocking=True)
                 staged[b] = None  # the pinned allocator reuses it once the copy is done: a bucket or two staged
 
+        if self.overlap is not None:  # on a thread of its own, beside the next forward (update_overlap.py)
+            runs = {b: list(run) for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket)}
+            self.landings = self.overlap.start(
+                list(runs), lambda b: MasterWeightOptimizer._apply(self, lr, host, staged, scale, skip, runs[b]),
+                landed)
+            return
         with record_function("shardlm.offload.host_update"):
             self._update_on_host(lr, host, staged, scale, skip, landed)
 
@@ -238,74 +247,6 @@ class HostGradients:
         """Accumulate into `other` from now on; returns the views filled so far (a delayed update reads them)."""
         filled, self.host = self.host, other
         return filled
-
-
-class DelayedUpdate:
-    """ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021, section 4.2): step N's update runs on
-    the CPU while the GPU runs step N + 1's forward and backward on the weights from before it, and lands at
-    step N + 1's own update. So the gradient of step k is taken at the weights of update k - 2 (those of the
-    start for k = 1, 2) and applied on top of update k - 1: it changes the math, and is off by default. Host
-    gradients are double-buffered (4 bytes a parameter more), the updated 16-bit shards staged in pinned
-    memory until they land; the host thread does CPU work only, so no collective or device work leaves the
-    main thread. A checkpoint waits for the update in flight without landing it and keeps the live weights
-    beside the masters (`::delayed_weights`), so saving changes nothing and a resumed run lands the saved
-    masters at its first step, as the run it continues would have."""
-
-    def __init__(self, opt: "OffloadedOptimizer", host_grads: HostGradients, device: torch.device,
-                 dtype: torch.dtype):
-        self.opt, self.host_grads = opt, host_grads
-        self.cuda = device.type == "cuda"
-        self.spare_buffer = host_empty(opt.total, torch.float32, pin=self.cuda)
-        self.spare = [self.spare_buffer[o:o + n] for o, n in zip(opt.master_off, opt.shard_len)]
-        self.staged = [host_empty(n, dtype, pin=self.cuda) for n in opt.shard_len]
-        init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-delayed-update", **init)
-        self.pending = None
-        self.unlanded = False  # `staged` holds a finished update not yet copied to the weights
-        self.copied = None  # the event after the last landing's copies, which read `staged`
-
-    def submit(self, lr: float, step: int, grad_factor: float, sumsq: torch.Tensor | None) -> None:
-        """Start this step's update on the CPU (the norm's bookkeeping, on the main thread, first)."""
-        grads = list(self.host_grads.host)
-        scale = self.opt.clip_scale(step, grads, grad_factor, sumsq)  # None only in fp16, which is refused
-        self.spare = self.host_grads.swap(self.spare)
-        self.opt.steps_taken += 1
-        scale, skip = scale.cpu(), self.opt.skip_flag().cpu()
-        self.pending = self.pool.submit(self._update, lr, grads, scale, skip, self.copied)
-
-    def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> None:
-        if copied is not None:
-            copied.synchronize()  # the last landing's copies have read the staged shards
-        start = time.perf_counter()
-        self.opt._update_on_host(lr, grads, self.staged, scale, skip)
-        self.host_grads.seconds["delayed_update"] += time.perf_counter() - start
-
-    def finish(self) -> None:
-        """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending, self.unlanded = None, True
-
-    def resume(self, masters: list[torch.Tensor]) -> None:
-        """A checkpoint's masters (this rank's shards) are the update that its run had not landed yet."""
-        for staged, master in zip(self.staged, masters):
-            staged.copy_(master)
-        self.unlanded = True
-
-    def land(self, param_shard) -> bool:
-        """Wait for the update in flight, if any, and copy its 16-bit shards to `param_shard(b)`."""
-        self.finish()
-        if not self.unlanded:
-            return False
-        self.unlanded = False
-        for b, src in enumerate(self.staged):
-            dst = param_shard(b)
-            if dst is not None:
-                dst.copy_(src, non_blocking=True)
-        if self.cuda:
-            self.copied = torch.cuda.Event(blocking=True)
-            self.copied.record()
-        return True
 
 
 class MappedFiles:

@@ -32,7 +32,8 @@ from ..comm.transport import sharded_transport
 from ..flat import FlatParams
 from .buckets import BucketReadiness, reverse_order_buckets
 from .engine import Engine
-from .offload import DelayedUpdate, HostGradients, sharded_optimizer
+from .offload import HostGradients, sharded_optimizer
+from .update_overlap import DelayedUpdate, OverlappedUpdate
 
 # Stage 2 bounds the full-size bucket gradients alive at once by finishing the oldest reduction when
 # more than this many are in flight. Finishing one makes the compute stream wait for it, so the bound
@@ -73,6 +74,8 @@ class ZeroEngine(Engine):
         self.host_grads = HostGradients(self.opt.host_parts(), flat.device) \
             if self.opt.offloaded and self.stage >= 2 else None
         self.delayed = DelayedUpdate(self.opt, self.host_grads, flat.device, flat.dtype) if p.delayed_update else None
+        if p.overlap_update:
+            self.opt.overlap = OverlappedUpdate(flat.device)
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
         # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
@@ -88,6 +91,8 @@ class ZeroEngine(Engine):
         self.weight_gathers: dict[int, tuple] = {}  # bucket -> (all-gather of its updated weights, its input)
         self.gather_order = list(range(len(flat.buckets)))
         self._wait_for_weights_in_forward(model)
+        if self.opt.offloaded and self.opt.overlap is not None:
+            self.opt.overlap.order = self.gather_order
 
     def _flat_params(self, model: nn.Module) -> FlatParams:
         item = next(model.parameters()).element_size()
@@ -100,8 +105,9 @@ class ZeroEngine(Engine):
 
     # ---- stages 1, 2: updated weights arrive while the next forward runs ----------------------
     def _wait_for_weights_in_forward(self, model: nn.Module) -> None:
-        """Hooks that make forward wait for a bucket's all-gather just before the first module reading it."""
-        if self.world == 1:
+        """Hooks that make forward wait for a bucket's all-gather (or its overlapped update: update_overlap.py)
+        just before the first module reading it."""
+        if self.world == 1 and not self.cfg.parallel.overlap_update:
             return
         parts = model.parts()
         last = len(parts.layers) + 1
@@ -125,6 +131,7 @@ class ZeroEngine(Engine):
         self._wait_weight_gathers()
 
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
+        self._wait_weight_gathers()  # an overlapped update still writes the masters
         if self.delayed is None:
             return super().gather_full_state()
         self.delayed.finish()  # the masters of the last step, and beside them the weights the next one uses
@@ -258,7 +265,9 @@ class ZeroEngine(Engine):
     def _gather_updated_weights(self) -> None:
         """Every rank's updated slices into the whole buckets, in the order forward reads them; left in
         flight for the next forward to wait on (`_wait_weight_gathers`)."""
-        if self.world > 1:
+        if self.opt.offloaded and self.opt.landings:
+            self.weight_gathers = {b: (landing, None) for b, landing in self.opt.landings.items()}
+        elif self.world > 1:
             self.weight_gathers = self.transport.all_gather_weights(
                 self.gather_order, lambda b: self.opt.shard_of(self.flat.buckets[b].data, b))
 

@@ -63,6 +63,13 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     # The 16-bit weights go back up bucket by bucket as they are updated, unless they live in host memory
     # (parameter offload): the slower of the two.
     host = update if L.offload == "params" else max(update, shard * 2 / g.pcie_bw)
-    # Overlapped, the update and the next step's adds still share the host's memory bandwidth.
-    step = max(gpu, host, adds + update) if L.delayed_update else gpu + host
+    # Overlapped, the update and the next step's adds still share the host's memory bandwidth. The exact
+    # overlap (`parallel.overlap_update`) hides it behind the next step's first forward only, which waits
+    # for each bucket in turn.
+    if L.delayed_update:
+        step = max(gpu, host, adds + update)
+    elif L.overlap_update:
+        step = gpu + host - min(host, per_micro * (0.25 if L.recompute == "full" else 1 / 3))
+    else:
+        step = gpu + host
     return step - compute
