@@ -98,6 +98,7 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
     key = "exp_avg" if cfg.train.optimizer == "adamw" else "momentum_buffer"
     masters, _ = trainer.parallel.gather_full_state()  # full tensors by name, on the main rank
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": engine.owned_shards(key),
             "bytes": captured["bytes"], "numel": engine.flat.numel}

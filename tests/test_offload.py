@@ -76,59 +76,76 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
 
 
 
-def slowed_update(monkeypatch, seconds: float, waits: bool = True) -> None:
-    """Each bucket's overlapped update takes `seconds` longer, so that the next forward reaches buckets not
-    yet updated; `waits=False` takes forward's waits away (the control: the test can fail)."""
-    from shardlm.parallel import update_overlap
+def slowed_update(monkeypatch, seconds: float, forward_waits: bool = True) -> None:
+    """Each bucket's overlapped update takes `seconds` longer (and on a GPU its copy up waits behind a sleeping
+    kernel), so that the next forward reaches buckets not yet updated; `forward_waits=False` takes forward's
+    per-block waits away (the control: the test can fail)."""
+    from shardlm.parallel import update_overlap, zero
     start = update_overlap.OverlappedUpdate.start
 
     def slow_start(self, buckets, update, land):
-        def slow(b):
+        def slow_update(b):
             time.sleep(seconds)
             update(b)
-        return start(self, buckets, slow, land)
+
+        def slow_land(b):
+            if self.cuda:
+                torch.cuda._sleep(int(seconds * 1e9))  # about `seconds` of GPU clock on this stream
+            land(b)
+        return start(self, buckets, slow_update, slow_land)
     monkeypatch.setattr(update_overlap.OverlappedUpdate, "start", slow_start)
-    if not waits:
-        monkeypatch.setattr(update_overlap.Landing, "wait", lambda self: None)
+    if not forward_waits:
+        wait = zero.ZeroEngine._wait_weight_gathers
+        monkeypatch.setattr(zero.ZeroEngine, "_wait_weight_gathers",
+                            lambda self, at=None: None if at is not None else wait(self, at))
 
 
-OVERLAP = {"parallel.zero_stage": "2", "parallel.offload": "optimizer", "train.optimizer": "adamw", "train.steps": "4",
+OVERLAP = {"parallel.zero_stage": "2", "parallel.offload": "optimizer", "train.optimizer": "adamw", "train.steps": "5",
            "train.global_batch_size": "4", "train.micro_batch_size": "2", "train.device": "cpu", "train.log_every": "1",
            "parallel.bucket_mb": "0.05"}
 
 
-@pytest.mark.parametrize("stage,precision", [("2", "bf16"), ("1", "fp32")])
-def test_the_overlapped_update_equals_the_update_in_place(stage, precision, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage,precision,device", [("2", "bf16", "cpu"), ("1", "fp32", "cpu"),
+                                                    pytest.param("2", "bf16", "cuda", marks=ON_GPU)])
+def test_the_overlapped_update_equals_the_update_in_place(stage, precision, device, tmp_path, monkeypatch):
     """`parallel.overlap_update`: the update runs bucket by bucket on a host thread while the next step's
-    forward waits block by block for its weights; slowed down so that forward catches up with it, and with
-    an evaluation and a checkpoint (which wait for all of it) between steps: bit for bit the plain run."""
-    over = {**OVERLAP, "parallel.zero_stage": stage, "train.precision": precision, "train.eval_every": "2",
-            "train.save_every": "2", "train.keep_checkpoints": "5"}
+    forward waits block by block for its weights; slowed down so that forward catches up with it. Between
+    steps an evaluation (steps 2, 4), a checkpoint (step 3) and the end of training (step 5) each meet an
+    update in flight: bit for bit the plain run, and a resumed run continues it."""
+    over = {**OVERLAP, "parallel.zero_stage": stage, "train.precision": precision, "train.device": device,
+            "train.eval_every": "2", "train.save_every": "3", "train.keep_checkpoints": "5"}
     plain = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "plain"))
     slowed_update(monkeypatch, 0.02)
-    got = dist_fns.train_and_capture(0, 1, {**over, "parallel.overlap_update": "true"}, str(tmp_path / "overlap"))
-    assert got["losses"] == plain["losses"] and got["grad_norms"] == plain["grad_norms"]
+    on = {**over, "parallel.overlap_update": "true"}
+    got = dist_fns.train_and_capture(0, 1, on, str(tmp_path / "overlap"))
+    for key in ("losses", "grad_norms", "eval_losses"):
+        assert got[key] == plain[key], key
     for name, value in plain["masters"].items():
         assert torch.equal(got["masters"][name], value), name
     for name, (_, _, value) in plain["state"].items():
         assert torch.equal(got["state"][name][2], value), name
-    resumed = dist_fns.train_and_capture(0, 1, {**over, "parallel.overlap_update": "true"}, str(tmp_path / "resumed"),
-                                         str(tmp_path / "overlap" / "checkpoints" / "step_00000002"))
-    assert resumed["losses"] == got["losses"][2:]
+    resumed = dist_fns.train_and_capture(0, 1, on, str(tmp_path / "resumed"),
+                                         str(tmp_path / "overlap" / "checkpoints" / "step_00000003"))
+    assert resumed["losses"] == got["losses"][3:]
+    for name, value in got["masters"].items():
+        assert torch.equal(resumed["masters"][name], value), name
 
 
 def test_forward_reading_weights_before_their_overlapped_update_would_differ(monkeypatch):
-    """The control for the test above: without forward's waits the slowed update loses the race."""
+    """The control for the test above: without forward's per-block waits (backward and the step still wait
+    for all of it) the slowed update loses the race."""
     plain = dist_fns.train_and_capture(0, 1, OVERLAP)
-    slowed_update(monkeypatch, 0.05, waits=False)
+    slowed_update(monkeypatch, 0.05, forward_waits=False)
     raced = dist_fns.train_and_capture(0, 1, {**OVERLAP, "parallel.overlap_update": "true"})
     assert raced["losses"][1:] != plain["losses"][1:]
 
 
 def test_the_overlapped_update_needs_one_rank_s_optimizer_offload():
-    for extra in ({"parallel.offload": "none"}, {"parallel.delayed_update": "true"}, {"parallel.zero_stage": "3"}):
+    for extra in ({"parallel.offload": "none"}, {"parallel.delayed_update": "true"}, {"parallel.zero_stage": "3"},
+                  {"parallel.pp": "2", "parallel.zero_stage": "1"}):
         with pytest.raises(ConfigError, match="overlap_update"):
-            validate(load_config("tiny", {**OVERLAP, "parallel.overlap_update": "true", **extra}))
+            validate(load_config("tiny", {**OVERLAP, "parallel.overlap_update": "true", **extra}),
+                     int(extra.get("parallel.pp", 1)))
 
 
 GPU_PAIRS = {  # (the run, the run it must equal, bit for bit or not)

@@ -587,11 +587,12 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('delayed_update', True)} is ZeRO-Offload's: it needs {show('zero_stage', 2)} with "
                           f"{show('offload', 'optimizer')} (and no {key('offload_dir')})")
     if p.overlap_update and not (p.zero_stage in (1, 2) and p.offload == "optimizer" and not p.offload_dir
-                                 and not p.delayed_update and p.dp == 1):
+                                 and not p.delayed_update and p.dp == 1 and p.pp == 1):
         raise ConfigError(f"{show('overlap_update', True)} runs one rank's offloaded update beside the next forward: it "
                           f"needs {key('zero_stage')} 1 or 2 with {show('offload', 'optimizer')}, {key('dp')} = 1 (with "
-                          f"more ranks the updated shards' all-gathers overlap forward already), no {key('offload_dir')} "
-                          f"and no {key('delayed_update')}")
+                          f"more ranks the updated shards' all-gathers overlap forward already), {key('pp')} = 1 (a "
+                          f"pipeline's schedule waits for all of it), no {key('offload_dir')} and no "
+                          f"{key('delayed_update')}")
     if p.delayed_update and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"{show('delayed_update', True)} runs the update beside the next step, which tensor and "
                           f"pipeline parallelism would need collectives in; it needs {key('tp')} = {key('pp')} = 1")

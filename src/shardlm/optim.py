@@ -248,21 +248,23 @@ class MasterWeightOptimizer:
         return None if any(t is None for t in needed) else joined
 
     def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor,
-               segments: list | None = None) -> None:
+               segments: list | None = None, steps: int | None = None) -> None:
         """The update of every segment (or of `segments`): grads[b] times `scale` is the step's gradient of
-        bucket b's shard; the updated 16-bit weights go to params[b] (None: nothing to write back)."""
+        bucket b's shard; the updated 16-bit weights go to params[b] (None: nothing to write back). `steps`:
+        the step count for the bias correction (default: the steps taken so far)."""
         cfg = self.cfg
+        steps = self.steps_taken if steps is None else steps
         for seg in self.segments if segments is None else segments:
             b, sl = seg.bucket, slice(seg.lo, seg.hi)
             out = None if params[b] is None else params[b][sl]
             args = (self.master_parts[b][sl], out, grads[b][sl])
             if cfg.optimizer == "adamw":
                 adamw_master_step(*args, self.state["exp_avg"][b][sl], self.state["exp_avg_sq"][b][sl], scale, skip,
-                                  step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                                  step=steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                                   weight_decay=seg.weight_decay, consume_grad=self.consume_grads,
                                   host_kernel=self.offloaded)
             else:
-                sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=self.steps_taken,
+                sgd_master_step(*args, self.state["momentum_buffer"][b][sl], scale, skip, step=steps,
                                 lr=lr, momentum=cfg.momentum, weight_decay=seg.weight_decay)
 
     def sync(self, step: int) -> tuple[float, int]:

@@ -382,6 +382,9 @@ class Trainer:
         return records
 
     def close(self) -> None:
+        opt = getattr(self.engine, "opt", None)
+        if getattr(opt, "landings", None):  # an update still in flight (parallel.overlap_update) ends, or says why not
+            opt.wait_for_update()
         # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
         # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
         # after a failure the launcher's kill is safer than waiting on peers. The barrier first: a rank

@@ -60,12 +60,18 @@ class OffloadedOptimizer(MasterWeightOptimizer):
         # parallel.overlap_update: the engine's OverlappedUpdate, and the landings of the update in flight
         self.overlap, self.landings = None, {}
 
+    def wait_for_update(self) -> None:
+        """The overlapped update in flight, if any, done: the masters, moments and host gradients are free."""
+        for landing in self.landings.values():
+            landing.wait()
+        self.landings = {}
+
     def host_parts(self) -> list[torch.Tensor]:
         """The fp32 host buffer's view of each bucket's gradient shard."""
         return [self.host_grad[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
 
     def _apply(self, lr: float, grads: list, params: list, scale: torch.Tensor, skip: torch.Tensor) -> None:
-        self.landings = {}
+        self.wait_for_update()
         host = self.host_parts()
         with record_function("shardlm.offload.gradients_in"):
             for h, g in zip(host, grads):
@@ -85,9 +91,11 @@ class OffloadedOptimizer(MasterWeightOptimizer):
 
         if self.overlap is not None:  # on a thread of its own, beside the next forward (update_overlap.py)
             runs = {b: list(run) for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket)}
-            self.landings = self.overlap.start(
-                list(runs), lambda b: MasterWeightOptimizer._apply(self, lr, host, staged, scale, skip, runs[b]),
-                landed)
+            steps = self.steps_taken  # this step's count, whenever the thread reaches a bucket
+
+            def update(b: int) -> None:
+                MasterWeightOptimizer._apply(self, lr, host, staged, scale, skip, runs[b], steps=steps)
+            self.landings = self.overlap.start(list(runs), update, landed)
             return
         with record_function("shardlm.offload.host_update"):
             self._update_on_host(lr, host, staged, scale, skip, landed)

@@ -28,7 +28,8 @@ class Landing:
     """Bucket b updated and its weights on their way up. `wait()` blocks until the update thread has
     issued their copy (raising what that thread raised), then makes the current stream wait for the copy."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.issued = threading.Event()
         self.copied: torch.cuda.Event | None = None
         self.future: Future | None = None
@@ -37,8 +38,10 @@ class Landing:
         while not self.issued.wait(timeout=0.2):
             if self.future is not None and self.future.done():
                 self.future.result()  # the update failed: raise its error here, in the training thread
+                if not self.issued.is_set():
+                    raise RuntimeError("the overlapped update ended without updating every bucket")
         if self.copied is not None:
-            torch.cuda.current_stream().wait_event(self.copied)
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
 
 
 class OverlappedUpdate:
@@ -46,7 +49,7 @@ class OverlappedUpdate:
     forward reads the buckets in) and copies each bucket's weights up on a stream of its own."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-overlapped-update", **init)
@@ -58,9 +61,9 @@ class OverlappedUpdate:
         stream); returns their landings, to be waited for before anything reads the weights."""
         todo = set(buckets)
         order = [b for b in self.order if b in todo] + sorted(todo - set(self.order))
-        landings = {b: Landing() for b in order}
+        landings = {b: Landing(self.device) for b in order}
         # The step's own work on the compute stream (the last backward's reads of the weights) comes first.
-        ready = torch.cuda.current_stream().record_event() if self.cuda else None
+        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         future = self.pool.submit(self._run, order, landings, ready, update, land)
         for landing in landings.values():
             landing.future = future

@@ -130,6 +130,10 @@ class ZeroEngine(Engine):
             self._gather_updated_weights()
         self._wait_weight_gathers()
 
+    def owned_shards(self, which: str) -> dict[str, tuple[int, int, torch.Tensor]]:
+        self._wait_weight_gathers()  # an overlapped update still writes the masters and moments
+        return super().owned_shards(which)
+
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
         self._wait_weight_gathers()  # an overlapped update still writes the masters
         if self.delayed is None:
