@@ -143,7 +143,7 @@ class HostGradients:
         self.pending: deque = deque()
         self.converted: torch.Tensor | None = None  # _add_converted's fp32 chunk (one host thread uses it)
         # The host thread's time in each phase, summed (a profiler records its starting thread's ranges only).
-        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0, "delayed_update": 0.0}
+        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0, "delayed_update": 0.0, "overlapped_update": 0.0}
         # The host thread waits on this device's events (a thread starts on device 0, whose context it
         # would otherwise create on every rank).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads", initializer=torch.cuda.set_device,

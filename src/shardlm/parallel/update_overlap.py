@@ -48,8 +48,9 @@ class OverlappedUpdate:
     """One host thread that runs a step's update bucket by bucket in `order` (set by the engine: the order
     forward reads the buckets in) and copies each bucket's weights up on a stream of its own."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, seconds: dict | None = None):
         self.device, self.cuda = device, device.type == "cuda"
+        self.seconds = seconds  # where the update's time is summed (HostGradients.seconds: the profile's phases)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-overlapped-update", **init)
@@ -73,7 +74,11 @@ class OverlappedUpdate:
         if ready is not None:
             self.stream.wait_event(ready)
         for b in order:
+            start = time.perf_counter()
             update(b)
+            if self.seconds is not None:
+                self.seconds["overlapped_update"] = self.seconds.get("overlapped_update", 0.0) + \
+                    time.perf_counter() - start
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     land(b)

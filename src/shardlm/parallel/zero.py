@@ -75,7 +75,7 @@ class ZeroEngine(Engine):
             if self.opt.offloaded and self.stage >= 2 else None
         self.delayed = DelayedUpdate(self.opt, self.host_grads, flat.device, flat.dtype) if p.delayed_update else None
         if p.overlap_update:
-            self.opt.overlap = OverlappedUpdate(flat.device)
+            self.opt.overlap = OverlappedUpdate(flat.device, self.host_grads.seconds if self.host_grads else None)
         # Gradient shards: filled by the reduce-scatter (stage 1) or accumulated into (stages 2, 3).
         # Stage 1 reducing in the gradients' own dtype keeps its shard inside the full bucket buffer;
         # otherwise a shard exists from its bucket's first reduction until the step (as FSDP2's sharded
