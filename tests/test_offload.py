@@ -140,6 +140,22 @@ def test_forward_reading_weights_before_their_overlapped_update_would_differ(mon
     assert raced["losses"][1:] != plain["losses"][1:]
 
 
+@pytest.mark.timeout(120)
+def test_a_failing_overlapped_update_raises_in_the_training_thread(monkeypatch):
+    """An error on the update's thread reaches the training loop at the next wait for the weights (the next
+    forward), never a hang on a bucket that will not arrive."""
+    from shardlm.parallel import update_overlap
+    start = update_overlap.OverlappedUpdate.start
+
+    def failing_start(self, buckets, update, land):
+        def fail(b):
+            raise RuntimeError("host update failed")
+        return start(self, buckets, fail, land)
+    monkeypatch.setattr(update_overlap.OverlappedUpdate, "start", failing_start)
+    with pytest.raises(RuntimeError, match="host update failed"):
+        dist_fns.train_and_capture(0, 1, {**OVERLAP, "parallel.overlap_update": "true"})
+
+
 def test_the_overlapped_update_needs_one_rank_s_optimizer_offload():
     for extra in ({"parallel.offload": "none"}, {"parallel.delayed_update": "true"}, {"parallel.zero_stage": "3"},
                   {"parallel.pp": "2", "parallel.zero_stage": "1"}):

@@ -90,8 +90,7 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                 staged[b] = None  # the pinned allocator reuses it once the copy is done: a bucket or two staged
 
         if self.overlap is not None:  # on a thread of its own, beside the next forward (update_overlap.py)
-            runs = {b: list(run) for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket)}
-            steps = self.steps_taken  # this step's count, whenever the thread reaches a bucket
+            runs, steps = self._bucket_segments(), self.steps_taken  # this step's count, whenever the thread runs
 
             def update(b: int) -> None:
                 MasterWeightOptimizer._apply(self, lr, host, staged, scale, skip, runs[b], steps=steps)
@@ -104,10 +103,14 @@ class OffloadedOptimizer(MasterWeightOptimizer):
                         landed=None) -> None:
         """The update of every segment, all on the host: the updated 16-bit shards into `staged`, and
         `landed(b)` called once bucket b's is complete."""
-        for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket):
-            super()._apply(lr, grads, staged, scale, skip, segments=list(run))
+        for b, run in self._bucket_segments().items():
+            super()._apply(lr, grads, staged, scale, skip, segments=run)
             if landed is not None:
                 landed(b)
+
+    def _bucket_segments(self) -> dict[int, list]:
+        """The update's segments by bucket, in bucket order."""
+        return {b: list(run) for b, run in itertools.groupby(self.segments, key=lambda seg: seg.bucket)}
 
 
 class _Staged(list):

@@ -50,7 +50,7 @@ class OverlappedUpdate:
 
     def __init__(self, device: torch.device, seconds: dict | None = None):
         self.device, self.cuda = device, device.type == "cuda"
-        self.seconds = seconds  # where the update's time is summed (HostGradients.seconds: the profile's phases)
+        self.seconds = seconds  # HostGradients.seconds, where the update's time is summed (the profile's phases)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         init = dict(initializer=torch.cuda.set_device, initargs=(device,)) if self.cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-overlapped-update", **init)
@@ -77,8 +77,7 @@ class OverlappedUpdate:
             start = time.perf_counter()
             update(b)
             if self.seconds is not None:
-                self.seconds["overlapped_update"] = self.seconds.get("overlapped_update", 0.0) + \
-                    time.perf_counter() - start
+                self.seconds["overlapped_update"] += time.perf_counter() - start
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     land(b)
