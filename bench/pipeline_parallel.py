@@ -4,7 +4,7 @@ same shapes, micro-batches and global batch.
     python bench/pipeline_parallel.py --gpus 4 [--preset tinyllama-1.1b --seq 2048 --micro-batch 4 --microbatches 8]
     python bench/pipeline_parallel.py --preset llama2-7b --seq 4096 --micro-batch 1 --microbatches 16 \\
         --systems shardlm-pp4-1f1b shardlm-pp2-tp2-1f1b torch-1f1b
-    python bench/pipeline_parallel.py --synthetic ...   # equal stages: bubble vs formula
+    python bench/pipeline_parallel.py --synthetic 1 --compile 0 ...   # equal stages: bubble vs formula
 
 Each system runs as its own `torchrun --nproc-per-node GPUS` job; a step is `--microbatches` micro-batches of
 `--micro-batch` sequences through pp 4 (or pp 2 x tp 2), then AdamW, bf16.
@@ -20,6 +20,11 @@ Each system runs as its own `torchrun --nproc-per-node GPUS` job; a step is `--m
   on the last stage), with torch's AdamW; no compile.
 MFU charges every system ModelConfig.flops_per_token against 989 TFLOP/s per GPU; peak memory is the largest
 over the ranks (per rank under "stages" in the JSON). Appends rows with bench "pipeline_parallel".
+`--synthetic 1` makes the stages equal, so that the bubble measures the engine against the formula alone:
+every stage (virtual stage) gets as many layers, the first stage's embedding is looked up outside autograd
+(its input's gradient is computed and dropped, as every other stage's is sent), and the last stage's loss is
+the mean of its blocks' output instead of the head's cross-entropy (at pp 2 the head and loss made the last
+chunk's forward 0.5 ms and its backward 1.5 ms slower than another's of 13 and 27 ms).
 """
 from __future__ import annotations
 
@@ -52,6 +57,23 @@ def model_config(args):
         over["model.num_layers"] = str(-(-load_config(args.preset).model.num_layers // step) * step)
         over["model.vocab_size"] = "512"  # room for the default data's 257 ids
     return load_config(args.preset, over)
+
+
+def equal_stages(schedule):
+    """A forward for the pipeline's seam (`PipelineSchedule.forward`) in which every stage costs the same: its
+    blocks alone (see `--synthetic`)."""
+    import torch
+    model, last = schedule.model, schedule.S - 1
+
+    def forward(stage, x, targets, length, documents=None):
+        if stage == 0:
+            with torch.no_grad():
+                x = model.embed(x)
+            x.requires_grad_()
+        h = model.hidden_states(x, layers=schedule.layers_of[stage], embed=False, length=length,
+                                documents=documents)
+        return h.mean() if stage == last else h
+    return forward
 
 
 def equal_split(layers: int, layout: dict) -> str:
@@ -131,13 +153,12 @@ def shardlm_step(args, system: str, extra: list[str]):
             "train.precision": "bf16", "train.tensorboard": "false", "train.compile": str(args.compile),
             "model.max_seq_len": str(cfg.model.max_seq_len), "model.vocab_size": str(cfg.model.vocab_size),
             "model.num_layers": str(cfg.model.num_layers),
-            # Equal stages: as many layers each, and the last one's loss in one chunk of few kernels (in
-            # chunks of 2048 tokens its forward took 1.1 ms more than another stage's at pp 2).
-            **({"parallel.pp_layers": equal_split(cfg.model.num_layers, SHARDLM[system]),
-                "train.loss_chunk_tokens": str(args.micro_batch * args.seq)} if args.synthetic else {}),
+            **({"parallel.pp_layers": equal_split(cfg.model.num_layers, SHARDLM[system])} if args.synthetic else {}),
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
     trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")
+    if args.synthetic:
+        trainer.forward_backward.forward = equal_stages(trainer.forward_backward)
     trainer.forward_backward.timer = timer
     trainer.forward_backward = timer.span(trainer.forward_backward)
     return step, timer, trainer
@@ -302,7 +323,7 @@ def main():
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--synthetic", type=int, default=0,
-                   help="1: equal stages (a 512-token vocabulary, layers a multiple of 2 x gpus)")
+                   help="1: equal stages (the blocks alone, as many each; a 512-token vocabulary)")
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", type=int, default=1)
@@ -346,7 +367,7 @@ def main():
                                                           "bubble_simulated_stages") if k in r},
                                     "command": f"python bench/pipeline_parallel.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
-                                               f"--synthetic {args.synthetic} --systems {r['system']}"}) + "\n")
+                                               f"--synthetic {args.synthetic} --compile {args.compile} --systems {r['system']}"}) + "\n")
 
 
 if __name__ == "__main__":
