@@ -4,8 +4,9 @@ reshaped arange; a group over some axes is a line (or plane) of the grid along t
 creates every group, in the same order, once, when the mesh is built. Besides one group per axis the mesh
 holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
 which gradients are reduced), `pp+tp` (the ranks holding different parts of one model replica, over
-which the gradient norm is summed) and `pp_ends` (each line's first and last pipeline stage, which hold
-a tied embedding's two copies). Expert parallelism will be carved out of dp x cp, as Megatron and
+which the gradient norm is summed), `pp_ends` (each line's first and last pipeline stage, which hold
+a tied embedding's two copies) and the pipeline's point-to-point flows (`flow_name`: one two-rank group per
+kind of data, direction and pair of neighbouring stages, so that each flow has a stream of its own). Expert parallelism will be carved out of dp x cp, as Megatron and
 torchtitan do.
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
@@ -75,6 +76,19 @@ class DeviceMesh:
     pp_group = property(lambda self: self.group("pp"))
 
 
+def flow_name(kind: str, src: int, dst: int) -> str:
+    """The group carrying one pipeline flow: `kind` "F" (activations) or "B" (their gradients) from pipeline
+    rank src to dst. Under NCCL a group's operations run in order on one stream: with both directions and
+    both kinds on one group, a receive waiting for a slow peer held up another peer's data already sent."""
+    return f"pp_{kind}_{src}_{dst}"
+
+
+def flows(pp: int) -> list[tuple[str, int, int]]:
+    """Every flow a pipeline of pp ranks may use: F and B each way between neighbours, the last rank's
+    neighbour the first (virtual stages wrap around)."""
+    return [(kind, a, b) for a in range(pp) for b in sorted({(a + 1) % pp, (a - 1) % pp} - {a}) for kind in "FB"]
+
+
 def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
@@ -108,11 +122,15 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
             group = dist.new_group(line, timeout=timeout)
             if rank in line:
                 mesh.groups[name] = group
-    if pp > 1:  # the first and last pipeline stage of each line: a tied embedding's two copies
+    if pp > 1:  # each line's first and last stage (a tied embedding's two copies), and its flows
         for line in grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist():
             group = dist.new_group([line[0], line[-1]], timeout=timeout)
             if rank in (line[0], line[-1]):
                 mesh.groups["pp_ends"] = group
+            for kind, a, b in flows(pp):
+                group = dist.new_group([line[a], line[b]], timeout=timeout)
+                if rank in (line[a], line[b]):
+                    mesh.groups[flow_name(kind, a, b)] = group
     return mesh
 
 
