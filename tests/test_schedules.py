@@ -94,20 +94,32 @@ def test_sends_out_of_order_are_rejected():
         validate(tables, 2, 1, 2)
 
 
-def test_a_send_posted_before_a_receive_both_ways_deadlocks():
-    """Each rank sends before it receives, in separate batches: NCCL's per-pair order makes both sends wait
-    for receives queued behind them. The validator and the simulator both say so."""
-    tables = [[Action("F", 0, 0), Action("SEND_F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0)],
-              [Action("F", 1, 1), Action("SEND_B", 1, 1), Action("RECV_F", 1, 0), Action("F", 1, 0),
-               Action("B", 1, 0), Action("SEND_B", 1, 0), Action("RECV_F", 1, 1), Action("B", 1, 1)]]
-    with pytest.raises(ScheduleError):
-        validate(tables, 2, 1, 2)
+def test_a_compute_waiting_on_itself_through_the_pipeline_deadlocks():
+    """Rank 0 sends its forward only after a backward that needs rank 1's gradient, which needs that forward:
+    the validator and the simulator both name the deadlock."""
     deadlocked = [[Action("F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0), Action("SEND_F", 0, 0)],
                   [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]]
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(deadlocked, 2)
     with pytest.raises(ScheduleError, match="deadlock"):
         validate(deadlocked, 2, 1, 1)
+
+
+def test_a_send_without_its_receive_is_rejected():
+    tables = schedule("1f1b", 2, 1, 2)
+    tables[0].remove(Action("SEND_F", 0, 1))
+    with pytest.raises(ScheduleError, match="without their peer's: rank 1 RECV_F1.1"):
+        validate(tables, 2, 1, 2)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 16)])
+def test_receives_are_posted_when_their_data_is_sent(name, v, pp, m):
+    """A send or receive waiting for its peer holds SMs beside the computations it overlaps (an NCCL kernel):
+    at the schedules' nominal costs no operation waits beside a computation on this rank for more than
+    2.5% of the compute time (interleaved 1F1B, placed by lock-step ticks instead, had 13% at pp 4, m 8)."""
+    run = simulate(schedule(name, pp, v, m), pp, {"F": 1, "B": 2, "I": 1, "W": 1})
+    assert run.spinning <= 0.025 * sum(run.busy)
 
 
 def test_a_missing_receive_is_rejected():

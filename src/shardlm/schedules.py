@@ -8,7 +8,8 @@ interleaved 1F1B, Narayanan et al. 2021). Compute actions: F (forward of a stage
 backward), and for zero-bubble schedules I (the backward to the stage's input) and W (its weights'
 gradients), Qi et al. 2024. `lower` inserts the point-to-point actions: RECV_F for a forward that needs
 the previous stage's activations, SEND_F of its output; RECV_B for a backward that needs the next stage's
-gradient, SEND_B of its input's. Consecutive communication actions form one batch (batch_isend_irecv).
+gradient, SEND_B of its input's. Each kind and direction between two ranks is a flow of its own, in order
+on both ends (the engine gives each flow its process group).
 
 - naive: one micro-batch at a time through every stage and back (plain model parallelism).
 - gpipe (Huang et al. 2019): every forward, then every backward; holds m micro-batches' activations.
@@ -25,6 +26,7 @@ time, each rank's busy time, the bubble and the peak of micro-batches in flight,
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -160,40 +162,54 @@ def schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
 
 # ---- lowering: the point-to-point actions around the compute -------------------------------------------
 
-def lower(orders: list[list[Action]], pp: int, v: int) -> list[list[Action]]:
-    """Each rank's compute order with its communication placed by a lock-step run (as torch's pipelining
-    lowers its schedules): in each tick every rank computes its next action if the data it needs has
-    arrived, then a batch per rank holds the sends of this tick's outputs and the receives of the outputs
-    its peers computed in it. A send and its receive are thus posted in the same tick on both ranks, so
-    every batch completes once all ranks have posted that tick's (no rank waits behind another's send);
-    a receive may come many actions before the compute that reads it."""
+NOMINAL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # a backward twice a forward, split evenly into I and W
+
+
+def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None) -> list[list[Action]]:
+    """Each rank's compute order with its communication placed by a timed run of the orders (`cost` per
+    action kind, NOMINAL by default; data moves in no time): a send follows the compute that produces it,
+    and its receive is posted at the edge of the receiver's computations nearest to when the data is sent
+    (before the first compute starting then, or before the one running then if it is less than half done).
+    Each flow's sends and receives then come in the same order on both ranks, and a receive is posted
+    about when its data leaves: NCCL's kernel for a receive (or a send) occupies SMs from the moment it
+    is launched until its peer's arrives, slowing the computations beside it, so neither should wait
+    long for the other."""
+    cost = {**NOMINAL, **(cost or {})}
     S = pp * v
-    pos = [0] * pp
-    arrived: list[set] = [set() for _ in range(pp)]
-    lowered: list[list[Action]] = [[] for _ in range(pp)]
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
-        sends, progressed = [], False
+    sent: dict = {}                               # receive -> when its data is sent
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    clock = [0.0] * pp
+    progressed = True
+    while progressed:
+        progressed = False
         for r in range(pp):
-            if pos[r] == len(orders[r]):
-                continue
-            a = orders[r][pos[r]]
-            need = _recv_for(a, S)
-            if need is not None and need not in arrived[r]:
-                continue
+            while len(starts[r]) < len(orders[r]):
+                a = orders[r][len(starts[r])]
+                need = _recv_for(a, S)
+                if need is not None and need not in sent:
+                    break
+                starts[r].append(max(clock[r], sent[need]) if need is not None else clock[r])
+                clock[r] = starts[r][-1] + cost[a.kind]
+                if (send := _send_after(a, S)) is not None:
+                    sent[_counterpart(send)] = clock[r]
+                progressed = True
+    if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
+        waiting = ", ".join(f"rank {r} at {orders[r][len(starts[r])]}" for r in range(pp)
+                            if len(starts[r]) < len(orders[r]))
+        raise ScheduleError(f"the compute orders deadlock: {waiting} wait for data never computed")
+    lowered: list[list[Action]] = [[] for _ in range(pp)]
+    for r in range(pp):
+        at: dict = {}  # compute index -> the receives posted before it, in the order their data is sent
+        for t, recv in sorted((t, recv) for recv, t in sent.items() if rank_of(recv.stage, pp) == r):
+            i = bisect.bisect_left(starts[r], t)  # the first compute starting once the data is sent
+            if i and t - starts[r][i - 1] < starts[r][i - 1] + cost[orders[r][i - 1].kind] - t:
+                i -= 1  # sent early in a compute: the receive waits beside it less than the send would
+            at.setdefault(i, []).append(recv)
+        for i, a in enumerate(orders[r]):
+            lowered[r] += at.get(i, [])
             lowered[r].append(a)
-            pos[r] += 1
-            progressed = True
             if (send := _send_after(a, S)) is not None:
-                sends.append(send)
-        if not progressed:
-            waiting = ", ".join(f"rank {r} at {orders[r][pos[r]]}" for r in range(pp) if pos[r] < len(orders[r]))
-            raise ScheduleError(f"the compute orders deadlock: {waiting} wait for data never computed")
-        for send in sends:
-            recv = _counterpart(send)
-            dst = rank_of(recv.stage, pp)
-            lowered[rank_of(send.stage, pp)].append(send)
-            lowered[dst].append(recv)
-            arrived[dst].add(recv)
+                lowered[r].append(send)
     return lowered
 
 
@@ -245,70 +261,57 @@ def _counterpart(a: Action) -> Action:
 # ---- checking and simulating a table -----------------------------------------------------------------
 
 class Streams:
-    """The point-to-point traffic as NCCL runs batch_isend_irecv: each rank's batches (groups) run on one
-    stream in posting order, a batch launching once the one before it has completed; a send and a receive
-    match when both are launched, in order per direction (the k-th send from a to b is the k-th receive
-    of b from a); a batch completes when all its operations have matched. A send waits for its receive
-    like any operation: two ranks that each post a send before their receive, in separate batches,
-    deadlock."""
+    """The point-to-point traffic as the engine runs it: each flow (activations or gradients, one direction,
+    one pair of ranks) on a stream of its own at each end, its operations launched there in posting order;
+    the k-th send of a flow matches its k-th receive once both are posted and the flow's previous pair has
+    matched, `comm` later. Flows do not wait for each other."""
 
     def __init__(self, pp: int, comm: float = 0.0):
         self.pp, self.comm = pp, comm
-        self.queues = [[] for _ in range(pp)]   # rank -> [(post time, [actions])], in posting order
-        self.head = [0] * pp                    # rank -> index of the batch launched or next to launch
-        self.launched = [None] * pp
-        self.pending: dict = {}                 # (src, dst, "SEND"/"RECV") -> [(action, launch time)]
-        self.matched: dict = {}                 # action -> when it matched
-        self.done_at = [0.0] * pp               # when the rank's last batch completed
+        self.posted: dict = {}   # (flow, "SEND"/"RECV") -> [(action, post time)] in posting order
+        self.count: dict = {}    # flow -> pairs matched
+        self.last: dict = {}     # flow -> when its last pair matched
+        self.matched: dict = {}  # action -> when it matched
+        self.done_at = [0.0] * pp
+        self.waits: list = []    # (rank, from, to): an operation launched before its peer's, waiting for it
+
+    def _flow(self, rank: int, a: Action) -> tuple[tuple, str]:
+        other = peer(a, self.pp)
+        if a.kind.startswith("SEND"):
+            return (a.kind[-1], rank, other), "SEND"
+        return (a.kind[-1], other, rank), "RECV"
 
     def post(self, rank: int, batch: list[Action], time: float) -> None:
-        self.queues[rank].append((time, batch))
-        self._progress()
+        for a in batch:
+            flow, side = self._flow(rank, a)
+            self.posted.setdefault((flow, side), []).append((a, time))
+            self._match(flow)
 
-    def _launch(self, rank: int) -> None:
-        if self.launched[rank] is None and self.head[rank] < len(self.queues[rank]):
-            post, batch = self.queues[rank][self.head[rank]]
-            start = max(post, self.done_at[rank])
-            self.launched[rank] = batch
-            for a in batch:
-                send = a.kind.startswith("SEND")
-                src, dst = (rank, peer(a, self.pp)) if send else (peer(a, self.pp), rank)
-                self.pending.setdefault((src, dst, "SEND" if send else "RECV"), []).append((a, start))
+    def _match(self, flow: tuple) -> None:
+        sends, recvs = self.posted.get((flow, "SEND"), []), self.posted.get((flow, "RECV"), [])
+        k = self.count.get(flow, 0)
+        for (sa, st), (ra, rt) in zip(sends[k:], recvs[k:]):
+            if _counterpart(sa) != ra:
+                raise ScheduleError(f"rank {flow[1]} sends {sa} where rank {flow[2]} receives {ra}: their orders differ")
+            before = self.last.get(flow, 0.0)
+            self.matched[sa] = self.matched[ra] = self.last[flow] = max(st, rt, before) + self.comm
+            for r, launched in ((flow[1], max(st, before)), (flow[2], max(rt, before))):
+                self.waits.append((r, launched, max(st, rt, before)))
+            for r in flow[1:]:
+                self.done_at[r] = max(self.done_at[r], self.last[flow])
+            k += 1
+        self.count[flow] = k
 
-    def _progress(self) -> None:
-        moved = True
-        while moved:
-            moved = False
-            for r in range(self.pp):
-                self._launch(r)
-            for (src, dst, kind), sends in list(self.pending.items()):
-                if kind != "SEND":
-                    continue
-                recvs = self.pending.get((src, dst, "RECV"), [])
-                while sends and recvs:
-                    (sa, st), (ra, rt) = sends.pop(0), recvs.pop(0)
-                    if _counterpart(sa) != ra:
-                        raise ScheduleError(f"rank {src} sends {sa} where rank {dst} receives {ra}: their orders differ")
-                    self.matched[sa] = self.matched[ra] = max(st, rt) + self.comm
-                    moved = True
-            for r in range(self.pp):
-                batch = self.launched[r]
-                if batch is not None and all(a in self.matched for a in batch):
-                    self.done_at[r] = max(self.matched[a] for a in batch)
-                    self.launched[r] = None
-                    self.head[r] += 1
-                    moved = True
-
-    def stuck(self) -> list[str]:
-        return [f"rank {r} at [{', '.join(map(str, self.queues[r][self.head[r]][1]))}]"
-                for r in range(self.pp) if self.head[r] < len(self.queues[r])]
+    def unmatched(self) -> list[str]:
+        return [f"rank {rank} {a}" for (flow, side), ops in self.posted.items() for a, _ in ops[self.count.get(flow, 0):]
+                for rank in [flow[1] if side == "SEND" else flow[2]]]
 
 
 def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
-    """Without running it: every stage of this rank computes each micro-batch's F once and then its B (or
-    I, then W) once; every receive comes before the compute that uses it and every send after the compute
-    that produces it; and, the ranks' batches posted as written, every send meets its receive under NCCL's
-    ordering (Streams), so every batch completes. ScheduleError otherwise."""
+    """Every stage of this rank computes each micro-batch's F once and then its B (or I, then W) once; every
+    receive comes before the compute that uses it and every send after the compute that produces it; each
+    flow's sends and receives pair up in the same order (Streams); and a run of the table completes, no
+    compute waiting, through sends and receives, on itself (`simulate`). ScheduleError otherwise."""
     S = pp * v
     if len(tables) != pp:
         raise ScheduleError(f"{len(tables)} action lists for {pp} ranks")
@@ -329,12 +332,10 @@ def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
                     raise ScheduleError(f"rank {r}: stage {s} does not compute micro-batch {i} forward and backward")
     streams = Streams(pp)
     for r, actions in enumerate(tables):
-        for b in batches(actions):
-            if isinstance(b, list):
-                streams.post(r, b, 0.0)
-    stuck = streams.stuck()
-    if stuck:
-        raise ScheduleError(f"point-to-point deadlock: {'; '.join(stuck)} never complete")
+        streams.post(r, [a for a in actions if a.kind in SENDS or a.kind in SENDS.values()], 0.0)
+    if streams.unmatched():
+        raise ScheduleError(f"point-to-point operations without their peer's: {', '.join(streams.unmatched())}")
+    simulate(tables, pp)
 
 
 def _needs(a: Action, S: int, done: set) -> list[Action]:
@@ -358,6 +359,7 @@ class Simulation:
     time: float              # when the last rank finishes
     busy: list[float]        # each rank's compute time
     in_flight: list[int]     # each rank's peak of micro-batches whose activations it holds
+    spinning: float = 0.0    # time sends and receives waited for their peers beside a computation (see lower)
 
     @property
     def bubble(self) -> float:
@@ -376,6 +378,7 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
     streams = Streams(pp, comm)
     pos, clock = [0] * pp, [0.0] * pp
     busy, held, peak = [0.0] * pp, [0] * pp, [0] * pp
+    computing: list[list] = [[] for _ in range(pp)]  # each rank's (start, end) of its computations
     progress = True
     while progress:
         progress = False
@@ -392,6 +395,7 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
                     c = cost.get((item.kind, item.stage), cost[item.kind])
                     clock[r] = max([clock[r], *times]) + c
                     busy[r] += c
+                    computing[r].append((clock[r] - c, clock[r]))
                     if item.kind == "F":
                         held[r] += 1
                         peak[r] = max(peak[r], held[r])
@@ -402,7 +406,8 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
     stuck = [f"rank {r} at {lists[r][pos[r]]}" for r in range(pp) if pos[r] < len(lists[r])]
     if stuck:
         raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for receives that never complete")
-    return Simulation(max([*clock, *streams.done_at]), busy, peak)
+    spinning = sum(max(0.0, min(b, to) - max(a, start)) for r, start, to in streams.waits for a, b in computing[r])
+    return Simulation(max([*clock, *streams.done_at]), busy, peak, spinning)
 
 
 def split_layers(cfg, stages: int, counts: str = "") -> list[list[int]]:
