@@ -12,9 +12,11 @@ that ZeRO-Offload's step time rests on (issue: at least as fast per parameter as
 - torch-fused: torch's fused CPU AdamW (torch.optim.AdamW(fused=True)'s kernel) over the same tensors.
 - deepspeed: DeepSpeedCPUAdam.step over the same N fp32 parameters with fp32 gradients (its AVX kernel; the
   bf16 copy-back is not in this call), where deepspeed imports (its cpu_adam op builds at first use).
-Both run on --threads threads (torch.set_num_threads; OMP_NUM_THREADS for DeepSpeed's OpenMP loop). Prints
-seconds per step and nanoseconds per parameter (the best of --steps after one warm-up); with --record, one
-row per system, bench "offload_step".
+Both run on --threads threads (torch.set_num_threads; OMP_NUM_THREADS for DeepSpeed's OpenMP loop). Every
+system is built first, warmed up once, then timed in --steps rounds of one step of each in turn, so that a
+drift of the host (its clock, a neighbour) falls on all of them alike: one system after another, the same
+kernel measured 10% apart between calls. Prints each system's median seconds per step and nanoseconds per
+parameter; with --record, one row per system, bench "offload_step".
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,16 +33,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def best_of(step, steps: int, cuda: bool) -> float:
+def rounds(steps: dict, count: int, cuda: bool) -> dict:
+    """Each system's step times over `count` rounds of every system in turn, after one warm-up step each."""
     import torch
-    times = []
-    for _ in range(steps + 1):
+
+    def timed(step):
         t = time.perf_counter()
         step()
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return min(times[1:])
+        return time.perf_counter() - t
+    for step in steps.values():
+        timed(step)
+    times = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            times[name].append(timed(step))
+    return times
 
 
 def shardlm_step(n: int, device: str, threads: int):
@@ -111,7 +121,7 @@ def deepspeed_step(n: int):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=100e6)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="rounds: one timed step of every system each")
     p.add_argument("--threads", type=int, default=0, help="0: this process's cores")
     p.add_argument("--device", default="cpu", help="where the 16-bit weights live (cuda: the copy back is timed)")
     p.add_argument("--systems", nargs="+", default=["shardlm", "shardlm-kernel", "torch-fused", "deepspeed"])
@@ -122,18 +132,20 @@ def main():
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     n, cuda = int(a.params), a.device == "cuda"
-    rows = []
+    builders = {"shardlm": lambda: shardlm_step(n, a.device, threads), "shardlm-kernel": lambda: kernel_step(n),
+                "torch-fused": lambda: torch_fused_step(n), "deepspeed": lambda: deepspeed_step(n)}
+    steps = {}
     for system in a.systems:
         try:
-            step = {"shardlm": lambda: shardlm_step(n, a.device, threads), "shardlm-kernel": lambda: kernel_step(n),
-                    "torch-fused": lambda: torch_fused_step(n), "deepspeed": lambda: deepspeed_step(n)}[system]()
+            steps[system] = builders[system]()
         except ImportError as e:
             print(f"{system}: skipped ({e})")
-            continue
-        dt = best_of(step, a.steps, cuda)
+    rows = []
+    for system, times in rounds(steps, a.steps, cuda).items():
+        dt = statistics.median(times)
         rows.append({"system": system, "s": dt, "ns_per_param": dt / n * 1e9})
-        print(f"{system:<15} {n / 1e6:,.0f}M parameters, {threads} threads: {dt:.3f} s per step, "
-              f"{dt / n * 1e9:.2f} ns per parameter", flush=True)
+        print(f"{system:<15} {n / 1e6:,.0f}M parameters, {threads} threads: {dt:.3f} s per step (median of {a.steps}, "
+              f"{min(times):.3f} to {max(times):.3f}), {dt / n * 1e9:.2f} ns per parameter", flush=True)
     by = {r["system"]: r["s"] for r in rows}
     if "deepspeed" in by:
         for ours in ("shardlm-kernel", "torch-fused", "shardlm"):
@@ -150,7 +162,8 @@ def main():
                                     "peak_mem_gib": None, "threads": threads, "step_s": round(r["s"], 4),
                                     "ns_per_param": round(r["ns_per_param"], 3),
                                     "command": f"python bench/offload_step.py --params {a.params:g} --threads "
-                                               f"{threads} --device {a.device} --systems {r['system']}"}) + "\n")
+                                               f"{threads} --device {a.device} --steps {a.steps} --systems "
+                                               f"{' '.join(a.systems)}"}) + "\n")
 
 
 if __name__ == "__main__":
