@@ -75,7 +75,7 @@ class _Step:
     outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
     recvs: dict = field(default_factory=dict)     # (kind, stage, mb) -> (batch posted, buffer)
     deferred: dict = field(default_factory=dict)  # weight-gradient matmuls queued by I, until W
-    sending: list = field(default_factory=list)   # batches with sends in flight
+    sending: list = field(default_factory=list)   # sends in flight
 
 
 class PipelineSchedule:
