@@ -51,6 +51,20 @@ def test_every_schedule_equals_one_process(schedule, pp, m):
     run(layout(pp, m, schedule, v=2 if schedule == "interleaved" else 1))
 
 
+GPU_CASES = [pytest.param(s, pp, marks=pytest.mark.skipif(torch.cuda.device_count() < pp, reason=f"needs {pp} GPUs"))
+             for pp in (2, 4) for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+
+
+@pytest.mark.parametrize("schedule, pp", GPU_CASES)
+def test_every_schedule_over_nccl_equals_one_gpu(schedule, pp):
+    """The engine as a user runs it: NCCL, a communicator per flow, receives posted where the timed lowering
+    puts them, against one process on one GPU (AdamW's tolerance on GPUs, as test_dp_equality.py's)."""
+    over = layout(pp, 2 * pp, schedule, v=2 if schedule == "interleaved" else 1)
+    results = run_distributed(dist_fns.train_and_capture, pp, over, timeout=240, device="cuda")
+    check_equal(results, dist_fns.train_and_capture(0, 1, {**reference_overrides(over), "train.device": "cuda"}),
+                atol=5e-6)
+
+
 # With tensor parallelism, SGD: AdamW amplifies the row-parallel sums' rounding (test_tensor_parallel.py) as
 # much with stages as without (5.7e-6 after three steps on 8 layers at tp 2, pp 2 or 1).
 SGD = OPTIMIZERS["sgd"]
