@@ -157,6 +157,8 @@ def shardlm_step(args, system: str, extra: list[str]):
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
     trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")
+    if args.synthetic and trainer.cfg.model.tie_embeddings:
+        raise SystemExit(f"--synthetic: {args.preset} ties its embedding to its head, which equal stages leave out")
     if args.synthetic:
         trainer.forward_backward.forward = equal_stages(trainer.forward_backward)
     trainer.forward_backward.timer = timer
@@ -367,7 +369,8 @@ def main():
                                                           "bubble_simulated_stages") if k in r},
                                     "command": f"python bench/pipeline_parallel.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
-                                               f"--synthetic {args.synthetic} --compile {args.compile} --systems {r['system']}"}) + "\n")
+                                               f"--synthetic {args.synthetic} --compile {args.compile} "
+                                               f"--systems {r['system']}"}) + "\n")
 
 
 if __name__ == "__main__":

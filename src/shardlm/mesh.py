@@ -5,8 +5,9 @@ creates every group, in the same order, once, when the mesh is built. Besides on
 holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
 which gradients are reduced), `pp+tp` (the ranks holding different parts of one model replica, over
 which the gradient norm is summed), `pp_ends` (each line's first and last pipeline stage, which hold
-a tied embedding's two copies) and the pipeline's point-to-point flows (`flow_name`: one two-rank group per
-kind of data, direction and pair of neighbouring stages, so that each flow has a stream of its own). Expert parallelism will be carved out of dp x cp, as Megatron and
+a tied embedding's two copies) and the pipeline's point-to-point flows (`flow_name`: a two-rank group
+for the activations from each stage's rank to the next and one for their gradients back, so that each
+flow has a stream of its own). Expert parallelism will be carved out of dp x cp, as Megatron and
 torchtitan do.
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
@@ -79,14 +80,16 @@ class DeviceMesh:
 def flow_name(kind: str, src: int, dst: int) -> str:
     """The group carrying one pipeline flow: `kind` "F" (activations) or "B" (their gradients) from pipeline
     rank src to dst. Under NCCL a group's operations run in order on one stream: with both directions and
-    both kinds on one group, a receive waiting for a slow peer held up another peer's data already sent."""
+    both kinds on one group, a receive waiting for a slow peer held up another peer's data already sent.
+    (NCCL warns that kernels of several communicators waiting on each other can hang where they cannot
+    all be resident; Megatron-LM's separate sends and receives take the same risk.)"""
     return f"pp_{kind}_{src}_{dst}"
 
 
 def flows(pp: int) -> list[tuple[str, int, int]]:
-    """Every flow a pipeline of pp ranks may use: F and B each way between neighbours, the last rank's
-    neighbour the first (virtual stages wrap around)."""
-    return [(kind, a, b) for a in range(pp) for b in sorted({(a + 1) % pp, (a - 1) % pp} - {a}) for kind in "FB"]
+    """Every flow a pipeline of pp ranks may use: activations from each rank to the next, their gradients
+    back, the last rank's next the first (virtual stages wrap around)."""
+    return list(dict.fromkeys(f for a in range(pp) for f in (("F", a, (a + 1) % pp), ("B", (a + 1) % pp, a))))
 
 
 def world_from_env() -> tuple[int, int, int]:

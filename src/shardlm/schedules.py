@@ -167,8 +167,8 @@ NOMINAL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # a backward twice a forward
 
 def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None) -> list[list[Action]]:
     """Each rank's compute order with its communication placed by a timed run of the orders (`cost` per
-    action kind, NOMINAL by default; data moves in no time): a send follows the compute that produces it,
-    and its receive is posted at the edge of the receiver's computations nearest to when the data is sent
+    action kind or (kind, stage) as `simulate` takes them, NOMINAL by default; data moves in no time): a
+    send follows the compute that produces it, and its receive is posted at the edge of the receiver's computations nearest to when the data is sent
     (before the first compute starting then, or before the one running then if it is less than half done).
     Each flow's sends and receives then come in the same order on both ranks, and a receive is posted
     about when its data leaves: NCCL's kernel for a receive (or a send) occupies SMs from the moment it
@@ -176,7 +176,7 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
     long for the other."""
     cost = {**NOMINAL, **(cost or {})}
     S = pp * v
-    sent: dict = {}                               # receive -> when its data is sent
+    sent: dict = {}  # receive -> when its data is sent, in the order sent (a flow's, whatever the costs)
     starts: list[list[float]] = [[] for _ in range(pp)]
     clock = [0.0] * pp
     progressed = True
@@ -189,7 +189,7 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
                 if need is not None and need not in sent:
                     break
                 starts[r].append(max(clock[r], sent[need]) if need is not None else clock[r])
-                clock[r] = starts[r][-1] + cost[a.kind]
+                clock[r] = starts[r][-1] + cost.get((a.kind, a.stage), cost[a.kind])
                 if (send := _send_after(a, S)) is not None:
                     sent[_counterpart(send)] = clock[r]
                 progressed = True
@@ -200,9 +200,12 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
     lowered: list[list[Action]] = [[] for _ in range(pp)]
     for r in range(pp):
         at: dict = {}  # compute index -> the receives posted before it, in the order their data is sent
-        for t, recv in sorted((t, recv) for recv, t in sent.items() if rank_of(recv.stage, pp) == r):
+        mine = [(t, k, recv) for k, (recv, t) in enumerate(sent.items()) if rank_of(recv.stage, pp) == r]
+        for t, _, recv in sorted(mine):
             i = bisect.bisect_left(starts[r], t)  # the first compute starting once the data is sent
-            if i and t - starts[r][i - 1] < starts[r][i - 1] + cost[orders[r][i - 1].kind] - t:
+            running = orders[r][i - 1] if i else None
+            if running and t - starts[r][i - 1] < starts[r][i - 1] + cost.get((running.kind, running.stage),
+                                                                             cost[running.kind]) - t:
                 i -= 1  # sent early in a compute: the receive waits beside it less than the send would
             at.setdefault(i, []).append(recv)
         for i, a in enumerate(orders[r]):
@@ -292,7 +295,8 @@ class Streams:
         k = self.count.get(flow, 0)
         for (sa, st), (ra, rt) in zip(sends[k:], recvs[k:]):
             if _counterpart(sa) != ra:
-                raise ScheduleError(f"rank {flow[1]} sends {sa} where rank {flow[2]} receives {ra}: their orders differ")
+                raise ScheduleError(f"rank {flow[1]} sends {sa} where rank {flow[2]} receives {ra}: "
+                                    "their orders differ")
             before = self.last.get(flow, 0.0)
             self.matched[sa] = self.matched[ra] = self.last[flow] = max(st, rt, before) + self.comm
             for r, launched in ((flow[1], max(st, before)), (flow[2], max(rt, before))):
@@ -303,8 +307,8 @@ class Streams:
         self.count[flow] = k
 
     def unmatched(self) -> list[str]:
-        return [f"rank {rank} {a}" for (flow, side), ops in self.posted.items() for a, _ in ops[self.count.get(flow, 0):]
-                for rank in [flow[1] if side == "SEND" else flow[2]]]
+        return [f"rank {flow[1] if side == 'SEND' else flow[2]} {a}" for (flow, side), ops in self.posted.items()
+                for a, _ in ops[self.count.get(flow, 0):]]
 
 
 def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
@@ -372,7 +376,7 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
     receive take `comm` once both are launched): each rank computes in its list's order, posts its batches
     as it reaches them (posting does not block), and waits before a compute only for the receive it needs.
     ScheduleError names the ranks stuck in a deadlock."""
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(cost or {})}
+    cost = {**NOMINAL, **(cost or {})}
     S = max(a.stage for t in tables for a in t) + 1
     lists = [batches(t) for t in tables]
     streams = Streams(pp, comm)

@@ -1,15 +1,15 @@
 """Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B and interleaved 1F1B, Narayanan et al. 2021): the
 decoder's layers split into stages over the mesh's pp axis, and one engine that executes any schedule's
-action table (schedules.py) with batched point-to-point sends and receives.
+action table (schedules.py) with point-to-point sends and receives.
 
 Each rank holds a Decoder slice with the layers of its stages (v of them with virtual stages), under the
 whole model's parameter names; the first stage's rank also holds the embeddings, the last's the final
-norm, the head and the loss. A step runs the rank's actions in order: a batch of sends and receives
-(each on its flow's group, the receives waited for only where a computation reads them), a forward of a
-stage on a micro-batch, or its backward. Each flow (activations or gradients, one direction, one pair of
-neighbours) has a group and so a stream of its own: posted in one batch on one group, a forward's input
-waited for a later backward's gradient still being computed two stages on (8 ms a step of ZB-H1 at pp 4). Each micro-batch's loss is divided by the number of
-micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
+norm, the head and the loss. A step runs the rank's actions in order: sends and receives (the receives
+waited for only where a computation reads them), a forward of a stage on a micro-batch, or its backward.
+Each flow (activations or gradients, one direction, one pair of neighbours) has a group and so a stream
+of its own: posted in one batch on one group, a forward's input waited for a later backward's gradient
+still being computed two stages on (bench/README.md). Each micro-batch's loss is divided by the number
+of micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
 A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: backward needs only its
 graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
 After the last backward, the tied embedding's two copies (first and last stage) add their gradients,
@@ -73,7 +73,7 @@ class _Step:
     loss: torch.Tensor  # their sum (on the last stage)
     inputs: dict = field(default_factory=dict)    # a stage's input, whose gradient goes back
     outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
-    recvs: dict = field(default_factory=dict)     # (kind, stage, mb) -> (batch posted, buffer)
+    recvs: dict = field(default_factory=dict)     # (kind, stage, mb) -> (receive posted, buffer)
     deferred: dict = field(default_factory=dict)  # weight-gradient matmuls queued by I, until W
     sending: list = field(default_factory=list)   # sends in flight
 
@@ -100,8 +100,8 @@ class PipelineSchedule:
         self._connect(next(model.parameters()).device)
 
     def _connect(self, device: torch.device) -> None:
-        """Every link this rank's table sends or receives on, made now with every rank at once. NCCL creates a
-        group's communicator at its first operation and connects two ranks at their first send or receive,
+        """Every flow this rank's table sends or receives on, made now, one flow at a time in the same order on
+        every rank. NCCL creates a group's communicator at its first operation and connects two ranks at their first send or receive,
         inside ncclGroupEnd, which blocks the CPU until the peer connects too (pytorch#113281). Left to the
         first step, staggered stages block there while their peers wait on them: a hang on GPUs that gloo
         never shows."""
@@ -123,7 +123,8 @@ class PipelineSchedule:
         """A send or receive of `tensor` on its flow's group, to or from the other rank of the flow."""
         kind, src, dst = flow
         other = dst if src == self.mesh.pp_rank else src
-        return dist.P2POp(op, tensor, dist.get_global_rank(self.group, other), self.mesh.group(flow_name(*flow)))
+        # Indexed, not mesh.group(): a missing flow would be None, which torch takes for the whole world.
+        return dist.P2POp(op, tensor, dist.get_global_rank(self.group, other), self.mesh.groups[flow_name(*flow)])
 
     def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int, documents=None):
         h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length,
