@@ -157,8 +157,6 @@ def shardlm_step(args, system: str, extra: list[str]):
             "train.device": args.device, "parallel.dp": "1", **SHARDLM[system]}
     trainer, step = shardlm_trainer(args.preset, over, extra)
     timer = BusyTimer(args.device == "cuda")
-    if args.synthetic and trainer.cfg.model.tie_embeddings:
-        raise SystemExit(f"--synthetic: {args.preset} ties its embedding to its head, which equal stages leave out")
     if args.synthetic:
         trainer.forward_backward.forward = equal_stages(trainer.forward_backward)
     trainer.forward_backward.timer = timer
@@ -337,6 +335,8 @@ def main():
     args, extra = p.parse_known_args()
     if args.system:
         return worker(args, extra)
+    if args.synthetic and model_config(args).model.tie_embeddings:
+        p.error(f"--synthetic: {args.preset} ties its embedding to its head, which equal stages leave out")
     own = forwarded(args, ("gpus", "preset", "seq", "micro_batch", "microbatches", "synthetic", "warm", "steps", "compile",
                            "device", "timeline"))
     ranks = lambda s: int(SHARDLM[s]["parallel.pp"]) * int(SHARDLM[s].get("parallel.tp", 1)) if s in SHARDLM \
