@@ -168,12 +168,12 @@ NOMINAL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # a backward twice a forward
 def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None) -> list[list[Action]]:
     """Each rank's compute order with its communication placed by a timed run of the orders (`cost` per
     action kind or (kind, stage) as `simulate` takes them, NOMINAL by default; data moves in no time): a
-    send follows the compute that produces it, and its receive is posted at the edge of the receiver's computations nearest to when the data is sent
-    (before the first compute starting then, or before the one running then if it is less than half done).
-    Each flow's sends and receives then come in the same order on both ranks, and a receive is posted
-    about when its data leaves: NCCL's kernel for a receive (or a send) occupies SMs from the moment it
-    is launched until its peer's arrives, slowing the computations beside it, so neither should wait
-    long for the other."""
+    send follows the compute that produces it, and its receive is posted at the edge of the receiver's
+    computations nearest to when the data is sent (before the first compute starting then, or before the
+    one running then if it is less than half done). Each flow's sends and receives then come in the same
+    order on both ranks, and a receive is posted about when its data leaves: NCCL's kernel for a receive
+    (or a send) occupies SMs from the moment it is launched until its peer's arrives, slowing the
+    computations beside it, so neither should wait long for the other."""
     cost = {**NOMINAL, **(cost or {})}
     S = pp * v
     sent: dict = {}  # receive -> when its data is sent, in the order sent (a flow's, whatever the costs)

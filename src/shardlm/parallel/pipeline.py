@@ -100,18 +100,15 @@ class PipelineSchedule:
         self._connect(next(model.parameters()).device)
 
     def _connect(self, device: torch.device) -> None:
-        """Every flow this rank's table sends or receives on, made now, one flow at a time in the same order on
-        every rank. NCCL creates a group's communicator at its first operation and connects two ranks at their first send or receive,
-        inside ncclGroupEnd, which blocks the CPU until the peer connects too (pytorch#113281). Left to the
-        first step, staggered stages block there while their peers wait on them: a hang on GPUs that gloo
-        never shows."""
+        """Every flow this rank's table sends or receives on, made now, one at a time in the same order on every
+        rank (the lowest flow not yet made has both its ranks at it). NCCL creates a group's communicator at
+        its first operation and connects two ranks at their first send or receive, inside ncclGroupEnd,
+        which blocks the CPU until the peer connects too (pytorch#113281). Left to the first step, staggered
+        stages block there while their peers wait on them: a hang on GPUs that gloo never shows."""
         dist.barrier(group=self.group)
-        # One flow at a time, in one order on every rank: the lowest flow not yet made has both its ranks at it.
         for flow in sorted({self._flow(a) for a in self.table if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")}):
-            kind, src, dst = flow
-            me = self.mesh.pp_rank
-            op = dist.isend if src == me else dist.irecv
-            for work in dist.batch_isend_irecv([self._op(op, torch.zeros(1, device=device), flow)]):
+            op = dist.isend if flow[1] == self.mesh.pp_rank else dist.irecv
+            for work in self._start(op, torch.zeros(1, device=device), flow):
                 work.wait()
 
     def _flow(self, a: Action) -> tuple[str, int, int]:
@@ -119,12 +116,13 @@ class PipelineSchedule:
         me, other = self.mesh.pp_rank, peer(a, self.pp)
         return (a.kind[-1],) + ((me, other) if a.kind.startswith("SEND") else (other, me))
 
-    def _op(self, op, tensor: torch.Tensor, flow: tuple[str, int, int]) -> dist.P2POp:
-        """A send or receive of `tensor` on its flow's group, to or from the other rank of the flow."""
-        kind, src, dst = flow
+    def _start(self, op, tensor: torch.Tensor, flow: tuple[str, int, int]) -> list:
+        """A send or receive of `tensor` on its flow's group, to or from the flow's other rank: its works."""
+        _, src, dst = flow
         other = dst if src == self.mesh.pp_rank else src
         # Indexed, not mesh.group(): a missing flow would be None, which torch takes for the whole world.
-        return dist.P2POp(op, tensor, dist.get_global_rank(self.group, other), self.mesh.groups[flow_name(*flow)])
+        group = self.mesh.groups[flow_name(*flow)]
+        return dist.batch_isend_irecv([dist.P2POp(op, tensor, dist.get_global_rank(self.group, other), group)])
 
     def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int, documents=None):
         h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length,
@@ -173,8 +171,7 @@ class PipelineSchedule:
             key = (a.stage, a.mb)
             if a.kind.startswith("RECV"):
                 buf = torch.empty(self.activation_shape, dtype=dtype, device=device)
-                posted = _Posted(dist.batch_isend_irecv([self._op(dist.irecv, buf, self._flow(a))]), [])
-                step.recvs[(a.kind, a.stage, a.mb)] = (posted, buf)
+                step.recvs[(a.kind, a.stage, a.mb)] = (_Posted(self._start(dist.irecv, buf, self._flow(a)), []), buf)
                 continue
             if a.kind == "SEND_F":
                 out = step.outputs[key]
@@ -182,7 +179,7 @@ class PipelineSchedule:
                 out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # freed once sent
             else:
                 sent = step.inputs.pop(key).grad
-            step.sending.append(_Posted(dist.batch_isend_irecv([self._op(dist.isend, sent, self._flow(a))]), [sent]))
+            step.sending.append(_Posted(self._start(dist.isend, sent, self._flow(a)), [sent]))
         step.sending = [p for p in step.sending if not p.completed()]
 
     def _receive(self, step: "_Step", a: Action) -> torch.Tensor | None:
@@ -235,14 +232,14 @@ class PipelineSchedule:
             if s > 0:
                 h = torch.empty(shape, dtype=next(self.model.parameters()).dtype, device=device)
                 flow = ("F", rank_of(s - 1, self.pp), self.mesh.pp_rank)
-                for w in dist.batch_isend_irecv([self._op(dist.irecv, h, flow)]):
+                for w in self._start(dist.irecv, h, flow):
                     w.wait()
             out = self._stage_forward(s, x if s == 0 else h, y, x.shape[1], self.model.documents(x))
             if s == self.S - 1:
                 loss = out.float()
             else:
                 flow = ("F", self.mesh.pp_rank, rank_of(s + 1, self.pp))
-                for w in dist.batch_isend_irecv([self._op(dist.isend, out.contiguous(), flow)]):
+                for w in self._start(dist.isend, out.contiguous(), flow):
                     w.wait()
         dist.all_reduce(loss, group=self.group)
         return loss
