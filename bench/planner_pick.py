@@ -71,7 +71,7 @@ def worker(args, extra):
     trainer, step = shardlm_trainer(args.preset, over, extra)
     dt, mem = timed(step, args.warm, args.steps, args.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    peak = torch.tensor([mem + trainer.engine.symmetric_bytes() / 2**30], device=args.device)
+    peak = torch.tensor([mem + trainer.parallel.symmetric_bytes() / 2**30], device=args.device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     tok = args.global_batch * args.seq / dt / world

@@ -51,18 +51,28 @@ def test_every_schedule_equals_one_process(schedule, pp, m):
     run(layout(pp, m, schedule, v=2 if schedule == "interleaved" else 1))
 
 
-GPU_CASES = [pytest.param(s, pp, marks=pytest.mark.skipif(torch.cuda.device_count() < pp, reason=f"needs {pp} GPUs"))
-             for pp in (2, 4) for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+GPU_CASES = [pytest.param(s, pp, transfer, marks=pytest.mark.skipif(torch.cuda.device_count() < pp,
+                                                                    reason=f"needs {pp} GPUs"))
+             for transfer in ("process_group", "copy_engine") for pp in (2, 4)
+             for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
 
 
-@pytest.mark.parametrize("schedule, pp", GPU_CASES)
-def test_every_schedule_over_nccl_equals_one_gpu(schedule, pp):
-    """The engine as a user runs it: NCCL, a communicator per flow, receives posted where the timed lowering
-    puts them, against one process on one GPU (AdamW's tolerance on GPUs, as test_dp_equality.py's)."""
-    over = layout(pp, 2 * pp, schedule, v=2 if schedule == "interleaved" else 1)
+@pytest.mark.parametrize("schedule, pp, transfer", GPU_CASES)
+def test_every_schedule_on_gpus_equals_one_gpu(schedule, pp, transfer):
+    """The engine as a user runs it: NCCL (a communicator per flow) or the copy engines (comm/p2p.py), receives
+    posted where the timed lowering puts them, against one process on one GPU (AdamW's tolerance on GPUs, as
+    test_dp_equality.py's). Three steps of two micro-batches a stage: each flow reuses its two slots."""
+    over = layout(pp, 2 * pp, schedule, v=2 if schedule == "interleaved" else 1, **{"parallel.pp_transfer": transfer})
     results = run_distributed(dist_fns.train_and_capture, pp, over, timeout=240, device="cuda")
     check_equal(results, dist_fns.train_and_capture(0, 1, {**reference_overrides(over), "train.device": "cuda"}),
                 atol=5e-6)
+
+
+def test_copy_engine_transfers_need_gpus():
+    """Without GPUs the copy-engine transfers are refused with a message naming them, on every rank."""
+    with pytest.raises(Exception, match="pp_transfer = 'copy_engine' needs CUDA GPUs"):
+        run_distributed(dist_fns.train_and_capture, 2, layout(2, 2, "1f1b", **{"parallel.pp_transfer": "copy_engine"}),
+                        timeout=120)
 
 
 # With tensor parallelism, SGD: AdamW amplifies the row-parallel sums' rounding (test_tensor_parallel.py) as
@@ -74,6 +84,15 @@ SGD = OPTIMIZERS["sgd"]
 def test_pipeline_times_tensor_and_sequence_parallel(schedule):
     v = 2 if schedule == "interleaved" else 1
     run(layout(2, 4, schedule, v=v, tp=2, **{"parallel.sp": "true"}, **SGD))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_pipeline_times_tensor_parallel_by_the_copy_engines_on_gpus():
+    """pp 2 x tp 2 (sequence parallel): each tensor-parallel line's stages pass their slices on flows of their own."""
+    over = layout(2, 4, "1f1b", tp=2, **{"parallel.sp": "true", "parallel.pp_transfer": "copy_engine"}, **SGD)
+    results = run_distributed(dist_fns.train_and_capture, 4, over, timeout=240, device="cuda")
+    check_equal(results, dist_fns.train_and_capture(0, 1, {**reference_overrides(over), "train.device": "cuda"}),
+                atol=1e-5)
 
 
 @pytest.mark.parametrize("mode, schedule", [("ddp", "1f1b"), ("zero1", "1f1b"), ("classic", "1f1b"), ("ddp", "zb-h1")])

@@ -225,6 +225,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"      # naive | gpipe | 1f1b | interleaved | zb-h1 (schedules.py)
     virtual_stages: int = 1        # model chunks per pipeline rank (interleaved 1F1B)
     pp_layers: str = ""            # layers per pipeline stage, e.g. "10,11,11"; "": balanced by compute
+    pp_transfer: str = "auto"      # auto | process_group | copy_engine: how stages pass activations (comm/p2p.py)
     dp_mode: str = "ddp"           # ddp | classic
     bucket_mb: float = 25.0        # gradient bucket size for DDP and ZeRO-1/2 communication
     reduce_dtype: str = "fp32"     # fp32 | compute: the dtype gradients are reduced in
@@ -277,6 +278,7 @@ CHOICES = {
     "parallel.dp_mode": ("ddp", "classic"),
     "parallel.reduce_dtype": ("fp32", "compute"),
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
+    "parallel.pp_transfer": ("auto", "process_group", "copy_engine"),
     "parallel.pp_schedule": SCHEDULES,
     "lora.quantize": ("none", "nf4"),
 }

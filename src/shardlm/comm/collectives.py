@@ -24,20 +24,25 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 REDUCE_ALGOS = ("auto", "all_to_all", "ring", "copy_engine")
 
 
-def resolve_reduce_algo(algo: str, group, device: torch.device) -> str:
-    """What `parallel.reduce_algo auto` means here: the copy engines where every rank of the job is on this
-    node, on GPUs that reach each other peer to peer (symmetric memory spans one node), the all-to-all
-    otherwise. Every rank decides alike: the inputs are the same on all of them."""
-    if algo != "auto":
-        return algo
+def copy_engines_reach(group, device: torch.device) -> bool:
+    """Whether copy-engine transfers can serve `group`: every rank of the job on this node, on GPUs that
+    reach each other peer to peer (symmetric memory spans one node). Every rank decides alike: the inputs
+    are the same on all of them."""
     if device.type != "cuda" or group is None or dist.get_world_size(group) < 2:
-        return "all_to_all"
+        return False
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     gpus = torch.cuda.device_count()
     if local is None or local != world or gpus < int(world):
-        return "all_to_all"  # several nodes, or GPUs this process cannot see
-    peers = all(torch.cuda.can_device_access_peer(i, j) for i in range(gpus) for j in range(gpus) if i != j)
-    return "copy_engine" if peers else "all_to_all"
+        return False  # several nodes, or GPUs this process cannot see
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(gpus) for j in range(gpus) if i != j)
+
+
+def resolve_reduce_algo(algo: str, group, device: torch.device) -> str:
+    """What `parallel.reduce_algo auto` means here: the copy engines where they reach every rank, the
+    all-to-all otherwise."""
+    if algo != "auto":
+        return algo
+    return "copy_engine" if copy_engines_reach(group, device) else "all_to_all"
 
 
 def start_reduce_scatter(bucket: torch.Tensor, dtype: torch.dtype, group, algo: str = "all_to_all"):

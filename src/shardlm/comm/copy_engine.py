@@ -66,13 +66,20 @@ class StreamFlags:
     def signal(self, stream, kind: int, value: int) -> None:
         for j in range(self.world):
             if j != self.rank:
-                self._check(self._write(stream.cuda_stream, self._addr(j, kind, self.rank), value, 0), "Write")
+                self.signal_peer(stream, j, kind, value)
 
     def wait(self, stream, kind: int, value: int) -> None:
         for j in range(self.world):
             if j != self.rank:
-                addr = self._addr(self.rank, kind, j)
-                self._check(self._wait(stream.cuda_stream, addr, value, self.WAIT_GEQ), "Wait")
+                self.wait_peer(stream, j, kind, value)
+
+    def signal_peer(self, stream, peer: int, kind: int, value: int) -> None:
+        """Write `value` into `peer`'s slot for this rank (point-to-point: one peer hears it)."""
+        self._check(self._write(stream.cuda_stream, self._addr(peer, kind, self.rank), value, 0), "Write")
+
+    def wait_peer(self, stream, peer: int, kind: int, value: int) -> None:
+        """Hold `stream` until `peer` has signalled `kind` up to `value`."""
+        self._check(self._wait(stream.cuda_stream, self._addr(self.rank, kind, peer), value, self.WAIT_GEQ), "Wait")
 
     @staticmethod
     def _check(rc: int, what: str) -> None:

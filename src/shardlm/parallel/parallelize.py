@@ -36,6 +36,12 @@ class Parallelized:
     mesh: DeviceMesh
     specs: dict  # tensor-parallel shardings by parameter name (empty: no tensor parallelism)
 
+    def symmetric_bytes(self) -> int:
+        """Bytes in symmetric memory (the copy engines' buffers: gradient reductions, pipeline transfers),
+        which PyTorch's allocator statistics miss."""
+        pipeline = getattr(self.forward_backward, "symmetric_bytes", None)
+        return self.engine.symmetric_bytes() + (pipeline() if pipeline is not None else 0)
+
     def gather_full_state(self):
         """(fp32 masters, optimizer state) as full tensors by parameter name on the mesh's main rank (None,
         None elsewhere): gathered over data parallelism by the engine, then on the first data-parallel
@@ -133,7 +139,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     seq_here = t.seq_len // mesh.tp if p.sp else t.seq_len  # a stage's output holds its slice of the sequence
     tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) and not cfg.lora.rank else None
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
-                            tied)
+                            tied, p.pp_transfer)
     return Parallelized(model, engine, step, mesh, specs)
 
 

@@ -8,7 +8,9 @@ norm, the head and the loss. A step runs the rank's actions in order: sends and 
 waited for only where a computation reads them), a forward of a stage on a micro-batch, or its backward.
 Each flow (activations or gradients, one direction, one pair of neighbours) has a group and so a stream
 of its own: posted in one batch on one group, a forward's input waited for a later backward's gradient
-still being computed two stages on (bench/README.md). Each micro-batch's loss is divided by the number
+still being computed two stages on (bench/README.md). On the GPUs of one node the flows move by the
+copy engines instead (`parallel.pp_transfer`, comm/p2p.py): a posted receive then holds no SMs while
+it waits for its sender. Each micro-batch's loss is divided by the number
 of micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
 A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: backward needs only its
 graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import copy_engines_reach
+from ..comm.p2p import CopyEngineTransfers
 from ..mesh import flow_name
 from ..model.decoder import Decoder
 from ..model.weight_grad import WeightGradStore
@@ -82,7 +86,7 @@ class PipelineSchedule:
     """One step of a schedule's table on this rank (the seam ForwardBackward fills without pipelining)."""
 
     def __init__(self, model: Decoder, engine: Engine, scaler, mesh, table: list[Action], layers_of: list[list[int]],
-                 activation_shape, tied_group=None):
+                 activation_shape, tied_group=None, transfer: str = "process_group"):
         self.model, self.engine, self.scaler, self.mesh = model, engine, scaler, mesh
         self.table, self.layers_of, self.tied_group = table, layers_of, tied_group
         self.activation_shape = activation_shape  # (micro-batch, sequence here, hidden): what stages send
@@ -97,7 +101,16 @@ class PipelineSchedule:
             for module in model.modules():
                 if hasattr(module, "weight_grads") and not getattr(module, "partial_grads", None):
                     module.weight_grads = self.weight_grads
-        self._connect(next(model.parameters()).device)
+        param = next(model.parameters())
+        self._connect(param.device)
+        if transfer == "auto":
+            transfer = "copy_engine" if copy_engines_reach(self.group, param.device) else "process_group"
+        self.copy_engines = CopyEngineTransfers(self.group, torch.Size(activation_shape).numel(), param.dtype,
+                                                param.device) if transfer == "copy_engine" else None
+
+    def symmetric_bytes(self) -> int:
+        """Bytes in the copy-engine transfers' symmetric memory, which PyTorch's allocator statistics miss."""
+        return self.copy_engines.symmetric_bytes() if self.copy_engines is not None else 0
 
     def _connect(self, device: torch.device) -> None:
         """Every flow this rank's table sends or receives on, made now, one at a time in the same order on every
@@ -123,6 +136,15 @@ class PipelineSchedule:
         # Indexed, not mesh.group(): a missing flow would be None, which torch takes for the whole world.
         group = self.mesh.groups[flow_name(*flow)]
         return dist.batch_isend_irecv([dist.P2POp(op, tensor, dist.get_global_rank(self.group, other), group)])
+
+    def _transfer(self, op, tensor: torch.Tensor, flow: tuple[str, int, int]) -> list:
+        """A step's send or receive: by the copy engines where the pipeline has them, else as `_start`."""
+        kind, src, dst = flow
+        if self.copy_engines is None:
+            return self._start(op, tensor, flow)
+        if op is dist.isend:
+            return [self.copy_engines.send(kind, dst, tensor)]
+        return [self.copy_engines.recv(kind, src, tensor)]
 
     def _stage_forward(self, stage: int, x: torch.Tensor, targets: torch.Tensor, length: int, documents=None):
         h = self.model.hidden_states(x, layers=self.layers_of[stage], embed=stage == 0, length=length,
@@ -171,7 +193,7 @@ class PipelineSchedule:
             key = (a.stage, a.mb)
             if a.kind.startswith("RECV"):
                 buf = torch.empty(self.activation_shape, dtype=dtype, device=device)
-                step.recvs[(a.kind, a.stage, a.mb)] = (_Posted(self._start(dist.irecv, buf, self._flow(a)), []), buf)
+                step.recvs[(a.kind, a.stage, a.mb)] = (_Posted(self._transfer(dist.irecv, buf, self._flow(a)), []), buf)
                 continue
             if a.kind == "SEND_F":
                 out = step.outputs[key]
@@ -179,7 +201,7 @@ class PipelineSchedule:
                 out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # freed once sent
             else:
                 sent = step.inputs.pop(key).grad
-            step.sending.append(_Posted(self._start(dist.isend, sent, self._flow(a)), [sent]))
+            step.sending.append(_Posted(self._transfer(dist.isend, sent, self._flow(a)), [sent]))
         step.sending = [p for p in step.sending if not p.completed()]
 
     def _receive(self, step: "_Step", a: Action) -> torch.Tensor | None:
