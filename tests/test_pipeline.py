@@ -61,9 +61,21 @@ GPU_CASES = [pytest.param(s, pp, transfer, marks=pytest.mark.skipif(torch.cuda.d
 def test_every_schedule_on_gpus_equals_one_gpu(schedule, pp, transfer):
     """The engine as a user runs it: NCCL (a communicator per flow) or the copy engines (comm/p2p.py), receives
     posted where the timed lowering puts them, against one process on one GPU (AdamW's tolerance on GPUs, as
-    test_dp_equality.py's). Three steps of two micro-batches a stage: each flow reuses its two slots."""
+    test_dp_equality.py's). Each flow passes 2 pp messages a step, so the copy engines reuse their two
+    slots within the first step and across the three."""
     over = layout(pp, 2 * pp, schedule, v=2 if schedule == "interleaved" else 1, **{"parallel.pp_transfer": transfer})
     results = run_distributed(dist_fns.train_and_capture, pp, over, timeout=240, device="cuda")
+    check_equal(results, dist_fns.train_and_capture(0, 1, {**reference_overrides(over), "train.device": "cuda"}),
+                atol=5e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_pipeline_times_data_parallel_both_by_the_copy_engines_on_gpus():
+    """dp 2 x pp 2, ZeRO-1: the data-parallel engine's symmetric-memory rendezvous and the pipeline's, made in
+    the same sequence on every rank (comm/p2p.py), and both kinds of copy-engine traffic in one step."""
+    over = layout(2, 4, "1f1b", dp=2, **{"parallel.zero_stage": "1", "parallel.reduce_algo": "copy_engine",
+                                          "parallel.pp_transfer": "copy_engine"})
+    results = run_distributed(dist_fns.train_and_capture, 4, over, timeout=240, device="cuda")
     check_equal(results, dist_fns.train_and_capture(0, 1, {**reference_overrides(over), "train.device": "cuda"}),
                 atol=5e-6)
 
@@ -73,6 +85,22 @@ def test_copy_engine_transfers_need_gpus():
     with pytest.raises(Exception, match="pp_transfer = 'copy_engine' needs CUDA GPUs"):
         run_distributed(dist_fns.train_and_capture, 2, layout(2, 2, "1f1b", **{"parallel.pp_transfer": "copy_engine"}),
                         timeout=120)
+
+
+def test_copy_engine_transfers_want_their_own_hardware_queues(monkeypatch):
+    """A flag wait blocks its stream's hardware queue: with fewer queues than CUDA's default (Megatron-LM's
+    users set CUDA_DEVICE_MAX_CONNECTIONS=1) `auto` sends through the process group and an explicit request
+    is refused with the reason; with the default, one node's GPUs get the copy engines."""
+    from shardlm.comm import p2p
+    monkeypatch.setattr(p2p, "copy_engines_reach", lambda group, device: True)  # as on one node's GPUs
+    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert p2p.resolve_pp_transfer("auto", None, gpu) == "copy_engine"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert p2p.resolve_pp_transfer("auto", None, gpu) == "process_group"
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS of 8 or more"):
+        p2p.resolve_pp_transfer("copy_engine", None, gpu)
+    assert p2p.resolve_pp_transfer("auto", None, torch.device("cpu")) == "process_group"
 
 
 # With tensor parallelism, SGD: AdamW amplifies the row-parallel sums' rounding (test_tensor_parallel.py) as

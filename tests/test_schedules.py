@@ -3,7 +3,7 @@ odd}; the simulator gives each schedule's bubble formula with unit costs and its
 validator and the simulator reject hand-made bad tables."""
 import pytest
 
-from shardlm.schedules import SCHEDULES, Action, ScheduleError, check_layout, schedule, simulate, validate
+from shardlm.schedules import SCHEDULES, Action, ScheduleError, check_layout, peer, schedule, simulate, validate
 
 
 def cases():
@@ -22,6 +22,18 @@ def test_every_schedule_validates_and_runs(name, pp, v, m):
     validate(tables, pp, v, m)
     sim = simulate(tables, pp)
     assert 0 <= sim.bubble < 1
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_rank_sends_each_kind_to_one_peer(name):
+    """The copy engines' staging (comm/p2p.py) has one pair of slots per kind: activations go only to the next
+    rank, gradients only to the previous one (wrapping), whatever the schedule."""
+    for pp in (2, 3, 4, 8):
+        for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for m in (pp, 2 * pp, 3 * pp):
+                for r, table in enumerate(schedule(name, pp, v, m)):
+                    peers = {(a.kind, peer(a, pp)) for a in table if a.kind in ("SEND_F", "SEND_B")}
+                    assert peers <= {("SEND_F", (r + 1) % pp), ("SEND_B", (r - 1) % pp)}, (pp, v, m, r, peers)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

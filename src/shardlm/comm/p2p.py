@@ -18,18 +18,51 @@ k-th receive, as on a process group, so a table that `schedules.validate` accept
 
 The buffers are made once, collectively over the pipeline group: PyTorch's symmetric-memory
 rendezvous numbers its exchanges with one counter per process, so every rank must make the same
-sequence of them (one per flow, made only by the flow's two ranks, would hang).
+sequence of them (one per flow, made only by the flow's two ranks, would hang), the data-parallel
+engines' before (three each, whatever the stage) included.
+
+A flag wait blocks the hardware queue its stream is mapped to, and CUDA maps streams onto
+CUDA_DEVICE_MAX_CONNECTIONS queues (8 by default). Sharing one with the compute stream, a receive posted
+a computation early would hold that computation back, and the peer may need its output first: a
+deadlock. So the copy engines serve a pipeline only where that setting is left at 8 or more.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 
+from .collectives import copy_engines_reach
 from .copy_engine import PeerBuckets, StreamFlags
 
-SLOTS = 2  # a sender runs at most one message ahead of its receiver's pulls
+SLOTS = 2  # a sender stages up to two messages its receiver has not pulled yet
 KINDS = ("F", "B")  # activations forward, gradients backward: a rank sends each kind to one peer
 READY, FREED = 0, len(KINDS)  # flag kinds: READY + kind index, FREED + kind index
+QUEUES = 8  # CUDA_DEVICE_MAX_CONNECTIONS needed: CUDA's default, under which the transfers were measured
+
+
+def resolve_pp_transfer(transfer: str, group, device: torch.device) -> str:
+    """`parallel.pp_transfer` here: `auto` is the copy engines where they reach every rank (one node's GPUs
+    with peer access) and the hardware queues suffice, else the process group; an explicit `copy_engine`
+    that cannot work is refused with the reason. Every rank decides alike."""
+    queues = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", QUEUES))
+    if transfer == "auto":
+        usable = copy_engines_reach(group, device) and queues >= QUEUES
+        return "copy_engine" if usable else "process_group"
+    if transfer == "copy_engine":
+        if device.type != "cuda":
+            why = "CUDA GPUs (peer-to-peer copies)"
+        elif not copy_engines_reach(group, device):
+            why = "every rank of the job on one node's GPUs, with peer access"
+        elif queues < QUEUES:
+            why = (f"CUDA_DEVICE_MAX_CONNECTIONS of {QUEUES} or more (it is {queues}): a stream waiting for its peer "
+                   "must not share a hardware queue with the computations")
+        else:
+            return transfer
+        raise ValueError(f"parallel.pp_transfer = 'copy_engine' needs {why}; process_group sends through the "
+                         "process group instead")
+    return transfer
 
 
 class _Transfer:
@@ -52,9 +85,6 @@ class CopyEngineTransfers:
     elements of `dtype`. Every rank of the group constructs it at the same point (a collective)."""
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device):
-        if device.type != "cuda":
-            raise ValueError("parallel.pp_transfer = 'copy_engine' needs CUDA GPUs (peer-to-peer copies); "
-                             "process_group sends through the process group instead")
         self.world = dist.get_world_size(group)
         self.numel = numel + (-numel) % self.world  # PeerBuckets: a multiple of the group's size
         self.dtype = dtype

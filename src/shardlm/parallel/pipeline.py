@@ -10,8 +10,8 @@ Each flow (activations or gradients, one direction, one pair of neighbours) has 
 of its own: posted in one batch on one group, a forward's input waited for a later backward's gradient
 still being computed two stages on (bench/README.md). On the GPUs of one node the flows move by the
 copy engines instead (`parallel.pp_transfer`, comm/p2p.py): a posted receive then holds no SMs while
-it waits for its sender. Each micro-batch's loss is divided by the number
-of micro-batches, so the accumulated gradients are the mean over the step's batch, as without pipelining.
+it waits for its sender. Each micro-batch's loss is divided by the number of micro-batches, so the
+accumulated gradients are the mean over the step's batch, as without pipelining.
 A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: backward needs only its
 graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
 After the last backward, the tied embedding's two copies (first and last stage) add their gradients,
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import copy_engines_reach
-from ..comm.p2p import CopyEngineTransfers
+from ..comm.p2p import CopyEngineTransfers, resolve_pp_transfer
 from ..mesh import flow_name
 from ..model.decoder import Decoder
 from ..model.weight_grad import WeightGradStore
@@ -103,10 +102,14 @@ class PipelineSchedule:
                     module.weight_grads = self.weight_grads
         param = next(model.parameters())
         self._connect(param.device)
-        if transfer == "auto":
-            transfer = "copy_engine" if copy_engines_reach(self.group, param.device) else "process_group"
-        self.copy_engines = CopyEngineTransfers(self.group, torch.Size(activation_shape).numel(), param.dtype,
-                                                param.device) if transfer == "copy_engine" else None
+        self.copy_engines = None
+        if resolve_pp_transfer(transfer, self.group, param.device) == "copy_engine":
+            try:
+                self.copy_engines = CopyEngineTransfers(self.group, torch.Size(activation_shape).numel(),
+                                                        param.dtype, param.device)
+            except Exception as e:
+                raise RuntimeError(f"the pipeline's copy-engine transfers could not be set up ({e}); "
+                                   "--parallel.pp_transfer process_group sends through the process group") from e
 
     def symmetric_bytes(self) -> int:
         """Bytes in the copy-engine transfers' symmetric memory, which PyTorch's allocator statistics miss."""
@@ -117,7 +120,8 @@ class PipelineSchedule:
         rank (the lowest flow not yet made has both its ranks at it). NCCL creates a group's communicator at
         its first operation and connects two ranks at their first send or receive, inside ncclGroupEnd,
         which blocks the CPU until the peer connects too (pytorch#113281). Left to the first step, staggered
-        stages block there while their peers wait on them: a hang on GPUs that gloo never shows."""
+        stages block there while their peers wait on them: a hang on GPUs that gloo never shows. (With the
+        copy engines' transfers, `evaluate` alone uses these groups.)"""
         dist.barrier(group=self.group)
         for flow in sorted({self._flow(a) for a in self.table if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")}):
             op = dist.isend if flow[1] == self.mesh.pp_rank else dist.irecv

@@ -207,8 +207,9 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if stage == 0 and L.pp > 1:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
-        if L.pp > 1:  # the copy engines' staging (comm/p2p.py): two slots each for activations and gradients
-            buffers += 4 * 2 * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
+        if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
+            # activations and gradients, in the weights' dtype
+            buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
         if stage == L.pp - 1:
             buffers += head_and_loss(m, w, L)
         if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
