@@ -70,6 +70,35 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     return y.detach(), x.grad, col.weight.grad, row.weight.grad, e.weight.grad
 
 
+def compiled_block_gradients(rank, world, sp: bool):
+    """One tensor-parallel decoder block, eager and compiled (AOTAutograd with the eager backend: what decides
+    the gradients, without inductor's compile time): the input gradient and the block's weight gradients
+    of each, by name."""
+    from shardlm.config import ModelConfig
+    from shardlm.model import Decoder
+    from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
+                      ffn_hidden_size=64, max_seq_len=16)
+    seq = cfg.max_seq_len // world if sp else cfg.max_seq_len
+    grads = []
+    for compiled in (False, True):
+        with torch.device("meta"):
+            model = Decoder(cfg)
+        tensor_parallel(model, dist.group.WORLD, sp)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        sum_partial_gradients(model, dist.group.WORLD)
+        block = model.blocks()[0]
+        if compiled:
+            block.compile(backend="aot_eager")
+        g = torch.Generator().manual_seed(1 + rank)
+        x = torch.randn(2, seq, cfg.hidden_size, generator=g, requires_grad=True)
+        dy = torch.randn(2, seq, cfg.hidden_size, generator=g)
+        (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
+        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
+    return grads
+
+
 # ---- data-parallel family -------------------------------------------------------------------------
 
 def tiny_trainer(world: int, overrides: dict, **kwargs):

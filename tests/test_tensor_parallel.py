@@ -55,6 +55,17 @@ def test_tensor_parallel_equals_one_process(model, tp, sp, optimizer):
     check_equal(results, ref, atol=ADAM_ATOL[model] if optimizer == "adamw" else ATOL)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_compiled_tensor_parallel_block_has_the_eager_gradients(sp):
+    """torch.compile traces the collectives inside a block (the GPUs compile every block): on torch 2.11 a
+    sequence-parallel block once compiled to zero weight gradients, with the eager block's outputs."""
+    for eager, compiled in run_distributed(dist_fns.compiled_block_gradients, 2, sp, timeout=240):
+        assert eager.keys() == compiled.keys()
+        for name in eager:
+            assert compiled[name] is not None and eager[name].norm() > 0, name
+            torch.testing.assert_close(compiled[name], eager[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "zero3"])
 def test_data_times_tensor_parallel_equals_one_process(model, mode):

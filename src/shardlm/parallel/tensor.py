@@ -59,7 +59,9 @@ def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     src = x.reshape(b, tp, s, *x.shape[2:]).transpose(0, 1).contiguous()  # no copy when b == 1
     out = torch.empty((b, s, *x.shape[2:]), dtype=x.dtype, device=x.device)
     reduce_scatter_tensor(out, src.view(tp * b, s, *x.shape[2:]), group=group)  # slices along dim 0
-    return out
+    # A view, not `out` itself: torch 2.11's AOTAutograd gives an autograd.Function's output that is the
+    # buffer a traced in-place collective filled a zero gradient, so a compiled block's weights got none.
+    return out.view(out.shape)
 
 
 def _gathered(x: torch.Tensor, group) -> torch.Tensor:
