@@ -118,6 +118,9 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]
+        # A copy of v, not a view into qkv: attention saves v for its backward, and a view would keep all of
+        # qkv alive beside the rotated q and k it also saves.
+        v = v.contiguous()
         if rope is not None:
             cos, sin = rope
             q = q * cos + rotate_half(q) * sin

@@ -15,8 +15,9 @@ Models", Table 2), for that paper's GPT block (GELU 4h MLP, standard attention, 
 sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh(34/t +
 5as/(ht)) adding sequence parallelism; the 5as/h term vanishes with selective recomputation; full
 recomputation keeps 2sbh (the layer input, /t with sequence parallelism). Any other model is counted by
-the tensors shardlm's block actually saves (2 bytes each in 16-bit): both norms' inputs and outputs,
-q, k, v (GQA-sized), the attention output, the MLP's up projection (2f for SwiGLU) and activation, and
+the tensors shardlm's block actually saves (2 bytes each in 16-bit): both norms' inputs and outputs
+(with sequence parallelism the inputs as slices, the outputs gathered for the linears' weight gradients,
+as a compiled block keeps them: no collective is recomputed in backward), q, k, v (GQA-sized), the attention output, the MLP's up projection (2f for SwiGLU) and activation, and
 with standard attention the softmax output (2as^2 per token-row batch); flash attention keeps only a
 per-head log-sum-exp, so no s^2 term. A pipeline stage holds several micro-batches in flight: GPipe m,
 1F1B min(p, m) on the first stage, interleaved 1F1B that times (1 + (p - 1) / (p v)) (Narayanan et
@@ -134,7 +135,9 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             per = act * sbh / (t if L.sp else 1)
         else:
             q, kv, f = a * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-            norms = 4 * sbh / (t if L.sp else 1)  # two norms, input and output each
+            # Two norms, input and output each; with sequence parallelism the inputs are slices, and the
+            # outputs are kept gathered, as the column-parallel linears' weight gradients read them.
+            norms = (2 * sbh / t + 2 * sbh) if L.sp else 4 * sbh
             attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
             if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
