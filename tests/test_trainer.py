@@ -11,6 +11,7 @@ import torch
 
 from shardlm.checkpoint import complete_checkpoints, resolve_checkpoint
 from shardlm.config import load_config
+from shardlm.model import Decoder
 from shardlm.parallel.engine import LocalEngine
 from shardlm.precision import DynamicLossScaler, LossScaleError, NoLossScaler
 from shardlm.trainer import Trainer
@@ -165,6 +166,45 @@ def test_a_block_compiled_in_halves_hands_over_its_mlp_gradients_first(halves):
     out.backward()
     torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-7)
     assert before_attention == [halves] * len(list(block.mlp.parameters()))
+
+
+COMPILED_CASES = {"llama": {}, "gpt2": {"model.arch": "gpt2", "model.num_kv_heads": "4"},
+                  "lora": {"lora.rank": "4"}, "selective": {"train.recompute": "selective"},
+                  "full": {"train.recompute": "full"}, "window": {"model.sliding_window": "8"}}
+
+
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_compiled_blocks_have_the_eager_gradients(case):
+    """The GPUs compile every block: AOTAutograd (with the eager backend, which decides the gradients) must give
+    every trained parameter the eager model's gradient. On torch 2.11 it once gave a block's weights zero
+    gradients (test_tensor_parallel.py), with outputs that looked right."""
+    import copy
+    from shardlm.parallel.lora import apply_lora
+    cfg = load_config("tiny", COMPILED_CASES[case])
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    if cfg.lora.rank:  # B starts at zero: the base's input gradients alone would not tell
+        for name, p in model.named_parameters():
+            if "lora" in name:
+                torch.nn.init.normal_(p.data, std=0.02)
+    model.set_recompute(cfg.train.recompute)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for compiled in (False, True):
+        run = copy.deepcopy(model)
+        if compiled:
+            for block in run.blocks():
+                block.compile(backend="aot_eager")
+        run(ids[:, :-1], ids[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in run.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, want in grads[0].items():
+        assert want is not None and want.norm() > 0, name
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
