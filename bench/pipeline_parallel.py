@@ -10,17 +10,18 @@ Each system runs as its own `torchrun --nproc-per-node GPUS` job; a step is `--m
 `--micro-batch` sequences through pp 4 (or pp 2 x tp 2), then AdamW, bf16.
 - shardlm-pp4-{naive,gpipe,1f1b,interleaved,zb-h1}, shardlm-pp2-tp2-1f1b: the trainer's step; interleaved
   with 2 virtual stages; blocks compiled; stages pass activations by the copy engines (comm/p2p.py), or
-  through NCCL with a "-pg" suffix (shardlm-pp4-1f1b-pg). Each rank's busy time is the sum of its computations' CUDA-event
-  times (PipelineSchedule.timer), its bubble 1 - busy / the schedule's time (the step without the optimizer,
-  which every schedule shares); the row gives the mean over the ranks
-  beside the schedule's formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved,
+  through NCCL with a "-pg" suffix (shardlm-pp4-1f1b-pg). Each rank's busy time is the sum of its
+  computations' CUDA-event times (PipelineSchedule.timer), its bubble 1 - busy / the schedule's time (the
+  step without the optimizer, which every schedule shares); the row gives the mean over the ranks beside
+  the schedule's formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved,
   (p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W)) for zb-h1 with the measured mean times (Qi et al. 2024), and for
   every schedule the simulator's figure (schedules.simulate) with the measured mean F, B, I and W times.
 - torch-{gpipe,1f1b,interleaved}: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B over stages cut from
   Hugging Face's LlamaForCausalLM as ../shared/bench/peer_mp.py builds them (layers split evenly, the head
   on the last stage), with torch's AdamW; no compile.
 MFU charges every system ModelConfig.flops_per_token against 989 TFLOP/s per GPU; peak memory (the
-copy engines' symmetric buffers included) is the largest over the ranks (per rank under "stages" in the JSON). Appends rows with bench "pipeline_parallel".
+copy engines' symmetric buffers included) is the largest over the ranks (per rank under "stages" in the
+JSON). Appends rows with bench "pipeline_parallel".
 `--synthetic 1` makes the stages equal, so that the bubble measures the engine against the formula alone:
 every stage (virtual stage) gets as many layers, the first stage's embedding is looked up outside autograd
 (its input's gradient is computed and dropped, as every other stage's is sent), and the last stage's loss is
@@ -47,7 +48,8 @@ SHARDLM = {f"shardlm-pp{pp}-{s}": {"parallel.pp": str(pp), "parallel.pp_schedule
            for pp in (2, 4) for s in SCHEDULE_NAMES}
 SHARDLM["shardlm-pp2-tp2-1f1b"] = {"parallel.pp": "2", "parallel.tp": "2", "parallel.sp": "true"}
 # "-pg": the stages' transfers through NCCL process groups instead of the copy engines (auto on one node)
-SHARDLM.update({f"{name}-pg": {**layout, "parallel.pp_transfer": "process_group"} for name, layout in list(SHARDLM.items())})
+SHARDLM.update({f"{name}-pg": {**layout, "parallel.pp_transfer": "process_group"}
+                for name, layout in list(SHARDLM.items())})
 PEERS = ("torch-gpipe", "torch-1f1b", "torch-interleaved")
 DEFAULT = ["shardlm-pp4-gpipe", "shardlm-pp4-1f1b", "shardlm-pp4-interleaved", "shardlm-pp4-zb-h1", *PEERS]
 

@@ -7,7 +7,8 @@ bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, ben
 bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
-compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row). Floors: memory within 10%, step time within 25%.
+compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row). Floors:
+memory within 10%, step time within 25%.
 """
 from __future__ import annotations
 

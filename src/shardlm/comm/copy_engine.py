@@ -26,14 +26,25 @@ from ..grad_norm import SliceSquares
 from ..kernels import sum_over_ranks
 
 
-class _Done:
-    """A collective finished by the side stream at `event`: waiting makes the current stream wait."""
+class Done:
+    """Work finished by a side stream at `event`: `wait` makes the current stream wait for it (the CPU does not
+    block), `is_completed` asks without waiting, as a process group's works do."""
 
     def __init__(self, event):
         self.event = event
 
     def wait(self):
         torch.cuda.current_stream().wait_event(self.event)
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    @classmethod
+    def here(cls) -> "Done":
+        """The work queued so far on the current stream."""
+        event = torch.cuda.Event()
+        event.record()
+        return cls(event)
 
 
 class StreamFlags:
@@ -204,12 +215,6 @@ class _CopyEngineCollective:
         self.flags.signal(self.stream, kind, self.seq)
         self.flags.wait(self.stream, kind, self.seq)
 
-    @staticmethod
-    def _done() -> _Done:
-        event = torch.cuda.Event()
-        event.record()
-        return _Done(event)
-
 
 class CopyEngineAllReduce(_CopyEngineCollective):
     """Bucketed all-reduce over symmetric memory with copy-engine transfers (see the module docstring).
@@ -256,7 +261,7 @@ class CopyEngineAllReduce(_CopyEngineCollective):
                 # Peers read our summed slices (and our total) until here; the buffers may change (zero_grad,
                 # the next step's total) only after.
                 self._all(self.DONE)
-            return self._done()
+            return Done.here()
 
 
 class CopyEngineZero(_CopyEngineCollective):
@@ -297,7 +302,7 @@ class CopyEngineZero(_CopyEngineCollective):
         self.staged = window is not None
         self.last = len(numels) - 1
 
-    def reduce_scatter(self, b: int, out: torch.Tensor) -> _Done:
+    def reduce_scatter(self, b: int, out: torch.Tensor) -> Done:
         """Queue bucket b's reduction into `out` (this rank's slice, any float dtype; it may be that slice
         of the bucket itself) after the current stream's work; buckets in the same order on every rank."""
         self.seq += 1
@@ -309,9 +314,9 @@ class CopyEngineZero(_CopyEngineCollective):
             if self.staged or b == self.last:
                 # Peers are done reading our bucket: its range may be reused (stage 2) or zeroed (stage 1).
                 self._all(self.REDUCED)
-            return self._done()
+            return Done.here()
 
-    def all_gather(self, order: list[int]) -> dict[int, _Done]:
+    def all_gather(self, order: list[int]) -> dict[int, Done]:
         """Stages 1, 2: queue the all-gather of every bucket's updated slices, in `order`, after the
         current stream's work (the optimizer's); returns a waitable per bucket."""
         self.seq += 1
@@ -321,13 +326,13 @@ class CopyEngineZero(_CopyEngineCollective):
             self._all(self.UPDATED)  # every rank's slices hold this step's weights
             for b in order:
                 self.params.pull_peer_slices(b)
-                done[b] = self._done()
+                done[b] = Done.here()
             # Peers read our slices until here: the next step's optimizer may overwrite them only after.
             self._all(self.GATHERED)
-            done[order[-1]] = self._done()
+            done[order[-1]] = Done.here()
         return done
 
-    def gather(self, src: torch.Tensor, out: torch.Tensor) -> _Done:
+    def gather(self, src: torch.Tensor, out: torch.Tensor) -> Done:
         """Stage 3: queue the all-gather of a unit into `out` (a local buffer, rank r's slice at r), this
         rank's slice read from `src` (any dtype, any device) after the current stream's work; every rank
         gathers the same units in the same order. Returns a waitable."""
@@ -348,4 +353,4 @@ class CopyEngineZero(_CopyEngineCollective):
             for j in self.slots.peers:
                 rows[j].copy_(self.slots.peer_bucket(j, slot)[:n])
             self.flags.signal(stream, self.GATHERED, k)
-            return self._done()
+            return Done.here()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import copy_engines_reach
-from .copy_engine import PeerBuckets, StreamFlags
+from .copy_engine import Done, PeerBuckets, StreamFlags
 
 SLOTS = 2  # a sender stages up to two messages its receiver has not pulled yet
 KINDS = ("F", "B")  # activations forward, gradients backward: a rank sends each kind to one peer
@@ -63,21 +63,6 @@ def resolve_pp_transfer(transfer: str, group, device: torch.device) -> str:
         raise ValueError(f"parallel.pp_transfer = 'copy_engine' needs {why}; process_group sends through the "
                          "process group instead")
     return transfer
-
-
-class _Transfer:
-    """A send or receive queued on a flow's stream: `wait` makes the current stream wait for it (the CPU
-    does not block), `is_completed` asks without waiting. The works of a process group do the same."""
-
-    def __init__(self, stream):
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-    def is_completed(self) -> bool:
-        return self.event.query()
 
 
 class CopyEngineTransfers:
@@ -113,7 +98,7 @@ class CopyEngineTransfers:
         stream.wait_stream(torch.cuda.current_stream())  # the tensor: produced, or (a receive's) last used, there
         return stream, k, SLOTS * KINDS.index(kind) + k % SLOTS
 
-    def send(self, kind: str, dst: int, tensor: torch.Tensor) -> _Transfer:
+    def send(self, kind: str, dst: int, tensor: torch.Tensor) -> Done:
         """Queue `tensor` to `dst`; keep it alive until the transfer completes."""
         stream, k, slot = self._next(kind, "to", dst, tensor)
         with torch.cuda.stream(stream):
@@ -121,9 +106,9 @@ class CopyEngineTransfers:
                 self.flags.wait_peer(stream, dst, FREED + KINDS.index(kind), k - SLOTS)
             self.slots.bucket(slot)[:tensor.numel()].copy_(tensor.view(-1))
             self.flags.signal_peer(stream, dst, READY + KINDS.index(kind), k)
-            return _Transfer(stream)
+            return Done.here()
 
-    def recv(self, kind: str, src: int, out: torch.Tensor) -> _Transfer:
+    def recv(self, kind: str, src: int, out: torch.Tensor) -> Done:
         """Queue `src`'s next message of `kind` into `out` (allocated on the current stream, read after
         `wait`)."""
         stream, k, slot = self._next(kind, "from", src, out)
@@ -131,4 +116,4 @@ class CopyEngineTransfers:
             self.flags.wait_peer(stream, src, READY + KINDS.index(kind), k)
             out.view(-1).copy_(self.slots.peer_bucket(src, slot)[:out.numel()])
             self.flags.signal_peer(stream, src, FREED + KINDS.index(kind), k)
-            return _Transfer(stream)
+            return Done.here()
