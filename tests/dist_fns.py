@@ -99,6 +99,52 @@ def compiled_block_gradients(rank, world, sp: bool):
     return grads
 
 
+def async_tp_block_gradients(rank, world):
+    """One tp + sp decoder block, eager and compiled by inductor with async tensor parallelism: the input
+    and weight gradients of each, by name, and how often the compiled one ran each fused collective-matmul.
+    On the CPU the fused ops run torch's reference versions (functional collectives, then the matmul) under
+    its symmetric-memory test mode, and the pass is let run on a build without NCCL: what is checked is
+    that shardlm's collectives take the form the pass fuses, and that the fused block computes the same."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from shardlm.config import ModelConfig
+    from shardlm.model import Decoder
+    from shardlm.parallel.async_tp import async_tensor_parallel
+    from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
+    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+
+    def counted(name, reference):
+        def op(*args, **kwargs):
+            calls[name] += 1
+            return reference(*args, **kwargs)
+        return op
+    torch.library.impl("symm_mem::fused_all_gather_matmul", "CPU",
+                       counted("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback))
+    torch.library.impl("symm_mem::fused_matmul_reduce_scatter", "CPU",
+                       counted("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback))
+    dist.is_nccl_available = lambda: True  # the pass's gate; this process only
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
+                      ffn_hidden_size=64, max_seq_len=16)
+    seq = cfg.max_seq_len // world
+    grads = []
+    for compiled in (False, True):
+        with torch.device("meta"):
+            model = Decoder(cfg)
+        tensor_parallel(model, dist.group.WORLD, True)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        sum_partial_gradients(model, dist.group.WORLD)
+        block = model.blocks()[0]
+        with symm_mem._test_mode():
+            if compiled:
+                block.compile(options=async_tensor_parallel(model, dist.group.WORLD))
+            g = torch.Generator().manual_seed(1 + rank)
+            x = torch.randn(1, seq, cfg.hidden_size, generator=g, requires_grad=True)  # b 1: views unless fusable
+            dy = torch.randn(1, seq, cfg.hidden_size, generator=g)
+            (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
+        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
+    return grads, calls
+
+
 # ---- data-parallel family -------------------------------------------------------------------------
 
 def tiny_trainer(world: int, overrides: dict, **kwargs):

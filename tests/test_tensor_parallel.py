@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dist_fns
+from shardlm.config import ConfigError, load_config, validate
 from dp_cases import ATOL, RTOL
 from shardlm.testing.distributed import run_distributed
 
@@ -64,6 +65,35 @@ def test_a_compiled_tensor_parallel_block_has_the_eager_gradients(sp):
         for name in eager:
             assert compiled[name] is not None and eager[name].norm() > 0, name
             torch.testing.assert_close(compiled[name], eager[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_async_tensor_parallel_fuses_each_collective_with_its_matmul():
+    """parallel.tp_async: inductor's pass replaces every sequence-parallel all-gather + matmul and matmul +
+    reduce-scatter of a compiled block by the fused op (forward and backward), with the eager gradients."""
+    for (eager, compiled), calls in run_distributed(dist_fns.async_tp_block_gradients, 2, timeout=400):
+        # forward: the gathers before qkv and up, the scatters after out and down; backward: the gradients'
+        # gathers before out's and down's input-gradient matmuls, the scatters after qkv's and up's
+        assert calls == {"fused_all_gather_matmul": 4, "fused_matmul_reduce_scatter": 4}, calls
+        for name in eager:
+            assert eager[name].norm() > 0, name
+            torch.testing.assert_close(compiled[name], eager[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_sequence_parallel_on_gpus_equals_one_gpu(fused):
+    """As the GPUs run it: NCCL, compiled blocks, and with `fused` the symmetric-memory kernels of async
+    tensor parallelism, against one process on one GPU (AdamW's tolerance on GPUs, as test_pipeline.py's)."""
+    over = {**COMMON, "parallel.tp": "2", "parallel.sp": "true", "parallel.tp_async": str(fused).lower(),
+            "train.compile": "true", "train.device": "cuda"}
+    results = run_distributed(dist_fns.train_and_capture, 2, over, timeout=300, device="cuda")
+    ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true", "train.device": "cuda"})
+    check_equal(results, ref, atol=ADAM_ATOL["llama"])
+
+
+def test_async_tensor_parallel_is_refused_where_it_cannot_fuse():
+    with pytest.raises(ConfigError, match="tp_async = True .* needs parallel.sp = True and train.compile = True"):
+        validate(load_config("tiny", {"parallel.tp": "2", "parallel.tp_async": "true", "parallel.sp": "true"}), 2)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -220,6 +220,7 @@ class ParallelConfig:
     cp: int = 1                    # context parallel (sequence split over ranks)
     ep: int = 1                    # expert parallel, carved out of dp x cp
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
+    tp_async: bool = False         # with sp and compiled blocks on one node's GPUs: collectives fused with their matmuls (async_tp.py)
     zero_stage: int = 0
     offload: str = "none"          # none | optimizer | params
     pp_schedule: str = "1f1b"      # naive | gpipe | 1f1b | interleaved | zb-h1 (schedules.py)
@@ -464,6 +465,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    if p.tp_async and not (p.sp and t.compile):
+        raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
+                          f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
+                          f"{t.compile})")
     if p.offload_activations and t.recompute != "full":
         raise ConfigError("parallel.offload_activations = True offloads what full recomputation keeps of a block (its "
                           f"input): it needs train.recompute = 'full' (it is {t.recompute!r})")

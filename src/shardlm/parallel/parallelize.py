@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from .. import schedules
+from ..comm.collectives import copy_engines_reach
 from ..config import ConfigError
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
+from .async_tp import async_tensor_parallel
 from .engine import Engine
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
@@ -120,14 +122,20 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     model.set_attention(t.attention)
     model.train()
     if t.compile:
+        options = {}
+        if p.tp_async:
+            if not copy_engines_reach(mesh.tp_group, device):
+                raise ConfigError("parallel.tp_async = True needs CUDA GPUs of one node with peer access (the fused "
+                                  "kernels move chunks through symmetric memory)")
+            options = async_tensor_parallel(model, mesh.tp_group)
         ddp = mesh.dp > 1 and p.zero_stage == 0 and p.dp_mode == "ddp" and p.pp == 1
         for i, block in enumerate(model.blocks()):
             # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
             # unless they arrive in two parts (bench/README.md measures what that saves).
             if i == 0 and ddp:
-                block.compile_in_halves()
+                block.compile_in_halves(options=options)
             else:
-                block.compile()
+                block.compile(options=options)
     engine = build_engine(model, cfg, mesh, scaler)
     specs = shardings(model)
     tied_copy = p.pp > 1 and m.tie_embeddings and model.last and not model.first

@@ -45,20 +45,29 @@ def rank_in(group) -> int:
 
 # ---- the collectives around the parallel layers ------------------------------------------------------
 
-def _seq_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+# `fusable`: written as torch's functional all_gather_tensor / reduce_scatter_tensor decompose a sequence
+# dimension (chunks joined by cat), the form inductor's async-TP pass fuses with the matmul beside it
+# (async_tp.py). Otherwise, at b == 1, views that copy nothing.
+
+def _seq_all_gather(x: torch.Tensor, group, fusable: bool = False) -> torch.Tensor:
     """[b, s, h] slices of the sequence -> [b, tp s, h] on every rank."""
     tp = degree(group)
     buf = _gathered(x, group)
-    return buf.view(tp, *x.shape).transpose(0, 1).reshape(x.shape[0], tp * x.shape[1], *x.shape[2:])
+    if fusable or x.shape[0] > 1:
+        return torch.cat(buf.chunk(tp), dim=1)
+    return buf.view(1, tp * x.shape[1], *x.shape[2:])
 
 
-def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def _seq_reduce_scatter(x: torch.Tensor, group, fusable: bool = False) -> torch.Tensor:
     """[b, S, h] partial sums -> this rank's [b, S / tp, h] slice of their sum."""
     tp = degree(group)
     b, s = x.shape[0], x.shape[1] // tp
-    src = x.reshape(b, tp, s, *x.shape[2:]).transpose(0, 1).contiguous()  # no copy when b == 1
+    if fusable or b > 1:
+        src = torch.cat(x.chunk(tp, dim=1))  # [tp b, s, h]: rank r's slice of every sequence at r b
+    else:
+        src = x.contiguous().view(tp, s, *x.shape[2:])
     out = torch.empty((b, s, *x.shape[2:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_tensor(out, src.view(tp * b, s, *x.shape[2:]), group=group)  # slices along dim 0
+    reduce_scatter_tensor(out, src, group=group)  # slices along dim 0
     # A view, not `out` itself: torch 2.11's AOTAutograd gives an autograd.Function's output that is the
     # buffer a traced in-place collective filled a zero gradient, so a compiled block's weights got none.
     return out.view(out.shape)
@@ -104,26 +113,26 @@ class _GatherFromSP(torch.autograd.Function):
     """Sequence parallelism's f: all-gather along the sequence in forward, reduce-scatter in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_all_gather(x, group)
+    def forward(ctx, x, group, fusable):
+        ctx.group, ctx.fusable = group, fusable
+        return _seq_all_gather(x, group, fusable)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_reduce_scatter(grad, ctx.group), None
+        return _seq_reduce_scatter(grad, ctx.group, ctx.fusable), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     """Sequence parallelism's g: reduce-scatter along the sequence in forward, all-gather in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_reduce_scatter(x, group)
+    def forward(ctx, x, group, fusable):
+        ctx.group, ctx.fusable = group, fusable
+        return _seq_reduce_scatter(x, group, fusable)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_all_gather(grad, ctx.group), None
+        return _seq_all_gather(grad, ctx.group, ctx.fusable), None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -147,12 +156,12 @@ def reduce_from_tp(x, group):
     return x if degree(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp(x, group):
-    return x if degree(group) == 1 else _GatherFromSP.apply(x, group)
+def gather_from_sp(x, group, fusable: bool = False):
+    return x if degree(group) == 1 else _GatherFromSP.apply(x, group, fusable)
 
 
-def reduce_scatter_to_sp(x, group):
-    return x if degree(group) == 1 else _ReduceScatterToSP.apply(x, group)
+def reduce_scatter_to_sp(x, group, fusable: bool = False):
+    return x if degree(group) == 1 else _ReduceScatterToSP.apply(x, group, fusable)
 
 
 # ---- how a parameter is sharded ----------------------------------------------------------------------
@@ -248,6 +257,7 @@ class ColumnParallelLinear(nn.Module):
     value heads fewer than the ranks); its rows' gradients are partial, and summed. `pad` zero rows
     (split with the last part) make an undivisible output size divisible."""
     weight_grads: WeightGradStore | None = None  # a zero-bubble schedule's deferral of dW (model/weight_grad.py)
+    async_tp = False  # the sequence all-gather fusable with this matmul (async_tp.py)
 
     def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, group, sequence_parallel: bool,
                  init_std: float, whole: tuple[bool, ...] | None = None, pad: int = 0):
@@ -266,7 +276,10 @@ class ColumnParallelLinear(nn.Module):
         _tag(self, {n: spec for n in ("weight", "bias") if getattr(self, n) is not None}, partial)
 
     def forward(self, x):
-        x = gather_from_sp(x, self.group) if self.sequence_parallel and self.training else copy_to_tp(x, self.group)
+        if self.sequence_parallel and self.training:
+            x = gather_from_sp(x, self.group, self.async_tp)
+        else:
+            x = copy_to_tp(x, self.group)
         y = linear(x, self.weight, self.bias, self.weight_grads)
         return y if self.lora is None else y + self.lora(x)  # adapters: this rank's rows of their update
 
@@ -276,6 +289,7 @@ class RowParallelLinear(nn.Module):
     """y = x A^T with A's columns (input features) split: partial sums all-reduced (or reduce-scattered along
     the sequence), the bias added once after."""
     weight_grads: WeightGradStore | None = None
+    async_tp = False  # the sequence reduce-scatter fusable with this matmul (async_tp.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool,
                  init_std: float):
@@ -294,7 +308,10 @@ class RowParallelLinear(nn.Module):
         y = linear(x, self.weight, None, self.weight_grads)
         if self.lora is not None:  # an adapter's partial product joins the base's before their reduction
             y = y + self.lora(x)
-        y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel and self.training else reduce_from_tp(y, self.group)
+        if self.sequence_parallel and self.training:
+            y = reduce_scatter_to_sp(y, self.group, self.async_tp)
+        else:
+            y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
