@@ -84,7 +84,7 @@ def test_async_tensor_parallel_fuses_each_collective_with_its_matmul():
 def test_compiled_sequence_parallel_on_gpus_equals_one_gpu(fused):
     """As the GPUs run it: NCCL, compiled blocks, and with `fused` the symmetric-memory kernels of async
     tensor parallelism, against one process on one GPU (AdamW's tolerance on GPUs, as test_pipeline.py's)."""
-    over = {**COMMON, "parallel.tp": "2", "parallel.sp": "true", "parallel.tp_async": str(fused).lower(),
+    over = {**COMMON, "parallel.tp": "2", "parallel.dp": "1", "parallel.sp": "true", "parallel.tp_async": str(fused).lower(),
             "train.compile": "true", "train.device": "cuda"}
     results = run_distributed(dist_fns.train_and_capture, 2, over, timeout=300, device="cuda")
     ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true", "train.device": "cuda"})
@@ -94,6 +94,13 @@ def test_compiled_sequence_parallel_on_gpus_equals_one_gpu(fused):
 def test_async_tensor_parallel_is_refused_where_it_cannot_fuse():
     with pytest.raises(ConfigError, match="tp_async = True .* needs parallel.sp = True and train.compile = True"):
         validate(load_config("tiny", {"parallel.tp": "2", "parallel.tp_async": "true", "parallel.sp": "true"}), 2)
+    with pytest.raises(Exception, match="tp_async = True needs CUDA GPUs of one node"):
+        run_distributed(dist_fns.train_and_capture, 2, {**COMMON, "parallel.tp": "2", "parallel.dp": "1",
+                                                        "parallel.sp": "true", "parallel.tp_async": "true",
+                                                        "train.compile": "true"}, timeout=120)
+    with pytest.raises(ConfigError, match="tp_async = True is not yet validated with pipeline stages"):
+        validate(load_config("tiny", {"parallel.tp": "2", "parallel.pp": "2", "parallel.tp_async": "true",
+                                      "parallel.sp": "true", "train.compile": "true"}), 4)
 
 
 @pytest.mark.parametrize("model", MODELS)

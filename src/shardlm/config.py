@@ -469,6 +469,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
                           f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
                           f"{t.compile})")
+    if p.tp_async and p.pp > 1:
+        raise ConfigError("parallel.tp_async = True is not yet validated with pipeline stages (parallel.pp = "
+                          f"{p.pp}): both take symmetric memory, whose rendezvous must come in the same order on "
+                          "every rank; use parallel.pp = 1 or parallel.tp_async = False")
     if p.offload_activations and t.recompute != "full":
         raise ConfigError("parallel.offload_activations = True offloads what full recomputation keeps of a block (its "
                           f"input): it needs train.recompute = 'full' (it is {t.recompute!r})")
