@@ -70,10 +70,9 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     return y.detach(), x.grad, col.weight.grad, row.weight.grad, e.weight.grad
 
 
-def compiled_block_gradients(rank, world, sp: bool):
-    """One tensor-parallel decoder block, eager and compiled (AOTAutograd with the eager backend: what decides
-    the gradients, without inductor's compile time): the input gradient and the block's weight gradients
-    of each, by name."""
+def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[dict]:
+    """One tensor-parallel llama block, eager then compiled by `compile_block(model, block)`: the input
+    gradient and the block's weight gradients of each, by name."""
     from shardlm.config import ModelConfig
     from shardlm.model import Decoder
     from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
@@ -90,26 +89,29 @@ def compiled_block_gradients(rank, world, sp: bool):
         sum_partial_gradients(model, dist.group.WORLD)
         block = model.blocks()[0]
         if compiled:
-            block.compile(backend="aot_eager")
+            compile_block(model, block)
         g = torch.Generator().manual_seed(1 + rank)
-        x = torch.randn(2, seq, cfg.hidden_size, generator=g, requires_grad=True)
-        dy = torch.randn(2, seq, cfg.hidden_size, generator=g)
+        x = torch.randn(batch, seq, cfg.hidden_size, generator=g, requires_grad=True)
+        dy = torch.randn(batch, seq, cfg.hidden_size, generator=g)
         (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
         grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
     return grads
 
 
+def compiled_block_gradients(rank, world, sp: bool):
+    """Eager and compiled by AOTAutograd with the eager backend (what decides the gradients, without
+    inductor's compile time): `_block_gradients`."""
+    return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"))
+
+
 def async_tp_block_gradients(rank, world):
-    """One tp + sp decoder block, eager and compiled by inductor with async tensor parallelism: the input
-    and weight gradients of each, by name, and how often the compiled one ran each fused collective-matmul.
-    On the CPU the fused ops run torch's reference versions (functional collectives, then the matmul) under
-    its symmetric-memory test mode, and the pass is let run on a build without NCCL: what is checked is
-    that shardlm's collectives take the form the pass fuses, and that the fused block computes the same."""
+    """A tp + sp block, eager and compiled by inductor with async tensor parallelism (`_block_gradients`), and
+    how often the compiled one ran each fused collective-matmul. On the CPU the fused ops run torch's
+    reference versions (functional collectives, then the matmul) under its symmetric-memory test mode, and
+    the pass is let run on a build without NCCL: what is checked is that shardlm's collectives take the
+    form the pass fuses, and that the fused block computes the same. Batch 1: views unless fusable."""
     import torch.distributed._symmetric_memory as symm_mem
-    from shardlm.config import ModelConfig
-    from shardlm.model import Decoder
     from shardlm.parallel.async_tp import async_tensor_parallel
-    from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
     calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
 
     def counted(name, reference):
@@ -122,26 +124,9 @@ def async_tp_block_gradients(rank, world):
     torch.library.impl("symm_mem::fused_matmul_reduce_scatter", "CPU",
                        counted("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback))
     dist.is_nccl_available = lambda: True  # the pass's gate; this process only
-    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
-                      ffn_hidden_size=64, max_seq_len=16)
-    seq = cfg.max_seq_len // world
-    grads = []
-    for compiled in (False, True):
-        with torch.device("meta"):
-            model = Decoder(cfg)
-        tensor_parallel(model, dist.group.WORLD, True)
-        model.to_empty(device="cpu")
-        model.init_weights(0)
-        sum_partial_gradients(model, dist.group.WORLD)
-        block = model.blocks()[0]
-        with symm_mem._test_mode():
-            if compiled:
-                block.compile(options=async_tensor_parallel(model, dist.group.WORLD))
-            g = torch.Generator().manual_seed(1 + rank)
-            x = torch.randn(1, seq, cfg.hidden_size, generator=g, requires_grad=True)  # b 1: views unless fusable
-            dy = torch.randn(1, seq, cfg.hidden_size, generator=g)
-            (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
-        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
+    with symm_mem._test_mode():
+        grads = _block_gradients(rank, world, True, 1, lambda model, block: block.compile(
+            options=async_tensor_parallel(model, dist.group.WORLD)))
     return grads, calls
 
 
