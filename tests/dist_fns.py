@@ -130,6 +130,28 @@ def async_tp_block_gradients(rank, world):
     return grads, calls
 
 
+def train_with_async_tp_on_cpu(rank, world, overrides: dict):
+    """`train_and_capture` with parallel.tp_async on the CPU: torch's reference kernels for the fused ops
+    under its symmetric-memory test mode (as in `async_tp_block_gradients`), and the GPUs' peer check
+    answered yes. Also returns how many fused ops ran."""
+    import torch.distributed._symmetric_memory as symm_mem
+    import shardlm.parallel.parallelize as parallelize
+    calls = [0]
+
+    def counted(reference):
+        def op(*args, **kwargs):
+            calls[0] += 1
+            return reference(*args, **kwargs)
+        return op
+    torch.library.impl("symm_mem::fused_all_gather_matmul", "CPU", counted(symm_mem._fused_all_gather_matmul_fallback))
+    torch.library.impl("symm_mem::fused_matmul_reduce_scatter", "CPU",
+                       counted(symm_mem._fused_matmul_reduce_scatter_fallback))
+    dist.is_nccl_available = lambda: True
+    parallelize.copy_engines_reach = lambda group, device: True
+    with symm_mem._test_mode():
+        return train_and_capture(rank, world, overrides), calls[0]
+
+
 # ---- data-parallel family -------------------------------------------------------------------------
 
 def tiny_trainer(world: int, overrides: dict, **kwargs):

@@ -79,6 +79,19 @@ def test_async_tensor_parallel_fuses_each_collective_with_its_matmul():
             torch.testing.assert_close(compiled[name], eager[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
+def test_data_times_async_tensor_parallel_equals_one_process():
+    """The trainer's path (compiled blocks with the fusion pass; DDP compiles block 0 in halves) at dp 2 x tp 2:
+    every block's 8 collectives fused on every micro-batch, and the run equal to one process."""
+    over = {**COMMON, "parallel.tp": "2", "parallel.dp": "2", "parallel.sp": "true", "parallel.tp_async": "true",
+            "train.compile": "true"}
+    results = run_distributed(dist_fns.train_with_async_tp_on_cpu, 4, over, timeout=400)
+    steps, micro, layers = 3, 8 // (2 * 2), 2
+    assert [n for _, n in results] == [steps * micro * layers * 8] * 4
+    ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true"})
+    check_equal([r for r, _ in results], ref, atol=ADAM_ATOL["llama"])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("fused", [False, True])
 def test_compiled_sequence_parallel_on_gpus_equals_one_gpu(fused):
