@@ -104,52 +104,67 @@ def compiled_block_gradients(rank, world, sp: bool):
     return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"))
 
 
-def async_tp_block_gradients(rank, world):
-    """A tp + sp block, eager and compiled by inductor with async tensor parallelism (`_block_gradients`), and
-    how often the compiled one ran each fused collective-matmul. On the CPU the fused ops run torch's
-    reference versions (functional collectives, then the matmul) under its symmetric-memory test mode, and
-    the pass is let run on a build without NCCL: what is checked is that shardlm's collectives take the
-    form the pass fuses, and that the fused block computes the same. Batch 1: views unless fusable."""
+def _compile_everything_here():
+    """Inductor's and AOTAutograd's caches off: a graph fused in an earlier process would come back from the
+    cache already fused, whatever this process's code does."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+
+
+def _cpu_async_tp(calls: dict):
+    """Let async TP run on the CPU: torch's reference versions of the fused ops (functional collectives, then
+    the matmul), counted in `calls`, and the pass let run on a build without NCCL. Returns torch's
+    symmetric-memory test mode, to run under: it opens the pass's gate for the groups given symmetric
+    memory (its live registry), as on GPUs."""
     import torch.distributed._symmetric_memory as symm_mem
-    from shardlm.parallel.async_tp import async_tensor_parallel
-    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+    _compile_everything_here()
 
     def counted(name, reference):
         def op(*args, **kwargs):
-            calls[name] += 1
+            calls[name] = calls.get(name, 0) + 1
             return reference(*args, **kwargs)
         return op
     torch.library.impl("symm_mem::fused_all_gather_matmul", "CPU",
                        counted("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback))
     torch.library.impl("symm_mem::fused_matmul_reduce_scatter", "CPU",
                        counted("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback))
-    dist.is_nccl_available = lambda: True  # the pass's gate; this process only
-    with symm_mem._test_mode():
+    dist.is_nccl_available = lambda: True  # the pass's gate on the build; this process only
+    return symm_mem._test_mode(symm_mem._group_name_to_store)
+
+
+def async_tp_block_gradients(rank, world):
+    """A tp + sp block, eager and compiled by inductor with async tensor parallelism (`_block_gradients`), and
+    how often the compiled one ran each fused collective-matmul, on the CPU (`_cpu_async_tp`): what is
+    checked is that shardlm's collectives take the form the pass fuses, and that the fused block computes
+    the same. Batch 1: views unless fusable."""
+    from shardlm.parallel.async_tp import async_tensor_parallel
+    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+    with _cpu_async_tp(calls):
         grads = _block_gradients(rank, world, True, 1, lambda model, block: block.compile(
             options=async_tensor_parallel(model, dist.group.WORLD)))
     return grads, calls
 
 
-def train_with_async_tp_on_cpu(rank, world, overrides: dict):
-    """`train_and_capture` with parallel.tp_async on the CPU: torch's reference kernels for the fused ops
-    under its symmetric-memory test mode (as in `async_tp_block_gradients`), and the GPUs' peer check
-    answered yes. Also returns how many fused ops ran."""
-    import torch.distributed._symmetric_memory as symm_mem
+def train_with_async_tp(rank, world, overrides: dict):
+    """`train_and_capture` with parallel.tp_async, and how many collective-matmul pairs inductor fused while
+    compiling (`_compile_everything_here`). On the CPU through `_cpu_async_tp`, with the GPUs' checks
+    answered yes."""
+    import torch._inductor.fx_passes.micro_pipeline_tp as pass_module
     import shardlm.parallel.parallelize as parallelize
-    calls = [0]
-
-    def counted(reference):
-        def op(*args, **kwargs):
-            calls[0] += 1
-            return reference(*args, **kwargs)
-        return op
-    torch.library.impl("symm_mem::fused_all_gather_matmul", "CPU", counted(symm_mem._fused_all_gather_matmul_fallback))
-    torch.library.impl("symm_mem::fused_matmul_reduce_scatter", "CPU",
-                       counted(symm_mem._fused_matmul_reduce_scatter_fallback))
-    dist.is_nccl_available = lambda: True
-    parallelize.copy_engines_reach = lambda group, device: True
-    with symm_mem._test_mode():
-        return train_and_capture(rank, world, overrides), calls[0]
+    _compile_everything_here()
+    fused = [0]
+    for name in ("_insert_fused_all_gather_matmul", "_insert_fused_matmul_reduce_scatter"):
+        def insert(*args, _insert=getattr(pass_module, name), **kwargs):
+            fused[0] += 1
+            return _insert(*args, **kwargs)
+        setattr(pass_module, name, insert)
+    if overrides.get("train.device") == "cuda":
+        return train_and_capture(rank, world, overrides), fused[0]
+    parallelize.async_tp_unavailable = lambda tp, device: None
+    with _cpu_async_tp({}):
+        return train_and_capture(rank, world, overrides), fused[0]
 
 
 # ---- data-parallel family -------------------------------------------------------------------------

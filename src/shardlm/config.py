@@ -469,6 +469,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
                           f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
                           f"{t.compile})")
+    if p.tp_async and t.device == "cpu":
+        raise ConfigError("parallel.tp_async = True needs CUDA GPUs (train.device is 'cpu'): the fused kernels move "
+                          "chunks through symmetric memory")
     if p.tp_async and p.pp > 1:
         raise ConfigError("parallel.tp_async = True is not yet validated with pipeline stages (parallel.pp = "
                           f"{p.pp}): both take symmetric memory, whose rendezvous must come in the same order on "

@@ -8,13 +8,17 @@ all-gather waits for all of it, and so does the reduce-scatter for its matmul. T
 post-grad pass (`_micro_pipeline_tp`): it recognises the collectives in the form torch's functional
 collectives write a sequence dimension (tensor.py writes them so for layers marked `async_tp`) and
 replaces each pair by `symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, which move the
-chunks through symmetric memory on the copy engines. It therefore needs compiled blocks, sequence
-parallelism and CUDA GPUs of one node.
+chunks through symmetric memory. It therefore needs compiled blocks, sequence parallelism, and each
+tensor-parallel group on the GPUs of one node. Where the pass finds no pair (a row-parallel layer whose
+LoRA update joins the partial sums before the reduce-scatter; evaluation, which runs the plain
+tensor-parallel path and makes inductor log that it found no pattern), the collective runs unfused.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
+import torch
 from torch import nn
 
 from .tensor import ColumnParallelLinear, RowParallelLinear
@@ -23,16 +27,36 @@ from .tensor import ColumnParallelLinear, RowParallelLinear
 COMPILE_OPTIONS = {"_micro_pipeline_tp": True}
 
 
+def unavailable(tp: int, device: torch.device) -> str | None:
+    """Why async TP cannot run here, or None. Symmetric memory spans one node's GPUs: with tp innermost in
+    the mesh, a tp group stays on one node when each node runs a multiple of tp ranks, each of which sees
+    the node's GPUs (to map its peers') with peer access between them."""
+    if device.type != "cuda":
+        return f"CUDA GPUs (the device is {device.type})"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local % tp:
+        return f"each node to run a multiple of parallel.tp = {tp} ranks (LOCAL_WORLD_SIZE is {local})"
+    gpus = torch.cuda.device_count()
+    if gpus < local:
+        return (f"each rank to see its node's GPUs ({gpus} visible to {local} ranks a node: "
+                "CUDA_VISIBLE_DEVICES hides them)")
+    if not all(torch.cuda.can_device_access_peer(i, j) for i in range(local) for j in range(local) if i != j):
+        return "peer access between the node's GPUs"
+    return None
+
+
 def async_tensor_parallel(model: nn.Module, group) -> dict:
     """Mark the blocks' parallel linears so that their collectives take the fusable form, and give `group`
     symmetric memory (the fused kernels' workspace). Returns the options to compile each block with."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-    for block in model.parts().layers:
+    from torch.distributed import _symmetric_memory as symm_mem
+    for block in model.blocks():
         for layer in block.modules():
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 layer.async_tp = True
-    with warnings.catch_warnings():
-        # torch 2.11 deprecates it, but its fusion pass still asks whether the group was enabled.
-        warnings.simplefilter("ignore", FutureWarning)
-        enable_symm_mem_for_group(group.group_name)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            # Deprecated since torch 2.9, yet the pass fuses only for a group it enabled (2.11 to 2.13).
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.group_name)
     return dict(COMPILE_OPTIONS)

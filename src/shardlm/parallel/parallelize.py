@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 
 from .. import schedules
-from ..comm.collectives import copy_engines_reach
 from ..config import ConfigError
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
-from .async_tp import async_tensor_parallel
+from .async_tp import async_tensor_parallel, unavailable as async_tp_unavailable
 from .engine import Engine
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
@@ -99,6 +98,9 @@ class Parallelized:
 def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: bool = False) -> Parallelized:
     """`resuming`: the weights will come from a checkpoint, so `train.init_from` is not read (it may be gone)."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
+    if p.tp_async and (why := async_tp_unavailable(p.tp, device)):
+        raise ConfigError(f"parallel.tp_async = True needs {why}: the fused kernels move chunks through "
+                          "symmetric memory")
     stages = p.pp * p.virtual_stages
     layers_of = schedules.split_layers(m, stages, p.pp_layers) if p.pp > 1 else None
     with torch.device("meta"):
@@ -122,12 +124,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     model.set_attention(t.attention)
     model.train()
     if t.compile:
-        options = {}
-        if p.tp_async:
-            if not copy_engines_reach(mesh.tp_group, device):
-                raise ConfigError("parallel.tp_async = True needs CUDA GPUs of one node with peer access (the fused "
-                                  "kernels move chunks through symmetric memory)")
-            options = async_tensor_parallel(model, mesh.tp_group)
+        options = async_tensor_parallel(model, mesh.tp_group) if p.tp_async else {}
         ddp = mesh.dp > 1 and p.zero_stage == 0 and p.dp_mode == "ddp" and p.pp == 1
         for i, block in enumerate(model.blocks()):
             # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,

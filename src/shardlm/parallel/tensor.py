@@ -11,7 +11,8 @@ With sequence parallelism (`parallel.sp`) the norms and residuals hold only this
 sequence: the all-reduces become an all-gather along the sequence before each column-parallel linear and
 a reduce-scatter after each row-parallel one (the same bytes), and activations outside the linears take
 1/tp of the memory. It applies in training mode; evaluation and generation run the plain
-tensor-parallel path on the same weights (a single generated token cannot be split).
+tensor-parallel path on the same weights (a single generated token cannot be split). async_tp.py fuses
+these collectives with their matmuls.
 
 Every parameter carries its sharding (`TPSharding`, on its module), which says how the full tensor maps to
 the local one: initialisation draws the full tensor and keeps the rank's slice (a tp = 2 run starts from
@@ -47,7 +48,8 @@ def rank_in(group) -> int:
 
 # `fusable`: written as torch's functional all_gather_tensor / reduce_scatter_tensor decompose a sequence
 # dimension (chunks joined by cat), the form inductor's async-TP pass fuses with the matmul beside it
-# (async_tp.py). Otherwise, at b == 1, views that copy nothing.
+# (async_tp.py). Otherwise, at b == 1, views that copy nothing; at b > 1 the sequence slices are not
+# contiguous, so one copy is needed either way, and cat is that copy.
 
 def _seq_all_gather(x: torch.Tensor, group, fusable: bool = False) -> torch.Tensor:
     """[b, s, h] slices of the sequence -> [b, tp s, h] on every rank."""
