@@ -135,6 +135,8 @@ def test_async_tensor_parallel_needs_each_tp_group_on_one_nodes_gpus(monkeypatch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert unavailable(4, gpu) is None  # e.g. 2 nodes x 8 GPUs at tp 4: each node holds two whole groups
     assert "CUDA GPUs" in unavailable(4, torch.device("cpu"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert "a launch by torchrun" in unavailable(4, gpu)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     assert "multiple of parallel.tp = 4" in unavailable(4, gpu)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

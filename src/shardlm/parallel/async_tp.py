@@ -33,7 +33,9 @@ def unavailable(tp: int, device: torch.device) -> str | None:
     the node's GPUs (to map its peers') with peer access between them."""
     if device.type != "cuda":
         return f"CUDA GPUs (the device is {device.type})"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return "a launch by torchrun (LOCAL_WORLD_SIZE is unset: the ranks on each node are unknown)"
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
     if local % tp:
         return f"each node to run a multiple of parallel.tp = {tp} ranks (LOCAL_WORLD_SIZE is {local})"
     gpus = torch.cuda.device_count()
