@@ -18,8 +18,9 @@ recomputation keeps 2sbh (the layer input, /t with sequence parallelism). Any ot
 the tensors shardlm's block actually saves (2 bytes each in 16-bit): both norms' inputs and outputs
 (with sequence parallelism the inputs as slices, the outputs gathered for the linears' weight gradients,
 as a compiled block keeps them: no collective is recomputed in backward), q, k, v (GQA-sized), the
-attention output, the MLP's up projection (2f for SwiGLU) and activation, and with standard attention the softmax output (2as^2 per token-row batch); flash attention keeps only a
-per-head log-sum-exp, so no s^2 term. A pipeline stage holds several micro-batches in flight: GPipe m,
+attention output, the MLP's up projection (2f for SwiGLU) and activation, and with standard attention
+the softmax output (2as^2 per token-row batch); flash attention keeps only a per-head log-sum-exp, so
+no s^2 term. A pipeline stage holds several micro-batches in flight: GPipe m,
 1F1B min(p, m) on the first stage, interleaved 1F1B that times (1 + (p - 1) / (p v)) (Narayanan et
 al. 2021).
 
