@@ -29,14 +29,15 @@ def hf_dir(tmp_path, **model):
 
 
 @pytest.mark.parametrize("layout", [{"parallel.dp": "1"}, {"parallel.tp": "2", "parallel.dp": "1"},
-                                    {"parallel.pp": "2", "parallel.dp": "1"}], ids=["one", "tp2", "pp2"])
+                                    {"parallel.pp": "2", "parallel.dp": "1"},
+                                    {"parallel.dp": "2", "parallel.zero_stage": "3"}], ids=["one", "tp2", "pp2", "zero3"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_training_starts_from_the_checkpoints_weights(tmp_path, layout, lora):
     """With lr 0 the weights after a step are the checkpoint's, on every layout."""
     path, want = hf_dir(tmp_path)
     over = {"train.init_from": str(path), "train.lr": "0", "train.steps": "1", "train.warmup_steps": "0",
             "train.weight_decay": "0", **layout, **({"lora.rank": "4"} if lora else {})}
-    world = int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.pp", 1))
+    world = int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.pp", 1)) * int(layout["parallel.dp"])
     results = run_distributed(dist_fns.train_and_capture, world, over, timeout=240) if world > 1 else \
         [dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu"})]
     masters = next(r["masters"] for r in results if r["masters"] is not None)

@@ -280,6 +280,26 @@ def test_offloaded_activations_on_a_gpu_equal_keeping_them_and_take_less_memory(
 
 
 @ON_GPU
+def test_zero3_builds_the_model_a_unit_at_a_time_on_a_gpu():
+    """ZeRO-3 with parameter offload materialises, shards and frees one unit at a time: the GPU's peak while
+    the trainer is built does not grow with depth (what it holds besides is a few units and fixed buffers),
+    where building the whole model first would add at least each added block's weights."""
+    built = {}
+    for layers in (8, 32):
+        shape = {"model.num_layers": str(layers), "model.hidden_size": "256", "train.device": "cuda",
+                 "train.precision": "bf16", "parallel.zero_stage": "3", "parallel.offload": "params",
+                 "parallel.persist_threshold": "0"}  # this narrow model's matrices would all be kept whole
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        trainer = dist_fns.tiny_trainer(1, {**FULL, **shape})
+        built[layers] = (torch.cuda.max_memory_allocated() - base, 2 * sum(p.numel() for p in trainer.model.parameters()))
+        del trainer
+    grew, added = built[32][0] - built[8][0], built[32][1] - built[8][1]
+    assert grew < added / 4, built
+
+
+@ON_GPU
 def test_large_pinned_buffers_are_locked_at_their_exact_size():
     """Host buffers from EXACT_PIN_BYTES on are page-locked in place (torch's pinned allocator would round a
     52 GB buffer up to 64 GiB): pinned, of their exact size, copied to and from the GPU asynchronously and

@@ -289,33 +289,38 @@ class Decoder(nn.Module):
         tbc.enable_mem_efficient_sdp(backend == "efficient")
         tbc.enable_math_sdp(backend == "math")
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Initialise every parameter from its own generator, seeded by (seed, name), so a parameter's
-        values do not depend on which other parameters a rank materialises or on the device order. A
+        """Initialise every materialised parameter (`init_parameter`); those still on the meta device are
+        left for whoever materialises them (ZeRO-3 fills each unit in turn)."""
+        for name, p in self.named_parameters():
+            if p.device.type != "meta":
+                self.init_parameter(name, p, seed)
+        self._rope_cache.clear()
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, out: torch.Tensor, seed: int = 0) -> None:
+        """Parameter `name`'s initial values into `out`, from its own generator seeded by (seed, name), so
+        its values do not depend on which other parameters a rank materialises or on the device order. A
         sharded parameter (its module's `shardings`, parallel/tensor.py) draws the full tensor and keeps
         its own slice, so any layout starts from the same weights. They do depend on the device type:
         CUDA's generator draws other numbers than the CPU's for one seed. Values are drawn in fp32 and
-        rounded to the parameter's dtype, so a 16-bit model materialised as such holds the weights an fp32
-        one cast down would (without the fp32 copy: a 13B model's is 52 GB)."""
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
-                continue
-            mod_name, _, attr = name.rpartition(".")
-            owner = self.get_submodule(mod_name) if mod_name else self
-            if name.endswith("bias") or getattr(owner, "zero_init", False):
-                p.zero_()
-            elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
-                p.fill_(1.0)
-            else:
-                spec = getattr(owner, "shardings", {}).get(attr)
-                std = getattr(owner, "init_std", self.cfg.init_std)
-                g = torch.Generator(device=p.device)
-                g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-                full = torch.empty(spec.full_shape(p.shape) if spec else p.shape, dtype=torch.float32, device=p.device)
-                full.normal_(0.0, std, generator=g)
-                p.copy_(spec.local(full) if spec else full)
-        self._rope_cache.clear()
+        rounded to `out`'s dtype, so a 16-bit model materialised as such holds the weights an fp32 one
+        cast down would (without the fp32 copy: a 13B model's is 52 GB)."""
+        mod_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(mod_name) if mod_name else self
+        if name.endswith("bias") or getattr(owner, "zero_init", False):
+            out.zero_()
+        elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
+            out.fill_(1.0)
+        else:
+            spec = getattr(owner, "shardings", {}).get(attr)
+            std = getattr(owner, "init_std", self.cfg.init_std)
+            g = torch.Generator(device=out.device)
+            g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            full = torch.empty(spec.full_shape(out.shape) if spec else out.shape, dtype=torch.float32,
+                               device=out.device)
+            full.normal_(0.0, std, generator=g)
+            out.copy_(spec.local(full) if spec else full)
 
     # ---- forward ------------------------------------------------------------------------------
     def rope(self, start: int, length: int, device, dtype):

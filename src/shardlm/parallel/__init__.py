@@ -6,13 +6,14 @@ from torch import nn
 from .engine import Engine, LocalEngine
 
 
-def build_engine(model: nn.Module, cfg, mesh, scaler) -> Engine:
+def build_engine(model: nn.Module, cfg, mesh, scaler, fill=None) -> Engine:
     """The data-parallel engine for cfg.parallel over the mesh's data-parallel group: one process, classic
-    DP, DDP, or ZeRO stage 1-3 (with offload)."""
+    DP, DDP, or ZeRO stage 1-3 (with offload). `fill(name, out)`: ZeRO-3 materialises the parameters itself,
+    a unit at a time, writing each one's initial values into `out`."""
     p = cfg.parallel
     if p.zero_stage == 3:
         from .zero3 import Zero3Engine
-        return Zero3Engine(model, cfg, scaler, mesh.dp_group)
+        return Zero3Engine(model, cfg, scaler, mesh.dp_group, fill)
     if p.zero_stage > 0:
         from .zero import ZeroEngine
         return ZeroEngine(model, cfg, scaler, mesh.dp_group)

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import schedules
 from ..config import ConfigError
+from ..flat import free_storage
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
@@ -110,10 +112,21 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
-    model.to_empty(device=device)
-    model.init_weights(t.seed)
-    if t.init_from and not resuming:
-        _load_initial(model, t.init_from, shardings(model))
+    fill = None
+    if p.zero_stage == 3 and not cfg.lora.rank:
+        # ZeRO-3 fills one unit at a time and keeps only its shard, so no device ever holds the whole model
+        # (a 24B model's 16-bit weights are 48 GB): until then the parameters have a device but no storage.
+        _empty_parameters(model, device)
+        fill = _initial_weights(model, t.init_from, shardings(model)) if t.init_from and not resuming \
+            else (lambda name, out: model.init_parameter(name, out, t.seed))
+    else:
+        model.to_empty(device=device)
+        model.init_weights(t.seed)
+        if t.init_from and not resuming:
+            load = _initial_weights(model, t.init_from, shardings(model))
+            for name, q in model.named_parameters():
+                if not is_adapter(name):  # the adapters of a LoRA run keep their initialisation
+                    load(name, q)
     if cfg.lora.quantize == "nf4":
         quantize_base(model)
     if mesh.tp > 1:
@@ -133,7 +146,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
                 block.compile_in_halves(options=options)
             else:
                 block.compile(options=options)
-    engine = build_engine(model, cfg, mesh, scaler)
+    engine = build_engine(model, cfg, mesh, scaler, fill)
     specs = shardings(model)
     tied_copy = p.pp > 1 and m.tie_embeddings and model.last and not model.first
     if (specs or p.pp > 1) and engine.opt is not None:
@@ -148,23 +161,36 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     return Parallelized(model, engine, step, mesh, specs)
 
 
-def _load_initial(model: Decoder, path: str, specs: dict) -> None:
-    """`train.init_from`'s weights into this rank's parameters (its stage's, its tensor-parallel slices); the
-    adapters of a LoRA run keep their initialisation."""
+def _empty_parameters(model: nn.Module, device: torch.device) -> None:
+    """The meta model's parameters on `device` with no storage (a tied parameter stays one parameter)."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, q in list(module.named_parameters(recurse=False)):
+            if id(q) not in done:
+                real = torch.empty_like(q, device=device)
+                free_storage(real)
+                done[id(q)] = nn.Parameter(real, requires_grad=q.requires_grad)
+            setattr(module, name, done[id(q)])
+
+
+def _initial_weights(model: Decoder, path: str, specs: dict):
+    """A function writing a parameter's `train.init_from` weights, as this rank holds it (its stage's, its
+    tensor-parallel slice), into a tensor: one full tensor in memory at a time."""
     from ..model.hf import open_hf_dir
     _, tensors = open_hf_dir(path)
-    own = {n: p for n, p in model.named_parameters() if not is_adapter(n)}
-    missing = sorted(set(own) - set(tensors.names))
+    missing = sorted(n for n, _ in model.named_parameters() if not is_adapter(n) and n not in tensors.names)
     if missing:
         raise ConfigError(f"train.init_from = {path!r} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}")
-    with torch.no_grad():
-        for name, p in own.items():  # one full tensor in memory at a time, this rank's names only
-            local = take_local({name: tensors(name)}, specs)[name]
-            if local.shape != p.shape:
-                raise ConfigError(f"train.init_from = {path!r}: {name} is {tuple(local.shape)} for this "
-                                  f"rank, the model's is {tuple(p.shape)}")
-            p.copy_(local)
+
+    @torch.no_grad()
+    def fill(name: str, out: torch.Tensor) -> None:
+        local = take_local({name: tensors(name)}, specs)[name]
+        if local.shape != out.shape:
+            raise ConfigError(f"train.init_from = {path!r}: {name} is {tuple(local.shape)} for this "
+                              f"rank, the model's is {tuple(out.shape)}")
+        out.copy_(local)
+    return fill
 
 
 def _duplicates(engine: Engine, specs: dict, copy: str | None) -> list[tuple[int, int, int]]:

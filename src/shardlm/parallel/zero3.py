@@ -60,7 +60,10 @@ class UnitState:
 
 
 class Zero3Engine(ZeroEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
+        """`fill(name, out)`: the parameters have no storage yet (parallelize), and each unit is materialised
+        here from `fill`'s values, sharded and freed before the next: never the whole model on the device."""
+        self.fill = fill
         self.frozen = None  # a LoRA run's sharded base (zero3_frozen.py), gathered by the same hooks
         self.ahead = cfg.parallel.prefetch_units  # blocks gathered ahead of the running one
         super().__init__(model, cfg, scaler, group)
@@ -100,7 +103,10 @@ class Zero3Engine(ZeroEngine):
             full = torch.zeros(b.numel, dtype=flat.dtype, device=flat.device)
             with torch.no_grad():
                 for i in b.params:
-                    flat.view(full, i).copy_(flat.params[i].detach())
+                    if self.fill is None:
+                        flat.view(full, i).copy_(flat.params[i].detach())
+                    else:
+                        self.fill(flat.names[i], flat.view(full, i))
                     flat.params[i].data = flat.view(full, i)
             b.data = full
             shard = self._own(full).clone()
@@ -111,9 +117,8 @@ class Zero3Engine(ZeroEngine):
                 self.param_shards.append(host_empty(shard.numel(), shard.dtype, pin).copy_(shard)
                                          if self.offload_params else shard)
             self.gathered.append(True)
+            self._release(b.index)  # at rest, only the small parameters are whole
         self._register_hooks(model)
-        for b in flat.buckets:  # at rest, only the small parameters are whole
-            self._release(b.index)
         return list(self.param_shards)
 
     def _own(self, full: torch.Tensor) -> torch.Tensor:
