@@ -92,8 +92,12 @@ def test_data_times_async_tensor_parallel_equals_one_process():
     check_equal([r for r, _ in results], ref, atol=ADAM_ATOL["llama"])
 
 
-GPU_LAYOUTS = [pytest.param(dp, fused, marks=pytest.mark.skipif(torch.cuda.device_count() < 2 * dp,
-                                                              reason=f"needs {2 * dp} GPUs"))
+# The fused GPU kernels gave other weights than one GPU on 4x H200 (torch 2.11): parallel.tp_async is refused
+# on GPUs (async_tp.NOT_VALIDATED) until these cases pass; the test lifts that refusal for them.
+FUSED_ON_GPUS = pytest.mark.xfail(strict=True, reason="async TP's fused GPU kernels are not yet validated")
+GPU_LAYOUTS = [pytest.param(dp, fused, marks=[pytest.mark.skipif(torch.cuda.device_count() < 2 * dp,
+                                                               reason=f"needs {2 * dp} GPUs")]
+                            + ([FUSED_ON_GPUS] if fused else []))
                for dp in (1, 2) for fused in (False, True)]
 
 
@@ -128,12 +132,13 @@ def test_async_tensor_parallel_is_refused_where_it_cannot_fuse():
 
 def test_async_tensor_parallel_needs_each_tp_group_on_one_nodes_gpus(monkeypatch):
     """Symmetric memory spans one node: with tp innermost, a node must run whole tp groups and see its GPUs."""
-    from shardlm.parallel.async_tp import unavailable
+    from shardlm.parallel.async_tp import NOT_VALIDATED, unavailable
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert unavailable(4, gpu) is None  # e.g. 2 nodes x 8 GPUs at tp 4: each node holds two whole groups
+    # e.g. 2 nodes x 8 GPUs at tp 4: each node holds two whole groups; only the kernels' validation is missing
+    assert unavailable(4, gpu) == NOT_VALIDATED
     assert "CUDA GPUs" in unavailable(4, torch.device("cpu"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert "a launch by torchrun" in unavailable(4, gpu)

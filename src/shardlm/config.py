@@ -220,7 +220,7 @@ class ParallelConfig:
     cp: int = 1                    # context parallel (sequence split over ranks)
     ep: int = 1                    # expert parallel, carved out of dp x cp
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
-    tp_async: bool = False         # with sp and compiled blocks: collectives fused with their matmuls (async_tp.py)
+    tp_async: bool = False         # collectives fused with their matmuls (async_tp.py): refused on GPUs for now
     zero_stage: int = 0
     offload: str = "none"          # none | optimizer | params
     pp_schedule: str = "1f1b"      # naive | gpipe | 1f1b | interleaved | zb-h1 (schedules.py)

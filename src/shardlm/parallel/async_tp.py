@@ -30,7 +30,8 @@ COMPILE_OPTIONS = {"_micro_pipeline_tp": True}
 def unavailable(tp: int, device: torch.device) -> str | None:
     """Why async TP cannot run here, or None. Symmetric memory spans one node's GPUs: with tp innermost in
     the mesh, a tp group stays on one node when each node runs a multiple of tp ranks, each of which sees
-    the node's GPUs (to map its peers') with peer access between them."""
+    the node's GPUs (to map its peers') with peer access between them. Where all that holds, the GPU
+    kernels are still refused (NOT_VALIDATED)."""
     if device.type != "cuda":
         return f"CUDA GPUs (the device is {device.type})"
     if "LOCAL_WORLD_SIZE" not in os.environ:
@@ -44,7 +45,17 @@ def unavailable(tp: int, device: torch.device) -> str | None:
                 "CUDA_VISIBLE_DEVICES hides them)")
     if not all(torch.cuda.can_device_access_peer(i, j) for i in range(local) for j in range(local) if i != j):
         return "peer access between the node's GPUs"
-    return None
+    return NOT_VALIDATED
+
+
+# Refused on GPUs until the GPU tests pass (tests/test_tensor_parallel.py, strict xfail): on 4x H200 with torch
+# 2.11 every pair fused, yet the weights after a tp 2 run (dp 1 and dp 2) left one GPU's AdamW tolerance, and a
+# tp 4 step of llama2-7b took 2.3x the unfused one's (bench/README.md, tenth lease). The CPU tests, where
+# torch's reference kernels stand in for the fused ones, agree with one process: the rewrite is right, the
+# GPU kernels' results are not yet.
+NOT_VALIDATED = ("fused kernels validated on GPUs: on 4x H200 (torch 2.11) they fused every pair but gave "
+                 "other weights than one GPU and a 2.3x slower tp 4 step (bench/README.md); train with "
+                 "parallel.tp_async = false")
 
 
 def async_tensor_parallel(model: nn.Module, group) -> dict:
