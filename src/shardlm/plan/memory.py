@@ -206,8 +206,10 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         acts = per_layer * layers * in_flight(w, L)
         if L.offload_activations:  # the blocks' inputs wait in host memory (model/activation_offload.py)
             acts = 0.0
+        recomputed = 0.0
         if L.recompute == "full":  # the layer being recomputed holds its full activations
-            acts += activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
+            recomputed = activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
+            acts += recomputed
         if stage == 0 and L.pp > 1:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
@@ -215,7 +217,10 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
         if stage == L.pp - 1:
-            buffers += head_and_loss(m, w, L)
+            # With full recomputation a layer's activations exist only in the blocks' backward, after the
+            # loss's buffers are gone: the smaller of the two never adds to the peak.
+            loss = head_and_loss(m, w, L)
+            buffers += loss - min(loss, recomputed)
         if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
             buffers += m.hidden_size * max(m.ffn_size * (2 if m.arch != "gpt2" else 1),
                                            (m.num_heads + 2 * m.kv_heads) * m.head_size) / L.tp * p_b
