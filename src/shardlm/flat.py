@@ -55,7 +55,9 @@ def split_buckets(names: list[str], sizes: list[int], bucket_numel: int) -> list
 
 class FlatParams:
     def __init__(self, model: nn.Module, buckets: list[list[str]] | None = None, pad_multiple: int = 1,
-                 grad_buffers: bool = True, materialize: bool = True):
+                 grad_buffers: bool = True, materialize: bool = True, fill=None):
+        """`fill(name, out)`: the parameters have no storage yet (parallelize); their values are written
+        straight into the buckets, so the model never exists twice."""
         named = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -96,7 +98,10 @@ class FlatParams:
                 bucket.data = data[start:start + bucket.numel]
                 with torch.no_grad():
                     for i in bucket.params:
-                        self.view(bucket.data, i).copy_(self.params[i].detach())
+                        if fill is None:
+                            self.view(bucket.data, i).copy_(self.params[i].detach())
+                        else:
+                            fill(self.names[i], self.view(bucket.data, i))
                         self.params[i].data = self.view(bucket.data, i)
                 if grad_buffers:
                     bucket.grad = grad[start:start + bucket.numel]

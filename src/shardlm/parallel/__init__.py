@@ -8,19 +8,20 @@ from .engine import Engine, LocalEngine
 
 def build_engine(model: nn.Module, cfg, mesh, scaler, fill=None) -> Engine:
     """The data-parallel engine for cfg.parallel over the mesh's data-parallel group: one process, classic
-    DP, DDP, or ZeRO stage 1-3 (with offload). `fill(name, out)`: ZeRO-3 materialises the parameters itself,
-    a unit at a time, writing each one's initial values into `out`."""
+    DP, DDP, or ZeRO stage 1-3 (with offload). `fill(name, out)`: the parameters have no storage yet, and the
+    engine writes each one's initial values straight into its buffers (ZeRO-3: a unit at a time, each sharded
+    and freed before the next)."""
     p = cfg.parallel
     if p.zero_stage == 3:
         from .zero3 import Zero3Engine
         return Zero3Engine(model, cfg, scaler, mesh.dp_group, fill)
     if p.zero_stage > 0:
         from .zero import ZeroEngine
-        return ZeroEngine(model, cfg, scaler, mesh.dp_group)
+        return ZeroEngine(model, cfg, scaler, mesh.dp_group, fill)
     if mesh.dp == 1:
-        return LocalEngine(model, cfg, scaler)
+        return LocalEngine(model, cfg, scaler, fill=fill)
     if p.dp_mode == "classic":
         from .classic import ClassicEngine
-        return ClassicEngine(model, cfg, scaler, mesh.dp_group)
+        return ClassicEngine(model, cfg, scaler, mesh.dp_group, fill)
     from .ddp import DDPEngine
-    return DDPEngine(model, cfg, scaler, mesh.dp_group)
+    return DDPEngine(model, cfg, scaler, mesh.dp_group, fill)

@@ -19,11 +19,11 @@ from .engine import LocalEngine
 
 
 class ClassicEngine(LocalEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
         self.cfg, self.group = cfg, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.root = dist.get_global_rank(group, 0)
-        self.flat = FlatParams(model)
+        self.flat = FlatParams(model, fill=fill)
         self.scaler = scaler
         # Only the root holds optimizer state; the others only compute gradients.
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler) if self.rank == 0 else None

@@ -22,13 +22,14 @@ from .engine import LocalEngine
 
 
 class DDPEngine(LocalEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
         p = cfg.parallel
         self.group = group
         self.world = dist.get_world_size(group)
         item = next(model.parameters()).element_size()
         # Buckets padded to a multiple of the world size split into equal reduce-scatter slices.
-        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item), pad_multiple=self.world)
+        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item), pad_multiple=self.world,
+                         fill=fill)
         reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device)
         self.transport = bucket_all_reduce(self.flat, group, self.algo, reduce_dtype)

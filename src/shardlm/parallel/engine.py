@@ -140,9 +140,9 @@ class Engine:
 class LocalEngine(Engine):
     """One data-parallel rank: flat buckets and the optimizer, nothing to communicate."""
 
-    def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1):
+    def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1, fill=None):
         self.cfg = cfg
-        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple)
+        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill)
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)
 
     def grad_shard(self, b: int) -> torch.Tensor:

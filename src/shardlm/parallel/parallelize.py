@@ -1,10 +1,11 @@
 """`parallelize`: the one place that turns the one-device model into this rank's part of the layout, as an
 ordered series of transforms, the way torchtitan's `parallelize_llama` reads: the pipeline stage (the
 slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> low-rank
-adapters (the rest frozen) -> this rank's weights materialised and initialised -> recomputation ->
-compilation -> data parallelism / ZeRO (the engine, over the trainable parameters) -> the step's seam (a
-plain forward and backward, or a pipeline schedule). Later strategies (context and expert parallelism)
-are further transforms in this list.
+adapters (the rest frozen) -> recomputation -> compilation -> data parallelism / ZeRO (the engine, over
+the trainable parameters, which materialises and initialises this rank's weights in its own buffers, as
+torchtitan's meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward,
+or a pipeline schedule). Later strategies (context and expert parallelism) are further transforms in this
+list.
 """
 from __future__ import annotations
 
@@ -113,9 +114,11 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
     fill = None
-    if p.zero_stage == 3 and not cfg.lora.rank:
-        # ZeRO-3 fills one unit at a time and keeps only its shard, so no device ever holds the whole model
-        # (a 24B model's 16-bit weights are 48 GB): until then the parameters have a device but no storage.
+    if not cfg.lora.rank:
+        # The engine writes the weights straight into its buffers, so the model never exists twice on the
+        # device, and ZeRO-3 fills one unit at a time and keeps only its shard (a 24B model's 16-bit weights
+        # are 48 GB): until then the parameters have a device but no storage. A LoRA run's frozen base lies
+        # outside the engine's buffers and is materialised here.
         _empty_parameters(model, device)
         fill = _initial_weights(model, t.init_from, shardings(model)) if t.init_from and not resuming \
             else (lambda name, out: model.init_parameter(name, out, t.seed))

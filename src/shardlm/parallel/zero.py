@@ -52,8 +52,9 @@ def eager(fn):
 class ZeroEngine(Engine):
     """ZeRO-1 and ZeRO-2 (`parallel.zero_stage`), over `group` (None: one rank)."""
 
-    def __init__(self, model: nn.Module, cfg, scaler, group):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
         p = cfg.parallel
+        self.fill = fill
         self.cfg, self.group, self.stage = cfg, group, p.zero_stage
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -97,7 +98,7 @@ class ZeroEngine(Engine):
     def _flat_params(self, model: nn.Module) -> FlatParams:
         item = next(model.parameters()).element_size()
         return FlatParams(model, reverse_order_buckets(model, self.cfg.parallel.bucket_mb, item),
-                          pad_multiple=self.world, grad_buffers=self.stage == 1)
+                          pad_multiple=self.world, grad_buffers=self.stage == 1, fill=self.fill)
 
     def _shard_parameters(self, model: nn.Module) -> list | None:
         """Stage 3 turns the parameters into shards here (returning the 16-bit shards); 1 and 2 keep them."""

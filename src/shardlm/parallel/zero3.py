@@ -63,10 +63,9 @@ class Zero3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
         """`fill(name, out)`: the parameters have no storage yet (parallelize), and each unit is materialised
         here from `fill`'s values, sharded and freed before the next: never the whole model on the device."""
-        self.fill = fill
         self.frozen = None  # a LoRA run's sharded base (zero3_frozen.py), gathered by the same hooks
         self.ahead = cfg.parallel.prefetch_units  # blocks gathered ahead of the running one
-        super().__init__(model, cfg, scaler, group)
+        super().__init__(model, cfg, scaler, group, fill)
         if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
             self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
         if self.world > 1 and any(not p.requires_grad for p in model.parameters()):
