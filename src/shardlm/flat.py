@@ -28,6 +28,13 @@ def alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
+@torch.no_grad()
+def materialise(t: torch.Tensor, name: str, fill) -> None:
+    """Give a tensor without storage (parallelize's parameters) its memory and `fill`'s values for `name`."""
+    alloc_storage(t)
+    fill(name, t)
+
+
 @dataclass
 class Bucket:
     index: int

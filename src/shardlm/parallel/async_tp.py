@@ -48,11 +48,11 @@ def unavailable(tp: int, device: torch.device) -> str | None:
     return NOT_VALIDATED
 
 
-# Refused on GPUs until the GPU tests pass (tests/test_tensor_parallel.py, strict xfail): on 4x H200 with torch
-# 2.11 every pair fused, yet the weights after a tp 2 run (dp 1 and dp 2) left one GPU's AdamW tolerance, and a
-# tp 4 step of llama2-7b took 2.3x the unfused one's (bench/README.md, tenth lease). The CPU tests, where
-# torch's reference kernels stand in for the fused ones, agree with one process: the rewrite is right, the
-# GPU kernels' results are not yet.
+# Refused on GPUs until the GPU tests agree with one GPU (tests/test_tensor_parallel.py expects the failure
+# until then, and fails once they agree, so that this goes): on 4x H200 with torch 2.11 every pair fused, yet
+# the weights after a tp 2 run (dp 1 and dp 2) left one GPU's AdamW tolerance, and a tp 4 step of llama2-7b
+# took 2.3x the unfused one's (bench/README.md, tenth lease). The CPU tests, where torch's reference kernels
+# stand in for the fused ones, agree with one process: the rewrite is right, the GPU kernels' results are not.
 NOT_VALIDATED = ("fused kernels validated on GPUs: on 4x H200 (torch 2.11) they fused every pair but gave "
                  "other weights than one GPU and a 2.3x slower tp 4 step (bench/README.md); train with "
                  "parallel.tp_async = false")

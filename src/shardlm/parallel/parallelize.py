@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import schedules
 from ..config import ConfigError
-from ..flat import free_storage
+from ..flat import free_storage, materialise
 from ..mesh import DeviceMesh
 from ..model import Decoder
 from ..precision import DTYPES
@@ -113,25 +113,25 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
+    initial = _fill(model, t.init_from if not resuming else "", t.seed, shardings(model))
     fill = None
-    if not cfg.lora.rank:
+    if cfg.lora.quantize == "nf4":  # QLoRA quantises the whole base once it is materialised
+        model.to_empty(device=device)
+        for name, q in model.named_parameters():
+            materialise(q, name, initial)
+        quantize_base(model)
+    else:
         # The engine writes the weights straight into its buffers, so the model never exists twice on the
         # device, and ZeRO-3 fills one unit at a time and keeps only its shard (a 24B model's 16-bit weights
         # are 48 GB): until then the parameters have a device but no storage. A LoRA run's frozen base lies
-        # outside the engine's buffers and is materialised here.
+        # outside the engine's buffers: ZeRO-3 over several ranks shards it the same way, else it is
+        # materialised here.
         _empty_parameters(model, device)
-        fill = _initial_weights(model, t.init_from, shardings(model)) if t.init_from and not resuming \
-            else (lambda name, out: model.init_parameter(name, out, t.seed))
-    else:
-        model.to_empty(device=device)
-        model.init_weights(t.seed)
-        if t.init_from and not resuming:
-            load = _initial_weights(model, t.init_from, shardings(model))
+        fill = initial
+        if cfg.lora.rank and not (p.zero_stage == 3 and mesh.dp > 1):
             for name, q in model.named_parameters():
-                if not is_adapter(name):  # the adapters of a LoRA run keep their initialisation
-                    load(name, q)
-    if cfg.lora.quantize == "nf4":
-        quantize_base(model)
+                if not q.requires_grad:
+                    materialise(q, name, fill)
     if mesh.tp > 1:
         sum_partial_gradients(model, mesh.tp_group)
     model.set_recompute(t.recompute, offload_to=device if p.offload_activations else None)
@@ -174,6 +174,19 @@ def _empty_parameters(model: nn.Module, device: torch.device) -> None:
                 free_storage(real)
                 done[id(q)] = nn.Parameter(real, requires_grad=q.requires_grad)
             setattr(module, name, done[id(q)])
+
+
+def _fill(model: Decoder, init_from: str, seed: int, specs: dict):
+    """`fill(name, out)`: a parameter's initial values, from `train.init_from` where it is set (but a LoRA
+    run's adapters' from their initialisation), else from the model's seeded initialisation."""
+    load = _initial_weights(model, init_from, specs) if init_from else None
+
+    def fill(name: str, out: torch.Tensor) -> None:
+        if load is None or is_adapter(name):
+            model.init_parameter(name, out, seed)
+        else:
+            load(name, out)
+    return fill
 
 
 def _initial_weights(model: Decoder, path: str, specs: dict):

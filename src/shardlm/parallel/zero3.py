@@ -69,7 +69,7 @@ class Zero3Engine(ZeroEngine):
         if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
             self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
         if self.world > 1 and any(not p.requires_grad for p in model.parameters()):
-            self.frozen = FrozenShards(model, group, int(cfg.parallel.persist_threshold))
+            self.frozen = FrozenShards(model, group, int(cfg.parallel.persist_threshold), self.fill)
 
     def _frozen(self, op: str, role) -> None:
         if self.frozen is not None:

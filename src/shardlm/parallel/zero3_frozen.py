@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..flat import alloc_storage, free_storage
+from ..flat import alloc_storage, free_storage, materialise
 from .qlora import is_nf4
 
 
 class FrozenShards:
-    def __init__(self, model: nn.Module, group, persist_threshold: int):
+    def __init__(self, model: nn.Module, group, persist_threshold: int, fill=None):
+        """`fill(name, out)`: the frozen parameters have no storage yet (parallelize); each unit is filled,
+        sharded and freed in turn, and the ones kept whole get their values in place."""
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         parts = model.parts()
         name_of = {id(p): n for n, p in model.named_parameters()}
@@ -41,13 +43,19 @@ class FrozenShards:
             with torch.no_grad():
                 for p in params:
                     view = full[at:at + p.numel()].view_as(p)
-                    view.copy_(p.detach())
+                    if fill is None:
+                        view.copy_(p.detach())
+                    else:
+                        fill(name_of[id(p)], view)
                     p.data = view
                     at += p.numel()
             shard = self._own(full).clone()
             self.units[role] = ([name_of[id(p)] for p in params], params, full, shard)
             free_storage(full)
             self.gathered[role] = False
+        for name, p in model.named_parameters():
+            if fill is not None and not p.requires_grad and id(p) not in taken:
+                materialise(p, name, fill)
 
     def _own(self, full: torch.Tensor) -> torch.Tensor:
         n = full.numel() // self.world

@@ -217,10 +217,14 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
         if stage == L.pp - 1:
-            # With full recomputation a layer's activations exist only in the blocks' backward, after the
-            # loss's buffers are gone: the smaller of the two never adds to the peak.
             loss = head_and_loss(m, w, L)
-            buffers += loss - min(loss, recomputed)
+            # With full recomputation a layer's activations exist only in the blocks' backward, when the
+            # loss's buffers are gone but for the gradient it sends into the blocks: the smaller of the rest
+            # and those activations never adds to the peak. Not under GPipe, whose last stage keeps every
+            # micro-batch's loss buffers until its backwards.
+            if L.pp == 1 or L.pp_schedule != "gpipe":
+                buffers -= min(loss - w.seq * w.micro_batch / L.cp * m.hidden_size * (2 if mixed else 4), recomputed)
+            buffers += loss
         if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
             buffers += m.hidden_size * max(m.ffn_size * (2 if m.arch != "gpt2" else 1),
                                            (m.num_heads + 2 * m.kv_heads) * m.head_size) / L.tp * p_b
