@@ -36,7 +36,7 @@ def check_equal(results, ref, rtol=RTOL, atol=ATOL):
     assert main[0].keys() == ref["masters"].keys()
     for name, value in ref["masters"].items():
         assert main[0][name].shape == value.shape, name
-        torch.testing.assert_close(main[0][name], value, rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(main[0][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def run(world, overrides):
@@ -111,13 +111,19 @@ def test_compiled_sequence_parallel_on_gpus_equals_one_gpu(dp, fused):
     if not fused:
         check_equal([r for r, _ in results], ref, atol=ADAM_ATOL["llama"])
         return
-    # The fused GPU kernels gave other weights than one GPU on 4x H200 (torch 2.11), so parallel.tp_async is
-    # refused on GPUs (async_tp.NOT_VALIDATED), which this test lifts; once they agree, the refusal must go.
+    # SGD does not amplify rounding as AdamW does: a fused kernel that computes something else fails here.
+    sgd = OPTIMIZERS["sgd"]
+    sgd_results = run_distributed(dist_fns.train_with_async_tp, 2 * dp, {**over, **sgd}, timeout=300, device="cuda")
+    check_equal([r for r, _ in sgd_results],
+                dist_fns.train_and_capture(0, 1, {**COMMON, **sgd, "train.compile": "true", "train.device": "cuda"}))
+    # On 4x H200 (torch 2.11) the weights after three AdamW steps left the tolerance the unfused run meets, so
+    # parallel.tp_async is refused on GPUs (async_tp.NOT_VALIDATED), which this test lifts; once they agree,
+    # the refusal must go.
     try:
         check_equal([r for r, _ in results], ref, atol=ADAM_ATOL["llama"])
     except AssertionError as e:
-        pytest.xfail(f"async TP's fused GPU kernels still disagree with one GPU: {e}")
-    pytest.fail("async TP's fused GPU kernels now agree with one GPU: lift async_tp.NOT_VALIDATED")
+        pytest.xfail(f"async TP on GPUs: AdamW's weights still outside the tolerance: {e}")
+    pytest.fail("async TP on GPUs now meets the unfused run's tolerance: lift async_tp.NOT_VALIDATED")
 
 
 def test_async_tensor_parallel_is_refused_where_it_cannot_fuse():
