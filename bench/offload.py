@@ -29,7 +29,8 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
   ZeRO-3's model is built under deepspeed.zero.Init, partitioned as it is made, as DeepSpeed's users build
   models larger than the GPU. Needs deepspeed importable (its cpu_adam op builds at first use).
 MFU charges ModelConfig.flops_per_token (6 N + attention) against 989 TFLOP/s; peak memory is
-torch.cuda.max_memory_allocated. Prints a table with the ratios to ds-zero2-offload and the issue's floor
+torch.cuda.max_memory_allocated over the timed steps, the build's peak the same before them (what the card
+must hold to start), the host's the process's peak resident memory (getrusage, pinned buffers included). Prints a table with the ratios to ds-zero2-offload and the issue's floor
 (shardlm-zero2-offload >= 1.5x its tokens/s at <= its peak memory); appends rows with bench "offload".
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -72,6 +74,18 @@ def model_config(args):
     return load_config(args.preset, {"model.max_seq_len": str(max(args.seq, load_config(args.preset).model.max_seq_len))})
 
 
+def build_peak_gib(device: str) -> float:
+    """GiB the GPU held at most while the model and its engine were built (the timed steps' peak leaves this
+    out: a model that trains in 20 GiB but is built whole first needs its full size on the card)."""
+    import torch
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident host memory (pinned buffers included), in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def worker(args, extra):
     """One shardlm system in this process: its RESULT line."""
     import torch
@@ -83,6 +97,7 @@ def worker(args, extra):
     t0 = time.perf_counter()
     trainer, step = shardlm_trainer(args.preset, over, extra)
     print(f"[{args.system}] built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    build = build_peak_gib(args.device)
 
     def step_said():  # progress on stderr: a 7B step on the CPU's optimizer takes seconds
         step()
@@ -108,6 +123,7 @@ def worker(args, extra):
     print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
                                   "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK,
                                   "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30,
+                                  "build_peak_gib": build, "host_peak_gib": host_peak_gib(),
                                   **({"disk_gb_s": disk / 1e9} if disk is not None else {}),
                                   **({"phases_s": phases} if phases else {})}), flush=True)
     trainer.close()
@@ -148,6 +164,7 @@ def ds_worker(args):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-5),
                                            config=config)
     print(f"[{args.system}] built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    build = build_peak_gib("cuda")
     x = torch.randint(0, hf.vocab_size, (args.micro_batch, args.seq), device="cuda")
 
     def step():
@@ -158,7 +175,8 @@ def ds_worker(args):
     dt, mem = timed(step, args.warm, args.steps, "cuda")
     tokens = args.micro_batch * args.microbatches * args.seq
     print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
-                                  "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem}),
+                                  "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem,
+                                  "build_peak_gib": build, "host_peak_gib": host_peak_gib()}),
           flush=True)
 
 
@@ -195,12 +213,13 @@ def main():
     by = {r["system"]: r for r in rows}
     print(f"\n{card} x1 ({cores} cores), {args.preset}, {args.microbatches} micro-batches of "
           f"{args.micro_batch} x {args.seq}, full recomputation")
-    print(f"{'system':<30}{'params':>8}{'tok/s':>9}{'MFU':>8}{'peak GiB':>10}{'vs ' + BASELINE:>22}")
+    print(f"{'system':<30}{'params':>8}{'tok/s':>9}{'MFU':>8}{'peak GiB':>10}{'build GiB':>10}{'host GiB':>9}"
+          f"{'vs ' + BASELINE:>22}")
     for r in rows:
         rel = f"{r['tok_s'] / by[BASELINE]['tok_s']:.2f}" if BASELINE in by else "-"
         disk = f"  (disk {r['disk_gb_s']:.1f} GB/s)" if "disk_gb_s" in r else ""
         print(f"{r['system']:<30}{r['params'] / 1e9:>7.2f}B{r['tok_s']:>9.0f}{100 * r['mfu']:>7.1f}%"
-              f"{r['peak_mem_gib']:>10.1f}{rel:>22}{disk}")
+              f"{r['peak_mem_gib']:>10.1f}{r['build_peak_gib']:>10.1f}{r['host_peak_gib']:>9.0f}{rel:>22}{disk}")
     ours, theirs = by.get("shardlm-zero2-offload"), by.get(BASELINE)
     if ours and theirs:
         speed, mem = ours["tok_s"] / theirs["tok_s"], ours["peak_mem_gib"] / theirs["peak_mem_gib"]
@@ -214,6 +233,8 @@ def main():
                                     "params": r["params"], "seq": args.seq, "micro_batch": args.micro_batch,
                                     "microbatches": args.microbatches, "tok_s_gpu": round(r["tok_s"]),
                                     "mfu": round(r["mfu"], 4), "peak_mem_gib": round(r["peak_mem_gib"], 2),
+                                    "build_peak_gib": round(r["build_peak_gib"], 2),
+                                    "host_peak_gib": round(r["host_peak_gib"], 1),
                                     **({"disk_gb_s": round(r["disk_gb_s"], 2)} if "disk_gb_s" in r else {}),
                                     "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
