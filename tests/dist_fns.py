@@ -162,8 +162,11 @@ def train_with_async_tp(rank, world, overrides: dict):
         setattr(pass_module, name, insert)
     if overrides.get("train.device") == "cuda":  # all but the kernels' validation, which is what is tested
         from shardlm.parallel.async_tp import NOT_VALIDATED, unavailable
-        parallelize.async_tp_unavailable = lambda tp, device: None if unavailable(tp, device) == NOT_VALIDATED \
-            else unavailable(tp, device)
+
+        def past_validation(tp, device):
+            why = unavailable(tp, device)
+            return None if why == NOT_VALIDATED else why
+        parallelize.async_tp_unavailable = past_validation
         return train_and_capture(rank, world, overrides), fused[0]
     parallelize.async_tp_unavailable = lambda tp, device: None
     with _cpu_async_tp({}):

@@ -291,7 +291,7 @@ class Decoder(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every materialised parameter (`init_parameter`); those still on the meta device are
-        left for whoever materialises them (ZeRO-3 fills each unit in turn)."""
+        left for whoever materialises them (the data-parallel engine, in its own buffers)."""
         for name, p in self.named_parameters():
             if p.device.type != "meta":
                 self.init_parameter(name, p, seed)
