@@ -27,7 +27,7 @@ def scaled_std(std: float, num_layers: int) -> float:
 
 
 def linear(in_features: int, out_features: int, bias: bool, init_std: float) -> Linear:
-    """A linear layer that carries its initialisation's standard deviation (read by init_weights)."""
+    """A linear layer that carries its initialisation's standard deviation (read by init_parameter)."""
     layer = Linear(in_features, out_features, bias=bias)
     layer.init_std = init_std
     return layer

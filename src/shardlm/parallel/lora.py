@@ -42,7 +42,7 @@ class LoRA(nn.Module):
         self.spans, self.out_features, self.scaling = spans, out_features, scaling
         self.A = nn.ParameterDict({n: nn.Parameter(torch.empty(rank, in_features)) for n, _, _ in spans})
         self.B = nn.ParameterDict({n: nn.Parameter(torch.empty(stop - start, rank)) for n, start, stop in spans})
-        self.A.init_std = 1.0 / rank  # read by Decoder.init_weights
+        self.A.init_std = 1.0 / rank  # read by Decoder.init_parameter
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
