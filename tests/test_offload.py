@@ -280,18 +280,21 @@ def test_offloaded_activations_on_a_gpu_equal_keeping_them_and_take_less_memory(
 
 
 @ON_GPU
-@pytest.mark.parametrize("stage, offload, bound", [("3", "params", 0.25), ("2", "optimizer", 1.5)],
-                         ids=["zero3-params", "zero2-optimizer"])
-def test_the_model_is_built_straight_into_the_engines_buffers_on_a_gpu(stage, offload, bound):
+@pytest.mark.parametrize("layout, bound", [
+    ({"parallel.zero_stage": "3", "parallel.offload": "params"}, 0.25),
+    ({"parallel.zero_stage": "2", "parallel.offload": "optimizer"}, 1.5),
+    ({"lora.rank": "4", "lora.quantize": "nf4"}, 0.5)], ids=["zero3-params", "zero2-optimizer", "qlora"])
+def test_the_model_is_built_straight_into_the_engines_buffers_on_a_gpu(layout, bound):
     """The engine writes the initial weights straight into its buffers: with ZeRO-3 and parameter offload one
     unit at a time, each sharded and freed before the next, so the GPU's peak while the trainer is built does
-    not grow with depth; with ZeRO-2 and the optimizer offloaded it grows by the added 16-bit weights once.
-    Building the whole model first and copying it would add them twice (ZeRO-2) or once (ZeRO-3)."""
+    not grow with depth; with ZeRO-2 and the optimizer offloaded it grows by the added 16-bit weights once;
+    under QLoRA by their 4-bit form (each block quantised as soon as it is filled). Building the whole model
+    first would add them twice (ZeRO-2) or once (ZeRO-3, QLoRA)."""
     built = {}
     for layers in (8, 32):
+        # persist_threshold 0: ZeRO-3 would keep all of this narrow model's matrices whole
         shape = {"model.num_layers": str(layers), "model.hidden_size": "256", "train.device": "cuda",
-                 "train.precision": "bf16", "parallel.zero_stage": stage, "parallel.offload": offload,
-                 "parallel.persist_threshold": "0"}  # this narrow model's matrices would all be kept whole
+                 "train.precision": "bf16", "parallel.persist_threshold": "0", **layout}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -115,11 +115,12 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
     initial = _fill(model, t.init_from if not resuming else "", t.seed, shardings(model))
     fill = None
-    if cfg.lora.quantize == "nf4":  # QLoRA quantises the whole base once it is materialised
-        model.to_empty(device=device)
+    if cfg.lora.quantize == "nf4":  # each block's base quantised as soon as it is materialised
+        _empty_parameters(model, device)
+        quantize_base(model, initial)
         for name, q in model.named_parameters():
-            materialise(q, name, initial)
-        quantize_base(model)
+            if not is_nf4(q) and q.untyped_storage().size() == 0:
+                materialise(q, name, initial)
     else:
         # The engine writes the weights straight into its buffers, so the model never exists twice on the
         # device, and ZeRO-3 fills one unit at a time and keeps only its shard (a 24B model's 16-bit weights

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import LORA_MODULES, NF4_BLOCK, ConfigError
+from ..flat import materialise
 
 
 def _torchao():
@@ -62,10 +63,16 @@ def set_nf4(module: nn.Module, value: torch.Tensor, name: str) -> None:
     module.weight = nn.Parameter(to_nf4(value, name), requires_grad=False)
 
 
-def quantize_base(model: nn.Module) -> None:
+def quantize_base(model: nn.Module, fill=None) -> None:
     """Replace the weight of every block linear by its NF4 form (after the weights are initialised and
-    cast; they are frozen)."""
+    cast; they are frozen). `fill(name, out)`: the parameters have no storage yet, and each block's are
+    filled just before its linears are quantised, so the 16-bit base never exists whole (a 70B model's is
+    140 GB); the rest of the model is left to the caller."""
+    name_of = {id(m): n for n, m in model.named_modules()}
     for block in model.parts().layers:
+        if fill is not None:
+            for name, q in block.named_parameters():
+                materialise(q, f"{name_of[id(block)]}.{name}", fill)
         for path in LORA_MODULES[model.cfg.arch]:
             base = block.get_submodule(path)
             set_nf4(base, base.weight, f"layers.{block.attn.layer}.{path}.weight")  # global index, any stage
