@@ -220,8 +220,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             loss = head_and_loss(m, w, L)
             # With full recomputation a layer's activations exist only in the blocks' backward, when the
             # loss's buffers are gone but for the gradient it sends into the blocks: the smaller of the rest
-            # and those activations never adds to the peak. Not under GPipe, whose last stage keeps every
-            # micro-batch's loss buffers until its backwards.
+            # and those activations never adds to the peak. Not under GPipe, where later micro-batches' loss
+            # buffers are still alive while earlier ones' blocks run backward.
             if L.pp == 1 or L.pp_schedule != "gpipe":
                 buffers -= min(loss - w.seq * w.micro_batch / L.cp * m.hidden_size * (2 if mixed else 4), recomputed)
             buffers += loss
