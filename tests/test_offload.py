@@ -1,6 +1,9 @@
 """ZeRO-Offload's one-step delayed parameter update (`parallel.delayed_update`) against its definition, and its
 checkpoints. (Offload's equality with the runs that keep everything on the device is in test_dp_equality.py.)"""
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,3 +327,20 @@ def test_large_pinned_buffers_are_locked_at_their_exact_size():
         assert view.is_pinned() and torch.equal(back, src)
         del view
     assert not host_empty(100, torch.float32, pin=False).is_pinned()
+
+
+def test_the_offload_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/offload.py's smoke run (tiny preset, CPU): each system in its own process, a row each in the
+    table with the build's and the host's peaks (GPU figures are the device's; this keeps the script alive)."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "offload.py"
+    systems = ["shardlm-zero2-offload", "shardlm-zero3-offload-params"]
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--preset", "tiny", "--seq", "64",
+                           "--micro-batch", "1", "--microbatches", "2", "--warm", "0", "--steps", "1", "--compile", "0",
+                           "--record", str(tmp_path / "rows.jsonl"), "--systems", *systems],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("system"))
+    assert "build GiB" in header and "host GiB" in header, header
+    for system in systems:
+        assert any(line.startswith(system + " ") for line in proc.stdout.splitlines()), proc.stdout
+    assert not (tmp_path / "rows.jsonl").exists()  # a CPU smoke run is not a measurement
