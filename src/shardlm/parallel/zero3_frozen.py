@@ -53,9 +53,10 @@ class FrozenShards:
             self.units[role] = ([name_of[id(p)] for p in params], params, full, shard)
             free_storage(full)
             self.gathered[role] = False
-        for name, p in model.named_parameters():
-            if fill is not None and not p.requires_grad and id(p) not in taken:
-                materialise(p, name, fill)
+        if fill is not None:
+            for name, p in model.named_parameters():
+                if not p.requires_grad and id(p) not in taken:
+                    materialise(p, name, fill)
 
     def _own(self, full: torch.Tensor) -> torch.Tensor:
         n = full.numel() // self.world

@@ -223,7 +223,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             # and those activations never adds to the peak. Not under GPipe, where later micro-batches' loss
             # buffers are still alive while earlier ones' blocks run backward.
             if L.pp == 1 or L.pp_schedule != "gpipe":
-                buffers -= min(loss - w.seq * w.micro_batch / L.cp * m.hidden_size * (2 if mixed else 4), recomputed)
+                into_blocks = p_b * w.seq * w.micro_batch / L.cp * m.hidden_size  # the gradient of the blocks' output
+                buffers -= min(loss - into_blocks, recomputed)
             buffers += loss
         if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
             buffers += m.hidden_size * max(m.ffn_size * (2 if m.arch != "gpt2" else 1),
