@@ -139,6 +139,45 @@ def test_offload_state_on_disk_equals_it_in_host_memory(tmp_path, world, optimiz
         assert shards and all(str(tmp_path / "p") in (t.untyped_storage().filename or "") for t in shards)
 
 
+def _takes_direct_io(directory) -> bool:
+    probe = os.path.join(directory, "probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+def test_disk_tier_bypasses_the_page_cache_where_the_filesystem_allows(tmp_path, monkeypatch):
+    """The disk tier streams its segments with direct I/O wherever the filesystem takes it (whole blocks from
+    aligned views, the partial blocks at segment edges through the page cache), and without it where there is
+    none: the same numbers, bit for bit, both ways."""
+    common = {**equality_case("adamw", 2), "parallel.dp": "1", "parallel.zero_stage": "2",
+              "parallel.offload": "optimizer", "parallel.bucket_mb": "0.05", "train.device": "cpu"}
+    direct = {**common, "parallel.offload_dir": str(tmp_path / "direct")}
+    trainer = dist_fns.tiny_trainer(1, direct)
+    assert trainer.engine.opt.direct_io == _takes_direct_io(tmp_path)
+    opt = trainer.engine.opt
+    assert any((opt.master_off[seg.bucket] + seg.lo) * 4 % 4096 for seg in opt.segments)  # unaligned edges met
+    trainer.close()
+    ref = dist_fns.train_and_capture(0, 1, common)
+    got = dist_fns.train_and_capture(0, 1, direct)
+    monkeypatch.delattr(os, "O_DIRECT")  # an OS without direct I/O: everything through the page cache
+    buffered = {**common, "parallel.offload_dir": str(tmp_path / "buffered")}
+    trainer = dist_fns.tiny_trainer(1, buffered)
+    assert trainer.engine.opt.direct_io is False
+    trainer.close()
+    for run in (got, dist_fns.train_and_capture(0, 1, buffered)):
+        assert run["losses"] == ref["losses"] and run["grad_norms"] == ref["grad_norms"]
+        for name, want in ref["state"].items():
+            assert torch.equal(torch.as_tensor(run["state"][name][-1]), torch.as_tensor(want[-1])), name
+        for name, want in ref["masters"].items():
+            assert torch.equal(torch.as_tensor(run["masters"][name]), torch.as_tensor(want)), name
+
+
 @pytest.mark.parametrize("target", [
     {"parallel.dp": "1"},
     {"parallel.dp": "4", "parallel.zero_stage": "3"},

@@ -300,8 +300,12 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
     """ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021): this rank's fp32 masters and optimizer moments live
     in files under `parallel.offload_dir` (MappedFiles), not in host memory. A step streams them through two
     sets of segment-sized host buffers: while one segment is updated, a pool of `IO_THREADS` threads reads the
-    next one and writes the previous one back (double buffering). Checkpointing and loading read and write
-    the files' mappings like any other tensor. `disk_bytes_per_s`: the last step's I/O rate."""
+    next one and writes the previous one back (double buffering). The streaming bypasses the page cache
+    (O_DIRECT, as DeepSpeed's async I/O does): buffered, a host with room would keep every file in its page
+    cache, so the host memory the tier exists to save would be spent after all and the rate logged would be
+    memory's, not the disk's. Where the filesystem has no direct I/O (tmpfs), it is buffered and `direct_io`
+    is False. Checkpointing and loading read and write the files' mappings like any other tensor, never
+    while a step's I/O is in flight. `disk_bytes_per_s`: the last step's I/O rate."""
 
     IO_THREADS = 4
 
@@ -311,18 +315,28 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         self.io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="shardlm-offload-io")
         self.disk_bytes_per_s = 0.0
         super().__init__(*args, **kwargs)
+        self.direct = {k: _open_direct(fd) for k, fd in self.fds.items()}
+        self.direct_io = all(fd is not None for fd in self.direct.values())
+        weakref.finalize(self, _close_all, {k: fd for k, fd in self.direct.items() if fd is not None})
         big = max(seg.hi - seg.lo for seg in self.segments) if self.segments else 0
-        self.work = [{k: torch.empty(big, dtype=torch.float32) for k in self.fds} for _ in range(2)]
+        # A block more than the largest segment: each segment's view starts where its file offset's alignment
+        # puts it (_aligned), so that its whole blocks move by direct I/O straight from the buffer.
+        self.work = [{k: torch.empty(big + DIRECT_BLOCK // 4, dtype=torch.float32) for k in self.fds}
+                     for _ in range(2)]
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         return self.files.tensor(name, n, torch.float32)
 
+    def _segment(self, slot: dict, seg) -> tuple[int, dict[str, torch.Tensor]]:
+        """Where `seg` lies in the files (its byte offset), and its view of each of `slot`'s buffers."""
+        offset = (self.master_off[seg.bucket] + seg.lo) * 4
+        return offset, {k: _aligned(buf, offset, seg.hi - seg.lo) for k, buf in slot.items()}
+
     def _io(self, write: bool, slot: dict, seg) -> list:
         """Read (or write) one segment of every file into (from) `slot`'s buffers, a task per file."""
-        offset = (self.master_off[seg.bucket] + seg.lo) * 4
-        n = seg.hi - seg.lo
-        return [self.io.submit(_whole_io, write, fd, memoryview(slot[k][:n].numpy()).cast("B"), offset)
-                for k, fd in self.fds.items()]
+        offset, views = self._segment(slot, seg)
+        return [self.io.submit(_segment_io, write, fd, self.direct[k], memoryview(views[k].numpy()).cast("B"),
+                               offset) for k, fd in self.fds.items()]
 
     def _update_on_host(self, lr: float, grads: list, staged: list, scale: torch.Tensor, skip: torch.Tensor,
                         landed=None) -> None:
@@ -338,7 +352,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
                 for f in writes.pop(i - 1, []):
                     f.result()
                 reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
-            self._update(lr, seg, slot, grads, staged, scale, skip)
+            self._update(lr, seg, self._segment(slot, seg)[1], grads, staged, scale, skip)
             if landed is not None and (i + 1 == len(segs) or segs[i + 1].bucket != seg.bucket):
                 landed(seg.bucket)
             writes[i] = self._io(True, slot, seg)
@@ -348,19 +362,53 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
                 f.result()
         self.disk_bytes_per_s = moved / max(time.perf_counter() - start, 1e-9)
 
-    def _update(self, lr, seg, slot, host, staged, scale, skip) -> None:
-        """The optimizer on one segment held in `slot`'s buffers."""
-        cfg, n, b = self.cfg, seg.hi - seg.lo, seg.bucket
+    def _update(self, lr, seg, views, host, staged, scale, skip) -> None:
+        """The optimizer on one segment, held in `views` (_segment's)."""
+        cfg, b = self.cfg, seg.bucket
         sl = slice(seg.lo, seg.hi)
         out = None if staged[b] is None else staged[b][sl]
-        args = (slot["master"][:n], out, host[b][sl])
+        args = (views["master"], out, host[b][sl])
         if cfg.optimizer == "adamw":
-            adamw_master_step(*args, slot["exp_avg"][:n], slot["exp_avg_sq"][:n], scale, skip,
+            adamw_master_step(*args, views["exp_avg"], views["exp_avg_sq"], scale, skip,
                               step=self.steps_taken, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                               weight_decay=seg.weight_decay, consume_grad=True, host_kernel=True)
         else:
-            sgd_master_step(*args, slot["momentum_buffer"][:n], scale, skip, step=self.steps_taken, lr=lr,
+            sgd_master_step(*args, views["momentum_buffer"], scale, skip, step=self.steps_taken, lr=lr,
                             momentum=cfg.momentum, weight_decay=seg.weight_decay)
+
+
+# Direct I/O moves whole blocks from and to block-aligned memory: 4 KiB serves disks of 512-byte and 4K sectors.
+DIRECT_BLOCK = 4096
+
+
+def _open_direct(fd: int) -> int | None:
+    """A second descriptor of `fd`'s file (unlinked already: reopened through /proc) that bypasses the page
+    cache, or None where the filesystem or the OS has no direct I/O."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT)
+    except OSError:  # EINVAL: tmpfs and others refuse O_DIRECT
+        return None
+
+
+def _aligned(buf: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """The n elements of `buf` (a block longer than n) whose address is congruent to the file `offset` modulo
+    DIRECT_BLOCK: every whole block of the segment then starts at an aligned address too."""
+    skip = (offset - buf.data_ptr()) % DIRECT_BLOCK // buf.element_size()
+    return buf[skip:skip + n]
+
+
+def _segment_io(write: bool, fd: int, direct: int | None, buf: memoryview, offset: int) -> None:
+    """Read (or write) `buf` at `offset`: its whole blocks through the direct descriptor, the partial blocks at
+    either end (shared with the neighbouring segments, so never written whole) through the page cache."""
+    end = offset + len(buf)
+    lo, hi = -(-offset // DIRECT_BLOCK) * DIRECT_BLOCK, end // DIRECT_BLOCK * DIRECT_BLOCK
+    if direct is None or hi <= lo:
+        lo = hi = end
+    _whole_io(write, fd, buf[:lo - offset], offset)
+    _whole_io(write, direct, buf[lo - offset:hi - offset], lo)
+    _whole_io(write, fd, buf[hi - offset:], hi)
 
 
 def _close_all(fds: dict) -> None:
