@@ -7,7 +7,8 @@ bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, ben
 bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
-compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row). Floors:
+compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row) and rows run
+"concurrent" with other jobs on the host (a share of its cores and memory bandwidth). Floors:
 memory within 10%, step time within 25%.
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ def finetune_layout(r: dict) -> Layout | None:
 
 def layout_of(r: dict) -> Layout | None:
     flags = " ".join(r.get("command", "").split()) + " "
-    if "invalid" in r or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
+    if "invalid" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
         return None
     if r["bench"] == "planner_pick":
         return pick_layout(r["system"])

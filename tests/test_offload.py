@@ -1,5 +1,6 @@
 """ZeRO-Offload's one-step delayed parameter update (`parallel.delayed_update`) against its definition, and its
 checkpoints. (Offload's equality with the runs that keep everything on the device is in test_dp_equality.py.)"""
+import gc
 import subprocess
 import sys
 import time
@@ -298,7 +299,11 @@ def test_the_model_is_built_straight_into_the_engines_buffers_on_a_gpu(layout, b
         # persist_threshold 0: ZeRO-3 would keep all of this narrow model's matrices whole
         shape = {"model.num_layers": str(layers), "model.hidden_size": "256", "train.device": "cuda",
                  "train.precision": "bf16", "parallel.persist_threshold": "0", **layout}
+        # The trainers built before (this loop's, an earlier test's) hold memory until their cycles are
+        # collected: freed during this build, it would hide the build's own allocations from the peak.
+        gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         trainer = dist_fns.tiny_trainer(1, {**FULL, **shape})
