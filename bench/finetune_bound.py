@@ -18,15 +18,13 @@ each bound. Appends rows with bench "finetune_bound" (system gemm-bound-full / g
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from common import PEAK  # noqa: E402
+from common import PEAK, record  # noqa: E402
 
 
 def seconds(fn, reps: int) -> float:
@@ -107,15 +105,11 @@ def main():
             print(f"1.5x the peer's {args.peer_tok_s:.0f} tok/s = {need:.0f}: {need / (tokens / s):.2f}x the "
                   f"'{name}' bound ({'beyond it' if need > tokens / s else 'within it'})")
     if args.record:
-        with open(args.record, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"bench": "finetune_bound", "date": datetime.date.today().isoformat(), "card": card,
-                                    "gpus": 1, "system": r["system"], "model": args.preset, "seq": args.seq,
-                                    "micro_batch": args.micro_batch, "tok_s_gpu": round(r["tok_s"]),
-                                    "mfu": round(r["mfu"], 4), "peak_mem_gib": None,
-                                    "command": f"python bench/finetune_bound.py --preset {args.preset} --seq {args.seq} "
-                                               f"--micro-batch {args.micro_batch}"}) + "\n")
-
+        command = f"python bench/finetune_bound.py --preset {args.preset} --seq {args.seq} --micro-batch {args.micro_batch}"
+        record(args.record, "finetune_bound", card, 1,
+               [{"system": r["system"], "model": args.preset, "seq": args.seq, "micro_batch": args.micro_batch,
+                 "tok_s_gpu": round(r["tok_s"]), "mfu": round(r["mfu"], 4), "peak_mem_gib": None, "command": command}
+                for r in rows])
 
 if __name__ == "__main__":
     main()

@@ -14,12 +14,13 @@ COMMON = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch
 # the last bits of fp32 from the first layer on (data parallelism only reorders the final gradient sum).
 # AdamW's step lr m / (sqrt(v) + eps) does not depend on the gradient's scale, so where an element's
 # gradient nearly cancels, that difference moves the weight by up to a fraction of lr: 1.4e-6 after
-# three steps at tp 2, 3.0e-6 on GPT-2 at tp 4 (2026-11-27). GPT-2's key bias has an exactly zero
+# three steps at tp 2, 3.0e-6 on GPT-2 at tp 4 (2026-11-27), and on another CPU (AVX-512 with FP16) 1.35e-5 in
+# one element of GPT-2's first up projection at tp 4, the tensor's median 2e-9 (2026-11-28). GPT-2's key bias has an exactly zero
 # gradient (softmax ignores a constant added to every score of a query's row), so AdamW moves it by rounding
 # noise alone, in any layout: up to 6.8e-6 on GPT-2 at tp 4 with sequence parallelism. SGD, which does not
 # amplify any of this, and which shows a gradient off by a constant factor that Adam would hide, keeps the
 # data-parallel tolerance.
-ADAM_ATOL = {"llama": 5e-6, "gpt2": 1e-5}
+ADAM_ATOL = {"llama": 5e-6, "gpt2": 3e-5}
 OPTIMIZERS = {"adamw": {}, "sgd": {"train.optimizer": "sgd", "train.lr": "1e-2"}}
 # GPT-2 with tied embeddings and a vocabulary no degree divides (padded rows); Llama with GQA (2 KV heads
 # for 4 query heads: split at tp 2, kept whole on every rank at tp 4).
