@@ -101,16 +101,19 @@ def rank_error(err: str, lines: int = 40) -> str:
 
 
 def run_system(system: str, cmd: list[str], env: dict, timeout: float) -> dict | None:
-    """Run one system's torchrun job and return the JSON its rank 0 printed after "RESULT ", or None (said on
-    stderr, with the job's own stderr) when it failed or ran past `timeout`."""
+    """Run one system's torchrun job and return the JSON its rank 0 printed after "RESULT " (with "ended" where
+    the job then ran past `timeout` or failed), or None (said on stderr, with the job's own stderr) when it
+    failed or ran past `timeout` before printing it."""
     import json
     import sys
     code, out, err = run_job(cmd, env, timeout)
     lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if code is None and lines:  # measured, then stopped while tearing down (unpinning 100+ GB of host memory)
-        print(f"{system}: ran past {timeout:.0f} s after printing its result, which is kept", file=sys.stderr,
+    if lines and code != 0:  # measured, then stopped or failed while tearing down (unpinning 100+ GB of host
+        # memory can outlast a call's budget): the result stands, and the row says how the job ended
+        ended = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
+        print(f"{system}: {ended} after printing its result, which is kept\n{rank_error(err, 10)}", file=sys.stderr,
               flush=True)
-        return json.loads(lines[-1][7:])
+        return {**json.loads(lines[-1][7:]), "ended": f"{ended} after its result"}
     if code is None:
         print(f"{system}: timed out after {timeout} s; the ranks' Python stacks:\n{err[-6000:]}", file=sys.stderr,
               flush=True)

@@ -236,6 +236,7 @@ def main():
                                     "build_peak_gib": round(r["build_peak_gib"], 2),
                                     "host_peak_gib": round(r["host_peak_gib"], 1),
                                     **({"disk_gb_s": round(r["disk_gb_s"], 2)} if "disk_gb_s" in r else {}),
+                                    **({"ended": r["ended"]} if "ended" in r else {}),
                                     "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
                                                f"--warm {args.warm} --steps {args.steps} --compile {args.compile} "

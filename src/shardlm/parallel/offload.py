@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 import os
 import queue
 import time
@@ -303,8 +304,8 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
     next one and writes the previous one back (double buffering). The streaming bypasses the page cache
     (O_DIRECT, as DeepSpeed's async I/O does): buffered, a host with room would keep every file in its page
     cache, so the host memory the tier exists to save would be spent after all and the rate logged would be
-    memory's, not the disk's. Where the filesystem has no direct I/O (tmpfs), it is buffered and `direct_io`
-    is False. Checkpointing and loading read and write the files' mappings like any other tensor, never
+    memory's, not the disk's. Where the filesystem refuses direct I/O (a read of one block at the start says
+    so), it is buffered and `direct_io` is False. Checkpointing and loading read and write the files' mappings like any other tensor, never
     while a step's I/O is in flight. `disk_bytes_per_s`: the last step's I/O rate."""
 
     IO_THREADS = 4
@@ -344,22 +345,28 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         segs = self.segments
         reads = {0: self._io(False, self.work[0], segs[0])} if segs else {}
         writes: dict[int, list] = {}
-        for i, seg in enumerate(segs):
-            slot = self.work[i % 2]
-            for f in reads.pop(i):
-                f.result()
-            if i + 1 < len(segs):  # the other slot is free once the segment before this one is written
-                for f in writes.pop(i - 1, []):
+        submitted = list(reads.get(0, []))
+        try:
+            for i, seg in enumerate(segs):
+                slot = self.work[i % 2]
+                for f in reads.pop(i):
                     f.result()
-                reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
-            self._update(lr, seg, self._segment(slot, seg)[1], grads, staged, scale, skip)
-            if landed is not None and (i + 1 == len(segs) or segs[i + 1].bucket != seg.bucket):
-                landed(seg.bucket)
-            writes[i] = self._io(True, slot, seg)
-            moved += 2 * (seg.hi - seg.lo) * 4 * len(self.fds)
-        for fs in writes.values():
-            for f in fs:
-                f.result()
+                if i + 1 < len(segs):  # the other slot is free once the segment before this one is written
+                    for f in writes.pop(i - 1, []):
+                        f.result()
+                    reads[i + 1] = self._io(False, self.work[(i + 1) % 2], segs[i + 1])
+                    submitted += reads[i + 1]
+                self._update(lr, seg, self._segment(slot, seg)[1], grads, staged, scale, skip)
+                if landed is not None and (i + 1 == len(segs) or segs[i + 1].bucket != seg.bucket):
+                    landed(seg.bucket)
+                writes[i] = self._io(True, slot, seg)
+                submitted += writes[i]
+                moved += 2 * (seg.hi - seg.lo) * 4 * len(self.fds)
+        finally:  # no transfer outlives the step, also when one failed: the buffers and descriptors stay theirs
+            errors = [f.exception() for f in submitted]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         self.disk_bytes_per_s = moved / max(time.perf_counter() - start, 1e-9)
 
     def _update(self, lr, seg, views, host, staged, scale, skip) -> None:
@@ -378,18 +385,29 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
 
 
 # Direct I/O moves whole blocks from and to block-aligned memory: 4 KiB serves disks of 512-byte and 4K sectors.
-DIRECT_BLOCK = 4096
+# At least a page: where a page holds several blocks, a segment's edge block (written through the page cache)
+# and its neighbour's whole blocks (written past it) would share one page, which the direct write could not
+# invalidate while the buffered one dirties it.
+DIRECT_BLOCK = max(4096, mmap.PAGESIZE)
 
 
 def _open_direct(fd: int) -> int | None:
     """A second descriptor of `fd`'s file (unlinked already: reopened through /proc) that bypasses the page
-    cache, or None where the filesystem or the OS has no direct I/O."""
-    if not hasattr(os, "O_DIRECT"):
+    cache, or None where the OS or the filesystem has no direct I/O: some filesystems refuse the open, others
+    accept it and refuse the transfers, so one aligned block is read to find out."""
+    if not hasattr(os, "O_DIRECT") or os.fstat(fd).st_size < DIRECT_BLOCK:
         return None
     try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT)
-    except OSError:  # EINVAL: tmpfs and others refuse O_DIRECT
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT)
+    except OSError:
         return None
+    with mmap.mmap(-1, DIRECT_BLOCK) as block:  # an anonymous mapping: page-aligned memory
+        try:
+            os.preadv(direct, [block], 0)
+        except OSError:
+            os.close(direct)
+            return None
+    return direct
 
 
 def _aligned(buf: torch.Tensor, offset: int, n: int) -> torch.Tensor:
