@@ -574,3 +574,36 @@ def lora_zero3_frozen(rank, world, overrides: dict):
     shards = sum(t.numel() for kind, t in trainer.engine.held_tensors() if kind == "frozen_shards")
     big = [p for p in trainer.model.parameters() if not p.requires_grad and p.numel() > 100]
     return shards, sum(p.numel() for p in big), sum(p.untyped_storage().size() for p in big)
+
+
+def context_parallel_step(rank, world, case: str):
+    """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
+    sequence (parallel/context.py; world 1: the whole model on one process): the mean loss over the ranks and
+    the gradients summed over them. `case`: causal, window (a sliding window shorter than the sequence) or
+    packed (examples closed by an end-of-text token, kept apart)."""
+    import torch.distributed as dist
+    from shardlm.config import load_config
+    from shardlm.model import build_model
+    from shardlm.parallel.context import context_parallel
+    cfg = load_config("tiny", {"model.sliding_window": "8"} if case == "window" else {})
+    model = build_model(cfg.model, seed=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, cfg.model.vocab_size, (2, 32), generator=g)
+    targets = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
+    if case == "packed":
+        model.doc_eos = 0
+        ids[0, [5, 13, 22]] = 0  # examples that straddle the ranks' slices
+        ids[1, [15]] = 0
+    if world > 1:
+        context_parallel(model, dist.group.WORLD)
+        ids, targets = ids.chunk(world, dim=1)[rank], targets.chunk(world, dim=1)[rank]
+    loss = model(ids, targets)
+    (loss / world).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if world > 1:
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item(), grads

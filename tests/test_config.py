@@ -42,7 +42,12 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.zero_stage": "4"}, "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
     ({"parallel.offload": "params", "parallel.zero_stage": "2"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
-    ({"parallel.cp": "2"}, "parallel.cp = 2 is not supported yet"),
+    ({"parallel.ep": "2"}, "parallel.ep = 2 is not supported yet"),
+    ({"parallel.cp": "8"}, "parallel.cp = 8 must divide the 4 attention heads each tensor-parallel rank holds"),
+    ({"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "34"},
+     "train.seq_len = 34 must divide by parallel.tp = 2 x parallel.cp (2) for sequence parallelism"),
+    ({"parallel.cp": "3", "model.num_heads": "6", "model.num_kv_heads": "6", "model.hidden_size": "48",
+      "train.seq_len": "32"}, "train.seq_len = 32 must divide by parallel.cp = 3"),
     ({"model.num_experts": "8"}, "model.num_experts = 8 is not supported yet by the runtime"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
@@ -55,7 +60,7 @@ def test_toml_file_and_overrides(tmp_path):
 def test_invalid_values_name_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:
         cfg = load_config("tiny", overrides)
-        validate(cfg, world_size=cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+        validate(cfg, world_size=cfg.parallel.world)
     assert message in str(e.value)
 
 

@@ -165,8 +165,10 @@ GPT2 = {"model.arch": "gpt2", "model.num_kv_heads": "0"}  # learned positions: r
 @pytest.mark.parametrize("layout", [{"parallel.dp": "2"}, {"parallel.dp": "2", "parallel.zero_stage": "1"},
                                     {"parallel.pp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
                                     {"parallel.tp": "2", "parallel.dp": "1"},
-                                    {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1", **GPT2}],
-                         ids=["dp2", "dp2-zero1", "pp2", "tp2", "tp2-sp-gpt2"])
+                                    {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1", **GPT2},
+                                    {"parallel.cp": "2", "parallel.dp": "1"},
+                                    {"parallel.cp": "2", "parallel.dp": "2", **GPT2}],
+                         ids=["dp2", "dp2-zero1", "pp2", "tp2", "tp2-sp-gpt2", "cp2", "dp2-cp2-gpt2"])
 def test_instruction_training_under_other_layouts_equals_one_process(tmp_path, layout):
     """Packed examples (document masks, per-example positions) and completion-only losses, any layout."""
     from test_tensor_parallel import OPTIMIZERS, check_equal
@@ -174,7 +176,9 @@ def test_instruction_training_under_other_layouts_equals_one_process(tmp_path, l
             "train.global_batch_size": "8", **OPTIMIZERS["sgd"], "lora.rank": "4",
             **{k: v for k, v in layout.items() if k.startswith("model.")}}
     ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1"})
-    world = int(layout.get("parallel.dp", 1)) * int(layout.get("parallel.pp", 1)) * int(layout.get("parallel.tp", 1))
+    world = 1
+    for axis in ("dp", "pp", "tp", "cp"):
+        world *= int(layout.get(f"parallel.{axis}", 1))
     check_equal(run_distributed(dist_fns.train_and_capture, world, {**over, **layout}, timeout=240), ref)
 
 

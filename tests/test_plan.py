@@ -369,3 +369,20 @@ def test_offloaded_activations_leave_one_recomputed_layer_on_the_gpu():
     out = run_cli("plan", "--model", "llama2-7b", "--zero", 2, "--offload", "optimizer", "--recompute", "full",
                   "--offload-activations", "--micro-batch", 8, "--global-batch", 8, "--seq", 2048).stdout
     assert "host memory" in out
+
+
+def test_context_parallel_shards_like_data_parallel_and_exchanges_heads():
+    """cp 4 (Ulysses): the four ranks hold the same parameters, so ZeRO shards over dp x cp as over dp 4; each
+    holds a quarter of every sequence's activations; per layer and micro-batch each all-to-all of q, k, v and
+    the output keeps a quarter of its slice, forward, backward and in the recomputed forward."""
+    m = load_config("llama2-7b").model
+    w = Workload(8192, 1, 8)
+    cp = estimate(m, w, Layout(cp=4, dp=2, zero_stage=1, recompute="full"), gpu("h100"))
+    dp = estimate(m, w, Layout(dp=8, zero_stage=1, recompute="full"), gpu("h100"))
+    one = estimate(m, w, Layout(dp=2, zero_stage=1, recompute="full"), gpu("h100"))
+    assert cp.memory.optimizer == pytest.approx(dp.memory.optimizer)
+    assert cp.memory.activation_per_layer == pytest.approx(one.memory.activation_per_layer / 4)
+    tokens, heads = 8192 / 4, 32 + 32 + 32 + 32  # this rank's slice; q, k, v (MHA) and the output
+    micro = 8 // 2
+    assert cp.comm_bytes_per_step["cp"] == pytest.approx(3 * 3 / 4 * tokens * heads * 128 * 2 * 32 * micro)
+    assert cp.comm_bytes_per_step["dp"] == pytest.approx(dp.comm_bytes_per_step["dp"])

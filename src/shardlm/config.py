@@ -244,6 +244,12 @@ class ParallelConfig:
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters, over which gradients are reduced and ZeRO shards: data and
+        context parallelism's."""
+        return self.dp * self.cp
+
 
 @dataclass
 class Config:
@@ -482,11 +488,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.delayed_update and t.precision == "fp16":
         raise ConfigError("parallel.delayed_update = True with train.precision = 'fp16': a step skipped for an "
                           "overflow is only known once the update that was to overlap has run; use bf16")
+    if p.tp_async and p.cp > 1:
+        raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
+                          f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
     # Strategies that are validated but not built yet are refused, never silently ignored.
-    for key in ("cp", "ep"):
-        if getattr(p, key) != 1:
-            raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} is not supported yet by this version of shardlm "
-                              "(only 1); the strategy is on the roadmap")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep = {p.ep!r} is not supported yet by this version of shardlm (only 1); the "
+                          "strategy is on the roadmap")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
 
 
@@ -564,10 +572,16 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
     if m.ffn_size % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+    if (m.num_heads // p.tp) % p.cp:
+        raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
+                          f"rank holds: context parallelism splits them over its ranks around attention")
+    if seq % p.cp:
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if p.sp and p.tp == 1:
         raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
-    if p.sp and seq % p.tp:
-        raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)} for sequence parallelism")
+    if p.sp and seq % (p.tp * p.cp):
+        cp = f" x {key('cp')} ({p.cp})" if p.cp > 1 else ""
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)}{cp} for sequence parallelism")
     if p.pp > m.num_layers:
         raise ConfigError(f"{show('pp', p.pp)} exceeds the model's {m.num_layers} layers")
     stages = p.pp * p.virtual_stages
@@ -601,10 +615,11 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('delayed_update', True)} is ZeRO-Offload's: it needs {show('zero_stage', 2)} with "
                           f"{show('offload', 'optimizer')} (and no {key('offload_dir')})")
     if p.overlap_update and not (p.zero_stage in (1, 2) and p.offload == "optimizer" and not p.offload_dir
-                                 and not p.delayed_update and p.dp == 1 and p.pp == 1):
+                                 and not p.delayed_update and p.dp * p.cp == 1 and p.pp == 1):
         raise ConfigError(f"{show('overlap_update', True)} runs one rank's offloaded update beside the next forward: it "
-                          f"needs {key('zero_stage')} 1 or 2 with {show('offload', 'optimizer')}, {key('dp')} = 1 (with "
-                          f"more ranks the updated shards' all-gathers overlap forward already), {key('pp')} = 1 (a "
+                          f"needs {key('zero_stage')} 1 or 2 with {show('offload', 'optimizer')}, {key('dp')} = "
+                          f"{key('cp')} = 1 (with more replicas the updated shards' all-gathers overlap forward already), "
+                          f"{key('pp')} = 1 (a "
                           f"pipeline's schedule waits for all of it), no {key('offload_dir')} and no "
                           f"{key('delayed_update')}")
     if p.delayed_update and (p.tp > 1 or p.pp > 1):
@@ -625,8 +640,6 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                           f"({p.dp * p.cp}): expert parallelism is carved out of data and context parallelism")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
-    if seq % p.cp:
-        raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if min(seq, micro_batch, global_batch) < 1:
         raise ConfigError(f"{key('seq')}, {key('micro_batch')} and {key('global_batch')} must be positive")
     if global_batch % (micro_batch * p.dp):

@@ -203,12 +203,14 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
         accum = self.cfg.grad_accum_steps
-        cpu = [self.data.micro_batch_at(self.step, m) for m in range(accum)]
+        cpu = [self.slice_of(*self.data.micro_batch_at(self.step, m)) for m in range(accum)]
         trained, weights = self.data.trained_tokens(self.step), None
         if trained is not None:
             # The step's loss is the mean over the global batch's trained targets: a micro-batch's mean
-            # weighs by its share of them (times dp, which the gradients' mean over the ranks divides out).
-            weights = [int((y != IGNORE).sum()) * self.mesh.dp / max(trained, 1) for _, y in cpu]
+            # weighs by its share of them (times dp x cp, which the gradients' mean over the replicas divides
+            # out).
+            replicas = self.mesh.size("dp+cp")
+            weights = [int((y != IGNORE).sum()) * replicas / max(trained, 1) for _, y in cpu]
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
         total = self.forward_backward(batches, accum, self.device, weights)
         if self.cfg.train.precision == "fp16":
@@ -245,12 +247,22 @@ class Trainer:
         found = complete_checkpoints(self.out) if self.out is not None else []
         return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved"
 
+    def slice_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a batch of sequences: its slice of each under context parallelism (rank r of
+        cp holds tokens r T / cp .. (r + 1) T / cp - 1, parallel/context.py), else all of it."""
+        if self.mesh.cp == 1:
+            return x, y
+        r, cp = self.mesh.coord("cp"), self.mesh.cp
+        return x.chunk(cp, dim=1)[r], y.chunk(cp, dim=1)[r]
+
     def global_mean(self, value: torch.Tensor) -> float:
-        """The mean of a per-rank scalar over the data-parallel group (each rank saw 1/dp of the batch)."""
-        if self.mesh.dp > 1:
+        """The mean of a per-rank scalar over the replicas (dp x cp: each rank saw an equal share of the
+        batch's tokens)."""
+        replicas = self.mesh.size("dp+cp")
+        if replicas > 1:
             value = value.clone()
-            dist.all_reduce(value, group=self.mesh.dp_group)
-            value /= self.mesh.dp
+            dist.all_reduce(value, group=self.mesh.group("dp+cp"))
+            value /= replicas
         return value.item()
 
     @torch.no_grad()
@@ -260,10 +272,14 @@ class Trainer:
         # Weighted by each batch's trained targets (all of them, but for instruction data's masks): the mean
         # over the held-out targets, not a mean of batches' means.
         losses = [(self.parallel.eval_loss(x.to(self.device), y.to(self.device)), int((y != IGNORE).sum()))
-                  for x, y in self.data.eval_batches(self.cfg.train.eval_batches)]
+                  for x, y in (self.slice_of(*batch) for batch in self.data.eval_batches(self.cfg.train.eval_batches))]
         self.model.train()
-        trained = sum(n for _, n in losses)
-        return sum(loss * n for loss, n in losses) / trained if trained else None
+        total = torch.tensor([sum(loss * n for loss, n in losses), sum(n for _, n in losses)], dtype=torch.float64)
+        if self.mesh.cp > 1:  # each rank scored its slice of the sequences
+            total = total.to(self.device)
+            dist.all_reduce(total, group=self.mesh.group("cp"))
+        weighted, trained = total.tolist()
+        return weighted / trained if trained else None
 
     def save(self) -> Path | None:
         if self.out is None:
@@ -368,9 +384,10 @@ class Trainer:
                 how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""
                 self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
             return records
-        if t.sample_tokens and self.mesh.pp > 1:
+        if t.sample_tokens and (self.mesh.pp > 1 or self.mesh.cp > 1):
             if self.mesh.is_main:
-                self.log("no sample under pipeline parallelism: `shardlm export` the run and `shardlm generate`")
+                how = "pipeline" if self.mesh.pp > 1 else "context"
+                self.log(f"no sample under {how} parallelism: `shardlm export` the run and `shardlm generate`")
         elif t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
             room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1

@@ -98,12 +98,13 @@ class Attention(nn.Module):
         self.kv_index: list[int] | None = None
         self.recompute_core = False
         self.expand_kv = False  # SDPA backends without native GQA get K/V repeated per query head
+        self.context = None  # context parallelism's exchanges around the core (parallel/context.py)
 
     def core(self, q, k, v, causal: bool, mask=None):
-        gqa = k.shape[1] != self.n_heads
+        gqa = k.shape[1] != q.shape[1]
         if gqa and self.expand_kv:
-            k = k.repeat_interleave(self.n_heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(self.n_heads // v.shape[1], dim=1)
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
@@ -133,10 +134,15 @@ class Attention(nn.Module):
                 causal = False
                 if t > 1:
                     mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
+        context = self.context if cache is None else None
+        if context is not None:  # this rank's heads over the whole sequence, then back
+            q, k, v = context.heads_in(q, k, v)
         if self.recompute_core and self.training:
             y = checkpoint(self.core, q, k, v, causal, mask, use_reentrant=False)
         else:
             y = self.core(q, k, v, causal, mask)
+        if context is not None:
+            y = context.heads_out(y)
         return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -254,6 +260,7 @@ class Decoder(nn.Module):
         self.doc_eos = None  # the end-of-text id of packed examples that must not attend to each other
         self.compile_loss = False
         self.attention = "auto"
+        self.context = None  # this rank's slice of each sequence under context parallelism (parallel/context.py)
         self._rope_cache: dict = {}
         self._mask_cache: tuple = (None, None)  # (key, mask): training repeats one shape every step
 
@@ -355,6 +362,8 @@ class Decoder(nn.Module):
         example), where examples are packed into windows (`doc_eos`, set from the data); else None."""
         if self.doc_eos is None:
             return None
+        if self.context is not None:  # a context-parallel slice: the examples span the whole sequence
+            ids = self.context.whole(ids)
         ends = (ids == self.doc_eos).int()
         return ends.cumsum(1) - ends
 
@@ -368,19 +377,27 @@ class Decoder(nn.Module):
         embed = self.first if embed is None else embed
         t = length or x.shape[1]
         device = x.device
+        # Under context parallelism this rank holds tokens first .. first + t - 1 of a sequence of `whole`,
+        # and attention sees all of them (parallel/context.py): masks span the whole, positions the slice.
+        context = self.context if cache is None else None
+        first, whole = (start + context.rank * t, context.size * t) if context is not None else (start, t)
         if documents is not None:
             positions, mask = self._packed(documents)
+            if context is not None:
+                positions = context.local(positions)
         else:
-            positions, mask = torch.arange(start, start + t, device=device), self.window_mask(start, t, device)
+            positions, mask = torch.arange(first, first + t, device=device), self.window_mask(start, whole, device)
         if embed:
             x = self.embed(x)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
         rope = None
         if self.cfg.arch != "gpt2":
-            cos, sin = self.rope(start, t, device, x.dtype)
             if documents is not None:  # each position's own angle: [b, 1, t, head_dim]
+                cos, sin = self.rope(start, whole, device, x.dtype)
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            else:
+                cos, sin = self.rope(first, t, device, x.dtype)
             rope = (cos, sin)
         for block in self.blocks(layers):
             if self.recompute == "full" and self.training and cache is None and self.activation_offload is not None:

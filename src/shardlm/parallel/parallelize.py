@@ -1,11 +1,11 @@
 """`parallelize`: the one place that turns the one-device model into this rank's part of the layout, as an
 ordered series of transforms, the way torchtitan's `parallelize_llama` reads: the pipeline stage (the
-slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> low-rank
-adapters (the rest frozen) -> recomputation -> compilation -> data parallelism / ZeRO (the engine, over
-the trainable parameters, which materialises and initialises this rank's weights in its own buffers, as
-torchtitan's meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward,
-or a pipeline schedule). Later strategies (context and expert parallelism) are further transforms in this
-list.
+slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> context
+parallelism (each sequence split over ranks, attention exchanging heads for it) -> low-rank adapters (the
+rest frozen) -> recomputation -> compilation -> data parallelism / ZeRO (the engine, over the trainable
+parameters, which materialises and initialises this rank's weights in its own buffers, as torchtitan's
+meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward, or a pipeline
+schedule). Expert parallelism will be a further transform in this list.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ..model import Decoder
 from ..precision import DTYPES
 from . import build_engine
 from .async_tp import async_tensor_parallel, unavailable as async_tp_unavailable
+from .context import context_parallel
 from .engine import Engine
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
@@ -52,8 +53,8 @@ class Parallelized:
         rank's lines only, over tensor parallelism onto its first rank, and over the pipeline's stages."""
         masters, optim = self.engine.gather_full_state()
         sharded = self.engine.frozen_state()  # a collective where ZeRO-3 shards a frozen base
-        if masters is None or (self.mesh.world > 1 and self.mesh.dp_rank != 0):
-            return None, None  # dp rank 0 holds what the others hold
+        if masters is None or self.mesh.coord("dp") or self.mesh.coord("cp"):
+            return None, None  # the first replica holds what the others hold
         # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
         masters = {**masters, **sharded, **{n: plain(p.detach()) for n, p in self.model.named_parameters()
                                             if not p.requires_grad and n not in sharded}}
@@ -110,6 +111,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         model = stage_decoder(m, p.pp, p.virtual_stages, mesh.pp_rank, layers_of) if p.pp > 1 else Decoder(m)
     if mesh.tp > 1:
         tensor_parallel(model, mesh.tp_group, p.sp)
+    if mesh.cp > 1:
+        context_parallel(model, mesh.group("cp"))
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
@@ -129,7 +132,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         # materialised here.
         _empty_parameters(model, device)
         fill = initial
-        if cfg.lora.rank and not (p.zero_stage == 3 and mesh.dp > 1):
+        if cfg.lora.rank and not (p.zero_stage == 3 and mesh.size("dp+cp") > 1):
             for name, q in model.named_parameters():
                 if not q.requires_grad:
                     materialise(q, name, fill)
@@ -142,7 +145,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     model.train()
     if t.compile:
         options = async_tensor_parallel(model, mesh.tp_group) if p.tp_async else {}
-        ddp = mesh.dp > 1 and p.zero_stage == 0 and p.dp_mode == "ddp" and p.pp == 1
+        ddp = mesh.size("dp+cp") > 1 and p.zero_stage == 0 and p.dp_mode == "ddp" and p.pp == 1
         for i, block in enumerate(model.blocks()):
             # Block 0's backward is the last: DDP reduces its gradients after it, on the critical path,
             # unless they arrive in two parts (bench/README.md measures what that saves).
@@ -158,7 +161,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if p.pp == 1:
         return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
     table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
-    seq_here = t.seq_len // mesh.tp if p.sp else t.seq_len  # a stage's output holds its slice of the sequence
+    seq_here = t.seq_len // mesh.cp // (mesh.tp if p.sp else 1)  # a stage's output holds its slice of the sequence
     tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) and not cfg.lora.rank else None
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
                             tied, p.pp_transfer)

@@ -57,7 +57,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     b = bubble(w, L)
     compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
-    shard = phi / L.dp if L.zero_stage >= 1 else phi
+    shard = phi / L.replicas if L.zero_stage >= 1 else phi
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
         shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)

@@ -10,8 +10,10 @@ step, while ZeRO-2 and -3 reduce-scatter (and ZeRO-3 gathers) on every micro-ste
 collectives of b s h per layer per micro-batch (two all-reduces forward, two backward; with sequence
 parallelism the same volume as all-gathers and reduce-scatters); pipeline parallelism sends b s h
 activations forward and their gradients back across each stage boundary per micro-batch; context
-parallelism all-gathers K and V per layer. An axis that spans GPUs of one node uses NVLink, else the
-network.
+parallelism (Ulysses) exchanges q, k and v before each layer's attention and its output after it, all-to-alls
+that each keep 1/cp of a rank's slice, forward and again backward (and in the recomputed forward). Its ranks
+hold the same parameters, so gradients are reduced over dp x cp. An axis that spans GPUs of one node uses
+NVLink, else the network.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     tokens = w.seq * w.micro_batch / L.cp
     phi = stage_params(m, L, 0) - nf4_weights(m, L, 0)  # gathered by ZeRO-3 (QLoRA's 4-bit weights stay whole)
     grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone
-    n = L.dp
+    n = L.replicas
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
         red = act  # the 16-bit values travel; each rank sums its slice in fp32 (comm/collectives.py)
@@ -46,8 +48,11 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     t = L.tp
     tp = 0.0 if t == 1 else 4 * 2 * (t - 1) / t * tokens * m.hidden_size * act * layers * micro
     pp = 0.0 if L.pp == 1 else 2 * tokens * m.hidden_size * act * micro
-    kv = m.kv_heads * m.head_size / t
-    cp = 0.0 if L.cp == 1 else 2 * (L.cp - 1) / L.cp * 2 * tokens * L.cp * kv * act * layers * micro
+    q = m.num_heads // t
+    kv = m.kv_heads // t if m.kv_heads % t == 0 else q  # fewer than tp: every rank reads one per query head
+    kv = kv if kv % L.cp == 0 else q  # fewer than cp: repeated per query head before the exchange
+    passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
+    cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * tokens * (2 * q + 2 * kv) * m.head_size * act * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
     # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
     ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro
@@ -70,11 +75,12 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
     """Exposed communication time per step."""
     b = comm_bytes(m, w, L)
     tp_bw = link_bw(g, L.tp, 1, gpus_per_node)
-    dp_bw = link_bw(g, L.dp, L.tp * L.cp, gpus_per_node)
+    dp_bw = link_bw(g, L.replicas, L.tp, gpus_per_node)  # dp x cp, cp inside dp (mesh.py's AXES)
+    cp_bw = link_bw(g, L.cp, L.tp, gpus_per_node)
     pp_bw = link_bw(g, L.pp, L.tp * L.cp * L.dp, gpus_per_node)
     ep_bw = link_bw(g, L.ep, L.tp * L.cp, gpus_per_node)
-    t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / tp_bw + b["ep"] / ep_bw
-    if L.dp > 1:
+    t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / cp_bw + b["ep"] / ep_bw
+    if L.replicas > 1:
         act = 2 if L.precision != "fp32" else 4
         micro = w.global_batch // (w.micro_batch * L.dp)
         once = b["dp"] if L.zero_stage < 2 else comm_bytes(m, replace(w, global_batch=w.global_batch // micro), L)["dp"]

@@ -175,7 +175,7 @@ def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:
 def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     worst = None
     for stage in sorted({0, L.pp - 1}):
-        n = L.dp
+        n = L.replicas
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
         phi, frozen = trained_and_frozen(m, L, stage, p_b)
@@ -236,7 +236,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.zero_stage >= 2:  # transient full-size bucket gradients in the reduction dtype (an offloading
             # rank alone copies its 16-bit gradients down as they are: parallel/offload.py's HostGradients)
             buffers += 2 * unit * (g_b if L.offload != "none" and n == 1 else red) / p_b
-        elif L.dp > 1 and red != g_b:
+        elif L.replicas > 1 and red != g_b:
             buffers += 2 * BUCKET_BYTES * red / g_b
         # Stages 2 and 3 reduce on every micro-step, so once the first backward has run their shards stay
         # beside the activations of the micro-batches after it (a pipeline's in flight ones too). Otherwise
@@ -256,7 +256,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
 def reduced_bytes(L: Layout) -> int:
     """Bytes an element of a reduced gradient shard takes as it leaves the GPU under offload: 16-bit at one
     rank or with a 16-bit reduction, else fp32."""
-    return 2 if L.precision != "fp32" and (L.dp == 1 or L.reduce_dtype != "fp32") else 4
+    return 2 if L.precision != "fp32" and (L.replicas == 1 or L.reduce_dtype != "fp32") else 4
 
 
 def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = False) -> float:
@@ -278,7 +278,7 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
     if L.offload == "none":
         return acts
-    trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.dp
+    trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.replicas
     # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
     # parallel.offload_dir), gradients
     per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4
@@ -290,7 +290,7 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
     # offload updates its shards where they lie).
     unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
-    staging = 8 * unit / L.dp * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
+    staging = 8 * unit / L.replicas * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
     if L.offload != "params" and not L.delayed_update:
-        staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.dp * 2))
+        staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.replicas * 2))
     return trained * per_param + staging + acts

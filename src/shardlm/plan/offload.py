@@ -36,7 +36,7 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     ranks = min(L.gpus, gpus_per_node)
     host_bw, disk_bw = g.host_bw / ranks, g.disk_bw / ranks
     phi, _ = trained_and_frozen(m, L, 0, 2)
-    shard = phi / L.dp if L.zero_stage >= 1 else phi
+    shard = phi / L.replicas if L.zero_stage >= 1 else phi
     micro = w.global_batch // (w.micro_batch * L.dp)
     reduced = reduced_bytes(L)
     per_micro = compute / micro

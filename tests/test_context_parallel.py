@@ -1,0 +1,81 @@
+"""Context parallelism (Ulysses: each sequence split over the cp ranks, attention exchanging heads for it)
+alone and composed with data, tensor (and sequence) and pipeline parallelism and ZeRO, against one process
+(gloo on CPU, fp32): per-step losses, gradient norms, gathered weights and eval losses; the attention
+exchange itself with sliding windows and packed examples; resume across cp."""
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import ATOL, RTOL
+from shardlm.testing.distributed import run_distributed
+from test_tensor_parallel import ADAM_ATOL, MODELS, check_equal
+
+COMMON = {"train.steps": "3", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+          "train.eval_every": "3", "train.eval_batches": "2"}
+
+
+def run(world, overrides):
+    one = {**COMMON, **overrides, "parallel.cp": "1", "parallel.tp": "1", "parallel.dp": "1", "parallel.pp": "1",
+           "parallel.sp": "false", "parallel.zero_stage": "0", "train.device": "cpu"}
+    ref = dist_fns.train_and_capture(0, 1, one)
+    return run_distributed(dist_fns.train_and_capture, world, {**COMMON, **overrides}, timeout=240), ref
+
+
+def check_eval(results, ref):
+    for r in results:
+        assert r["eval_losses"] and r["eval_losses"] == pytest.approx(ref["eval_losses"], rel=RTOL)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_context_parallel_equals_one_process(model, cp, optimizer):
+    """Llama with 4 query and 2 key/value heads (at cp 4 the key/value heads are repeated before the
+    exchange), GPT-2 with learned positions and tied embeddings."""
+    opt = {"train.optimizer": "sgd", "train.lr": "1e-2"} if optimizer == "sgd" else {}
+    results, ref = run(cp, {**MODELS[model], **opt, "parallel.cp": str(cp), "parallel.dp": "1"})
+    check_equal(results, ref, atol=ADAM_ATOL[model] if optimizer == "adamw" else ATOL)
+    check_eval(results, ref)
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel.dp": "2", "parallel.cp": "2"},
+    {"parallel.dp": "2", "parallel.cp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
+    {"parallel.tp": "2", "parallel.cp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+    {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
+], ids=["dp2-cp2", "dp2-cp2-zero3", "tp2-sp-cp2", "pp2-cp2"])
+def test_context_parallel_composes_with_the_other_axes(layout):
+    results, ref = run(4, layout)
+    check_equal(results, ref, atol=ADAM_ATOL["llama"])
+    check_eval(results, ref)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_context_parallel_with_recomputation(recompute):
+    results, ref = run(2, {"parallel.cp": "2", "parallel.dp": "1", "train.recompute": recompute,
+                           "train.optimizer": "sgd", "train.lr": "1e-2"})
+    check_equal(results, ref)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "packed"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, cp):
+    """The model alone, each rank holding its slice of the sequence: the loss and every parameter's
+    gradient equal one process's, with a sliding window shorter than the sequence and with packed
+    examples that must not attend to each other (their document masks come from the whole sequence)."""
+    one = dist_fns.context_parallel_step(0, 1, case)
+    for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, timeout=120):
+        assert loss == pytest.approx(one[0], rel=1e-6)
+        assert grads.keys() == one[1].keys()
+        for name, want in one[1].items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_cp2_checkpoint_resumes_in_one_process_on_the_same_trajectory(tmp_path):
+    steps = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",
+             "train.save_every": "3", "train.keep_checkpoints": "5"}
+    full = run_distributed(dist_fns.train_and_capture, 2, {**steps, "parallel.cp": "2", "parallel.dp": "1"},
+                           str(tmp_path / "a"), timeout=240)
+    resumed = dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"}, str(tmp_path / "b"),
+                                         str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    torch.testing.assert_close(resumed["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
