@@ -1,9 +1,10 @@
 """Enumerate every valid layout for a cluster, drop those that do not fit, rank the rest by throughput.
 
-The space: dp x tp x pp = GPUs with tp inside a node and dividing the heads, pp dividing the layers,
-ZeRO 0-3 (3 only without pipelining), sequence parallelism with tp > 1, recomputation none / selective /
-full, every micro-batch that divides the per-replica batch, and the 1F1B or interleaved schedule. Each
-layout is a few hundred arithmetic operations, so tens of thousands are scored in well under a second.
+The space: dp x tp x pp = GPUs / cp (the layout's cp, 1 by default) with tp inside a node and dividing the
+heads, pp dividing the layers, ZeRO 0-3 (3 only without pipelining), sequence parallelism with tp > 1,
+recomputation none / selective / full, every micro-batch that divides the per-replica batch, and the 1F1B or
+interleaved schedule. Each layout is a few hundred arithmetic operations, and each pipeline shape's schedule
+is simulated once: 64 GPUs' 2,688 layouts of llama2-7b take about 5 s on one core, most of it the simulations.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout):
-    for tp in divisors(min(gpus, gpus_per_node)):
-        if m.num_heads % tp or m.kv_heads % tp or gpus % tp:
+    cp = base.cp  # context parallelism is searched over only where asked for (--cp): it pays for long sequences
+    for tp in divisors(min(gpus // cp, gpus_per_node)):
+        if m.num_heads % tp or m.kv_heads % tp or gpus % (tp * cp) or (m.num_heads // tp) % cp:
             continue
-        for pp in divisors(gpus // tp):
+        for pp in divisors(gpus // (tp * cp)):
             if m.num_layers % pp:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             if w.global_batch % dp:
                 continue
             for micro in divisors(w.global_batch // dp):
