@@ -386,3 +386,12 @@ def test_context_parallel_shards_like_data_parallel_and_exchanges_heads():
     micro = 8 // 2
     assert cp.comm_bytes_per_step["cp"] == pytest.approx(3 * 3 / 4 * tokens * heads * 128 * 2 * 32 * micro)
     assert cp.comm_bytes_per_step["dp"] == pytest.approx(dp.comm_bytes_per_step["dp"])
+
+
+def test_search_with_context_parallelism_fills_the_gpus_it_leaves():
+    """--cp 2 --gpus 8 --search: every ranked layout keeps cp 2 and spreads dp x tp x pp over the other 4."""
+    from shardlm.plan.search import search
+    m = load_config("llama2-7b").model
+    best, scored, _, _ = search(m, Workload(32768, 1, 8), gpu("h100"), 8, 8, Layout(cp=2))
+    assert scored and best
+    assert all(L.cp == 2 and L.dp * L.tp * L.pp * L.cp == 8 for _, _, L in best)
