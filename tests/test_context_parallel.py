@@ -79,3 +79,19 @@ def test_a_cp2_checkpoint_resumes_in_one_process_on_the_same_trajectory(tmp_path
     resumed = dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"}, str(tmp_path / "b"),
                                          str(tmp_path / "a" / "checkpoints" / "step_00000003"))
     torch.testing.assert_close(resumed["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+GPU_LAYOUTS = [pytest.param(layout, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"))
+               for layout in ({"parallel.cp": "4", "parallel.dp": "1"},
+                              {"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"})]
+
+
+@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=["cp4", "cp2-tp2-sp"])
+def test_compiled_context_parallel_on_gpus_equals_one_gpu(layout):
+    """As the GPUs run it: NCCL's all-to-alls inside compiled blocks (in fp32, so that the CPU cases'
+    tolerance applies), against one process on one GPU."""
+    over = {**COMMON, **layout, "train.compile": "true", "train.device": "cuda"}
+    results = run_distributed(dist_fns.train_and_capture, 4, over, timeout=300, device="cuda")
+    ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true", "train.device": "cuda"})
+    check_equal(results, ref, atol=ADAM_ATOL["llama"])
+    check_eval(results, ref)
