@@ -579,13 +579,15 @@ def lora_zero3_frozen(rank, world, overrides: dict):
 def context_parallel_step(rank, world, case: str):
     """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
     sequence (parallel/context.py; world 1: the whole model on one process): the mean loss over the ranks and
-    the gradients summed over them. `case`: causal, window (a sliding window shorter than the sequence) or
-    packed (examples closed by an end-of-text token, kept apart)."""
+    the gradients summed over them. `case`: causal, window (a sliding window shorter than the sequence),
+    packed (examples closed by an end-of-text token, kept apart) or gqa (8 query heads, 2 key/value heads)."""
     import torch.distributed as dist
     from shardlm.config import load_config
     from shardlm.model import build_model
     from shardlm.parallel.context import context_parallel
-    cfg = load_config("tiny", {"model.sliding_window": "8"} if case == "window" else {})
+    shapes = {"window": {"model.sliding_window": "8"},  # 8 query heads over 2 key/value heads: at cp 4 each
+              "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"}}  # is repeated twice, not four times
+    cfg = load_config("tiny", shapes.get(case, {}))
     model = build_model(cfg.model, seed=3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, cfg.model.vocab_size, (2, 32), generator=g)

@@ -42,9 +42,12 @@ def test_context_parallel_equals_one_process(model, cp, optimizer):
     {"parallel.dp": "2", "parallel.cp": "2"},
     {"parallel.dp": "2", "parallel.cp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
     {"parallel.tp": "2", "parallel.cp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+    {"parallel.tp": "2", "parallel.cp": "2", "parallel.dp": "1", "model.num_kv_heads": "1"},
     {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
-], ids=["dp2-cp2", "dp2-cp2-zero3", "tp2-sp-cp2", "pp2-cp2"])
+], ids=["dp2-cp2", "dp2-cp2-zero3", "tp2-sp-cp2", "tp2-cp2-kv1", "pp2-cp2"])
 def test_context_parallel_composes_with_the_other_axes(layout):
+    """With tp 2 and one key/value head, every tensor-parallel rank reads it for each of its query heads
+    (kv_index) before the exchange."""
     results, ref = run(4, layout)
     check_equal(results, ref, atol=ADAM_ATOL["llama"])
     check_eval(results, ref)
@@ -57,12 +60,13 @@ def test_context_parallel_with_recomputation(recompute):
     check_equal(results, ref)
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "packed"])
+@pytest.mark.parametrize("case", ["causal", "window", "packed", "gqa"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, cp):
     """The model alone, each rank holding its slice of the sequence: the loss and every parameter's
-    gradient equal one process's, with a sliding window shorter than the sequence and with packed
-    examples that must not attend to each other (their document masks come from the whole sequence)."""
+    gradient equal one process's, with a sliding window shorter than the sequence, with packed examples
+    that must not attend to each other (their document masks come from the whole sequence), and with key/value
+    heads that cp does not divide (repeated before the exchange)."""
     one = dist_fns.context_parallel_step(0, 1, case)
     for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, timeout=120):
         assert loss == pytest.approx(one[0], rel=1e-6)
@@ -71,14 +75,29 @@ def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, cp)
             torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_cp2_checkpoint_resumes_in_one_process_on_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize("cp", [1, 4])
+def test_a_cp2_checkpoint_resumes_under_another_cp_on_the_same_trajectory(tmp_path, cp):
     steps = {"train.steps": "6", "train.global_batch_size": "8", "train.micro_batch_size": "2",
              "train.save_every": "3", "train.keep_checkpoints": "5"}
     full = run_distributed(dist_fns.train_and_capture, 2, {**steps, "parallel.cp": "2", "parallel.dp": "1"},
                            str(tmp_path / "a"), timeout=240)
-    resumed = dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"}, str(tmp_path / "b"),
-                                         str(tmp_path / "a" / "checkpoints" / "step_00000003"))
-    torch.testing.assert_close(resumed["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    if cp == 1:
+        resumed = [dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu", "parallel.dp": "1"},
+                                              str(tmp_path / "b"), ckpt)]
+    else:
+        resumed = run_distributed(dist_fns.train_and_capture, cp, {**steps, "parallel.cp": str(cp), "parallel.dp": "1"},
+                                  str(tmp_path / "b"), ckpt, timeout=240)
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+def test_fp16_overflow_on_one_context_parallel_rank_skips_the_step_everywhere():
+    results = run_distributed(dist_fns.fp16_overflow_on_rank_one, 2, {"parallel.cp": "2", "parallel.dp": "1"},
+                              timeout=120)
+    for skipped, scale, unchanged in results:
+        assert skipped == 1 and scale == 2.0**16 and unchanged in (True, None)
+    assert any(u is True for _, _, u in results)
 
 
 GPU_LAYOUTS = [pytest.param(layout, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"))
@@ -95,3 +114,13 @@ def test_compiled_context_parallel_on_gpus_equals_one_gpu(layout):
     ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true", "train.device": "cuda"})
     check_equal(results, ref, atol=ADAM_ATOL["llama"])
     check_eval(results, ref)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_eval_and_generation_under_context_parallelism_equal_one_process(cp):
+    """Evaluation scores each rank's slice and sums them; greedy generation runs the whole sequence on every
+    rank (its KV cache bypasses the exchange): both as one process gives."""
+    one = dist_fns.eval_and_sample(0, 1, {"train.device": "cpu", "parallel.dp": "1"})
+    for loss, text in run_distributed(dist_fns.eval_and_sample, cp, {"parallel.cp": str(cp), "parallel.dp": "1"},
+                                      timeout=120):
+        assert loss == pytest.approx(one[0], rel=1e-5) and text == one[1]

@@ -167,8 +167,10 @@ GPT2 = {"model.arch": "gpt2", "model.num_kv_heads": "0"}  # learned positions: r
                                     {"parallel.tp": "2", "parallel.dp": "1"},
                                     {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1", **GPT2},
                                     {"parallel.cp": "2", "parallel.dp": "1"},
-                                    {"parallel.cp": "2", "parallel.dp": "2", **GPT2}],
-                         ids=["dp2", "dp2-zero1", "pp2", "tp2", "tp2-sp-gpt2", "cp2", "dp2-cp2-gpt2"])
+                                    {"parallel.cp": "2", "parallel.dp": "2", **GPT2},
+                                    {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1",
+                                     "train.micro_batch_size": "1"}],
+                         ids=["dp2", "dp2-zero1", "pp2", "tp2", "tp2-sp-gpt2", "cp2", "dp2-cp2-gpt2", "pp2-cp2"])
 def test_instruction_training_under_other_layouts_equals_one_process(tmp_path, layout):
     """Packed examples (document masks, per-example positions) and completion-only losses, any layout."""
     from test_tensor_parallel import OPTIMIZERS, check_equal

@@ -395,3 +395,19 @@ def test_search_with_context_parallelism_fills_the_gpus_it_leaves():
     best, scored, _, _ = search(m, Workload(32768, 1, 8), gpu("h100"), 8, 8, Layout(cp=2))
     assert scored and best
     assert all(L.cp == 2 and L.dp * L.tp * L.pp * L.cp == 8 for _, _, L in best)
+
+
+def test_context_parallel_attention_scores_span_the_whole_sequence():
+    """Ulysses: a rank's 1/cp of the heads attend over the whole sequence, so standard attention's scores per
+    rank are the one-rank scores / cp, while the rest of the activations are / cp of the tokens."""
+    m = load_config("llama2-7b").model
+    w = Workload(8192, 1, 8)
+    per = {(cp, att): activation_per_layer(m, w, Layout(cp=cp, attention=att)) for cp in (1, 4)
+           for att in ("flash", "standard")}
+    assert per[(4, "standard")] - per[(4, "flash")] == pytest.approx((per[(1, "standard")] - per[(1, "flash")]) / 4)
+
+
+def test_cli_params_shards_over_dp_times_cp():
+    def states(*flags):
+        return json.loads(run_cli("plan", "--params", 7e9, "--json", *flags).stdout)["model_states_bytes"]
+    assert states("--gpus", 8, "--cp", 2) == states("--gpus", 8, "--dp", 8)

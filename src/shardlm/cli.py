@@ -119,13 +119,16 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += f", tensor parallel over {p.tp} ranks" + (" with sequence parallelism" if p.sp else "")
         if p.pp > 1:
             layout += f", {p.pp} pipeline stages ({p.pp_schedule})"
+        if p.cp > 1:
+            layout += f", each sequence split over {p.cp} ranks (context parallel)"
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
             layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"
-        if p.dp > 1:  # what auto resolved to is worth seeing: it decides the speed
+        if p.replicas > 1:  # what auto resolved to is worth seeing: it decides the speed
             kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
             algo = getattr(trainer.engine, "algo", None)
-            layout += f", {kind} over {p.dp} ranks" + (f" (reduce_algo {algo})" if algo else "")
+            over = f"{p.replicas} ranks" + (f" (dp {p.dp} x cp {p.cp})" if p.cp > 1 else "")
+            layout += f", {kind} over {over}" + (f" (reduce_algo {algo})" if algo else "")
         print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
               flush=True)

@@ -498,6 +498,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
 
 
+def exchanged_kv_heads(q: int, kv: int, cp: int) -> int:
+    """The key/value heads a rank's attention holds before context parallelism's exchange, of `kv` for `q` query
+    heads: as they are where cp divides them; else each repeated r = cp / gcd(kv, cp) times where a query
+    group's heads divide by r (key/value head j // r still serves the same queries), else once per query head."""
+    if kv % cp == 0:
+        return kv
+    r = cp // math.gcd(kv, cp)
+    return kv * r if (q // kv) % r == 0 else q
+
+
 # The Hugging Face modules (their names below the layer) a block's linears fuse, for `lora.targets`.
 LORA_MODULES = {
     "llama": {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.out": ("self_attn.o_proj",),

@@ -157,6 +157,10 @@ def init_distributed(cfg: Config) -> DeviceMesh:
     if p.tp > 1 and local_world % p.tp and rank == 0:
         warnings.warn(f"parallel.tp = {p.tp} spans nodes of {local_world} processes each: it works, but its "
                       "collectives (several per layer) then cross the network and will be slow", stacklevel=2)
+    elif p.cp > 1 and local_world % (p.tp * p.cp) and rank == 0:  # cp's ranks sit tp apart (AXES)
+        warnings.warn(f"parallel.cp = {p.cp} (x parallel.tp = {p.tp}) spans nodes of {local_world} processes each: "
+                      "it works, but its all-to-alls (four per layer, each way) then cross the network and will be "
+                      "slow", stacklevel=2)
     # gloo raises at the timeout. NCCL's watchdog would abort the communicator and let the step go on with
     # the aborted collectives' data: the trainer's own watchdog (runtime/watchdog.py) ends the rank at
     # timeout_s instead, and NCCL's, at twice that, is only the backstop.

@@ -141,7 +141,7 @@ class Trainer:
             raise ConfigError(f"{what} keeps {host / 2**30:.1f} GiB per rank "
                               f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                               f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
-                              f"(parallel.dp), or use a host with more memory")
+                              f"(parallel.dp, parallel.cp), or use a host with more memory")
 
     def _any_rank(self, failed: bool) -> bool:
         """Whether this check failed on any rank: every rank reaches this all-reduce, so a failure on one
@@ -384,12 +384,12 @@ class Trainer:
                 how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""
                 self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
             return records
-        if t.sample_tokens and (self.mesh.pp > 1 or self.mesh.cp > 1):
+        if t.sample_tokens and self.mesh.pp > 1:
             if self.mesh.is_main:
-                how = "pipeline" if self.mesh.pp > 1 else "context"
-                self.log(f"no sample under {how} parallelism: `shardlm export` the run and `shardlm generate`")
+                self.log("no sample under pipeline parallelism: `shardlm export` the run and `shardlm generate`")
         elif t.sample_tokens:
-            # Every rank decodes the same tokens (ZeRO-3 gathers are collectives); rank 0 prints them.
+            # Every rank decodes the same tokens (ZeRO-3 gathers are collectives; generation's KV cache runs
+            # the whole sequence on each rank, without context parallelism's exchanges); rank 0 prints them.
             room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
             with self._guard("the sample"):
                 text = generate_text(self.model, self.tokenizer, t.sample_prompt,

@@ -9,9 +9,9 @@ mean over the group's tokens.
 
 Each rank keeps its tokens' true positions (RoPE, GPT-2's position embeddings); packed examples' document
 masks are computed from the whole sequence's ids, gathered over the group. With tensor parallelism the
-heads split first over tp, then over cp (cp must divide each tensor-parallel rank's query heads); where
-there are fewer key/value heads than that, they are repeated per query head before the exchange. Under
-sequence parallelism a block's qkv already holds the cp slice's whole sequence (sp splits it further
+heads split first over tp, then over cp (cp must divide each tensor-parallel rank's query heads); key/value
+heads that cp does not divide are repeated, as few times as their grouping allows, before the exchange.
+Under sequence parallelism a block's qkv already holds the cp slice's whole sequence (sp splits it further
 outside the linears), so the two compose.
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..config import exchanged_kv_heads
 
 # ---- the exchanges -------------------------------------------------------------------------------------
 
@@ -83,11 +85,12 @@ class ContextParallel:
 
     def heads_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q, k, v of this rank's slice of the sequence ([b, heads, s, d]) -> this rank's heads over the whole
-        sequence. Key/value heads that do not divide by cp are first repeated per query head (as
-        SDPA would read them)."""
-        if k.shape[1] % self.size:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        sequence. Key/value heads that do not divide by cp are first repeated as few times as makes them
+        (config.exchanged_kv_heads), each query head still reading its own."""
+        heads = exchanged_kv_heads(q.shape[1], k.shape[1], self.size)
+        if heads != k.shape[1]:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
         return tuple(_Exchange.apply(t, self.group, self.size, True) for t in (q, k, v))
 
     def heads_out(self, y: torch.Tensor) -> torch.Tensor:

@@ -204,14 +204,16 @@ def run(argv: list[str]) -> int:
 
 def model_states(a, g, dp: int, note: str) -> int:
     """--params: the ZeRO paper's model states per GPU at each stage, and with --tokens 6 x params x tokens."""
-    out = {f"zero{s}": paper_model_states(a.params, s, dp) for s in range(4)}
+    replicas = dp * a.cp  # context parallelism's ranks hold the same parameters: ZeRO shards over dp x cp
+    out = {f"zero{s}": paper_model_states(a.params, s, replicas) for s in range(4)}
     train_flops = 6 * a.params * a.tokens
     if a.json:
         print(json.dumps({"model_states_bytes": out, "dp": dp, "train_flops": train_flops}))
         return 0
     if note:
         print(note)
-    print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), dp {dp}:")
+    over = f"dp {dp}" + (f" x cp {a.cp}" if a.cp > 1 else "")
+    print(f"model states of {a.params:.3g} parameters, mixed-precision Adam (ZeRO paper), {over}:")
     for k, v in out.items():
         fits = v + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
         print(f"  {k}: {v / 1e9:.1f} GB per GPU ({'fits' if fits else 'does not fit'} {g.name})")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ModelConfig
+from ..config import ModelConfig, exchanged_kv_heads
 from .hardware import GPU
 from .layout import Layout, Workload
 from .memory import nf4_weights, rank_layers, stage_params, trained_and_frozen
@@ -50,7 +50,7 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     pp = 0.0 if L.pp == 1 else 2 * tokens * m.hidden_size * act * micro
     q = m.num_heads // t
     kv = m.kv_heads // t if m.kv_heads % t == 0 else q  # fewer than tp: every rank reads one per query head
-    kv = kv if kv % L.cp == 0 else q  # fewer than cp: repeated per query head before the exchange
+    kv = exchanged_kv_heads(q, kv, L.cp)  # repeated where cp does not divide them
     passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
     cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * tokens * (2 * q + 2 * kv) * m.head_size * act * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the

@@ -43,7 +43,7 @@ import math
 
 from dataclasses import dataclass
 
-from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
+from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
 from ..schedules import split_layers
 from .flops import simulated
 from .layout import Layout, Workload
@@ -128,14 +128,18 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
         if L.recompute == "full":
             per = 2 * sbh / (t if L.sp else 1)
         else:
-            score = 0.0 if L.recompute == "selective" else 5 * a * s / (h * t)
+            # Ulysses: a rank's 1 / (t cp) of the heads attend over the whole sequence, cp s
+            score = 0.0 if L.recompute == "selective" else 5 * a * s * L.cp / (h * t)
             per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score)
     else:
         act = 2 if L.precision != "fp32" else 4
         if L.recompute == "full":
             per = act * sbh / (t if L.sp else 1)
         else:
-            q, kv, f = a * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+            q, f = a * m.head_size, m.ffn_size
+            kv = m.kv_heads * m.head_size  # under cp, as many as the exchange holds (repeated where cp needs)
+            if L.cp > 1 and m.kv_heads % t == 0:
+                kv = exchanged_kv_heads(a // t, m.kv_heads // t, L.cp) * t * m.head_size
             # Two norms, input and output each; with sequence parallelism the inputs are slices, and the
             # outputs are kept gathered, as the column-parallel linears' weight gradients read them.
             norms = (2 * sbh / t + 2 * sbh) if L.sp else 4 * sbh
@@ -145,7 +149,7 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
                 mlp = mlp * m.top_k + s * b * (h + m.num_experts) * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective":
-                per += act * a * s * s * b / t  # softmax probabilities
+                per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
 

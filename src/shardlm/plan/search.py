@@ -60,6 +60,9 @@ def why(e: Estimate, L: Layout, best: Estimate | None) -> str:
 def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, base: Layout = Layout(),
            top: int = 5, price_per_gpu_hour: float = 0.0):
     """(ranked fitting (estimate, workload, layout) triples, number scored, number that did not fit)."""
+    if gpus % base.cp:
+        raise PlanError(f"--gpus {gpus} is not a multiple of --cp {base.cp}: the search spreads dp x tp x pp over "
+                        "the GPUs cp leaves")
     fitting, scored, rejected = [], 0, 0
     for work, layout in layouts(m, w, gpus, gpus_per_node, base):
         try:
