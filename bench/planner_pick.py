@@ -37,24 +37,25 @@ def workload(args):
 
 def candidates(args) -> list[tuple]:
     """(name, predicted estimate, workload, layout) of the layouts to measure, best predicted first."""
-    from shardlm.plan import gpu
+    from shardlm.plan import Layout, gpu
     from shardlm.plan.search import search
     cfg, work = workload(args)
-    fitting, _, _, _ = search(cfg.model, work, gpu(args.card), args.gpus, args.gpus, top=10**6)
+    fitting, _, _, _ = search(cfg.model, work, gpu(args.card), args.gpus, args.gpus, Layout(cp=args.cp), top=10**6)
     chosen, seen = [], set()
     for e, w, L in fitting:
         key = (L.dp, L.tp, L.pp, L.zero_stage if L.dp > 1 else 0, L.recompute)  # ZeRO over one rank: none
         if key in seen:
             continue
         seen.add(key)
-        name = (f"dp{L.dp}-tp{L.tp}{'-sp' if L.sp else ''}-pp{L.pp}"
+        name = (f"dp{L.dp}{f'-cp{L.cp}' if L.cp > 1 else ''}-tp{L.tp}{'-sp' if L.sp else ''}-pp{L.pp}"
                 f"{'-' + L.pp_schedule if L.pp > 1 else ''}-z{L.zero_stage}-{L.recompute}-mb{w.micro_batch}")
         chosen.append((name, e, w, L))
     return chosen[:args.count]
 
 
 def overrides(w, L) -> dict:
-    return {"parallel.dp": str(L.dp), "parallel.tp": str(L.tp), "parallel.pp": str(L.pp), "parallel.sp": str(L.sp).lower(),
+    return {"parallel.dp": str(L.dp), "parallel.cp": str(L.cp), "parallel.tp": str(L.tp), "parallel.pp": str(L.pp),
+            "parallel.sp": str(L.sp).lower(),
             "parallel.zero_stage": str(L.zero_stage), "parallel.pp_schedule": L.pp_schedule,
             "parallel.virtual_stages": str(L.virtual_stages), "train.recompute": L.recompute,
             "train.micro_batch_size": str(w.micro_batch)}
@@ -89,6 +90,7 @@ def main():
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: every layout splits sequences over cp ranks")
     p.add_argument("--count", type=int, default=10, help="layouts measured, best predicted first (the floor: 8)")
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
@@ -106,8 +108,8 @@ def main():
     chosen = candidates(args)
     predicted = {name: (e, L) for name, e, _, L in chosen}
     if not args.list:
-        own = forwarded(args, ("gpus", "card", "preset", "seq", "global_batch", "count", "warm", "steps", "compile",
-                               "device"))
+        own = forwarded(args, ("gpus", "card", "preset", "seq", "global_batch", "cp", "count", "warm", "steps",
+                               "compile", "device"))
         rows = run_systems(__file__, [c[0] for c in chosen], lambda s: predicted[s][1].world, lambda s: [*own, *extra],
                            job_env(ROOT), args.timeout, args.budget)
     else:
@@ -150,7 +152,8 @@ def main():
                                     "predicted_mem_gib": round(e.memory.total / 2**30, 2),
                                     "planner_rank": [c[0] for c in chosen].index(r["system"]) + 1,
                                     "command": f"python bench/planner_pick.py --gpus {args.gpus} --preset {args.preset} "
-                                               f"--seq {args.seq} --global-batch {args.global_batch} --count {args.count}"})
+                                               f"--seq {args.seq} --global-batch {args.global_batch} --count {args.count}"
+                                               f"{f' --cp {args.cp}' if args.cp > 1 else ''}"})
                         + "\n")
 
 

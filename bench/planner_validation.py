@@ -74,14 +74,16 @@ LAYOUTS = {
 
 
 def pick_layout(system: str) -> Layout:
-    """The layout of a bench/planner_pick.py row, from its name: shardlm-dp2-tp2-sp-pp2-zb-h1-z1-none-mb1."""
+    """The layout of a bench/planner_pick.py row, from its name: shardlm-dp2-tp2-sp-pp2-zb-h1-z1-none-mb1 (with
+    context parallelism shardlm-dp1-cp2-tp2-...)."""
     parts = system.removeprefix("shardlm-").split("-")
+    cp = int(parts.pop(1)[2:]) if parts[1].startswith("cp") else 1
     dp, tp = int(parts[0][2:]), int(parts[1][2:])
     sp = parts[2] == "sp"
     rest = parts[3 if sp else 2:]
     pp = int(rest[0][2:])
     schedule = "-".join(rest[1:-3]) or "1f1b"
-    return Layout(dp=dp, tp=tp, sp=sp, pp=pp, pp_schedule=schedule, zero_stage=int(rest[-3][1:]),
+    return Layout(dp=dp, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=schedule, zero_stage=int(rest[-3][1:]),
                   recompute=rest[-2], virtual_stages=2 if schedule == "interleaved" else 1)
 
 
