@@ -1,10 +1,10 @@
 """Context parallelism by Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): the cp ranks of a group each hold a
 contiguous 1/cp of every sequence, from the embeddings to the loss. Everything in a block but attention
-works token by token, so only attention needs the rest of the sequence: before it, one all-to-all per q, k
-and v trades the split of the sequence for a split of the heads (each rank then attends over the whole
-sequence with 1/cp of the heads, causal and windowed masks as on one device), and one all-to-all after it
-trades them back. The parameters are the same on every rank of the group, like data parallelism's, so the
-engines reduce gradients over dp x cp (the mesh's `dp+cp` group), and the loss of a micro-batch is the
+works token by token, so only attention needs the rest of the sequence: before it, one all-to-all of q, k
+and v together trades the split of the sequence for a split of the heads (each rank then attends over the
+whole sequence with 1/cp of the heads, causal and windowed masks as on one device), and one all-to-all
+after it trades them back. The parameters are the same on every rank of the group, like data parallelism's,
+so the engines reduce gradients over dp x cp (the mesh's `dp+cp` group), and the loss of a micro-batch is the
 mean over the group's tokens.
 
 Each rank keeps its tokens' true positions (RoPE, GPT-2's position embeddings); packed examples' document
@@ -91,7 +91,12 @@ class ContextParallel:
         if heads != k.shape[1]:
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        return tuple(_Exchange.apply(t, self.group, self.size, True) for t in (q, k, v))
+        # One exchange for the three: each rank's chunk of the joined heads is its q, k and v heads together.
+        b, _, s, d = q.shape
+        cp, sizes = self.size, [t.shape[1] // self.size for t in (q, k, v)]
+        joined = torch.cat([t.reshape(b, cp, n, s, d) for t, n in zip((q, k, v), sizes)], dim=2)
+        out = _Exchange.apply(joined.view(b, cp * sum(sizes), s, d), self.group, cp, True)
+        return out.split(sizes, dim=1)
 
     def heads_out(self, y: torch.Tensor) -> torch.Tensor:
         """Attention's output for this rank's heads over the whole sequence -> all heads over its slice."""

@@ -52,7 +52,8 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     kv = m.kv_heads // t if m.kv_heads % t == 0 else q  # fewer than tp: every rank reads one per query head
     kv = exchanged_kv_heads(q, kv, L.cp)  # repeated where cp does not divide them
     passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
-    cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * tokens * (2 * q + 2 * kv) * m.head_size * act * layers * micro
+    exchanged = tokens * (2 * q + 2 * kv) * m.head_size * act  # q, k, v in; the output back
+    cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * exchanged * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
     # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
     ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro
