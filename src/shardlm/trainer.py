@@ -248,12 +248,10 @@ class Trainer:
         return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved"
 
     def slice_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a batch of sequences: its slice of each under context parallelism (rank r of
-        cp holds tokens r T / cp .. (r + 1) T / cp - 1, parallel/context.py), else all of it."""
-        if self.mesh.cp == 1:
-            return x, y
-        r, cp = self.mesh.coord("cp"), self.mesh.cp
-        return x.chunk(cp, dim=1)[r], y.chunk(cp, dim=1)[r]
+        """This rank's part of a batch of sequences: under context parallelism the slice of each that its
+        model holds (parallel/context.py), else all of it."""
+        context = self.model.context
+        return (x, y) if context is None else (context.local(x), context.local(y))
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean of a per-rank scalar over the replicas (dp x cp: each rank saw an equal share of the
@@ -271,8 +269,9 @@ class Trainer:
         # Every rank evaluates the same batches: ZeRO-3's parameter gathers are collectives.
         # Weighted by each batch's trained targets (all of them, but for instruction data's masks): the mean
         # over the held-out targets, not a mean of batches' means.
+        batches = (self.slice_of(*batch) for batch in self.data.eval_batches(self.cfg.train.eval_batches))
         losses = [(self.parallel.eval_loss(x.to(self.device), y.to(self.device)), int((y != IGNORE).sum()))
-                  for x, y in (self.slice_of(*batch) for batch in self.data.eval_batches(self.cfg.train.eval_batches))]
+                  for x, y in batches]
         self.model.train()
         total = torch.tensor([sum(loss * n for loss, n in losses), sum(n for _, n in losses)], dtype=torch.float64)
         if self.mesh.cp > 1:  # each rank scored its slice of the sequences
