@@ -305,8 +305,9 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
     (O_DIRECT, as DeepSpeed's async I/O does): buffered, a host with room would keep every file in its page
     cache, so the host memory the tier exists to save would be spent after all and the rate logged would be
     memory's, not the disk's. Where the filesystem refuses direct I/O (a read of one block at the start says
-    so), it is buffered and `direct_io` is False. Checkpointing and loading read and write the files' mappings like any other tensor, never
-    while a step's I/O is in flight. `disk_bytes_per_s`: the last step's I/O rate."""
+    so), it is buffered and `direct_io` is False. Checkpointing and loading read and write the files' mappings
+    like any other tensor, never while a step's I/O is in flight. `disk_bytes_per_s`: the last step's I/O
+    rate."""
 
     IO_THREADS = 4
 
