@@ -30,8 +30,11 @@ tokens, bf16, full recomputation, AdamW with the update on the CPU.
   models larger than the GPU. Needs deepspeed importable (its cpu_adam op builds at first use).
 MFU charges ModelConfig.flops_per_token (6 N + attention) against 989 TFLOP/s; peak memory is
 torch.cuda.max_memory_allocated over the timed steps, the build's peak the same before them (what the card
-must hold to start), the host's the process's peak resident memory (getrusage, pinned buffers included). Prints a table with the ratios to ds-zero2-offload and the issue's floor
-(shardlm-zero2-offload >= 1.5x its tokens/s at <= its peak memory); appends rows with bench "offload".
+must hold to start), the host's the process's peak resident memory (getrusage, pinned buffers included). Prints a
+table with the ratios to ds-zero2-offload and the issue's floor (shardlm ZeRO-2 + offload >= 1.5x its tokens/s at
+<= its peak memory), and the host threads' seconds a step (wall and CPU: the difference is time spent waiting);
+appends rows with bench "offload", each with the rate the host's AdamW pass streams at on the same cores
+(`host_bw_gb_s`, which bench/planner_validation.py gives the planner).
 """
 from __future__ import annotations
 
@@ -102,21 +105,24 @@ def worker(args, extra):
     def step_said():  # progress on stderr: a 7B step on the CPU's optimizer takes seconds
         step()
         print(f"[{args.system}] step done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if args.switch_interval:  # the interpreter's, as the A/B of offload's own (parallel/offload.py)
+        sys.setswitchinterval(args.switch_interval)
+    for _ in range(args.warm):
+        step_said()
+    host = getattr(trainer.engine, "host_grads", None)
+    before = dict(host.seconds) if host is not None else {}
     phases = {}
     if not args.profile:
-        dt, mem = timed(step_said, args.warm, args.steps, args.device)
+        dt, mem = timed(step_said, 0, args.steps, args.device)
     else:  # seconds a timed step in each host-side phase (parallel/offload.py's shardlm.offload.* ranges)
         from torch.profiler import ProfilerActivity, profile
-        for _ in range(args.warm):
-            step_said()
-        host = getattr(trainer.engine, "host_grads", None)
-        before = dict(host.seconds) if host is not None else {}
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             dt, mem = timed(step_said, 0, args.steps, args.device)
         phases = {e.key.removeprefix("shardlm.offload."): round(e.cpu_time_total / 1e6 / args.steps, 3)
                   for e in prof.key_averages() if e.key.startswith("shardlm.offload.")}
-        if host is not None:  # the host thread's phases (the profiler sees the main thread's only)
-            phases.update({k: round((v - before.get(k, 0.0)) / args.steps, 3) for k, v in host.seconds.items()})
+    # The host threads' phases a step (the profiler sees the main thread's only), wall and CPU seconds.
+    host_s = {k: round((v - before.get(k, 0.0)) / args.steps, 3) for k, v in (host.seconds if host else {}).items()
+              if v > before.get(k, 0.0)}
     tokens = args.micro_batch * args.microbatches * args.seq
     m = model_config(args).model
     disk = getattr(getattr(trainer.engine, "opt", None), "disk_bytes_per_s", None)
@@ -125,7 +131,8 @@ def worker(args, extra):
                                   "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30,
                                   "build_peak_gib": build, "host_peak_gib": host_peak_gib(),
                                   **({"disk_gb_s": disk / 1e9} if disk is not None else {}),
-                                  **({"phases_s": phases} if phases else {})}), flush=True)
+                                  **({"phases_s": phases} if phases else {}),
+                                  **({"host_thread_s": host_s} if host_s else {})}), flush=True)
     trainer.close()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -180,6 +187,30 @@ def ds_worker(args):
           flush=True)
 
 
+def host_rate(n: int = 1 << 27) -> float | None:
+    """Bytes a second the compiled CPU AdamW streams through host memory on this process's cores (best of three
+    passes over n parameters, far larger than the caches): the planner's `host_bw`, measured on the host the
+    rows ran on (bench/planner_validation.py uses it). None where the compiled pass does not build."""
+    import torch
+
+    from shardlm import cpu_adam
+    from shardlm.parallel.offload import offload_threads
+    from shardlm.plan.offload import ADAM_HOST_BYTES
+    lib = cpu_adam.load()
+    if lib is None:
+        return None
+    torch.set_num_threads(offload_threads(0))
+    master, grad, m, v = (torch.rand(n) for _ in range(4))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    seconds = []
+    for _ in range(4):
+        t = time.perf_counter()
+        cpu_adam.adamw_step(lib, master, grad, m, v, out, scale=1.0, lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
+                            weight_decay=0.1, bc1=0.5, bc2=0.5)
+        seconds.append(time.perf_counter() - t)
+    return ADAM_HOST_BYTES * n / min(seconds[1:])  # the first pass warms the pages and the threads up
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(p)
@@ -189,13 +220,16 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of shardlm's systems (tiny presets)")
     p.add_argument("--profile", type=int, default=0,
                    help="1: each row gets the host-side phases' seconds a step (phases_s); rows not recorded")
+    p.add_argument("--switch-interval", type=float, default=0,
+                   help="seconds: the interpreter's switch interval for shardlm's systems after their build "
+                        "(0: as shardlm sets it)")
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     driver_args(p, timeout=900)
     args, extra = p.parse_known_args()
     if args.system:
         return ds_worker(args) if args.system in PEERS else worker(args, extra)
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "warm", "steps", "compile", "device",
-                          "profile"))
+                          "profile", "switch_interval"))
     unknown = [s for s in args.systems if s not in SHARDLM and s not in PEERS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}: choose from {[*SHARDLM, *PEERS]}")
@@ -210,9 +244,11 @@ def main():
         import torch
         card = torch.cuda.get_device_name()
     cores = len(os.sched_getaffinity(0))
+    host_bw = host_rate() if args.device == "cuda" else None
     by = {r["system"]: r for r in rows}
     print(f"\n{card} x1 ({cores} cores), {args.preset}, {args.microbatches} micro-batches of "
-          f"{args.micro_batch} x {args.seq}, full recomputation")
+          f"{args.micro_batch} x {args.seq}, full recomputation"
+          + (f"; the host's AdamW pass streams {host_bw / 1e9:.0f} GB/s" if host_bw else ""))
     print(f"{'system':<30}{'params':>8}{'tok/s':>9}{'MFU':>8}{'peak GiB':>10}{'build GiB':>10}{'host GiB':>9}"
           f"{'vs ' + BASELINE:>22}")
     for r in rows:
@@ -220,10 +256,12 @@ def main():
         disk = f"  (disk {r['disk_gb_s']:.1f} GB/s)" if "disk_gb_s" in r else ""
         print(f"{r['system']:<30}{r['params'] / 1e9:>7.2f}B{r['tok_s']:>9.0f}{100 * r['mfu']:>7.1f}%"
               f"{r['peak_mem_gib']:>10.1f}{r['build_peak_gib']:>10.1f}{r['host_peak_gib']:>9.0f}{rel:>22}{disk}")
-    ours, theirs = by.get("shardlm-zero2-offload"), by.get(BASELINE)
-    if ours and theirs:
+        if "host_thread_s" in r:
+            print(f"{'':<30}host threads a step (s): {r['host_thread_s']}")
+    theirs = by.get(BASELINE)
+    for ours in (r for r in rows if r["system"].startswith("shardlm-zero2-offload") and theirs):
         speed, mem = ours["tok_s"] / theirs["tok_s"], ours["peak_mem_gib"] / theirs["peak_mem_gib"]
-        print(f"shardlm-zero2-offload / {BASELINE}: {speed:.2f}x tok/s (floor >= 1.5) at {mem:.2f}x peak memory "
+        print(f"{ours['system']} / {BASELINE}: {speed:.2f}x tok/s (floor >= 1.5) at {mem:.2f}x peak memory "
               f"(floor <= 1.0): {'met' if speed >= 1.5 and mem <= 1.0 else 'NOT met'}")
     if args.record and args.device == "cuda" and not args.profile:  # a profiled step is slower: not a measurement
         with open(args.record, "a") as f:
@@ -237,10 +275,16 @@ def main():
                                     "host_peak_gib": round(r["host_peak_gib"], 1),
                                     **({"disk_gb_s": round(r["disk_gb_s"], 2)} if "disk_gb_s" in r else {}),
                                     **({"ended": r["ended"]} if "ended" in r else {}),
+                                    **({"host_bw_gb_s": round(host_bw / 1e9, 1)} if host_bw else {}),
+                                    **({"host_thread_s": r["host_thread_s"]} if "host_thread_s" in r else {}),
+                                    **({"switch_interval": args.switch_interval} if args.switch_interval and
+                                       r["system"] in SHARDLM else {}),
                                     "command": f"python bench/offload.py --preset {args.preset} --seq {args.seq} "
                                                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} "
                                                f"--warm {args.warm} --steps {args.steps} --compile {args.compile} "
-                                               f"--systems {r['system']}"}) + "\n")
+                                               + (f"--switch-interval {args.switch_interval} "
+                                                  if args.switch_interval and r["system"] in SHARDLM else "")
+                                               + f"--systems {r['system']}"}) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
 bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, bench/finetune.py and
 bench/offload.py wrote on the device
-(torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout.
+(torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout;
+an offload row's host memory rate is the one measured beside it, where its row has one.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
 compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row) and rows run
 "concurrent" with other jobs on the host (a share of its cores and memory bandwidth). Floors:
@@ -125,7 +126,9 @@ def main():
         layout = layout_of(r)
         m = load_config(model, {"model.max_seq_len": str(seq)}).model
         batch = r.get("global_batch", mb * layout.dp * (micro or 1))
-        e = estimate(m, Workload(seq, mb, batch), layout, gpu("h200" if "H200" in r["card"] else "h100"))
+        # Offload's host side as fast as that host's AdamW pass was measured (bench/offload.py), where it was.
+        host = {"host_bw": r["host_bw_gb_s"] * 1e9} if "host_bw_gb_s" in r else {}
+        e = estimate(m, Workload(seq, mb, batch), layout, gpu("h200" if "H200" in r["card"] else "h100", **host))
         mem = e.memory.total / 2**30
         step = batch * seq / (r["tok_s_gpu"] * gpus)
         mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1

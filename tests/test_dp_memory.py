@@ -51,12 +51,17 @@ def test_offload_keeps_masters_and_optimizer_state_in_pinned_host_memory():
     assert none["gpu_bytes"] - params["gpu_bytes"] >= 12 * n - rounding, (none, params)
 
 
-def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch):
+@pytest.mark.parametrize("gpu", [False, True])
+def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch, gpu):
+    """With a GPU one core of the share stays with the training thread, which launches kernels meanwhile."""
+    import torch
+
     from shardlm.parallel.offload import offload_threads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     assert offload_threads(3) == 3
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert offload_threads(0) == cores
+    assert offload_threads(0) == max(1, cores - gpu)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
     assert offload_threads(0) == 1
 

@@ -234,7 +234,7 @@ class ParallelConfig:
     persist_threshold: int = 100000  # ZeRO-3 keeps parameters of at most this many elements whole
     prefetch_units: int = 1        # ZeRO-3 gathers this many blocks ahead of the one running (more: memory for overlap)
     timeout_s: float = 600.0       # process-group timeout: a dead or stalled rank ends the others
-    offload_threads: int = 0       # CPU threads for an offloaded optimizer step; 0: this rank's share of the cores
+    offload_threads: int = 0       # CPU threads for an offloaded step; 0: this rank's share of the cores (less one with a GPU)
     offload_dir: str = ""          # with offload: keep the fp32 masters and moments in files here (NVMe), not in RAM
     delayed_update: bool = False   # ZeRO-Offload's delayed update: each gradient one update stale (changes the math)
     overlap_update: bool = False   # offload at dp 1: the CPU update beside the next forward, which waits block by block (exact)

@@ -23,6 +23,7 @@ import itertools
 import mmap
 import os
 import queue
+import sys
 import time
 import weakref
 from collections import deque
@@ -39,14 +40,20 @@ from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
 from ..runtime.device import host_empty
 
+HOST_THREAD_SWITCH_S = 2e-4  # the interpreter's switch interval while an offloading optimizer lives
+
 
 def offload_threads(requested: int) -> int:
     """Threads for the CPU optimizer step: as asked, else this rank's share of the cores it may run on
-    (torchrun sets OMP_NUM_THREADS=1 per rank, which would leave the offloaded step on one core)."""
+    (torchrun sets OMP_NUM_THREADS=1 per rank, which would leave the offloaded step on one core), less one
+    where there is a GPU: the host threads' passes split their work evenly over their threads, so one
+    thread sharing a core with the training thread (launching kernels meanwhile) would hold up each
+    pass, and the passes are memory-bound (half the cores stream as fast as all: bench/README.md)."""
     if requested > 0:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, share - 1 if torch.cuda.is_available() else share)
 
 
 class OffloadedOptimizer(MasterWeightOptimizer):
@@ -56,6 +63,14 @@ class OffloadedOptimizer(MasterWeightOptimizer):
     def __init__(self, *args, threads: int = 0, **kwargs):
         torch.set_num_threads(offload_threads(threads))
         cpu_adam.load()  # built now, not in the middle of the first step
+        if torch.cuda.is_available():
+            # The host threads (HostGradients' adds, the overlapped or delayed update) call into C between
+            # short stretches of Python; each return waits for the GIL, which the training thread, launching
+            # kernels, gives up only every switch interval (5 ms by default): a convoy that can take longer
+            # than the work itself (bench/README.md). Restored when this optimizer goes.
+            previous = sys.getswitchinterval()
+            sys.setswitchinterval(min(previous, HOST_THREAD_SWITCH_S))
+            weakref.finalize(self, sys.setswitchinterval, previous)
         super().__init__(*args, **kwargs)
         self.host_grad = host_empty(self.total, torch.float32, pin=torch.cuda.is_available())
         # parallel.overlap_update: the engine's OverlappedUpdate, and the landings of the update in flight
@@ -146,8 +161,11 @@ class HostGradients:
         self.made = 0
         self.pending: deque = deque()
         self.converted: torch.Tensor | None = None  # _add_converted's fp32 chunk (one host thread uses it)
-        # The host thread's time in each phase, summed (a profiler records its starting thread's ranges only).
-        self.seconds = {"wait_for_copy": 0.0, "host_add": 0.0, "delayed_update": 0.0, "overlapped_update": 0.0}
+        # The host threads' time in each phase, summed (a profiler records its starting thread's ranges only);
+        # the *_cpu entries count the thread's own CPU time: the rest of the phase it waited (for the GIL, or
+        # for a core).
+        self.seconds = {k: 0.0 for k in ("wait_for_copy", "host_add", "host_add_cpu", "delayed_update",
+                                         "overlapped_update", "overlapped_update_cpu")}
         # The host thread waits on this device's events (a thread starts on device 0, whose context it
         # would otherwise create on every rank).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-host-grads", initializer=torch.cuda.set_device,
@@ -231,10 +249,11 @@ class HostGradients:
         try:
             start = time.perf_counter()
             done.synchronize()
-            copied = time.perf_counter()
+            copied, cpu = time.perf_counter(), time.thread_time()
             self._fold(b, staging, squares)
             self.seconds["wait_for_copy"] += copied - start
             self.seconds["host_add"] += time.perf_counter() - copied
+            self.seconds["host_add_cpu"] += time.thread_time() - cpu
         finally:
             self.staging.put(buf)
 

@@ -74,10 +74,11 @@ class OverlappedUpdate:
         if ready is not None:
             self.stream.wait_event(ready)
         for b in order:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             update(b)
             if self.seconds is not None:
                 self.seconds["overlapped_update"] += time.perf_counter() - start
+                self.seconds["overlapped_update_cpu"] += time.thread_time() - cpu
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     land(b)

@@ -220,23 +220,32 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
+        unit = m.param_counts()["per_layer"] / L.tp * p_b
+        # ZeRO-3's gathered weights: a block's unit with those prefetched after it, and the head's
+        blocks_gathered = head_gathered = 0.0
+        if L.zero_stage == 3:
+            blocks_gathered = (1 + L.prefetch_units) * unit
+            head_gathered = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
+        gathered = blocks_gathered + head_gathered
         if stage == L.pp - 1:
             loss = head_and_loss(m, w, L)
-            # With full recomputation a layer's activations exist only in the blocks' backward, when the
-            # loss's buffers are gone but for the gradient it sends into the blocks: the smaller of the rest
-            # and those activations never adds to the peak. Not under GPipe, where later micro-batches' loss
-            # buffers are still alive while earlier ones' blocks run backward.
-            if L.pp == 1 or L.pp_schedule != "gpipe":
+            # With full recomputation a layer's activations (and ZeRO-3's units around it) exist only in the
+            # blocks' backward, when the loss's buffers (and the gathered head) are gone but for the gradient
+            # they send into the blocks; during the loss only the first blocks of backward are being
+            # prefetched. The peak is the larger of the two phases. Not under GPipe, where later
+            # micro-batches' loss buffers are still alive while earlier ones' blocks run backward.
+            if recomputed and (L.pp == 1 or L.pp_schedule != "gpipe"):
                 into_blocks = p_b * w.seq * w.micro_batch / L.cp * m.hidden_size  # the gradient of the blocks' output
-                buffers -= min(loss - into_blocks, recomputed)
-            buffers += loss
+                loss_phase = loss + head_gathered + (L.prefetch_units * unit if L.zero_stage == 3 else 0.0)
+                blocks_phase = recomputed + into_blocks + blocks_gathered
+                buffers += max(loss_phase, blocks_phase) - recomputed  # `acts` holds the recomputed layer's
+                gathered = 0.0
+            else:
+                buffers += loss
+        buffers += gathered
         if L.lora.quantize == "nf4":  # the largest block linear, dequantised for its matmul
             buffers += m.hidden_size * max(m.ffn_size * (2 if m.arch != "gpt2" else 1),
                                            (m.num_heads + 2 * m.kv_heads) * m.head_size) / L.tp * p_b
-        unit = m.param_counts()["per_layer"] / L.tp * p_b
-        if L.zero_stage == 3:
-            head = (m.param_counts()["lm_head"] or m.param_counts()["embedding"]) / L.tp * p_b
-            buffers += (1 + L.prefetch_units) * unit + head
         if L.zero_stage >= 2:  # transient full-size bucket gradients in the reduction dtype (an offloading
             # rank alone copies its 16-bit gradients down as they are: parallel/offload.py's HostGradients)
             buffers += 2 * unit * (g_b if L.offload != "none" and n == 1 else red) / p_b
