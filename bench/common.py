@@ -180,3 +180,27 @@ def record(path: str, bench: str, card: str, gpus: int, rows: list[dict]) -> Non
 def forwarded(args, names: tuple[str, ...]) -> list[str]:
     """The driver's own arguments `names` as a worker's command-line flags."""
     return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in names]
+
+
+def host_rate(n: int = 1 << 27) -> float | None:
+    """Bytes a second the compiled CPU AdamW streams through host memory on this process's cores (best of three
+    passes over n parameters, far larger than the caches): the planner's `host_bw`, measured on the host the
+    rows ran on (bench/planner_validation.py uses it). None where the compiled pass does not build."""
+    import torch
+
+    from shardlm import cpu_adam
+    from shardlm.parallel.offload import offload_threads
+    from shardlm.plan.offload import ADAM_HOST_BYTES
+    lib = cpu_adam.load()
+    if lib is None:
+        return None
+    torch.set_num_threads(offload_threads(0))
+    master, grad, m, v = (torch.rand(n) for _ in range(4))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    seconds = []
+    for _ in range(4):
+        t = time.perf_counter()
+        cpu_adam.adamw_step(lib, master, grad, m, v, out, scale=1.0, lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
+                            weight_decay=0.1, bc1=0.5, bc2=0.5)
+        seconds.append(time.perf_counter() - t)
+    return ADAM_HOST_BYTES * n / min(seconds[1:])  # the first pass warms the pages and the threads up

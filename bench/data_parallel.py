@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, timed
+from common import PEAK, driver_args, forwarded, host_rate, job_env, run_systems, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ddp": [], "shardlm-ddp-bf16reduce": ["--parallel.reduce_dtype", "compute"],
@@ -158,10 +158,16 @@ def main():
         rel = lambda k: f"{r['tok_s_gpu'] / by[k]['tok_s_gpu']:.2f}" if k in by else "-"  # noqa: E731
         print(f"{r['system']:<24}{r['tok_s_gpu']:>11.0f}{100 * r['mfu']:>7.1f}%{r['peak_mem_gib']:>10.1f}"
               f"{rel('torch-ddp'):>14}{rel('torch-fsdp2'):>16}")
+    # The offloaded systems' host side: the rate the host's AdamW pass streams at (the planner's host_bw)
+    host_bw = host_rate() if any("offload" in r["system"] for r in rows) else None
+    if host_bw:
+        print(f"the host's AdamW pass streams {host_bw / 1e9:.0f} GB/s")
     if args.record:
         with open(args.record, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "data_parallel", "date": datetime.date.today().isoformat(), "card": card,
+                                    **({"host_bw_gb_s": round(host_bw / 1e9, 1)} if host_bw and "offload" in r["system"]
+                                       else {}),
                                     "gpus": args.gpus, "system": r["system"], "model": args.preset, "seq": args.seq,
                                     "micro_batch": args.micro_batch, "tok_s_gpu": round(r["tok_s_gpu"]),
                                     "mfu": round(r["mfu"], 4), "peak_mem_gib": round(r["peak_mem_gib"], 2),
