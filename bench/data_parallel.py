@@ -147,7 +147,9 @@ def main():
     if args.system:
         return worker(args, extra)
     own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps"))
-    rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: [*own, *SHARDLM.get(s, [])],
+    # The command line's `--section.key value` extras go to shardlm's systems (after their own flags)
+    rows = run_systems(__file__, args.systems, lambda s: args.gpus,
+                       lambda s: [*own, *SHARDLM[s], *extra] if s in SHARDLM else own,
                        job_env(ROOT), args.timeout, args.budget)
     import torch
     card = torch.cuda.get_device_name()

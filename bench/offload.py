@@ -106,7 +106,7 @@ def worker(args, extra):
     def step_said():  # progress on stderr: a 7B step on the CPU's optimizer takes seconds
         step()
         print(f"[{args.system}] step done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    if args.switch_interval:  # the interpreter's, as the A/B of offload's own (parallel/offload.py)
+    if args.switch_interval:  # how long a host thread may wait for the GIL (bench/README.md, twelfth lease)
         sys.setswitchinterval(args.switch_interval)
     for _ in range(args.warm):
         step_said()
@@ -199,7 +199,7 @@ def main():
                    help="1: each row gets the host-side phases' seconds a step (phases_s); rows not recorded")
     p.add_argument("--switch-interval", type=float, default=0,
                    help="seconds: the interpreter's switch interval for shardlm's systems after their build "
-                        "(0: as shardlm sets it)")
+                        "(0: Python's, 5 ms)")
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     driver_args(p, timeout=900)
     args, extra = p.parse_known_args()

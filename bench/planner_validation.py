@@ -8,8 +8,9 @@ bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout;
 an offload row's host memory rate is the one measured beside it, where its row has one.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
-compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row) and rows run
-"concurrent" with other jobs on the host (a share of its cores and memory bandwidth). Floors:
+compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row), rows run
+"concurrent" with other jobs on the host (a share of its cores and memory bandwidth), and A/B rows whose command
+changes a parallel setting beside the system's own (`--parallel.*`). Floors:
 memory within 10%, step time within 25%.
 """
 from __future__ import annotations
@@ -101,6 +102,8 @@ def finetune_layout(r: dict) -> Layout | None:
 def layout_of(r: dict) -> Layout | None:
     flags = " ".join(r.get("command", "").split()) + " "
     if "invalid" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
+        return None
+    if " --parallel." in flags:  # a parallel setting changed beside the system's own: an A/B
         return None
     if r["bench"] == "planner_pick":
         return pick_layout(r["system"])

@@ -108,11 +108,16 @@ GPU_LAYOUTS = [pytest.param(layout, marks=pytest.mark.skipif(torch.cuda.device_c
 @pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=["cp4", "cp2-tp2-sp"])
 def test_compiled_context_parallel_on_gpus_equals_one_gpu(layout):
     """As the GPUs run it: NCCL's all-to-alls inside compiled blocks (in fp32, so that the CPU cases'
-    tolerance applies), against one process on one GPU."""
-    over = {**COMMON, **layout, "train.compile": "true", "train.device": "cuda"}
+    tolerance applies), against one process on one GPU. With SGD: after three AdamW steps one element of
+    layers.1.mlp.up.weight, (33, 20), was 6.7e-6 and 8.5e-6 off one GPU's at cp 4 and cp 2 x tp 2 on 4x
+    H200, the losses and gradient norms equal, and the same element left AdamW's tolerance under async TP:
+    its gradient nearly cancels, and AdamW's step, which does not depend on the gradient's scale, turns the
+    summation order's rounding there into a fraction of lr. The CPU cases check AdamW."""
+    sgd = {"train.optimizer": "sgd", "train.lr": "1e-2"}
+    over = {**COMMON, **sgd, **layout, "train.compile": "true", "train.device": "cuda"}
     results = run_distributed(dist_fns.train_and_capture, 4, over, timeout=300, device="cuda")
-    ref = dist_fns.train_and_capture(0, 1, {**COMMON, "train.compile": "true", "train.device": "cuda"})
-    check_equal(results, ref, atol=ADAM_ATOL["llama"])
+    ref = dist_fns.train_and_capture(0, 1, {**COMMON, **sgd, "train.compile": "true", "train.device": "cuda"})
+    check_equal(results, ref)
     check_eval(results, ref)
 
 

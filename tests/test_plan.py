@@ -177,8 +177,8 @@ def test_offload_step_time_follows_its_traffic():
     off = Layout(zero_stage=2, offload="optimizer", recompute="full")
     assert step(off) > step(zero2)
     slow_host = gpu("h100", host_bw=20e9)
-    assert step(Layout(**{**off.__dict__, "delayed_update": True}), g=slow_host) < step(off, g=slow_host)
-    # The exact overlap hides the update behind the next step's first forward at most: less than the delay.
+    # The delayed update hides the update behind GPU work the host's adds leave free (one large micro-batch);
+    # the exact overlap behind the next step's first forward at most: less than the delay.
     overlapped = step(Layout(**{**off.__dict__, "overlap_update": True}), w=Workload(2048, 8, 8))
     assert step(Layout(**{**off.__dict__, "delayed_update": True}), w=Workload(2048, 8, 8)) <= overlapped \
         < step(off, w=Workload(2048, 8, 8))

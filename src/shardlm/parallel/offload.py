@@ -23,7 +23,6 @@ import itertools
 import mmap
 import os
 import queue
-import sys
 import time
 import weakref
 from collections import deque
@@ -39,9 +38,6 @@ from ..grad_norm import sum_of_squares
 from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
 from ..runtime.device import host_empty
-
-HOST_THREAD_SWITCH_S = 2e-4  # the interpreter's switch interval while an offloading optimizer lives
-
 
 def offload_threads(requested: int) -> int:
     """Threads for the CPU optimizer step: as asked, else this rank's share of the cores it may run on
@@ -63,14 +59,6 @@ class OffloadedOptimizer(MasterWeightOptimizer):
     def __init__(self, *args, threads: int = 0, **kwargs):
         torch.set_num_threads(offload_threads(threads))
         cpu_adam.load()  # built now, not in the middle of the first step
-        if torch.cuda.is_available():
-            # The host threads (HostGradients' adds, the overlapped or delayed update) call into C between
-            # short stretches of Python; each return waits for the GIL, which the training thread, launching
-            # kernels, gives up only every switch interval (5 ms by default): a convoy that can take longer
-            # than the work itself (bench/README.md). Restored when this optimizer goes.
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(min(previous, HOST_THREAD_SWITCH_S))
-            weakref.finalize(self, sys.setswitchinterval, previous)
         super().__init__(*args, **kwargs)
         self.host_grad = host_empty(self.total, torch.float32, pin=torch.cuda.is_available())
         # parallel.overlap_update: the engine's OverlappedUpdate, and the landings of the update in flight

@@ -23,10 +23,10 @@ from .memory import reduced_bytes, trained_and_frozen
 
 ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
 SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
-# The gradient adds stream at this fraction of the update's rate: measured in a 7B run (bench/README.md),
-# 72 GB/s against the update's 117, with the copies from the GPU writing into the same memory meanwhile
-# and the 16-bit values converted on the way.
-FOLD_SHARE = 0.6
+# The gradient adds stream at this fraction of the update's rate, with the copies from the GPU writing into
+# the same memory meanwhile and the 16-bit values converted on the way: measured in 7B runs (bench/README.md),
+# 72 GB/s against the update's 117 on one host, 82 against 162 on another.
+FOLD_SHARE = 0.5
 
 
 def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int, compute: float) -> float:
