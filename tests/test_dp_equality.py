@@ -198,6 +198,38 @@ def test_disk_tier_bypasses_the_page_cache_where_the_filesystem_allows(tmp_path,
             assert torch.equal(torch.as_tensor(run["masters"][name]), torch.as_tensor(want)), name
 
 
+def _resident_kib(directory) -> int:
+    """KiB of this process's mappings of files under `directory` resident in its memory (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            inside = len(head) >= 6 and head[5].startswith(str(directory))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_disk_tier_leaves_no_file_pages_in_host_memory(tmp_path):
+    """The masters written through the files' mappings at the build, and the state loaded from a checkpoint,
+    leave this process's memory (and the page cache) once written back, and the steps' direct I/O never
+    brings them in: the host memory the tier exists to save is not spent on its files. The moments are never
+    written at the build: the files' reserved blocks read as zeros."""
+    over = {**equality_case("adamw", 2), "parallel.dp": "1", "parallel.zero_stage": "2", "parallel.offload": "optimizer",
+            "parallel.bucket_mb": "0.05", "train.device": "cpu", "parallel.offload_dir": str(tmp_path / "nvme")}
+    trainer = dist_fns.tiny_trainer(1, over)
+    assert _resident_kib(tmp_path / "nvme") == 0
+    opt = trainer.engine.opt
+    assert all(float(t.abs().max()) == 0.0 for parts in opt.state.values() for t in parts)
+    assert _resident_kib(tmp_path / "nvme") > 0  # reading through the mappings does bring them in (the check works)
+    opt.load(opt.master_state(), opt.state_by_name())
+    assert _resident_kib(tmp_path / "nvme") == 0
+    trainer.train_step()
+    assert _resident_kib(tmp_path / "nvme") == 0
+    trainer.close()
+
+
 @pytest.mark.parametrize("target", [
     {"parallel.dp": "1"},
     {"parallel.dp": "4", "parallel.zero_stage": "3"},

@@ -108,7 +108,7 @@ class MasterWeightOptimizer:
             self.master_parts = [self.master_part(b.index) for b in flat.buckets]
 
         def zeros(key):  # one buffer per state, laid out like the masters, viewed per bucket
-            flat = self._fp32_buffer(key, self.total, home).zero_()
+            flat = self._zeroed_fp32_buffer(key, self.total, home)
             return [flat[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
         keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
         self.state = {k: zeros(k) for k in keys}
@@ -139,6 +139,9 @@ class MasterWeightOptimizer:
         if home.type != "cpu":
             return torch.empty(n, dtype=torch.float32, device=home)
         return host_empty(n, torch.float32, pin=self.offloaded and name == "master" and torch.cuda.is_available())
+
+    def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        return self._fp32_buffer(name, n, home).zero_()
 
     def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
         """Tensor (and pipeline) parallelism: the ranks of `model_group` hold different parts of one model, so

@@ -19,6 +19,7 @@ sums the host thread's (waits for copies, adds): bench/offload.py --profile repo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import mmap
 import os
@@ -281,6 +282,7 @@ class MappedFiles:
         except OSError as e:
             raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
         self.fds: dict[str, int] = {}
+        self.mapped: dict[str, torch.Tensor] = {}
         weakref.finalize(self, _close_all, self.fds)
 
     def tensor(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -301,7 +303,18 @@ class MappedFiles:
         finally:
             path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
         self.fds[name] = fd
+        self.mapped[name] = mapped
         return mapped
+
+    def release(self) -> None:
+        """The files' pages out of this process's memory and out of the page cache, written back first: what
+        was written or read through the mappings (a build, a load) would otherwise stay resident until the
+        kernel needs the room, and show as this process's memory."""
+        for name, t in self.mapped.items():
+            os.fsync(self.fds[name])
+            _drop_mapped_pages(t)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fds[name], 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class DiskOffloadedOptimizer(OffloadedOptimizer):
@@ -312,9 +325,10 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
     (O_DIRECT, as DeepSpeed's async I/O does): buffered, a host with room would keep every file in its page
     cache, so the host memory the tier exists to save would be spent after all and the rate logged would be
     memory's, not the disk's. Where the filesystem refuses direct I/O (a read of one block at the start says
-    so), it is buffered and `direct_io` is False. Checkpointing and loading read and write the files' mappings
-    like any other tensor, never while a step's I/O is in flight. `disk_bytes_per_s`: the last step's I/O
-    rate."""
+    so), it is buffered and `direct_io` is False. The build and checkpointing read and write the files'
+    mappings like any other tensor, never while a step's I/O is in flight; after the build and a load the
+    mapped pages are written back and dropped (MappedFiles.release), so that they hold no host memory.
+    `disk_bytes_per_s`: the last step's I/O rate."""
 
     IO_THREADS = 4
 
@@ -324,6 +338,7 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         self.io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="shardlm-offload-io")
         self.disk_bytes_per_s = 0.0
         super().__init__(*args, **kwargs)
+        self.files.release()  # the masters written through the mappings: the steps reach the files directly
         self.direct = {k: _open_direct(fd) for k, fd in self.fds.items()}
         self.direct_io = all(fd is not None for fd in self.direct.values())
         weakref.finalize(self, _close_all, {k: fd for k, fd in self.direct.items() if fd is not None})
@@ -335,6 +350,14 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         return self.files.tensor(name, n, torch.float32)
+
+    def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        return self._fp32_buffer(name, n, home)  # a file's reserved blocks read as zeros: none written
+
+    def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        weights = super().load(masters, state)
+        self.files.release()
+        return weights
 
     def _segment(self, slot: dict, seg) -> tuple[int, dict[str, torch.Tensor]]:
         """Where `seg` lies in the files (its byte offset), and its view of each of `slot`'s buffers."""
@@ -435,6 +458,21 @@ def _segment_io(write: bool, fd: int, direct: int | None, buf: memoryview, offse
     _whole_io(write, fd, buf[:lo - offset], offset)
     _whole_io(write, direct, buf[lo - offset:hi - offset], lo)
     _whole_io(write, fd, buf[hi - offset:], hi)
+
+
+MADV_DONTNEED = 4  # Linux's and the BSDs' value (sys/mman.h)
+
+
+def _drop_mapped_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_DONTNEED) over a shared file mapping's tensor: its pages leave this process (the data stays
+    in the file and the page cache, and faults back in when read). Skipped where libc has no madvise."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    size = -(-t.numel() * t.element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
+    if size and madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(size), MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of an offload file's mapping failed")
 
 
 def _close_all(fds: dict) -> None:
