@@ -576,17 +576,19 @@ def lora_zero3_frozen(rank, world, overrides: dict):
     return shards, sum(p.numel() for p in big), sum(p.untyped_storage().size() for p in big)
 
 
-def context_parallel_step(rank, world, case: str):
+def context_parallel_step(rank, world, case: str, comm: str = "a2a"):
     """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
-    sequence (parallel/context.py; world 1: the whole model on one process): the mean loss over the ranks and
-    the gradients summed over them. `case`: causal, window (a sliding window shorter than the sequence),
-    packed (examples closed by an end-of-text token, kept apart) or gqa (8 query heads, 2 key/value heads)."""
+    sequence (parallel/context.py, by `comm`: a2a, Ulysses, or p2p, ring attention; world 1: the whole model
+    on one process): the mean loss over the ranks and the gradients summed over them. `case`: causal, window
+    (a sliding window shorter than the sequence), packed (examples closed by an end-of-text token, kept
+    apart), gqa (8 query heads, 2 key/value heads) or heads2 (2 heads, which cp 4 does not divide)."""
     import torch.distributed as dist
     from shardlm.config import load_config
     from shardlm.model import build_model
     from shardlm.parallel.context import context_parallel
     shapes = {"window": {"model.sliding_window": "8"},  # 8 query heads over 2 key/value heads: at cp 4 each
-              "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"}}  # is repeated twice, not four times
+              "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"},  # is repeated twice, not four times
+              "heads2": {"model.num_heads": "2", "model.num_kv_heads": "1"}}
     cfg = load_config("tiny", shapes.get(case, {}))
     model = build_model(cfg.model, seed=3)
     g = torch.Generator().manual_seed(0)
@@ -597,7 +599,7 @@ def context_parallel_step(rank, world, case: str):
         ids[0, [5, 13, 22]] = 0  # examples that straddle the ranks' slices
         ids[1, [15]] = 0
     if world > 1:
-        context_parallel(model, dist.group.WORLD)
+        context_parallel(model, dist.group.WORLD, comm)
         ids, targets = ids.chunk(world, dim=1)[rank], targets.chunk(world, dim=1)[rank]
     loss = model(ids, targets)
     (loss / world).backward()

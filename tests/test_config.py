@@ -44,6 +44,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.dp_mode": "classic", "parallel.zero_stage": "1"}, "cannot be combined with parallel.zero_stage = 1"),
     ({"parallel.ep": "2"}, "parallel.ep = 2 is not supported yet"),
     ({"parallel.cp": "8"}, "parallel.cp = 8 must divide the 4 attention heads each tensor-parallel rank holds"),
+    ({"parallel.cp": "8"}, "(ring attention, parallel.cp_comm = 'p2p', does not)"),
+    ({"parallel.cp": "2", "parallel.cp_comm": "ring"}, "parallel.cp_comm = 'ring' is not one of a2a, p2p"),
     ({"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "34"},
      "train.seq_len = 34 must divide by parallel.tp = 2 x parallel.cp (2) for sequence parallelism"),
     ({"parallel.cp": "3", "model.num_heads": "6", "model.num_kv_heads": "6", "model.hidden_size": "48",
@@ -62,6 +64,10 @@ def test_invalid_values_name_key_and_value(overrides, message):
         cfg = load_config("tiny", overrides)
         validate(cfg, world_size=cfg.parallel.world)
     assert message in str(e.value)
+
+
+def test_ring_attention_takes_heads_that_cp_does_not_divide():
+    validate(load_config("tiny", {"parallel.cp": "8", "parallel.cp_comm": "p2p"}), world_size=8)
 
 
 def test_training_beyond_the_sliding_window_validates():

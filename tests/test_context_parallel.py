@@ -1,7 +1,10 @@
 """Context parallelism (Ulysses: each sequence split over the cp ranks, attention exchanging heads for it)
 alone and composed with data, tensor (and sequence) and pipeline parallelism and ZeRO, against one process
 (gloo on CPU, fp32): per-step losses, gradient norms, gathered weights and eval losses; the attention
-exchange itself with sliding windows and packed examples; resume across cp."""
+exchange itself with sliding windows and packed examples; resume across cp; ring attention (`parallel.cp_comm
+p2p`) beside Ulysses."""
+import math
+
 import pytest
 import torch
 
@@ -29,11 +32,12 @@ def check_eval(results, ref):
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_context_parallel_equals_one_process(model, cp, optimizer):
-    """Llama with 4 query and 2 key/value heads (at cp 4 the key/value heads are repeated before the
-    exchange), GPT-2 with learned positions and tied embeddings."""
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_context_parallel_equals_one_process(model, cp, optimizer, comm):
+    """Llama with 4 query and 2 key/value heads (at cp 4 Ulysses repeats the key/value heads before the
+    exchange), GPT-2 with learned positions and tied embeddings; Ulysses and ring attention."""
     opt = {"train.optimizer": "sgd", "train.lr": "1e-2"} if optimizer == "sgd" else {}
-    results, ref = run(cp, {**MODELS[model], **opt, "parallel.cp": str(cp), "parallel.dp": "1"})
+    results, ref = run(cp, {**MODELS[model], **opt, "parallel.cp": str(cp), "parallel.dp": "1", "parallel.cp_comm": comm})
     check_equal(results, ref, atol=ADAM_ATOL[model] if optimizer == "adamw" else ATOL)
     check_eval(results, ref)
 
@@ -53,6 +57,22 @@ def test_context_parallel_composes_with_the_other_axes(layout):
     check_eval(results, ref)
 
 
+@pytest.mark.parametrize("layout", [
+    {"parallel.cp": "4", "parallel.dp": "1"},
+    {"parallel.dp": "2", "parallel.cp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
+    {"parallel.tp": "2", "parallel.cp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+    {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
+    {"parallel.cp": "2", "parallel.dp": "1", "train.recompute": "full", "model.sliding_window": "8"},
+], ids=["cp4", "dp2-cp2-zero3", "tp2-sp-cp2", "pp2-cp2", "cp2-full-window"])
+def test_ring_attention_trains_as_one_process(layout):
+    """Ring attention (`parallel.cp_comm p2p`) in training, alone and with the other axes (SGD: the weights at
+    the data-parallel tolerance): losses, gradient norms, gathered weights, eval."""
+    world = math.prod(int(layout.get(f"parallel.{axis}", "1")) for axis in ("dp", "tp", "pp", "cp"))
+    results, ref = run(world, {**layout, "parallel.cp_comm": "p2p", "train.optimizer": "sgd", "train.lr": "1e-2"})
+    check_equal(results, ref)
+    check_eval(results, ref)
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_context_parallel_with_recomputation(recompute):
     results, ref = run(2, {"parallel.cp": "2", "parallel.dp": "1", "train.recompute": recompute,
@@ -60,15 +80,17 @@ def test_context_parallel_with_recomputation(recompute):
     check_equal(results, ref)
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "packed", "gqa"])
+@pytest.mark.parametrize("case,comm", [(case, comm) for comm in ("a2a", "p2p")
+                                        for case in ("causal", "window", "packed", "gqa")] + [("heads2", "p2p")])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, cp):
+def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, comm, cp):
     """The model alone, each rank holding its slice of the sequence: the loss and every parameter's
     gradient equal one process's, with a sliding window shorter than the sequence, with packed examples
-    that must not attend to each other (their document masks come from the whole sequence), and with key/value
-    heads that cp does not divide (repeated before the exchange)."""
+    that must not attend to each other (their document masks come from the whole sequence), with key/value
+    heads that cp does not divide (Ulysses repeats them before the exchange), and with ring attention
+    (`comm` p2p) also where cp does not divide the heads."""
     one = dist_fns.context_parallel_step(0, 1, case)
-    for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, timeout=120):
+    for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, comm, timeout=120):
         assert loss == pytest.approx(one[0], rel=1e-6)
         assert grads.keys() == one[1].keys()
         for name, want in one[1].items():
@@ -102,13 +124,14 @@ def test_fp16_overflow_on_one_context_parallel_rank_skips_the_step_everywhere():
 
 GPU_LAYOUTS = [pytest.param(layout, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"))
                for layout in ({"parallel.cp": "4", "parallel.dp": "1"},
-                              {"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"})]
+                              {"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+                              {"parallel.cp": "4", "parallel.dp": "1", "parallel.cp_comm": "p2p"})]
 
 
-@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=["cp4", "cp2-tp2-sp"])
+@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=["cp4", "cp2-tp2-sp", "cp4-ring"])
 def test_compiled_context_parallel_on_gpus_equals_one_gpu(layout):
-    """As the GPUs run it: NCCL's all-to-alls inside compiled blocks (in fp32, so that the CPU cases'
-    tolerance applies), against one process on one GPU. With SGD: after three AdamW steps one element of
+    """As the GPUs run it: NCCL's all-to-alls (or ring attention's sends) inside compiled blocks (in fp32, so
+    that the CPU cases' tolerance applies), against one process on one GPU. With SGD: after three AdamW steps one element of
     layers.1.mlp.up.weight, (33, 20), was 6.7e-6 and 8.5e-6 off one GPU's at cp 4 and cp 2 x tp 2 on 4x
     H200, the losses and gradient norms equal, and the same element left AdamW's tolerance under async TP:
     its gradient nearly cancels, and AdamW's step, which does not depend on the gradient's scale, turns the

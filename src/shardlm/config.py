@@ -218,6 +218,7 @@ class ParallelConfig:
     tp: int = 1                    # tensor parallel (Megatron column/row split), innermost in the mesh
     pp: int = 1                    # pipeline stages
     cp: int = 1                    # context parallel (sequence split over ranks)
+    cp_comm: str = "a2a"           # a2a: Ulysses' all-to-all of heads (context.py) | p2p: ring attention (ring_attention.py)
     ep: int = 1                    # expert parallel, carved out of dp x cp
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     tp_async: bool = False         # collectives fused with their matmuls (async_tp.py): refused on GPUs for now
@@ -287,6 +288,7 @@ CHOICES = {
     "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
     "parallel.pp_transfer": ("auto", "process_group", "copy_engine"),
     "parallel.pp_schedule": SCHEDULES,
+    "parallel.cp_comm": ("a2a", "p2p"),
     "lora.quantize": ("none", "nf4"),
 }
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
@@ -568,7 +570,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
             raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
-    for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"])):
+    for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
+                          ("cp_comm", CHOICES["parallel.cp_comm"])):
         if getattr(p, name) not in allowed:
             raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
     if world is not None and p.world != world:
@@ -582,9 +585,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
     if m.ffn_size % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
-    if (m.num_heads // p.tp) % p.cp:
+    if p.cp_comm == "a2a" and (m.num_heads // p.tp) % p.cp:
         raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
-                          f"rank holds: context parallelism splits them over its ranks around attention")
+                          f"rank holds: Ulysses' context parallelism splits them over its ranks around attention "
+                          f"(ring attention, {show('cp_comm', 'p2p')}, does not)")
     if seq % p.cp:
         raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if p.sp and p.tp == 1:

@@ -1,4 +1,5 @@
-"""Context parallelism by Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): the cp ranks of a group each hold a
+"""Context parallelism by Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"; ring attention, the other way, is
+parallel/ring_attention.py, chosen by `parallel.cp_comm`): the cp ranks of a group each hold a
 contiguous 1/cp of every sequence, from the embeddings to the loss. Everything in a block but attention
 works token by token, so only attention needs the rest of the sequence: before it, one all-to-all of q, k
 and v together trades the split of the sequence for a split of the heads (each rank then attends over the
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import exchanged_kv_heads
+from .ring_attention import ring_attention
 
 # ---- the exchanges -------------------------------------------------------------------------------------
 
@@ -78,10 +80,21 @@ def _gather_sequence(ids: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """A model's place in its context-parallel group: which slice of each sequence this rank holds."""
+    """A model's place in its context-parallel group: which slice of each sequence this rank holds, and how its
+    attention reaches the rest (`comm`: "a2a", Ulysses' exchanges of heads below; "p2p", ring attention)."""
     group: object
     rank: int
     size: int
+    comm: str = "a2a"
+
+    @property
+    def ring(self) -> bool:
+        return self.comm == "p2p"
+
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        """This rank's queries over the whole sequence, the keys and values passed around the ring
+        (parallel/ring_attention.py); `mask`: the whole sequence's, or None for causal attention."""
+        return ring_attention(q, k, v, mask, self)
 
     def heads_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q, k, v of this rank's slice of the sequence ([b, heads, s, d]) -> this rank's heads over the whole
@@ -111,10 +124,11 @@ class ContextParallel:
         return t.chunk(self.size, dim=-1)[self.rank]
 
 
-def context_parallel(model: nn.Module, group) -> None:
+def context_parallel(model: nn.Module, group, comm: str = "a2a") -> None:
     """Split every sequence over `group` (two ranks or more): the model's attention exchanges heads for
-    sequence around its core, and its positions and masks follow from this rank's slice."""
-    context = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group))
+    sequence around its core (`comm` "a2a") or passes keys and values around the ring ("p2p"), and its
+    positions and masks follow from this rank's slice."""
+    context = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), comm)
     model.context = context
     for block in model.parts().layers:
         block.attn.context = context

@@ -112,7 +112,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if mesh.tp > 1:
         tensor_parallel(model, mesh.tp_group, p.sp)
     if mesh.cp > 1:
-        context_parallel(model, mesh.group("cp"))
+        context_parallel(model, mesh.group("cp"), p.cp_comm)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype

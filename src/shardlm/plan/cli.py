@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
                      help="with --zero 2 --offload optimizer: ZeRO-Offload's one-step delayed update")
     lay.add_argument("--overlap-update", action="store_true",
                      help="with --offload optimizer at dp 1: the CPU update beside the next forward (exact)")
+    lay.add_argument("--cp-comm", default="a2a", choices=("a2a", "p2p"),
+                     help="with --cp: Ulysses' all-to-all of heads (a2a) or ring attention (p2p)")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -179,7 +181,7 @@ def run(argv: list[str]) -> int:
     if a.params:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
-    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, zero_stage=a.zero, offload=a.offload,
+    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,

@@ -11,7 +11,8 @@ collectives of b s h per layer per micro-batch (two all-reduces forward, two bac
 parallelism the same volume as all-gathers and reduce-scatters); pipeline parallelism sends b s h
 activations forward and their gradients back across each stage boundary per micro-batch; context
 parallelism (Ulysses) exchanges q, k and v before each layer's attention and its output after it, all-to-alls
-that each keep 1/cp of a rank's slice, forward and again backward (and in the recomputed forward). Its ranks
+that each keep 1/cp of a rank's slice, forward and again backward (and in the recomputed forward); ring attention
+(`cp_comm` p2p) passes every other rank's keys and values through each rank instead. Its ranks
 hold the same parameters, so gradients are reduced over dp x cp. An axis that spans GPUs of one node uses
 NVLink, else the network.
 """
@@ -54,6 +55,10 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
     exchanged = tokens * (2 * q + 2 * kv) * m.head_size * act  # q, k, v in; the output back
     cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * exchanged * layers * micro
+    if L.cp > 1 and L.cp_comm == "p2p":  # ring attention: each forward passes cp - 1 chunks of k and v on;
+        # backward those again, and each chunk's fp32 gradient all the way home (cp passes)
+        chunk = tokens * 2 * (m.kv_heads // t if m.kv_heads % t == 0 else q) * m.head_size
+        cp = ((passes - 1) * (L.cp - 1) * chunk * act + L.cp * chunk * 4) * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
     # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
     ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro

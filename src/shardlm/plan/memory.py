@@ -138,7 +138,7 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
         else:
             q, f = a * m.head_size, m.ffn_size
             kv = m.kv_heads * m.head_size  # under cp, as many as the exchange holds (repeated where cp needs)
-            if L.cp > 1 and m.kv_heads % t == 0:
+            if L.cp > 1 and L.cp_comm == "a2a" and m.kv_heads % t == 0:
                 kv = exchanged_kv_heads(a // t, m.kv_heads // t, L.cp) * t * m.head_size
             # Two norms, input and output each; with sequence parallelism the inputs are slices, and the
             # outputs are kept gathered, as the column-parallel linears' weight gradients read them.
@@ -148,8 +148,10 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
                 mlp = mlp * m.top_k + s * b * (h + m.num_experts) * m.top_k / t
             per = act * (norms + attn + mlp)
-            if L.attention == "standard" and L.recompute != "selective":
+            if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
+            if L.cp > 1 and L.cp_comm == "p2p":
+                per += 4 * s * b * q / t  # ring attention keeps its output in fp32 too, for its backward
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
 

@@ -1,0 +1,158 @@
+"""Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron-LM's context
+parallelism with `cp_comm_type p2p`): the other way to split each sequence over the cp ranks
+(`parallel.cp_comm p2p`, beside Ulysses' all-to-all in parallel/context.py). Each rank keeps its slice's
+queries and passes its keys and values around the ring, one neighbour's chunk per step, while it attends to
+the chunk it holds; the partial results merge by their log-sum-exp (the online softmax of flash attention),
+so no rank ever holds more than two chunks of keys and values, and the heads need not divide by cp.
+
+Backward runs the same ring: each chunk of keys and values travels with the gradient accumulated for it so
+far, and after cp steps arrives home with every rank's share added. Blocks that the mask hides entirely (a
+later chunk under causal attention) are skipped, their chunk only passed on. The scores are computed in
+fp32 from q, k and v as they come; the result has q's dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class RingAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d) + mask) v for this rank's queries over the whole sequence, whose key/value
+    chunks the ranks of `group` hold in rank order. q: [b, h, s, d]; k, v: [b, h_kv, s, d] (h_kv divides h:
+    grouped-query attention); `rows`: the whole-sequence mask's rows of this rank's queries, boolean
+    [..., s, cp s] (True: attend), or None for causal attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows, group, rank: int, cp: int):
+        ring = _Ring(group, rank, cp)
+        groups = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qf = q.float()
+        out = torch.zeros_like(qf)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            chunk = (rank - step) % cp
+            incoming = ring.shift(kv) if step < cp - 1 else None  # the next chunk comes in meanwhile
+            allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
+            if allowed is not False:
+                kc, vc = (_expand(t.float(), groups) for t in kv)
+                scores = _masked(qf @ kc.transpose(-1, -2) * scale, allowed)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                p = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
+                block = (p @ vc) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1) + \
+                    block * torch.exp(block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
+                lse = merged
+            if incoming is not None:
+                kv, = incoming.wait()
+        ctx.save_for_backward(q, k, v, out, lse, rows if rows is not None else torch.empty(0))
+        ctx.ring, ctx.causal = ring, rows is None
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, rows = ctx.saved_tensors
+        rows = None if ctx.causal else rows
+        ring = ctx.ring
+        rank, cp = ring.rank, ring.cp
+        groups = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qf, g = q.float(), grad.float()
+        delta = (g * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # travels with its chunk
+        for step in range(cp):
+            chunk = (rank - step) % cp
+            allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
+            if allowed is not False:
+                kc, vc = (_expand(t.float(), groups) for t in kv)
+                p = torch.exp(_masked(qf @ kc.transpose(-1, -2) * scale, allowed) - lse.unsqueeze(-1))
+                ds = p * (g @ vc.transpose(-1, -2) - delta) * scale
+                dq += ds @ kc
+                dkv[0] += _fold(ds.transpose(-1, -2) @ qf, groups)
+                dkv[1] += _fold(p.transpose(-1, -2) @ g, groups)
+            # Every chunk moves on, its gradient with it: after cp steps each is home with all ranks' shares
+            # (the keys and values themselves are not needed after the last step).
+            if step < cp - 1:
+                kv, dkv = ring.shift(kv, dkv).wait()
+            else:
+                dkv, = ring.shift(dkv).wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+@torch.compiler.disable  # its point-to-point sends stay eager; the block around it compiles
+def ring_attention(q, k, v, mask, context) -> torch.Tensor:
+    """Attention of this rank's slice of queries over the whole sequence (`context`: parallel/context.py's
+    ContextParallel); `mask`: the whole sequence's boolean mask (Decoder.window_mask, packed documents), or
+    None for causal attention."""
+    s = q.shape[2]
+    rows = None if mask is None else mask[..., context.rank * s:(context.rank + 1) * s, :]
+    return RingAttention.apply(q, k, v, rows, context.group, context.rank, context.size)
+
+
+class _Ring:
+    """Sends to the next rank of the group and receives from the previous one."""
+
+    def __init__(self, group, rank: int, cp: int):
+        self.group, self.rank, self.cp = group, rank, cp
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def shift(self, *tensors: torch.Tensor) -> "_Shift":
+        """`tensors` to the next rank; what the previous rank shifts arrives in the result's wait()."""
+        sent = [t.contiguous() for t in tensors]
+        got = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent] + \
+              [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in got]
+        return _Shift(dist.batch_isend_irecv(ops), got, sent)
+
+
+class _Shift:
+    def __init__(self, works, got: list, sent: list):
+        self.works, self.got, self.sent = works, got, sent  # the sent tensors live until the sends are done
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.got
+
+
+def _block_mask(rows, rank: int, chunk: int, s: int, device):
+    """Which of this rank's queries see which keys of `chunk`: None (all), a boolean tensor, or False (none)."""
+    if rows is None:  # causal: earlier chunks whole, this rank's own lower-triangular, later ones hidden
+        if chunk < rank:
+            return None
+        if chunk > rank:
+            return False
+        return torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    block = rows[..., chunk * s:(chunk + 1) * s]
+    return block if bool(block.any()) else False
+
+
+def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:
+    if allowed is None:
+        return scores
+    return scores.masked_fill(~allowed, -math.inf)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """Rows whose every key is hidden have a log-sum-exp of -inf: subtracted as 0 there, their p is all 0."""
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads that read them (grouped-query attention)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of _expand: each key/value head's query heads summed."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
