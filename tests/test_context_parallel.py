@@ -3,8 +3,6 @@ alone and composed with data, tensor (and sequence) and pipeline parallelism and
 (gloo on CPU, fp32): per-step losses, gradient norms, gathered weights and eval losses; the attention
 exchange itself with sliding windows and packed examples; resume across cp; ring attention (`parallel.cp_comm
 p2p`) beside Ulysses."""
-import math
-
 import pytest
 import torch
 
@@ -49,34 +47,20 @@ def test_context_parallel_equals_one_process(model, cp, optimizer, comm):
     {"parallel.tp": "2", "parallel.cp": "2", "parallel.dp": "1", "model.num_kv_heads": "1"},
     {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
 ], ids=["dp2-cp2", "dp2-cp2-zero3", "tp2-sp-cp2", "tp2-cp2-kv1", "pp2-cp2"])
-def test_context_parallel_composes_with_the_other_axes(layout):
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_context_parallel_composes_with_the_other_axes(layout, comm):
     """With tp 2 and one key/value head, every tensor-parallel rank reads it for each of its query heads
-    (kv_index) before the exchange."""
-    results, ref = run(4, layout)
+    (kv_index) before the exchange (or the ring)."""
+    results, ref = run(4, {**layout, "parallel.cp_comm": comm})
     check_equal(results, ref, atol=ADAM_ATOL["llama"])
     check_eval(results, ref)
 
 
-@pytest.mark.parametrize("layout", [
-    {"parallel.cp": "4", "parallel.dp": "1"},
-    {"parallel.dp": "2", "parallel.cp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100"},
-    {"parallel.tp": "2", "parallel.cp": "2", "parallel.sp": "true", "parallel.dp": "1"},
-    {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1", "train.micro_batch_size": "1"},
-    {"parallel.cp": "2", "parallel.dp": "1", "train.recompute": "full", "model.sliding_window": "8"},
-], ids=["cp4", "dp2-cp2-zero3", "tp2-sp-cp2", "pp2-cp2", "cp2-full-window"])
-def test_ring_attention_trains_as_one_process(layout):
-    """Ring attention (`parallel.cp_comm p2p`) in training, alone and with the other axes (SGD: the weights at
-    the data-parallel tolerance): losses, gradient norms, gathered weights, eval."""
-    world = math.prod(int(layout.get(f"parallel.{axis}", "1")) for axis in ("dp", "tp", "pp", "cp"))
-    results, ref = run(world, {**layout, "parallel.cp_comm": "p2p", "train.optimizer": "sgd", "train.lr": "1e-2"})
-    check_equal(results, ref)
-    check_eval(results, ref)
-
-
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_context_parallel_with_recomputation(recompute):
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_context_parallel_with_recomputation(recompute, comm):
     results, ref = run(2, {"parallel.cp": "2", "parallel.dp": "1", "train.recompute": recompute,
-                           "train.optimizer": "sgd", "train.lr": "1e-2"})
+                           "parallel.cp_comm": comm, "train.optimizer": "sgd", "train.lr": "1e-2"})
     check_equal(results, ref)
 
 
