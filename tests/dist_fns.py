@@ -576,10 +576,11 @@ def lora_zero3_frozen(rank, world, overrides: dict):
     return shards, sum(p.numel() for p in big), sum(p.untyped_storage().size() for p in big)
 
 
-def context_parallel_step(rank, world, case: str, comm: str = "a2a"):
+def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows: int = 0):
     """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
     sequence (parallel/context.py, by `comm`: a2a, Ulysses, or p2p, ring attention; world 1: the whole model
-    on one process): the mean loss over the ranks and the gradients summed over them. `case`: causal, window
+    on one process; `query_rows`: ring attention's queries a pass, where not its default): the mean loss over the
+    ranks and the gradients summed over them. `case`: causal, window
     (a sliding window shorter than the sequence), packed (examples closed by an end-of-text token, kept
     apart), gqa (8 query heads, 2 key/value heads) or heads2 (2 heads, which cp 4 does not divide)."""
     import torch.distributed as dist
@@ -598,6 +599,9 @@ def context_parallel_step(rank, world, case: str, comm: str = "a2a"):
         model.doc_eos = 0
         ids[0, [5, 13, 22]] = 0  # examples that straddle the ranks' slices
         ids[1, [15]] = 0
+    if query_rows:
+        from shardlm.parallel import ring_attention
+        ring_attention.QUERY_ROWS = query_rows
     if world > 1:
         context_parallel(model, dist.group.WORLD, comm)
         ids, targets = ids.chunk(world, dim=1)[rank], targets.chunk(world, dim=1)[rank]

@@ -64,17 +64,18 @@ def test_context_parallel_with_recomputation(recompute, comm):
     check_equal(results, ref)
 
 
-@pytest.mark.parametrize("case,comm", [(case, comm) for comm in ("a2a", "p2p")
-                                        for case in ("causal", "window", "packed", "gqa")] + [("heads2", "p2p")])
+@pytest.mark.parametrize("case,comm,query_rows", [(case, comm, 0) for comm in ("a2a", "p2p")
+                                                   for case in ("causal", "window", "packed", "gqa")]
+                         + [("heads2", "p2p", 0), ("window", "p2p", 3)])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, comm, cp):
+def test_the_attention_exchange_gives_one_process_logits_and_gradients(case, comm, query_rows, cp):
     """The model alone, each rank holding its slice of the sequence: the loss and every parameter's
     gradient equal one process's, with a sliding window shorter than the sequence, with packed examples
     that must not attend to each other (their document masks come from the whole sequence), with key/value
     heads that cp does not divide (Ulysses repeats them before the exchange), and with ring attention
-    (`comm` p2p) also where cp does not divide the heads."""
+    (`comm` p2p) also where cp does not divide the heads, and over its queries a few at a time."""
     one = dist_fns.context_parallel_step(0, 1, case)
-    for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, comm, timeout=120):
+    for loss, grads in run_distributed(dist_fns.context_parallel_step, cp, case, comm, query_rows, timeout=120):
         assert loss == pytest.approx(one[0], rel=1e-6)
         assert grads.keys() == one[1].keys()
         for name, want in one[1].items():

@@ -120,7 +120,8 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
         if p.pp > 1:
             layout += f", {p.pp} pipeline stages ({p.pp_schedule})"
         if p.cp > 1:
-            layout += f", each sequence split over {p.cp} ranks (context parallel)"
+            how = "ring attention" if p.cp_comm == "p2p" else "Ulysses"
+            layout += f", each sequence split over {p.cp} ranks (context parallel, {how})"
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
             layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"

@@ -500,6 +500,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
 
 
+# Ring attention's queries a pass over a chunk of keys (parallel/ring_attention.py): their fp32 scores, and a few
+# tensors of that size, are what it holds beyond the chunks (the planner counts them).
+RING_QUERY_ROWS = 1024
+
+
 def exchanged_kv_heads(q: int, kv: int, cp: int) -> int:
     """The key/value heads a rank's attention holds before context parallelism's exchange, of `kv` for `q` query
     heads: as they are where cp divides them; else each repeated r = cp / gcd(kv, cp) times where a query

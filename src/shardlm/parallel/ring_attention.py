@@ -8,7 +8,7 @@ so no rank ever holds more than two chunks of keys and values, and the heads nee
 Backward runs the same ring: each chunk of keys and values travels with the gradient accumulated for it so
 far, and after cp steps arrives home with every rank's share added. Blocks that the mask hides entirely (a
 later chunk under causal attention) are skipped, their chunk only passed on. The scores are computed in
-fp32 from q, k and v as they come; the result has q's dtype.
+fp32 from q, k and v as they come, QUERY_ROWS queries at a time; the result has q's dtype.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from ..config import RING_QUERY_ROWS
 
 
 class RingAttention(torch.autograd.Function):
@@ -39,14 +41,15 @@ class RingAttention(torch.autograd.Function):
             allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
             if allowed is not False:
                 kc, vc = (_expand(t.float(), groups) for t in kv)
-                scores = _masked(qf @ kc.transpose(-1, -2) * scale, allowed)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                p = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
-                block = (p @ vc) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-                merged = torch.logaddexp(lse, block_lse)
-                out = out * torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1) + \
-                    block * torch.exp(block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
-                lse = merged
+                for r in _query_rows(q.shape[2]):
+                    scores = _masked(qf[:, :, r] @ kc.transpose(-1, -2) * scale, _rows(allowed, r))
+                    block_lse = torch.logsumexp(scores, dim=-1)
+                    p = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
+                    block = (p @ vc) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+                    merged = torch.logaddexp(lse[:, :, r], block_lse)
+                    out[:, :, r] = out[:, :, r] * torch.exp(lse[:, :, r] - merged).nan_to_num(0.0).unsqueeze(-1) + \
+                        block * torch.exp(block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
+                    lse[:, :, r] = merged
             if incoming is not None:
                 kv, = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse, rows if rows is not None else torch.empty(0))
@@ -71,11 +74,13 @@ class RingAttention(torch.autograd.Function):
             allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
             if allowed is not False:
                 kc, vc = (_expand(t.float(), groups) for t in kv)
-                p = torch.exp(_masked(qf @ kc.transpose(-1, -2) * scale, allowed) - lse.unsqueeze(-1))
-                ds = p * (g @ vc.transpose(-1, -2) - delta) * scale
-                dq += ds @ kc
-                dkv[0] += _fold(ds.transpose(-1, -2) @ qf, groups)
-                dkv[1] += _fold(p.transpose(-1, -2) @ g, groups)
+                for r in _query_rows(q.shape[2]):
+                    scores = _masked(qf[:, :, r] @ kc.transpose(-1, -2) * scale, _rows(allowed, r))
+                    p = torch.exp(scores - lse[:, :, r].unsqueeze(-1))
+                    ds = p * (g[:, :, r] @ vc.transpose(-1, -2) - delta[:, :, r]) * scale
+                    dq[:, :, r] += ds @ kc
+                    dkv[0] += _fold(ds.transpose(-1, -2) @ qf[:, :, r], groups)
+                    dkv[1] += _fold(p.transpose(-1, -2) @ g[:, :, r], groups)
             # Every chunk moves on, its gradient with it: after cp steps each is home with all ranks' shares
             # (the keys and values themselves are not needed after the last step).
             if step < cp - 1:
@@ -132,6 +137,20 @@ def _block_mask(rows, rank: int, chunk: int, s: int, device):
         return torch.ones(s, s, dtype=torch.bool, device=device).tril()
     block = rows[..., chunk * s:(chunk + 1) * s]
     return block if bool(block.any()) else False
+
+
+# Queries whose scores over a chunk are held at once: [b, heads, QUERY_ROWS, chunk] in fp32 and a few tensors of
+# that size, not the chunk's whole square (8 GiB for 32 heads of 8K tokens).
+QUERY_ROWS = RING_QUERY_ROWS
+
+
+def _query_rows(s: int) -> list[slice]:
+    return [slice(i, min(i + QUERY_ROWS, s)) for i in range(0, s, QUERY_ROWS)]
+
+
+def _rows(allowed, r: slice):
+    """The mask's rows of the queries `r` (None and False stand for all rows)."""
+    return allowed if allowed is None else allowed[..., r, :]
 
 
 def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:

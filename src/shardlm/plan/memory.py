@@ -43,7 +43,7 @@ import math
 
 from dataclasses import dataclass
 
-from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
+from ..config import NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, ModelConfig, exchanged_kv_heads
 from ..schedules import split_layers
 from .flops import simulated
 from .layout import Layout, Workload
@@ -219,6 +219,9 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if stage == 0 and L.pp > 1:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
+        if L.cp > 1 and L.cp_comm == "p2p":  # ring attention's fp32 scores of a pass of queries, about four such
+            chunk = w.seq / L.cp
+            buffers += 4 * 4 * w.micro_batch * m.num_heads / L.tp * min(RING_QUERY_ROWS, chunk) * chunk
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
