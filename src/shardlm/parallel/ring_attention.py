@@ -71,22 +71,22 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # travels with its chunk
         for step in range(cp):
             chunk = (rank - step) % cp
+            # The next chunk of keys and values comes in meanwhile; its gradient follows once computed.
+            incoming = ring.shift(kv) if step < cp - 1 else None
             allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
             if allowed is not False:
                 kc, vc = (_expand(t.float(), groups) for t in kv)
                 for r in _query_rows(q.shape[2]):
                     scores = _masked(qf[:, :, r] @ kc.transpose(-1, -2) * scale, _rows(allowed, r))
-                    p = torch.exp(scores - lse[:, :, r].unsqueeze(-1))
+                    p = torch.exp(scores - _finite(lse[:, :, r]).unsqueeze(-1))
                     ds = p * (g[:, :, r] @ vc.transpose(-1, -2) - delta[:, :, r]) * scale
                     dq[:, :, r] += ds @ kc
                     dkv[0] += _fold(ds.transpose(-1, -2) @ qf[:, :, r], groups)
                     dkv[1] += _fold(p.transpose(-1, -2) @ g[:, :, r], groups)
-            # Every chunk moves on, its gradient with it: after cp steps each is home with all ranks' shares
-            # (the keys and values themselves are not needed after the last step).
-            if step < cp - 1:
-                kv, dkv = ring.shift(kv, dkv).wait()
-            else:
-                dkv, = ring.shift(dkv).wait()
+            # Every chunk's gradient moves on with it: after cp steps each is home with all ranks' shares.
+            dkv, = ring.shift(dkv).wait()
+            if incoming is not None:
+                kv, = incoming.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
@@ -160,7 +160,8 @@ def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
-    """Rows whose every key is hidden have a log-sum-exp of -inf: subtracted as 0 there, their p is all 0."""
+    """Rows whose every key is hidden have a log-sum-exp of -inf: subtracted as 0 there, their p is all 0 (no
+    mask of the model's hides a query from itself; this keeps such a row's gradient 0, not NaN)."""
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 

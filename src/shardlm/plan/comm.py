@@ -55,10 +55,12 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
     exchanged = tokens * (2 * q + 2 * kv) * m.head_size * act  # q, k, v in; the output back
     cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * exchanged * layers * micro
-    if L.cp > 1 and L.cp_comm == "p2p":  # ring attention: each forward passes cp - 1 chunks of k and v on;
-        # backward those again, and each chunk's fp32 gradient all the way home (cp passes)
+    if L.cp > 1 and L.cp_comm == "p2p":  # ring attention: each forward (and backward) passes cp - 1 chunks of k
+        # and v on; backward also each chunk's fp32 gradient all the way home (cp passes). Its time is counted as
+        # the attention FLOPs of flash attention: its fp32 scores outside the fused kernels, and the causal
+        # imbalance between its ranks (the last does cp blocks, the first one), are not modelled.
         chunk = tokens * 2 * (m.kv_heads // t if m.kv_heads % t == 0 else q) * m.head_size
-        cp = ((passes - 1) * (L.cp - 1) * chunk * act + L.cp * chunk * 4) * layers * micro
+        cp = (passes * (L.cp - 1) * chunk * act + L.cp * chunk * 4) * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
     # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
     ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro

@@ -128,9 +128,11 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
         if L.recompute == "full":
             per = 2 * sbh / (t if L.sp else 1)
         else:
-            # Ulysses: a rank's 1 / (t cp) of the heads attend over the whole sequence, cp s
-            score = 0.0 if L.recompute == "selective" else 5 * a * s * L.cp / (h * t)
-            per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score)
+            # Ulysses: a rank's 1 / (t cp) of the heads attend over the whole sequence, cp s; ring attention
+            # keeps no probabilities, but its output in fp32 too
+            ring = L.cp > 1 and L.cp_comm == "p2p"
+            score = 0.0 if L.recompute == "selective" or ring else 5 * a * s * L.cp / (h * t)
+            per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score + (4 / t if ring else 0.0))
     else:
         act = 2 if L.precision != "fp32" else 4
         if L.recompute == "full":
@@ -219,9 +221,11 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if stage == 0 and L.pp > 1:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
-        if L.cp > 1 and L.cp_comm == "p2p":  # ring attention's fp32 scores of a pass of queries, about four such
-            chunk = w.seq / L.cp
-            buffers += 4 * 4 * w.micro_batch * m.num_heads / L.tp * min(RING_QUERY_ROWS, chunk) * chunk
+        if L.cp > 1 and L.cp_comm == "p2p":  # ring attention's fp32 scores of a pass of queries (about four such),
+            # and fp32 copies of its q, output gradient, dq, the expanded chunk of k and v and their gradients
+            chunk, heads = w.seq / L.cp, m.num_heads / L.tp
+            buffers += 4 * 4 * w.micro_batch * heads * min(RING_QUERY_ROWS, chunk) * chunk
+            buffers += 8 * 4 * w.micro_batch * heads * chunk * m.head_size
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
