@@ -135,16 +135,17 @@ class Attention(nn.Module):
                 if t > 1:
                     mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
         context = self.context if cache is None else None
-        if context is not None and context.ring:  # the keys and values come round to this rank's queries
-            y = context.ring_attention(q, k, v, mask)
-            return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-        if context is not None:  # this rank's heads over the whole sequence, then back
+        ring = context is not None and context.ring  # the keys and values come round to this rank's queries
+        exchange = context is not None and not ring  # this rank's heads over the whole sequence, then back
+        if exchange:
             q, k, v = context.heads_in(q, k, v)
-        if self.recompute_core and self.training:
+        if ring:
+            y = context.ring_attention(q, k, v, mask)
+        elif self.recompute_core and self.training:
             y = checkpoint(self.core, q, k, v, causal, mask, use_reentrant=False)
         else:
             y = self.core(q, k, v, causal, mask)
-        if context is not None:
+        if exchange:
             y = context.heads_out(y)
         return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 

@@ -40,6 +40,7 @@ from ..kernels import adamw_master_step, sgd_master_step
 from ..optim import MasterWeightOptimizer
 from ..runtime.device import host_empty
 
+
 def offload_threads(requested: int) -> int:
     """Threads for the CPU optimizer step: as asked, else this rank's share of the cores it may run on
     (torchrun sets OMP_NUM_THREADS=1 per rank, which would leave the offloaded step on one core), less one
