@@ -576,6 +576,30 @@ def lora_zero3_frozen(rank, world, overrides: dict):
     return shards, sum(p.numel() for p in big), sum(p.untyped_storage().size() for p in big)
 
 
+def ring_attention_bf16(rank, world):
+    """Ring attention over bf16 q, k, v (8 query heads, 2 key/value heads, 64 tokens, causal) split over the
+    `world` ranks: this rank's slice of the output and of each input's gradient, and SDPA's over the whole
+    sequence in bf16 and in fp32 (each rank computes those itself)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from shardlm.parallel.context import ContextParallel
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 64, 16, generator=g) for h in (8, 2, 2))
+    dy = torch.randn(2, 8, 64, 16, generator=g)
+
+    def sdpa(dtype):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        y = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True)
+        y.backward(dy.to(dtype))
+        return [t.float().chunk(world, dim=2)[rank] for t in (y.detach(), *(t.grad for t in x))]
+    context = ContextParallel(dist.group.WORLD, rank, world, "p2p")
+    x = [t.to(torch.bfloat16).chunk(world, dim=2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    y = context.ring_attention(*x, None)
+    y.backward(dy.to(torch.bfloat16).chunk(world, dim=2)[rank])
+    assert y.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in x)
+    return [t.float() for t in (y.detach(), *(t.grad for t in x))], sdpa(torch.bfloat16), sdpa(torch.float32)
+
+
 def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows: int = 0):
     """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
     sequence (parallel/context.py, by `comm`: a2a, Ulysses, or p2p, ring attention; world 1: the whole model

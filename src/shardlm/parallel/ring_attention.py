@@ -3,12 +3,14 @@ parallelism with `cp_comm_type p2p`): the other way to split each sequence over 
 (`parallel.cp_comm p2p`, beside Ulysses' all-to-all in parallel/context.py). Each rank keeps its slice's
 queries and passes its keys and values around the ring, one neighbour's chunk per step, while it attends to
 the chunk it holds; the partial results merge by their log-sum-exp (the online softmax of flash attention),
-so no rank ever holds more than two chunks of keys and values, and the heads need not divide by cp.
+so no rank holds more than a few chunks of keys and values at a time, and the heads need not divide by cp.
 
 Backward runs the same ring: each chunk of keys and values travels with the gradient accumulated for it so
 far, and after cp steps arrives home with every rank's share added. Blocks that the mask hides entirely (a
-later chunk under causal attention) are skipped, their chunk only passed on. The scores are computed in
-fp32 from q, k and v as they come, QUERY_ROWS queries at a time; the result has q's dtype.
+later chunk under causal attention) are skipped, their chunk only passed on. As in flash attention (Dao et al.
+2022) the matrix products take q, k, v and the probabilities in the inputs' dtype (16-bit on GPUs: the tensor
+cores), the softmax, the running sums and the gradients that travel are fp32; QUERY_ROWS queries at a time.
+The result has q's dtype.
 """
 from __future__ import annotations
 
@@ -31,8 +33,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group, rank, cp)
         groups = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float()
-        out = torch.zeros_like(qf)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
@@ -40,12 +41,12 @@ class RingAttention(torch.autograd.Function):
             incoming = ring.shift(kv) if step < cp - 1 else None  # the next chunk comes in meanwhile
             allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
             if allowed is not False:
-                kc, vc = (_expand(t.float(), groups) for t in kv)
+                kc, vc = (_expand(t, groups) for t in kv)
                 for r in _query_rows(q.shape[2]):
-                    scores = _masked(qf[:, :, r] @ kc.transpose(-1, -2) * scale, _rows(allowed, r))
+                    scores = _masked((q[:, :, r] @ kc.transpose(-1, -2)).float() * scale, _rows(allowed, r))
                     block_lse = torch.logsumexp(scores, dim=-1)
                     p = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
-                    block = (p @ vc) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+                    block = (p.to(q.dtype) @ vc).float() / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
                     merged = torch.logaddexp(lse[:, :, r], block_lse)
                     out[:, :, r] = out[:, :, r] * torch.exp(lse[:, :, r] - merged).nan_to_num(0.0).unsqueeze(-1) + \
                         block * torch.exp(block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
@@ -64,9 +65,8 @@ class RingAttention(torch.autograd.Function):
         rank, cp = ring.rank, ring.cp
         groups = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qf, g = q.float(), grad.float()
-        delta = (g * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij
-        dq = torch.zeros_like(qf)
+        delta = (grad.float() * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # travels with its chunk
         for step in range(cp):
@@ -75,14 +75,15 @@ class RingAttention(torch.autograd.Function):
             incoming = ring.shift(kv) if step < cp - 1 else None
             allowed = _block_mask(rows, rank, chunk, q.shape[2], q.device)
             if allowed is not False:
-                kc, vc = (_expand(t.float(), groups) for t in kv)
+                kc, vc = (_expand(t, groups) for t in kv)
                 for r in _query_rows(q.shape[2]):
-                    scores = _masked(qf[:, :, r] @ kc.transpose(-1, -2) * scale, _rows(allowed, r))
+                    qr, gr = q[:, :, r], grad[:, :, r]
+                    scores = _masked((qr @ kc.transpose(-1, -2)).float() * scale, _rows(allowed, r))
                     p = torch.exp(scores - _finite(lse[:, :, r]).unsqueeze(-1))
-                    ds = p * (g[:, :, r] @ vc.transpose(-1, -2) - delta[:, :, r]) * scale
-                    dq[:, :, r] += ds @ kc
-                    dkv[0] += _fold(ds.transpose(-1, -2) @ qf[:, :, r], groups)
-                    dkv[1] += _fold(p.transpose(-1, -2) @ g[:, :, r], groups)
+                    ds = (p * ((gr @ vc.transpose(-1, -2)).float() - delta[:, :, r]) * scale).to(q.dtype)
+                    dq[:, :, r] += (ds @ kc).float()
+                    dkv[0] += _fold((ds.transpose(-1, -2) @ qr).float(), groups)
+                    dkv[1] += _fold((p.to(q.dtype).transpose(-1, -2) @ gr).float(), groups)
             # Every chunk's gradient moves on with it: after cp steps each is home with all ranks' shares.
             dkv, = ring.shift(dkv).wait()
             if incoming is not None:
