@@ -222,10 +222,11 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
         if L.cp > 1 and L.cp_comm == "p2p":  # ring attention's fp32 scores of a pass of queries (about four such),
-            # and fp32 copies of its q, output gradient, dq, the expanded chunk of k and v and their gradients
+            # its fp32 dq, the chunk of k and v expanded to the query heads, and their fp32 gradients, sent and
+            # received: about four fp32 tensors of q's size
             chunk, heads = w.seq / L.cp, m.num_heads / L.tp
             buffers += 4 * 4 * w.micro_batch * heads * min(RING_QUERY_ROWS, chunk) * chunk
-            buffers += 8 * 4 * w.micro_batch * heads * chunk * m.head_size
+            buffers += 4 * 4 * w.micro_batch * heads * chunk * m.head_size
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
