@@ -43,7 +43,7 @@ class RingAttention(torch.autograd.Function):
             if allowed is not False:
                 kc, vc = (_expand(t, groups) for t in kv)
                 for r in _query_rows(q.shape[2]):
-                    scores = _masked((q[:, :, r] @ kc.transpose(-1, -2)).float() * scale, _rows(allowed, r))
+                    scores = _scores(q[:, :, r], kc, allowed, r, scale)
                     block_lse = torch.logsumexp(scores, dim=-1)
                     p = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
                     block = (p.to(q.dtype) @ vc).float() / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
@@ -78,8 +78,7 @@ class RingAttention(torch.autograd.Function):
                 kc, vc = (_expand(t, groups) for t in kv)
                 for r in _query_rows(q.shape[2]):
                     qr, gr = q[:, :, r], grad[:, :, r]
-                    scores = _masked((qr @ kc.transpose(-1, -2)).float() * scale, _rows(allowed, r))
-                    p = torch.exp(scores - _finite(lse[:, :, r]).unsqueeze(-1))
+                    p = torch.exp(_scores(qr, kc, allowed, r, scale) - _finite(lse[:, :, r]).unsqueeze(-1))
                     ds = (p * ((gr @ vc.transpose(-1, -2)).float() - delta[:, :, r]) * scale).to(q.dtype)
                     dq[:, :, r] += (ds @ kc).float()
                     dkv[0] += _fold((ds.transpose(-1, -2) @ qr).float(), groups)
@@ -149,15 +148,11 @@ def _query_rows(s: int) -> list[slice]:
     return [slice(i, min(i + QUERY_ROWS, s)) for i in range(0, s, QUERY_ROWS)]
 
 
-def _rows(allowed, r: slice):
-    """The mask's rows of the queries `r` (None and False stand for all rows)."""
-    return allowed if allowed is None else allowed[..., r, :]
-
-
-def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:
-    if allowed is None:
-        return scores
-    return scores.masked_fill(~allowed, -math.inf)
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed, r: slice, scale: float) -> torch.Tensor:
+    """The fp32 scores of the queries `r` (q holds just those) over a chunk's keys, -inf where `allowed` (_block_mask's:
+    None for all) hides a key; forward and backward compute them alike."""
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    return scores if allowed is None else scores.masked_fill(~allowed[..., r, :], -math.inf)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
