@@ -6,7 +6,6 @@ under plain Python or torchrun (`torchrun --nproc-per-node N -m shardlm train ..
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -139,99 +138,14 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
     return 128 + trainer.stopped_by if trainer.stopped_by else 0
 
 
-EVAL_EPILOG = """\
-tasks:
-  loss   (default) mean next-token loss and perplexity over a UTF-8 text file, in non-overlapping
-         windows of --seq-len tokens, every position but the last predicting the next token
-  bleu   corpus BLEU and chrF (sacrebleu) of completions generated for a jsonl file of
-         {"prompt": ..., "completion": ...} lines ("reference" is accepted for "completion")
-  rouge  mean ROUGE-1/2/L F1 (rouge-score, stemmed) of the same completions
-
-bleu and rouge generate up to --max-new-tokens tokens per prompt (stopping at the tokenizer's end-of-text
-token), greedy unless --temperature is set, batching prompts of equal token length; all scores are 0-100.
-They need pip install 'shardlm[eval]' (sacrebleu, rouge-score).
-"""
-
-
 def cmd_eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="shardlm eval", description="Evaluate a model: perplexity on a text file, "
-                                "or BLEU/chrF/ROUGE of its completions of prompts against references.",
-                                epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
-    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
-    p.add_argument("--data", required=True, help="a UTF-8 text file (loss), or a jsonl file (bleu, rouge)")
-    p.add_argument("--tasks", default="loss", help="loss, or a comma-separated list of bleu and rouge")
-    p.add_argument("--seq-len", type=int, default=None, help="window length of the loss task (required for it)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (bleu, rouge)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (bleu, rouge)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
-                   'tasks\' scores with "examples" and "completions"')
-    a = p.parse_args(argv)
-    from .text_metrics import parse_tasks, read_examples
-    tasks = parse_tasks(a.tasks)
-    if a.batch_size < 1:
-        raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
-    if tasks == ["loss"]:
-        if a.seq_len is None:
-            raise ConfigError("the loss task needs --seq-len")
-        if not Path(a.data).is_file():
-            raise ConfigError(f"--data {a.data}: no such file")
-    else:
-        if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
-            raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; "
-                              "--top-p is in (0, 1]")
-        prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
-    from .inference import evaluate_ids, load_pretrained
-    from .runtime.device import pick_device
-    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device), adapter=a.adapter)
-    if tasks == ["loss"]:
-        text = Path(a.data).read_text(encoding="utf-8")
-        r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
-        print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
-                                           f"{r['tokens']} predicted tokens")
-        return 0
-    from .inference import generate_many, prompt_ids
-    from .text_metrics import score
-    new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, tok.eos_id,
-                        a.batch_size, a.temperature, a.top_k, a.top_p, a.seed)
-    completions = [tok.decode(ids) for ids in new]
-    scores = score(completions, refs, tasks)
-    if a.json:
-        print(json.dumps({**scores, "examples": len(prompts), "completions": completions}))
-    else:
-        print(f"{'metric':<8} {'score (0-100)':>13}")
-        for name, value in scores.items():
-            print(f"{name:<8} {value:>13.2f}")
-        print(f"{len(prompts)} examples, up to {a.max_new_tokens} new tokens each")
-    return 0
+    from .inference.commands import cmd_eval as run
+    return run(argv)
 
 
 def cmd_generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="shardlm generate", description="Decode from a model with a KV cache.")
-    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
-    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help='print {"completion": ...}')
-    a = p.parse_args(argv)
-    if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
-        raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
-    from .inference import generate_text, load_pretrained
-    from .runtime.device import pick_device
-    model, tok, _ = load_pretrained(a.model, device=pick_device(a.device), adapter=a.adapter)
-    text = generate_text(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed)
-    print(json.dumps({"completion": text}) if a.json else a.prompt + text)
-    return 0
+    from .inference.commands import cmd_generate as run
+    return run(argv)
 
 
 def cmd_data(argv: list[str]) -> int:

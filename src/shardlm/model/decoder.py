@@ -108,8 +108,8 @@ class Attention(nn.Module):
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, mask=None):
-        """`mask`: the sliding window's boolean mask (Decoder.window_mask); None: causal attention."""
+    def project(self, x, rope=None):
+        """q, k and v of x ([b, heads, t, head_dim]), rotated by `rope` (cos, sin) where given."""
         qkv = self.qkv(x)
         b, t = qkv.shape[:2]  # the whole sequence, also where x holds a slice of it (sequence parallelism)
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
@@ -126,6 +126,12 @@ class Attention(nn.Module):
             cos, sin = rope
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def forward(self, x, rope=None, cache: KVCache | None = None, mask=None):
+        """`mask`: the sliding window's boolean mask (Decoder.window_mask); None: causal attention."""
+        q, k, v = self.project(x, rope)
+        b, t = q.shape[0], q.shape[2]
         causal = mask is None
         if cache is not None:
             past = cache.pos

@@ -1,0 +1,43 @@
+"""Using a trained model: load it (load.py), decode fast with continuous batching over a static KV cache
+(engine.py over slots.py and sampler.py), decode simply on any layout (reference.py), and measure
+perplexity (perplexity.py)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..model import Decoder
+from .engine import Engine, Request, slots_that_fit
+from .load import inference_dtype, load_pretrained
+from .perplexity import evaluate_ids
+from .reference import generate_ids, generate_text, prompt_ids, sample_next, until_eos
+from .sampler import SamplingParams
+
+__all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids", "generate_many",
+           "generate_text", "inference_dtype", "load_pretrained", "prompt_ids", "sample_next", "slots_that_fit",
+           "until_eos"]
+
+
+def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None = None,
+                  batch_size: int = 8, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0, compile: bool | None = None, progress: Callable | None = None) -> list[list[int]]:
+    """The new tokens of every prompt (token ids), in order, each cut before its first `eos_id`: all of them
+    through one engine of up to `batch_size` slots, longest prompts first. Prompt i samples with seed
+    `seed + i`, the same tokens whatever the batch. `progress(n)`: told of every n finished."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size} must be at least 1")
+    limit = model.cfg.max_seq_len
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"prompt {i + 1} has no tokens")
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i + 1} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"the model's max_seq_len {limit}")
+    if not prompts:
+        return []
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    engine = Engine(model, slots_that_fit(model, max_len, min(batch_size, len(prompts))), max_len, compile=compile)
+    stops = () if eos_id is None else (eos_id,)
+    requests = [Request(list(p), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), stops)
+                for i, p in enumerate(prompts)]
+    engine.run(sorted(requests, key=lambda r: -len(r.prompt)), progress)
+    return [r.completion for r in requests]

@@ -1,0 +1,236 @@
+"""`shardlm generate` and `shardlm eval`: a prompt or a jsonl file of them through the engine, and
+perplexity or BLEU/chrF/ROUGE of a model's completions."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+
+EVAL_EPILOG = """\
+tasks:
+  loss   (default) mean next-token loss and perplexity over a UTF-8 text file, in non-overlapping
+         windows of --seq-len tokens, every position but the last predicting the next token
+  bleu   corpus BLEU and chrF (sacrebleu) of completions generated for a jsonl file of
+         {"prompt": ..., "completion": ...} lines ("reference" is accepted for "completion")
+  rouge  mean ROUGE-1/2/L F1 (rouge-score, stemmed) of the same completions
+
+bleu and rouge generate up to --max-new-tokens tokens per prompt (stopping at the tokenizer's end-of-text
+token), greedy unless --temperature is set, up to --batch-size prompts at once of any lengths (continuous
+batching); all scores are 0-100. They need pip install 'shardlm[eval]' (sacrebleu, rouge-score).
+"""
+
+GENERATE_EPILOG = """\
+--input: one JSON object per line with "prompt" (a string) and optionally "max_new_tokens", "temperature",
+"top_k", "top_p", "seed" and "stop" (a string or a list of them), which override the flags for that line.
+--output gets one object per input line, in order, as soon as it and every line before it are done:
+{"prompt", "completion", "finish_reason" ("stop" or "length"), "prompt_tokens", "completion_tokens"}, and
+"id" where the input line has one. Without --seed in a line, line i samples with seed --seed + i.
+"""
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="compile the decode step (auto: on a GPU, as CUDA graphs)")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _check_sampling(a) -> None:
+    if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
+        raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
+
+
+def _load(a):
+    from ..runtime.device import pick_device
+    from .load import load_pretrained
+    return load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype, adapter=a.adapter)
+
+
+def _compile(a) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[a.compile]
+
+
+def _progress(total: int, what: str):
+    """A tqdm bar on a terminal (nothing when stderr is a file or pipe); returns (update, close)."""
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=what, unit="req", disable=None, file=sys.stderr)
+    return bar.update, bar.close
+
+
+def cmd_eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm eval", description="Evaluate a model: perplexity on a text file, "
+                                "or BLEU/chrF/ROUGE of its completions of prompts against references.",
+                                epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(p)
+    p.add_argument("--data", required=True, help="a UTF-8 text file (loss), or a jsonl file (bleu, rouge)")
+    p.add_argument("--tasks", default="loss", help="loss, or a comma-separated list of bleu and rouge")
+    p.add_argument("--seq-len", type=int, default=None, help="window length of the loss task (required for it)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
+    _sampling_args(p)
+    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
+                   'tasks\' scores with "examples" and "completions"')
+    a = p.parse_args(argv)
+    from ..text_metrics import parse_tasks, read_examples
+    tasks = parse_tasks(a.tasks)
+    if a.batch_size < 1:
+        raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
+    if tasks == ["loss"]:
+        if a.seq_len is None:
+            raise ConfigError("the loss task needs --seq-len")
+        if not Path(a.data).is_file():
+            raise ConfigError(f"--data {a.data}: no such file")
+    else:
+        _check_sampling(a)
+        prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
+    model, tok, _ = _load(a)
+    if tasks == ["loss"]:
+        from .perplexity import evaluate_ids
+        text = Path(a.data).read_text(encoding="utf-8")
+        r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
+        print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
+                                           f"{r['tokens']} predicted tokens")
+        return 0
+    from ..text_metrics import score
+    from . import generate_many, prompt_ids
+    update, close = _progress(len(prompts), "eval")
+    try:
+        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, tok.eos_id,
+                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, _compile(a), update)
+    finally:
+        close()
+    completions = [tok.decode(ids) for ids in new]
+    scores = score(completions, refs, tasks)
+    if a.json:
+        print(json.dumps({**scores, "examples": len(prompts), "completions": completions}))
+    else:
+        print(f"{'metric':<8} {'score (0-100)':>13}")
+        for name, value in scores.items():
+            print(f"{name:<8} {value:>13.2f}")
+        print(f"{len(prompts)} examples, up to {a.max_new_tokens} new tokens each")
+    return 0
+
+
+def _read_requests(path: Path, a) -> list[dict]:
+    """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
+    from ..data.jsonl import objects
+    from .sampler import SamplingParams
+    if not path.is_file():
+        raise ConfigError(f"--input {path}: no such file")
+    rows = []
+    for where, obj, _ in objects(path, ConfigError, " with a prompt"):
+        if not isinstance(obj.get("prompt"), str):
+            raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
+        stop = obj.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
+        settings = {k: obj.get(k, getattr(a, k)) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        try:
+            seed = int(obj.get("seed", a.seed + len(rows)))
+            sampling = SamplingParams(float(settings["temperature"]), int(settings["top_k"]),
+                                      float(settings["top_p"]), seed)
+            max_new = int(settings["max_new_tokens"])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if max_new < 0:
+            raise ConfigError(f"{where}: max_new_tokens {max_new} must not be negative")
+        rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
+                     "stop": tuple(stop)})
+    if not rows:
+        raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
+    return rows
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardlm generate", description="Continue a prompt, or every prompt of a "
+                                "jsonl file, with a static KV cache and continuous batching.",
+                                epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--input", help="a jsonl file of prompts (see below); needs --output")
+    p.add_argument("--output", help="where --input's completions go (jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    _sampling_args(p)
+    p.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded at once (fewer where the GPU's "
+                                                              "free memory holds fewer)")
+    p.add_argument("--json", action="store_true", help='print {"completion": ...} (--prompt)')
+    a = p.parse_args(argv)
+    _check_sampling(a)
+    if a.max_batch < 1:
+        raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
+    if a.input is not None:
+        if a.output is None:
+            raise ConfigError("--input needs --output, the jsonl file its completions go to")
+        out = Path(a.output)
+        if out.exists() and (out.is_dir() or (out.stat().st_size and not a.overwrite)):
+            raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
+        rows = _read_requests(Path(a.input), a)
+    else:
+        from .sampler import SamplingParams
+        rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
+                 "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)}]
+    for r in rows:
+        r["stop"] = r["stop"] or tuple(a.stop)
+    model, tok, cfg = _load(a)
+    from . import Engine, Request, prompt_ids, slots_that_fit
+    stop_ids = () if tok.eos_id is None else (tok.eos_id,)
+    requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
+                for i, r in enumerate(rows)]
+    for i, r in enumerate(requests):
+        if len(r.prompt) + r.max_new_tokens > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i + 1} ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) "
+                              f"exceeds the model's max_seq_len {cfg.max_seq_len}")
+    max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    engine = Engine(model, slots_that_fit(model, max_len, min(a.max_batch, len(requests))), max_len,
+                    compile=_compile(a), decode=tok.decode)
+    if a.input is None:
+        (r,) = engine.run(requests)
+        print(json.dumps({"completion": r.text}) if a.json else a.prompt + r.text)
+        return 0
+    return _generate_file(engine, requests, rows, Path(a.output))
+
+
+def _generate_file(engine, requests, rows, out: Path) -> int:
+    """Runs the engine, writing each completion once it and all before it are done (a crash keeps them)."""
+    update, close = _progress(len(requests), "generate")
+    written = 0
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            def flush():
+                nonlocal written
+                while written < len(requests) and requests[written].done:
+                    r, row = requests[written], rows[written]
+                    line = {"prompt": row["prompt"], "completion": r.text, "finish_reason": r.finish_reason,
+                            "prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens)}
+                    if row["id"] is not None:
+                        line = {"id": row["id"], **line}
+                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    written += 1
+                f.flush()
+
+            def progress(n):
+                update(n)
+                flush()
+            engine.run(requests, progress)
+            flush()
+    finally:
+        close()
+    print(f"{len(requests)} completions, {sum(len(r.tokens) for r in requests):,} new tokens -> {out}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,288 @@
+"""Continuous batching over a static KV cache (Yu et al. 2022, "Orca"; vLLM's scheduler without paging): a
+fixed number of slots, each holding one request; between bursts of decode steps, waiting requests are
+admitted into free slots and their prompts prefilled, a long prompt a chunk at a time so that the others
+keep decoding; a request leaves as soon as it has its tokens.
+
+Decode is a different program from training (pytorch-labs gpt-fast): one step over every slot, of fixed
+shapes, compiled once and on a GPU replayed as a CUDA graph, so that batch-1 decode is bound by reading the
+weights rather than by launching kernels. Greedy and sampling steps are two graphs; the host picks one from
+what it knows of the requests, never from the device. The host reads the new tokens once per burst of up
+to `sync_every` steps (a request never runs past its token budget inside one): stop tokens and stop
+strings are checked then, so no step waits for the host.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..model import Decoder
+from .sampler import SamplingParams, greedy, sample
+from .slots import StaticKVCache, forward_tokens
+
+
+@dataclass
+class Request:
+    """A prompt (token ids) and how to continue it; the engine fills `tokens` (the new ids, stop token or
+    string included), `text` (with `decode`: the completion, cut before a stop string) and `finish_reason`
+    ("stop": a stop token or string; "length": max_new_tokens reached)."""
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    tag: object = None
+    on_tokens: Callable | None = None  # called with (request, new ids) as they arrive
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def completion(self) -> list[int]:
+        """The new tokens without the stop token that ended them."""
+        if self.finish_reason == "stop" and self.tokens and self.tokens[-1] in self.stop_ids:
+            return self.tokens[:-1]
+        return self.tokens
+
+
+@dataclass
+class _Slot:
+    request: Request
+    prefilled: int = 0  # prompt tokens in the cache so far
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt)
+
+
+def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9) -> int:
+    """How many slots of `max_len` positions fit in `share` of the memory the GPU has free (at most `limit`);
+    `limit` on the CPU. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return limit
+    free, _ = torch.cuda.mem_get_info(p.device)
+    cfg = model.cfg
+    per_slot = (StaticKVCache.bytes_per_token(cfg, p.element_size(), model.cache_heads()) * (max_len + 1)
+                + 4 * 4 * cfg.vocab_size)
+    fit = int(share * free // per_slot)
+    if fit < 1:
+        raise RuntimeError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
+                           f"the GPU has {free / 2**30:.2f} GiB free: shorten the context")
+    return min(limit, fit)
+
+
+class Engine:
+    """Generation for many requests on one model. `max_batch` slots of `max_len` positions each (prompt and
+    new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
+    CUDA graphs on a GPU. A prompt prefills `prefill_chunk` tokens at a time, and one prefill pass takes at
+    most `prefill_tokens` tokens, padding counted. `decode`: the tokenizer's ids -> text, for stop strings
+    and `Request.text`."""
+
+    def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
+                 compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
+                 prefill_tokens: int = 8192, decode: Callable | None = None):
+        cfg = model.cfg
+        self.model = model.eval()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
+        if max_batch < 1 or self.max_len < 1 or sync_every < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch ({max_batch}), sync_every ({sync_every}) and prefill_chunk "
+                             f"({prefill_chunk}) and max_len ({self.max_len}) must be positive")
+        self.sync_every, self.prefill_chunk = sync_every, prefill_chunk
+        self.prefill_tokens, self.decode = max(prefill_tokens, prefill_chunk), decode
+        # One position past the last usable one: where idle slots and padding write, never read.
+        self.scratch = self.max_len
+        self.cache = StaticKVCache(model, max_batch, self.max_len + 1, self.device, self.dtype)
+        self.rope = None if cfg.arch == "gpt2" else model.rope(0, self.max_len + 1, self.device, self.dtype)
+        n, dev = max_batch, self.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)  # each slot's last token
+        self.pos = torch.full((n,), self.scratch, dtype=torch.long, device=dev)  # and its position
+        self.active = torch.zeros(n, dtype=torch.long, device=dev)
+        self.temperature = torch.zeros(n, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, device=dev)
+        self.seed = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out = torch.zeros(n, sync_every, dtype=torch.long, device=dev)
+        self.slots: list[_Slot | None] = [None] * n
+        self.waiting: deque[Request] = deque()
+        if compile is None:
+            compile = dev.type == "cuda"
+        steps = (self._greedy_step, self._sampling_step)
+        if compile:
+            mode = "reduce-overhead" if dev.type == "cuda" else None
+            steps = tuple(torch.compile(f, mode=mode, fullgraph=True, dynamic=False) for f in steps)
+        self._steps = steps
+
+    # ---- the compiled decode step -------------------------------------------------------------------
+    def _logits(self, tokens, pos, keys):
+        return forward_tokens(self.model, self.cache, self.rope, tokens[:, None], pos[:, None], keys=keys)
+
+    def _greedy_step(self, tokens, pos, keys: int):
+        return greedy(self._logits(tokens, pos, keys))
+
+    def _sampling_step(self, tokens, pos, temperature, top_k, top_p, seed, keys: int):
+        return sample(self._logits(tokens, pos, keys), temperature, top_k, top_p, seed, pos + 1)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        if not request.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if request.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens ({request.max_new_tokens}) must not be negative")
+        if len(request.prompt) + request.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                             f"exceeds the {self.max_len} positions a slot holds")
+        if request.max_new_tokens == 0:
+            request.finish_reason, request.text = "length", "" if self.decode else None
+        else:
+            self.waiting.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def run(self, requests: list[Request], progress: Callable | None = None) -> list[Request]:
+        """Every request to its end; `progress(n)` is told of each n finished."""
+        for r in requests:
+            self.submit(r)
+            if r.done and progress is not None:
+                progress(1)
+        while self.busy:
+            done = self.step()
+            if progress is not None and done:
+                progress(len(done))
+        return requests
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Admit, prefill one pass, decode one burst; the requests that finished."""
+        finished: list[Request] = []
+        for i, slot in enumerate(self.slots):
+            if slot is None and self.waiting:
+                self._admit(i, self.waiting.popleft())
+        if any(s is not None and not s.decoding for s in self.slots):
+            self._prefill(finished)
+        if any(s is not None and s.decoding for s in self.slots):
+            self._decode_burst(finished)
+        return finished
+
+    def _admit(self, i: int, r: Request) -> None:
+        self.slots[i] = _Slot(r)
+        s = r.sampling
+        self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i] = s.temperature, s.top_k, s.top_p, s.seed
+
+    def _release(self, i: int, finished: list[Request]) -> None:
+        finished.append(self.slots[i].request)
+        self.slots[i] = None
+        self.pos[i], self.active[i] = self.scratch, 0
+
+    # ---- prefill ------------------------------------------------------------------------------------
+    def _prefill(self, finished: list[Request]) -> None:
+        """One pass over prompt chunks: the new prompts' first chunks together (SDPA's causal kernels),
+        else the continued ones (through the cache), shortest first within the token budget."""
+        pending = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
+        fresh = [i for i in pending if self.slots[i].prefilled == 0]
+        rows = fresh or pending
+        chunk = {i: min(self.prefill_chunk, len(self.slots[i].request.prompt) - self.slots[i].prefilled)
+                 for i in rows}
+        rows.sort(key=chunk.get)
+        take = 1
+        while take < len(rows) and (take + 1) * chunk[rows[take]] <= self.prefill_tokens:
+            take += 1
+        rows = rows[:take]
+        t = max(chunk[i] for i in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        positions = torch.full((len(rows), t), self.scratch, dtype=torch.long)
+        for r, i in enumerate(rows):
+            start, n = self.slots[i].prefilled, chunk[i]
+            ids[r, :n] = torch.tensor(self.slots[i].request.prompt[start:start + n])
+            positions[r, :n] = torch.arange(start, start + n)
+        reach = max(self.slots[i].prefilled + chunk[i] for i in rows)
+        slots = torch.tensor(rows, device=self.device)
+        last = torch.tensor([chunk[i] - 1 for i in rows], device=self.device)
+        positions = positions.to(self.device)
+        logits = forward_tokens(self.model, self.cache, self.rope, ids.to(self.device), positions, slots, last,
+                                fresh=bool(fresh), keys=reach)
+        counter = positions.gather(1, last[:, None]).squeeze(1) + 1
+        first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
+                       counter)
+        done = [i for i in rows if self.slots[i].prefilled + chunk[i] == len(self.slots[i].request.prompt)]
+        for i in rows:
+            self.slots[i].prefilled += chunk[i]
+        if not done:
+            return
+        mine = torch.tensor([rows.index(i) for i in done], device=self.device)
+        at = torch.tensor(done, device=self.device)
+        self.tokens[at] = first[mine]
+        self.pos[at] = torch.tensor([len(self.slots[i].request.prompt) for i in done], device=self.device)
+        self.active[at] = 1
+        for i, token in zip(done, first[mine].tolist()):
+            if self._accept(self.slots[i].request, [token]):
+                self._release(i, finished)
+
+    # ---- decode -------------------------------------------------------------------------------------
+    def _decode_burst(self, finished: list[Request]) -> None:
+        live = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+        left = min(s.request.max_new_tokens - len(s.request.tokens) for s in (self.slots[i] for i in live))
+        steps = min(self.sync_every, left)
+        reach = max(len(self.slots[i].request.prompt) + len(self.slots[i].request.tokens) for i in live) + steps
+        keys = self._keys(reach)
+        sampling = any(not self.slots[i].request.sampling.greedy for i in live)
+        for j in range(steps):
+            if sampling:
+                nxt = self._steps[1](self.tokens, self.pos, self.temperature, self.top_k, self.top_p, self.seed,
+                                     keys)
+            else:
+                nxt = self._steps[0](self.tokens, self.pos, keys)
+            self.out[:, j].copy_(nxt)
+            self.tokens.copy_(nxt)
+            self.pos.add_(self.active)
+        new = self.out[:, :steps].tolist()  # the one host sync of the burst
+        for i in live:
+            if self._accept(self.slots[i].request, new[i]):
+                self._release(i, finished)
+
+    def _keys(self, reach: int) -> int:
+        """The cached positions a decode step reads: a power of two (at least 256) covering `reach`, so a
+        step over short requests reads little of a long cache, at the cost of one graph per size."""
+        keys = 256
+        while keys < reach:
+            keys *= 2
+        return min(keys, self.max_len + 1)
+
+    def _accept(self, r: Request, new: list[int]) -> bool:
+        """Append `new` to r's tokens up to a stop or its budget; whether r has finished."""
+        taken = []
+        for token in new:
+            taken.append(token)
+            r.tokens.append(token)
+            if token in r.stop_ids or self._stopped_by_string(r):
+                r.finish_reason = "stop"
+                break
+            if len(r.tokens) == r.max_new_tokens:
+                r.finish_reason = "length"
+                break
+        if r.on_tokens is not None and taken:
+            r.on_tokens(r, taken)
+        if r.done and self.decode is not None and r.text is None:
+            r.text = self.decode(r.completion)
+        return r.done
+
+    def _stopped_by_string(self, r: Request) -> bool:
+        if not r.stop or self.decode is None:
+            return False
+        text = self.decode(r.tokens)
+        cut = min((at for at in (text.find(s) for s in r.stop) if at >= 0), default=-1)
+        if cut < 0:
+            return False
+        r.text = text[:cut]
+        return True

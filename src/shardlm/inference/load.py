@@ -1,0 +1,111 @@
+"""A model for inference from a Hugging Face directory or a shardlm run or checkpoint, built on the meta
+device and filled tensor by tensor straight into its place on the target device, in the dtype it will run
+in: a 7B model never exists in fp32 on the host or the GPU. LoRA adapters (a run's own, or a PEFT adapter
+directory's) are folded into each base weight as it is read.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import CheckpointError, read_state, resolve_checkpoint
+from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
+from ..model import Decoder
+from ..model.hf import is_hf_dir, open_hf_dir
+from ..parallel.lora import is_adapter, merged, read_peft_dir
+from ..precision import DTYPES
+from ..tokenizer import Tokenizer, load_tokenizer
+
+
+def inference_dtype(name: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """`auto` (None): on a GPU the checkpoint's own 16-bit dtype, else bf16 (fp32 masters run in bf16, as
+    they trained); on the CPU fp32, where 16-bit matrix products are slow or emulated."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class _Source:
+    """The model's tensors by name, read one at a time: `names`, `read(name)`, `dtype` as stored."""
+
+    def __init__(self, path: Path):
+        if is_hf_dir(path):
+            self.cfg, tensors = open_hf_dir(path)
+            self.lora, self.tok_dir = LoRAConfig(), path
+            self.names, self.read = list(tensors.names), tensors
+            first = next(iter(tensors.where))
+            with safe_open(str(tensors.where[first]), framework="pt") as st:
+                self.dtype = _STORED_DTYPES.get(st.get_slice(first).get_dtype(), torch.float32)
+            return
+        ckpt = resolve_checkpoint(path)
+        full = config_from_dict(read_state(ckpt)["config"])
+        self.cfg, self.lora, self.tok_dir = full.model, full.lora, ckpt
+        self.file = str(ckpt / "model.safetensors")
+        try:
+            with safe_open(self.file, framework="pt") as st:
+                self.names = list(st.keys())
+        except Exception as e:  # safetensors raises its own error type for any damage it finds
+            raise CheckpointError(f"{self.file} could not be read ({e})") from None
+        self.dtype = torch.float32  # the masters
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(self.file, framework="pt") as st:
+            return st.get_tensor(name)
+
+
+def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
+                    adapter: str | Path | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+    """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
+    run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights."""
+    path, device = Path(path), torch.device(device)
+    if not path.exists():
+        raise FileNotFoundError(f"--model {path}: no such directory")
+    src = _Source(path)
+    cfg = src.cfg
+    dtype = inference_dtype(dtype, device, src.dtype)
+    lora, adapters = None, {}
+    if src.lora.rank:
+        lora = src.lora
+        adapters = {n: src.read(n) for n in src.names if is_adapter(n)}
+    if adapter is not None:
+        if lora is not None:
+            raise ConfigError(f"--adapter {adapter}: {path} is a LoRA run whose adapters are applied already; "
+                              "applying another on top would change the model twice (export the merged run "
+                              "with `shardlm export --merge` to use it as a base)")
+        lora, adapters = read_peft_dir(adapter, cfg)
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    missing = set(params) - {n for n in src.names if not is_adapter(n)}
+    if missing:
+        raise CheckpointError(f"{path} lacks {sorted(missing)[0]} (and {len(missing) - 1} more) of its model")
+    for name in src.names:
+        if is_adapter(name):
+            continue
+        if name not in params:
+            raise CheckpointError(f"{path} holds {name}, which a {cfg.arch} model of its config has not")
+        t = src.read(name)
+        if adapters:
+            prefix = name.removesuffix(".weight") + ".lora."
+            mine = {k: v for k, v in adapters.items() if k.startswith(prefix)}
+            if mine:
+                t = merged({name: t, **mine}, cfg, lora)[name]
+        if t.shape != params[name].shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
+                                  f"{tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(t)
+    model.eval()
+    return model, load_tokenizer(src.tok_dir), cfg

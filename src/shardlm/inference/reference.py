@@ -1,0 +1,79 @@
+"""The simple decoder: the model's own growing KV cache, one prefill then one token per step, eager, as
+HF's `generate` with its dynamic cache. It runs on any layout the trainer holds (the sample at the end of a
+run) and is the reference the fast path (engine.py) is tested against. Temperature 0 is greedy; sampling
+applies temperature, then top-k, then top-p (Holtzman et al. 2020).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model import Decoder, KVCache
+from ..tokenizer import Tokenizer
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> torch.Tensor:
+    """New tokens only, shape [batch, <= max_new_tokens]; stops early when every row produced eos."""
+    was_training = model.training
+    model.eval()
+    b, t = ids.shape
+    total = t + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_seq_len {model.cfg.max_seq_len}")
+    cache = KVCache(model.cfg, b, total, ids.device, next(model.parameters()).dtype, model.cache_heads())
+    gen = torch.Generator(device=ids.device)
+    gen.manual_seed(seed)
+    logits = model(ids, cache=cache, last_only=True)[:, -1]
+    out = []
+    done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)
+        out.append(nxt)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if bool(done.all()):
+                break
+        logits = model(nxt[:, None], cache=cache, last_only=True)[:, -1]
+    model.train(was_training)
+    return torch.stack(out, dim=1) if out else ids.new_zeros((b, 0))
+
+
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The prompt's tokens; an empty prompt starts from the end-of-text token, as after a document."""
+    ids = tok.encode(prompt)
+    if not ids:
+        if tok.eos_id is None:
+            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [tok.eos_id]
+    return ids
+
+
+def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+    device = next(model.parameters()).device
+    ids = prompt_ids(tok, prompt)
+    new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
+                       seed, eos_id=tok.eos_id)
+    return tok.decode(new[0].tolist())
+
+
+def until_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    """The tokens before the first end-of-text token."""
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids

@@ -1,0 +1,106 @@
+"""The model over a static KV cache of slots: each row of the cache belongs to one request at a time and
+keeps its own length, so requests of any prompt length share one batch without padding shifting anyone's
+positions (gpt-fast's static cache, vLLM's slots without the paging).
+
+Every token carries its own position: it is embedded (RoPE, GPT-2's learned positions) there, its key and
+value are written there in its slot, and its query reads the slot's keys up to it (within the sliding
+window). A new prompt's first chunk attends to its own keys through SDPA's causal kernels (flash on GPUs);
+everything else (a decode step, a later chunk of a long prompt) reads the cache through two matrix
+products per layer, grouped by key/value head so GQA never copies keys.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..model import Decoder
+
+
+class StaticKVCache:
+    """Keys and values [slots, kv heads, max_len, head_dim] per layer, allocated once. On a GPU the buffers
+    are marked static so that a compiled decode step can run as one CUDA graph that writes into them."""
+
+    def __init__(self, model: Decoder, slots: int, max_len: int, device, dtype):
+        shape = (slots, model.cache_heads(), max_len, model.cfg.head_size)
+        self.slots, self.max_len = slots, max_len
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks()]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks()]
+        if torch.device(device).type == "cuda":
+            for t in self.k + self.v:
+                torch._dynamo.mark_static_address(t)
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, itemsize: int, kv_heads: int | None = None) -> int:
+        return 2 * cfg.num_layers * (kv_heads or cfg.kv_heads) * cfg.head_size * itemsize
+
+
+def visible(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[n, T, keys]: which cached positions each query (at `positions` [n, T]) attends to: every earlier one
+    and itself, and within a sliding window only the last `window` of those."""
+    j = torch.arange(keys, device=positions.device)
+    pos = positions[..., None]
+    mask = j <= pos
+    return mask & (j > pos - window) if window else mask
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q [n, H, T, d] to cached keys and values [n, KV, keys, d] under `mask`
+    [n, T, keys]; H = KV x G, query head h reading key/value head h // G. Returns [n, T, H * d]."""
+    n, heads, t, d = q.shape
+    kv, keys = k.shape[1], k.shape[2]
+    g = heads // kv
+    scores = (q.reshape(n, kv, g * t, d) @ k.transpose(-1, -2)).view(n, kv, g, t, keys).float()
+    # A large finite fill, not -inf: a row with no visible key (an idle slot) averages instead of dividing 0 by 0.
+    scores = scores.mul(d ** -0.5).masked_fill(~mask[:, None, None], -1e30)
+    probs = scores.softmax(-1).to(v.dtype).view(n, kv, g * t, keys)
+    return (probs @ v).view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
+
+
+def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of a prompt's first chunk to its own keys (`mask`: a sliding window's [T, T], or None
+    for plain causal attention). Returns [n, T, H * d]."""
+    n, heads, t, d = q.shape
+    gqa = k.shape[1] != heads
+    if gqa and mask is not None:  # the kernels that take a mask do not all group heads
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        gqa = False
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+    return y.transpose(1, 2).reshape(n, t, heads * d)
+
+
+def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                   fresh: bool = False, keys: int | None = None) -> torch.Tensor:
+    """Logits [n, vocab] of the token at index `last` [n] (default the last) of each row of `ids` [n, T],
+    row i writing its keys and values into slot `slots[i]` (default: row i) at `positions` [n, T].
+
+    `fresh`: every row is a prompt's first chunk, starting at position 0; its queries attend to its own keys
+    only. Otherwise queries read the slot's cached keys 0 .. `keys` - 1 (default all). `rope`: the (cos, sin)
+    tables over the cache's positions (None for GPT-2)."""
+    n, t = ids.shape
+    rows = torch.arange(n, device=ids.device) if slots is None else slots
+    x = model.embed(ids)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(positions.clamp(max=model.cfg.max_seq_len - 1))
+    angles = None if rope is None else (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
+    keys = keys or cache.max_len
+    window = model.cfg.sliding_window
+    mask = model.window_mask(0, t, ids.device) if fresh else visible(positions, keys, window)
+    for i, block in enumerate(model.blocks()):
+        attn = block.attn
+        q, k, v = attn.project(block.attn_norm(x), angles)
+        cache.k[i][rows[:, None], :, positions] = k.transpose(1, 2)
+        cache.v[i][rows[:, None], :, positions] = v.transpose(1, 2)
+        if fresh:
+            y = attend_fresh(q, k, v, mask)
+        elif slots is None:
+            y = attend_cached(q, cache.k[i][:, :, :keys], cache.v[i][:, :, :keys], mask)
+        else:
+            y = attend_cached(q, cache.k[i][slots, :, :keys], cache.v[i][slots, :, :keys], mask)
+        x = x + attn.out(y)
+        x = x + block.mlp(block.mlp_norm(x))
+    h = model.norm(x)
+    h = h[:, -1] if last is None else h[torch.arange(n, device=h.device), last]
+    return model.output(h, model.head_weight)

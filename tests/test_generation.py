@@ -1,0 +1,194 @@
+"""The fast decode path (shardlm.inference.Engine): a static KV cache of slots, a compiled decode step,
+mixed-length and continuous batching, per-request sampling, stops, and `shardlm generate --input`."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from helpers import run_cli, save_hf
+from shardlm.config import load_config
+from shardlm.inference import Engine, Request, SamplingParams, generate_ids, generate_many
+from shardlm.inference.sampler import sample
+from shardlm.model import build_model
+
+
+def tiny(arch="llama", **changes):
+    # A larger init than the default's 0.02 keeps random logits away from ties that rounding could flip.
+    cfg = dataclasses.replace(load_config("tiny").model, arch=arch, init_std=0.2, **changes)
+    return build_model(cfg, seed=3).eval()
+
+
+def prompts_of(lengths, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def greedy_full_forward(model, prompt, n):
+    """Greedy decoding the slowest way: the whole sequence through the model for every new token."""
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+CASES = {"llama_gqa": dict(num_kv_heads=2), "gpt2": dict(arch="gpt2"), "mistral_window": dict(sliding_window=6)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_static_cache_decode_equals_the_full_forward(case):
+    """The compiled step (torch.compile on the CPU; CUDA graphs on a GPU) over the static cache, token for
+    token; prompts shorter and longer than Mistral's window, decoding past it."""
+    model = tiny(**CASES[case])
+    prompts = prompts_of((3, 11, 7))
+    want = [greedy_full_forward(model, p, 14) for p in prompts]
+    engine = Engine(model, max_batch=2, max_len=32, compile=True, sync_every=4)
+    got = engine.run([Request(p, 14) for p in prompts])
+    assert [r.tokens for r in got] == want
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_mixed_length_batch_equals_each_prompt_alone(case):
+    model = tiny(**CASES[case])
+    prompts = prompts_of((3, 5, 5, 12, 1, 9, 20))
+    alone = [generate_ids(model, torch.tensor([p]), 12)[0].tolist() for p in prompts]
+    for batch in (1, 3, 8):
+        assert generate_many(model, prompts, 12, batch_size=batch) == alone, batch
+    # Stopping at a token some rows produce mid-way: those end before it, the others run on.
+    eos = alone[3][4]
+    cut = [a[:a.index(eos)] if eos in a else a for a in alone]
+    assert any(len(c) < 12 for c in cut) and any(len(c) == 12 for c in cut)
+    assert generate_many(model, prompts, 12, eos_id=eos, batch_size=3) == cut
+
+
+def test_continuous_batching_with_requests_arriving_mid_decode():
+    """Two slots, long prompts prefilled 4 tokens at a time between the others' decode steps, requests
+    submitted while others decode: each request gets the tokens it gets alone, and leaves when done."""
+    model = tiny(num_kv_heads=2)
+    prompts = prompts_of((9, 2, 15, 4, 6))
+    budgets = [10, 3, 8, 12, 5]
+    alone = [generate_ids(model, torch.tensor([p]), n)[0].tolist() for p, n in zip(prompts, budgets)]
+    engine = Engine(model, max_batch=2, max_len=40, sync_every=2, prefill_chunk=4, prefill_tokens=4)
+    requests = [Request(p, n, tag=i) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    finished = []
+    for r in requests[:2]:
+        engine.submit(r)
+    while not requests[0].tokens:
+        finished += engine.step()
+    assert not requests[0].done  # the first is decoding when the others arrive
+    for r in requests[2:]:
+        engine.submit(r)
+    while engine.busy:
+        finished += engine.step()
+    assert [r.tokens for r in requests] == alone
+    assert finished[0].tag == 1  # the short one left first, while the others went on
+    assert all(r.finish_reason == "length" for r in requests)
+
+
+def test_sampling_is_reproducible_per_request_whatever_the_batch():
+    model = tiny(num_kv_heads=2)
+    prompts = prompts_of((4, 9, 2, 6))
+    settings = [SamplingParams(1.0, 20, 0.9, seed=11), SamplingParams(0.7, 0, 1.0, seed=5),
+                SamplingParams(0.0), SamplingParams(1.3, 5, 1.0, seed=11)]
+
+    def run(order, slots):
+        engine = Engine(model, max_batch=slots, max_len=32)
+        reqs = {i: Request(prompts[i], 10, settings[i]) for i in order}
+        engine.run([reqs[i] for i in order])
+        return {i: r.tokens for i, r in reqs.items()}
+
+    alone = {i: run([i], 1)[i] for i in range(4)}
+    assert run([0, 1, 2, 3], 4) == alone
+    assert run([3, 1, 0, 2], 2) == alone
+    assert alone[2] == generate_ids(model, torch.tensor([prompts[2]]), 10)[0].tolist()  # temperature 0: greedy
+    other = run([0], 1) | run([1], 1)
+    assert other == {0: alone[0], 1: alone[1]}
+    reseeded = Engine(model, max_batch=1, max_len=32).run([Request(prompts[0], 10, SamplingParams(1.0, 20, 0.9, 12))])
+    assert reseeded[0].tokens != alone[0]
+    with torch.no_grad():  # request 3 draws from its top 5 at every step
+        logits = model(torch.tensor([prompts[3] + alone[3]]))[0, len(prompts[3]) - 1:-1]
+    assert all(t in row for t, row in zip(alone[3], logits.topk(5, -1).indices.tolist()))
+
+
+def test_the_sampler_draws_from_the_softmax():
+    """Gumbel-max over hashed noise: 40,000 draws (one per position) against softmax(logits / T) after
+    top-k and top-p, within four standard errors."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 40_000
+    rows = logits.expand(n, -1)
+    counter = torch.arange(n)
+
+    def freq(t, k, p):
+        full = lambda v, dtype=torch.float32: torch.full((n,), v, dtype=dtype)
+        got = sample(rows, full(t), full(k, torch.long), full(p), full(7, torch.long), counter)
+        return torch.bincount(got, minlength=6).double() / n
+
+    want = (logits / 0.8).softmax(-1).double()
+    assert torch.allclose(freq(0.8, 0, 1.0), want, atol=4 * (0.25 / n) ** 0.5)
+    top3 = torch.zeros(6, dtype=torch.double)
+    top3[:3] = (logits[:3] / 0.8).softmax(-1)
+    assert torch.allclose(freq(0.8, 3, 1.0), top3, atol=4 * (0.25 / n) ** 0.5)
+    # top-p 0.8 of softmax(logits) = 0.56, 0.21, 0.13, ...: the smallest prefix reaching 0.8 has three
+    probs = logits.softmax(-1).double()
+    nucleus = torch.zeros(6, dtype=torch.double)
+    nucleus[:3] = probs[:3] / probs[:3].sum()
+    assert torch.allclose(freq(1.0, 0, 0.8), nucleus, atol=4 * (0.25 / n) ** 0.5)
+    assert torch.equal(freq(1.0, 0, 1e-6), torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double))
+
+
+def test_stop_tokens_and_strings():
+    model = tiny()
+    prompt = prompts_of((5,))[0]
+    alone = generate_ids(model, torch.tensor([prompt]), 16)[0].tolist()
+    text = lambda ids: "".join(f"<{i}>" for i in ids)  # one piece per token
+    engine = Engine(model, max_batch=2, max_len=32, decode=text)
+    by_id, by_string, plain = engine.run([Request(prompt, 16, stop_ids=(alone[6],)),
+                                          Request(prompt, 16, stop=(f"<{alone[3]}><{alone[4]}>",)),
+                                          Request(prompt, 16)])
+    first = alone.index(alone[6])
+    assert by_id.tokens == alone[:first + 1] and by_id.completion == alone[:first] and by_id.finish_reason == "stop"
+    assert by_string.finish_reason == "stop" and by_string.text == text(alone[:3])
+    assert plain.tokens == alone and plain.finish_reason == "length" and plain.text == text(alone)
+    with pytest.raises(ValueError, match="exceeds the 32 positions"):
+        engine.submit(Request(prompt, 28))
+
+
+def test_generate_a_jsonl_file(tmp_path):
+    """`generate --input/--output`: one line out per line in, in order, with per-line settings; an existing
+    output is kept unless --overwrite."""
+    save_hf("llama", tmp_path / "hf")
+    lines = [{"prompt": "To be", "id": "a"}, {"prompt": "or not to be, that is", "max_new_tokens": 3},
+             {"prompt": "whether", "temperature": 0.9, "seed": 4, "stop": ["e"]}, {"prompt": "x", "max_new_tokens": 0}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--max-new-tokens", 6,
+            "--max-batch", 2)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [x["prompt"] for x in lines] and rows[0]["id"] == "a"
+    assert [r["completion_tokens"] for r in rows][:2] == [6, 3] and rows[3]["completion"] == ""
+    for r in rows[:2]:  # greedy lines equal --prompt alone
+        alone = run_cli("generate", "--model", tmp_path / "hf", "--prompt", r["prompt"], "--json",
+                        "--max-new-tokens", r["completion_tokens"])
+        assert json.loads(alone.stdout)["completion"] == r["completion"]
+    assert "e" not in rows[2]["completion"]
+    before = out.read_text()
+    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, check=False)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and out.read_text() == before
+    src.write_text('{"prompt": "a", "top_p": 0}\n')
+    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl",
+                   check=False)
+    assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
+
+
+def test_a_model_loads_in_the_dtype_asked(tmp_path):
+    from shardlm.inference import load_pretrained
+    save_hf("qwen2", tmp_path)
+    model, _, _ = load_pretrained(tmp_path, dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ref, _, _ = load_pretrained(tmp_path)
+    assert {p.dtype for p in ref.parameters()} == {torch.float32}  # auto on the CPU
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q.to(torch.bfloat16)), name
