@@ -252,9 +252,9 @@ class Engine:
                 self._release(i, finished)
 
     def _keys(self, reach: int) -> int:
-        """The cached positions a decode step reads: a power of two (at least 256) covering `reach`, so a
+        """The cached positions a decode step reads: a power of two (at least 512) covering `reach`, so a
         step over short requests reads little of a long cache, at the cost of one graph per size."""
-        keys = 256
+        keys = 512
         while keys < reach:
             keys *= 2
         return min(keys, self.max_len + 1)

@@ -1,0 +1,273 @@
+"""Generation speed: shardlm's engine (static KV cache, compiled decode step as CUDA graphs) beside Hugging Face
+transformers' `generate` with its static cache (which compiles its forward on a GPU) and with its dynamic
+cache, on one GPU; then many prompts of mixed lengths, eval-style, through the engine and through the
+path `eval --tasks` took before it (prompts of equal length batched together, the eager decoder).
+
+    python bench/generate.py [--gpus 1] [--preset llama2-7b] [--prompt 128] [--new 256] [--batches 1,16]
+                             [--mixed 1000] [--mixed-new 64] [--old-batches 24] [--systems ...]
+
+Random bf16 weights, greedy, no stop token (every row decodes --new tokens). Each system runs in its own
+subprocess. tok/s counts new tokens over the whole call (prefill included, as a user waits for it); GB/s is
+the weights' bytes read per decode step times the steps a second, against the card's HBM bandwidth (the
+batch-1 bound: HBM bandwidth / weight bytes). The old path decodes about 90 ms a step at 7B, so it runs
+--old-batches of its batches (drawn at random) and its time for all is extrapolated from theirs, stated
+in its row. Rows with bench "generate" go to bench/results.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
+SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old")
+
+
+def build(args, device):
+    from shardlm.config import load_config
+    from shardlm.model import build_model
+    cfg = load_config(args.preset).model
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return build_model(cfg, device=device, dtype=dtype, seed=0).eval(), cfg
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model) -> int:
+    """What one decode step reads of the weights: all but the input embedding, of which it reads a row."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed.weight")
+
+
+def random_prompts(n, lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def run_shardlm(args, device):
+    from shardlm.inference import Engine, Request
+    model, cfg = build(args, device)
+    rows = []
+    for batch in args.batches:
+        prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
+        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None)
+        engine.run([Request(p, args.new) for p in prompts])  # compiles and records the graphs
+        sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        done = engine.run([Request(p, args.new) for p in prompts])
+        sync(device)
+        rows.append(row(args, model, "shardlm", batch, time.perf_counter() - t, device,
+                        first=done[0].tokens[:8]))
+        del engine
+    return rows
+
+
+def hf_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlm.model.hf import to_hf_state
+    model, cfg = build(args, device)
+    hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab_size,
+                         max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+                         tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_cfg).to(next(model.parameters()).dtype)
+    hf.load_state_dict(to_hf_state(model.state_dict(), cfg))  # the same weights: the same greedy tokens
+    return hf.eval(), model, cfg
+
+
+def run_hf(args, device, cache: str):
+    hf, model, cfg = hf_model(args, device)
+    rows = []
+    for batch in args.batches:
+        ids = torch.tensor(random_prompts(batch, [args.prompt] * batch, cfg.vocab_size), device=device)
+        kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                  eos_token_id=None, attention_mask=torch.ones_like(ids))
+        if cache == "static":
+            kw["cache_implementation"] = "static"
+        with torch.no_grad():
+            hf.generate(ids, **kw)  # compiles (static cache on a GPU)
+            sync(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            sync(device)
+        rows.append(row(args, model, f"hf-{cache}", batch, time.perf_counter() - t, device,
+                        first=out[0, args.prompt:args.prompt + 8].tolist()))
+    return rows
+
+
+def mixed_prompts(args, vocab):
+    rng = random.Random(1)
+    return random_prompts(args.mixed, [rng.randint(8, args.mixed_max) for _ in range(args.mixed)], vocab, seed=2)
+
+
+def run_mixed_new(args, device):
+    from shardlm.inference import Engine, Request
+    model, cfg = build(args, device)
+    prompts = mixed_prompts(args, cfg.vocab_size)
+    engine = Engine(model, args.mixed_batch, max(map(len, prompts)) + args.mixed_new,
+                    compile=device == "cuda" or None)
+    engine.run([Request(p, args.mixed_new) for p in prompts[:args.mixed_batch]])  # compiles
+    sync(device)
+    t = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as generate_many submits them
+    reqs = [Request(prompts[i], args.mixed_new) for i in order]
+    engine.run(reqs)
+    sync(device)
+    seconds = time.perf_counter() - t
+    out = {i: r.tokens for i, r in zip(order, reqs)}
+    Path(args.tokens_out).write_text(json.dumps({str(i): out[i] for i in range(len(prompts))}))
+    return [{"system": "shardlm-mixed", "prompts": len(prompts), "new_tokens": args.mixed_new, "seconds": seconds,
+             "prompts_s": len(prompts) / seconds, "batch": args.mixed_batch}]
+
+
+def run_mixed_old(args, device):
+    """The old eval path: prompts grouped by token length, up to 8 of one length a batch, each batch decoded
+    by the eager decoder; a random sample of its batches timed, the whole extrapolated."""
+    from shardlm.inference import generate_ids
+    model, cfg = build(args, device)
+    prompts = mixed_prompts(args, cfg.vocab_size)
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    batches = [g[s:s + 8] for g in by_length.values() for s in range(0, len(g), 8)]
+    sample = random.Random(3).sample(batches, min(args.old_batches, len(batches)))
+    generate_ids(model, torch.tensor([prompts[0]], device=device), 4)  # warm
+    sync(device)
+    t = time.perf_counter()
+    out = {}
+    for rows in sample:
+        new = generate_ids(model, torch.tensor([prompts[i] for i in rows], device=device), args.mixed_new)
+        out.update(zip(rows, new.tolist()))
+    sync(device)
+    seconds = time.perf_counter() - t
+    Path(args.tokens_out).write_text(json.dumps({str(i): v for i, v in out.items()}))
+    total = seconds * len(batches) / len(sample)
+    return [{"system": "old-eval-path", "prompts": len(prompts), "new_tokens": args.mixed_new, "seconds": total,
+             "prompts_s": len(prompts) / total, "batch": 8,
+             "note": f"{len(sample)} of its {len(batches)} batches timed ({seconds:.1f} s), the whole extrapolated"}]
+
+
+def row(args, model, system, batch, seconds, device, first):
+    tok_s = batch * args.new / seconds
+    wb = weight_bytes(model)
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    hbm = next((v for k, v in HBM.items() if k in card), None)
+    return {"system": system, "model": args.preset, "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
+            "tok_s": tok_s, "gb_s": wb * args.new / seconds / 1e9,
+            "bound_tok_s": hbm / wb if hbm else None, "weight_gb": wb / 1e9,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+            "first_tokens": first}
+
+
+def worker(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch._dynamo.config.recompile_limit = 64
+    run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
+           "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
+           "mixed-old": run_mixed_old}[args.system]
+    for r in run(args, device):
+        print("RESULT " + json.dumps(r), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1, help="generation here runs on one GPU")
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--mixed", type=int, default=1000, help="prompts of the eval-style run")
+    p.add_argument("--mixed-max", type=int, default=256, help="their lengths: uniform in 8 .. this")
+    p.add_argument("--mixed-new", type=int, default=64)
+    p.add_argument("--mixed-batch", type=int, default=64, help="the engine's slots in the eval-style run")
+    p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
+    p.add_argument("--out", default="/tmp", help="where each system's details and tokens go")
+    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tokens-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.system:
+        return worker(args)
+    if args.gpus != 1:
+        sys.exit("bench/generate.py measures one GPU (--gpus 1); tensor-parallel serving is bench/serve.py's")
+    from common import job_env, record
+    rows = []
+    for system in args.systems.split(","):
+        tokens = str(Path(args.out) / f"generate-{system}-tokens.json")
+        cmd = [sys.executable, __file__, "--system", system, "--tokens-out", tokens] + [
+            a for a in sys.argv[1:] if not a.startswith("--systems")]
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
+        except subprocess.TimeoutExpired:
+            print(f"{system}: timed out after {args.timeout:.0f} s", file=sys.stderr, flush=True)
+            continue
+        (Path(args.out) / f"generate-{system}.log").write_text(proc.stdout + proc.stderr)
+        got = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not got:
+            print(f"{system}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        for r in got:
+            r["wall_s"] = time.perf_counter() - t
+            print(json.dumps(r), flush=True)
+        rows += got
+    same = compare_mixed(args)
+    for r in rows:
+        if r["system"] == "shardlm-mixed" and same is not None:
+            r["same_completions"] = same
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    cmd = "python bench/generate.py " + " ".join(sys.argv[1:])
+    record(args.record, "generate", card, 1, [{**r, "command": cmd} for r in rows])
+    print_table(rows, same)
+
+
+def compare_mixed(args):
+    """Of the prompts both eval-style runs decoded, the share whose greedy completions agree."""
+    files = [Path(args.out) / f"generate-{s}-tokens.json" for s in ("mixed-new", "mixed-old")]
+    if not all(f.is_file() for f in files):
+        return None
+    new, old = (json.loads(f.read_text()) for f in files)
+    both = [k for k in old if k in new]
+    return {"compared": len(both), "equal": sum(new[k] == old[k] for k in both)}
+
+
+def print_table(rows, same):
+    by = {(r["system"], r.get("batch")): r for r in rows}
+    print(f"\n{'system':<16} {'batch':>5} {'tok/s':>9} {'GB/s':>7} {'of bound':>8} {'peak GiB':>8} {'vs hf-static':>12}")
+    for r in rows:
+        if "tok_s" not in r:
+            continue
+        ref = by.get(("hf-static", r["batch"]))
+        ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"
+        bound = f"{r['tok_s'] / r['bound_tok_s']:.0%}" if r.get("bound_tok_s") else "-"
+        print(f"{r['system']:<16} {r['batch']:>5} {r['tok_s']:>9.1f} {r['gb_s']:>7.0f} {bound:>8} "
+              f"{r['peak_mem_gib']:>8.1f} {ratio:>12}")
+    mixed = {r["system"]: r for r in rows if "prompts_s" in r}
+    if mixed:
+        for r in mixed.values():
+            print(f"{r['system']:<16} {r['prompts']} prompts x {r['new_tokens']} new: {r['seconds']:.1f} s "
+                  f"({r['prompts_s']:.1f} prompts/s) {r.get('note', '')}")
+        if len(mixed) == 2:
+            print(f"engine / old path: {mixed['shardlm-mixed']['prompts_s'] / mixed['old-eval-path']['prompts_s']:.1f}x"
+                  + (f"; same greedy completions: {same['equal']} of {same['compared']}" if same else ""))
+
+
+if __name__ == "__main__":
+    main()
