@@ -639,3 +639,12 @@ def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows:
         dist.all_reduce(loss)
         loss /= world
     return loss.item(), grads
+
+
+def train_into(rank, world, out_dir):
+    """A `tiny` run into `out_dir`: what each rank raises while another process owns the directory."""
+    try:
+        tiny_trainer(world, {"train.steps": "1", "train.micro_batch_size": "2"}, out_dir=out_dir)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__, str(e)
+    return None

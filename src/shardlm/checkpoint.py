@@ -129,6 +129,8 @@ def read_state(path: str | Path) -> dict:
     """state.json of a checkpoint, or of the newest checkpoint of a run directory whose state.json reads,
     without reading (or verifying) the tensors: what a resumed run's config comes from."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
     if not candidates:
         raise FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})")
@@ -168,6 +170,8 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
     a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
     resolved and verified already."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     if (path / STATE).is_file() or path.name.startswith("step_"):
         if verify:
             verify_checkpoint(path)

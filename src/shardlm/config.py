@@ -126,6 +126,7 @@ class DataConfig:
     eval_path: str = ""            # another prepared directory for eval; "" holds out the last windows of `path`
     eval_windows: int = 16         # windows held out when eval_path is empty
     tokenizer: str = "byte"        # used only for the embedded default corpus
+    skip_untrained: bool = False   # a step whose batch holds no trained token: skipped and counted, not an error
 
 
 @dataclass
@@ -295,12 +296,13 @@ POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.m
             "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
             "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
-            "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints")
+            "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints",
+            "lora.alpha")  # alpha 0 scales the update to nothing: a LoRA run that trains nothing
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
-                "parallel.offload_threads", "lora.rank", "lora.alpha")
+                "parallel.offload_threads", "lora.rank")
 
 
 def preset_names() -> list[str]:

@@ -9,6 +9,8 @@ rules that keep two runs from mixing in one directory or a run from losing its o
   to checkpoints of the future it abandons: refused unless `--overwrite` deletes them. (Resuming a run
   directory picks its newest checkpoint that verifies; later ones are then damaged, and replaced.)
 - Temporary directories of saves cut short are removed.
+- One process group owns the directory for the run's life (`claim`, runlock.py): a second run into it, or a
+  resume of a run still going, is refused before either writes anything.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint import CKPT_DIR, checkpoint_step, complete_checkpoints, remove_partial
 from .config import ConfigError
+from .runlock import RunLock, acquire
 
 METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
 
@@ -24,6 +27,25 @@ METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
 def contains(directory: Path, path: Path) -> bool:
     directory, path = directory.resolve(), path.resolve()
     return path == directory or directory in path.parents
+
+
+def claim(out: Path, main: bool, from_main, log=print) -> RunLock | None:
+    """The main rank takes `out`'s lock before anything is written into it; `from_main(value)` hands the main
+    rank's value to every rank, so all refuse alike (with its message) when it could not."""
+    lock, failure = None, None
+    if main:
+        try:
+            if out.exists() and not out.is_dir():
+                raise ConfigError(f"--out {out} is a file, not a directory")
+            lock = acquire(out, log)
+        except ConfigError as e:
+            failure = str(e)
+        except OSError as e:
+            failure = f"--out {out} cannot be written: {e.strerror or e}"
+    failure = from_main(failure)
+    if failure:
+        raise ConfigError(failure)
+    return lock
 
 
 def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> str | None:

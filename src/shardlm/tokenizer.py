@@ -5,6 +5,7 @@ plus an end-of-text token 256), so byte-level runs export to HF directories like
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -71,6 +72,13 @@ class Tokenizer:
             for name in HF_SIDE_FILES:
                 if (self.source / name).is_file() and name != "generation_config.json":
                     shutil.copy(self.source / name, directory / name)
+
+
+def fingerprint(tok: Tokenizer) -> str:
+    """What the token ids mean, as a short hash of the vocabulary (added tokens included): two tokenizers with
+    the same fingerprint give every id the same token, whatever else their files say."""
+    vocab = sorted(tok.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:

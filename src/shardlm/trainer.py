@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from contextlib import closing, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import rundir
+from . import compat, rundir
 from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint,
                          set_rng_state)
 from .config import IGNORE, Config, ConfigError, RunError, config_from_dict
@@ -33,6 +34,7 @@ from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
+from .runtime.memory import check_memory
 from .runtime.preemption import StopSignals, host_group, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
@@ -60,20 +62,32 @@ class Trainer:
         distributed_gpu = self.device.type == "cuda" and self.mesh.world > 1
         self.watchdog = Watchdog(cfg.parallel.timeout_s) if distributed_gpu else None
         torch.manual_seed(t.seed)
+        self.run_lock = None
         if self.out is not None:
+            self.run_lock = rundir.claim(self.out, self.mesh.is_main, self._from_main, log)
+            if self.run_lock is not None:  # a Trainer never closed lets go of the directory when collected
+                weakref.finalize(self, self.run_lock.release)
             failed = rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite,
                                     self.mesh.is_main, log)
             if self._any_rank(failed is not None):
                 raise ConfigError(failed or f"rank 0 could not prepare --out {self.out} (its message says why)")
 
-        data_dir = self._data_dir()
+        self.data_dir = data_dir = self._data_dir()
         self.tokenizer = load_tokenizer(data_dir)
         if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
             cfg.model.vocab_size = self.tokenizer.vocab_size
-        self._check_memory()
+        check_memory(cfg, self.device, self._any_rank)
         self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
+        index = self.data.train.shards.index
+        untrained = index.get("untrained_examples", 0)
+        if index.get("loss_mask") and 0 in (index.get("trained_tokens"), index.get("examples", 1) - untrained):
+            raise ConfigError(f"{data_dir}: no example has a token to train on (empty completions, or prompts cut "
+                              "at --pad-to): fix the data and prepare it again")
+        if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
+            compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None, log)
+        self.untrained_steps = 0  # steps whose batch held no trained token, skipped (data.skip_untrained)
 
         self.scaler = make_loss_scaler(t.precision)
         self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler, resuming=resume is not None)
@@ -106,6 +120,9 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------------
     def _data_dir(self) -> Path:
         if self.cfg.data.path:
+            if not (Path(self.cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
+                raise ConfigError(f"data.path = {self.cfg.data.path!r} is not a prepared data directory (no "
+                                  "index.json): make one with `shardlm data prepare`")
             return Path(self.cfg.data.path)
         from .data.default import default_corpus
         if self.mesh.is_main:
@@ -113,35 +130,6 @@ class Trainer:
         if self.mesh.world > 1:
             dist.barrier()
         return default_corpus() if not self.mesh.is_main else path
-
-    def _check_memory(self) -> None:
-        """Refuse a model whose weights, gradients and optimizer state alone (a lower bound of what training
-        needs, by the planner's count) exceed the memory this device has free, before allocating any."""
-        from .plan import Layout, Workload, estimate_memory, host_bytes
-        t = self.cfg.train
-        layout = Layout.from_config(self.cfg)
-        work = Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
-        mem = estimate_memory(self.cfg.model, work, layout)
-        need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
-        free = _free_memory(self.device)
-        short = free is not None and need > free
-        if self._any_rank(short):  # one rank's busy GPU stops them all, not that rank alone
-            where = f"{self.device} has {free / 2**30:.1f} GiB free" if short else "another rank's device has less free"
-            raise ConfigError(f"the model ({self.cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
-                              f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
-                              f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
-        # Offload's host memory: every rank of this node takes its share of the same RAM.
-        host, local = host_bytes(self.cfg.model, layout, work), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        avail = _free_memory(torch.device("cpu")) if host else None
-        short = avail is not None and host * local > avail
-        if self._any_rank(short):
-            where = f"this host has {avail / 2**30:.1f} GiB available" if short else "another rank's host has less"
-            what = f"parallel.offload = {self.cfg.parallel.offload!r}" if self.cfg.parallel.offload != "none" \
-                else "parallel.offload_activations = True"
-            raise ConfigError(f"{what} keeps {host / 2**30:.1f} GiB per rank "
-                              f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
-                              f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
-                              f"(parallel.dp, parallel.cp), or use a host with more memory")
 
     def _any_rank(self, failed: bool) -> bool:
         """Whether this check failed on any rank: every rank reaches this all-reduce, so a failure on one
@@ -153,20 +141,27 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _from_main(self, value):
+        """The main rank's `value` on every rank (what it alone could find out: a lock, a checkpoint)."""
+        if self.mesh.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def _resume(self, resume) -> bool:
         """Load a checkpoint; returns whether it continues its own run in this run's directory. The main rank
         picks and verifies it; the others load what it picked."""
-        chosen = [None]
+        chosen = None
         if self.mesh.is_main:
             try:
-                chosen = [str(resolve_checkpoint(resume, self.log))]
+                chosen = str(resolve_checkpoint(resume, self.log))
             except (CheckpointError, FileNotFoundError) as e:
-                chosen = [e]
-        if self.mesh.world > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], Exception):
-            raise chosen[0]
-        ckpt = load_checkpoint(chosen[0], log=self.log, verify=False)
+                chosen = e
+        chosen = self._from_main(chosen)
+        if isinstance(chosen, Exception):
+            raise chosen
+        ckpt = load_checkpoint(chosen, log=self.log, verify=False)
         own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), ckpt["path"],
                                                                   self.overwrite, self.mesh.is_main)
         saved = config_from_dict(ckpt["state"]["config"])
@@ -174,17 +169,12 @@ class Trainer:
             raise ConfigError(f"{ckpt['path']} was trained with train.global_batch_size "
                               f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
                               f"steps would be numbered anew beside its checkpoints; resume into another --out")
-        if saved.model != self.cfg.model:
-            raise ValueError(f"cannot resume {ckpt['path']}: its model config differs from this run's\n"
-                             f"  saved: {saved.model}\n  now:   {self.cfg.model}")
+        compat.check_resume(ckpt["path"], saved, self.cfg)
+        compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, ckpt["path"])
+        compat.check_resume_data(ckpt["path"], ckpt["state"], self.data.train_windows, self.data.sampler.seed,
+                                 self.cfg.train.global_batch_size)
         data = ckpt["state"]["data"]
-        if data["train_windows"] != self.data.train_windows or data["seed"] != self.data.sampler.seed:
-            raise ValueError(f"cannot resume {ckpt['path']}: its data ({data['train_windows']} windows, seed "
-                             f"{data['seed']}) differs from this run's ({self.data.train_windows}, "
-                             f"{self.data.sampler.seed}); the sample order would not continue")
-        if data["consumed_samples"] % self.cfg.train.global_batch_size:
-            raise ValueError(f"cannot resume {ckpt['path']} with train.global_batch_size "
-                             f"{self.cfg.train.global_batch_size}: {data['consumed_samples']} samples were consumed")
+        self.untrained_steps = ckpt["state"].get("untrained_steps", 0)
         self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         set_rng_state(ckpt["rng"])
@@ -200,11 +190,19 @@ class Trainer:
         """A host section that waits on peer ranks: guarded by the watchdog where there is one."""
         return self.watchdog.guard(label) if self.watchdog is not None else nullcontext()
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync)."""
+    def train_step(self) -> torch.Tensor | None:
+        """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync), None
+        for a step skipped as untrained."""
         accum = self.cfg.grad_accum_steps
         cpu = [self.slice_of(*self.data.micro_batch_at(self.step, m)) for m in range(accum)]
         trained, weights = self.data.trained_tokens(self.step), None
+        if trained == 0:  # alike on every rank: the count is the global batch's
+            if not self.cfg.data.skip_untrained:
+                raise TrainingError(f"step {self.step + 1}: no token of its batch is trained on ({self.data_dir}: "
+                                    "examples with empty completions, or prompts cut at --pad-to), so its loss "
+                                    "would read 0: fix the data, or set data.skip_untrained = true to skip such steps")
+            self.untrained_steps += 1
+            return None
         if trained is not None:
             # The step's loss is the mean over the global batch's trained targets: a micro-batch's mean
             # weighs by its share of them (times dp x cp, which the gradients' mean over the replicas divides
@@ -229,12 +227,16 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(nan, op=dist.ReduceOp.MAX)  # every rank stops alike
         if nan.item():
+            if self.step == 0 and self.resumed_from is None and (bad := compat.non_finite_init(self.cfg)):
+                raise TrainingError(f"step 1: the loss is nan: {bad}")
             raise TrainingError(f"step {self.step + 1}: the loss is nan in fp16, which is no loss-scale overflow: "
                                 "the run diverged (lower train.lr, or train.precision bf16)")
 
     def _diagnose(self, e: NonFiniteGradient) -> TrainingError:
         """Where the gradient stopped being finite says why: before any update the weights are the
         initialisation's, so the data or model.init_std are to blame, not the learning rate."""
+        if e.step <= 1 and self.resumed_from is None and (bad := compat.non_finite_init(self.cfg)):
+            return TrainingError(f"{e}: {bad}")
         if e.step <= 1 and self.resumed_from is None:
             why = ("at step 1, before any update: the data or the model's initialisation (model.init_std), "
                    "not the learning rate")
@@ -290,7 +292,7 @@ class Trainer:
             try:
                 self._refuse_unusable_weights(masters)
                 state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
-                         "loss_scaler": self.scaler.state_dict()}
+                         "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
                 path = save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
                                        keep=self.cfg.train.keep_checkpoints)
             except RunError as e:
@@ -347,7 +349,7 @@ class Trainer:
                             norm, skipped = self.engine.step_stats(self.step)
                         except NonFiniteGradient as e:
                             raise self._diagnose(e) from None
-                        loss = self.global_mean(loss)
+                        loss = self.global_mean(loss) if loss is not None else None
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
@@ -356,6 +358,8 @@ class Trainer:
                            "mem_gib": memory_gib(self.device), "skipped_steps": skipped}
                     if t.precision == "fp16":
                         rec["loss_scale"] = self.scaler.scale
+                    if self.cfg.data.skip_untrained:
+                        rec["untrained_steps"] = self.untrained_steps
                     disk = getattr(getattr(self.engine, "opt", None), "disk_bytes_per_s", None)
                     if disk is not None:  # parallel.offload_dir: the optimizer state's read and write rate
                         rec["disk_gb_s"] = disk / 1e9
@@ -421,18 +425,8 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None
-
-
-def _free_memory(device: torch.device) -> int | None:
-    """Bytes free on `device` (None where it cannot be told)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def resume_command(out: Path, world: int) -> str:

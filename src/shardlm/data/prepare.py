@@ -24,7 +24,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..tokenizer import HF_SIDE_FILES, Tokenizer, load_tokenizer
+from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer
 from .jsonl import JSON_KINDS, objects
 from .swap import building
 
@@ -293,8 +293,8 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     if not shards:
         raise PrepareError("the inputs hold no text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-             "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "documents": documents,
-             "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
+             "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
+             "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
@@ -311,7 +311,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     if pad_to:
         shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
-    count = truncated = trained = inside = 0
+    count = truncated = trained = inside = untrained = 0
     try:
         with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
                   disable=not progress) as bar:
@@ -325,6 +325,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
                     masks.write(mask)
                     count += 1
                     trained += int(mask.sum())
+                    untrained += not mask[1:].any()  # the first token is no target: nothing of it trains
                     bar.update(nbytes)
     except InstructError as e:
         for w in (tokens, masks):
@@ -334,8 +335,12 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     shards, mask_shards = tokens.finish(), masks.finish()
     if not shards:
         raise PrepareError("the inputs hold no examples")
+    if untrained == count:
+        raise PrepareError(f"no example of the {count:,} has a token to train on (empty completions"
+                           + (f", or prompts as long as --pad-to {pad_to}" if pad_to else "") + "): fix the data")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-             "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "documents": count, "examples": count,
+             "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
+             "documents": count, "examples": count, "untrained_examples": untrained,
              "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
              "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside}
     tok.save(out)

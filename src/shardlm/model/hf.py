@@ -8,13 +8,14 @@ import is needed to load or save; the tests use transformers as the reference.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..hf_config import hf_config_from_model, model_config_from_hf  # noqa: F401 (re-exported)
 
 def _hf_names(cfg: ModelConfig, i: int) -> dict:
@@ -136,7 +137,7 @@ class HFTensors:
     def __init__(self, files: list[Path], cfg: ModelConfig):
         self.where = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as st:
+            with _opened(f) as st:
                 self.where.update((k, f) for k in st.keys())
         self.recipes = hf_recipes(self.where.keys(), cfg)
         self.names = list(self.recipes)
@@ -145,9 +146,28 @@ class HFTensors:
         keys, how = self.recipes[name]
         parts = []
         for k in keys:
-            with safe_open(str(self.where[k]), framework="pt") as st:
-                parts.append(st.get_tensor(k))
+            with _opened(self.where[k]) as st:
+                try:
+                    parts.append(st.get_tensor(k))
+                except Exception as e:  # the header read, the data not: truncated after the header
+                    raise _unreadable(self.where[k], e) from None
         return how(*parts)
+
+
+def _unreadable(f: Path, e: Exception) -> ConfigError:
+    return ConfigError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0][:200] or type(e).__name__}):"
+                       " it is truncated, empty or damaged; download or export it again")
+
+
+@contextmanager
+def _opened(f: Path):
+    """safe_open, its errors (SafetensorError, OSError: an empty file, a bad header) as one ConfigError."""
+    try:
+        st = safe_open(str(f), framework="pt")
+    except Exception as e:
+        raise _unreadable(f, e) from None
+    with st:
+        yield st
 
 
 def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
@@ -163,7 +183,7 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
 
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, metadata: dict | None = None) -> None:
     """A directory that transformers' from_pretrained loads: config.json, model.safetensors, tokenizer files."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +191,8 @@ def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Pa
     if dtype is not None:
         hf = {k: v.to(dtype) for k, v in hf.items()}
     dtype_name = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt", **(metadata or {})})
     eos = tokenizer.eos_id if tokenizer is not None else None
     (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype_name, eos), indent=2) + "\n")
     if tokenizer is not None:

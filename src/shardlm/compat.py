@@ -1,0 +1,135 @@
+"""Whether a checkpoint, a dataset and a model belong together: what a resumed run may not change, and the
+tokenizer a dataset was prepared with against the model's.
+
+A resume continues the same optimisation: every key that changes the model (its shape, its vocabulary), the
+adapters (LoRA rank, alpha, rsLoRA, targets, the base's quantisation) or what the token ids mean (the
+tokenizer) must be the checkpoint's. Changed, they once ran on silently (other targets dropped the trained
+adapters outside them, another alpha rescaled the update mid-run) or ended in a traceback from the optimizer's
+state; each is now refused naming the key, both values and what to do. Keys that change only how the same
+run is computed (the layout, precision, recomputation, the step count) stay free.
+
+Token ids mean nothing without their tokenizer: a dataset records its tokenizer's fingerprint (a hash of the
+vocabulary, added tokens included), which must match the checkpoint's when resuming and `train.init_from`'s
+when fine-tuning.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .config import Config, ConfigError, lora_targets
+from .tokenizer import fingerprint, load_tokenizer
+
+
+class ResumeMismatch(ConfigError):
+    """A resumed run changes a key its checkpoint fixes."""
+
+
+KEEP = ("leave it out (a resume without a config or override continues with the checkpoint's) or set it back "
+        "to {old!r}")
+
+
+def _lora_change(key: str, old, new, path) -> str:
+    if key == "rank" and not old:
+        return (f"{path} trained every weight, without adapters: to fine-tune it with LoRA start a new run from it "
+                f"(`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE --lora.rank {new})")
+    if key == "rank" and not new:
+        return (f"{path} trained LoRA adapters of rank {old} on a frozen base: to go on without them start a new run "
+                f"from the merged model (`shardlm export --merge --checkpoint {path} --out BASE`, then "
+                f"--train.init_from BASE), or resume with lora.rank = {old}")
+    why = {"rank": "the adapters' shapes would change under the trained ones",
+           "alpha": "it would rescale the trained update mid-run (scale = alpha / rank)",
+           "rslora": "it would rescale the trained update mid-run",
+           "targets": "trained adapters outside the new targets would be dropped, new ones start untrained",
+           "quantize": "the adapters were trained on the other base (quantised or not)"}[key]
+    return f"{why}; " + KEEP.format(old=old) + ", or start a new run from the merged model (`shardlm export --merge`)"
+
+
+def check_resume(path: Path, saved: Config, now: Config) -> None:
+    """Refuse a resume of checkpoint `path` (saved with `saved`) under `now` that changes the model or adapters."""
+    def refuse(key, old, new, what):
+        raise ResumeMismatch(f"cannot resume {path}: {key} is {old!r} in the checkpoint and {new!r} in this run: "
+                             f"{what}")
+
+    for f in dataclasses.fields(saved.model):
+        old, new = getattr(saved.model, f.name), getattr(now.model, f.name)
+        if old != new:
+            refuse(f"model.{f.name}", old, new, "it changes the model; " + KEEP.format(old=old))
+    s, n = saved.lora, now.lora
+    if s.rank != n.rank:
+        refuse("lora.rank", s.rank, n.rank, _lora_change("rank", s.rank, n.rank, path))
+    if not s.rank:
+        return
+    for key in ("alpha", "rslora", "quantize"):
+        if getattr(s, key) != getattr(n, key):
+            refuse(f"lora.{key}", getattr(s, key), getattr(n, key), _lora_change(key, getattr(s, key), None, path))
+    if lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
+        refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
+
+
+def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int) -> None:
+    """The sample order continues only over the same windows, seed and whole global batches."""
+    data = state["data"]
+    if data["train_windows"] != train_windows or data["seed"] != seed:
+        raise ResumeMismatch(f"cannot resume {path}: its data ({data['train_windows']} windows, seed {data['seed']}) "
+                             f"differs from this run's ({train_windows}, {seed}); the sample order would not "
+                             "continue: resume with the checkpoint's data.path and train.seed")
+    if data["consumed_samples"] % global_batch:
+        raise ResumeMismatch(f"cannot resume {path} with train.global_batch_size {global_batch}: "
+                             f"{data['consumed_samples']} samples were consumed, not a whole number of batches")
+
+
+def data_fingerprint(data_dir: Path, index: dict, tokenizer) -> str:
+    """The fingerprint of the tokenizer `data_dir` was prepared with: the one its index records (datasets of
+    earlier versions record none: their copy of the tokenizer's), which its copy must still match."""
+    have = fingerprint(tokenizer)
+    recorded = index.get("tokenizer_fingerprint")
+    if recorded is not None and recorded != have:
+        raise ConfigError(f"{data_dir}/tokenizer.json is not the tokenizer the data was prepared with (fingerprint "
+                          f"{have}, index.json records {recorded}): prepare the data again")
+    return have
+
+
+def _mismatch(data_dir: Path, fp: str, tokenizer, other: str, other_tok) -> str:
+    return (f"data.path {str(data_dir)!r} was prepared with another tokenizer than {other} (vocabulary "
+            f"{tokenizer.vocab_size}, fingerprint {fp}; {other}: {other_tok.vocab_size}, {fingerprint(other_tok)}): "
+            "the token ids would mean other tokens to the model")
+
+
+def check_tokenizer(cfg: Config, data_dir: Path, index: dict, tokenizer, checkpoint: Path | None, log=print) -> None:
+    """The data's tokenizer against the model's: the checkpoint's when resuming, else train.init_from's."""
+    fp = data_fingerprint(data_dir, index, tokenizer)
+    if checkpoint is not None:
+        if (checkpoint / "tokenizer.json").is_file():
+            theirs = load_tokenizer(checkpoint)
+            if fingerprint(theirs) != fp:
+                raise ResumeMismatch(f"cannot resume {checkpoint}: " + _mismatch(data_dir, fp, tokenizer,
+                                     "the checkpoint's", theirs) + "; resume with the data it was trained on")
+        return
+    init = cfg.train.init_from
+    if not init:
+        return
+    if not (Path(init) / "tokenizer.json").is_file():
+        log(f"note: train.init_from = {init!r} has no tokenizer.json: the data's tokenizer cannot be checked "
+            "against the model's")
+        return
+    theirs = load_tokenizer(init)
+    if fingerprint(theirs) != fp:
+        raise ConfigError(_mismatch(data_dir, fp, tokenizer, f"train.init_from = {init!r}", theirs)
+                          + f"; prepare the data again with --tokenizer {init}")
+
+
+def non_finite_init(cfg: Config) -> str | None:
+    """Why a first step's numbers were not finite when train.init_from's own weights are not (named), else None:
+    the initialisation that model.init_std sets is not the one in use."""
+    if not cfg.train.init_from:
+        return None
+    import torch
+
+    from .model.hf import open_hf_dir
+    _, tensors = open_hf_dir(cfg.train.init_from)
+    for name in tensors.names:
+        if not bool(torch.isfinite(tensors(name)).all()):
+            return (f"train.init_from = {cfg.train.init_from!r} holds non-finite weights ({name} has nan or inf): "
+                    "the checkpoint is damaged or was saved from a diverged run; start from another")
+    return None

@@ -1,0 +1,51 @@
+"""Refusing a run that cannot fit before anything is allocated: the weights, gradients and optimizer state
+against the device's free memory, offload's host share against the node's available memory."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import ConfigError
+
+
+def check_memory(cfg, device: torch.device, any_rank) -> None:
+    """Refuse a model whose weights, gradients and optimizer state alone (a lower bound of what training
+    needs, by the planner's count) exceed the memory this device has free, before allocating any."""
+    from ..plan import Layout, Workload, estimate_memory, host_bytes
+    t = cfg.train
+    layout = Layout.from_config(cfg)
+    work = Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
+    mem = estimate_memory(cfg.model, work, layout)
+    need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
+    free = free_memory(device)
+    short = free is not None and need > free
+    if any_rank(short):  # one rank's busy GPU stops them all, not that rank alone
+        where = f"{device} has {free / 2**30:.1f} GiB free" if short else "another rank's device has less free"
+        raise ConfigError(f"the model ({cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
+                          f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
+                          f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+    # Offload's host memory: every rank of this node takes its share of the same RAM.
+    host, local = host_bytes(cfg.model, layout, work), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = free_memory(torch.device("cpu")) if host else None
+    short = avail is not None and host * local > avail
+    if any_rank(short):
+        where = f"this host has {avail / 2**30:.1f} GiB available" if short else "another rank's host has less"
+        what = f"parallel.offload = {cfg.parallel.offload!r}" if cfg.parallel.offload != "none" \
+            else "parallel.offload_activations = True"
+        raise ConfigError(f"{what} keeps {host / 2**30:.1f} GiB per rank "
+                          f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
+                          f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
+                          f"(parallel.dp, parallel.cp), or use a host with more memory")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` (None where it cannot be told)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
