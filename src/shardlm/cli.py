@@ -166,6 +166,8 @@ def cmd_data(argv: list[str]) -> int:
                     text_field=a.text_field, pad_to=a.pad_to)
     if "loss_mask" in index:
         cut = f", {index['truncated']:,} cut to --pad-to" if index["truncated"] else ""
+        if index["untrained_examples"]:  # the loss of a step made of these alone would be 0, and train nothing
+            cut += f", {index['untrained_examples']:,} with no token to train on"
         print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
               f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
         return 0
@@ -179,31 +181,55 @@ def cmd_export(argv: list[str]) -> int:
                                 description="Write a Hugging Face directory (config.json, model.safetensors, "
                                             "tokenizer) from a shardlm run or checkpoint.")
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new or empty directory (never a checkpoint, run or dataset)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapters into the weights and write the plain model "
                         "(default: the adapter alone, in PEFT's format)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (a previous export)")
     a = p.parse_args(argv)
+    from .adapter_check import ADAPTER_KEY, MERGED_KEY, adapter_fingerprint
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
+    from .export import check_out, writing
     from .model.hf import write_hf_dir
     from .parallel.lora import merged, write_peft_dir
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
+    check_out(a.out, a.overwrite)  # before reading a large checkpoint
     ckpt = load_checkpoint(a.checkpoint, with_optimizer=False)
     full = config_from_dict(ckpt["state"]["config"])
     cfg, lora = full.model, full.lora
     if a.merge and not lora.rank:
         raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
-    if lora.rank and not a.merge:
-        write_peft_dir(ckpt["model"], cfg, lora, a.out, dtype=DTYPES[a.dtype], base=full.train.init_from or None)
-        print(f"exported the LoRA adapter of {ckpt['path']} -> {a.out} (PEFT format; --merge for the merged model)")
-        return 0
-    state = merged(ckpt["model"], cfg, lora) if lora.rank else ckpt["model"]
-    write_hf_dir(state, cfg, a.out, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype])
-    print(f"exported {ckpt['path']} -> {a.out}")
+    state, mark = ckpt["model"], {}
+    if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
+        mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
+    if a.dtype == "fp16":
+        _refuse_beyond_fp16(merged(state, cfg, lora) if a.merge else state, a.out)
+    try:
+        with writing(a.out, a.overwrite) as scratch:
+            if lora.rank and not a.merge:
+                write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=full.train.init_from or None,
+                               metadata=mark)
+            else:
+                state = merged(state, cfg, lora) if lora.rank else state
+                write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark)
+    except OSError as e:
+        raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
+    what = "the LoRA adapter of " if lora.rank and not a.merge else ""
+    print(f"exported {what}{ckpt['path']} -> {a.out}" + (" (PEFT format; --merge for the merged model)" if what else ""))
     return 0
+
+
+def _refuse_beyond_fp16(state: dict, out: str) -> None:
+    """fp16 holds up to 65504: a weight beyond it would be written as inf."""
+    import torch
+    limit = torch.finfo(torch.float16).max
+    bad = next((n for n, w in state.items() if bool(w.abs().gt(limit).any())), None)
+    if bad is not None:
+        raise ConfigError(f"--dtype fp16: {bad} holds values beyond fp16's range (65504), which would be written to "
+                          f"{out} as inf: export as bf16 or fp32")
 
 
 def cmd_plan(argv: list[str]) -> int:

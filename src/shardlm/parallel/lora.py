@@ -165,7 +165,8 @@ def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.T
     return out
 
 
-def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=None, base: str | None = None) -> None:
+def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=None, base: str | None = None,
+                   metadata: dict | None = None) -> None:
     """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) from a full state dict, which
     `peft.PeftModel.from_pretrained` loads onto the Hugging Face base model."""
     import json
@@ -175,7 +176,7 @@ def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=N
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in peft_state(state, cfg).items()}
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt", **(metadata or {})})
     (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, lora, base), indent=1) + "\n")
 
 
@@ -217,4 +218,24 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         if module not in where or kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
         state[f"layers.{layer}.{where[module]}.lora.{kind[0]}.{module.rsplit('.', 1)[1]}"] = t
+    _check_shapes(path, state, cfg, lora.rank)
     return lora, state
+
+
+def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
+    """An adapter of another model (more layers, other widths) or another r is refused by name, not left to
+    fail inside `merged` with a broadcasting error."""
+    from ..config import ConfigError
+    for layer, linear, name, a, b in _adapters(state, cfg):
+        modules = LORA_MODULES[cfg.arch][linear]
+        parts = fused_parts(cfg, linear)
+        rows = parts[[m.rsplit(".", 1)[1] for m in modules].index(name)] if len(modules) == len(parts) else sum(parts)
+        inputs = {"attn.out": cfg.num_heads * cfg.head_size, "mlp.down": cfg.ffn_size}.get(linear, cfg.hidden_size)
+        want_a, want_b = (rank, inputs), (rows, rank)
+        if layer >= cfg.num_layers:
+            raise ConfigError(f"{path} does not fit this model: it adapts layer {layer}, the model has "
+                              f"{cfg.num_layers} layers: use the adapter trained on this --model's base")
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ConfigError(f"{path} does not fit this model: its {name} adapter of layer {layer} has A "
+                              f"{tuple(a.shape)}, B {tuple(b.shape)}, the model (hidden {cfg.hidden_size}, r {rank}) "
+                              f"needs A {want_a}, B {want_b}: use the adapter trained on this --model's base")

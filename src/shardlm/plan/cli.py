@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from .flags import check_numbers
 from .hardware import GPUS, parse_bytes
 
 GiB = 2**30
@@ -120,6 +121,7 @@ def fmt(x: float) -> str:
 
 def check_flags(a) -> None:
     """The values no layout check sees."""
+    check_numbers(a)
     for flag, value in (("--tokens", a.tokens), ("--price-per-gpu-hour", a.price_per_gpu_hour)):
         if value < 0:
             raise PlanError(f"{flag} {value:g} must not be negative")

@@ -1,0 +1,59 @@
+"""Where `shardlm export` may write, and writing it whole or not at all.
+
+An export once went wherever --out said: `--out RUN/checkpoints/step_N` replaced the checkpoint's fp32 weights
+with bf16 ones and the run could not resume. Now a checkpoint, a run directory (or its checkpoints folder) and a
+prepared dataset are never export targets, and any other directory that is not empty is replaced only with
+--overwrite. The export is built in a scratch directory beside --out and swapped in complete (data/swap.py),
+so a failed or killed export leaves --out as it was.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from .checkpoint import CKPT_DIR, STATE
+from .config import ConfigError
+from .data.prepare import INDEX
+from .data.swap import building
+from .runlock import LOCK_FILE
+
+
+def _what(path: Path) -> str | None:
+    """What shardlm directory `path` is, where it is one an export must not replace."""
+    if (path / STATE).is_file() or (path.name.startswith("step_") and path.parent.name == CKPT_DIR):
+        return "a checkpoint"
+    if (path / CKPT_DIR).is_dir() or (path / LOCK_FILE).exists() or (path / "metrics.jsonl").is_file():
+        return "a run directory"
+    if path.name == CKPT_DIR and any(path.glob("step_*")):
+        return "a run's checkpoints folder"
+    if (path / INDEX).is_file():
+        return "a prepared dataset"
+    return None
+
+
+def check_out(out: str | Path, overwrite: bool) -> Path:
+    """The real directory --out names, refused (ConfigError naming it and the fix) when it must not be written."""
+    final = Path(os.path.realpath(out))
+    for above in final.parents:
+        if (above / STATE).is_file():
+            raise ConfigError(f"--out {out} is inside the checkpoint {above}: an export never writes into one; "
+                              "give another --out")
+    if os.path.lexists(final) and not final.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory")
+    what = _what(final) if final.is_dir() else None
+    if what is not None:
+        raise ConfigError(f"--out {out} is {what}: an export never replaces one (even with --overwrite); give a "
+                          "new or empty --out")
+    if final.is_dir() and any(final.iterdir()) and not overwrite:
+        raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it (a previous export), "
+                          "or give a new --out")
+    return final
+
+
+@contextmanager
+def writing(out: str | Path, overwrite: bool):
+    """A scratch directory to write the export into; it becomes --out only when the block ends without error."""
+    final = check_out(out, overwrite)
+    with building(final) as scratch:
+        yield scratch

@@ -1,0 +1,247 @@
+"""Every misuse a user can make of a command, as one row of a table: the command ends with one line
+`shardlm <cmd>: error: ...` naming the input and the fix, a non-zero status, no traceback, and nothing on disk
+changed (runs, checkpoints, datasets, exports). A new case is one line in CASES.
+
+The commands run in this process (`shardlm.cli.main`), which is what `python -m shardlm` runs, without a
+Python start per row; an exception escaping main() fails the row as a traceback would."""
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import TEXT
+from shardlm.cli import main
+
+QUIET = ["--train.tensorboard", "false", "--train.sample_tokens", "0"]
+
+# (id, argv, a fragment of the error line, the status: 2 for what the user gave, 1 for what a run found)
+CASES = [
+    # resuming with keys that change the model, the adapters or the data
+    ("lora-rank", ["train", "--resume", "{lrun}", "--lora.rank", "8"], "lora.rank is 4 in the checkpoint and 8 in this run", 2),
+    ("lora-off", ["train", "--resume", "{lrun}", "--lora.rank", "0"], "lora.rank is 4 in the checkpoint and 0", 2),
+    ("lora-alpha", ["train", "--resume", "{lrun}", "--lora.alpha", "32"], "lora.alpha is 16.0 in the checkpoint and 32.0", 2),
+    ("lora-targets", ["train", "--resume", "{lrun}", "--lora.targets", "q_proj"], "lora.targets is 'q_proj,v_proj' in", 2),
+    ("lora-rslora", ["train", "--resume", "{lrun}", "--lora.rslora", "true"], "lora.rslora is False in the checkpoint", 2),
+    ("lora-quantize", ["train", "--resume", "{lrun}", "--lora.quantize", "nf4"], "lora.quantize is 'none' in the", 2),
+    ("lora-on-full", ["train", "--resume", "{run}", "--lora.rank", "4"], "trained every weight, without adapters", 2),
+    ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
+    ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
+     "another tokenizer than the checkpoint's", 2),
+    ("resume-missing", ["train", "--resume", "{run}/checkpoints/step_00000099"], "does not exist", 2),
+    # starting from a checkpoint (train.init_from)
+    ("init-tokenizer", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{swapdata}", "--out", "{new}"],
+     "another tokenizer than train.init_from", 2),
+    ("init-truncated", ["train", "tiny", "--train.init_from", "{truncated}", "--data.path", "{data}", "--out", "{new}"],
+     "model.safetensors is not a readable safetensors file", 2),
+    ("init-empty", ["train", "tiny", "--train.init_from", "{empty}", "--data.path", "{data}", "--out", "{new}"],
+     "model.safetensors is not a readable safetensors file", 2),
+    ("init-bad-header", ["train", "tiny", "--train.init_from", "{badheader}", "--data.path", "{data}", "--out", "{new}"],
+     "model.safetensors is not a readable safetensors file", 2),
+    ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
+                         "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    # data and run directories
+    ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",
+                        "--out", "{new}"], "no token of its batch is trained on", 1),
+    ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),
+    ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
+     "lora.alpha = 0.0 must be positive", 2),
+    # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
+    ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",
+                                "bf16"], "is a checkpoint: an export never replaces one", 2),
+    ("export-over-run", ["export", "--checkpoint", "{run}", "--out", "{run}"], "is a run directory", 2),
+    ("export-over-checkpoints", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints"], "checkpoints folder", 2),
+    ("export-into-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002/hf"],
+     "is inside the checkpoint", 2),
+    ("export-over-dataset", ["export", "--checkpoint", "{run}", "--out", "{data}"], "is a prepared dataset", 2),
+    ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
+    ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
+    ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
+    ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
+    # data prepare
+    ("prepare-nothing-trained", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
+                                 "--pad-to", "8"], "no example of the 3 has a token to train on", 2),
+    ("prepare-pad-to-text", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}", "--pad-to",
+                             "8"], "--pad-to applies to instruction examples", 2),
+    ("prepare-over-run", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{run}"],
+     "holds files that are not part of a prepared dataset", 2),
+    ("prepare-no-input", ["data", "prepare", "--input", "{new}.txt", "--tokenizer", "byte", "--out", "{new}"],
+     "does not exist", 2),
+    ("prepare-shard-tokens", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}",
+                              "--shard-tokens", "5"], "--shard-tokens 5 is out of range", 2),
+    ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
+     "no tokenizer.json", 2),
+    # plan
+    ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
+    ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
+    ("plan-nan-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "nan"], "--gpu-tflops nan must be a positive", 2),
+    ("plan-dp-zero", ["plan", "--model", "tiny", "--dp", "0"], "--dp 0 must be at least 1", 2),
+    ("plan-global-batch-zero", ["plan", "--model", "tiny", "--global-batch", "0"], "--global-batch 0 must be at least 1", 2),
+    ("plan-top-zero", ["plan", "--model", "tiny", "--search", "--top", "0"], "--top 0 must be at least 1", 2),
+    ("plan-hidden-negative", ["plan", "--arch", "llama", "--layers", "2", "--hidden", "-64", "--heads", "4", "--vocab",
+                              "100"], "--hidden -64 must be at least 1", 2),
+    ("plan-experts-negative", ["plan", "--model", "tiny", "--experts", "-1"], "--experts -1 must not be negative", 2),
+    ("plan-tokens-nan", ["plan", "--model", "tiny", "--tokens", "nan"], "--tokens nan must be a finite number", 2),
+    ("plan-gpus-per-node", ["plan", "--model", "tiny", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1", 2),
+]
+
+
+def _files(root):
+    """Every file under root by path: its size and hash (a run's lock file records its last owner, no state)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".shardlm.lock"}
+
+
+def _cli(argv, capsys):
+    capsys.readouterr()
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err.replace("\r", "\n")
+    return status, [line for line in err.strip().splitlines() if line and not line.startswith("tokenize:")]  # the bar
+
+
+def _swapped_byte_tokenizer(directory):
+    """The byte tokenizer with two ids exchanged: its vocabulary's size, other meanings."""
+    from shardlm.tokenizer import byte_tokenizer
+    spec = json.loads(byte_tokenizer().to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = [k for k, v in vocab.items() if v in (97, 98)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    p = {name: root / name for name in ("run", "lrun", "exp", "data", "swapdata", "truncated", "empty", "badheader",
+                                        "nonfinite", "fewtrained")}
+    p["text"], p["file"], p["longprompts"] = root / "text.txt", root / "file", root / "long.jsonl"
+    p["text"].write_text(TEXT * 4)
+    p["file"].write_text("")
+    p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
+    few = root / "few.jsonl"
+    few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n"
+                   + "".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(39)))
+    _swapped_byte_tokenizer(root / "swapped")
+
+    def ok(*argv):
+        status = main([str(a) for a in argv])
+        assert status == 0, argv
+
+    ok("data", "prepare", "--input", p["text"], "--tokenizer", "byte", "--out", p["data"])
+    ok("data", "prepare", "--input", p["text"], "--tokenizer", root / "swapped", "--out", p["swapdata"])
+    ok("data", "prepare", "--input", few, "--tokenizer", "byte", "--out", p["fewtrained"], "--pad-to", "8")
+    ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--out", p["run"])
+    ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
+       "q_proj,v_proj", "--out", p["lrun"])
+    ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    weights = (p["exp"] / "model.safetensors").read_bytes()
+    for name in ("truncated", "empty", "badheader", "nonfinite"):
+        shutil.copytree(p["exp"], p[name])
+    (p["truncated"] / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    (p["empty"] / "model.safetensors").write_bytes(b"")
+    (p["badheader"] / "model.safetensors").write_bytes(b"\xff" * 8 + weights[8:])
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(p["nonfinite"] / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})
+    return root, p
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, capsys):
+    root, paths = world
+    _, argv, fragment, want = case
+    names = {**paths, "new": tmp_path / "new"}
+    argv = [str(a).format(**names) for a in argv] + (QUIET if argv[0] == "train" else [])
+    before = _files(root)
+    status, lines = _cli(argv, capsys)
+    assert lines, f"no message for {argv}"
+    assert status == want, (status, lines)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"shardlm {argv[0]}: error: ") and fragment in lines[0], lines
+    assert _files(root) == before
+    new = tmp_path / "new"
+    left = {p.name for p in new.iterdir()} if new.is_dir() else set()
+    assert left <= {".shardlm.lock", "config.toml"}, left  # a refused run never checkpoints nor logs
+
+
+def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):
+    _, paths = world
+    run = tmp_path / "run"
+    status = main(["train", "tiny", *QUIET, "--data.path", str(paths["fewtrained"]), "--train.seq_len", "8",
+                   "--train.steps", "5", "--data.skip_untrained", "true", "--out", str(run)])
+    assert status == 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 5 and 3 <= last["untrained_steps"] <= 5
+    assert json.loads((run / "checkpoints" / "step_00000005" / "state.json").read_text())["untrained_steps"] == \
+        last["untrained_steps"]
+
+
+def test_a_dataset_records_its_tokenizer(world):
+    from shardlm.tokenizer import fingerprint, load_tokenizer
+    _, paths = world
+    for name in ("data", "swapdata", "fewtrained"):
+        index = json.loads((paths[name] / "index.json").read_text())
+        assert index["tokenizer_fingerprint"] == fingerprint(load_tokenizer(paths[name]))
+    assert fingerprint(load_tokenizer(paths["data"])) != fingerprint(load_tokenizer(paths["swapdata"]))
+    assert json.loads((paths["fewtrained"] / "index.json").read_text())["untrained_examples"] == 39
+
+
+def test_an_adapter_is_refused_on_a_model_that_carries_it(world, tmp_path, capsys):
+    """`check_adapter_target`, which generate and eval call before loading: a LoRA run (merged on load) and a merged
+    export of the adapter's own run are refused; a plain model takes the adapter."""
+    from shardlm.adapter_check import check_adapter_target
+    from shardlm.config import ConfigError
+    _, paths = world
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", "--checkpoint", str(paths["lrun"]), "--out", str(adapter)]) == 0
+    assert main(["export", "--checkpoint", str(paths["lrun"]), "--out", str(merged), "--merge"]) == 0
+    with pytest.raises(ConfigError, match=r"is a LoRA run \(lora.rank = 4\) whose adapters are merged into it"):
+        check_adapter_target(paths["lrun"], adapter)
+    with pytest.raises(ConfigError, match="is a LoRA run"):
+        check_adapter_target(paths["lrun"] / "checkpoints" / "step_00000002", adapter)
+    with pytest.raises(ConfigError, match="is a merged export that already holds this adapter"):
+        check_adapter_target(merged, adapter)
+    check_adapter_target(paths["exp"], adapter)  # a plain model
+    check_adapter_target(paths["run"], adapter)  # a run without adapters
+
+
+def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):
+    from shardlm.config import ConfigError, load_config
+    from shardlm.parallel.lora import read_peft_dir
+    _, paths = world
+    adapter = tmp_path / "adapter"
+    assert main(["export", "--checkpoint", str(paths["lrun"]), "--out", str(adapter)]) == 0
+    read_peft_dir(adapter, load_config("tiny").model)
+    with pytest.raises(ConfigError, match=r"q_proj adapter of layer 0 has A \(4, 64\).*needs A \(4, 128\)"):
+        read_peft_dir(adapter, load_config("tiny", {"model.hidden_size": "128"}).model)
+    with pytest.raises(ConfigError, match="it adapts layer 1, the model has 1 layers"):
+        read_peft_dir(adapter, load_config("tiny", {"model.num_layers": "1"}).model)
+
+
+def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, capsys):
+    """A failure mid-write (a full disk) leaves --out as it was, also under --overwrite; no scratch is left."""
+    import shardlm.model.hf as hf
+    _, paths = world
+    out = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(paths["run"]), "--out", str(out)]) == 0
+    before = _files(out)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf, "save_file", full_disk)
+    status, lines = _cli(["export", "--checkpoint", paths["run"], "--out", out, "--overwrite", "--dtype", "bf16"], capsys)
+    assert status != 0 and "No space left on device" in lines[-1] and len(lines) == 1, lines
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.undo()
+    assert main(["export", "--checkpoint", str(paths["run"]), "--out", str(out), "--overwrite", "--dtype", "bf16"]) == 0
+    assert _files(out) != before
+    from safetensors.torch import load_file
+    assert next(iter(load_file(out / "model.safetensors").values())).dtype == torch.bfloat16
