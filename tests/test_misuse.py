@@ -48,6 +48,18 @@ CASES = [
     ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
      "lora.alpha = 0.0 must be positive", 2),
+    ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
+    ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
+     "it is a shardlm run; continue it with --resume", 2),
+    ("eval-tokenizer", ["train", "tiny", "--data.path", "{data}", "--data.eval_path", "{swapdata}", "--out", "{new}"],
+     "another tokenizer than data.eval_path", 2),
+    # config keys
+    ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
+    ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
+    ("key-no-value", ["train", "tiny", "--out", "{new}", "--train.steps"], "train.steps is missing a value", 2),
+    ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
+    ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
+    ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
     # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
     ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",
                                 "bf16"], "is a checkpoint: an export never replaces one", 2),
@@ -59,6 +71,7 @@ CASES = [
     ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
+    ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
     # data prepare
     ("prepare-nothing-trained", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
@@ -89,9 +102,9 @@ CASES = [
 
 
 def _files(root):
-    """Every file under root by path: its size and hash (a run's lock file records its last owner, no state)."""
+    """Every file under root by path: its size and hash."""
     return {str(p.relative_to(root)): (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest())
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".shardlm.lock"}
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _cli(argv, capsys):
@@ -159,7 +172,8 @@ def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, caps
     root, paths = world
     _, argv, fragment, want = case
     names = {**paths, "new": tmp_path / "new"}
-    argv = [str(a).format(**names) for a in argv] + (QUIET if argv[0] == "train" else [])
+    argv = [str(a).format(**names) for a in argv]
+    argv[1:1] = QUIET if argv[0] == "train" else []
     before = _files(root)
     status, lines = _cli(argv, capsys)
     assert lines, f"no message for {argv}"
@@ -168,8 +182,10 @@ def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, caps
     assert lines[0].startswith(f"shardlm {argv[0]}: error: ") and fragment in lines[0], lines
     assert _files(root) == before
     new = tmp_path / "new"
-    left = {p.name for p in new.iterdir()} if new.is_dir() else set()
-    assert left <= {".shardlm.lock", "config.toml"}, left  # a refused run never checkpoints nor logs
+    if want == 2:  # refused before it began: nothing made
+        assert not new.exists() or not any(new.iterdir()), list(new.iterdir())
+    else:  # stopped by what it found once running: no checkpoint, no metrics
+        assert {p.name for p in new.iterdir()} <= {".shardlm.lock", "config.toml"}
 
 
 def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):

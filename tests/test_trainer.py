@@ -63,7 +63,7 @@ def test_resume_allows_more_steps(tmp_path):
 
 def test_resume_refuses_a_different_model(tmp_path):
     train(tmp_path, "a", train__steps=2)
-    with pytest.raises(ValueError, match="model config differs"):
+    with pytest.raises(ValueError, match="model.hidden_size is 64 in the checkpoint and 32 in this run"):
         train(tmp_path, "b", resume=tmp_path / "a", model__hidden_size=32)
 
 

@@ -125,6 +125,13 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
 
 
+def _no_checkpoint(path: Path) -> FileNotFoundError:
+    hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume
+    return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
+                             + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
+                                if hf else ""))
+
+
 def read_state(path: str | Path) -> dict:
     """state.json of a checkpoint, or of the newest checkpoint of a run directory whose state.json reads,
     without reading (or verifying) the tensors: what a resumed run's config comes from."""
@@ -133,7 +140,7 @@ def read_state(path: str | Path) -> dict:
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
     if not candidates:
-        raise FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})")
+        raise _no_checkpoint(path)
     for ckpt in candidates:
         try:
             state = json.loads((ckpt / STATE).read_text())
@@ -178,7 +185,7 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
         return path
     found = complete_checkpoints(path)
     if not found:
-        raise FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})")
+        raise _no_checkpoint(path)
     problems = []
     for ckpt in reversed(found):
         try:

@@ -97,8 +97,14 @@ def _mismatch(data_dir: Path, fp: str, tokenizer, other: str, other_tok) -> str:
 
 
 def check_tokenizer(cfg: Config, data_dir: Path, index: dict, tokenizer, checkpoint: Path | None, log=print) -> None:
-    """The data's tokenizer against the model's: the checkpoint's when resuming, else train.init_from's."""
+    """The data's tokenizer against the model's: the checkpoint's when resuming, else train.init_from's; and
+    data.eval_path's against data.path's (an eval loss over other ids is no loss of this model)."""
     fp = data_fingerprint(data_dir, index, tokenizer)
+    if cfg.data.eval_path and (Path(cfg.data.eval_path) / "tokenizer.json").is_file():
+        theirs = load_tokenizer(cfg.data.eval_path)
+        if fingerprint(theirs) != fp:
+            raise ConfigError(_mismatch(data_dir, fp, tokenizer, f"data.eval_path = {cfg.data.eval_path!r}", theirs)
+                              + "; prepare both with one tokenizer")
     if checkpoint is not None:
         if (checkpoint / "tokenizer.json").is_file():
             theirs = load_tokenizer(checkpoint)

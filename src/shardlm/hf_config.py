@@ -132,8 +132,11 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
     try:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
+        run = (path.parent / "state.json").is_file() or (path.parent / "checkpoints").is_dir()
+        fix = (f": it is a shardlm run; continue it with --resume, or start from it after `shardlm export "
+               f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
-                          f"({e})") from None
+                          f"({e}){fix}") from None
     cfg.model = model_config_from_hf(hf)
     apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
     return cfg

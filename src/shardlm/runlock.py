@@ -39,8 +39,8 @@ class RunLocked(ConfigError):
 
 
 class _Lock:
-    def __init__(self, path: str, fd: int | None):
-        self.path, self.fd, self.refs = path, fd, 0
+    def __init__(self, path: str, fd: int, created: bool, previous: bytes):
+        self.path, self.fd, self.refs, self.created, self.previous = path, fd, 0, created, previous
 
 
 class RunLock:
@@ -50,19 +50,27 @@ class RunLock:
         self._lock = lock
         lock.refs += 1
 
-    @property
-    def path(self) -> str:
-        return self._lock.path
-
-    def release(self) -> None:
+    def release(self, undo: bool = False) -> None:
+        """`undo`: the run was refused before it began, so the directory is left as it was found: removed if
+        taking the lock made it, else with its previous owner's record back in the lock file."""
         lock, self._lock = self._lock, None
         if lock is None:
             return
         lock.refs -= 1
-        if lock.refs == 0:
-            _held.pop(lock.path, None)
-            if lock.fd is not None:
-                os.close(lock.fd)  # closing the only fd releases the flock
+        if lock.refs:
+            return
+        _held.pop(lock.path, None)
+        if undo and lock.previous:  # still holding the lock: no other run is in the directory meanwhile
+            os.ftruncate(lock.fd, 0)
+            os.pwrite(lock.fd, lock.previous, 0)
+        elif undo:
+            os.unlink(lock.path)
+            if lock.created:
+                try:
+                    os.rmdir(os.path.dirname(lock.path))
+                except OSError:  # not empty: something else is in it now
+                    pass
+        os.close(lock.fd)  # closing the only fd releases the flock
 
 
 def owner(run_dir: str | Path) -> dict | None:
@@ -84,6 +92,7 @@ def describe(info: dict | None) -> str:
 def acquire(run_dir: str | Path, log=print) -> RunLock:
     """Take the run directory's lock (creating the directory), or raise RunLocked naming its owner."""
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = os.path.realpath(run_dir / LOCK_FILE)
     if path in _held:
@@ -101,7 +110,8 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
             "into it at the same time")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join(["shardlm", *sys.argv[1:]])[:300]}
+    previous = os.pread(fd, 1 << 16, 0)
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    lock = _held[path] = _Lock(path, fd)
+    lock = _held[path] = _Lock(path, fd, created, previous)
     return RunLock(lock)

@@ -67,6 +67,16 @@ class Trainer:
             self.run_lock = rundir.claim(self.out, self.mesh.is_main, self._from_main, log)
             if self.run_lock is not None:  # a Trainer never closed lets go of the directory when collected
                 weakref.finalize(self, self.run_lock.release)
+        try:
+            self._setup(cfg, resume, overwrite, log)
+        except BaseException:
+            if self.run_lock is not None:  # a refused run leaves no trace: a directory it made goes again
+                self.run_lock.release(undo=True)
+            raise
+
+    def _setup(self, cfg: Config, resume, overwrite: bool, log) -> None:
+        t = cfg.train
+        if self.out is not None:
             failed = rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite,
                                     self.mesh.is_main, log)
             if self._any_rank(failed is not None):
