@@ -42,6 +42,7 @@ def test_a_second_run_and_a_resume_of_a_running_run_are_refused_and_a_killed_run
         assert first.poll() is None, first.stderr.read().decode()[-2000:]
         assert owner(run)["pid"] == first.pid
         for argv in (["train", "tiny", *QUIET, *data, "--train.steps", "2", "--out", run],  # a second run into it
+                     ["train", "tiny", *QUIET, *data, "--out", run, "--overwrite"],  # which would delete its work
                      ["train", "--resume", run, "--train.steps", "3"]):  # a resume of the running run
             proc = run_cli(*argv, check=False)
             lines = proc.stderr.strip().splitlines()
@@ -49,7 +50,7 @@ def test_a_second_run_and_a_resume_of_a_running_run_are_refused_and_a_killed_run
             assert lines[-1].startswith(f"shardlm train: error: {run} is in use by pid {first.pid} on host "
                                         f"{socket.gethostname()}"), lines
             assert "wait for that run to end" in lines[-1]
-        assert owner(run)["pid"] == first.pid  # the refused runs did not take it over
+        assert owner(run)["pid"] == first.pid and complete_checkpoints(run)  # the refused runs touched nothing
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

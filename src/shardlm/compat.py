@@ -139,3 +139,18 @@ def non_finite_init(cfg: Config) -> str | None:
             return (f"train.init_from = {cfg.train.init_from!r} holds non-finite weights ({name} has nan or inf): "
                     "the checkpoint is damaged or was saved from a diverged run; start from another")
     return None
+
+
+def check_trainable(data_dir: Path, index: dict) -> None:
+    """Instruction data in which no example has a trained token (datasets of earlier versions: `data prepare`
+    now refuses to write one) would train at a loss of 0 and learn nothing."""
+    untrained = index.get("untrained_examples", 0)
+    if index.get("loss_mask") and 0 in (index.get("trained_tokens"), index.get("examples", 1) - untrained):
+        raise ConfigError(f"{data_dir}: no example has a token to train on (empty completions, or prompts cut at "
+                          "--pad-to): fix the data and prepare it again")
+
+
+def untrained_step(step: int, data_dir: Path) -> str:
+    return (f"step {step}: no token of its batch is trained on ({data_dir}: examples with empty completions, or "
+            "prompts cut at --pad-to), so its loss would read 0: fix the data, or set data.skip_untrained = true "
+            "to skip such steps (counted in the metrics)")

@@ -90,11 +90,7 @@ class Trainer:
         self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
-        index = self.data.train.shards.index
-        untrained = index.get("untrained_examples", 0)
-        if index.get("loss_mask") and 0 in (index.get("trained_tokens"), index.get("examples", 1) - untrained):
-            raise ConfigError(f"{data_dir}: no example has a token to train on (empty completions, or prompts cut "
-                              "at --pad-to): fix the data and prepare it again")
+        compat.check_trainable(data_dir, self.data.train.shards.index)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None, log)
         self.untrained_steps = 0  # steps whose batch held no trained token, skipped (data.skip_untrained)
@@ -208,9 +204,7 @@ class Trainer:
         trained, weights = self.data.trained_tokens(self.step), None
         if trained == 0:  # alike on every rank: the count is the global batch's
             if not self.cfg.data.skip_untrained:
-                raise TrainingError(f"step {self.step + 1}: no token of its batch is trained on ({self.data_dir}: "
-                                    "examples with empty completions, or prompts cut at --pad-to), so its loss "
-                                    "would read 0: fix the data, or set data.skip_untrained = true to skip such steps")
+                raise TrainingError(compat.untrained_step(self.step + 1, self.data_dir))
             self.untrained_steps += 1
             return None
         if trained is not None:
