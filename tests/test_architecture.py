@@ -12,12 +12,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["schedules"],                                                                                 # no torch
     ["config", "cpu_adam"],                                                                       # no shardlm imports
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat"],  # primitives
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
     ["optim"],
     ["parallel"],
-    ["text_metrics"],
+    ["text_metrics", "compat", "export", "adapter_check", "memory_check"],
     ["inference", "testing"],
     ["trainer"],
     ["cli"],

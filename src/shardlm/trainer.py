@@ -34,7 +34,7 @@ from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
-from .runtime.memory import check_memory
+from .memory_check import check_memory
 from .runtime.preemption import StopSignals, host_group, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer

@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from ..config import ConfigError
+from .config import ConfigError
 
 
 def check_memory(cfg, device: torch.device, any_rank) -> None:
     """Refuse a model whose weights, gradients and optimizer state alone (a lower bound of what training
     needs, by the planner's count) exceed the memory this device has free, before allocating any."""
-    from ..plan import Layout, Workload, estimate_memory, host_bytes
+    from .plan import Layout, Workload, estimate_memory, host_bytes
     t = cfg.train
     layout = Layout.from_config(cfg)
     work = Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
