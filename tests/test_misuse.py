@@ -7,6 +7,7 @@ Python start per row; an exception escaping main() fails the row as a traceback 
 import hashlib
 import json
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -71,6 +72,8 @@ CASES = [
     ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
+    ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
+     "holds values beyond fp16's range (65504)", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
     # data prepare
@@ -161,6 +164,16 @@ def world(tmp_path_factory):
     (p["empty"] / "model.safetensors").write_bytes(b"")
     (p["badheader"] / "model.safetensors").write_bytes(b"\xff" * 8 + weights[8:])
     from safetensors.torch import load_file, save_file
+    p["bigrun"] = root / "bigrun"  # a checkpoint whose weights fp16 cannot hold (its checksums updated)
+    shutil.copytree(p["run"], p["bigrun"])
+    ckpt = p["bigrun"] / "checkpoints" / "step_00000002"
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["embed.weight"][0, 0] = 1e6
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"]["model.safetensors"] = {"bytes": (ckpt / "model.safetensors").stat().st_size,
+                                           "crc32": zlib.crc32((ckpt / "model.safetensors").read_bytes())}
+    (ckpt / "state.json").write_text(json.dumps(state))
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})
@@ -261,3 +274,12 @@ def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, 
     assert _files(out) != before
     from safetensors.torch import load_file
     assert next(iter(load_file(out / "model.safetensors").values())).dtype == torch.bfloat16
+
+
+def test_a_resume_may_change_what_leaves_the_model_as_it_is(world, tmp_path):
+    """Not over-refused: adapter dropout, the step count and the output directory are free on a resume."""
+    _, paths = world
+    out = tmp_path / "out"
+    assert main(["train", "--resume", str(paths["lrun"]), *QUIET, "--lora.dropout", "0.1", "--train.steps", "3",
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
