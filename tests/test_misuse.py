@@ -207,8 +207,11 @@ def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):
     status = main(["train", "tiny", *QUIET, "--data.path", str(paths["fewtrained"]), "--train.seq_len", "8",
                    "--train.steps", "5", "--data.skip_untrained", "true", "--out", str(run)])
     assert status == 0
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
     assert last["step"] == 5 and 3 <= last["untrained_steps"] <= 5
+    skipped = [r for r in records if r["loss"] is None]  # no loss, no update: no 0.0000 reported
+    assert len(skipped) == last["untrained_steps"] and all(r["grad_norm"] is None for r in skipped)
     assert json.loads((run / "checkpoints" / "step_00000005" / "state.json").read_text())["untrained_steps"] == \
         last["untrained_steps"]
 

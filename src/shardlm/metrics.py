@@ -89,7 +89,8 @@ class MetricsLogger:
 def format_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
     loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"  # a step skipped for lack of trained tokens
-    return (f"step {r['step']:>6} | loss {loss} | grad-norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
+    norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+    return (f"step {r['step']:>6} | loss {loss} | grad-norm {norm} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {r['mem_gib']:.2f} GiB"
             + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else "")
             + (f" | untrained {r['untrained_steps']}" if r.get("untrained_steps") else "")

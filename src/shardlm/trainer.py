@@ -350,7 +350,8 @@ class Trainer:
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         try:
-                            norm, skipped = self.engine.step_stats(self.step)
+                            norm, skipped = self.engine.step_stats(self.step) if loss is not None else \
+                                (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
                         except NonFiniteGradient as e:
                             raise self._diagnose(e) from None
                         loss = self.global_mean(loss) if loss is not None else None
