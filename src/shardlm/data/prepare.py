@@ -325,7 +325,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
                     masks.write(mask)
                     count += 1
                     trained += int(mask.sum())
-                    untrained += not mask[1:].any()  # the first token is no target: nothing of it trains
+                    untrained += not mask[bool(pad_to):].any()  # a window's first token is no target
                     bar.update(nbytes)
     except InstructError as e:
         for w in (tokens, masks):
