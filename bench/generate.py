@@ -27,14 +27,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
-SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old")
+SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32")
+WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree")
 
 
 def build(args, device):
     from shardlm.config import load_config
     from shardlm.model import build_model
     cfg = load_config(args.preset).model
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(args, "dtype", None) or (torch.bfloat16 if device == "cuda" else torch.float32)
     return build_model(cfg, device=device, dtype=dtype, seed=0).eval(), cfg
 
 
@@ -162,13 +163,39 @@ def run_mixed_old(args, device):
              "note": f"{len(sample)} of its {len(batches)} batches timed ({seconds:.1f} s), the whole extrapolated"}]
 
 
+def run_agree(args, device):
+    """Greedy tokens in fp32 (no rounding noise to flip near ties of random weights' flat logits): the engine
+    (compiled, CUDA graphs, all prompts in one batch) against the eager decoder and transformers, each prompt
+    alone."""
+    from shardlm.inference import Engine, Request, generate_ids
+    args.dtype = torch.float32
+    hf, model, cfg = hf_model(args, device)
+    prompts = mixed_prompts(args, cfg.vocab_size)[:args.agree]
+    new = args.mixed_new
+    engine = Engine(model, len(prompts), max(map(len, prompts)) + new, compile=device == "cuda" or None)
+    ours = [r.tokens for r in engine.run([Request(p, new) for p in prompts])]
+    eager, theirs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            eager.append(generate_ids(model, ids, new)[0].tolist())
+            out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, attention_mask=torch.ones_like(ids))
+            theirs.append(out[0, len(p):].tolist())
+    return [{"system": "agree-fp32", "prompts": len(prompts), "new_tokens": new,
+             "engine_eq_eager": sum(a == b for a, b in zip(ours, eager)),
+             "engine_eq_hf": sum(a == b for a, b in zip(ours, theirs)),
+             "eager_eq_hf": sum(a == b for a, b in zip(eager, theirs))}]
+
+
 def row(args, model, system, batch, seconds, device, first):
     tok_s = batch * args.new / seconds
     wb = weight_bytes(model)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     hbm = next((v for k, v in HBM.items() if k in card), None)
     return {"system": system, "model": args.preset, "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
-            "tok_s": tok_s, "gb_s": wb * args.new / seconds / 1e9,
+            "seq": args.prompt + args.new, "micro_batch": batch, "tok_s": tok_s, "tok_s_gpu": tok_s, "mfu": None,
+            "gb_s": wb * args.new / seconds / 1e9,
             "bound_tok_s": hbm / wb if hbm else None, "weight_gb": wb / 1e9,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
             "first_tokens": first}
@@ -179,7 +206,7 @@ def worker(args):
     torch._dynamo.config.recompile_limit = 64
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
-           "mixed-old": run_mixed_old}[args.system]
+           "mixed-old": run_mixed_old, "agree-fp32": run_agree}[args.system]
     for r in run(args, device):
         print("RESULT " + json.dumps(r), flush=True)
 
@@ -196,6 +223,7 @@ def main():
     p.add_argument("--mixed-new", type=int, default=64)
     p.add_argument("--mixed-batch", type=int, default=64, help="the engine's slots in the eval-style run")
     p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
+    p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
@@ -203,7 +231,8 @@ def main():
     p.add_argument("--system", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tokens-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.batches = [int(b) for b in str(args.batches).split(",")]
+    batches = args.batches
+    args.batches = [int(b) for b in str(batches).split(",")]
     if args.system:
         return worker(args)
     if args.gpus != 1:
@@ -212,8 +241,8 @@ def main():
     rows = []
     for system in args.systems.split(","):
         tokens = str(Path(args.out) / f"generate-{system}-tokens.json")
-        cmd = [sys.executable, __file__, "--system", system, "--tokens-out", tokens] + [
-            a for a in sys.argv[1:] if not a.startswith("--systems")]
+        cmd = [sys.executable, __file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
@@ -234,7 +263,9 @@ def main():
             r["same_completions"] = same
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     cmd = "python bench/generate.py " + " ".join(sys.argv[1:])
-    record(args.record, "generate", card, 1, [{**r, "command": cmd} for r in rows])
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    record(args.record, "generate", card, 1, [{**r, "commit": commit, "command": cmd} for r in rows])
     print_table(rows, same)
 
 
@@ -259,6 +290,11 @@ def print_table(rows, same):
         bound = f"{r['tok_s'] / r['bound_tok_s']:.0%}" if r.get("bound_tok_s") else "-"
         print(f"{r['system']:<16} {r['batch']:>5} {r['tok_s']:>9.1f} {r['gb_s']:>7.0f} {bound:>8} "
               f"{r['peak_mem_gib']:>8.1f} {ratio:>12}")
+    for r in rows:
+        if r["system"] == "agree-fp32":
+            print(f"fp32 greedy, {r['prompts']} prompts x {r['new_tokens']} new: engine = eager decoder on "
+                  f"{r['engine_eq_eager']}, engine = transformers on {r['engine_eq_hf']}, eager = transformers on "
+                  f"{r['eager_eq_hf']}")
     mixed = {r["system"]: r for r in rows if "prompts_s" in r}
     if mixed:
         for r in mixed.values():
@@ -266,7 +302,8 @@ def print_table(rows, same):
                   f"({r['prompts_s']:.1f} prompts/s) {r.get('note', '')}")
         if len(mixed) == 2:
             print(f"engine / old path: {mixed['shardlm-mixed']['prompts_s'] / mixed['old-eval-path']['prompts_s']:.1f}x"
-                  + (f"; same greedy completions: {same['equal']} of {same['compared']}" if same else ""))
+                  + (f"; same greedy completions in bf16: {same['equal']} of {same['compared']} (random weights' "
+                     "flat logits: rounding flips near ties; agree-fp32 checks in fp32)" if same else ""))
 
 
 if __name__ == "__main__":
