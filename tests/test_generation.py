@@ -49,6 +49,19 @@ def test_compiled_static_cache_decode_equals_the_full_forward(case):
     assert [r.tokens for r in got] == want
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window", "gpt2"])
+def test_the_engine_equals_transformers_greedy(kind, tmp_path):
+    """Three prompts in one batch, 20 new tokens (past Mistral's window of 8), against HF's generate alone."""
+    from shardlm.inference import load_pretrained
+    ref = save_hf(kind, tmp_path)
+    model, tok, _ = load_pretrained(tmp_path)
+    prompts = [tok.encode(t) for t in ("To be", "To be, or not to be, that is the question", "whether")]
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    got = Engine(model, 3, 64).run([Request(p, 20) for p in prompts])
+    assert [r.tokens for r in got] == want
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_mixed_length_batch_equals_each_prompt_alone(case):
     model = tiny(**CASES[case])
@@ -192,3 +205,30 @@ def test_a_model_loads_in_the_dtype_asked(tmp_path):
     assert {p.dtype for p in ref.parameters()} == {torch.float32}  # auto on the CPU
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q.to(torch.bfloat16)), name
+
+
+def test_the_planner_predicts_the_measured_decode():
+    """`plan --inference` against the engine's rows in bench/results.jsonl (one H200): memory within 10% of
+    the measured peak, tokens/s within 15%."""
+    from pathlib import Path
+
+    from shardlm.config import load_config
+    from shardlm.plan import CUDA_CONTEXT, HEADROOM, gpu
+    from shardlm.plan.inference import plan_inference
+    rows = [json.loads(x) for x in (Path(__file__).parents[1] / "bench" / "results.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r["bench"] == "generate" and r["system"] == "shardlm" and "H200" in r["card"]]
+    assert measured
+    for r in measured:
+        e = plan_inference(load_config(r["model"]).model, gpu("h200"), r["batch"], r["prompt"] + r["new_tokens"],
+                           2, HEADROOM, CUDA_CONTEXT)
+        assert abs(e.total / 2**30 / r["peak_mem_gib"] - 1) < 0.10, (r["batch"], e.total / 2**30, r["peak_mem_gib"])
+        assert abs(e.tokens_per_s / r["tok_s"] - 1) < 0.15, (r["batch"], e.tokens_per_s, r["tok_s"])
+
+
+def test_plan_inference_cli():
+    proc = run_cli("plan", "--model", "llama2-7b", "--inference", "--gpu", "h200", "--batch", 16, "--context", 384,
+                   "--json")
+    e = json.loads(proc.stdout)
+    assert e["fits"] and e["slots"] > 16 and e["kv_cache"] == 16 * 385 * 2 * 32 * 32 * 128 * 2
+    proc = run_cli("plan", "--model", "llama2-7b", "--inference", "--context", 9000, check=False)
+    assert proc.returncode == 2 and "max_seq_len 4096" in proc.stderr

@@ -104,6 +104,11 @@ class ModelConfig:
                 "active_per_layer": layer - mlp * (experts - min(experts, self.top_k)),
                 "expert_per_layer": mlp * self.num_experts}
 
+    def kv_bytes_per_token(self, itemsize: int, kv_heads: int | None = None) -> int:
+        """The keys and values one position holds in a KV cache over every layer (`kv_heads` per layer, the
+        model's by default)."""
+        return 2 * self.num_layers * (kv_heads or self.kv_heads) * self.head_size * itemsize
+
     def num_params(self) -> int:
         c = self.param_counts()
         return c["embedding"] + c["position"] + c["layers"] + c["final_norm"] + c["lm_head"]

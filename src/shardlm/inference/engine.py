@@ -69,7 +69,7 @@ def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9)
         return limit
     free, _ = torch.cuda.mem_get_info(p.device)
     cfg = model.cfg
-    per_slot = (StaticKVCache.bytes_per_token(cfg, p.element_size(), model.cache_heads()) * (max_len + 1)
+    per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
                 + 4 * 4 * cfg.vocab_size)
     fit = int(share * free // per_slot)
     if fit < 1:

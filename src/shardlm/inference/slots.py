@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
 from ..model import Decoder
 
 
@@ -29,10 +28,6 @@ class StaticKVCache:
         if torch.device(device).type == "cuda":
             for t in self.k + self.v:
                 torch._dynamo.mark_static_address(t)
-
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, itemsize: int, kv_heads: int | None = None) -> int:
-        return 2 * cfg.num_layers * (kv_heads or cfg.kv_heads) * cfg.head_size * itemsize
 
 
 def visible(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:

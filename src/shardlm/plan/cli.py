@@ -73,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
     ft.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank, the base frozen")
     ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
     ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base")
+    inf = p.add_argument_group("inference (with --inference)")
+    inf.add_argument("--inference", action="store_true", help="memory and decode speed of serving the model on "
+                     "one GPU: weights, KV cache, the requests that fit, tokens/s")
+    inf.add_argument("--batch", type=int, default=1, help="requests decoded at once")
+    inf.add_argument("--context", type=int, default=None, help="positions per request, prompt and new tokens "
+                     "(default: the model's max_seq_len)")
     p.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     p.add_argument("--largest", action="store_true",
                    help="the largest model of --model's shape (scaled in width and depth) that this layout fits")
@@ -183,6 +189,8 @@ def run(argv: list[str]) -> int:
     if a.params:
         return model_states(a, g, dp, note)
     model = model_from_args(a)
+    if a.inference:
+        return inference(a, model, g)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
@@ -202,6 +210,37 @@ def run(argv: list[str]) -> int:
         print(note)
     print(f"{g.name}, per GPU (worst pipeline stage):")
     for k, v in rows(a, e, g, layout):
+        print(f"  {k:<18}{v}")
+    return 0
+
+
+def inference(a, model: ModelConfig, g) -> int:
+    from .inference import plan_inference
+    training_flags = [f for f, v in (("--dp", a.dp), ("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--cp", a.cp > 1),
+                                     ("--ep", a.ep > 1), ("--zero", a.zero), ("--search", a.search),
+                                     ("--largest", a.largest), ("--lora-rank", a.lora_rank)) if v]
+    if training_flags:
+        raise PlanError(f"--inference plans one GPU serving the whole model; {', '.join(training_flags)} "
+                        "describe a training layout (tensor-parallel serving is not built yet)")
+    context = a.context or model.max_seq_len
+    if a.batch < 1 or not 2 <= context <= model.max_seq_len:
+        raise PlanError(f"--batch {a.batch} must be at least 1 and --context {context} between 2 and the model's "
+                        f"max_seq_len {model.max_seq_len}")
+    if a.precision not in ("bf16", "fp16", "fp32"):
+        raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
+    e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT)
+    if a.json:
+        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context}))
+        return 0
+    print(f"{g.name}, serving in {a.precision}, {a.batch} request(s) of up to {context} positions:")
+    for k, v in (("weights", fmt(e.weights)), ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x {context + 1} positions)"),
+                 ("workspace", fmt(e.workspace)),
+                 ("total", f"{fmt(e.total)} + {fmt(CUDA_CONTEXT)} CUDA context, of {fmt(g.memory)} "
+                           f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
+                 ("requests that fit", f"{e.slots} of {context} positions"),
+                 ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
+                 ("tokens/s", f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1 "
+                              "(the measured share of the bound)")):
         print(f"  {k:<18}{v}")
     return 0
 
