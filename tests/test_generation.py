@@ -100,6 +100,27 @@ def test_continuous_batching_with_requests_arriving_mid_decode():
     assert all(r.finish_reason == "length" for r in requests)
 
 
+def test_a_cancelled_request_frees_its_slot():
+    model = tiny()
+    prompts = prompts_of((5, 7, 3))
+    alone = [generate_ids(model, torch.tensor([p]), 12)[0].tolist() for p in prompts]
+    engine = Engine(model, max_batch=2, max_len=32, sync_every=2)
+    a, b, c = (engine.submit(Request(p, 12)) for p in prompts)
+    while not a.tokens:
+        engine.step()
+    a.cancel()
+    c.cancel()  # still waiting: it never takes a slot
+    finished = engine.step()
+    assert a in finished and c in finished and a.finish_reason == c.finish_reason == "cancelled"
+    assert a.tokens == alone[0][:len(a.tokens)] and not c.tokens
+    d = engine.submit(Request(prompts[2], 12))  # takes the slot a left
+    while engine.busy:
+        engine.step()
+    assert b.tokens == alone[1] and d.tokens == alone[2]
+    with pytest.raises(ValueError, match="unknown adapter 'x'"):
+        engine.submit(Request(prompts[0], 4, adapter="x"))
+
+
 def test_sampling_is_reproducible_per_request_whatever_the_batch():
     model = tiny(num_kv_heads=2)
     prompts = prompts_of((4, 9, 2, 6))

@@ -34,10 +34,17 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     tag: object = None
-    on_tokens: Callable | None = None  # called with (request, new ids) as they arrive
+    adapter: str | None = None  # the name of one of the engine's LoRA adapters, applied to this request alone
+    on_tokens: Callable | None = None  # called with (request, new ids) as they arrive (on the engine's thread)
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    cancelled: bool = False  # set by cancel(): the engine drops the request at its next step
+
+    def cancel(self) -> None:
+        """Stop this request (from any thread): it leaves its slot at the engine's next step, finish_reason
+        "cancelled"; tokens it has stay."""
+        self.cancelled = True
 
     @property
     def done(self) -> bool:
@@ -112,6 +119,7 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
         self.out = torch.zeros(n, sync_every, dtype=torch.long, device=dev)
         self.slots: list[_Slot | None] = [None] * n
+        self.adapters: dict = {}
         self.waiting: deque[Request] = deque()
         if compile is None:
             compile = dev.type == "cuda"
@@ -140,6 +148,9 @@ class Engine:
         if len(request.prompt) + request.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                              f"exceeds the {self.max_len} positions a slot holds")
+        if request.adapter is not None and request.adapter not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none loaded"
+            raise ValueError(f"unknown adapter {request.adapter!r} (known: {known})")
         if request.max_new_tokens == 0:
             request.finish_reason, request.text = "length", "" if self.decode else None
         else:
@@ -167,8 +178,18 @@ class Engine:
         """Admit, prefill one pass, decode one burst; the requests that finished."""
         finished: list[Request] = []
         for i, slot in enumerate(self.slots):
-            if slot is None and self.waiting:
-                self._admit(i, self.waiting.popleft())
+            if slot is not None and slot.request.cancelled:
+                self._release(i, finished)
+        while self.waiting and self.waiting[0].cancelled:
+            self._end_cancelled(self.waiting.popleft(), finished)
+        for i, slot in enumerate(self.slots):
+            while slot is None and self.waiting:
+                r = self.waiting.popleft()
+                if r.cancelled:
+                    self._end_cancelled(r, finished)
+                else:
+                    self._admit(i, r)
+                    slot = self.slots[i]
         if any(s is not None and not s.decoding for s in self.slots):
             self._prefill(finished)
         if any(s is not None and s.decoding for s in self.slots):
@@ -181,9 +202,19 @@ class Engine:
         self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i] = s.temperature, s.top_k, s.top_p, s.seed
 
     def _release(self, i: int, finished: list[Request]) -> None:
-        finished.append(self.slots[i].request)
+        r = self.slots[i].request
+        if not r.done:
+            self._end_cancelled(r, finished)
+        else:
+            finished.append(r)
         self.slots[i] = None
         self.pos[i], self.active[i] = self.scratch, 0
+
+    def _end_cancelled(self, r: Request, finished: list[Request]) -> None:
+        r.finish_reason = "cancelled"
+        if self.decode is not None and r.text is None:
+            r.text = self.decode(r.completion)
+        finished.append(r)
 
     # ---- prefill ------------------------------------------------------------------------------------
     def _prefill(self, finished: list[Request]) -> None:
