@@ -121,6 +121,46 @@ def test_a_cancelled_request_frees_its_slot():
         engine.submit(Request(prompts[0], 4, adapter="x"))
 
 
+def random_adapter(base, out, rank, targets, seed):
+    """A PEFT adapter directory for the HF model in `base`, every A and B drawn at random (B is zero at init)."""
+    from shardlm.config import LoRAConfig
+    from shardlm.inference import load_pretrained
+    from shardlm.parallel.lora import apply_lora, write_peft_dir
+    model, _, cfg = load_pretrained(base)
+    lora = LoRAConfig(rank=rank, alpha=2 * rank, targets=targets)
+    apply_lora(model, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    write_peft_dir(model.state_dict(), cfg, lora, out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_adapters_per_row_equal_each_merged_alone(kind, tmp_path):
+    """Two PEFT adapters (other ranks and targets) served over one base, rows of one batch each with its own
+    or none: each gives the tokens of its adapter merged into the base, decoded alone."""
+    from shardlm.inference import load_pretrained
+    save_hf(kind, tmp_path / "base")
+    targets = "all-linear" if kind == "llama" else "c_attn,c_fc"
+    dirs = {"wide": random_adapter(tmp_path / "base", tmp_path / "a", 4, targets, 1),
+            "narrow": random_adapter(tmp_path / "base", tmp_path / "b", 8, "q_proj,v_proj" if kind == "llama"
+                                     else "c_proj", 2)}
+    prompts = prompts_of((6, 3, 9, 4), vocab=300)
+    model, _, _ = load_pretrained(tmp_path / "base")
+    engine = Engine(model, max_batch=4, max_len=32)
+    for name, d in dirs.items():
+        engine.add_adapter(name, d)
+    choice = ["wide", "narrow", None, "wide"]
+    got = engine.run([Request(p, 10, adapter=a) for p, a in zip(prompts, choice)])
+    for p, a, r in zip(prompts, choice, got):
+        ref, _, _ = load_pretrained(tmp_path / "base", adapter=dirs[a] if a else None)
+        assert r.tokens == generate_ids(ref, torch.tensor([p]), 10)[0].tolist(), a
+    assert got[0].tokens != got[2].tokens  # the adapters change the model
+
+
 def test_sampling_is_reproducible_per_request_whatever_the_batch():
     model = tiny(num_kv_heads=2)
     prompts = prompts_of((4, 9, 2, 6))

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..model import Decoder
+from .adapters import AdapterRows, install_adapters
 from .sampler import SamplingParams, greedy, sample
 from .slots import StaticKVCache, forward_tokens
 
@@ -119,15 +120,30 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
         self.out = torch.zeros(n, sync_every, dtype=torch.long, device=dev)
         self.slots: list[_Slot | None] = [None] * n
-        self.adapters: dict = {}
+        self.adapters: dict[str, int] = {}  # name -> index into the stacked adapters (adapters.py)
+        self._adapter_dirs: dict = {}
+        self.rows = AdapterRows()
+        self.adapter_ids = torch.zeros(n, dtype=torch.long, device=dev)  # each slot's adapter, 0: none
         self.waiting: deque[Request] = deque()
-        if compile is None:
-            compile = dev.type == "cuda"
+        self.compile = dev.type == "cuda" if compile is None else compile
+        self._build_steps()
+
+    def _build_steps(self) -> None:
         steps = (self._greedy_step, self._sampling_step)
-        if compile:
-            mode = "reduce-overhead" if dev.type == "cuda" else None
+        if self.compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
             steps = tuple(torch.compile(f, mode=mode, fullgraph=True, dynamic=False) for f in steps)
         self._steps = steps
+
+    def add_adapter(self, name: str, directory) -> None:
+        """Serve the PEFT LoRA adapter in `directory` as `name`, per request (Request.adapter), beside the base
+        and the other adapters. Call it before generating: the decode step is compiled again for the new
+        shapes."""
+        if any(s is not None for s in self.slots):
+            raise RuntimeError("adapters are added while no request is running")
+        self.adapters = install_adapters(self.model, {**self._adapter_dirs, name: directory}, self.rows)
+        self._adapter_dirs[name] = directory
+        self._build_steps()
 
     # ---- the compiled decode step -------------------------------------------------------------------
     def _logits(self, tokens, pos, keys):
@@ -198,6 +214,7 @@ class Engine:
 
     def _admit(self, i: int, r: Request) -> None:
         self.slots[i] = _Slot(r)
+        self.adapter_ids[i] = self.adapters.get(r.adapter, 0)
         s = r.sampling
         self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i] = s.temperature, s.top_k, s.top_p, s.seed
 
@@ -241,6 +258,7 @@ class Engine:
         slots = torch.tensor(rows, device=self.device)
         last = torch.tensor([chunk[i] - 1 for i in rows], device=self.device)
         positions = positions.to(self.device)
+        self.rows.ids = self.adapter_ids[slots]
         logits = forward_tokens(self.model, self.cache, self.rope, ids.to(self.device), positions, slots, last,
                                 fresh=bool(fresh), keys=reach)
         counter = positions.gather(1, last[:, None]).squeeze(1) + 1
@@ -268,6 +286,7 @@ class Engine:
         reach = max(len(self.slots[i].request.prompt) + len(self.slots[i].request.tokens) for i in live) + steps
         keys = self._keys(reach)
         sampling = any(not self.slots[i].request.sampling.greedy for i in live)
+        self.rows.ids = self.adapter_ids
         for j in range(steps):
             if sampling:
                 nxt = self._steps[1](self.tokens, self.pos, self.temperature, self.top_k, self.top_p, self.seed,
