@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import sys
 import time
 import weakref
@@ -23,19 +22,19 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, read_state, resolve_checkpoint,
+                         save_checkpoint, set_rng_state)
 from .config import IGNORE, Config, ConfigError, RunError, config_from_dict
 from .data.loader import open_train_data
 from .inference import generate_text
+from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .runtime.device import pick_device
-from .memory_check import check_memory
-from .runtime.preemption import StopSignals, host_group, signal_name
+from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
 
@@ -94,6 +93,7 @@ class Trainer:
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None, log)
         self.untrained_steps = 0  # steps whose batch held no trained token, skipped (data.skip_untrained)
+        checkpoint, same_dir = self._check_resume(resume) if resume is not None else (None, False)
 
         self.scaler = make_loss_scaler(t.precision)
         self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler, resuming=resume is not None)
@@ -111,9 +111,8 @@ class Trainer:
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
         self.resumed_from = None
-        same_dir = False
-        if resume is not None:
-            same_dir = self._resume(resume)
+        if checkpoint is not None:
+            self._resume(checkpoint)
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
@@ -155,9 +154,10 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _resume(self, resume) -> bool:
-        """Load a checkpoint; returns whether it continues its own run in this run's directory. The main rank
-        picks and verifies it; the others load what it picked."""
+    def _check_resume(self, resume) -> tuple[Path, bool]:
+        """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
+        it continues its own run in this run's directory; a resume that would change the model, its adapters
+        or its data is refused here, before the model is built and before --overwrite deletes anything."""
         chosen = None
         if self.mesh.is_main:
             try:
@@ -167,18 +167,24 @@ class Trainer:
         chosen = self._from_main(chosen)
         if isinstance(chosen, Exception):
             raise chosen
-        ckpt = load_checkpoint(chosen, log=self.log, verify=False)
-        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), ckpt["path"],
-                                                                  self.overwrite, self.mesh.is_main)
-        saved = config_from_dict(ckpt["state"]["config"])
-        if own and saved.train.global_batch_size != self.cfg.train.global_batch_size:
-            raise ConfigError(f"{ckpt['path']} was trained with train.global_batch_size "
+        path, state = Path(chosen), read_state(chosen)
+        saved = config_from_dict(state["config"])
+        if self.out is not None and rundir.contains(self.out, path) and \
+                saved.train.global_batch_size != self.cfg.train.global_batch_size:
+            raise ConfigError(f"{path} was trained with train.global_batch_size "
                               f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
                               f"steps would be numbered anew beside its checkpoints; resume into another --out")
-        compat.check_resume(ckpt["path"], saved, self.cfg)
-        compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, ckpt["path"])
-        compat.check_resume_data(ckpt["path"], ckpt["state"], self.data.train_windows, self.data.sampler.seed,
+        compat.check_resume(path, saved, self.cfg)
+        compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
+        compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size)
+        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
+                                                                  self.mesh.is_main)
+        return path, own
+
+    def _resume(self, path: Path) -> None:
+        """Load the checkpoint `_check_resume` chose."""
+        ckpt = load_checkpoint(path, log=self.log, verify=False)
         data = ckpt["state"]["data"]
         self.untrained_steps = ckpt["state"].get("untrained_steps", 0)
         self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
@@ -189,7 +195,6 @@ class Trainer:
         if self.step >= self.cfg.train.steps:
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      "nothing to do (raise train.steps to continue)")
-        return own
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -432,12 +437,3 @@ class Trainer:
             self.watchdog = None
         if self.run_lock is not None:
             self.run_lock.release()
-
-
-def resume_command(out: Path, world: int) -> str:
-    """The command that continues a run saved in `out`, launched as this one was."""
-    if world == 1:
-        return f"shardlm train --resume {out}"
-    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    launch = f"torchrun --nproc-per-node {world // nodes}" + (f" --nnodes {nodes} ..." if nodes > 1 else "")
-    return f"{launch} -m shardlm train --resume {out}"

@@ -12,6 +12,7 @@ passes a Ctrl-C on to its workers as SIGTERM, after the terminal's SIGINT: that 
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -72,3 +73,12 @@ def host_group(timeout=None):
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def resume_command(out, world: int) -> str:
+    """The command that continues a run saved in `out`, launched as this one was."""
+    if world == 1:
+        return f"shardlm train --resume {out}"
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launch = f"torchrun --nproc-per-node {world // nodes}" + (f" --nnodes {nodes} ..." if nodes > 1 else "")
+    return f"{launch} -m shardlm train --resume {out}"
