@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .checkpoint import CKPT_DIR, checkpoint_step, complete_checkpoints, remove_partial
+from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, remove_partial
 from .config import ConfigError
 from .runlock import RunLock, acquire
 
@@ -37,6 +37,7 @@ def claim(out: Path, main: bool, from_main, log=print) -> RunLock | None:
         try:
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} is a file, not a directory")
+            _refuse_foreign(out)
             lock = acquire(out, log)
         except ConfigError as e:
             failure = str(e)
@@ -46,6 +47,17 @@ def claim(out: Path, main: bool, from_main, log=print) -> RunLock | None:
     if failure:
         raise ConfigError(failure)
     return lock
+
+
+def _refuse_foreign(out: Path) -> None:
+    """A dataset, a checkpoint or an exported model is no run directory: a run's files would mix with theirs (and
+    `data prepare`, `export` and `--resume` would then refuse or misread them)."""
+    what = {"index.json": "a prepared dataset", STATE: "a checkpoint", "config.json": "an exported model"}
+    for above in [out, *out.resolve().parents]:
+        found = next((kind for name, kind in what.items() if (above / name).is_file()), None)
+        if found is not None and (above == out or found == "a checkpoint"):
+            where = "is" if above == out else f"is inside {above}, which is"
+            raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out")
 
 
 def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> str | None:
