@@ -39,6 +39,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="compile the decode step (auto: on a GPU, as CUDA graphs)")
+    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
+                   help="weight-only quantisation of the linear layers (torchao): int8 per channel, int4 per group")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
@@ -57,7 +59,10 @@ def _check_sampling(a) -> None:
 def _load(a):
     from ..runtime.device import pick_device
     from .load import load_pretrained
-    return load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype, adapter=a.adapter)
+    from .quantize import quantize
+    model, tok, cfg = load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype, adapter=a.adapter)
+    quantize(model, a.quantize)
+    return model, tok, cfg
 
 
 def _compile(a) -> bool | None:
