@@ -67,6 +67,8 @@ CASES = [
     ("key-no-value", ["train", "tiny", "--out", "{new}", "--train.steps"], "train.steps is missing a value", 2),
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
+    ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
+    ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
     # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
     ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",

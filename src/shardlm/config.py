@@ -130,7 +130,7 @@ class DataConfig:
     path: str = ""                 # a directory from `shardlm data prepare`; "" uses the embedded default corpus
     eval_path: str = ""            # another prepared directory for eval; "" holds out the last windows of `path`
     eval_windows: int = 16         # windows held out when eval_path is empty
-    tokenizer: str = "byte"        # used only for the embedded default corpus
+    tokenizer: str = "byte"        # the default corpus's (byte only); data.path's is the one it was prepared with
     skip_untrained: bool = False   # a step whose batch holds no trained token: skipped and counted, not an error
 
 
@@ -282,6 +282,7 @@ CONFIG_DIRS = (Path(__file__).resolve().parent / "configs", Path(__file__).resol
 
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
+    "data.tokenizer": ("byte",),  # any other value was silently ignored
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -302,7 +303,7 @@ POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.m
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
             "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints",
-            "lora.alpha")  # alpha 0 scales the update to nothing: a LoRA run that trains nothing
+            "lora.alpha", "train.eps")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
