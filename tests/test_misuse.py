@@ -298,3 +298,10 @@ def test_a_resume_may_change_what_leaves_the_model_as_it_is(world, tmp_path):
     assert main(["train", "--resume", str(paths["lrun"]), *QUIET, "--lora.dropout", "0.1", "--train.steps", "3",
                  "--out", str(out)]) == 0
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+
+
+def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
+    _, paths = world
+    assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
+                 "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
+    assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
