@@ -205,15 +205,15 @@ def cmd_export(argv: list[str]) -> int:
     state, mark = ckpt["model"], {}
     if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
         mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
+    state = merged(state, cfg, lora) if a.merge else state
     if a.dtype == "fp16":
-        _refuse_beyond_fp16(merged(state, cfg, lora) if a.merge else state, a.out)
+        _refuse_beyond_fp16(state, a.out)
     try:
         with writing(a.out, a.overwrite) as scratch:
             if lora.rank and not a.merge:
                 write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=full.train.init_from or None,
                                metadata=mark)
             else:
-                state = merged(state, cfg, lora) if lora.rank else state
                 write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark)
     except OSError as e:
         raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
