@@ -26,7 +26,10 @@ fi
 # A resumed run continues its own directory: pass --resume only when it holds a checkpoint.
 OUT=""
 for ((i = 1; i <= $#; i++)); do
-  if [ "${!i}" = "--out" ]; then j=$((i + 1)); OUT=${!j}; fi
+  case "${!i}" in
+    --out) j=$((i + 1)); OUT=${!j} ;;
+    --out=*) OUT=${!i#--out=} ;;
+  esac
 done
 RESUME=()
 if [ -n "$OUT" ] && compgen -G "$OUT/checkpoints/step_*/state.json" > /dev/null; then RESUME=(--resume "$OUT"); fi
