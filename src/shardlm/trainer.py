@@ -94,7 +94,8 @@ class Trainer:
             log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
                 "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
-            compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None, log)
+            compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
+                                   log if self.mesh.is_main else lambda *a: None)
         self.untrained_steps = 0  # steps whose batch held no trained token, skipped (data.skip_untrained)
         checkpoint, same_dir = self._check_resume(resume) if resume is not None else (None, False)
 
