@@ -96,6 +96,16 @@ CASES = [
      "does not exist", 2),
     ("prepare-shard-tokens", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}",
                               "--shard-tokens", "5"], "--shard-tokens 5 is out of range", 2),
+    ("prepare-a-directory", ["data", "prepare", "--input", "{data}", "--tokenizer", "byte", "--out", "{new}"],
+     "is a directory, not a file", 2),
+    ("prepare-mixed", ["data", "prepare", "--input", "{text}", "{longprompts}", "--tokenizer", "byte", "--out", "{new}"],
+     "cannot be prepared into one dataset", 2),
+    ("prepare-pad-to-zero", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
+                             "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
+    ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],
+     "no 'text' field (fields: 'body')", 2),
+    ("prepare-over-checkpoint", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out",
+                                 "{run}/checkpoints/step_00000002"], "holds files that are not part of a prepared", 2),
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
      "no tokenizer.json", 2),
     # plan
@@ -109,6 +119,9 @@ CASES = [
                               "100"], "--hidden -64 must be at least 1", 2),
     ("plan-experts-negative", ["plan", "--model", "tiny", "--experts", "-1"], "--experts -1 must not be negative", 2),
     ("plan-tokens-nan", ["plan", "--model", "tiny", "--tokens", "nan"], "--tokens nan must be a finite number", 2),
+    ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
+    ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
+    ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
     ("plan-gpus-per-node", ["plan", "--model", "tiny", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1", 2),
 ]
 
@@ -147,6 +160,8 @@ def world(tmp_path_factory):
     p = {name: root / name for name in ("run", "lrun", "exp", "data", "swapdata", "truncated", "empty", "badheader",
                                         "nonfinite", "fewtrained")}
     p["text"], p["file"], p["longprompts"] = root / "text.txt", root / "file", root / "long.jsonl"
+    p["nofield"] = root / "nofield.jsonl"
+    p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     p["text"].write_text(TEXT * 4)
     p["file"].write_text("")
     p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
