@@ -19,7 +19,7 @@ LAYERS = [
     ["parallel"],
     ["text_metrics", "compat", "export", "adapter_check", "memory_check"],
     ["inference", "testing"],
-    ["trainer"],
+    ["trainer", "serve"],                                                                         # serve: HTTP over inference
     ["cli"],
     ["__main__"],
 ]

@@ -148,6 +148,11 @@ def cmd_generate(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from .serve.command import cmd_serve as run
+    return run(argv)
+
+
 def cmd_data(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="shardlm data", description="Data preparation.")
     sub = p.add_subparsers(dest="action", required=True)
@@ -237,16 +242,18 @@ def cmd_plan(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "data": cmd_data, "export": cmd_export}
+COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "serve": cmd_serve,
+            "data": cmd_data, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardlm {train,eval,generate,data,export,plan} ... | shardlm --version\n\n"
+        print("usage: shardlm {train,eval,generate,serve,data,export,plan} ... | shardlm --version\n\n"
               "  train     train a model (default: the embedded default on the stdlib's sources)\n"
               "  eval      perplexity on a text file, or BLEU/chrF/ROUGE of generated completions\n"
               "  generate  sample from a model\n"
+              "  serve     an OpenAI-compatible HTTP API over a model (and LoRA adapters), many clients at once\n"
               "  data      prepare token shards (data prepare --help)\n"
               "  export    write a Hugging Face checkpoint directory\n"
               "  plan      predict memory, time and communication of a layout, or search the best one\n\n"
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"shardlm: unknown command {cmd!r} (train, eval, generate, data, export, plan)", file=sys.stderr)
+        print(f"shardlm: unknown command {cmd!r} (train, eval, generate, serve, data, export, plan)", file=sys.stderr)
         return 2
     try:
         return COMMANDS[cmd](rest)

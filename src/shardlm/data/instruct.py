@@ -62,6 +62,17 @@ def _chat_template(tok: Tokenizer):
     return env.from_string(template)
 
 
+def chat_prompter(tok: Tokenizer):
+    """messages -> the text that opens the assistant's next turn, by the tokenizer's chat template as
+    training renders it; None when the tokenizer has no template. The template's own refusals raise
+    InstructError, its other failures jinja2.TemplateError."""
+    template = _chat_template(tok)
+    if template is None:
+        return None
+    eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+    return lambda messages: _render(template, messages, eos, generation_prompt=True)
+
+
 def _render(template, messages: list[dict], eos: str, generation_prompt: bool = False) -> str:
     """The conversation as text; `generation_prompt` appends what opens the assistant's next turn."""
     if template is None:

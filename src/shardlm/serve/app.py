@@ -1,0 +1,182 @@
+"""The HTTP routes (FastAPI): /v1/completions, /v1/chat/completions (whole or streamed by server-sent
+events), /v1/models, /health and /metrics, after OpenAI's API reference and vLLM's OpenAI-compatible
+server. Each handler checks its body (protocol.py), submits one engine request through the worker, and
+waits on an asyncio queue that the engine's thread feeds with `loop.call_soon_threadsafe`.
+
+Every HTTP request passes through `Lifecycle`: it counts the requests in flight (a draining server exits
+once none is left), refuses new generation with 503 while draining, and cancels the engine requests of
+an HTTP request that ended early (its client left), so their slots are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..inference import Request
+from .protocol import APIError, Models, Params, chat_params, completion_params
+from .responses import DONE, Answer, TextStream, error_event
+from .worker import Closed, EngineWorker
+
+_OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists its engine requests
+
+
+class ServerState:
+    """What the routes, the middleware and the process's signal handling share."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+
+class Lifecycle:
+    """Pure ASGI middleware (so it also sees a streamed response to its end)."""
+
+    def __init__(self, app, state: ServerState, worker: EngineWorker):
+        self.app, self.state, self.worker = app, state, worker
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":  # only POSTs generate
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            err = APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down",
+                           type="service_unavailable")
+            return await JSONResponse(err.body(), status_code=503)(scope, receive, send)
+        owned: list[Request] = []
+        scope[_OWNED] = owned
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+            for r in owned:
+                if not r.done:
+                    self.worker.cancel(r)
+
+
+def create_app(worker: EngineWorker, models: Models, state: ServerState | None = None) -> FastAPI:
+    """The app serving `worker`'s engine under the ids of `models`."""
+    state = state or ServerState()
+    app = FastAPI(title="shardlm", docs_url=None, redoc_url=None)
+    app.state.serve = state
+    app.add_middleware(Lifecycle, state=state, worker=worker)
+    tok = models.tok
+    stop_ids = () if tok.eos_id is None else (tok.eos_id,)
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    async def body_of(http: HTTPRequest):
+        try:
+            return json.loads(await http.body())
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
+                                "aren't using your HTTP library correctly.)") from None
+
+    def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item):  # the engine's thread: hand over to the loop
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        request = Request(params.prompt, params.max_tokens, params.sampling, stop_ids, params.stop,
+                          adapter=params.adapter, on_tokens=lambda r, ids: put(("tokens", list(ids))))
+        try:
+            worker.submit(request, lambda r, error: put(("done", error)))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except Closed as e:
+            raise APIError(503, str(e), code="shutting_down", type="service_unavailable") from None
+        http.scope.setdefault(_OWNED, []).append(request)
+        return request, queue
+
+    def failure(error: Exception) -> APIError:
+        return APIError(500, f"The engine failed on this request ({type(error).__name__}: {error}); the "
+                             "server is still up: retry it.")
+
+    async def generate(http: HTTPRequest, params: Params, chat: bool):
+        request, queue = start(http, params)
+        answer = Answer(chat, params)
+        if params.stream:
+            return StreamingResponse(stream(request, queue, answer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():  # the middleware then cancels the request
+                    return JSONResponse({}, status_code=499)
+                continue
+            if kind == "done":
+                if value is not None:
+                    raise failure(value)
+                return answer.whole(request.text or "", request.finish_reason, len(request.tokens))
+
+    async def stream(request: Request, queue: asyncio.Queue, answer: Answer):
+        text = TextStream(tok.decode, stop_ids, answer.params.stop)
+        if answer.chat:
+            yield answer.chunk(None, role=True)
+        while True:
+            kind, value = await queue.get()
+            if kind == "tokens":
+                delta = text.push(value)
+                if delta:
+                    yield answer.chunk(delta)
+                continue
+            if value is not None:
+                yield error_event(failure(value))
+                break
+            delta = text.finish(request.text)
+            if delta:
+                yield answer.chunk(delta)
+            yield answer.chunk(None, request.finish_reason)
+            if answer.params.include_usage:
+                yield answer.usage_chunk(len(request.tokens))
+            break
+        yield DONE
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await generate(http, completion_params(await body_of(http), models), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        return await generate(http, chat_params(await body_of(http), models), chat=True)
+
+    @app.get("/v1/models")
+    async def list_models():
+        def card(model_id, parent, root):
+            return {"id": model_id, "object": "model", "created": started, "owned_by": "shardlm", "root": root,
+                    "parent": parent, "max_model_len": models.max_len}
+        return {"object": "list", "data": [card(models.base, None, models.base)] +
+                [card(name, models.base, str(path)) for name, path in sorted(models.adapters.items())]}
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        """JSON (not Prometheus' text format): counts since start, and tokens/s over the last window_s."""
+        return {**worker.metrics(), "requests_in_flight": state.in_flight, "draining": state.draining}
+
+    return app

@@ -1,0 +1,136 @@
+"""`shardlm serve`: a model (and LoRA adapters over it, chosen per request) behind an OpenAI-compatible
+HTTP API, on uvicorn. The first SIGTERM or SIGINT drains: new requests get 503, those in flight finish,
+then uvicorn shuts down gracefully and the process exits 0 (as vLLM's and Kubernetes' graceful shutdown
+expect); a second signal is uvicorn's own (exit now).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+
+EPILOG = """\
+endpoints (OpenAI's API; see the README's Serving section):
+  POST /v1/completions        prompt, max_tokens (16), temperature (1), top_p, top_k (extension), seed,
+                              stop, stream (server-sent events), stream_options.include_usage; n = 1 only
+  POST /v1/chat/completions   messages, rendered with the tokenizer's chat template; max_tokens (default:
+                              the rest of the context) or max_completion_tokens; the same sampling fields
+  GET  /v1/models             the base model (its id: --served-model-name, default the --model argument)
+                              and each --adapter, whose id is its NAME: a request's "model" picks one
+  GET  /health                {"status": "ok"}, 503 {"status": "draining"} while shutting down
+  GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed, tokens
+                              generated, tokens_per_s over the last window_s seconds, slots_in_use / slots
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardlm serve", description="Serve a model over an OpenAI-compatible HTTP "
+                                "API, many requests at once through one continuous-batching engine.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="a PEFT LoRA adapter directory served as model NAME over the base, applied per request "
+                        "(repeatable)")
+    p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded at once (fewer where the GPU's "
+                                                              "free memory holds fewer); the rest queue")
+    p.add_argument("--max-len", type=int, default=None, help="positions per request, prompt and completion "
+                                                              "(default: the model's context)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="compile the decode step (auto: on a GPU, as CUDA graphs)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _adapters(specs: list[str], base: str) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name or not directory:
+            raise ConfigError(f"--adapter {spec!r}: expected NAME=DIR")
+        if name in out or name == base:
+            raise ConfigError(f"--adapter {spec!r}: the id {name!r} is taken (by the base model or another adapter)")
+        if not Path(directory).is_dir():
+            raise ConfigError(f"--adapter {spec!r}: {directory} is no directory")
+        out[name] = Path(directory)
+    return out
+
+
+def cmd_serve(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
+    if a.max_batch < 1 or (a.max_len is not None and a.max_len < 1):
+        raise ConfigError("--max-batch and --max-len must be at least 1")
+    base = a.served_model_name or a.model
+    adapters = _adapters(a.adapter, base)
+    from ..inference import Engine, Request, SamplingParams, load_pretrained, slots_that_fit
+    if adapters and not hasattr(Engine, "add_adapter"):
+        raise ConfigError("--adapter: this version's engine cannot apply adapters per request (it has no "
+                          "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
+                          "a PEFT merge), or use shardlm generate --adapter")
+    from ..runtime.device import pick_device
+    model, tok, cfg = load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype)
+    max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
+    engine = Engine(model, slots_that_fit(model, max_len, a.max_batch), max_len,
+                    compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode)
+    for name, directory in adapters.items():
+        engine.add_adapter(name, directory)
+    # The first steps compile (or capture graphs): pay for it before the first client waits.
+    warm = [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]
+    engine.run(warm)
+    server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level)
+    print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {engine.device}), "
+          f"models: {', '.join([base, *adapters])}", file=sys.stderr, flush=True)
+    server.run()
+    worker.close(timeout=60)
+    return 0
+
+
+def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info"):
+    """The uvicorn server (not started) of an app over `engine`, and the started worker that owns it."""
+    import uvicorn
+
+    from ..data.instruct import chat_prompter
+    from .app import ServerState, create_app
+    from .protocol import Models
+    from .worker import EngineWorker
+    worker = EngineWorker(engine).start()
+    state = ServerState()
+    models = Models(base, {n: str(d) for n, d in adapters.items()}, engine.max_len, tok, chat_prompter(tok))
+    config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=None)
+    return _draining_server(uvicorn)(config, state), worker
+
+
+def _draining_server(uvicorn):
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first exit signal drains before it shuts down."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.serve_state = state
+
+        def handle_exit(self, sig, frame):
+            if not self.serve_state.draining:
+                self.serve_state.draining = True
+                print(f"shardlm serve: signal {sig}: draining {self.serve_state.in_flight} request(s), then "
+                      "exiting; new requests get 503", file=sys.stderr, flush=True)
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.serve_state.draining and self.serve_state.idle:
+                self.should_exit = True
+            return await super().on_tick(counter)
+    return DrainingServer

@@ -1,0 +1,223 @@
+"""The request side of the OpenAI-compatible API: /v1/completions and /v1/chat/completions bodies checked
+and turned into what the engine runs, and errors in OpenAI's shape ({"error": {"message", "type", "param",
+"code"}}, following OpenAI's API reference). Parameters follow OpenAI's names, defaults and ranges; `top_k`
+is an extension (as in vLLM: 0 or -1 is off). A parameter this server cannot honour with a value that would
+change the answer is refused, never silently ignored.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from ..inference import SamplingParams, prompt_ids
+from ..tokenizer import Tokenizer
+
+_INT64 = 2 ** 63
+
+
+class APIError(Exception):
+    """An error answered as OpenAI answers it: HTTP `status` and the error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Params:
+    """One request as the engine runs it."""
+    model: str                 # the id it named, echoed in the answer
+    adapter: str | None        # the LoRA adapter that id serves, None for the base
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+class Models:
+    """The served ids: the base model's, and each adapter's under its own name (vLLM's convention)."""
+
+    def __init__(self, base: str, adapters: dict[str, str], max_len: int, tok: Tokenizer, chat=None):
+        self.base, self.adapters, self.max_len, self.tok, self.chat = base, adapters, max_len, tok, chat
+
+    def adapter_of(self, body: dict) -> tuple[str, str | None]:
+        model = body.get("model")
+        if model is None:  # OpenAI requires it; a curl line without it means the one model served
+            return self.base, None
+        if not isinstance(model, str):
+            raise _wrong_type("model", "a string")
+        if model == self.base:
+            return model, None
+        if model in self.adapters:
+            return model, model
+        known = ", ".join([self.base, *sorted(self.adapters)])
+        raise APIError(404, f"The model `{model}` does not exist (served: {known}).", "model", "model_not_found")
+
+
+def _wrong_type(param: str, what: str) -> APIError:
+    return APIError(400, f"'{param}' must be {what}.", param, "invalid_type")
+
+
+def _number(body: dict, param: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(param)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _wrong_type(param, "a number")
+    if value < low or value > high or (low_open and value == low):
+        side = "(" if low_open else "["
+        raise APIError(400, f"'{param}' is {value}, it must lie in {side}{low:g}, {high:g}].", param,
+                       "invalid_value")
+    return float(value)
+
+
+def _integer(body: dict, param: str, default, low: int, high: int = _INT64 - 1):
+    value = body.get(param)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():  # 16.0 from a client that writes every number so
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(param, "an integer")
+    if not low <= value <= high:
+        raise APIError(400, f"'{param}' is {value}, it must lie in [{low}, {high}].", param, "invalid_value")
+    return value
+
+
+def _flag(body: dict, param: str) -> bool:
+    value = body.get(param, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _wrong_type(param, "a boolean")
+    return value
+
+
+# Parameters accepted only at the value that leaves the answer as this server gives it.
+_NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
+            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+            "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,)}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for param, neutral in _NEUTRAL.items():
+        if param in body and not any(body[param] == v and type(body[param]) is type(v) for v in neutral):
+            if param == "response_format" and body[param] == {"type": "text"}:
+                continue
+            raise APIError(400, f"'{param}' = {body[param]!r} is not supported by this server.", param,
+                           "unsupported_parameter")
+
+
+def _common(body, models: Models, prompt: list[int], default_max_tokens: int | None, prompt_param: str) -> Params:
+    model, adapter = models.adapter_of(body)
+    _refuse_unsupported(body)
+    n = _integer(body, "n", 1, 1, 128)
+    if n != 1:
+        raise APIError(400, f"'n' is {n}: this server returns one choice per request (n = 1).", "n",
+                       "invalid_value")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = _integer(body, "top_k", 0, -1, 1 << 31)
+    seed = _integer(body, "seed", None, -_INT64, _INT64 - 1)
+    if seed is None:  # OpenAI's sampling differs call to call unless a seed is given
+        seed = secrets.randbits(62)
+    room = models.max_len - len(prompt)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, key, default_max_tokens, 0)
+    if max_tokens is None:
+        max_tokens = max(room, 0)
+    if len(prompt) + max_tokens > models.max_len:
+        raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
+                            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
+                            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
+                            "or the completion.", key if room > 0 else prompt_param, "context_length_exceeded")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _wrong_type("stop", "a non-empty string or a list of them")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise APIError(400, "'stream_options' is an object, allowed only with stream = true.", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),
+                  tuple(stop), stream, include_usage)
+
+
+def completion_params(body, models: Models) -> Params:
+    """/v1/completions: `prompt` is a string, a list of token ids, or a list of one of either."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            ids = prompt_ids(models.tok, prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = models.tok.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise APIError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", "prompt")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise APIError(400, "'prompt' holds several prompts: this server takes one per request.", "prompt")
+    else:
+        raise _wrong_type("prompt", "a string, a list of token ids, or a list of one of either")
+    return _common(body, models, ids, 16, "prompt")
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def _content(m: dict, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, all of type text."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts.",
+                   f"messages[{i}].content", "invalid_type")
+
+
+def chat_params(body, models: Models) -> Params:
+    """/v1/chat/completions: `messages` rendered by the tokenizer's chat template, as training renders them."""
+    import jinja2
+
+    from ..data.instruct import InstructError
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _wrong_type("messages", "a non-empty list of {role, content} objects")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
+                           f"messages[{i}].role", "invalid_value")
+        turns.append({"role": m["role"], "content": _content(m, i)})
+    if models.chat is None:
+        raise APIError(400, "The served model's tokenizer has no chat template (tokenizer_config.json's "
+                            "chat_template), so it cannot render messages: use /v1/completions with a prompt.",
+                       "messages", "no_chat_template")
+    try:
+        text = models.chat(turns)
+    except (InstructError, jinja2.TemplateError) as e:
+        raise APIError(400, f"The model's chat template refuses these messages: {e}", "messages") from None
+    return _common(body, models, prompt_ids(models.tok, text), None, "messages")

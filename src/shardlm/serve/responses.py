@@ -1,0 +1,107 @@
+"""The answer side of the OpenAI-compatible API: completion and chat objects, their streamed chunks as
+server-sent events ending with `data: [DONE]` (OpenAI's API reference), and the incremental detokenizer
+that turns the engine's bursts of ids into text deltas (as vLLM's and transformers' text streamers do:
+text is sent only once it can no longer change).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Callable
+
+from .protocol import APIError, Params
+
+
+class TextStream:
+    """The text of a growing completion, in deltas whose concatenation is the engine's final text.
+
+    Held back until more ids arrive: a trailing replacement character (a character whose UTF-8 bytes
+    are still arriving) and a trailing piece that could begin a stop string (the engine cuts the text
+    before a stop string, so that piece may never be part of the answer)."""
+
+    def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...]):
+        self.decode, self.stop_ids, self.stop = decode, stop_ids, stop
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, ids: list[int]) -> str:
+        # A stop id only ever ends the stream, and is no part of the text.
+        self.ids += [t for t in ids if t not in self.stop_ids]
+        text = self.decode(self.ids).rstrip("\ufffd")
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._advance(text[:len(text) - hold])
+
+    def finish(self, text: str | None) -> str:
+        """The rest, given the engine's final text."""
+        return self._advance(text if text is not None else self.decode(self.ids))
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str:
+    # "cancelled" never reaches a client: only a client that left cancels its request.
+    return "stop" if reason == "stop" else "length"
+
+
+class Answer:
+    """The objects of one answer, completion or chat, sharing its id and creation time."""
+
+    def __init__(self, chat: bool, params: Params):
+        self.chat, self.params = chat, params
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.params.model}
+
+    def whole(self, text: str, reason: str | None, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=finish_reason(reason))
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(len(self.params.prompt), completion_tokens)}
+
+    def chunk(self, text: str | None, reason: str | None = None, role: bool = False) -> str:
+        """One event; `text` None is the final chunk's empty delta, `role` the chat stream's first chunk."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=None if reason is None else finish_reason(reason))
+        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                      "choices": [choice]})
+
+    def usage_chunk(self, completion_tokens: int) -> str:
+        """stream_options.include_usage: the last chunk before [DONE], no choices, the request's usage."""
+        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                      "usage": usage(len(self.params.prompt), completion_tokens)})
+
+
+def event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def error_event(error: APIError) -> str:
+    """An error after the stream began (its status is sent already): an event holding the error object, as
+    OpenAI's and vLLM's streams report one."""
+    return event(error.body())
+
+
+DONE = "data: [DONE]\n\n"

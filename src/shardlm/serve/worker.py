@@ -1,0 +1,145 @@
+"""One engine, many clients: a background thread owns the engine and loops its step() while it has work,
+sleeping on a condition when it has none (vLLM's engine-core loop, on one thread instead of a process).
+Handlers submit from the event loop's thread (the engine queues new requests in a deque, and its checks
+raise at once, so a bad request is answered 4xx before it waits); tokens and ends come back through
+callbacks on the engine's thread, which the handlers hand to their event loop.
+
+A step that raises fails the requests it held, and the engine serves on: the server outlives any one
+request. The counts behind /metrics live here too.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Callable
+
+from ..inference import Engine, Request
+
+log = logging.getLogger("shardlm.serve")
+
+
+class Closed(RuntimeError):
+    """The worker takes no more requests."""
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, window_s: float = 10.0):
+        self.engine, self.window_s = engine, window_s
+        self._cv = threading.Condition()
+        self._done: dict[int, Callable] = {}  # id(request) -> its end callback
+        self._closing = False
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent bursts, for tokens/s
+        self._lock = threading.Lock()
+        self.counts = {"requests_total": 0, "requests_finished": 0, "requests_cancelled": 0,
+                       "requests_failed": 0, "tokens_generated": 0}
+        self._thread = threading.Thread(target=self._loop, name="shardlm-engine", daemon=True)
+
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    def submit(self, request: Request, on_done: Callable) -> None:
+        """Queue `request`; `on_done(request, error)` is called once it ends (error: None, or the exception
+        that failed it), on the engine's thread, or here when it ends at once (max_new_tokens 0). The
+        engine's ValueError for a request it cannot run propagates."""
+        on_tokens = request.on_tokens
+
+        def counted(r, ids):
+            with self._lock:
+                self.counts["tokens_generated"] += len(ids)
+                self._recent.append((time.monotonic(), len(ids)))
+            if on_tokens is not None:
+                _quietly(on_tokens, r, ids)
+        request.on_tokens = counted
+        with self._cv:
+            if self._closing:
+                raise Closed("the server is shutting down")
+            self.engine.submit(request)
+            self.counts["requests_total"] += 1
+            if request.done:
+                self.counts["requests_finished"] += 1
+            else:
+                self._done[id(request)] = on_done
+                self._cv.notify()
+        if request.done:
+            on_done(request, None)
+
+    def cancel(self, request: Request) -> None:
+        """Free the request's slot (or its place in the queue) at the engine's next step."""
+        request.cancel()
+        with self._cv:
+            self._cv.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what the engine holds, then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ---- the engine's thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not engine.busy and not self._closing:
+                    self._cv.wait()
+                if not engine.busy:
+                    return
+            try:
+                finished = engine.step()
+            except Exception as e:  # the requests that held slots fail; the others wait their turn
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for r in _evict(engine):
+                    self._end(r, e)
+                continue
+            for r in finished:
+                self._end(r, None)
+
+    def _end(self, r: Request, error: Exception | None) -> None:
+        with self._cv:
+            on_done = self._done.pop(id(r), None)
+            key = "requests_failed" if error else "requests_cancelled" if r.finish_reason == "cancelled" \
+                else "requests_finished"
+            self.counts[key] += 1
+        if on_done is not None:
+            _quietly(on_done, r, error)
+
+    # ---- /metrics -----------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
+            recent = sum(n for _, n in self._recent)
+            counts = dict(self.counts)
+        slots = list(self.engine.slots)
+        in_use = sum(s is not None for s in slots)
+        return {**counts, "requests_active": in_use, "requests_queued": len(self.engine.waiting),
+                "tokens_per_s": round(recent / self.window_s, 3), "window_s": self.window_s,
+                "slots_in_use": in_use, "slots": len(slots)}
+
+
+def _quietly(callback: Callable, *args) -> None:
+    """A callback's failure (a client's event loop closed under it) must not reach the engine's step."""
+    try:
+        callback(*args)
+    except Exception:
+        log.debug("a request's callback failed:\n%s", traceback.format_exc())
+
+
+def _evict(engine: Engine) -> list[Request]:
+    """The requests that held slots when a step raised, taken out of them so the next step starts clean.
+    The engine has no public call for this (yet): it resets what its own release of a slot resets."""
+    held = []
+    for i, slot in enumerate(engine.slots):
+        if slot is not None:
+            held.append(slot.request)
+            slot.request.cancel()
+            engine.slots[i] = None
+    engine.pos.fill_(engine.scratch)
+    engine.active.zero_()
+    return held

@@ -1,0 +1,380 @@
+"""`shardlm serve`: the OpenAI-compatible HTTP API over real HTTP on 127.0.0.1, against a server in this
+process (uvicorn in a thread) or, for signals, a `python -m shardlm serve` subprocess. Answers are checked
+against the eager reference decoder; errors against OpenAI's error object; the server must outlive every
+bad request, failed step and departed client."""
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import make_tokenizer, save_hf
+from shardlm.inference import Engine, generate_ids, load_pretrained, until_eos
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+TIMEOUT = 20  # seconds, for every network wait
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = ["To be", "or not to be, that is", "the question", "whether 'tis nobler in the mind", "to suffer",
+           "the slings and arrows", "of outrageous fortune", "or to take arms", "against a sea", "of troubles",
+           "and by opposing", "end them", "To", "be, or", "not", "that is the question: whether"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny random HF Llama whose tokenizer has a chat template."""
+    d = tmp_path_factory.mktemp("serve") / "llama"
+    save_hf("llama", d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    return d
+
+
+@contextmanager
+def serving(path, max_batch=16, adapters=None):
+    """A server on a free port of 127.0.0.1 in this process; yields its url, engine, worker, tokenizer, model."""
+    from shardlm.serve.command import build_server
+    model, tok, cfg = load_pretrained(path)
+    engine = Engine(model, max_batch, cfg.max_seq_len, compile=False, decode=tok.decode)
+    for name, directory in (adapters or {}).items():
+        engine.add_adapter(name, directory)
+    server, worker = build_server(engine, tok, "base", adapters or {}, "127.0.0.1", 0, "warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, worker=worker, tok=tok, model=model)
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        worker.close(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def srv(hf_dir):
+    with serving(hf_dir) as s:
+        yield s
+
+
+def reference(s, ids, n):
+    """The eager decoder's greedy tokens for `ids` alone, cut at end-of-text as the server cuts them."""
+    new = generate_ids(s.model, torch.tensor([ids]), n, eos_id=s.tok.eos_id)[0].tolist()
+    return until_eos(new, s.tok.eos_id)
+
+
+def sse(lines):
+    """The JSON events of a server-sent event stream, and whether it ended with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+            else:
+                events.append(json.loads(line[6:]))
+    return events, done
+
+
+def test_models_health_and_metrics(srv):
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        models = c.get("/v1/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["base"]
+        assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 128
+        m = c.get("/metrics").json()
+        for key in ("requests_total", "requests_active", "requests_queued", "requests_finished",
+                    "requests_cancelled", "requests_failed", "tokens_generated", "tokens_per_s", "window_s",
+                    "slots_in_use", "slots", "requests_in_flight", "draining"):
+            assert key in m, key
+        assert m["slots"] == 16 and m["draining"] is False
+
+
+def test_sixteen_concurrent_streams_each_equal_the_reference_decoder(srv):
+    """16 streamed completions at once through one engine of 16 slots: each one's text (streamed deltas
+    joined) and token count are those of the eager decoder on that prompt alone."""
+    async def one(client, prompt):
+        body = {"model": "base", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events, done = sse([line async for line in r.aiter_lines()])
+        assert done
+        return events
+
+    async def all_of():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=TIMEOUT) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+    before = srv.worker.counts["requests_total"]
+    results = asyncio.run(asyncio.wait_for(all_of(), 3 * TIMEOUT))
+    assert srv.worker.counts["requests_total"] - before == 16
+    for prompt, events in zip(PROMPTS, results):
+        want = reference(srv, srv.tok.encode(prompt), 12)
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == srv.tok.decode(want), prompt
+        assert events[-1]["usage"]["completion_tokens"] == len(want) + (len(want) < 12)  # + the stop token
+        reasons = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert reasons[-1] == ("length" if len(want) == 12 else "stop") and not any(reasons[:-1])
+
+
+def test_the_openai_client_completes_and_chats_whole_and_streamed(srv):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="any", timeout=TIMEOUT, max_retries=0)
+    prompt = PROMPTS[3]
+    want = srv.tok.decode(reference(srv, srv.tok.encode(prompt), 10))
+    r = client.completions.create(model="base", prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(srv.tok.encode(prompt))
+    chunks = client.completions.create(model="base", prompt=prompt, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+    rendered = "<|system|>Be brief.\n<|user|>To be?\n<|assistant|>"  # CHAT_TEMPLATE's rendering
+    want = srv.tok.decode(reference(srv, srv.tok.encode(rendered), 10))
+    r = client.chat.completions.create(model="base", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(model="base", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
+    prompt = PROMPTS[0]
+    full = srv.tok.decode(reference(srv, srv.tok.encode(prompt), 16))
+    stop = full[3:5]
+    assert stop and full.find(stop) > 0
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "stop": [stop]}
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]
+        events, done = sse(c.post("/v1/completions", json={**body, "stream": True}).text.splitlines())
+    assert whole["text"] == full[:full.find(stop)] and whole["finish_reason"] == "stop"
+    assert done and "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+
+
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [0, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 200}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "To be " * 100}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400,
+     "max_tokens"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        for path, body, status, param in BAD:
+            r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+            assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+        assert c.get("/v1/nothing").status_code == 404
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 0}).json()["choices"][0]["text"] == ""
+        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_tokenizer_without_a_chat_template_is_told_so(hf_dir, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_dir, plain)
+    make_tokenizer(plain)  # the tokenizer files again, without the template
+    with serving(plain, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def slowed(monkeypatch, engine, seconds):
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def wait_for(check, what):
+    deadline = time.monotonic() + TIMEOUT
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(srv, monkeypatch):
+    slowed(monkeypatch, srv.engine, 0.05)  # 100 tokens now take over half a second: the client leaves first
+    before = srv.worker.metrics()
+    body = {"prompt": "To be", "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert c.get("/metrics").json()["slots_in_use"] == 1
+        wait_for(lambda: srv.worker.metrics()["requests_cancelled"] == before["requests_cancelled"] + 1,
+                 "the departed client's request was not cancelled")
+        m = c.get("/metrics").json()
+        assert m["slots_in_use"] == 0 and m["requests_active"] == 0
+        assert m["tokens_generated"] - before["tokens_generated"] < 100
+        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
+    step, failures = srv.engine.step, []
+
+    def failing_step():
+        if srv.engine.slots[0] is not None or srv.engine.waiting:
+            if len(failures) < 2:
+                failures.append(1)
+                srv.engine._prefill = None  # the next prefill raises (TypeError), inside the engine's step
+                try:
+                    return step()
+                finally:
+                    del srv.engine._prefill
+        return step()
+    monkeypatch.setattr(srv.engine, "step", failing_step)
+    body = {"prompt": "To be", "max_tokens": 5, "temperature": 0}
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        events, done = sse(c.post("/v1/completions", json={**body, "stream": True}).text.splitlines())
+        assert done and "error" in events[-1]
+        assert srv.worker.metrics()["slots_in_use"] == 0
+        ok = c.post("/v1/completions", json=body)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == srv.tok.decode(reference(srv, srv.tok.encode("To be"), 5))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_streams_in_flight_refuses_new_requests_and_exits_0(hf_dir, tmp_path):
+    """A subprocess server with a 2,048-position model: a long stream runs, SIGTERM arrives, a new request
+    gets 503, the stream still ends with all its tokens, and the process exits 0."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=2048)
+    long_dir = tmp_path / "long"
+    tf.LlamaForCausalLM(cfg).save_pretrained(long_dir)
+    make_tokenizer(long_dir)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "serve", "--model", str(long_dir), "--port",
+                             str(port), "--max-batch", "2", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "the server did not start"
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            body = {"prompt": "To be", "max_tokens": 1500, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: c.get("/health").status_code == 503, "the server did not start draining")
+                refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+                events, done = sse([first, *lines])
+            assert done and events[-1]["usage"]["completion_tokens"] == 1500
+        assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(Engine, "add_adapter"),
+                    reason="Engine.add_adapter (per-row LoRA adapters) does not exist in shardlm.inference yet")
+def test_two_adapters_and_the_base_in_one_batch_each_give_their_own_tokens(hf_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    from helpers import hf_model
+    dirs = {}
+    for i, name in enumerate(("first", "second")):
+        base = hf_model("llama")  # hf_dir's weights (it seeds itself)
+        torch.manual_seed(10 + i)  # init_lora_weights=False: random A and B, so the adapter changes the model
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                               init_lora_weights=False)
+        peft.get_peft_model(base, lora).save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    prompts = PROMPTS[:6]
+    want = {}
+    for name, d in {**dirs, "base": None}.items():
+        model, tok, _ = load_pretrained(hf_dir, adapter=d)
+        want[name] = [tok.decode(until_eos(generate_ids(model, torch.tensor([tok.encode(p)]), 8,
+                                                        eos_id=tok.eos_id)[0].tolist(), tok.eos_id))
+                      for p in prompts]
+    assert want["first"] != want["second"] != want["base"] != want["first"]
+
+    async def all_of(url):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            asks = [(name, p) for p in prompts for name in want]  # the base's rows in the batch too
+            answers = await asyncio.gather(*(client.post("/v1/completions", json={
+                "model": name, "prompt": p, "max_tokens": 8, "temperature": 0}) for name, p in asks))
+            return asks, answers
+    with serving(hf_dir, adapters=dirs) as s:
+        assert [m["id"] for m in httpx.get(s.url + "/v1/models", timeout=TIMEOUT).json()["data"]] == \
+            ["base", "first", "second"]
+        asks, answers = asyncio.run(asyncio.wait_for(all_of(s.url), 3 * TIMEOUT))
+    for (name, p), r in zip(asks, answers):
+        assert r.status_code == 200 and r.json()["model"] == name
+        assert r.json()["choices"][0]["text"] == want[name][prompts.index(p)], (name, p)
+
+
+def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, capsys):
+    from shardlm.cli import main
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
+    assert main(["serve", "--model", str(hf_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'shardlm[serve]'" in err and "\n" not in err
+
+
+@pytest.mark.skipif(hasattr(Engine, "add_adapter"), reason="the engine serves adapters")
+def test_adapters_are_refused_while_the_engine_cannot_apply_them_per_request(hf_dir, capsys):
+    from shardlm.cli import main
+    assert main(["serve", "--model", str(hf_dir), "--adapter", f"mine={hf_dir}"]) == 2
+    assert "Engine.add_adapter" in capsys.readouterr().err
