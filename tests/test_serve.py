@@ -250,6 +250,42 @@ def test_a_client_that_leaves_a_stream_frees_its_slot(srv, monkeypatch):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(srv, monkeypatch):
+    slowed(monkeypatch, srv.engine, 0.1)  # 100 tokens take over a second; the server looks 4 times a second
+    before = srv.worker.metrics()["requests_cancelled"]
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=0.3) as c:
+        c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 100, "temperature": 0})
+    wait_for(lambda: srv.worker.metrics()["requests_cancelled"] == before + 1,
+             "the departed client's request was not cancelled")
+    assert srv.worker.metrics()["slots_in_use"] == 0
+
+
+def test_streamed_text_never_sends_half_a_character_or_the_start_of_a_stop_string():
+    from shardlm.serve.responses import TextStream
+    from shardlm.tokenizer import load_tokenizer
+    tok = load_tokenizer("byte")  # one id per byte: every multi-byte character arrives in pieces
+    text = "naïve café, 1 ✓ 2 ✓ done"
+    stream = TextStream(tok.decode, (tok.eos_id,), ())
+    deltas = [stream.push([i]) for i in tok.encode(text)]
+    assert "".join(deltas) + stream.finish(text) == text and not any("\ufffd" in d for d in deltas)
+    stream = TextStream(tok.decode, (tok.eos_id,), ("✓ 2",))
+    sent = "".join(stream.push([i]) for i in tok.encode("naïve café, 1 ✓ 2"))
+    assert sent == "naïve café, 1 " and stream.finish("naïve café, 1 ") == ""
+
+
+def test_the_stop_ids_are_the_tokenizers_and_the_generation_configs(hf_dir, tmp_path):
+    from shardlm.serve.protocol import stop_ids_of
+    from shardlm.tokenizer import load_tokenizer
+    make_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert stop_ids_of(tok) == (tok.eos_id,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, 5, 99999]}))
+    assert stop_ids_of(load_tokenizer(tmp_path)) == (tok.eos_id, 5)
+    # transformers' defaults for the model class (Llama's eos 2) say nothing of this tokenizer
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "_from_model_config": True}))
+    assert stop_ids_of(load_tokenizer(tmp_path)) == (tok.eos_id,)
+
+
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
     step, failures = srv.engine.step, []
 

@@ -69,7 +69,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     app.state.serve = state
     app.add_middleware(Lifecycle, state=state, worker=worker)
     tok = models.tok
-    stop_ids = () if tok.eos_id is None else (tok.eos_id,)
+    stop_ids = models.stop_ids
     started = int(time.time())
 
     @app.exception_handler(APIError)
@@ -96,8 +96,11 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
         def put(item):  # the engine's thread: hand over to the loop
             loop.call_soon_threadsafe(queue.put_nowait, item)
+        # A whole answer waits for the end alone, so its queue stays empty until then and it can look
+        # for a departed client in between.
+        on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
         request = Request(params.prompt, params.max_tokens, params.sampling, stop_ids, params.stop,
-                          adapter=params.adapter, on_tokens=lambda r, ids: put(("tokens", list(ids))))
+                          adapter=params.adapter, on_tokens=on_tokens)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:
@@ -119,7 +122,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                                      headers={"Cache-Control": "no-cache"})
         while True:
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout=1.0)
+                kind, value = await asyncio.wait_for(queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():  # the middleware then cancels the request
                     return JSONResponse({}, status_code=499)

@@ -1,7 +1,7 @@
 """`shardlm serve`: a model (and LoRA adapters over it, chosen per request) behind an OpenAI-compatible
 HTTP API, on uvicorn. The first SIGTERM or SIGINT drains: new requests get 503, those in flight finish,
 then uvicorn shuts down gracefully and the process exits 0 (as vLLM's and Kubernetes' graceful shutdown
-expect); a second signal is uvicorn's own (exit now).
+expect); a second signal ends it at once, with that signal's status.
 """
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ def _draining_server(uvicorn):
                 print(f"shardlm serve: signal {sig}: draining {self.serve_state.in_flight} request(s), then "
                       "exiting; new requests get 503", file=sys.stderr, flush=True)
                 return
-            super().handle_exit(sig, frame)
+            super().handle_exit(sig, frame)  # the second: leave now, as that signal ends a process
+            self.force_exit = True
 
         async def on_tick(self, counter: int) -> bool:
             if self.serve_state.draining and self.serve_state.idle:

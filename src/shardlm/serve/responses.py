@@ -16,21 +16,33 @@ from .protocol import APIError, Params
 class TextStream:
     """The text of a growing completion, in deltas whose concatenation is the engine's final text.
 
-    Held back until more ids arrive: a trailing replacement character (a character whose UTF-8 bytes
-    are still arriving) and a trailing piece that could begin a stop string (the engine cuts the text
-    before a stop string, so that piece may never be part of the answer)."""
+    Each burst decodes only a window of ids (vLLM's prefix and read offsets): the previous burst's ids as
+    context and the new ones, the new text being what they add, so a long stream costs no more per burst
+    than a short one, and tokenizers that drop a leading space at the start of a decode still join right.
+    Held back until more ids arrive: a trailing replacement character (a character whose UTF-8 bytes are
+    still arriving) and a trailing piece that could begin a stop string (the engine cuts the text before
+    a stop string, so that piece may never be part of the answer)."""
 
     def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...]):
         self.decode, self.stop_ids, self.stop = decode, stop_ids, stop
         self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] were decoded already, as the window's context
+        self.text = ""               # the text of ids[:read]
         self.sent = ""
 
     def push(self, ids: list[int]) -> str:
         # A stop id only ever ends the stream, and is no part of the text.
         self.ids += [t for t in ids if t not in self.stop_ids]
-        text = self.decode(self.ids).rstrip("\ufffd")
-        for s in self.stop:
-            at = text.find(s)
+        context = self.decode(self.ids[self.prefix:self.read])
+        new = self.decode(self.ids[self.prefix:])[len(context):]
+        if new.endswith("\ufffd"):
+            text = self.text + new.rstrip("\ufffd")
+        else:
+            self.text = text = self.text + new
+            self.prefix, self.read = self.read, len(self.ids)
+        tail = max((len(s) for s in self.stop), default=0)
+        for s in self.stop:  # only the tail can hold a stop string that the last burst completed
+            at = text.find(s, max(0, len(self.sent) - tail))
             if at >= 0:
                 text = text[:at]
         hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
@@ -38,7 +50,7 @@ class TextStream:
 
     def finish(self, text: str | None) -> str:
         """The rest, given the engine's final text."""
-        return self._advance(text if text is not None else self.decode(self.ids))
+        return self._advance(text if text is not None else self.text)
 
     def _advance(self, text: str) -> str:
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
