@@ -35,4 +35,4 @@ RESUME=()
 if [ -n "$OUT" ] && compgen -G "$OUT/checkpoints/step_*/state.json" > /dev/null; then RESUME=(--resume "$OUT"); fi
 exec "${TORCHRUN:-torchrun}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RUN_ID:-shardlm}" \
-  -m shardlm train "$@" "${RESUME[@]}"
+  -m shardlm train "$@" ${RESUME[@]+"${RESUME[@]}"}
