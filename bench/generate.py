@@ -1,6 +1,6 @@
 """Generation speed: shardlm's engine (static KV cache, compiled decode step as CUDA graphs) beside Hugging Face
 transformers' `generate` with its static cache (which compiles its forward on a GPU) and with its dynamic
-cache, on one GPU; then many prompts of mixed lengths, eval-style, through the engine and through the
+cache, on one GPU; its int8 and int4 weights (torchao) against its bf16; then many prompts of mixed lengths, eval-style, through the engine and through the
 path `eval --tasks` took before it (prompts of equal length batched together, the eager decoder).
 
     python bench/generate.py [--gpus 1] [--preset llama2-7b] [--prompt 128] [--new 256] [--batches 1,16]
@@ -27,7 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
-SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32")
+SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32", "shardlm-int8",
+           "shardlm-int4")
 WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree")
 
 
@@ -54,9 +55,13 @@ def random_prompts(n, lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def run_shardlm(args, device):
+def run_shardlm(args, device, quantized: str = "none"):
     from shardlm.inference import Engine, Request
+    from shardlm.inference.quantize import quantize
     model, cfg = build(args, device)
+    weights = weight_bytes(model)  # GB/s below counts the 16-bit bytes the quantised weights stand for
+    quantize(model, quantized)
+    system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
@@ -68,7 +73,7 @@ def run_shardlm(args, device):
         t = time.perf_counter()
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
-        rows.append(row(args, model, "shardlm", batch, time.perf_counter() - t, device,
+        rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
                         first=done[0].tokens[:8]))
         del engine
     return rows
@@ -106,7 +111,7 @@ def run_hf(args, device, cache: str):
             t = time.perf_counter()
             out = hf.generate(ids, **kw)
             sync(device)
-        rows.append(row(args, model, f"hf-{cache}", batch, time.perf_counter() - t, device,
+        rows.append(row(args, weight_bytes(model), f"hf-{cache}", batch, time.perf_counter() - t, device,
                         first=out[0, args.prompt:args.prompt + 8].tolist()))
     return rows
 
@@ -188,9 +193,8 @@ def run_agree(args, device):
              "eager_eq_hf": sum(a == b for a, b in zip(eager, theirs))}]
 
 
-def row(args, model, system, batch, seconds, device, first):
+def row(args, wb, system, batch, seconds, device, first):
     tok_s = batch * args.new / seconds
-    wb = weight_bytes(model)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     hbm = next((v for k, v in HBM.items() if k in card), None)
     return {"system": system, "model": args.preset, "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
@@ -206,7 +210,9 @@ def worker(args):
     torch._dynamo.config.recompile_limit = 64
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
-           "mixed-old": run_mixed_old, "agree-fp32": run_agree}[args.system]
+           "mixed-old": run_mixed_old, "agree-fp32": run_agree,
+           "shardlm-int8": lambda a, d: run_shardlm(a, d, "int8"),
+           "shardlm-int4": lambda a, d: run_shardlm(a, d, "int4")}[args.system]
     for r in run(args, device):
         print("RESULT " + json.dumps(r), flush=True)
 
@@ -246,8 +252,10 @@ def main():
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             print(f"{system}: timed out after {args.timeout:.0f} s", file=sys.stderr, flush=True)
+            text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+            (Path(args.out) / f"generate-{system}.log").write_text("".join(text))
             continue
         (Path(args.out) / f"generate-{system}.log").write_text(proc.stdout + proc.stderr)
         got = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -281,11 +289,13 @@ def compare_mixed(args):
 
 def print_table(rows, same):
     by = {(r["system"], r.get("batch")): r for r in rows}
-    print(f"\n{'system':<16} {'batch':>5} {'tok/s':>9} {'GB/s':>7} {'of bound':>8} {'peak GiB':>8} {'vs hf-static':>12}")
+    print(f"\n{'system':<16} {'batch':>5} {'tok/s':>9} {'GB/s':>7} {'of bound':>8} {'peak GiB':>8} {'vs hf-static':>12}  (int8/int4: vs shardlm bf16)")
     for r in rows:
         if "tok_s" not in r:
             continue
         ref = by.get(("hf-static", r["batch"]))
+        if r["system"].startswith("shardlm-int"):
+            ref = by.get(("shardlm", r["batch"]))
         ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"
         bound = f"{r['tok_s'] / r['bound_tok_s']:.0%}" if r.get("bound_tok_s") else "-"
         print(f"{r['system']:<16} {r['batch']:>5} {r['tok_s']:>9.1f} {r['gb_s']:>7.0f} {bound:>8} "
