@@ -99,8 +99,8 @@ def test_models_health_and_metrics(srv):
         assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 128
         m = c.get("/metrics").json()
         for key in ("requests_total", "requests_active", "requests_queued", "requests_finished",
-                    "requests_cancelled", "requests_failed", "tokens_generated", "tokens_per_s", "window_s",
-                    "slots_in_use", "slots", "requests_in_flight", "draining"):
+                    "requests_cancelled", "requests_failed", "requests_rejected", "tokens_generated",
+                    "tokens_per_s", "window_s", "slots_in_use", "slots", "requests_in_flight", "draining"):
             assert key in m, key
         assert m["slots"] == 16 and m["draining"] is False
 
@@ -195,12 +195,14 @@ BAD = [  # (path, body, status, param)
 
 def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        rejected = c.get("/metrics").json()["requests_rejected"]
         for path, body, status, param in BAD:
             r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
             assert r.status_code == status, (body, r.text)
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], body
             assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+        assert c.get("/metrics").json()["requests_rejected"] == rejected + len(BAD)
         assert c.get("/v1/nothing").status_code == 404
         assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 0}).json()["choices"][0]["text"] == ""
         ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0})

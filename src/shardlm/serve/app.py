@@ -31,6 +31,7 @@ class ServerState:
     def __init__(self):
         self.draining = False
         self.in_flight = 0
+        self.rejected = 0  # requests answered 4xx
 
     @property
     def idle(self) -> bool:
@@ -74,6 +75,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
+        state.rejected += e.status < 500
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(HTTPException)
@@ -180,6 +182,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     @app.get("/metrics")
     async def metrics():
         """JSON (not Prometheus' text format): counts since start, and tokens/s over the last window_s."""
-        return {**worker.metrics(), "requests_in_flight": state.in_flight, "draining": state.draining}
+        return {**worker.metrics(), "requests_rejected": state.rejected, "requests_in_flight": state.in_flight,
+                "draining": state.draining}
 
     return app

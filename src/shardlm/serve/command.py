@@ -20,7 +20,7 @@ endpoints (OpenAI's API; see the README's Serving section):
   GET  /v1/models             the base model (its id: --served-model-name, default the --model argument)
                               and each --adapter, whose id is its NAME: a request's "model" picks one
   GET  /health                {"status": "ok"}, 503 {"status": "draining"} while shutting down
-  GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed, tokens
+  GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed/rejected, tokens
                               generated, tokens_per_s over the last window_s seconds, slots_in_use / slots
 """
 
@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a PEFT LoRA adapter directory served as model NAME over the base, applied per request "
                         "(repeatable)")
     p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model as given)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only; "
+                                                         "the server checks no API key)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded at once (fewer where the GPU's "
                                                               "free memory holds fewer); the rest queue")
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="compile the decode step (auto: on a GPU, as CUDA graphs)")
+    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
+                   help="weight-only quantisation of the linear layers (torchao), as generate's")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -80,7 +83,9 @@ def cmd_serve(argv: list[str]) -> int:
                           "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
                           "a PEFT merge), or use shardlm generate --adapter")
     from ..runtime.device import pick_device
+    from ..inference.quantize import quantize
     model, tok, cfg = load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype)
+    quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
     engine = Engine(model, slots_that_fit(model, max_len, a.max_batch), max_len,
                     compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode)
