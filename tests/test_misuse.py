@@ -270,6 +270,12 @@ def test_an_adapter_is_refused_on_a_model_that_carries_it(world, tmp_path, capsy
         check_adapter_target(merged, adapter)
     check_adapter_target(paths["exp"], adapter)  # a plain model
     check_adapter_target(paths["run"], adapter)  # a run without adapters
+    capsys.readouterr()
+    for model in (merged, paths["lrun"]):  # the commands call it: one line, status 2, before any decoding
+        for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(paths["text"]), "--seq-len", "8"]):
+            assert main([cmd[0], "--model", str(model), "--adapter", str(adapter), *cmd[1:]]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and "would be applied" in err or "merged into it" in err, err
 
 
 def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):

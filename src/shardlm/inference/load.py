@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..adapter_check import check_adapter_target
 from ..checkpoint import CheckpointError, read_state, resolve_checkpoint
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
@@ -79,10 +80,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         lora = src.lora
         adapters = {n: src.read(n) for n in src.names if is_adapter(n)}
     if adapter is not None:
-        if lora is not None:
-            raise ConfigError(f"--adapter {adapter}: {path} is a LoRA run whose adapters are applied already; "
-                              "applying another on top would change the model twice (export the merged run "
-                              "with `shardlm export --merge` to use it as a base)")
+        check_adapter_target(path, adapter)
         lora, adapters = read_peft_dir(adapter, cfg)
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)
