@@ -80,18 +80,23 @@ def run_shardlm(args, device, quantized: str = "none"):
 
 
 def hf_model(args, device):
+    model, cfg = build(args, device)
+    return hf_from(model, cfg, device), model, cfg
+
+
+def hf_from(model, cfg, device):
+    """transformers' LlamaForCausalLM holding `model`'s weights: the same greedy tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardlm.model.hf import to_hf_state
-    model, cfg = build(args, device)
     hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab_size,
                          max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
                          tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")
     with torch.device(device):
         hf = LlamaForCausalLM(hf_cfg).to(next(model.parameters()).dtype)
-    hf.load_state_dict(to_hf_state(model.state_dict(), cfg))  # the same weights: the same greedy tokens
-    return hf.eval(), model, cfg
+    hf.load_state_dict(to_hf_state(model.state_dict(), cfg))
+    return hf.eval()
 
 
 def run_hf(args, device, cache: str):

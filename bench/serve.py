@@ -1,0 +1,211 @@
+"""Serving speed: `shardlm serve`'s HTTP API over its engine on one GPU, with requests of mixed prompt and
+output lengths arriving as a Poisson process at several rates, and a closed loop of N concurrent clients,
+beside transformers' `generate` processing the same requests in static batches.
+
+    python bench/serve.py [--gpus 1] [--preset llama2-7b] [--requests 64] [--rates 2,8,inf] [--concurrency 16]
+
+Random bf16 weights and a word-level tokenizer over the model's vocabulary (so any id decodes); prompts are
+sent as token ids, streamed back as server-sent events, greedy, no stop token. Per run: output tokens a
+second (all of them over the span from the first arrival to the last token), time to first token and time
+per output token (p50, p99). `batch-1` sends the first --concurrency requests one at a time (the engine's
+decode at batch 1); `closed-N` keeps N requests in flight. transformers' static batches: the requests in
+arrival order, --concurrency at a time, left-padded to the longest prompt of all and decoded to the longest
+output of all (one compiled shape, its static cache), each request's own tokens counted. Rows with bench
+"serve" go to bench/results.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def word_tokenizer(vocab: int, directory: Path):
+    """A tokenizer.json whose token i is the word `t{i}`: every id decodes, prompts can be ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from shardlm.tokenizer import load_tokenizer
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return load_tokenizer(directory)
+
+
+def workload(args, vocab: int):
+    rng = random.Random(0)
+    reqs = []
+    for _ in range(args.requests):
+        n = rng.randint(args.min_prompt, args.max_prompt)
+        reqs.append(([rng.randrange(vocab) for _ in range(n)], rng.randint(args.min_new, args.max_new)))
+    return reqs
+
+
+async def one(client, url, prompt, new, start, out):
+    t0 = time.perf_counter()
+    times = []
+    body = {"model": "base", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+    out.append({"arrive": t0 - start, "ttft": times[0] - t0, "end": times[-1] - start, "tokens": new,
+                "tpot": (times[-1] - times[0]) / max(1, new - 1)})
+
+
+async def drive(url, reqs, rate: float | None = None, concurrency: int | None = None):
+    """Poisson arrivals at `rate` a second (inf: all at once), or a closed loop of `concurrency` clients."""
+    import httpx
+    out: list[dict] = []
+    rng = random.Random(1)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(reqs))) as client:
+        start = time.perf_counter()
+        if concurrency:
+            queue = list(reqs)
+
+            async def client_loop():
+                while queue:
+                    prompt, new = queue.pop(0)
+                    await one(client, url, prompt, new, start, out)
+            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        else:
+            tasks = []
+            for prompt, new in reqs:
+                tasks.append(asyncio.create_task(one(client, url, prompt, new, start, out)))
+                if rate and rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+    span = max(r["end"] for r in out) - min(r["arrive"] for r in out)
+    pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]  # noqa: E731
+    ttft, tpot = [r["ttft"] for r in out], [r["tpot"] for r in out]
+    return {"requests": len(out), "output_tokens": sum(r["tokens"] for r in out), "seconds": span,
+            "tok_s": sum(r["tokens"] for r in out) / span, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99)}
+
+
+def run_shardlm(args, model, tok, reqs, device):
+    from shardlm.inference import Engine, Request
+    from shardlm.serve.command import build_server
+    max_len = args.max_prompt + args.max_new
+    engine = Engine(model, args.concurrency, max_len, compile=device == "cuda" or None, decode=tok.decode)
+    engine.run([Request(p, n) for p, n in reqs[:args.concurrency]])  # compile and capture before timing
+    server, worker = build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    rows = [{"system": "shardlm-batch-1", **asyncio.run(drive(url, reqs[:args.concurrency], concurrency=1))},
+            {"system": f"shardlm-closed-{args.concurrency}",
+             **asyncio.run(drive(url, reqs, concurrency=args.concurrency))}]
+    for rate in args.rates:
+        rows.append({"system": f"shardlm-poisson-{rate:g}", "rate": rate, **asyncio.run(drive(url, reqs, rate))})
+    server.should_exit = True
+    thread.join(30)
+    worker.close(timeout=30)
+    return rows
+
+
+def run_hf_static(args, model, cfg, reqs, device):
+    from generate import hf_from
+    hf = hf_from(model, cfg, device)
+    longest, most = max(len(p) for p, _ in reqs), max(n for _, n in reqs)
+    kw = dict(max_new_tokens=most, min_new_tokens=most, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="static")
+    hf.generation_config.pad_token_id = 0
+
+    def batch(rows):
+        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(rows):
+            ids[i, longest - len(p):] = torch.tensor(p)
+            mask[i, longest - len(p):] = 1
+        return ids, mask
+
+    with torch.no_grad():
+        ids, mask = batch(reqs[:args.concurrency])
+        hf.generate(ids, attention_mask=mask, **kw)  # compiles
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for s in range(0, len(reqs), args.concurrency):
+            ids, mask = batch(reqs[s:s + args.concurrency])
+            if len(ids) < args.concurrency:  # the same compiled shape: pad the last batch with copies
+                ids = torch.cat([ids, ids[:1].expand(args.concurrency - len(ids), -1)])
+                mask = torch.cat([mask, mask[:1].expand(args.concurrency - len(mask), -1)])
+            hf.generate(ids, attention_mask=mask, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    tokens = sum(n for _, n in reqs)
+    return [{"system": f"hf-static-batches-{args.concurrency}", "requests": len(reqs), "output_tokens": tokens,
+             "seconds": seconds, "tok_s": tokens / seconds}]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1, help="serving here runs on one GPU")
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-new", type=int, default=16)
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--rates", default="2,8,inf", help="Poisson arrival rates, requests a second")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--systems", default="shardlm,hf-static")
+    p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
+    args = p.parse_args()
+    if args.gpus != 1:
+        sys.exit("bench/serve.py measures one GPU (--gpus 1); tensor-parallel serving is not built yet")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    import tempfile
+
+    from generate import build
+    from common import record
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch._dynamo.config.recompile_limit = 64
+    model, cfg = build(argparse.Namespace(preset=args.preset), device)
+    tok = word_tokenizer(cfg.vocab_size, Path(tempfile.mkdtemp()))
+    reqs = workload(args, cfg.vocab_size)
+    rows = []
+    systems = args.systems.split(",")
+    if "shardlm" in systems:
+        rows += run_shardlm(args, model, tok, reqs, device)
+    if "hf-static" in systems:
+        rows += run_hf_static(args, model, cfg, reqs, device)
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    for r in rows:
+        r.update(model=args.preset, seq=args.max_prompt + args.max_new, micro_batch=args.concurrency,
+                 tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30
+                 if device == "cuda" else None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
+    record(args.record, "serve", card, 1, rows)
+    print(f"\n{'system':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
+    for r in rows:
+        lat = (f"{r['ttft_p50']:>9.3f} {r['ttft_p99']:>9.3f} {r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms"
+               if "ttft_p50" in r else "")
+        print(f"{r['system']:<22} {r['tok_s']:>8.1f} {lat}")
+    by = {r["system"]: r["tok_s"] for r in rows}
+    closed, single = by.get(f"shardlm-closed-{args.concurrency}"), by.get("shardlm-batch-1")
+    hf = by.get(f"hf-static-batches-{args.concurrency}")
+    if closed and single:
+        print(f"{args.concurrency} concurrent / batch 1: {closed / single:.1f}x" +
+              (f"; / transformers' static batches: {closed / hf:.2f}x" if hf else ""))
+
+
+if __name__ == "__main__":
+    main()
