@@ -183,17 +183,18 @@ def main():
     tok = word_tokenizer(cfg.vocab_size, Path(tempfile.mkdtemp()))
     reqs = workload(args, cfg.vocab_size)
     rows = []
-    systems = args.systems.split(",")
-    if "shardlm" in systems:
-        rows += run_shardlm(args, model, tok, reqs, device)
-    if "hf-static" in systems:
-        rows += run_hf_static(args, model, cfg, reqs, device)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    for r in rows:
-        r.update(model=args.preset, seq=args.max_prompt + args.max_new, micro_batch=args.concurrency,
-                 tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30
-                 if device == "cuda" else None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
-    record(args.record, "serve", card, 1, rows)
+    runs = {"shardlm": lambda: run_shardlm(args, model, tok, reqs, device),
+            "hf-static": lambda: run_hf_static(args, model, cfg, reqs, device)}
+    for system in args.systems.split(","):
+        got = runs[system]()
+        for r in got:  # recorded as each system ends: a call cut short keeps what it measured
+            r.update(model=args.preset, seq=args.max_prompt + args.max_new, micro_batch=args.concurrency,
+                     tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30
+                     if device == "cuda" else None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
+            print(json.dumps(r), flush=True)
+        record(args.record, "serve", card, 1, got)
+        rows += got
     print(f"\n{'system':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
     for r in rows:
         lat = (f"{r['ttft_p50']:>9.3f} {r['ttft_p99']:>9.3f} {r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms"
