@@ -281,9 +281,12 @@ class Engine:
     # ---- decode -------------------------------------------------------------------------------------
     def _decode_burst(self, finished: list[Request]) -> None:
         live = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
-        left = min(s.request.max_new_tokens - len(s.request.tokens) for s in (self.slots[i] for i in live))
-        steps = min(self.sync_every, left)
-        reach = max(len(self.slots[i].request.prompt) + len(self.slots[i].request.tokens) for i in live) + steps
+        # Each row's input position (its last token's). A row whose budget ends inside the burst runs on and
+        # its extra tokens are dropped: a burst ends at a row's last cache position, not its last token, so
+        # requests of mixed lengths do not cut every burst short (each cut is a host round trip).
+        pos = [len(self.slots[i].request.prompt) + len(self.slots[i].request.tokens) - 1 for i in live]
+        steps = min(self.sync_every, self.max_len - max(pos))
+        reach = max(pos) + steps + 1
         keys = self._keys(reach)
         sampling = any(not self.slots[i].request.sampling.greedy for i in live)
         self.rows.ids = self.adapter_ids
