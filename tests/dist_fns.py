@@ -648,3 +648,17 @@ def train_into(rank, world, out_dir):
     except Exception as e:  # noqa: BLE001 - the error is the result
         return type(e).__name__, str(e)
     return None
+
+
+def cli_at_rank(rank, world, argv):
+    """`shardlm ...argv` on every rank of an initialised group (what torchrun runs), its exit status."""
+    from shardlm.cli import main
+    return main([str(a) for a in argv])
+
+
+def loss_at_tp(rank, world, model_dir, text, seq_len):
+    """The perplexity task of `shardlm eval` on a tensor-parallel model of `world` ranks."""
+    from shardlm.inference import evaluate_ids, load_pretrained
+    from shardlm.mesh import build_mesh
+    model, tok, _ = load_pretrained(model_dir, tp_group=build_mesh(tp=world).group("tp"))
+    return evaluate_ids(model, tok.encode(text), seq_len)["loss"]

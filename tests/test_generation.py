@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import dist_fns
 from helpers import run_cli, save_hf
 from shardlm.config import load_config
 from shardlm.inference import Engine, Request, SamplingParams, generate_ids, generate_many
@@ -326,3 +327,25 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert quantize(q, kind) == 9  # 4 linears in each of 2 blocks, and the head
         assert evaluate_ids(q, held, 64)["perplexity"] / base - 1 < bound, kind
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
+
+
+@pytest.mark.parametrize("kind,tp", [("qwen2", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.slow)])
+def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
+    """`generate --tp N` on N ranks (gloo): the training's tensor-parallel layers, each rank holding its slice
+    (llama at tp 4: its 2 key/value heads kept whole on every rank), the same completions as one process;
+    `eval` of the loss likewise."""
+    from shardlm.testing.distributed import run_distributed
+    save_hf(kind, tmp_path / "hf")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("To be", "or not to be, that is", "whether")))
+    args = ["generate", "--model", tmp_path / "hf", "--input", src, "--max-new-tokens", 10, "--max-batch", 2]
+    run_cli(*args, "--output", tmp_path / "one.jsonl")
+    assert run_distributed(dist_fns.cli_at_rank, tp, [*args, "--output", tmp_path / "tp.jsonl", "--tp", tp],
+                           timeout=240) == [0] * tp
+    assert (tmp_path / "tp.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    from shardlm.inference import evaluate_ids, load_pretrained
+    text = "To be, or not to be, that is the question " * 10
+    model, tok, _ = load_pretrained(tmp_path / "hf")
+    want = evaluate_ids(model, tok.encode(text), 16)["loss"]
+    got = run_distributed(dist_fns.loss_at_tp, tp, tmp_path / "hf", text, 16, timeout=240)
+    assert got == pytest.approx([want] * tp, rel=1e-5)

@@ -41,6 +41,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compile the decode step (auto: on a GPU, as CUDA graphs)")
     p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
                    help="weight-only quantisation of the linear layers (torchao): int8 per channel, int4 per group")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun --nproc-per-node N -m shardlm "
+                   "... --tp N): each holds its slice of the weights; rank 0 writes the results")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
@@ -56,11 +58,36 @@ def _check_sampling(a) -> None:
         raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
 
 
-def _load(a):
+def _tensor_parallel(a):
+    """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
+    torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
+    device = pick_device(a.device)
+    if a.tp == 1:
+        return device, None, True
+    import torch
+    import torch.distributed as dist
+
+    from ..mesh import build_mesh, world_from_env
+    world, rank, local = world_from_env()
+    if a.tp < 1 or world != a.tp:
+        raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
+                          f"-m shardlm ... --tp {a.tp} (this is {world} process{'es' if world > 1 else ''})")
+    if a.quantize != "none":
+        raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, build_mesh(tp=a.tp).group("tp"), rank == 0
+
+
+def _load(a):
     from .load import load_pretrained
     from .quantize import quantize
-    model, tok, cfg = load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype, adapter=a.adapter)
+    device, group, a.main = _tensor_parallel(a)
+    model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group)
     quantize(model, a.quantize)
     return model, tok, cfg
 
@@ -69,10 +96,11 @@ def _compile(a) -> bool | None:
     return {"auto": None, "on": True, "off": False}[a.compile]
 
 
-def _progress(total: int, what: str):
-    """A tqdm bar on a terminal (nothing when stderr is a file or pipe); returns (update, close)."""
+def _progress(total: int, what: str, shown: bool = True):
+    """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
+    (update, close)."""
     from tqdm import tqdm
-    bar = tqdm(total=total, desc=what, unit="req", disable=None, file=sys.stderr)
+    bar = tqdm(total=total, desc=what, unit="req", disable=None if shown else True, file=sys.stderr)
     return bar.update, bar.close
 
 
@@ -106,12 +134,13 @@ def cmd_eval(argv: list[str]) -> int:
         from .perplexity import evaluate_ids
         text = Path(a.data).read_text(encoding="utf-8")
         r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
-        print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
-                                           f"{r['tokens']} predicted tokens")
+        if a.main:
+            print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
+                                               f"{r['tokens']} predicted tokens")
         return 0
     from ..text_metrics import score
     from . import generate_many, prompt_ids
-    update, close = _progress(len(prompts), "eval")
+    update, close = _progress(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, tok.eos_id,
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, _compile(a), update)
@@ -119,6 +148,8 @@ def cmd_eval(argv: list[str]) -> int:
         close()
     completions = [tok.decode(ids) for ids in new]
     scores = score(completions, refs, tasks)
+    if not a.main:
+        return 0
     if a.json:
         print(json.dumps({**scores, "examples": len(prompts), "completions": completions}))
     else:
@@ -206,17 +237,20 @@ def cmd_generate(argv: list[str]) -> int:
                     compile=_compile(a), decode=tok.decode)
     if a.input is None:
         (r,) = engine.run(requests)
-        print(json.dumps({"completion": r.text}) if a.json else a.prompt + r.text)
+        if a.main:
+            print(json.dumps({"completion": r.text}) if a.json else a.prompt + r.text)
         return 0
-    return _generate_file(engine, requests, rows, Path(a.output))
+    return _generate_file(engine, requests, rows, Path(a.output), a.main)
 
 
-def _generate_file(engine, requests, rows, out: Path) -> int:
-    """Runs the engine, writing each completion once it and all before it are done (a crash keeps them)."""
-    update, close = _progress(len(requests), "generate")
+def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
+    """Runs the engine, writing each completion once it and all before it are done (a crash keeps them);
+    under tensor parallelism every rank runs the same requests and the first writes them."""
+    import os
+    update, close = _progress(len(requests), "generate", main)
     written = 0
     try:
-        with open(out, "w", encoding="utf-8") as f:
+        with open(out if main else os.devnull, "w", encoding="utf-8") as f:
             def flush():
                 nonlocal written
                 while written < len(requests) and requests[written].done:
@@ -236,6 +270,7 @@ def _generate_file(engine, requests, rows, out: Path) -> int:
             flush()
     finally:
         close()
-    print(f"{len(requests)} completions, {sum(len(r.tokens) for r in requests):,} new tokens -> {out}",
-          file=sys.stderr)
+    if main:
+        print(f"{len(requests)} completions, {sum(len(r.tokens) for r in requests):,} new tokens -> {out}",
+              file=sys.stderr)
     return 0

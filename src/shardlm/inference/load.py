@@ -66,9 +66,11 @@ class _Source:
 
 
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
-                    adapter: str | Path | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+                    adapter: str | Path | None = None, tp_group=None) -> tuple[Decoder, Tokenizer, ModelConfig]:
     """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
-    run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights."""
+    run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights. With
+    `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
+    its slice of each sharded weight."""
     path, device = Path(path), torch.device(device)
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such directory")
@@ -84,6 +86,13 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         lora, adapters = read_peft_dir(adapter, cfg)
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)
+    specs = {}
+    if tp_group is not None:
+        from ..parallel.tensor import degree, shardings, tensor_parallel
+        if cfg.num_heads % degree(tp_group):
+            raise ConfigError(f"--tp {degree(tp_group)} does not divide the model's {cfg.num_heads} attention heads")
+        tensor_parallel(model, tp_group)
+        specs = shardings(model)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     missing = set(params) - {n for n in src.names if not is_adapter(n)}
@@ -100,6 +109,11 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
             mine = {k: v for k, v in adapters.items() if k.startswith(prefix)}
             if mine:
                 t = merged({name: t, **mine}, cfg, lora)[name]
+        if name in specs:
+            if tuple(t.shape) != specs[name].full_shape(params[name].shape):
+                raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
+                                      f"{specs[name].full_shape(params[name].shape)}")
+            t = specs[name].local(t)
         if t.shape != params[name].shape:
             raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
                                   f"{tuple(params[name].shape)}")
