@@ -288,6 +288,24 @@ def test_the_stop_ids_are_the_tokenizers_and_the_generation_configs(hf_dir, tmp_
     assert stop_ids_of(load_tokenizer(tmp_path)) == (tok.eos_id,)
 
 
+def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
+    """Compiled steps and CUDA graphs belong to the thread that made them: the warm-up runs where serving does."""
+    from shardlm.inference import Request
+    from shardlm.serve.worker import EngineWorker
+    model, tok, _ = load_pretrained(hf_dir)
+    engine = Engine(model, 2, 32, compile=False, decode=tok.decode)
+    threads, step = [], engine.step
+    engine.step = lambda: threads.append(threading.current_thread()) or step()
+    warm = [Request([tok.eos_id], 2)]
+    worker = EngineWorker(engine).start(warm)
+    assert warm[0].done and threads
+    done = threading.Event()
+    worker.submit(Request(tok.encode("To be"), 3), lambda r, error: done.set())
+    assert done.wait(TIMEOUT)
+    worker.close(TIMEOUT)
+    assert set(threads) == {worker._thread} and not worker._thread.is_alive()
+
+
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
     step, failures = srv.engine.step, []
 

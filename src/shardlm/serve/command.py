@@ -91,10 +91,9 @@ def cmd_serve(argv: list[str]) -> int:
                     compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode)
     for name, directory in adapters.items():
         engine.add_adapter(name, directory)
-    # The first steps compile (or capture graphs): pay for it before the first client waits.
+    # The first steps compile (or capture graphs), greedy and sampling: before the first client waits.
     warm = [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]
-    engine.run(warm)
-    server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level)
+    server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level, warm)
     print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {engine.device}), "
           f"models: {', '.join([base, *adapters])}", file=sys.stderr, flush=True)
     server.run()
@@ -102,15 +101,17 @@ def cmd_serve(argv: list[str]) -> int:
     return 0
 
 
-def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info"):
-    """The uvicorn server (not started) of an app over `engine`, and the started worker that owns it."""
+def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info",
+                 warm: list = ()):
+    """The uvicorn server (not started) of an app over `engine`, and the started worker that owns it,
+    having run `warm`."""
     import uvicorn
 
     from ..data.instruct import chat_prompter
     from .app import ServerState, create_app
     from .protocol import Models
     from .worker import EngineWorker
-    worker = EngineWorker(engine).start()
+    worker = EngineWorker(engine).start(warm)
     state = ServerState()
     models = Models(base, {n: str(d) for n, d in adapters.items()}, engine.max_len, tok, chat_prompter(tok))
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,

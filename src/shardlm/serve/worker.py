@@ -37,8 +37,15 @@ class EngineWorker:
                        "requests_failed": 0, "tokens_generated": 0}
         self._thread = threading.Thread(target=self._loop, name="shardlm-engine", daemon=True)
 
-    def start(self) -> "EngineWorker":
+    def start(self, warm: list[Request] = ()) -> "EngineWorker":
+        """Start the thread, and return once it has run `warm` (requests that compile the steps before a
+        client waits on them) on it: compiled steps and CUDA graphs belong to the thread that made them, so
+        every step runs on this one."""
+        self._warm, self._ready, self._failed = list(warm), threading.Event(), None
         self._thread.start()
+        self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
         return self
 
     def submit(self, request: Request, on_done: Callable) -> None:
@@ -83,6 +90,13 @@ class EngineWorker:
     # ---- the engine's thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        try:
+            engine.run(self._warm)
+        except Exception as e:
+            self._failed = e
+            return
+        finally:
+            self._ready.set()
         while True:
             with self._cv:
                 while not engine.busy and not self._closing:
