@@ -58,6 +58,7 @@ class EngineWorker:
             with self._lock:
                 self.counts["tokens_generated"] += len(ids)
                 self._recent.append((time.monotonic(), len(ids)))
+                self._forget_old()
             if on_tokens is not None:
                 _quietly(on_tokens, r, ids)
         request.on_tokens = counted
@@ -123,11 +124,14 @@ class EngineWorker:
             _quietly(on_done, r, error)
 
     # ---- /metrics -----------------------------------------------------------------------------------
+    def _forget_old(self) -> None:
+        since = time.monotonic() - self.window_s
+        while self._recent and self._recent[0][0] < since:
+            self._recent.popleft()
+
     def metrics(self) -> dict:
-        now = time.monotonic()
         with self._lock:
-            while self._recent and self._recent[0][0] < now - self.window_s:
-                self._recent.popleft()
+            self._forget_old()
             recent = sum(n for _, n in self._recent)
             counts = dict(self.counts)
         slots = list(self.engine.slots)
