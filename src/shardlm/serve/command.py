@@ -113,7 +113,8 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     from .worker import EngineWorker
     worker = EngineWorker(engine).start(warm)
     state = ServerState()
-    models = Models(base, {n: str(d) for n, d in adapters.items()}, engine.max_len, tok, chat_prompter(tok))
+    models = Models(base, {n: str(d) for n, d in adapters.items()}, engine.max_len, tok, chat_prompter(tok),
+                    engine.model.cfg.vocab_size)
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker

@@ -47,8 +47,12 @@ class Params:
 class Models:
     """The served ids: the base model's, and each adapter's under its own name (vLLM's convention)."""
 
-    def __init__(self, base: str, adapters: dict[str, str], max_len: int, tok: Tokenizer, chat=None):
+    def __init__(self, base: str, adapters: dict[str, str], max_len: int, tok: Tokenizer, chat=None,
+                 model_vocab: int | None = None):
         self.base, self.adapters, self.max_len, self.tok, self.chat = base, adapters, max_len, tok, chat
+        # A token id beyond the embedding would fail the step (on a GPU, a device-side assert ends the
+        # process), so prompts of ids are held to what both the tokenizer and the model know.
+        self.vocab = min(tok.vocab_size, model_vocab or tok.vocab_size)
         self.stop_ids = stop_ids_of(tok)
 
     def adapter_of(self, body: dict) -> tuple[str, str | None]:
@@ -190,7 +194,7 @@ def completion_params(body, models: Models) -> Params:
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = models.tok.vocab_size
+        vocab = models.vocab
         if not all(0 <= t < vocab for t in prompt):
             raise APIError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", "prompt")
         ids = list(prompt)
