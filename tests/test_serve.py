@@ -81,14 +81,8 @@ def reference(s, ids, n):
 
 def sse(lines):
     """The JSON events of a server-sent event stream, and whether it ended with [DONE]."""
-    events, done = [], False
-    for line in lines:
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                done = True
-            else:
-                events.append(json.loads(line[6:]))
-    return events, done
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    return [json.loads(d) for d in data if d != "[DONE]"], bool(data) and data[-1] == "[DONE]"
 
 
 def test_models_health_and_metrics(srv):
@@ -166,37 +160,28 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
     assert done and "".join(e["choices"][0]["text"] for e in events) == whole["text"]
 
 
-BAD = [  # (path, body, status, param)
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", b"[1, 2]", 400, None),
-    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [0, 99999]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 200}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "To be " * 100}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400,
-     "max_tokens"),
+BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completions
+    (b"{not json", 400, None), (b"[1, 2]", 400, None), ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [0, 99999]}, 400, "prompt"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"), ({"prompt": "x", "temperature": "hot"}, 400,
+                                                                  "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"), ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 2}, 400, "n"), ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"), ({"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 200}, 400, "max_tokens"), ({"prompt": "To be " * 100}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"), ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
 ]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
         rejected = c.get("/metrics").json()["requests_rejected"]
-        for path, body, status, param in BAD:
+        for body, status, param in BAD:
+            path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
             r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
             assert r.status_code == status, (body, r.text)
             error = r.json()["error"]
@@ -221,15 +206,11 @@ def test_a_tokenizer_without_a_chat_template_is_told_so(hf_dir, tmp_path):
 
 def slowed(monkeypatch, engine, seconds):
     step = engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(seconds) or step())
 
 
-def wait_for(check, what):
-    deadline = time.monotonic() + TIMEOUT
+def wait_for(check, what, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
@@ -307,19 +288,14 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
 
 
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
-    step, failures = srv.engine.step, []
+    prefill, calls = srv.engine._prefill, []
 
-    def failing_step():
-        if srv.engine.slots[0] is not None or srv.engine.waiting:
-            if len(failures) < 2:
-                failures.append(1)
-                srv.engine._prefill = None  # the next prefill raises (TypeError), inside the engine's step
-                try:
-                    return step()
-                finally:
-                    del srv.engine._prefill
-        return step()
-    monkeypatch.setattr(srv.engine, "step", failing_step)
+    def failing_prefill(finished):  # the first two prefills raise, inside the engine's step
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("injected")
+        return prefill(finished)
+    monkeypatch.setattr(srv.engine, "_prefill", failing_prefill)
     body = {"prompt": "To be", "max_tokens": 5, "temperature": 0}
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
         r = c.post("/v1/completions", json=body)
@@ -332,10 +308,11 @@ def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(
         assert ok.json()["choices"][0]["text"] == srv.tok.decode(reference(srv, srv.tok.encode("To be"), 5))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def healthy(client) -> bool:
+    try:
+        return client.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.mark.slow
@@ -349,23 +326,17 @@ def test_sigterm_finishes_the_streams_in_flight_refuses_new_requests_and_exits_0
     long_dir = tmp_path / "long"
     tf.LlamaForCausalLM(cfg).save_pretrained(long_dir)
     make_tokenizer(long_dir)
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "shardlm", "serve", "--model", str(long_dir), "--port",
-                             str(port), "--max-batch", "2", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             str(port), "--max-batch", "2", "--log-level", "warning"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, proc.stdout.read()
-                assert time.monotonic() < deadline, "the server did not start"
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
+            wait_for(lambda: healthy(c) or proc.poll() is not None, "the server did not start", 60)
+            assert proc.poll() is None, proc.stdout.read()
             body = {"prompt": "To be", "max_tokens": 1500, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -384,8 +355,6 @@ def test_sigterm_finishes_the_streams_in_flight_refuses_new_requests_and_exits_0
             proc.wait()
 
 
-@pytest.mark.skipif(not hasattr(Engine, "add_adapter"),
-                    reason="Engine.add_adapter (per-row LoRA adapters) does not exist in shardlm.inference yet")
 def test_two_adapters_and_the_base_in_one_batch_each_give_their_own_tokens(hf_dir, tmp_path):
     peft = pytest.importorskip("peft")
     from helpers import hf_model
@@ -428,9 +397,3 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert "pip install 'shardlm[serve]'" in err and "\n" not in err
 
-
-@pytest.mark.skipif(hasattr(Engine, "add_adapter"), reason="the engine serves adapters")
-def test_adapters_are_refused_while_the_engine_cannot_apply_them_per_request(hf_dir, capsys):
-    from shardlm.cli import main
-    assert main(["serve", "--model", str(hf_dir), "--adapter", f"mine={hf_dir}"]) == 2
-    assert "Engine.add_adapter" in capsys.readouterr().err

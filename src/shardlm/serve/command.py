@@ -68,9 +68,9 @@ def _adapters(specs: list[str], base: str) -> dict[str, Path]:
 
 def cmd_serve(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    try:
+    try:  # before the model loads: a missing extra fails at once
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
     if a.max_batch < 1 or (a.max_len is not None and a.max_len < 1):
