@@ -91,7 +91,10 @@ class Engine:
     new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
     CUDA graphs on a GPU. A prompt prefills `prefill_chunk` tokens at a time, and one prefill pass takes at
     most `prefill_tokens` tokens, padding counted. `decode`: the tokenizer's ids -> text, for stop strings
-    and `Request.text`."""
+    and `Request.text`.
+
+    One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
+    other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
 
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
@@ -177,6 +180,27 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
+    @property
+    def in_use(self) -> int:
+        """Slots holding a request."""
+        return sum(s is not None for s in list(self.slots))
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot, the cancelled ones not counted."""
+        return sum(not r.cancelled for r in list(self.waiting))
+
+    def abort_all(self) -> list[Request]:
+        """Take every request out of the engine (those in slots and those waiting) and reset every slot, so
+        that stepping can go on after a step raised; the caller ends them. Their tokens so far stay."""
+        held = [s.request for s in self.slots if s is not None] + list(self.waiting)
+        self.waiting.clear()
+        self.slots = [None] * len(self.slots)
+        self.pos.fill_(self.scratch)
+        self.active.zero_()
+        self.adapter_ids.zero_()
+        return held
+
     def run(self, requests: list[Request], progress: Callable | None = None) -> list[Request]:
         """Every request to its end; `progress(n)` is told of each n finished."""
         for r in requests:
@@ -196,8 +220,9 @@ class Engine:
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.request.cancelled:
                 self._release(i, finished)
-        while self.waiting and self.waiting[0].cancelled:
-            self._end_cancelled(self.waiting.popleft(), finished)
+        for r in [r for r in list(self.waiting) if r.cancelled]:  # a snapshot: other threads may append
+            self.waiting.remove(r)
+            self._end_cancelled(r, finished)
         for i, slot in enumerate(self.slots):
             while slot is None and self.waiting:
                 r = self.waiting.popleft()
@@ -331,11 +356,13 @@ class Engine:
         return r.done
 
     def _stopped_by_string(self, r: Request) -> bool:
+        """Whether the newest token completed one of r's stop strings. Only the tokens that can hold one are
+        decoded (a character takes at most 4 byte-level tokens), not the whole completion each token."""
         if not r.stop or self.decode is None:
             return False
-        text = self.decode(r.tokens)
-        cut = min((at for at in (text.find(s) for s in r.stop) if at >= 0), default=-1)
-        if cut < 0:
+        tail = self.decode(r.tokens[-(4 * max(map(len, r.stop)) + 1):])
+        if not any(s in tail for s in r.stop):
             return False
-        r.text = text[:cut]
+        text = self.decode(r.tokens)
+        r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
         return True

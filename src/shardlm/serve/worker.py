@@ -108,7 +108,7 @@ class EngineWorker:
                 finished = engine.step()
             except Exception as e:  # the requests that held slots fail; the others wait their turn
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                for r in _evict(engine):
+                for r in engine.abort_all():
                     self._end(r, e)
                 continue
             for r in finished:
@@ -134,11 +134,10 @@ class EngineWorker:
             self._forget_old()
             recent = sum(n for _, n in self._recent)
             counts = dict(self.counts)
-        slots = list(self.engine.slots)
-        in_use = sum(s is not None for s in slots)
-        return {**counts, "requests_active": in_use, "requests_queued": len(self.engine.waiting),
+        in_use = self.engine.in_use
+        return {**counts, "requests_active": in_use, "requests_queued": self.engine.queued,
                 "tokens_per_s": round(recent / self.window_s, 3), "window_s": self.window_s,
-                "slots_in_use": in_use, "slots": len(slots)}
+                "slots_in_use": in_use, "slots": len(self.engine.slots)}
 
 
 def _quietly(callback: Callable, *args) -> None:
@@ -147,17 +146,3 @@ def _quietly(callback: Callable, *args) -> None:
         callback(*args)
     except Exception:
         log.debug("a request's callback failed:\n%s", traceback.format_exc())
-
-
-def _evict(engine: Engine) -> list[Request]:
-    """The requests that held slots when a step raised, taken out of them so the next step starts clean.
-    The engine has no public call for this (yet): it resets what its own release of a slot resets."""
-    held = []
-    for i, slot in enumerate(engine.slots):
-        if slot is not None:
-            held.append(slot.request)
-            slot.request.cancel()
-            engine.slots[i] = None
-    engine.pos.fill_(engine.scratch)
-    engine.active.zero_()
-    return held
