@@ -34,6 +34,13 @@ GENERATE_EPILOG = """\
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="an HF checkpoint directory, or a shardlm run or checkpoint")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model")
+    runtime_args(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun --nproc-per-node N -m shardlm "
+                   "... --tp N): each holds its slice of the weights; rank 0 writes the results")
+
+
+def runtime_args(p: argparse.ArgumentParser) -> None:
+    """How a loaded model runs: the flags generate, eval and serve share."""
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
@@ -41,8 +48,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compile the decode step (auto: on a GPU, as CUDA graphs)")
     p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
                    help="weight-only quantisation of the linear layers (torchao): int8 per channel, int4 per group")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun --nproc-per-node N -m shardlm "
-                   "... --tp N): each holds its slice of the weights; rank 0 writes the results")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:

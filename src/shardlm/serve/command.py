@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..inference.commands import runtime_args
 
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
@@ -41,13 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                                                               "free memory holds fewer); the rest queue")
     p.add_argument("--max-len", type=int, default=None, help="positions per request, prompt and completion "
                                                               "(default: the model's context)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                   help="auto: the checkpoint's 16-bit dtype on a GPU (bf16 for fp32 weights), fp32 on the CPU")
-    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="compile the decode step (auto: on a GPU, as CUDA graphs)")
-    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
-                   help="weight-only quantisation of the linear layers (torchao), as generate's")
+    runtime_args(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
