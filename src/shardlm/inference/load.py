@@ -97,7 +97,8 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     params = dict(model.named_parameters())
     missing = set(params) - {n for n in src.names if not is_adapter(n)}
     if missing:
-        raise CheckpointError(f"{path} lacks {sorted(missing)[0]} (and {len(missing) - 1} more) of its model")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{path} lacks {sorted(missing)[0]}{more} of its model")
     for name in src.names:
         if is_adapter(name):
             continue
