@@ -30,9 +30,11 @@ from torch import nn
 from ..comm.collectives import resolve_reduce_algo
 from ..comm.transport import sharded_transport
 from ..flat import FlatParams
+from ..optim import MasterWeightOptimizer
 from .buckets import BucketReadiness, reverse_order_buckets
 from .engine import Engine
-from .offload import HostGradients, sharded_optimizer
+from .offload import HostGradients, OffloadedOptimizer
+from .offload_disk import DiskOffloadedOptimizer
 from .update_overlap import DelayedUpdate, OverlappedUpdate
 
 # Stage 2 bounds the full-size bucket gradients alive at once by finishing the oldest reduction when
@@ -296,3 +298,15 @@ class ZeroEngine(Engine):
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         shards = [] if self.grad_shards_in_bucket else [("grads", g) for g in self.grad_shards if g is not None]
         return super().held_tensors() + shards
+
+
+def sharded_optimizer(flat, cfg, scaler, group, initial_shards=None, params_kept: bool = True) -> MasterWeightOptimizer:
+    """ZeRO's optimizer over this rank's 1/N of every bucket: on the GPU, or on the CPU with
+    `parallel.offload` optimizer or params (its state on a local disk with `parallel.offload_dir`)."""
+    p = cfg.parallel
+    if p.offload == "none":
+        return MasterWeightOptimizer(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards,
+                                     params_kept=params_kept)
+    kind, extra = (DiskOffloadedOptimizer, {"directory": p.offload_dir}) if p.offload_dir else (OffloadedOptimizer, {})
+    return kind(flat, cfg.train, scaler, group, shard=True, initial_shards=initial_shards, threads=p.offload_threads,
+                **extra)

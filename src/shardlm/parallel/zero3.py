@@ -26,7 +26,7 @@ from torch import nn
 
 from ..flat import FlatParams, alloc_storage, free_storage
 from ..runtime.device import host_empty
-from .offload import MappedFiles
+from .offload_disk import MappedFiles
 from .zero import ZeroEngine, eager
 from .zero3_frozen import FrozenShards
 
