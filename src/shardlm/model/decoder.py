@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import IGNORE, ModelConfig
 from .activation_offload import ActivationOffload
+from .kv_cache import KVCache
 from .loss import linear_cross_entropy, trained_count
 from .weight_grad import Linear
 
@@ -59,26 +60,6 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-class KVCache:
-    """Preallocated keys and values per layer for incremental decoding: one prefill, then a token per step.
-    `kv_heads`: the key/value heads each layer computes here (Decoder.cache_heads)."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, kv_heads: int | None = None):
-        shape = (batch, kv_heads or cfg.kv_heads, max_len, cfg.head_size)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.pos = 0
-        self.max_len = max_len
-
-    def update(self, layer: int, k, v):
-        start, end = self.pos, self.pos + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions is full")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class Attention(nn.Module):
