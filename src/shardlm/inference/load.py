@@ -88,7 +88,8 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         model = Decoder(cfg).to(dtype)
     specs = {}
     if tp_group is not None:
-        from ..parallel.tensor import degree, shardings, tensor_parallel
+        from ..parallel.placement import degree, shardings
+        from ..parallel.tensor import tensor_parallel
         if cfg.num_heads % degree(tp_group):
             raise ConfigError(f"--tp {degree(tp_group)} does not divide the model's {cfg.num_heads} attention heads")
         tensor_parallel(model, tp_group)

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LORA_MODULES, LoRAConfig, ModelConfig, fused_parts, lora_targets
-from .tensor import ColumnParallelLinear, RowParallelLinear, TPSharding, _tag, degree, rank_in
+from .placement import TPSharding, degree, rank_in, tag
+from .tensor import ColumnParallelLinear, RowParallelLinear
 
 
 def scale(lora: LoRAConfig) -> float:
@@ -78,12 +79,12 @@ def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lor
     if isinstance(base, RowParallelLinear):
         group = base.group
         full_in = inp * degree(group)
-        _tag(adapter.A, {n: TPSharding(rank_in(group), degree(group), 1, (full_in,), (True,)) for n, _, _ in spans})
-        _tag(adapter.B, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
+        tag(adapter.A, {n: TPSharding(rank_in(group), degree(group), 1, (full_in,), (True,)) for n, _, _ in spans})
+        tag(adapter.B, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
              {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
     elif column:
         group = base.group
-        _tag(adapter.A, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
+        tag(adapter.A, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
              {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
         b_specs, b_partial = {}, {}
         for name, c in mine:
@@ -92,7 +93,7 @@ def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lor
                                        spec.pad if c[-1] == len(parts) - 1 else 0)
             if not all(split):  # rows kept whole on every rank (key/value heads): partial, as the base's
                 b_partial[name] = sum(local[i] for i in c if spec.split[i])
-        _tag(adapter.B, b_specs, b_partial)
+        tag(adapter.B, b_specs, b_partial)
     return adapter
 
 

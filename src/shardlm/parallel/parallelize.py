@@ -28,8 +28,9 @@ from .engine import Engine
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
+from .placement import gather_full, shardings, take_local
 from .schedule import ForwardBackward
-from .tensor import gather_full, shardings, sum_partial_gradients, take_local, tensor_parallel
+from .tensor import sum_partial_gradients, tensor_parallel
 
 
 @dataclass

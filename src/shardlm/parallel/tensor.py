@@ -14,8 +14,8 @@ a reduce-scatter after each row-parallel one (the same bytes), and activations o
 tensor-parallel path on the same weights (a single generated token cannot be split). async_tp.py fuses
 these collectives with their matmuls.
 
-Every parameter carries its sharding (`TPSharding`, on its module), which says how the full tensor maps to
-the local one: initialisation draws the full tensor and keeps the rank's slice (a tp = 2 run starts from
+Every parameter carries its sharding (placement.py's `TPSharding`, on its module), which says how the full
+tensor maps to the local one: initialisation draws the full tensor and keeps the rank's slice (a tp = 2 run starts from
 exactly the tp = 1 model), checkpoints gather and re-split by name, and the gradient norm counts an
 element held by several ranks once. A parameter whose gradient each rank only partly computes (the
 norms, row-parallel biases and position embeddings under sequence parallelism, where each rank sees its
@@ -23,8 +23,6 @@ tokens only; key/value heads kept whole on every rank when there are fewer than 
 gradients summed over the group as autograd produces them (`sum_partial_gradients`).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,14 +32,7 @@ from torch import nn
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from ..model.weight_grad import WeightGradStore, linear
 from .cross_entropy import vocab_parallel_cross_entropy
-
-
-def degree(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def rank_in(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from .placement import TPSharding, degree, rank_in, replicated, tag
 
 
 # ---- the collectives around the parallel layers ------------------------------------------------------
@@ -166,89 +157,6 @@ def reduce_scatter_to_sp(x, group, fusable: bool = False):
     return x if degree(group) == 1 else _ReduceScatterToSP.apply(x, group, fusable)
 
 
-# ---- how a parameter is sharded ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TPSharding:
-    """How a parameter's full tensor maps to tensor-parallel rank `rank`'s local one. Along `dim` the full
-    tensor is the concatenation of `parts` (fused components: q, k, v; gate, up; or one), each split
-    evenly over the ranks (rank r keeps its r-th slice) or, where `split` says not, kept whole on every
-    rank; the local tensor concatenates what the rank keeps of each. `pad` zero rows after the last part
-    make it divisible (a vocabulary padded to a multiple of the degree). `dim` None: every rank holds the
-    whole tensor."""
-    rank: int
-    degree: int
-    dim: int | None = None
-    parts: tuple[int, ...] = ()
-    split: tuple[bool, ...] = ()
-    pad: int = 0
-
-    def _sizes(self) -> list[int]:
-        sizes = list(self.parts)
-        sizes[-1] += self.pad
-        return sizes
-
-    def local_sizes(self) -> list[int]:
-        """Each part's size along `dim` in the local tensor."""
-        return [n // self.degree if s else n for n, s in zip(self._sizes(), self.split)]
-
-    def full_shape(self, local_shape) -> tuple[int, ...]:
-        shape = list(local_shape)
-        if self.dim is not None:
-            shape[self.dim] = sum(self.parts)
-        return tuple(shape)
-
-    def local(self, full: torch.Tensor) -> torch.Tensor:
-        if self.dim is None:
-            return full
-        if self.pad:
-            pad_shape = list(full.shape)
-            pad_shape[self.dim] = self.pad
-            full = torch.cat([full, full.new_zeros(pad_shape)], self.dim)
-        pieces = full.split(self._sizes(), self.dim)
-        return torch.cat([p.chunk(self.degree, self.dim)[self.rank] if s else p
-                          for p, s in zip(pieces, self.split)], self.dim)
-
-    def full(self, locals_by_rank: list[torch.Tensor]) -> torch.Tensor:
-        if self.dim is None:
-            return locals_by_rank[0]
-        segments = [t.split(self.local_sizes(), self.dim) for t in locals_by_rank]
-        parts = [torch.cat([seg[i] for seg in segments], self.dim) if s else segments[0][i]
-                 for i, s in enumerate(self.split)]
-        return torch.cat(parts, self.dim).narrow(self.dim, 0, sum(self.parts))
-
-    def duplicates(self, local_shape) -> list[tuple[int, int]]:
-        """Element ranges (of the flattened local tensor) that another rank holds too; rank 0 counts them."""
-        numel = int(torch.Size(local_shape).numel())
-        if self.rank == 0:
-            return []
-        if self.dim is None:
-            return [(0, numel)]
-        row = numel // local_shape[0]  # whole parts are rows of dimension 0
-        out, start = [], 0
-        for n, s in zip(self.local_sizes(), self.split):
-            if not s:
-                out.append((start * row, (start + n) * row))
-            start += n
-        return out
-
-
-def _tag(module: nn.Module, shardings: dict, partial: dict | None = None) -> None:
-    """Record on `module` how its direct parameters are sharded, and from which row of dimension 0 on each
-    one's gradient is partial (0: all of it), so they survive the module's materialisation."""
-    module.shardings = shardings
-    module.partial_grads = partial or {}
-
-
-def replicated(module: nn.Module, group, partial: bool = False) -> nn.Module:
-    """Tag a module whose parameters every rank holds whole; `partial`: each rank computes part of their
-    gradients (it sees only its slice of the sequence)."""
-    names = [n for n, _ in module.named_parameters(recurse=False)]
-    _tag(module, {n: TPSharding(rank_in(group), degree(group)) for n in names},
-         {n: 0 for n in names} if partial else {})
-    return module
-
-
 # ---- the parallel layers -----------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
@@ -275,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
         first_whole = sum(n for n, w in zip(spec.local_sizes(), whole) if not w) if any(whole) else None
         partial = {} if first_whole is None else {n: first_whole for n in ("weight", "bias") if getattr(self, n) is not None}
-        _tag(self, {n: spec for n in ("weight", "bias") if getattr(self, n) is not None}, partial)
+        tag(self, {n: spec for n in ("weight", "bias") if getattr(self, n) is not None}, partial)
 
     def forward(self, x):
         if self.sequence_parallel and self.training:
@@ -304,7 +212,7 @@ class RowParallelLinear(nn.Module):
         shardings = {"weight": TPSharding(rank, tp, 1, (in_features,), (True,))}
         if bias:
             shardings["bias"] = TPSharding(rank, tp)
-        _tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
+        tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
         y = linear(x, self.weight, None, self.weight_grads)
@@ -330,7 +238,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = -(-num_embeddings // tp)
         self.vocab_start = rank * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
-        _tag(self, {"weight": TPSharding(rank, tp, 0, (num_embeddings,), (True,), rows * tp - num_embeddings)})
+        tag(self, {"weight": TPSharding(rank, tp, 0, (num_embeddings,), (True,), rows * tp - num_embeddings)})
 
     def forward(self, ids):
         local = ids - self.vocab_start
@@ -413,15 +321,6 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
         model.output = VocabParallelOutput(group, rank_in(group) * rows, cfg.vocab_size, sp)
 
 
-def shardings(model: nn.Module) -> dict[str, TPSharding]:
-    """Every tensor-parallel parameter's sharding, by name (empty for a model that is not sharded)."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        for name, spec in getattr(module, "shardings", {}).items():
-            out[f"{mod_name}.{name}" if mod_name else name] = spec
-    return out
-
-
 def sum_partial_gradients(model: nn.Module, group) -> None:
     """After the weights exist: sum over the group the gradients each rank computes only part of, as
     autograd produces them (before they are accumulated, so every engine sees complete gradients)."""
@@ -437,34 +336,3 @@ def _summed_from(first_row: int, group):
         dist.all_reduce(grad[first_row:], group=group)  # rows of a contiguous tensor are contiguous
         return grad
     return hook
-
-
-# ---- layout-free state: full tensors by name ---------------------------------------------------------
-
-def gather_full(state: dict[str, torch.Tensor], specs: dict[str, TPSharding], group, device) -> dict | None:
-    """Full tensors from every rank's local ones (names `param` or `param::key`), gathered tensor by tensor
-    onto the group's first rank, in CPU memory (None elsewhere): a model's full state never sits on one
-    device, nor on every rank."""
-    first = dist.get_global_rank(group, 0)
-    mine = dist.get_rank(group) == 0
-    out = {} if mine else None
-    for key, local in state.items():
-        spec = specs.get(key.split("::")[0])
-        if spec is None or spec.dim is None or local.dim() == 0:
-            if mine:
-                out[key] = local.cpu()
-            continue
-        parts = [torch.empty_like(local, device=device) for _ in range(spec.degree)] if mine else None
-        dist.gather(local.to(device).contiguous(), parts, dst=first, group=group)
-        if mine:
-            out[key] = spec.full([p.cpu() for p in parts])
-    return out
-
-
-def take_local(state: dict[str, torch.Tensor], specs: dict[str, TPSharding]) -> dict:
-    """This rank's local tensors from full ones by name (`param` or `param::key`)."""
-    out = {}
-    for key, full in state.items():
-        spec = specs.get(key.split("::")[0])
-        out[key] = spec.local(full).contiguous() if spec is not None and full.dim() > 0 else full
-    return out
