@@ -76,14 +76,15 @@ def _gpipe(pp: int, v: int, m: int) -> list[list[Action]]:
 
 
 def _one_f_one_b(pp: int, v: int, m: int) -> list[list[Action]]:
+    """PipeDream-flush's 1F1B (Narayanan et al. 2021): rank r runs pp - r - 1 forwards before its first
+    backward, then alternates, then drains its backwards."""
     orders = []
     for r in range(pp):
         warm = min(pp - r - 1, m)
-        order = [Action("F", r, i) for i in range(warm)]
-        for i in range(m - warm):
-            order += [Action("F", r, warm + i), Action("B", r, i)]
-        order += [Action("B", r, i) for i in range(m - warm, m)]
-        orders.append(order)
+        warm_up = [Action("F", r, i) for i in range(warm)]
+        steady = [a for i in range(m - warm) for a in (Action("F", r, warm + i), Action("B", r, i))]
+        cool_down = [Action("B", r, i) for i in range(m - warm, m)]
+        orders.append(warm_up + steady + cool_down)
     return orders
 
 

@@ -25,11 +25,11 @@ from . import build_engine
 from .async_tp import async_tensor_parallel, unavailable as async_tp_unavailable
 from .context import context_parallel
 from .engine import Engine
+from .forward_backward import ForwardBackward
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
 from .placement import gather_full, shardings, take_local
-from .schedule import ForwardBackward
 from .tensor import sum_partial_gradients, tensor_parallel
 
 
