@@ -126,12 +126,11 @@ def worker(args, extra):
               if v > before.get(k, 0.0)}
     tokens = args.micro_batch * args.microbatches * args.seq
     m = model_config(args).model
-    disk = getattr(getattr(trainer.engine, "opt", None), "disk_bytes_per_s", None)
     print("RESULT " + json.dumps({"system": args.system, "params": m.num_params(), "step_s": dt, "tok_s": tokens / dt,
                                   "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK,
                                   "peak_mem_gib": mem + trainer.engine.symmetric_bytes() / 2**30,
                                   "build_peak_gib": build, "host_peak_gib": host_peak_gib(),
-                                  **({"disk_gb_s": disk / 1e9} if disk is not None else {}),
+                                  **trainer.engine.metrics(),
                                   **({"phases_s": phases} if phases else {}),
                                   **({"host_thread_s": host_s} if host_s else {})}), flush=True)
     trainer.close()

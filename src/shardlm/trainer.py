@@ -374,9 +374,7 @@ class Trainer:
                         rec["loss_scale"] = self.scaler.scale
                     if self.cfg.data.skip_untrained:
                         rec["untrained_steps"] = self.untrained_steps
-                    disk = getattr(getattr(self.engine, "opt", None), "disk_bytes_per_s", None)
-                    if disk is not None:  # parallel.offload_dir: the optimizer state's read and write rate
-                        rec["disk_gb_s"] = disk / 1e9
+                    rec.update(self.engine.metrics())
                     if do_eval:
                         with self._guard(f"the evaluation at step {self.step}"):
                             rec["eval_loss"] = self.evaluate()
@@ -416,9 +414,7 @@ class Trainer:
         return records
 
     def close(self) -> None:
-        opt = getattr(self.engine, "opt", None)
-        if getattr(opt, "landings", None):  # an update still in flight (parallel.overlap_update) ends, or says why not
-            opt.wait_for_update()
+        self.engine.close()
         # A gloo group left to interpreter shutdown can abort the process (its worker threads outlive
         # Python, pytorch#190489), and NCCL warns; tear down what this trainer set up, on success only:
         # after a failure the launcher's kill is safer than waiting on peers. The barrier first: a rank

@@ -50,6 +50,17 @@ class Engine:
         """Complete the weight transfers still in flight (ZeRO-1/2 leave the updated weights' all-gathers to
         overlap the next forward): call before reading the weights outside a step."""
 
+    def metrics(self) -> dict:
+        """What the engine measured of its last step, for the logs: the disk tier's read and write rate."""
+        disk = getattr(self.opt, "disk_bytes_per_s", None)  # parallel.offload_dir's optimizer only
+        return {} if disk is None else {"disk_gb_s": disk / 1e9}
+
+    def close(self) -> None:
+        """End what is still in flight: an update running beside the next step (parallel.overlap_update)
+        lands, or says why it could not."""
+        if getattr(self.opt, "landings", None):
+            self.opt.wait_for_update()
+
     # ---- layout-free state ------------------------------------------------------------------------
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
         """(fp32 masters, optimizer state) as full tensors by parameter name (`name::key` for the state); a
