@@ -135,7 +135,7 @@ class MasterWeightOptimizer:
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         """Storage for the masters or one optimizer state, all buckets' shards end to end (offload: in host
-        memory, the masters pinned where there is a GPU; or in a file: parallel/offload.py)."""
+        memory, the masters pinned where there is a GPU; or in a file: parallel/offload_disk.py)."""
         if home.type != "cpu":
             return torch.empty(n, dtype=torch.float32, device=home)
         return host_empty(n, torch.float32, pin=self.offloaded and name == "master" and torch.cuda.is_available())
