@@ -44,6 +44,19 @@ def mesh_groups(rank, world, dp, tp, pp):
     return (m.dp_rank, m.tp_rank, m.pp_rank), members
 
 
+def mesh_views(rank, world, dp, cp, tp, ep):
+    """Each named group's members (their ranks' sum) and this rank's coordinates in both views."""
+    from shardlm.mesh import build_mesh
+    m = build_mesh(dp=dp, cp=cp, tp=tp, ep=ep)
+    sums = {}
+    for name in ("dp+cp", "ep", "edp", "tp"):
+        t = torch.tensor([float(rank)])
+        if m.group(name) is not None:
+            dist.all_reduce(t, group=m.group(name))
+        sums[name] = t.item()
+    return {a: m.coord(a) for a in ("dp", "cp", "tp", "edp", "ep")}, sums
+
+
 def tensor_parallel_mlp(rank, world, seed, distributed=True):
     """Embedding -> column -> row MLP with the vocabulary and features split over `world` ranks (or, with
     distributed=False, the degree-1 layers on the full weights); returns the output and the local grads."""

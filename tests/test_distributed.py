@@ -40,6 +40,23 @@ def test_mesh_groups_at_world_4():
     assert [s["pp"] for s in sums] == [0, 1, 2, 3]
 
 
+def test_expert_view_carves_ep_out_of_dp_and_cp():
+    """(pp, dp, cp, tp) = (1, 2, 2, 2) read as (pp, edp, ep, tp) = (1, 2, 2, 2): ep innermost of the dp x cp
+    block, so its ranks are tp apart; edp's are ep x tp apart; ep 1 leaves edp the dp x cp group itself."""
+    results = run_distributed(dist_fns.mesh_views, 8, 2, 2, 2, 2)
+    for rank, (coords, sums) in enumerate(results):
+        replica = rank // 2  # the rank's index in the dp x cp block
+        assert coords == {"dp": replica // 2, "cp": replica % 2, "tp": rank % 2, "edp": replica // 2,
+                          "ep": replica % 2}
+        tp_base = rank % 2
+        assert sums["dp+cp"] == sum(tp_base + 2 * r for r in range(4))
+        assert sums["ep"] == sum(tp_base + 2 * (2 * (replica // 2) + e) for e in range(2))
+        assert sums["edp"] == sum(tp_base + 2 * (2 * d + replica % 2) for d in range(2))
+    for rank, (coords, sums) in enumerate(run_distributed(dist_fns.mesh_views, 4, 2, 2, 1, 1)):
+        assert coords["ep"] == 0 and coords["edp"] == rank
+        assert sums["edp"] == sums["dp+cp"] == 6 and sums["ep"] == rank
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_layers_equal_degree_one(world):
     y, x_grad, col_grad, row_grad, emb_grad = dist_fns.tensor_parallel_mlp(0, 1, 0, distributed=False)

@@ -1,14 +1,19 @@
 """The device mesh: ranks laid out as a grid with named axes (pp, dp, cp, tp), tensor parallel innermost so
 that its heavy collectives stay inside a node (Narayanan et al. 2021). As in picotron, the grid is a
-reshaped arange; a group over some axes is a line (or plane) of the grid along them, and every rank
-creates every group, in the same order, once, when the mesh is built. Besides one group per axis the mesh
-holds the derived groups later strategies need: `dp+cp` (the ranks holding the same parameters, over
-which gradients are reduced), `pp+tp` (the ranks holding different parts of one model replica, over
-which the gradient norm is summed), `pp_ends` (each line's first and last pipeline stage, which hold
-a tied embedding's two copies) and the pipeline's point-to-point flows (`flow_name`: a two-rank group
-for the activations from each stage's rank to the next and one for their gradients back, so that each
-flow has a stream of its own). Expert parallelism will be carved out of dp x cp, as Megatron and
-torchtitan do.
+reshaped arange, and every group is a line (or plane) of it along some axes. The same ranks are read
+through two named views (torchtitan's `ParallelDims`):
+
+    dense   (pp, dp, cp, tp)      what attention, embeddings and dense MLPs are split over
+    experts (pp, edp, ep, tp)     the dp x cp block reshaped, ep innermost: experts split over ep, each
+                                  expert's replicas over edp = dp x cp / ep
+
+With ep 1 the expert view adds nothing. Every rank creates every group, in the same order, once, when the
+mesh is built. Besides one group per axis the mesh holds the derived groups: `dp+cp` (the ranks holding
+the same dense parameters, over which their gradients are reduced), `pp+tp` (the ranks holding different
+parts of one model replica), `pp_ends` (each line's first and last pipeline stage, which hold a tied
+embedding's two copies) and the pipeline's point-to-point flows (`flow_name`: a two-rank group for the
+activations from each stage's rank to the next and one for their gradients back, so that each flow has a
+stream of its own).
 
 The layout is validated from the environment torchrun sets, on every rank, before the process group
 exists, so a bad layout fails with the same message everywhere and no rank waits in a collective.
@@ -27,27 +32,48 @@ import torch.distributed as dist
 from .config import Config, ConfigError, validate
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+EXPERT_AXES = ("pp", "edp", "ep", "tp")  # the same ranks, dp x cp read as edp x ep
 DERIVED = (("dp", "cp"), ("pp", "tp"))
+
+
+def view_shapes(sizes: dict) -> dict[str, dict[str, int]]:
+    """Each named view's axes and degrees, outermost first: the one definition of the mesh's groups (the
+    planner derives its link strides from it too)."""
+    ep = sizes.get("ep", 1)
+    replicas = sizes["dp"] * sizes["cp"]
+    if replicas % ep:
+        raise ValueError(f"ep = {ep} must divide dp x cp = {replicas}")
+    return {"dense": {a: sizes[a] for a in AXES},
+            "experts": {"pp": sizes["pp"], "edp": replicas // ep, "ep": ep, "tp": sizes["tp"]}}
+
+
+def stride(sizes: dict, axis: str) -> int:
+    """How many ranks apart two neighbours on `axis` are."""
+    for view in view_shapes(sizes).values():
+        if axis in view:
+            names = list(view)
+            return math.prod(view[a] for a in names[names.index(axis) + 1:])
+    raise KeyError(axis)
 
 
 @dataclass
 class DeviceMesh:
-    sizes: dict = field(default_factory=lambda: dict.fromkeys(AXES, 1))   # axis -> degree
-    coords: dict = field(default_factory=lambda: dict.fromkeys(AXES, 0))  # axis -> this rank's index on it
+    sizes: dict = field(default_factory=lambda: dict.fromkeys(AXES + EXPERT_AXES, 1))   # axis -> degree
+    coords: dict = field(default_factory=lambda: dict.fromkeys(AXES + EXPERT_AXES, 0))  # axis -> this rank's index
     groups: dict = field(default_factory=dict)  # "tp", "dp+cp", ... -> process group; absent: size 1
     rank: int = 0
     local_rank: int = 0
 
     @property
     def world(self) -> int:
-        return math.prod(self.sizes.values())
+        return math.prod(self.sizes[a] for a in AXES)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def size(self, axes: str) -> int:
-        """The degree of an axis, or of several joined by '+' ("dp+cp")."""
+        """The degree of an axis, or of several joined by '+' ("dp+cp"); axes of either view ("ep", "edp")."""
         return math.prod(self.sizes[a] for a in axes.split("+"))
 
     def coord(self, axis: str) -> int:
@@ -96,9 +122,11 @@ def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None) -> DeviceMesh:
+def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None,
+               ep: int = 1) -> DeviceMesh:
     """The mesh of an initialised process group (or of one process when none is initialised)."""
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    views = view_shapes({**sizes, "ep": ep})
     if not dist.is_initialized():
         if math.prod(sizes.values()) != 1:
             raise ValueError(f"a mesh of {sizes} needs an initialised process group of that many ranks")
@@ -106,26 +134,23 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
     world, rank = dist.get_world_size(), dist.get_rank()
     if math.prod(sizes.values()) != world:
         raise ValueError(f"mesh {sizes} does not have the world size {world}")
-    grid = torch.arange(world).view(*(sizes[a] for a in AXES))
-    coords = dict(zip(AXES, (int(i) for i in (grid == rank).nonzero()[0])))
-    mesh = DeviceMesh(sizes, coords, {}, rank, int(os.environ.get("LOCAL_RANK", 0)))
-    # Every rank must create every group, in the same order, even those it is not in. A group that spans
-    # the whole world is the default group itself; one of size 1 needs no group.
-    for axes in [(a,) for a in AXES] + list(DERIVED):
-        size = math.prod(sizes[a] for a in axes)
-        if size == 1 or (len(axes) > 1 and sum(sizes[a] > 1 for a in axes) < 2):
-            continue  # no communication, or the group of one axis already (DeviceMesh.group)
-        name = "+".join(axes)
-        if size == world:
-            mesh.groups[name] = dist.group.WORLD
+    mesh = DeviceMesh({**views["dense"], **views["experts"]}, {}, {}, rank, int(os.environ.get("LOCAL_RANK", 0)))
+    # Every rank must create every group, in the same order, even those it is not in.
+    for kind, view in views.items():
+        grid = torch.arange(world).view(*view.values())
+        names = list(view)
+        mesh.coords.update(zip(names, (int(i) for i in (grid == rank).nonzero()[0])))
+        if kind == "experts" and ep == 1:  # every expert is whole on each rank: edp is dp x cp itself
+            if (replicas := mesh.group("dp+cp")) is not None:
+                mesh.groups["edp"] = replicas
             continue
-        inner = [AXES.index(a) for a in axes]
-        outer = [i for i in range(len(AXES)) if i not in inner]
-        for line in grid.permute(*outer, *inner).reshape(-1, size).tolist():
-            group = dist.new_group(line, timeout=timeout)
-            if rank in line:
-                mesh.groups[name] = group
+        wanted = [(a,) for a in names] + [d for d in DERIVED if all(a in view for a in d)]
+        for axes in wanted:
+            name = "+".join(axes)
+            if name not in mesh.groups:  # pp and tp: the same ranks in both views
+                _add_groups(mesh, grid, names, axes, timeout)
     if pp > 1:  # each line's first and last stage (a tied embedding's two copies), and its flows
+        grid = torch.arange(world).view(pp, dp, cp, tp)
         for line in grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist():
             group = dist.new_group([line[0], line[-1]], timeout=timeout)
             if rank in (line[0], line[-1]):
@@ -135,6 +160,26 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
                 if rank in (line[a], line[b]):
                     mesh.groups[flow_name(kind, a, b)] = group
     return mesh
+
+
+def _add_groups(mesh: DeviceMesh, grid: torch.Tensor, names: list[str], axes: tuple, timeout) -> None:
+    """The groups along `axes` of one view's grid: this rank's kept under the axes' joined name. A group
+    that spans the whole world is the default group itself; one of size 1 needs none, nor does a set of
+    axes of which one alone has a degree above 1 (DeviceMesh.group finds that axis's own)."""
+    sizes = dict(zip(names, grid.shape))
+    size = math.prod(sizes[a] for a in axes)
+    if size == 1 or (len(axes) > 1 and sum(sizes[a] > 1 for a in axes) < 2):
+        return
+    name = "+".join(axes)
+    if size == grid.numel():
+        mesh.groups[name] = dist.group.WORLD
+        return
+    inner = [names.index(a) for a in axes]
+    outer = [i for i in range(len(names)) if i not in inner]
+    for line in grid.permute(*outer, *inner).reshape(-1, size).tolist():
+        group = dist.new_group(line, timeout=timeout)
+        if mesh.rank in line:
+            mesh.groups[name] = group
 
 
 def init_distributed(cfg: Config) -> DeviceMesh:
@@ -167,4 +212,4 @@ def init_distributed(cfg: Config) -> DeviceMesh:
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout)
+    return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
