@@ -397,3 +397,55 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert "pip install 'shardlm[serve]'" in err and "\n" not in err
 
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_serving_gives_the_tokens_of_one_process_and_sigterm_stops_every_rank(hf_dir, srv):
+    """`serve --tp 2` as torchrun starts it (two processes, RANK/WORLD_SIZE/MASTER_* set; gloo on the CPU):
+    rank 0 serves HTTP and sends each step's plan to rank 1. Concurrent streamed greedy completions equal
+    those of the one-process server; a stream the client leaves early frees its slot on both ranks (the next
+    requests still agree); SIGTERM to both ranks (as torchrun forwards it) drains rank 0, which then stops
+    rank 1, and both exit 0."""
+    from shardlm.testing.distributed import free_port
+    port, master = free_port(), free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardlm", "serve", "--model", str(hf_dir), "--tp", "2", "--served-model-name", "base",
+                                       "--port", str(port), "--max-batch", "4", "--log-level", "warning"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+
+    async def complete(url, prompts, max_tokens=12):
+        async def one(client, prompt):
+            body = {"model": "base", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events, done = sse([line async for line in r.aiter_lines()])
+            assert done
+            return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            wait_for(lambda: healthy(c) or any(p.poll() is not None for p in procs), "the server did not start", 120)
+            assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs if p.poll() is not None]
+            prompts = PROMPTS[:6]  # more than the 4 slots: some wait in the queue
+            got = asyncio.run(asyncio.wait_for(complete(url, prompts), 3 * TIMEOUT))
+            assert got == asyncio.run(asyncio.wait_for(complete(srv.url, prompts), 3 * TIMEOUT))
+            with c.stream("POST", "/v1/completions", json={"prompt": "To be", "max_tokens": 40, "stream": True,
+                                                           "temperature": 0}) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))  # then leave
+            wait_for(lambda: c.get("/metrics").json()["requests_cancelled"] >= 1, "the stream was not cancelled")
+            again = asyncio.run(asyncio.wait_for(complete(url, PROMPTS[6:10], 8), 3 * TIMEOUT))
+            assert again == asyncio.run(asyncio.wait_for(complete(srv.url, PROMPTS[6:10], 8), 3 * TIMEOUT))
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(TIMEOUT) for p in procs]
+        assert codes == [0, 0], [p.stdout.read() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

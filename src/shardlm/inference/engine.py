@@ -160,6 +160,21 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
+        """Queue `request` for a slot (or end it at once where max_new_tokens is 0); ValueError where it
+        cannot run."""
+        self.check(request)
+        if request.max_new_tokens == 0:
+            request.finish_reason, request.text = "length", "" if self.decode else None
+        else:
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """`request.cancel()`: it leaves at the next step (serve/tp.py's leader defers this to its steps)."""
+        request.cancel()
+
+    def check(self, request: Request) -> None:
+        """ValueError where this engine cannot run `request`; nothing changes."""
         if not request.prompt:
             raise ValueError("a request needs at least one prompt token")
         if request.max_new_tokens < 0:
@@ -170,11 +185,6 @@ class Engine:
         if request.adapter is not None and request.adapter not in self.adapters:
             known = ", ".join(sorted(self.adapters)) or "none loaded"
             raise ValueError(f"unknown adapter {request.adapter!r} (known: {known})")
-        if request.max_new_tokens == 0:
-            request.finish_reason, request.text = "length", "" if self.decode else None
-        else:
-            self.waiting.append(request)
-        return request
 
     @property
     def busy(self) -> bool:

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="positions per request, prompt and completion "
                                                               "(default: the model's context)")
     runtime_args(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun --nproc-per-node N -m shardlm "
+                   "serve ... --tp N): each holds its slice of the weights and runs the same steps; rank 0 serves "
+                   "HTTP")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -77,22 +80,42 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--adapter: this version's engine cannot apply adapters per request (it has no "
                           "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
                           "a PEFT merge), or use shardlm generate --adapter")
-    from ..runtime.device import pick_device
+    from ..inference.commands import _tensor_parallel
     from ..inference.quantize import quantize
-    model, tok, cfg = load_pretrained(a.model, device=pick_device(a.device), dtype=a.dtype)
+    if adapters and a.tp > 1:
+        raise ConfigError("--adapter with --tp: adapters are not sliced for tensor parallelism yet; serve the "
+                          "merged model (shardlm export --merge) instead")
+    device, group, main = _tensor_parallel(a)
+    model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
-    engine = Engine(model, slots_that_fit(model, max_len, a.max_batch), max_len,
-                    compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode)
+    slots = slots_that_fit(model, max_len, a.max_batch)
+    plans = None
+    if group is not None:
+        from .tp import agree_slots, plan_group
+        plans = plan_group()
+        slots = agree_slots(slots, plans)
+    engine = Engine(model, slots, max_len, compile={"auto": None, "on": True, "off": False}[a.compile],
+                    decode=tok.decode)
+    if plans is not None:
+        from .tp import Leader, follow
+        if not main:
+            return follow(engine, plans)
+        engine = Leader(engine, plans)
     for name, directory in adapters.items():
         engine.add_adapter(name, directory)
     # The first steps compile (or capture graphs), greedy and sampling: before the first client waits.
     warm = [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]
-    server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level, warm)
-    print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {engine.device}), "
-          f"models: {', '.join([base, *adapters])}", file=sys.stderr, flush=True)
-    server.run()
-    worker.close(timeout=60)
+    try:
+        server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level, warm)
+        print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {engine.device}"
+              f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}", file=sys.stderr,
+              flush=True)
+        server.run()
+        worker.close(timeout=60)
+    finally:
+        if plans is not None:  # the followers exit with this rank
+            engine.finish()
     return 0
 
 

@@ -26,8 +26,12 @@ class Closed(RuntimeError):
 
 
 class EngineWorker:
+    """`engine`: an Engine, or serve/tp.py's Leader over one (whose `idle()` this thread calls at least every
+    `idle_s` seconds while it has no work, so that the follower ranks hear from it)."""
+
     def __init__(self, engine: Engine, window_s: float = 10.0):
         self.engine, self.window_s = engine, window_s
+        self.idle_s = getattr(engine, "idle_s", None)
         self._cv = threading.Condition()
         self._done: dict[int, Callable] = {}  # id(request) -> its end callback
         self._closing = False
@@ -77,7 +81,7 @@ class EngineWorker:
 
     def cancel(self, request: Request) -> None:
         """Free the request's slot (or its place in the queue) at the engine's next step."""
-        request.cancel()
+        self.engine.cancel(request)
         with self._cv:
             self._cv.notify()
 
@@ -100,10 +104,15 @@ class EngineWorker:
             self._ready.set()
         while True:
             with self._cv:
-                while not engine.busy and not self._closing:
-                    self._cv.wait()
-                if not engine.busy:
+                if not engine.busy and not self._closing:
+                    self._cv.wait(self.idle_s)
+                busy, closing = engine.busy, self._closing
+            if not busy:
+                if closing:
                     return
+                if self.idle_s is not None:
+                    engine.idle()
+                continue
             try:
                 finished = engine.step()
             except Exception as e:  # the requests that held slots fail; the others wait their turn
