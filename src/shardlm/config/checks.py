@@ -1,0 +1,263 @@
+"""Checks: a configuration refused before any work starts, with a message naming the key and the value.
+`validate` checks each value (finite, in range, one of its choices) and the combinations the runtime cannot
+run; `check_layout` checks a parallel layout against the model and the batch, the one check the runtime and
+the planner (plan/layout.py) share, naming what it refuses by config key or by the planner's flags (Naming).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from ..schedules import SCHEDULES, ScheduleError
+from ..schedules import check_layout as check_schedule
+from .errors import ConfigError
+from .schema import SECTIONS, Config, ModelConfig, ParallelConfig
+from .shapes import lora_targets
+
+
+# The values each key may take; `validate` refuses any other, naming the choices.
+CHOICES = {
+    "model.arch": ("llama", "gpt2"),
+    "data.tokenizer": ("byte",),  # any other value was silently ignored
+    "train.lr_schedule": ("cosine", "linear", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.recompute": ("none", "selective", "full"),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.attention": ("auto", "flash", "cudnn", "efficient", "math"),
+    "parallel.offload": ("none", "optimizer", "params"),
+    "parallel.dp_mode": ("ddp", "classic"),
+    "parallel.reduce_dtype": ("fp32", "compute"),
+    "parallel.reduce_algo": ("auto", "all_to_all", "ring", "copy_engine"),
+    "parallel.pp_transfer": ("auto", "process_group", "copy_engine"),
+    "parallel.pp_schedule": SCHEDULES,
+    "parallel.cp_comm": ("a2a", "p2p"),
+    "lora.quantize": ("none", "nf4"),
+}
+POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
+            "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
+            "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
+            "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
+            "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints",
+            "lora.alpha", "train.eps")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
+NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
+                "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
+                "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
+                "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
+                "parallel.offload_threads", "lora.rank")
+
+
+ROPE_KEYS = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Fail before any work with a message naming the key and the value."""
+    def get(key):
+        s, n = key.split(".")
+        return getattr(getattr(cfg, s), n)
+
+    for section in SECTIONS:  # nan compares false with everything, so the range checks below would pass it
+        obj = getattr(cfg, section)
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
+    for key in UNIT_INTERVAL:
+        if not 0 <= get(key) < 1:
+            raise ConfigError(f"{key} = {get(key)!r} must be in [0, 1)")
+    scaling = cfg.model.rope_scaling
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ROPE_KEYS:
+            raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
+        missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
+        if missing:
+            raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "
+                              f"{', '.join(sorted(scaling)) or 'nothing'})")
+
+    for key, allowed in CHOICES.items():
+        if get(key) not in allowed:
+            raise ConfigError(f"{key} = {get(key)!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not get(key) > 0:
+            raise ConfigError(f"{key} = {get(key)!r} must be positive")
+    for key in NON_NEGATIVE:
+        if get(key) < 0:
+            raise ConfigError(f"{key} = {get(key)!r} must not be negative")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.head_dim == 0 and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
+    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling or m.sliding_window):
+        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
+                          "sliding_window")
+    if m.arch == "llama" and m.head_size % 2:
+        raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    # The sample after training may run to max_seq_len: past the window too.
+    longest = max(t.seq_len, m.max_seq_len if t.sample_tokens else 0)
+    if m.sliding_window and longest > m.sliding_window and t.attention == "flash":
+        raise ConfigError(f"train.attention = 'flash' takes no attention mask, which model.sliding_window = "
+                          f"{m.sliding_window} below {'train.seq_len' if longest == t.seq_len else 'model.max_seq_len (the sample)'} "
+                          f"= {longest} needs (use auto, efficient or math)")
+    if m.num_experts:
+        raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
+                          "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
+    if cfg.lora.rank:
+        lora_targets(m.arch, cfg.lora.targets)
+    elif cfg.lora.quantize != "none":
+        raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
+    if t.min_lr_ratio > 1:
+        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    if p.tp_async and not (p.sp and t.compile):
+        raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
+                          f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
+                          f"{t.compile})")
+    if p.tp_async and t.device == "cpu":
+        raise ConfigError("parallel.tp_async = True needs CUDA GPUs (train.device is 'cpu'): the fused kernels move "
+                          "chunks through symmetric memory")
+    if p.tp_async and p.pp > 1:
+        raise ConfigError("parallel.tp_async = True is not yet validated with pipeline stages (parallel.pp = "
+                          f"{p.pp}): both take symmetric memory, whose rendezvous must come in the same order on "
+                          "every rank; use parallel.pp = 1 or parallel.tp_async = False")
+    if p.offload_activations and t.recompute != "full":
+        raise ConfigError("parallel.offload_activations = True offloads what full recomputation keeps of a block (its "
+                          f"input): it needs train.recompute = 'full' (it is {t.recompute!r})")
+    if p.delayed_update and t.precision == "fp16":
+        raise ConfigError("parallel.delayed_update = True with train.precision = 'fp16': a step skipped for an "
+                          "overflow is only known once the update that was to overlap has run; use bf16")
+    if p.tp_async and p.cp > 1:
+        raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
+                          f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
+    # Strategies that are validated but not built yet are refused, never silently ignored.
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep = {p.ep!r} is not supported yet by this version of shardlm (only 1); the "
+                          "strategy is on the roadmap")
+    check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+# ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
+
+@dataclass(frozen=True)
+class Naming:
+    """How a layout check names what it refuses: by config key (`parallel.tp = 3`), or by the planner's
+    flags (`--tp 3`)."""
+    flags: bool = False
+    CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
+                   "seq": "train.seq_len"}
+    FLAGS = {"zero_stage": "zero"}
+
+    def key(self, name: str) -> str:
+        if self.flags:
+            return "--" + self.FLAGS.get(name, name).replace("_", "-")
+        return self.CONFIG_KEYS.get(name, f"parallel.{name}")
+
+    def show(self, name: str, value) -> str:
+        if self.flags:
+            return self.key(name) if value is True else f"{self.key(name)} {value}"
+        return f"{self.key(name)} = {value!r}"
+
+
+def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
+                 world: int | None = None, naming: Naming = Naming()) -> None:
+    """A layout against the model, the batch and (when given) the world size; raises ConfigError naming the
+    values. Every rank runs it before any collective, and the planner before it estimates."""
+    key, show = naming.key, naming.show
+    for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
+    for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
+                          ("cp_comm", CHOICES["parallel.cp_comm"])):
+        if getattr(p, name) not in allowed:
+            raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
+    if world is not None and p.world != world:
+        axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
+        got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
+        hint = ("" if naming.flags or world != 1 else
+                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
+                "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
+        raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
+    if m.ffn_size % p.tp:
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+    if p.cp_comm == "a2a" and (m.num_heads // p.tp) % p.cp:
+        raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
+                          f"rank holds: Ulysses' context parallelism splits them over its ranks around attention "
+                          f"(ring attention, {show('cp_comm', 'p2p')}, does not)")
+    if seq % p.cp:
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
+    if p.sp and p.tp == 1:
+        raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
+    if p.sp and seq % (p.tp * p.cp):
+        cp = f" x {key('cp')} ({p.cp})" if p.cp > 1 else ""
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)}{cp} for sequence parallelism")
+    if p.pp > m.num_layers:
+        raise ConfigError(f"{show('pp', p.pp)} exceeds the model's {m.num_layers} layers")
+    stages = p.pp * p.virtual_stages
+    if stages > m.num_layers:
+        raise ConfigError(f"{show('pp', p.pp)} x {show('virtual_stages', p.virtual_stages)} = {stages} stages exceed "
+                          f"the model's {m.num_layers} layers")
+    if p.pp_layers:
+        try:
+            counts = [int(c) for c in p.pp_layers.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != stages or min(counts, default=0) < 1 or sum(counts) != m.num_layers:
+            raise ConfigError(f"{show('pp_layers', p.pp_layers)} must give {stages} positive layer counts, one per "
+                              f"stage, summing to the model's {m.num_layers} layers")
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
+    if p.pp > 1:
+        try:
+            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp))
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+    if p.zero_stage >= 2 and p.pp > 1:
+        raise ConfigError(f"{show('zero_stage', p.zero_stage)} with {show('pp', p.pp)} is not supported: ZeRO-2 would "
+                          "reduce-scatter every micro-batch's gradients (m times ZeRO-1's traffic) and ZeRO-3 gather "
+                          f"the parameters for every micro-batch of every stage; use {show('zero_stage', 1)}")
+    if p.offload != "none" and p.zero_stage < 1:
+        raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
+    if p.offload_dir and p.offload == "none":
+        raise ConfigError(f"{show('offload_dir', p.offload_dir)} needs {key('offload')} optimizer or params")
+    if p.delayed_update and not (p.zero_stage == 2 and p.offload == "optimizer" and not p.offload_dir):
+        raise ConfigError(f"{show('delayed_update', True)} is ZeRO-Offload's: it needs {show('zero_stage', 2)} with "
+                          f"{show('offload', 'optimizer')} (and no {key('offload_dir')})")
+    if p.overlap_update and not (p.zero_stage in (1, 2) and p.offload == "optimizer" and not p.offload_dir
+                                 and not p.delayed_update and p.dp * p.cp == 1 and p.pp == 1):
+        raise ConfigError(f"{show('overlap_update', True)} runs one rank's offloaded update beside the next forward: it "
+                          f"needs {key('zero_stage')} 1 or 2 with {show('offload', 'optimizer')}, {key('dp')} = "
+                          f"{key('cp')} = 1 (with more replicas the updated shards' all-gathers overlap forward already), "
+                          f"{key('pp')} = 1 (a "
+                          f"pipeline's schedule waits for all of it), no {key('offload_dir')} and no "
+                          f"{key('delayed_update')}")
+    if p.delayed_update and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"{show('delayed_update', True)} runs the update beside the next step, which tensor and "
+                          f"pipeline parallelism would need collectives in; it needs {key('tp')} = {key('pp')} = 1")
+    if p.offload == "params" and p.zero_stage < 3:
+        raise ConfigError(f"{show('offload', p.offload)} needs {show('zero_stage', 3)} (it is {p.zero_stage})")
+    if p.dp_mode == "classic" and p.zero_stage:
+        raise ConfigError(f"{show('dp_mode', 'classic')} keeps everything on one rank; it cannot be combined "
+                          f"with {show('zero_stage', p.zero_stage)}")
+    if p.reduce_algo == "copy_engine" and p.dp_mode == "classic":
+        raise ConfigError(f"{show('reduce_algo', 'copy_engine')} is implemented for DDP and ZeRO, not for "
+                          f"{show('dp_mode', 'classic')}")
+    if p.ep > 1 and not m.num_experts:
+        raise ConfigError(f"{show('ep', p.ep)} needs a mixture-of-experts model (model.num_experts)")
+    if m.num_experts and (m.num_experts % p.ep or (p.dp * p.cp) % p.ep):
+        raise ConfigError(f"{show('ep', p.ep)} must divide the {m.num_experts} experts and {key('dp')} x {key('cp')} "
+                          f"({p.dp * p.cp}): expert parallelism is carved out of data and context parallelism")
+    if m.num_experts and not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
+    if min(seq, micro_batch, global_batch) < 1:
+        raise ConfigError(f"{key('seq')}, {key('micro_batch')} and {key('global_batch')} must be positive")
+    if global_batch % (micro_batch * p.dp):
+        raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
+                          f"({micro_batch}) x {key('dp')} ({p.dp})")

@@ -1,0 +1,147 @@
+"""Loading: a configuration built from the schema's defaults, then a preset or TOML file, then dotted
+command-line overrides (`--section.key value`, torchtitan's style), each value converted to its field's
+type or refused naming the key. The presets are the package's configs/*.toml (package data, so a
+non-editable install has them), and a source checkout's top-level configs/.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .errors import ConfigError
+from .schema import SECTIONS, Config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# This file is shardlm/config/load.py: parents[1] is the package (shardlm/configs), parents[3] a checkout's root.
+CONFIG_DIRS = (Path(__file__).resolve().parents[1] / "configs", Path(__file__).resolve().parents[3] / "configs")
+
+
+def preset_names() -> list[str]:
+    names = set()
+    for d in CONFIG_DIRS:
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def _resolve_source(source: str) -> Path:
+    p = Path(source)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    for d in CONFIG_DIRS:
+        if (d / f"{source}.toml").is_file():
+            return d / f"{source}.toml"
+    raise ConfigError(f"config {source!r} is neither a TOML file nor a preset (presets: {', '.join(preset_names())})")
+
+
+def _convert(key: str, value: Any, typ: Any) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or fail naming the key."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, str):
+                f = float(value)  # accepts 1e5 as well as 100000
+                if not f.is_integer():
+                    raise ValueError
+                return int(f)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if typ is dict:
+            if isinstance(value, str):
+                import json
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+    except (ValueError, TypeError):
+        pass
+    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
+
+
+def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
+    """Set `section.key` values (strings from the command line, or TOML values) on `cfg`, converted to each
+    field's type; an unknown key or a value of the wrong type raises ConfigError naming it."""
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ConfigError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
+        obj = getattr(cfg, section)
+        hints = get_type_hints(type(obj))
+        if name not in hints:
+            known = ", ".join(f.name for f in fields(obj))
+            raise ConfigError(f"unknown config key {key!r} (known in [{section}]: {known})")
+        setattr(obj, name, _convert(key, value, hints[name]))
+
+
+def _flatten(d: dict, where: str) -> dict[str, Any]:
+    flat = {}
+    for section, body in d.items():
+        if section not in SECTIONS or not isinstance(body, dict):
+            raise ConfigError(f"unknown config section [{section}] in {where} (sections: {', '.join(SECTIONS)})")
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def load_config(source: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults <- preset or TOML file (`source`; None means the embedded default) <- dotted overrides."""
+    cfg = Config()
+    path = _resolve_source(source or "default")
+    try:
+        with open(path, "rb") as f:
+            apply_overrides(cfg, _flatten(tomllib.load(f), str(path)))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    apply_overrides(cfg, overrides or {})
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    cfg = Config()
+    apply_overrides(cfg, _flatten(d, "saved config"))
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--section.key value` and `--section.key=value` pairs into a flat dict."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {a!r}: overrides look like --section.key value")
+        key = a[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{key} is missing a value")
+            value = args[i + 1]
+            i += 2
+        out[key] = value
+    return out

@@ -1,0 +1,163 @@
+"""Shape arithmetic: what a model's configuration implies, for the runtime and the planner alike (one source
+of truth for parameter counts). `ModelShapes` and `LoRAShapes` are mixed into the dataclasses of schema.py
+and read their fields: derived sizes, parameters by group, FLOPs per token (the 6 N + attention count of
+torchtitan's and Megatron's MFU), a KV cache's bytes per position; and the block linears LoRA can adapt,
+by their Hugging Face names. No torch.
+"""
+from __future__ import annotations
+
+import math
+
+from .errors import ConfigError
+
+
+class ModelShapes:
+    """ModelConfig's derived shapes. Everything that counts parameters or FLOPs goes through these."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "gpt2"
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters by group, exactly as the runtime model allocates them."""
+        h, q, kv, f, v = self.hidden_size, self.num_heads * self.head_size, self.kv_heads * self.head_size, self.ffn_size, self.vocab_size
+        bias = self.has_bias
+        qkv = h * (q + 2 * kv) + ((q + 2 * kv) if (bias or self.qkv_bias) else 0)
+        attn_out = q * h + (h if bias else 0)
+        if self.arch == "gpt2":
+            mlp = 2 * h * f + f + h
+            norms = 2 * 2 * h
+        else:
+            mlp = 3 * h * f
+            norms = 2 * h
+        experts = max(1, self.num_experts)
+        router = h * self.num_experts
+        layer = qkv + attn_out + mlp * experts + router + norms
+        embed = v * h
+        pos = self.max_seq_len * h if self.arch == "gpt2" else 0
+        final_norm = 2 * h if self.arch == "gpt2" else h
+        head = 0 if self.tie_embeddings else v * h
+        return {"embedding": embed, "position": pos, "layers": layer * self.num_layers,
+                "per_layer": layer, "final_norm": final_norm, "lm_head": head,
+                # what one token's forward multiplies by: top_k of the experts
+                "active_per_layer": layer - mlp * (experts - min(experts, self.top_k)),
+                "expert_per_layer": mlp * self.num_experts}
+
+    def kv_bytes_per_token(self, itemsize: int, kv_heads: int | None = None) -> int:
+        """The keys and values one position holds in a KV cache over every layer (`kv_heads` per layer, the
+        model's by default)."""
+        return 2 * self.num_layers * (kv_heads or self.kv_heads) * self.head_size * itemsize
+
+    def num_params(self) -> int:
+        c = self.param_counts()
+        return c["embedding"] + c["position"] + c["layers"] + c["final_norm"] + c["lm_head"]
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x (parameters that do a matmul per token) + attention.
+
+        Matmul parameters exclude the input and position embeddings (a lookup) but include the output
+        head, tied or not. Attention adds 12 * L * (heads * head_dim) * seq per token (QK^T and AV,
+        forward and backward, counting the full square as torchtitan and Megatron's MFU do).
+        """
+        c = self.param_counts()
+        matmul = c["active_per_layer"] * self.num_layers + c["final_norm"] + self.vocab_size * self.hidden_size
+        return 6 * matmul + 12 * self.num_layers * self.num_heads * self.head_size * seq_len
+
+
+class LoRAShapes:
+    """LoRAConfig's arithmetic: its adapters' parameters and the FLOPs of fine-tuning with them, for a model `m`
+    (a ModelConfig, annotated by the mixin that gives it its shapes: schema.py imports this module)."""
+
+    def adapter_count(self, m: ModelShapes) -> int:
+        """Parameters of all the model's adapters (A: rank x in, B: its rows x rank per adapted module)."""
+        chosen = lora_targets(m.arch, self.targets)
+        inputs = {"attn.out": m.num_heads * m.head_size, "mlp.down": m.ffn_size}
+        total = 0
+        for path, modules in LORA_MODULES[m.arch].items():
+            parts = fused_parts(m, path)
+            rows = list(parts) if len(modules) == len(parts) else [sum(parts)]
+            total += sum(self.rank * (inputs.get(path, m.hidden_size) + r) for n, r in zip(modules, rows) if n in chosen)
+        return m.num_layers * total
+
+    def flops_per_token(self, m: ModelShapes, seq: int) -> int:
+        """Training FLOPs per token of LoRA fine-tuning: what is computed, not full training's 6 x N. The
+        frozen matmul parameters N (ModelConfig.flops_per_token's: every block linear and the head) cost 2 N
+        forward and 2 N in the backward through their inputs, with no weight gradient; the adapters all
+        three, 6 x theirs; attention its forward and backward, 12 x layers x heads x head_dim x seq. A
+        recomputed forward is not counted (the MFU convention), nor NF4's dequantisation (no matmul)."""
+        attention = 12 * m.num_layers * m.num_heads * m.head_size * seq
+        matmul = (m.flops_per_token(seq) - attention) // 6
+        return 4 * matmul + 6 * self.adapter_count(m) + attention
+
+
+NF4_BLOCK = 64  # weights per absmax scale in QLoRA's NF4 (the paper's and torchao's)
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)  # codes, int8 scales, their fp32 scales
+
+
+def fused_parts(m: ModelShapes, path: str) -> tuple[int, ...]:
+    """The full sizes of the fused components of a block linear's output (ColumnParallelLinear's parts)."""
+    hd, f, h = m.head_size, m.ffn_size, m.hidden_size
+    if path == "attn.qkv":
+        return (m.num_heads * hd, m.kv_heads * hd, m.kv_heads * hd)
+    if path == "mlp.up":
+        return (f, f) if m.arch != "gpt2" else (f,)
+    return (h,)
+
+
+# Ring attention's queries a pass over a chunk of keys (parallel/ring_attention.py): their fp32 scores, and a few
+# tensors of that size, are what it holds beyond the chunks (the planner counts them).
+RING_QUERY_ROWS = 1024
+
+
+def exchanged_kv_heads(q: int, kv: int, cp: int) -> int:
+    """The key/value heads a rank's attention holds before context parallelism's exchange, of `kv` for `q` query
+    heads: as they are where cp divides them; else each repeated r = cp / gcd(kv, cp) times where a query
+    group's heads divide by r (key/value head j // r still serves the same queries), else once per query head."""
+    if kv % cp == 0:
+        return kv
+    r = cp // math.gcd(kv, cp)
+    return kv * r if (q // kv) % r == 0 else q
+
+
+# The Hugging Face modules (their names below the layer) a block's linears fuse, for `lora.targets`.
+LORA_MODULES = {
+    "llama": {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.out": ("self_attn.o_proj",),
+              "mlp.up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down": ("mlp.down_proj",)},
+    "gpt2": {"attn.qkv": ("attn.c_attn",), "attn.out": ("attn.c_proj",), "mlp.up": ("mlp.c_fc",),
+             "mlp.down": ("mlp.c_proj",)},
+}
+
+
+def lora_targets(arch: str, targets: str) -> set[str]:
+    """The module names (LORA_MODULES') that `lora.targets` selects: each comma-separated name matches a
+    module whose name it is or ends with (PEFT's rule: c_proj is both of GPT-2's), "all-linear" every one."""
+    known = [n for names in LORA_MODULES[arch].values() for n in names]
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    if wanted == ["all-linear"]:
+        return set(known)
+    chosen = set()
+    for t in wanted:
+        hits = {n for n in known if n == t or n.endswith("." + t)}
+        if not hits:
+            raise ConfigError(f"lora.targets names {t!r}, which is no {arch} module (modules: "
+                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)")
+        chosen |= hits
+    if not chosen:
+        raise ConfigError("lora.targets is empty: name the modules to adapt, or all-linear")
+    return chosen
