@@ -1,5 +1,6 @@
 """The planner against published figures, its errors, its speed, and that it imports no torch."""
 import json
+import math
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import pytest
 from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
 from shardlm.plan import Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from shardlm.plan.groups import group_span
 from shardlm.plan.memory import activation_per_layer
 
 
@@ -284,6 +286,48 @@ def test_mixture_of_experts_counts_and_expert_parallel_traffic():
     assert ep.memory.params < one.memory.params / 3  # experts (most of the weights) split 8 ways
     with pytest.raises(PlanError, match="--ep 3 must divide the 8 experts"):
         estimate(m, w, Layout(dp=6, ep=3), gpu("h100"))
+
+
+def test_experts_zero_state_is_sharded_over_their_own_group():
+    """Issue 42: experts split over ep keep their ZeRO state over edp = dp x cp / ep, dense parameters over
+    dp x cp; so at dp 8 a rank's sharded state is the same at every ep (one whole expert at ep 8 is 1/8 of
+    the experts), where charging everything over dp x cp made ep 8 look several times smaller. The experts'
+    gradients are reduced over edp alone: none at ep 8."""
+    def optimizer(ep):
+        return json.loads(run_cli("plan", "--model", "tinyllama-1.1b", "--experts", 8, "--top-k", 2, "--gpus", 8,
+                                  "--zero", 1, "--ep", ep, "--json").stdout)["memory"]["optimizer"]
+    assert optimizer(8) == pytest.approx(optimizer(1), rel=0.1)
+    m = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, num_experts=8, top_k=2)
+    w, experts = Workload(4096, 1, 64), 32 * m.param_counts()["expert_per_layer"]
+    for zero in (1, 2, 3):
+        one = estimate(m, w, Layout(dp=8, zero_stage=zero), gpu("h100")).memory.optimizer
+        assert one == pytest.approx(12 * m.num_params() / 8)
+        for ep in (2, 4, 8):
+            assert estimate(m, w, Layout(dp=8, ep=ep, zero_stage=zero), gpu("h100")).memory.optimizer == \
+                pytest.approx(one)
+    sent = {ep: estimate(m, w, Layout(dp=8, ep=ep, zero_stage=1), gpu("h100")).comm_bytes_per_step["dp"]
+            for ep in (1, 4, 8)}
+    dense = 7 / 8 * (m.num_params() - experts) * (2 + 2)  # a 16-bit reduce-scatter and all-gather (comm.py)
+    assert sent[8] == pytest.approx(dense)
+    assert sent[4] == pytest.approx(dense + 1 / 2 * experts / 4 * (2 + 2))  # edp 2, a quarter of the experts
+    assert sent[1] == pytest.approx(7 / 8 * m.num_params() * (2 + 2))
+
+
+@pytest.mark.parametrize("pp, dp, cp, tp, ep", [(1, 8, 1, 1, 8), (2, 4, 2, 2, 4), (1, 2, 4, 2, 2), (2, 2, 2, 2, 1)])
+def test_group_span_is_the_reshaped_rank_grid(pp, dp, cp, tp, ep):
+    """plan/groups.py's size and stride of every named group, against the mesh's definition: the ranks as
+    arange(world).view(pp, dp, cp, tp), and the (dp, cp) block read as (edp, ep), ep innermost."""
+    import torch
+    dense = torch.arange(pp * dp * cp * tp).view(pp, dp, cp, tp)
+    experts = dense.reshape(pp, dp * cp // ep, ep, tp)
+    views = {"pp": (dense, [0]), "dp": (dense, [1]), "cp": (dense, [2]), "tp": (dense, [3]), "dp+cp": (dense, [1, 2]),
+             "edp": (experts, [1]), "ep": (experts, [2])}
+    for name, (grid, axes) in views.items():
+        rest = [a for a in range(4) if a not in axes]
+        lines = grid.permute(*rest, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes)).tolist()
+        size, stride = group_span(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep), name)
+        assert all(line == [line[0] + k * stride for k in range(size)] for line in lines), name
 
 
 def test_cli_params_text_lists_every_stage_and_train_flops():

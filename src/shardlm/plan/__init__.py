@@ -13,7 +13,7 @@ from .flops import ADAM_BYTES, EFFICIENCY, bubble, model_flops_per_token, recomp
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
 from .memory import (Memory, checkpoint_bytes, estimate_memory, host_bytes, in_flight, nf4_weights, paper_model_states,
-                     trained_and_frozen)
+                     trained_and_frozen, zero_shard)
 from .offload import offload_seconds
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
@@ -57,7 +57,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     b = bubble(w, L)
     compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
-    shard = phi / L.replicas if L.zero_stage >= 1 else phi
+    shard = zero_shard(m, L, 0, phi) if L.zero_stage >= 1 else phi  # each parameter over its own reduce group
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
         shard * ADAM_BYTES / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)

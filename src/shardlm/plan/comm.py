@@ -13,38 +13,62 @@ activations forward and their gradients back across each stage boundary per micr
 parallelism (Ulysses) exchanges q, k and v before each layer's attention and its output after it, all-to-alls
 that each keep 1/cp of a rank's slice, forward and again backward (and in the recomputed forward); ring attention
 (`cp_comm` p2p) passes every other rank's keys and values through each rank instead. Its ranks
-hold the same parameters, so gradients are reduced over dp x cp. An axis that spans GPUs of one node uses
-NVLink, else the network.
+hold the same parameters, so dense gradients are reduced over dp x cp; a mixture of experts' experts, split
+over ep, over the ranks holding the same ones, edp = dp x cp / ep (none at ep = dp x cp). A group whose
+ranks (groups.py's sizes and strides) lie inside one node uses NVLink, else the network.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ..config import ModelConfig, exchanged_kv_heads
+from .groups import group_span, within_node
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import nf4_weights, rank_layers, stage_params, trained_and_frozen
+from .memory import expert_params, nf4_weights, rank_layers, stage_params, trained_and_frozen
 
 
-def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
+def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
+    """Bytes each GPU sends per step reducing gradients (and gathering ZeRO's weights), by reduce group:
+    "dp+cp" for the dense parameters, "edp" for the experts'."""
     act = 2 if L.precision != "fp32" else 4
     micro = w.global_batch // (w.micro_batch * L.dp)
-    tokens = w.seq * w.micro_batch / L.cp
     phi = stage_params(m, L, 0) - nf4_weights(m, L, 0)  # gathered by ZeRO-3 (QLoRA's 4-bit weights stay whole)
     grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone
-    n = L.replicas
+    experts = expert_params(m, L, 0)  # gathered over edp; reduced there too unless LoRA freezes them
+    groups = {"dp+cp": (grads - (0.0 if L.lora.rank else experts), phi - experts),
+              "edp": (0.0 if L.lora.rank else experts, experts)}
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
         red = act  # the 16-bit values travel; each rank sums its slice in fp32 (comm/collectives.py)
-    ring = (n - 1) / n
-    if n == 1:
-        dp = 0.0
-    elif L.zero_stage in (0, 1):  # once per step: a reduce-scatter and a 16-bit all-gather (comm/transport.py)
-        dp = ring * grads * (red + act)
-    elif L.zero_stage == 2:  # a reduce-scatter on every micro-step, the all-gather after the step
-        dp = ring * grads * (red * micro + act)
-    else:  # and the weights gathered for forward and for backward on every micro-step
-        dp = ring * (grads * red + phi * 2 * act) * micro
+    out = {}
+    for name, (reduced, gathered) in groups.items():
+        if not (reduced or gathered):  # no experts (or none trained nor gathered): nothing over edp
+            out[name] = 0.0
+            continue
+        n = group_span(L, name)[0]
+        ring = (n - 1) / n
+        if n == 1:
+            out[name] = 0.0
+        elif L.zero_stage in (0, 1):  # once per step: a reduce-scatter and a 16-bit all-gather (comm/transport.py)
+            out[name] = ring * reduced * (red + act)
+        elif L.zero_stage == 2:  # a reduce-scatter on every micro-step, the all-gather after the step
+            out[name] = ring * reduced * (red * micro + act)
+        else:  # and the weights gathered for forward and for backward on every micro-step
+            out[name] = ring * (reduced * red + gathered * 2 * act) * micro
+    return out
+
+
+def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
+    """Bytes each GPU sends per step on each axis; "dp" counts every gradient reduction (dense and experts')."""
+    return {"dp": sum(reduce_bytes(m, w, L).values()), **model_parallel_bytes(m, w, L)}
+
+
+def model_parallel_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
+    """Bytes each GPU sends per step on the axes that split a model replica's work: tp, pp, cp and ep."""
+    act = 2 if L.precision != "fp32" else 4
+    micro = w.global_batch // (w.micro_batch * L.dp)
+    tokens = w.seq * w.micro_batch / L.cp
     layers = rank_layers(m, L, 0)
     t = L.tp
     tp = 0.0 if t == 1 else 4 * 2 * (t - 1) / t * tokens * m.hidden_size * act * layers * micro
@@ -64,12 +88,12 @@ def comm_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
     # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
     ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
 
 
-def link_bw(g: GPU, group: int, stride: int, gpus_per_node: int) -> float:
-    """An axis whose `group` ranks sit `stride` apart in the rank grid stays inside a node if it fits."""
-    return g.nvlink_bw if group * stride <= gpus_per_node else g.network_bw
+def link_bw(g: GPU, L: Layout, group: str, gpus_per_node: int) -> float:
+    """The bandwidth of the named group's link (groups.py): NVLink if its ranks stay inside a node."""
+    return g.nvlink_bw if within_node(L, group, gpus_per_node) else g.network_bw
 
 
 EXPOSED = {"allreduce": 0.85, "reduce_scatter": 0.3, "allgather_step": 1.0, "zero3_gather": 0.1, "tp": 1.0, "pp": 0.0}
@@ -81,23 +105,24 @@ ACCUM_BUCKET_S = 80e-6
 
 def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int) -> float:
     """Exposed communication time per step."""
-    b = comm_bytes(m, w, L)
-    tp_bw = link_bw(g, L.tp, 1, gpus_per_node)
-    dp_bw = link_bw(g, L.replicas, L.tp, gpus_per_node)  # dp x cp, cp inside dp (mesh.py's AXES)
-    cp_bw = link_bw(g, L.cp, L.tp, gpus_per_node)
-    pp_bw = link_bw(g, L.pp, L.tp * L.cp * L.dp, gpus_per_node)
-    ep_bw = link_bw(g, L.ep, L.tp * L.cp, gpus_per_node)
-    t = b["tp"] / tp_bw * EXPOSED["tp"] + b["pp"] / pp_bw * EXPOSED["pp"] + b["cp"] / cp_bw + b["ep"] / ep_bw
+    def seconds(group: str, sent: float) -> float:  # an idle group's link is not looked up (the search's hot path)
+        return sent / link_bw(g, L, group, gpus_per_node) if sent else 0.0
+
+    b = model_parallel_bytes(m, w, L)
+    t = seconds("tp", b["tp"]) * EXPOSED["tp"] + seconds("pp", b["pp"]) * EXPOSED["pp"] + seconds("cp", b["cp"]) \
+        + seconds("ep", b["ep"])
     if L.replicas > 1:
         act = 2 if L.precision != "fp32" else 4
         micro = w.global_batch // (w.micro_batch * L.dp)
-        once = b["dp"] if L.zero_stage < 2 else comm_bytes(m, replace(w, global_batch=w.global_batch // micro), L)["dp"]
-        if L.zero_stage == 0:
-            t += once / dp_bw * EXPOSED["allreduce"]
-        elif L.zero_stage in (1, 2):
-            t += once / dp_bw * (EXPOSED["reduce_scatter"] + EXPOSED["allgather_step"]) / 2
-        else:
-            t += once / dp_bw * EXPOSED["zero3_gather"]
+        # ZeRO-2 and -3 reduce on every micro-step: the last one's traffic is exposed
+        once = reduce_bytes(m, w if L.zero_stage < 2 else replace(w, global_batch=w.global_batch // micro), L)
+        for group, sent in once.items():  # the dense gradients over dp x cp, the experts' over edp
+            if L.zero_stage == 0:
+                t += seconds(group, sent) * EXPOSED["allreduce"]
+            elif L.zero_stage in (1, 2):
+                t += seconds(group, sent) * (EXPOSED["reduce_scatter"] + EXPOSED["allgather_step"]) / 2
+            else:
+                t += seconds(group, sent) * EXPOSED["zero3_gather"]
         if L.zero_stage >= 2:
             buckets = trained_and_frozen(m, L, 0, act)[0] * act / (L.bucket_mb * 2**20)
             t += (micro - 1) * buckets * ACCUM_BUCKET_S

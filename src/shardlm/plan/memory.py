@@ -4,7 +4,10 @@ Model states (Rajbhandari et al. 2020, ZeRO, section 3): with mixed-precision Ad
 2 bytes (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master, momentum, variance), so Phi
 parameters need (2 + 2 + K) Phi bytes, e.g. 7B -> 112 GB; stage 1 divides K by Nd, stage 2 also the
 gradients, stage 3 everything: 2 Phi + 2 Phi + K Phi / Nd, 2 Phi + (2 + K) Phi / Nd, (2 + 2 + K) Phi / Nd
-(`paper_model_states`). shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master).
+(`paper_model_states`). Nd is each parameter's own reduce group (`zero_shard`): dp x cp for the dense
+ones; a mixture of experts' experts are split over ep (num_experts / ep whole experts a rank) and their
+state is sharded over the ranks holding the same experts, edp = dp x cp / ep (groups.py).
+shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master).
 Its gradient shards in the reduction dtype (stages 2 and 3, and stage 1 when that dtype differs from the
 gradients') exist from backward until the step: with one micro-batch they never meet forward's activation
 peak, but stages 2 and 3 reduce on every micro-step, so with accumulation (or a pipeline) they sit beside
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from ..config import NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, ModelConfig, exchanged_kv_heads
 from ..schedules import split_layers
 from .flops import simulated
+from .groups import group_span
 from .layout import Layout, Workload
 
 MiB = 2**20
@@ -99,6 +103,29 @@ def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
         if m.tie_embeddings and L.pp > 1:
             n += c["embedding"] / L.tp  # the last stage keeps its own copy of a tied head
     return n
+
+
+def expert_params(m: ModelConfig, L: Layout, stage: int) -> float:
+    """The experts' parameters held by pipeline rank `stage`: num_experts / ep of each of its layers'."""
+    if not m.num_experts:  # the common case, asked for several times in each of the search's estimates
+        return 0.0
+    return rank_layers(m, L, stage) * m.param_counts()["expert_per_layer"] / L.ep / L.tp
+
+
+def layer_params(m: ModelConfig, L: Layout) -> float:
+    """One block's parameters on a rank (ZeRO-3's gathered unit): its dense part and its ep share of the experts."""
+    c = m.param_counts()
+    return (c["per_layer"] - c["expert_per_layer"] + c["expert_per_layer"] / L.ep) / L.tp
+
+
+def zero_shard(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
+    """Of pipeline rank `stage`'s `phi` trained parameters (trained_and_frozen's), those whose ZeRO-sharded
+    state (fp32 masters and moments; at stage 2 the gradients, at 3 the weights too) it keeps: each
+    parameter's over its own reduce group, the experts' over edp and the rest over dp x cp, so experts held
+    whole by one rank (edp 1) keep all their state there. LoRA's adapters (counted on the dense linears,
+    LoRAConfig.adapter_count) are all dense."""
+    experts = 0.0 if L.lora.rank else expert_params(m, L, stage)
+    return (phi - experts) / group_span(L, "dp+cp")[0] + experts / group_span(L, "edp")[0]
 
 
 def trained_and_frozen(m: ModelConfig, L: Layout, stage: int, p_b: int) -> tuple[float, float]:
@@ -187,27 +214,30 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
         phi, frozen = trained_and_frozen(m, L, stage, p_b)
+        sharded = zero_shard(m, L, stage, phi)  # each parameter's share over its own reduce group
         red = 4 if L.reduce_dtype == "fp32" else g_b
         params, grads, opt = p_b * phi, g_b * phi, k * phi
         if L.zero_stage >= 1:
-            opt = k * phi / n
+            opt = k * sharded
         # The reduced shard (beside stage 1's full 16-bit gradients) lives from backward to the step only.
-        shard = red * phi / n if (L.zero_stage >= 2 or (L.zero_stage == 1 and red != g_b)) else 0.0
+        shard = red * sharded if (L.zero_stage >= 2 or (L.zero_stage == 1 and red != g_b)) else 0.0
         if L.offload != "none" and L.zero_stage >= 2:  # accumulated in host memory (parallel/offload.py)
             shard = 0.0
         if L.zero_stage >= 2:
             grads = 0.0
         if L.zero_stage == 3:
-            params = (p_b * phi / n) if L.offload == "params" else 0.0
+            params = (p_b * sharded) if L.offload == "params" else 0.0
             if not mixed:
                 params = 0.0
         if L.offload != "none":
             opt = 0.0
             if L.offload == "params":
                 params = 0.0
-        if L.zero_stage == 3:  # ZeRO-3 shards a frozen base in its own units, all but QLoRA's 4-bit weights
+        if L.zero_stage == 3:  # ZeRO-3 shards a frozen base in its own units, all but QLoRA's 4-bit weights,
+            # a frozen expert over edp. (QLoRA's 4-bit count is one dense MLP a layer: not split for experts.)
             nf4 = nf4_weights(m, L, stage) * NF4_BYTES_PER_WEIGHT
-            frozen = (frozen - nf4) / n + nf4
+            experts = p_b * expert_params(m, L, stage) if L.lora.rank and L.lora.quantize != "nf4" else 0.0
+            frozen = (frozen - nf4 - experts) / n + experts / group_span(L, "edp")[0] + nf4
         params += frozen
         per_layer = activation_per_layer(m, w, L)
         layers = rank_layers(m, L, stage)
@@ -230,7 +260,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
-        unit = m.param_counts()["per_layer"] / L.tp * p_b
+        unit = layer_params(m, L) * p_b
         # ZeRO-3's gathered weights: a block's unit with those prefetched after it, and the head's
         blocks_gathered = head_gathered = 0.0
         if L.zero_stage == 3:
@@ -301,7 +331,7 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
     if L.offload == "none":
         return acts
-    trained = max(trained_and_frozen(m, L, s, 2)[0] for s in {0, L.pp - 1}) / L.replicas
+    trained = max(zero_shard(m, L, s, trained_and_frozen(m, L, s, 2)[0]) for s in {0, L.pp - 1})
     # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
     # parallel.offload_dir), gradients
     per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4
@@ -312,7 +342,7 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     # shard, locked at their exact size; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
     # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
     # offload updates its shards where they lie).
-    unit = max(L.bucket_mb * 2**20 / 2, m.param_counts()["per_layer"] / L.tp if L.zero_stage == 3 else 0)
+    unit = max(L.bucket_mb * 2**20 / 2, layer_params(m, L) if L.zero_stage == 3 else 0)
     staging = 8 * unit / L.replicas * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
     if L.offload != "params" and not L.delayed_update:
         staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.replicas * 2))

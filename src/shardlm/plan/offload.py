@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import reduced_bytes, trained_and_frozen
+from .memory import reduced_bytes, trained_and_frozen, zero_shard
 
 ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
 SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
@@ -36,7 +36,7 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     ranks = min(L.gpus, gpus_per_node)
     host_bw, disk_bw = g.host_bw / ranks, g.disk_bw / ranks
     phi, _ = trained_and_frozen(m, L, 0, 2)
-    shard = phi / L.replicas if L.zero_stage >= 1 else phi
+    shard = zero_shard(m, L, 0, phi) if L.zero_stage >= 1 else phi  # each parameter over its own reduce group
     micro = w.global_batch // (w.micro_batch * L.dp)
     reduced = reduced_bytes(L)
     per_micro = compute / micro
