@@ -4,7 +4,8 @@ cache, on one GPU; its int8 and int4 weights (torchao) against its bf16; then ma
 path `eval --tasks` took before it (prompts of equal length batched together, the eager decoder).
 
     python bench/generate.py [--gpus 1] [--preset llama2-7b] [--prompt 128] [--new 256] [--batches 1,16]
-                             [--mixed 1000] [--mixed-new 64] [--old-batches 24] [--systems ...]
+                             [--mixed 1000] [--mixed-new 64] [--old-batches 24] [--systems ...] [--profile 1]
+    python bench/generate.py --gpus 2 --systems shardlm,shardlm-tp2 --batches 1    # tp 2 against one GPU
 
 Random bf16 weights, greedy, no stop token (every row decodes --new tokens). Each system runs in its own
 subprocess. tok/s counts new tokens over the whole call (prefill included, as a user waits for it); GB/s is
@@ -29,15 +30,32 @@ ROOT = Path(__file__).resolve().parents[1]
 HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
 SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32", "shardlm-int8",
            "shardlm-int4")
-WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree")
+WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree",
+            "profile")
 
 
-def build(args, device):
+def tp_of(system: str) -> int:
+    """shardlm-tpN: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
+    return int(system.removeprefix("shardlm-tp")) if system.startswith("shardlm-tp") else 1
+
+
+def build(args, device, group=None):
+    """The preset's model with random weights; with a tensor-parallel `group`, this rank's slices of the same
+    weights (init_parameter draws every tensor whole and keeps its slice)."""
     from shardlm.config import load_config
     from shardlm.model import build_model
     cfg = load_config(args.preset).model
     dtype = getattr(args, "dtype", None) or (torch.bfloat16 if device == "cuda" else torch.float32)
-    return build_model(cfg, device=device, dtype=dtype, seed=0).eval(), cfg
+    if group is None:
+        return build_model(cfg, device=device, dtype=dtype, seed=0).eval(), cfg
+    from shardlm.model import Decoder
+    from shardlm.parallel.tensor import tensor_parallel
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    tensor_parallel(model, group)
+    model.to_empty(device=device)
+    model.init_weights(0)
+    return model.eval(), cfg
 
 
 def sync(device):
@@ -55,13 +73,25 @@ def random_prompts(n, lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def run_shardlm(args, device, quantized: str = "none"):
+def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
-    model, cfg = build(args, device)
-    weights = weight_bytes(model)  # GB/s below counts the 16-bit bytes the quantised weights stand for
+    group = None
+    if tp > 1:  # under torchrun: one GPU a rank, every rank the same requests, rank 0 reports
+        import torch.distributed as dist
+
+        from shardlm.mesh import build_mesh, world_from_env
+        world, rank, local = world_from_env()
+        assert world == tp, f"shardlm-tp{tp} runs as {tp} ranks, not {world}"
+        if device == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        group = build_mesh(tp=tp).group("tp")
+    model, cfg = build(args, device, group)
+    weights = weight_bytes(model) * tp  # GB/s below counts the 16-bit bytes the quantised weights stand for
     quantize(model, quantized)
     system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
+    system = system if tp == 1 else f"shardlm-tp{tp}"
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
@@ -74,9 +104,29 @@ def run_shardlm(args, device, quantized: str = "none"):
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
         rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
-                        first=done[0].tokens[:8]))
+                        first=done[0].tokens[:8], tp=tp))
+        if args.profile and batch == args.batches[0]:
+            profile(args, engine, prompts[0], system, batch)
         del engine
+    if tp > 1 and torch.distributed.get_rank() != 0:
+        return []
     return rows
+
+
+def profile(args, engine, prompt, system, batch):
+    """Where a decode step's time goes: the CUDA kernels of (up to) 32 new tokens (the compiled step's graphs
+    replayed) by total time, written to --out as generate-SYSTEM-profile.txt; the top five printed."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from shardlm.inference import Request
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.run([Request(prompt, min(32, args.new)) for _ in range(batch)])
+        sync(engine.device.type)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    Path(args.out, f"generate-{system}-b{batch}-r{rank}-profile.txt").write_text(table)
+    if rank == 0:
+        print("\n".join(table.splitlines()[:9]), file=sys.stderr, flush=True)
 
 
 def hf_model(args, device):
@@ -198,12 +248,13 @@ def run_agree(args, device):
              "eager_eq_hf": sum(a == b for a, b in zip(eager, theirs))}]
 
 
-def row(args, wb, system, batch, seconds, device, first):
+def row(args, wb, system, batch, seconds, device, first, tp: int = 1):
+    """`wb`: the whole model's weight bytes (every rank reads its 1/tp of them a step)."""
     tok_s = batch * args.new / seconds
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    hbm = next((v for k, v in HBM.items() if k in card), None)
-    return {"system": system, "model": args.preset, "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
-            "seq": args.prompt + args.new, "micro_batch": batch, "tok_s": tok_s, "tok_s_gpu": tok_s, "mfu": None,
+    hbm = next((v * tp for k, v in HBM.items() if k in card), None)
+    return {"system": system, "gpus": tp, "model": args.preset, "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
+            "seq": args.prompt + args.new, "micro_batch": batch, "tok_s": tok_s, "tok_s_gpu": tok_s / tp, "mfu": None,
             "gb_s": wb * args.new / seconds / 1e9,
             "bound_tok_s": hbm / wb if hbm else None, "weight_gb": wb / 1e9,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
@@ -213,6 +264,8 @@ def row(args, wb, system, batch, seconds, device, first):
 def worker(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.config.recompile_limit = 64
+    if tp_of(args.system) > 1:
+        return [print("RESULT " + json.dumps(r), flush=True) for r in run_shardlm(args, device, tp=tp_of(args.system))]
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
            "mixed-old": run_mixed_old, "agree-fp32": run_agree,
@@ -235,7 +288,9 @@ def main():
     p.add_argument("--mixed-batch", type=int, default=64, help="the engine's slots in the eval-style run")
     p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
+                   "GPUs (torchrun)")
+    p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
     p.add_argument("--out", default="/tmp", help="where each system's details and tokens go")
@@ -246,13 +301,17 @@ def main():
     args.batches = [int(b) for b in str(batches).split(",")]
     if args.system:
         return worker(args)
-    if args.gpus != 1:
-        sys.exit("bench/generate.py measures one GPU (--gpus 1); tensor-parallel serving is bench/serve.py's")
+    if args.gpus != max(map(tp_of, args.systems.split(","))):
+        sys.exit("--gpus: the most GPUs one system uses (1, or N for shardlm-tpN)")
     from common import job_env, record
     rows = []
     for system in args.systems.split(","):
         tokens = str(Path(args.out) / f"generate-{system}-tokens.json")
-        cmd = [sys.executable, __file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
+        launch = [sys.executable]
+        if tp_of(system) > 1:
+            launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp_of(system)), "--master-port",
+                       str(29500 + random.randrange(1000))]
+        cmd = launch + [__file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD]
         t = time.perf_counter()
         try:
@@ -278,7 +337,9 @@ def main():
     cmd = "python bench/generate.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
-    record(args.record, "generate", card, 1, [{**r, "commit": commit, "command": cmd} for r in rows])
+    for gpus in sorted({r.get("gpus", 1) for r in rows}):
+        record(args.record, "generate", card, gpus, [{**{k: v for k, v in r.items() if k != "gpus"}, "commit": commit,
+                                                      "command": cmd} for r in rows if r.get("gpus", 1) == gpus])
     print_table(rows, same)
 
 
@@ -294,12 +355,12 @@ def compare_mixed(args):
 
 def print_table(rows, same):
     by = {(r["system"], r.get("batch")): r for r in rows}
-    print(f"\n{'system':<16} {'batch':>5} {'tok/s':>9} {'GB/s':>7} {'of bound':>8} {'peak GiB':>8} {'vs hf-static':>12}  (int8/int4: vs shardlm bf16)")
+    print(f"\n{'system':<16} {'batch':>5} {'tok/s':>9} {'GB/s':>7} {'of bound':>8} {'peak GiB':>8} {'vs hf-static':>12}  (int8/int4/tpN: vs shardlm)")
     for r in rows:
         if "tok_s" not in r:
             continue
         ref = by.get(("hf-static", r["batch"]))
-        if r["system"].startswith("shardlm-int"):
+        if r["system"].startswith(("shardlm-int", "shardlm-tp")):
             ref = by.get(("shardlm", r["batch"]))
         ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"
         bound = f"{r['tok_s'] / r['bound_tok_s']:.0%}" if r.get("bound_tok_s") else "-"

@@ -5,7 +5,8 @@ beside transformers' `generate` processing the same requests in static batches.
     python bench/serve.py [--gpus 1] [--preset llama2-7b] [--requests 64] [--rates 2,8,inf] [--concurrency 16]
 
 Random bf16 weights and a word-level tokenizer over the model's vocabulary (so any id decodes); prompts are
-sent as token ids, streamed back as server-sent events, greedy, no stop token. Per run: output tokens a
+sent as token ids, streamed back as server-sent events, greedy, no stop token. The clients run in a process
+of their own (as real clients do), so that they do not share the server's GIL. Per run: output tokens a
 second (all of them over the span from the first arrival to the last token), time to first token and time
 per output token (p50, p99). `batch-1` sends the first --concurrency requests one at a time (the engine's
 decode at batch 1); `closed-N` keeps N requests in flight. transformers' static batches: the requests in
@@ -97,23 +98,71 @@ async def drive(url, reqs, rate: float | None = None, concurrency: int | None = 
             "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99)}
 
 
+class EngineTimes:
+    """Where the engine's thread spends a run: seconds in step() and in its prefill passes and decode bursts,
+    bursts, decode steps (one token per row) and prefill passes, counted by wrapping the engine's methods."""
+
+    def __init__(self, engine):
+        self.t = dict.fromkeys(("step_s", "prefill_s", "burst_s", "steps", "bursts", "prefills"), 0)
+        for name, key, count in (("step", "step_s", None), ("_prefill", "prefill_s", "prefills"),
+                                 ("_decode_burst", "burst_s", "bursts")):
+            setattr(engine, name, self._timed(getattr(engine, name), key, count))
+        engine._steps = tuple(self._counted(f) for f in engine._steps)
+
+    def _timed(self, f, key, count):
+        def timed(*a):
+            t = time.perf_counter()
+            try:
+                return f(*a)
+            finally:
+                self.t[key] += time.perf_counter() - t
+                if count:
+                    self.t[count] += 1
+        return timed
+
+    def _counted(self, f):
+        def counted(*a):
+            self.t["steps"] += 1
+            return f(*a)
+        return counted
+
+    def take(self) -> dict:
+        out = {k: round(v, 4) for k, v in self.t.items()}
+        out["ms_per_decode_step"] = round(1e3 * out["burst_s"] / max(1, out["steps"]), 3)
+        out["steps_per_burst"] = round(out["steps"] / max(1, out["bursts"]), 2)
+        self.t = dict.fromkeys(self.t, 0)
+        return out
+
+
+def drive_sync(url, reqs, rate=None, concurrency=None):
+    return asyncio.run(drive(url, reqs, rate, concurrency))
+
+
 def run_shardlm(args, model, tok, reqs, device):
     from shardlm.inference import Engine, Request
     from shardlm.serve.command import build_server
     max_len = args.max_prompt + args.max_new
     engine = Engine(model, args.concurrency, max_len, compile=device == "cuda" or None, decode=tok.decode)
     engine.run([Request(p, n) for p, n in reqs[:args.concurrency]])  # compile and capture before timing
+    times = EngineTimes(engine)
     server, worker = build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    rows = [{"system": "shardlm-batch-1", **asyncio.run(drive(url, reqs[:args.concurrency], concurrency=1))},
-            {"system": f"shardlm-closed-{args.concurrency}",
-             **asyncio.run(drive(url, reqs, concurrency=args.concurrency))}]
-    for rate in args.rates:
-        rows.append({"system": f"shardlm-poisson-{rate:g}", "rate": rate, **asyncio.run(drive(url, reqs, rate))})
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        def drive_there(*a):
+            times.take()
+            got = clients.submit(drive_sync, url, *a).result()
+            return {**got, "engine": {**times.take(), "span_s": round(got["seconds"], 4)}}
+        drive_there(reqs[:2], None, 2)  # the client process starts and connects
+        rows = [{"system": "shardlm-batch-1", **drive_there(reqs[:args.concurrency], None, 1)},
+                {"system": f"shardlm-closed-{args.concurrency}", **drive_there(reqs, None, args.concurrency)}]
+        for rate in args.rates:
+            rows.append({"system": f"shardlm-poisson-{rate:g}", "rate": rate, **drive_there(reqs, rate)})
     server.should_exit = True
     thread.join(30)
     worker.close(timeout=30)
@@ -172,7 +221,7 @@ def main():
     args = p.parse_args()
     if args.gpus != 1:
         sys.exit("bench/serve.py measures one GPU (--gpus 1); tensor-parallel serving is not built yet")
-    args.rates = [float(r) for r in args.rates.split(",")]
+    args.rates = [float(r) for r in args.rates.split(",") if r]
     import tempfile
 
     from generate import build

@@ -41,7 +41,16 @@ def quantize(model: nn.Module, kind: str) -> int:
     p = next(model.parameters())
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if kind == "int8":
-        q.quantize_(model, q.Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
+        # int8 x bf16 is `mm(x, w.to(bf16)) * scale`, fast only where inductor fuses the conversion into the
+        # product: it rewrites a one-row mm (batch-1 decode) as a multiply and sum when coordinate-descent
+        # tuning is on, so that is turned on. torchao's own settings (set_inductor_config) add unique kernel
+        # names, which tune every layer's kernels apart, and the all-directions search: a 7B decode step then
+        # compiled for over 200 s on an H200.
+        if p.device.type == "cuda":
+            import torch._inductor.config as inductor
+            inductor.coordinate_descent_tuning = True
+        q.quantize_(model, q.Int8WeightOnlyConfig(set_inductor_config=False),
+                    filter_fn=lambda m, _: isinstance(m, nn.Linear))
         return len(linears)
     cuda = p.device.type == "cuda"
     if cuda and p.dtype != torch.bfloat16:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -63,6 +64,29 @@ class Lifecycle:
                     self.worker.cancel(r)
 
 
+class Handoff:
+    """What the engine's thread hands to one event loop's queues, delivered by one callback per batch rather
+    than one per item: each `call_soon_threadsafe` writes to the loop's wake-up pipe and wakes its thread,
+    and a decode burst ends with tokens for every stream at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self._items, self._lock, self._due = loop, [], threading.Lock(), False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._due:
+                return
+            self._due = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 def create_app(worker: EngineWorker, models: Models, state: ServerState | None = None) -> FastAPI:
     """The app serving `worker`'s engine under the ids of `models`."""
     state = state or ServerState()
@@ -72,6 +96,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     tok = models.tok
     stop_ids = models.stop_ids
     started = int(time.time())
+    handoffs: dict[asyncio.AbstractEventLoop, Handoff] = {}
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -95,9 +120,10 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        handoff = handoffs.get(loop) or handoffs.setdefault(loop, Handoff(loop))
 
         def put(item):  # the engine's thread: hand over to the loop
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            handoff.put(queue, item)
         # A whole answer waits for the end alone, so its queue stays empty until then and it can look
         # for a departed client in between.
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None

@@ -10,6 +10,7 @@ request. The counts behind /metrics live here too.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ from typing import Callable
 from ..inference import Engine, Request
 
 log = logging.getLogger("shardlm.serve")
+SWITCH_S = 0.0005  # the process's GIL switch interval while a worker runs (sys.setswitchinterval)
 
 
 class Closed(RuntimeError):
@@ -46,6 +48,9 @@ class EngineWorker:
         client waits on them) on it: compiled steps and CUDA graphs belong to the thread that made them, so
         every step runs on this one."""
         self._warm, self._ready, self._failed = list(warm), threading.Event(), None
+        # The event loop's thread holds the GIL up to the switch interval (5 ms) before the engine's thread,
+        # back from a step, gets it to launch the next: a stall of up to a whole decode step each time.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
         self._thread.start()
         self._ready.wait()
         if self._failed is not None:
