@@ -35,6 +35,11 @@ def materialise(t: torch.Tensor, name: str, fill) -> None:
     fill(name, t)
 
 
+def trainable(model: nn.Module, names=None) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable parameters by name, in registration order; only `names` where given."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (names is None or n in names)]
+
+
 @dataclass
 class Bucket:
     index: int
@@ -62,10 +67,11 @@ def split_buckets(names: list[str], sizes: list[int], bucket_numel: int) -> list
 
 class FlatParams:
     def __init__(self, model: nn.Module, buckets: list[list[str]] | None = None, pad_multiple: int = 1,
-                 grad_buffers: bool = True, materialize: bool = True, fill=None):
+                 grad_buffers: bool = True, materialize: bool = True, fill=None, names=None):
         """`fill(name, out)`: the parameters have no storage yet (parallelize); their values are written
-        straight into the buckets, so the model never exists twice."""
-        named = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+        straight into the buckets, so the model never exists twice. `names`: the trainable parameters of
+        one parameter group (parallel/groups.py); None: all of them."""
+        named = dict((n, p) for n, p in trainable(model, names))
         if not named:
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in named.values()}

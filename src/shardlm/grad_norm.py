@@ -1,10 +1,12 @@
 """Bookkeeping of the global gradient norm that clipping uses (Pascanu et al. 2013): the square root of the
 sum of squares of every gradient element of the model, counted once, whatever the layout.
 
-Sharded gradients (ZeRO, or a reduce-scatter's slices) are squared where they live and the ranks' sums
-added; under tensor parallelism an element several ranks hold is counted by one of them (optim.py's
-`count_once`, from each parameter's sharding); `SliceSquares` takes the squares as the reduction goes, so that no pass over the whole gradient
-is left to make after the last bucket arrives (bench/README.md measures what that saves).
+Each rank squares the gradient elements it alone owns (its ZeRO shard, or its slice of a replicated
+bucket; an element several ranks hold, as a tensor-parallel replica or a tied embedding's copy, is
+counted by one of them, from each parameter's placement) and one all-reduce over the world adds them
+(optim.py's `count_once`), whatever the parameter groups and their reduce groups. `SliceSquares` takes
+the squares as the reduction goes, so that no pass over the whole gradient is left to make after the
+last bucket arrives (bench/README.md measures what that saves).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ def sum_of_squares_over(parts: list[torch.Tensor], device) -> torch.Tensor:
 
 class SliceSquares:
     """The sum of squares taken as a bucketed reduction goes: each rank squares its summed slice of a bucket
-    as soon as that slice is reduced (on the side stream, while backward runs on), and the ranks' totals
-    are added in rank order: the same bits on every rank and by every algorithm.
+    as soon as that slice is reduced (on the side stream, while backward runs on); the optimizer adds
+    the ranks' totals.
     `slices[b]`: this rank's slice of bucket b."""
 
     def __init__(self, slices: list[torch.Tensor]):
@@ -42,8 +44,3 @@ class SliceSquares:
     def rank_total(self, out: torch.Tensor) -> None:
         """This rank's share into `out` (0-dim): valid once every bucket of the step has been added."""
         torch.sum(self.parts, 0, out=out)
-
-    @staticmethod
-    def over_ranks(totals: torch.Tensor, out: torch.Tensor) -> None:
-        """The sum over the ranks' totals (a tensor in rank order) into `out`, alike on every rank."""
-        torch.sum(totals, 0, out=out)

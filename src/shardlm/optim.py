@@ -126,7 +126,11 @@ class MasterWeightOptimizer:
             self.decay_table = decay_table([(self.master_off[s.bucket] + s.lo, self.master_off[s.bucket] + s.hi)
                                             for s in self.segments if s.weight_decay], self.total, self.device)
         self.duplicates: list[tuple[int, int, int]] = []
-        self.model_group = None
+        self.norm_group = None  # the ranks whose counted squares add up to the global norm (count_once)
+        # Unsharded replicas (DDP) hold the whole reduced gradient: replica r of R counts slice r of each bucket.
+        self.replica, self.replicas = 0, 1
+        self.given_sumsq: torch.Tensor | None = None  # the global sum of squares, where a caller adds groups'
+        self.updates_scaler = True  # one optimizer per step moves fp16's loss scale (GroupedEngine's first)
         self.steps_taken = 0
         self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
@@ -143,21 +147,52 @@ class MasterWeightOptimizer:
     def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         return self._fp32_buffer(name, n, home).zero_()
 
-    def count_once(self, duplicates: list[tuple[int, int, int]], model_group) -> None:
-        """Tensor (and pipeline) parallelism: the ranks of `model_group` hold different parts of one model, so
-        the global norm adds their sums of squares over it; `duplicates` are (bucket, lo, hi) element ranges
-        this rank holds that another rank of the group holds too and counts."""
-        self.duplicates, self.model_group = duplicates, model_group
+    def count_once(self, duplicates: list[tuple[int, int, int]], norm_group) -> None:
+        """The ranks of `norm_group` (the world; classic DP: its roots) hold different parts and copies of one
+        model; each counts the squares of the gradient elements it alone owns and the global norm adds them
+        over the group in one all-reduce. `duplicates` are (bucket, lo, hi) element ranges this rank holds
+        that another rank counts (tensor-parallel replicas, a tied embedding's second copy)."""
+        self.duplicates, self.norm_group = duplicates, norm_group
 
-    def _duplicate_sumsq(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """The sum of squares of this rank's shard of the duplicated elements (another rank counts them)."""
+    def count_replica_slice(self, group) -> None:
+        """Unsharded data parallelism: the ranks of `group` hold the same reduced gradient; rank r of R counts
+        elements [r n/R, (r+1) n/R) of each bucket of n (padded to a multiple of R) and no other."""
+        self.replica, self.replicas = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+    def _counted(self, b: int) -> tuple[int, int, int]:
+        """(lo, hi) of bucket b's elements this rank counts, and where grads[b] starts in the bucket."""
+        if self.sharded:
+            lo = self.rank * self.shard_len[b]
+            return lo, lo + self.shard_len[b], lo
+        n = self.flat.buckets[b].numel // self.replicas
+        return self.replica * n, (self.replica + 1) * n, 0
+
+    def owned_sumsq(self, grads: list[torch.Tensor], sumsq: torch.Tensor | None = None,
+                    joined_grad: torch.Tensor | None = None) -> torch.Tensor:
+        """The squares of the gradient elements this rank alone counts (its shard or replica slice, less what
+        another rank counts), as an fp32 device scalar; `sumsq`: those of the shard or slice where the
+        caller took them as the reduction went."""
+        if sumsq is None:
+            if self.replicas > 1:
+                parts = [grads[b][lo:hi] for b, (lo, hi, _) in enumerate(map(self._counted, range(len(grads))))]
+            else:
+                parts = [joined_grad] if joined_grad is not None else grads
+            sumsq = sum_of_squares_over(parts, self.device)
         parts = []
         for b, lo, hi in self.duplicates:
-            off = self.rank * self.shard_len[b]
-            a, z = max(lo, off), min(hi, off + self.shard_len[b])
+            own_lo, own_hi, start = self._counted(b)
+            a, z = max(lo, own_lo), min(hi, own_hi)
             if z > a:
-                parts.append(grads[b][a - off:z - off])
-        return sum_of_squares_over(parts, self.device) if parts else None
+                parts.append(grads[b][a - start:z - start])
+        return sumsq - sum_of_squares_over(parts, self.device) if parts else sumsq
+
+    def global_sumsq(self, owned: torch.Tensor) -> torch.Tensor:
+        """The sum over `norm_group` of each rank's owned squares (inf or nan anywhere: everywhere)."""
+        if self.norm_group is None or dist.get_world_size(self.norm_group) == 1:
+            return owned
+        total = owned.clone()  # `owned` may be a transport's buffer
+        dist.all_reduce(total, group=self.norm_group)
+        return total
 
     # ---- layout ---------------------------------------------------------------------------------
     def shard_of(self, bucket_buf: torch.Tensor, b: int) -> torch.Tensor:
@@ -179,9 +214,9 @@ class MasterWeightOptimizer:
              sumsq: torch.Tensor | None = None) -> bool:
         """Clip by the global norm and apply. `grad_shard(b)`: bucket b's gradient shard (any float dtype,
         equal to grad_factor x the true gradient x the loss scale); `param_shard(b)`: where the updated
-        16-bit weights go, or None; `sumsq`: the whole gradient's sum of squares where the caller already
-        has it (a device scalar, alike on every rank). Returns False when fp16 overflowed and the step
-        was skipped."""
+        16-bit weights go, or None; `sumsq`: the squares of this rank's shard or replica slice where the
+        caller took them as the reduction went (see `owned_sumsq`). Returns False when fp16 overflowed and the
+        step was skipped."""
         cfg = self.cfg
         grads = [grad_shard(b.index) for b in self.flat.buckets]
         params = [None if self.alias else param_shard(b.index) for b in self.flat.buckets]
@@ -206,24 +241,18 @@ class MasterWeightOptimizer:
         as one tensor, where they are views of one buffer, squared in one pass)."""
         cfg = self.cfg
         loss_scale = self.scaler.scale
-        duplicate = self._duplicate_sumsq(grads)
-        if sumsq is None:
-            sumsq = sum_of_squares_over([joined_grad] if joined_grad is not None else grads, self.device)
-            if duplicate is not None:
-                sumsq -= duplicate
-            if self.sharded:
-                dist.all_reduce(sumsq, group=self.group)  # inf/nan anywhere becomes inf/nan everywhere
-        elif duplicate is not None:  # the caller's sum over the whole (unsharded) gradient
-            sumsq = sumsq - duplicate
-        if self.model_group is not None:
-            dist.all_reduce(sumsq, group=self.model_group)
+        if self.given_sumsq is not None:
+            sumsq = self.given_sumsq
+        else:
+            sumsq = self.global_sumsq(self.owned_sumsq(grads, sumsq, joined_grad))
         norm = sumsq.sqrt() * (grad_factor / loss_scale)
         finite = torch.isfinite(norm)
         self._skip.copy_(~finite)
         self.last_norm = norm
         if isinstance(self.scaler, DynamicLossScaler):  # fp16: the scale schedule is decided on the host
             applied = bool(finite)
-            self.scaler.update(not applied, step)
+            if self.updates_scaler:
+                self.scaler.update(not applied, step)
             if not applied:
                 return None
         else:

@@ -227,16 +227,12 @@ class CopyEngineAllReduce(_CopyEngineCollective):
 
     def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, group, stream):
         super().__init__(group, 3, device, stream)
-        from torch.distributed import _symmetric_memory as symm_mem
         self.grads = PeerBuckets(numels, dtype, device, group)
         self.last = len(numels) - 1
-        # The gradient's sum of squares (see SliceSquares), valid once the last bucket's launch completes.
-        # Each rank's total goes into its slot of a symmetric buffer before it signals SUMMED, and every
-        # rank reads all slots after it: no collective of its own. `squares = None` leaves the norm to
-        # the optimizer (for measuring what this is worth).
+        # The squares of this rank's summed slices (see SliceSquares), valid once the last bucket's launch
+        # completes; the optimizer adds the ranks' (optim.py). `squares = None` leaves them to the optimizer
+        # (for measuring what this is worth).
         self.squares = SliceSquares([self.grads.slice(b, self.rank) for b in range(len(numels))])
-        self.totals = symm_mem.empty(1, dtype=torch.float32, device=device)
-        self.totals_handle = symm_mem.rendezvous(self.totals, group)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=device)
 
     def launch(self, b: int):
@@ -251,15 +247,11 @@ class CopyEngineAllReduce(_CopyEngineCollective):
             if self.squares is not None:
                 self.squares.add(b)
                 if b == self.last:
-                    self.squares.rank_total(out=self.totals[0])
+                    self.squares.rank_total(out=self.sumsq)
             self._all(self.SUMMED)  # every summed slice is in place, and every peer is done reading ours
-            if self.squares is not None and b == self.last:  # every peer's total is in its slot now
-                slots = [self.totals_handle.get_buffer(j, (1,), torch.float32, 0) for j in range(self.world)]
-                SliceSquares.over_ranks(torch.cat(slots), self.sumsq)
             self.grads.pull_peer_slices(b)
             if b == self.last:
-                # Peers read our summed slices (and our total) until here; the buffers may change (zero_grad,
-                # the next step's total) only after.
+                # Peers read our summed slices until here; the buffers may change (zero_grad) only after.
                 self._all(self.DONE)
             return Done.here()
 

@@ -4,7 +4,7 @@ engine says what to move, the transport how, so no engine branches on the algori
 
 - A bucket all-reduce (DDP): `launch(b)` once bucket b's gradients are all in, buckets in the same order
   on every rank; `wait_all()` makes the compute stream wait for every launch; `grad_sumsq()`, the
-  gradient's sum of squares where the reduction took it (else None: the optimizer takes it).
+  squares of this rank's summed slices where the reduction took them (else None: the optimizer does).
 - A sharded transport (ZeRO): `reduce_scatter(b, out)` sums bucket b over the ranks, this rank keeping its
   slice; `all_gather_weights(order, mine)` spreads every rank's updated slices of the 16-bit weights;
   `gather(src, out)` assembles one ZeRO-3 unit from the ranks' slices.
@@ -44,9 +44,7 @@ class ProcessGroupAllReduce:
         self.squares = None
         if flat.dtype != reduce_dtype:
             self.squares = SliceSquares([self._own(b.grad) for b in flat.buckets])
-            self.totals = torch.zeros(self.world, dtype=torch.float32, device=flat.device)  # by rank
-            self.mine = torch.zeros(1, dtype=torch.float32, device=flat.device)  # this rank's, sent
-            self.sumsq = torch.zeros((), dtype=torch.float32, device=flat.device)
+            self.sumsq = torch.zeros((), dtype=torch.float32, device=flat.device)  # this rank's slices'"'"' squares
 
     def _own(self, grad: torch.Tensor) -> torch.Tensor:
         n = grad.numel() // self.world
@@ -73,9 +71,7 @@ class ProcessGroupAllReduce:
         # The compute stream now waits for every collective, so the buffers they used can be reused.
         self.works.clear()
         if self.squares is not None:
-            self.squares.rank_total(out=self.mine[0])
-            all_gather_into_tensor(self.totals, self.mine, group=self.group)
-            SliceSquares.over_ranks(self.totals, self.sumsq)
+            self.squares.rank_total(out=self.sumsq)
 
     def grad_sumsq(self) -> torch.Tensor | None:
         return self.sumsq if self.squares is not None else None

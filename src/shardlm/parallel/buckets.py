@@ -6,12 +6,13 @@ import weakref
 
 from torch import nn
 
-from ..flat import FlatParams, split_buckets
+from ..flat import FlatParams, split_buckets, trainable
 
 
-def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int) -> list[list[str]]:
-    """Buckets of about `bucket_mb` in reverse registration order: the order backward produces gradients."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int, names=None) -> list[list[str]]:
+    """Buckets of about `bucket_mb` in reverse registration order: the order backward produces gradients.
+    `names`: one parameter group's (None: every trainable parameter)."""
+    named = trainable(model, names)[::-1]
     return split_buckets([n for n, _ in named], [p.numel() for _, p in named],
                          max(1, int(bucket_mb * 2**20 / itemsize)))
 

@@ -19,11 +19,12 @@ from .engine import LocalEngine
 
 
 class ClassicEngine(LocalEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None, names=None, divisor: int | None = None):
         self.cfg, self.group = cfg, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.divisor = divisor or self.world  # the root holds the sum over ranks
         self.root = dist.get_global_rank(group, 0)
-        self.flat = FlatParams(model, fill=fill)
+        self.flat = FlatParams(model, fill=fill, names=names)
         self.scaler = scaler
         # Only the root holds optimizer state; the others only compute gradients.
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler) if self.rank == 0 else None
@@ -47,9 +48,6 @@ class ClassicEngine(LocalEngine):
             self.scaler.scale = float(self.stats[1])
             self.scaler.skipped_steps = int(self.stats[2])
         self.flat.zero_grad()
-
-    def grad_factor(self) -> float:
-        return 1.0 / self.world  # the root holds the sum over ranks
 
     def step_stats(self, step: int) -> tuple[float, int]:
         if self.opt is not None:

@@ -22,18 +22,19 @@ from .engine import LocalEngine
 
 
 class DDPEngine(LocalEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None, names=None, divisor: int | None = None):
         p = cfg.parallel
         self.group = group
         self.world = dist.get_world_size(group)
         item = next(model.parameters()).element_size()
         # Buckets padded to a multiple of the world size split into equal reduce-scatter slices.
-        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item), pad_multiple=self.world,
-                         fill=fill)
+        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item, names),
+                         pad_multiple=self.world, fill=fill, names=names, divisor=divisor or self.world)
         reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device)
         self.transport = bucket_all_reduce(self.flat, group, self.algo, reduce_dtype)
         self.ready = BucketReadiness(self.flat, self.transport.launch)
+        self.opt.count_replica_slice(group)  # every rank holds the summed gradient: each counts its slice
 
     def prepare_backward(self, last: bool) -> None:
         if last:
@@ -46,6 +47,3 @@ class DDPEngine(LocalEngine):
 
     def grad_sumsq(self) -> torch.Tensor | None:
         return self.transport.grad_sumsq()
-
-    def grad_factor(self) -> float:
-        return 1.0 / self.world  # buckets hold sums; the mean is taken inside the optimizer's scale

@@ -27,6 +27,7 @@ class Engine:
     flat: FlatParams
     opt: MasterWeightOptimizer | None  # None on a rank that holds no optimizer state (classic DP)
     algo: str | None = None            # how gradients are summed over the ranks (None: they are not)
+    divisor: int = 1                   # data replicas whose summed gradients make the mean (groups.py)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare_backward(self, last: bool) -> None:
@@ -61,6 +62,10 @@ class Engine:
         if getattr(self.opt, "landings", None):
             self.opt.wait_for_update()
 
+    def group_engines(self) -> list["Engine"]:
+        """The engine of each parameter group (groups.py): this one alone unless it groups several."""
+        return [self]
+
     # ---- layout-free state ------------------------------------------------------------------------
     def gather_full_state(self) -> tuple[dict | None, dict | None]:
         """(fp32 masters, optimizer state) as full tensors by parameter name (`name::key` for the state); a
@@ -86,8 +91,18 @@ class Engine:
         raise NotImplementedError
 
     def grad_factor(self) -> float:
-        """What turns grad_shard's sum into the mean over the global batch."""
-        return 1.0
+        """What turns grad_shard's sum into the mean over the global batch: over every data-parallel
+        replica of the model, even where this group's gradients are summed over fewer ranks (experts)."""
+        return 1.0 / self.divisor
+
+    def grad_sumsq(self) -> torch.Tensor | None:
+        """The squares of this rank's shard or replica slice where the reduction took them; None: the
+        optimizer takes them."""
+        return None
+
+    def owned_sumsq(self) -> torch.Tensor:
+        """The squares of the gradient elements this rank alone counts (GroupedEngine adds its groups')."""
+        return self.opt.owned_sumsq([self.grad_shard(b.index) for b in self.flat.buckets], self.grad_sumsq())
 
     def owned_shards(self, which: str) -> dict[str, tuple[int, int, torch.Tensor]]:
         """This rank's owned elements of every parameter as {name: (lo, hi, fp32 values on the CPU)}, lo:hi in
@@ -151,17 +166,14 @@ class Engine:
 class LocalEngine(Engine):
     """One data-parallel rank: flat buckets and the optimizer, nothing to communicate."""
 
-    def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1, fill=None):
-        self.cfg = cfg
-        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill)
+    def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1, fill=None,
+                 names=None, divisor: int = 1):
+        self.cfg, self.divisor = cfg, divisor
+        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill, names=names)
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)
 
     def grad_shard(self, b: int) -> torch.Tensor:
         return self.flat.buckets[b].grad  # the whole bucket: the optimizer is not sharded
-
-    def grad_sumsq(self) -> torch.Tensor | None:
-        """The gradient's sum of squares where the reduction already took it; None: the optimizer does."""
-        return None
 
     def optimizer_step(self, lr: float, step: int) -> None:
         self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor(),

@@ -1,7 +1,13 @@
-"""How each parameter's full tensor maps to a rank's local one (Megatron-core's tensor-model-parallel
-attributes, `set_tensor_model_parallel_attributes`): a transform that shards or keeps a parameter whole
-tags its module (`tag`), and initialisation, checkpoints (gather and re-split by name), the gradient norm
-(count an element several ranks hold once) and loading for inference read the tags, never names.
+"""Where each parameter lives on the mesh, as data on its module (Megatron-core's tensor-model-parallel
+attributes, `set_tensor_model_parallel_attributes`; torchtitan's DTensor placements): a transform that
+shards, copies or keeps a parameter whole tags its module, and initialisation, checkpoints (gather and
+re-split by name), the gradient norm (count an element several ranks hold once), the engines' parameter
+groups and loading for inference read the tags, never names.
+
+- Along tp: `TPSharding` (`tag`), how the full tensor maps to a rank's local one.
+- On the data side: `DataPlacement` (`place`), the mesh view whose ranks hold the parameter's replicas
+  and reduce its gradient ("dp+cp"; experts split over ep: "edp"), and the axes over which ranks hold
+  equal copies (a pipeline's tied embedding over pp). Untagged parameters are dense.
 """
 from __future__ import annotations
 
@@ -101,13 +107,40 @@ def replicated(module: nn.Module, group, partial: bool = False) -> nn.Module:
     return module
 
 
-def shardings(model: nn.Module) -> dict[str, TPSharding]:
-    """Every tensor-parallel parameter's sharding, by name (empty for a model that is not sharded)."""
+@dataclass(frozen=True)
+class DataPlacement:
+    """`reduce`: the mesh view (mesh.py) whose ranks hold this parameter's replicas and sum its gradient;
+    `copies`: axes along which ranks hold equal copies of it, counted once by the gradient norm (by the
+    rank at coordinate 0 of each)."""
+    reduce: str = "dp+cp"
+    copies: tuple[str, ...] = ()
+
+
+DENSE = DataPlacement()
+
+
+def place(module: nn.Module, placement: DataPlacement, names=None) -> None:
+    """Record the data-side placement of `module`'s direct parameters (`names`: of some of them)."""
+    names = names if names is not None else [n for n, _ in module.named_parameters(recurse=False)]
+    module.data_placements = {**getattr(module, "data_placements", {}), **dict.fromkeys(names, placement)}
+
+
+def data_placements(model: nn.Module) -> dict[str, DataPlacement]:
+    """Every parameter's data-side placement, by name (DENSE where no transform placed it)."""
+    return {name: _tags(model, "data_placements").get(name, DENSE) for name, _ in model.named_parameters()}
+
+
+def _tags(model: nn.Module, attr: str) -> dict:
     out = {}
     for mod_name, module in model.named_modules():
-        for name, spec in getattr(module, "shardings", {}).items():
-            out[f"{mod_name}.{name}" if mod_name else name] = spec
+        for name, value in getattr(module, attr, {}).items():
+            out[f"{mod_name}.{name}" if mod_name else name] = value
     return out
+
+
+def shardings(model: nn.Module) -> dict[str, TPSharding]:
+    """Every tensor-parallel parameter's sharding, by name (empty for a model that is not sharded)."""
+    return _tags(model, "shardings")
 
 
 # ---- layout-free state: full tensors by name ---------------------------------------------------------

@@ -54,12 +54,15 @@ def eager(fn):
 class ZeroEngine(Engine):
     """ZeRO-1 and ZeRO-2 (`parallel.zero_stage`), over `group` (None: one rank)."""
 
-    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None, names=None, divisor: int | None = None):
+        """`names`, `divisor`: one parameter group's trainable parameters and the data replicas its summed
+        gradients are divided by (parallel/groups.py); None: every parameter, the size of `group`."""
         p = cfg.parallel
-        self.fill = fill
+        self.fill, self.names = fill, names
         self.cfg, self.group, self.stage = cfg, group, p.zero_stage
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.divisor = divisor or self.world
         self.flat = flat = self._flat_params(model)
         self.reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else flat.dtype
         if self.world == 1 and p.offload != "none" and self.stage >= 2:
@@ -99,8 +102,8 @@ class ZeroEngine(Engine):
 
     def _flat_params(self, model: nn.Module) -> FlatParams:
         item = next(model.parameters()).element_size()
-        return FlatParams(model, reverse_order_buckets(model, self.cfg.parallel.bucket_mb, item),
-                          pad_multiple=self.world, grad_buffers=self.stage == 1, fill=self.fill)
+        return FlatParams(model, reverse_order_buckets(model, self.cfg.parallel.bucket_mb, item, self.names),
+                          pad_multiple=self.world, grad_buffers=self.stage == 1, fill=self.fill, names=self.names)
 
     def _shard_parameters(self, model: nn.Module) -> list | None:
         """Stage 3 turns the parameters into shards here (returning the 16-bit shards); 1 and 2 keep them."""
@@ -228,9 +231,6 @@ class ZeroEngine(Engine):
     def grad_shard(self, b: int) -> torch.Tensor:
         return self.host_grads.host[b] if self.host_grads is not None else self.grad_shards[b]
 
-    def grad_factor(self) -> float:
-        return 1.0 / self.world
-
     # ---- the step ------------------------------------------------------------------------------
     def _param_shard(self, b: int) -> torch.Tensor | None:
         """Where the optimizer writes bucket b's updated 16-bit slice."""
@@ -242,12 +242,12 @@ class ZeroEngine(Engine):
         self._before_step()
         if self.delayed is not None:  # the last step's update lands; this one's runs beside the next step
             landed = self.delayed.land(self._param_shard)
-            self.delayed.submit(lr, step, self.grad_factor(), self._host_sumsq())
+            self.delayed.submit(lr, step, self.grad_factor(), self.grad_sumsq())
             if landed:
                 self._gather_updated_weights()
             self.host_grads.step_done()
             return
-        if self.opt.step(lr, step, self.grad_shard, self._param_shard, self.grad_factor(), self._host_sumsq()):
+        if self.opt.step(lr, step, self.grad_shard, self._param_shard, self.grad_factor(), self.grad_sumsq()):
             self._gather_updated_weights()
         if self.stage == 1:
             self.flat.zero_grad()
@@ -256,15 +256,10 @@ class ZeroEngine(Engine):
         if not self.grad_shards_in_bucket:
             self.grad_shards = [None] * len(self.grad_shards)
 
-    def _host_sumsq(self) -> torch.Tensor | None:
-        """Offload's squares, taken as the last micro-batch's gradients were added in host memory, summed over
-        the ranks; None where the optimizer takes them itself (no offload, or elements counted twice)."""
-        sumsq = self.host_grads.sum_of_squares(self.flat.device) if self.host_grads is not None else None
-        if sumsq is None or self.opt.duplicates:
-            return None
-        if self.world > 1:
-            dist.all_reduce(sumsq, group=self.group)
-        return sumsq
+    def grad_sumsq(self) -> torch.Tensor | None:
+        """Offload's squares of this rank's shard, taken as the last micro-batch's gradients were added in host
+        memory; None where the optimizer takes them itself (no offload)."""
+        return self.host_grads.sum_of_squares(self.flat.device) if self.host_grads is not None else None
 
     def _before_step(self) -> None:
         """Stage 3 waits for prefetches that still read the masters."""

@@ -24,18 +24,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..flat import FlatParams, alloc_storage, free_storage
+from ..flat import FlatParams, alloc_storage, free_storage, trainable
 from ..runtime.device import host_empty
 from .offload_disk import MappedFiles
 from .zero import ZeroEngine, eager
 from .zero3_frozen import FrozenShards
 
 
-def stage3_units(model: nn.Module, persist_threshold: int) -> list[list[str]]:
+def stage3_units(model: nn.Module, persist_threshold: int, names=None) -> list[list[str]]:
     """Units in the order backward completes them: the head, blocks last-to-first, the small unsharded
-    parameters, the embeddings (one root unit holding embeddings, final norm and head when they are tied)."""
+    parameters, the embeddings (one root unit holding embeddings, final norm and head when they are tied).
+    `names`: one parameter group's (None: every trainable parameter)."""
     parts = model.parts()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = trainable(model, names)
     name_of = {id(p): n for n, p in named}
     small = [n for n, p in named if p.numel() <= persist_threshold]
 
@@ -60,15 +61,17 @@ class UnitState:
 
 
 class Zero3Engine(ZeroEngine):
-    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None):
+    def __init__(self, model: nn.Module, cfg, scaler, group, fill=None, names=None, divisor: int | None = None,
+                 shard_frozen: bool = True):
         """`fill(name, out)`: the parameters have no storage yet (parallelize), and each unit is materialised
         here from `fill`'s values, sharded and freed before the next: never the whole model on the device."""
         self.frozen = None  # a LoRA run's sharded base (zero3_frozen.py), gathered by the same hooks
         self.ahead = cfg.parallel.prefetch_units  # blocks gathered ahead of the running one
-        super().__init__(model, cfg, scaler, group, fill)
+        super().__init__(model, cfg, scaler, group, fill, names, divisor)
         if cfg.parallel.offload == "none":  # no 16-bit shard at rest: each gather casts the fp32 master slice
             self.param_shards = [s if self.unsharded[i] else None for i, s in enumerate(self.param_shards)]
-        if self.world > 1 and any(not p.requires_grad for p in model.parameters()):
+        # A frozen base is sharded by one parameter group's engine (`shard_frozen`): the first.
+        if self.world > 1 and shard_frozen and any(not p.requires_grad for p in model.parameters()):
             self.frozen = FrozenShards(model, group, int(cfg.parallel.persist_threshold), self.fill)
 
     def _frozen(self, op: str, role) -> None:
@@ -77,7 +80,8 @@ class Zero3Engine(ZeroEngine):
 
     def _flat_params(self, model: nn.Module) -> FlatParams:
         threshold = int(self.cfg.parallel.persist_threshold)
-        flat = FlatParams(model, stage3_units(model, threshold), pad_multiple=self.world, materialize=False)
+        flat = FlatParams(model, stage3_units(model, threshold, self.names), pad_multiple=self.world,
+                          materialize=False, names=self.names)
         small = {n for n, q in model.named_parameters() if q.numel() <= threshold}
         self.unsharded = [all(flat.names[i] in small for i in b.params) for b in flat.buckets]
         return flat
