@@ -30,30 +30,10 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError, validate
+from .plan.groups import VIEWS, view_shapes
 
-AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
-EXPERT_AXES = ("pp", "edp", "ep", "tp")  # the same ranks, dp x cp read as edp x ep
+AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
 DERIVED = (("dp", "cp"), ("pp", "tp"))
-
-
-def view_shapes(sizes: dict) -> dict[str, dict[str, int]]:
-    """Each named view's axes and degrees, outermost first: the one definition of the mesh's groups (the
-    planner derives its link strides from it too)."""
-    ep = sizes.get("ep", 1)
-    replicas = sizes["dp"] * sizes["cp"]
-    if replicas % ep:
-        raise ValueError(f"ep = {ep} must divide dp x cp = {replicas}")
-    return {"dense": {a: sizes[a] for a in AXES},
-            "experts": {"pp": sizes["pp"], "edp": replicas // ep, "ep": ep, "tp": sizes["tp"]}}
-
-
-def stride(sizes: dict, axis: str) -> int:
-    """How many ranks apart two neighbours on `axis` are."""
-    for view in view_shapes(sizes).values():
-        if axis in view:
-            names = list(view)
-            return math.prod(view[a] for a in names[names.index(axis) + 1:])
-    raise KeyError(axis)
 
 
 @dataclass
