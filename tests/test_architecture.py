@@ -18,7 +18,7 @@ LAYERS = [
     ["optim"],
     ["parallel"],
     ["text_metrics", "compat", "export", "adapter_check", "memory_check"],
-    ["inference", "testing"],
+    ["inference", "testing", "divergence"],
     ["trainer", "serve"],                                                                         # serve: HTTP over inference
     ["cli"],
     ["__main__"],

@@ -10,7 +10,6 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
-import math
 import sys
 import time
 import weakref
@@ -22,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint, read_state, resolve_checkpoint,
-                         save_checkpoint, set_rng_state)
+from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint, set_rng_state
 from .config import IGNORE, Config, ConfigError, RunError, config_from_dict
 from .data.loader import open_train_data
+from .divergence import TrainingError, diagnose, refuse_nan_loss, refuse_unusable_weights
 from .inference import generate_text
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
@@ -37,10 +36,6 @@ from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
-
-
-class TrainingError(RunError):
-    """The run cannot go on (its numbers stopped being finite); the message says where and why."""
 
 
 class Trainer:
@@ -225,42 +220,13 @@ class Trainer:
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
         total = self.forward_backward(batches, accum, self.device, weights)
         if self.cfg.train.precision == "fp16":
-            self._refuse_nan_loss(total)
+            refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
             done.record()
             self.watchdog.watch(done, f"training step {self.step + 1}")
         return total
-
-    def _refuse_nan_loss(self, loss: torch.Tensor) -> None:
-        """fp16: a loss-scale overflow gives inf gradients and a skipped step; a nan loss (forward) is not one,
-        and skipping it would skip every step from here on. fp16 waits for the host each step anyway."""
-        nan = torch.isnan(loss).to(torch.float32)
-        if dist.is_initialized():
-            dist.all_reduce(nan, op=dist.ReduceOp.MAX)  # every rank stops alike
-        if nan.item():
-            if self.step == 0 and self.resumed_from is None and (bad := compat.non_finite_init(self.cfg)):
-                raise TrainingError(f"step 1: the loss is nan: {bad}")
-            raise TrainingError(f"step {self.step + 1}: the loss is nan in fp16, which is no loss-scale overflow: "
-                                "the run diverged (lower train.lr, or train.precision bf16)")
-
-    def _diagnose(self, e: NonFiniteGradient) -> TrainingError:
-        """Where the gradient stopped being finite says why: before any update the weights are the
-        initialisation's, so the data or model.init_std are to blame, not the learning rate."""
-        if e.step <= 1 and self.resumed_from is None and (bad := compat.non_finite_init(self.cfg)):
-            return TrainingError(f"{e}: {bad}")
-        if e.step <= 1 and self.resumed_from is None:
-            why = ("at step 1, before any update: the data or the model's initialisation (model.init_std), "
-                   "not the learning rate")
-        else:
-            why = (f"after {e.step - 1} updates the run diverged (lower train.lr = {self.cfg.train.lr:g} or raise "
-                   f"train.warmup_steps = {self.cfg.train.warmup_steps})")
-        return TrainingError(f"{e}: {why}; the step was skipped, the weights are finite ({self._last_checkpoint()})")
-
-    def _last_checkpoint(self) -> str:
-        found = complete_checkpoints(self.out) if self.out is not None else []
-        return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved"
 
     def slice_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a batch of sequences: under context parallelism the slice of each that its
@@ -303,7 +269,7 @@ class Trainer:
         path, error = None, None
         if self.mesh.is_main:
             try:
-                self._refuse_unusable_weights(masters)
+                refuse_unusable_weights(masters, self.cfg.train.precision, self.step, self.out)
                 state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
                          "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
                 path = save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
@@ -315,17 +281,6 @@ class Trainer:
         if self._any_rank(error is not None):
             raise error or TrainingError(f"rank 0 could not save step {self.step} (its message says why)")
         return path
-
-    def _refuse_unusable_weights(self, masters: dict) -> None:
-        """No checkpoint holds weights that are not finite, or in fp16 beyond its range (the 16-bit copy
-        would be inf): the run stops instead, its last good checkpoint kept."""
-        limit = torch.finfo(torch.float16).max if self.cfg.train.precision == "fp16" else math.inf
-        bad = next((name for name, w in masters.items()
-                    if not bool(torch.isfinite(w).all()) or (limit < math.inf and bool(w.abs().gt(limit).any()))), None)
-        if bad is not None:
-            raise TrainingError(f"step {self.step}: the weights of {bad} are not finite"
-                                + (" in fp16" if limit != math.inf else "") + f"; not saved ({self._last_checkpoint()}): "
-                                "the run diverged (lower train.lr)")
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
@@ -362,7 +317,7 @@ class Trainer:
                             norm, skipped = self.engine.step_stats(self.step) if loss is not None else \
                                 (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
                         except NonFiniteGradient as e:
-                            raise self._diagnose(e) from None
+                            raise diagnose(e, self.cfg, self.resumed_from is None, self.out) from None
                         loss = self.global_mean(loss) if loss is not None else None
                     elapsed = time.perf_counter() - since
                     tok_s = steps_since * tokens_per_step / elapsed
