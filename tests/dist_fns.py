@@ -675,3 +675,55 @@ def loss_at_tp(rank, world, model_dir, text, seq_len):
     from shardlm.mesh import build_mesh
     model, tok, _ = load_pretrained(model_dir, tp_group=build_mesh(tp=world).group("tp"))
     return evaluate_ids(model, tok.encode(text), seq_len)["loss"]
+
+
+def subgroup_reduction(rank, world, overrides: dict):
+    """A second parameter group, as experts will be: dp 4 read as (edp 2, ep 2), block 0's MLP placed on
+    edp, each of its gradients first summed over the rank's ep pair (what the experts' all-to-all gives:
+    each copy holds its pair's tokens), counted once over ep, reduced over edp with dp's divisor. On one
+    process (world 1) the same model and batch with one group. Returns the losses, the gradient norms and
+    the gathered masters."""
+    from shardlm.config import load_config
+    from shardlm.mesh import build_mesh
+    from shardlm.model import Decoder
+    from shardlm.optim import lr_at
+    from shardlm.parallel import build_engine
+    from shardlm.parallel.forward_backward import ForwardBackward
+    from shardlm.parallel.placement import DataPlacement, place
+    from shardlm.precision import NoLossScaler
+    cfg = load_config("tiny", {"parallel.dp": str(world), **overrides})
+    mesh = build_mesh(dp=world, ep=2 if world > 1 else 1)
+    model = Decoder(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.init_parameter(name, p, seed=0)
+    if world > 1:
+        mlp = model.layers["0"].mlp
+        for module in mlp.modules():
+            place(module, DataPlacement(reduce="edp", copies=("ep",)))
+        for p in mlp.parameters():
+            p.register_hook(lambda g: _summed(g, mesh.group("ep")))
+    scaler = NoLossScaler()
+    engine = build_engine(model, cfg, mesh, scaler)
+    step_fn = ForwardBackward(model, engine, scaler)
+    gen = torch.Generator().manual_seed(1)
+    per_rank, seq, losses, norms = 2, 16, [], []
+    for step in range(1, 4):
+        batch = torch.randint(0, cfg.model.vocab_size, (2 * 4, seq + 1), generator=gen)  # 4 ranks' 2 rows
+        mine = batch if world == 1 else batch[rank * per_rank:(rank + 1) * per_rank]
+        micro = [(r[None, :-1], r[None, 1:]) for r in mine]
+        loss = step_fn(micro, len(micro), torch.device("cpu"))
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        engine.optimizer_step(lr_at(step - 1, cfg.train), step)
+        losses.append(float(loss))
+        norms.append(engine.step_stats(step)[0])
+    masters, _ = engine.gather_full_state()
+    return {"losses": losses, "grad_norms": norms, "masters": {k: v.float().clone() for k, v in masters.items()}}
+
+
+def _summed(grad, group):
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad

@@ -5,7 +5,7 @@ from torch import nn
 
 from ..config import ConfigError
 from .engine import Engine, LocalEngine
-from .groups import GroupedEngine, group_names
+from .groups import GroupedEngine, count_once, group_names
 
 
 def build_engine(model: nn.Module, cfg, mesh, scaler, fill=None) -> Engine:
@@ -16,13 +16,17 @@ def build_engine(model: nn.Module, cfg, mesh, scaler, fill=None) -> Engine:
     `fill(name, out)`: the parameters have no storage yet, and the engine writes each one's initial values
     straight into its buffers (ZeRO-3: a unit at a time, each sharded and freed before the next)."""
     groups = group_names(model)
+    classic = cfg.parallel.zero_stage == 0 and cfg.parallel.dp_mode == "classic" and mesh.size("dp+cp") > 1
     if list(groups) == ["dp+cp"]:
-        return _engine(model, cfg, mesh, scaler, fill, "dp+cp")
-    if cfg.parallel.zero_stage == 0 and cfg.parallel.dp_mode == "classic" and mesh.size("dp+cp") > 1:
+        engine = _engine(model, cfg, mesh, scaler, fill, "dp+cp")
+    elif classic:
         raise ConfigError("parallel.dp_mode = 'classic' reduces every gradient onto one rank: it takes no "
                           "parameters reduced over another group (experts); use DDP or ZeRO")
-    return GroupedEngine([_engine(model, cfg, mesh, scaler, fill, view, names, mesh.size("dp+cp"), first=i == 0)
-                          for i, (view, names) in enumerate(groups.items())])
+    else:
+        engine = GroupedEngine([_engine(model, cfg, mesh, scaler, fill, view, names, mesh.size("dp+cp"), first=i == 0)
+                                for i, (view, names) in enumerate(groups.items())])
+    count_once(engine, model, mesh, classic)
+    return engine
 
 
 def _engine(model, cfg, mesh, scaler, fill, view: str, names=None, divisor=None, first: bool = True) -> Engine:

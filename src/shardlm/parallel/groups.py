@@ -12,10 +12,11 @@ of the elements it alone owns in every group, one all-reduce adds them over the 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .engine import Engine
-from .placement import data_placements
+from .placement import data_placements, shardings
 
 
 def group_names(model: nn.Module) -> dict[str, list[str]]:
@@ -103,3 +104,23 @@ class GroupedEngine(Engine):
 
     def symmetric_bytes(self) -> int:
         return sum(e.symmetric_bytes() for e in self.engines)
+
+
+def count_once(engine: Engine, model: nn.Module, mesh, classic: bool) -> None:
+    """Tell each group's optimizer which ranks add their squares into the global gradient norm (the world;
+    classic DP: its roots, the only ranks with summed gradients) and which of its elements another rank
+    counts: tensor-parallel replicas (their sharding) and copies along an axis (at coordinate > 0)."""
+    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    norm_group = mesh.group("pp+tp") if classic else world
+    specs, placements = shardings(model), data_placements(model)
+    for e in engine.group_engines():
+        if e.opt is None:
+            continue
+        flat, out = e.flat, []
+        for i, name in enumerate(flat.names):
+            b, off = flat.where[i]
+            if any(mesh.coord(a) for a in placements[name].copies):
+                out.append((b, off, off + flat.params[i].numel()))
+            elif (spec := specs.get(name)) is not None:
+                out += [(b, off + lo, off + hi) for lo, hi in spec.duplicates(flat.params[i].shape)]
+        e.opt.count_once(out, norm_group)

@@ -29,7 +29,7 @@ from .forward_backward import ForwardBackward
 from .lora import apply_lora, is_adapter
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
-from .placement import DataPlacement, data_placements, gather_full, place, shardings, take_local
+from .placement import DataPlacement, gather_full, place, shardings, take_local
 from .tensor import sum_partial_gradients, tensor_parallel
 
 
@@ -158,7 +158,6 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         place(model.embed, DataPlacement(copies=("pp",)))
     engine = build_engine(model, cfg, mesh, scaler, fill)
     specs = shardings(model)
-    _count_once(engine, specs, data_placements(model), mesh, p.dp_mode == "classic" and p.zero_stage == 0)
     if p.pp == 1:
         return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
     table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
@@ -212,22 +211,3 @@ def _initial_weights(model: Decoder, path: str, specs: dict):
                               f"rank, the model's is {tuple(out.shape)}")
         out.copy_(local)
     return fill
-
-
-def _count_once(engine: Engine, specs: dict, placements: dict, mesh: DeviceMesh, classic: bool) -> None:
-    """Tell each group's optimizer which ranks add their squares into the global gradient norm (the world;
-    classic DP: its roots, the only ranks with gradients summed) and which of its elements another rank
-    counts: tensor-parallel replicas (`specs`) and copies along an axis (`placements`, at coordinate > 0)."""
-    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    norm_group = mesh.group("pp+tp") if classic else world
-    for e in engine.group_engines():
-        if e.opt is None:
-            continue
-        flat, out = e.flat, []
-        for i, name in enumerate(flat.names):
-            b, off = flat.where[i]
-            if any(mesh.coord(a) for a in placements[name].copies):
-                out.append((b, off, off + flat.params[i].numel()))
-            elif (spec := specs.get(name)) is not None:
-                out += [(b, off + lo, off + hi) for lo, hi in spec.duplicates(flat.params[i].shape)]
-        e.opt.count_once(out, norm_group)
