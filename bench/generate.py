@@ -51,9 +51,9 @@ def build(args, device, group=None):
     from shardlm.model import Decoder
     from shardlm.parallel.tensor import tensor_parallel
     with torch.device("meta"):
-        model = Decoder(cfg).to(dtype)
+        model = Decoder(cfg)
     tensor_parallel(model, group)
-    model.to_empty(device=device)
+    model.to(dtype).to_empty(device=device)
     model.init_weights(0)
     return model.eval(), cfg
 
@@ -108,8 +108,10 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
         if args.profile and batch == args.batches[0]:
             profile(args, engine, prompts[0], system, batch)
         del engine
-    if tp > 1 and torch.distributed.get_rank() != 0:
-        return []
+    if tp > 1:
+        rank = torch.distributed.get_rank()
+        torch.distributed.destroy_process_group()
+        return rows if rank == 0 else []
     return rows
 
 

@@ -93,6 +93,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         if cfg.num_heads % degree(tp_group):
             raise ConfigError(f"--tp {degree(tp_group)} does not divide the model's {cfg.num_heads} attention heads")
         tensor_parallel(model, tp_group)
+        model.to(dtype)  # the parallel layers it put in are made in the default dtype (fp32)
         specs = shardings(model)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
