@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import IGNORE, ModelConfig
 from .activation_offload import ActivationOffload
+from .attention import SDPA, WHOLE, WholeSequence
 from .kv_cache import KVCache
 from .loss import linear_cross_entropy, trained_count
 from .weight_grad import Linear
@@ -77,17 +78,7 @@ class Attention(nn.Module):
         # The key/value head each query head reads, where this module computes more key/value heads than
         # its queries use (tensor parallelism keeping all of them on every rank); None: grouped as GQA.
         self.kv_index: list[int] | None = None
-        self.recompute_core = False
-        self.expand_kv = False  # SDPA backends without native GQA get K/V repeated per query head
-        self.context = None  # context parallelism's exchanges around the core (parallel/context.py)
-
-    def core(self, q, k, v, causal: bool, mask=None):
-        gqa = k.shape[1] != q.shape[1]
-        if gqa and self.expand_kv:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-            gqa = False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        self.core = SDPA()  # softmax(q k^T / sqrt(d) + mask) v: replaced by context parallelism's (attention.py)
 
     def project(self, x, rope=None):
         """q, k and v of x ([b, heads, t, head_dim]), rotated by `rope` (cos, sin) where given."""
@@ -113,27 +104,16 @@ class Attention(nn.Module):
         """`mask`: the sliding window's boolean mask (Decoder.window_mask); None: causal attention."""
         q, k, v = self.project(x, rope)
         b, t = q.shape[0], q.shape[2]
-        causal = mask is None
+        causal, core = mask is None, self.core
         if cache is not None:
+            core = self.core.local  # the cache holds whole sequences, on every rank alike
             past = cache.pos
             k, v = cache.update(self.layer, k, v)
             if past and mask is None:  # new queries see every cached key plus the causal part of their own block
                 causal = False
                 if t > 1:
                     mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
-        context = self.context if cache is None else None
-        ring = context is not None and context.ring  # the keys and values come round to this rank's queries
-        exchange = context is not None and not ring  # this rank's heads over the whole sequence, then back
-        if exchange:
-            q, k, v = context.heads_in(q, k, v)
-        if ring:
-            y = context.ring_attention(q, k, v, mask)
-        elif self.recompute_core and self.training:
-            y = checkpoint(self.core, q, k, v, causal, mask, use_reentrant=False)
-        else:
-            y = self.core(q, k, v, causal, mask)
-        if exchange:
-            y = context.heads_out(y)
+        y = core(q, k, v, causal, mask)
         return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -199,7 +179,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg)  # dense; a transform may replace it (experts), as context parallelism does attn.core
 
     def forward(self, x, rope=None, cache=None, mask=None):
         return self.mlp_half(self.attn_half(x, rope, cache, mask))
@@ -251,7 +231,7 @@ class Decoder(nn.Module):
         self.doc_eos = None  # the end-of-text id of packed examples that must not attend to each other
         self.compile_loss = False
         self.attention = "auto"
-        self.context = None  # this rank's slice of each sequence under context parallelism (parallel/context.py)
+        self.sequence: WholeSequence = WHOLE  # where this rank's tokens lie: a slice under context parallelism
         self._rope_cache: dict = {}
         self._mask_cache: tuple = (None, None)  # (key, mask): training repeats one shape every step
 
@@ -269,16 +249,18 @@ class Decoder(nn.Module):
         `offload_to`, a device, each block's input waits in host memory for its backward)."""
         self.recompute = mode
         self.activation_offload = ActivationOffload(offload_to) if offload_to is not None and mode == "full" else None
-        for block in self.blocks():
-            block.attn.recompute_core = mode == "selective"
+        for core in self.modules():
+            if isinstance(core, SDPA):
+                core.recompute = mode == "selective"
 
     def set_attention(self, backend: str) -> None:
         """auto lets PyTorch pick the SDPA kernel; flash | cudnn | efficient | math allow only that one, so
         an unsupported case fails loudly instead of silently running the slow math kernel. The flags are
         process-wide (torch.backends.cuda), as SDPA's backend selection is."""
         self.attention = backend
-        for block in self.blocks():
-            block.attn.expand_kv = backend in ("cudnn", "efficient")
+        for core in self.modules():
+            if isinstance(core, SDPA):
+                core.expand_kv = backend in ("cudnn", "efficient")
         if backend == "auto":
             return
         import torch.backends.cuda as tbc
@@ -353,8 +335,7 @@ class Decoder(nn.Module):
         example), where examples are packed into windows (`doc_eos`, set from the data); else None."""
         if self.doc_eos is None:
             return None
-        if self.context is not None:  # a context-parallel slice: the examples span the whole sequence
-            ids = self.context.whole(ids)
+        ids = self.sequence.whole(ids)  # the examples span the whole sequence, whatever slice this rank holds
         ends = (ids == self.doc_eos).int()
         return ends.cumsum(1) - ends
 
@@ -368,14 +349,14 @@ class Decoder(nn.Module):
         embed = self.first if embed is None else embed
         t = length or x.shape[1]
         device = x.device
-        # Under context parallelism this rank holds tokens first .. first + t - 1 of a sequence of `whole`,
-        # and attention sees all of them (parallel/context.py): masks span the whole, positions the slice.
-        context = self.context if cache is None else None
-        first, whole = (start + context.rank * t, context.size * t) if context is not None else (start, t)
+        # This rank holds tokens first .. first + t - 1 of a sequence of `whole` (a slice of it under context
+        # parallelism) and attention sees all of them: masks span the whole, positions the slice. A KV cache
+        # holds whole sequences.
+        sequence = self.sequence if cache is None else WHOLE
+        first, whole = sequence.span(start, t)
         if documents is not None:
             positions, mask = self._packed(documents)
-            if context is not None:
-                positions = context.local(positions)
+            positions = sequence.local(positions)
         else:
             positions, mask = torch.arange(first, first + t, device=device), self.window_mask(start, whole, device)
         if embed:
@@ -411,6 +392,11 @@ class Decoder(nn.Module):
         mask = (documents[:, :, None] == documents[:, None, :]) & (i[None, :] <= i[:, None])
         window = self.window_mask(0, t, device)
         return positions, (mask if window is None else mask & window).unsqueeze(1)
+
+    @property
+    def context(self) -> WholeSequence:
+        """`sequence` as the trainer asks for it (trainer.slice_of: this rank's part of each batch)."""
+        return self.sequence
 
     @property
     def head_weight(self):

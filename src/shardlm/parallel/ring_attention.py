@@ -1,9 +1,10 @@
 """Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron-LM's context
 parallelism with `cp_comm_type p2p`): the other way to split each sequence over the cp ranks
-(`parallel.cp_comm p2p`, beside Ulysses' all-to-all in parallel/context.py). Each rank keeps its slice's
-queries and passes its keys and values around the ring, one neighbour's chunk per step, while it attends to
-the chunk it holds; the partial results merge by their log-sum-exp (the online softmax of flash attention),
-so no rank holds more than a few chunks of keys and values at a time, and the heads need not divide by cp.
+(`parallel.cp_comm p2p`, beside Ulysses' all-to-all in parallel/ulysses.py; context.py installs either as
+each attention's core). Each rank keeps its slice's queries and passes its keys and values around the ring,
+one neighbour's chunk per step, while it attends to the chunk it holds; the partial results merge by their
+log-sum-exp (the online softmax of flash attention), so no rank holds more than a few chunks of keys and
+values at a time, and the heads need not divide by cp.
 
 Backward runs the same ring: each chunk of keys and values travels with the gradient accumulated for it so
 far, and after cp steps arrives home with every rank's share added. Blocks that the mask hides entirely (a
@@ -18,6 +19,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..config import RING_QUERY_ROWS
 
@@ -98,6 +100,19 @@ def ring_attention(q, k, v, mask, context) -> torch.Tensor:
     s = q.shape[2]
     rows = None if mask is None else mask[..., context.rank * s:(context.rank + 1) * s, :]
     return RingAttention.apply(q, k, v, rows, context.group, context.rank, context.size)
+
+
+class RingCore(nn.Module):
+    """An attention core over this rank's slice of each sequence (model/attention.py's call), by ring
+    attention; `local`, the one-device core it replaced, is kept for whole sequences (a KV cache's)."""
+
+    def __init__(self, local: nn.Module, context):
+        super().__init__()
+        self.local, self.context = local, context
+
+    def forward(self, q, k, v, causal: bool, mask=None):
+        """`mask`: the whole sequence's; None: causal (a sliced sequence always is, or is masked)."""
+        return ring_attention(q, k, v, mask, self.context)
 
 
 class _Ring:
