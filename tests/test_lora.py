@@ -14,7 +14,7 @@ from helpers import run_cli
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.model import Decoder
 from shardlm.model.hf import write_hf_dir
-from shardlm.parallel.lora import apply_lora, is_adapter, write_peft_dir
+from shardlm.parallel.lora import apply_lora, is_adapter_key, write_peft_dir
 from shardlm.testing.distributed import run_distributed
 from test_tensor_parallel import MODELS, OPTIMIZERS, check_equal
 
@@ -42,7 +42,7 @@ def hf_peft(cfg, model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    write_hf_dir({k: v for k, v in state.items() if not is_adapter(k)}, cfg.model, tmp_path / "base")
+    write_hf_dir({k: v for k, v in state.items() if not is_adapter_key(k)}, cfg.model, tmp_path / "base")
     write_peft_dir(state, cfg.model, cfg.lora, tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
     return PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
@@ -53,7 +53,7 @@ def test_logits_and_adapter_gradients_equal_peft(tmp_path, arch, rslora):
     cfg, model = lora_model(arch, rslora=rslora)
     theirs = hf_peft(cfg, model, tmp_path)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n, _ in model.named_parameters()
-                                                                          if is_adapter(n)}
+                                                                          if is_adapter_key(n)}
     ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     ours_logits, their_logits = model(ids), theirs(input_ids=ids).logits
     torch.testing.assert_close(ours_logits, their_logits, rtol=1e-5, atol=1e-5)
@@ -86,9 +86,9 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
     state = ckpt["model"]
     for name, want in initial.state_dict().items():
         assert torch.equal(state[name], want), name
-    assert any(is_adapter(k) and k.endswith("B.q_proj") and state[k].abs().sum() > 0 for k in state)
+    assert any(is_adapter_key(k) and k.endswith("B.q_proj") and state[k].abs().sum() > 0 for k in state)
 
-    write_hf_dir({k: v for k, v in state.items() if not is_adapter(k)}, cfg.model, tmp_path / "base",
+    write_hf_dir({k: v for k, v in state.items() if not is_adapter_key(k)}, cfg.model, tmp_path / "base",
                  load_tokenizer(ckpt["path"]))
     run_cli("export", "--checkpoint", run, "--out", tmp_path / "adapter")
     run_cli("export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
@@ -152,8 +152,8 @@ def test_lora_under_every_layout_equals_one_process(arch, layout):
                                             "parallel.pp": "1", "parallel.sp": "false", "parallel.zero_stage": "0"})
     results = run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
     check_equal(results, ref)
-    frozen = [k for k in ref["masters"] if not is_adapter(k)]
-    assert frozen and ref["numel"] == sum(ref["masters"][k].numel() for k in ref["masters"] if is_adapter(k))
+    frozen = [k for k in ref["masters"] if not is_adapter_key(k)]
+    assert frozen and ref["numel"] == sum(ref["masters"][k].numel() for k in ref["masters"] if is_adapter_key(k))
 
 
 @pytest.mark.parametrize("target", [{"parallel.dp": "1"}, {"parallel.tp": "2", "parallel.dp": "1"},
@@ -256,7 +256,7 @@ def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():
     """An update below bf16's spacing at the base's magnitude survives the merge (writers cast after)."""
     from shardlm.parallel.lora import merged
     cfg, model = lora_model("llama")
-    state = {k: (v.bfloat16() if not is_adapter(k) else v) for k, v in model.state_dict().items()}
+    state = {k: (v.bfloat16() if not is_adapter_key(k) else v) for k, v in model.state_dict().items()}
     out = merged(state, cfg.model, cfg.lora)
     key = "layers.0.attn.out.weight"
     a, b = state["layers.0.attn.out.lora.A.o_proj"], state["layers.0.attn.out.lora.B.o_proj"]

@@ -15,7 +15,7 @@ from ..checkpoint import CheckpointError, read_state, resolve_checkpoint
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
 from ..model.hf import is_hf_dir, open_hf_dir
-from ..parallel.lora import is_adapter, merged, read_peft_dir
+from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
 from ..tokenizer import Tokenizer, load_tokenizer
 
@@ -80,7 +80,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     lora, adapters = None, {}
     if src.lora.rank:
         lora = src.lora
-        adapters = {n: src.read(n) for n in src.names if is_adapter(n)}
+        adapters = {n: src.read(n) for n in src.names if is_adapter_key(n)}
     if adapter is not None:
         check_adapter_target(path, adapter)
         lora, adapters = read_peft_dir(adapter, cfg)
@@ -97,12 +97,12 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         specs = shardings(model)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
-    missing = set(params) - {n for n in src.names if not is_adapter(n)}
+    missing = set(params) - {n for n in src.names if not is_adapter_key(n)}
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{path} lacks {sorted(missing)[0]}{more} of its model")
     for name in src.names:
-        if is_adapter(name):
+        if is_adapter_key(name):
             continue
         if name not in params:
             raise CheckpointError(f"{path} holds {name}, which a {cfg.arch} model of its config has not")

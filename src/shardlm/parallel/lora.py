@@ -108,12 +108,21 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
             adapter = _adapter(base, cfg, path, chosen, lora)
             if adapter is not None:
                 base.lora = adapter
+    adapters = adapter_names(model)
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(name in adapters)
 
 
-def is_adapter(name: str) -> bool:
-    return ".lora." in name
+def adapter_names(model: nn.Module) -> set[str]:
+    """The names of the model's adapter parameters, found by their modules."""
+    return {f"{mod_name}.{name}" for mod_name, module in model.named_modules() if isinstance(module, LoRA)
+            for name, _ in module.named_parameters()}
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a key of a saved state (a checkpoint, or shardlm's own adapter files) names an adapter tensor:
+    the stored format's naming, read where there is no model to ask."""
+    return ".lora." in key
 
 
 # ---- full state by name: PEFT's format, and the merged weights ---------------------------------------
@@ -151,7 +160,7 @@ def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> 
 def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """A full state dict with every adapter folded into its base weight (W0 + scale B A on its rows, in fp32)
     and removed: the plain model's state."""
-    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
     for layer, path, name, a, b in _adapters(state, cfg):
         key = f"layers.{layer}.{path}.weight"
         modules = LORA_MODULES[cfg.arch][path]

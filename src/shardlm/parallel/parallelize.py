@@ -26,7 +26,7 @@ from .async_tp import async_tensor_parallel, unavailable as async_tp_unavailable
 from .context import context_parallel
 from .engine import Engine
 from .forward_backward import ForwardBackward
-from .lora import apply_lora, is_adapter
+from .lora import adapter_names, apply_lora
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
 from .placement import DataPlacement, gather_full, place, shardings, take_local
@@ -184,9 +184,10 @@ def _fill(model: Decoder, init_from: str, seed: int, specs: dict):
     """`fill(name, out)`: a parameter's initial values, from `train.init_from` where it is set (but a LoRA
     run's adapters' from their initialisation), else from the model's seeded initialisation."""
     load = _initial_weights(model, init_from, specs) if init_from else None
+    adapters = adapter_names(model)
 
     def fill(name: str, out: torch.Tensor) -> None:
-        if load is None or is_adapter(name):
+        if load is None or name in adapters:
             model.init_parameter(name, out, seed)
         else:
             load(name, out)
@@ -198,7 +199,8 @@ def _initial_weights(model: Decoder, path: str, specs: dict):
     tensor-parallel slice), into a tensor: one full tensor in memory at a time."""
     from ..model.hf import open_hf_dir
     _, tensors = open_hf_dir(path)
-    missing = sorted(n for n, _ in model.named_parameters() if not is_adapter(n) and n not in tensors.names)
+    adapters = adapter_names(model)
+    missing = sorted(n for n, _ in model.named_parameters() if n not in adapters and n not in tensors.names)
     if missing:
         raise ConfigError(f"train.init_from = {path!r} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}")
