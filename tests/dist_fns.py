@@ -669,6 +669,14 @@ def cli_at_rank(rank, world, argv):
     return main([str(a) for a in argv])
 
 
+def dtypes_at_tp(rank, world, model_dir, dtype):
+    """The dtypes of a tensor-parallel model's parameters as load_pretrained makes it in `dtype`."""
+    from shardlm.inference import load_pretrained
+    from shardlm.mesh import build_mesh
+    model, _, _ = load_pretrained(model_dir, dtype=dtype, tp_group=build_mesh(tp=world).group("tp"))
+    return sorted({str(p.dtype) for p in model.parameters()})
+
+
 def loss_at_tp(rank, world, model_dir, text, seq_len):
     """The perplexity task of `shardlm eval` on a tensor-parallel model of `world` ranks."""
     from shardlm.inference import evaluate_ids, load_pretrained

@@ -349,3 +349,11 @@ def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
     want = evaluate_ids(model, tok.encode(text), 16)["loss"]
     got = run_distributed(dist_fns.loss_at_tp, tp, tmp_path / "hf", text, 16, timeout=240)
     assert got == pytest.approx([want] * tp, rel=1e-5)
+
+
+def test_a_tensor_parallel_model_loads_in_the_dtype_asked(tmp_path):
+    """The parallel layers tensor_parallel puts in are made in the default dtype: load_pretrained casts after
+    them, so `--tp 2 --dtype bf16` holds bf16 weights everywhere (it once ran the parallel linears in fp32)."""
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    assert run_distributed(dist_fns.dtypes_at_tp, 2, tmp_path / "hf", "bf16", timeout=120) == [["torch.bfloat16"]] * 2
