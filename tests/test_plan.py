@@ -11,7 +11,7 @@ import pytest
 from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
 from shardlm.plan import Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from shardlm.plan.groups import group_span
+from shardlm.config.views import group_span
 from shardlm.plan.memory import activation_per_layer
 
 
@@ -316,7 +316,7 @@ def test_experts_zero_state_is_sharded_over_their_own_group():
 
 @pytest.mark.parametrize("pp, dp, cp, tp, ep", [(1, 8, 1, 1, 8), (2, 4, 2, 2, 4), (1, 2, 4, 2, 2), (2, 2, 2, 2, 1)])
 def test_group_span_is_the_reshaped_rank_grid(pp, dp, cp, tp, ep):
-    """plan/groups.py's size and stride of every named group, against the mesh's definition: the ranks as
+    """config/views.py's size and stride of every named group, against the mesh's definition: the ranks as
     arange(world).view(pp, dp, cp, tp), and the (dp, cp) block read as (edp, ep), ep innermost."""
     import torch
     dense = torch.arange(pp * dp * cp * tp).view(pp, dp, cp, tp)

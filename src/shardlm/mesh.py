@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError, validate
-from .plan.groups import VIEWS, view_shapes
+from .config.views import VIEWS, view_shapes
 
 AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
 DERIVED = (("dp", "cp"), ("pp", "tp"))

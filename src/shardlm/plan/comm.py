@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import ModelConfig, exchanged_kv_heads
-from .groups import group_span, within_node
+from ..config.views import group_span, within_node
 from .hardware import GPU
 from .layout import Layout, Workload
 from .memory import expert_params, nf4_weights, rank_layers, stage_params, trained_and_frozen

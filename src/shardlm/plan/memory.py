@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from ..config import NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, ModelConfig, exchanged_kv_heads
 from ..schedules import split_layers
 from .flops import simulated
-from .groups import group_span
+from ..config.views import group_span
 from .layout import Layout, Workload
 
 MiB = 2**20

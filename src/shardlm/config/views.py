@@ -1,4 +1,5 @@
-"""Each named group's size and stride in the rank grid: the planner's one definition of the mesh's views.
+"""Each named group's size and stride in the rank grid: the one definition of the mesh's views, which the
+runtime (mesh.py) builds its process groups from and the planner its link choices.
 
 The ranks are a reshaped arange read through two views (mesh.py, after torchtitan's `ParallelDims`):
 
@@ -8,7 +9,7 @@ The ranks are a reshaped arange read through two views (mesh.py, after torchtita
 so a group's ranks sit `stride` apart, the product of the degrees of the axes inside it in its view: tp 1,
 cp and ep tp, dp tp x cp, edp ep x tp, pp dp x cp x tp. A group of adjacent axes joined by '+' ("dp+cp",
 the ranks that hold the same dense parameters) is one line of `size` ranks at its innermost axis's stride.
-Pure arithmetic (no torch) so that the planner can share it; mesh.view_shapes builds the same views.
+Pure arithmetic (no torch), so the planner imports it without torch.
 """
 from __future__ import annotations
 
