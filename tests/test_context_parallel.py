@@ -50,7 +50,7 @@ def test_context_parallel_equals_one_process(model, cp, optimizer, comm):
 @pytest.mark.parametrize("comm", ["a2a", "p2p"])
 def test_context_parallel_composes_with_the_other_axes(layout, comm):
     """With tp 2 and one key/value head, every tensor-parallel rank reads it for each of its query heads
-    (kv_index) before the exchange (or the ring)."""
+    (tensor.py's QKVParallelLinear) before the exchange (or the ring)."""
     results, ref = run(4, {**layout, "parallel.cp_comm": comm})
     check_equal(results, ref, atol=ADAM_ATOL["llama"])
     check_eval(results, ref)

@@ -75,9 +75,6 @@ class Attention(nn.Module):
                           cfg.has_bias or cfg.qkv_bias, cfg.init_std)
         self.out = linear(cfg.num_heads * self.head_dim, cfg.hidden_size, cfg.has_bias,
                           scaled_std(cfg.init_std, cfg.num_layers))
-        # The key/value head each query head reads, where this module computes more key/value heads than
-        # its queries use (tensor parallelism keeping all of them on every rank); None: grouped as GQA.
-        self.kv_index: list[int] | None = None
         self.core = SDPA()  # softmax(q k^T / sqrt(d) + mask) v: replaced by context parallelism's (attention.py)
 
     def project(self, x, rope=None):
@@ -89,8 +86,6 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.kv_index is not None:
-            k, v = k[:, self.kv_index], v[:, self.kv_index]
         # A copy of v, not a view into qkv: attention saves v for its backward, and a view would keep all of
         # qkv alive beside the rotated q and k it also saves.
         v = v.contiguous()
@@ -404,8 +399,7 @@ class Decoder(nn.Module):
 
     def cache_heads(self) -> int:
         """The key/value heads a KV cache holds per layer for this module's attention."""
-        attn = self.blocks()[0].attn
-        return attn.n_heads if attn.kv_index is not None else attn.n_kv
+        return self.blocks()[0].attn.n_kv
 
     def forward(self, ids, targets=None, cache: KVCache | None = None, last_only: bool = False):
         """Logits (of the last position only, with `last_only`), or with `targets` the mean next-token

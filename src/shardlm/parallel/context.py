@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..model.attention import WholeSequence
 from .ring_attention import RingCore, ring_attention
 from .ulysses import UlyssesCore
 
@@ -33,10 +34,10 @@ def _gather_sequence(ids: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ContextParallel:
+class ContextParallel(WholeSequence):
     """A model's place in its context-parallel group: which slice of each sequence this rank holds (the model's
-    `sequence`: model/attention.py's WholeSequence, for a slice), and how its attention reaches the rest
-    (`comm`: "a2a", Ulysses' exchanges of heads; "p2p", ring attention)."""
+    `sequence`), and how its attention reaches the rest (`comm`: "a2a", Ulysses' exchanges of heads; "p2p",
+    ring attention)."""
     group: object
     rank: int
     size: int

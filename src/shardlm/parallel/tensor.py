@@ -194,6 +194,21 @@ class ColumnParallelLinear(nn.Module):
         return y if self.lora is None else y + self.lora(x)  # adapters: this rank's rows of their update
 
 
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q, k, v linear where the key/value heads are fewer than the ranks: every rank computes them
+    all (`whole`) and emits, after its query heads, the key/value head each of those reads, so its attention
+    sees one key/value head per query head, as an ungrouped model's does (`heads`: the output heads in order)."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, group, sequence_parallel: bool,
+                 init_std: float, head_dim: int, heads: list[int]):
+        super().__init__(in_features, parts, bias, group, sequence_parallel, init_std, whole=(False, True, True))
+        self.head_dim, self.heads = head_dim, heads
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y.unflatten(-1, (-1, self.head_dim))[..., self.heads, :].flatten(-2)
+
+
 class RowParallelLinear(nn.Module):
 
     """y = x A^T with A's columns (input features) split: partial sums all-reduced (or reduce-scattered along
@@ -293,15 +308,17 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     for block in model.parts().layers:
         attn, mlp = block.attn, block.mlp
         nq, nkv = attn.n_heads, attn.n_kv
-        kv_whole = nkv % tp != 0
-        attn.qkv = ColumnParallelLinear(h, (nq * hd, nkv * hd, nkv * hd), attn.qkv.bias is not None, group, sp,
-                                        attn.qkv.init_std, whole=(False, kv_whole, kv_whole))
-        attn.out = RowParallelLinear(nq * hd, h, attn.out.bias is not None, group, sp, attn.out.init_std)
+        parts, bias = (nq * hd, nkv * hd, nkv * hd), attn.qkv.bias is not None
         attn.n_heads = nq // tp
-        if kv_whole:  # every rank computes all key/value heads and reads those of its query heads
-            attn.kv_index = [(rank_in(group) * attn.n_heads + j) // (nq // nkv) for j in range(attn.n_heads)]
+        if nkv % tp:  # every rank computes all key/value heads and passes on those of its query heads
+            kv = [(rank_in(group) * attn.n_heads + j) // (nq // nkv) for j in range(attn.n_heads)]
+            heads = list(range(attn.n_heads)) + [attn.n_heads + i for i in kv] + [attn.n_heads + nkv + i for i in kv]
+            attn.qkv = QKVParallelLinear(h, parts, bias, group, sp, attn.qkv.init_std, hd, heads)
+            attn.n_kv = attn.n_heads
         else:
+            attn.qkv = ColumnParallelLinear(h, parts, bias, group, sp, attn.qkv.init_std)
             attn.n_kv = nkv // tp
+        attn.out = RowParallelLinear(nq * hd, h, attn.out.bias is not None, group, sp, attn.out.init_std)
         up_parts = (f, f) if mlp.gated else (f,)
         mlp.up = ColumnParallelLinear(h, up_parts, mlp.up.bias is not None, group, sp, mlp.up.init_std)
         mlp.down = RowParallelLinear(f, h, mlp.down.bias is not None, group, sp, mlp.down.init_std)
