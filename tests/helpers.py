@@ -29,7 +29,8 @@ def make_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 
 def hf_model(kind: str, vocab: int = 300, seed: int = 0):
     """A tiny random transformers model of `kind` (llama, llama3, llama_tied, qwen2, qwen2_window, mistral,
-    mistral_window, gpt2); the _window kinds attend over the last 8 positions."""
+    mistral_window, gpt2, and the mixtures of experts mixtral and qwen2_moe); the _window kinds attend over the
+    last 8 positions."""
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +56,12 @@ def hf_model(kind: str, vocab: int = 300, seed: int = 0):
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
     elif kind == "mistral_window":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
+    elif kind == "mixtral":  # 4 experts, top-2, renormalised
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "qwen2_moe":  # layer 0 dense, layer 1 4 experts (top-2, not renormalised) + the shared expert
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                         mlp_only_layers=[0]))
     elif kind == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=128,
                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .config import Config, ConfigError, ModelConfig, apply_overrides
 
-LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+              "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
 SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -35,8 +36,7 @@ def _qwen2_window(hf: dict) -> int:
 def model_config_from_hf(hf: dict) -> ModelConfig:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                   "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}.get(model_type)
+    arch = archs[0] if archs else {**{v: k for k, v in LLAMA_LIKE.items()}, "gpt2": "GPT2LMHeadModel"}.get(model_type)
     if arch not in SUPPORTED:
         raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
     if arch == "GPT2LMHeadModel":
@@ -70,21 +70,58 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if kind == "default":
         rope = {}
     window = 0
-    if arch == "MistralForCausalLM":  # every layer slides (Mistral ignores layer_types)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # every layer slides (they ignore layer_types)
         window = hf.get("sliding_window") or 0
-    elif arch == "Qwen2ForCausalLM":
+    elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         window = _qwen2_window(hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or 0
     if head_dim == hf["hidden_size"] // heads:
         head_dim = 0  # the default; keep configs equal whether or not HF wrote it out
+    experts = _experts_from_hf(arch, hf)
     return ModelConfig(
-        arch="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        **experts, arch="llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim, ffn_hidden_size=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta), rope_scaling=rope, tie_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=arch == "Qwen2ForCausalLM", sliding_window=window)
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True)),
+        sliding_window=window)
+
+
+def _experts_from_hf(arch: str, hf: dict) -> dict:
+    """The mixture-of-experts keys of Mixtral's and Qwen2-MoE's configs."""
+    if arch == "MixtralForCausalLM":
+        if hf.get("router_jitter_noise"):
+            _refuse("router_jitter_noise", hf["router_jitter_noise"], "the router's input is not jittered here")
+        return dict(num_experts=hf.get("num_local_experts", 8), top_k=hf.get("num_experts_per_tok", 2))
+    if arch != "Qwen2MoeForCausalLM":
+        return {}
+    step, dense = hf.get("decoder_sparse_step", 1), sorted(hf.get("mlp_only_layers") or [])
+    if dense and (dense != list(range(len(dense))) or step != 1):
+        # shardlm's rule is the first layers dense, then every moe_every-th layer a mixture of experts
+        _refuse("mlp_only_layers", dense, "dense layers other than the first ones (with decoder_sparse_step 1)")
+    return dict(num_experts=hf.get("num_experts", 60), top_k=hf.get("num_experts_per_tok", 4),
+                moe_ffn_hidden_size=hf.get("moe_intermediate_size", 1408),
+                shared_expert_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 5632),
+                moe_every=step, moe_first_dense=len(dense), router_renormalize=bool(hf.get("norm_topk_prob", False)))
+
+
+def _hf_moe_class(cfg: ModelConfig) -> str:
+    """The HF class that computes this mixture of experts: Mixtral's (every layer, experts of the dense size,
+    renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (a shared expert, qkv biases)."""
+    if cfg.router_scoring != "softmax":
+        raise ConfigError(f"model.router_scoring = {cfg.router_scoring!r} has no Hugging Face class here "
+                          "(Mixtral and Qwen2-MoE score with a softmax)")
+    mixtral = (not cfg.shared_expert_ffn_hidden_size and cfg.router_renormalize and not cfg.qkv_bias
+               and cfg.moe_every == 1 and not cfg.moe_first_dense and cfg.moe_ffn_size == cfg.ffn_size)
+    if mixtral:
+        return "MixtralForCausalLM"
+    if cfg.shared_expert_ffn_hidden_size and cfg.qkv_bias:
+        return "Qwen2MoeForCausalLM"
+    raise ConfigError("this mixture of experts is neither Mixtral's (every layer, experts of ffn_hidden_size, "
+                      "renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared expert and "
+                      "qkv biases): Hugging Face has no class here that computes it")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None) -> dict:
@@ -96,7 +133,10 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
                 "activation_function": "gelu_new", "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
                 "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
                 "torch_dtype": dtype}
-    if cfg.qkv_bias:
+    if cfg.num_experts:
+        arch = _hf_moe_class(cfg)
+        model_type = LLAMA_LIKE[arch]
+    elif cfg.qkv_bias:
         arch, model_type = "Qwen2ForCausalLM", "qwen2"
     elif cfg.sliding_window:
         arch, model_type = "MistralForCausalLM", "mistral"
@@ -112,7 +152,15 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
            "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
            "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": dtype}
-    if model_type == "qwen2":  # a window slides over the layers from max_window_layers on
+    if model_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, sliding_window=cfg.sliding_window
+                   or None, router_jitter_noise=0.0, output_router_logits=False)
+    if model_type == "qwen2_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_ffn_size,
+                   shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, norm_topk_prob=cfg.router_renormalize,
+                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(range(cfg.moe_first_dense)),
+                   qkv_bias=True, output_router_logits=False)
+    if model_type in ("qwen2", "qwen2_moe"):  # a window slides over the layers from max_window_layers on
         window = cfg.sliding_window or None
         out.update(use_sliding_window=bool(window), sliding_window=window,
                    max_window_layers=0 if window else cfg.num_layers)

@@ -18,6 +18,7 @@ from .shapes import lora_targets
 # The values each key may take; `validate` refuses any other, naming the choices.
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
+    "model.router_scoring": ("softmax", "sigmoid"),
     "data.tokenizer": ("byte",),  # any other value was silently ignored
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
@@ -39,12 +40,14 @@ POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.m
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
             "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints",
-            "lora.alpha", "train.eps")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
+            "lora.alpha", "train.eps", "model.moe_every")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
-                "parallel.offload_threads", "lora.rank")
+                "parallel.offload_threads", "lora.rank", "model.moe_ffn_hidden_size",
+                "model.shared_expert_ffn_hidden_size", "model.moe_first_dense", "train.moe_aux_loss_coef",
+                "train.moe_z_loss_coef")
 
 
 ROPE_KEYS = {"default": (), "linear": ("factor",),
@@ -105,8 +108,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           f"{m.sliding_window} below {'train.seq_len' if longest == t.seq_len else 'model.max_seq_len (the sample)'} "
                           f"= {longest} needs (use auto, efficient or math)")
     if m.num_experts:
-        raise ConfigError(f"model.num_experts = {m.num_experts} is not supported yet by the runtime "
-                          "(mixture-of-experts is on the roadmap; `shardlm plan` models it)")
+        check_experts(cfg)
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
     elif cfg.lora.quantize != "none":
@@ -138,6 +140,27 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.ep = {p.ep!r} is not supported yet by this version of shardlm (only 1); the "
                           "strategy is on the roadmap")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+def check_experts(cfg: Config) -> None:
+    """What a mixture-of-experts model (model/moe.py) runs with today: one process or data parallelism (DDP,
+    ZeRO); expert, tensor, pipeline and context parallelism and LoRA come later (issue 44)."""
+    m, p = cfg.model, cfg.parallel
+    if m.arch != "llama":
+        raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
+                          f"{m.arch!r}")
+    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+        raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
+                          f"none of the {m.num_layers} layers a mixture of experts")
+    for key, value, what in (("parallel.ep", p.ep, "expert parallelism"), ("parallel.tp", p.tp, "tensor parallelism"),
+                             ("parallel.pp", p.pp, "pipeline parallelism"), ("parallel.cp", p.cp, "context parallelism")):
+        if value > 1:
+            raise ConfigError(f"{key} = {value} with model.num_experts = {m.num_experts}: {what} over experts is not "
+                              "supported yet; a mixture of experts trains on one process or with data parallelism "
+                              "(parallel.dp, DDP or ZeRO) for now")
+    if cfg.lora.rank:
+        raise ConfigError(f"lora.rank = {cfg.lora.rank} with model.num_experts = {m.num_experts}: adapters on a "
+                          "mixture of experts are not supported yet")
 
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------

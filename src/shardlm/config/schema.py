@@ -35,8 +35,14 @@ class ModelConfig(ModelShapes):
     tie_embeddings: bool = False
     qkv_bias: bool = False         # Qwen2 puts biases on q, k, v only
     sliding_window: int = 0        # Mistral's window: position i attends to i-window+1..i; 0: full causal attention
-    num_experts: int = 0           # Mixtral-style MoE MLP with this many experts (planner only so far)
+    num_experts: int = 0           # a sparse mixture-of-experts MLP (model/moe.py) with this many experts; 0: dense
     top_k: int = 2                 # experts each token is routed to
+    moe_ffn_hidden_size: int = 0   # each routed expert's hidden features; 0 means ffn_hidden_size's
+    shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE's always-on expert behind a sigmoid gate; 0: none
+    moe_every: int = 1             # layer i is MoE where i >= moe_first_dense and (i + 1) % moe_every == 0 (Qwen2-MoE's rule)
+    moe_first_dense: int = 0       # the first layers keep the dense MLP (DeepSeek's first_k_dense_replace)
+    router_scoring: str = "softmax"  # softmax (Mixtral, Qwen2-MoE) | sigmoid (DeepSeek-V3)
+    router_renormalize: bool = True  # the top-k scores divided by their sum (Mixtral; Qwen2-MoE's norm_topk_prob)
     init_std: float = 0.02
 
 
@@ -83,6 +89,8 @@ class TrainConfig:
     sample_prompt: str = ""
     tensorboard: bool = True
     init_from: str = ""            # an HF checkpoint directory: its config.json the model section, its weights the start
+    moe_aux_loss_coef: float = 0.01  # Switch's load-balancing loss per MoE layer (1 at a balanced load), times this
+    moe_z_loss_coef: float = 0.0   # ST-MoE's router z-loss (mean squared logsumexp of the router logits), times this
 
 
 @dataclass

@@ -34,6 +34,15 @@ class ModelShapes:
     def has_bias(self) -> bool:
         return self.arch == "gpt2"
 
+    @property
+    def moe_ffn_size(self) -> int:
+        """A routed expert's hidden features."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts: after the dense first layers, every moe_every-th."""
+        return bool(self.num_experts) and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
+
     def param_counts(self) -> dict[str, int]:
         """Parameters by group, exactly as the runtime model allocates them."""
         h, q, kv, f, v = self.hidden_size, self.num_heads * self.head_size, self.kv_heads * self.head_size, self.ffn_size, self.vocab_size
@@ -46,18 +55,27 @@ class ModelShapes:
         else:
             mlp = 3 * h * f
             norms = 2 * h
-        experts = max(1, self.num_experts)
-        router = h * self.num_experts
-        layer = qkv + attn_out + mlp * experts + router + norms
+        dense = qkv + attn_out + norms + mlp
+        # A MoE layer: the router, the shared expert and its gate (Qwen2-MoE) and num_experts SwiGLU experts, of
+        # which a token runs top_k.
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        routed, shared = 3 * h * self.moe_ffn_size, self.shared_expert_ffn_hidden_size
+        moe_fixed = qkv + attn_out + norms + h * self.num_experts + (3 * h * shared + h if shared else 0)
+        experts = n_moe * self.num_experts * routed
+        layers = (self.num_layers - n_moe) * dense + n_moe * moe_fixed + experts
+        active = layers - n_moe * (self.num_experts - min(self.num_experts, self.top_k)) * routed
         embed = v * h
         pos = self.max_seq_len * h if self.arch == "gpt2" else 0
         final_norm = 2 * h if self.arch == "gpt2" else h
         head = 0 if self.tie_embeddings else v * h
-        return {"embedding": embed, "position": pos, "layers": layer * self.num_layers,
-                "per_layer": layer, "final_norm": final_norm, "lm_head": head,
+
+        def per_layer(total):  # exact where every layer is alike; the mean where dense and MoE layers mix
+            return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+        return {"embedding": embed, "position": pos, "layers": layers,
+                "per_layer": per_layer(layers), "final_norm": final_norm, "lm_head": head,
                 # what one token's forward multiplies by: top_k of the experts
-                "active_per_layer": layer - mlp * (experts - min(experts, self.top_k)),
-                "expert_per_layer": mlp * self.num_experts}
+                "active_layers": active, "active_per_layer": per_layer(active),
+                "expert_per_layer": per_layer(experts)}
 
     def kv_bytes_per_token(self, itemsize: int, kv_heads: int | None = None) -> int:
         """The keys and values one position holds in a KV cache over every layer (`kv_heads` per layer, the
@@ -76,7 +94,7 @@ class ModelShapes:
         forward and backward, counting the full square as torchtitan and Megatron's MFU do).
         """
         c = self.param_counts()
-        matmul = c["active_per_layer"] * self.num_layers + c["final_norm"] + self.vocab_size * self.hidden_size
+        matmul = c["active_layers"] + c["final_norm"] + self.vocab_size * self.hidden_size
         return 6 * matmul + 12 * self.num_layers * self.num_heads * self.head_size * seq_len
 
 

@@ -20,6 +20,7 @@ from .activation_offload import ActivationOffload
 from .attention import SDPA, WHOLE, WholeSequence
 from .kv_cache import KVCache
 from .loss import linear_cross_entropy, trained_count
+from .moe import MoE
 from .weight_grad import Linear
 
 
@@ -174,7 +175,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)  # dense; a transform may replace it (experts), as context parallelism does attn.core
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)  # dense, or experts (moe.py)
 
     def forward(self, x, rope=None, cache=None, mask=None):
         return self.mlp_half(self.attn_half(x, rope, cache, mask))

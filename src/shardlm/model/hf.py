@@ -1,5 +1,6 @@
 """Hugging Face interop: read and write checkpoint directories (config.json, *.safetensors, tokenizer.json)
-of LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM and GPT2LMHeadModel.
+of LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel, and the mixtures of experts
+MixtralForCausalLM and Qwen2MoeForCausalLM (experts stacked [E, out, in] here, one tensor per expert there).
 
 The mapping is a state-dict adapter in torchtitan's style: names and layouts are translated tensor by
 tensor (q/k/v and gate/up are fused here, GPT-2's Conv1D weights are transposed), so no transformers
@@ -74,9 +75,66 @@ def hf_recipes(keys, cfg: ModelConfig) -> dict[str, tuple[list[str], object]]:
         if cfg.qkv_bias:
             put(p + "attn.qkv.bias", [n[x] + ".bias" for x in "qkv"], fuse)
         put(p + "attn.out.weight", [n["out"] + ".weight"])
+        if cfg.is_moe_layer(i):
+            for ours, (names, how) in _expert_recipes(theirs, cfg, i).items():
+                put(p + ours, names, how)
+            continue
         put(p + "mlp.up.weight", [n["gate"] + ".weight", n["up"] + ".weight"], fuse)
         put(p + "mlp.down.weight", [n["down"] + ".weight"])
     return out
+
+
+def _expert_names(cfg: ModelConfig, i: int, mixtral: bool) -> dict:
+    """Layer i's mixture-of-experts tensors in HF checkpoints: Mixtral's block_sparse_moe (w1 gate, w3 up, w2
+    down per expert) or Qwen2-MoE's mlp (gate/up/down_proj per expert, the shared expert and its gate)."""
+    p = f"model.layers.{i}."
+    if mixtral:
+        e = p + "block_sparse_moe.experts.{}."
+        return {"router": p + "block_sparse_moe.gate.weight", "gate": e + "w1.weight", "up": e + "w3.weight",
+                "down": e + "w2.weight"}
+    e = p + "mlp.experts.{}."
+    return {"router": p + "mlp.gate.weight", "gate": e + "gate_proj.weight", "up": e + "up_proj.weight",
+            "down": e + "down_proj.weight", "shared": p + "mlp.shared_expert.{}_proj.weight",
+            "shared_gate": p + "mlp.shared_expert_gate.weight"}
+
+
+def _expert_recipes(theirs, cfg: ModelConfig, i: int) -> dict:
+    """shardlm's MoE tensors of layer i (below `layers.i.`): per-expert HF tensors stacked into [E, out, in]."""
+    n = _expert_names(cfg, i, mixtral=_expert_names(cfg, i, True)["router"] in theirs)
+    experts = range(cfg.num_experts)
+    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"  # transformers 5's in-memory layout, already stacked
+
+    def stack_up(*ts):  # gate_0..gate_E-1, up_0..up_E-1 -> [E, 2f, h], rows [gate; up] per expert
+        return torch.stack([torch.cat(pair) for pair in zip(ts[:cfg.num_experts], ts[cfg.num_experts:])])
+
+    out = {"mlp.router.weight": ([n["router"]], lambda t: t)}
+    if fused in theirs:
+        out["mlp.experts.up.weight"] = ([fused], lambda t: t)
+        out["mlp.experts.down.weight"] = ([f"model.layers.{i}.mlp.experts.down_proj"], lambda t: t)
+    else:
+        out["mlp.experts.up.weight"] = ([n["gate"].format(j) for j in experts] + [n["up"].format(j) for j in experts],
+                                        stack_up)
+        out["mlp.experts.down.weight"] = ([n["down"].format(j) for j in experts], lambda *ts: torch.stack(ts))
+    if cfg.shared_expert_ffn_hidden_size:
+        out["mlp.shared.up.weight"] = ([n["shared"].format("gate"), n["shared"].format("up")], lambda *ts: torch.cat(ts))
+        out["mlp.shared.down.weight"] = ([n["shared"].format("down")], lambda t: t)
+        out["mlp.shared_gate.weight"] = ([n["shared_gate"]], lambda t: t)
+    return out
+
+
+def _experts_to_hf(state: dict, cfg: ModelConfig, i: int, out: dict) -> None:
+    """Layer i's MoE tensors in the per-expert layout of the HF class that computes them (hf_config's choice)."""
+    n, p = _expert_names(cfg, i, hf_config_from_model(cfg)["model_type"] == "mixtral"), f"layers.{i}.mlp."
+    out[n["router"]] = state[p + "router.weight"]
+    for j, (up, down) in enumerate(zip(state[p + "experts.up.weight"], state[p + "experts.down.weight"])):
+        gate, up = up.chunk(2)
+        out[n["gate"].format(j)], out[n["up"].format(j)] = gate.contiguous(), up.contiguous()
+        out[n["down"].format(j)] = down.contiguous()
+    if cfg.shared_expert_ffn_hidden_size:
+        gate, up = state[p + "shared.up.weight"].chunk(2)
+        out[n["shared"].format("gate")], out[n["shared"].format("up")] = gate.contiguous(), up.contiguous()
+        out[n["shared"].format("down")] = state[p + "shared.down.weight"]
+        out[n["shared_gate"]] = state[p + "shared_gate.weight"]
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -113,6 +171,9 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             for x, part in zip("qkv", state[p + "attn.qkv.bias"].split([q, kv, kv])):
                 out[n[x] + ".bias"] = part.contiguous()
         out[n["out"] + ".weight"] = state[p + "attn.out.weight"]
+        if cfg.is_moe_layer(i):
+            _experts_to_hf(state, cfg, i, out)
+            continue
         gate, up = state[p + "mlp.up.weight"].chunk(2)
         out[n["gate"] + ".weight"], out[n["up"] + ".weight"] = gate.contiguous(), up.contiguous()
         out[n["down"] + ".weight"] = state[p + "mlp.down.weight"]

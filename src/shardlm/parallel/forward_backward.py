@@ -9,6 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..model.moe import aux_loss, moe_layers
 from .engine import Engine
 
 
@@ -18,8 +19,11 @@ class ForwardBackward:
     the step's batch (every sample has the same number of tokens); the engine reduces gradients over the
     data-parallel ranks on the last micro-batch, or on each for ZeRO-2/3."""
 
-    def __init__(self, model: nn.Module, engine: Engine, scaler):
+    def __init__(self, model: nn.Module, engine: Engine, scaler, aux_coefs: tuple[float, float] = (0.0, 0.0)):
         self.forward, self.engine, self.scaler = model, engine, scaler
+        # Mixture-of-experts layers' load-balancing and z-losses (model/moe.py), times these coefficients: each
+        # micro-batch's scaled as its loss is, so accumulation gives the step's exact gradient.
+        self.moe_layers, self.aux_coefs = moe_layers(model), aux_coefs
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], count: int,
                  device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
@@ -31,6 +35,9 @@ class ForwardBackward:
             last = i == count - 1
             loss = self.forward(x, y) / count if weights is None else self.forward(x, y) * weights[i]
             total += loss.detach()
+            aux = aux_loss(self.moe_layers, *self.aux_coefs) if self.moe_layers else None
+            if aux is not None:  # trained on, not reported as the loss
+                loss = loss + (aux / count if weights is None else aux * weights[i])
             self.engine.prepare_backward(last)
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
             self.engine.finish_backward(last)

@@ -159,7 +159,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     engine = build_engine(model, cfg, mesh, scaler, fill)
     specs = shardings(model)
     if p.pp == 1:
-        return Parallelized(model, engine, ForwardBackward(model, engine, scaler), mesh, specs)
+        step = ForwardBackward(model, engine, scaler, (t.moe_aux_loss_coef, t.moe_z_loss_coef))
+        return Parallelized(model, engine, step, mesh, specs)
     table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
     seq_here = t.seq_len // mesh.cp // (mesh.tp if p.sp else 1)  # a stage's output holds its slice of the sequence
     tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) and not cfg.lora.rank else None

@@ -1,0 +1,245 @@
+"""A sparsely-gated mixture of experts in place of the dense MLP (Shazeer et al. 2017): a router scores each
+token against every expert, the token runs through its top-k experts only, and their outputs are summed with
+the router's weights. Routing follows the models users load: softmax top-k renormalised over the chosen k
+(Mixtral, Jiang et al. 2024; Qwen2-MoE's `norm_topk_prob` off keeps the raw probabilities), or sigmoid
+scores with the top-k normalised (DeepSeek-V3, 2024); Qwen2-MoE's shared expert runs on every token behind a
+sigmoid gate. Balance comes from the Switch Transformer's auxiliary loss (Fedus et al. 2021; GShard's, Lepikhin
+et al. 2020) and ST-MoE's router z-loss (Zoph et al. 2022).
+
+The computation follows torchtitan's `models/common/moe.py` and Megatron-core's `transformer/moe/`: dropless
+routing (every token reaches its k experts: token copies sorted by expert, counts, offsets), experts stored
+stacked (`[E, out, in]`, gate and up fused as the dense MLP's `up` is) and run as grouped GEMMs, one kernel for
+all experts (`torch._grouped_mm`) where it runs, else a loop over experts. The auxiliary losses are kept per
+forward and added by the step's loop (parallel/forward_backward.py) scaled like their micro-batch's loss, so
+they are exact under gradient accumulation. Expert parallelism (`parallel.ep`) comes later, on these seams.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .weight_grad import Linear
+
+
+class GroupedLinear(nn.Module):
+    """`num` linear layers' weights stacked ([num, out, in], nn.Linear's layout per expert), no bias."""
+
+    def __init__(self, num: int, in_features: int, out_features: int, init_std: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, out_features, in_features))
+        self.init_std = init_std  # read by Decoder.init_parameter
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """Rows of `x` sorted by expert, counts[e] of them for expert e: each row times its expert's weight."""
+        return grouped_mm(x, self.weight, counts, impl)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP of `ffn` hidden features (the shared expert), gate and up fused as the decoder's MLP."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int):
+        super().__init__()
+        self.up = Linear(cfg.hidden_size, 2 * ffn, bias=False)
+        self.down = Linear(ffn, cfg.hidden_size, bias=False)
+        self.up.init_std, self.down.init_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+    def forward(self, x):
+        gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    """The routed experts: SwiGLU MLPs as two grouped linears (names mlp.experts.up / mlp.experts.down, as the
+    dense MLP's mlp.up / mlp.down), the unit expert parallelism will split over its ranks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_size
+        self.up = GroupedLinear(e, h, 2 * f, cfg.init_std)  # rows [gate; up] per expert
+        self.down = GroupedLinear(e, f, h, cfg.init_std / math.sqrt(2 * cfg.num_layers))  # GPT-2's residual init
+
+    def forward(self, x, counts, impl="auto"):
+        gate, up = self.up(x, counts, impl).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, counts, impl)
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts MLP: `Block.mlp` where `cfg.is_moe_layer(layer)`. Input and output [..., h].
+
+    After each training forward it holds `balance_loss` and `z_loss` (scalars with their graph, for the step to
+    add) and adds the tokens each expert received to `load` (not under a recomputation's second forward, which
+    would count them twice)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.num_experts, self.top_k = layer, cfg.num_experts, cfg.top_k
+        self.scoring, self.renormalize = cfg.router_scoring, cfg.router_renormalize
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router.init_std = cfg.init_std
+        self.experts = Experts(cfg)
+        shared = cfg.shared_expert_ffn_hidden_size
+        self.shared = SwiGLU(cfg, shared) if shared else None
+        self.shared_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        if shared:
+            self.shared_gate.init_std = cfg.init_std
+        self.impl = "auto"  # auto | grouped | loop: how the experts' GEMMs run (tests compare them)
+        self.balance_loss = self.z_loss = None
+        self.load: torch.Tensor | None = None  # tokens per expert since the last take_load (int64, [E])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For tokens x [T, h]: the fp32 router logits [T, E], the chosen experts [T, k] and their weights
+        [T, k] (fp32)."""
+        # fp32 logits: in bf16 near-equal scores round to ties and the top-k choice turns on rounding.
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.renormalize:  # Mixtral: softmax over the chosen k; DeepSeek-V3 likewise for sigmoid scores
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        return logits, experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, experts, weights = self.route(x)
+        # Dropless dispatch: the T k token copies sorted by expert (stable, so each expert sees its tokens in
+        # sequence order), run as one grouped GEMM per linear, weighted, and summed back into their tokens.
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token = order // self.top_k
+        out = self.experts(x[token], counts, self.impl)
+        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        if self.shared is not None:  # Qwen2-MoE: every token also through the shared expert, gated per token
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        if self.training:  # evaluation and generation neither train on these nor count into the load
+            self._record(logits, counts)
+        return y.view(shape)
+
+    def _record(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
+        self.balance_loss, self.z_loss = balance_loss(logits, counts, self.top_k, self.scoring), z_loss(logits)
+        if not in_backward():  # a recomputed forward (full recomputation) runs inside backward: counted once
+            counts = counts.detach()
+            self.load = counts if self.load is None else self.load + counts
+
+    def take_load(self) -> torch.Tensor | None:
+        """The tokens each expert received since the last call ([E], int64), and start counting anew."""
+        load, self.load = self.load, None
+        return load
+
+
+def balance_loss(logits: torch.Tensor, counts: torch.Tensor, k: int, scoring: str = "softmax") -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss with top-k routing, Megatron-core's normalisation:
+    E * sum_e f_e P_e, f_e the share of the T k token copies sent to expert e (no gradient) and P_e the mean
+    probability the router gives e (softmax; sigmoid scores normalised per token, DeepSeek-V3's). 1 when the
+    load is uniform, E when one expert takes everything."""
+    probs = logits.softmax(-1) if scoring == "softmax" else _normalised(logits.sigmoid())
+    tokens = logits.shape[0]
+    f = counts.detach().float() / (tokens * k)
+    return logits.shape[-1] * (f * probs.mean(0)).sum()
+
+
+def _normalised(scores):
+    return scores / scores.sum(-1, keepdim=True)
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2, which keeps the logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running this code (a checkpointed block's recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+# ---- grouped GEMMs -----------------------------------------------------------------------------------------
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """x [N, in] whose rows are sorted into groups of counts[e] rows (sum N), weight [E, out, in]: each group
+    times its weight transposed, [N, out]. `impl`: grouped (torch._grouped_mm), loop, or auto (grouped where
+    this device, dtype and the shapes allow it)."""
+    if impl == "grouped" or (impl == "auto" and grouped_available(x, weight)):
+        offsets = counts.cumsum(0).to(torch.int32)  # the kernels take int32 offsets: each group's end row
+        # The backward of _grouped_mm (torch 2.13's CPU one) refuses a gradient with a stride 0 (from a sum) or
+        # transposed: hand it a contiguous one. Offsets end at N exactly, so no output row is left unwritten.
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    ends = counts.tolist()  # one host sync for the group sizes
+    parts = [F.linear(xe, weight[e]) for e, xe in enumerate(x.split(ends)) if ends[e]]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_PROBED: dict = {}
+
+
+def grouped_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm on CUDA needs bf16 on Hopper or newer; on the CPU, where the build has it, rows whose
+    strides are multiples of 16 bytes (probed once per device type and dtype: older builds lack it there)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    size = x.element_size()
+    if (x.shape[-1] * size) % 16 or (weight.shape[-2] * size) % 16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.device.type != "cpu":
+        return False
+    key = (x.device.type, x.dtype)
+    if key not in _PROBED:
+        try:
+            a = torch.ones(2, 8, dtype=x.dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, dtype=x.dtype, requires_grad=True)
+            y = torch._grouped_mm(a, w.transpose(-2, -1), offs=torch.tensor([1, 2], dtype=torch.int32))
+            y.backward(torch.ones_like(y))
+            _PROBED[key] = bool(torch.equal(y, torch.full_like(y, 8)))
+        except (RuntimeError, NotImplementedError, TypeError):
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+# ---- what the step and the logs read -----------------------------------------------------------------------
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(layers: list[MoE], balance_coef: float, z_coef: float) -> torch.Tensor | None:
+    """The auxiliary losses of the forward that just ran, summed over the MoE layers (Megatron-core's and
+    torchtitan's per-layer sum), times their coefficients; None without MoE layers. Each layer's are dropped
+    once read, so a later forward's can never be added twice."""
+    total = None
+    for m in layers:
+        if m.balance_loss is None:
+            continue
+        term = balance_coef * m.balance_loss + z_coef * m.z_loss
+        total = term if total is None else total + term
+        m.balance_loss = m.z_loss = None
+    return total
+
+
+def expert_load(model: nn.Module) -> dict[int, dict]:
+    """Per MoE layer, the tokens each expert received since the last call (summed over micro-batches, counted
+    once under recomputation), with the max / mean load that logs show: {layer: {tokens, max_over_mean}}."""
+    out = {}
+    for m in moe_layers(model):
+        load = m.take_load()
+        if load is not None:
+            load = load.cpu()
+            mean = load.float().mean().item()
+            out[m.layer] = {"tokens": load.tolist(), "max_over_mean": load.max().item() / mean if mean else 0.0}
+    return out

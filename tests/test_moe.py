@@ -1,0 +1,260 @@
+"""Mixture of experts (model/moe.py, issue 44's first part): the router's math against a naive loop, the grouped
+GEMMs against the loop over experts, the auxiliary losses under accumulation, transformers' Mixtral and
+Qwen2-MoE (logits, greedy generation, export), and `mixtral-tiny` training alone and data-parallel."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dist_fns
+from dp_cases import MODES, check_against_reference, equality_case, reference
+from helpers import hf_model, save_hf
+from shardlm.config import ConfigError, load_config
+from shardlm.config.checks import validate
+from shardlm.model import build_model
+from shardlm.model.moe import MoE, balance_loss, expert_load, grouped_available, grouped_mm, z_loss
+from shardlm.testing.distributed import run_distributed
+
+MOE = {"model.num_experts": "4", "model.top_k": "2"}  # `tiny` made mixtral-tiny, for dist_fns' trainer
+
+
+def moe_cfg(**changes):
+    return dataclasses.replace(load_config("mixtral-tiny").model, **changes)
+
+
+def moe_layer(seed=0, **changes):
+    torch.manual_seed(seed)
+    layer = MoE(moe_cfg(**changes), 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    return layer
+
+
+@torch.no_grad()
+def naive_moe(layer: MoE, x):
+    """Token by token: scores, top-k, (re)normalise, and each chosen expert's SwiGLU, as the papers write it."""
+    ys = []
+    for t in x.reshape(-1, x.shape[-1]):
+        logits = layer.router.weight.double() @ t.double()
+        scores = logits.softmax(-1) if layer.scoring == "softmax" else logits.sigmoid()
+        chosen = sorted(range(len(scores)), key=lambda e: -scores[e].item())[:layer.top_k]
+        w = scores[chosen]
+        if layer.renormalize:
+            w = w / w.sum()
+        y = torch.zeros_like(t, dtype=torch.float64)
+        for e, we in zip(chosen, w):
+            gate, up = (layer.experts.up.weight[e].double() @ t.double()).chunk(2)
+            y += we * (layer.experts.down.weight[e].double() @ (F.silu(gate) * up))
+        if layer.shared is not None:
+            y += torch.sigmoid(layer.shared_gate.weight.double() @ t.double()) * layer.shared(t.double()[None].float())[0].double()
+        ys.append(y)
+    return torch.stack(ys).view(x.shape).float()
+
+
+@pytest.mark.parametrize("scoring, renormalize, shared", [("softmax", True, 0), ("softmax", False, 24),
+                                                          ("sigmoid", True, 0)])
+def test_router_and_experts_equal_a_naive_loop(scoring, renormalize, shared):
+    """Mixtral's renormalised softmax top-k, Qwen2-MoE's raw top-k with its gated shared expert, DeepSeek-V3's
+    sigmoid scores with the top-k normalised."""
+    layer = moe_layer(router_scoring=scoring, router_renormalize=renormalize, shared_expert_ffn_hidden_size=shared)
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1))
+    _, experts, weights = layer.route(x.reshape(-1, 64))
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(21))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), naive_moe(layer, x), rtol=1e-5, atol=1e-5)
+
+
+IMPLS = ["loop"] + (["grouped"] if grouped_available(torch.ones(1, 64), torch.ones(1, 64, 64)) else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_gemm_paths_equal_the_loop_forward_and_backward(impl):
+    """torch._grouped_mm (where this build runs it on the CPU: int32 offsets, 16-byte strides) and the loop give
+    the same outputs and gradients; an expert without tokens and a gradient of stride 0 (from .sum()) included."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    x = torch.randn(10, 32, requires_grad=True)
+    counts = torch.tensor([3, 0, 6, 1])
+    ref = torch.cat([x[:3] @ w[0].T, x[3:9] @ w[2].T, x[9:] @ w[3].T])
+    y = grouped_mm(x, w, counts, impl)
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()  # a stride-0 gradient, which _grouped_mm's own backward refuses
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ref.sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+    layer = moe_layer()
+    inp = torch.randn(2, 9, 64, requires_grad=True)
+    outs = []
+    for mode in ("loop", impl):
+        layer.impl = mode
+        inp.grad = None
+        layer.zero_grad()
+        out = layer(inp)
+        (out * torch.arange(64.0)).sum().backward()
+        outs.append((out.detach(), inp.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1])
+    for a, b in zip(outs[0][2], outs[1][2]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grouped_gemm_on_the_gpu_equals_the_loop():
+    """bf16 on a GPU: auto picks torch._grouped_mm on Hopper; it equals the loop within bf16's rounding."""
+    layer = moe_layer().cuda().to(torch.bfloat16)
+    x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert grouped_available(x.reshape(-1, 64), layer.experts.up.weight)
+    outs = []
+    for mode in ("loop", "auto"):
+        layer.impl, x.grad = mode, None
+        layer.zero_grad()
+        out = layer(x)
+        out.float().square().sum().backward()
+        outs.append([out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_balance_and_z_losses():
+    """Switch's loss is 1 at a uniform load with uniform probabilities and E when one expert takes every token
+    with certainty; the z-loss is the mean squared logsumexp."""
+    e, t = 4, 8
+    assert balance_loss(torch.zeros(t, e), torch.full((e,), t * 2 // e), 2).item() == pytest.approx(1.0)
+    certain = torch.full((t, e), -1e4)
+    certain[:, 0] = 0
+    assert balance_loss(certain, torch.tensor([t, 0, 0, 0]), 1).item() == pytest.approx(e)
+    logits = torch.randn(t, e)
+    assert z_loss(logits).item() == pytest.approx((torch.logsumexp(logits, -1) ** 2).mean().item())
+
+
+def test_aux_loss_is_trained_scaled_like_its_micro_batch_and_not_reported():
+    """The step's gradient is that of mean(LM loss + coef x aux) over its micro-batches; the loss it reports is
+    the LM loss alone."""
+    from shardlm.parallel.forward_backward import ForwardBackward
+    from shardlm.model.moe import moe_layers
+
+    class Engine:
+        def prepare_backward(self, last): pass
+        def finish_backward(self, last): pass
+
+    class Scaler:
+        scale = 1.0
+
+    cfg = moe_cfg()
+    model = build_model(cfg, seed=1)
+    batches = [(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(i)),) * 2 for i in range(2)]
+    total = ForwardBackward(model, Engine(), Scaler(), (0.1, 0.01))(iter(batches), 2, torch.device("cpu"))
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want_loss = 0.0
+    for x, y in batches:
+        lm = model(x, y)
+        aux = sum(0.1 * m.balance_loss + 0.01 * m.z_loss for m in moe_layers(model))
+        ((lm + aux) / 2).backward()
+        want_loss += lm.item() / 2
+    assert total.item() == pytest.approx(want_loss, rel=1e-6)
+    for a, (name, p) in zip(got, model.named_parameters()):
+        torch.testing.assert_close(a, p.grad, msg=name)
+
+
+def test_expert_load_is_counted_once_under_full_recomputation():
+    cfg = moe_cfg()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    loads = []
+    for mode in ("none", "full"):
+        model = build_model(cfg, seed=2)
+        model.set_recompute(mode)
+        model.train()
+        model(ids, ids).backward()
+        loads.append(expert_load(model))
+    assert loads[0] == loads[1]
+    assert sorted(loads[0]) == [0, 1] and sum(loads[0][0]["tokens"]) == 2 * 16 * 2
+    assert expert_load(model) == {}  # taken
+
+
+def test_config_checks_and_counts():
+    cfg = load_config("mixtral-tiny")
+    validate(cfg)
+    for over, message in (({"parallel.tp": 2}, "parallel.tp = 2 with model.num_experts = 4"),
+                          ({"parallel.pp": 2}, "pipeline parallelism over experts is not supported yet"),
+                          ({"parallel.cp": 2}, "parallel.cp = 2 with model.num_experts"),
+                          ({"parallel.ep": 2}, "parallel.ep = 2 with model.num_experts"),
+                          ({"model.router_scoring": "topk"}, "model.router_scoring = 'topk' is not one of"),
+                          ({"model.moe_first_dense": 2}, "leave none of the 2 layers")):
+        bad = load_config("mixtral-tiny")
+        for key, value in over.items():
+            section, name = key.split(".")
+            setattr(getattr(bad, section), name, value)
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            validate(bad, world_size=bad.parallel.world)
+    m = load_config("mixtral-8x7b").model
+    c = m.param_counts()
+    assert m.num_params() == pytest.approx(46.7e9, rel=2e-3)
+    assert m.num_params() - c["layers"] + c["active_layers"] == pytest.approx(12.9e9, rel=2e-3)
+    q = load_config("qwen2-moe-a2.7b").model
+    assert q.num_params() == pytest.approx(14.3e9, rel=2e-3)
+    assert q.num_params() - q.param_counts()["layers"] + q.param_counts()["active_layers"] == pytest.approx(2.7e9, rel=1e-2)
+    one = load_config("moe-1b").model
+    assert one.num_params() == pytest.approx(1.22e9, rel=3e-3)
+    # Every parameter the model allocates is counted, dense first layers and a shared expert included.
+    small = moe_cfg(num_layers=3, moe_first_dense=1, shared_expert_ffn_hidden_size=24, moe_ffn_hidden_size=32)
+    model = build_model(small, init=False)
+    assert [type(b.mlp).__name__ for b in model.blocks()] == ["MLP", "MoE", "MoE"]
+    assert sum(p.numel() for p in model.parameters()) == small.num_params()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from shardlm.inference import generate_ids
+    from shardlm.model.hf import read_hf_dir, write_hf_dir
+
+    ref = hf_model(kind)
+    ref.save_pretrained(tmp_path / "hf")
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    assert cfg.num_experts == 4 and [cfg.is_moe_layer(i) for i in range(2)] == ([True, True] if kind == "mixtral"
+                                                                                 else [False, True])
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state, strict=True)
+    ours.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = ref(ids).logits, ours(ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    prompt = ids[:1, :5]
+    want = ref.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:]
+    assert generate_ids(ours, prompt, 12)[0].tolist() == want.tolist()
+
+    write_hf_dir(ours.state_dict(), cfg, tmp_path / "export")
+    cfg2, state2 = read_hf_dir(tmp_path / "export")
+    assert cfg2 == cfg and state2.keys() == state.keys()
+    for k in state:
+        assert torch.equal(state2[k], state[k]), k
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(reloaded).__name__ == type(ref).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_mixtral_tiny_trains():
+    """A few steps through the Trainer: finite losses that fall, and every expert gets tokens."""
+    trainer = dist_fns.tiny_trainer(1, {**MOE, "train.steps": "6", "train.log_every": "1"})
+    records = trainer.run()
+    losses = [r["loss"] for r in records]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_data_parallel_equals_one_process(mode):
+    """dp 2, two micro-batches a rank: losses, gradient norms, gathered weights, gradients and optimizer state
+    equal one process's (each micro-batch's auxiliary loss scaled like its loss)."""
+    common = {**equality_case("adamw", 2), **MOE, "train.moe_z_loss_coef": "0.001"}
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, **MODES[mode], "parallel.dp": "2"},
+                              timeout=240)
+    check_against_reference(results, reference(common), 2)
