@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parallel.zero); never anything above it.
 LAYERS = [
     ["schedules"],                                                                                 # no torch
-    ["config", "cpu_adam"],                                                                       # no shardlm imports
+    ["config", "cpu_adam", "sharding"],                                                           # no shardlm imports
     ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
     ["comm"],
@@ -19,6 +19,7 @@ LAYERS = [
     ["parallel"],
     ["text_metrics", "compat", "export", "adapter_check", "memory_check"],
     ["inference", "testing", "divergence"],
+    ["run_checkpoint"],
     ["trainer", "serve"],                                                                         # serve: HTTP over inference
     ["cli"],
     ["__main__"],

@@ -101,10 +101,13 @@ def damage(path, how):
 
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "bit-flipped", "missing"])
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rng.pt"])
-def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previous_one(tmp_path, how, name):
+@pytest.mark.parametrize("fmt, name", [("sharded", "rank00000-0000.safetensors"), ("sharded", "manifest.json"),
+                                       ("sharded", "rng.pt"), ("full", "model.safetensors"),
+                                       ("full", "optimizer.safetensors")])
+def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previous_one(tmp_path, how, fmt, name):
     run = tmp_path / "run"
-    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false",
+                               "train.checkpoint_format": fmt})
     Trainer(cfg, out_dir=run, log=lambda *a: None).run()
     newest = run / "checkpoints" / "step_00000004"
     damage(newest / name, how)

@@ -1,9 +1,13 @@
-"""Atomic, layout-free checkpoints.
+"""Atomic, layout-free checkpoints, full or sharded.
 
-A checkpoint is a directory `RUN/checkpoints/step_00000042/` holding the fp32 master weights
-(model.safetensors, by parameter name, so any later layout can reshard them), the optimizer state
-(optimizer.safetensors, `name::key` tensors), everything else that a resumed run needs to continue
-bit-for-bit (state.json: step, config, data position, loss scaler; rng.pt), and the tokenizer.
+A checkpoint is a directory `RUN/checkpoints/step_00000042/` holding the fp32 master weights and the
+optimizer state by parameter name, so any later layout can reshard them, everything else that a resumed
+run needs to continue bit-for-bit (state.json: step, config, data position, loss scaler; rng.pt), and the
+tokenizer. The tensors are either full (model.safetensors, optimizer.safetensors with `name::key` tensors:
+gathered onto one rank) or sharded: each rank's pieces in its own files (`rank00003-0000.safetensors`),
+written in parallel, and a manifest naming each piece's parameter, kind, flat range of its rank's local
+tensor and tensor-parallel sharding (parallel/sharded_state.py writes them; `ShardedState` here assembles
+a full tensor from them when it is read, one at a time, so no reader holds the whole model either).
 It is written under a temporary name, fsynced, and renamed into place: a run killed mid-save leaves
 only a temporary directory, which loading ignores (and the next run removes), so it resumes from the
 previous complete one. state.json, written last, records each file's size and CRC32; loading verifies
@@ -16,6 +20,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -23,9 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import RunError
+from .sharding import TPSharding
 
 CKPT_DIR = "checkpoints"
 STATE = "state.json"
+MANIFEST = "manifest.json"  # a sharded save's pieces (parallel/sharded_state.py)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -81,32 +88,76 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
                     optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2) -> Path:
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
-    root = Path(run_dir) / CKPT_DIR
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
+    with _FailingSave(run_dir, step, tmp):
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
         save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+    return commit_checkpoint(run_dir, step, tmp, state, {}, tokenizer, keep)
+
+
+def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
+    """The empty temporary directory step `step`'s files are written into (a sharded save: by every rank)."""
+    tmp = Path(run_dir) / CKPT_DIR / f".tmp-step_{step:08d}{suffix}"
+    with _FailingSave(run_dir, step, tmp):
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    return tmp
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """One safetensors file of a sharded save, flushed to disk; its record (size, CRC32) for state.json."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+class _FailingSave:
+    """An OSError inside: the temporary directory removed, CheckpointError saying which checkpoint is kept."""
+
+    def __init__(self, run_dir, step: int, tmp: Path):
+        self.run_dir, self.step, self.tmp = run_dir, step, tmp
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if not isinstance(e, OSError):
+            return False
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        raise failed_save(self.run_dir, self.step, e.strerror or str(e)) from None
+
+
+def failed_save(run_dir, step: int, why: str) -> CheckpointError:
+    """The error of a save that failed (its temporary directory removed), saying which checkpoint is kept."""
+    earlier = complete_checkpoints(run_dir)
+    kept = f"{earlier[-1]} is kept" if earlier else "no earlier checkpoint exists"
+    final = Path(run_dir) / CKPT_DIR / f"step_{step:08d}"
+    return CheckpointError(f"saving step {step} to {final} failed: {why}; {kept}")
+
+
+def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, written: dict, tokenizer=None,
+                      keep: int = 2) -> Path:
+    """Complete the checkpoint in `tmp` (`written`: the records of files written and checksummed already,
+    by name; the others are checksummed here) with the RNG state, the tokenizer and state.json, written
+    last; rename it into place and rotate."""
+    root = Path(run_dir) / CKPT_DIR
+    final = root / f"step_{step:08d}"
+    with _FailingSave(run_dir, step, tmp):
         torch.save(rng_state(), tmp / "rng.pt")
         if tokenizer is not None:
             tokenizer.tok.save(str(tmp / "tokenizer.json"))
-        files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)} for f in sorted(tmp.iterdir())}
+        files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": _crc32(f)}
+                 for f in sorted(tmp.iterdir())}
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        earlier = complete_checkpoints(run_dir)
-        kept = f"{earlier[-1]} is kept" if earlier else "no earlier checkpoint exists"
-        raise CheckpointError(f"saving step {step} to {final} failed: {e.strerror or e}; {kept}") from None
     # Only checkpoints up to this step rotate out: one of a later step is not this run's to delete.
     older = [p for p in complete_checkpoints(run_dir) if p.name <= final.name]
     for old in older[:-keep] if keep > 0 else []:
@@ -208,10 +259,105 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True) -> dict:
+    """The checkpoint's state, its masters ("model") and optimizer state by name, and the RNG state. Those of
+    a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read."""
     ckpt = resolve_checkpoint(path, log, verify)
-    out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text()),
-           "model": _read_tensors(ckpt / "model.safetensors")}
+    out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text())}
+    if (ckpt / MANIFEST).is_file():
+        state = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text()))
+        out["model"] = state.masters()
+        if with_optimizer:
+            out["optimizer"] = state.optimizer()
+    else:
+        out["model"] = _read_tensors(ckpt / "model.safetensors")
+        if with_optimizer:
+            out["optimizer"] = _read_tensors(ckpt / "optimizer.safetensors")
     if with_optimizer:
-        out["optimizer"] = _read_tensors(ckpt / "optimizer.safetensors")
         out["rng"] = torch.load(ckpt / "rng.pt", weights_only=True)
     return out
+
+
+# ---- a sharded save's tensors, assembled when read ----------------------------------------------
+
+class LazyMap(Mapping):
+    """A read-only mapping whose values are computed when read (full tensors assembled from pieces)."""
+
+    def __init__(self, keys, get):
+        self._keys, self._get = list(keys), get
+        self._set = set(self._keys)
+
+    def __getitem__(self, key):
+        if key not in self._set:
+            raise KeyError(key)
+        return self._get(key)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._set
+
+    def where(self, keep) -> "LazyMap":
+        return LazyMap([k for k in self._keys if keep(k)], self._get)
+
+    def mapped(self, fn) -> "LazyMap":
+        """The same keys, each value passed through fn(key, value) when read."""
+        return LazyMap(self._keys, lambda k: fn(k, self._get(k)))
+
+
+def as_lazy(state: Mapping) -> LazyMap:
+    return state if isinstance(state, LazyMap) else LazyMap(state.keys(), state.__getitem__)
+
+
+class ShardedState:
+    """A sharded checkpoint's tensors by name, each assembled from its pieces when read: `masters()` and
+    `optimizer()` are the mappings a full checkpoint's two files were."""
+
+    def __init__(self, directory: Path, manifest: dict):
+        self.directory = directory
+        self.steps = manifest["optimizer_steps"]
+        self.pieces: dict[tuple[str, str], list[dict]] = {}
+        for entry in manifest["pieces"]:
+            self.pieces.setdefault((entry["name"], entry["kind"]), []).append(entry)
+        self._open: dict[str, object] = {}
+
+    def masters(self) -> LazyMap:
+        names = [n for n, k in self.pieces if k == "master"]
+        return LazyMap(names, lambda n: self.full(n, "master"))
+
+    def optimizer(self) -> LazyMap:
+        keys = [f"{n}::{k}" for n, k in self.pieces if k != "master"]
+        trained = dict.fromkeys(n for n, k in self.pieces if k != "master")
+        keys += [f"{n}::step" for n in trained]
+
+        def get(key: str) -> torch.Tensor:
+            name, kind = key.rsplit("::", 1)
+            return torch.tensor(float(self.steps)) if kind == "step" else self.full(name, kind)
+        return LazyMap(keys, get)
+
+    def _read(self, entry: dict) -> torch.Tensor:
+        f = self._open.get(entry["file"])
+        if f is None:
+            f = self._open[entry["file"]] = safe_open(str(self.directory / entry["file"]), framework="pt")
+        return f.get_tensor(entry["key"])
+
+    def full(self, name: str, kind: str) -> torch.Tensor:
+        """The full tensor: each tensor-parallel rank's local tensor filled from its pieces, then joined."""
+        pieces = self.pieces[(name, kind)]
+        locals_by_rank: dict[int, torch.Tensor] = {}
+        spec = None
+        for entry in pieces:
+            tp = entry["tp"]
+            spec = TPSharding(tp["rank"], tp["degree"], tp["dim"], tuple(tp["parts"]), tuple(tp["split"]), tp["pad"]) \
+                if tp is not None else None
+            r = 0 if spec is None else spec.rank
+            local = locals_by_rank.get(r)
+            if local is None:
+                local = locals_by_rank[r] = torch.zeros(entry["shape"], dtype=torch.float32)
+            local.view(-1)[entry["lo"]:entry["hi"]] = self._read(entry)
+        if spec is None or spec.dim is None:
+            return locals_by_rank[0]
+        return spec.full([locals_by_rank.get(r, torch.zeros_like(locals_by_rank[0])) for r in range(spec.degree)])

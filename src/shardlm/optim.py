@@ -159,7 +159,7 @@ class MasterWeightOptimizer:
         elements [r n/R, (r+1) n/R) of each bucket of n (padded to a multiple of R) and no other."""
         self.replica, self.replicas = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
-    def _counted(self, b: int) -> tuple[int, int, int]:
+    def counted_range(self, b: int) -> tuple[int, int, int]:
         """(lo, hi) of bucket b's elements this rank counts, and where grads[b] starts in the bucket."""
         if self.sharded:
             lo = self.rank * self.shard_len[b]
@@ -174,13 +174,13 @@ class MasterWeightOptimizer:
         caller took them as the reduction went."""
         if sumsq is None:
             if self.replicas > 1:
-                parts = [grads[b][lo:hi] for b, (lo, hi, _) in enumerate(map(self._counted, range(len(grads))))]
+                parts = [grads[b][lo:hi] for b, (lo, hi, _) in enumerate(map(self.counted_range, range(len(grads))))]
             else:
                 parts = [joined_grad] if joined_grad is not None else grads
             sumsq = sum_of_squares_over(parts, self.device)
         parts = []
         for b, lo, hi in self.duplicates:
-            own_lo, own_hi, start = self._counted(b)
+            own_lo, own_hi, start = self.counted_range(b)
             a, z = max(lo, own_lo), min(hi, own_hi)
             if z > a:
                 parts.append(grads[b][a - start:z - start])

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint, set_rng_state
-from .config import IGNORE, Config, ConfigError, RunError, config_from_dict
+from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, set_rng_state
+from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
-from .divergence import TrainingError, diagnose, refuse_nan_loss, refuse_unusable_weights
+from .divergence import TrainingError, diagnose, refuse_nan_loss
 from .inference import generate_text
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
@@ -32,6 +32,7 @@ from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
+from .run_checkpoint import save_run
 from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
 from .runtime.watchdog import Watchdog
@@ -264,23 +265,10 @@ class Trainer:
     def save(self) -> Path | None:
         if self.out is None:
             return None
-        with self._guard(f"the checkpoint gather at step {self.step}"):
-            masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
-        path, error = None, None
-        if self.mesh.is_main:
-            try:
-                refuse_unusable_weights(masters, self.cfg.train.precision, self.step, self.out)
-                state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
-                         "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
-                path = save_checkpoint(self.out, self.step, masters, optim, state, self.tokenizer,
-                                       keep=self.cfg.train.keep_checkpoints)
-            except RunError as e:
-                error = e
-        # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
-        # it), and stop with it if it could not save.
-        if self._any_rank(error is not None):
-            raise error or TrainingError(f"rank 0 could not save step {self.step} (its message says why)")
-        return path
+        state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
+                 "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
+        with self._guard(f"saving step {self.step}"):
+            return save_run(self.parallel, self.cfg, self.out, self.step, state, self.tokenizer, self._any_rank)
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step

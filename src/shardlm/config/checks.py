@@ -19,6 +19,7 @@ from .shapes import lora_targets
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
     "model.router_scoring": ("softmax", "sigmoid"),
+    "train.checkpoint_format": ("sharded", "full"),
     "data.tokenizer": ("byte",),  # any other value was silently ignored
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
@@ -40,7 +41,7 @@ POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.m
             "train.log_every", "train.eval_batches", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp",
             "parallel.ep", "parallel.virtual_stages", "parallel.prefetch_units", "model.init_std",
             "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "model.rope_theta", "train.keep_checkpoints",
-            "lora.alpha", "train.eps", "model.moe_every")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
+            "train.checkpoint_buffer_mb", "lora.alpha", "train.eps", "model.moe_every")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
                 "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",

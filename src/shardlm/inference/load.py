@@ -5,13 +5,14 @@ directory's) are folded into each base weight as it is read.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..adapter_check import check_adapter_target
-from ..checkpoint import CheckpointError, read_state, resolve_checkpoint
+from ..checkpoint import MANIFEST, CheckpointError, ShardedState, read_state, resolve_checkpoint
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
 from ..model.hf import is_hf_dir, open_hf_dir
@@ -52,13 +53,17 @@ class _Source:
         ckpt = resolve_checkpoint(path)
         full = config_from_dict(read_state(ckpt)["config"])
         self.cfg, self.lora, self.tok_dir = full.model, full.lora, ckpt
+        self.dtype = torch.float32  # the masters
+        if (ckpt / MANIFEST).is_file():  # a sharded save: each tensor assembled from its pieces when read
+            masters = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text())).masters()
+            self.names, self.read = list(masters), masters.__getitem__
+            return
         self.file = str(ckpt / "model.safetensors")
         try:
             with safe_open(self.file, framework="pt") as st:
                 self.names = list(st.keys())
         except Exception as e:  # safetensors raises its own error type for any damage it finds
             raise CheckpointError(f"{self.file} could not be read ({e})") from None
-        self.dtype = torch.float32  # the masters
 
     def read(self, name: str) -> torch.Tensor:
         with safe_open(self.file, framework="pt") as st:

@@ -17,6 +17,7 @@ from torch import nn
 
 from .engine import Engine
 from .placement import data_placements, shardings
+from ..checkpoint import as_lazy
 
 
 def group_names(model: nn.Module) -> dict[str, list[str]]:
@@ -87,8 +88,8 @@ class GroupedEngine(Engine):
     def load_full_state(self, masters: dict, state: dict) -> None:
         for e in self.engines:
             own = set(e.flat.names)
-            e.load_full_state({k: v for k, v in masters.items() if k in own},
-                              {k: v for k, v in state.items() if k.split("::")[0] in own})
+            e.load_full_state(as_lazy(masters).where(lambda k, own=own: k in own),
+                              as_lazy(state).where(lambda k, own=own: k.split("::")[0] in own))
 
     def frozen_state(self) -> dict[str, torch.Tensor]:
         return self.engines[0].frozen_state()

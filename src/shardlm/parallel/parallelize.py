@@ -30,6 +30,7 @@ from .lora import adapter_names, apply_lora
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
 from .placement import DataPlacement, gather_full, place, shardings, take_local
+from ..checkpoint import as_lazy
 from .tensor import sum_partial_gradients, tensor_parallel
 
 
@@ -76,15 +77,18 @@ class Parallelized:
             optim = {k: v for _, o in reversed(stages) for k, v in o.items()}
         return (masters, optim) if self.mesh.is_main else (None, None)
 
-    def load_full_state(self, masters: dict, optim: dict) -> None:
-        """This rank's part of full per-name state: its stage's parameters, its tensor-parallel slices."""
+    def load_full_state(self, masters, optim) -> None:
+        """This rank's part of full per-name state (mappings, whose values a sharded checkpoint assembles only
+        when read, one at a time): its stage's parameters, its tensor-parallel slices."""
         own = {n for n, _ in self.model.named_parameters()}
-        masters = {k: v for k, v in masters.items() if k in own}
-        optim = {k: v for k, v in optim.items() if k.split("::")[0] in own}
+        masters = as_lazy(masters).where(lambda k: k in own)
+        optim = as_lazy(optim).where(lambda k: k.split("::")[0] in own)
         if self.specs:
-            masters, optim = take_local(masters, self.specs), take_local(optim, self.specs)
-        rest = self.engine.load_frozen({n: masters.pop(n) for n, p in self.model.named_parameters()
-                                        if not p.requires_grad})
+            local = lambda k, v: take_local({k: v}, self.specs)[k]  # noqa: E731
+            masters, optim = masters.mapped(local), optim.mapped(local)
+        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        rest = self.engine.load_frozen({n: masters[n] for n in frozen})
+        masters = masters.where(lambda k: k not in frozen)
         with torch.no_grad():
             for name, value in rest.items():
                 p = self.model.get_parameter(name)

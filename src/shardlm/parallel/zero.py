@@ -279,7 +279,7 @@ class ZeroEngine(Engine):
         self._wait_weight_gathers()
         for b, part in zip(self.flat.buckets, self.opt.load(masters, state)):
             self._load_bucket(b, part, masters)
-        live = {k.split("::")[0]: v for k, v in state.items() if k.endswith("::delayed_weights")}
+        live = {k.split("::")[0]: state[k] for k in state if k.endswith("::delayed_weights")}
         if self.delayed is not None and live:  # the saved run's weights, one update behind its masters
             self.delayed.resume([self.opt.master_part(b.index) for b in self.flat.buckets])
             with torch.no_grad():

@@ -1,0 +1,115 @@
+"""Sharded checkpoints: every rank writes the state it alone owns, in parallel; any layout reads it back.
+
+As PyTorch's distributed checkpoint (DCP) and Megatron's dist_ckpt do, no rank gathers the model. Each rank
+writes, for every trainable parameter of its engines, the elements it counts in the global gradient norm
+(its ZeRO shard, or under DDP its slice of the replicated buckets; never a tensor-parallel replica's or a
+tied copy's elements, which another rank counts), so every element is written exactly once over the
+world: the fp32 masters and each optimizer moment, as pieces. A piece is a flat range [lo, hi) of the
+rank's local tensor (its pipeline stage's, its tensor-parallel slice), recorded with the local shape and the
+tensor-parallel sharding that maps local to full (placement.TPSharding). Pieces are staged up to
+`train.checkpoint_buffer_mb` and written as one safetensors file each, so a save raises a rank's host
+memory by that buffer, not by its shard. Frozen parameters (a LoRA base) are written whole (as the model
+holds them) by the ranks at data-parallel coordinate 0.
+
+Loading is by name, as before (checkpoint.py's `ShardedState`: each full tensor assembled from its pieces
+when it is read, one at a time); the layout that loads takes its own slices of it
+(Parallelized.load_full_state). So a checkpoint written at tp 2 x pp 2 loads at ZeRO-3 dp 4, at one process
+or at tp 4.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..sharding import TPSharding
+from .placement import data_placements, shardings
+from .qlora import plain
+
+
+# ---- writing ---------------------------------------------------------------------------------------
+
+def _owned_ranges(opt, b: int, off: int, numel: int) -> list[tuple[int, int]]:
+    """Sub-ranges (bucket coordinates) of parameter [off, off + numel) in bucket b that this rank writes."""
+    lo, hi, _ = opt.counted_range(b)
+    lo, hi = max(lo, off), min(hi, off + numel)
+    if hi <= lo:
+        return []
+    out = [(lo, hi)]
+    for db, d_lo, d_hi in opt.duplicates:  # another rank counts (and writes) these
+        if db == b:
+            out = [r for a, z in out for r in ((a, min(z, d_lo)), (max(a, d_hi), z)) if r[1] > r[0]]
+    return out
+
+
+def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tuple, torch.Tensor]]:
+    """(name, kind, lo, hi, local shape, values) of every piece this rank writes; kind "master" or a moment."""
+    for e in engine.group_engines():
+        opt = e.opt
+        if opt is None:
+            continue
+        flat = e.flat
+        kinds = {"master": opt.master_parts, **opt.state}
+        for i, name in enumerate(flat.names):
+            b, off = flat.where[i]
+            _, _, start = opt.counted_range(b)
+            for a, z in _owned_ranges(opt, b, off, flat.params[i].numel()):
+                for kind, parts in kinds.items():
+                    yield name, kind, a - off, z - off, tuple(flat.params[i].shape), parts[b][a - start:z - start]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return
+    sharded = engine.frozen_state()  # ZeRO-3 shards a frozen base: gathered whole (a collective)
+    if mesh.coord("dp") or mesh.coord("cp"):
+        return
+    specs, placements = shardings(model), data_placements(model)
+    for name, p in frozen:
+        if any(mesh.coord(a) for a in placements[name].copies):
+            continue
+        value = sharded[name] if name in sharded else plain(p.detach())
+        spec, numel = specs.get(name), value.numel()
+        ranges = [(0, numel)]
+        for d_lo, d_hi in (spec.duplicates(value.shape) if spec is not None else []):
+            ranges = [r for a, z in ranges for r in ((a, min(z, d_lo)), (max(a, d_hi), z)) if r[1] > r[0]]
+        for a, z in ranges:
+            yield name, "master", a, z, tuple(value.shape), value.reshape(-1)[a:z]
+
+
+def write_shards(engine, model, mesh, directory: Path, rank: int, buffer_bytes: int, write_file,
+                 usable=lambda name, value: None) -> tuple[list, list, Exception | None]:
+    """Write this rank's pieces into files `rank{rank:05d}-{n:04d}.safetensors` under `directory`, each holding
+    about `buffer_bytes` (`write_file(path, tensors)` writes one and returns its record). Returns the files'
+    records as (name, record), the pieces' manifest entries, and the first error `usable(name, master)`
+    found (a master not worth saving), else None."""
+    specs = shardings(model)
+    files, entries, staged, size, problem = [], [], {}, 0, None
+
+    def flush():
+        nonlocal staged, size
+        if staged:
+            fname = f"rank{rank:05d}-{len(files):04d}.safetensors"
+            files.append((fname, write_file(directory / fname, staged)))
+            for entry in entries[-len(staged):]:
+                entry["file"] = fname
+            staged, size = {}, 0
+
+    for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
+        key = f"{name}::{kind}::{lo}"
+        value = values.detach().to("cpu", torch.float32).contiguous()
+        if kind == "master" and problem is None:
+            problem = usable(name, value)
+        spec = specs.get(name)
+        entries.append({"name": name, "kind": kind, "key": key, "lo": lo, "hi": hi, "shape": list(shape),
+                        "tp": None if spec is None else _spec_dict(spec)})
+        staged[key] = value
+        size += value.numel() * 4
+        if size >= buffer_bytes:
+            flush()
+    flush()
+    return files, entries, problem
+
+
+def _spec_dict(spec: TPSharding) -> dict:
+    return {"rank": spec.rank, "degree": spec.degree, "dim": spec.dim, "parts": list(spec.parts),
+            "split": list(spec.split), "pad": spec.pad}
