@@ -121,10 +121,14 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _record(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
-        self.balance_loss, self.z_loss = balance_loss(logits, counts, self.top_k, self.scoring), z_loss(logits)
-        if not in_backward():  # a recomputed forward (full recomputation) runs inside backward: counted once
-            counts = counts.detach()
-            self.load = counts if self.load is None else self.load + counts
+        # Computed on every run alike (recomputation must save the tensors the first run saved), kept from the
+        # first only: a recomputed forward (full recomputation) runs inside backward, after the step read them.
+        losses = balance_loss(logits, counts, self.top_k, self.scoring), z_loss(logits)
+        if in_backward():
+            return
+        self.balance_loss, self.z_loss = losses
+        counts = counts.detach()
+        self.load = counts if self.load is None else self.load + counts
 
     def take_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call ([E], int64), and start counting anew."""
@@ -201,15 +205,24 @@ def grouped_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     key = (x.device.type, x.dtype)
     if key not in _PROBED:
-        try:
-            a = torch.ones(2, 8, dtype=x.dtype, requires_grad=True)
-            w = torch.ones(2, 8, 8, dtype=x.dtype, requires_grad=True)
+        _PROBED[key] = _probe(x.dtype)
+    return _PROBED[key]
+
+
+def _probe(dtype) -> bool:
+    """Whether the CPU's _grouped_mm runs forward and backward. Its tensors are its own: apart from any
+    autograd state of the caller (no_grad, inference mode, a checkpoint's saved-tensor hooks, which would
+    count them as the first forward's and find them missing from the recomputation)."""
+    same = lambda t: t  # noqa: E731
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(same, same):
+            a = torch.ones(2, 8, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, dtype=dtype, requires_grad=True)
             y = torch._grouped_mm(a, w.transpose(-2, -1), offs=torch.tensor([1, 2], dtype=torch.int32))
             y.backward(torch.ones_like(y))
-            _PROBED[key] = bool(torch.equal(y, torch.full_like(y, 8)))
-        except (RuntimeError, NotImplementedError, TypeError):
-            _PROBED[key] = False
-    return _PROBED[key]
+            return bool(torch.equal(y.detach(), torch.full_like(y, 8)))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 # ---- what the step and the logs read -----------------------------------------------------------------------
