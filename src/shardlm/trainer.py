@@ -232,8 +232,8 @@ class Trainer:
     def slice_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a batch of sequences: under context parallelism the slice of each that its
         model holds (parallel/context.py), else all of it."""
-        context = self.model.context
-        return (x, y) if context is None else (context.local(x), context.local(y))
+        sequence = self.model.sequence
+        return sequence.local(x), sequence.local(y)
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean of a per-rank scalar over the replicas (dp x cp: each rank saw an equal share of the

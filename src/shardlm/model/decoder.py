@@ -390,11 +390,6 @@ class Decoder(nn.Module):
         return positions, (mask if window is None else mask & window).unsqueeze(1)
 
     @property
-    def context(self) -> WholeSequence:
-        """`sequence` as the trainer asks for it (trainer.slice_of: this rank's part of each batch)."""
-        return self.sequence
-
-    @property
     def head_weight(self):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
