@@ -735,3 +735,21 @@ def _summed(grad, group):
     grad = grad.clone()
     dist.all_reduce(grad, group=group)
     return grad
+
+
+def save_memory(rank, world, overrides: dict, out_dir):
+    """Train one step, then save it again and measure what the save alone adds to this process's resident
+    memory (its high-water mark reset first: /proc/self/clear_refs); returns (that, the bytes of the
+    optimizer state this rank holds, the save's seconds)."""
+    import re
+    import time
+    from pathlib import Path
+    trainer = tiny_trainer(world, {"train.steps": "1", **overrides}, out_dir=out_dir)
+    trainer.run()
+    held = trainer.engine.memory()["optimizer"]
+    status = Path("/proc/self/status")
+    kib = lambda field: int(re.search(rf"{field}:\s+(\d+) kB", status.read_text()).group(1)) * 1024  # noqa: E731
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before, start = kib("VmRSS"), time.perf_counter()
+    trainer.save()
+    return kib("VmHWM") - before, held, time.perf_counter() - start

@@ -94,18 +94,20 @@ def write_shards(engine, model, mesh, directory: Path, rank: int, buffer_bytes: 
                 entry["file"] = fname
             staged, size = {}, 0
 
+    step = max(1, buffer_bytes // 4)  # a piece larger than the buffer goes in parts
     for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
-        key = f"{name}::{kind}::{lo}"
-        value = values.detach().to("cpu", torch.float32).contiguous()
-        if kind == "master" and problem is None:
-            problem = usable(name, value)
         spec = specs.get(name)
-        entries.append({"name": name, "kind": kind, "key": key, "lo": lo, "hi": hi, "shape": list(shape),
-                        "tp": None if spec is None else _spec_dict(spec)})
-        staged[key] = value
-        size += value.numel() * 4
-        if size >= buffer_bytes:
-            flush()
+        for at in range(0, hi - lo, step):
+            value = values[at:at + step].detach().to("cpu", torch.float32).contiguous()
+            if kind == "master" and problem is None:
+                problem = usable(name, value)
+            key = f"{name}::{kind}::{lo + at}"
+            entries.append({"name": name, "kind": kind, "key": key, "lo": lo + at, "hi": lo + at + value.numel(),
+                            "shape": list(shape), "tp": None if spec is None else _spec_dict(spec)})
+            staged[key] = value
+            size += value.numel() * 4
+            if size >= buffer_bytes:
+                flush()
     flush()
     return files, entries, problem
 
