@@ -194,6 +194,26 @@ def test_full_recomputation_trains_the_same_and_counts_the_load_once():
     assert expert_load(model) == {}  # taken
 
 
+@pytest.mark.slow
+def test_compiled_blocks_equal_eager():
+    """torch.compile'd blocks (train.compile): on the CPU the grouped GEMM runs eagerly between graphs, since
+    the compiler checks _grouped_mm's shapes by the GPU kernel's rules (bf16 only)."""
+    cfg = moe_cfg()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        model = build_model(cfg, seed=4)
+        if compiled:
+            for block in model.blocks():
+                block.compile()
+        loss = model(ids, ids)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_config_checks_and_counts():
     cfg = load_config("mixtral-tiny")
     validate(cfg)
@@ -267,7 +287,7 @@ def test_mixtral_tiny_trains():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1, losses
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero3"])
 def test_data_parallel_equals_one_process(mode):
     """dp 2, two micro-batches a rank: losses, gradient norms, gathered weights, gradients and optimizer state
     equal one process's (each micro-batch's auxiliary loss scaled like its loss)."""

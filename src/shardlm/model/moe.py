@@ -169,13 +169,22 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl
     times its weight transposed, [N, out]. `impl`: grouped (torch._grouped_mm), loop, or auto (grouped where
     this device, dtype and the shapes allow it)."""
     if impl == "grouped" or (impl == "auto" and grouped_available(x, weight)):
-        offsets = counts.cumsum(0).to(torch.int32)  # the kernels take int32 offsets: each group's end row
-        # The backward of _grouped_mm (torch 2.13's CPU one) refuses a gradient with a stride 0 (from a sum) or
-        # transposed: hand it a contiguous one. Offsets end at N exactly, so no output row is left unwritten.
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+        if x.device.type == "cpu" and torch.compiler.is_compiling():
+            return _eager_grouped_mm(x, weight, counts)  # the compiler's shape rules are the GPU kernel's (bf16)
+        return _grouped_mm(x, weight, counts)
     ends = counts.tolist()  # one host sync for the group sizes
     parts = [F.linear(xe, weight[e]) for e, xe in enumerate(x.split(ends)) if ends[e]]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def _grouped_mm(x, weight, counts):
+    offsets = counts.cumsum(0).to(torch.int32)  # the kernels take int32 offsets: each group's end row
+    # The backward of _grouped_mm (torch 2.13's CPU one) refuses a gradient with a stride 0 (from a sum) or
+    # transposed: hand it a contiguous one. Offsets end at N exactly, so no output row is left unwritten.
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+
+
+_eager_grouped_mm = torch.compiler.disable(_grouped_mm)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -209,6 +218,7 @@ def grouped_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _PROBED[key]
 
 
+@torch.compiler.disable  # run, not traced, when the first call comes from a compiled block
 def _probe(dtype) -> bool:
     """Whether the CPU's _grouped_mm runs forward and backward. Its tensors are its own: apart from any
     autograd state of the caller (no_grad, inference mode, a checkpoint's saved-tensor hooks, which would
