@@ -249,7 +249,7 @@ def test_config_checks_and_counts():
 def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardlm.inference import generate_ids
+    from shardlm.inference import Engine, Request, generate_ids
     from shardlm.model.hf import read_hf_dir, write_hf_dir
 
     ref = hf_model(kind)
@@ -264,9 +264,12 @@ def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(k
     with torch.no_grad():
         expected, got = ref(ids).logits, ours(ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    prompt = ids[:1, :5]
-    want = ref.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:]
-    assert generate_ids(ours, prompt, 12)[0].tolist() == want.tolist()
+    prompts = [ids[0, :5].tolist(), ids[1, :9].tolist()]
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert generate_ids(ours, torch.tensor(prompts[:1]), 12)[0].tolist() == want[0]
+    # The engine batches both (static cache of slots, mixed lengths): each token is routed on its own.
+    assert [r.tokens for r in Engine(ours, 2, 64).run([Request(p, 12) for p in prompts])] == want
 
     write_hf_dir(ours.state_dict(), cfg, tmp_path / "export")
     cfg2, state2 = read_hf_dir(tmp_path / "export")
