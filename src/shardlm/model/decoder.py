@@ -284,7 +284,7 @@ class Decoder(nn.Module):
         cast down would (without the fp32 copy: a 13B model's is 52 GB)."""
         mod_name, _, attr = name.rpartition(".")
         owner = self.get_submodule(mod_name) if mod_name else self
-        if name.endswith("bias") or getattr(owner, "zero_init", False):
+        if attr == "bias" or getattr(owner, "zero_init", False):  # a linear's or a norm's bias
             out.zero_()
         elif isinstance(owner, (RMSNorm, nn.LayerNorm)):
             out.fill_(1.0)
