@@ -26,3 +26,20 @@ def test_a_sharded_save_holds_no_more_than_its_buffer_and_a_tenth_of_its_shard(t
     if "parallel.pp" in layout:  # a second of slack: the machine's other work, not the save's
         _, _, alone = dist_fns.save_memory(0, 1, MODEL, str(tmp_path / "one"))
         assert max(seconds for _, _, seconds in results) <= 2 * alone + 1.0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_asynchronous_save_resumes_on_the_same_trajectory(tmp_path, world):
+    """Saves at steps 2 and 4 written by a thread while training goes on, committed when every rank is done:
+    the run resumed from step 4 continues the uninterrupted run's losses."""
+    over = {"train.steps": "6", "train.save_every": "2", "train.keep_checkpoints": "5", "train.checkpoint_async": "true",
+            "parallel.zero_stage": "1" if world > 1 else "0"}
+    if world == 1:
+        full = [dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))]
+    else:
+        full = run_distributed(dist_fns.train_and_capture, world, over, str(tmp_path / "a"), timeout=240)
+    done = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert done == ["step_00000002", "step_00000004", "step_00000006"]
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000004")
+    resumed = dist_fns.train_and_capture(0, 1, {**over, "parallel.zero_stage": "0"}, str(tmp_path / "b"), ckpt)
+    assert resumed["losses"] == pytest.approx(full[0]["losses"][4:], rel=1e-5)

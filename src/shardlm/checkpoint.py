@@ -140,14 +140,14 @@ def failed_save(run_dir, step: int, why: str) -> CheckpointError:
 
 
 def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, written: dict, tokenizer=None,
-                      keep: int = 2) -> Path:
+                      keep: int = 2, rng: dict | None = None) -> Path:
     """Complete the checkpoint in `tmp` (`written`: the records of files written and checksummed already,
-    by name; the others are checksummed here) with the RNG state, the tokenizer and state.json, written
-    last; rename it into place and rotate."""
+    by name; the others are checksummed here) with the RNG state (`rng`: as it was at the step saved; else
+    now), the tokenizer and state.json, written last; rename it into place and rotate."""
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
-        torch.save(rng_state(), tmp / "rng.pt")
+        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
         if tokenizer is not None:
             tokenizer.tok.save(str(tmp / "tokenizer.json"))
         files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": _crc32(f)}

@@ -1,93 +1,163 @@
-"""A run's checkpoint, saved by every rank: sharded (each rank writes the state it owns, in parallel, and the
+"""A run's checkpoints, saved by every rank: sharded (each rank writes the state it owns, in parallel, and the
 main rank commits the manifest and state.json once all are written: parallel/sharded_state.py), or
 gathered onto the main rank as full tensors (`train.checkpoint_format = "full"`, and ZeRO-Offload's delayed
-update, whose second copy of the weights the pieces do not describe). Either way the checkpoint is atomic:
-a crash before the commit leaves only a temporary directory, and every earlier checkpoint as it was.
+update, whose second copy of the weights the pieces do not describe). Either way a checkpoint is atomic: a
+crash before the commit leaves only a temporary directory, and every earlier checkpoint as it was.
+
+With `train.checkpoint_async` a sharded save copies each rank's pieces to host memory (page-locked on a GPU
+machine: the one pass over the state the step waits for) and a thread writes them while training goes on,
+as DCP's `async_save` and Megatron's asynchronous checkpointing do. The ranks commit it at the first step
+boundary where all of them are done (`poll`, one small host-side all-reduce a step while a save is in
+flight); the next save, and the run's end, wait for it.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, commit_checkpoint, failed_save,
-                         save_checkpoint, write_tensors)
+                         rng_state, save_checkpoint, write_tensors)
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
-from .parallel.sharded_state import write_shards
+from .parallel.sharded_state import pieces, snapshot, write_shards
 
 
-def save_run(parallel, cfg, out: Path, step: int, state: dict, tokenizer, any_rank) -> Path | None:
-    """Save step `step` (`state`: state.json's contents, the main rank's counts); `any_rank(failed)`: whether
-    any rank failed, so that all stop together. The checkpoint's path on the main rank."""
-    if cfg.train.checkpoint_format == "full" or cfg.parallel.delayed_update:
-        return _save_gathered(parallel, cfg, out, step, state, tokenizer, any_rank)
-    return _save_sharded(parallel, cfg, out, step, state, tokenizer, any_rank)
+class CheckpointSaver:
+    """`save(step, state)` for a run (`state`: state.json's contents, the main rank's counts); `any_rank(failed)`:
+    whether any rank failed, so that all stop together; `host_group()`: a gloo group over the world (None
+    with one process), for the asynchronous saves' polls; `log` says how long each save took."""
 
+    def __init__(self, parallel, cfg, out: Path, tokenizer, any_rank, host_group, log):
+        self.parallel, self.cfg, self.out, self.tokenizer = parallel, cfg, out, tokenizer
+        self.any_rank, self.host_group, self.log = any_rank, host_group, log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending: dict | None = None  # the asynchronous save in flight
 
-def _save_gathered(parallel, cfg, out, step, state, tokenizer, any_rank) -> Path | None:
-    masters, optim = parallel.gather_full_state()  # a collective when the state is sharded
-    path, error = None, None
-    if parallel.mesh.is_main:
+    def save(self, step: int, state: dict, wait: bool = False) -> Path | None:
+        """Save step `step`; returns the checkpoint's path on the main rank once it is committed (an
+        asynchronous save: None now, its path from `poll` or `finish`). `wait`: synchronously."""
+        self.finish()
+        t, start = self.cfg.train, time.perf_counter()
+        if t.checkpoint_format == "full" or self.cfg.parallel.delayed_update:
+            path = self._save_gathered(step, state)
+        else:
+            tmp = self._begin(step)
+            parts = pieces(self.parallel.engine, self.parallel.model, self.parallel.mesh, t.checkpoint_buffer_mb * 2**20)
+            if t.checkpoint_async and not wait:
+                self._start(step, state, tmp, snapshot(parts, torch.cuda.is_available()))
+                self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
+                return None
+            path = self._commit(step, state, tmp, self._write(step, tmp, parts), rng_state())
+        self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
+        return path
+
+    def poll(self) -> Path | None:
+        """Commit the save in flight if every rank has written its part (a host-side collective while one is)."""
+        if self.pending is None:
+            return None
+        busy = torch.tensor([float(self.pending["thread"].is_alive())])
+        if self.host_group() is not None:
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.host_group())
+        return None if busy.item() else self.finish()
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight and commit it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending["thread"].join()
+        path = self._commit(pending["step"], pending["state"], pending["tmp"], pending["written"], pending["rng"])
+        self.log(f"step {pending['step']}: saved in {time.perf_counter() - pending['start']:.2f} s, in the background")
+        return path
+
+    # ---- the parts of a save ----------------------------------------------------------------------
+    def _save_gathered(self, step: int, state: dict) -> Path | None:
+        masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
+        path, error = None, None
+        if self.parallel.mesh.is_main:
+            try:
+                refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
+                path = save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
+                                       keep=self.cfg.train.keep_checkpoints)
+            except RunError as e:
+                error = e
+        # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
+        # it), and stop with it if it could not save.
+        self._together(error, f"rank 0 could not save step {step} (its message says why)")
+        return path
+
+    def _begin(self, step: int) -> Path:
+        """The temporary directory every rank writes into, made by the main rank."""
+        error = None
+        if self.parallel.mesh.is_main:
+            try:
+                begin_checkpoint(self.out, step)
+            except CheckpointError as e:
+                error = e
+        self._together(error, f"rank 0 could not begin saving step {step} (its message says why)")
+        self.parallel.engine.wait_for_weights()  # an update still in flight writes the masters
+        return Path(self.out) / CKPT_DIR / f".tmp-step_{step:08d}"
+
+    def _write(self, step: int, tmp: Path, parts) -> dict:
+        """This rank's files: their records, the manifest entries, and what went wrong (None: nothing)."""
+        t = self.cfg.train
+        usable = _usable(t.precision, step, self.out)
+        engines = self.parallel.engine.group_engines()
+        mine = {"files": [], "pieces": [], "problem": None,
+                "steps": max([e.opt.steps_taken for e in engines if e.opt is not None], default=0)}
         try:
-            refuse_unusable_weights(masters, cfg.train.precision, step, out)
-            path = save_checkpoint(out, step, masters, optim, state, tokenizer, keep=cfg.train.keep_checkpoints)
-        except RunError as e:
-            error = e
-    # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
-    # it), and stop with it if it could not save.
-    if any_rank(error is not None):
-        raise error or TrainingError(f"rank 0 could not save step {step} (its message says why)")
-    return path
+            mine["files"], mine["pieces"], mine["problem"] = write_shards(
+                parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, write_tensors, usable)
+        except OSError as e:
+            mine["problem"] = f"{e.strerror or e} (rank {self.rank})" if self.rank else (e.strerror or str(e))
+        except Exception as e:  # in a save's thread nothing else would report it
+            mine["problem"] = f"{type(e).__name__}: {e} (rank {self.rank})"
+        return mine
 
+    def _start(self, step: int, state: dict, tmp: Path, copies: list) -> None:
+        pending = {"step": step, "state": state, "tmp": tmp, "rng": rng_state(), "start": time.perf_counter()}
 
-def _save_sharded(parallel, cfg, out, step, state, tokenizer, any_rank) -> Path | None:
-    mesh, engine = parallel.mesh, parallel.engine
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    error = None
-    if mesh.is_main:
-        try:
-            begin_checkpoint(out, step)
-        except CheckpointError as e:
-            error = e
-    if any_rank(error is not None):
-        raise error or TrainingError(f"rank 0 could not begin saving step {step} (its message says why)")
-    tmp = Path(out) / CKPT_DIR / f".tmp-step_{step:08d}"
-    engine.wait_for_weights()  # an update still in flight writes the masters
-    usable = _usable(cfg.train.precision, step, out)
-    mine = {"files": [], "pieces": [], "problem": None,
-            "steps": max([e.opt.steps_taken for e in engine.group_engines() if e.opt is not None], default=0)}
-    try:
-        mine["files"], mine["pieces"], mine["problem"] = write_shards(
-            engine, parallel.model, mesh, tmp, rank, cfg.train.checkpoint_buffer_mb * 2**20, write_tensors, usable)
-    except OSError as e:
-        mine["problem"] = f"{e.strerror or e} (rank {rank})" if rank else (e.strerror or str(e))
-    everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size() if mesh.is_main else None
-        dist.gather_object(mine, everyone, dst=0)
-    path = None
-    if mesh.is_main:
-        try:
-            problem = next((m["problem"] for m in everyone if m["problem"] is not None), None)
-            if isinstance(problem, str):
+        def write():
+            pending["written"] = self._write(step, tmp, copies)
+        pending["thread"] = threading.Thread(target=write, name=f"save-step-{step}", daemon=True)
+        pending["thread"].start()
+        self.pending = pending
+
+    def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict) -> Path | None:
+        """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
+            dist.gather_object(mine, everyone, dst=0)
+        path, error = None, None
+        if self.parallel.mesh.is_main:
+            try:
+                problem = next((m["problem"] for m in everyone if m["problem"] is not None), None)
+                if isinstance(problem, str):
+                    raise failed_save(self.out, step, problem)
+                if problem is not None:
+                    raise problem
+                manifest = {"optimizer_steps": max(m["steps"] for m in everyone),
+                            "pieces": [p for m in everyone for p in m["pieces"]]}
+                (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+                written = {name: record for m in everyone for name, record in m["files"]}
+                path = commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
+                                         keep=self.cfg.train.keep_checkpoints, rng=rng)
+            except RunError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise failed_save(out, step, problem)
-            if problem is not None:
-                raise problem
-            manifest = {"optimizer_steps": max(m["steps"] for m in everyone),
-                        "pieces": [p for m in everyone for p in m["pieces"]]}
-            (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
-            written = {name: record for m in everyone for name, record in m["files"]}
-            path = commit_checkpoint(out, step, tmp, state, written, tokenizer, keep=cfg.train.keep_checkpoints)
-        except RunError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = e
-    if any_rank(error is not None):
-        raise error or TrainingError(f"rank 0 could not save step {step} (its message says why)")
-    return path
+                error = e
+        self._together(error, f"rank 0 could not save step {step} (its message says why)")
+        return path
+
+    def _together(self, error: Exception | None, elsewhere: str) -> None:
+        if self.any_rank(error is not None):
+            raise error or TrainingError(elsewhere)
 
 
 def _usable(precision: str, step: int, out):

@@ -32,7 +32,7 @@ from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
-from .run_checkpoint import save_run
+from .run_checkpoint import CheckpointSaver
 from .runtime.device import pick_device
 from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
 from .runtime.watchdog import Watchdog
@@ -110,6 +110,8 @@ class Trainer:
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
+        self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, lambda: self.host_group,
+                                     self.log if self.mesh.is_main else lambda *a: None)
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)
@@ -262,13 +264,14 @@ class Trainer:
         weighted, trained = total.tolist()
         return weighted / trained if trained else None
 
-    def save(self) -> Path | None:
+    def save(self, wait: bool = True) -> Path | None:
+        """Save this step (`wait` False: in the background where train.checkpoint_async says so)."""
         if self.out is None:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
         with self._guard(f"saving step {self.step}"):
-            return save_run(self.parallel, self.cfg, self.out, self.step, state, self.tokenizer, self._any_rank)
+            return self.saver.save(self.step, state, wait)
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
@@ -329,8 +332,10 @@ class Trainer:
                     since, steps_since = time.perf_counter(), 0
                 if self.stopped_by:
                     break
+                with self._guard(f"the save before step {self.step}"):
+                    self.saver.poll()
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save()
+                    self.save(wait=False)
         self.engine.wait_for_weights()
         if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()

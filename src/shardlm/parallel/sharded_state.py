@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.device import host_empty
 from ..sharding import TPSharding
 from .placement import data_placements, shardings
 from .qlora import plain
@@ -76,13 +77,24 @@ def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tupl
             yield name, "master", a, z, tuple(value.shape), value.reshape(-1)[a:z]
 
 
-def write_shards(engine, model, mesh, directory: Path, rank: int, buffer_bytes: int, write_file,
-                 usable=lambda name, value: None) -> tuple[list, list, Exception | None]:
-    """Write this rank's pieces into files `rank{rank:05d}-{n:04d}.safetensors` under `directory`, each holding
-    about `buffer_bytes` (`write_file(path, tensors)` writes one and returns its record). Returns the files'
-    records as (name, record), the pieces' manifest entries, and the first error `usable(name, master)`
-    found (a master not worth saving), else None."""
+def pieces(engine, model, mesh, buffer_bytes: int) -> Iterator[tuple[dict, torch.Tensor]]:
+    """This rank's pieces as (manifest entry, values), none larger than `buffer_bytes` (a larger one in parts)."""
     specs = shardings(model)
+    step = max(1, buffer_bytes // 4)
+    for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
+        spec = None if (s := specs.get(name)) is None else _spec_dict(s)
+        for at in range(0, hi - lo, step):
+            part = values[at:at + step]
+            yield ({"name": name, "kind": kind, "key": f"{name}::{kind}::{lo + at}", "lo": lo + at,
+                    "hi": lo + at + part.numel(), "shape": list(shape), "tp": spec}, part)
+
+
+def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_file,
+                 usable=lambda name, value: None) -> tuple[list, list, Exception | None]:
+    """Write `parts` ((entry, values) as `pieces` gives them) into files `rank{rank:05d}-{n:04d}.safetensors`
+    under `directory`, each holding about `buffer_bytes` (`write_file(path, tensors)` writes one and returns
+    its record). Returns the files' records as (name, record), the manifest entries, and the first error
+    `usable(name, master)` found (a master not worth saving), else None."""
     files, entries, staged, size, problem = [], [], {}, 0, None
 
     def flush():
@@ -94,22 +106,30 @@ def write_shards(engine, model, mesh, directory: Path, rank: int, buffer_bytes: 
                 entry["file"] = fname
             staged, size = {}, 0
 
-    step = max(1, buffer_bytes // 4)  # a piece larger than the buffer goes in parts
-    for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
-        spec = specs.get(name)
-        for at in range(0, hi - lo, step):
-            value = values[at:at + step].detach().to("cpu", torch.float32).contiguous()
-            if kind == "master" and problem is None:
-                problem = usable(name, value)
-            key = f"{name}::{kind}::{lo + at}"
-            entries.append({"name": name, "kind": kind, "key": key, "lo": lo + at, "hi": lo + at + value.numel(),
-                            "shape": list(shape), "tp": None if spec is None else _spec_dict(spec)})
-            staged[key] = value
-            size += value.numel() * 4
-            if size >= buffer_bytes:
-                flush()
+    for entry, values in parts:
+        value = values.detach().to("cpu", torch.float32).contiguous()
+        if entry["kind"] == "master" and problem is None:
+            problem = usable(entry["name"], value)
+        entries.append(entry)
+        staged[entry["key"]] = value
+        size += value.numel() * 4
+        if size >= buffer_bytes:
+            flush()
     flush()
     return files, entries, problem
+
+
+def snapshot(parts, pin: bool) -> list[tuple[dict, torch.Tensor]]:
+    """The pieces copied into host memory (page-locked where `pin`), so that training may change its own
+    buffers while a thread writes these: an asynchronous save's one pass over the state."""
+    out = []
+    for entry, values in parts:
+        copy = host_empty(values.numel(), torch.float32, pin)
+        copy.copy_(values.detach().reshape(-1), non_blocking=pin)
+        out.append((entry, copy))
+    if pin:
+        torch.cuda.synchronize()
+    return out
 
 
 def _spec_dict(spec: TPSharding) -> dict:
