@@ -43,3 +43,18 @@ def test_an_asynchronous_save_resumes_on_the_same_trajectory(tmp_path, world):
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000004")
     resumed = dist_fns.train_and_capture(0, 1, {**over, "parallel.zero_stage": "0"}, str(tmp_path / "b"), ckpt)
     assert resumed["losses"] == pytest.approx(full[0]["losses"][4:], rel=1e-5)
+
+
+def test_the_planner_sizes_a_sharded_checkpoint_and_a_slow_one_is_warned_of_at_start():
+    from shardlm.config import load_config
+    from shardlm.plan import Layout, save_bytes
+    from shardlm.run_checkpoint import grace_warning
+    cfg = load_config("llama2-7b", {"parallel.dp": "8", "parallel.zero_stage": "3"})
+    whole, per_rank = save_bytes(cfg.model, Layout.from_config(cfg))
+    assert whole == 12 * cfg.model.num_params() and per_rank == whole / 8  # fp32 masters and two moments
+    lora = load_config("llama2-7b", {"lora.rank": "16"})
+    whole, per_rank = save_bytes(lora.model, Layout.from_config(lora))
+    assert whole == 12 * lora.lora.adapter_count(lora.model) + 4 * lora.model.num_params() == per_rank
+    assert grace_warning(cfg) is None  # 9.4 GB a rank at 6/8 GB/s: 13 s
+    said = grace_warning(load_config("llama2-7b", {}), disk_bw=1e9)  # 81 GB at 1 GB/s
+    assert said is not None and "81 s" in said and "train.save_every" in said

@@ -38,6 +38,8 @@ class CheckpointSaver:
         self.any_rank, self.host_group, self.log = any_rank, host_group, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: dict | None = None  # the asynchronous save in flight
+        if out is not None and (why := grace_warning(cfg)):
+            log(why)
 
     def save(self, step: int, state: dict, wait: bool = False) -> Path | None:
         """Save step `step`; returns the checkpoint's path on the main rank once it is committed (an
@@ -169,3 +171,21 @@ def _usable(precision: str, step: int, out):
             return e
         return None
     return check
+
+
+GRACE_S = 30  # what torchrun (and Slurm's default KillWait) leave a process between SIGTERM and SIGKILL
+
+
+def grace_warning(cfg, disk_bw: float = 6e9, gpus_per_node: int = 8) -> str | None:
+    """A warning where the planner's estimate of one save (its largest rank's part at that rank's share of a
+    node's disk rate) would not fit in the grace period a preempted run gets to save its last step."""
+    from .plan import Layout, save_bytes
+    layout = Layout.from_config(cfg)
+    _, per_rank = save_bytes(cfg.model, layout)
+    seconds = per_rank / (disk_bw / min(gpus_per_node, layout.gpus))
+    if seconds <= GRACE_S:
+        return None
+    return (f"warning: a checkpoint of this run takes about {seconds:.0f} s to write (its largest rank's part at a "
+            f"share of {disk_bw / 1e9:g} GB/s), more than the {GRACE_S} s torchrun and Slurm leave after SIGTERM: a "
+            "preempted run would lose the steps since its last save; save more often (train.save_every), or give "
+            "the job a longer grace period")

@@ -38,6 +38,9 @@ class Estimate:
     gpu_hours: float = 0.0     # training cost is counted in these: days x 24 x GPUs
     cost: float = 0.0          # gpu_hours x the price per GPU-hour, when one is given
     host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (memory.host_bytes)
+    checkpoint_bytes: float = 0.0       # a sharded checkpoint's size (save_bytes)
+    checkpoint_rank_bytes: float = 0.0  # the most one rank writes of it
+    checkpoint_save_s: float = 0.0      # that rank's write at its share of the node's disk rate
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -77,5 +80,16 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
         train_days = w.tokens / tokens_per_s / 86400
     gpu_hours = train_days * 24 * L.gpus
     fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)
+    saved, per_rank = save_bytes(m, L)
+    save_s = per_rank / (g.disk_bw / min(gpus_per_node, L.gpus))  # the node's ranks write at once
     return Estimate(mem, model + extra, step, mfu, b, comm_bytes(m, w, L), fits, tokens_per_s, train_flops, train_days,
-                    gpu_hours, gpu_hours * price_per_gpu_hour, host_bytes(m, L, w))
+                    gpu_hours, gpu_hours * price_per_gpu_hour, host_bytes(m, L, w), saved, per_rank, save_s)
+
+
+def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
+    """(the whole, the most one rank writes) of a sharded checkpoint (parallel/sharded_state.py): every trained
+    parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
+    elements it owns), and a LoRA run's frozen base in fp32, written by the ranks of the first data replica."""
+    trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params()
+    frozen = m.num_params() if L.lora.rank else 0
+    return 12 * trained + 4 * frozen, 12 * trained / L.gpus + 4 * frozen / (L.pp * L.tp)

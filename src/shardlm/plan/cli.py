@@ -324,7 +324,9 @@ def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
            ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
            ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
-           ("bubble", f"{100 * e.bubble:.1f}%")]
+           ("bubble", f"{100 * e.bubble:.1f}%"),
+           ("checkpoint", f"{fmt(e.checkpoint_bytes)} in all, {fmt(e.checkpoint_rank_bytes)} per rank: "
+                          f"{e.checkpoint_save_s:.1f} s to save at the node's {g.disk_bw / 1e9:g} GB/s")]
     out += [(f"comm {k}/step", f"{v / 1e9:.2f} GB") for k, v in e.comm_bytes_per_step.items() if v]
     if a.tokens:
         out += [("train FLOPs", f"{e.train_flops:.3e}"), ("train days", f"{e.train_days:.1f}"),
