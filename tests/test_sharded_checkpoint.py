@@ -58,3 +58,27 @@ def test_the_planner_sizes_a_sharded_checkpoint_and_a_slow_one_is_warned_of_at_s
     assert grace_warning(cfg) is None  # 9.4 GB a rank at 6/8 GB/s: 13 s
     said = grace_warning(load_config("llama2-7b", {}), disk_bw=1e9)  # 81 GB at 1 GB/s
     assert said is not None and "81 s" in said and "train.save_every" in said
+
+
+def test_a_sharded_checkpoint_exports_in_shards_that_transformers_loads(tmp_path):
+    """The export reads each tensor from the pieces when it is written, in files of about max_shard_bytes with
+    transformers' index: the same model as the one-file export of the full format's checkpoint."""
+    import torch
+    import transformers
+    from shardlm.checkpoint import load_checkpoint
+    from shardlm.config import config_from_dict
+    from shardlm.model.hf import write_hf_dir
+    over = {"train.steps": "2", "parallel.zero_stage": "1"}
+    run_distributed(dist_fns.train_and_capture, 2, over, str(tmp_path / "sharded"), timeout=240)
+    run_distributed(dist_fns.train_and_capture, 2, {**over, "train.checkpoint_format": "full"}, str(tmp_path / "full"),
+                    timeout=240)
+    models = {}
+    for kind, limit in (("sharded", 40_000), ("full", 2**30)):
+        ckpt = load_checkpoint(tmp_path / kind, with_optimizer=False)
+        cfg = config_from_dict(ckpt["state"]["config"]).model
+        write_hf_dir(ckpt["model"], cfg, tmp_path / f"hf-{kind}", max_shard_bytes=limit)
+        models[kind] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{kind}")
+    assert len(list((tmp_path / "hf-sharded").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "hf-sharded" / "model.safetensors.index.json").is_file()
+    ids = torch.arange(12)[None] % 200
+    torch.testing.assert_close(models["sharded"](ids).logits, models["full"](ids).logits, rtol=1e-5, atol=1e-5)

@@ -142,9 +142,10 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     return {ours: how(*(hf[k] for k in keys)) for ours, (keys, how) in hf_recipes(hf.keys(), cfg).items()}
 
 
-def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """shardlm's state dict -> HF tensor names and layouts (the exact inverse of from_hf_state)."""
-    out: dict[str, torch.Tensor] = {}
+def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig, out=None) -> dict[str, torch.Tensor]:
+    """shardlm's state dict -> HF tensor names and layouts (the exact inverse of from_hf_state); `out`: where the
+    tensors go, one by one, as they are made (a dict, or a `SafetensorsShards` writing them)."""
+    out = {} if out is None else out
     q, kv = cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
     if cfg.arch == "gpt2":
         out["transformer.wte.weight"] = state["embed.weight"]
@@ -243,17 +244,63 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
     return cfg, HFTensors(files, cfg)
 
 
+class SafetensorsShards:
+    """A sink for HF tensors that writes them to `model.safetensors`, or where they pass `max_bytes`, to
+    `model-0000i-of-0000n.safetensors` files and the index transformers reads (save_pretrained's layout):
+    at most `max_bytes` and one tensor are held at once, so a state read one tensor at a time (a sharded
+    checkpoint's) is exported without the whole model in memory."""
+
+    def __init__(self, out: Path, dtype: torch.dtype | None = None, metadata: dict | None = None,
+                 max_bytes: int = 2**30):
+        self.out, self.cast, self.max_bytes = out, dtype, max_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.staged, self.size, self.total, self.files, self.dtype = {}, 0, 0, [], dtype
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = (tensor.to(self.cast) if self.cast is not None else tensor).contiguous()
+        self.dtype = self.dtype or tensor.dtype
+        self.staged[name] = tensor
+        self.size += tensor.numel() * tensor.element_size()
+        self.total += tensor.numel() * tensor.element_size()
+        if self.size >= self.max_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.staged:
+            path = self.out / f".part-{len(self.files):05d}.safetensors"
+            save_file(self.staged, str(path), metadata=self.metadata)
+            self.files.append((path, list(self.staged)))
+            self.staged, self.size = {}, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *rest) -> None:
+        if kind is not None:
+            return
+        self._flush()
+        if len(self.files) == 1:
+            self.files[0][0].replace(self.out / "model.safetensors")
+            return
+        n, weight_map = len(self.files), {}
+        for i, (path, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.replace(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
-                 dtype: torch.dtype | None = None, metadata: dict | None = None) -> None:
-    """A directory that transformers' from_pretrained loads: config.json, model.safetensors, tokenizer files."""
+                 dtype: torch.dtype | None = None, metadata: dict | None = None,
+                 max_shard_bytes: int = 2**30) -> None:
+    """A directory that transformers' from_pretrained loads: config.json, model.safetensors (or its shards of about
+    `max_shard_bytes` and their index), tokenizer files."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf = to_hf_state(state, cfg)
-    if dtype is not None:
-        hf = {k: v.to(dtype) for k, v in hf.items()}
-    dtype_name = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", **(metadata or {})})
+    with SafetensorsShards(out, dtype, metadata, max_shard_bytes) as shards:
+        to_hf_state(state, cfg, shards)
+    dtype_name = str(shards.dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None
     (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype_name, eos), indent=2) + "\n")
     if tokenizer is not None:
