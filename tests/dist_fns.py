@@ -217,7 +217,7 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": engine.owned_shards(key),
-            "bytes": captured["bytes"], "numel": engine.flat.numel}
+            "bytes": captured["bytes"], "numel": sum(e.flat.numel for e in engine.group_engines())}
 
 
 def zero3_residency(rank, world):
@@ -314,11 +314,12 @@ def _seeded_bf16_backward(rank, world, overrides: dict):
 
 
 def ddp_grad_sumsq(rank, world, overrides: dict):
-    """(the sum of squares DDP hands its optimizer, in bits and as a float; that of the reduced gradient
-    this rank holds, in float64), after one seeded bf16 backward."""
+    """(the global sum of squares DDP's optimizer clips by, from the squares the reduction took of this rank's
+    slices, in bits and as a float; that of the reduced gradient this rank holds, in float64), after one
+    seeded bf16 backward."""
     _, eng, _, _ = _seeded_bf16_backward(rank, world, overrides)
-    got = eng.grad_sumsq()
-    assert got is not None, "this reduction does not take the norm's squares from its slices"
+    assert eng.grad_sumsq() is not None, "this reduction does not take the norm's squares from its slices"
+    got = eng.opt.global_sumsq(eng.owned_sumsq())
     # owned_shards("grad") is the mean over the ranks; the reduction's squares are of the sum.
     want = sum((v.double() * world).pow(2).sum().item() for _, _, v in eng.owned_shards("grad").values())
     return got.cpu().view(torch.int32).item(), got.item(), want

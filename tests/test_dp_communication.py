@@ -91,9 +91,9 @@ def test_ddp_sums_bf16_gradients_in_fp32(world, algo):
                                         pytest.param("copy_engine", 2, marks=gpus_for(2)),
                                         pytest.param("copy_engine", 4, marks=gpus_for(4))])
 def test_ddp_takes_the_norm_from_its_reduced_slices(world, algo):
-    """DDP's gradient sum of squares, summed from each rank's reduce-scatter slices as they are reduced,
-    is that of the reduced gradient (only the order of the fp32 additions differs) and the same bits on
-    every rank: clipping then scales every rank's update alike."""
+    """DDP's gradient sum of squares, each rank's reduce-scatter slices squared as they are reduced and the
+    ranks' sums added by the norm's one all-reduce, is that of the reduced gradient (only the order of the
+    fp32 additions differs) and the same bits on every rank: clipping then scales every rank's update alike."""
     results = run_distributed(dist_fns.ddp_grad_sumsq, world, {"parallel.reduce_algo": algo}, timeout=120,
                               device=on(algo))
     assert len({bits for bits, _, _ in results}) == 1
