@@ -17,13 +17,15 @@ class TPSharding:
     evenly over the ranks (rank r keeps its r-th slice) or, where `split` says not, kept whole on every
     rank; the local tensor concatenates what the rank keeps of each. `pad` zero rows after the last part
     make it divisible (a vocabulary padded to a multiple of the degree). `dim` None: every rank holds the
-    whole tensor."""
+    whole tensor. `axis`: the mesh axis whose ranks split it: "tp", or "ep" (routed experts' stacked weights
+    in contiguous blocks along dim 0, parallel/expert.py); the arithmetic is the same."""
     rank: int
     degree: int
     dim: int | None = None
     parts: tuple[int, ...] = ()
     split: tuple[bool, ...] = ()
     pad: int = 0
+    axis: str = "tp"
 
     def _sizes(self) -> list[int]:
         sizes = list(self.parts)

@@ -136,16 +136,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.tp_async and p.cp > 1:
         raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
                           f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
-    # Strategies that are validated but not built yet are refused, never silently ignored.
-    if p.ep != 1:
-        raise ConfigError(f"parallel.ep = {p.ep!r} is not supported yet by this version of shardlm (only 1); the "
-                          "strategy is on the roadmap")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
 
 
 def check_experts(cfg: Config) -> None:
-    """What a mixture-of-experts model (model/moe.py) runs with today: one process or data parallelism (DDP,
-    ZeRO); expert, tensor, pipeline and context parallelism and LoRA come later (issue 44)."""
+    """What a mixture-of-experts model (model/moe.py) runs with today: one process, data parallelism (DDP,
+    ZeRO) and expert parallelism (parallel/expert.py) carved out of it; tensor, pipeline and context
+    parallelism with experts and LoRA come later (issue 44)."""
     m, p = cfg.model, cfg.parallel
     if m.arch != "llama":
         raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
@@ -153,12 +150,15 @@ def check_experts(cfg: Config) -> None:
     if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
         raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
                           f"none of the {m.num_layers} layers a mixture of experts")
-    for key, value, what in (("parallel.ep", p.ep, "expert parallelism"), ("parallel.tp", p.tp, "tensor parallelism"),
-                             ("parallel.pp", p.pp, "pipeline parallelism"), ("parallel.cp", p.cp, "context parallelism")):
+    for key, value, what in (("parallel.tp", p.tp, "tensor parallelism"), ("parallel.pp", p.pp, "pipeline parallelism"),
+                             ("parallel.cp", p.cp, "context parallelism")):
         if value > 1:
             raise ConfigError(f"{key} = {value} with model.num_experts = {m.num_experts}: {what} over experts is not "
-                              "supported yet; a mixture of experts trains on one process or with data parallelism "
-                              "(parallel.dp, DDP or ZeRO) for now")
+                              "supported yet; a mixture of experts trains on one process, with data parallelism "
+                              "(parallel.dp, DDP or ZeRO) and with expert parallelism (parallel.ep) for now")
+    if p.ep > 1 and p.offload != "none":
+        raise ConfigError(f"parallel.offload = {p.offload!r} with parallel.ep = {p.ep}: offloading the experts' "
+                          "group is not validated yet; use parallel.offload = 'none' or parallel.ep = 1")
     if cfg.lora.rank:
         raise ConfigError(f"lora.rank = {cfg.lora.rank} with model.num_experts = {m.num_experts}: adapters on a "
                           "mixture of experts are not supported yet")

@@ -11,7 +11,8 @@ routing (every token reaches its k experts: token copies sorted by expert, count
 stacked (`[E, out, in]`, gate and up fused as the dense MLP's `up` is) and run as grouped GEMMs, one kernel for
 all experts (`torch._grouped_mm`) where it runs, else a loop over experts. The auxiliary losses are kept per
 forward and added by the step's loop (parallel/forward_backward.py) scaled like their micro-batch's loss, so
-they are exact under gradient accumulation. Expert parallelism (`parallel.ep`) comes later, on these seams.
+they are exact under gradient accumulation. Expert parallelism (`parallel.ep`, parallel/expert.py) swaps in
+`run_experts`: the routing, the losses and the load stay this layer's, per rank's tokens.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         token = order // self.top_k
-        out = self.experts(x[token], counts, self.impl)
+        out = self.run_experts(x[token], counts)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:  # Qwen2-MoE: every token also through the shared expert, gated per token
@@ -119,6 +120,12 @@ class MoE(nn.Module):
         if self.training:  # evaluation and generation neither train on these nor count into the load
             self._record(logits, counts)
         return y.view(shape)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for token copies `rows` sorted by expert, counts[e] of them for expert e
+        (global ids); expert parallelism (parallel/expert.py) swaps in a layer that sends them to the ranks
+        holding their experts and back."""
+        return self.experts(rows, counts, self.impl)
 
     def _record(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
         # Computed on every run alike (recomputation must save the tensors the first run saved), kept from the

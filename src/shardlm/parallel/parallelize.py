@@ -5,7 +5,8 @@ parallelism (each sequence split over ranks, attention exchanging heads for it) 
 rest frozen) -> recomputation -> compilation -> data parallelism / ZeRO (the engine, over the trainable
 parameters, which materialises and initialises this rank's weights in its own buffers, as torchtitan's
 meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward, or a pipeline
-schedule). Expert parallelism will be a further transform in this list.
+schedule). Expert parallelism (each MoE layer's block of experts, all-to-all dispatch) follows context
+parallelism, on the meta device.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from . import build_engine
 from .async_tp import async_tensor_parallel, unavailable as async_tp_unavailable
 from .context import context_parallel
 from .engine import Engine
+from .expert import expert_parallel, gather_experts
 from .forward_backward import ForwardBackward
 from .lora import adapter_names, apply_lora
 from .qlora import is_nf4, plain, quantize_base, set_nf4
@@ -41,7 +43,7 @@ class Parallelized:
     engine: Engine
     forward_backward: ForwardBackward | PipelineSchedule
     mesh: DeviceMesh
-    specs: dict  # tensor-parallel shardings by parameter name (empty: no tensor parallelism)
+    specs: dict  # tensor- and expert-parallel shardings by parameter name (empty: neither)
 
     def symmetric_bytes(self) -> int:
         """Bytes in symmetric memory (the copy engines' buffers: gradient reductions, pipeline transfers),
@@ -55,15 +57,16 @@ class Parallelized:
         rank's lines only, over tensor parallelism onto its first rank, and over the pipeline's stages."""
         masters, optim = self.engine.gather_full_state()
         sharded = self.engine.frozen_state()  # a collective where ZeRO-3 shards a frozen base
+        device = next(self.model.parameters()).device
+        masters, optim = gather_experts(masters, optim, self.specs, self.mesh, device)  # over ep
         if masters is None or self.mesh.coord("dp") or self.mesh.coord("cp"):
             return None, None  # the first replica holds what the others hold
         # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
         masters = {**masters, **sharded, **{n: plain(p.detach()) for n, p in self.model.named_parameters()
                                             if not p.requires_grad and n not in sharded}}
-        if self.specs:
-            device = next(self.model.parameters()).device
-            masters = gather_full(masters, self.specs, self.mesh.tp_group, device)
-            optim = gather_full(optim, self.specs, self.mesh.tp_group, device)
+        if tp_specs := {n: s for n, s in self.specs.items() if s.axis == "tp"}:
+            masters = gather_full(masters, tp_specs, self.mesh.tp_group, device)
+            optim = gather_full(optim, tp_specs, self.mesh.tp_group, device)
             if masters is None:
                 return None, None
         if self.mesh.pp > 1:
@@ -118,6 +121,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         tensor_parallel(model, mesh.tp_group, p.sp)
     if mesh.cp > 1:
         context_parallel(model, mesh.group("cp"), p.cp_comm)
+    expert_parallel(model, mesh)  # each MoE layer's block of experts, dispatched by all-to-all (ep > 1)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype

@@ -134,4 +134,4 @@ def snapshot(parts, pin: bool) -> list[tuple[dict, torch.Tensor]]:
 
 def _spec_dict(spec: TPSharding) -> dict:
     return {"rank": spec.rank, "degree": spec.degree, "dim": spec.dim, "parts": list(spec.parts),
-            "split": list(spec.split), "pad": spec.pad}
+            "split": list(spec.split), "pad": spec.pad, "axis": spec.axis}

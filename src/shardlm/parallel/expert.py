@@ -1,0 +1,120 @@
+"""Expert parallelism (`parallel.ep`, carved out of dp x cp): each MoE layer's routed experts split over the
+ep group in contiguous blocks, tokens sent to the ranks that hold their experts and back (torchtitan's
+`token_dispatcher.py`, Megatron-core's alltoall dispatcher).
+
+`expert_parallel(model, mesh)` runs on the meta model, before the weights are materialised. Each MoE layer
+keeps experts [r E/ep, (r + 1) E/ep) of the stacked weights (`mlp.experts.up.weight` [E/ep, 2f, h],
+`mlp.experts.down.weight` [E/ep, h, f]), described by a sharding along dim 0 over the "ep" axis
+(sharding.TPSharding with axis "ep"), which everything that maps local to full reads: initialisation draws
+the full [E, ...] tensor and keeps the block (the values of one process's experts of those ids), sharded
+checkpoints record it per piece (any ep degree reassembles the full tensor), `Parallelized.gather_full_state`
+gathers the blocks over ep and `load_full_state` takes them. The experts' parameters are placed on the
+expert view (`DataPlacement(reduce="edp")`): their gradients, which already hold the tokens every ep rank
+sent them, are summed over edp and divided by dp x cp as the dense ones are. The router and the shared
+expert stay dense.
+
+The layer's dispatch becomes an all-to-all one (`ExpertParallelMoE.run_experts`), with these collectives
+over the ep group, each inside the step's forward (and again in a recomputed one):
+  1. `all_to_all_single` of the per-expert counts [E] (this rank's token copies for every expert, sorted by
+     expert already): each rank learns how many rows every peer sends each of its local experts;
+  2. `all_to_all_single` of the rows, variable-sized (dispatch), inside `_AllToAll`, whose backward is the
+     reverse exchange of the gradients;
+  3. the local experts' grouped GEMMs on what arrived, rows regrouped by local expert;
+  4. `all_to_all_single` of the outputs back (combine), again inside `_AllToAll`.
+Routing, the auxiliary losses and the load stay the layer's, on this rank's tokens, as at one process: the
+balance loss of a micro-batch is computed on that micro-batch's tokens at every layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model.moe import MoE, moe_layers
+from ..sharding import TPSharding
+from .placement import DataPlacement, gather_full, place, tag
+
+
+def expert_parallel(model: nn.Module, mesh) -> None:
+    """Split every MoE layer's routed experts over mesh axis "ep" (a no-op at ep 1); on the meta model."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return
+    group, rank = mesh.group("ep"), mesh.coord("ep")
+    for layer in moe_layers(model):
+        if layer.num_experts % ep:
+            raise ValueError(f"parallel.ep = {ep} must divide the {layer.num_experts} experts")
+        for linear in (layer.experts.up, layer.experts.down):
+            full = linear.weight
+            block = full.shape[0] // ep
+            linear.weight = nn.Parameter(torch.empty(block, *full.shape[1:], dtype=full.dtype, device=full.device),
+                                         requires_grad=full.requires_grad)
+            tag(linear, {"weight": TPSharding(rank, ep, 0, (full.shape[0],), (True,), axis="ep")})
+            place(linear, DataPlacement(reduce="edp"))
+        layer.__class__ = ExpertParallelMoE
+        layer.ep_group, layer.ep, layer.ep_rank = group, ep, rank
+
+
+class ExpertParallelMoE(MoE):
+    """A MoE layer whose routed experts are this rank's block of E/ep: token copies go to the ranks holding
+    their experts and come back by all-to-all (the module docstring's four steps)."""
+
+    ep_group = None
+    ep = 1
+    ep_rank = 0
+
+    @torch.compiler.disable  # host-side split sizes and collectives: run eagerly between compiled graphs
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, local = self.ep, self.num_experts // self.ep
+        # 1. counts exchanged: received[s, e] rows from rank s for local expert e.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+        received = received.view(ep, local)
+        send = counts.view(ep, local).sum(1).tolist()  # rows are sorted by expert, so by destination rank
+        recv = received.sum(1).tolist()
+        # 2. dispatch: rows arrive ordered by (source rank, local expert); regrouped by local expert (stable:
+        # each expert sees its rows in source-rank order) for the grouped GEMMs.
+        arrived = _AllToAll.apply(rows, recv, send, self.ep_group)
+        expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1))
+        order = expert_of.argsort(stable=True)
+        # 3. the local experts.
+        out = self.experts(arrived[order], received.sum(0), self.impl)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        # 4. combine: each output row back to the rank (and place) its token copy came from.
+        return _AllToAll.apply(out[back], send, recv, self.ep_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [N, d] exchanged over `group` by `all_to_all_single`: `send[r]` rows to rank r, `recv[r]` from
+    it; the backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _exchange(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def gather_experts(masters: dict | None, optim: dict | None, specs: dict, mesh, device):
+    """Full state (a rank's engines' masters and optimizer state by name, its experts' blocks as it holds
+    them) with the experts' blocks joined over ep onto the ep group's first rank (None, None on the others
+    and on ranks past the first expert replica, edp coordinate > 0, whose ep groups skip the gather)."""
+    if mesh.size("ep") == 1 or masters is None:
+        return masters, optim
+    if mesh.coord("edp"):
+        return None, None
+    ep_specs = {n: s for n, s in specs.items() if s.axis == "ep"}
+    group = mesh.group("ep")
+    masters = gather_full(masters, ep_specs, group, device)
+    optim = gather_full(optim, ep_specs, group, device)
+    return masters, optim

@@ -1,0 +1,73 @@
+"""Expert parallelism (parallel/expert.py): `mixtral-tiny` with its experts split over ep ranks trains as one
+process does in fp32 (losses, gradient norms, gathered weights, gradients and optimizer state), and a
+checkpoint saved at ep 2 resumes at one process on the same trajectory."""
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import ATOL, MODES, RTOL, equality_case, reference
+from shardlm.config import load_config, validate
+from shardlm.testing.distributed import run_distributed
+
+MOE = {"model.num_experts": "4", "model.top_k": "2", "train.moe_z_loss_coef": "0.001"}  # `tiny` made mixtral-tiny
+
+
+def check(results, ref, world, ep):
+    """Each rank against one process: an expert's owned slices are of its rank's block of experts, so they
+    sit at block (rank's ep coordinate) of the full tensor; together the ranks own every element once
+    (sharded) or each of its replicas, edp = world / ep of them, all of it."""
+    for r in results:
+        assert r["numel"] < ref["numel"]  # each rank holds its block of the experts only
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=RTOL, atol=0)
+    masters = results[0]["masters"]
+    assert masters.keys() == ref["masters"].keys()
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(masters[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    for key in ("grad", "state"):
+        covered = {}
+        for rank, r in enumerate(results):
+            for name, (lo, hi, got) in r[key].items():
+                full = ref[key][name][2]
+                if ".experts." in name:
+                    shift = (rank % ep) * full.numel() // ep  # ep innermost of dp: coordinate rank % ep
+                    lo, hi = lo + shift, hi + shift
+                torch.testing.assert_close(got, full[lo:hi], rtol=RTOL, atol=ATOL, msg=f"{key} {name}[{lo}:{hi}]")
+                covered[name] = covered.get(name, 0) + hi - lo
+        for name, (_, _, full) in ref[key].items():
+            replicas = world // ep if ".experts." in name else world
+            assert covered.get(name, 0) in (full.numel(), replicas * full.numel()), (key, name, covered.get(name))
+
+
+@pytest.mark.parametrize("world, mode", [(2, "ddp"), (2, "zero1"), (2, "zero3"), (4, "ddp"), (4, "zero1")])
+def test_expert_parallel_equals_one_process(world, mode):
+    """ep 2 at dp 2 (each rank its two experts, edp 1) and at dp 4 (edp 2: each block of experts on two
+    ranks, reduced over them with dp's divisor); two micro-batches a rank (one at world 4: the batch is 8)."""
+    common = {**equality_case("adamw", world), **MOE}
+    if world == 4:
+        common["train.micro_batch_size"] = "1"
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world), "parallel.ep": "2"}, timeout=300)
+    check(results, reference(common), world, 2)
+
+
+def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
+    """Saved at ep 2 (dp 2, ZeRO-1, sharded: each rank's pieces of its experts with their ep sharding),
+    resumed at one process: the remaining steps' losses are the uninterrupted run's."""
+    over = {**MOE, "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5"}
+    full = run_distributed(dist_fns.train_and_capture, 2,
+                           {**over, "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"},
+                           str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), ckpt)
+    assert resumed["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-5)
+    # The weights at the end: the run resumed at one process equals the ep 2 run, expert by expert.
+    for name, value in full[0]["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_config_allows_ep_within_data_parallelism_only():
+    validate(load_config("mixtral-tiny", {"parallel.dp": "4", "parallel.ep": "2", "train.micro_batch_size": "1"}),
+             world_size=4)
+    validate(load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "3"}),
+             world_size=2)
