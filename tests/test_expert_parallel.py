@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dist_fns
-from dp_cases import ATOL, MODES, RTOL, equality_case, reference
+from dp_cases import ATOL, MODES, OFFLOADED, RTOL, equality_case, reference
 from shardlm.config import load_config, validate
 from shardlm.testing.distributed import run_distributed
 
@@ -39,7 +39,8 @@ def check(results, ref, world, ep):
             assert covered.get(name, 0) in (full.numel(), replicas * full.numel()), (key, name, covered.get(name))
 
 
-@pytest.mark.parametrize("world, mode", [(2, "ddp"), (2, "zero1"), (2, "zero3"), (4, "ddp"), (4, "zero1")])
+@pytest.mark.parametrize("world, mode", [(2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "zero3"), (4, "ddp"), (4, "zero1"),
+                                         (4, "zero3"), (2, "zero2-offload"), (2, "zero3-offload"), (4, "zero1-offload")])
 def test_expert_parallel_equals_one_process(world, mode):
     """ep 2 at dp 2 (each rank its two experts, edp 1) and at dp 4 (edp 2: each block of experts on two
     ranks, reduced over them with dp's divisor); two micro-batches a rank (one at world 4: the batch is 8)."""
@@ -47,7 +48,7 @@ def test_expert_parallel_equals_one_process(world, mode):
     if world == 4:
         common["train.micro_batch_size"] = "1"
     results = run_distributed(dist_fns.train_and_capture, world,
-                              {**common, **MODES[mode], "parallel.dp": str(world), "parallel.ep": "2"}, timeout=300)
+                              {**common, **{**MODES, **OFFLOADED}[mode], "parallel.dp": str(world), "parallel.ep": "2"}, timeout=300)
     check(results, reference(common), world, 2)
 
 
@@ -66,8 +67,50 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_checkpoint_saved_at_ep_4_resumes_at_ep_2_x_edp_2(tmp_path, fmt):
+    """Saved at ep 4 (dp 4, ZeRO-1: one expert a rank), resumed at ep 2 with two replicas of each block (dp 4,
+    ZeRO-3): the remaining steps' losses are the uninterrupted run's."""
+    over = {**MOE, "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.micro_batch_size": "1", "parallel.dp": "4", "train.checkpoint_format": fmt}
+    full = run_distributed(dist_fns.train_and_capture, 4, {**over, "parallel.ep": "4", "parallel.zero_stage": "1"},
+                           str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    resumed = run_distributed(dist_fns.train_and_capture, 4,
+                              {**over, "parallel.ep": "2", "parallel.zero_stage": "3", **MODES["zero3"]},
+                              str(tmp_path / "b"), ckpt, timeout=300)
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-5)
+    for name, value in full[0]["masters"].items():
+        torch.testing.assert_close(resumed[0]["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_config_allows_ep_within_data_parallelism_only():
     validate(load_config("mixtral-tiny", {"parallel.dp": "4", "parallel.ep": "2", "train.micro_batch_size": "1"}),
              world_size=4)
     validate(load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "3"}),
              world_size=2)
+
+
+def test_expert_parallel_with_recomputation_evaluation_and_a_sample():
+    """Full recomputation runs the all-to-alls again inside backward; evaluation and the closing sample run
+    the dispatch on every rank (each rank the same batches): losses, eval losses and weights equal one
+    process's."""
+    common = {**equality_case("adamw", 2), **MOE, "train.recompute": "full", "train.eval_every": "2",
+              "train.sample_tokens": "4"}
+    results = run_distributed(dist_fns.train_and_capture, 2,
+                              {**common, "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"},
+                              timeout=300)
+    ref = reference(common)
+    assert ref["eval_losses"] and results[0]["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-5)
+    check(results, ref, 2, 2)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_at_ep_2_equal_eager():
+    """train.compile: the dispatch (host-side split sizes, all-to-alls) runs eagerly between the graphs."""
+    common = {**equality_case("adamw", 2), **MOE, "train.steps": "2", "parallel.dp": "2", "parallel.ep": "2"}
+    eager = run_distributed(dist_fns.train_and_capture, 2, common, timeout=300)
+    compiled = run_distributed(dist_fns.train_and_capture, 2, {**common, "train.compile": "true"}, timeout=600)
+    torch.testing.assert_close(compiled[0]["losses"], eager[0]["losses"], rtol=RTOL, atol=0)
+    for name, value in eager[0]["masters"].items():
+        torch.testing.assert_close(compiled[0]["masters"][name], value, rtol=RTOL, atol=ATOL, msg=name)

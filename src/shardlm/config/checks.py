@@ -156,9 +156,12 @@ def check_experts(cfg: Config) -> None:
             raise ConfigError(f"{key} = {value} with model.num_experts = {m.num_experts}: {what} over experts is not "
                               "supported yet; a mixture of experts trains on one process, with data parallelism "
                               "(parallel.dp, DDP or ZeRO) and with expert parallelism (parallel.ep) for now")
-    if p.ep > 1 and p.offload != "none":
-        raise ConfigError(f"parallel.offload = {p.offload!r} with parallel.ep = {p.ep}: offloading the experts' "
-                          "group is not validated yet; use parallel.offload = 'none' or parallel.ep = 1")
+    if p.ep > 1 and p.delayed_update:
+        raise ConfigError(f"parallel.delayed_update = True with parallel.ep = {p.ep}: the delayed update of two "
+                          "parameter groups (dense and experts) is not validated yet; use parallel.delayed_update = False")
+    if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
+        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
+                          "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
     if cfg.lora.rank:
         raise ConfigError(f"lora.rank = {cfg.lora.rank} with model.num_experts = {m.num_experts}: adapters on a "
                           "mixture of experts are not supported yet")
