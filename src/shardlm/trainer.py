@@ -374,7 +374,7 @@ class Trainer:
             # destroy_process_group drops only torch's own references to the groups: the engine's (its
             # optimizer's, ZeRO-3's hooks on the model) would keep them, and their gloo threads, for the
             # garbage collector at interpreter shutdown. Release them now, while Python still runs.
-            self.engine = self.model = self.forward_backward = self.parallel = None
+            self.engine = self.model = self.forward_backward = self.parallel = self.saver = None
             self.mesh.release_groups()
             self.host_group = None
             gc.collect()
