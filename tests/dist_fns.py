@@ -754,3 +754,42 @@ def save_memory(rank, world, overrides: dict, out_dir):
     before, start = kib("VmRSS"), time.perf_counter()
     trainer.save()
     return kib("VmHWM") - before, held, time.perf_counter() - start
+
+
+def expert_parallel_layer(rank, world, routing: str):
+    """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
+    them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16). `routing`: "natural", or
+    "one-rank" (every token to experts 0 and 1, rank 0's: the others receive nothing). Returns this rank's
+    outputs, its experts' gradients (of every rank's tokens) and the router's summed over ranks."""
+    from shardlm.config import load_config
+    from shardlm.mesh import build_mesh
+    from shardlm.model import Decoder
+    from shardlm.parallel.expert import expert_parallel
+    cfg = load_config("tiny", {"model.num_experts": "4", "model.top_k": "2"}).model
+    mesh = build_mesh(dp=world, ep=world)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    expert_parallel(model, mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.init_parameter(name, p, seed=3)
+    layer = model.layers["0"].mlp
+    if routing == "one-rank":
+        route = layer.route
+
+        def forced(x):
+            logits, experts, weights = route(x)
+            return logits, torch.tensor([0, 1]).expand_as(experts), weights
+        layer.route = forced
+    g = torch.Generator().manual_seed(5)
+    x_all, w_all = torch.randn(16, cfg.hidden_size, generator=g), torch.randn(16, cfg.hidden_size, generator=g)
+    mine = slice(0, 16) if world == 1 else slice(8 * rank, 8 * (rank + 1))
+    x = x_all[mine].clone().requires_grad_()
+    y = layer(x)
+    (y * w_all[mine]).sum().backward()
+    router = layer.router.weight.grad.clone()
+    if world > 1:
+        dist.all_reduce(router)
+    return {"y": y.detach(), "x_grad": x.grad, "router": router,
+            "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad}

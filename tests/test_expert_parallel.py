@@ -114,3 +114,20 @@ def test_compiled_blocks_at_ep_2_equal_eager():
     torch.testing.assert_close(compiled[0]["losses"], eager[0]["losses"], rtol=RTOL, atol=0)
     for name, value in eager[0]["masters"].items():
         torch.testing.assert_close(compiled[0]["masters"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("routing", ["natural", "one-rank"])
+def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing):
+    """One MoE layer at ep 2: each rank's outputs and input gradients, its block of the experts' gradients and
+    the router's (summed) equal one process's on the same tokens; with every token routed to rank 0's experts
+    rank 1 receives no rows and still takes part in each exchange."""
+    ref = dist_fns.expert_parallel_layer(0, 1, routing)  # both ranks' 16 tokens at one process
+    for rank, r in enumerate(run_distributed(dist_fns.expert_parallel_layer, 2, routing, timeout=120)):
+        rows = slice(8 * rank, 8 * (rank + 1))
+        torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-6)
+        for name in ("up", "down"):
+            torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
+            if routing == "one-rank" and rank == 1:
+                assert not r[name].any()
