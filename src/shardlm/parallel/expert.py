@@ -70,12 +70,13 @@ class ExpertParallelMoE(MoE):
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
         received = received.view(ep, local)
-        send = counts.view(ep, local).sum(1).tolist()  # rows are sorted by expert, so by destination rank
-        recv = received.sum(1).tolist()
+        # The split sizes on the host, one sync for both: rows are sorted by expert, so by destination rank.
+        send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
         # 2. dispatch: rows arrive ordered by (source rank, local expert); regrouped by local expert (stable:
         # each expert sees its rows in source-rank order) for the grouped GEMMs.
         arrived = _AllToAll.apply(rows, recv, send, self.ep_group)
-        expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1))
+        expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1),
+                                            output_size=sum(recv))
         order = expert_of.argsort(stable=True)
         # 3. the local experts.
         out = self.experts(arrived[order], received.sum(0), self.impl)
