@@ -39,12 +39,14 @@ def check(results, ref, world, ep):
             assert covered.get(name, 0) in (full.numel(), replicas * full.numel()), (key, name, covered.get(name))
 
 
-@pytest.mark.parametrize("world, mode", [(2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "zero3"), (4, "ddp"), (4, "zero1"),
-                                         (4, "zero3"), (2, "zero2-offload"), (2, "zero3-offload"), (4, "zero1-offload")])
-def test_expert_parallel_equals_one_process(world, mode):
+@pytest.mark.parametrize("world, mode, optimizer", [
+    (2, "ddp", "adamw"), (2, "zero1", "adamw"), (2, "zero2", "adamw"), (2, "zero3", "adamw"), (4, "ddp", "adamw"),
+    (4, "zero1", "adamw"), (4, "zero3", "adamw"), (2, "zero2-offload", "adamw"), (2, "zero3-offload", "adamw"),
+    (4, "zero1-offload", "adamw"), (2, "ddp", "sgd"), (4, "zero3", "sgd")])
+def test_expert_parallel_equals_one_process(world, mode, optimizer):
     """ep 2 at dp 2 (each rank its two experts, edp 1) and at dp 4 (edp 2: each block of experts on two
     ranks, reduced over them with dp's divisor); two micro-batches a rank (one at world 4: the batch is 8)."""
-    common = {**equality_case("adamw", world), **MOE}
+    common = {**equality_case(optimizer, world), **MOE}
     if world == 4:
         common["train.micro_batch_size"] = "1"
     results = run_distributed(dist_fns.train_and_capture, world,
