@@ -54,6 +54,15 @@ def test_expert_parallel_equals_one_process(world, mode, optimizer):
     check(results, reference(common), world, 2)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_ep_4_equals_one_process(mode):
+    """ep 4 at dp 4: one expert a rank (edp 1), each exchange among four ranks."""
+    common = {**equality_case("adamw", 4), **MOE, "train.micro_batch_size": "1"}
+    results = run_distributed(dist_fns.train_and_capture, 4,
+                              {**common, **MODES[mode], "parallel.dp": "4", "parallel.ep": "4"}, timeout=300)
+    check(results, reference(common), 4, 4)
+
+
 def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
     """Saved at ep 2 (dp 2, ZeRO-1, sharded: each rank's pieces of its experts with their ep sharding),
     resumed at one process: the remaining steps' losses are the uninterrupted run's."""
