@@ -100,3 +100,21 @@ def assert_same_export(run: Path, reference: Path, out: Path, rtol: float, atol:
     assert got.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=rtol, atol=atol, msg=name)
+
+
+def matched_to_transformers(kind: str, tmp_path: Path):
+    """A tiny transformers model of `kind`, saved and read back as shardlm's: (theirs, ours, our config, our
+    state, token ids, their logits), after checking that ours gives the same logits (fp32, atol 1e-5)."""
+    from shardlm.model import build_model
+    from shardlm.model.hf import read_hf_dir
+    ref = hf_model(kind)
+    ref.save_pretrained(tmp_path / "hf")
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state, strict=True)
+    ours.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = ref(ids).logits, ours(ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    return ref, ours, cfg, state, ids, expected

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from helpers import hf_model
+from helpers import hf_model, matched_to_transformers
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
@@ -19,17 +19,7 @@ KINDS = ["llama", "llama3", "llama_tied", "qwen2", "qwen2_window", "mistral", "m
 def test_logits_match_transformers_and_export_roundtrips(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    ref = hf_model(kind)
-    ref.save_pretrained(tmp_path / "hf")
-    cfg, state = read_hf_dir(tmp_path / "hf")
-    ours = build_model(cfg, init=False)
-    ours.load_state_dict(state, strict=True)
-    ours.eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected, got = ref(ids).logits, ours(ids)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-
+    _, ours, cfg, state, ids, expected = matched_to_transformers(kind, tmp_path)
     write_hf_dir(ours.state_dict(), cfg, tmp_path / "export")
     cfg2, state2 = read_hf_dir(tmp_path / "export")
     assert cfg2 == cfg

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import dist_fns
 from dp_cases import MODES, check_against_reference, equality_case, reference
-from helpers import hf_model
+from helpers import matched_to_transformers
 from shardlm.config import ConfigError, load_config
 from shardlm.config.checks import validate
 from shardlm.model import build_model
@@ -252,18 +252,9 @@ def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(k
     from shardlm.inference import Engine, Request, generate_ids
     from shardlm.model.hf import read_hf_dir, write_hf_dir
 
-    ref = hf_model(kind)
-    ref.save_pretrained(tmp_path / "hf")
-    cfg, state = read_hf_dir(tmp_path / "hf")
+    ref, ours, cfg, state, ids, expected = matched_to_transformers(kind, tmp_path)
     assert cfg.num_experts == 4 and [cfg.is_moe_layer(i) for i in range(2)] == ([True, True] if kind == "mixtral"
                                                                                  else [False, True])
-    ours = build_model(cfg, init=False)
-    ours.load_state_dict(state, strict=True)
-    ours.eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected, got = ref(ids).logits, ours(ids)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     prompts = [ids[0, :5].tolist(), ids[1, :9].tolist()]
     want = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
