@@ -1,0 +1,165 @@
+"""Checkpoint speed and host memory: shardlm's sharded save and load beside torch.distributed.checkpoint (DCP)
+saving the same tensors, and what an asynchronous save costs the steps it overlaps.
+
+    python bench/checkpoint.py --gpus 2 [--preset llama2-7b] [--layout zero3] [--dir /local/nvme] [--record FILE]
+
+Each system runs as its own `torchrun --nproc-per-node GPUS` job, after two training steps (so the AdamW state
+exists), bf16 with fp32 masters:
+- shardlm: `Trainer.save` (each rank writes its pieces; rank 0 commits) then a resume's load of the same
+  checkpoint into the same layout (`load_checkpoint` + `load_full_state`);
+- dcp: `torch.distributed.checkpoint.save` / `load` of exactly the tensors shardlm writes (each rank's pieces
+  of the fp32 masters and moments, keyed by rank, so each is written once by its owner);
+- shardlm-async: step time over `--steps` steps with an asynchronous save started at the first of them,
+  against the same number of steps without one.
+A rank's peak host memory is its resident set's high-water mark over the save (reset just before it, Linux's
+/proc/self/clear_refs), minus its resident set then. `--device cpu` is a smoke run on gloo (tiny presets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from common import driver_args, forwarded, job_env, record, run_systems
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ("shardlm", "dcp", "shardlm-async")
+LAYOUTS = {"zero3": {"parallel.zero_stage": "3"}, "zero1": {"parallel.zero_stage": "1"},
+           "tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}, "tp2pp2": {"parallel.tp": "2", "parallel.pp": "2"}}
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _kib("VmRSS")
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from shardlm.checkpoint import load_checkpoint
+    from shardlm.config import load_config
+    from shardlm.parallel.sharded_state import pieces
+    from shardlm.trainer import Trainer
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    layout = dict(LAYOUTS[args.layout])
+    rest = world // (int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.pp", 1)))
+    steps = max(args.steps, 2)
+    cfg = load_config(args.preset, {**layout, "parallel.dp": str(rest), "train.seq_len": str(args.seq),
+                                    "train.micro_batch_size": "1", "train.global_batch_size": str(rest * 2),
+                                    "train.steps": "1000000", "train.tensorboard": "false", "train.device": args.device,
+                                    "train.precision": "bf16" if args.device == "cuda" else "fp32",
+                                    "train.checkpoint_async": str(args.system == "shardlm-async").lower()})
+    out = Path(args.dir) / f"bench-checkpoint-{args.system}"
+    trainer = Trainer(cfg, out_dir=out if args.system != "dcp" else None, log=lambda *a: None, overwrite=True)
+
+    def step():
+        trainer.train_step()
+        trainer.step += 1
+    for _ in range(2):
+        step()
+    trainer.engine.wait_for_weights()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    row = {"system": args.system, "gpus": world, "layout": args.layout}
+    if args.system == "shardlm-async":
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        row["step_s"] = (time.perf_counter() - t) / steps
+        t = time.perf_counter()
+        trainer.save(wait=False)
+        for _ in range(steps):
+            step()
+            trainer.saver.poll()
+        sync()
+        row["step_s_saving"] = (time.perf_counter() - t) / steps
+        trainer.saver.finish()
+        row["overhead"] = row["step_s_saving"] / row["step_s"] - 1
+    else:
+        buffer = cfg.train.checkpoint_buffer_mb * 2**20
+        mine = {f"{rank}/{e['key']}": v for e, v in pieces(trainer.engine, trainer.model, trainer.parallel.mesh, buffer)}
+        written = sum(v.numel() * v.element_size() for v in mine.values())
+        before = _reset_peak()
+        if dist.is_initialized():
+            dist.barrier()
+        t = time.perf_counter()
+        if args.system == "shardlm":
+            trainer.save()
+        else:
+            import torch.distributed.checkpoint as dcp
+            dcp.save(mine, checkpoint_id=str(out))
+        if dist.is_initialized():
+            dist.barrier()
+        row["save_s"] = time.perf_counter() - t
+        grown = _kib("VmHWM") - before
+        t = time.perf_counter()
+        if args.system == "shardlm":
+            ckpt = load_checkpoint(out, log=lambda *a: None)
+            trainer.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
+        else:
+            dcp.load(mine, checkpoint_id=str(out))
+        sync()
+        if dist.is_initialized():
+            dist.barrier()
+        row["load_s"] = time.perf_counter() - t
+        stats = torch.tensor([float(written), float(grown), float(written)], dtype=torch.float64)
+        if dist.is_initialized():
+            total = stats[:1].clone()
+            dist.all_reduce(total)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            stats[0] = total[0]
+        row.update({"gb": stats[0].item() / 1e9, "save_gb_s": stats[0].item() / 1e9 / row["save_s"],
+                    "load_gb_s": stats[0].item() / 1e9 / row["load_s"], "peak_host_gib": stats[1].item() / 2**30,
+                    "shard_gib": stats[2].item() / 2**30})
+    if rank == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    trainer.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--layout", default="zero3", choices=sorted(LAYOUTS))
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4, help="shardlm-async: steps timed with and without a save")
+    p.add_argument("--dir", default="/tmp", help="where the checkpoints are written (a local disk)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (tiny presets)")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    driver_args(p, timeout=600)
+    args = p.parse_args()
+    if args.system:
+        return worker(args)
+    own = forwarded(args, ("preset", "layout", "seq", "steps", "dir", "device"))
+    env = job_env(ROOT)
+    if args.device == "cpu":
+        env = {**env, "CUDA_VISIBLE_DEVICES": ""}
+    rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: own, env, args.timeout, args.budget)
+    print(f"\n{args.preset}, {args.layout} over {args.gpus} ranks ({args.device})")
+    print(f"{'system':<16}{'GB':>8}{'save s':>9}{'GB/s':>8}{'load s':>9}{'host GiB':>10}{'shard GiB':>11}{'overhead':>10}")
+    for r in rows:
+        if "save_s" in r:
+            print(f"{r['system']:<16}{r['gb']:>8.1f}{r['save_s']:>9.2f}{r['save_gb_s']:>8.2f}{r['load_s']:>9.2f}"
+                  f"{r['peak_host_gib']:>10.2f}{r['shard_gib']:>11.2f}{'-':>10}")
+        else:
+            print(f"{r['system']:<16}{'-':>8}{'-':>9}{'-':>8}{'-':>9}{'-':>10}{'-':>11}{100 * r['overhead']:>9.1f}%")
+    if args.record and args.device == "cuda":
+        import torch
+        record(args.record, "checkpoint", torch.cuda.get_device_name(), args.gpus,
+               [{"model": args.preset, "seq": args.seq, "micro_batch": 1, "tok_s_gpu": None, "mfu": None,
+                 "peak_mem_gib": None, **r, "command": f"python bench/checkpoint.py --gpus {args.gpus} --preset "
+                                                        f"{args.preset} --layout {args.layout}"} for r in rows])
+
+
+if __name__ == "__main__":
+    main()
