@@ -217,7 +217,9 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
             "masters": {k: v.float().cpu() for k, v in masters.items()} if masters is not None else None,
             "grad": captured.get("grad", {}), "state": engine.owned_shards(key),
-            "bytes": captured["bytes"], "numel": sum(e.flat.numel for e in engine.group_engines())}
+            "bytes": captured["bytes"], "numel": sum(e.flat.numel for e in engine.group_engines()),
+            "moe": [{k: v for k, v in r.items() if k.startswith("moe/")} for r in records],
+            "router_bias": trainer.moe.state()}
 
 
 def zero3_residency(rank, world):

@@ -94,4 +94,14 @@ def format_line(r: dict) -> str:
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {r['mem_gib']:.2f} GiB"
             + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else "")
             + (f" | untrained {r['untrained_steps']}" if r.get("untrained_steps") else "")
-            + (f" | disk {r['disk_gb_s']:.2f} GB/s" if r.get("disk_gb_s") is not None else ""))
+            + (f" | disk {r['disk_gb_s']:.2f} GB/s" if r.get("disk_gb_s") is not None else "") + _moe(r))
+
+
+def _moe(r: dict) -> str:
+    """The MoE layers in one part: the worst layer's max / mean expert load, the dropped token copies summed
+    over the layers (per layer in metrics.jsonl and TensorBoard, keys moe/layer{i}/...)."""
+    loads = [v for k, v in r.items() if k.startswith("moe/") and k.endswith("/max_over_mean")]
+    if not loads:
+        return ""
+    dropped = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/dropped"))
+    return f" | moe max/mean {max(loads):.2f}" + (f" dropped {dropped}" if dropped else "")

@@ -30,6 +30,7 @@ from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at
+from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
@@ -107,6 +108,7 @@ class Trainer:
             # kernel (scores in memory): the memory-efficient kernel, K/V repeated per head, takes the mask.
             self.model.set_attention("efficient")
         self.forward_backward = self.parallel.forward_backward
+        self.moe = MoEBalance(self.model, self.mesh, cfg.model)  # router bias, per-layer load statistics
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
@@ -191,6 +193,7 @@ class Trainer:
         self.untrained_steps = ckpt["state"].get("untrained_steps", 0)
         self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
+        self.moe.load(ckpt["state"].get("router_bias"))
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
@@ -225,6 +228,7 @@ class Trainer:
         if self.cfg.train.precision == "fp16":
             refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        self.moe.after_step()  # DeepSeek-V3's bias update, on the global batch's loads
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
             done.record()
@@ -269,7 +273,8 @@ class Trainer:
         if self.out is None:
             return None
         state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
-                 "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps}
+                 "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
+                 "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):
             return self.saver.save(self.step, state, wait)
 
@@ -321,6 +326,7 @@ class Trainer:
                     if self.cfg.data.skip_untrained:
                         rec["untrained_steps"] = self.untrained_steps
                     rec.update(self.engine.metrics())
+                    rec.update(self.moe.stats())  # per MoE layer, over the global batch
                     if do_eval:
                         with self._guard(f"the evaluation at step {self.step}"):
                             rec["eval_loss"] = self.evaluate()

@@ -48,7 +48,7 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
                 "parallel.offload_threads", "lora.rank", "model.moe_ffn_hidden_size",
                 "model.shared_expert_ffn_hidden_size", "model.moe_first_dense", "train.moe_aux_loss_coef",
-                "train.moe_z_loss_coef")
+                "train.moe_z_loss_coef", "model.capacity_factor", "model.router_bias_update_rate")
 
 
 ROPE_KEYS = {"default": (), "linear": ("factor",),

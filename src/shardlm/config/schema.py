@@ -43,6 +43,8 @@ class ModelConfig(ModelShapes):
     moe_first_dense: int = 0       # the first layers keep the dense MLP (DeepSeek's first_k_dense_replace)
     router_scoring: str = "softmax"  # softmax (Mixtral, Qwen2-MoE) | sigmoid (DeepSeek-V3)
     router_renormalize: bool = True  # the top-k scores divided by their sum (Mixtral; Qwen2-MoE's norm_topk_prob)
+    capacity_factor: float = 0.0   # Switch/GShard capacity per expert per sequence, ceil(f x seq x top_k / experts); 0: dropless
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balance: the selection bias's step; 0: off
     init_std: float = 0.02
 
 

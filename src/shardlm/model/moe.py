@@ -13,6 +13,18 @@ all experts (`torch._grouped_mm`) where it runs, else a loop over experts. The a
 forward and added by the step's loop (parallel/forward_backward.py) scaled like their micro-batch's loss, so
 they are exact under gradient accumulation. Expert parallelism (`parallel.ep`, parallel/expert.py) swaps in
 `run_experts`: the routing, the losses and the load stay this layer's, per rank's tokens.
+
+Dropless is the default. `model.capacity_factor` > 0 gives the Switch Transformer's (Fedus et al. 2021) and
+GShard's (Lepikhin et al. 2020) expert capacity, counted per sequence rather than per rank's batch, as
+ceil(factor x seq_len x k / E) copies per expert per sequence: which copies are dropped then turns on each
+sequence's routing alone, the same at every dp, ep and micro-batching (a per-batch capacity would drop
+different tokens at each layout). Priority by position (GShard's order, Megatron-core's drop policy
+"position"; deterministic, unlike a priority by probability it needs no second sort over near-equal fp32
+scores); a dropped copy adds nothing and its token keeps the residual path and its other experts. Training
+only: evaluation and generation run dropless, as the exported Hugging Face model does.
+`model.router_bias_update_rate` > 0 adds DeepSeek-V3's selection bias (Liu et al. 2024: auxiliary-loss-free
+balancing) to the scores for the top-k choice only; parallel/moe_balance.py updates it after each step from
+the global batch's loads, and gathers the per-layer statistics recorded here (`stats`) for the logs.
 """
 from __future__ import annotations
 
@@ -88,8 +100,14 @@ class MoE(nn.Module):
         if shared:
             self.shared_gate.init_std = cfg.init_std
         self.impl = "auto"  # auto | grouped | loop: how the experts' GEMMs run (tests compare them)
+        self.capacity_factor, self.bias_rate = cfg.capacity_factor, cfg.router_bias_update_rate
+        # DeepSeek-V3's selection bias [E] (fp32; None when off): a plain attribute, not a parameter or buffer,
+        # made on the first forward's device; saved in the trainer's state (parallel/moe_balance.py).
+        self.router_bias: torch.Tensor | None = None
         self.balance_loss = self.z_loss = None
         self.load: torch.Tensor | None = None  # tokens per expert since the last take_load (int64, [E])
+        self.stats: torch.Tensor | None = None  # since the last take_stats, fp64 [routed E | kept E | probs E | T]
+        self.step_routed: torch.Tensor | None = None  # token copies routed per expert this step (the bias's input)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens x [T, h]: the fp32 router logits [T, E], the chosen experts [T, k] and their weights
@@ -97,7 +115,13 @@ class MoE(nn.Module):
         # fp32 logits: in bf16 near-equal scores round to ties and the top-k choice turns on rounding.
         logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.bias_rate > 0:  # DeepSeek-V3: the bias chooses the experts, the unbiased scores weigh them
+            if self.router_bias is None:
+                self.router_bias = torch.zeros(self.num_experts, device=x.device)
+            experts = (scores + self.router_bias).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        else:
+            weights, experts = scores.topk(self.top_k, dim=-1)
         if self.renormalize:  # Mixtral: softmax over the chosen k; DeepSeek-V3 likewise for sigmoid scores
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
         return logits, experts, weights
@@ -109,16 +133,25 @@ class MoE(nn.Module):
         # Dropless dispatch: the T k token copies sorted by expert (stable, so each expert sees its tokens in
         # sequence order), run as one grouped GEMM per linear, weighted, and summed back into their tokens.
         flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = torch.bincount(flat, minlength=self.num_experts)
+        if self.capacity_factor > 0 and self.training:  # Switch/GShard: at most `capacity` copies per sequence
+            seq_len = shape[-2] if len(shape) > 2 else x.shape[0]
+            capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
+            kept = capacity_keep(flat, seq_len * self.top_k, capacity, self.num_experts).nonzero().squeeze(1)
+            order = kept[flat[kept].argsort(stable=True)]  # a host sync for the kept count
+            counts = torch.bincount(flat[kept], minlength=self.num_experts)
+        else:
+            order, counts = flat.argsort(stable=True), routed
         token = order // self.top_k
         out = self.run_experts(x[token], counts)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
+        # A dropped copy adds nothing: its token keeps the residual path and its other experts' outputs, with
+        # their weights as routed (not renormalised over the survivors: Switch, GShard, Megatron-core).
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:  # Qwen2-MoE: every token also through the shared expert, gated per token
             y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         if self.training:  # evaluation and generation neither train on these nor count into the load
-            self._record(logits, counts)
+            self._record(logits, routed, counts)
         return y.view(shape)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -127,20 +160,44 @@ class MoE(nn.Module):
         holding their experts and back."""
         return self.experts(rows, counts, self.impl)
 
-    def _record(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
+    def _record(self, logits: torch.Tensor, routed: torch.Tensor, counts: torch.Tensor) -> None:
         # Computed on every run alike (recomputation must save the tensors the first run saved), kept from the
         # first only: a recomputed forward (full recomputation) runs inside backward, after the step read them.
-        losses = balance_loss(logits, counts, self.top_k, self.scoring), z_loss(logits)
+        # The balance loss and the bias see the router's choice (routed, before any drop), as Megatron-core's.
+        losses = balance_loss(logits, routed, self.top_k, self.scoring), z_loss(logits)
         if in_backward():
             return
         self.balance_loss, self.z_loss = losses
-        counts = counts.detach()
+        counts, routed = counts.detach(), routed.detach()
         self.load = counts if self.load is None else self.load + counts
+        with torch.no_grad():
+            probs = logits.softmax(-1) if self.scoring == "softmax" else _normalised(logits.sigmoid())
+            tokens = torch.tensor([logits.shape[0]], dtype=torch.float64, device=logits.device)
+            stats = torch.cat([routed.double(), counts.double(), probs.double().sum(0), tokens])
+        self.stats = stats if self.stats is None else self.stats + stats
+        if self.bias_rate > 0:
+            self.step_routed = routed if self.step_routed is None else self.step_routed + routed
 
     def take_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call ([E], int64), and start counting anew."""
         load, self.load = self.load, None
         return load
+
+
+def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, num_experts: int) -> torch.Tensor:
+    """Which token copies (`flat` [T k], the chosen expert of each, token-major) an expert of capacity
+    `capacity` per sequence keeps ([T k] bool). Priority by position (GShard's and the Switch Transformer's
+    order; Megatron-core's drop policy "position"): within each sequence an expert takes its copies in token
+    order and drops those past its capacity. Decided by each sequence's routing alone, so the same copies are
+    dropped however sequences are grouped into ranks (dp, ep) and micro-batches."""
+    slot = torch.arange(flat.numel(), device=flat.device)
+    key = (slot // copies_per_sequence) * num_experts + flat  # (sequence, expert)
+    order = key.argsort(stable=True)  # grouped by (sequence, expert), in position order within each
+    sizes = torch.bincount(key, minlength=1)
+    start = sizes.cumsum(0) - sizes
+    rank = torch.empty_like(order)
+    rank[order] = slot - start[key[order]]  # a copy's place in its expert's queue within its sequence
+    return rank < capacity
 
 
 def balance_loss(logits: torch.Tensor, counts: torch.Tensor, k: int, scoring: str = "softmax") -> torch.Tensor:

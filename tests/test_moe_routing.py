@@ -1,0 +1,181 @@
+"""Capacity routing (model.capacity_factor: Switch Transformer, GShard), DeepSeek-V3's auxiliary-loss-free
+router bias (model.router_bias_update_rate, parallel/moe_balance.py) and the per-layer MoE statistics the
+trainer logs: each layout-free (dp, ep, micro-batching) and equal to one process."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import RTOL, equality_case, reference
+from shardlm.config import load_config
+from shardlm.metrics import format_line
+from shardlm.model.moe import MoE, capacity_keep
+from shardlm.testing.distributed import run_distributed
+
+MOE = {"model.num_experts": "4", "model.top_k": "2", "train.moe_z_loss_coef": "0.001"}
+CAPACITY = {**MOE, "model.capacity_factor": "1.0"}
+BIAS = {**MOE, "model.router_bias_update_rate": "0.01"}
+
+
+def layer(seed=0, **changes):
+    torch.manual_seed(seed)
+    m = MoE(dataclasses.replace(load_config("mixtral-tiny").model, **changes), 0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.1)
+    return m.train()
+
+
+def test_capacity_keeps_each_sequences_first_copies_by_position():
+    """Two sequences of four tokens, top-1, capacity 2: expert 0's third copy in sequence 0 is dropped; in
+    sequence 1 every expert is within its capacity (a sequence's queue never borrows another's)."""
+    flat = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0])
+    keep = capacity_keep(flat, 4, 2, 2)
+    assert keep.tolist() == [True, True, False, True, True, True, True, True]
+
+
+def naive_capacity(m: MoE, x):
+    """Token by token in each sequence, in order: an expert past its capacity in this sequence adds nothing."""
+    b, s, _ = x.shape
+    capacity = math.ceil(m.capacity_factor * s * m.top_k / m.num_experts)
+    logits, experts, weights = m.route(x.reshape(-1, x.shape[-1]))
+    out, dropped = torch.zeros_like(x.reshape(-1, x.shape[-1])), 0
+    for seq in range(b):
+        taken = [0] * m.num_experts
+        for t in range(seq * s, (seq + 1) * s):
+            for e, w in zip(experts[t].tolist(), weights[t]):
+                if taken[e] >= capacity:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                out[t] += w * _expert(m, e, x.reshape(-1, x.shape[-1])[t])
+    return out.view_as(x), dropped
+
+
+def _expert(m, e, t):
+    gate, up = (m.experts.up.weight[e] @ t).chunk(2)
+    return m.experts.down.weight[e] @ (torch.nn.functional.silu(gate) * up)
+
+
+def test_capacity_routing_equals_the_token_by_token_rule_and_counts_the_drops():
+    m = layer(capacity_factor=1.0)
+    x = torch.randn(3, 16, m.router.weight.shape[1])
+    with torch.no_grad():
+        y = m(x)
+        want, dropped = naive_capacity(m, x)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    e = m.num_experts
+    routed, kept = m.stats[:e], m.stats[e:2 * e]
+    assert dropped > 0 and int((routed - kept).sum()) == dropped
+    assert int(routed.sum()) == 3 * 16 * m.top_k
+
+
+def test_capacity_is_per_sequence_whatever_the_batch():
+    """The batch at once equals its sequences one by one (outputs and dropped copies): what makes dp, ep and
+    micro-batching drop the same copies."""
+    m = layer(capacity_factor=0.75)
+    x = torch.randn(4, 16, m.router.weight.shape[1])
+    with torch.no_grad():
+        whole = m(x)
+        stats, m.stats = m.stats, None
+        parts = torch.cat([m(x[i:i + 1]) for i in range(4)])
+    torch.testing.assert_close(whole, parts, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats, m.stats)
+
+
+def test_a_capacity_that_drops_nothing_equals_dropless():
+    """capacity_factor = E / k: each expert may take every token of a sequence, so nothing is dropped and the
+    outputs and every gradient are dropless routing's."""
+    runs = []
+    for factor in (0.0, 2.0):
+        m = layer(capacity_factor=factor)
+        x = torch.randn(2, 16, m.router.weight.shape[1], generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        y = m(x)
+        (y.square().sum() + m.balance_loss).backward()
+        runs.append((y.detach(), x.grad, [p.grad for p in m.parameters()], m.stats))
+    (y0, gx0, g0, s0), (y1, gx1, g1, s1) = runs
+    torch.testing.assert_close(y0, y1, rtol=0, atol=0)
+    torch.testing.assert_close(gx0, gx1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(s0, s1, rtol=0, atol=0)
+
+
+def test_the_bias_chooses_the_experts_and_the_scores_weigh_them():
+    """DeepSeek-V3: a large bias on expert 3 puts every token on it, with its unbiased score as the weight."""
+    m = layer(router_bias_update_rate=0.01, router_scoring="sigmoid", router_renormalize=False)
+    x = torch.randn(8, m.router.weight.shape[1])
+    m.router_bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    logits, experts, weights = m.route(x)
+    assert (experts == 3).any(-1).all()
+    torch.testing.assert_close(weights, logits.sigmoid().gather(-1, experts))
+
+
+def check_layouts(results, ref):
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=RTOL, atol=0)
+        assert len(r["moe"]) == len(ref["moe"])
+        for got, want in zip(r["moe"], ref["moe"]):
+            assert got.keys() == want.keys() and got
+            for key, value in want.items():
+                if key.endswith("/dropped"):
+                    assert got[key] == value, key
+                else:
+                    assert got[key] == pytest.approx(value, rel=1e-6), key
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_capacity_routing_at_dp_2_and_ep_2_equals_one_process(ep):
+    """Losses, gradient norms and the logged statistics (dropped copies exactly) at dp 2 (ep 1 or 2)."""
+    common = {**equality_case("adamw", 2), **CAPACITY}
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.dp": "2", "parallel.ep": str(ep)},
+                              timeout=300)
+    ref = reference(common)
+    assert sum(v for r in ref["moe"] for k, v in r.items() if k.endswith("/dropped")) > 0  # capacity bites
+    check_layouts(results, ref)
+
+
+def test_the_router_bias_at_ep_2_x_dp_2_equals_one_process_and_resumes_exactly(tmp_path):
+    """The bias, updated from the global batch's loads after each step, is one process's at ep 2 x dp 2
+    (losses, norms, statistics, the bias itself, exactly); a checkpoint saved at step 2 there resumes at one
+    process and continues it: the same losses and the same final bias."""
+    over = {**equality_case("adamw", 2), **BIAS, "train.save_every": "2", "train.keep_checkpoints": "5"}
+    results = run_distributed(dist_fns.train_and_capture, 2, {**over, "parallel.dp": "2", "parallel.ep": "2"},
+                              str(tmp_path / "a"), timeout=300)
+    ref = reference({k: v for k, v in over.items() if not k.startswith("train.save")})
+    check_layouts(results, ref)
+    bias = ref["router_bias"]
+    assert any(any(v) for v in bias.values())
+    for r in results:
+        assert r["router_bias"] == bias
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
+    saved = json.loads((ckpt / "state.json").read_text())["router_bias"]
+    assert saved.keys() == bias.keys() and saved != bias  # two steps in
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(ckpt))
+    assert resumed["losses"] == pytest.approx(results[0]["losses"][2:], rel=1e-5)
+    assert resumed["router_bias"] == bias
+
+
+def test_the_trainer_logs_the_statistics_per_layer(tmp_path):
+    """metrics.jsonl holds max/mean load, dropped copies and the aux loss per MoE layer; the console line
+    sums them up."""
+    dist_fns.train_and_capture(0, 1, {**CAPACITY, "train.steps": "2"}, str(tmp_path))
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    for layer in (0, 1):
+        for key in ("max_over_mean", "dropped", "aux_loss"):
+            assert f"moe/layer{layer}/{key}" in rec
+    assert rec["moe/layer0/max_over_mean"] >= 1.0 and rec["moe/layer0/aux_loss"] >= 1.0 - 1e-6
+    assert " | moe max/mean " in format_line(rec)
+
+
+def test_evaluation_runs_dropless():
+    """Capacity is a training device: evaluation and generation route every copy, as the exported model does."""
+    capped, dropless = layer(capacity_factor=0.5).eval(), layer().eval()
+    x = torch.randn(2, 16, capped.router.weight.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(capped(x), dropless(x), rtol=0, atol=0)
