@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_fns
-from dp_cases import RTOL, equality_case, reference
+from dp_cases import MODES, RTOL, equality_case, reference
 from shardlm.config import load_config
 from shardlm.metrics import format_line
 from shardlm.model.moe import MoE, capacity_keep
@@ -129,23 +129,30 @@ def check_layouts(results, ref):
                     assert got[key] == pytest.approx(value, rel=1e-6), key
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_capacity_routing_at_dp_2_and_ep_2_equals_one_process(ep):
-    """Losses, gradient norms and the logged statistics (dropped copies exactly) at dp 2 (ep 1 or 2)."""
-    common = {**equality_case("adamw", 2), **CAPACITY}
-    results = run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.dp": "2", "parallel.ep": str(ep)},
-                              timeout=300)
+@pytest.mark.parametrize("world, ep, mode", [(2, 1, "ddp"), (2, 2, "ddp"), (4, 2, "zero3")])
+def test_capacity_routing_at_dp_2_and_ep_2_equals_one_process(world, ep, mode):
+    """Losses, gradient norms and the logged statistics (dropped copies exactly) at dp 2 (ep 1 or 2) and at
+    ep 2 x edp 2 (dp 4, ZeRO-3, one sequence a micro-batch)."""
+    common = {**equality_case("adamw", world), **CAPACITY}
+    if world == 4:
+        common["train.micro_batch_size"] = "1"
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world), "parallel.ep": str(ep)}, timeout=300)
     ref = reference(common)
     assert sum(v for r in ref["moe"] for k, v in r.items() if k.endswith("/dropped")) > 0  # capacity bites
     check_layouts(results, ref)
 
 
-def test_the_router_bias_at_ep_2_x_dp_2_equals_one_process_and_resumes_exactly(tmp_path):
-    """The bias, updated from the global batch's loads after each step, is one process's at ep 2 x dp 2
-    (losses, norms, statistics, the bias itself, exactly); a checkpoint saved at step 2 there resumes at one
-    process and continues it: the same losses and the same final bias."""
-    over = {**equality_case("adamw", 2), **BIAS, "train.save_every": "2", "train.keep_checkpoints": "5"}
-    results = run_distributed(dist_fns.train_and_capture, 2, {**over, "parallel.dp": "2", "parallel.ep": "2"},
+@pytest.mark.parametrize("world, mode", [(2, "ddp"), (4, "zero1")])
+def test_the_router_bias_at_ep_2_x_dp_2_equals_one_process_and_resumes_exactly(tmp_path, world, mode):
+    """The bias, updated from the global batch's loads after each step, is one process's at ep 2 x dp 2 and at
+    ep 2 x edp 2 (dp 4) (losses, norms, statistics, the bias itself, exactly); a checkpoint saved at step 2
+    there resumes at one process and continues it: the same losses and the same final bias."""
+    over = {**equality_case("adamw", world), **BIAS, "train.save_every": "2", "train.keep_checkpoints": "5"}
+    if world == 4:
+        over["train.micro_batch_size"] = "1"
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**over, **MODES[mode], "parallel.dp": str(world), "parallel.ep": "2"},
                               str(tmp_path / "a"), timeout=300)
     ref = reference({k: v for k, v in over.items() if not k.startswith("train.save")})
     check_layouts(results, ref)
@@ -179,3 +186,11 @@ def test_evaluation_runs_dropless():
     x = torch.randn(2, 16, capped.router.weight.shape[1])
     with torch.no_grad():
         torch.testing.assert_close(capped(x), dropless(x), rtol=0, atol=0)
+
+
+def test_statistics_are_counted_once_under_recomputation():
+    """Full recomputation runs each router twice a step: the logged statistics are those without it."""
+    runs = [dist_fns.train_and_capture(0, 1, {**CAPACITY, **BIAS, "train.steps": "2", "train.recompute": mode})
+            for mode in ("none", "full")]
+    assert runs[0]["moe"] == runs[1]["moe"] and runs[0]["router_bias"] == runs[1]["router_bias"]
+    assert runs[0]["moe"][-1]["moe/layer0/dropped"] > 0
