@@ -110,6 +110,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           f"= {longest} needs (use auto, efficient or math)")
     if m.num_experts:
         check_experts(cfg)
+    if any(not x.strip() for x in cfg.train.freeze.split(",")) and cfg.train.freeze.strip():
+        raise ConfigError(f"train.freeze = {cfg.train.freeze!r} has an empty pattern: patterns are separated by "
+                          "single commas")
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
     elif cfg.lora.quantize != "none":

@@ -94,6 +94,7 @@ class TrainConfig:
     sample_prompt: str = ""
     tensorboard: bool = True
     init_from: str = ""            # an HF checkpoint directory: its config.json the model section, its weights the start
+    freeze: str = ""               # module patterns held fixed, e.g. "experts,router", "embed", "layers.0" (parallel/freeze.py)
     moe_aux_loss_coef: float = 0.01  # Switch's load-balancing loss per MoE layer (1 at a balanced load), times this
     moe_z_loss_coef: float = 0.0   # ST-MoE's router z-loss (mean squared logsumexp of the router logits), times this
 

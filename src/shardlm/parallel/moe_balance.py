@@ -5,7 +5,8 @@ bias's place in a checkpoint.
 Auxiliary-loss-free balancing (DeepSeek-V3, Liu et al. 2024, section 2.1.2; Wang et al. 2024): each MoE layer
 adds a per-expert bias b to the router's scores for the top-k choice only (the gating weights stay the
 unbiased scores), and after each step b_e += rate * sign(mean load - load_e): an overloaded expert becomes
-less likely to be chosen, an idle one more, with no gradient through the router. The load is the step's whole
+less likely to be chosen, an idle one more, with no gradient through the router. A frozen router
+(`train.freeze` matching it) keeps its bias: it still chooses, and is saved, but is no longer updated. The load is the step's whole
 global batch (the token copies routed to each expert, summed over the micro-batches and all-reduced over
 dp x cp, which holds the ep ranks), so every rank takes the same step and the bias is the same at every layout.
 It is not a parameter (no gradient, no optimizer state): the trainer saves it in its state (`state`, `load`),
@@ -46,7 +47,8 @@ class MoEBalance:
         if (group := self.mesh.group("dp+cp")) is not None:
             dist.all_reduce(counts, group=group)
         for m, load in zip(held, counts):
-            m.router_bias += self.rate * torch.sign(load.mean() - load)
+            if m.router.weight.requires_grad:  # a frozen router (train.freeze) keeps its bias as it is
+                m.router_bias += self.rate * torch.sign(load.mean() - load)
             m.step_routed = None
 
     def _world_sum(self, per_layer: torch.Tensor) -> torch.Tensor:

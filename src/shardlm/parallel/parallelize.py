@@ -2,9 +2,9 @@
 ordered series of transforms, the way torchtitan's `parallelize_llama` reads: the pipeline stage (the
 slice of layers this rank holds) -> tensor (and sequence) parallelism, on the meta device -> context
 parallelism (each sequence split over ranks, attention exchanging heads for it) -> low-rank adapters (the
-rest frozen) -> recomputation -> compilation -> data parallelism / ZeRO (the engine, over the trainable
-parameters, which materialises and initialises this rank's weights in its own buffers, as torchtitan's
-meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward, or a pipeline
+rest frozen) -> `train.freeze`'s modules frozen (parallel/freeze.py) -> recomputation -> compilation -> data
+parallelism / ZeRO (the engine, over the trainable parameters, which materialises and initialises this
+rank's weights in its own buffers, as torchtitan's meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward, or a pipeline
 schedule). Expert parallelism (each MoE layer's block of experts, all-to-all dispatch) follows context
 parallelism, on the meta device.
 """
@@ -28,6 +28,7 @@ from .context import context_parallel
 from .engine import Engine
 from .expert import expert_parallel, gather_experts
 from .forward_backward import ForwardBackward
+from .freeze import apply_freeze
 from .lora import adapter_names, apply_lora
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
@@ -58,12 +59,16 @@ class Parallelized:
         masters, optim = self.engine.gather_full_state()
         sharded = self.engine.frozen_state()  # a collective where ZeRO-3 shards a frozen base
         device = next(self.model.parameters()).device
+        if masters is not None:  # frozen experts (train.freeze) are blocks like trained ones: joined over ep too
+            masters = {**masters, **{n: plain(p.detach()) for n, p in self.model.named_parameters()
+                                     if not p.requires_grad and n not in sharded
+                                     and (s := self.specs.get(n)) is not None and s.axis == "ep"}}
         masters, optim = gather_experts(masters, optim, self.specs, self.mesh, device)  # over ep
         if masters is None or self.mesh.coord("dp") or self.mesh.coord("cp"):
             return None, None  # the first replica holds what the others hold
         # Frozen weights (a LoRA run's base) have no masters: saved as the model holds them.
-        masters = {**masters, **sharded, **{n: plain(p.detach()) for n, p in self.model.named_parameters()
-                                            if not p.requires_grad and n not in sharded}}
+        masters = {**{n: plain(p.detach()) for n, p in self.model.named_parameters()
+                       if not p.requires_grad and n not in sharded}, **sharded, **masters}
         if tp_specs := {n: s for n, s in self.specs.items() if s.axis == "tp"}:
             masters = gather_full(masters, tp_specs, self.mesh.tp_group, device)
             optim = gather_full(optim, tp_specs, self.mesh.tp_group, device)
@@ -124,6 +129,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     expert_parallel(model, mesh)  # each MoE layer's block of experts, dispatched by all-to-all (ep > 1)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
+    if t.freeze:  # train.freeze: checked against the whole model's names, applied to this rank's part
+        apply_freeze(model, t.freeze, _whole(cfg) if p.pp > 1 else None)
     model.to(DTYPES[t.precision])  # still on meta: the weights are materialised in their training dtype
     initial = _fill(model, t.init_from if not resuming else "", t.seed, shardings(model))
     fill = None
@@ -141,7 +148,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         # materialised here.
         _empty_parameters(model, device)
         fill = initial
-        if cfg.lora.rank and not (p.zero_stage == 3 and mesh.size("dp+cp") > 1):
+        if not (p.zero_stage == 3 and mesh.size("dp+cp") > 1):  # frozen: a LoRA base, train.freeze
             for name, q in model.named_parameters():
                 if not q.requires_grad:
                     materialise(q, name, fill)
@@ -171,10 +178,20 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         return Parallelized(model, engine, step, mesh, specs)
     table = schedules.schedule(p.pp_schedule, p.pp, p.virtual_stages, cfg.grad_accum_steps)[mesh.pp_rank]
     seq_here = t.seq_len // mesh.cp // (mesh.tp if p.sp else 1)  # a stage's output holds its slice of the sequence
-    tied = mesh.group("pp_ends") if m.tie_embeddings and (model.first or model.last) and not cfg.lora.rank else None
+    tied = mesh.group("pp_ends") if (m.tie_embeddings and (model.first or model.last) and model.embed is not None
+                                     and model.embed.weight.requires_grad) else None  # frozen: LoRA, train.freeze
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
                             tied, p.pp_transfer)
     return Parallelized(model, engine, step, mesh, specs)
+
+
+def _whole(cfg) -> Decoder:
+    """The one-process model on meta (with its adapters): the names train.freeze is checked against."""
+    with torch.device("meta"):
+        whole = Decoder(cfg.model)
+    if cfg.lora.rank:
+        apply_lora(whole, cfg.lora)
+    return whole
 
 
 def _empty_parameters(model: nn.Module, device: torch.device) -> None:

@@ -9,7 +9,8 @@ rank's local tensor (its pipeline stage's, its tensor-parallel slice), recorded 
 tensor-parallel sharding that maps local to full (placement.TPSharding). Pieces are staged up to
 `train.checkpoint_buffer_mb` and written as one safetensors file each, so a save raises a rank's host
 memory by that buffer, not by its shard. Frozen parameters (a LoRA base) are written whole (as the model
-holds them) by the ranks at data-parallel coordinate 0.
+holds them) by the ranks at data-parallel coordinate 0 (frozen experts split over ep: at edp
+coordinate 0, each its block).
 
 Loading is by name, as before (checkpoint.py's `ShardedState`: each full tensor assembled from its pieces
 when it is read, one at a time); the layout that loads takes its own slices of it
@@ -62,10 +63,13 @@ def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tupl
     if not frozen:
         return
     sharded = engine.frozen_state()  # ZeRO-3 shards a frozen base: gathered whole (a collective)
-    if mesh.coord("dp") or mesh.coord("cp"):
-        return
     specs, placements = shardings(model), data_placements(model)
     for name, p in frozen:
+        # Written by the first of its replicas: dp x cp's (dense), edp's (experts split over ep, train.freeze).
+        if placements[name].reduce == "dp+cp" and (mesh.coord("dp") or mesh.coord("cp")):
+            continue
+        if placements[name].reduce != "dp+cp" and any(mesh.coord(a) for a in placements[name].reduce.split("+")):
+            continue
         if any(mesh.coord(a) for a in placements[name].copies):
             continue
         value = sharded[name] if name in sharded else plain(p.detach())

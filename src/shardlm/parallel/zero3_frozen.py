@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..flat import alloc_storage, free_storage, materialise
+from .placement import data_placements
 from .qlora import is_nf4
 
 
@@ -31,9 +32,13 @@ class FrozenShards:
         self.gathered: dict = {}
         self.pending: dict = {}
         taken = set()
+        # Frozen experts split over ep (train.freeze) differ between this group's ranks: each keeps its block
+        # whole (their replicas are the edp group's, not this one's).
+        placements = data_placements(model)
+        elsewhere = {id(p) for n, p in model.named_parameters() if placements[n].reduce != "dp+cp"}
         for role, modules in roles.items():
             params = [p for m in modules for p in m.parameters() if not p.requires_grad and id(p) not in taken
-                      and p.numel() > persist_threshold and not is_nf4(p)]
+                      and p.numel() > persist_threshold and not is_nf4(p) and id(p) not in elsewhere]
             if not params:
                 continue
             taken |= {id(p) for p in params}

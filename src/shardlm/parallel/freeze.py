@@ -1,0 +1,95 @@
+"""`train.freeze`: fine-tuning with some modules held fixed (issue 44 item 5), e.g. "experts,router" on a
+MoE model, "embed", "layers.0".
+
+The value is a comma-separated list of patterns over the model's module and parameter names (the one-process
+names, `layers.3.mlp.experts.up.weight`, which every layout keeps). A pattern matches a name when it matches,
+fnmatch-style (`*`, `?`, `[...]`; `*` crosses dots), the whole name or any dotted suffix of it: "router"
+matches `layers.1.mlp.router`, "layers.0" the first block, "layers.*.attn" every attention, "embed" the
+token embedding, "norm" every norm (a suffix ends at a dot, so "norm" does not match `attn_norm`). Every
+parameter under a matched module (or matched itself) is frozen.
+
+Frozen parameters get requires_grad False on the meta model, before the engine is built, so they are in no
+flat buffer: no gradients, no fp32 master, no moments (ZeRO-3 shards them as it shards a LoRA base, around
+use, parallel/zero3_frozen.py), and autograd computes no gradient for them (a frozen router's logits still
+pass gradients to their input; frozen experts under expert parallelism still send their inputs' gradients
+back through the all-to-all). Checkpoints save them as they save a LoRA base. Composes with LoRA, which froze
+the base already: a pattern may freeze adapters too.
+
+Refused (ConfigError, before anything is allocated): a pattern that matches nothing in the whole model, and
+a freeze that leaves nothing to train.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from ..config import ConfigError
+
+
+def patterns(spec: str) -> list[str]:
+    """The patterns of a `train.freeze` value ("" : none); an empty item ("a,,b") is refused."""
+    if not spec.strip():
+        return []
+    items = [p.strip() for p in spec.split(",")]
+    if any(not p for p in items):
+        raise ConfigError(f"train.freeze = {spec!r} has an empty pattern: patterns are separated by single commas")
+    return items
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` matches dotted `name` or one of its dotted suffixes (the module docstring's rule)."""
+    parts = name.split(".")
+    return any(fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def frozen_names(model: nn.Module, spec: str) -> set[str]:
+    """The names of the parameters `spec` freezes in `model`; a pattern that matches no module or parameter
+    name is a ConfigError naming it."""
+    pats = patterns(spec)
+    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
+    unmatched = [p for p in pats if not any(matches(p, n) for n in names)]
+    if unmatched:
+        raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
+                          f" no module or parameter of this model (names such as {_examples(model)})")
+
+    def hit(name: str) -> bool:
+        prefixes = name.split(".")
+        return any(matches(p, ".".join(prefixes[:i])) for p in pats for i in range(1, len(prefixes) + 1))
+    return {n for n, _ in model.named_parameters() if hit(n)}
+
+
+def apply_freeze(model: nn.Module, spec: str, whole: nn.Module | None = None) -> set[str]:
+    """Freeze the parameters of `model` (this rank's part) that `spec` names; `whole`: the one-process model
+    (on meta) that the patterns are checked against, so that a pattern naming another pipeline stage's layers
+    is not refused here (None: `model` is the whole). Returns the names frozen on this rank."""
+    if not patterns(spec):
+        return set()
+    reference = model if whole is None else whole
+    every = frozen_names(reference, spec)
+    if all(n in every or not p.requires_grad for n, p in reference.named_parameters()):
+        raise ConfigError(f"train.freeze = {spec!r} freezes every trainable parameter: nothing would train")
+    mine = {n for n in every if _has(model, n)}
+    for name in mine:
+        model.get_parameter(name).requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"train.freeze = {spec!r} leaves this rank's part of the model (a pipeline stage) "
+                          "nothing to train")
+    return mine
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _examples(model: nn.Module) -> str:
+    seen = []
+    for n, _ in model.named_modules():
+        short = ".".join(p for p in n.split(".") if not p.isdigit()) if n else ""
+        if short and short not in seen:
+            seen.append(short)
+    return ", ".join(seen[:8])

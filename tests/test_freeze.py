@@ -1,0 +1,146 @@
+"""`train.freeze` (parallel/freeze.py, issue 44 item 5): frozen modules keep their weights, take no optimizer
+memory (exactly their fp32 masters and moments less), and train equal to one process at dp 2 (DDP, ZeRO-3)
+and at ep 2; a checkpoint of a frozen run resumes; patterns that match nothing, or freeze everything, are
+refused."""
+import pytest
+import torch
+
+import dist_fns
+from dp_cases import MODES, check_against_reference, equality_case, reference, RTOL, ATOL
+from shardlm.config import ConfigError, load_config, validate
+from shardlm.parallel.freeze import frozen_names, matches
+from shardlm.testing.distributed import run_distributed
+
+MOE = {"model.num_experts": "4", "model.top_k": "2", "train.moe_z_loss_coef": "0.001"}  # `tiny` made mixtral-tiny
+CASES = {"moe": {**MOE, "train.freeze": "experts,router"}, "embed": {"train.freeze": "embed"}}
+
+
+def _model(overrides):
+    from shardlm.model import Decoder
+    cfg = load_config("tiny", overrides)
+    with torch.device("meta"):
+        return Decoder(cfg.model)
+
+
+def test_patterns_match_dotted_suffixes_and_fnmatch():
+    assert matches("router", "layers.1.mlp.router") and matches("layers.0", "layers.0")
+    assert not matches("layers.1", "layers.10") and not matches("norm", "layers.0.attn_norm")
+    assert matches("layers.*.attn", "layers.3.attn") and matches("mlp.experts.up", "layers.0.mlp.experts.up")
+    moe = _model(MOE)
+    assert frozen_names(moe, "experts,router") == {f"layers.{i}.mlp.{m}.weight" for i in (0, 1)
+                                                   for m in ("experts.up", "experts.down", "router")}
+    assert frozen_names(moe, "layers.0") == {n for n, _ in moe.named_parameters() if n.startswith("layers.0.")}
+    assert frozen_names(_model({}), "embed") == {"embed.weight"}
+
+
+@pytest.mark.parametrize("spec, why", [("experts", "'experts' matches no module"),
+                                       ("embed,layers.7", "'layers.7' matches no module"),
+                                       ("*", "freezes every trainable parameter")])
+def test_bad_patterns_are_refused(spec, why):
+    with pytest.raises(ConfigError, match=why):
+        dist_fns.tiny_trainer(1, {"train.freeze": spec})
+
+
+def test_an_empty_pattern_is_refused_by_validate():
+    with pytest.raises(ConfigError, match="empty pattern"):
+        validate(load_config("tiny", {"train.freeze": "embed,,router"}))
+
+
+@pytest.mark.parametrize("case", ["moe", "embed"])
+@pytest.mark.parametrize("precision, tensors", [("fp32", 2), ("bf16", 3)])  # moments (+ fp32 masters in bf16)
+def test_frozen_weights_stay_and_take_no_optimizer_memory(case, precision, tensors):
+    over = {**CASES[case], "train.steps": "3", "train.precision": precision}
+    trainer = dist_fns.tiny_trainer(1, over)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    assert frozen and all(("experts" in n or "router" in n) if case == "moe" else n == "embed.weight" for n in frozen)
+    memory = trainer.engine.memory()
+    trainer.run()
+    for n, p in trainer.model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p.detach(), frozen[n]), n
+            assert p.grad is None, n
+    base = {k: v for k, v in over.items() if k != "train.freeze"}
+    full = dist_fns.tiny_trainer(1, base).engine.memory()
+    numel = sum(v.numel() for v in frozen.values())
+    assert full["optimizer"] - memory["optimizer"] == numel * 4 * tensors
+    assert full["grads"] > memory["grads"]
+
+
+@pytest.mark.parametrize("case", ["moe", "embed"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_dp_2_equals_one_process(case, mode):
+    common = {**equality_case("adamw", 2), **CASES[case]}
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, **MODES[mode], "parallel.dp": "2"},
+                              timeout=300)
+    ref = reference(common)
+    check_against_reference(results, ref, 2)
+    _check_frozen_kept(ref, common)
+
+
+def _check_frozen_kept(ref, common):
+    """The reference's frozen weights at the end are its initial ones."""
+    init = dist_fns.tiny_trainer(1, common)
+    for n, p in init.model.named_parameters():
+        if not p.requires_grad:
+            torch.testing.assert_close(ref["masters"][n], p.detach().float(), rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("spec, mode", [("experts,router", "ddp"), ("experts,router", "zero3"), ("experts", "zero3"),
+                                        ("router", "ddp")])
+def test_ep_2_equals_one_process(spec, mode):
+    """Frozen experts split over ep still send their inputs' gradients back through the all-to-all: the
+    attention's updates, and so the losses, are one process's."""
+    common = {**equality_case("adamw", 2), **MOE, "train.freeze": spec}
+    results = run_distributed(dist_fns.train_and_capture, 2,
+                              {**common, **MODES[mode], "parallel.dp": "2", "parallel.ep": "2"}, timeout=300)
+    ref = reference(common)
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=RTOL, atol=0)
+    masters = results[0]["masters"]
+    assert masters.keys() == ref["masters"].keys()
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(masters[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    _check_frozen_kept(ref, common)
+
+
+@pytest.mark.parametrize("case, layout", [
+    ("embed", {"parallel.dp": "2", **MODES["zero3"]}),
+    ("moe", {"parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"}),
+    ("moe", {"parallel.dp": "2", "parallel.ep": "2", **MODES["zero3"], "train.checkpoint_format": "full"})])
+def test_a_frozen_run_resumes_at_one_process(tmp_path, case, layout):
+    """Saved at step 2 at dp 2 (frozen weights written by the first replica: ZeRO-3's gathered, each ep rank's
+    block of frozen experts), resumed at one process: the remaining losses and the final weights are the
+    uninterrupted run's, the frozen ones their initial values."""
+    over = {**CASES[case], "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5"}
+    full = run_distributed(dist_fns.train_and_capture, 2, {**over, **layout}, str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), ckpt)
+    assert resumed["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-5)
+    for name, value in full[0]["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _check_frozen_kept(resumed, over)
+
+
+def test_pp_2_with_the_first_block_frozen_equals_one_process():
+    """Patterns are checked against the whole model: "layers.0" lives on the first stage only, and the second
+    stage (which lacks it) trains its own parameters."""
+    common = {**equality_case("adamw", 1), "train.freeze": "layers.0"}
+    results = run_distributed(dist_fns.train_and_capture, 2, {**common, "parallel.dp": "1", "parallel.pp": "2"},
+                              timeout=300)
+    ref = reference(common)
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+    masters = results[0]["masters"]
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(masters[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    _check_frozen_kept(ref, common)
+
+
+@pytest.mark.parametrize("spec, moves", [("router", False), ("experts", True)])
+def test_a_frozen_routers_bias_stops_updating(spec, moves):
+    """model.router_bias_update_rate (parallel/moe_balance.py): a frozen router keeps its bias (zero from the
+    start); with the router trained it moves."""
+    over = {**MOE, "model.router_bias_update_rate": "0.01", "train.freeze": spec, "train.steps": "3"}
+    bias = dist_fns.train_and_capture(0, 1, over)["router_bias"]
+    assert bias and all((any(v != 0 for v in values)) == moves for values in bias.values())
