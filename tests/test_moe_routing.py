@@ -41,7 +41,7 @@ def naive_capacity(m: MoE, x):
     """Token by token in each sequence, in order: an expert past its capacity in this sequence adds nothing."""
     b, s, _ = x.shape
     capacity = math.ceil(m.capacity_factor * s * m.top_k / m.num_experts)
-    logits, experts, weights = m.route(x.reshape(-1, x.shape[-1]))
+    _, experts, weights = m.route(x.reshape(-1, x.shape[-1]))
     out, dropped = torch.zeros_like(x.reshape(-1, x.shape[-1])), 0
     for seq in range(b):
         taken = [0] * m.num_experts

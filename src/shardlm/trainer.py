@@ -108,7 +108,7 @@ class Trainer:
             # kernel (scores in memory): the memory-efficient kernel, K/V repeated per head, takes the mask.
             self.model.set_attention("efficient")
         self.forward_backward = self.parallel.forward_backward
-        self.moe = MoEBalance(self.model, self.mesh, cfg.model)  # router bias, per-layer load statistics
+        self.moe = MoEBalance(self.model, self.mesh, cfg.model, self.device)  # router bias, per-layer load statistics
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others

@@ -116,8 +116,9 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         if self.bias_rate > 0:  # DeepSeek-V3: the bias chooses the experts, the unbiased scores weigh them
-            if self.router_bias is None:
-                self.router_bias = torch.zeros(self.num_experts, device=x.device)
+            if self.router_bias is None or self.router_bias.device != x.device:  # made, or moved, once
+                self.router_bias = torch.zeros(self.num_experts, device=x.device) if self.router_bias is None \
+                    else self.router_bias.to(x.device)
             experts = (scores + self.router_bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
         else:

@@ -6,9 +6,10 @@ Auxiliary-loss-free balancing (DeepSeek-V3, Liu et al. 2024, section 2.1.2; Wang
 adds a per-expert bias b to the router's scores for the top-k choice only (the gating weights stay the
 unbiased scores), and after each step b_e += rate * sign(mean load - load_e): an overloaded expert becomes
 less likely to be chosen, an idle one more, with no gradient through the router. A frozen router
-(`train.freeze` matching it) keeps its bias: it still chooses, and is saved, but is no longer updated. The load is the step's whole
-global batch (the token copies routed to each expert, summed over the micro-batches and all-reduced over
-dp x cp, which holds the ep ranks), so every rank takes the same step and the bias is the same at every layout.
+(`train.freeze` matching it) keeps its bias: it still chooses, and is saved, but is no longer updated. The
+load is the step's whole global batch (the token copies routed to each expert, summed over the micro-batches
+and all-reduced over dp x cp, which holds the ep ranks), so every rank takes the same step and the bias is
+the same at every layout.
 It is not a parameter (no gradient, no optimizer state): the trainer saves it in its state (`state`, `load`),
 exactly (fp32 values written as Python floats, which round-trip), so a resume continues it.
 
@@ -28,8 +29,8 @@ from ..model.moe import moe_layers
 
 
 class MoEBalance:
-    def __init__(self, model, mesh, model_cfg):
-        self.layers, self.mesh = moe_layers(model), mesh
+    def __init__(self, model, mesh, model_cfg, device: torch.device):
+        self.layers, self.mesh, self.device = moe_layers(model), mesh, device
         self.num_layers, self.num_experts = model_cfg.num_layers, model_cfg.num_experts
         self.rate = model_cfg.router_bias_update_rate
 
@@ -62,8 +63,7 @@ class MoEBalance:
         if not self.num_experts:
             return {}
         e = self.num_experts
-        device = next((m.router.weight.device for m in self.layers), torch.device("cpu"))
-        table = torch.zeros(self.num_layers, 3 * e + 1, dtype=torch.float64, device=device)
+        table = torch.zeros(self.num_layers, 3 * e + 1, dtype=torch.float64, device=self.device)
         for m in self.layers:
             stats, m.stats = m.stats, None
             if stats is not None and self.mesh.coord("tp") == 0:
@@ -91,13 +91,12 @@ class MoEBalance:
             if owner and m.router_bias is not None:
                 table[m.layer] = m.router_bias.double().cpu()
         if self.mesh.world > 1:
-            device = self.layers[0].router.weight.device if self.layers else torch.device("cpu")
-            table = self._world_sum(table.to(device)).cpu()  # on the device: NCCL reduces device tensors
-        return {str(i): row.tolist() for i, row in enumerate(table) if self.num_layers}
+            table = self._world_sum(table.to(self.device)).cpu()  # on the device: NCCL reduces device tensors
+        return {str(i): row.tolist() for i, row in enumerate(table)}
 
     def load(self, state: dict | None) -> None:
         """Resume each layer's bias from `state` (a run saved without one starts at zero)."""
         if self.rate <= 0 or not state:
             return
         for m in self.layers:
-            m.router_bias = torch.tensor(state[str(m.layer)], dtype=torch.float32, device=m.router.weight.device)
+            m.router_bias = torch.tensor(state[str(m.layer)], dtype=torch.float32, device=self.device)
