@@ -144,3 +144,12 @@ def test_a_frozen_routers_bias_stops_updating(spec, moves):
     over = {**MOE, "model.router_bias_update_rate": "0.01", "train.freeze": spec, "train.steps": "3"}
     bias = dist_fns.train_and_capture(0, 1, over)["router_bias"]
     assert bias and all((any(v != 0 for v in values)) == moves for values in bias.values())
+
+
+def test_a_resume_that_changes_the_freeze_is_refused(tmp_path):
+    """Parameters would enter or leave the optimizer mid-run: refused naming train.freeze, before the model."""
+    over = {"train.freeze": "embed", "train.steps": "2"}
+    dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    with pytest.raises(ConfigError, match="train.freeze is 'embed' in the checkpoint and ''"):
+        dist_fns.tiny_trainer(1, {"train.steps": "4"}, out_dir=str(tmp_path / "b"), resume=ckpt)

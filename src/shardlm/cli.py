@@ -124,6 +124,9 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
             layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"
+        if cfg.train.freeze:  # train.freeze: what it holds fixed on this rank
+            frozen = sum(q.numel() for q in trainer.model.parameters() if not q.requires_grad)
+            layout += f", {cfg.train.freeze!r} frozen ({frozen / 1e6:.3f}M parameters on this rank)"
         if p.replicas > 1:  # what auto resolved to is worth seeing: it decides the speed
             kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
             algo = getattr(trainer.engine, "algo", None)

@@ -55,6 +55,11 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
         old, new = getattr(saved.model, f.name), getattr(now.model, f.name)
         if old != new:
             refuse(f"model.{f.name}", old, new, "it changes the model; " + KEEP.format(old=old))
+    if saved.train.freeze != now.train.freeze:  # parameters would enter or leave the optimizer mid-run
+        refuse("train.freeze", saved.train.freeze, now.train.freeze,
+               "parameters would start or stop training without their optimizer state; resume with "
+               f"train.freeze = {saved.train.freeze!r}, or start a new run from this checkpoint's weights "
+               f"(`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE)")
     s, n = saved.lora, now.lora
     if s.rank != n.rank:
         refuse("lora.rank", s.rank, n.rank, _lora_change("rank", s.rank, n.rank, path))

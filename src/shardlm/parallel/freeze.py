@@ -51,7 +51,7 @@ def frozen_names(model: nn.Module, spec: str) -> set[str]:
     unmatched = [p for p in pats if not any(matches(p, n) for n in names)]
     if unmatched:
         raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
-                          f" no module or parameter of this model (names such as {_examples(model)})")
+                          f" no module or parameter of this model (its modules: {_examples(model)}; layers.N is block N)")
 
     def hit(name: str) -> bool:
         prefixes = name.split(".")
@@ -87,9 +87,10 @@ def _has(model: nn.Module, name: str) -> bool:
 
 
 def _examples(model: nn.Module) -> str:
+    """The modules' own names (each a pattern matching every module of that name), in the model's order."""
     seen = []
     for n, _ in model.named_modules():
-        short = ".".join(p for p in n.split(".") if not p.isdigit()) if n else ""
-        if short and short not in seen:
-            seen.append(short)
-    return ", ".join(seen[:8])
+        last = n.rpartition(".")[2]
+        if last and not last.isdigit() and last not in seen:
+            seen.append(last)
+    return ", ".join(seen)
