@@ -153,3 +153,18 @@ def test_a_resume_that_changes_the_freeze_is_refused(tmp_path):
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
     with pytest.raises(ConfigError, match="train.freeze is 'embed' in the checkpoint and ''"):
         dist_fns.tiny_trainer(1, {"train.steps": "4"}, out_dir=str(tmp_path / "b"), resume=ckpt)
+
+
+def test_freeze_composes_with_lora():
+    """LoRA froze the base already; a pattern may freeze adapters too (those of block 0 here), and freezing
+    every adapter leaves nothing to train."""
+    trainer = dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.freeze": "layers.0", "train.steps": "2"})
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("layers.1.") and ".lora." in n for n in trained)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.startswith("layers.0.")}
+    trainer.run()
+    for n, p in trainer.model.named_parameters():
+        if n in before:
+            assert torch.equal(p.detach(), before[n]), n
+    with pytest.raises(ConfigError, match="freezes every trainable parameter"):
+        dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.freeze": "lora"})
