@@ -194,3 +194,17 @@ def test_statistics_are_counted_once_under_recomputation():
             for mode in ("none", "full")]
     assert runs[0]["moe"] == runs[1]["moe"] and runs[0]["router_bias"] == runs[1]["router_bias"]
     assert runs[0]["moe"][-1]["moe/layer0/dropped"] > 0
+
+
+def test_capacity_routing_is_the_same_at_any_micro_batching():
+    """One micro-batch of 8 sequences or four of 2: the same copies dropped, the same losses and norms (the
+    balance loss, a function of each micro-batch's tokens, off: its value would differ by design)."""
+    common = {**CAPACITY, "train.steps": "3", "train.global_batch_size": "8", "train.moe_aux_loss_coef": "0",
+              "train.moe_z_loss_coef": "0"}
+    runs = [dist_fns.train_and_capture(0, 1, {**common, "train.micro_batch_size": micro}) for micro in ("8", "2")]
+    torch.testing.assert_close(runs[0]["losses"], runs[1]["losses"], rtol=RTOL, atol=0)
+    torch.testing.assert_close(runs[0]["grad_norms"], runs[1]["grad_norms"], rtol=RTOL, atol=0)
+    for a, b in zip(runs[0]["moe"], runs[1]["moe"]):
+        assert {k: v for k, v in a.items() if k.endswith("/dropped")} == \
+            {k: v for k, v in b.items() if k.endswith("/dropped")}
+    assert runs[0]["moe"][0]["moe/layer0/dropped"] > 0
