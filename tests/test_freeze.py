@@ -168,3 +168,21 @@ def test_freeze_composes_with_lora():
             assert torch.equal(p.detach(), before[n]), n
     with pytest.raises(ConfigError, match="freezes every trainable parameter"):
         dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.freeze": "lora"})
+
+
+def test_frozen_experts_at_ep_2_x_edp_2_equal_one_process_and_resume(tmp_path):
+    """dp 4, ep 2 (each block of frozen experts on two ranks), ZeRO-3: equal to one process; the sharded
+    checkpoint (each block written once, by its edp-coordinate-0 rank) resumes at one process."""
+    over = {**equality_case("adamw", 4), **MOE, "train.freeze": "experts", "train.micro_batch_size": "1",
+            "train.save_every": "2", "train.keep_checkpoints": "5"}
+    results = run_distributed(dist_fns.train_and_capture, 4, {**over, **MODES["zero3"], "parallel.dp": "4",
+                                                              "parallel.ep": "2"}, str(tmp_path / "a"), timeout=300)
+    ref = reference(over)
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(results[0]["masters"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+    _check_frozen_kept(ref, over)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), ckpt)
+    assert resumed["losses"] == pytest.approx(results[0]["losses"][2:], rel=1e-5)
