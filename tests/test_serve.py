@@ -44,14 +44,19 @@ def hf_dir(tmp_path_factory):
 
 
 @contextmanager
-def serving(path, max_batch=16, adapters=None):
-    """A server on a free port of 127.0.0.1 in this process; yields its url, engine, worker, tokenizer, model."""
+def serving(path, max_batch=16, adapters=None, replicas=1):
+    """A server on a free port of 127.0.0.1 in this process; yields its url, engine, worker (a pool of
+    `replicas` workers), tokenizer, model."""
     from shardlm.serve.command import build_server
-    model, tok, cfg = load_pretrained(path)
-    engine = Engine(model, max_batch, cfg.max_seq_len, compile=False, decode=tok.decode)
-    for name, directory in (adapters or {}).items():
-        engine.add_adapter(name, directory)
-    server, worker = build_server(engine, tok, "base", adapters or {}, "127.0.0.1", 0, "warning")
+    engines = []
+    for _ in range(replicas):
+        model, tok, cfg = load_pretrained(path)
+        engine = Engine(model, max_batch, cfg.max_seq_len, compile=False, decode=tok.decode)
+        for name, directory in (adapters or {}).items():
+            engine.add_adapter(name, directory)
+        engines.append(engine)
+    server, worker = build_server(engines if replicas > 1 else engine, tok, "base", adapters or {}, "127.0.0.1", 0,
+                                  "warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT
@@ -449,3 +454,26 @@ def test_tensor_parallel_serving_gives_the_tokens_of_one_process_and_sigterm_sto
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_two_replicas_share_the_requests_and_each_answer_is_the_reference_decoders(hf_dir):
+    """`--replicas 2` (here two engines on the CPU): eight streams at once are spread over both replicas, and
+    each answer is the eager decoder's on that prompt alone; /metrics adds the replicas' counts."""
+    async def one(client, prompt):
+        body = {"model": "base", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events, done = sse([line async for line in r.aiter_lines()])
+        assert done
+        return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+    with serving(hf_dir, max_batch=4, replicas=2) as s:
+        async def all_of():
+            async with httpx.AsyncClient(base_url=s.url, timeout=TIMEOUT) as client:
+                return await asyncio.gather(*(one(client, p) for p in PROMPTS[:8]))
+        got = asyncio.run(asyncio.wait_for(all_of(), 3 * TIMEOUT))
+        for prompt, text in zip(PROMPTS[:8], got):
+            assert text == s.tok.decode(reference(s, s.tok.encode(prompt), 10)), prompt
+        assert all(w.counts["requests_total"] > 0 for w in s.worker.workers)
+        metrics = httpx.get(f"{s.url}/metrics", timeout=TIMEOUT).json()
+        assert metrics["replicas"] == 2 and metrics["requests_finished"] >= 8 and metrics["slots"] == 8

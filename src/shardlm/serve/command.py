@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun --nproc-per-node N -m shardlm "
                    "serve ... --tp N): each holds its slice of the weights and runs the same steps; rank 0 serves "
                    "HTTP")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the model, one per GPU, behind "
+                   "this one server (each request goes to the one with the fewest in flight)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -86,6 +88,7 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--adapter with --tp: adapters are not sliced for tensor parallelism yet; serve the "
                           "merged model (shardlm export --merge) instead")
     device, group, main = _tensor_parallel(a)
+    devices = _replica_devices(a.replicas, a.tp, device)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -102,13 +105,22 @@ def cmd_serve(argv: list[str]) -> int:
         if not main:
             return follow(engine, plans)
         engine = Leader(engine, plans)
-    for name, directory in adapters.items():
-        engine.add_adapter(name, directory)
+    engines = [engine]
+    for other in devices[1:]:  # data-parallel replicas: the same model again on each further GPU
+        again, _, _ = load_pretrained(a.model, device=other, dtype=a.dtype)
+        quantize(again, a.quantize)
+        engines.append(Engine(again, min(slots, slots_that_fit(again, max_len, a.max_batch)), max_len,
+                              compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode))
+    for e in engines:
+        for name, directory in adapters.items():
+            e.add_adapter(name, directory)
     # The first steps compile (or capture graphs), greedy and sampling: before the first client waits.
-    warm = [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]
+    warm = lambda: [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]  # noqa: E731
     try:
-        server, worker = build_server(engine, tok, base, adapters, a.host, a.port, a.log_level, warm)
-        print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {engine.device}"
+        server, worker = build_server(engines if len(engines) > 1 else engine, tok, base, adapters, a.host, a.port,
+                                      a.log_level, warm)
+        where = f"{len(engines)} replicas on {', '.join(map(str, devices))}" if len(engines) > 1 else str(engine.device)
+        print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {where}"
               f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}", file=sys.stderr,
               flush=True)
         server.run()
@@ -119,20 +131,38 @@ def cmd_serve(argv: list[str]) -> int:
     return 0
 
 
+def _replica_devices(replicas: int, tp: int, device) -> list:
+    """The device of each data-parallel replica: one GPU each from `device` on; on the CPU, the CPU."""
+    import torch
+    if replicas < 1:
+        raise ConfigError(f"--replicas {replicas} must be at least 1")
+    if replicas > 1 and tp > 1:
+        raise ConfigError("--replicas with --tp: give one of them (replicas of a tensor-parallel model are not "
+                          "supported yet)")
+    if device.type != "cuda" or replicas == 1:
+        return [device] * replicas
+    if torch.cuda.device_count() < replicas:
+        raise ConfigError(f"--replicas {replicas} needs one GPU each; {torch.cuda.device_count()} are visible")
+    return [torch.device("cuda", i) for i in range(replicas)]
+
+
 def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info",
-                 warm: list = ()):
-    """The uvicorn server (not started) of an app over `engine`, and the started worker that owns it,
-    having run `warm`."""
+                 warm=list):
+    """The uvicorn server (not started) of an app over `engine` (or a list of replicas' engines), and the
+    started worker (or replica pool) that owns it, each engine having run the requests `warm()` makes."""
     import uvicorn
 
     from ..data.instruct import chat_prompter
     from .app import ServerState, create_app
     from .protocol import Models
     from .worker import EngineWorker
-    worker = EngineWorker(engine).start(warm)
+    from .replicas import ReplicaPool
+    engines = engine if isinstance(engine, list) else [engine]
+    workers = [EngineWorker(e).start(warm()) for e in engines]
+    worker = workers[0] if len(workers) == 1 else ReplicaPool(workers)
     state = ServerState()
-    models = Models(base, {n: str(d) for n, d in adapters.items()}, engine.max_len, tok, chat_prompter(tok),
-                    engine.model.cfg.vocab_size)
+    models = Models(base, {n: str(d) for n, d in adapters.items()}, engines[0].max_len, tok, chat_prompter(tok),
+                    engines[0].model.cfg.vocab_size)
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker

@@ -84,6 +84,11 @@ class EngineWorker:
         if request.done:
             on_done(request, None)
 
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended (a replica pool's load measure)."""
+        with self._cv:
+            return len(self._done)
+
     def cancel(self, request: Request) -> None:
         """Free the request's slot (or its place in the queue) at the engine's next step."""
         self.engine.cancel(request)
