@@ -33,8 +33,9 @@ def test_patterns_match_dotted_suffixes_and_fnmatch():
     assert frozen_names(_model({}), "embed") == {"embed.weight"}
 
 
-@pytest.mark.parametrize("spec, why", [("experts", "'experts' matches no module"),
-                                       ("embed,layers.7", "'layers.7' matches no module"),
+@pytest.mark.parametrize("spec, why", [("experts", "'experts' matches no parameter"),
+                                       ("embed,layers.7", "'layers.7' matches no parameter"),
+                                       ("attn.core", "'attn.core' matches no parameter"),  # a module without any
                                        ("*", "freezes every trainable parameter")])
 def test_bad_patterns_are_refused(spec, why):
     with pytest.raises(ConfigError, match=why):

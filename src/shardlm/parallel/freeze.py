@@ -15,8 +15,8 @@ pass gradients to their input; frozen experts under expert parallelism still sen
 back through the all-to-all). Checkpoints save them as they save a LoRA base. Composes with LoRA, which froze
 the base already: a pattern may freeze adapters too.
 
-Refused (ConfigError, before anything is allocated): a pattern that matches nothing in the whole model, and
-a freeze that leaves nothing to train.
+Refused (ConfigError, before anything is allocated): a pattern that freezes nothing in the whole model (it
+matches no name, or only modules without parameters), and a freeze that leaves nothing to train.
 """
 from __future__ import annotations
 
@@ -44,19 +44,20 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def frozen_names(model: nn.Module, spec: str) -> set[str]:
-    """The names of the parameters `spec` freezes in `model`; a pattern that matches no module or parameter
-    name is a ConfigError naming it."""
+    """The names of the parameters `spec` freezes in `model`; a pattern that freezes none (it matches no
+    name, or only modules without parameters) is a ConfigError naming it."""
     pats = patterns(spec)
-    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
-    unmatched = [p for p in pats if not any(matches(p, n) for n in names)]
+    params = [n for n, _ in model.named_parameters()]
+
+    def hit(pattern: str, name: str) -> bool:
+        parts = name.split(".")
+        return any(matches(pattern, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
+    frozen = {p: {n for n in params if hit(p, n)} for p in pats}
+    unmatched = [p for p in pats if not frozen[p]]
     if unmatched:
         raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
-                          f" no module or parameter of this model (its modules: {_examples(model)}; layers.N is block N)")
-
-    def hit(name: str) -> bool:
-        prefixes = name.split(".")
-        return any(matches(p, ".".join(prefixes[:i])) for p in pats for i in range(1, len(prefixes) + 1))
-    return {n for n, _ in model.named_parameters() if hit(n)}
+                          f" no parameter of this model (its modules: {_examples(model)}; layers.N is block N)")
+    return set().union(*frozen.values())
 
 
 def apply_freeze(model: nn.Module, spec: str, whole: nn.Module | None = None) -> set[str]:
