@@ -208,3 +208,25 @@ def test_capacity_routing_is_the_same_at_any_micro_batching():
         assert {k: v for k, v in a.items() if k.endswith("/dropped")} == \
             {k: v for k, v in b.items() if k.endswith("/dropped")}
     assert runs[0]["moe"][0]["moe/layer0/dropped"] > 0
+
+
+def test_a_skipped_step_leaves_the_bias_and_a_taken_one_moves_it_by_the_sign_of_the_load():
+    """After a step fp16 skipped the bias is unchanged (as the weights are) and its counts are dropped; after a
+    taken step each expert's bias moves by the rate towards the mean load."""
+    from shardlm.mesh import DeviceMesh
+    from shardlm.model import build_model
+    from shardlm.parallel.moe_balance import MoEBalance
+
+    cfg = dataclasses.replace(load_config("mixtral-tiny").model, router_bias_update_rate=0.01)
+    model = build_model(cfg, seed=0).train()
+    balance = MoEBalance(model, DeviceMesh(), cfg, torch.device("cpu"))
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(x, x)
+    balance.after_step(skipped=True)
+    layers = balance.layers
+    assert all(not m.router_bias.any() and m.step_routed is None for m in layers)
+    model(x, x)
+    loads = [m.step_routed.float() for m in layers]
+    balance.after_step()
+    for m, load in zip(layers, loads):
+        torch.testing.assert_close(m.router_bias, 0.01 * torch.sign(load.mean() - load))

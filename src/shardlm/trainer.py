@@ -227,8 +227,9 @@ class Trainer:
         total = self.forward_backward(batches, accum, self.device, weights)
         if self.cfg.train.precision == "fp16":
             refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
+        skipped = self.scaler.skipped_steps
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
-        self.moe.after_step()  # DeepSeek-V3's bias update, on the global batch's loads
+        self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
             done.record()

@@ -34,13 +34,14 @@ class MoEBalance:
         self.num_layers, self.num_experts = model_cfg.num_layers, model_cfg.num_experts
         self.rate = model_cfg.router_bias_update_rate
 
-    def after_step(self) -> None:
+    def after_step(self, skipped: bool = False) -> None:
         """The bias update, after the optimizer step (a no-op when off): one all-reduce of [layers, E] counts
-        over dp x cp."""
+        over dp x cp. `skipped`: the step was not applied (fp16 overflow, decided alike on every rank), and
+        the bias stays too, as the weights do."""
         if self.rate <= 0 or not self.layers:
             return
         held = [m for m in self.layers if m.step_routed is not None]
-        if len(held) != len(self.layers):  # a step with no training forward (skipped): nothing to learn from
+        if skipped or len(held) != len(self.layers):  # no update, or no training forward: nothing to learn
             for m in self.layers:
                 m.step_routed = None
             return
