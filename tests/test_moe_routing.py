@@ -230,3 +230,21 @@ def test_a_skipped_step_leaves_the_bias_and_a_taken_one_moves_it_by_the_sign_of_
     balance.after_step()
     for m, load in zip(layers, loads):
         torch.testing.assert_close(m.router_bias, 0.01 * torch.sign(load.mean() - load))
+
+
+def test_generate_and_eval_route_with_the_trained_bias_and_export_is_refused(tmp_path):
+    """A checkpoint's router bias is loaded with its weights (shardlm generate, eval); an export to Mixtral's
+    class, whose router has no bias, is refused rather than written to route differently."""
+    from shardlm.config import ConfigError
+    from shardlm.hf_config import hf_config_from_model
+    from shardlm.inference.load import load_pretrained
+    from shardlm.model.moe import moe_layers
+
+    over = {**BIAS, "train.steps": "2", "train.save_every": "2"}
+    run = dist_fns.train_and_capture(0, 1, over, str(tmp_path))
+    model, _, cfg = load_pretrained(tmp_path / "checkpoints" / "step_00000002")
+    layers = moe_layers(model)
+    assert layers and all(m.router_bias.tolist() == run["router_bias"][str(m.layer)] for m in layers)
+    assert any(m.router_bias.any() for m in layers)
+    with pytest.raises(ConfigError, match="router_bias_update_rate"):
+        hf_config_from_model(cfg)

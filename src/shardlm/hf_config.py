@@ -110,6 +110,10 @@ def _experts_from_hf(arch: str, hf: dict) -> dict:
 def _hf_moe_class(cfg: ModelConfig) -> str:
     """The HF class that computes this mixture of experts: Mixtral's (every layer, experts of the dense size,
     renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (a shared expert, qkv biases)."""
+    if cfg.router_bias_update_rate > 0:
+        raise ConfigError(f"model.router_bias_update_rate = {cfg.router_bias_update_rate}: the experts were chosen "
+                          "with DeepSeek-V3's selection bias, which Mixtral's and Qwen2-MoE's routers lack (an export "
+                          "would route differently; shardlm generate and eval read the bias from the checkpoint)")
     if cfg.router_scoring != "softmax":
         raise ConfigError(f"model.router_scoring = {cfg.router_scoring!r} has no Hugging Face class here "
                           "(Mixtral and Qwen2-MoE score with a softmax)")

@@ -16,6 +16,7 @@ from ..checkpoint import MANIFEST, CheckpointError, ShardedState, read_state, re
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
 from ..model.hf import is_hf_dir, open_hf_dir
+from ..model.moe import moe_layers
 from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
 from ..tokenizer import Tokenizer, load_tokenizer
@@ -44,15 +45,17 @@ class _Source:
     def __init__(self, path: Path):
         if is_hf_dir(path):
             self.cfg, tensors = open_hf_dir(path)
-            self.lora, self.tok_dir = LoRAConfig(), path
+            self.lora, self.tok_dir, self.router_bias = LoRAConfig(), path, None
             self.names, self.read = list(tensors.names), tensors
             first = next(iter(tensors.where))
             with safe_open(str(tensors.where[first]), framework="pt") as st:
                 self.dtype = _STORED_DTYPES.get(st.get_slice(first).get_dtype(), torch.float32)
             return
         ckpt = resolve_checkpoint(path)
-        full = config_from_dict(read_state(ckpt)["config"])
+        state = read_state(ckpt)
+        full = config_from_dict(state["config"])
         self.cfg, self.lora, self.tok_dir = full.model, full.lora, ckpt
+        self.router_bias = state.get("router_bias")  # DeepSeek-V3's selection bias per MoE layer, if trained
         self.dtype = torch.float32  # the masters
         if (ckpt / MANIFEST).is_file():  # a sharded save: each tensor assembled from its pieces when read
             masters = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text())).masters()
@@ -127,5 +130,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
                                   f"{tuple(params[name].shape)}")
         with torch.no_grad():
             params[name].copy_(t)
+    for m in moe_layers(model) if src.router_bias else ():  # routed as in training (parallel/moe_balance.py)
+        m.router_bias = torch.tensor(src.router_bias[str(m.layer)], dtype=torch.float32, device=device)
     model.eval()
     return model, load_tokenizer(src.tok_dir), cfg
