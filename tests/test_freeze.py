@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_fns
-from dp_cases import MODES, check_against_reference, equality_case, reference, RTOL, ATOL
+from dp_cases import ATOL, MODES, RTOL, check_against_reference, check_trajectory, equality_case, reference
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.parallel.freeze import frozen_names, matches
 from shardlm.testing.distributed import run_distributed
@@ -95,13 +95,7 @@ def test_ep_2_equals_one_process(spec, mode):
     results = run_distributed(dist_fns.train_and_capture, 2,
                               {**common, **MODES[mode], "parallel.dp": "2", "parallel.ep": "2"}, timeout=300)
     ref = reference(common)
-    for r in results:
-        torch.testing.assert_close(r["losses"], ref["losses"], rtol=RTOL, atol=0)
-        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=RTOL, atol=0)
-    masters = results[0]["masters"]
-    assert masters.keys() == ref["masters"].keys()
-    for name, value in ref["masters"].items():
-        torch.testing.assert_close(masters[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    check_trajectory(results, ref)
     _check_frozen_kept(ref, common)
 
 
