@@ -47,6 +47,9 @@ def _owned_ranges(opt, b: int, off: int, numel: int) -> list[tuple[int, int]]:
 
 def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tuple, torch.Tensor]]:
     """(name, kind, lo, hi, local shape, values) of every piece this rank writes; kind "master" or a moment."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    # ZeRO-3 shards a frozen base: gathered whole, a collective, so before any write can fail on one rank.
+    sharded = engine.frozen_state() if frozen else {}
     for e in engine.group_engines():
         opt = e.opt
         if opt is None:
@@ -59,10 +62,8 @@ def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tupl
             for a, z in _owned_ranges(opt, b, off, flat.params[i].numel()):
                 for kind, parts in kinds.items():
                     yield name, kind, a - off, z - off, tuple(flat.params[i].shape), parts[b][a - start:z - start]
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     if not frozen:
         return
-    sharded = engine.frozen_state()  # ZeRO-3 shards a frozen base: gathered whole (a collective)
     specs, placements = shardings(model), data_placements(model)
     for name, p in frozen:
         # Written by the first of its replicas: dp x cp's (dense), edp's (experts split over ep, train.freeze).
