@@ -1,0 +1,249 @@
+"""Mixture-of-experts training speed (issue 44's check): shardlm's MoE beside Hugging Face transformers'
+MixtralForCausalLM of exactly the same shape, on one GPU and with expert parallelism on two or more.
+
+    python bench/moe.py --gpus 1|2|4 [--preset moe-1b] [--seq 2048] [--micro-batch 4] [--routing natural|balanced|both]
+                        [--systems ...] [--budget S] [--record FILE] [--shardlm.extra overrides]
+
+Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
+natural routing, then forced-balanced routing (the routing read at each step: a compiled graph recompiles).
+- 1 GPU: `shardlm` (Trainer: bf16 parameters, fp32 masters, fused AdamW, blocks compiled), and HF's Mixtral in
+  bf16 weights with torch's fused AdamW as ../shared/bench/peer_baseline.py measures it, with
+  `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
+  `"eager"` (`hf-eager`, a Python loop over experts).
+- 2+ GPUs: `shardlm-ep` (parallel.ep = dp = GPUs, ZeRO-1: faster than DDP for the dense part on 2 H200s in
+  data_parallel's rows; `shardlm-ep-ddp` is the DDP variant), `shardlm-zero3` (ep 1, ZeRO-3), and `hf-fsdp2`
+  (HF's model, grouped_mm experts, FSDP2 `fully_shard` per decoder layer, bf16 compute / fp32 reduce, as
+  the peer's fsdp()).
+Forced-balanced routing: the router's logits and softmax are computed as usual, then token t's k experts
+are (t k + j) mod E, j < k (round-robin: every expert gets exactly T k / E copies), weighted by their softmax
+scores renormalised over the k. A bench-only monkeypatch of shardlm's `MoE.route` and of transformers'
+`MixtralTopKRouter.forward`, no config key. Rows (bench "moe"): tok/s/GPU, MFU on ACTIVE parameters
+(ModelConfig.flops_per_token: 6 x active matmul parameters + attention, against common.PEAK), peak GiB
+allocated, the load's max/mean and dropped token copies over the timed steps (shardlm's per-layer statistics;
+HF is dropless: 0). `--device cpu` is a smoke run on gloo (mixtral-tiny), never recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from common import PEAK, driver_args, forwarded, job_env, record, run_systems, timed
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
+MANY = ("shardlm-ep", "shardlm-zero3", "hf-fsdp2")
+SHARDLM = {"shardlm": {}, "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
+           "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"}}
+HF = {"hf-grouped-compiled": "grouped_mm", "hf-grouped": "grouped_mm", "hf-eager": "eager", "hf-fsdp2": "grouped_mm"}
+BALANCED = {"on": False}  # read inside the patched routers at every call (dynamo guards on it)
+
+
+def _round_robin(tokens: int, k: int, e: int, device):
+    import torch
+    return (torch.arange(tokens * k, device=device) % e).view(tokens, k)
+
+
+def patch_shardlm_router() -> None:
+    """shardlm's MoE.route (ExpertParallelMoE inherits it): the same logits, the round-robin experts."""
+    from shardlm.model.moe import MoE
+    natural = MoE.route
+
+    def route(self, x):
+        logits, experts, weights = natural(self, x)
+        if not BALANCED["on"]:
+            return logits, experts, weights
+        experts = _round_robin(x.shape[0], self.top_k, self.num_experts, x.device)
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        weights = scores.gather(-1, experts)
+        return logits, experts, weights / weights.sum(-1, keepdim=True) if self.renormalize else weights
+    MoE.route = route
+
+
+def patch_hf_router() -> None:
+    """transformers' MixtralTopKRouter.forward (what MixtralSparseMoeBlock calls for its top-k)."""
+    from transformers.models.mixtral import modeling_mixtral
+    router = modeling_mixtral.MixtralTopKRouter
+    natural = router.forward
+
+    def forward(self, hidden_states):
+        logits, weights, experts = natural(self, hidden_states)
+        if not BALANCED["on"]:
+            return logits, weights, experts
+        experts = _round_robin(logits.shape[0], self.top_k, self.num_experts, logits.device)
+        weights = logits.float().softmax(-1).gather(-1, experts)
+        return logits, weights / weights.sum(-1, keepdim=True), experts
+    router.forward = forward
+
+
+def hf_model(m, impl: str, seq: int, device: str):
+    """Transformers' Mixtral of shardlm's shape, through the config shardlm's export writes."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from shardlm.hf_config import hf_config_from_model
+    keys = {k: v for k, v in hf_config_from_model(m).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    keys["max_position_embeddings"] = max(keys["max_position_embeddings"], seq)
+    cfg = MixtralConfig(**keys, attn_implementation="sdpa", experts_implementation=impl)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MixtralForCausalLM(cfg)
+    assert model.config._experts_implementation == impl, model.config._experts_implementation
+    return model
+
+
+def hf_step(system: str, m, args, world: int):
+    import torch
+    model = hf_model(m, HF[system], args.seq, args.device)
+    x = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq), device=args.device)
+    if system == "hf-fsdp2":  # the peer's FSDP2: fp32 parameters, bf16 compute, fp32 gradient reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = {"mp_policy": mp}
+        if args.device == "cpu":
+            from torch.distributed.device_mesh import init_device_mesh
+            kw["mesh"] = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        fwd = model
+    else:  # the peer's single(amp_fp32_master=False): bf16 weights, no autocast
+        model = model.bfloat16()
+        fwd = torch.compile(model) if system == "hf-grouped-compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        fwd(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def worker(args, extra):
+    import torch
+    import torch.distributed as dist
+
+    from shardlm.config import load_config, parse_overrides
+    system, routings = args.system, ["natural", "balanced"] if args.routing == "both" else [args.routing]
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    cuda = args.device == "cuda"
+    base = load_config(args.preset)
+    over = {"train.seq_len": str(args.seq), "model.max_seq_len": str(max(args.seq, base.model.max_seq_len)),
+            "train.micro_batch_size": str(args.micro_batch), "train.global_batch_size": str(args.micro_batch * world),
+            "train.steps": "1000000", "train.eval_every": "0", "train.tensorboard": "false",
+            "train.device": args.device, "train.precision": "bf16" if cuda else "fp32",
+            "train.compile": str(cuda).lower(), "parallel.dp": str(world)}
+    for k, v in SHARDLM.get(system, {}).items():
+        over[k] = str(world) if v == "W" else v
+    if system in SHARDLM:
+        over.update(parse_overrides(extra))
+    cfg = load_config(args.preset, over)
+    m = cfg.model
+    trainer = None
+    if system in SHARDLM:
+        from shardlm.trainer import Trainer
+        patch_shardlm_router()
+        trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
+
+        def step():
+            trainer.train_step()
+            trainer.step += 1
+    else:
+        patch_hf_router()
+        if world > 1 and not dist.is_initialized():
+            if cuda:
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl" if cuda else "gloo")
+        step = hf_step(system, m, args, world)
+    rows = []
+    for routing in routings:
+        BALANCED["on"] = routing == "balanced"
+        for _ in range(args.warm):  # (a compiled graph recompiles on the switch here)
+            step()
+        stats = trainer.moe.stats() if trainer else {}  # the warm-up's statistics dropped
+        dt, mem = timed(step, 0, args.steps, args.device)
+        if trainer:
+            stats = trainer.moe.stats()  # the timed steps' (a collective over every rank)
+            mem += trainer.engine.symmetric_bytes() / 2**30 if cuda else 0.0
+        loads = [v for k, v in stats.items() if k.endswith("max_over_mean")]
+        tokens = args.micro_batch * args.seq
+        rows.append({"system": system, "routing": routing, "gpus": world, "step_s": dt, "tok_s_gpu": tokens / dt,
+                     "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem,
+                     "max_over_mean": max(loads) if loads else None,
+                     "dropped_tokens": sum(v for k, v in stats.items() if k.endswith("/dropped"))})
+        if rank == 0:  # after each routing: a job cut short keeps what it measured
+            print("RESULT " + json.dumps({"rows": rows}), flush=True)
+    if trainer is not None:
+        trainer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--preset", default="moe-1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--warm", type=int, default=3, help="steps before each routing's timing (compilation)")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--routing", default="both", choices=("natural", "balanced", "both"))
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (mixtral-tiny), not recorded")
+    p.add_argument("--systems", nargs="+", default=None,
+                   help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp")
+    driver_args(p, timeout=480)
+    args, extra = p.parse_known_args()
+    if args.system:
+        return worker(args, extra)
+    systems = args.systems or list(ONE if args.gpus == 1 else MANY)
+    for s in systems:
+        if s not in SHARDLM and s not in HF:
+            p.error(f"unknown system {s}")
+        if args.gpus > 1 and s in ONE[1:] or args.gpus == 1 and s in ("shardlm-ep", "shardlm-ep-ddp", "hf-fsdp2"):
+            p.error(f"{s} runs on {'1 GPU' if s in ONE else '2 or more'}")
+    env = job_env(ROOT)
+    if args.device == "cpu":
+        env = {**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "routing", "device"))
+    jobs = run_systems(__file__, systems, lambda s: args.gpus, lambda s: [*own, *extra] if s in SHARDLM else own,
+                       env, args.timeout, args.budget)
+    rows = [{**r, **({"ended": j["ended"]} if "ended" in j else {})} for j in jobs for r in j["rows"]]
+    card = "cpu"
+    if args.device == "cuda":
+        import torch
+        card = torch.cuda.get_device_name()
+    ref = "hf-grouped-compiled" if args.gpus == 1 else "hf-fsdp2"
+    by = {(r["system"], r["routing"]): r for r in rows}
+    print(f"\n{card} x{args.gpus}, {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}/GPU "
+          f"(MFU on active parameters)")
+    print(f"{'system':<21}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
+          f"{'x ' + ref:>23}")
+    for r in rows:
+        b = by.get((ref, r["routing"]))
+        load = f"{r['max_over_mean']:.2f}" if r["max_over_mean"] else "-"
+        print(f"{r['system']:<21}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
+              f"{r['peak_mem_gib']:>9.1f}{load:>9}{r['dropped_tokens']:>8}"
+              f"{r['tok_s_gpu'] / b['tok_s_gpu'] if b else float('nan'):>23.2f}")
+    for s in dict.fromkeys(r["system"] for r in rows):
+        n, b = by.get((s, "natural")), by.get((s, "balanced"))
+        if n and b:
+            print(f"{s}: balanced / natural routing {b['tok_s_gpu'] / n['tok_s_gpu']:.3f}")
+    if args.device != "cuda":
+        print("(a CPU smoke run: nothing recorded)", file=sys.stderr)
+        return
+    if args.record:
+        shape = f"--preset {args.preset} --seq {args.seq} --micro-batch {args.micro_batch}"
+        record(args.record, "moe", card, args.gpus,
+               [{"system": r["system"], "routing": r["routing"], "model": args.preset, "seq": args.seq,
+                 "micro_batch": args.micro_batch, "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
+                 "peak_mem_gib": round(r["peak_mem_gib"], 2), "step_s": r["step_s"],
+                 "max_over_mean": r["max_over_mean"], "dropped_tokens": r["dropped_tokens"],
+                 **({"ended": r["ended"]} if "ended" in r else {}),
+                 "command": f"python bench/moe.py --gpus {args.gpus} {shape} --systems {r['system']} "
+                            f"--routing {r['routing']} {' '.join(extra)}".rstrip()} for r in rows])
+
+
+if __name__ == "__main__":
+    main()
