@@ -181,7 +181,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     tied = mesh.group("pp_ends") if (m.tie_embeddings and (model.first or model.last) and model.embed is not None
                                      and model.embed.weight.requires_grad) else None  # frozen: LoRA, train.freeze
     step = PipelineSchedule(model, engine, scaler, mesh, table, layers_of, (t.micro_batch_size, seq_here, m.hidden_size),
-                            tied, p.pp_transfer)
+                            tied, p.pp_transfer, (t.moe_aux_loss_coef, t.moe_z_loss_coef))
     return Parallelized(model, engine, step, mesh, specs)
 
 

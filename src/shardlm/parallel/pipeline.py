@@ -16,6 +16,9 @@ A stage's output is freed once sent (Megatron-LM's deallocate_output_tensor: bac
 graph), and a micro-batch's activations go with its backward, so a schedule holds what its table says.
 After the last backward, the tied embedding's two copies (first and last stage) add their gradients,
 and the data-parallel engine reduces every gradient once (DDP, ZeRO-1, classic DP).
+A mixture of experts' auxiliary losses (model/moe.py) are each stage's own: taken after the stage's forward,
+scaled like the micro-batch's loss, and run backward with the stage's output (on the last stage, added to the
+loss), so each layer's router gets the gradient one process gives it.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from ..comm.p2p import CopyEngineTransfers, resolve_pp_transfer
 from ..mesh import flow_name
 from ..model.decoder import Decoder
+from ..model.moe import aux_loss, moe_layers
 from ..model.weight_grad import WeightGradStore
 from ..schedules import Action, batches, peer, rank_of
 from .engine import Engine
@@ -41,11 +45,11 @@ def stage_decoder(cfg, pp: int, v: int, rank: int, layers_of: list[list[int]]) -
     return Decoder(cfg, mine, first=rank_of(0, pp) == rank, last=rank_of(S - 1, pp) == rank)
 
 
-def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+def _run_backward(outputs: tuple, grads: tuple) -> None:
     """Backward from a stage output whose data was freed after sending: the engine, without autograd's
     shape check of the output against its gradient (as Megatron-LM does)."""
     torch.autograd.Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), True, True)
+        outputs, grads, False, False, (), True, True)
 
 
 class _Posted:
@@ -76,6 +80,7 @@ class _Step:
     loss: torch.Tensor  # their sum (on the last stage)
     inputs: dict = field(default_factory=dict)    # a stage's input, whose gradient goes back
     outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
+    aux: dict = field(default_factory=dict)       # a stage's scaled MoE auxiliary losses, until its backward
     recvs: dict = field(default_factory=dict)     # (kind, stage, mb) -> (receive posted, buffer)
     deferred: dict = field(default_factory=dict)  # weight-gradient matmuls queued by I, until W
     sending: list = field(default_factory=list)   # sends in flight
@@ -85,8 +90,10 @@ class PipelineSchedule:
     """One step of a schedule's table on this rank (the seam ForwardBackward fills without pipelining)."""
 
     def __init__(self, model: Decoder, engine: Engine, scaler, mesh, table: list[Action], layers_of: list[list[int]],
-                 activation_shape, tied_group=None, transfer: str = "process_group"):
+                 activation_shape, tied_group=None, transfer: str = "process_group",
+                 aux_coefs: tuple[float, float] = (0.0, 0.0)):
         self.model, self.engine, self.scaler, self.mesh = model, engine, scaler, mesh
+        self.moe_layers, self.aux_coefs = moe_layers(model), aux_coefs
         self.table, self.layers_of, self.tied_group = table, layers_of, tied_group
         self.activation_shape = activation_shape  # (micro-batch, sequence here, hidden): what stages send
         self.S = len(layers_of)
@@ -224,9 +231,16 @@ class PipelineSchedule:
         if received is not None:
             x = received.requires_grad_()
         out = self.forward(a.stage, x, y, y.shape[1], documents)  # the sequence's length, whatever slice x holds
+        # The layers this forward ran hold their losses (a rank's other stages' were taken after theirs).
+        aux = aux_loss(self.moe_layers, *self.aux_coefs) if self.moe_layers else None
+        if aux is not None:
+            aux = aux / step.count if step.weights is None else aux * step.weights[a.mb]
         if a.stage == self.S - 1:
             out = out / step.count if step.weights is None else out * step.weights[a.mb]
             step.loss += out.detach()
+            out = out if aux is None else out + aux  # trained on, not reported as the loss
+        elif aux is not None:
+            step.aux[(a.stage, a.mb)] = aux
         step.inputs[(a.stage, a.mb)], step.outputs[(a.stage, a.mb)] = x, out
 
     def _backward(self, step: "_Step", a: Action, grad: torch.Tensor | None) -> None:
@@ -236,8 +250,10 @@ class PipelineSchedule:
         out = step.outputs.pop(key)
         if grad is None:  # the last stage: out is the loss
             (out * self.scaler.scale if self.scaler.scale != 1.0 else out).backward()
+        elif (aux := step.aux.pop(key, None)) is not None:  # the losses' gradient is the loss's: the scale
+            _run_backward((out, aux), (grad, torch.full_like(aux, self.scaler.scale)))
         else:
-            _run_backward(out, grad)
+            _run_backward((out,), (grad,))
         if a.kind == "I":
             step.deferred[key] = self.weight_grads.take()
             self.weight_grads.deferring = False
