@@ -11,14 +11,17 @@ routing (every token reaches its k experts: token copies sorted by expert, count
 stacked (`[E, out, in]`, gate and up fused as the dense MLP's `up` is) and run as grouped GEMMs, one kernel for
 all experts (`torch._grouped_mm`) where it runs, else a loop over experts. The auxiliary losses are kept per
 forward and added by the step's loop (parallel/forward_backward.py) scaled like their micro-batch's loss, so
-they are exact under gradient accumulation. Expert parallelism (`parallel.ep`, parallel/expert.py) swaps in
-`run_experts`: the routing, the losses and the load stay this layer's, per rank's tokens.
+they are exact under gradient accumulation (a pipeline adds each stage's, parallel/pipeline.py; context
+parallelism takes the balance loss's shares over the whole micro-batch). Expert parallelism (`parallel.ep`,
+parallel/expert.py) swaps in `run_experts`: the routing, the losses and the load stay this layer's, per rank's
+tokens.
 
 Dropless is the default. `model.capacity_factor` > 0 gives the Switch Transformer's (Fedus et al. 2021) and
 GShard's (Lepikhin et al. 2020) expert capacity, counted per sequence rather than per rank's batch, as
 ceil(factor x seq_len x k / E) copies per expert per sequence: which copies are dropped then turns on each
-sequence's routing alone, the same at every dp, ep and micro-batching (a per-batch capacity would drop
-different tokens at each layout). Priority by position (GShard's order, Megatron-core's drop policy
+sequence's routing alone, the same at every dp, ep, pp, cp and micro-batching (a per-batch capacity would drop
+different tokens at each layout; under context parallelism `sequences` carries each expert's queue over from
+the ranks holding the earlier slices). Priority by position (GShard's order, Megatron-core's drop policy
 "position"; deterministic, unlike a priority by probability it needs no second sort over near-equal fp32
 scores); a dropped copy adds nothing and its token keeps the residual path and its other experts. Training
 only: evaluation and generation run dropless, as the exported Hugging Face model does.
@@ -108,6 +111,7 @@ class MoE(nn.Module):
         self.load: torch.Tensor | None = None  # tokens per expert since the last take_load (int64, [E])
         self.stats: torch.Tensor | None = None  # since the last take_stats, fp64 [routed E | kept E | probs E | T]
         self.step_routed: torch.Tensor | None = None  # token copies routed per expert this step (the bias's input)
+        self.sequences = WholeSequences()  # context parallelism swaps in each rank's slices (parallel/context.py)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens x [T, h]: the fp32 router logits [T, E], the chosen experts [T, k] and their weights
@@ -136,9 +140,13 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         routed = torch.bincount(flat, minlength=self.num_experts)
         if self.capacity_factor > 0 and self.training:  # Switch/GShard: at most `capacity` copies per sequence
-            seq_len = shape[-2] if len(shape) > 2 else x.shape[0]
-            capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
-            kept = capacity_keep(flat, seq_len * self.top_k, capacity, self.num_experts).nonzero().squeeze(1)
+            seq_len = shape[-2] if len(shape) > 2 else x.shape[0]  # this rank's slice of each sequence
+            whole = seq_len * self.sequences.parts
+            capacity = math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts)
+            per_seq, taken = seq_len * self.top_k, None
+            if self.sequences.parts > 1:  # the queues start where the earlier slices of each sequence left them
+                taken = self.sequences.earlier(sequence_counts(flat, per_seq, self.num_experts))
+            kept = capacity_keep(flat, per_seq, capacity, self.num_experts, taken).nonzero().squeeze(1)
             order = kept[flat[kept].argsort(stable=True)]  # a host sync for the kept count
             counts = torch.bincount(flat[kept], minlength=self.num_experts)
         else:
@@ -165,7 +173,9 @@ class MoE(nn.Module):
         # Computed on every run alike (recomputation must save the tensors the first run saved), kept from the
         # first only: a recomputed forward (full recomputation) runs inside backward, after the step read them.
         # The balance loss and the bias see the router's choice (routed, before any drop), as Megatron-core's.
-        losses = balance_loss(logits, routed, self.top_k, self.scoring), z_loss(logits)
+        # Its shares are the micro-batch's, over every slice of its sequences (context parallelism).
+        losses = (balance_loss(logits, self.sequences.total(routed), self.top_k, self.scoring,
+                               logits.shape[0] * self.sequences.parts), z_loss(logits))
         if in_backward():
             return
         self.balance_loss, self.z_loss = losses
@@ -185,12 +195,14 @@ class MoE(nn.Module):
         return load
 
 
-def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, num_experts: int) -> torch.Tensor:
+def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, num_experts: int,
+                  taken: torch.Tensor | None = None) -> torch.Tensor:
     """Which token copies (`flat` [T k], the chosen expert of each, token-major) an expert of capacity
     `capacity` per sequence keeps ([T k] bool). Priority by position (GShard's and the Switch Transformer's
     order; Megatron-core's drop policy "position"): within each sequence an expert takes its copies in token
     order and drops those past its capacity. Decided by each sequence's routing alone, so the same copies are
-    dropped however sequences are grouped into ranks (dp, ep) and micro-batches."""
+    dropped however sequences are grouped into ranks (dp, ep) and micro-batches. `taken` [sequences, E]: the
+    copies each expert was sent in the slices of each sequence before these tokens (context parallelism)."""
     slot = torch.arange(flat.numel(), device=flat.device)
     key = (slot // copies_per_sequence) * num_experts + flat  # (sequence, expert)
     order = key.argsort(stable=True)  # grouped by (sequence, expert), in position order within each
@@ -198,16 +210,45 @@ def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, n
     start = sizes.cumsum(0) - sizes
     rank = torch.empty_like(order)
     rank[order] = slot - start[key[order]]  # a copy's place in its expert's queue within its sequence
+    if taken is not None:
+        rank = rank + taken.reshape(-1)[key]
     return rank < capacity
 
 
-def balance_loss(logits: torch.Tensor, counts: torch.Tensor, k: int, scoring: str = "softmax") -> torch.Tensor:
+def sequence_counts(flat: torch.Tensor, copies_per_sequence: int, num_experts: int) -> torch.Tensor:
+    """The copies each expert was sent in each sequence ([sequences, E], int64) of `flat` [T k]."""
+    sequences = flat.numel() // copies_per_sequence
+    key = (torch.arange(flat.numel(), device=flat.device) // copies_per_sequence) * num_experts + flat
+    return torch.bincount(key, minlength=sequences * num_experts).view(sequences, num_experts)
+
+
+class WholeSequences:
+    """Where a layer's tokens lie in their sequences, for what routing computes over a sequence or a
+    micro-batch (capacity's queues, the balance loss's shares): here each sequence is whole, in `parts` = 1
+    slice. Context parallelism (parallel/context.py) swaps in one whose ranks each hold a slice."""
+    parts = 1
+
+    def total(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-expert counts [E] of these tokens -> those of the whole sequences (no gradient)."""
+        return counts
+
+    def earlier(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-sequence counts [sequences, E] of this slice -> those of the slices before it in each sequence."""
+        return torch.zeros_like(counts)
+
+
+def balance_loss(logits: torch.Tensor, counts: torch.Tensor, k: int, scoring: str = "softmax",
+                 tokens: int | None = None) -> torch.Tensor:
     """The Switch Transformer's load-balancing loss with top-k routing, Megatron-core's normalisation:
     E * sum_e f_e P_e, f_e the share of the T k token copies sent to expert e (no gradient) and P_e the mean
     probability the router gives e (softmax; sigmoid scores normalised per token, DeepSeek-V3's). 1 when the
-    load is uniform, E when one expert takes everything."""
+    load is uniform, E when one expert takes everything.
+
+    Where `logits` are one slice of `tokens` (context parallelism: `counts` are then the whole micro-batch's),
+    P_e is the slice's mean: its loss is the whole one's share of these tokens times the slices, as its token
+    mean losses are, so the gradients' mean over the slices' ranks is the whole loss's gradient."""
     probs = logits.softmax(-1) if scoring == "softmax" else _normalised(logits.sigmoid())
-    tokens = logits.shape[0]
+    tokens = logits.shape[0] if tokens is None else tokens
     f = counts.detach().float() / (tokens * k)
     return logits.shape[-1] * (f * probs.mean(0)).sum()
 

@@ -12,6 +12,13 @@ Each rank keeps its tokens' true positions (RoPE, GPT-2's position embeddings); 
 masks are computed from the whole sequence's ids, gathered over the group. Under sequence parallelism a
 block's qkv already holds the cp slice's whole sequence (sp splits it further outside the linears), so the
 two compose.
+
+A mixture of experts routes each token on its own rank, but capacity's queues run along a whole sequence and
+the balance loss's shares over a whole micro-batch: each MoE layer gets `SlicedSequences`, whose collectives
+over the cp group are an `all_reduce` of the per-expert counts [E] (the balance loss's f, every rank the
+micro-batch's) and, under capacity routing, an `all_gather` of the per-sequence counts [sequences, E] (each
+rank's queues start where the earlier slices of its sequences left them). Both run in every training forward
+of the layer, the first and a recomputed one alike, on every rank of the group.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.attention import WholeSequence
+from ..model.moe import MoE, WholeSequences
 from .ring_attention import RingCore, ring_attention
 from .ulysses import UlyssesCore
 
@@ -61,6 +69,24 @@ class ContextParallel(WholeSequence):
         return ring_attention(q, k, v, mask, self)
 
 
+@dataclass(frozen=True)
+class SlicedSequences(WholeSequences):
+    """A MoE layer's routing statistics over sequences whose slices the cp ranks hold in rank order."""
+    group: object
+    rank: int
+    parts: int
+
+    def total(self, counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+    def earlier(self, counts: torch.Tensor) -> torch.Tensor:
+        slices = [torch.empty_like(counts) for _ in range(self.parts)]
+        dist.all_gather(slices, counts.contiguous(), group=self.group)
+        return sum(slices[:self.rank], torch.zeros_like(counts))
+
+
 def context_parallel(model: nn.Module, group, comm: str = "a2a") -> None:
     """Split every sequence over `group` (two ranks or more), in place: each attention's core is wrapped by
     Ulysses' exchanges (`comm` "a2a") or replaced by ring attention ("p2p"), and the model's positions and
@@ -70,3 +96,5 @@ def context_parallel(model: nn.Module, group, comm: str = "a2a") -> None:
     for block in model.parts().layers:
         attn = block.attn
         attn.core = RingCore(attn.core, context) if comm == "p2p" else UlyssesCore(attn.core, group, context.size)
+        if isinstance(block.mlp, MoE):
+            block.mlp.sequences = SlicedSequences(group, context.rank, context.size)
