@@ -143,9 +143,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 
 def check_experts(cfg: Config) -> None:
-    """What a mixture-of-experts model (model/moe.py) runs with today: one process, data parallelism (DDP,
-    ZeRO) and expert parallelism (parallel/expert.py) carved out of it; tensor, pipeline and context
-    parallelism with experts and LoRA come later (issue 44)."""
+    """What a mixture-of-experts model (model/moe.py) runs with: one process, data parallelism (DDP, ZeRO),
+    pipeline parallelism (each stage its layers' experts and auxiliary losses), context parallelism (the
+    routing statistics reduced over the cp group) and expert parallelism (parallel/expert.py) carved out of
+    dp x cp, within each pipeline stage; tensor parallelism and LoRA over experts come later (issue 44)."""
     m, p = cfg.model, cfg.parallel
     if m.arch != "llama":
         raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
@@ -153,12 +154,10 @@ def check_experts(cfg: Config) -> None:
     if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
         raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
                           f"none of the {m.num_layers} layers a mixture of experts")
-    for key, value, what in (("parallel.tp", p.tp, "tensor parallelism"), ("parallel.pp", p.pp, "pipeline parallelism"),
-                             ("parallel.cp", p.cp, "context parallelism")):
-        if value > 1:
-            raise ConfigError(f"{key} = {value} with model.num_experts = {m.num_experts}: {what} over experts is not "
-                              "supported yet; a mixture of experts trains on one process, with data parallelism "
-                              "(parallel.dp, DDP or ZeRO) and with expert parallelism (parallel.ep) for now")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp = {p.tp} with model.num_experts = {m.num_experts}: tensor parallelism over "
+                          "experts is not supported yet; a mixture of experts trains with data, pipeline, context "
+                          "and expert parallelism (parallel.dp, pp, cp, ep) for now")
     if p.ep > 1 and p.delayed_update:
         raise ConfigError(f"parallel.delayed_update = True with parallel.ep = {p.ep}: the delayed update of two "
                           "parameter groups (dense and experts) is not validated yet; use parallel.delayed_update = False")
