@@ -22,7 +22,8 @@ over the ep group, each inside the step's forward (and again in a recomputed one
   3. the local experts' grouped GEMMs on what arrived, rows regrouped by local expert;
   4. `all_to_all_single` of the outputs back (combine), again inside `_AllToAll`.
 Routing, the auxiliary losses and the load stay the layer's, on this rank's tokens, as at one process: the
-balance loss of a micro-batch is computed on that micro-batch's tokens at every layout.
+balance loss of a micro-batch is computed on that micro-batch's tokens at every layout (its counts over the cp
+group where ep spans context-parallel ranks: parallel/context.py).
 """
 from __future__ import annotations
 
