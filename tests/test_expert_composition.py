@@ -104,3 +104,12 @@ def test_router_bias_under_pipeline_and_context_parallelism_equals_one_process()
         assert any(any(v) for v in ref["router_bias"].values())
         for r in results:
             assert r["router_bias"] == ref["router_bias"]
+
+
+@pytest.mark.parametrize("layout", [{"parallel.cp": "2", "parallel.dp": "1"},
+                                    {"parallel.pp": "2", "parallel.cp": "2", "parallel.dp": "1"}], ids=["cp2", "pp2-cp2"])
+def test_instruction_data_under_context_parallelism_equals_one_process(tmp_path, layout):
+    """Completion-only targets: a micro-batch's loss weighs by its share of the step's trained targets, each
+    slice's by its own; the auxiliary losses, over whole sequences, by the whole micro-batch's share."""
+    from test_finetune import sft_data
+    run(2 * int(layout.get("parallel.pp", 1)), layout, {"data.path": sft_data(tmp_path), "train.seq_len": "24"})

@@ -210,8 +210,9 @@ class Trainer:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync), None
         for a step skipped as untrained."""
         accum = self.cfg.grad_accum_steps
-        cpu = [self.slice_of(*self.data.micro_batch_at(self.step, m)) for m in range(accum)]
-        trained, weights = self.data.trained_tokens(self.step), None
+        whole = [self.data.micro_batch_at(self.step, m) for m in range(accum)]
+        cpu = [self.slice_of(*batch) for batch in whole]
+        trained, weights, aux_weights = self.data.trained_tokens(self.step), None, None
         if trained == 0:  # alike on every rank: the count is the global batch's
             if not self.cfg.data.skip_untrained:
                 raise TrainingError(compat.untrained_step(self.step + 1, self.data_dir))
@@ -223,8 +224,10 @@ class Trainer:
             # out).
             replicas = self.mesh.size("dp+cp")
             weights = [int((y != IGNORE).sum()) * replicas / max(trained, 1) for _, y in cpu]
+            if self.mesh.cp > 1:  # MoE auxiliary losses span whole sequences: the mean of their slices' weights
+                aux_weights = [int((y != IGNORE).sum()) * replicas / self.mesh.cp / max(trained, 1) for _, y in whole]
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
-        total = self.forward_backward(batches, accum, self.device, weights)
+        total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
         if self.cfg.train.precision == "fp16":
             refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
         skipped = self.scaler.skipped_steps

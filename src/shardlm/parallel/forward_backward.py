@@ -26,10 +26,14 @@ class ForwardBackward:
         self.moe_layers, self.aux_coefs = moe_layers(model), aux_coefs
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], count: int,
-                 device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
+                 device: torch.device, weights: list[float] | None = None,
+                 aux_weights: list[float] | None = None) -> torch.Tensor:
         """Run the step's `count` micro-batches; returns the mean loss as a device tensor (no host sync).
         `weights`: each micro-batch's mean loss times its weight instead of divided by `count`, where they
-        hold unequal numbers of trained targets (instruction data)."""
+        hold unequal numbers of trained targets (instruction data). `aux_weights`: its MoE auxiliary losses'
+        where they differ (context parallelism: a loss over the whole sequences weighs by their targets, the
+        mean of the slices' weights, not by this slice's); `weights` if None."""
+        aux_weights = weights if aux_weights is None else aux_weights
         total = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             last = i == count - 1
@@ -37,7 +41,7 @@ class ForwardBackward:
             total += loss.detach()
             aux = aux_loss(self.moe_layers, *self.aux_coefs) if self.moe_layers else None
             if aux is not None:  # trained on, not reported as the loss
-                loss = loss + (aux / count if weights is None else aux * weights[i])
+                loss = loss + (aux / count if aux_weights is None else aux * aux_weights[i])
             self.engine.prepare_backward(last)
             (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
             self.engine.finish_backward(last)

@@ -77,6 +77,7 @@ class _Step:
     data: list          # the micro-batches (inputs, targets)
     count: int          # micro-batches per step: each loss is divided by it, or
     weights: list | None  # multiplied by its weight (instruction data: its share of the trained targets)
+    aux_weights: list | None  # the MoE auxiliary losses' (ForwardBackward says when they differ)
     loss: torch.Tensor  # their sum (on the last stage)
     inputs: dict = field(default_factory=dict)    # a stage's input, whose gradient goes back
     outputs: dict = field(default_factory=dict)   # a stage's output, until its backward
@@ -162,9 +163,10 @@ class PipelineSchedule:
                                      documents=documents)
         return self.model.head(h, targets) if stage == self.S - 1 else h
 
-    def __call__(self, micro_batches, count: int, device: torch.device, weights=None) -> torch.Tensor:
+    def __call__(self, micro_batches, count: int, device: torch.device, weights=None, aux_weights=None) -> torch.Tensor:
         self.engine.wait_for_weights()  # ZeRO-1's all-gathers: forward does not enter through the model here
-        step = _Step(list(micro_batches), count, weights, torch.zeros((), device=device))
+        step = _Step(list(micro_batches), count, weights, weights if aux_weights is None else aux_weights,
+                     torch.zeros((), device=device))
         dtype = next(self.model.parameters()).dtype
         for item in batches(self.table):
             if isinstance(item, list):
@@ -234,7 +236,7 @@ class PipelineSchedule:
         # The layers this forward ran hold their losses (a rank's other stages' were taken after theirs).
         aux = aux_loss(self.moe_layers, *self.aux_coefs) if self.moe_layers else None
         if aux is not None:
-            aux = aux / step.count if step.weights is None else aux * step.weights[a.mb]
+            aux = aux / step.count if step.aux_weights is None else aux * step.aux_weights[a.mb]
         if a.stage == self.S - 1:
             out = out / step.count if step.weights is None else out * step.weights[a.mb]
             step.loss += out.detach()
