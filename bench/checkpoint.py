@@ -9,8 +9,8 @@ exists), bf16 with fp32 masters:
   checkpoint into the same layout (`load_checkpoint` + `load_full_state`);
 - dcp: `torch.distributed.checkpoint.save` / `load` of exactly the tensors shardlm writes (each rank's pieces
   of the fp32 masters and moments, keyed by rank, so each is written once by its owner);
-- shardlm-async: step time over `--steps` steps with an asynchronous save started at the first of them,
-  against the same number of steps without one.
+- shardlm-async: the mean step time from an asynchronous save's start (its copy to host memory included)
+  until it has committed, against `--steps` steps without one.
 A rank's peak host memory is its resident set's high-water mark over the save (reset just before it, Linux's
 /proc/self/clear_refs), minus its resident set then. `--device cpu` is a smoke run on gloo (tiny presets).
 """
@@ -58,6 +58,11 @@ def worker(args):
                                     "train.precision": "bf16" if args.device == "cuda" else "fp32",
                                     "train.checkpoint_async": str(args.system == "shardlm-async").lower()})
     out = Path(args.dir) / f"bench-checkpoint-{args.system}"
+    if rank == 0:  # a run killed before its own cleanup must not fill the disk under the next system
+        for old in Path(args.dir).glob("bench-checkpoint-*"):
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     trainer = Trainer(cfg, out_dir=out if args.system != "dcp" else None, log=lambda *a: None, overwrite=True)
 
     def step():
@@ -75,14 +80,18 @@ def worker(args):
             step()
         sync()
         row["step_s"] = (time.perf_counter() - t) / steps
-        t = time.perf_counter()
+        # Steps until the save has committed (its copy to host memory included): what it costs them.
+        t, n = time.perf_counter(), 0
         trainer.save(wait=False)
-        for _ in range(steps):
+        row["copy_s"] = time.perf_counter() - t
+        while trainer.saver.pending is not None and n < 1000:
             step()
+            n += 1
             trainer.saver.poll()
-        sync()
-        row["step_s_saving"] = (time.perf_counter() - t) / steps
         trainer.saver.finish()
+        sync()
+        row.update({"save_s": time.perf_counter() - t, "steps_saving": n})
+        row["step_s_saving"] = row["save_s"] / max(n, 1)
         row["overhead"] = row["step_s_saving"] / row["step_s"] - 1
     else:
         buffer = cfg.train.checkpoint_buffer_mb * 2**20
@@ -111,7 +120,11 @@ def worker(args):
         if dist.is_initialized():
             dist.barrier()
         row["load_s"] = time.perf_counter() - t
-        stats = torch.tensor([float(written), float(grown), float(written)], dtype=torch.float64)
+        print(f"rank {rank}: save {row['save_s']:.2f} s, load {row['load_s']:.2f} s, {written / 1e9:.2f} GB, "
+              f"host +{grown / 2**30:.2f} GiB", flush=True)
+        # on the training device: NCCL has no CPU tensors
+        stats = torch.tensor([float(written), float(grown), float(written)], dtype=torch.float64,
+                             device=trainer.device)
         if dist.is_initialized():
             total = stats[:1].clone()
             dist.all_reduce(total)
@@ -132,7 +145,7 @@ def main():
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--layout", default="zero3", choices=sorted(LAYOUTS))
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=4, help="shardlm-async: steps timed with and without a save")
+    p.add_argument("--steps", type=int, default=4, help="shardlm-async: steps timed without a save")
     p.add_argument("--dir", default="/tmp", help="where the checkpoints are written (a local disk)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
@@ -148,11 +161,12 @@ def main():
     print(f"\n{args.preset}, {args.layout} over {args.gpus} ranks ({args.device})")
     print(f"{'system':<16}{'GB':>8}{'save s':>9}{'GB/s':>8}{'load s':>9}{'host GiB':>10}{'shard GiB':>11}{'overhead':>10}")
     for r in rows:
-        if "save_s" in r:
+        if "gb" in r:
             print(f"{r['system']:<16}{r['gb']:>8.1f}{r['save_s']:>9.2f}{r['save_gb_s']:>8.2f}{r['load_s']:>9.2f}"
                   f"{r['peak_host_gib']:>10.2f}{r['shard_gib']:>11.2f}{'-':>10}")
         else:
-            print(f"{r['system']:<16}{'-':>8}{'-':>9}{'-':>8}{'-':>9}{'-':>10}{'-':>11}{100 * r['overhead']:>9.1f}%")
+            print(f"{r['system']:<16}{'-':>8}{r['save_s']:>9.2f}{'-':>8}{'-':>9}{'-':>10}{'-':>11}"
+                  f"{100 * r['overhead']:>9.1f}%  ({r['steps_saving']} steps, {r['copy_s']:.1f} s to copy)")
     if args.record and args.device == "cuda":
         import torch
         record(args.record, "checkpoint", torch.cuda.get_device_name(), args.gpus,
