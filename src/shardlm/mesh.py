@@ -33,7 +33,9 @@ from .config import Config, ConfigError, validate
 from .config.views import VIEWS, view_shapes
 
 AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
-DERIVED = (("dp", "cp"), ("pp", "tp"))
+# ("dp", "cp", "tp"), ("edp", "tp"), ("cp", "tp"): a mixture of experts under tensor parallelism routes each tp
+# rank's own tokens, so its whole experts reduce over the tp ranks too and its routing counts span them.
+DERIVED = (("dp", "cp"), ("pp", "tp"), ("dp", "cp", "tp"), ("edp", "tp"), ("cp", "tp"))
 
 
 @dataclass
@@ -121,8 +123,9 @@ def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: time
         names = list(view)
         mesh.coords.update(zip(names, (int(i) for i in (grid == rank).nonzero()[0])))
         if kind == "experts" and ep == 1:  # every expert is whole on each rank: edp is dp x cp itself
-            if (replicas := mesh.group("dp+cp")) is not None:
-                mesh.groups["edp"] = replicas
+            for name, same in (("edp", "dp+cp"), ("edp+tp", "dp+cp+tp")):
+                if (replicas := mesh.group(same)) is not None:
+                    mesh.groups[name] = replicas
             continue
         wanted = [(a,) for a in names] + [d for d in DERIVED if all(a in view for a in d)]
         for axes in wanted:

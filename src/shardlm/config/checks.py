@@ -146,7 +146,8 @@ def check_experts(cfg: Config) -> None:
     """What a mixture-of-experts model (model/moe.py) runs with: one process, data parallelism (DDP, ZeRO),
     pipeline parallelism (each stage its layers' experts and auxiliary losses), context parallelism (the
     routing statistics reduced over the cp group) and expert parallelism (parallel/expert.py) carved out of
-    dp x cp, within each pipeline stage; tensor parallelism and LoRA over experts come later (issue 44)."""
+    dp x cp, within each pipeline stage, and tensor parallelism (parallel/moe_tensor.py: routed experts whole on
+    each tp rank, which routes its own slice of the tokens); LoRA over experts comes later (issue 44)."""
     m, p = cfg.model, cfg.parallel
     if m.arch != "llama":
         raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
@@ -154,10 +155,10 @@ def check_experts(cfg: Config) -> None:
     if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
         raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
                           f"none of the {m.num_layers} layers a mixture of experts")
-    if p.tp > 1:
-        raise ConfigError(f"parallel.tp = {p.tp} with model.num_experts = {m.num_experts}: tensor parallelism over "
-                          "experts is not supported yet; a mixture of experts trains with data, pipeline, context "
-                          "and expert parallelism (parallel.dp, pp, cp, ep) for now")
+    if p.tp > 1 and p.dp_mode == "classic" and p.zero_stage == 0 and p.dp * p.cp > 1:
+        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.tp = {p.tp}: the experts, whole on each tensor-"
+                          "parallel rank, reduce over the tp ranks too, which classic data parallelism cannot; use DDP "
+                          "or ZeRO")
     if p.ep > 1 and p.delayed_update:
         raise ConfigError(f"parallel.delayed_update = True with parallel.ep = {p.ep}: the delayed update of two "
                           "parameter groups (dense and experts) is not validated yet; use parallel.delayed_update = False")
@@ -283,6 +284,13 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if m.num_experts and (m.num_experts % p.ep or (p.dp * p.cp) % p.ep):
         raise ConfigError(f"{show('ep', p.ep)} must divide the {m.num_experts} experts and {key('dp')} x {key('cp')} "
                           f"({p.dp * p.cp}): expert parallelism is carved out of data and context parallelism")
+    if m.num_experts and p.tp > 1 and seq % (p.tp * p.cp):
+        cp = f" x {key('cp')} ({p.cp})" if p.cp > 1 else ""
+        raise ConfigError(f"{show('seq', seq)} must divide by {show('tp', p.tp)}{cp} for a mixture of experts: each "
+                          "tensor-parallel rank routes its slice of every sequence")
+    if m.num_experts and m.shared_expert_ffn_hidden_size % p.tp:
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the shared expert's {m.shared_expert_ffn_hidden_size} "
+                          "hidden features")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
     if min(seq, micro_batch, global_batch) < 1:

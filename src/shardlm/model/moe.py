@@ -132,6 +132,16 @@ class MoE(nn.Module):
         return logits, experts, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Tensor parallelism without sequence parallelism hands every tp rank all the tokens: each routes its
+        # slice of the sequence and the outputs are joined (parallel/moe_tensor.py). The shared expert, whose
+        # linears tensor parallelism splits, takes the tokens as the layer was given them.
+        y = self.sequences.join(self.routed(self.sequences.split(x, self.training)), self.training)
+        if self.shared is not None:  # Qwen2-MoE: every token also through the shared expert, gated per token
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return y
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs for tokens x [..., h] (the layer's output but the shared expert's)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, experts, weights = self.route(x)
@@ -157,8 +167,6 @@ class MoE(nn.Module):
         # A dropped copy adds nothing: its token keeps the residual path and its other experts' outputs, with
         # their weights as routed (not renormalised over the survivors: Switch, GShard, Megatron-core).
         y = torch.zeros_like(x).index_add_(0, token, out)
-        if self.shared is not None:  # Qwen2-MoE: every token also through the shared expert, gated per token
-            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         if self.training:  # evaluation and generation neither train on these nor count into the load
             self._record(logits, routed, counts)
         return y.view(shape)
@@ -173,9 +181,12 @@ class MoE(nn.Module):
         # Computed on every run alike (recomputation must save the tensors the first run saved), kept from the
         # first only: a recomputed forward (full recomputation) runs inside backward, after the step read them.
         # The balance loss and the bias see the router's choice (routed, before any drop), as Megatron-core's.
-        # Its shares are the micro-batch's, over every slice of its sequences (context parallelism).
+        # Its shares are the micro-batch's, over every slice of its sequences (context and tensor parallelism).
+        # Where the slices' gradients are summed (tensor parallel ranks) rather than averaged (data and context
+        # parallel ones), each slice's losses are its share of the whole.
+        summed = self.sequences.summed
         losses = (balance_loss(logits, self.sequences.total(routed), self.top_k, self.scoring,
-                               logits.shape[0] * self.sequences.parts), z_loss(logits))
+                               logits.shape[0] * self.sequences.parts) / summed, z_loss(logits) / summed)
         if in_backward():
             return
         self.balance_loss, self.z_loss = losses
@@ -225,8 +236,19 @@ def sequence_counts(flat: torch.Tensor, copies_per_sequence: int, num_experts: i
 class WholeSequences:
     """Where a layer's tokens lie in their sequences, for what routing computes over a sequence or a
     micro-batch (capacity's queues, the balance loss's shares): here each sequence is whole, in `parts` = 1
-    slice. Context parallelism (parallel/context.py) swaps in one whose ranks each hold a slice."""
+    slice. Context parallelism (parallel/context.py) swaps in one whose ranks each hold a slice, tensor
+    parallelism (parallel/moe_tensor.py) one that also splits them over its ranks. `summed`: how many of the
+    slices have their gradients summed (tensor parallel ranks) rather than averaged."""
     parts = 1
+    summed = 1
+
+    def split(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """The layer's input [..., s, h] -> the tokens this rank routes."""
+        return x
+
+    def join(self, y: torch.Tensor, training: bool) -> torch.Tensor:
+        """The routed outputs of `split`'s tokens -> the layer's output for all its input."""
+        return y
 
     def total(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-expert counts [E] of these tokens -> those of the whole sequences (no gradient)."""

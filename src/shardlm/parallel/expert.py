@@ -9,8 +9,9 @@ keeps experts [r E/ep, (r + 1) E/ep) of the stacked weights (`mlp.experts.up.wei
 the full [E, ...] tensor and keeps the block (the values of one process's experts of those ids), sharded
 checkpoints record it per piece (any ep degree reassembles the full tensor), `Parallelized.gather_full_state`
 gathers the blocks over ep and `load_full_state` takes them. The experts' parameters are placed on the
-expert view (`DataPlacement(reduce="edp")`): their gradients, which already hold the tokens every ep rank
-sent them, are summed over edp and divided by dp x cp as the dense ones are. The router and the shared
+expert view (`DataPlacement(reduce="edp")`; "edp+tp" under tensor parallelism, whose ranks each route their
+own tokens: parallel/moe_tensor.py): their gradients, which already hold the tokens every ep rank sent them,
+are summed over that view and divided by dp x cp as the dense ones are. The router and the shared
 expert stay dense.
 
 The layer's dispatch becomes an all-to-all one (`ExpertParallelMoE.run_experts`), with these collectives
@@ -51,9 +52,16 @@ def expert_parallel(model: nn.Module, mesh) -> None:
             linear.weight = nn.Parameter(torch.empty(block, *full.shape[1:], dtype=full.dtype, device=full.device),
                                          requires_grad=full.requires_grad)
             tag(linear, {"weight": TPSharding(rank, ep, 0, (full.shape[0],), (True,), axis="ep")})
-            place(linear, DataPlacement(reduce="edp"))
+            place(linear, DataPlacement(reduce=expert_reduce_view(mesh.size("tp"))))
         layer.__class__ = ExpertParallelMoE
         layer.ep_group, layer.ep, layer.ep_rank = group, ep, rank
+
+
+def expert_reduce_view(tp: int) -> str:
+    """The mesh view over which routed experts' gradients are summed: their replicas (edp), and under tensor
+    parallelism the tp ranks as well, each of which routes its own tokens through its whole experts
+    (parallel/moe_tensor.py)."""
+    return "edp+tp" if tp > 1 else "edp"
 
 
 class ExpertParallelMoE(MoE):

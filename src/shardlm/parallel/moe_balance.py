@@ -8,8 +8,8 @@ unbiased scores), and after each step b_e += rate * sign(mean load - load_e): an
 less likely to be chosen, an idle one more, with no gradient through the router. A frozen router
 (`train.freeze` matching it) keeps its bias: it still chooses, and is saved, but is no longer updated. The
 load is the step's whole global batch (the token copies routed to each expert, summed over the micro-batches
-and all-reduced over dp x cp, which holds the ep ranks), so every rank takes the same step and the bias is
-the same at every layout.
+and all-reduced over dp x cp, which holds the ep ranks, and tp, whose ranks route their own tokens), so every
+rank takes the same step and the bias is the same at every layout.
 It is not a parameter (no gradient, no optimizer state): the trainer saves it in its state (`state`, `load`),
 exactly (fp32 values written as Python floats, which round-trip), so a resume continues it.
 
@@ -17,7 +17,7 @@ Statistics (`stats`, at logging steps): per layer, the tokens each expert receiv
 token copies dropped by capacity (model.capacity_factor, the Switch Transformer's and GShard's capacity), and
 the Switch balance loss E sum_e f_e P_e evaluated on the global batch of the steps since the last log. Counted
 once under recomputation (moe.py records the first forward only), summed over every rank by one all-reduce in
-fp64 (ranks at tp coordinate > 0 add nothing: they route the same tokens), so they do not depend on the layout;
+fp64 (each tp rank its own slice of the tokens, parallel/moe_tensor.py), so they do not depend on the layout;
 under pipelines each stage adds its own layers.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class MoEBalance:
                 m.step_routed = None
             return
         counts = torch.stack([m.step_routed for m in held]).float()
-        if (group := self.mesh.group("dp+cp")) is not None:
+        if (group := self.mesh.group("dp+cp+tp")) is not None:  # tp ranks route their own tokens (moe_tensor.py)
             dist.all_reduce(counts, group=group)
         for m, load in zip(held, counts):
             if m.router.weight.requires_grad:  # a frozen router (train.freeze) keeps its bias as it is
@@ -67,7 +67,7 @@ class MoEBalance:
         table = torch.zeros(self.num_layers, 3 * e + 1, dtype=torch.float64, device=self.device)
         for m in self.layers:
             stats, m.stats = m.stats, None
-            if stats is not None and self.mesh.coord("tp") == 0:
+            if stats is not None:
                 table[m.layer] = stats
         table = self._world_sum(table).cpu()
         out = {}

@@ -5,8 +5,9 @@ parallelism (each sequence split over ranks, attention exchanging heads for it) 
 rest frozen) -> `train.freeze`'s modules frozen (parallel/freeze.py) -> recomputation -> compilation -> data
 parallelism / ZeRO (the engine, over the trainable parameters, which materialises and initialises this
 rank's weights in its own buffers, as torchtitan's meta-device init and FSDP2's `to_empty` do) -> the step's seam (a plain forward and backward, or a pipeline
-schedule). Expert parallelism (each MoE layer's block of experts, all-to-all dispatch) follows context
-parallelism, on the meta device.
+schedule). Mixture-of-experts layers under tensor parallelism (moe_tensor.py: each tp rank routes its own
+tokens) and expert parallelism (each MoE layer's block of experts, all-to-all dispatch) follow context
+parallelism, in that order, on the meta device.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .expert import expert_parallel, gather_experts
 from .forward_backward import ForwardBackward
 from .freeze import apply_freeze
 from .lora import adapter_names, apply_lora
+from .moe_tensor import moe_tensor_parallel
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
 from .placement import DataPlacement, gather_full, place, shardings, take_local
@@ -126,6 +128,7 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
         tensor_parallel(model, mesh.tp_group, p.sp)
     if mesh.cp > 1:
         context_parallel(model, mesh.group("cp"), p.cp_comm)
+    moe_tensor_parallel(model, mesh, p.sp)  # MoE layers under tp > 1: each tp rank routes its own tokens
     expert_parallel(model, mesh)  # each MoE layer's block of experts, dispatched by all-to-all (ep > 1)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..model.moe import MoE
 from ..model.weight_grad import WeightGradStore, linear
 from .cross_entropy import vocab_parallel_cross_entropy
 from .placement import TPSharding, degree, rank_in, replicated, tag
@@ -319,9 +320,10 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
             attn.qkv = ColumnParallelLinear(h, parts, bias, group, sp, attn.qkv.init_std)
             attn.n_kv = nkv // tp
         attn.out = RowParallelLinear(nq * hd, h, attn.out.bias is not None, group, sp, attn.out.init_std)
-        up_parts = (f, f) if mlp.gated else (f,)
-        mlp.up = ColumnParallelLinear(h, up_parts, mlp.up.bias is not None, group, sp, mlp.up.init_std)
-        mlp.down = RowParallelLinear(f, h, mlp.down.bias is not None, group, sp, mlp.down.init_std)
+        if not isinstance(mlp, MoE):  # a mixture of experts: moe_tensor.py's transform (left whole here)
+            up_parts = (f, f) if mlp.gated else (f,)
+            mlp.up = ColumnParallelLinear(h, up_parts, mlp.up.bias is not None, group, sp, mlp.up.init_std)
+            mlp.down = RowParallelLinear(f, h, mlp.down.bias is not None, group, sp, mlp.down.init_std)
         replicated(block.attn_norm, group, partial=sp)
         replicated(block.mlp_norm, group, partial=sp)
     rows = -(-cfg.vocab_size // tp)  # a pipeline stage may hold the embedding, the head, both or neither
