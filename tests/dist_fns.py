@@ -607,11 +607,14 @@ def ring_attention_bf16(rank, world):
         x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         y = F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True)
         y.backward(dy.to(dtype))
-        return [t.float().chunk(world, dim=2)[rank] for t in (y.detach(), *(t.grad for t in x))]
-    context = ContextParallel(dist.group.WORLD, rank, world, "p2p")
-    x = [t.to(torch.bfloat16).chunk(world, dim=2)[rank].clone().requires_grad_() for t in (q, k, v)]
+        return [part(t.float()) for t in (y.detach(), *(t.grad for t in x))]
+    context = ContextParallel(dist.group.WORLD, rank, world, "p2p", zigzag=True)
+
+    def part(t):  # this rank's zig-zag chunks of the sequence (dimension 2)
+        return t.index_select(2, context.indices(rank, t.shape[2]))
+    x = [part(t.to(torch.bfloat16)).requires_grad_() for t in (q, k, v)]
     y = context.ring_attention(*x, None)
-    y.backward(dy.to(torch.bfloat16).chunk(world, dim=2)[rank])
+    y.backward(part(dy.to(torch.bfloat16)))
     assert y.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in x)
     return [t.float() for t in (y.detach(), *(t.grad for t in x))], sdpa(torch.bfloat16), sdpa(torch.float32)
 
@@ -639,12 +642,14 @@ def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows:
         model.doc_eos = 0
         ids[0, [5, 13, 22]] = 0  # examples that straddle the ranks' slices
         ids[1, [15]] = 0
-    if query_rows:
+    if query_rows:  # the plain-op block kernel, a few queries a pass
         from shardlm.parallel import ring_attention
         ring_attention.QUERY_ROWS = query_rows
     if world > 1:
         context_parallel(model, dist.group.WORLD, comm)
-        ids, targets = ids.chunk(world, dim=1)[rank], targets.chunk(world, dim=1)[rank]
+        for block in model.parts().layers if query_rows else ():
+            block.attn.core.kernel = "math"
+        ids, targets = model.sequence.local(ids), model.sequence.local(targets)  # ring attention's: zig-zag
     loss = model(ids, targets)
     (loss / world).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

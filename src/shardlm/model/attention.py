@@ -43,12 +43,17 @@ class SDPA(nn.Module):
 
 class WholeSequence:
     """Where this rank's tokens lie in their sequences: on one device, each sequence whole. Context parallelism
-    replaces it by this rank's slice (parallel/context.py's ContextParallel, the same three methods)."""
+    replaces it by this rank's part (parallel/context.py's ContextParallel, the same methods)."""
 
     def span(self, start: int, length: int) -> tuple[int, int]:
         """(the position of this rank's first token, the whole sequence's length) for `length` tokens from
         `start`: positions count from the first, masks span the whole."""
         return start, length
+
+    def order(self, whole: int, device):
+        """This rank's positions (offsets from `start`) where its tokens are not a contiguous run from span's
+        first (ring attention's zig-zag layout), else None."""
+        return None
 
     def whole(self, ids):
         """The whole sequence's token ids [b, T] from this rank's part of them."""

@@ -350,11 +350,13 @@ class Decoder(nn.Module):
         # holds whole sequences.
         sequence = self.sequence if cache is None else WHOLE
         first, whole = sequence.span(start, t)
+        order = sequence.order(whole, device)  # None: this rank's tokens run on from `first`
         if documents is not None:
             positions, mask = self._packed(documents)
             positions = sequence.local(positions)
         else:
-            positions, mask = torch.arange(first, first + t, device=device), self.window_mask(start, whole, device)
+            positions = torch.arange(first, first + t, device=device) if order is None else start + order
+            mask = self.window_mask(start, whole, device)
         if embed:
             x = self.embed(x)
             if self.pos_embed is not None:
@@ -364,6 +366,9 @@ class Decoder(nn.Module):
             if documents is not None:  # each position's own angle: [b, 1, t, head_dim]
                 cos, sin = self.rope(start, whole, device, x.dtype)
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            elif order is not None:
+                cos, sin = self.rope(start, whole, device, x.dtype)
+                cos, sin = cos[order], sin[order]
             else:
                 cos, sin = self.rope(first, t, device, x.dtype)
             rope = (cos, sin)

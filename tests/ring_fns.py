@@ -1,0 +1,78 @@
+"""Worker functions of tests/test_ring_attention.py (run on each rank by run_distributed)."""
+from collections import Counter
+
+import torch
+
+
+def ring_model_step(rank, world, case: str, kernel=None):
+    """The tiny Llama's loss and gradients for one batch (as dist_fns.context_parallel_step: "causal", "gqa",
+    "window", "packed"), each rank holding its zig-zag part of every sequence under ring attention, the
+    gradients summed over the ranks; and the block kernels its attention ran (RingCore.kernel_calls over the
+    layers). `kernel`: forced, else ring_kernel's choice."""
+    import torch.distributed as dist
+    from shardlm.config import load_config
+    from shardlm.model import build_model
+    from shardlm.parallel.context import context_parallel
+    shapes = {"window": {"model.sliding_window": "8"}, "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"},
+              "mha": {"model.num_heads": "4", "model.num_kv_heads": "4"}}
+    cfg = load_config("tiny", shapes.get(case, {}))
+    model = build_model(cfg.model, seed=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, cfg.model.vocab_size, (2, 32), generator=g)
+    targets = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
+    if case == "packed":
+        model.doc_eos = 0
+        ids[0, [5, 13, 22]] = 0
+        ids[1, [15]] = 0
+    cores = []
+    if world > 1:
+        context_parallel(model, dist.group.WORLD, "p2p")
+        assert model.sequence.zigzag
+        cores = [block.attn.core for block in model.parts().layers]
+        for core in cores:
+            core.kernel = kernel
+        ids, targets = model.sequence.local(ids), model.sequence.local(targets)
+    loss = model(ids, targets)
+    (loss / world).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if world > 1:
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item(), grads, dict(sum((core.kernel_calls for core in cores), Counter()))
+
+
+def ring_versus_sdpa(rank, world, mask_kind: str, kernel, heads=(4, 2)):
+    """Ring attention over random fp32 q, k, v ([2, h, 48, 8]; `heads`: query, key/value) split zig-zag over
+    the ranks, causal or under a mask ("window": 7 keys; "documents": three packed examples per row), against
+    SDPA over the whole sequence: this rank's output and input gradients, both ways."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from shardlm.parallel.context import ContextParallel
+    from shardlm.parallel.ring_attention import ring_attention
+    g = torch.Generator().manual_seed(1)
+    T = 48
+    q, k, v = (torch.randn(2, h, T, 8, generator=g) for h in (heads[0], heads[1], heads[1]))
+    dy = torch.randn(2, heads[0], T, 8, generator=g)
+    i = torch.arange(T)
+    mask = None
+    if mask_kind == "window":
+        mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - 7)
+    elif mask_kind == "documents":
+        doc = torch.stack([torch.bucketize(i, torch.tensor([10, 30])), torch.bucketize(i, torch.tensor([5, 41]))])
+        mask = ((doc[:, :, None] == doc[:, None, :]) & (i[None] <= i[:, None])).unsqueeze(1)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = F.scaled_dot_product_attention(*x, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    y.backward(dy)
+    context = ContextParallel(dist.group.WORLD, rank, world, "p2p", zigzag=True)
+
+    def part(t):
+        return t.index_select(2, context.indices(rank, T))
+    want = [part(t) for t in (y.detach(), *(t.grad for t in x))]
+    xs = [part(t).requires_grad_() for t in (q, k, v)]
+    calls = Counter()
+    got = ring_attention(*xs, mask, context, kernel, calls)
+    got.backward(part(dy))
+    return [got.detach(), *(t.grad for t in xs)], want, dict(calls)
