@@ -3,6 +3,9 @@ parallelism: attention and the shared expert split over tp, the router replicate
 each tp rank, which routes its own slice of every sequence. Each layout trains as one process does in fp32:
 losses, gradient norms, gathered weights and the logged per-layer statistics (dropped copies exactly); a
 sharded checkpoint saved at tp 2 x ep 2 resumes at one process."""
+import collections
+import json
+
 import pytest
 import torch
 
@@ -76,8 +79,16 @@ def test_a_checkpoint_saved_at_tp_2_x_ep_2_resumes_at_one_process(tmp_path):
     full = run_distributed(dist_fns.train_and_capture, 4,
                            {**over, "parallel.tp": "2", "parallel.dp": "2", "parallel.ep": "2",
                             "parallel.zero_stage": "1"}, str(tmp_path / "a"), timeout=240)
-    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
-    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), ckpt)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
+    # Every element of every master and moment written once over the world, the experts' too (each of their
+    # blocks on two tp ranks, counted by one of the four ranks of its edp+tp group).
+    written = collections.Counter()
+    for entry in json.loads((ckpt / "manifest.json").read_text())["pieces"]:
+        written[entry["name"], entry["kind"]] += entry["hi"] - entry["lo"]
+    assert {name for name, _ in written} == set(full[0]["masters"])
+    for (name, kind), count in written.items():
+        assert count == full[0]["masters"][name].numel(), (name, kind, count)
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(ckpt))
     assert resumed["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-5)
     for name, value in full[0]["masters"].items():
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
