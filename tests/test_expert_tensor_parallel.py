@@ -35,6 +35,8 @@ def run(world: int, layout: dict, extra: dict | None = None) -> dict:
     ref = one_thread_reference(common)
     check_trajectory(results, ref, ATOL)
     check_layouts(results, ref)
+    for r in results:
+        assert r["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-5)
     return ref
 
 
@@ -48,11 +50,22 @@ def test_tensor_parallel_equals_one_process(sp, routing):
         assert sum(v for r in ref["moe"] for k, v in r.items() if k.endswith("/dropped")) > 0  # capacity bites
 
 
-def test_expert_and_tensor_parallel_with_zero_1_equals_one_process():
-    """ep 2 x tp 2 (dp 2, world 4, ZeRO-1, sp): each tp rank's ep group exchanges its own tokens' copies; the
-    experts' gradients are summed over tp (edp 1) and their optimizer state sharded over it."""
-    run(4, {"parallel.tp": "2", "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1",
-            "parallel.sp": "true"}, CAPACITY)
+@pytest.mark.parametrize("sp", ["true", "false"], ids=["sp", "no-sp"])
+def test_expert_and_tensor_parallel_with_zero_1_equals_one_process(sp):
+    """ep 2 x tp 2 (dp 2, world 4, ZeRO-1): each tp rank's ep group exchanges its own tokens' copies; the
+    experts' gradients are summed over tp (edp 1) and their optimizer state sharded over it. Full recomputation
+    runs the exchanges and the tp split again inside backward; evaluation and the closing sample route every
+    token on every tp rank (the plain tensor-parallel path)."""
+    ref = run(4, {"parallel.tp": "2", "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1",
+                  "parallel.sp": sp}, {**CAPACITY, "train.recompute": "full", "train.eval_every": "2",
+                                       "train.sample_tokens": "4"})
+    assert ref["eval_losses"]
+
+
+def test_pipeline_and_tensor_parallel_equals_one_process():
+    """pp 2 x tp 2 (sp, world 4): each stage's MoE layer split over its tp ranks, its auxiliary losses run
+    backward with the stage's output."""
+    run(4, {"parallel.tp": "2", "parallel.pp": "2", "parallel.dp": "1", "parallel.sp": "true"})
 
 
 def test_tensor_and_data_parallel_with_zero_3_equals_one_process():
