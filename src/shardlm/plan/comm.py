@@ -25,12 +25,12 @@ from ..config import ModelConfig, exchanged_kv_heads
 from ..config.views import group_span, within_node
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import expert_params, nf4_weights, rank_layers, stage_params, trained_and_frozen
+from .memory import expert_params, expert_replicas, nf4_weights, rank_layers, stage_params, trained_and_frozen
 
 
 def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     """Bytes each GPU sends per step reducing gradients (and gathering ZeRO's weights), by reduce group:
-    "dp+cp" for the dense parameters, "edp" for the experts'."""
+    "dp+cp" for the dense parameters, "edp" for the experts' (over edp x tp ranks: expert_replicas)."""
     act = 2 if L.precision != "fp32" else 4
     micro = w.global_batch // (w.micro_batch * L.dp)
     phi = stage_params(m, L, 0) - nf4_weights(m, L, 0)  # gathered by ZeRO-3 (QLoRA's 4-bit weights stay whole)
@@ -46,7 +46,7 @@ def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
         if not (reduced or gathered):  # no experts (or none trained nor gathered): nothing over edp
             out[name] = 0.0
             continue
-        n = group_span(L, name)[0]
+        n = group_span(L, name)[0] if name == "dp+cp" else expert_replicas(L)
         ring = (n - 1) / n
         if n == 1:
             out[name] = 0.0

@@ -88,11 +88,12 @@ def rank_layers(m: ModelConfig, L: Layout, rank: int) -> int:
 
 
 def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
-    """Parameters held by pipeline rank `stage` (before ZeRO), after tensor and expert parallelism."""
+    """Parameters held by pipeline rank `stage` (before ZeRO), after tensor and expert parallelism (routed
+    experts whole on every tp rank: parallel/moe_tensor.py)."""
     c = m.param_counts()
     layers = rank_layers(m, L, stage)
     dense = c["per_layer"] - c["expert_per_layer"]
-    n = layers * (dense + c["expert_per_layer"] / L.ep) / L.tp
+    n = layers * (dense / L.tp + c["expert_per_layer"] / L.ep)
     if m.kv_heads % L.tp:  # key/value heads fewer than the ranks stay whole on each (parallel/tensor.py)
         kv = 2 * m.hidden_size * m.kv_heads * m.head_size
         n += layers * kv * (1 - 1 / L.tp)
@@ -106,16 +107,17 @@ def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
 
 
 def expert_params(m: ModelConfig, L: Layout, stage: int) -> float:
-    """The experts' parameters held by pipeline rank `stage`: num_experts / ep of each of its layers'."""
+    """The experts' parameters held by pipeline rank `stage`: num_experts / ep of each of its layers', whole
+    on every tp rank."""
     if not m.num_experts:  # the common case, asked for several times in each of the search's estimates
         return 0.0
-    return rank_layers(m, L, stage) * m.param_counts()["expert_per_layer"] / L.ep / L.tp
+    return rank_layers(m, L, stage) * m.param_counts()["expert_per_layer"] / L.ep
 
 
 def layer_params(m: ModelConfig, L: Layout) -> float:
     """One block's parameters on a rank (ZeRO-3's gathered unit): its dense part and its ep share of the experts."""
     c = m.param_counts()
-    return (c["per_layer"] - c["expert_per_layer"] + c["expert_per_layer"] / L.ep) / L.tp
+    return (c["per_layer"] - c["expert_per_layer"]) / L.tp + c["expert_per_layer"] / L.ep
 
 
 def zero_shard(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
@@ -125,7 +127,13 @@ def zero_shard(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
     whole by one rank (edp 1) keep all their state there. LoRA's adapters (counted on the dense linears,
     LoRAConfig.adapter_count) are all dense."""
     experts = 0.0 if L.lora.rank else expert_params(m, L, stage)
-    return (phi - experts) / group_span(L, "dp+cp")[0] + experts / group_span(L, "edp")[0]
+    return (phi - experts) / group_span(L, "dp+cp")[0] + experts / expert_replicas(L)
+
+
+def expert_replicas(L: Layout) -> int:
+    """The ranks over which an expert's gradients reduce and its ZeRO state shards: edp, and the tp ranks,
+    each routing its own tokens through whole experts (placement "edp+tp", parallel/moe_tensor.py)."""
+    return group_span(L, "edp")[0] * L.tp
 
 
 def trained_and_frozen(m: ModelConfig, L: Layout, stage: int, p_b: int) -> tuple[float, float]:
