@@ -10,6 +10,7 @@ def ring_model_step(rank, world, case: str, kernel=None):
     gradients summed over the ranks; and the block kernels its attention ran (RingCore.kernel_calls over the
     layers). `kernel`: forced, else ring_kernel's choice."""
     import torch.distributed as dist
+
     from shardlm.config import load_config
     from shardlm.model import build_model
     from shardlm.parallel.context import context_parallel
@@ -51,6 +52,7 @@ def ring_versus_sdpa(rank, world, mask_kind: str, kernel, heads=(4, 2), dtype=to
     ring's and the first SDPA's; the last SDPA's fp32) the fp32 SDPA's too, all as fp32."""
     import torch.distributed as dist
     import torch.nn.functional as F
+
     from shardlm.parallel.context import ContextParallel
     from shardlm.parallel.ring_attention import ring_attention
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

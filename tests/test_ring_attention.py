@@ -4,9 +4,9 @@ CPU kernel actually run, and the output and gradients against SDPA over the whol
 causal, sliding-window and packed-document masks, with and without grouped-query attention. The trainer's
 runs at cp 2 and 4 against one process are tests/test_context_parallel.py's (comm p2p)."""
 import pytest
+import ring_fns
 import torch
 
-import ring_fns
 from shardlm.parallel.context import ContextParallel, zigzag_layout
 from shardlm.parallel.ring_attention import ring_blocks
 from shardlm.parallel.ring_kernels import ring_kernel

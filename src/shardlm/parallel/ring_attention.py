@@ -47,20 +47,22 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(context)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv, rngs = torch.stack([k, v]), []
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None  # the next chunk comes in meanwhile
             for qs, ks, causal, block in ring_blocks(context, (ring.rank - step) % ring.cp, mask, q):
                 kind = kernel or ring_kernel(q.device.type, q.dtype, block is not None)
                 if tally is not None:
                     tally[kind] += 1
-                o, l = block_forward(kind, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, block, QUERY_ROWS)
+                o, l, rng = block_forward(kind, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, block,
+                                          QUERY_ROWS)
                 merge(out[:, :, qs], lse[:, :, qs], o, l)
+                rngs.append(rng)
             if incoming is not None:
                 kv, = incoming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
-        ctx.context, ctx.kernel, ctx.causal = context, kernel, mask is None
+        ctx.context, ctx.kernel, ctx.causal, ctx.rngs = context, kernel, mask is None, rngs
         return out
 
     @staticmethod
@@ -73,13 +75,14 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         travelling = None  # the gradient of the chunk this rank held last step, on its way to the next rank
+        rngs = iter(ctx.rngs)  # the blocks come in the forward's order
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None
             mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for qs, ks, causal, block in ring_blocks(context, (ring.rank - step) % ring.cp, mask, q):
                 kind = ctx.kernel or ring_kernel(q.device.type, q.dtype, block is not None)
                 dqb, dkb, dvb = block_backward(kind, grad[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                               out[:, :, qs], lse[:, :, qs], causal, block, QUERY_ROWS)
+                                               out[:, :, qs], lse[:, :, qs], causal, block, next(rngs), QUERY_ROWS)
                 dq[:, :, qs] += dqb.float()
                 mine[0][:, :, ks] += dkb.float()
                 mine[1][:, :, ks] += dvb.float()
@@ -169,7 +172,7 @@ class _Ring:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
 
-    def shift(self, *tensors: torch.Tensor) -> "_Shift":
+    def shift(self, *tensors: torch.Tensor) -> _Shift:
         """`tensors` to the next rank; what the previous rank shifts arrives in the result's wait()."""
         sent = [t.contiguous() for t in tensors]
         got = [torch.empty_like(t) for t in sent]

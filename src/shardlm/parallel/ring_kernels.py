@@ -39,43 +39,43 @@ def ring_kernel(device_type: str, dtype: torch.dtype, masked: bool) -> str:
 
 
 def block_forward(kind: str, q, k, v, causal: bool, mask, rows: int = RING_QUERY_ROWS):
-    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of q over k, v; `causal` (top-left aligned, as the
-    diagonal block's sq == sk) or `mask` (boolean, True: attend, broadcasting to [b, h, sq, sk]) or neither.
-    A row whose every key the mask hides gets lse -inf (its out is 0): merged, it weighs nothing."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32, the kernel's random-number state for its backward
+    or None) of q over k, v; `causal` (top-left aligned, as the diagonal block's sq == sk) or `mask` (boolean,
+    True: attend, broadcasting to [b, h, sq, sk]) or neither. A row whose every key the mask hides gets lse
+    -inf (its out is 0): merged, it weighs nothing."""
+    scale, rng = 1.0 / math.sqrt(q.shape[-1]), None
     if kind == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        rng = (rest[4], rest[5])  # philox seed and offset, as autograd hands them to the backward
     elif kind == "efficient":
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(mask, q, k), True, 0.0, causal,
-                                                                scale=scale)[:2]
+        out, lse, *rng = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(mask, q, k), True, 0.0, causal,
+                                                                      scale=scale)
         lse = lse[..., :q.shape[2]]  # the kernel pads its rows to a multiple of its tile
     elif kind == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=_bias(mask, q, k),
                                                                     scale=scale)
     else:
-        return _math_forward(q, k, v, causal, mask, scale, rows)
+        return (*_math_forward(q, k, v, causal, mask, scale, rows), None)
     if mask is not None:  # the fused kernels leave a fully masked row at lse 0 (CPU) or +-inf: it has no keys
         lse = lse.masked_fill(~mask.any(-1), -math.inf)
-    return out, lse.float()
+    return out, lse.float(), rng
 
 
-def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool, mask, rows: int = RING_QUERY_ROWS):
+def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool, mask, rng, rows: int = RING_QUERY_ROWS):
     """(dq, dk, dv) of the block given the whole row's `out` (q's dtype) and `lse` (fp32, finite; +inf for
-    a row with no key at all): this block's shares of the row's gradients."""
+    a row with no key at all): this block's shares of the row's gradients. `rng`: block_forward's."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     lse = lse.contiguous()  # the kernels index it as [b, h, sq] rows
     if kind == "flash":
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
-        sq, sk = q.shape[2], k.shape[2]
-        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0,
-                                                                 causal, empty, empty, scale=scale)
+        # No cumulative sequence lengths (None: dense, not varlen), as the forward returned them.
+        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, q.shape[2],
+                                                                 k.shape[2], 0.0, causal, *rng, scale=scale)
     if kind == "efficient":
         kx, vx = _expand(k, q.shape[1]), _expand(v, q.shape[1])
         bias = _bias(mask, q, kx)
-        seed = torch.empty(0, device=q.device, dtype=torch.int64)
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, kx, vx, bias, out, _pad_rows(lse), seed, seed, 0.0, [True, True, True, False], causal,
+            dout, q, kx, vx, bias, out, _pad_rows(lse), *rng, 0.0, [True, True, True, False], causal,
             scale=scale)[:3]
         return dq, _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
     if kind == "flash_cpu":

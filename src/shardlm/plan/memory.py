@@ -43,13 +43,12 @@ allocator) and keeps 10% of the card for allocator fragmentation (plan/__init__.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
-from ..config import NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, ModelConfig, exchanged_kv_heads
+from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
+from ..config.views import group_span
 from ..schedules import split_layers
 from .flops import simulated
-from ..config.views import group_span
 from .layout import Layout, Workload
 
 MiB = 2**20
@@ -164,10 +163,10 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             per = 2 * sbh / (t if L.sp else 1)
         else:
             # Ulysses: a rank's 1 / (t cp) of the heads attend over the whole sequence, cp s; ring attention
-            # keeps no probabilities, but its output in fp32 too
+            # keeps no probabilities
             ring = L.cp > 1 and L.cp_comm == "p2p"
             score = 0.0 if L.recompute == "selective" or ring else 5 * a * s * L.cp / (h * t)
-            per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score + (4 / t if ring else 0.0))
+            per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score)
     else:
         act = 2 if L.precision != "fp32" else 4
         if L.recompute == "full":
@@ -187,8 +186,6 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
-            if L.cp > 1 and L.cp_comm == "p2p":
-                per += 4 * s * b * q / t  # ring attention keeps its output in fp32 too, for its backward
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
 
@@ -259,12 +256,12 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if stage == 0 and L.pp > 1:
             acts += 2 * w.seq * w.micro_batch * m.hidden_size / L.cp * in_flight(w, L)  # received activations
         buffers = WORKSPACE
-        if L.cp > 1 and L.cp_comm == "p2p":  # ring attention's fp32 scores of a pass of queries (about four such),
-            # its fp32 dq, the chunk of k and v expanded to the query heads, and their fp32 gradients, sent and
-            # received: about four fp32 tensors of q's size
-            chunk, heads = w.seq / L.cp, m.num_heads / L.tp
-            buffers += 4 * 4 * w.micro_batch * heads * min(RING_QUERY_ROWS, chunk) * chunk
-            buffers += 4 * 4 * w.micro_batch * heads * chunk * m.head_size
+        if L.cp > 1 and L.cp_comm == "p2p":  # ring attention on the fused kernels (no scores held): its fp32
+            # dq (or output, forward) and a block's gradients in 16 bits, for the query heads; for the key/value
+            # heads the chunk held and the one coming in (16 bits), and the fp32 gradients of the chunk: this
+            # step's, the one travelling and the one arriving
+            chunk, heads, kv_heads = w.seq / L.cp, m.num_heads / L.tp, max(m.kv_heads / L.tp, 1)
+            buffers += w.micro_batch * chunk * m.head_size * (6 * heads + 36 * kv_heads)
         if L.pp > 1:  # the copy engines' staging (comm/p2p.py, auto on one node): two slots each for
             # activations and gradients, in the weights' dtype
             buffers += 4 * p_b * w.seq * w.micro_batch * m.hidden_size / L.cp / (L.tp if L.sp else 1)
