@@ -217,10 +217,11 @@ def test_compiled_blocks_equal_eager():
 def test_config_checks_and_counts():
     cfg = load_config("mixtral-tiny")
     validate(cfg)
-    for over in ({"parallel.pp": "2"}, {"parallel.cp": "2"}, {"parallel.cp": "2", "parallel.ep": "2"}):
-        composed = load_config("mixtral-tiny", over)  # pipelines and context parallelism compose with experts
+    for over in ({"parallel.pp": "2"}, {"parallel.cp": "2"}, {"parallel.cp": "2", "parallel.ep": "2"},
+                 {"parallel.tp": "2"}, {"parallel.tp": "2", "parallel.sp": "true"}):
+        composed = load_config("mixtral-tiny", over)  # pipelines, context and tensor parallelism compose with experts
         validate(composed, world_size=composed.parallel.world)
-    for over, message in (({"parallel.tp": 2}, "parallel.tp = 2 with model.num_experts = 4"),
+    for over, message in (({"parallel.tp": 2, "train.seq_len": 31}, "train.seq_len = 31 must divide by parallel.tp = 2"),
                           ({"parallel.ep": 2}, "parallel.ep = 2 must divide the 4 experts and parallel.dp"),
                           ({"model.router_scoring": "topk"}, "model.router_scoring = 'topk' is not one of"),
                           ({"model.moe_first_dense": 2}, "leave none of the 2 layers")):
