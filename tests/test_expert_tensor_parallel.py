@@ -62,6 +62,14 @@ def test_expert_and_tensor_parallel_with_zero_1_equals_one_process(sp):
     assert ref["eval_losses"]
 
 
+@pytest.mark.parametrize("sp", ["true", "false"], ids=["sp", "no-sp"])
+def test_context_expert_and_tensor_parallel_equals_one_process(sp):
+    """cp 2 x tp 2 with ep 2 over the cp ranks (world 4), capacity routing: each sequence in four slices, cp-
+    major (slice c tp + t), an expert's queue running on through all of them."""
+    run(4, {"parallel.tp": "2", "parallel.cp": "2", "parallel.dp": "1", "parallel.ep": "2", "parallel.sp": sp},
+        CAPACITY)
+
+
 def test_pipeline_and_tensor_parallel_equals_one_process():
     """pp 2 x tp 2 (sp, world 4): each stage's MoE layer split over its tp ranks, its auxiliary losses run
     backward with the stage's output."""
