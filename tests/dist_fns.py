@@ -566,13 +566,12 @@ def save_fails_on_rank_zero(rank, world, out_dir):
     import errno
 
     import shardlm.checkpoint as ckpt
-    real = ckpt.save_file
 
-    def full_disk(tensors, filename, metadata=None):
-        if rank == 0 and "step_00000002" in filename:
+    def full_disk(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint.py
+        if rank == 0 and "step_00000002" in str(file) and "w" in mode:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(tensors, filename, metadata=metadata)
-    ckpt.save_file = full_disk
+        return open(file, mode, *args, **kwargs)
+    ckpt.open = full_disk
     trainer = tiny_trainer(world, {"train.steps": "2", "train.micro_batch_size": "2"}, out_dir=out_dir)
     try:
         trainer.run()

@@ -13,6 +13,7 @@ flight); the next save, and the run's end, wait for it.
 from __future__ import annotations
 
 import json
+from functools import partial
 import shutil
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, commit_checkpoint, failed_save,
-                         rng_state, save_checkpoint, write_tensors)
+                         fsync_files, rng_state, save_checkpoint, write_tensors)
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
@@ -115,7 +116,8 @@ class CheckpointSaver:
                 "steps": max([e.opt.steps_taken for e in engines if e.opt is not None], default=0)}
         try:
             mine["files"], mine["pieces"], mine["problem"] = write_shards(
-                parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, write_tensors, usable)
+                parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, partial(write_tensors, sync=False), fsync_files,
+                usable)
         except OSError as e:
             mine["problem"] = f"{e.strerror or e} (rank {self.rank})" if self.rank else (e.strerror or str(e))
         except Exception as e:  # in a save's thread nothing else would report it

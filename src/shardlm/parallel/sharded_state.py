@@ -6,8 +6,8 @@ writes, for every trainable parameter of its engines, the elements it counts in 
 tied copy's elements, which another rank counts), so every element is written exactly once over the
 world: the fp32 masters and each optimizer moment, as pieces. A piece is a flat range [lo, hi) of the
 rank's local tensor (its pipeline stage's, its tensor-parallel slice), recorded with the local shape and the
-tensor-parallel sharding that maps local to full (placement.TPSharding). Pieces are staged up to
-`train.checkpoint_buffer_mb` and written as one safetensors file each, so a save raises a rank's host
+tensor-parallel sharding that maps local to full (placement.TPSharding). Pieces are staged into files of
+half `train.checkpoint_buffer_mb`, one written while the next is staged, so a save raises a rank's host
 memory by that buffer, not by its shard. Frozen parameters (a LoRA base) are written whole (as the model
 holds them) by the ranks at data-parallel coordinate 0 (frozen experts split over ep: at edp
 coordinate 0, each its block).
@@ -20,6 +20,7 @@ or at tp 4.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -83,9 +84,10 @@ def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tupl
 
 
 def pieces(engine, model, mesh, buffer_bytes: int) -> Iterator[tuple[dict, torch.Tensor]]:
-    """This rank's pieces as (manifest entry, values), none larger than `buffer_bytes` (a larger one in parts)."""
+    """This rank's pieces as (manifest entry, values), none larger than half of `buffer_bytes` (a larger one in
+    parts): the file `write_shards` stages each into."""
     specs = shardings(model)
-    step = max(1, buffer_bytes // 4)
+    step = max(1, buffer_bytes // 8)
     for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
         spec = None if (s := specs.get(name)) is None else _spec_dict(s)
         for at in range(0, hi - lo, step):
@@ -94,33 +96,51 @@ def pieces(engine, model, mesh, buffer_bytes: int) -> Iterator[tuple[dict, torch
                     "hi": lo + at + part.numel(), "shape": list(shape), "tp": spec}, part)
 
 
-def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_file,
+def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_file, sync_files,
                  usable=lambda name, value: None) -> tuple[list, list, Exception | None]:
-    """Write `parts` ((entry, values) as `pieces` gives them) into files `rank{rank:05d}-{n:04d}.safetensors`
-    under `directory`, each holding about `buffer_bytes` (`write_file(path, tensors)` writes one and returns
-    its record). Returns the files' records as (name, record), the manifest entries, and the first error
-    `usable(name, master)` found (a master not worth saving), else None."""
+    """Write `parts` ((entry, values) as `pieces` gives them, none over half of `buffer_bytes`) into files
+    `rank{rank:05d}-{n:04d}.safetensors` under `directory`, each holding about half of `buffer_bytes`
+    (`write_file(path, tensors)` writes one, unsynced, and returns its record), then flush them all to disk
+    (`sync_files(paths)`): while a thread writes one file, the next is staged (copied off the device), so the
+    disk never waits for the copies and at most `buffer_bytes` are staged; one flush at the end, not one a
+    file, lets the kernel write back in the background meanwhile. Returns the files' records as (name,
+    record), the manifest entries, and the first error `usable(name, master)` found (a master not worth
+    saving), else None."""
     files, entries, staged, size, problem = [], [], {}, 0, None
+    writing = None  # the file being written: (name, its future)
 
-    def flush():
-        nonlocal staged, size
+    def wait():
+        nonlocal writing
+        if writing is not None:
+            name, future = writing
+            writing = None
+            files.append((name, future.result()))  # an OSError of the write raises here
+
+    def flush(pool):
+        nonlocal staged, size, writing
+        wait()
         if staged:
             fname = f"rank{rank:05d}-{len(files):04d}.safetensors"
-            files.append((fname, write_file(directory / fname, staged)))
             for entry in entries[-len(staged):]:
                 entry["file"] = fname
+            writing = (fname, pool.submit(write_file, directory / fname, staged))
             staged, size = {}, 0
 
-    for entry, values in parts:
-        value = values.detach().to("cpu", torch.float32).contiguous()
-        if entry["kind"] == "master" and problem is None:
-            problem = usable(entry["name"], value)
-        entries.append(entry)
-        staged[entry["key"]] = value
-        size += value.numel() * 4
-        if size >= buffer_bytes:
-            flush()
-    flush()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-rank{rank}") as pool:
+        try:
+            for entry, values in parts:
+                value = values.detach().to("cpu", torch.float32).contiguous()
+                if entry["kind"] == "master" and problem is None:
+                    problem = usable(entry["name"], value)
+                entries.append(entry)
+                staged[entry["key"]] = value
+                size += value.numel() * 4
+                if 2 * size >= buffer_bytes:
+                    flush(pool)
+            flush(pool)
+        finally:
+            wait()
+        pool.submit(sync_files, [directory / name for name, _ in files]).result()
     return files, entries, problem
 
 
