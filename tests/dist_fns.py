@@ -799,3 +799,19 @@ def expert_parallel_layer(rank, world, routing: str):
         dist.all_reduce(router)
     return {"y": y.detach(), "x_grad": x.grad, "router": router,
             "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad}
+
+
+def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
+    """Resume `tiny` from `ckpt` (a sharded save): the names of the checkpoint's tensor files this rank
+    opened, and its gathered masters after the load."""
+    from pathlib import Path
+
+    import shardlm.checkpoint as ckpt_module
+    opened, real = set(), ckpt_module.safe_open
+
+    def spied(path, *args, **kwargs):
+        opened.add(Path(path).name)
+        return real(path, *args, **kwargs)
+    ckpt_module.safe_open = spied
+    trainer = tiny_trainer(world, {"train.steps": "3", **overrides}, resume=ckpt)
+    return sorted(opened), {k: v.clone() for k, v in trainer.engine.gather_full_state()[0].items()}

@@ -2,6 +2,7 @@
 own shard, and a pipeline's save takes no longer than twice one process's (the full format gathers the whole
 state onto rank 0: the contrast shows the memory measure can fail)."""
 import pytest
+import torch
 
 import dist_fns
 from shardlm.testing.distributed import run_distributed
@@ -82,3 +83,18 @@ def test_a_sharded_checkpoint_exports_in_shards_that_transformers_loads(tmp_path
     assert (tmp_path / "hf-sharded" / "model.safetensors.index.json").is_file()
     ids = torch.arange(12)[None] % 200
     torch.testing.assert_close(models["sharded"](ids).logits, models["full"](ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_reads_only_the_pieces_that_overlap_what_it_holds(tmp_path):
+    """Saved at dp 2 ZeRO-3, resumed at the same layout: each rank opens its own files alone (its shard is
+    what it wrote); one process opens them all. The same masters either way."""
+    zero3 = {"parallel.zero_stage": "3", "train.steps": "2", "train.save_every": "2"}
+    run_distributed(dist_fns.train_and_capture, 2, zero3, str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    both = run_distributed(dist_fns.files_read_at_resume, 2, {"parallel.zero_stage": "3"}, ckpt, timeout=240)
+    for rank, (opened, _) in enumerate(both):
+        assert opened and all(name.startswith(f"rank{rank:05d}-") for name in opened), (rank, opened)
+    opened, alone = dist_fns.files_read_at_resume(0, 1, {}, ckpt)
+    assert {n[:9] for n in opened} == {"rank00000", "rank00001"}
+    gathered = both[0][1]
+    assert gathered.keys() == alone.keys() and all(torch.equal(gathered[k], alone[k]) for k in alone)

@@ -307,10 +307,11 @@ def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, ver
 # ---- a sharded save's tensors, assembled when read ----------------------------------------------
 
 class LazyMap(Mapping):
-    """A read-only mapping whose values are computed when read (full tensors assembled from pieces)."""
+    """A read-only mapping whose values are computed when read (full tensors assembled from pieces).
+    `ranged(key, lo, hi)`, where given, reads flat elements [lo, hi) of a value alone (None: it cannot)."""
 
-    def __init__(self, keys, get):
-        self._keys, self._get = list(keys), get
+    def __init__(self, keys, get, ranged=None):
+        self._keys, self._get, self._ranged = list(keys), get, ranged
         self._set = set(self._keys)
 
     def __getitem__(self, key):
@@ -328,11 +329,27 @@ class LazyMap(Mapping):
         return key in self._set
 
     def where(self, keep) -> "LazyMap":
-        return LazyMap([k for k in self._keys if keep(k)], self._get)
+        return LazyMap([k for k in self._keys if keep(k)], self._get, self._ranged)
 
-    def mapped(self, fn) -> "LazyMap":
-        """The same keys, each value passed through fn(key, value) when read."""
-        return LazyMap(self._keys, lambda k: fn(k, self._get(k)))
+    def mapped(self, fn, keeps_ranges=lambda key: False) -> "LazyMap":
+        """The same keys, each value passed through fn(key, value) when read; `keeps_ranges(key)`: fn leaves
+        that key's value as it is, so its ranges may still be read alone."""
+        ranged = None if self._ranged is None else \
+            (lambda k, lo, hi: self._ranged(k, lo, hi) if keeps_ranges(k) else None)
+        return LazyMap(self._keys, lambda k: fn(k, self._get(k)), ranged)
+
+    def read_flat(self, key, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of the value of `key`: only the pieces that overlap them are read where the
+        mapping can (a sharded checkpoint's, no tensor-parallel slicing between), else the whole value."""
+        if key not in self._set:
+            raise KeyError(key)
+        got = None if self._ranged is None else self._ranged(key, lo, hi)
+        return got if got is not None else self._get(key).reshape(-1)[lo:hi]
+
+
+def read_flat(mapping: Mapping, key, lo: int, hi: int) -> torch.Tensor:
+    """Flat elements [lo, hi) of mapping[key], read alone where the mapping can (a LazyMap)."""
+    return mapping.read_flat(key, lo, hi) if isinstance(mapping, LazyMap) else mapping[key].reshape(-1)[lo:hi]
 
 
 def as_lazy(state: Mapping) -> LazyMap:
@@ -353,7 +370,7 @@ class ShardedState:
 
     def masters(self) -> LazyMap:
         names = [n for n, k in self.pieces if k == "master"]
-        return LazyMap(names, lambda n: self.full(n, "master"))
+        return LazyMap(names, lambda n: self.full(n, "master"), lambda n, lo, hi: self.flat_range(n, "master", lo, hi))
 
     def optimizer(self) -> LazyMap:
         keys = [f"{n}::{k}" for n, k in self.pieces if k != "master"]
@@ -363,13 +380,34 @@ class ShardedState:
         def get(key: str) -> torch.Tensor:
             name, kind = key.rsplit("::", 1)
             return torch.tensor(float(self.steps)) if kind == "step" else self.full(name, kind)
-        return LazyMap(keys, get)
 
-    def _read(self, entry: dict) -> torch.Tensor:
+        def ranged(key: str, lo: int, hi: int) -> torch.Tensor | None:
+            name, kind = key.rsplit("::", 1)
+            return None if kind == "step" else self.flat_range(name, kind, lo, hi)
+        return LazyMap(keys, get, ranged)
+
+    def _file(self, entry: dict):
         f = self._open.get(entry["file"])
         if f is None:
             f = self._open[entry["file"]] = safe_open(str(self.directory / entry["file"]), framework="pt")
-        return f.get_tensor(entry["key"])
+        return f
+
+    def _read(self, entry: dict) -> torch.Tensor:
+        return self._file(entry).get_tensor(entry["key"])
+
+    def flat_range(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Flat elements [lo, hi) of the full tensor, read from the pieces that overlap them, only as much of
+        each as overlaps; None where the pieces are tensor-parallel slices (their flat ranges are not the
+        full tensor's: `full` joins them)."""
+        pieces = self.pieces[(name, kind)]
+        if any(e["tp"] is not None and e["tp"]["dim"] is not None for e in pieces):
+            return None
+        out = torch.zeros(hi - lo, dtype=torch.float32)
+        for e in pieces:
+            a, z = max(lo, e["lo"]), min(hi, e["hi"])
+            if a < z:
+                out[a - lo:z - lo] = self._file(e).get_slice(e["key"])[a - e["lo"]:z - e["lo"]]
+        return out
 
     def full(self, name: str, kind: str) -> torch.Tensor:
         """The full tensor: each tensor-parallel rank's local tensor filled from its pieces, then joined."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .comm.collectives import all_gather_into_tensor
 from .config import TrainConfig
 from .flat import FlatParams
+from .checkpoint import read_flat
 from .grad_norm import sum_of_squares_over
 from .kernels import adamw_master_step, decay_table, sgd_master_step, triton_ok
 from .precision import DynamicLossScaler
@@ -349,15 +350,21 @@ class MasterWeightOptimizer:
             if absent:
                 raise KeyError(f"checkpoint lacks optimizer state {absent[0]}::{k} (saved with another optimizer?)")
 
-        def scatter(parts, get):
+        def scatter(parts, mapping, key):
+            # Only the elements of this rank's shard are read (a sharded checkpoint's pieces that overlap it).
             for b, part in zip(self.flat.buckets, parts):
-                full = torch.zeros(b.numel, dtype=torch.float32)
+                lo = self.rank * self.shard_len[b.index] if self.sharded else 0
+                hi = lo + part.numel()
+                buf = torch.zeros(hi - lo, dtype=torch.float32)  # bucket padding stays 0
                 for i in b.params:
-                    self.flat.view(full, i).copy_(get(self.names[i]))
-                part.copy_(self.shard_of(full, b.index))
+                    at, size = self.flat.where[i][1], self.params[i].numel()
+                    a, z = max(lo, at), min(hi, at + size)
+                    if a < z:
+                        buf[a - lo:z - lo] = read_flat(mapping, key(self.names[i]), a - at, z - at)
+                part.copy_(buf)
 
-        scatter(self.master_parts, lambda n: masters[n])
+        scatter(self.master_parts, masters, lambda n: n)
         for k, parts in self.state.items():
-            scatter(parts, lambda n, k=k: state[f"{n}::{k}"])
+            scatter(parts, state, lambda n, k=k: f"{n}::{k}")
         self.steps_taken = int(state[f"{self.names[0]}::step"])
         return [m.to(self.device, self.flat.dtype) for m in self.master_parts]

@@ -95,7 +95,8 @@ class Parallelized:
         optim = as_lazy(optim).where(lambda k: k.split("::")[0] in own)
         if self.specs:
             local = lambda k, v: take_local({k: v}, self.specs)[k]  # noqa: E731
-            masters, optim = masters.mapped(local), optim.mapped(local)
+            whole = lambda k: k.split("::")[0] not in self.specs  # noqa: E731 - a tensor tp leaves as it is
+            masters, optim = masters.mapped(local, whole), optim.mapped(local, whole)
         frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
         rest = self.engine.load_frozen({n: masters[n] for n in frozen})
         masters = masters.where(lambda k: k not in frozen)

@@ -287,8 +287,15 @@ class ZeroEngine(Engine):
                     self.flat.view(self.flat.buckets[self.flat.where[i][0]].data, i).copy_(live[name])
 
     def _load_bucket(self, bucket, part: torch.Tensor, masters: dict) -> None:
-        for i in bucket.params:
-            self.flat.view(bucket.data, i).copy_(masters[self.flat.names[i]])
+        if self.world == 1 or self.opt.offloaded:
+            for i in bucket.params:
+                self.flat.view(bucket.data, i).copy_(masters[self.flat.names[i]])
+            return
+        # The whole bucket from every rank's 16-bit shard just loaded: no full tensor read again (a sharded
+        # checkpoint's other ranks' pieces).
+        self.opt.shard_of(bucket.data, bucket.index).copy_(part)
+        for work, _ in self.transport.all_gather_weights([bucket.index], lambda b: self.opt.shard_of(bucket.data, b)).values():
+            work.wait()
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         shards = [] if self.grad_shards_in_bucket else [("grads", g) for g in self.grad_shards if g is not None]

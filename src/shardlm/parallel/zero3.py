@@ -294,10 +294,17 @@ class Zero3Engine(ZeroEngine):
         self._wait_weight_gathers()
 
     def _load_bucket(self, bucket, part: torch.Tensor, masters: dict) -> None:
-        if self.param_shards[bucket.index] is not None:
-            self.param_shards[bucket.index].copy_(part)
-        if self.gathered[bucket.index]:
-            super()._load_bucket(bucket, part, masters)
+        # No full tensor is read again (a sharded checkpoint's other ranks' pieces): a whole unit is gathered
+        # from the shards every rank just loaded, a sharded one released, gathered from them when next used.
+        b = bucket.index
+        if self.param_shards[b] is not None:
+            self.param_shards[b].copy_(part)
+        if not self.unsharded[b]:
+            self._release(b)
+            return
+        work, _ = self.transport.gather(self.param_shards[b], bucket.data)
+        if work is not None:
+            work.wait()
 
     def frozen_state(self) -> dict[str, torch.Tensor]:
         return {} if self.frozen is None else self.frozen.full_state()
