@@ -6,7 +6,8 @@ saving the same tensors, and what an asynchronous save costs the steps it overla
 Each system runs as its own `torchrun --nproc-per-node GPUS` job, after two training steps (so the AdamW state
 exists), bf16 with fp32 masters:
 - shardlm: `Trainer.save` (each rank writes its pieces; rank 0 commits) then a resume's load of the same
-  checkpoint into the same layout (`load_checkpoint` + `load_full_state`);
+  checkpoint into the same layout (`load_checkpoint`, its CRCs checked by rank 0 as a resume does, then
+  `load_full_state`);
 - dcp: `torch.distributed.checkpoint.save` / `load` of exactly the tensors shardlm writes (each rank's pieces
   of the fp32 masters and moments, keyed by rank, so each is written once by its owner);
 - shardlm-async: the mean step time from an asynchronous save's start (its copy to host memory included)
@@ -112,7 +113,7 @@ def worker(args):
         grown = _kib("VmHWM") - before
         t = time.perf_counter()
         if args.system == "shardlm":
-            ckpt = load_checkpoint(out, log=lambda *a: None)
+            ckpt = load_checkpoint(out, log=lambda *a: None, verify=rank == 0)  # as a resume: the main rank checks
             trainer.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         else:
             dcp.load(mine, checkpoint_id=str(out))
