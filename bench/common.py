@@ -204,3 +204,86 @@ def host_rate(n: int = 1 << 27) -> float | None:
                             weight_decay=0.1, bc1=0.5, bc2=0.5)
         seconds.append(time.perf_counter() - t)
     return ADAM_HOST_BYTES * n / min(seconds[1:])  # the first pass warms the pages and the threads up
+
+
+# Kernel classes of profile_steps, first match wins: attention before GEMM (flash kernels' names hold "cutlass").
+KERNEL_KINDS = (("attn", ("flash", "fmha", "attention")), ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "grouped",
+                                                                     "triton_tem")),
+                ("nccl", ("nccl", "c10d")), ("elem", ("elementwise", "reduce", "triton", "vectorized", "unrolled")))
+
+
+def kernel_kind(name: str, cat: str) -> str:
+    """A kernel's class: attn, gemm, nccl, elem (elementwise / reduce / Triton), copy (memcpy, memset), other."""
+    low = name.lower()
+    if cat.startswith("gpu_mem"):
+        return "copy"
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def trace_profile(trace: dict, steps: int, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset"),
+                  top: int = 25) -> tuple[dict, str]:
+    """Per step, from a chrome trace's complete events of `cats` (the GPU's kernels, copies and sets; "cpu_op" on
+    a CPU smoke run, whose nested operators then count more than once in the classes): busy ms (the union of
+    their intervals over every stream), ms per class, and the `top` names by total time; with the table of them."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in cats and "dur" in e]
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev):  # microseconds
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    kinds, names = {}, {}
+    for e in ev:
+        kind = kernel_kind(e["name"], e["cat"])
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1e3 / steps
+        n = names.setdefault(e["name"], [0.0, 0, kind])
+        n[0] += e["dur"] / 1e3 / steps
+        n[1] += 1
+    ranked = sorted(names.items(), key=lambda x: -x[1][0])[:top]
+    busy /= 1e3 * steps
+    lines = [f"{'ms/step':>9}{'% busy':>8}{'calls/step':>11}{'us/call':>9}  {'class':<6}name"]
+    lines += [f"{ms:>9.3f}{100 * ms / busy if busy else 0:>7.1f}%{n / steps:>11.1f}{1e3 * ms * steps / n:>9.1f}  "
+              f"{kind:<6}{name[:240]}" for name, (ms, n, kind) in ranked]
+    summary = {"busy_ms": busy, "kinds_ms": kinds, "kernels_per_step": len(ev) / steps,
+               "top": [[name[:90], ms, kind] for name, (ms, _, kind) in ranked[:5]]}
+    return summary, "\n".join(lines) + "\n"
+
+
+def profile_steps(step, steps: int, device: str, trace_path=None) -> dict | None:
+    """Run `steps` more steps under torch.profiler (CUDA's activity as well as the CPU's on a GPU; no shapes, no
+    stacks). With `trace_path` (rank 0's; others pass None and only run the steps): the chrome trace written
+    there (gzipped past 1 MiB: Perfetto opens either) and trace_profile's summary returned, its kernel table in
+    "table" and the profiled steps' wall ms in "wall_ms" (the profiler slows the host: compare busy time with
+    an unprofiled step's time)."""
+    import gzip
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    cuda = device == "cuda"
+    if trace_path is None:
+        for _ in range(steps):
+            step()
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts, record_shapes=False, with_stack=False) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    path = Path(trace_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    with open(path) as f:
+        trace = json.load(f)
+    summary, table = trace_profile(trace, steps, ("kernel", "gpu_memcpy", "gpu_memset") if cuda else ("cpu_op",))
+    if path.stat().st_size > 2**20:
+        with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        path.unlink()
+        path = Path(f"{path}.gz")
+    return {**summary, "wall_ms": wall * 1e3, "trace": str(path), "table": table}

@@ -2,7 +2,8 @@
 MixtralForCausalLM of exactly the same shape, on one GPU and with expert parallelism on two or more.
 
     python bench/moe.py --gpus 1|2|4 [--preset moe-1b] [--seq 2048] [--micro-batch 4] [--routing natural|balanced|both]
-                        [--systems ...] [--budget S] [--record FILE] [--shardlm.extra overrides]
+                        [--systems ...] [--budget S] [--record FILE] [--profile N [--profile-dir DIR]]
+                        [--shardlm.extra overrides]
 
 Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
 natural routing, then forced-balanced routing (the routing read at each step: a compiled graph recompiles).
@@ -19,8 +20,15 @@ are (t k + j) mod E, j < k (round-robin: every expert gets exactly T k / E copie
 scores renormalised over the k. A bench-only monkeypatch of shardlm's `MoE.route` and of transformers'
 `MixtralTopKRouter.forward`, no config key. Rows (bench "moe"): tok/s/GPU, MFU on ACTIVE parameters
 (ModelConfig.flops_per_token: 6 x active matmul parameters + attention, against common.PEAK), peak GiB
-allocated, the load's max/mean and dropped token copies over the timed steps (shardlm's per-layer statistics;
-HF is dropless: 0). `--device cpu` is a smoke run on gloo (mixtral-tiny), never recorded.
+allocated, the worst layer's expert load max/mean and dropped token copies over the timed steps (shardlm's
+per-layer statistics; HF's from a forward hook on each MixtralSparseMoeBlock's router counting its top-k
+choices per expert, summed over ranks; HF is dropless: 0). `--device cpu` is a smoke run on gloo
+(mixtral-tiny), never recorded.
+--profile N: after each routing's timing, N more steps under torch.profiler (common.profile_steps), rank 0's
+chrome trace written to --profile-dir as SYSTEM-ROUTING.trace.json(.gz), its top 25 kernels by total time to
+SYSTEM.kernels.txt; the end of the output then gives each one's GPU busy ms per step by kernel class (gemm:
+names with gemm/nvjet/cutlass/sm90/grouped; elem: elementwise/reduce/triton; attn, nccl, copy, other), the
+idle fraction (1 - busy / the unprofiled timed step) and its top 5 kernels. On the CPU: CPU operators only.
 """
 from __future__ import annotations
 
@@ -30,7 +38,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, record, run_systems, timed
+from common import (PEAK, driver_args, forwarded, job_env, profile_steps, record, run_systems,
+                    timed)
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
@@ -94,9 +103,43 @@ def hf_model(m, impl: str, seq: int, device: str):
     return model
 
 
+def count_hf_loads(model) -> list:
+    """A forward hook on each MixtralSparseMoeBlock's router adding its top-k choices per expert to an int64
+    buffer of the router's, `bench_load` (in-graph under torch.compile: registered before it); the routers."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    def hook(router, inputs, out):
+        experts = out[2].reshape(-1, 1)
+        router.bench_load.add_((experts == torch.arange(router.num_experts, device=experts.device)).sum(0))
+    routers = [r for r in model.modules() if isinstance(r, MixtralTopKRouter)]  # each sparse block's gate
+    for r in routers:
+        r.register_buffer("bench_load", torch.zeros(r.num_experts, dtype=torch.int64,
+                                                    device=r.weight.device), persistent=False)
+        r.register_forward_hook(hook)
+    return routers
+
+
+def hf_loads(routers) -> dict:
+    """Each router's counts since the last call (summed over ranks: each routes its own tokens) as shardlm's
+    statistics name them, the counts zeroed."""
+    import torch
+    import torch.distributed as dist
+    if not routers:
+        return {}
+    table = torch.stack([r.bench_load for r in routers]).double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    for r in routers:
+        r.bench_load.zero_()
+    return {f"moe/layer{i}/max_over_mean": (row.max() / row.mean()).item() for i, row in enumerate(table.cpu())
+            if row.sum() > 0}
+
+
 def hf_step(system: str, m, args, world: int):
     import torch
     model = hf_model(m, HF[system], args.seq, args.device)
+    routers = count_hf_loads(model)
     x = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq), device=args.device)
     if system == "hf-fsdp2":  # the peer's FSDP2: fp32 parameters, bf16 compute, fp32 gradient reduction
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -118,7 +161,7 @@ def hf_step(system: str, m, args, world: int):
         fwd(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step
+    return step, routers
 
 
 def worker(args, extra):
@@ -156,16 +199,16 @@ def worker(args, extra):
             if cuda:
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             dist.init_process_group("nccl" if cuda else "gloo")
-        step = hf_step(system, m, args, world)
+        step, routers = hf_step(system, m, args, world)
     rows = []
     for routing in routings:
         BALANCED["on"] = routing == "balanced"
         for _ in range(args.warm):  # (a compiled graph recompiles on the switch here)
             step()
-        stats = trainer.moe.stats() if trainer else {}  # the warm-up's statistics dropped
+        stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the warm-up's statistics dropped
         dt, mem = timed(step, 0, args.steps, args.device)
+        stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the timed steps' (a collective)
         if trainer:
-            stats = trainer.moe.stats()  # the timed steps' (a collective over every rank)
             mem += trainer.engine.symmetric_bytes() / 2**30 if cuda else 0.0
         loads = [v for k, v in stats.items() if k.endswith("max_over_mean")]
         tokens = args.micro_batch * args.seq
@@ -175,10 +218,46 @@ def worker(args, extra):
                      "dropped_tokens": sum(v for k, v in stats.items() if k.endswith("/dropped"))})
         if rank == 0:  # after each routing: a job cut short keeps what it measured
             print("RESULT " + json.dumps({"rows": rows}), flush=True)
+        if args.profile:
+            trace = Path(args.profile_dir, f"{system}-{routing}.trace.json") if rank == 0 else None
+            try:
+                prof = profile_steps(step, args.profile, args.device, trace)
+            except Exception as e:  # noqa: BLE001 (the timing stands, and the next routing runs)
+                prof = {"error": repr(e)[:300]}
+            if prof and "table" in prof:
+                with open(Path(args.profile_dir, f"{system}.kernels.txt"), "a") as f:
+                    f.write(f"{system} {routing}: {args.profile} steps, top kernels by total time (busy "
+                            f"{prof['busy_ms']:.2f} ms/step, timed step {dt * 1e3:.2f} ms)\n{prof.pop('table')}\n")
+            if prof:
+                rows[-1]["profile"] = prof
+                print("RESULT " + json.dumps({"rows": rows}), flush=True)
     if trainer is not None:
         trainer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def print_profiles(rows, where: str) -> None:
+    """Each profiled row's top kernels, then one line each: where a step's GPU time goes (ms per step)."""
+    for r in rows:
+        if "error" in r.get("profile", {}):
+            print(f"{r['system']} {r['routing']}: profiling failed: {r.pop('profile')['error']}")
+    rows = [r for r in rows if r.get("profile")]
+    if not rows:
+        return
+    print(f"\nprofiles in {where}: top kernels (ms/step, class, name)")
+    for r in rows:
+        print(f"{r['system']} {r['routing']}:")
+        for name, ms, kind in r["profile"]["top"]:
+            print(f"  {ms:8.2f}  {kind:<6}{name}")
+    print("GPU busy per step (the union of kernels, copies and sets over streams) by kernel class; idle = 1 - "
+          "busy / the unprofiled step")
+    for r in rows:
+        p, step = r["profile"], r["step_s"] * 1e3
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["kinds_ms"].items(), key=lambda x: -x[1]))
+        print(f"{r['system']} {r['routing']}: step {step:.1f} ms (profiled {p['wall_ms']:.1f}) | busy "
+              f"{p['busy_ms']:.1f}: {kinds} | idle {100 * (1 - p['busy_ms'] / step):.1f}% | "
+              f"{p['kernels_per_step']:.0f} kernels/step")
 
 
 def main():
@@ -191,6 +270,8 @@ def main():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--routing", default="both", choices=("natural", "balanced", "both"))
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (mixtral-tiny), not recorded")
+    p.add_argument("--profile", type=int, default=0, help="steps profiled after each routing's timing")
+    p.add_argument("--profile-dir", default="profiles", help="where --profile writes traces and kernel tables")
     p.add_argument("--systems", nargs="+", default=None,
                    help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp")
     driver_args(p, timeout=480)
@@ -206,7 +287,14 @@ def main():
     env = job_env(ROOT)
     if args.device == "cpu":
         env = {**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "routing", "device"))
+    args.profile_dir = str(Path(args.profile_dir).resolve())
+    if args.profile:  # an earlier run's files of these systems go (the tables are appended to, routing by routing)
+        for s in systems:
+            traces = (f"{s}-{r}.trace.json{z}" for r in ("natural", "balanced") for z in ("", ".gz"))
+            for old in (f"{s}.kernels.txt", *traces):
+                Path(args.profile_dir, old).unlink(missing_ok=True)
+    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "routing", "device", "profile",
+                           "profile_dir"))
     jobs = run_systems(__file__, systems, lambda s: args.gpus, lambda s: [*own, *extra] if s in SHARDLM else own,
                        env, args.timeout, args.budget)
     rows = [{**r, **({"ended": j["ended"]} if "ended" in j else {})} for j in jobs for r in j["rows"]]
@@ -230,6 +318,7 @@ def main():
         n, b = by.get((s, "natural")), by.get((s, "balanced"))
         if n and b:
             print(f"{s}: balanced / natural routing {b['tok_s_gpu'] / n['tok_s_gpu']:.3f}")
+    print_profiles(rows, args.profile_dir)
     if args.device != "cuda":
         print("(a CPU smoke run: nothing recorded)", file=sys.stderr)
         return
