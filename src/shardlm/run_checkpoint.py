@@ -27,6 +27,7 @@ from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, 
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
+from .runtime.device import host_empty
 
 
 class CheckpointSaver:
@@ -39,8 +40,29 @@ class CheckpointSaver:
         self.any_rank, self.host_group, self.log = any_rank, host_group, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: dict | None = None  # the asynchronous save in flight
+        self.pin = torch.cuda.is_available()
+        self.staging: torch.Tensor | None = None  # its host copy of this rank's pieces, kept for the next
         if out is not None and (why := grace_warning(cfg)):
             log(why)
+        t = cfg.train
+        sharded = t.checkpoint_format == "sharded" and not cfg.parallel.delayed_update
+        if out is not None and t.checkpoint_async and sharded:
+            # Made now rather than at the first save: page-locking tens of GB would stall the steps it overlaps.
+            start = time.perf_counter()
+            self._staging_for(list(self._pieces()))
+            log(f"asynchronous saves: {self.staging.numel() * 4 / 2**30:.2f} GiB of host memory for this rank's "
+                f"copy, made in {time.perf_counter() - start:.1f} s")
+
+    def _pieces(self):
+        buffer = self.cfg.train.checkpoint_buffer_mb * 2**20
+        return pieces(self.parallel.engine, self.parallel.model, self.parallel.mesh, buffer)
+
+    def _staging_for(self, parts: list) -> torch.Tensor:
+        need = sum(values.numel() for _, values in parts)
+        if self.staging is None or self.staging.numel() < need:
+            self.staging = None  # the old one freed before the new one is made
+            self.staging = host_empty(max(need, 1), torch.float32, self.pin)
+        return self.staging
 
     def save(self, step: int, state: dict, wait: bool = False) -> Path | None:
         """Save step `step`; returns the checkpoint's path on the main rank once it is committed (an
@@ -51,9 +73,10 @@ class CheckpointSaver:
             path = self._save_gathered(step, state)
         else:
             tmp = self._begin(step)
-            parts = pieces(self.parallel.engine, self.parallel.model, self.parallel.mesh, t.checkpoint_buffer_mb * 2**20)
+            parts = self._pieces()
             if t.checkpoint_async and not wait:
-                self._start(step, state, tmp, snapshot(parts, torch.cuda.is_available()))
+                parts = list(parts)
+                self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
             path = self._commit(step, state, tmp, self._write(step, tmp, parts), rng_state())

@@ -144,12 +144,18 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
     return files, entries, problem
 
 
-def snapshot(parts, pin: bool) -> list[tuple[dict, torch.Tensor]]:
+def snapshot(parts, pin: bool, staging: torch.Tensor | None = None) -> list[tuple[dict, torch.Tensor]]:
     """The pieces copied into host memory (page-locked where `pin`), so that training may change its own
-    buffers while a thread writes these: an asynchronous save's one pass over the state."""
-    out = []
+    buffers while a thread writes these: an asynchronous save's one pass over the state. `staging`: a host
+    buffer of at least their elements to copy into (kept from save to save: page-locking tens of GB takes
+    seconds), else fresh memory."""
+    out, at = [], 0
     for entry, values in parts:
-        copy = host_empty(values.numel(), torch.float32, pin)
+        n = values.numel()
+        if staging is not None:
+            copy, at = staging[at:at + n], at + n
+        else:
+            copy = host_empty(n, torch.float32, pin)
         copy.copy_(values.detach().reshape(-1), non_blocking=pin)
         out.append((entry, copy))
     if pin:

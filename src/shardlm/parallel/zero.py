@@ -294,7 +294,8 @@ class ZeroEngine(Engine):
         # The whole bucket from every rank's 16-bit shard just loaded: no full tensor read again (a sharded
         # checkpoint's other ranks' pieces).
         self.opt.shard_of(bucket.data, bucket.index).copy_(part)
-        for work, _ in self.transport.all_gather_weights([bucket.index], lambda b: self.opt.shard_of(bucket.data, b)).values():
+        mine = lambda b: self.opt.shard_of(bucket.data, b)  # noqa: E731
+        for work, _ in self.transport.all_gather_weights([bucket.index], mine).values():
             work.wait()
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
