@@ -264,6 +264,26 @@ def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():
     torch.testing.assert_close(out[key], state[key].float() + cfg.lora.alpha / cfg.lora.rank * (b @ a))
 
 
+def test_merging_reads_each_base_weight_when_its_merged_weight_is_read():
+    """`shardlm export --merge` of a sharded checkpoint holds one full tensor at a time: merging reads no base
+    weight until the writer asks for its merged one, and each once."""
+    from shardlm.checkpoint import LazyMap
+    from shardlm.parallel.lora import merged
+    cfg, model = lora_model("llama")
+    full, reads = model.state_dict(), []
+
+    def read(key):
+        reads.append(key)
+        return full[key]
+    out = merged(LazyMap(full.keys(), read), cfg.model, cfg.lora)
+    assert all(is_adapter_key(k) for k in reads)  # the adapters alone, to plan the merge
+    reads.clear()
+    key = "layers.0.attn.out.weight"
+    a, b = full["layers.0.attn.out.lora.A.o_proj"], full["layers.0.attn.out.lora.B.o_proj"]
+    torch.testing.assert_close(out[key], full[key].float() + cfg.lora.alpha / cfg.lora.rank * (b @ a))
+    assert reads == [key]
+
+
 def test_a_peft_adapter_with_settings_this_version_does_not_apply_is_refused(tmp_path):
     from shardlm.parallel.lora import read_peft_dir
     cfg, model = lora_model("llama")

@@ -19,11 +19,13 @@ are summed over the group like the norms' (tensor.sum_partial_gradients).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import LazyMap
 from ..config import LORA_MODULES, LoRAConfig, ModelConfig, fused_parts, lora_targets
 from .placement import TPSharding, degree, rank_in, tag
 from .tensor import ColumnParallelLinear, RowParallelLinear
@@ -129,12 +131,12 @@ def is_adapter_key(key: str) -> bool:
 
 def _adapters(state: dict, cfg: ModelConfig):
     """(layer, block linear path, module name, A, B) of every adapter in a full state dict."""
-    for key, a in state.items():
+    for key in state:  # the keys alone: the base weights are not read (a sharded checkpoint assembles them)
         if ".lora.A." not in key:
             continue
         prefix, name = key.split(".lora.A.")
         layer, path = prefix.removeprefix("layers.").split(".", 1)
-        yield int(layer), path, name, a, state[f"{prefix}.lora.B.{name}"]
+        yield int(layer), path, name, state[key], state[f"{prefix}.lora.B.{name}"]
 
 
 def peft_state(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -157,22 +159,26 @@ def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> 
             "modules_to_save": None, "base_model_name_or_path": base}
 
 
-def merged(state: dict, cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
-    """A full state dict with every adapter folded into its base weight (W0 + scale B A on its rows, in fp32)
-    and removed: the plain model's state."""
-    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
+def merged(state: Mapping, cfg: ModelConfig, lora: LoRAConfig) -> LazyMap:
+    """A full state with every adapter folded into its base weight (W0 + scale B A on its rows, in fp32) and
+    removed: the plain model's state. Each merged weight is made when it is read, so an export of a large
+    model holds one full tensor at a time."""
+    updates: dict[str, list] = {}
     for layer, path, name, a, b in _adapters(state, cfg):
-        key = f"layers.{layer}.{path}.weight"
-        modules = LORA_MODULES[cfg.arch][path]
-        parts = fused_parts(cfg, path)
-        start = 0
+        modules, parts, start = LORA_MODULES[cfg.arch][path], fused_parts(cfg, path), 0
         if len(modules) == len(parts):
             index = [m.rsplit(".", 1)[1] for m in modules].index(name)
             start = sum(parts[:index])
-        w = out[key].float().clone()
-        w[start:start + b.shape[0]] += scale(lora) * (b.float() @ a.float())
-        out[key] = w  # fp32: an update below a bf16 base's spacing would be lost casting back; writers cast
-    return out
+        updates.setdefault(f"layers.{layer}.{path}.weight", []).append((start, a, b))
+
+    def get(key: str) -> torch.Tensor:
+        if key not in updates:
+            return state[key]
+        w = state[key].float().clone()
+        for start, a, b in updates[key]:
+            w[start:start + b.shape[0]] += scale(lora) * (b.float() @ a.float())
+        return w  # fp32: an update below a bf16 base's spacing would be lost casting back; writers cast
+    return LazyMap([k for k in state if not is_adapter_key(k)], get)
 
 
 def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=None, base: str | None = None,
