@@ -98,3 +98,36 @@ def test_a_rank_reads_only_the_pieces_that_overlap_what_it_holds(tmp_path):
     assert {n[:9] for n in opened} == {"rank00000", "rank00001"}
     gathered = both[0][1]
     assert gathered.keys() == alone.keys() and all(torch.equal(gathered[k], alone[k]) for k in alone)
+
+
+def test_a_checkpoint_of_many_files_is_read_with_few_open(tmp_path):
+    """A reader keeps only its most recently read files open (a 70B checkpoint is thousands of files, past a
+    process's open-file limit), and reads the same tensors."""
+    import json
+    import os
+
+    from shardlm.checkpoint import MANIFEST, ShardedState, load_checkpoint
+    dist_fns.train_and_capture(0, 1, {**MODEL, "train.steps": "1", "train.save_every": "1"}, str(tmp_path / "a"))
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000001"
+    files = list(ckpt.glob("rank*.safetensors"))
+    assert len(files) > 8
+    state = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text()))
+    state.OPEN_FILES = 3
+    masters = state.masters()
+
+    def held() -> set[str]:  # the checkpoint's files this process has open or mapped
+        links = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        maps = {line.split(maxsplit=5)[-1] for line in open("/proc/self/maps").read().splitlines() if "/" in line}
+        return {f for f in links | maps if f.startswith(str(ckpt))}
+    read, most = {}, 0
+    for name in masters:
+        read[name] = masters[name]
+        most = max(most, len(held()))
+    assert 0 < most <= 3, most
+    whole = load_checkpoint(ckpt)["model"]
+    assert read.keys() == set(whole) and all(torch.equal(read[k], whole[k]) for k in read)

@@ -359,6 +359,7 @@ def as_lazy(state: Mapping) -> LazyMap:
 class ShardedState:
     """A sharded checkpoint's tensors by name, each assembled from its pieces when read: `masters()` and
     `optimizer()` are the mappings a full checkpoint's two files were."""
+    OPEN_FILES = 64
 
     def __init__(self, directory: Path, manifest: dict):
         self.directory = directory
@@ -366,7 +367,7 @@ class ShardedState:
         self.pieces: dict[tuple[str, str], list[dict]] = {}
         for entry in manifest["pieces"]:
             self.pieces.setdefault((entry["name"], entry["kind"]), []).append(entry)
-        self._open: dict[str, object] = {}
+        self._open: dict[str, object] = {}  # by file name, the least recently read first
 
     def masters(self) -> LazyMap:
         names = [n for n, k in self.pieces if k == "master"]
@@ -387,9 +388,15 @@ class ShardedState:
         return LazyMap(keys, get, ranged)
 
     def _file(self, entry: dict):
-        f = self._open.get(entry["file"])
+        # The most recently read files stay open (a tensor's pieces lie in a few, read in turn); the others
+        # are closed, so that a checkpoint of thousands of files stays under the process's open-file limit.
+        name = entry["file"]
+        f = self._open.pop(name, None)
         if f is None:
-            f = self._open[entry["file"]] = safe_open(str(self.directory / entry["file"]), framework="pt")
+            f = safe_open(str(self.directory / name), framework="pt")
+            if len(self._open) >= self.OPEN_FILES:
+                self._open.pop(next(iter(self._open)))
+        self._open[name] = f
         return f
 
     def _read(self, entry: dict) -> torch.Tensor:
