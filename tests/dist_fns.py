@@ -649,6 +649,12 @@ def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows:
         for block in model.parts().layers if query_rows else ():
             block.attn.core.kernel = "math"
         ids, targets = model.sequence.local(ids), model.sequence.local(targets)  # ring attention's: zig-zag
+    return summed_loss_and_grads(model, ids, targets, world)
+
+
+def summed_loss_and_grads(model, ids, targets, world: int):
+    """Forward and backward of this rank's slice: the mean loss over the ranks and the gradients summed."""
+    import torch.distributed as dist
     loss = model(ids, targets)
     (loss / world).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

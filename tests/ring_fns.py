@@ -13,6 +13,7 @@ def ring_model_step(rank, world, case: str, kernel=None):
 
     from shardlm.config import load_config
     from shardlm.model import build_model
+    from dist_fns import summed_loss_and_grads
     from shardlm.parallel.context import context_parallel
     shapes = {"window": {"model.sliding_window": "8"}, "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"},
               "mha": {"model.num_heads": "4", "model.num_kv_heads": "4"}}
@@ -33,16 +34,8 @@ def ring_model_step(rank, world, case: str, kernel=None):
         for core in cores:
             core.kernel = kernel
         ids, targets = model.sequence.local(ids), model.sequence.local(targets)
-    loss = model(ids, targets)
-    (loss / world).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if world > 1:
-        for grad in grads.values():
-            dist.all_reduce(grad)
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        loss /= world
-    return loss.item(), grads, dict(sum((core.kernel_calls for core in cores), Counter()))
+    loss, grads = summed_loss_and_grads(model, ids, targets, world)
+    return loss, grads, dict(sum((core.kernel_calls for core in cores), Counter()))
 
 
 def ring_versus_sdpa(rank, world, mask_kind: str, kernel, heads=(4, 2), dtype=torch.float32, T: int = 48):
