@@ -618,19 +618,15 @@ def ring_attention_bf16(rank, world):
     return [t.float() for t in (y.detach(), *(t.grad for t in x))], sdpa(torch.bfloat16), sdpa(torch.float32)
 
 
-def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows: int = 0):
-    """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
-    sequence (parallel/context.py, by `comm`: a2a, Ulysses, or p2p, ring attention; world 1: the whole model
-    on one process; `query_rows`: ring attention's queries a pass, where not its default): the mean loss over the
-    ranks and the gradients summed over them. `case`: causal, window
-    (a sliding window shorter than the sequence), packed (examples closed by an end-of-text token, kept
-    apart), gqa (8 query heads, 2 key/value heads) or heads2 (2 heads, which cp 4 does not divide)."""
-    import torch.distributed as dist
+def tiny_llama_batch(case: str):
+    """The tiny Llama (seed 3) of `case` and one batch of 2 x 32 (ids, targets): causal, window (a sliding
+    window shorter than the sequence), packed (examples closed by an end-of-text token, kept apart), gqa
+    (8 query heads, 2 key/value heads), mha (4 and 4) or heads2 (2 heads, which cp 4 does not divide)."""
     from shardlm.config import load_config
     from shardlm.model import build_model
-    from shardlm.parallel.context import context_parallel
     shapes = {"window": {"model.sliding_window": "8"},  # 8 query heads over 2 key/value heads: at cp 4 each
               "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"},  # is repeated twice, not four times
+              "mha": {"model.num_heads": "4", "model.num_kv_heads": "4"},
               "heads2": {"model.num_heads": "2", "model.num_kv_heads": "1"}}
     cfg = load_config("tiny", shapes.get(case, {}))
     model = build_model(cfg.model, seed=3)
@@ -641,6 +637,19 @@ def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows:
         model.doc_eos = 0
         ids[0, [5, 13, 22]] = 0  # examples that straddle the ranks' slices
         ids[1, [15]] = 0
+    return model, ids, targets
+
+
+def context_parallel_step(rank, world, case: str, comm: str = "a2a", query_rows: int = 0):
+    """The tiny Llama's loss and gradients for one batch, each of the `world` ranks holding its slice of every
+    sequence (parallel/context.py, by `comm`: a2a, Ulysses, or p2p, ring attention; world 1: the whole model
+    on one process; `query_rows`: ring attention's queries a pass, where not its default): the mean loss over the
+    ranks and the gradients summed over them. `case`: causal, window
+    (a sliding window shorter than the sequence), packed (examples closed by an end-of-text token, kept
+    apart), gqa (8 query heads, 2 key/value heads) or heads2 (2 heads, which cp 4 does not divide)."""
+    import torch.distributed as dist
+    from shardlm.parallel.context import context_parallel
+    model, ids, targets = tiny_llama_batch(case)
     if query_rows:  # the plain-op block kernel, a few queries a pass
         from shardlm.parallel import ring_attention
         ring_attention.QUERY_ROWS = query_rows

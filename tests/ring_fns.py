@@ -10,22 +10,10 @@ def ring_model_step(rank, world, case: str, kernel=None):
     gradients summed over the ranks; and the block kernels its attention ran (RingCore.kernel_calls over the
     layers). `kernel`: forced, else ring_kernel's choice."""
     import torch.distributed as dist
+    from dist_fns import summed_loss_and_grads, tiny_llama_batch
 
-    from shardlm.config import load_config
-    from shardlm.model import build_model
-    from dist_fns import summed_loss_and_grads
     from shardlm.parallel.context import context_parallel
-    shapes = {"window": {"model.sliding_window": "8"}, "gqa": {"model.num_heads": "8", "model.num_kv_heads": "2"},
-              "mha": {"model.num_heads": "4", "model.num_kv_heads": "4"}}
-    cfg = load_config("tiny", shapes.get(case, {}))
-    model = build_model(cfg.model, seed=3)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, cfg.model.vocab_size, (2, 32), generator=g)
-    targets = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
-    if case == "packed":
-        model.doc_eos = 0
-        ids[0, [5, 13, 22]] = 0
-        ids[1, [15]] = 0
+    model, ids, targets = tiny_llama_batch(case)
     cores = []
     if world > 1:
         context_parallel(model, dist.group.WORLD, "p2p")
