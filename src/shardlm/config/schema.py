@@ -87,8 +87,8 @@ class TrainConfig:
     save_every: int = 0            # 0 saves only at the end
     keep_checkpoints: int = 2
     checkpoint_format: str = "sharded"  # sharded: every rank writes what it owns | full: gathered onto rank 0
-    checkpoint_buffer_mb: int = 256  # a sharded save stages at most about this much per rank before writing
-    checkpoint_async: bool = False  # sharded saves written by a thread while training goes on
+    checkpoint_buffer_mb: int = 256  # a sharded save's staging per rank: files of half, one written while one is staged
+    checkpoint_async: bool = False  # sharded saves written by a thread while training goes on (a shard-sized host copy)
     peak_tflops: float = 0.0       # 0 looks the device up; used for MFU
     sample_tokens: int = 0         # print a sample of this many tokens after training
     sample_prompt: str = ""
