@@ -148,7 +148,7 @@ class MoE(nn.Module):
         # Dropless dispatch: the T k token copies sorted by expert (stable, so each expert sees its tokens in
         # sequence order), run as one grouped GEMM per linear, weighted, and summed back into their tokens.
         flat = experts.reshape(-1)
-        routed = torch.bincount(flat, minlength=self.num_experts)
+        routed = expert_counts(flat, self.num_experts)
         if self.capacity_factor > 0 and self.training:  # Switch/GShard: at most `capacity` copies per sequence
             seq_len = shape[-2] if len(shape) > 2 else x.shape[0]  # this rank's slice of each sequence
             whole = seq_len * self.sequences.parts
@@ -204,6 +204,12 @@ class MoE(nn.Module):
         """The tokens each expert received since the last call ([E], int64), and start counting anew."""
         load, self.load = self.load, None
         return load
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the token copies `flat` (expert ids) each expert got ([E], int64). A scatter-add, not
+    bincount, whose output size depends on the ids' values: the compiler would break the block's graph there."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, num_experts: int,
