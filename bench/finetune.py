@@ -256,7 +256,7 @@ def main():
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
-    p.add_argument("--recompute", default="full", choices=("none", "selective", "full"),
+    p.add_argument("--recompute", default="full", choices=("none", "selective", "full", "full-skip-down", "full-skip-out-down"),
                    help="every system's recomputation (the peers have no selective form: full)")
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)

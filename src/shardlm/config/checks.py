@@ -15,6 +15,8 @@ from .schema import SECTIONS, Config, ModelConfig, ParallelConfig
 from .shapes import lora_targets
 
 
+# Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
+BLOCK_RECOMPUTE = ("full", "full-skip-down", "full-skip-out-down")
 # The values each key may take; `validate` refuses any other, naming the choices.
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
@@ -23,7 +25,7 @@ CHOICES = {
     "data.tokenizer": ("byte",),  # any other value was silently ignored
     "train.lr_schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
-    "train.recompute": ("none", "selective", "full"),
+    "train.recompute": ("none", "selective", *BLOCK_RECOMPUTE),
     "train.optimizer": ("adamw", "sgd"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.attention": ("auto", "flash", "cudnn", "efficient", "math"),

@@ -76,7 +76,10 @@ class TrainConfig:
     grad_clip: float = 1.0         # 0 disables clipping
     seed: int = 0
     precision: str = "fp32"        # fp32 | bf16 | fp16
-    recompute: str = "none"        # none | selective | full
+    # none | selective (attention core) | full (each block from its input) | full-skip-down (full, but the
+    # recomputed forward skips the MLP's down projection: no more memory) | full-skip-out-down (also the
+    # attention's output projection, keeping each block's mid-residual): model/recompute.py
+    recompute: str = "none"
     compile: bool = False          # torch.compile each block
     loss_chunk_tokens: int = 2048  # fused head + cross-entropy over chunks of this many tokens; 0: plain
     attention: str = "auto"        # SDPA backend: auto | flash | cudnn | efficient | math

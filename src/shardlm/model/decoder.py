@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import IGNORE, ModelConfig
 from .activation_offload import ActivationOffload
@@ -21,6 +20,7 @@ from .attention import SDPA, WHOLE, WholeSequence
 from .kv_cache import KVCache
 from .loss import linear_cross_entropy, trained_count
 from .moe import MoE
+from .recompute import run_block, set_block_recompute
 from .weight_grad import Linear
 
 
@@ -241,13 +241,15 @@ class Decoder(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------
     def set_recompute(self, mode: str, offload_to: torch.device | None = None) -> None:
-        """none | selective (only the attention core is recomputed) | full (each block is recomputed; with
-        `offload_to`, a device, each block's input waits in host memory for its backward)."""
+        """none | selective | full | full-skip-down | full-skip-out-down (recompute.py); with `offload_to`, a
+        device, under full each block's input waits in host memory for its backward."""
         self.recompute = mode
         self.activation_offload = ActivationOffload(offload_to) if offload_to is not None and mode == "full" else None
         for core in self.modules():
             if isinstance(core, SDPA):
                 core.recompute = mode == "selective"
+        for block in self.blocks():
+            set_block_recompute(block, mode)
 
     def set_attention(self, backend: str) -> None:
         """auto lets PyTorch pick the SDPA kernel; flash | cudnn | efficient | math allow only that one, so
@@ -373,12 +375,7 @@ class Decoder(nn.Module):
                 cos, sin = self.rope(first, t, device, x.dtype)
             rope = (cos, sin)
         for block in self.blocks(layers):
-            if self.recompute == "full" and self.training and cache is None and self.activation_offload is not None:
-                x = self.activation_offload.checkpoint(block, x, rope, None, mask)
-            elif self.recompute == "full" and self.training and cache is None:
-                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
-            else:
-                x = block(x, rope, cache, mask)
+            x = run_block(self, block, x, rope, cache, mask)
         if cache is not None:
             cache.pos += t
         return x

@@ -38,8 +38,12 @@ class Linear(nn.Linear):
         self.lora = None
 
     def forward(self, x):
-        y = linear(x, self.weight, self.bias, self.weight_grads)
-        return y if self.lora is None else y + self.lora(x)
+        if self.lora is None:
+            return linear(x, self.weight, self.bias, self.weight_grads)
+        # The adapter first: the base product's inputs are then the last tensors the layer saves, so a
+        # recomputation that only needs those stops before the product runs (model/recompute.py).
+        update = self.lora(x)
+        return linear(x, self.weight, self.bias, self.weight_grads) + update
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):

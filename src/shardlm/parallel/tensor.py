@@ -231,9 +231,12 @@ class RowParallelLinear(nn.Module):
         tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
+        # An adapter's partial product joins the base's before their reduction; computed first, so that the
+        # base product's inputs are the last tensors saved and a recomputation stops before it (model/recompute.py).
+        update = self.lora(x) if self.lora is not None else None
         y = linear(x, self.weight, None, self.weight_grads)
-        if self.lora is not None:  # an adapter's partial product joins the base's before their reduction
-            y = y + self.lora(x)
+        if update is not None:
+            y = y + update
         if self.sequence_parallel and self.training:
             y = reduce_scatter_to_sp(y, self.group, self.async_tp)
         else:
