@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig
+from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig
 from .comm import comm_bytes, comm_seconds
 from .flops import ADAM_BYTES, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
 from .hardware import GPU, gpu
@@ -68,7 +68,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
         micro = w.global_batch // (w.micro_batch * L.dp)
         step += micro / in_flight(w, L) * checkpoint_bytes(m, w, L) / g.pcie_bw
     if L.lora.quantize == "nf4":  # each NF4 weight dequantised (read, 16-bit written and read) in every pass
-        passes = 3 if L.recompute == "full" else 2
+        passes = 3 if L.recompute in BLOCK_RECOMPUTE else 2
         micro = w.global_batch // (w.micro_batch * L.dp)
         step += passes * micro * nf4_weights(m, L, 0) * (NF4_BYTES_PER_WEIGHT + 4) / g.hbm_bw
     mfu = model / (step * g.peak_flops)
@@ -76,7 +76,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     train_flops = train_days = 0.0
     if w.tokens:
         n = m.num_params() - m.param_counts()["embedding"] - m.param_counts()["position"]
-        train_flops = (8 if L.recompute == "full" else 6) * n * w.tokens
+        train_flops = (8 if L.recompute in BLOCK_RECOMPUTE else 6) * n * w.tokens
         train_days = w.tokens / tokens_per_s / 86400
     gpu_hours = train_days * 24 * L.gpus
     fits = mem.total + CUDA_CONTEXT <= g.memory * (1 - HEADROOM)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ModelConfig, exchanged_kv_heads
+from ..config import BLOCK_RECOMPUTE, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span, within_node
 from .hardware import GPU
 from .layout import Layout, Workload
@@ -76,7 +76,7 @@ def model_parallel_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, fl
     q = m.num_heads // t
     kv = m.kv_heads // t if m.kv_heads % t == 0 else q  # fewer than tp: every rank reads one per query head
     kv = exchanged_kv_heads(q, kv, L.cp)  # repeated where cp does not divide them
-    passes = 3 if L.recompute == "full" else 2  # forward, backward, and the recomputed forward
+    passes = 3 if L.recompute in BLOCK_RECOMPUTE else 2  # forward, backward, and the recomputed forward
     exchanged = tokens * (2 * q + 2 * kv) * m.head_size * act  # q, k, v in; the output back
     cp = 0.0 if L.cp == 1 else passes * (L.cp - 1) / L.cp * exchanged * layers * micro
     if L.cp > 1 and L.cp_comm == "p2p":  # ring attention: each forward (and backward) passes cp - 1 chunks of k

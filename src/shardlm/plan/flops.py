@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..config import ModelConfig
+from ..config import BLOCK_RECOMPUTE, ModelConfig
 from ..schedules import Simulation, schedule, simulate
 from .layout import Layout, Workload
 
@@ -37,11 +37,21 @@ def simulated(name: str, pp: int, v: int, m: int) -> Simulation:
 def recompute_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float:
     c = m.param_counts()
     attn = 4 * m.num_layers * m.num_heads * m.head_size * seq  # one forward of QK^T and AV
-    if recompute == "full":
-        return 2 * (c["layers"]) + attn
+    if recompute in BLOCK_RECOMPUTE:  # the partial forms skip the down (and out) projections' forward
+        return 2 * (c["layers"]) + attn - skipped_flops_per_token(m, recompute)
     if recompute == "selective":
         return attn
     return 0.0
+
+
+def skipped_flops_per_token(m: ModelConfig, recompute: str) -> float:
+    """The forward FLOPs a partial recomputation's recomputed forward leaves out (model/recompute.py): the
+    dense MLP's down projection (ffn x hidden), with full-skip-out-down also attention's output projection
+    (heads x head_dim x hidden), 2 FLOPs a weight, every layer (an MoE layer's experts are not counted)."""
+    dense = sum(not m.is_moe_layer(i) for i in range(m.num_layers))
+    down = 2 * m.ffn_size * m.hidden_size * dense if recompute in ("full-skip-down", "full-skip-out-down") else 0
+    out = 2 * m.num_heads * m.head_size * m.hidden_size * m.num_layers if recompute == "full-skip-out-down" else 0
+    return float(down + out)
 
 
 def bubble(w: Workload, L: Layout) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig, check_layout, lora_targets
+from ..config import BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig, check_layout, lora_targets
 
 
 class PlanError(ConfigError):
@@ -45,7 +45,7 @@ FLAGS = Naming(flags=True)
 
 def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None = None) -> None:
     L = layout
-    for name, value, allowed in (("recompute", L.recompute, ("none", "selective", "full")),
+    for name, value, allowed in (("recompute", L.recompute, ("none", "selective", *BLOCK_RECOMPUTE)),
                                  ("precision", L.precision, ("fp32", "bf16", "fp16")),
                                  ("attention", L.attention, ("flash", "standard"))):
         if value not in allowed:

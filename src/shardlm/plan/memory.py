@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
+from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span
 from ..schedules import split_layers
 from .flops import simulated
@@ -159,8 +159,8 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
     s, b, h, a, t = w.seq / L.cp, w.micro_batch, m.hidden_size, m.num_heads, L.tp
     sbh = s * b * h
     if m.arch == "gpt2" and L.attention == "standard" and m.ffn_size == 4 * h:
-        if L.recompute == "full":
-            per = 2 * sbh / (t if L.sp else 1)
+        if L.recompute in BLOCK_RECOMPUTE:
+            per = (2 + kept_residual(L, 2)) * sbh / (t if L.sp else 1)
         else:
             # Ulysses: a rank's 1 / (t cp) of the heads attend over the whole sequence, cp s; ring attention
             # keeps no probabilities
@@ -169,8 +169,8 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             per = sbh * ((34 / t if L.sp else 10 + 24 / t) + score)
     else:
         act = 2 if L.precision != "fp32" else 4
-        if L.recompute == "full":
-            per = act * sbh / (t if L.sp else 1)
+        if L.recompute in BLOCK_RECOMPUTE:
+            per = (act + kept_residual(L, act)) * sbh / (t if L.sp else 1)
         else:
             q, f = a * m.head_size, m.ffn_size
             kv = m.kv_heads * m.head_size  # under cp, as many as the exchange holds (repeated where cp needs)
@@ -188,6 +188,13 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
+
+
+def kept_residual(L: Layout, act: float) -> float:
+    """Bytes per hidden element a block keeps beside its input under `L.recompute`: full-skip-out-down keeps
+    its mid-residual (x + attention(x)), which the MLP norm's backward reads and only the output projection
+    could recompute; the projections' inputs are recomputed with what produces them (model/recompute.py)."""
+    return act if L.recompute == "full-skip-out-down" else 0.0
 
 
 def in_flight(w: Workload, L: Layout) -> float:
@@ -250,7 +257,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.offload_activations:  # the blocks' inputs wait in host memory (model/activation_offload.py)
             acts = 0.0
         recomputed = 0.0
-        if L.recompute == "full":  # the layer being recomputed holds its full activations
+        if L.recompute in BLOCK_RECOMPUTE:  # the layer being recomputed holds its full activations
             recomputed = activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
             acts += recomputed
         if stage == 0 and L.pp > 1:

@@ -16,7 +16,7 @@ its ranks; PCIe is each GPU's own (hardware.py's figures, all overridable).
 """
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import BLOCK_RECOMPUTE, ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
 from .memory import reduced_bytes, trained_and_frozen, zero_shard
@@ -42,7 +42,7 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     per_micro = compute / micro
     if L.zero_stage >= 2:
         down = shard * reduced / g.pcie_bw
-        passes = 3 if L.recompute == "full" else 2
+        passes = 3 if L.recompute in BLOCK_RECOMPUTE else 2
         # With offload_dir the shards are read from the disk (at worst: the page cache may hold them).
         read_bw = min(g.pcie_bw, disk_bw) if L.offload_dir else g.pcie_bw
         up = passes * shard * 2 / read_bw if L.offload == "params" else 0.0
@@ -69,7 +69,7 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     if L.delayed_update:
         step = max(gpu, host, adds + update)
     elif L.overlap_update:
-        step = gpu + host - min(host, per_micro * (0.25 if L.recompute == "full" else 1 / 3))
+        step = gpu + host - min(host, per_micro * (0.25 if L.recompute in BLOCK_RECOMPUTE else 1 / 3))
     else:
         step = gpu + host
     return step - compute

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ModelConfig
+from ..config import BLOCK_RECOMPUTE, ModelConfig
 from . import Estimate, HEADROOM, estimate
 from .hardware import GPU
 from .layout import Layout, PlanError, Workload
@@ -36,7 +36,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
                     break
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for recompute in ("none", "selective", "full"):
+                        for recompute in ("none", "selective", *BLOCK_RECOMPUTE):
                             schedules = [("1f1b", 1), ("zb-h1", 1)] if pp > 1 else [("1f1b", 1)]
                             if pp > 1 and m.num_layers % (pp * 2) == 0:
                                 schedules.append(("interleaved", 2))
