@@ -136,6 +136,8 @@ LAYOUTS = {
     "dp2-zero3-recompute": {"parallel.dp": "2", "parallel.zero_stage": "3", "parallel.persist_threshold": "100",
                             "train.recompute": "full"},
     "tp2-sp": {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1"},
+    "tp2-sp-skip-out-down": {"parallel.tp": "2", "parallel.sp": "true", "parallel.dp": "1",
+                             "train.recompute": "full-skip-out-down"},
     "tp4": {"parallel.tp": "4", "parallel.dp": "1"},
     "pp2": {"parallel.pp": "2", "parallel.dp": "1", "model.num_layers": "4", "train.micro_batch_size": "1"},
 }

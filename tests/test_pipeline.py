@@ -156,7 +156,8 @@ def test_tied_embeddings_across_first_and_last_stage(pp, tp, dp, zero):
                **(SGD if tp > 1 else {})), atol=ADAM_ATOL["gpt2"])
 
 
-@pytest.mark.parametrize("recompute, schedule", [("full", "1f1b"), ("selective", "zb-h1"), ("full", "zb-h1")])
+@pytest.mark.parametrize("recompute, schedule", [("full", "1f1b"), ("selective", "zb-h1"), ("full", "zb-h1"),
+                                                      ("full-skip-out-down", "1f1b")])
 def test_pipeline_with_recomputation(recompute, schedule):
     run(layout(2, 2, schedule, **{"train.recompute": recompute}))
 

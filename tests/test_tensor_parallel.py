@@ -174,7 +174,7 @@ def test_data_times_tensor_parallel_equals_one_process(model, mode):
     check_equal(results, ref, atol=ADAM_ATOL[model])
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", ["selective", "full", "full-skip-out-down"])
 def test_tensor_and_sequence_parallel_with_recomputation(recompute):
     results, ref = run(2, {"parallel.tp": "2", "parallel.dp": "1", "parallel.sp": "true", "train.recompute": recompute,
                            "train.optimizer": "sgd", "train.lr": "1e-2"})

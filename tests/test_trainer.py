@@ -170,7 +170,9 @@ def test_a_block_compiled_in_halves_hands_over_its_mlp_gradients_first(halves):
 
 COMPILED_CASES = {"llama": {}, "gpt2": {"model.arch": "gpt2", "model.num_kv_heads": "4"},
                   "lora": {"lora.rank": "4"}, "selective": {"train.recompute": "selective"},
-                  "full": {"train.recompute": "full"}, "window": {"model.sliding_window": "8"}}
+                  "full": {"train.recompute": "full"}, "window": {"model.sliding_window": "8"},
+                  "skip-down": {"train.recompute": "full-skip-down"},
+                  "skip-out-down-lora": {"train.recompute": "full-skip-out-down", "lora.rank": "4"}}
 
 
 @pytest.mark.parametrize("case", COMPILED_CASES)
