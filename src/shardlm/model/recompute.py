@@ -23,11 +23,14 @@ the product runs, so a region that ends in a linear stops just before that linea
 row-parallel linear's all-reduce or reduce-scatter). That needs the linear's base product to be the
 region's last saver: Linear and RowParallelLinear compute a LoRA adapter's update before the base product
 for this. Compiled blocks (train.compile): the checkpoint is placed inside the block's compiled graph (the
-wrappers below are what Block.forward, attn_half and mlp_half call), where AOTAutograd's partitioner
-recomputes only what the backward graph reads, torch's selective activation checkpointing machinery
-(torch.utils.checkpoint's CheckpointPolicy, `create_selective_checkpoint_contexts`) marking the region;
-a checkpoint outside a compiled graph would rerun all of it. `full` keeps its checkpoint outside the block
-(Decoder.hidden_states), as before, so its behaviour and memory do not change.
+wrappers below are what Block.forward, attn_half and mlp_half call), where AOTAutograd tags the region's
+nodes with the recompute policies of torch's selective activation checkpointing (SAC: CheckpointPolicy,
+`create_selective_checkpoint_contexts`) and its partitioner recomputes only what the backward graph reads,
+saving the tensor between two regions (the mid-residual); a checkpoint outside a compiled graph would rerun
+all of it. (Compiled gradients are tested with AOTAutograd; that inductor's backward drops the two products
+is the partitioner's behaviour, not yet measured on a GPU.) An op-level SAC policy was not used: its policy
+sees aten ops, not modules, so it cannot tell the out projection's matmul from the others under compile.
+`full` keeps its checkpoint outside the block (Decoder.hidden_states), as before.
 """
 from __future__ import annotations
 
