@@ -118,3 +118,21 @@ def matched_to_transformers(kind: str, tmp_path: Path):
         expected, got = ref(ids).logits, ours(ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     return ref, ours, cfg, state, ids, expected
+
+
+def tiny_decoder(overrides: dict):
+    """The `tiny` preset's Decoder with `overrides` (LoRA adapters applied where lora.rank is set), initialised
+    on the CPU; and its config."""
+    import torch
+
+    from shardlm.config import load_config
+    from shardlm.model import Decoder
+    from shardlm.parallel.lora import apply_lora
+    cfg = load_config("tiny", overrides)
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return model, cfg

@@ -6,9 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import tiny_decoder
 from shardlm.config import load_config
-from shardlm.model import Decoder
-from shardlm.parallel.lora import apply_lora
 from shardlm.plan import Layout, Workload, estimate, gpu
 from shardlm.plan.flops import recompute_flops_per_token
 from shardlm.plan.memory import activation_per_layer
@@ -62,13 +61,7 @@ def test_the_recomputed_forward_skips_the_out_and_down_projections(mode, case):
     gradient), plus one more if the recomputed forward runs it: qkv and up always, out only under full and
     full-skip-down. The forward hooks of out agree (down's, even under full, is cut short by checkpoint's
     early stop before its product, the adapter's update computed first)."""
-    cfg = load_config("tiny", CASES[case])
-    with torch.device("meta"):
-        model = Decoder(cfg.model)
-    if cfg.lora.rank:
-        apply_lora(model, cfg.lora)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
+    model, cfg = tiny_decoder(CASES[case])
     model.set_recompute(mode)
     block = model.blocks()[1]  # not the first: its input needs a gradient under LoRA too
     weights = {"qkv": block.attn.qkv.weight, "out": block.attn.out.weight, "up": block.mlp.up.weight,

@@ -11,7 +11,6 @@ import torch
 
 from shardlm.checkpoint import complete_checkpoints, resolve_checkpoint
 from shardlm.config import load_config
-from shardlm.model import Decoder
 from shardlm.parallel.engine import LocalEngine
 from shardlm.precision import DynamicLossScaler, LossScaleError, NoLossScaler
 from shardlm.trainer import Trainer
@@ -181,14 +180,9 @@ def test_compiled_blocks_have_the_eager_gradients(case):
     every trained parameter the eager model's gradient. On torch 2.11 it once gave a block's weights zero
     gradients (test_tensor_parallel.py), with outputs that looked right."""
     import copy
-    from shardlm.parallel.lora import apply_lora
-    cfg = load_config("tiny", COMPILED_CASES[case])
-    with torch.device("meta"):
-        model = Decoder(cfg.model)
-    if cfg.lora.rank:
-        apply_lora(model, cfg.lora)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
+
+    from helpers import tiny_decoder
+    model, cfg = tiny_decoder(COMPILED_CASES[case])
     if cfg.lora.rank:  # B starts at zero: the base's input gradients alone would not tell
         for name, p in model.named_parameters():
             if "lora" in name:
