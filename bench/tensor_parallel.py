@@ -29,7 +29,7 @@ import math
 import os
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed
+from common import PEAK, driver_args, forwarded, job_env, profile_steps, run_systems, shardlm_trainer, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
@@ -211,9 +211,23 @@ def worker(args, extra):
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     tok = args.global_batch * args.seq / dt / world
     flops = model_config(args).model.flops_per_token(args.seq)
+    row = {"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tok, "mfu": tok * flops / PEAK,
+           "peak_mem_gib": float(peak)}
+    if args.profile:  # every rank's trace: where a step's time goes on each, and how the collectives spread
+        rank = int(os.environ.get("RANK", 0))
+        got = profile_steps(step, args.profile, args.device,
+                            Path(args.profile_dir) / f"{args.system}-rank{rank}.trace.json")
+        mine = {k: got[k] for k in ("busy_ms", "kinds_ms", "kernels_per_step", "wall_ms")}
+        ranks = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        row["profile"] = ranks
+        if rank == 0:
+            (Path(args.profile_dir) / f"{args.system}.kernels.txt").write_text(got["table"])
     if int(os.environ.get("RANK", 0)) == 0:
-        print("RESULT " + json.dumps({"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tok,
-                                      "mfu": tok * flops / PEAK, "peak_mem_gib": float(peak)}), flush=True)
+        print("RESULT " + json.dumps(row), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -230,6 +244,8 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the systems' code on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
+    p.add_argument("--profile", type=int, default=0, help="steps profiled after timing, on every rank")
+    p.add_argument("--profile-dir", default="profiles", help="each rank's trace, rank 0's kernel table")
     driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
@@ -238,7 +254,8 @@ def main():
     def gpus(system):
         layout = SHARDLM.get(system)
         return math.prod(int(v) for k, v in layout.items() if k in ("parallel.tp", "parallel.dp")) if layout else args.gpus
-    own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device"))
+    own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device",
+                           "profile", "profile_dir"))
     rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
@@ -252,6 +269,11 @@ def main():
         rel = lambda k: f"{r['tok_s_gpu'] / by[k]['tok_s_gpu']:.2f}" if k in by else "-"  # noqa: E731
         print(f"{r['system']:<18}{r['tok_s_gpu']:>11.0f}{100 * r['mfu']:>7.1f}%{r['peak_mem_gib']:>10.1f}"
               f"{rel('dtensor-tp4'):>12}{rel('megatron-tp4'):>13}")
+    for r in rows:
+        for rank, got in enumerate(r.get("profile") or []):
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(got["kinds_ms"].items()))
+            print(f"{r['system']} rank {rank}: step {1e3 * r['step_s']:.1f} ms, GPU busy {got['busy_ms']:.1f} ms "
+                  f"({kinds}), {got['kernels_per_step']:.0f} kernels a step")
     if args.record and args.device == "cuda":
         with open(args.record, "a") as f:
             for r in rows:
