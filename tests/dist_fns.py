@@ -821,7 +821,7 @@ def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
     opened, and its gathered masters after the load."""
     from pathlib import Path
 
-    import shardlm.checkpoint as ckpt_module
+    import shardlm.sharded_read as ckpt_module
     opened, real = set(), ckpt_module.safe_open
 
     def spied(path, *args, **kwargs):

@@ -269,7 +269,7 @@ def test_merging_into_a_bf16_base_keeps_the_update_in_fp32():
 def test_merging_reads_each_base_weight_when_its_merged_weight_is_read():
     """`shardlm export --merge` of a sharded checkpoint holds one full tensor at a time: merging reads no base
     weight until the writer asks for its merged one, and each once."""
-    from shardlm.checkpoint import LazyMap
+    from shardlm.sharded_read import LazyMap
     from shardlm.parallel.lora import merged
     cfg, model = lora_model("llama")
     full, reads = model.state_dict(), []

@@ -13,7 +13,8 @@ from helpers import matched_to_transformers
 from shardlm.config import ConfigError, load_config
 from shardlm.config.checks import validate
 from shardlm.model import build_model
-from shardlm.model.moe import MoE, balance_loss, expert_load, grouped_available, grouped_mm, z_loss
+from shardlm.model.grouped_mm import grouped_available, grouped_mm
+from shardlm.model.moe import MoE, balance_loss, expert_load, z_loss
 from shardlm.testing.distributed import run_distributed
 
 MOE = {"model.num_experts": "4", "model.top_k": "2"}  # `tiny` made mixtral-tiny, for dist_fns' trainer
@@ -174,13 +175,13 @@ def test_full_recomputation_trains_the_same_and_counts_the_load_once():
     """Recomputed blocks run the router twice: the gradients (auxiliary losses included) equal those without
     recomputation, and the tokens per expert are counted once. The grouped GEMMs' first use (a probe of this
     build's CPU kernel) inside the checkpointed forward must not upset the recomputation either."""
-    from shardlm.model import moe
+    from shardlm.model import grouped_mm as kernels
 
     cfg = moe_cfg()
     batches = [(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(i)),) * 2 for i in range(2)]
     grads, loads = [], []
     for mode in ("none", "full"):
-        moe._PROBED.clear()
+        kernels._PROBED.clear()
         model = build_model(cfg, seed=2)
         model.set_recompute(mode)
         model.train()

@@ -106,7 +106,8 @@ def test_a_checkpoint_of_many_files_is_read_with_few_open(tmp_path):
     import json
     import os
 
-    from shardlm.checkpoint import MANIFEST, ShardedState, load_checkpoint
+    from shardlm.checkpoint import MANIFEST, load_checkpoint
+    from shardlm.sharded_read import ShardedState
     dist_fns.train_and_capture(0, 1, {**MODEL, "train.steps": "1", "train.save_every": "1"}, str(tmp_path / "a"))
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000001"
     files = list(ckpt.glob("rank*.safetensors"))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .comm.collectives import all_gather_into_tensor
 from .config import TrainConfig
 from .flat import FlatParams
-from .checkpoint import read_flat
+from .sharded_read import read_flat
 from .grad_norm import sum_of_squares_over
 from .kernels import adamw_master_step, decay_table, sgd_master_step, triton_ok
 from .precision import DynamicLossScaler

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from ..adapter_check import check_adapter_target
-from ..checkpoint import MANIFEST, CheckpointError, ShardedState, read_state, resolve_checkpoint
+from ..checkpoint import MANIFEST, CheckpointError, read_state, resolve_checkpoint
+from ..sharded_read import ShardedState
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
 from ..model.hf import is_hf_dir, open_hf_dir

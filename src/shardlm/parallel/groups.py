@@ -17,7 +17,7 @@ from torch import nn
 
 from .engine import Engine
 from .placement import data_placements, shardings
-from ..checkpoint import as_lazy
+from ..sharded_read import as_lazy
 
 
 def group_names(model: nn.Module) -> dict[str, list[str]]:

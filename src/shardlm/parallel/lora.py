@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import LazyMap
+from ..sharded_read import LazyMap
 from ..config import LORA_MODULES, LoRAConfig, ModelConfig, fused_parts, lora_targets
 from .placement import TPSharding, degree, rank_in, tag
 from .tensor import ColumnParallelLinear, RowParallelLinear

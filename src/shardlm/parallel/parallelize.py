@@ -35,7 +35,7 @@ from .moe_tensor import moe_tensor_parallel
 from .qlora import is_nf4, plain, quantize_base, set_nf4
 from .pipeline import PipelineSchedule, stage_decoder
 from .placement import DataPlacement, gather_full, place, shardings, take_local
-from ..checkpoint import as_lazy
+from ..sharded_read import as_lazy
 from .tensor import sum_partial_gradients, tensor_parallel
 
 
