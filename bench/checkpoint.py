@@ -6,8 +6,8 @@ saving the same tensors, and what an asynchronous save costs the steps it overla
 Each system runs as its own `torchrun --nproc-per-node GPUS` job, after two training steps (so the AdamW state
 exists), bf16 with fp32 masters:
 - shardlm: `Trainer.save` (each rank writes its pieces; rank 0 commits) then a resume's load of the same
-  checkpoint into the same layout (`load_checkpoint`, its CRCs checked by rank 0 as a resume does, then
-  `load_full_state`);
+  checkpoint into the same layout (its CRCs checked by rank 0 as a resume does, `verify_s` of `load_s`, then
+  `load_checkpoint` and `load_full_state`);
 - dcp: `torch.distributed.checkpoint.save` / `load` of exactly the tensors shardlm writes (each rank's pieces
   of the fp32 masters and moments, keyed by rank, so each is written once by its owner);
 - shardlm-async: the mean step time from an asynchronous save's start (its copy to host memory included)
@@ -45,7 +45,7 @@ def _reset_peak() -> int:
 def worker(args):
     import torch
     import torch.distributed as dist
-    from shardlm.checkpoint import load_checkpoint
+    from shardlm.checkpoint import load_checkpoint, resolve_checkpoint
     from shardlm.config import load_config
     from shardlm.parallel.sharded_state import pieces
     from shardlm.trainer import Trainer
@@ -113,7 +113,12 @@ def worker(args):
         grown = _kib("VmHWM") - before
         t = time.perf_counter()
         if args.system == "shardlm":
-            ckpt = load_checkpoint(out, log=lambda *a: None, verify=rank == 0)  # as a resume: the main rank checks
+            if rank == 0:  # as a resume: the main rank checks every file's CRC, the others wait
+                resolve_checkpoint(out)
+            if dist.is_initialized():
+                dist.barrier()
+            row["verify_s"] = time.perf_counter() - t
+            ckpt = load_checkpoint(out, log=lambda *a: None, verify=False)
             trainer.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         else:
             dcp.load(mine, checkpoint_id=str(out))
@@ -160,13 +165,13 @@ def main():
         env = {**env, "CUDA_VISIBLE_DEVICES": ""}
     rows = run_systems(__file__, args.systems, lambda s: args.gpus, lambda s: own, env, args.timeout, args.budget)
     print(f"\n{args.preset}, {args.layout} over {args.gpus} ranks ({args.device})")
-    print(f"{'system':<16}{'GB':>8}{'save s':>9}{'GB/s':>8}{'load s':>9}{'host GiB':>10}{'shard GiB':>11}{'overhead':>10}")
+    print(f"{'system':<16}{'GB':>8}{'save s':>9}{'GB/s':>8}{'load s':>9}{'verify':>8}{'host GiB':>10}{'shard GiB':>11}{'overhead':>10}")
     for r in rows:
         if "gb" in r:
             print(f"{r['system']:<16}{r['gb']:>8.1f}{r['save_s']:>9.2f}{r['save_gb_s']:>8.2f}{r['load_s']:>9.2f}"
-                  f"{r['peak_host_gib']:>10.2f}{r['shard_gib']:>11.2f}{'-':>10}")
+                  f"{r.get('verify_s', 0):>8.2f}{r['peak_host_gib']:>10.2f}{r['shard_gib']:>11.2f}{'-':>10}")
         else:
-            print(f"{r['system']:<16}{'-':>8}{r['save_s']:>9.2f}{'-':>8}{'-':>9}{'-':>10}{'-':>11}"
+            print(f"{r['system']:<16}{'-':>8}{r['save_s']:>9.2f}{'-':>8}{'-':>9}{'-':>8}{'-':>10}{'-':>11}"
                   f"{100 * r['overhead']:>9.1f}%  ({r['steps_saving']} steps, {r['copy_s']:.1f} s to copy)")
     if args.record and args.device == "cuda":
         import torch

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .comm.collectives import all_gather_into_tensor
 from .config import TrainConfig
 from .flat import FlatParams
-from .sharded_read import read_flat
+from .sharded_read import read_ahead, read_flat
 from .grad_norm import sum_of_squares_over
 from .kernels import adamw_master_step, decay_table, sgd_master_step, triton_ok
 from .precision import DynamicLossScaler
@@ -352,7 +352,8 @@ class MasterWeightOptimizer:
 
         def scatter(parts, mapping, key):
             # Only the elements of this rank's shard are read (a sharded checkpoint's pieces that overlap it).
-            for b, part in zip(self.flat.buckets, parts):
+            def read(bucket_part):
+                b, part = bucket_part
                 lo = self.rank * self.shard_len[b.index] if self.sharded else 0
                 hi = lo + part.numel()
                 buf = torch.zeros(hi - lo, dtype=torch.float32)  # bucket padding stays 0
@@ -361,6 +362,8 @@ class MasterWeightOptimizer:
                     a, z = max(lo, at), min(hi, at + size)
                     if a < z:
                         buf[a - lo:z - lo] = read_flat(mapping, key(self.names[i]), a - at, z - at)
+                return buf
+            for part, buf in zip(parts, read_ahead(read, zip(self.flat.buckets, parts))):
                 part.copy_(buf)
 
         scatter(self.master_parts, masters, lambda n: n)

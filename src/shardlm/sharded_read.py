@@ -6,7 +6,9 @@ pieces that overlap what is asked for.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 
 import torch
@@ -61,6 +63,20 @@ def read_flat(mapping: Mapping, key, lo: int, hi: int) -> torch.Tensor:
     return mapping.read_flat(key, lo, hi) if isinstance(mapping, LazyMap) else mapping[key].reshape(-1)[lo:hi]
 
 
+def read_ahead(read: Callable, items: Iterable, threads: int = 4) -> Iterator:
+    """read(item) for each item, in order, with up to `threads` reads in flight ahead of the consumer: reading
+    a checkpoint's pages (safetensors maps its files; the copies out of them release the GIL) overlaps itself
+    and what the consumer does with each result, with no more than `threads` results held at once."""
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardlm-read-ahead") as pool:
+        pending = []
+        for item in items:
+            pending.append(pool.submit(read, item))
+            if len(pending) > threads:
+                yield pending.pop(0).result()
+        for f in pending:
+            yield f.result()
+
+
 def as_lazy(state: Mapping) -> LazyMap:
     return state if isinstance(state, LazyMap) else LazyMap(state.keys(), state.__getitem__)
 
@@ -77,6 +93,7 @@ class ShardedState:
         for entry in manifest["pieces"]:
             self.pieces.setdefault((entry["name"], entry["kind"]), []).append(entry)
         self._open: dict[str, object] = {}  # by file name, the least recently read first
+        self._lock = threading.Lock()
 
     def masters(self) -> LazyMap:
         names = [n for n, k in self.pieces if k == "master"]
@@ -100,12 +117,13 @@ class ShardedState:
         # The most recently read files stay open (a tensor's pieces lie in a few, read in turn); the others
         # are closed, so that a checkpoint of thousands of files stays under the process's open-file limit.
         name = entry["file"]
-        f = self._open.pop(name, None)
-        if f is None:
-            f = safe_open(str(self.directory / name), framework="pt")
-            if len(self._open) >= self.OPEN_FILES:
-                self._open.pop(next(iter(self._open)))
-        self._open[name] = f
+        with self._lock:  # read_ahead's threads read pieces at once
+            f = self._open.pop(name, None)
+            if f is None:
+                f = safe_open(str(self.directory / name), framework="pt")
+                if len(self._open) >= self.OPEN_FILES:
+                    self._open.pop(next(iter(self._open)))
+            self._open[name] = f
         return f
 
     def _read(self, entry: dict) -> torch.Tensor:
