@@ -777,6 +777,33 @@ def save_memory(rank, world, overrides: dict, out_dir):
     return kib("VmHWM") - before, held, time.perf_counter() - start
 
 
+def async_save_polled_while_stepping(rank, world, overrides: dict, out_dir):
+    """An asynchronous save polled after each step by code that steps the trainer itself (as bench/checkpoint.py
+    does), rank 0's writes slowed so that the ranks' writer threads finish at different steps: returns the
+    steps taken until the save committed (the same on every rank) and the checkpoints then on disk."""
+    from pathlib import Path
+    from shardlm import run_checkpoint
+    if rank == 0:
+        write = run_checkpoint.write_shards
+
+        def slow(*args, **kwargs):
+            time.sleep(1.0)
+            return write(*args, **kwargs)
+        run_checkpoint.write_shards = slow
+    trainer = tiny_trainer(world, {"train.checkpoint_async": "true", **overrides}, out_dir=out_dir)
+    trainer.train_step()
+    trainer.step += 1
+    trainer.save(wait=False)
+    steps = 0
+    while trainer.saver.pending is not None and steps < 200:
+        trainer.train_step()
+        trainer.step += 1
+        steps += 1
+        trainer.saver.poll()
+    trainer.close()
+    return steps, sorted(p.name for p in (Path(out_dir) / "checkpoints").iterdir())
+
+
 def expert_parallel_layer(rank, world, routing: str):
     """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
     them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16). `routing`: "natural", or

@@ -46,6 +46,16 @@ def test_an_asynchronous_save_resumes_on_the_same_trajectory(tmp_path, world):
     assert resumed["losses"] == pytest.approx(full[0]["losses"][4:], rel=1e-5)
 
 
+def test_an_asynchronous_save_polled_by_code_that_steps_itself_commits_on_every_rank_at_once(tmp_path):
+    """The ranks' writers finish at different steps (rank 0's slowed): the poll agrees over every rank before
+    any of them commits, so none is left in a training step's collectives while another commits."""
+    results = run_distributed(dist_fns.async_save_polled_while_stepping, 2, {"parallel.zero_stage": "3"},
+                              str(tmp_path), timeout=120)
+    (steps, done), (steps1, done1) = results
+    assert steps == steps1 and 0 < steps < 200
+    assert done == done1 == ["step_00000001"]
+
+
 def test_the_planner_sizes_a_sharded_checkpoint_and_a_slow_one_is_warned_of_at_start():
     from shardlm.config import load_config
     from shardlm.plan import Layout, save_bytes

@@ -112,7 +112,7 @@ class Trainer:
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
         self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
-        self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, lambda: self.host_group,
+        self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self._host_group,
                                      self.log if self.mesh.is_main else lambda *a: None)
         self.resumed_from = None
         if checkpoint is not None:
@@ -285,10 +285,15 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
         and saves it (runtime/preemption.py), and `stopped_by` names the signal."""
-        if self.host_group is None:  # made here, not in __init__: code that only steps never needs it
-            self.host_group = host_group(timedelta(seconds=self.cfg.parallel.timeout_s))
-        with StopSignals(self.host_group) as signals:
+        with StopSignals(self._host_group()) as signals:
             return self._run(signals)
+
+    def _host_group(self):
+        """The gloo group of stop checks and asynchronous saves' polls, made when first needed (collective:
+        every rank calls run() and poll() together)."""
+        if self.host_group is None:
+            self.host_group = host_group(timedelta(seconds=self.cfg.parallel.timeout_s))
+        return self.host_group
 
     def _run(self, signals: StopSignals) -> list[dict]:
         from tqdm import tqdm
