@@ -3,6 +3,8 @@ each rank holds, the work each ring step gives it), the block kernel each device
 CPU kernel actually run, and the output and gradients against SDPA over the whole sequence (gloo, fp32) with
 causal, sliding-window and packed-document masks, with and without grouped-query attention. The trainer's
 runs at cp 2 and 4 against one process are tests/test_context_parallel.py's (comm p2p)."""
+import math
+
 import pytest
 import ring_fns
 import torch
@@ -55,6 +57,15 @@ def test_every_ring_step_scores_half_a_square_of_causal_blocks_on_every_rank(cp)
                 assert causal or bool((keys[None, :] < positions[:, None]).all())  # unmasked blocks fully seen
     flat = [work(ContextParallel(None, r, cp, "p2p"), 0) for r in range(cp)]
     assert flat[0] == s * s / 2 and flat[1] == s * s  # contiguous: rank 0 half, the others all or nothing
+
+
+def test_a_block_row_with_no_key_adds_nothing_to_the_merged_row_whatever_its_kernel_wrote():
+    from shardlm.parallel.ring_attention import merge
+    out, lse = torch.ones(1, 1, 2, 4), torch.zeros(1, 1, 2)
+    block_out = torch.tensor([[[[2.0] * 4, [float("nan")] * 4]]])  # row 1 saw no key of this block
+    merge(out, lse, block_out, torch.tensor([[[0.0, -math.inf]]]))
+    torch.testing.assert_close(out, torch.tensor([[[[1.5] * 4, [1.0] * 4]]]))
+    torch.testing.assert_close(lse, torch.tensor([[[math.log(2.0), 0.0]]]))
 
 
 def test_block_kernel_choice():

@@ -99,11 +99,13 @@ class RingAttention(torch.autograd.Function):
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Folds a block's softmax-normalised output and log-sum-exp into the running ones (fp32, in place):
-    each weighs by its share exp(lse - merged) of the merged row sum. Rows with no keys yet (-inf) weigh 0."""
+    each weighs by its share exp(lse - merged) of the merged row sum. Rows with no keys yet (-inf) weigh 0,
+    and a block's row with no key adds nothing whatever its kernel left there (SDPA's memory-efficient kernel
+    has been reported to leave NaN in fully masked rows, pytorch#109517: 0 * NaN would spread it)."""
     merged = torch.logaddexp(lse, block_lse)
     old = torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1)
     new = torch.exp(block_lse - merged).nan_to_num_(0.0).unsqueeze(-1)
-    out.mul_(old).add_(block_out.float() * new)
+    out.mul_(old).add_(torch.where(new > 0, block_out.float() * new, 0.0))
     lse.copy_(merged)
 
 
