@@ -22,6 +22,8 @@ Each system runs as its own torchrun job (clean allocator, honest peaks), dp = G
 A system that raises prints its error as its row ("failed" in the table); one that dies or runs past --timeout
 gets a row saying so. Peak memory: the largest over ranks of max_memory_allocated (+ shardlm's symmetric
 memory). The planner's figures: shardlm.plan.estimate of the config each shardlm job runs (Layout.from_config).
+`--profile N`: after timing, N more steps under torch.profiler (common.profile_steps), rank 0's trace and kernel
+table written to `--profile-dir`, a line per system after the table (GPU busy, ms per kernel class, top kernel).
 `--device cpu`: gloo smoke run of the two shardlm systems (torch-cp skipped: its ring needs CUDA's flash or
 efficient kernels), never recorded. Extra `--section.key value` arguments go to the shardlm systems.
 """
@@ -34,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, record, run_systems, shardlm_trainer, timed
+from common import (PEAK, driver_args, forwarded, job_env, profile_steps, record, run_systems, shardlm_trainer,
+                    timed)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-ring": "p2p", "shardlm-ulysses": "a2a"}
@@ -157,6 +160,12 @@ def worker(args, extra):
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         tok = args.global_batch * args.seq / dt / world
         row.update(step_s=dt, tok_s_gpu=tok, mfu=tok * m.flops_per_token(args.seq) / PEAK, peak_mem_gib=float(peak))
+        if args.profile:  # after timing: rank 0's trace and kernel table, where the step's time goes
+            got = profile_steps(step, args.profile, args.device,
+                                Path(args.profile_dir) / f"{args.system}.trace.json" if rank == 0 else None)
+            if got is not None:
+                Path(args.profile_dir, f"{args.system}.kernels.txt").write_text(got.pop("table"))
+                row["profile"] = {**got, "idle": 1 - got["busy_ms"] / (1e3 * dt)}
     except Exception as e:  # noqa: BLE001 (the row says why; the driver goes on to the next system)
         import traceback
         traceback.print_exc()
@@ -228,6 +237,8 @@ def main():
     p.add_argument("--card", default=None, help="the planner's GPU (h100, h200, ...); default: the one found")
     p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the shardlm systems, not recorded")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--profile", type=int, default=0, help="steps profiled after timing (rank 0's trace)")
+    p.add_argument("--profile-dir", default="profiles", help="rank 0's trace and kernel table per system")
     driver_args(p, timeout=150)
     args, extra = p.parse_known_args()
     if args.gpus % args.cp:
@@ -244,7 +255,7 @@ def main():
     if not cuda:
         env = {**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     own = forwarded(args, ("gpus", "cp", "preset", "seq", "global_batch", "micro_batch", "torch_micro_batch", "recompute", "compile",
-                           "rotate", "warm", "steps", "card", "device"))
+                           "rotate", "warm", "steps", "card", "device", "profile", "profile_dir"))
     rows, start = [], time.monotonic()
     for s in args.systems:
         if s == "torch-cp" and not cuda:
@@ -263,6 +274,12 @@ def main():
             row.update(predicted(args, s, extra))
         rows.append(row)
     table(args, rows)
+    for r in rows:
+        if r.get("profile"):
+            pr = r["profile"]
+            print(f"{r['system']}: GPU busy {pr['busy_ms']:.0f} ms a step (idle {100 * pr['idle']:.0f}%), "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(pr["kinds_ms"].items(), key=lambda x: -x[1])) + " ms; "
+                  f"{pr['kernels_per_step']:.0f} kernels; top: {pr['top'][0][0][:60]} {pr['top'][0][1]:.0f} ms")
     if not cuda:
         print("(a CPU smoke run: nothing recorded)", file=sys.stderr)
         return
