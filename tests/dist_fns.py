@@ -804,6 +804,23 @@ def async_save_polled_while_stepping(rank, world, overrides: dict, out_dir):
     return steps, sorted(p.name for p in (Path(out_dir) / "checkpoints").iterdir())
 
 
+def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: int):
+    """Train `tiny`, saving as `overrides` say; at the save of `step` this process is SIGKILLed as soon as it has
+    written its first file (kill -9 mid-save)."""
+    from functools import partial
+
+    from shardlm import run_checkpoint
+    write = run_checkpoint.write_tensors
+
+    def write_then_die(path, tensors, sync=True):
+        got = write(path, tensors, sync)
+        if f".tmp-step_{step:08d}" in str(path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return got
+    run_checkpoint.write_tensors = partial(write_then_die)
+    tiny_trainer(world, overrides, out_dir=out_dir).run()
+
+
 def expert_parallel_layer(rank, world, routing: str):
     """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
     them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16). `routing`: "natural", or

@@ -229,22 +229,27 @@ RESUME = {"train.steps": "6", "train.save_every": "3", "train.keep_checkpoints":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", [
-    {"parallel.pp": "1", "parallel.dp": "4", "parallel.zero_stage": "3"},
-    {"parallel.pp": "4", "parallel.dp": "1", "parallel.tp": "1"},
-    {"parallel.pp": "1", "parallel.dp": "1", "parallel.tp": "1"},
-], ids=["dp4-zero3", "pp4", "one-process"])
-def test_a_pp2_tp2_checkpoint_resumes_under_another_layout_on_the_same_trajectory(tmp_path, target):
+def test_a_pp2_tp2_checkpoint_resumes_under_other_layouts_and_theirs_under_it_on_the_same_trajectory(tmp_path):
+    """Saved at pp 2 x tp 2 (step 3 of 6), resumed at dp 4 ZeRO-3, pp 4, tp 4 and one process; and back: one
+    process's checkpoint of the same run resumed at pp 2 x tp 2. Every resumed run continues the same losses."""
     first = {**layout(2, 4, tp=2), **RESUME, "parallel.persist_threshold": "100"}
     full = run_distributed(dist_fns.train_and_capture, 4, first, str(tmp_path / "a"), timeout=240)
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
-    then = {**first, "parallel.tp": "1", **target}
-    world = int(then["parallel.pp"]) * int(then["parallel.dp"])
-    if world == 1:
-        resumed = [dist_fns.train_and_capture(0, 1, {**then, "train.device": "cpu"}, str(tmp_path / "b"), ckpt)]
-    else:
-        resumed = run_distributed(dist_fns.train_and_capture, world, then, str(tmp_path / "b"), ckpt, timeout=240)
-    for r in resumed:
+    for i, target in enumerate(({"parallel.pp": "1", "parallel.dp": "4", "parallel.zero_stage": "3"},
+                                {"parallel.pp": "4", "parallel.dp": "1", "parallel.tp": "1"},
+                                {"parallel.pp": "1", "parallel.dp": "1", "parallel.tp": "4"})):
+        resumed = run_distributed(dist_fns.train_and_capture, 4, {**first, "parallel.tp": "1", **target},
+                                  str(tmp_path / f"b{i}"), ckpt, timeout=240)
+        for r in resumed:
+            torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0, msg=str(target))
+    one = {**first, "parallel.pp": "1", "parallel.tp": "1", "train.device": "cpu"}
+    alone = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "one"), ckpt)
+    torch.testing.assert_close(alone["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+    theirs = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "c"))
+    torch.testing.assert_close(theirs["losses"], full[0]["losses"], rtol=RTOL, atol=0)
+    back = run_distributed(dist_fns.train_and_capture, 4, first, str(tmp_path / "d"),
+                           str(tmp_path / "c" / "checkpoints" / "step_00000003"), timeout=240)
+    for r in back:
         torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
 
 

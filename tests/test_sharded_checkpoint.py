@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import dist_fns
-from shardlm.testing.distributed import run_distributed
+from dp_cases import RTOL
+from shardlm.testing.distributed import DistributedError, run_distributed
 
 BUFFER_MB = 2
 # About 5M parameters (60 MB of fp32 masters and moments): large beside the staging buffer and the noise.
@@ -58,11 +59,17 @@ def test_an_asynchronous_save_polled_by_code_that_steps_itself_commits_on_every_
 
 def test_the_planner_sizes_a_sharded_checkpoint_and_a_slow_one_is_warned_of_at_start():
     from shardlm.config import load_config
-    from shardlm.plan import Layout, save_bytes
+    from shardlm.plan import Layout, Workload, gpu, save_bytes
+    from shardlm.plan import estimate as estimate_plan
     from shardlm.run_checkpoint import grace_warning
     cfg = load_config("llama2-7b", {"parallel.dp": "8", "parallel.zero_stage": "3"})
     whole, per_rank = save_bytes(cfg.model, Layout.from_config(cfg))
     assert whole == 12 * cfg.model.num_params() and per_rank == whole / 8  # fp32 masters and two moments
+    t = cfg.train
+    estimate = estimate_plan(cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
+                             Layout.from_config(cfg), gpu("h100"))
+    assert estimate.checkpoint_bytes == whole and estimate.checkpoint_rank_bytes == per_rank
+    assert estimate.checkpoint_save_s == pytest.approx(per_rank / (6e9 / 8))
     lora = load_config("llama2-7b", {"lora.rank": "16"})
     whole, per_rank = save_bytes(lora.model, Layout.from_config(lora))
     assert whole == 12 * lora.lora.adapter_count(lora.model) + 4 * lora.model.num_params() == per_rank
@@ -93,6 +100,8 @@ def test_a_sharded_checkpoint_exports_in_shards_that_transformers_loads(tmp_path
     assert (tmp_path / "hf-sharded" / "model.safetensors.index.json").is_file()
     ids = torch.arange(12)[None] % 200
     torch.testing.assert_close(models["sharded"](ids).logits, models["full"](ids).logits, rtol=1e-5, atol=1e-5)
+    for name, tensor in models["full"].state_dict().items():  # the same training: the same bits, however saved
+        assert torch.equal(models["sharded"].state_dict()[name], tensor), name
 
 
 def test_a_rank_reads_only_the_pieces_that_overlap_what_it_holds(tmp_path):
@@ -142,3 +151,52 @@ def test_a_checkpoint_of_many_files_is_read_with_few_open(tmp_path):
     assert 0 < most <= 3, most
     whole = load_checkpoint(ckpt)["model"]
     assert read.keys() == set(whole) and all(torch.equal(read[k], whole[k]) for k in read)
+
+
+STEPS = {"train.steps": "6", "train.save_every": "3", "train.keep_checkpoints": "5"}
+# Layouts the strategies' own resharding tests do not save from (theirs: pp 2 x tp 2, tp 2 x dp 2, cp 2 at
+# dp 1, LoRA at one process, the offload layouts as targets).
+SOURCES = {
+    "dp2-cp2-zero3": (4, {"parallel.dp": "2", "parallel.cp": "2", "parallel.zero_stage": "3"}),
+    "pp2-lora": (2, {"parallel.pp": "2", "parallel.dp": "1", "lora.rank": "4", "lora.alpha": "8",
+                     "lora.targets": "q_proj,v_proj,o_proj,gate_proj,down_proj", "train.micro_batch_size": "2"}),
+    "dp2-zero2-offload": (2, {"parallel.dp": "2", "parallel.zero_stage": "2", "parallel.offload": "optimizer"}),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_checkpoint_of_each_layout_resumes_at_one_process_on_the_same_trajectory(tmp_path, source):
+    world, layout = SOURCES[source]
+    full = run_distributed(dist_fns.train_and_capture, world, {**STEPS, **layout}, str(tmp_path / "a"), timeout=240)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    one = {**STEPS, **{k: v for k, v in layout.items() if k.startswith(("lora.", "train."))}, "parallel.dp": "1",
+           "train.device": "cpu"}
+    resumed = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "b"), ckpt)
+    torch.testing.assert_close(resumed["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
+
+
+def test_a_job_killed_mid_save_on_every_rank_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+    """Both ranks SIGKILLed after writing the first file of step 4's save (as a node's failure or a launcher's
+    kill -9 would leave it): step 2's checkpoint is whole, and a resume continues from it to the end."""
+    over = {"train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5", "parallel.zero_stage": "3"}
+    with pytest.raises(DistributedError, match="died"):
+        run_distributed(dist_fns.killed_after_the_first_file_of, 2, over, str(tmp_path), 4, timeout=120)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [".tmp-step_00000004", "step_00000002"], names
+    resumed = dist_fns.train_and_capture(0, 1, {**over, "parallel.dp": "1", "train.device": "cpu"}, str(tmp_path),
+                                         str(tmp_path))
+    assert len(resumed["losses"]) == 2  # steps 3 and 4, from step 2's checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_a_save_longer_than_the_grace_period_is_warned_of_when_the_run_starts(tmp_path, monkeypatch):
+    from shardlm import run_checkpoint
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    said = []
+    cfg = load_config("tiny", {"train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "quick", log=said.append).close()
+    assert not any("SIGTERM" in m for m in said)  # a tiny model saves in far less than 30 s
+    monkeypatch.setattr(run_checkpoint, "GRACE_S", 0)  # as though the disk were slow beside the state
+    Trainer(cfg, out_dir=tmp_path / "slow", log=said.append).close()
+    assert any("more than the 0 s torchrun and Slurm leave after SIGTERM" in m for m in said), said
