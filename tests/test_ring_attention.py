@@ -59,13 +59,19 @@ def test_every_ring_step_scores_half_a_square_of_causal_blocks_on_every_rank(cp)
     assert flat[0] == s * s / 2 and flat[1] == s * s  # contiguous: rank 0 half, the others all or nothing
 
 
-def test_a_block_row_with_no_key_adds_nothing_to_the_merged_row_whatever_its_kernel_wrote():
+def test_a_block_row_the_mask_hides_entirely_comes_out_0_and_adds_nothing_to_the_merged_row():
     from shardlm.parallel.ring_attention import merge
-    out, lse = torch.ones(1, 1, 2, 4), torch.zeros(1, 1, 2)
-    block_out = torch.tensor([[[[2.0] * 4, [float("nan")] * 4]]])  # row 1 saw no key of this block
-    merge(out, lse, block_out, torch.tensor([[[0.0, -math.inf]]]))
-    torch.testing.assert_close(out, torch.tensor([[[[1.5] * 4, [1.0] * 4]]]))
-    torch.testing.assert_close(lse, torch.tensor([[[math.log(2.0), 0.0]]]))
+    from shardlm.parallel.ring_kernels import block_forward
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[1] = False  # query row 1 sees no key of this block
+    out, lse, _ = block_forward(ring_kernel("cpu", torch.float32, True), q, k, v, False, mask)
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8)) and bool(torch.isneginf(lse[:, :, 1]).all())
+    merged, merged_lse = torch.ones(1, 2, 4, 8), torch.zeros(1, 2, 4)
+    merge(merged, merged_lse, out, lse)
+    assert torch.equal(merged[:, :, 1], torch.ones(1, 2, 8)) and torch.equal(merged_lse[:, :, 1], torch.zeros(1, 2))
+    assert torch.isfinite(merged).all()
 
 
 def test_block_kernel_choice():

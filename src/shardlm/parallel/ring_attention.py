@@ -83,14 +83,16 @@ class RingAttention(torch.autograd.Function):
                 kind = ctx.kernel or ring_kernel(q.device.type, q.dtype, block is not None)
                 dqb, dkb, dvb = block_backward(kind, grad[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                out[:, :, qs], lse[:, :, qs], causal, block, next(rngs), QUERY_ROWS)
-                dq[:, :, qs] += dqb.float()
-                mine[0][:, :, ks] += dkb.float()
-                mine[1][:, :, ks] += dvb.float()
+                dq[:, :, qs].add_(dqb)  # in fp32, reading the 16-bit gradients as they are
+                mine[0][:, :, ks].add_(dkb)
+                mine[1][:, :, ks].add_(dvb)
             # The gradient that arrived with this chunk took its earlier holders' shares; it moves on with the
-            # chunk, sent while the next block computes, and after cp steps it is home with every share.
+            # chunk, sent while the next block computes, and after cp steps it is home with every share. The
+            # last hop, which nothing overlaps, goes in the inputs' dtype: its owner would round it to that on
+            # arrival, so rounding before sending halves the bytes and changes no bit.
             if travelling is not None:
                 mine += travelling.wait()[0]
-            travelling = ring.shift(mine)
+            travelling = ring.shift(mine if step < ring.cp - 1 else mine.to(k.dtype))
             if incoming is not None:
                 kv, = incoming.wait()
         dkv, = travelling.wait()
@@ -99,13 +101,13 @@ class RingAttention(torch.autograd.Function):
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Folds a block's softmax-normalised output and log-sum-exp into the running ones (fp32, in place):
-    each weighs by its share exp(lse - merged) of the merged row sum. Rows with no keys yet (-inf) weigh 0,
-    and a block's row with no key adds nothing whatever its kernel left there (SDPA's memory-efficient kernel
-    has been reported to leave NaN in fully masked rows, pytorch#109517: 0 * NaN would spread it)."""
+    each weighs by its share exp(lse - merged) of the merged row sum. Rows with no keys yet (-inf) weigh 0;
+    a block's row with no key must hold 0, not NaN (block_forward sees to it). Two passes over the rows: the
+    block's 16-bit output is read as it is, not copied to fp32 first."""
     merged = torch.logaddexp(lse, block_lse)
     old = torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1)
     new = torch.exp(block_lse - merged).nan_to_num_(0.0).unsqueeze(-1)
-    out.mul_(old).add_(torch.where(new > 0, block_out.float() * new, 0.0))
+    out.mul_(old).addcmul_(block_out, new)
     lse.copy_(merged)
 
 

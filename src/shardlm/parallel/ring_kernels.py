@@ -58,7 +58,11 @@ def block_forward(kind: str, q, k, v, causal: bool, mask, rows: int = RING_QUERY
     else:
         return (*_math_forward(q, k, v, causal, mask, scale, rows), None)
     if mask is not None:  # the fused kernels leave a fully masked row at lse 0 (CPU) or +-inf: it has no keys
-        lse = lse.masked_fill(~mask.any(-1), -math.inf)
+        empty = ~mask.any(-1)
+        lse = lse.masked_fill(empty, -math.inf)
+        # and its output 0, whatever the kernel wrote there (SDPA's memory-efficient kernel has been reported to
+        # leave NaN in fully masked rows, pytorch#109517): merged at weight 0, a NaN would still spread
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse.float(), rng
 
 
