@@ -424,3 +424,31 @@ def test_compiled_cpu_adamw_matches_torch_fused_adamw():
         torch.set_num_threads(threads)
     assert torch.equal(sums[0], sums[1])
     assert sums[0].item() == pytest.approx((grad.double() ** 2).sum().item(), rel=1e-7)
+
+
+@pytest.mark.parametrize("every", [2, 0])
+def test_python_garbage_collection_runs_on_the_step_schedule_and_is_restored_after(monkeypatch, every):
+    """train.gc_every 2: automatic collection off while training, a collection before the first step and after
+    every second one; 0: Python's own collector, untouched."""
+    import gc
+
+    import dist_fns
+    from shardlm.runtime import gc_schedule
+    calls = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc_schedule.gc, "collect", lambda generation=2: calls.append(generation) or real_collect(generation))
+    trainer = dist_fns.tiny_trainer(1, {"train.steps": "4", "train.gc_every": str(every), "train.device": "cpu"})
+    real_step, seen = trainer.train_step, []
+
+    def step():
+        seen.append((gc.isenabled(), len(calls)))
+        return real_step()
+    trainer.train_step = step
+    assert gc.isenabled()
+    trainer.run()
+    assert gc.isenabled()
+    if every:
+        assert seen == [(False, 1), (False, 1), (False, 2), (False, 2)] and calls[:3] == [1, 1, 1]
+    else:
+        assert seen == [(True, 0)] * 4 and calls == []
+    trainer.close()

@@ -35,6 +35,7 @@ from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.device import pick_device
+from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
@@ -306,11 +307,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         since, steps_since = time.perf_counter(), 0
-        with closing(bar):
+        with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
                 loss = self.train_step()
                 self.step += 1
                 steps_since += 1
+                collector.step(self.step)
                 bar.update(1)
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()

@@ -46,7 +46,7 @@ POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.m
             "train.checkpoint_buffer_mb", "lora.alpha", "train.eps", "model.moe_every")  # alpha 0: no update at all; eps 0: Adam's 0 / 0 where a gradient is 0
 NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "model.top_k", "model.head_dim", "model.ffn_hidden_size", "model.sliding_window",
                 "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
-                "train.save_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
+                "train.save_every", "train.gc_every", "train.sample_tokens", "train.loss_chunk_tokens", "train.peak_tflops", "data.eval_windows",
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
                 "parallel.offload_threads", "lora.rank", "model.moe_ffn_hidden_size",
                 "model.shared_expert_ffn_hidden_size", "model.moe_first_dense", "train.moe_aux_loss_coef",

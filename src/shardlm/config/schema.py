@@ -85,6 +85,7 @@ class TrainConfig:
     attention: str = "auto"        # SDPA backend: auto | flash | cudnn | efficient | math
     device: str = "auto"           # auto | cpu | cuda
     log_every: int = 10
+    gc_every: int = 50             # steps between Python's garbage collections, every rank at once; 0: Python's own
     eval_every: int = 0            # 0 disables periodic eval
     eval_batches: int = 4
     save_every: int = 0            # 0 saves only at the end
