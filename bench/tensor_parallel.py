@@ -2,11 +2,13 @@
 with the torchtitan plan, and Megatron-core's GPTModel, on the same shapes and the same global batch.
 
     python bench/tensor_parallel.py --gpus 4 [--systems ...] [--preset llama2-7b --seq 4096 --global-batch 16 --micro-batch 1]
+    python bench/tensor_parallel.py --gpus 2 --systems shardlm-tp2-sp dtensor-tp4   # tp 2: the peers take --gpus ranks
 
 Each system runs as its own `torchrun --nproc-per-node GPUS` job (clean memory, honest peaks); a step is the
 global batch as micro-batches with gradient accumulation, then AdamW, in bf16 with fp32 master weights.
-- shardlm-tp4-sp / shardlm-tp4 / shardlm-tp2-dp2: `parallel.tp` 4 with and without sequence parallelism, and
-  tp 2 x dp 2 (ZeRO-1, sequence parallel); blocks compiled. (`parallel.tp_async` is refused on GPUs until its
+- shardlm-tp4-sp / shardlm-tp4 / shardlm-tp2-dp2 / shardlm-tp2-sp: `parallel.tp` 4 with and without sequence
+  parallelism, tp 2 x dp 2 (ZeRO-1, sequence parallel), and tp 2 with sequence parallelism (on 2 GPUs, beside
+  the peers at --gpus 2); blocks compiled. (`parallel.tp_async` is refused on GPUs until its
   fused kernels are validated: parallel/async_tp.py.)
 - dtensor-tp4: torchtitan's plan on torchtitan's Llama (separate q, k, v, gate and up projections):
   ColwiseParallel / RowwiseParallel linears, SequenceParallel norms, a row-parallel embedding sharding the
@@ -34,7 +36,8 @@ from common import PEAK, driver_args, forwarded, job_env, profile_steps, run_sys
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
            "shardlm-tp4": {"parallel.tp": "4"},
-           "shardlm-tp2-dp2": {"parallel.tp": "2", "parallel.dp": "2", "parallel.zero_stage": "1", "parallel.sp": "true"}}
+           "shardlm-tp2-dp2": {"parallel.tp": "2", "parallel.dp": "2", "parallel.zero_stage": "1", "parallel.sp": "true"},
+           "shardlm-tp2-sp": {"parallel.tp": "2", "parallel.sp": "true"}}
 PEERS = ("dtensor-tp4", "megatron-tp4")
 
 
