@@ -1,7 +1,7 @@
 """Where a prompt's prefill spends its time in the continuous batcher (inference/engine.py): one request's
 prefill timed alone, then under torch.profiler, its top kernels and host operators printed.
 
-    python bench/prefill_profile.py [--preset llama2-7b] [--prompt 264] [--rows 1] [--out DIR]
+    python bench/prefill_profile.py [--preset llama2-7b] [--prompt 264] [--rows 1] [--out DIR] [--compile-prefill 0]
 
 The fourteenth lease (bench/README.md) measured 82-85 ms a prefill pass of about 264 tokens on an H200 where
 the arithmetic is about 10 ms; this says whether the time is kernels (which ones) or the host between them.
@@ -25,11 +25,13 @@ def main():
     p.add_argument("--rows", type=int, default=1, help="prompts prefilled together")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default="profiles", help="where the trace is written")
+    p.add_argument("--compile-prefill", type=int, default=1, help="0: the eager prefill (engine.Engine)")
     args = p.parse_args()
     from shardlm.inference import Engine, Request
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build(args, device)
-    engine = Engine(model, max(args.rows, 1), args.prompt + 8, compile=device == "cuda")
+    engine = Engine(model, max(args.rows, 1), args.prompt + 8, compile=device == "cuda",
+                    compile_prefill=bool(args.compile_prefill))
     g = torch.Generator().manual_seed(0)
 
     def once() -> float:

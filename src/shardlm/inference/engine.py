@@ -21,7 +21,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .sampler import SamplingParams, greedy, sample
-from .slots import StaticKVCache, forward_tokens
+from .slots import StaticKVCache, decoder_layer, forward_tokens
 
 
 @dataclass
@@ -89,7 +89,8 @@ def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9)
 class Engine:
     """Generation for many requests on one model. `max_batch` slots of `max_len` positions each (prompt and
     new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
-    CUDA graphs on a GPU. A prompt prefills `prefill_chunk` tokens at a time, and one prefill pass takes at
+    CUDA graphs on a GPU, and `compile_prefill` (default: as `compile`) a block of prefill, once for every
+    layer and prompt length (a few graphs, by symbolic sizes). A prompt prefills `prefill_chunk` tokens at a time, and one prefill pass takes at
     most `prefill_tokens` tokens, padding counted. `decode`: the tokenizer's ids -> text, for stop strings
     and `Request.text`.
 
@@ -98,7 +99,7 @@ class Engine:
 
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
-                 prefill_tokens: int = 8192, decode: Callable | None = None):
+                 prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None):
         cfg = model.cfg
         self.model = model.eval()
         p = next(model.parameters())
@@ -129,6 +130,7 @@ class Engine:
         self.adapter_ids = torch.zeros(n, dtype=torch.long, device=dev)  # each slot's adapter, 0: none
         self.waiting: deque[Request] = deque()
         self.compile = dev.type == "cuda" if compile is None else compile
+        self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -137,6 +139,8 @@ class Engine:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             steps = tuple(torch.compile(f, mode=mode, fullgraph=True, dynamic=False) for f in steps)
         self._steps = steps
+        # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
+        self._layer = torch.compile(decoder_layer, dynamic=True) if self.compile_prefill else None
 
     def add_adapter(self, name: str, directory) -> None:
         """Serve the PEFT LoRA adapter in `directory` as `name`, per request (Request.adapter), beside the base
@@ -295,7 +299,7 @@ class Engine:
         positions = positions.to(self.device)
         self.rows.ids = self.adapter_ids[slots]
         logits = forward_tokens(self.model, self.cache, self.rope, ids.to(self.device), positions, slots, last,
-                                fresh=bool(fresh), keys=reach)
+                                fresh=bool(fresh), keys=reach, layer=self._layer)
         counter = positions.gather(1, last[:, None]).squeeze(1) + 1
         first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        counter)

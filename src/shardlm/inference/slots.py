@@ -67,14 +67,16 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                   fresh: bool = False, keys: int | None = None) -> torch.Tensor:
+                   fresh: bool = False, keys: int | None = None, layer=None) -> torch.Tensor:
     """Logits [n, vocab] of the token at index `last` [n] (default the last) of each row of `ids` [n, T],
     row i writing its keys and values into slot `slots[i]` (default: row i) at `positions` [n, T].
 
     `fresh`: every row is a prompt's first chunk, starting at position 0; its queries attend to its own keys
     only. Otherwise queries read the slot's cached keys 0 .. `keys` - 1 (default all). `rope`: the (cos, sin)
-    tables over the cache's positions (None for GPT-2)."""
+    tables over the cache's positions (None for GPT-2). `layer`: what runs each block (`decoder_layer`, or a
+    compiled version of it)."""
     n, t = ids.shape
+    layer = layer or decoder_layer
     rows = torch.arange(n, device=ids.device) if slots is None else slots
     x = model.embed(ids)
     if model.pos_embed is not None:
@@ -84,18 +86,27 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
     window = model.cfg.sliding_window
     mask = model.window_mask(0, t, ids.device) if fresh else visible(positions, keys, window)
     for i, block in enumerate(model.blocks()):
-        attn = block.attn
-        q, k, v = attn.project(block.attn_norm(x), angles)
-        cache.k[i][rows[:, None], :, positions] = k.transpose(1, 2)
-        cache.v[i][rows[:, None], :, positions] = v.transpose(1, 2)
-        if fresh:
-            y = attend_fresh(q, k, v, mask)
-        elif slots is None:
-            y = attend_cached(q, cache.k[i][:, :, :keys], cache.v[i][:, :, :keys], mask)
-        else:
-            y = attend_cached(q, cache.k[i][slots, :, :keys], cache.v[i][slots, :, :keys], mask)
-        x = x + attn.out(y)
-        x = x + block.mlp(block.mlp_norm(x))
+        x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
     h = model.norm(x)
     h = h[:, -1] if last is None else h[torch.arange(n, device=h.device), last]
     return model.output(h, model.head_weight)
+
+
+def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor, angles, rows: torch.Tensor,
+                  positions: torch.Tensor, slots: torch.Tensor | None, mask, fresh: bool, keys: int) -> torch.Tensor:
+    """One block of forward_tokens over its layer's cache. Every block runs the same code on its own weights,
+    so compiled once (the weights are the graph's inputs) it serves every layer: a prefill's shapes change with
+    each prompt, which rules out one CUDA graph per shape, and eager, a 7B model's prefill spends most of its
+    time launching a few hundred small operators per layer."""
+    attn = block.attn
+    q, k, v = attn.project(block.attn_norm(x), angles)
+    k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+    v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+    if fresh:
+        y = attend_fresh(q, k, v, mask)
+    elif slots is None:
+        y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
+    else:
+        y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
+    x = x + attn.out(y)
+    return x + block.mlp(block.mlp_norm(x))
