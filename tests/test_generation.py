@@ -50,6 +50,21 @@ def test_compiled_static_cache_decode_equals_the_full_forward(case):
     assert [r.tokens for r in got] == want
 
 
+def test_a_prefill_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch):
+    from torch._dynamo.exc import Unsupported
+    model = tiny(**CASES["llama_gqa"])
+    prompts = prompts_of((3, 11, 7))
+    want = [greedy_full_forward(model, p, 6) for p in prompts]
+
+    def failing(*args, **kwargs):
+        raise Unsupported("a weight type the compiler does not know")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing)
+    engine = Engine(model, max_batch=2, max_len=32, compile=False, compile_prefill=True)
+    with pytest.warns(UserWarning, match="prefill runs eagerly: compiling it failed"):
+        got = engine.run([Request(p, 6) for p in prompts])
+    assert [r.tokens for r in got] == want
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window", "gpt2"])
 def test_the_engine_equals_transformers_greedy(kind, tmp_path):
     """Three prompts in one batch, 20 new tokens (past Mistral's window of 8), against HF's generate alone."""

@@ -250,10 +250,11 @@ def verify_checkpoint(path: Path) -> dict:
     # A sharded checkpoint is many files (all ranks' pieces) checked by one rank: the reads and zlib release
     # the GIL, so threads check them at the disk's rate rather than one core's.
     with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, max(len(files), 1))) as pool:
-        crcs = list(pool.map(lambda name: _crc32(path / name), files))
-    for (name, want), crc in zip(files.items(), crcs):
-        if crc != want["crc32"]:
-            raise CheckpointError(f"{path / name} does not match its checksum (corrupted on disk)")
+        crcs = [pool.submit(_crc32, path / name) for name in files]
+        for (name, want), crc in zip(files.items(), crcs):
+            if crc.result() != want["crc32"]:  # the files not yet read are not read
+                pool.shutdown(cancel_futures=True)
+                raise CheckpointError(f"{path / name} does not match its checksum (corrupted on disk)")
     return state
 
 

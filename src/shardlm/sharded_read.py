@@ -6,9 +6,11 @@ pieces that overlap what is asked for.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 import threading
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -64,17 +66,16 @@ def read_flat(mapping: Mapping, key, lo: int, hi: int) -> torch.Tensor:
 
 
 def read_ahead(read: Callable, items: Iterable, threads: int = 4) -> Iterator:
-    """read(item) for each item, in order, with up to `threads` reads in flight ahead of the consumer: reading
-    a checkpoint's pages (safetensors maps its files; the copies out of them release the GIL) overlaps itself
-    and what the consumer does with each result, with no more than `threads` results held at once."""
+    """read(item) for each item, in order, with up to `threads` reads in flight beside the result the consumer
+    holds: reading a checkpoint's pages (safetensors maps its files; the copies out of them release the GIL)
+    overlaps itself and what the consumer does with each result. A read's exception is raised at its item."""
+    items = iter(items)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardlm-read-ahead") as pool:
-        pending = []
-        for item in items:
-            pending.append(pool.submit(read, item))
-            if len(pending) > threads:
-                yield pending.pop(0).result()
-        for f in pending:
-            yield f.result()
+        pending = deque(pool.submit(read, item) for item in islice(items, threads))
+        while pending:
+            result = pending.popleft().result()
+            pending.extend(pool.submit(read, item) for item in islice(items, 1))
+            yield result
 
 
 def as_lazy(state: Mapping) -> LazyMap:

@@ -12,6 +12,7 @@ strings are checked then, so no step waits for the host.
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -298,8 +299,7 @@ class Engine:
         last = torch.tensor([chunk[i] - 1 for i in rows], device=self.device)
         positions = positions.to(self.device)
         self.rows.ids = self.adapter_ids[slots]
-        logits = forward_tokens(self.model, self.cache, self.rope, ids.to(self.device), positions, slots, last,
-                                fresh=bool(fresh), keys=reach, layer=self._layer)
+        logits = self._prefill_forward(ids.to(self.device), positions, slots, last, bool(fresh), reach)
         counter = positions.gather(1, last[:, None]).squeeze(1) + 1
         first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        counter)
@@ -316,6 +316,18 @@ class Engine:
         for i, token in zip(done, first[mine].tolist()):
             if self._accept(self.slots[i].request, [token]):
                 self._release(i, finished)
+
+    def _prefill_forward(self, ids, positions, slots, last, fresh: bool, keys: int) -> torch.Tensor:
+        args = (self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys)
+        if self._layer is not None:
+            try:
+                return forward_tokens(*args, layer=self._layer)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # A model the compiler cannot take (its weights' types, these shapes) still generates: eagerly,
+                # from here on. The pass is run again whole; its cache writes are the same values.
+                warnings.warn(f"prefill runs eagerly: compiling it failed ({type(e).__name__}: {str(e)[:200]})")
+                self._layer = None
+        return forward_tokens(*args)
 
     # ---- decode -------------------------------------------------------------------------------------
     def _decode_burst(self, finished: list[Request]) -> None:

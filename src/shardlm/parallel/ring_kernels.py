@@ -62,7 +62,7 @@ def block_forward(kind: str, q, k, v, causal: bool, mask, rows: int = RING_QUERY
         lse = lse.masked_fill(empty, -math.inf)
         # and its output 0, whatever the kernel wrote there (SDPA's memory-efficient kernel has been reported to
         # leave NaN in fully masked rows, pytorch#109517): merged at weight 0, a NaN would still spread
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        out = out.masked_fill_(empty.unsqueeze(-1), 0.0)  # the kernel's own fresh output
     return out, lse.float(), rng
 
 
