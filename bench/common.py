@@ -32,15 +32,19 @@ def timed(step, warm: int, steps: int, device: str = "cuda") -> tuple[float, flo
 
 def shardlm_trainer(preset: str, overrides: dict, extra: list[str] = ()):
     """A quiet Trainer of `preset` with `overrides` (then the command line's `--section.key value` extras), and
-    its step: one train_step, the step counter advanced."""
+    its step: one train_step, the step counter advanced, Python's garbage collector on Trainer.run's schedule
+    (train.gc_every) from here to the process's end."""
     from shardlm.config import load_config, parse_overrides
+    from shardlm.runtime.gc_schedule import ScheduledGC
     from shardlm.trainer import Trainer
     trainer = Trainer(load_config(preset, {**overrides, **parse_overrides(list(extra))}), out_dir=None,
                       log=lambda *a: None)
+    collector = ScheduledGC(trainer.cfg.train.gc_every).__enter__()
 
     def step():
         trainer.train_step()
         trainer.step += 1
+        collector.step(trainer.step)
     return trainer, step
 
 
