@@ -59,6 +59,29 @@ def test_every_ring_step_scores_half_a_square_of_causal_blocks_on_every_rank(cp)
     assert flat[0] == s * s / 2 and flat[1] == s * s  # contiguous: rank 0 half, the others all or nothing
 
 
+@pytest.mark.parametrize("window", [2, 5, 16])
+def test_the_ring_plan_keeps_the_blocks_a_mask_leaves_visible_and_marks_those_it_cuts(window):
+    """ring_plan decides every step's calls at once: a call is kept when its block of the mask shows a key,
+    unmasked when it shows all of them, and ring_blocks hands out exactly those blocks."""
+    from shardlm.parallel.ring_attention import ring_plan
+    cp, T = 2, 16
+    i = torch.arange(T)
+    mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)
+    q = torch.empty(1, 1, T // cp, 1)
+    for rank in range(cp):
+        context = ContextParallel(None, rank, cp, "p2p", zigzag=True)
+        plan = ring_plan(context, mask, q)
+        for step in range(cp):
+            holder = (rank - step) % cp
+            block = mask[context.indices(rank, T)][:, context.indices(holder, T)]
+            for (qs, ks, causal, masked), (_, _, _, sub) in zip(plan[step], ring_blocks(context, holder, mask, q)):
+                assert not causal and bool(block[qs, ks].any()) and masked == (not bool(block[qs, ks].all()))
+                assert (sub is None) == (not masked) and (sub is None or torch.equal(sub, block[qs, ks]))
+            kept = {(qs.start, ks.start) for qs, ks, *_ in plan[step]}
+            for qs, ks, _ in [(a, b, c) for a, b, c, _ in ring_blocks(context, holder, None, q)]:
+                assert ((qs.start, ks.start) in kept) == bool(block[qs, ks].any())
+
+
 def test_a_block_row_the_mask_hides_entirely_comes_out_0_and_adds_nothing_to_the_merged_row():
     from shardlm.parallel.ring_attention import merge
     from shardlm.parallel.ring_kernels import block_forward

@@ -47,10 +47,11 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(context)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        kv, rngs = torch.stack([k, v]), []
+        kv, rngs, plan = torch.stack([k, v]), [], ring_plan(context, mask, q)
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None  # the next chunk comes in meanwhile
-            for qs, ks, causal, block in ring_blocks(context, (ring.rank - step) % ring.cp, mask, q):
+            holder = (ring.rank - step) % ring.cp
+            for qs, ks, causal, block in _with_masks(context, holder, mask, q, plan[step]):
                 kind = kernel or ring_kernel(q.device.type, q.dtype, block is not None)
                 if tally is not None:
                     tally[kind] += 1
@@ -62,7 +63,7 @@ class RingAttention(torch.autograd.Function):
                 kv, = incoming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
-        ctx.context, ctx.kernel, ctx.causal, ctx.rngs = context, kernel, mask is None, rngs
+        ctx.context, ctx.kernel, ctx.causal, ctx.rngs, ctx.plan = context, kernel, mask is None, rngs, plan
         return out
 
     @staticmethod
@@ -79,7 +80,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None
             mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for qs, ks, causal, block in ring_blocks(context, (ring.rank - step) % ring.cp, mask, q):
+            holder = (ring.rank - step) % ring.cp
+            for qs, ks, causal, block in _with_masks(context, holder, mask, q, ctx.plan[step]):
                 kind = ctx.kernel or ring_kernel(q.device.type, q.dtype, block is not None)
                 dqb, dkb, dvb = block_backward(kind, grad[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                out[:, :, qs], lse[:, :, qs], causal, block, next(rngs), QUERY_ROWS)
@@ -117,30 +119,58 @@ def ring_blocks(context, holder: int, mask, q) -> list[tuple[slice, slice, bool,
     later in the sequence, not at all when earlier (the own chunks, in sequence order, causally); the visible
     pairs are joined into one call where they form a rectangle (always, for the zig-zag and contiguous
     layouts). A mask (a subset of causal's) is cut to each call, which is dropped where it hides everything."""
+    step = (context.rank - holder) % context.size
+    return _with_masks(context, holder, mask, q, ring_plan(context, mask, q)[step])
+
+
+def ring_plan(context, mask, q) -> list[list[tuple[slice, slice, bool, bool]]]:
+    """ring_blocks' calls at every step of the ring (step s: the keys of rank `rank - s`), each as (query rows,
+    key rows, causal, masked): one host sync for all of them (which blocks a mask hides wholly, which it leaves
+    whole), so that every layer's forward asks once and its backward not at all."""
+    holders = [(context.rank - step) % context.size for step in range(context.size)]
+    calls = [_calls(context, holder, q) for holder in holders]
+    if mask is None:
+        return [[(qs, ks, causal, False) for qs, ks, causal in step] for step in calls]
+    subs = [(_holder_mask(context, holder, mask, q)[..., qs, ks]) for holder, step in zip(holders, calls)
+            for qs, ks, _ in step]
+    seen = torch.stack([torch.stack([sub.any(), sub.all()]) for sub in subs]).tolist() if subs else []
+    flags, plan = iter(seen), []
+    for step in calls:
+        kept = []
+        for qs, ks, _ in step:
+            some, every = next(flags)
+            if some:
+                kept.append((qs, ks, False, not every))
+        plan.append(kept)
+    return plan
+
+
+def _calls(context, holder: int, q) -> list[tuple[slice, slice, bool]]:
     mine, theirs = context.chunks(context.rank), context.chunks(holder)
     n, c = len(mine), q.shape[2] // len(mine)
     if holder == context.rank:
-        calls = [(slice(0, n * c), slice(0, n * c), True)]
-    else:
-        seen = [[a > b for b in theirs] for a in mine]
-        rows = [i for i in range(n) if any(seen[i])]
-        cols = [j for j in range(n) if any(seen[i][j] for i in range(n))]
-        whole = rows == list(range(rows[0], rows[-1] + 1)) and cols == list(range(cols[0], cols[-1] + 1)) and \
-            all(seen[i][j] for i in rows for j in cols) if rows else False
-        calls = [(slice(rows[0] * c, (rows[-1] + 1) * c), slice(cols[0] * c, (cols[-1] + 1) * c), False)] if whole \
-            else [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), False)
-                  for i in range(n) for j in range(n) if seen[i][j]]
-    if mask is None:
-        return [(qs, ks, causal, None) for qs, ks, causal in calls]
-    whole_len = context.size * q.shape[2]
-    block = mask[..., context.indices(context.rank, whole_len, q.device), :][
-        ..., context.indices(holder, whole_len, q.device)]
-    out = []
-    for qs, ks, _ in calls:
-        sub = block[..., qs, ks]
-        if bool(sub.any()):
-            out.append((qs, ks, False, None if bool(sub.all()) else sub))
-    return out
+        return [(slice(0, n * c), slice(0, n * c), True)]
+    seen = [[a > b for b in theirs] for a in mine]
+    rows = [i for i in range(n) if any(seen[i])]
+    cols = [j for j in range(n) if any(seen[i][j] for i in range(n))]
+    whole = rows == list(range(rows[0], rows[-1] + 1)) and cols == list(range(cols[0], cols[-1] + 1)) and \
+        all(seen[i][j] for i in rows for j in cols) if rows else False
+    if whole:
+        return [(slice(rows[0] * c, (rows[-1] + 1) * c), slice(cols[0] * c, (cols[-1] + 1) * c), False)]
+    return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), False)
+            for i in range(n) for j in range(n) if seen[i][j]]
+
+
+def _holder_mask(context, holder: int, mask, q) -> torch.Tensor:
+    """The mask's rows of this rank's queries and columns of `holder`'s keys, in the order each holds them."""
+    whole = context.size * q.shape[2]
+    return mask[..., context.indices(context.rank, whole, q.device), :][..., context.indices(holder, whole, q.device)]
+
+
+def _with_masks(context, holder: int, mask, q, step: list) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
+    """A step of ring_plan with each masked call's block of the mask (sliced on the device: no host sync)."""
+    block = None if mask is None or not any(masked for *_, masked in step) else _holder_mask(context, holder, mask, q)
+    return [(qs, ks, causal, block[..., qs, ks] if masked else None) for qs, ks, causal, masked in step]
 
 
 @torch.compiler.disable  # its point-to-point sends stay eager; the block around it compiles
