@@ -36,7 +36,7 @@ from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.device import pick_device
 from .runtime.gc_schedule import ScheduledGC
-from .runtime.preemption import StopSignals, host_group, resume_command, signal_name
+from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
 
@@ -112,8 +112,9 @@ class Trainer:
         self.moe = MoEBalance(self.model, self.mesh, cfg.model, self.device)  # router bias, per-layer load statistics
         self.step = 0
         self.stopped_by = 0  # the signal that stopped run() early, if one did
-        self.host_group = None  # for the ranks' stop check (runtime/preemption.py); destroyed with the others
-        self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self._host_group,
+        # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
+        self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
+        self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
                                      self.log if self.mesh.is_main else lambda *a: None)
         self.resumed_from = None
         if checkpoint is not None:
@@ -286,15 +287,8 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
         and saves it (runtime/preemption.py), and `stopped_by` names the signal."""
-        with StopSignals(self._host_group()) as signals:
+        with StopSignals(self.host_group()) as signals:
             return self._run(signals)
-
-    def _host_group(self):
-        """The gloo group of stop checks and asynchronous saves' polls, made when first needed (collective:
-        every rank calls run() and poll() together)."""
-        if self.host_group is None:
-            self.host_group = host_group(timedelta(seconds=self.cfg.parallel.timeout_s))
-        return self.host_group
 
     def _run(self, signals: StopSignals) -> list[dict]:
         from tqdm import tqdm

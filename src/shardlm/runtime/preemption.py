@@ -71,6 +71,19 @@ def host_group(timeout=None):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+class LazyHostGroup:
+    """host_group(timeout), made at the first call (code that only steps never needs it) and the same after:
+    the first call is collective, so every rank makes it at the same point (a run's start, a save's poll)."""
+
+    def __init__(self, timeout=None):
+        self.timeout, self.group, self.made = timeout, None, False
+
+    def __call__(self):
+        if not self.made:
+            self.group, self.made = host_group(self.timeout), True
+        return self.group
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
