@@ -807,8 +807,6 @@ def async_save_polled_while_stepping(rank, world, overrides: dict, out_dir):
 def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: int):
     """Train `tiny`, saving as `overrides` say; at the save of `step` this process is SIGKILLed as soon as it has
     written its first file (kill -9 mid-save)."""
-    from functools import partial
-
     from shardlm import run_checkpoint
     write = run_checkpoint.write_tensors
 
@@ -817,7 +815,7 @@ def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: 
         if f".tmp-step_{step:08d}" in str(path):
             os.kill(os.getpid(), signal.SIGKILL)
         return got
-    run_checkpoint.write_tensors = partial(write_then_die)
+    run_checkpoint.write_tensors = write_then_die
     tiny_trainer(world, overrides, out_dir=out_dir).run()
 
 
