@@ -59,7 +59,9 @@ def ring_versus_sdpa(rank, world, mask_kind: str, kernel, heads=(4, 2), dtype=to
         y = F.scaled_dot_product_attention(*x, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         y.backward(dy.to(dtype))
         return [part(t) for t in (y.detach(), *(t.grad for t in x))]
-    xs = [t.to(dtype).index_select(2, context.indices(rank, T, device)).requires_grad_() for t in (q, k, v)]
+    # in the model's layout: heads are a view of [b, s, h, d] (attention.py's transpose), not contiguous
+    xs = [t.to(dtype).index_select(2, context.indices(rank, T, device)).transpose(1, 2).contiguous().transpose(1, 2)
+          .requires_grad_() for t in (q, k, v)]
     calls = Counter()
     got = ring_attention(*xs, mask, context, kernel, calls)
     got.backward(dy.to(dtype).index_select(2, context.indices(rank, T, device)))

@@ -7,11 +7,11 @@ outputs merge by their log-sum-exp in fp32 (the online softmax of flash attentio
 two chunks of keys and values at a time, and the heads need not divide by cp.
 
 Each (queries, chunk) block runs through a fused attention kernel that returns its log-sum-exp (ring_kernels.py:
-FlashAttention's forward and backward on CUDA, the efficient kernel for fp32 or masks, the CPU's flash op;
-plain ops elsewhere), as PyTorch's `context_parallel` and zhuzilin's ring-flash-attention do. Backward runs the
-same ring: each chunk of keys and values travels with the fp32 gradient accumulated for it so far and arrives
-home after cp steps with every rank's share; each step's sends and receives (the next chunk, the gradient
-that follows it) run while the current block computes.
+cuDNN's or FlashAttention's forward and backward on CUDA, as SDPA would choose, the efficient kernel for fp32,
+the CPU's flash op, plain ops elsewhere), as PyTorch's `context_parallel` and zhuzilin's ring-flash-attention
+do. Backward runs the same ring: each chunk of keys and values travels with the fp32 gradient accumulated for
+it so far and arrives home after cp steps with every rank's share; each step's sends and receives (the next
+chunk, the gradient that follows it) run while the current block computes.
 
 Causal load balance (Brandon et al. 2023, "Striped Attention"; the zig-zag layout of ring-flash-attention and
 Llama 3): context.py cuts the sequence into 2 cp chunks and rank i holds chunks i and 2cp-1-i, so at every step
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import RING_QUERY_ROWS
-from .ring_kernels import block_backward, block_forward, ring_kernel
+from .ring_kernels import block_backward, block_forward, ring_kernel, sdpa_prefers_cudnn
 
 QUERY_ROWS = RING_QUERY_ROWS  # the plain-op kernel's queries a pass (its fp32 scores: [b, h, rows, chunk])
 
@@ -45,25 +45,32 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, context, kernel, tally):
         ring = _Ring(context)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        cudnn = kernel is None and sdpa_prefers_cudnn(q, k)
+        out = lse = None  # fp32, started from the first block
         kv, rngs, plan = torch.stack([k, v]), [], ring_plan(context, mask, q)
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None  # the next chunk comes in meanwhile
             holder = (ring.rank - step) % ring.cp
             for qs, ks, causal, block in _with_masks(context, holder, mask, q, plan[step]):
-                kind = kernel or ring_kernel(q.device.type, q.dtype, block is not None)
+                kind = kernel or ring_kernel(q.device.type, q.dtype, block is not None, cudnn)
                 if tally is not None:
                     tally[kind] += 1
                 o, l, rng = block_forward(kind, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, block,
                                           QUERY_ROWS)
-                merge(out[:, :, qs], lse[:, :, qs], o, l)
+                if out is None and qs == slice(0, q.shape[2]):  # the own chunks: every row, copied in
+                    out, lse = o.float(), l
+                else:
+                    if out is None:
+                        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+                    merge(out[:, :, qs], lse[:, :, qs], o, l)
                 rngs.append(rng)
             if incoming is not None:
                 kv, = incoming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.context, ctx.kernel, ctx.causal, ctx.rngs, ctx.plan = context, kernel, mask is None, rngs, plan
+        ctx.cudnn = cudnn
         return out
 
     @staticmethod
@@ -73,32 +80,55 @@ class RingAttention(torch.autograd.Function):
         context, ring = ctx.context, _Ring(ctx.context)
         grad = grad.contiguous()  # the fused backward kernels read rows of contiguous head dims
         lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # a row with no key: every p exp(s - inf) = 0
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = _RowSum(q)
         kv = torch.stack([k, v])
         travelling = None  # the gradient of the chunk this rank held last step, on its way to the next rank
         rngs = iter(ctx.rngs)  # the blocks come in the forward's order
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None
-            mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dk, dv = _RowSum(k), _RowSum(v)
             holder = (ring.rank - step) % ring.cp
             for qs, ks, causal, block in _with_masks(context, holder, mask, q, ctx.plan[step]):
-                kind = ctx.kernel or ring_kernel(q.device.type, q.dtype, block is not None)
+                kind = ctx.kernel or ring_kernel(q.device.type, q.dtype, block is not None, ctx.cudnn)
                 dqb, dkb, dvb = block_backward(kind, grad[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                out[:, :, qs], lse[:, :, qs], causal, block, next(rngs), QUERY_ROWS)
-                dq[:, :, qs].add_(dqb)  # in fp32, reading the 16-bit gradients as they are
-                mine[0][:, :, ks].add_(dkb)
-                mine[1][:, :, ks].add_(dvb)
+                dq.add(qs, dqb)  # in fp32, reading the 16-bit gradients as they are
+                dk.add(ks, dkb)
+                dv.add(ks, dvb)
+            mine = [dk.total(), dv.total()]
             # The gradient that arrived with this chunk took its earlier holders' shares; it moves on with the
             # chunk, sent while the next block computes, and after cp steps it is home with every share. The
             # last hop, which nothing overlaps, goes in the inputs' dtype: its owner would round it to that on
             # arrival, so rounding before sending halves the bytes and changes no bit.
             if travelling is not None:
-                mine += travelling.wait()[0]
-            travelling = ring.shift(mine if step < ring.cp - 1 else mine.to(k.dtype))
+                for t, arrived in zip(mine, travelling.wait()):
+                    t += arrived
+            travelling = ring.shift(*(mine if step < ring.cp - 1 else [t.to(k.dtype) for t in mine]))
             if incoming is not None:
                 kv, = incoming.wait()
-        dkv, = travelling.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = travelling.wait()
+        return dq.total().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+class _RowSum:
+    """An fp32 sum of gradients over blocks of the rows (dim 2) of `like`: a first block that covers every row
+    is copied in rather than added to zeros (one pass over the sum instead of three)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like, self.sum = like, None
+
+    def add(self, rows: slice, part: torch.Tensor) -> None:
+        if self.sum is None and rows == slice(0, self.like.shape[2]):
+            self.sum = part.float()
+            return
+        if self.sum is None:
+            self.sum = torch.zeros(self.like.shape, dtype=torch.float32, device=self.like.device)
+        self.sum[:, :, rows].add_(part)
+
+    def total(self) -> torch.Tensor:
+        if self.sum is None:  # no block this step: nothing to add, but the chunk's gradient still travels
+            self.sum = torch.zeros(self.like.shape, dtype=torch.float32, device=self.like.device)
+        return self.sum
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

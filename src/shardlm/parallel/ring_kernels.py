@@ -5,10 +5,14 @@ dS = P (dP - rowsum(dO O)), P = exp(S - lse), which is exact for a block once O 
 These are the fused ops PyTorch's own context parallelism (torch.distributed.tensor.experimental
 `context_parallel`) and ring-flash-attention call:
 
-- "flash" (CUDA, fp16/bf16, no mask): aten._scaled_dot_product_flash_attention and its backward; grouped-query
-  attention native (FlashAttention-2 reads a key/value head per group of query heads);
-- "efficient" (CUDA, fp32 or a mask): aten._scaled_dot_product_efficient_attention (the xFormers kernel, which
-  takes fp32 and an additive bias) and its backward, key/value heads repeated;
+- "cudnn" (CUDA, fp16/bf16, where SDPA itself would take cuDNN's attention, as it does on Hopper):
+  aten._scaled_dot_product_cudnn_attention and its backward, masks as an additive bias, grouped-query attention
+  native; about twice FlashAttention-2's rate at the block shapes of a long sequence on an H200;
+- "flash" (CUDA, fp16/bf16, no mask, elsewhere): aten._scaled_dot_product_flash_attention and its backward;
+  grouped-query attention native (FlashAttention-2 reads a key/value head per group of query heads);
+- "efficient" (CUDA, fp32, or a mask where cuDNN's kernels are not taken; computed in fp32):
+  aten._scaled_dot_product_efficient_attention (the xFormers kernel, which takes fp32 and an additive bias)
+  and its backward, key/value heads repeated;
 - "flash_cpu" (CPU, any float dtype, masks as an additive bias, grouped-query native):
   aten._scaled_dot_product_flash_attention_for_cpu and its backward, so that the CPU tests run the GPU's code
   path, block for block;
@@ -25,17 +29,33 @@ import torch
 from ..config import RING_QUERY_ROWS
 
 aten = torch.ops.aten
-KERNELS = ("flash", "efficient", "flash_cpu", "math")
+KERNELS = ("cudnn", "flash", "efficient", "flash_cpu", "math")
 
 
-def ring_kernel(device_type: str, dtype: torch.dtype, masked: bool) -> str:
+def ring_kernel(device_type: str, dtype: torch.dtype, masked: bool, cudnn: bool = False) -> str:
     """The block kernel ring attention uses on `device_type` ("cuda", "cpu", ...) for inputs of `dtype`,
-    with a mask (`masked`: sliding windows, packed documents) or causal/full blocks."""
+    with a mask (`masked`: sliding windows, packed documents) or causal/full blocks; `cudnn`: SDPA would take
+    cuDNN's attention for these inputs (sdpa_prefers_cudnn)."""
     if device_type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return "flash_cpu"
     if device_type == "cuda":
-        return "flash" if dtype in (torch.float16, torch.bfloat16) and not masked else "efficient"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return "efficient"
+        return "cudnn" if cudnn else "efficient" if masked else "flash"
     return "math"
+
+
+def sdpa_prefers_cudnn(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether SDPA itself would run q over k, v (causal) through cuDNN's attention: its own choice, so that the
+    ring follows the device's best kernel and a user's `torch.nn.attention.sdpa_kernel` alike."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention import SDPBackend
+        choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, enable_gqa=q.shape[1] != k.shape[1])
+    except (AttributeError, ImportError, RuntimeError, TypeError):  # no such backend in this build
+        return False
+    return choice == SDPBackend.CUDNN_ATTENTION.value
 
 
 def block_forward(kind: str, q, k, v, causal: bool, mask, rows: int = RING_QUERY_ROWS):
@@ -44,14 +64,19 @@ def block_forward(kind: str, q, k, v, causal: bool, mask, rows: int = RING_QUERY
     True: attend, broadcasting to [b, h, sq, sk]) or neither. A row whose every key the mask hides gets lse
     -inf (its out is 0): merged, it weighs nothing."""
     scale, rng = 1.0 / math.sqrt(q.shape[-1]), None
-    if kind == "flash":
+    if kind == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, _bias(mask, q, k), True, 0.0, causal, False, scale=scale)
+        lse = lse.view(q.shape[:-1])  # cuDNN's softmax statistics come as [b, h, sq, 1]
+        rng = (seed, offset, cum_q, cum_k, max_q, max_k)
+    elif kind == "flash":
         out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         rng = (rest[4], rest[5])  # philox seed and offset, as autograd hands them to the backward
     elif kind == "efficient":
-        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        dtype, (q, k, v) = q.dtype, _fp32(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]))
         out, lse, *rng = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(mask, q, k), True, 0.0, causal,
                                                                       scale=scale)
-        lse = lse[..., :q.shape[2]]  # the kernel pads its rows to a multiple of its tile
+        out, lse = out.to(dtype), lse[..., :q.shape[2]]  # the kernel pads its rows to a multiple of its tile
     elif kind == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=_bias(mask, q, k),
                                                                     scale=scale)
@@ -71,12 +96,17 @@ def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool, mask, rng, 
     a row with no key at all): this block's shares of the row's gradients. `rng`: block_forward's."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     lse = lse.contiguous()  # the kernels index it as [b, h, sq] rows
+    if kind == "cudnn":
+        seed, offset, cum_q, cum_k, max_q, max_k = rng
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, _bias(mask, q, k), cum_q, cum_k, max_q, max_k, 0.0,
+            causal, scale=scale)
     if kind == "flash":
         # No cumulative sequence lengths (None: dense, not varlen), as the forward returned them.
         return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, q.shape[2],
                                                                  k.shape[2], 0.0, causal, *rng, scale=scale)
     if kind == "efficient":
-        kx, vx = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        dout, q, kx, vx, out = _fp32(dout, q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), out)
         bias = _bias(mask, q, kx)
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, kx, vx, bias, out, _pad_rows(lse), *rng, 0.0, [True, True, True, False], causal,
@@ -100,6 +130,13 @@ def _bias(mask, q, k):
     padded = torch.zeros(*mask.shape[:-1], -(-sk // 16) * 16, dtype=q.dtype, device=q.device)
     padded[..., :sk].masked_fill_(~mask, -math.inf)
     return padded[..., :sk].expand(q.shape[0], q.shape[1], sq, sk)
+
+
+def _fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The efficient kernel's inputs in fp32: its 16-bit backward wrote NaN into dq and dk for blocks of
+    contiguous [b, h, s, d] rows with an additive mask (H200, torch 2.11), where fp32 is exact. Only masked
+    16-bit blocks on GPUs where SDPA does not take cuDNN's attention come here."""
+    return [t.float() for t in tensors]
 
 
 def _pad_rows(lse: torch.Tensor) -> torch.Tensor:
