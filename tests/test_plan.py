@@ -455,3 +455,20 @@ def test_cli_params_shards_over_dp_times_cp():
     def states(*flags):
         return json.loads(run_cli("plan", "--params", 7e9, "--json", *flags).stdout)["model_states_bytes"]
     assert states("--gpus", 8, "--cp", 2) == states("--gpus", 8, "--dp", 8)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_attention_runs_at_its_own_efficiency_on_half_the_counted_square(recompute):
+    """The step's compute is the non-attention FLOPs at `efficiency` plus attention's computed half of the
+    square (forward, backward and a recomputed forward) at `attention_efficiency`: at 64k tokens the second
+    is most of it; the MFU still counts the whole square."""
+    from shardlm.plan.flops import attention_flops_per_token
+    m, g, w = load_config("tinyllama-1.1b").model, gpu("h200"), Workload(65536, 1, 1)
+    L = Layout(recompute=recompute)
+    fast, slow = (estimate(m, w, L, g, attention_efficiency=a) for a in (0.8, 0.4))
+    attention = attention_flops_per_token(m, 65536, recompute) * 65536
+    passes = 3 if recompute == "none" else 4  # forward, backward (two), and a recomputed forward
+    assert attention == passes * 4 * m.num_layers * m.num_heads * m.head_size * 65536 ** 2 / 2
+    assert slow.step_time_s - fast.step_time_s == pytest.approx(attention / g.peak_flops * (1 / 0.4 - 1 / 0.8))
+    assert slow.step_time_s > 2 * (slow.step_time_s - fast.step_time_s) > 0.5 * slow.step_time_s
+    assert slow.flops_per_step == fast.flops_per_step

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig
 from .comm import comm_bytes, comm_seconds
-from .flops import ADAM_BYTES, EFFICIENCY, bubble, model_flops_per_token, recompute_flops_per_token
+from .flops import (ADAM_BYTES, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
+                    model_flops_per_token, recompute_flops_per_token)
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
 from .memory import (Memory, checkpoint_bytes, estimate_memory, host_bytes, in_flight, nf4_weights, paper_model_states,
@@ -50,7 +51,8 @@ class Estimate:
 
 
 def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int = 8, gpus: int | None = None,
-             efficiency: float = EFFICIENCY, price_per_gpu_hour: float = 0.0) -> Estimate:
+             efficiency: float = EFFICIENCY, price_per_gpu_hour: float = 0.0,
+             attention_efficiency: float = ATTENTION_EFFICIENCY) -> Estimate:
     check(m, w, L, gpus)
     mem = estimate_memory(m, w, L)
     tokens_per_gpu = w.global_batch * w.seq / (L.dp * L.cp)  # a model replica's tokens, split over tp x pp
@@ -58,7 +60,10 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     model = per_token * tokens_per_gpu / (L.tp * L.pp)
     extra = recompute_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     b = bubble(w, L)
-    compute = (model + extra) / (g.peak_flops * efficiency) * (1 + b)
+    # counted = computed + the masked half of attention's square: the rest at `efficiency`, attention apart
+    attention = attention_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
+    rest = model + extra - 2 * attention
+    compute = (rest / efficiency + attention / attention_efficiency) / g.peak_flops * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = zero_shard(m, L, 0, phi) if L.zero_stage >= 1 else phi  # each parameter over its own reduce group
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \

@@ -7,8 +7,9 @@ forward work the MFU does not credit: full recomputation one more forward of the
 6N per token), selective the attention scores and values again (12 -> 16 L h s).
 
 Step time = compute / (peak x efficiency) x (1 + pipeline bubble) + the optimizer's memory traffic +
-the part of each collective not hidden behind compute. The efficiency (the fraction of the dense peak
-that shardlm's fused blocks reach, 0.55) and the exposed fractions of collectives (all-reduce 0.85,
+the part of each collective not hidden behind compute; attention's computed FLOPs (half the square the MFU
+counts, under the causal mask) run at their own efficiency, 0.4. The efficiency (the fraction of the dense
+peak that shardlm's fused blocks reach, 0.55) and the exposed fractions of collectives (all-reduce 0.85,
 reduce-scatter 0.3, ZeRO-3's prefetched gathers 0.1, ZeRO-1/2's post-step all-gather 1.0) were measured
 on H200s with tinyllama-1.1b (bench/README.md); override them for other hardware.
 """
@@ -21,6 +22,10 @@ from ..schedules import Simulation, schedule, simulate
 from .layout import Layout, Workload
 
 EFFICIENCY = 0.55
+# Attention's computed FLOPs (attention_flops_per_token) run at their own rate: at long sequences they are most
+# of the step, and the fused kernels' rate depends on the head size and the kernel, not on the GEMMs'. Fitted
+# to context parallelism's rows at 16k and 64k tokens on H200s (cuDNN's kernels; bench/README.md).
+ATTENTION_EFFICIENCY = 0.4
 ADAM_BYTES = 28          # per parameter: 16-bit grad in, fp32 master, m, v in and out, 16-bit weight out
 
 
@@ -42,6 +47,14 @@ def recompute_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float
     if recompute == "selective":
         return attn
     return 0.0
+
+
+def attention_flops_per_token(m: ModelConfig, seq: int, recompute: str) -> float:
+    """The attention score and value products' share of the counted FLOPs (model and recomputation), as
+    computed: the causal kernels skip the masked half of the square that the MFU convention counts."""
+    forward = 4 * m.num_layers * m.num_heads * m.head_size * seq  # the full square, as counted
+    counted = 3 * forward + (forward if recompute in BLOCK_RECOMPUTE or recompute == "selective" else 0)
+    return counted / 2
 
 
 def skipped_flops_per_token(m: ModelConfig, recompute: str) -> float:
