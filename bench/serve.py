@@ -139,13 +139,13 @@ def drive_sync(url, reqs, rate=None, concurrency=None):
 
 
 def run_shardlm(args, model, tok, reqs, device):
-    from shardlm.inference import Engine, Request
+    from shardlm.inference import Engine
     from shardlm.serve.command import build_server
+    from shardlm.serve.worker import warm_up_batches
     max_len = args.max_prompt + args.max_new
     engine = Engine(model, args.concurrency, max_len, compile=device == "cuda" or None, decode=tok.decode)
-    engine.run([Request(p, n) for p, n in reqs[:args.concurrency]])  # compile and capture before timing
     times = EngineTimes(engine)
-    server, worker = build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning")
+    server, worker = build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning", warm_up_batches)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

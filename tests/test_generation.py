@@ -50,7 +50,9 @@ def test_compiled_static_cache_decode_equals_the_full_forward(case):
     assert [r.tokens for r in got] == want
 
 
-def test_a_prefill_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("what,options", [("prefill", dict(compile=False, compile_prefill=True)),
+                                          ("the decode step", dict(compile=True, compile_prefill=False))])
+def test_what_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch, what, options):
     from torch._dynamo.exc import Unsupported
     model = tiny(**CASES["llama_gqa"])
     prompts = prompts_of((3, 11, 7))
@@ -59,10 +61,37 @@ def test_a_prefill_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypa
     def failing(*args, **kwargs):
         raise Unsupported("a weight type the compiler does not know")
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing)
-    engine = Engine(model, max_batch=2, max_len=32, compile=False, compile_prefill=True)
-    with pytest.warns(UserWarning, match="prefill runs eagerly: compiling it failed"):
+    engine = Engine(model, max_batch=2, max_len=32, **options)
+    with pytest.warns(UserWarning, match=f"{what} runs eagerly: compiling it failed"):
         got = engine.run([Request(p, 6) for p in prompts])
     assert [r.tokens for r in got] == want
+
+
+def test_after_the_warm_up_serving_compiles_no_prefill_again(monkeypatch):
+    """worker.warm_up_batches compiles every class of prefill shapes serving meets (one row and several, a first
+    chunk and a later one): prompts of other lengths, alone and three at a time, chunked or not, then run on the
+    graphs it made, and the tokens are eager prefill's."""
+    from shardlm.serve.worker import warm_up_batches
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):  # the compiler's graphs counted, each run as traced (no code generated)
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"))
+    monkeypatch.setattr(torch, "compile", counting)
+    model = tiny(**CASES["llama_gqa"])
+    engine = Engine(model, max_batch=4, max_len=48, compile=False, compile_prefill=True, prefill_chunk=8)
+    for batch in warm_up_batches(engine):
+        engine.run(batch)
+    warmed = len(graphs)
+    prompts = prompts_of((5, 13, 30, 2, 9, 21))
+    got = [r.tokens for r in engine.run([Request(p, 4) for p in prompts[:1]])]
+    got += [r.tokens for r in engine.run([Request(p, 4) for p in prompts[1:4]])]
+    got += [r.tokens for r in engine.run([Request(p, 4) for p in prompts[4:]])]
+    assert warmed >= 2 and len(graphs) == warmed
+    eager = Engine(model, max_batch=3, max_len=48, compile=False, compile_prefill=False, prefill_chunk=8)
+    assert got == [r.tokens for r in eager.run([Request(p, 4) for p in prompts])]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window", "gpt2"])

@@ -282,9 +282,9 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
     engine = Engine(model, 2, 32, compile=False, decode=tok.decode)
     threads, step = [], engine.step
     engine.step = lambda: threads.append(threading.current_thread()) or step()
-    warm = [Request([tok.eos_id], 2)]
+    warm = [[Request([tok.eos_id], 2)], [Request([tok.eos_id], 2)]]
     worker = EngineWorker(engine).start(warm)
-    assert warm[0].done and threads
+    assert all(r.done for batch in warm for r in batch) and threads
     done = threading.Event()
     worker.submit(Request(tok.encode("To be"), 3), lambda r, error: done.set())
     assert done.wait(TIMEOUT)

@@ -12,7 +12,6 @@ strings are checked then, so no step waits for the host.
 """
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +20,7 @@ import torch
 
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
+from .compiled import CompiledOrEager
 from .sampler import SamplingParams, greedy, sample
 from .slots import StaticKVCache, decoder_layer, forward_tokens
 
@@ -91,8 +91,10 @@ class Engine:
     """Generation for many requests on one model. `max_batch` slots of `max_len` positions each (prompt and
     new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
     CUDA graphs on a GPU, and `compile_prefill` (default: as `compile`) a block of prefill, once for every
-    layer and prompt length (a few graphs, by symbolic sizes). A prompt prefills `prefill_chunk` tokens at a time, and one prefill pass takes at
-    most `prefill_tokens` tokens, padding counted. `decode`: the tokenizer's ids -> text, for stop strings
+    layer and prompt length (a few graphs, by symbolic sizes; serve/worker.warm_up_batches compiles them all);
+    either runs eagerly, with a warning, where the compiler fails (compiled.py). A prompt prefills
+    `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
+    counted. `decode`: the tokenizer's ids -> text, for stop strings
     and `Request.text`.
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
@@ -138,10 +140,11 @@ class Engine:
         steps = (self._greedy_step, self._sampling_step)
         if self.compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            steps = tuple(torch.compile(f, mode=mode, fullgraph=True, dynamic=False) for f in steps)
+            steps = tuple(CompiledOrEager(f, "the decode step", mode=mode, fullgraph=True, dynamic=False)
+                          for f in steps)
         self._steps = steps
         # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
-        self._layer = torch.compile(decoder_layer, dynamic=True) if self.compile_prefill else None
+        self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None
 
     def add_adapter(self, name: str, directory) -> None:
         """Serve the PEFT LoRA adapter in `directory` as `name`, per request (Request.adapter), beside the base
@@ -318,16 +321,8 @@ class Engine:
                 self._release(i, finished)
 
     def _prefill_forward(self, ids, positions, slots, last, fresh: bool, keys: int) -> torch.Tensor:
-        args = (self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys)
-        if self._layer is not None:
-            try:
-                return forward_tokens(*args, layer=self._layer)
-            except torch._dynamo.exc.TorchDynamoException as e:
-                # A model the compiler cannot take (its weights' types, these shapes) still generates: eagerly,
-                # from here on. The pass is run again whole; its cache writes are the same values.
-                warnings.warn(f"prefill runs eagerly: compiling it failed ({type(e).__name__}: {str(e)[:200]})")
-                self._layer = None
-        return forward_tokens(*args)
+        return forward_tokens(self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys,
+                              layer=self._layer)
 
     # ---- decode -------------------------------------------------------------------------------------
     def _decode_burst(self, finished: list[Request]) -> None:
@@ -392,3 +387,4 @@ class Engine:
         text = self.decode(r.tokens)
         r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
         return True
+

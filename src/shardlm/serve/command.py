@@ -77,13 +77,14 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--max-batch and --max-len must be at least 1")
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base)
-    from ..inference import Engine, Request, SamplingParams, load_pretrained, slots_that_fit
+    from ..inference import Engine, load_pretrained, slots_that_fit
     if adapters and not hasattr(Engine, "add_adapter"):
         raise ConfigError("--adapter: this version's engine cannot apply adapters per request (it has no "
                           "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
                           "a PEFT merge), or use shardlm generate --adapter")
     from ..inference.commands import _tensor_parallel
     from ..inference.quantize import quantize
+    from .worker import warm_up_batches
     if adapters and a.tp > 1:
         raise ConfigError("--adapter with --tp: adapters are not sliced for tensor parallelism yet; serve the "
                           "merged model (shardlm export --merge) instead")
@@ -114,11 +115,9 @@ def cmd_serve(argv: list[str]) -> int:
     for e in engines:
         for name, directory in adapters.items():
             e.add_adapter(name, directory)
-    # The first steps compile (or capture graphs), greedy and sampling: before the first client waits.
-    warm = lambda: [Request([tok.eos_id or 0], 2), Request([tok.eos_id or 0], 2, SamplingParams(1.0, seed=0))]  # noqa: E731
     try:
         server, worker = build_server(engines if len(engines) > 1 else engine, tok, base, adapters, a.host, a.port,
-                                      a.log_level, warm)
+                                      a.log_level, lambda e: warm_up_batches(e, tok.eos_id or 0))
         where = f"{len(engines)} replicas on {', '.join(map(str, devices))}" if len(engines) > 1 else str(engine.device)
         print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {where}"
               f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}", file=sys.stderr,
@@ -147,9 +146,10 @@ def _replica_devices(replicas: int, tp: int, device) -> list:
 
 
 def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info",
-                 warm=list):
+                 warm=lambda engine: []):
     """The uvicorn server (not started) of an app over `engine` (or a list of replicas' engines), and the
-    started worker (or replica pool) that owns it, each engine having run the requests `warm()` makes."""
+    started worker (or replica pool) that owns it, each engine having run the batches of requests `warm(engine)`
+    makes (worker.warm_up_batches: every compiled shape before the first client waits)."""
     import uvicorn
 
     from ..data.instruct import chat_prompter
@@ -158,7 +158,7 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     from .worker import EngineWorker
     from .replicas import ReplicaPool
     engines = engine if isinstance(engine, list) else [engine]
-    workers = [EngineWorker(e).start(warm()) for e in engines]
+    workers = [EngineWorker(e).start(warm(e)) for e in engines]
     worker = workers[0] if len(workers) == 1 else ReplicaPool(workers)
     state = ServerState()
     models = Models(base, {n: str(d) for n, d in adapters.items()}, engines[0].max_len, tok, chat_prompter(tok),

@@ -17,10 +17,25 @@ import traceback
 from collections import deque
 from typing import Callable
 
-from ..inference import Engine, Request
+from ..inference import Engine, Request, SamplingParams
 
 log = logging.getLogger("shardlm.serve")
 SWITCH_S = 0.0005  # the process's GIL switch interval while a worker runs (sys.setswitchinterval)
+
+
+def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
+    """Requests that compile (on a GPU: capture) what serving runs before a client waits on it, each batch run
+    to its end in turn: the greedy and the sampling decode step, and the compiled prefill block
+    (inference/slots.decoder_layer) in each class of shapes the compiler tells apart although its sizes are
+    symbolic: one row and several (it specialises a size of 1), a prompt's first chunk and a later one, which
+    reads the cache. The sizes differ from the cache's: the compiler assumes sizes equal that were equal
+    when it traced, and would compile again the first time they differ. `token`: the prompts' one id."""
+    taken = {*engine.cache.k[0].shape, engine.prefill_chunk}
+    rows = next((n for n in range(2, len(engine.slots)) if n not in taken), 2)
+    tail = next(n for n in range(3, 64) if n not in taken | {rows})  # the second chunk's length
+    prompt = [token] * max(1, min(engine.prefill_chunk + tail, engine.max_len - 2))
+    several = [Request(prompt, 2) for _ in range(rows - 1)] + [Request(prompt, 2, SamplingParams(1.0, seed=0))]
+    return [several, [Request(prompt, 2)]]
 
 
 class Closed(RuntimeError):
@@ -43,10 +58,10 @@ class EngineWorker:
                        "requests_failed": 0, "tokens_generated": 0}
         self._thread = threading.Thread(target=self._loop, name="shardlm-engine", daemon=True)
 
-    def start(self, warm: list[Request] = ()) -> "EngineWorker":
-        """Start the thread, and return once it has run `warm` (requests that compile the steps before a
-        client waits on them) on it: compiled steps and CUDA graphs belong to the thread that made them, so
-        every step runs on this one."""
+    def start(self, warm: list[list[Request]] = ()) -> "EngineWorker":
+        """Start the thread, and return once it has run `warm` (batches of requests that compile the steps
+        before a client waits on them, warm_up_batches) on it: compiled steps and CUDA graphs belong to the
+        thread that made them, so every step runs on this one."""
         self._warm, self._ready, self._failed = list(warm), threading.Event(), None
         # The event loop's thread holds the GIL up to the switch interval (5 ms) before the engine's thread,
         # back from a step, gets it to launch the next: a stall of up to a whole decode step each time.
@@ -106,7 +121,8 @@ class EngineWorker:
     def _loop(self) -> None:
         engine = self.engine
         try:
-            engine.run(self._warm)
+            for batch in self._warm:
+                engine.run(batch)
         except Exception as e:
             self._failed = e
             return
