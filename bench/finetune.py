@@ -205,6 +205,10 @@ def worker(args, extra):
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{args.system}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     close, state = None, None
+    job = args.system
+    if "/" in job:  # a job of bench/finetune_sweep.py: system/micro-batch/recompute, the same sequences a step
+        args.system, micro, args.recompute = job.split("/")
+        args.microbatches, args.micro_batch = args.micro_batch * args.microbatches // int(micro), int(micro)
     if args.system in SHARDLM:
         step, info, close = shardlm_step(args, args.system, extra)
     else:
@@ -226,7 +230,8 @@ def worker(args, extra):
     flops = lora.flops_per_token(m, args.seq)
     tok = args.micro_batch * args.microbatches * args.seq / dt
     outside = info.pop("outside_gib")
-    print("RESULT " + json.dumps({"system": args.system, "gpus": 1, "step_s": dt, "tok_s_gpu": tok,
+    print("RESULT " + json.dumps({"system": args.system, "job": job, "micro_batch": args.micro_batch,
+                                  "microbatches": args.microbatches, "gpus": 1, "step_s": dt, "tok_s_gpu": tok,
                                   "mfu": tok * flops / PEAK, "peak_mem_gib": mem + outside, "flops_per_token": flops,
                                   **info}), flush=True)
     if close is not None:

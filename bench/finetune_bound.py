@@ -41,6 +41,62 @@ def seconds(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def parts(preset: str, seq: int, micro_batch: int, reps: int) -> dict:
+    """One block's products at this shape, timed on this GPU: each linear's forward ("fwd", by name) and
+    input-backward ("bwd"), attention's forward and backward, and the head's forward and input-backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardlm.config import load_config
+    m = load_config(preset).model
+    tokens, dt = micro_batch * seq, torch.bfloat16
+    q, kv = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    linears = {"q": (m.hidden_size, q), "k": (m.hidden_size, kv), "v": (m.hidden_size, kv), "o": (q, m.hidden_size),
+               "gate": (m.hidden_size, m.ffn_size), "up": (m.hidden_size, m.ffn_size),
+               "down": (m.ffn_size, m.hidden_size)}
+    out = {"fwd": {}, "bwd": {}, "layers": m.num_layers}
+    with torch.no_grad():
+        for name, (k_in, n_out) in linears.items():
+            x, w = torch.randn(tokens, k_in, device="cuda", dtype=dt), torch.randn(n_out, k_in, device="cuda", dtype=dt)
+            dy = torch.randn(tokens, n_out, device="cuda", dtype=dt)
+            out["fwd"][name] = seconds(lambda: x @ w.t(), reps)
+            out["bwd"][name] = seconds(lambda: dy @ w, reps)
+        shape = (micro_batch, m.num_heads, seq, m.head_size)
+        qh = torch.randn(shape, device="cuda", dtype=dt)
+        kh, vh = (torch.randn(micro_batch, m.kv_heads, seq, m.head_size, device="cuda", dtype=dt) for _ in range(2))
+    qh.requires_grad_(), kh.requires_grad_(), vh.requires_grad_()
+    gqa = {"enable_gqa": True} if m.kv_heads != m.num_heads else {}
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        with torch.no_grad():
+            out["attn_f"] = seconds(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **gqa), reps)
+        y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **gqa)
+        grad = torch.randn_like(y)
+        # The backward alone, again and again over one kept graph (the forward's saved outputs).
+        out["attn_b"] = seconds(lambda: torch.autograd.grad(y, (qh, kh, vh), grad, retain_graph=True), reps)
+    with torch.no_grad():
+        h, head = torch.randn(tokens, m.hidden_size, device="cuda", dtype=dt), \
+            torch.randn(m.vocab_size, m.hidden_size, device="cuda", dtype=dt)
+        dlogits = torch.randn(tokens, m.vocab_size, device="cuda", dtype=dt)
+        out["head"] = seconds(lambda: h @ head.t(), reps) + seconds(lambda: dlogits @ head, reps)
+    torch.cuda.empty_cache()
+    return out
+
+
+# The forward products each recomputation runs again (model/recompute.py): none, attention's core, or the
+# whole block less the projections whose outputs backward never reads.
+RECOMPUTED = {"none": (), "selective": ("attn",), "full": ("q", "k", "v", "o", "gate", "up", "down", "attn"),
+              "full-skip-down": ("q", "k", "v", "o", "gate", "up", "attn"),
+              "full-skip-out-down": ("q", "k", "v", "gate", "up", "attn")}
+
+
+def bound_seconds(t: dict, recompute: str) -> float:
+    """Seconds of one micro-batch's products under `recompute`: every block's forward, its input-backward,
+    the forward products `recompute` runs again, and the head."""
+    fwd = {**t["fwd"], "attn": t["attn_f"]}
+    layer = sum(fwd.values()) + sum(t["bwd"].values()) + t["attn_b"] + sum(fwd[n] for n in RECOMPUTED[recompute])
+    return t["layers"] * layer + t["head"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama2-7b")
@@ -52,47 +108,17 @@ def main():
     args = p.parse_args()
 
     import torch
-    import torch.nn.functional as F
 
     from shardlm.config import load_config
     m = load_config(args.preset).model
-    tokens, dt = args.micro_batch * args.seq, torch.bfloat16
-    q, kv = m.num_heads * m.head_size, m.kv_heads * m.head_size
-    linears = {"q": (m.hidden_size, q), "k": (m.hidden_size, kv), "v": (m.hidden_size, kv), "o": (q, m.hidden_size),
-               "gate": (m.hidden_size, m.ffn_size), "up": (m.hidden_size, m.ffn_size),
-               "down": (m.ffn_size, m.hidden_size)}
-    with torch.no_grad():
-        fwd = bwd = 0.0  # one block's: a forward of its linears and attention, and their input-backward
-        for k_in, n_out in linears.values():
-            x, w = torch.randn(tokens, k_in, device="cuda", dtype=dt), torch.randn(n_out, k_in, device="cuda", dtype=dt)
-            dy = torch.randn(tokens, n_out, device="cuda", dtype=dt)
-            fwd += seconds(lambda: x @ w.t(), args.reps)
-            bwd += seconds(lambda: dy @ w, args.reps)
-        shape = (args.micro_batch, m.num_heads, args.seq, m.head_size)
-        qh = torch.randn(shape, device="cuda", dtype=dt)
-        kh, vh = (torch.randn(args.micro_batch, m.kv_heads, args.seq, m.head_size, device="cuda", dtype=dt)
-                  for _ in range(2))
-    qh.requires_grad_(), kh.requires_grad_(), vh.requires_grad_()
-    gqa = {"enable_gqa": True} if m.kv_heads != m.num_heads else {}
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        with torch.no_grad():
-            attn_f = seconds(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **gqa), args.reps)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **gqa)
-        grad = torch.randn_like(out)
-        # The backward alone, again and again over one kept graph (the forward's saved outputs).
-        attn_b = seconds(lambda: torch.autograd.grad(out, (qh, kh, vh), grad, retain_graph=True), args.reps)
-    with torch.no_grad():
-        h, head = torch.randn(tokens, m.hidden_size, device="cuda", dtype=dt), \
-            torch.randn(m.vocab_size, m.hidden_size, device="cuda", dtype=dt)
-        dlogits = torch.randn(tokens, m.vocab_size, device="cuda", dtype=dt)
-        head_s = seconds(lambda: h @ head.t(), args.reps) + seconds(lambda: dlogits @ head, args.reps)
-    layer_f, layer_b = fwd + attn_f, bwd + attn_b
-    bounds = {"full": m.num_layers * (2 * layer_f + layer_b) + head_s, "none": m.num_layers * (layer_f + layer_b) + head_s}
+    tokens = args.micro_batch * args.seq
+    t = parts(args.preset, args.seq, args.micro_batch, args.reps)
+    bounds = {name: bound_seconds(t, name) for name in ("full", "none")}
     card = torch.cuda.get_device_name()
     flops = load_config(args.preset, {"lora.rank": "16"}).lora.flops_per_token(m, args.seq)
     print(f"\n{card}, {args.preset}, {args.micro_batch} x {args.seq} tokens a micro-batch; one layer: linears "
-          f"{1e3 * fwd:.3f} ms forward / {1e3 * bwd:.3f} ms input-backward, attention {1e3 * attn_f:.3f} / "
-          f"{1e3 * attn_b:.3f} ms; head {1e3 * head_s:.3f} ms")
+          f"{1e3 * sum(t['fwd'].values()):.3f} ms forward / {1e3 * sum(t['bwd'].values()):.3f} ms input-backward, "
+          f"attention {1e3 * t['attn_f']:.3f} / {1e3 * t['attn_b']:.3f} ms; head {1e3 * t['head']:.3f} ms")
     print(f"{'bound':<18}{'s / micro-batch':>16}{'tok/s at most':>15}{'MFU at most':>13}")
     rows = []
     for name, s in bounds.items():
