@@ -257,6 +257,13 @@ def test_the_sampler_draws_from_the_softmax():
     assert torch.equal(freq(1.0, 0, 1e-6), torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double))
 
 
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 1000, 32000])
+def test_the_nucleus_prefix_sums_are_cumsums_in_two_short_scans(n):
+    from shardlm.inference.sampler import prefix_sums
+    x = torch.rand(3, n, generator=torch.Generator().manual_seed(n)).softmax(-1)
+    torch.testing.assert_close(prefix_sums(x), x.cumsum(-1), rtol=1e-5, atol=1e-6)
+
+
 def test_stop_tokens_and_strings():
     model = tiny()
     prompt = prompts_of((5,))[0]

@@ -60,11 +60,21 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     scaled = scaled.masked_fill(rank >= k, float("-inf"))
     probs = scaled.softmax(-1)
     # The smallest prefix whose mass reaches top_p; its first token always stays.
-    scaled = scaled.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], float("-inf"))
+    scaled = scaled.masked_fill(prefix_sums(probs) - probs > top_p[:, None], float("-inf"))
     gumbel = -torch.log(-torch.log(uniform(seed, counter, order)))
     choice = (scaled + gumbel).argmax(-1, keepdim=True)
     drawn = order.gather(-1, choice).squeeze(-1)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+def prefix_sums(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """x.cumsum(-1) of a [b, n] tensor in two short scans: within blocks of `block`, then over the blocks'
+    totals. Inductor splits one scan longer than 8192 over few rows into a two-pass kernel whose code it
+    failed to generate on torch 2.11 (a 32k vocabulary at 16 rows, in the compiled decode step)."""
+    b, n = x.shape
+    blocks = torch.nn.functional.pad(x, (0, -n % block)).view(b, -1, block).cumsum(-1)
+    totals = blocks[..., -1]
+    return (blocks + (totals.cumsum(-1) - totals)[..., None]).view(b, -1)[:, :n]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
