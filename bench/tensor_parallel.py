@@ -200,6 +200,9 @@ def worker(args, extra):
     import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", 1))
     outside = 0.0  # GiB held outside the allocator's statistics
+    if args.inductor_overlap:  # the profile's collectives ran between the GEMMs, none beside them
+        import torch._inductor.config as inductor
+        inductor.reorder_for_compute_comm_overlap = True
     if args.system in SHARDLM:
         step, outside = shardlm_step(args, args.system, world, extra)
     else:
@@ -215,7 +218,7 @@ def worker(args, extra):
     tok = args.global_batch * args.seq / dt / world
     flops = model_config(args).model.flops_per_token(args.seq)
     row = {"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tok, "mfu": tok * flops / PEAK,
-           "peak_mem_gib": float(peak)}
+           "peak_mem_gib": float(peak), **({"inductor_overlap": True} if args.inductor_overlap else {})}
     if args.profile:  # every rank's trace: where a step's time goes on each, and how the collectives spread
         rank = int(os.environ.get("RANK", 0))
         got = profile_steps(step, args.profile, args.device,
@@ -249,6 +252,9 @@ def main():
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
     p.add_argument("--profile", type=int, default=0, help="steps profiled after timing, on every rank")
     p.add_argument("--profile-dir", default="profiles", help="each rank's trace, rank 0's kernel table")
+    p.add_argument("--inductor-overlap", type=int, default=0,
+                   help="1: Inductor reorders each compiled graph's collectives against its compute "
+                        "(torch._inductor.config.reorder_for_compute_comm_overlap), for every system")
     driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
@@ -258,7 +264,7 @@ def main():
         layout = SHARDLM.get(system)
         return math.prod(int(v) for k, v in layout.items() if k in ("parallel.tp", "parallel.dp")) if layout else args.gpus
     own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device",
-                           "profile", "profile_dir"))
+                           "profile", "profile_dir", "inductor_overlap"))
     rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
@@ -285,7 +291,8 @@ def main():
                                     "micro_batch": args.micro_batch, "global_batch": args.global_batch,
                                     "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
                                     "peak_mem_gib": round(r["peak_mem_gib"], 2),
-                                    "command": f"python bench/tensor_parallel.py --systems {r['system']}"}) + "\n")
+                                    "command": f"python bench/tensor_parallel.py --systems {r['system']}"
+                                               + (" --inductor-overlap 1" if args.inductor_overlap else "")}) + "\n")
 
 
 if __name__ == "__main__":
