@@ -11,7 +11,7 @@ micro-batches of 1, 2, 4 or 8. shardlm's settings are ranked by the planner's st
 predicts to fit --fit-gib, and the --top fastest run, besides the three block recomputations (full and its
 partial forms, model/recompute.py) at PEFT's setting (--micro-batch, full recomputation). PEFT has no planner:
 it runs full recomputation at --micro-batch and none at each micro-batch. Jobs are dealt to --gpus GPUs, one
-job a GPU at a time. A row fits when its peak allocated memory is at most --fit-gib (76 GiB: an 80 GB card's
+job a GPU at a time (at 2 GPUs, PEFT's on one and shardlm's on the other), most needed first. A row fits when its peak allocated memory is at most --fit-gib (76 GiB: an 80 GB card's
 79.2 GiB less the allocator's reserve beyond its peak); each system's best is its fastest row that fits.
 
 Floors (issue 48, part 3): shardlm's best >= 1.2x PEFT's best; at PEFT's full-recomputation setting,
@@ -55,13 +55,22 @@ def planned(args, micro: int, recompute: str) -> tuple[float, float]:
 
 
 def jobs(args) -> list[str]:
-    """The sweep's jobs, system/micro-batch/recompute, shardlm's fastest predicted first."""
+    """The sweep's jobs, system/micro-batch/recompute, PEFT's and shardlm's alternating, each system's in the
+    order its floors need them (a queue cut short by --budget keeps the first): PEFT's full-recomputation
+    setting, then its largest micro-batch without recomputation that may fit, down; shardlm's block recomputations at that
+    setting (the one without an extra tensor first) between its fastest predicted settings that fit."""
     fits = sorted((planned(args, m, r)[1], m, r) for m in micro_batches(args) for r in SCHEMES
                   if planned(args, m, r)[0] <= args.fit_gib)
-    ours = [f"{OURS}/{m}/{r}" for _, m, r in fits[:args.top]]
-    ours += [j for j in (f"{OURS}/{args.micro_batch}/{r}" for r in BLOCK) if j not in ours]
-    peer = [f"{PEER}/{args.micro_batch}/full"] + [f"{PEER}/{m}/none" for m in micro_batches(args)]
-    return ours + peer
+    top = [f"{OURS}/{m}/{r}" for _, m, r in fits[:args.top]]
+    block = [f"{OURS}/{args.micro_batch}/{r}" for r in ("full-skip-down", "full-skip-out-down", "full")]
+    ours = list(dict.fromkeys(j for pair in zip(block, top + [None] * len(block)) for j in pair if j))
+    ours += [j for j in top if j not in ours]
+    # PEFT holds at least what shardlm's planner predicts for the same setting: none beyond it is tried
+    peer = [f"{PEER}/{args.micro_batch}/full"] + [f"{PEER}/{m}/none" for m in reversed(micro_batches(args))
+                                                   if planned(args, m, "none")[0] <= args.fit_gib]
+    both = [j for pair in zip(peer, ours) for j in pair]
+    longer = peer if len(peer) > len(ours) else ours
+    return both + longer[min(len(peer), len(ours)):]
 
 
 def run_on_gpus(args, names: list[str], own: list[str]) -> list[dict]:
