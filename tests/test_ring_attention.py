@@ -141,9 +141,10 @@ def test_ring_attention_on_gpus_is_as_close_to_fp32_as_sdpa(dtype, heads, mask):
     """NCCL, cp 2: bf16 blocks through cuDNN's attention where SDPA would take it (Hopper), else FlashAttention's
     for causal blocks and the efficient kernel for masked ones; fp32 blocks through the efficient kernel; the
     output and gradients within a few times SDPA's own error (in the same dtype) of fp32 SDPA."""
-    probe = torch.zeros(1, 8, 64, 64, dtype=torch.bfloat16, device="cuda")
-    kernels = {"efficient"} if dtype == torch.float32 else {"cudnn"} if sdpa_prefers_cudnn(probe, probe) else \
-        {"flash", "efficient"}
+    def local(h):  # a rank's queries or keys as ring_versus_sdpa hands them over: [2, h, 256, 64] of [b, s, h, d]
+        return torch.zeros(2, 256, h, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    cudnn = sdpa_prefers_cudnn(local(heads[0]), local(heads[1]))
+    kernels = {"efficient"} if dtype == torch.float32 else {"cudnn"} if cudnn else {"flash", "efficient"}
     for got, low, calls, fp32 in run_distributed(ring_fns.ring_versus_sdpa, 2, mask, None, heads, dtype, 512,
                                                  timeout=180, device="cuda"):
         assert set(calls) <= kernels and calls, calls
