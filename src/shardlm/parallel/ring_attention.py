@@ -46,7 +46,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, context, kernel, tally):
         ring = _Ring(context)
         cudnn = kernel is None and sdpa_prefers_cudnn(q, k)
-        out = lse = None  # fp32, started from the first block
+        out = lse = None  # the running fp32 output and log-sum-exp (_start, merge)
         kv, rngs, plan = torch.stack([k, v]), [], ring_plan(context, mask, q)
         for step in range(ring.cp):
             incoming = ring.shift(kv) if step < ring.cp - 1 else None  # the next chunk comes in meanwhile
@@ -57,12 +57,9 @@ class RingAttention(torch.autograd.Function):
                     tally[kind] += 1
                 o, l, rng = block_forward(kind, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, block,
                                           QUERY_ROWS)
-                if out is None and qs == slice(0, q.shape[2]):  # the own chunks: every row, copied in
-                    out, lse = o.float(), l
+                if out is None:
+                    out, lse = _start(q, qs, o, l)
                 else:
-                    if out is None:
-                        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
                     merge(out[:, :, qs], lse[:, :, qs], o, l)
                 rngs.append(rng)
             if incoming is not None:
@@ -108,6 +105,17 @@ class RingAttention(torch.autograd.Function):
                 kv, = incoming.wait()
         dk, dv = travelling.wait()
         return dq.total().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _start(q: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """The running fp32 output and log-sum-exp from the first block: the block itself where it covers every
+    row (the own chunks, always first), else nothing yet (0, -inf) with the block merged in."""
+    if rows == slice(0, q.shape[2]):
+        return block_out.float(), block_lse
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    return out, lse
 
 
 class _RowSum:
