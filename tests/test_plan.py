@@ -472,3 +472,6 @@ def test_attention_runs_at_its_own_efficiency_on_half_the_counted_square(recompu
     assert slow.step_time_s - fast.step_time_s == pytest.approx(attention / g.peak_flops * (1 / 0.4 - 1 / 0.8))
     assert slow.step_time_s > 2 * (slow.step_time_s - fast.step_time_s) > 0.5 * slow.step_time_s
     assert slow.flops_per_step == fast.flops_per_step
+    standard = Layout(recompute=recompute, attention="standard")  # the whole square in plain GEMMs
+    assert estimate(m, w, standard, g, attention_efficiency=0.8).step_time_s == \
+        estimate(m, w, standard, g, attention_efficiency=0.4).step_time_s > slow.step_time_s

@@ -387,4 +387,3 @@ class Engine:
         text = self.decode(r.tokens)
         r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
         return True
-

@@ -60,8 +60,10 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     model = per_token * tokens_per_gpu / (L.tp * L.pp)
     extra = recompute_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     b = bubble(w, L)
-    # counted = computed + the masked half of attention's square: the rest at `efficiency`, attention apart
-    attention = attention_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
+    # counted = computed + the masked half of attention's square: the rest at `efficiency`, the fused attention
+    # kernels' share apart (standard attention computes the whole square in plain GEMMs: all at `efficiency`)
+    fused = L.attention == "flash"
+    attention = fused * attention_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     rest = model + extra - 2 * attention
     compute = (rest / efficiency + attention / attention_efficiency) / g.peak_flops * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
