@@ -59,15 +59,15 @@ def jobs(args) -> list[str]:
     order its floors need them (a queue cut short by --budget keeps the first): PEFT's full-recomputation
     setting, then its largest micro-batch without recomputation that may fit, down; shardlm's block recomputations at that
     setting (the one without an extra tensor first) between its fastest predicted settings that fit."""
-    fits = sorted((planned(args, m, r)[1], m, r) for m in micro_batches(args) for r in SCHEMES
-                  if planned(args, m, r)[0] <= args.fit_gib)
+    plans = {(m, r): planned(args, m, r) for m in micro_batches(args) for r in SCHEMES}
+    fits = sorted((step, m, r) for (m, r), (mem, step) in plans.items() if mem <= args.fit_gib)
     top = [f"{OURS}/{m}/{r}" for _, m, r in fits[:args.top]]
     block = [f"{OURS}/{args.micro_batch}/{r}" for r in ("full-skip-down", "full-skip-out-down", "full")]
     ours = list(dict.fromkeys(j for pair in zip(block, top + [None] * len(block)) for j in pair if j))
     ours += [j for j in top if j not in ours]
     # PEFT holds at least what shardlm's planner predicts for the same setting: none beyond it is tried
     peer = [f"{PEER}/{args.micro_batch}/full"] + [f"{PEER}/{m}/none" for m in reversed(micro_batches(args))
-                                                   if planned(args, m, "none")[0] <= args.fit_gib]
+                                                   if plans[m, "none"][0] <= args.fit_gib]
     both = [j for pair in zip(peer, ours) for j in pair]
     longer = peer if len(peer) > len(ours) else ours
     return both + longer[min(len(peer), len(ours)):]
