@@ -198,7 +198,8 @@ def test_full_recomputation_trains_the_same_and_counts_the_load_once():
 @pytest.mark.slow
 def test_compiled_blocks_equal_eager():
     """torch.compile'd blocks (train.compile): on the CPU the grouped GEMM runs eagerly between graphs, since
-    the compiler checks _grouped_mm's shapes by the GPU kernel's rules (bf16 only)."""
+    the compiler checks _grouped_mm's shapes by the GPU kernel's rules (bf16 only). Taking the load between
+    forwards (the logs do, every few steps) compiles nothing again."""
     cfg = moe_cfg()
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []
@@ -213,6 +214,10 @@ def test_compiled_blocks_equal_eager():
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+    model(ids, ids)  # the accumulators now hold a sum
+    assert expert_load(model)  # and are reset
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        model(ids, ids).backward()
 
 
 def test_config_checks_and_counts():

@@ -160,14 +160,21 @@ class MoE(nn.Module):
             kept = capacity_keep(flat, per_seq, capacity, self.num_experts, taken).nonzero().squeeze(1)
             order = kept[flat[kept].argsort(stable=True)]  # a host sync for the kept count
             counts = torch.bincount(flat[kept], minlength=self.num_experts)
+            token = order // self.top_k
+            out = self.run_experts(x[token], counts)
+            out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
+            # A dropped copy adds nothing: its token keeps the residual path and its other experts' outputs,
+            # with their weights as routed (not renormalised over the survivors: Switch, GShard, Megatron-core).
+            y = torch.zeros_like(x).index_add_(0, token, out)
         else:
+            # Every copy kept, `order` is a permutation: its inverse puts the experts' outputs back in token
+            # order, each token's k summed in fp32 with their weights (one fused kernel, HF's combine), and
+            # both gathers' gradients are gathers too (no atomic scatter-add: deterministic).
             order, counts = flat.argsort(stable=True), routed
-        token = order // self.top_k
-        out = self.run_experts(x[token], counts)
-        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
-        # A dropped copy adds nothing: its token keeps the residual path and its other experts' outputs, with
-        # their weights as routed (not renormalised over the survivors: Switch, GShard, Megatron-core).
-        y = torch.zeros_like(x).index_add_(0, token, out)
+            inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            out = self.run_experts(GatherRows.apply(x, order // self.top_k, inverse, self.top_k), counts)
+            out = GatherRows.apply(out, inverse, order, 1).view(-1, self.top_k, out.shape[-1])
+            y = (out.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # weights in fp32, as HF's are
         if self.training:  # evaluation and generation neither train on these nor count into the load
             self._record(logits, routed, counts)
         return y.view(shape)
@@ -188,23 +195,50 @@ class MoE(nn.Module):
         summed = self.sequences.summed
         losses = (balance_loss(logits, self.sequences.total(routed), self.top_k, self.scoring,
                                logits.shape[0] * self.sequences.parts) / summed, z_loss(logits) / summed)
-        if in_backward():
-            return
-        self.balance_loss, self.z_loss = losses
-        counts, routed = counts.detach(), routed.detach()
-        self.load = counts if self.load is None else self.load + counts
         with torch.no_grad():
             probs = logits.softmax(-1) if self.scoring == "softmax" else _normalised(logits.sigmoid())
             tokens = torch.tensor([logits.shape[0]], dtype=torch.float64, device=logits.device)
             stats = torch.cat([routed.double(), counts.double(), probs.double().sum(0), tokens])
-        self.stats = stats if self.stats is None else self.stats + stats
-        if self.bias_rate > 0:
-            self.step_routed = routed if self.step_routed is None else self.step_routed + routed
+        _keep(self, losses, routed.detach(), counts.detach(), stats)
 
     def take_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call ([E], int64), and start counting anew."""
         load, self.load = self.load, None
         return load
+
+
+@torch.compiler.disable  # the one graph break: whether autograd runs this (below) is no traced value
+def _keep(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
+    """A training forward's losses and counts into `layer`, from its first run only. Kept out of the compiled
+    blocks: there each None-or-sum accumulator below would be guarded on, and a reset between steps (the
+    logs' `take_load`, `stats`) would compile the block again."""
+    if in_backward():
+        return
+    layer.balance_loss, layer.z_loss = losses
+    layer.load = counts if layer.load is None else layer.load + counts
+    layer.stats = stats if layer.stats is None else layer.stats + stats
+    if layer.bias_rate > 0:
+        layer.step_routed = routed if layer.step_routed is None else layer.step_routed + routed
+
+
+class GatherRows(torch.autograd.Function):
+    """rows = x[index], every row of x taken `copies` times; `inverse` [rows of x x copies]: where copy j of
+    row t went in `rows` (at t x copies + j). Backward sums each row's copies through `inverse`: a gather and
+    a sum in fp32, where autograd's own (x[index]) scatter-adds with atomics."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, copies):
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad = grad[inverse]
+        if ctx.copies > 1:
+            grad = grad.view(-1, ctx.copies, grad.shape[-1]).sum(1, dtype=torch.float32).to(grad.dtype)
+        return grad, None, None, None
 
 
 def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
