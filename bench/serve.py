@@ -171,6 +171,7 @@ def run_shardlm(args, model, tok, reqs, device):
 
 def run_hf_static(args, model, cfg, reqs, device):
     from generate import hf_from
+    from shardlm.inference.compiled import cuda_graphs_in_this_thread
     hf = hf_from(model, cfg, device)
     longest, most = max(len(p) for p, _ in reqs), max(n for _, n in reqs)
     kw = dict(max_new_tokens=most, min_new_tokens=most, do_sample=False, pad_token_id=0, eos_token_id=None,
@@ -185,6 +186,7 @@ def run_hf_static(args, model, cfg, reqs, device):
             mask[i, longest - len(p):] = 1
         return ids, mask
 
+    cuda_graphs_in_this_thread()  # the engine's thread took CUDA graphs first
     with torch.no_grad():
         ids, mask = batch(reqs[:args.concurrency])
         hf.generate(ids, attention_mask=mask, **kw)  # compiles

@@ -3,7 +3,9 @@ call the compiler cannot take: a model, a shape or a PyTorch build whose kernels
 generates and serves, slower, and says so once."""
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -23,14 +25,33 @@ class CompiledOrEager:
 
     def __init__(self, fn: Callable, what: str, **options):
         self.eager, self.what = fn, what
+        self.graphs = options.get("mode") == "reduce-overhead"
         self.fn = torch.compile(fn, **options)
 
     def __call__(self, *args):
         if self.fn is self.eager:
             return self.fn(*args)
+        if self.graphs:
+            cuda_graphs_in_this_thread()
         try:
             return self.fn(*args)
         except compile_errors() as e:
             warnings.warn(f"{self.what} runs eagerly: compiling it failed ({type(e).__name__}: {str(e)[:200]})")
             self.fn = self.eager
             return self.fn(*args)
+
+
+def cuda_graphs_in_this_thread() -> None:
+    """Make CUDA graph trees (torch.compile's mode "reduce-overhead") usable from the calling thread. Before
+    PyTorch 2.13 their per-thread state is set up only in the thread that first imported them, and any other
+    thread fails an assertion (pytorch#123177): a server's engine thread after a compile in the main thread,
+    or the main thread after the engine's."""
+    from torch._inductor import cudagraph_trees as trees
+    key = "tree_manager_containers"
+    if hasattr(trees.local, key) or torch._C._is_key_in_tls(key):
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = defaultdict(threading.Lock)
+    # stashed as the module does, so that autograd's threads started from this one find them too
+    torch._C._stash_obj_in_tls(key, trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)

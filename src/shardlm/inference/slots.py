@@ -45,11 +45,28 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     n, heads, t, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
     g = heads // kv
+    if t == 1 and torch.compiler.is_compiling():
+        return _attend_one(q, k, v, mask)
     scores = (q.reshape(n, kv, g * t, d) @ k.transpose(-1, -2)).view(n, kv, g, t, keys).float()
     # A large finite fill, not -inf: a row with no visible key (an idle slot) averages instead of dividing 0 by 0.
     scores = scores.mul(d ** -0.5).masked_fill(~mask[:, None, None], -1e30)
     probs = scores.softmax(-1).to(v.dtype).view(n, kv, g * t, keys)
     return (probs @ v).view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend_cached for one query a row (a decode step), compiled: as products and sums, which the compiler
+    fuses with the mask and the softmax into kernels that read each cached key and value once. As matrix
+    products they are a batch of matrix-vector products per head, which cuBLAS ran at a third of an H200's
+    memory bandwidth (bench/README.md). Eager, the products would be materialised: compiled only."""
+    n, heads, _, d = q.shape
+    kv, keys = k.shape[1], k.shape[2]
+    g = heads // kv
+    qg = q.reshape(n, kv, g, 1, d).float()
+    scores = (qg * k[:, :, None].float()).sum(-1) * d ** -0.5  # [n, kv, g, keys]
+    probs = scores.masked_fill(~mask.view(n, 1, 1, keys), -1e30).softmax(-1)
+    y = (probs[..., None] * v[:, :, None].float()).sum(-2)  # [n, kv, g, d]
+    return y.to(v.dtype).reshape(n, 1, heads * d)
 
 
 def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
