@@ -29,16 +29,19 @@ def main():
     p.add_argument("--new", type=int, default=64, help="tokens each request generates")
     p.add_argument("--card", default="h200", help="the planner's GPU, for the memory bandwidth")
     p.add_argument("--out", default="profiles", help="where the traces are written")
+    p.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 512],
+                   help="prompt lengths whose prefill (and first token) alone is timed, the longest profiled")
     args = p.parse_args()
     from shardlm.inference import Engine, Request
     from shardlm.plan import gpu
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build(args, device)
-    engine = Engine(model, args.slots, args.prompt + args.new + 8, compile=device == "cuda")
+    engine = Engine(model, args.slots, max([args.prompt, *args.prefill]) + args.new + 8, compile=device == "cuda")
     g = torch.Generator().manual_seed(0)
 
-    def run(rows: int, new: int) -> float:
-        prompts = [torch.randint(1, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(rows)]
+    def run(rows: int, new: int, prompt: int | None = None) -> float:
+        prompts = [torch.randint(1, cfg.vocab_size, (prompt or args.prompt,), generator=g).tolist()
+                   for _ in range(rows)]
         sync(device)
         start = time.perf_counter()
         engine.run([Request(prompt, new) for prompt in prompts])
@@ -64,6 +67,16 @@ def main():
         lines.append(f"{args.preset}, {rows} of {args.slots} slots: {1e3 * step:.2f} ms a decode step, "
                      f"{rows / step:.0f} tok/s; reading the weights at {args.card}'s bandwidth {1e3 * bound:.2f} ms "
                      f"({bound / step:.0%} of the step)")
+    for n in args.prefill:  # one request's prefill and first token, as a served request waits for it
+        run(1, 1, n)
+        took = min(run(1, 1, n) for _ in range(3))
+        lines.append(f"{args.preset}, prefill of one {n}-token prompt and its first token: {1e3 * took:.1f} ms")
+    if args.prefill:
+        with torch.profiler.profile(activities=activities) as prof:
+            run(1, 1, max(args.prefill))
+        prof.export_chrome_trace(str(out / "prefill.trace.json"))
+        print(f"\nprefill of one {max(args.prefill)}-token prompt (host time first: is it the launches?):")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=70))
     print("\n".join(lines))
 
 

@@ -220,6 +220,33 @@ def test_compiled_blocks_equal_eager():
         model(ids, ids).backward()
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_routing_and_its_counts_compile_into_one_graph_unless_recomputed(recompute):
+    """The router, the dispatch, the combine and the counts are one graph when the block is not recomputed (on a
+    GPU the grouped GEMMs join it; here a stand-in runs the experts). Under recomputation whether a forward is
+    the first run is known only as it runs, which breaks the graph. Taking the load compiles nothing
+    again, and the counts stay exact."""
+    model = build_model(moe_cfg(), seed=0).train()
+    model.set_recompute(recompute)
+    layer = next(m for m in model.modules() if isinstance(m, MoE))
+    layer.run_experts = lambda rows, counts: 2 * rows
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(layer, backend=backend)
+    x = torch.randn(2, 16, layer.router.weight.shape[1], requires_grad=True)
+    compiled(x).sum().backward()
+    assert len(graphs) == 1 if recompute == "none" else len(graphs) > 1
+    compiled(x)
+    assert layer.take_load().sum() == 2 * (2 * 16 * layer.top_k)
+    assert layer.take_load() is None
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x)
+    assert layer.take_load().sum() == 2 * 16 * layer.top_k
+
+
 def test_config_checks_and_counts():
     cfg = load_config("mixtral-tiny")
     validate(cfg)

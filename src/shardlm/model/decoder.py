@@ -221,6 +221,8 @@ class Decoder(nn.Module):
         for core in self.modules():
             if isinstance(core, SDPA):
                 core.recompute = mode == "selective"
+            if isinstance(core, MoE):  # selective recomputes attention's core only
+                core.recomputed = mode not in ("none", "selective")
         for block in self.blocks():
             set_block_recompute(block, mode)
 

@@ -109,8 +109,11 @@ class MoE(nn.Module):
         # made on the first forward's device; saved in the trainer's state (parallel/moe_balance.py).
         self.router_bias: torch.Tensor | None = None
         self.balance_loss = self.z_loss = None
+        # After the first training forward these stay tensors, zeroed when taken: a compiled block guards on
+        # whether an attribute is None, and would compile again at each change.
         self.load: torch.Tensor | None = None  # tokens per expert since the last take_load (int64, [E])
         self.stats: torch.Tensor | None = None  # since the last take_stats, fp64 [routed E | kept E | probs E | T]
+        self.recomputed = False  # whether its block's forward runs again in backward (Decoder.set_recompute)
         self.step_routed: torch.Tensor | None = None  # token copies routed per expert this step (the bias's input)
         self.sequences = WholeSequences()  # context parallelism swaps in each rank's slices (parallel/context.py)
 
@@ -199,26 +202,42 @@ class MoE(nn.Module):
             probs = logits.softmax(-1) if self.scoring == "softmax" else _normalised(logits.sigmoid())
             tokens = torch.tensor([logits.shape[0]], dtype=torch.float64, device=logits.device)
             stats = torch.cat([routed.double(), counts.double(), probs.double().sum(0), tokens])
-        _keep(self, losses, routed.detach(), counts.detach(), stats)
+        # Under recomputation whether this is the first run is known only as it runs: a graph break (_keep).
+        keep = _keep if self.recomputed else _accumulate
+        keep(self, losses, routed.detach(), counts.detach(), stats)
 
     def take_load(self) -> torch.Tensor | None:
-        """The tokens each expert received since the last call ([E], int64), and start counting anew."""
-        load, self.load = self.load, None
-        return load
+        """The tokens each expert received since the last call ([E], int64; None if none), and start counting
+        anew."""
+        load = self.load
+        if load is None:
+            return None
+        self.load = torch.zeros_like(load)
+        return load if bool(load.any()) else None
+
+    def take_stats(self) -> torch.Tensor | None:
+        """The statistics since the last call (fp64 [routed E | kept E | probs E | tokens]; None if none)."""
+        stats = self.stats
+        if stats is None:
+            return None
+        self.stats = torch.zeros_like(stats)
+        return stats
 
 
-@torch.compiler.disable  # the one graph break: whether autograd runs this (below) is no traced value
-def _keep(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
-    """A training forward's losses and counts into `layer`, from its first run only. Kept out of the compiled
-    blocks: there each None-or-sum accumulator below would be guarded on, and a reset between steps (the
-    logs' `take_load`, `stats`) would compile the block again."""
-    if in_backward():
-        return
+def _accumulate(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
+    """A training forward's losses and counts into `layer`."""
     layer.balance_loss, layer.z_loss = losses
     layer.load = counts if layer.load is None else layer.load + counts
     layer.stats = stats if layer.stats is None else layer.stats + stats
     if layer.bias_rate > 0:
         layer.step_routed = routed if layer.step_routed is None else layer.step_routed + routed
+
+
+@torch.compiler.disable  # whether autograd's engine runs this is no value the compiler can trace
+def _keep(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
+    """_accumulate from the first run of a recomputed block only (not its recomputation inside backward)."""
+    if not in_backward():
+        _accumulate(layer, losses, routed, counts, stats)
 
 
 class GatherRows(torch.autograd.Function):

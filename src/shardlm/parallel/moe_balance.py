@@ -66,7 +66,7 @@ class MoEBalance:
         e = self.num_experts
         table = torch.zeros(self.num_layers, 3 * e + 1, dtype=torch.float64, device=self.device)
         for m in self.layers:
-            stats, m.stats = m.stats, None
+            stats = m.take_stats()
             if stats is not None:
                 table[m.layer] = stats
         table = self._world_sum(table).cpu()
