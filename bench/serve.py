@@ -100,11 +100,15 @@ async def drive(url, reqs, rate: float | None = None, concurrency: int | None = 
 
 class EngineTimes:
     """Where the engine's thread spends a run: seconds in step() and in its prefill passes and decode bursts,
-    bursts, decode steps (one token per row) and prefill passes, counted by wrapping the engine's methods."""
+    bursts, decode steps (one token per row) and prefill passes, counted by wrapping the engine's methods.
+    prefill_launch_s: the part of prefill_s spent launching the model's forward (host time: the kernels run
+    on after it returns), the rest sampling the first tokens and waiting for them."""
 
     def __init__(self, engine):
-        self.t = dict.fromkeys(("step_s", "prefill_s", "burst_s", "steps", "bursts", "prefills"), 0)
+        self.t = dict.fromkeys(("step_s", "prefill_s", "prefill_launch_s", "burst_s", "steps", "bursts",
+                                "prefills"), 0)
         for name, key, count in (("step", "step_s", None), ("_prefill", "prefill_s", "prefills"),
+                                 ("_prefill_forward", "prefill_launch_s", None),
                                  ("_decode_burst", "burst_s", "bursts")):
             setattr(engine, name, self._timed(getattr(engine, name), key, count))
         engine._steps = tuple(self._counted(f) for f in engine._steps)
