@@ -94,6 +94,22 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(monkeypatch):
     assert got == [r.tokens for r in eager.run([Request(p, 4) for p in prompts])]
 
 
+def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):
+    """cuDNN's attention (SDPA's choice on Hopper) builds a plan for every new shape, tens to hundreds of
+    milliseconds, and prompts come in every length: a prompt's attention runs with it disabled, and only there
+    (training keeps SDPA's choice)."""
+    real, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    engine = Engine(tiny(), max_batch=2, max_len=32, compile=False)
+    engine.run([Request(p, 3) for p in prompts_of((5, 9))])
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window", "gpt2"])
 def test_the_engine_equals_transformers_greedy(kind, tmp_path):
     """Three prompts in one batch, 20 new tokens (past Mistral's window of 8), against HF's generate alone."""

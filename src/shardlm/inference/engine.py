@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
 from .sampler import SamplingParams, greedy, sample
 from .slots import StaticKVCache, decoder_layer, forward_tokens
+
+PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -321,8 +324,11 @@ class Engine:
                 self._release(i, finished)
 
     def _prefill_forward(self, ids, positions, slots, last, fresh: bool, keys: int) -> torch.Tensor:
-        return forward_tokens(self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys,
-                              layer=self._layer)
+        # cuDNN's attention, which SDPA prefers on Hopper, builds an execution plan for every new shape (tens to
+        # hundreds of milliseconds each), and prompts come in every length: kernels without plans instead.
+        with sdpa_kernel(PLANLESS_ATTENTION):
+            return forward_tokens(self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys,
+                                  layer=self._layer)
 
     # ---- decode -------------------------------------------------------------------------------------
     def _decode_burst(self, finished: list[Request]) -> None:
