@@ -108,6 +108,13 @@ def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):
     engine.run([Request(p, 3) for p in prompts_of((5, 9))])
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+    from shardlm.inference.slots import WITHOUT_CUDNN_ATTENTION as off  # engines on threads interleave
+    first, second = off, off
+    first.__enter__(), second.__enter__()
+    first.__exit__(None, None, None)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    second.__exit__(None, None, None)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window", "gpt2"])

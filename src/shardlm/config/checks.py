@@ -12,7 +12,7 @@ from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from .schema import SECTIONS, Config, ModelConfig, ParallelConfig
-from .shapes import lora_targets
+from .shapes import LORA_MODULES, block_linears, lora_targets
 
 
 # Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
@@ -149,7 +149,8 @@ def check_experts(cfg: Config) -> None:
     pipeline parallelism (each stage its layers' experts and auxiliary losses), context parallelism (the
     routing statistics reduced over the cp group) and expert parallelism (parallel/expert.py) carved out of
     dp x cp, within each pipeline stage, and tensor parallelism (parallel/moe_tensor.py: routed experts whole on
-    each tp rank, which routes its own slice of the tokens); LoRA over experts comes later (issue 44)."""
+    each tp rank, which routes its own slice of the tokens); LoRA adapts attention and any dense MLP, not the
+    experts, a shared expert or the router (frozen with the base)."""
     m, p = cfg.model, cfg.parallel
     if m.arch != "llama":
         raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
@@ -167,9 +168,17 @@ def check_experts(cfg: Config) -> None:
     if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
                           "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
+    if cfg.lora.rank and cfg.lora.quantize != "none":
+        raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} with model.num_experts = {m.num_experts}: the "
+                          "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
+                          "built yet: use lora.quantize = 'none'")
     if cfg.lora.rank:
-        raise ConfigError(f"lora.rank = {cfg.lora.rank} with model.num_experts = {m.num_experts}: adapters on a "
-                          "mixture of experts are not supported yet")
+        chosen = lora_targets(m.arch, cfg.lora.targets)
+        if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
+                   for n in LORA_MODULES[m.arch][path]):
+            raise ConfigError(f"lora.targets = {cfg.lora.targets!r} names MLP linears only, and every layer's MLP "
+                              "is a mixture of experts, whose experts take no adapters yet: add attention's "
+                              "(q_proj,k_proj,v_proj,o_proj) or use all-linear")
 
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------

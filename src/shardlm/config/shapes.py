@@ -106,12 +106,13 @@ class LoRAShapes:
         """Parameters of all the model's adapters (A: rank x in, B: its rows x rank per adapted module)."""
         chosen = lora_targets(m.arch, self.targets)
         inputs = {"attn.out": m.num_heads * m.head_size, "mlp.down": m.ffn_size}
-        total = 0
+        per_path = {}
         for path, modules in LORA_MODULES[m.arch].items():
             parts = fused_parts(m, path)
             rows = list(parts) if len(modules) == len(parts) else [sum(parts)]
-            total += sum(self.rank * (inputs.get(path, m.hidden_size) + r) for n, r in zip(modules, rows) if n in chosen)
-        return m.num_layers * total
+            per_path[path] = sum(self.rank * (inputs.get(path, m.hidden_size) + r)
+                                 for n, r in zip(modules, rows) if n in chosen)
+        return sum(per_path[path] for layer in range(m.num_layers) for path in block_linears(m, layer))
 
     def flops_per_token(self, m: ModelShapes, seq: int) -> int:
         """Training FLOPs per token of LoRA fine-tuning: what is computed, not full training's 6 x N. The
@@ -160,6 +161,12 @@ LORA_MODULES = {
     "gpt2": {"attn.qkv": ("attn.c_attn",), "attn.out": ("attn.c_proj",), "mlp.up": ("mlp.c_fc",),
              "mlp.down": ("mlp.c_proj",)},
 }
+
+
+def block_linears(m, layer: int) -> list[str]:
+    """The paths of LORA_MODULES that block `layer` has (`m` a ModelConfig): a mixture-of-experts layer's MLP
+    is its router and experts, which take no adapters (attention's linears do)."""
+    return [p for p in LORA_MODULES[m.arch] if not (p.startswith("mlp.") and m.is_moe_layer(layer))]
 
 
 def lora_targets(arch: str, targets: str) -> set[str]:

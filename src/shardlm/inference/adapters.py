@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import LORA_MODULES, ConfigError, ModelConfig, fused_parts
+from ..config import LORA_MODULES, ConfigError, ModelConfig, block_linears, fused_parts
 from ..model import Decoder
 from ..parallel.lora import read_peft_dir, scale
 
@@ -81,7 +81,7 @@ def install_adapters(model: Decoder, directories: dict[str, str | Path], rows: A
                     raise ConfigError(f"adapter {name!r} ({directories[name]}) does not fit this model: its "
                                       f"layers.{layer}.{path} update is {tuple(b.shape[:1])} x {tuple(a.shape[1:])}")
     for block in model.blocks():
-        for path in LORA_MODULES[cfg.arch]:
+        for path in block_linears(cfg, block.attn.layer):
             base = block.get_submodule(path)
             base.lora = None
             key = (block.attn.layer, path)

@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
 from .sampler import SamplingParams, greedy, sample
-from .slots import StaticKVCache, decoder_layer, forward_tokens
+from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
 
-PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -326,7 +324,7 @@ class Engine:
     def _prefill_forward(self, ids, positions, slots, last, fresh: bool, keys: int) -> torch.Tensor:
         # cuDNN's attention, which SDPA prefers on Hopper, builds an execution plan for every new shape (tens to
         # hundreds of milliseconds each), and prompts come in every length: kernels without plans instead.
-        with sdpa_kernel(PLANLESS_ATTENTION):
+        with WITHOUT_CUDNN_ATTENTION:
             return forward_tokens(self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys,
                                   layer=self._layer)
 

@@ -10,6 +10,8 @@ products per layer, grouped by key/value head so GQA never copies keys.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +82,31 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         gqa = False
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     return y.transpose(1, 2).reshape(n, t, heads * d)
+
+
+class _WithoutCuDNNAttention:
+    """SDPA with cuDNN's backend off while any prefill runs. The flag is process-wide: engines on several
+    threads (data-parallel replicas) share one switch, counted, and it returns to what it was when the last
+    prefill in flight ends (a per-call save and restore would leave it off when two calls interleave)."""
+
+    def __init__(self):
+        self.lock, self.users, self.saved = threading.Lock(), 0, True
+
+    def __enter__(self):
+        with self.lock:
+            if self.users == 0:
+                self.saved = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self.users += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                torch.backends.cuda.enable_cudnn_sdp(self.saved)
+
+
+WITHOUT_CUDNN_ATTENTION = _WithoutCuDNNAttention()
 
 
 def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids: torch.Tensor,

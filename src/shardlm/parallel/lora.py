@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sharded_read import LazyMap
-from ..config import LORA_MODULES, LoRAConfig, ModelConfig, fused_parts, lora_targets
+from ..config import LORA_MODULES, LoRAConfig, ModelConfig, block_linears, fused_parts, lora_targets
 from .placement import TPSharding, degree, rank_in, tag
 from .tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -105,7 +105,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
     cfg = model.cfg
     chosen = lora_targets(cfg.arch, lora.targets)
     for block in model.parts().layers:
-        for path in LORA_MODULES[cfg.arch]:
+        for path in block_linears(cfg, block.attn.layer):
             base = block.get_submodule(path)
             adapter = _adapter(base, cfg, path, chosen, lora)
             if adapter is not None:
@@ -251,6 +251,9 @@ def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
         if layer >= cfg.num_layers:
             raise ConfigError(f"{path} does not fit this model: it adapts layer {layer}, the model has "
                               f"{cfg.num_layers} layers: use the adapter trained on this --model's base")
+        if linear not in block_linears(cfg, layer):
+            raise ConfigError(f"{path} adapts the MLP of layer {layer} ({name}), which in this model is a mixture "
+                              "of experts: its experts take no adapters; use the adapter trained on this --model's base")
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ConfigError(f"{path} does not fit this model: its {name} adapter of layer {layer} has A "
                               f"{tuple(a.shape)}, B {tuple(b.shape)}, the model (hidden {cfg.hidden_size}, r {rank}) "
