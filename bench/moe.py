@@ -7,6 +7,7 @@ MixtralForCausalLM of exactly the same shape, on one GPU and with expert paralle
 
 Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
 natural routing, then forced-balanced routing (the routing read at each step: a compiled graph recompiles).
+Every system trains on the same batches, shardlm's default corpus (text routes less evenly than random ids).
 - 1 GPU: `shardlm` (Trainer: bf16 parameters, fp32 masters, fused AdamW, blocks compiled), and HF's Mixtral in
   bf16 weights with torch's fused AdamW as ../shared/bench/peer_baseline.py measures it, with
   `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
@@ -138,9 +139,18 @@ def hf_loads(routers) -> dict:
 
 def hf_step(system: str, m, args, world: int):
     import torch
+    import torch.distributed as dist
+
+    from shardlm.data.default import default_corpus
+    from shardlm.data.loader import open_train_data
     model = hf_model(m, HF[system], args.seq, args.device)
     routers = count_hf_loads(model)
-    x = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq), device=args.device)
+    # shardlm's own batches (the default corpus, each rank its share): natural routing then routes the same
+    # tokens in both systems, where random ids would spread them more evenly than text does.
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    data = open_train_data(default_corpus(), None, 0, args.seq, m.vocab_size, 0, args.micro_batch * world,
+                           args.micro_batch, world, rank)
+    taken = [0]
     if system == "hf-fsdp2":  # the peer's FSDP2: fp32 parameters, bf16 compute, fp32 gradient reduction
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -158,7 +168,10 @@ def hf_step(system: str, m, args, world: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        fwd(input_ids=x, labels=x).loss.backward()
+        x, _ = data.micro_batch_at(taken[0], 0)
+        taken[0] += 1
+        x = x.to(args.device, non_blocking=True)
+        fwd(input_ids=x, labels=x).loss.backward()  # the model shifts the labels, as shardlm's targets are
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step, routers
