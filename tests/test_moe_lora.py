@@ -56,6 +56,10 @@ def test_a_dense_first_layer_keeps_its_mlp_adapters_and_the_count_is_what_trains
     assert any(n.startswith("layers.0.mlp.") for n in trained)
     assert not any(".mlp." in n for n in trained if not n.startswith("layers.0."))
     assert sum(trained.values()) == cfg.lora.adapter_count(cfg.model)
+    mlp_only = dataclasses.replace(cfg.lora, targets="down_proj")  # a pipeline stage of MoE layers alone
+    apply_lora(Decoder(cfg.model, layers=[0], last=False), mlp_only)
+    with pytest.raises(ConfigError, match="adapts no linear of this pipeline stage's layers 1-2"):
+        apply_lora(Decoder(cfg.model, layers=[1, 2], first=False), mlp_only)
 
 
 @pytest.mark.parametrize("over, message", [

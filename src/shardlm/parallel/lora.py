@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sharded_read import LazyMap
-from ..config import LORA_MODULES, LoRAConfig, ModelConfig, block_linears, fused_parts, lora_targets
+from ..config import LORA_MODULES, ConfigError, LoRAConfig, ModelConfig, block_linears, fused_parts, lora_targets
 from .placement import TPSharding, degree, rank_in, tag
 from .tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -111,6 +111,12 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
             if adapter is not None:
                 base.lora = adapter
     adapters = adapter_names(model)
+    if not adapters:  # the config's check saw adapters somewhere: this slice's MLPs are all experts
+        layers = [block.attn.layer for block in model.parts().layers]
+        raise ConfigError(f"lora.targets = {lora.targets!r} adapts no linear of this pipeline stage's layers "
+                          f"{layers[0]}-{layers[-1]} (their MLPs are mixtures of experts, which take no adapters): "
+                          "nothing to train there; add attention's modules (q_proj,k_proj,v_proj,o_proj) or move "
+                          "the stage's bounds (parallel.pp_layers)")
     for name, p in model.named_parameters():
         p.requires_grad_(name in adapters)
 
@@ -204,7 +210,6 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
 
     from safetensors.torch import load_file
 
-    from ..config import ConfigError
     path = Path(path)
     try:
         conf = json.loads((path / "adapter_config.json").read_text())
@@ -241,7 +246,6 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
 def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
     """An adapter of another model (more layers, other widths) or another r is refused by name, not left to
     fail inside `merged` with a broadcasting error."""
-    from ..config import ConfigError
     for layer, linear, name, a, b in _adapters(state, cfg):
         modules = LORA_MODULES[cfg.arch][linear]
         parts = fused_parts(cfg, linear)
