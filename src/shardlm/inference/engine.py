@@ -25,7 +25,6 @@ from .sampler import SamplingParams, greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
 
 
-
 @dataclass
 class Request:
     """A prompt (token ids) and how to continue it; the engine fills `tokens` (the new ids, stop token or

@@ -209,19 +209,18 @@ class MoE(nn.Module):
     def take_load(self) -> torch.Tensor | None:
         """The tokens each expert received since the last call ([E], int64; None if none), and start counting
         anew."""
-        load = self.load
-        if load is None:
-            return None
-        self.load = torch.zeros_like(load)
-        return load if bool(load.any()) else None
+        load = self._take("load")
+        return load if load is not None and bool(load.any()) else None
 
     def take_stats(self) -> torch.Tensor | None:
         """The statistics since the last call (fp64 [routed E | kept E | probs E | tokens]; None if none)."""
-        stats = self.stats
-        if stats is None:
-            return None
-        self.stats = torch.zeros_like(stats)
-        return stats
+        return self._take("stats")
+
+    def _take(self, name: str) -> torch.Tensor | None:
+        held = getattr(self, name)
+        if held is not None:
+            setattr(self, name, torch.zeros_like(held))
+        return held
 
 
 def _accumulate(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
