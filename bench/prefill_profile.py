@@ -2,6 +2,7 @@
 prefill timed alone, then under torch.profiler, its top kernels and host operators printed.
 
     python bench/prefill_profile.py [--preset llama2-7b] [--prompt 264] [--rows 1] [--out DIR] [--compile-prefill 0]
+        [--prefill-graphs 0]
 
 The fourteenth lease (bench/README.md) measured 82-85 ms a prefill pass of about 264 tokens on an H200 where
 the arithmetic is about 10 ms; this says whether the time is kernels (which ones) or the host between them.
@@ -26,12 +27,14 @@ def main():
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default="profiles", help="where the trace is written")
     p.add_argument("--compile-prefill", type=int, default=1, help="0: the eager prefill (engine.Engine)")
+    p.add_argument("--prefill-graphs", type=int, default=None,
+                   help="passes of up to this many tokens as CUDA graphs (0: none; default the engine's)")
     args = p.parse_args()
     from shardlm.inference import Engine, Request
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build(args, device)
     engine = Engine(model, max(args.rows, 1), args.prompt + 8, compile=device == "cuda",
-                    compile_prefill=bool(args.compile_prefill))
+                    compile_prefill=bool(args.compile_prefill), prefill_graphs=args.prefill_graphs)
     g = torch.Generator().manual_seed(0)
 
     def once() -> float:

@@ -206,6 +206,19 @@ def random_adapter(base, out, rank, targets, seed):
     return out
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_padded_for_graphs_gives_the_tokens_of_each_prompt_alone(case):
+    """Prefill passes padded to their graphs' lengths (on a CPU the padded shapes run without capture):
+    first chunks and later ones through the cache, several rows a pass, a window shorter than the prompts;
+    each request gets the tokens it gets alone, unpadded. Passes over the limit run as they are."""
+    model = tiny(**CASES[case])
+    prompts = prompts_of((9, 2, 15, 4, 6, 13))
+    alone = [generate_ids(model, torch.tensor([p]), 7)[0].tolist() for p in prompts]
+    for limit in (64, 12):
+        engine = Engine(model, max_batch=3, max_len=40, sync_every=3, prefill_chunk=5, prefill_graphs=limit)
+        assert [r.tokens for r in engine.run([Request(p, 7) for p in prompts])] == alone, limit
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_adapters_per_row_equal_each_merged_alone(kind, tmp_path):
     """Two PEFT adapters (other ranks and targets) served over one base, rows of one batch each with its own

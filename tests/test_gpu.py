@@ -120,3 +120,31 @@ def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
     (m1, v1, p1, n1), (m2, v2, p2, n2) = runs
     assert torch.equal(m1, m2) and torch.equal(v1, v2) and all(torch.equal(a, b) for a, b in zip(p1, p2))
     assert n1 == pytest.approx(n2, rel=1e-6)
+
+
+@cuda
+@pytest.mark.parametrize("changes", [dict(num_kv_heads=2), dict(sliding_window=6), dict(num_experts=4, top_k=2)],
+                         ids=["gqa", "window", "moe"])
+def test_prefill_replayed_as_cuda_graphs_gives_the_compiled_prefills_tokens(changes):
+    """The engine's prefill passes captured and replayed (a second round of the same prompts replays the
+    first's graphs) against the compiled prefill without graphs; a model whose prefill cannot be captured
+    runs without them, with a warning, and the same tokens."""
+    import dataclasses
+    import warnings
+
+    from shardlm.config import load_config
+    from shardlm.inference import Engine, Request
+    from shardlm.model import build_model
+    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2, **changes)
+    model = build_model(cfg, seed=3).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 2, 15, 4, 6, 13, 30)]
+    runs = []
+    for graphs in (0, 256):
+        engine = Engine(model, max_batch=3, max_len=48, prefill_chunk=8, prefill_graphs=graphs)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            runs.append([[r.tokens for r in engine.run([Request(p, 6) for p in prompts])] for _ in range(2)])
+        if "num_experts" not in changes:
+            assert not [w for w in said if "CUDA graphs" in str(w.message)]
+    assert runs[1][0] == runs[1][1] == runs[0][0]

@@ -308,6 +308,21 @@ def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(k
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
 
 
+def test_the_compiled_decode_step_of_experts_without_grouped_kernels_runs_eagerly(monkeypatch):
+    """Where the experts' GEMMs loop over experts (no grouped kernel for the device and dtype: fp32 on a
+    GPU), the loop's group sizes are data the compiler cannot branch on: the engine's compiled decode step
+    says so and decodes eagerly, the tokens of the uncompiled engine, rather than failing the request."""
+    import shardlm.model.grouped_mm as grouped
+    from shardlm.inference import Engine, Request
+    monkeypatch.setattr(grouped, "grouped_available", lambda x, weight: False)
+    model = build_model(moe_cfg(init_std=0.2), seed=3).eval()
+    prompts = [[1, 2, 3], [5, 6]]
+    want = [r.tokens for r in Engine(model, 2, 32, compile=False).run([Request(p, 4) for p in prompts])]
+    with pytest.warns(UserWarning, match="the decode step runs eagerly"):
+        got = Engine(model, 2, 32, compile=True).run([Request(p, 4) for p in prompts])
+    assert [r.tokens for r in got] == want
+
+
 def test_mixtral_tiny_trains():
     """A few steps through the Trainer: finite losses that fall, and every expert gets tokens."""
     trainer = dist_fns.tiny_trainer(1, {**MOE, "train.steps": "6", "train.log_every": "1"})

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Callable
 
 from ..model import Decoder
-from .engine import Engine, Request, slots_that_fit
+from .engine import Engine, Request
 from .load import inference_dtype, load_pretrained
 from .perplexity import evaluate_ids
 from .reference import generate_ids, generate_text, prompt_ids, sample_next, until_eos
 from .sampler import SamplingParams
+from .slots import slots_that_fit
 
 __all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids", "generate_many",
            "generate_text", "inference_dtype", "load_pretrained", "prompt_ids", "sample_next", "slots_that_fit",

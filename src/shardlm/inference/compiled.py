@@ -13,10 +13,14 @@ import torch
 
 def compile_errors() -> tuple[type, ...]:
     """What torch.compile raises for a function it cannot take: Dynamo's errors, and Inductor's code
-    generation errors (a subclass of them in recent builds, reaching the caller as they are)."""
+    generation errors (a subclass of them in recent builds, reaching the caller as they are), and a guard on
+    a data-dependent size."""
     import torch._inductor.exc as inductor
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     extra = [inductor.InductorError] if hasattr(inductor, "InductorError") else []
-    return (torch._dynamo.exc.TorchDynamoException, *extra)
+    # a branch on a value only the run knows (an MoE's expert loop on a GPU without grouped kernels for the
+    # dtype) reaches the caller as the shape engine's error, not Dynamo's
+    return (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode, *extra)
 
 
 class CompiledOrEager:

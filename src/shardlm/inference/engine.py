@@ -21,6 +21,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
+from .prefill_graphs import PrefillGraphs
 from .sampler import SamplingParams, greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
 
@@ -70,23 +71,6 @@ class _Slot:
         return self.prefilled == len(self.request.prompt)
 
 
-def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9) -> int:
-    """How many slots of `max_len` positions fit in `share` of the memory the GPU has free (at most `limit`);
-    `limit` on the CPU. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
-    p = next(model.parameters())
-    if p.device.type != "cuda":
-        return limit
-    free, _ = torch.cuda.mem_get_info(p.device)
-    cfg = model.cfg
-    per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
-                + 4 * 4 * cfg.vocab_size)
-    fit = int(share * free // per_slot)
-    if fit < 1:
-        raise RuntimeError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
-                           f"the GPU has {free / 2**30:.2f} GiB free: shorten the context")
-    return min(limit, fit)
-
-
 class Engine:
     """Generation for many requests on one model. `max_batch` slots of `max_len` positions each (prompt and
     new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
@@ -94,15 +78,17 @@ class Engine:
     layer and prompt length (a few graphs, by symbolic sizes; serve/worker.warm_up_batches compiles them all);
     either runs eagerly, with a warning, where the compiler fails (compiled.py). A prompt prefills
     `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
-    counted. `decode`: the tokenizer's ids -> text, for stop strings
-    and `Request.text`.
+    counted. `prefill_graphs`: passes of up to this many tokens, padded, are replayed as CUDA graphs
+    (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU, else 0: none). `decode`: the
+    tokenizer's ids -> text, for stop strings and `Request.text`.
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
 
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
-                 prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None):
+                 prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None,
+                 prefill_graphs: int | None = None):
         cfg = model.cfg
         self.model = model.eval()
         p = next(model.parameters())
@@ -134,6 +120,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.compile = dev.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
+        if prefill_graphs is None:
+            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" else 0
+        self.prefill_graphs = prefill_graphs
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -145,6 +134,16 @@ class Engine:
         self._steps = steps
         # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
         self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None
+        self._prefill_graphs = PrefillGraphs(
+            self._prefill_pass, dict(ids=0, positions=self.scratch, slots=0, last=0, adapter=0), self._keys,
+            self.prefill_graphs, capture=self.device.type == "cuda",
+            prepare=lambda t, fresh: self.model.window_mask(0, t, self.device) if fresh else None)
+
+    def graphed_prompts(self) -> list[int]:
+        """Prompt lengths, one for each one-row prefill graph: a server prefills one of each before clients
+        come (serve/worker.warm_up_batches), so that none is captured while they wait. [] without graphs."""
+        on = self.prefill_graphs and self._prefill_graphs.capture
+        return self._prefill_graphs.prompts(min(self.prefill_chunk, self.max_len - 1)) if on else []
 
     def add_adapter(self, name: str, directory) -> None:
         """Serve the PEFT LoRA adapter in `directory` as `name`, per request (Request.adapter), beside the base
@@ -301,8 +300,9 @@ class Engine:
         slots = torch.tensor(rows, device=self.device)
         last = torch.tensor([chunk[i] - 1 for i in rows], device=self.device)
         positions = positions.to(self.device)
-        self.rows.ids = self.adapter_ids[slots]
-        logits = self._prefill_forward(ids.to(self.device), positions, slots, last, bool(fresh), reach)
+        inputs = dict(ids=ids.to(self.device), positions=positions, slots=slots, last=last,
+                      adapter=self.adapter_ids[slots])
+        logits = self._prefill_forward(inputs, bool(fresh), reach)
         counter = positions.gather(1, last[:, None]).squeeze(1) + 1
         first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        counter)
@@ -320,12 +320,16 @@ class Engine:
             if self._accept(self.slots[i].request, [token]):
                 self._release(i, finished)
 
-    def _prefill_forward(self, ids, positions, slots, last, fresh: bool, keys: int) -> torch.Tensor:
+    def _prefill_forward(self, inputs: dict, fresh: bool, reach: int) -> torch.Tensor:
+        return self._prefill_graphs(inputs, fresh, reach)
+
+    def _prefill_pass(self, inputs: dict, fresh: bool, keys: int) -> torch.Tensor:
+        self.rows.ids = inputs["adapter"]
         # cuDNN's attention, which SDPA prefers on Hopper, builds an execution plan for every new shape (tens to
         # hundreds of milliseconds each), and prompts come in every length: kernels without plans instead.
         with WITHOUT_CUDNN_ATTENTION:
-            return forward_tokens(self.model, self.cache, self.rope, ids, positions, slots, last, fresh, keys,
-                                  layer=self._layer)
+            return forward_tokens(self.model, self.cache, self.rope, inputs["ids"], inputs["positions"],
+                                  inputs["slots"], inputs["last"], fresh, keys, layer=self._layer)
 
     # ---- decode -------------------------------------------------------------------------------------
     def _decode_burst(self, finished: list[Request]) -> None:

@@ -32,6 +32,23 @@ class StaticKVCache:
                 torch._dynamo.mark_static_address(t)
 
 
+def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9) -> int:
+    """How many slots of `max_len` positions fit in `share` of the memory the GPU has free (at most `limit`);
+    `limit` on the CPU. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return limit
+    free, _ = torch.cuda.mem_get_info(p.device)
+    cfg = model.cfg
+    per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
+                + 4 * 4 * cfg.vocab_size)
+    fit = int(share * free // per_slot)
+    if fit < 1:
+        raise RuntimeError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
+                           f"the GPU has {free / 2**30:.2f} GiB free: shorten the context")
+    return min(limit, fit)
+
+
 def visible(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
     """[n, T, keys]: which cached positions each query (at `positions` [n, T]) attends to: every earlier one
     and itself, and within a sliding window only the last `window` of those."""

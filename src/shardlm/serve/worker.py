@@ -29,13 +29,14 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     (inference/slots.decoder_layer) in each class of shapes the compiler tells apart although its sizes are
     symbolic: one row and several (it specialises a size of 1), a prompt's first chunk and a later one, which
     reads the cache. The sizes differ from the cache's: the compiler assumes sizes equal that were equal
-    when it traced, and would compile again the first time they differ. `token`: the prompts' one id."""
+    when it traced, and would compile again the first time they differ. Then a prompt alone of each length
+    whose prefill is a CUDA graph (Engine.graphed_prompts), capturing it. `token`: the prompts' one id."""
     taken = {*engine.cache.k[0].shape, engine.prefill_chunk}
     rows = next((n for n in range(2, len(engine.slots)) if n not in taken), 2)
     tail = next(n for n in range(3, 64) if n not in taken | {rows})  # the second chunk's length
     prompt = [token] * max(1, min(engine.prefill_chunk + tail, engine.max_len - 2))
     several = [Request(prompt, 2) for _ in range(rows - 1)] + [Request(prompt, 2, SamplingParams(1.0, seed=0))]
-    return [several, [Request(prompt, 2)]]
+    return [several, [Request(prompt, 2)], *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
 
 
 class Closed(RuntimeError):
