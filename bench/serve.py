@@ -226,7 +226,8 @@ def main():
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
     args = p.parse_args()
     if args.gpus != 1:
-        sys.exit("bench/serve.py measures one GPU (--gpus 1); tensor-parallel serving is not built yet")
+        sys.exit("bench/serve.py measures one GPU (--gpus 1); tp 2 against tp 1 at batch 1 is "
+                 "bench/generate.py --gpus 2 --systems shardlm,shardlm-tp2 --batches 1")
     args.rates = [float(r) for r in args.rates.split(",") if r]
     import tempfile
 
