@@ -90,6 +90,21 @@ def run_cli(*args, check=True, env=None, timeout=240):
     return proc
 
 
+def cli_here(capsys, *args) -> str:
+    """`shardlm ...` run in this process (the same command line as run_cli, without starting Python and
+    importing torch again); its stdout. A failing command raises AssertionError with its stderr."""
+    from shardlm.cli import main
+    capsys.readouterr()
+    try:
+        code = main(list(map(str, args)))
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    out = capsys.readouterr()
+    if code not in (0, None):
+        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({code}):\n{out.out}\n{out.err}")
+    return out.out
+
+
 def assert_same_export(run: Path, reference: Path, out: Path, rtol: float, atol: float) -> None:
     """`shardlm export` of two runs' checkpoints: the same config.json, tensors equal within the tolerance."""
     from safetensors.torch import load_file

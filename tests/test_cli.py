@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_here, run_cli
 from shardlm.testing.distributed import free_port
 
 
@@ -32,7 +32,7 @@ def test_print_config_and_errors():
     assert unknown.returncode == 2 and "train.bogus" in unknown.stderr
 
 
-def test_train_export_eval_generate_roundtrip(tmp_path):
+def test_train_export_eval_generate_roundtrip(tmp_path, capsys):
     run_cli("train", "tiny", "--train.steps", "3", "--out", tmp_path / "run")
     run_cli("export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
     from transformers import AutoModelForCausalLM
@@ -44,12 +44,12 @@ def test_train_export_eval_generate_roundtrip(tmp_path):
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
     text = tmp_path / "t.txt"
     text.write_text("import os\nimport sys\n" * 20)
-    a = json.loads(run_cli("eval", "--model", tmp_path / "run", "--data", text, "--seq-len", 16, "--json").stdout)
-    b = json.loads(run_cli("eval", "--model", tmp_path / "hf", "--data", text, "--seq-len", 16, "--json").stdout)
+    a = json.loads(cli_here(capsys, "eval", "--model", tmp_path / "run", "--data", text, "--seq-len", 16, "--json"))
+    b = json.loads(cli_here(capsys, "eval", "--model", tmp_path / "hf", "--data", text, "--seq-len", 16, "--json"))
     assert a["tokens"] == b["tokens"] == (len(text.read_text()) // 16) * 15
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    g = json.loads(run_cli("generate", "--model", tmp_path / "run", "--prompt", "def", "--max-new-tokens", 5,
-                           "--json").stdout)
+    g = json.loads(cli_here(capsys, "generate", "--model", tmp_path / "run", "--prompt", "def", "--max-new-tokens", 5,
+                            "--json"))
     assert isinstance(g["completion"], str)
 
 

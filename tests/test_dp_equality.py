@@ -256,6 +256,23 @@ def test_resharding_resume_continues_the_trajectory(tmp_path, target):
         torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
 
 
+# On the CPU on every machine, as the issue's contract is stated (a 2-GPU host has no GPU for 4 ranks).
+TORCHRUN_ARGS = ["tiny", "--train.device", "cpu", "--train.steps", "5", "--train.precision", "fp32",
+                 "--train.log_every", "1", "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
+# faulthandler: a rank that aborts prints where (its Python stack), not only "terminate called".
+TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The one-process run every torchrun layout below is held to (one run for all of them)."""
+    out = tmp_path_factory.mktemp("one")
+    one = subprocess.run([sys.executable, "-m", "shardlm", "train", *TORCHRUN_ARGS, "--out", out],
+                         capture_output=True, text=True, env=TORCHRUN_ENV, timeout=240)
+    assert one.returncode == 0, one.stderr
+    return out
+
+
 @pytest.mark.parametrize("nproc, layout", [
     (2, ["--parallel.zero_stage", "2"]),
     (2, ["--parallel.dp_mode", "classic"]),
@@ -264,21 +281,14 @@ def test_resharding_resume_continues_the_trajectory(tmp_path, target):
     (4, ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.sp", "true", "--parallel.zero_stage", "1"]),
     (4, ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero_stage", "1"]),
 ], ids=["zero2", "classic", "zero1-offload", "zero3-dp4", "tp2-sp-dp2-zero1", "pp2-dp2-zero1"])
-def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, nproc, layout):
-    # On the CPU on every machine, as the issue's contract is stated (a 2-GPU host has no GPU for 4 ranks).
-    args = ["tiny", "--train.device", "cpu", "--train.steps", "5", "--train.precision", "fp32", "--train.log_every", "1",
-            "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
-    # faulthandler: a rank that aborts prints where (its Python stack), not only "terminate called".
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    one = subprocess.run([sys.executable, "-m", "shardlm", "train", *args, "--out", tmp_path / "one"],
-                         capture_output=True, text=True, env=env, timeout=240)
-    assert one.returncode == 0, one.stderr
+def test_torchrun_writes_the_same_losses_as_one_process(tmp_path, one_process_run, nproc, layout):
+    args, env = TORCHRUN_ARGS, TORCHRUN_ENV
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                           "-m", "shardlm", "train", *args, "--parallel.dp", str(nproc), *layout, "--out", tmp_path / "two"],
                          capture_output=True, text=True, env=env, timeout=240)
     # Both streams, long enough to hold a rank's own traceback ahead of torchrun's summary.
     assert two.returncode == 0, f"stdout:\n{two.stdout[-2000:]}\nstderr:\n{two.stderr[-8000:]}"
-    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = read_metrics(one_process_run), read_metrics(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=RTOL, atol=0)
 

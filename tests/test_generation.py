@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dist_fns
-from helpers import run_cli, save_hf
+from helpers import cli_here, run_cli, save_hf
 from shardlm.config import load_config
 from shardlm.inference import Engine, Request, SamplingParams, generate_ids, generate_many
 from shardlm.inference.sampler import sample
@@ -317,7 +317,7 @@ def test_stop_tokens_and_strings():
         engine.submit(Request(prompt, 28))
 
 
-def test_generate_a_jsonl_file(tmp_path):
+def test_generate_a_jsonl_file(tmp_path, capsys):
     """`generate --input/--output`: one line out per line in, in order, with per-line settings; an existing
     output is kept unless --overwrite."""
     save_hf("llama", tmp_path / "hf")
@@ -332,9 +332,9 @@ def test_generate_a_jsonl_file(tmp_path):
     assert [r["prompt"] for r in rows] == [x["prompt"] for x in lines] and rows[0]["id"] == "a"
     assert [r["completion_tokens"] for r in rows][:2] == [6, 3] and rows[3]["completion"] == ""
     for r in rows[:2]:  # greedy lines equal --prompt alone
-        alone = run_cli("generate", "--model", tmp_path / "hf", "--prompt", r["prompt"], "--json",
-                        "--max-new-tokens", r["completion_tokens"])
-        assert json.loads(alone.stdout)["completion"] == r["completion"]
+        alone = cli_here(capsys, "generate", "--model", tmp_path / "hf", "--prompt", r["prompt"], "--json",
+                         "--max-new-tokens", r["completion_tokens"])
+        assert json.loads(alone)["completion"] == r["completion"]
     assert "e" not in rows[2]["completion"]
     before = out.read_text()
     proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, check=False)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dist_fns
 from dp_cases import RTOL
-from helpers import run_cli
+from helpers import cli_here, run_cli
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.model import Decoder
 from shardlm.model.hf import write_hf_dir
@@ -67,7 +67,7 @@ def test_logits_and_adapter_gradients_equal_peft(tmp_path, arch, rslora):
         torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base(tmp_path):
+def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base(tmp_path, capsys):
     """Train with adapters; the base weights in the checkpoint are the initial ones bit for bit; PeftModel
     over the base with the exported adapter, the merged export and `generate --adapter` all agree."""
     from peft import PeftModel
@@ -90,8 +90,8 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
 
     write_hf_dir({k: v for k, v in state.items() if not is_adapter_key(k)}, cfg.model, tmp_path / "base",
                  load_tokenizer(ckpt["path"]))
-    run_cli("export", "--checkpoint", run, "--out", tmp_path / "adapter")
-    run_cli("export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
+    cli_here(capsys, "export", "--checkpoint", run, "--out", tmp_path / "adapter")
+    cli_here(capsys, "export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert conf["r"] == 4 and sorted(conf["target_modules"]) == ["mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj"]
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
@@ -106,12 +106,12 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
             assert not torch.allclose(adapted(input_ids=ids).logits, want, atol=1e-3)  # the adapter matters
         for got in (merged(input_ids=ids).logits, ours(ids), on_base(ids)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    g = json.loads(run_cli("generate", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter", "--prompt",
-                           "To be", "--max-new-tokens", 4, "--json").stdout)
+    g = json.loads(cli_here(capsys, "generate", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter",
+                            "--prompt", "To be", "--max-new-tokens", 4, "--json"))
     assert isinstance(g["completion"], str)
     run_cli("train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
     with pytest.raises(AssertionError, match="not a LoRA run"):
-        run_cli("export", "--checkpoint", tmp_path / "plain", "--merge", "--out", tmp_path / "x")
+        cli_here(capsys, "export", "--checkpoint", tmp_path / "plain", "--merge", "--out", tmp_path / "x")
 
 
 def test_bad_lora_settings_fail_naming_the_value():

@@ -83,7 +83,7 @@ def test_lora_on_experts_under_expert_and_tensor_parallelism_equals_one_process(
     assert ref["numel"] == sum(v.numel() for k, v in ref["masters"].items() if is_adapter_key(k))
 
 
-def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(tmp_path):
+def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(tmp_path, capsys):
     """`train` with adapters on mixtral-tiny, then `export` (PEFT adapter) and `export --merge`: PeftModel over
     transformers' Mixtral with the adapter, the merged model, and our loader with the adapter all agree."""
     import json
@@ -91,7 +91,7 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from helpers import run_cli
+    from helpers import cli_here, run_cli
     from shardlm.checkpoint import load_checkpoint
     from shardlm.inference import load_pretrained
     from shardlm.model.hf import write_hf_dir
@@ -102,8 +102,8 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
     cfg = load_config("mixtral-tiny").model
     write_hf_dir({k: v for k, v in ckpt["model"].items() if not is_adapter_key(k)}, cfg, tmp_path / "base",
                  load_tokenizer(ckpt["path"]))
-    run_cli("export", "--checkpoint", run, "--out", tmp_path / "adapter")
-    run_cli("export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
+    cli_here(capsys, "export", "--checkpoint", run, "--out", tmp_path / "adapter")
+    cli_here(capsys, "export", "--checkpoint", run, "--merge", "--out", tmp_path / "merged")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()

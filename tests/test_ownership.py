@@ -41,12 +41,15 @@ def test_a_second_run_and_a_resume_of_a_running_run_are_refused_and_a_killed_run
         _wait_for(lambda: first.poll() is not None or complete_checkpoints(run))
         assert first.poll() is None, first.stderr.read().decode()[-2000:]
         assert owner(run)["pid"] == first.pid
-        for argv in (["train", "tiny", *QUIET, *data, "--train.steps", "2", "--out", run],  # a second run into it
-                     ["train", "tiny", *QUIET, *data, "--out", run, "--overwrite"],  # which would delete its work
-                     ["train", "--resume", run, "--train.steps", "3"]):  # a resume of the running run
-            proc = run_cli(*argv, check=False)
-            lines = proc.stderr.strip().splitlines()
-            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        refused = [subprocess.Popen([sys.executable, "-m", "shardlm", *map(str, argv)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)  # at once: each mostly starts Python
+                   for argv in (["train", "tiny", *QUIET, *data, "--train.steps", "2", "--out", run],  # a second run
+                                ["train", "tiny", *QUIET, *data, "--out", run, "--overwrite"],  # deleting its work
+                                ["train", "--resume", run, "--train.steps", "3"])]  # a resume of the running run
+        for proc in refused:
+            _, stderr = proc.communicate(timeout=240)
+            lines = stderr.strip().splitlines()
+            assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
             assert lines[-1].startswith(f"shardlm train: error: {run} is in use by pid {first.pid} on host "
                                         f"{socket.gethostname()}"), lines
             assert "wait for that run to end" in lines[-1]

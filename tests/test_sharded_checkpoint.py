@@ -21,11 +21,12 @@ def test_a_sharded_save_holds_no_more_than_its_buffer_and_a_tenth_of_its_shard(t
     results = run_distributed(dist_fns.save_memory, 2, {**MODEL, **layout}, str(tmp_path / "sharded"), timeout=240)
     for grown, shard, _ in results:
         assert grown <= BUFFER_MB * 2**20 + 0.1 * shard, (grown, shard)
-    full = run_distributed(dist_fns.save_memory, 2, {**MODEL, **layout, "train.checkpoint_format": "full"},
-                           str(tmp_path / "full"), timeout=240)
-    grown, shard, _ = full[0]
-    assert grown > BUFFER_MB * 2**20 + 0.1 * shard  # rank 0 gathers every rank's state
-    if "parallel.pp" in layout:  # a second of slack: the machine's other work, not the save's
+    if "parallel.zero_stage" in layout:  # the measure sees a save that gathers (once: the slowest test)
+        full = run_distributed(dist_fns.save_memory, 2, {**MODEL, **layout, "train.checkpoint_format": "full"},
+                               str(tmp_path / "full"), timeout=240)
+        grown, shard, _ = full[0]
+        assert grown > BUFFER_MB * 2**20 + 0.1 * shard  # rank 0 gathers every rank's state
+    else:  # a second of slack: the machine's other work, not the save's
         _, _, alone = dist_fns.save_memory(0, 1, MODEL, str(tmp_path / "one"))
         assert max(seconds for _, _, seconds in results) <= 2 * alone + 1.0
 
