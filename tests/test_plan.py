@@ -288,6 +288,21 @@ def test_mixture_of_experts_counts_and_expert_parallel_traffic():
         estimate(m, w, Layout(dp=6, ep=3), gpu("h100"))
 
 
+def test_lora_on_experts_is_refused_as_the_trainer_refuses_it():
+    """What training refuses on a mixture of experts, the planner refuses with its flags: QLoRA (the experts
+    would stay 16-bit), and targets that name MLP linears only where every MLP is experts. Attention's
+    adapters plan."""
+    from shardlm.config import LoRAConfig
+    m = ModelConfig(arch="llama", vocab_size=32000, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
+                    ffn_hidden_size=2816, num_experts=8, top_k=2)
+    w, h200 = Workload(2048, 1, 8), gpu("h200")
+    with pytest.raises(PlanError, match="--quantize nf4 with --experts 8: .* use --quantize none"):
+        estimate(m, w, Layout(lora=LoRAConfig(rank=8, quantize="nf4")), h200)
+    with pytest.raises(PlanError, match="--lora-targets gate_proj,up_proj names MLP linears only"):
+        estimate(m, w, Layout(lora=LoRAConfig(rank=8, targets="gate_proj,up_proj")), h200)
+    assert estimate(m, w, Layout(lora=LoRAConfig(rank=8)), h200).memory.grads > 0
+
+
 def test_experts_zero_state_is_sharded_over_their_own_group():
     """Issue 42: experts split over ep keep their ZeRO state over edp = dp x cp / ep, dense parameters over
     dp x cp; so at dp 8 a rank's sharded state is the same at every ep (one whole expert at ep 8 is 1/8 of

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
-from .schema import SECTIONS, Config, ModelConfig, ParallelConfig
+from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
 from .shapes import LORA_MODULES, block_linears, lora_targets
 
 
@@ -168,17 +168,25 @@ def check_experts(cfg: Config) -> None:
     if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
                           "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
-    if cfg.lora.rank and cfg.lora.quantize != "none":
-        raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} with model.num_experts = {m.num_experts}: the "
+    check_expert_lora(m, cfg.lora)
+
+
+def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = None) -> None:
+    """LoRA (`lora`) on a mixture of experts: adapters on attention and dense MLPs only, and no
+    QLoRA; shared by the runtime and the planner (`naming`: how to name the values, Naming)."""
+    show = (naming or Naming()).show
+    if not lora.rank:
+        return
+    if lora.quantize != "none":
+        raise ConfigError(f"{show('quantize', lora.quantize)} with {show('num_experts', m.num_experts)}: the "
                           "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
-                          "built yet: use lora.quantize = 'none'")
-    if cfg.lora.rank:
-        chosen = lora_targets(m.arch, cfg.lora.targets)
-        if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
-                   for n in LORA_MODULES[m.arch][path]):
-            raise ConfigError(f"lora.targets = {cfg.lora.targets!r} names MLP linears only, and every layer's MLP "
-                              "is a mixture of experts, whose experts take no adapters yet: add attention's "
-                              "(q_proj,k_proj,v_proj,o_proj) or use all-linear")
+                          f"built yet: use {show('quantize', 'none')}")
+    chosen = lora_targets(m.arch, lora.targets)
+    if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
+               for n in LORA_MODULES[m.arch][path]):
+        raise ConfigError(f"{show('targets', lora.targets)} names MLP linears only, and every layer's MLP is a "
+                          "mixture of experts, whose experts take no adapters yet: add attention's "
+                          "(q_proj,k_proj,v_proj,o_proj) or use all-linear")
 
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
@@ -189,8 +197,9 @@ class Naming:
     flags (`--tp 3`)."""
     flags: bool = False
     CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
-                   "seq": "train.seq_len"}
-    FLAGS = {"zero_stage": "zero"}
+                   "seq": "train.seq_len", "quantize": "lora.quantize", "targets": "lora.targets",
+                   "num_experts": "model.num_experts"}
+    FLAGS = {"zero_stage": "zero", "targets": "lora_targets", "num_experts": "experts"}
 
     def key(self, name: str) -> str:
         if self.flags:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig, check_layout, lora_targets
+from ..config import (BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig,
+                      check_expert_lora, check_layout, lora_targets)
 
 
 class PlanError(ConfigError):
@@ -65,6 +66,8 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
     if L.lora.rank:
         try:
             lora_targets(model.arch, L.lora.targets)
+            if model.num_experts:
+                check_expert_lora(model, L.lora, FLAGS)
         except ConfigError as e:
             raise PlanError(str(e).replace("lora.targets", "--lora-targets")) from None
     try:
