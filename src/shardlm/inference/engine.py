@@ -78,8 +78,8 @@ class Engine:
     layer and prompt length (a few graphs, by symbolic sizes; serve/worker.warm_up_batches compiles them all);
     either runs eagerly, with a warning, where the compiler fails (compiled.py). A prompt prefills
     `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
-    counted. `prefill_graphs`: passes of up to this many tokens, padded, are replayed as CUDA graphs
-    (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU, else 0: none). `decode`: the
+    counted. `prefill_graphs`: passes of up to this many tokens (and `prefill_tokens`), padded, are replayed
+    as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU, else 0: none). `decode`: the
     tokenizer's ids -> text, for stop strings and `Request.text`.
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
@@ -136,7 +136,7 @@ class Engine:
         self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None
         self._prefill_graphs = PrefillGraphs(
             self._prefill_pass, dict(ids=0, positions=self.scratch, slots=0, last=0, adapter=0), self._keys,
-            self.prefill_graphs, capture=self.device.type == "cuda",
+            min(self.prefill_graphs, self.prefill_tokens), capture=self.device.type == "cuda",
             prepare=lambda t, fresh: self.model.window_mask(0, t, self.device) if fresh else None)
 
     def graphed_prompts(self) -> list[int]:
