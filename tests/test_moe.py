@@ -224,9 +224,9 @@ def test_compiled_blocks_equal_eager():
 def test_routing_and_its_counts_compile_into_one_graph_unless_recomputed(recompute):
     """The router, the dispatch, the combine and the counts are one graph when the block is not recomputed (on a
     GPU the grouped GEMMs join it; here a stand-in runs the experts). Under recomputation whether a forward is
-    the first run is known only as it runs, which breaks the graph. Taking the load compiles nothing
-    again, and the counts stay exact."""
-    model = build_model(moe_cfg(), seed=0).train()
+    the first run is known only as it runs, which breaks the graph. Taking the load and the router bias's
+    counts compiles nothing again, and the counts stay exact."""
+    model = build_model(moe_cfg(router_bias_update_rate=0.01), seed=0).train()
     model.set_recompute(recompute)
     layer = next(m for m in model.modules() if isinstance(m, MoE))
     layer.run_experts = lambda rows, counts: 2 * rows
@@ -242,9 +242,10 @@ def test_routing_and_its_counts_compile_into_one_graph_unless_recomputed(recompu
     compiled(x)
     assert layer.take_load().sum() == 2 * (2 * 16 * layer.top_k)
     assert layer.take_load() is None
+    assert layer.take_routed().sum() == 2 * (2 * 16 * layer.top_k)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled(x)
-    assert layer.take_load().sum() == 2 * 16 * layer.top_k
+    assert layer.take_load().sum() == layer.take_routed().sum() == 2 * 16 * layer.top_k
 
 
 def test_config_checks_and_counts():

@@ -114,7 +114,9 @@ class MoE(nn.Module):
         self.load: torch.Tensor | None = None  # tokens per expert since the last take_load (int64, [E])
         self.stats: torch.Tensor | None = None  # since the last take_stats, fp64 [routed E | kept E | probs E | T]
         self.recomputed = False  # whether its block's forward runs again in backward (Decoder.set_recompute)
-        self.step_routed: torch.Tensor | None = None  # token copies routed per expert this step (the bias's input)
+        # token copies routed per expert this step (the bias's input); zeroed, never reset to None, by
+        # take_routed, so that a compiled block sees one kind of value across steps (no second graph)
+        self.step_routed: torch.Tensor | None = None
         self.sequences = WholeSequences()  # context parallelism swaps in each rank's slices (parallel/context.py)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,6 +217,11 @@ class MoE(nn.Module):
     def take_stats(self) -> torch.Tensor | None:
         """The statistics since the last call (fp64 [routed E | kept E | probs E | tokens]; None if none)."""
         return self._take("stats")
+
+    def take_routed(self) -> torch.Tensor | None:
+        """The token copies routed to each expert since the last call ([E]; None before any training forward
+        with the router bias on), the bias update's input (parallel/moe_balance.py)."""
+        return self._take("step_routed")
 
     def _take(self, name: str) -> torch.Tensor | None:
         held = getattr(self, name)

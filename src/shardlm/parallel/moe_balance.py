@@ -40,18 +40,16 @@ class MoEBalance:
         the bias stays too, as the weights do."""
         if self.rate <= 0 or not self.layers:
             return
-        held = [m for m in self.layers if m.step_routed is not None]
-        if skipped or len(held) != len(self.layers):  # no update, or no training forward: nothing to learn
-            for m in self.layers:
-                m.step_routed = None
+        routed = [m.take_routed() for m in self.layers]
+        if skipped or any(r is None for r in routed):  # no update, or no training forward yet: nothing to learn
             return
-        counts = torch.stack([m.step_routed for m in held]).float()
+        # A step without a training forward leaves zeros: sign(0) moves no bias.
+        counts = torch.stack(routed).float()
         if (group := self.mesh.group("dp+cp+tp")) is not None:  # tp ranks route their own tokens (moe_tensor.py)
             dist.all_reduce(counts, group=group)
-        for m, load in zip(held, counts):
+        for m, load in zip(self.layers, counts):
             if m.router.weight.requires_grad:  # a frozen router (train.freeze) keeps its bias as it is
                 m.router_bias += self.rate * torch.sign(load.mean() - load)
-            m.step_routed = None
 
     def _world_sum(self, per_layer: torch.Tensor) -> torch.Tensor:
         if dist.is_available() and dist.is_initialized() and self.mesh.world > 1:
