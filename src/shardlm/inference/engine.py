@@ -71,6 +71,11 @@ class _Slot:
         return self.prefilled == len(self.request.prompt)
 
 
+def _sharded(model: Decoder) -> bool:
+    from ..parallel.tensor import RowParallelLinear
+    return any(isinstance(m, RowParallelLinear) for m in model.modules())
+
+
 class Engine:
     """Generation for many requests on one model. `max_batch` slots of `max_len` positions each (prompt and
     new tokens; default the model's context). `compile` (default: on a GPU) compiles the decode step, with
@@ -79,7 +84,8 @@ class Engine:
     either runs eagerly, with a warning, where the compiler fails (compiled.py). A prompt prefills
     `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
     counted. `prefill_graphs`: passes of up to this many tokens (and `prefill_tokens`), padded, are replayed
-    as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU, else 0: none). `decode`: the
+    as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
+    not tensor-parallel, else 0: none). `decode`: the
     tokenizer's ids -> text, for stop strings and `Request.text`.
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
@@ -120,8 +126,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.compile = dev.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
-        if prefill_graphs is None:
-            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" else 0
+        if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
+            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not _sharded(model) else 0
         self.prefill_graphs = prefill_graphs
         self._build_steps()
 

@@ -99,9 +99,8 @@ def cmd_serve(argv: list[str]) -> int:
         from .tp import agree_slots, plan_group
         plans = plan_group()
         slots = agree_slots(slots, plans)
-    # Tensor-parallel prefill is not captured: its all-reduces would be inside every rank's graphs.
     engine = Engine(model, slots, max_len, compile={"auto": None, "on": True, "off": False}[a.compile],
-                    decode=tok.decode, prefill_graphs=0 if plans is not None else None)
+                    decode=tok.decode)
     if plans is not None:
         from .tp import Leader, follow
         if not main:
