@@ -92,24 +92,26 @@ def run_cli(*args, check=True, env=None, timeout=240):
 
 def cli_here(capsys, *args) -> str:
     """`shardlm ...` run in this process (the same command line as run_cli, without starting Python and
-    importing torch again); its stdout. A failing command raises AssertionError with its stderr."""
+    importing torch again); its stdout (capsys: pytest's fixture; None: not captured, ""). A failing command
+    raises AssertionError with its stderr."""
     from shardlm.cli import main
-    capsys.readouterr()
+    if capsys is not None:
+        capsys.readouterr()
     try:
         code = main(list(map(str, args)))
     except SystemExit as e:  # argparse's refusals
         code = e.code
-    out = capsys.readouterr()
+    out, err = capsys.readouterr() if capsys is not None else ("", "(not captured)")
     if code not in (0, None):
-        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({code}):\n{out.out}\n{out.err}")
-    return out.out
+        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({code}):\n{out}\n{err}")
+    return out
 
 
 def assert_same_export(run: Path, reference: Path, out: Path, rtol: float, atol: float) -> None:
     """`shardlm export` of two runs' checkpoints: the same config.json, tensors equal within the tolerance."""
     from safetensors.torch import load_file
     for name, src in (("got", run), ("want", reference)):
-        run_cli("export", "--checkpoint", src, "--out", out / name)
+        cli_here(None, "export", "--checkpoint", src, "--out", out / name)
     assert json.loads((out / "got" / "config.json").read_text()) == json.loads((out / "want" / "config.json").read_text())
     got, want = (load_file(out / name / "model.safetensors") for name in ("got", "want"))
     assert got.keys() == want.keys()

@@ -253,10 +253,10 @@ def test_a_pp2_tp2_checkpoint_resumes_under_other_layouts_and_theirs_under_it_on
         torch.testing.assert_close(r["losses"], full[0]["losses"][3:], rtol=RTOL, atol=0)
 
 
-def test_eval_export_and_generation_from_a_pipeline_run(tmp_path):
+def test_eval_export_and_generation_from_a_pipeline_run(tmp_path, capsys):
     """The eval loss under pp 2 x tp 2 is the one process's; its checkpoint exports to the one-process run's
     HF directory, from which `shardlm generate` decodes."""
-    from helpers import assert_same_export, run_cli
+    from helpers import assert_same_export, cli_here
     steps = {**layout(2, 4, tp=2), "train.save_every": "0"}
     one = dist_fns.evaluated(0, 1, {**reference_overrides(steps), "train.device": "cpu"})
     for loss in run_distributed(dist_fns.evaluated, 4, steps, timeout=120):
@@ -265,8 +265,7 @@ def test_eval_export_and_generation_from_a_pipeline_run(tmp_path):
     run_distributed(dist_fns.train_and_capture, 4, steps, str(tmp_path / "pp"), timeout=240)
     dist_fns.train_and_capture(0, 1, {**reference_overrides(steps), "train.device": "cpu"}, str(tmp_path / "one"))
     assert_same_export(tmp_path / "pp", tmp_path / "one", tmp_path / "hf", RTOL, ADAM_ATOL["llama"])
-    out = run_cli("generate", "--model", tmp_path / "pp", "--prompt", "def ", "--max-new-tokens", "8")
-    assert out.stdout.strip()
+    assert cli_here(capsys, "generate", "--model", tmp_path / "pp", "--prompt", "def ", "--max-new-tokens", "8").strip()
 
 
 @pytest.mark.parametrize("overrides, world, message", [

@@ -21,7 +21,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import PrefillGraphs, tensor_parallel
 from .sampler import SamplingParams, greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
 
@@ -69,11 +69,6 @@ class _Slot:
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.request.prompt)
-
-
-def _sharded(model: Decoder) -> bool:
-    from ..parallel.tensor import RowParallelLinear
-    return any(isinstance(m, RowParallelLinear) for m in model.modules())
 
 
 class Engine:
@@ -127,7 +122,7 @@ class Engine:
         self.compile = dev.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
         if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
-            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not _sharded(model) else 0
+            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not tensor_parallel(model) else 0
         self.prefill_graphs = prefill_graphs
         self._build_steps()
 
