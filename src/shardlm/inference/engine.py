@@ -326,8 +326,9 @@ class Engine:
 
     def _prefill_pass(self, inputs: dict, fresh: bool, keys: int) -> torch.Tensor:
         self.rows.ids = inputs["adapter"]
-        # cuDNN's attention, which SDPA prefers on Hopper, builds an execution plan for every new shape (tens to
-        # hundreds of milliseconds each), and prompts come in every length: kernels without plans instead.
+        # cuDNN's attention, which SDPA prefers on Hopper, builds an execution plan for every new shape (others
+        # measured 42-400 ms a build), and prompts come in every length: kernels without plans instead. (The
+        # server's slow prefills were the launches, not this: bench/README.md, twentieth lease.)
         with WITHOUT_CUDNN_ATTENTION:
             return forward_tokens(self.model, self.cache, self.rope, inputs["ids"], inputs["positions"],
                                   inputs["slots"], inputs["last"], fresh, keys, layer=self._layer)
