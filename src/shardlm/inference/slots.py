@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import Decoder
+from .decode_attention import decode_attention, kernel_ok
 
 
 class StaticKVCache:
@@ -64,6 +65,8 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     n, heads, t, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
     g = heads // kv
+    if kernel_ok(q, k):
+        return decode_attention(q, k, v, mask)
     if t == 1 and torch.compiler.is_compiling():
         return _attend_one(q, k, v, mask)
     scores = (q.reshape(n, kv, g * t, d) @ k.transpose(-1, -2)).view(n, kv, g, t, keys).float()

@@ -1,0 +1,88 @@
+"""Decode attention that reads each row's own keys only: flash-decoding (Dao et al., 2023), a Triton kernel.
+
+A decode step's query attends to its slot's cached keys, and the slots of one batch hold requests of every
+length; attention over a shared bound (slots.attend_cached, the key count rounded up to a power of two so
+that a few CUDA graphs serve every step) reads and masks the keys past each row's end: at 16 rows near the
+end of the bound, most of what it reads. Here every (row, query head, split of the keys) is one program that
+reads the keys and values of its split that its row sees (`lo` to `hi`, its position and sliding window) and
+keeps an online softmax over them (a split with no key keeps the finite -1e30 as its maximum, so it
+weighs nothing); a second pass, in PyTorch, weighs the splits' partial sums by their
+maxima and adds them. Splits past a row's end return at once, so a step costs the keys the rows hold.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import triton, triton_ok
+
+BLOCK, SPLIT = 64, 128  # keys a loop iteration loads, keys a program reads at most
+
+if triton is not None and hasattr(torch.library, "triton_op"):
+    import triton.language as tl
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, acc_ptr, max_ptr, sum_ptr,
+                      sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale,
+                      HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.maximum(tl.load(lo_ptr + row), split * SPLIT)
+        end = tl.minimum(tl.load(hi_ptr + row), split * SPLIT + SPLIT)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
+        keys = k_ptr + row.to(tl.int64) * sk_n + (head // GROUP) * sk_h
+        values = v_ptr + row.to(tl.int64) * sv_n + (head // GROUP) * sv_h
+        best = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        acc = tl.zeros([D], tl.float32)
+        for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
+            t = split * SPLIT + i * BLOCK + tl.arange(0, BLOCK)
+            ok = (t >= start) & (t < end)
+            k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
+            new = tl.maximum(best, tl.max(x, 0))
+            fade = tl.exp(best - new)
+            p = tl.where(ok, tl.exp(x - new), 0.0)
+            v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * fade + tl.sum(p[:, None] * v, 0)
+            total = total * fade + tl.sum(p, 0)
+            best = new
+        out = (row * HEADS + head) * tl.num_programs(2) + split
+        tl.store(acc_ptr + out * D + d, acc)
+        tl.store(max_ptr + out, best)
+        tl.store(sum_ptr + out, total)
+
+    @torch.library.triton_op("shardlm::decode_attention_splits", mutates_args=())
+    def _splits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
+                hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, heads, d = q.shape
+        splits = triton.cdiv(k.shape[2], SPLIT)
+        acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
+        best = q.new_empty((n, heads, splits), dtype=torch.float32)
+        total = torch.empty_like(best)
+        torch.library.wrap_triton(_split_kernel)[(n, heads, splits)](
+            q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
+            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK)
+        return acc, best, total
+
+
+def kernel_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes this decode step: Triton on a GPU, a power-of-two head size, keys whose last
+    dimension is contiguous (the cache's views are)."""
+    d = q.shape[-1]
+    return (triton_ok(q) and hasattr(torch.library, "triton_op") and d >= 16 and d & (d - 1) == 0
+            and k.stride(-1) == 1 and q.shape[2] == 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """slots.attend_cached for one query a row: q [n, H, 1, d], k and v [n, KV, keys, d], `mask` [n, 1, keys]
+    one run of visible positions a row (its position, back to the window's start). Returns [n, 1, H * d]."""
+    n, heads, _, d = q.shape
+    seen = mask[:, 0]
+    lo = seen.int().argmax(-1).int()  # the first visible key
+    hi = lo + seen.sum(-1).int()
+    acc, best, total = torch.ops.shardlm.decode_attention_splits(q[:, :, 0].contiguous(), k, v, lo, hi)
+    weight = torch.exp(best - best.amax(-1, keepdim=True))  # [n, H, splits]
+    y = (acc * weight[..., None]).sum(-2) / (total * weight).sum(-1, keepdim=True).clamp_min(1e-30)
+    return y.to(v.dtype).reshape(n, 1, heads * d)
