@@ -153,22 +153,24 @@ def test_prefill_replayed_as_cuda_graphs_gives_the_compiled_prefills_tokens(chan
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv,window", [(4, 4, 0), (8, 2, 0), (4, 2, 37)])
-def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(dtype, heads, kv, window):
+@pytest.mark.parametrize("n", [6, 72])
+def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(dtype, heads, kv, window, n):
     """The flash-decoding kernel against slots.attend_cached's masked products (its CPU path): rows at the
-    first key, the last, mid-way across split boundaries, with GQA and a sliding window, on views of a
-    longer cache as the decode step passes them."""
+    first key, the last, mid-way across split boundaries, an idle slot's (zeros), with GQA and a sliding
+    window, on views of a longer cache as the decode step passes them; 6 rows and 72 (the two launches)."""
     from shardlm.inference.decode_attention import decode_attention, kernel_ok
     from shardlm.inference.slots import visible
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, keys, d = 6, 300, 64
+    keys, d = 300, 64
     q = torch.randn(n, heads, 1, d, device="cuda", generator=g).to(dtype)
     cache = [torch.randn(n, kv, keys + 77, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
     k, v = (c[:, :, :keys] for c in cache)
-    pos = torch.tensor([[0], [keys - 1], [127], [128], [200], [63]], device="cuda")
-    mask = visible(pos, keys, window)
+    idle = keys + 76  # an idle slot's scratch position: it sees no key, and reads none
+    pos = torch.tensor([[0], [keys - 1], [127], [128], [200], [idle]] * (n // 6), device="cuda")
+    mask = visible(pos, keys, window, idle)
     assert kernel_ok(q, k)
     scores = torch.einsum("nhd,nhkd->nhk", q[:, :, 0].float(), k.float().repeat_interleave(heads // kv, 1))
-    probs = (scores * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+    probs = (scores * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num()
     want = torch.einsum("nhk,nhkd->nhd", probs, v.float().repeat_interleave(heads // kv, 1)).reshape(n, 1, -1)
     got = decode_attention(q, k, v, mask)
     assert got.dtype == dtype

@@ -15,7 +15,13 @@ import torch
 
 from ..kernels import triton, triton_ok
 
-BLOCK, SPLIT = 64, 128  # keys a loop iteration loads, keys a program reads at most
+
+
+def launch(pairs: int) -> tuple[int, int]:
+    """(keys a loop iteration loads, keys a program reads at most) for `pairs` (row, head) programs a split:
+    an H200's best of a sweep over 16-128 and 64-512, 4 warps (bench/README.md): small splits where few rows
+    leave the SMs idle, larger tiles where many keep them busy."""
+    return (64, 64) if pairs < 256 else (128, 128)
 
 if triton is not None and hasattr(torch.library, "triton_op"):
     import triton.language as tl
@@ -56,14 +62,15 @@ if triton is not None and hasattr(torch.library, "triton_op"):
     def _splits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                 hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, heads, d = q.shape
-        splits = triton.cdiv(k.shape[2], SPLIT)
+        block, split = launch(n * heads)
+        splits = triton.cdiv(k.shape[2], split)
         acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
         best = q.new_empty((n, heads, splits), dtype=torch.float32)
         total = torch.empty_like(best)
         torch.library.wrap_triton(_split_kernel)[(n, heads, splits)](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
-            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK)
+            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=split, BLOCK=block, num_warps=4)
         return acc, best, total
 
 

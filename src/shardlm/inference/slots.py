@@ -26,6 +26,7 @@ class StaticKVCache:
     def __init__(self, model: Decoder, slots: int, max_len: int, device, dtype):
         shape = (slots, model.cache_heads(), max_len, model.cfg.head_size)
         self.slots, self.max_len = slots, max_len
+        self.scratch = max_len - 1  # where idle slots and padding write; no query reads it, and one there none
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks()]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks()]
         if torch.device(device).type == "cuda":
@@ -50,12 +51,15 @@ def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9)
     return min(limit, fit)
 
 
-def visible(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+def visible(positions: torch.Tensor, keys: int, window: int, idle: int | None = None) -> torch.Tensor:
     """[n, T, keys]: which cached positions each query (at `positions` [n, T]) attends to: every earlier one
-    and itself, and within a sliding window only the last `window` of those."""
+    and itself, and within a sliding window only the last `window` of those; a query at `idle` (an idle
+    slot's or padding's scratch position) none, so that the decode kernel reads nothing for it."""
     j = torch.arange(keys, device=positions.device)
     pos = positions[..., None]
     mask = j <= pos
+    if idle is not None:
+        mask = mask & (pos != idle)
     return mask & (j > pos - window) if window else mask
 
 
@@ -148,7 +152,7 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
     angles = None if rope is None else (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
     keys = keys or cache.max_len
     window = model.cfg.sliding_window
-    mask = model.window_mask(0, t, ids.device) if fresh else visible(positions, keys, window)
+    mask = model.window_mask(0, t, ids.device) if fresh else visible(positions, keys, window, cache.scratch)
     for i, block in enumerate(model.blocks()):
         x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
     h = model.norm(x)
