@@ -1,7 +1,9 @@
-"""Weight-only quantisation for inference through torchao (gpt-fast's int8 and int4): every linear layer's
-weight stored in 8 or 4 bits with per-channel (int8) or per-group (int4) scales, dequantised inside the
-matrix product, so that batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes.
-Activations, embeddings and norms stay in the model's dtype.
+"""Weight-only quantisation for inference (gpt-fast's int8 and int4): linear layers' weights stored in 8 or 4
+bits with per-channel (int8) or per-group (int4) scales, dequantised inside the matrix product, so that
+batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes. Activations, embeddings
+and norms stay in the model's dtype.
+
+int8 is int8.py's (torchao's scheme, with a Triton product for decode: torchao's own ran slower than bf16).
 
 int4 runs tinygemm's packed kernel on CUDA GPUs (bf16 only, torchao's tile_packed_to_4d format); elsewhere
 torchao's unpacked int4 weights, dequantised before the product: the same rounding, none of the speed.
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from .int8 import to_int8
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input is its int4 group
@@ -31,27 +34,18 @@ def _torchao():
 
 
 def quantize(model: nn.Module, kind: str) -> int:
-    """Quantise the linear layers of `model` in place to `kind` (none, int8, int4); returns how many. The
-    model's dtype must be bf16 for int4 on a GPU."""
+    """Quantise the linear layers of `model` in place to `kind` (none, int8, int4); returns how many (int8:
+    those of the blocks, the output head stays in 16 bits). The model's dtype must be bf16 for int4 on a
+    GPU."""
     if kind not in KINDS:
         raise ConfigError(f"--quantize {kind!r} is not one of {', '.join(KINDS)}")
     if kind == "none":
         return 0
+    if kind == "int8":
+        return to_int8(model)
     q = _torchao()
     p = next(model.parameters())
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if kind == "int8":
-        # int8 x bf16 is `mm(x, w.to(bf16)) * scale`, fast only where inductor fuses the conversion into the
-        # product: it rewrites a one-row mm (batch-1 decode) as a multiply and sum when coordinate-descent
-        # tuning is on, so that is turned on. torchao's own settings (set_inductor_config) add unique kernel
-        # names, which tune every layer's kernels apart, and the all-directions search: a 7B decode step then
-        # compiled for over 200 s on an H200.
-        if p.device.type == "cuda":
-            import torch._inductor.config as inductor
-            inductor.coordinate_descent_tuning = True
-        q.quantize_(model, q.Int8WeightOnlyConfig(set_inductor_config=False),
-                    filter_fn=lambda m, _: isinstance(m, nn.Linear))
-        return len(linears)
     cuda = p.device.type == "cuda"
     if cuda and p.dtype != torch.bfloat16:
         raise ConfigError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel); the model is in "

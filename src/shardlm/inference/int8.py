@@ -1,0 +1,96 @@
+"""Weight-only int8 linear layers (gpt-fast's int8, the symmetric per-channel scheme of torchao's
+Int8WeightOnlyConfig): each output channel's weights rounded to int8 against one scale, its largest magnitude
+over 127.5, so that a decode step, bound by reading the weights, reads half the bytes of bf16.
+
+The product must read them as int8 for that to pay: `mm(x, w.to(bf16)) * scale` (torchao's, compiled by
+Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 TB/s (bench/README.md). Here,
+for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
+multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; elsewhere (prefill's
+many rows, the CPU) the weight is converted whole and multiplied as usual.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import triton, triton_ok
+
+MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
+BM, BN, BK = 16, 32, 256  # an H200 sweep's best over BN 16-64, BK 128-512 (bench/README.md)
+
+if triton is not None and hasattr(torch.library, "triton_op"):
+    import triton.language as tl
+
+    @triton.jit
+    def _int8_mm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, sx, sw, sy, K: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m[:, None] * sy + n[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    @torch.library.triton_op("shardlm::int8_mm", mutates_args=())
+    def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, w.shape[0]
+        y = x.new_empty(m, n)
+        torch.library.wrap_triton(_int8_mm_kernel)[(triton.cdiv(n, BN), triton.cdiv(m, BM))](
+            x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=BN, BK=BK,
+            num_warps=4, num_stages=4)
+        return y
+
+
+def kernel_ok(x: torch.Tensor) -> bool:
+    return triton_ok(x) and hasattr(torch.library, "triton_op") and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times the int8 `weight` [N, K] with per-channel `scale` [N], transposed: [..., N]."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= MAX_ROWS and kernel_ok(x):
+        y = torch.ops.shardlm.int8_mm(x.reshape(rows, x.shape[-1]).contiguous(), weight, scale)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight.to(x.dtype)) * scale
+
+
+class Int8Linear(nn.Module):
+    """`linear` with its weight in int8 (buffers `weight` [out, in] int8 and `scale` [out]); keeps its bias
+    and a low-rank adapter set on it (`lora`: inference/adapters.py adds one per request row)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127.5
+        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.lora = getattr(linear, "lora", None)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_linear(x, self.weight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.lora is None else y + self.lora(x)
+
+
+def to_int8(model: nn.Module) -> int:
+    """Every nn.Linear of `model`'s blocks as an Int8Linear, in place; how many. The output head stays in
+    16 bits: it is the model's own product with the (often tied) embedding, not a linear layer's."""
+    blocks = model.blocks()
+    swapped = 0
+    for block in blocks:
+        for name, m in list(block.named_modules()):
+            if isinstance(m, nn.Linear):
+                parent, _, leaf = name.rpartition(".")
+                setattr(block.get_submodule(parent) if parent else block, leaf, Int8Linear(m))
+                swapped += 1
+    return swapped
