@@ -23,7 +23,7 @@ def launch(pairs: int) -> tuple[int, int]:
     leave the SMs idle, larger tiles where many keep them busy."""
     return (64, 64) if pairs < 256 else (128, 128)
 
-if triton is not None and hasattr(torch.library, "triton_op"):
+if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
     @triton.jit
@@ -58,27 +58,39 @@ if triton is not None and hasattr(torch.library, "triton_op"):
         tl.store(max_ptr + out, best)
         tl.store(sum_ptr + out, total)
 
-    @torch.library.triton_op("shardlm::decode_attention_splits", mutates_args=())
+    # An opaque custom op, not a triton_op: the compiler then neither analyses the kernel for what it writes
+    # nor copies the cache views it reads, and the decode step's CUDA graph captures the launch as it is.
+    @torch.library.custom_op("shardlm::decode_attention_splits", mutates_args=())
     def _splits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                 hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        acc, best, total = _split_outputs(q, k)
         n, heads, d = q.shape
         block, split = launch(n * heads)
-        splits = triton.cdiv(k.shape[2], split)
-        acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
-        best = q.new_empty((n, heads, splits), dtype=torch.float32)
-        total = torch.empty_like(best)
-        torch.library.wrap_triton(_split_kernel)[(n, heads, splits)](
+        _split_kernel[(n, heads, acc.shape[2])](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
             HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=split, BLOCK=block, num_warps=4)
         return acc, best, total
+
+    @_splits.register_fake
+    def _(q, k, v, lo, hi):
+        return _split_outputs(q, k)
+
+
+def _split_outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's outputs, empty: each split's unnormalised sum [n, H, splits, d], maximum and total."""
+    n, heads, d = q.shape
+    splits = -(-k.shape[2] // launch(n * heads)[1])
+    acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
+    best = q.new_empty((n, heads, splits), dtype=torch.float32)
+    return acc, best, torch.empty_like(best)
 
 
 def kernel_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the kernel takes this decode step: Triton on a GPU, a power-of-two head size, keys whose last
     dimension is contiguous (the cache's views are)."""
     d = q.shape[-1]
-    return (triton_ok(q) and hasattr(torch.library, "triton_op") and d >= 16 and d & (d - 1) == 0
+    return (triton_ok(q) and hasattr(torch.library, "custom_op") and d >= 16 and d & (d - 1) == 0
             and k.stride(-1) == 1 and q.shape[2] == 1)
 
 

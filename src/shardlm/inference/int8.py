@@ -19,7 +19,7 @@ from ..kernels import triton, triton_ok
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 BM, BN, BK = 16, 32, 256  # an H200 sweep's best over BN 16-64, BK 128-512 (bench/README.md)
 
-if triton is not None and hasattr(torch.library, "triton_op"):
+if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
     @triton.jit
@@ -38,18 +38,23 @@ if triton is not None and hasattr(torch.library, "triton_op"):
         tl.store(y_ptr + m[:, None] * sy + n[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
-    @torch.library.triton_op("shardlm::int8_mm", mutates_args=())
+    # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
+    @torch.library.custom_op("shardlm::int8_mm", mutates_args=())
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = x.new_empty(m, n)
-        torch.library.wrap_triton(_int8_mm_kernel)[(triton.cdiv(n, BN), triton.cdiv(m, BM))](
+        _int8_mm_kernel[(triton.cdiv(n, BN), triton.cdiv(m, BM))](
             x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=BN, BK=BK,
             num_warps=4, num_stages=4)
         return y
 
+    @_int8_mm.register_fake
+    def _(x, w, scale):
+        return x.new_empty(x.shape[0], w.shape[0])
+
 
 def kernel_ok(x: torch.Tensor) -> bool:
-    return triton_ok(x) and hasattr(torch.library, "triton_op") and x.dtype in (torch.bfloat16, torch.float16)
+    return triton_ok(x) and hasattr(torch.library, "custom_op") and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
