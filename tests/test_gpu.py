@@ -192,3 +192,19 @@ def test_int8_kernel_equals_the_dequantised_product(rows):
     torch.testing.assert_close(int8_linear(x, q.weight, q.scale).float(), want, atol=2e-2, rtol=2e-2)
     near = layer(x).float()
     assert ((q(x).float() - near).abs().max() / near.abs().max()).item() < 0.02
+
+
+@cuda
+def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
+    """Compiled, the product of many rows (prefill) dequantises and multiplies, giving the fp32 product; it must
+    not become aten's _weight_int8pack_mm, whose CUDA kernel made llama2-7b's prefill 1.8 s (bench/README.md)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from shardlm.inference.int8 import MAX_ROWS, Int8Linear
+    q = Int8Linear(torch.nn.Linear(512, 256, bias=False).cuda().bfloat16())
+    x = torch.randn(MAX_ROWS + 64, 512, device="cuda").bfloat16()
+    torch._dynamo.reset()
+    got, code = run_and_get_code(torch.compile(q), x)
+    assert "int8pack" not in "".join(code)
+    want = x.float() @ (q.weight.float() * q.scale.float()[:, None]).t()
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)

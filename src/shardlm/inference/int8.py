@@ -6,7 +6,7 @@ The product must read them as int8 for that to pay: `mm(x, w.to(bf16)) * scale` 
 Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 TB/s (bench/README.md). Here,
 for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
 multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; elsewhere (prefill's
-many rows, the CPU) the weight is converted whole and multiplied as usual.
+many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     if rows <= MAX_ROWS and kernel_ok(x):
         y = torch.ops.shardlm.int8_mm(x.reshape(rows, x.shape[-1]).contiguous(), weight, scale)
         return y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight.to(x.dtype)) * scale
+    # Scaled before the product: Inductor rewrites `mm(x, w.to(bf16)) * scale` into aten's
+    # _weight_int8pack_mm, whose CUDA kernel took 14 ms for one of llama2-7b's prefill products.
+    return F.linear(x, weight.to(x.dtype) * scale[:, None])
 
 
 class Int8Linear(nn.Module):
