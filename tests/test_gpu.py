@@ -202,7 +202,7 @@ def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
 
     from shardlm.inference.int8 import MAX_ROWS, Int8Linear
     q = Int8Linear(torch.nn.Linear(512, 256, bias=False).cuda().bfloat16())
-    x = torch.randn(MAX_ROWS + 64, 512, device="cuda").bfloat16()
+    x = torch.randn(1, MAX_ROWS + 64, 512, device="cuda").bfloat16()  # as a prompt: [batch, tokens, features]
     torch._dynamo.reset()
     got, code = run_and_get_code(torch.compile(q), x)
     assert "int8pack" not in "".join(code)
