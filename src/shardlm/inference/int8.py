@@ -18,8 +18,6 @@ from ..kernels import triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 BM, BN, BK = 16, 32, 256  # an H200 sweep's best over BN 16-64, BK 128-512 (bench/README.md)
-GEMV_ROWS = 1  # rows up to which each row is its own matrix-vector product on the CUDA cores
-GEMV_BN, GEMV_BK, GEMV_WARPS = 16, 512, 4
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
@@ -40,33 +38,11 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(y_ptr + m[:, None] * sy + n[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
-    @triton.jit
-    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sx, sw, sy, K: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr):
-        # One row of x: the products accumulate elementwise over K and are summed once at the end, so the
-        # loop is wide int8 loads and FMAs, with no conversion into tensor-core layouts.
-        row = tl.program_id(1)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0)
-            acc += w.to(tl.float32) * x[None, :]
-        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sy + n, (tl.sum(acc, axis=1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
-
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int8_mm", mutates_args=())
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = x.new_empty(m, n)
-        if m <= GEMV_ROWS:
-            _int8_gemv_kernel[(triton.cdiv(n, GEMV_BN), m)](
-                x, w, scale, y, n, x.stride(0), w.stride(0), y.stride(0), K=k, BN=GEMV_BN, BK=GEMV_BK,
-                num_warps=GEMV_WARPS)
-            return y
         _int8_mm_kernel[(triton.cdiv(n, BN), triton.cdiv(m, BM))](
             x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=BN, BK=BK,
             num_warps=4, num_stages=4)
