@@ -102,7 +102,10 @@ class EngineTimes:
     """Where the engine's thread spends a run: seconds in step() and in its prefill passes and decode bursts,
     bursts, decode steps (one token per row) and prefill passes, counted by wrapping the engine's methods.
     prefill_launch_s: the part of prefill_s spent launching the model's forward (host time: the kernels run
-    on after it returns), the rest sampling the first tokens and waiting for them."""
+    on after it returns), the rest sampling the first tokens and waiting for them. On a GPU, CUDA events
+    around each decode step split the steps' time: gpu_ms_per_step, from a step's start on the GPU to its end
+    (its kernels, and any wait for the host's launches inside it), and gap_ms_per_step, the GPU's time between
+    one step's end and the next's start (the host between bursts, and prefill passes), over the steps."""
 
     def __init__(self, engine):
         self.t = dict.fromkeys(("step_s", "prefill_s", "prefill_launch_s", "burst_s", "steps", "bursts",
@@ -112,6 +115,7 @@ class EngineTimes:
                                  ("_decode_burst", "burst_s", "bursts")):
             setattr(engine, name, self._timed(getattr(engine, name), key, count))
         engine._steps = tuple(self._counted(f) for f in engine._steps)
+        self.events = [] if engine.device.type == "cuda" else None
 
     def _timed(self, f, key, count):
         def timed(*a):
@@ -127,13 +131,26 @@ class EngineTimes:
     def _counted(self, f):
         def counted(*a):
             self.t["steps"] += 1
-            return f(*a)
+            if self.events is None:
+                return f(*a)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = f(*a)
+            end.record()
+            self.events.append((start, end))
+            return out
         return counted
 
     def take(self) -> dict:
         out = {k: round(v, 4) for k, v in self.t.items()}
         out["ms_per_decode_step"] = round(1e3 * out["burst_s"] / max(1, out["steps"]), 3)
         out["steps_per_burst"] = round(out["steps"] / max(1, out["bursts"]), 2)
+        if self.events:
+            torch.cuda.synchronize()
+            ev = self.events
+            out["gpu_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in ev) / len(ev), 3)
+            out["gap_ms_per_step"] = round(sum(b.elapsed_time(a) for (_, b), (a, _) in zip(ev, ev[1:])) / len(ev), 3)
+            self.events = []
         self.t = dict.fromkeys(self.t, 0)
         return out
 
