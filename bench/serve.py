@@ -12,7 +12,8 @@ per output token (p50, p99). `batch-1` sends the first --concurrency requests on
 decode at batch 1); `closed-N` keeps N requests in flight. transformers' static batches: the requests in
 arrival order, --concurrency at a time, left-padded to the longest prompt of all and decoded to the longest
 output of all (one compiled shape, its static cache), each request's own tokens counted. Rows with bench
-"serve" go to bench/results.jsonl.
+"serve" go to bench/results.jsonl. `--systems shardlm-split0,shardlm,...`: also the engine with
+`prefill_split=0` (a few prompts prefilled in one pass, not one-row passes), beside the default.
 """
 from __future__ import annotations
 
@@ -159,12 +160,13 @@ def drive_sync(url, reqs, rate=None, concurrency=None):
     return asyncio.run(drive(url, reqs, rate, concurrency))
 
 
-def run_shardlm(args, model, tok, reqs, device):
+def run_shardlm(args, model, tok, reqs, device, name="shardlm", **engine_args):
     from shardlm.inference import Engine
     from shardlm.serve.command import build_server
     from shardlm.serve.worker import warm_up_batches
     max_len = args.max_prompt + args.max_new
-    engine = Engine(model, args.concurrency, max_len, compile=device == "cuda" or None, decode=tok.decode)
+    engine = Engine(model, args.concurrency, max_len, compile=device == "cuda" or None, decode=tok.decode,
+                    **engine_args)
     times = EngineTimes(engine)
     server, worker = build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning", warm_up_batches)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -180,10 +182,10 @@ def run_shardlm(args, model, tok, reqs, device):
             got = clients.submit(drive_sync, url, *a).result()
             return {**got, "engine": {**times.take(), "span_s": round(got["seconds"], 4)}}
         drive_there(reqs[:2], None, 2)  # the client process starts and connects
-        rows = [{"system": "shardlm-batch-1", **drive_there(reqs[:args.concurrency], None, 1)},
-                {"system": f"shardlm-closed-{args.concurrency}", **drive_there(reqs, None, args.concurrency)}]
+        rows = [{"system": f"{name}-batch-1", **drive_there(reqs[:args.concurrency], None, 1)},
+                {"system": f"{name}-closed-{args.concurrency}", **drive_there(reqs, None, args.concurrency)}]
         for rate in args.rates:
-            rows.append({"system": f"shardlm-poisson-{rate:g}", "rate": rate, **drive_there(reqs, rate)})
+            rows.append({"system": f"{name}-poisson-{rate:g}", "rate": rate, **drive_there(reqs, rate)})
     server.should_exit = True
     thread.join(30)
     worker.close(timeout=30)
@@ -239,7 +241,7 @@ def main():
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--rates", default="2,8,inf", help="Poisson arrival rates, requests a second")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--systems", default="shardlm,hf-static")
+    p.add_argument("--systems", default="shardlm,hf-static", help="also shardlm-splitN (Engine prefill_split=N)")
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
     args = p.parse_args()
     if args.gpus != 1:
@@ -260,7 +262,10 @@ def main():
     runs = {"shardlm": lambda: run_shardlm(args, model, tok, reqs, device),
             "hf-static": lambda: run_hf_static(args, model, cfg, reqs, device)}
     for system in args.systems.split(","):
-        got = runs[system]()
+        if system.startswith("shardlm-split"):  # the engine with prefill_split=N (one-row prefill passes)
+            got = run_shardlm(args, model, tok, reqs, device, system, prefill_split=int(system[len("shardlm-split"):]))
+        else:
+            got = runs[system]()
         for r in got:  # recorded as each system ends: a call cut short keeps what it measured
             r.update(model=args.preset, seq=args.max_prompt + args.max_new, micro_batch=args.concurrency,
                      tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30

@@ -67,10 +67,12 @@ def test_what_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch, 
     assert [r.tokens for r in got] == want
 
 
-def test_after_the_warm_up_serving_compiles_no_prefill_again(monkeypatch):
+@pytest.mark.parametrize("slots,prefill_graphs", [(4, 0), (6, 64)])
+def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_graphs, monkeypatch):
     """worker.warm_up_batches compiles every class of prefill shapes serving meets (one row and several, a first
-    chunk and a later one): prompts of other lengths, alone and three at a time, chunked or not, then run on the
-    graphs it made, and the tokens are eager prefill's."""
+    chunk and a later one): prompts of other lengths, alone, three and six at a time, chunked or not, then run on
+    the graphs it made, and the tokens are eager prefill's. With prefill graphs (padded, uncaptured on a CPU) a
+    few prompts prefill one at a time, six in one pass."""
     from shardlm.serve.worker import warm_up_batches
     graphs, real = [], torch.compile
 
@@ -81,7 +83,8 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(monkeypatch):
         return real(fn, backend=backend, dynamic=options.get("dynamic"))
     monkeypatch.setattr(torch, "compile", counting)
     model = tiny(**CASES["llama_gqa"])
-    engine = Engine(model, max_batch=4, max_len=48, compile=False, compile_prefill=True, prefill_chunk=8)
+    engine = Engine(model, max_batch=slots, max_len=48, compile=False, compile_prefill=True, prefill_chunk=8,
+                    prefill_graphs=prefill_graphs)
     for batch in warm_up_batches(engine):
         engine.run(batch)
     warmed = len(graphs)
@@ -89,9 +92,10 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(monkeypatch):
     got = [r.tokens for r in engine.run([Request(p, 4) for p in prompts[:1]])]
     got += [r.tokens for r in engine.run([Request(p, 4) for p in prompts[1:4]])]
     got += [r.tokens for r in engine.run([Request(p, 4) for p in prompts[4:]])]
+    got += [r.tokens for r in engine.run([Request(p, 4) for p in prompts])]
     assert warmed >= 2 and len(graphs) == warmed
     eager = Engine(model, max_batch=3, max_len=48, compile=False, compile_prefill=False, prefill_chunk=8)
-    assert got == [r.tokens for r in eager.run([Request(p, 4) for p in prompts])]
+    assert got == [r.tokens for r in eager.run([Request(p, 4) for p in prompts + prompts])]
 
 
 def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):
@@ -209,14 +213,15 @@ def random_adapter(base, out, rank, targets, seed):
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_padded_for_graphs_gives_the_tokens_of_each_prompt_alone(case):
     """Prefill passes padded to their graphs' lengths (on a CPU the padded shapes run without capture):
-    first chunks and later ones through the cache, several rows a pass, a window shorter than the prompts;
-    each request gets the tokens it gets alone, unpadded. Passes over the limit run as they are."""
+    first chunks and later ones through the cache, a window shorter than the prompts; a few rows as one-row
+    passes (3 slots), more in one pass (6); each request gets the tokens it gets alone, unpadded. Passes over
+    the limit run as they are."""
     model = tiny(**CASES[case])
     prompts = prompts_of((9, 2, 15, 4, 6, 13))
     alone = [generate_ids(model, torch.tensor([p]), 7)[0].tolist() for p in prompts]
-    for limit in (64, 12):
-        engine = Engine(model, max_batch=3, max_len=40, sync_every=3, prefill_chunk=5, prefill_graphs=limit)
-        assert [r.tokens for r in engine.run([Request(p, 7) for p in prompts])] == alone, limit
+    for limit, slots in ((64, 3), (64, 6), (12, 6)):
+        engine = Engine(model, max_batch=slots, max_len=40, sync_every=3, prefill_chunk=5, prefill_graphs=limit)
+        assert [r.tokens for r in engine.run([Request(p, 7) for p in prompts])] == alone, (limit, slots)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

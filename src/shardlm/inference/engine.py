@@ -13,7 +13,6 @@ strings are checked then, so no step waits for the host.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -22,53 +21,9 @@ from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
 from .prefill_graphs import PrefillGraphs, tensor_parallel
-from .sampler import SamplingParams, greedy, sample
+from .request import Request, Slot
+from .sampler import greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
-
-
-@dataclass
-class Request:
-    """A prompt (token ids) and how to continue it; the engine fills `tokens` (the new ids, stop token or
-    string included), `text` (with `decode`: the completion, cut before a stop string) and `finish_reason`
-    ("stop": a stop token or string; "length": max_new_tokens reached)."""
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    tag: object = None
-    adapter: str | None = None  # the name of one of the engine's LoRA adapters, applied to this request alone
-    on_tokens: Callable | None = None  # called with (request, new ids) as they arrive (on the engine's thread)
-    tokens: list[int] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None
-    cancelled: bool = False  # set by cancel(): the engine drops the request at its next step
-
-    def cancel(self) -> None:
-        """Stop this request (from any thread): it leaves its slot at the engine's next step, finish_reason
-        "cancelled"; tokens it has stay."""
-        self.cancelled = True
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def completion(self) -> list[int]:
-        """The new tokens without the stop token that ended them."""
-        if self.finish_reason == "stop" and self.tokens and self.tokens[-1] in self.stop_ids:
-            return self.tokens[:-1]
-        return self.tokens
-
-
-@dataclass
-class _Slot:
-    request: Request
-    prefilled: int = 0  # prompt tokens in the cache so far
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.request.prompt)
 
 
 class Engine:
@@ -80,8 +35,8 @@ class Engine:
     `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
     counted. `prefill_graphs`: passes of up to this many tokens (and `prefill_tokens`), padded, are replayed
     as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
-    not tensor-parallel, else 0: none). `decode`: the
-    tokenizer's ids -> text, for stop strings and `Request.text`.
+    not tensor-parallel, else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
+    those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`.
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
@@ -89,7 +44,7 @@ class Engine:
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
                  prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None,
-                 prefill_graphs: int | None = None):
+                 prefill_graphs: int | None = None, prefill_split: int = 4):
         cfg = model.cfg
         self.model = model.eval()
         p = next(model.parameters())
@@ -113,7 +68,7 @@ class Engine:
         self.top_p = torch.ones(n, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
         self.out = torch.zeros(n, sync_every, dtype=torch.long, device=dev)
-        self.slots: list[_Slot | None] = [None] * n
+        self.slots: list[Slot | None] = [None] * n
         self.adapters: dict[str, int] = {}  # name -> index into the stacked adapters (adapters.py)
         self._adapter_dirs: dict = {}
         self.rows = AdapterRows()
@@ -123,7 +78,7 @@ class Engine:
         self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
         if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
             prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not tensor_parallel(model) else 0
-        self.prefill_graphs = prefill_graphs
+        self.prefill_graphs, self.prefill_split = prefill_graphs, prefill_split
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -256,7 +211,7 @@ class Engine:
         return finished
 
     def _admit(self, i: int, r: Request) -> None:
-        self.slots[i] = _Slot(r)
+        self.slots[i] = Slot(r)
         self.adapter_ids[i] = self.adapters.get(r.adapter, 0)
         s = r.sampling
         self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i] = s.temperature, s.top_k, s.top_p, s.seed
@@ -279,7 +234,8 @@ class Engine:
     # ---- prefill ------------------------------------------------------------------------------------
     def _prefill(self, finished: list[Request]) -> None:
         """One pass over prompt chunks: the new prompts' first chunks together (SDPA's causal kernels),
-        else the continued ones (through the cache), shortest first within the token budget."""
+        else the continued ones (through the cache), shortest first within the token budget; a few of them,
+        where prefill graphs take one row of each, as one-row passes."""
         pending = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
         fresh = [i for i in pending if self.slots[i].prefilled == 0]
         rows = fresh or pending
@@ -290,21 +246,17 @@ class Engine:
         while take < len(rows) and (take + 1) * chunk[rows[take]] <= self.prefill_tokens:
             take += 1
         rows = rows[:take]
-        t = max(chunk[i] for i in rows)
-        ids = torch.zeros(len(rows), t, dtype=torch.long)
-        positions = torch.full((len(rows), t), self.scratch, dtype=torch.long)
-        for r, i in enumerate(rows):
-            start, n = self.slots[i].prefilled, chunk[i]
-            ids[r, :n] = torch.tensor(self.slots[i].request.prompt[start:start + n])
-            positions[r, :n] = torch.arange(start, start + n)
-        reach = max(self.slots[i].prefilled + chunk[i] for i in rows)
+        if len(rows) <= self.prefill_split and all(self._prefill_graphs.takes(1, chunk[i]) for i in rows):
+            # A pass of its own for each row: one-row graphs (captured at warm-up) replay, where a pass of a few
+            # rows would be captured first (or launched layer by layer) while clients wait, and no row is padded
+            # to the longest. Beyond a few rows, one pass's single read of the weights wins.
+            logits = torch.cat([self._prefill_forward(self._pass_inputs([i], chunk), bool(fresh),
+                                                      self.slots[i].prefilled + chunk[i]) for i in rows])
+        else:
+            logits = self._prefill_forward(self._pass_inputs(rows, chunk), bool(fresh),
+                                           max(self.slots[i].prefilled + chunk[i] for i in rows))
         slots = torch.tensor(rows, device=self.device)
-        last = torch.tensor([chunk[i] - 1 for i in rows], device=self.device)
-        positions = positions.to(self.device)
-        inputs = dict(ids=ids.to(self.device), positions=positions, slots=slots, last=last,
-                      adapter=self.adapter_ids[slots])
-        logits = self._prefill_forward(inputs, bool(fresh), reach)
-        counter = positions.gather(1, last[:, None]).squeeze(1) + 1
+        counter = torch.tensor([self.slots[i].prefilled + chunk[i] for i in rows], device=self.device)
         first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        counter)
         done = [i for i in rows if self.slots[i].prefilled + chunk[i] == len(self.slots[i].request.prompt)]
@@ -320,6 +272,21 @@ class Engine:
         for i, token in zip(done, first[mine].tolist()):
             if self._accept(self.slots[i].request, [token]):
                 self._release(i, finished)
+
+    def _pass_inputs(self, rows: list[int], chunk: dict[int, int]) -> dict[str, torch.Tensor]:
+        """A prefill pass's inputs for the next `chunk[i]` prompt tokens of each of the slots `rows`, padded to
+        the longest (at the scratch position)."""
+        t = max(chunk[i] for i in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        positions = torch.full((len(rows), t), self.scratch, dtype=torch.long)
+        for r, i in enumerate(rows):
+            start, n = self.slots[i].prefilled, chunk[i]
+            ids[r, :n] = torch.tensor(self.slots[i].request.prompt[start:start + n])
+            positions[r, :n] = torch.arange(start, start + n)
+        slots = torch.tensor(rows, device=self.device)
+        return dict(ids=ids.to(self.device), positions=positions.to(self.device), slots=slots,
+                    last=torch.tensor([chunk[i] - 1 for i in rows], device=self.device),
+                    adapter=self.adapter_ids[slots])
 
     def _prefill_forward(self, inputs: dict, fresh: bool, reach: int) -> torch.Tensor:
         return self._prefill_graphs(inputs, fresh, reach)

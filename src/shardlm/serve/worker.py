@@ -32,7 +32,9 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     when it traced, and would compile again the first time they differ. Then a prompt alone of each length
     whose prefill is a CUDA graph (Engine.graphed_prompts), capturing it. `token`: the prompts' one id."""
     taken = {*engine.cache.k[0].shape, engine.prefill_chunk}
-    rows = next((n for n in range(2, len(engine.slots)) if n not in taken), 2)
+    # more rows than the engine prefills one at a time (Engine's prefill_split), where its slots allow
+    least = max(2, min(getattr(engine, "prefill_split", 0) + 1, len(engine.slots) - 1))
+    rows = next((n for n in range(least, len(engine.slots)) if n not in taken), 2)
     tail = next(n for n in range(3, 64) if n not in taken | {rows})  # the second chunk's length
     prompt = [token] * max(1, min(engine.prefill_chunk + tail, engine.max_len - 2))
     several = [Request(prompt, 2) for _ in range(rows - 1)] + [Request(prompt, 2, SamplingParams(1.0, seed=0))]
