@@ -82,6 +82,7 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_grap
             return gm.forward
         return real(fn, backend=backend, dynamic=options.get("dynamic"))
     monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()  # nothing compiled before (another case's graphs) serves this one
     model = tiny(**CASES["llama_gqa"])
     engine = Engine(model, max_batch=slots, max_len=48, compile=False, compile_prefill=True, prefill_chunk=8,
                     prefill_graphs=prefill_graphs)

@@ -275,8 +275,8 @@ class Engine:
 
     def _pass_inputs(self, rows: list[int], chunk: dict[int, int]) -> dict[str, torch.Tensor]:
         """A prefill pass's inputs for the next `chunk[i]` prompt tokens of each of the slots `rows`, padded to
-        the longest (at the scratch position)."""
-        t = max(chunk[i] for i in rows)
+        the longest (at the scratch position), and to 2 tokens at least: the compiler specialises a size of 1."""
+        t = max(2, *(chunk[i] for i in rows))
         ids = torch.zeros(len(rows), t, dtype=torch.long)
         positions = torch.full((len(rows), t), self.scratch, dtype=torch.long)
         for r, i in enumerate(rows):
