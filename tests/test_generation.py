@@ -422,6 +422,21 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
 
+def test_quantised_mixture_of_experts_keeps_its_routing():
+    """int8 weights on a mixture of experts: the router stays as it is (route() reads its weight, in fp32),
+    so the tokens go to the experts they went to and the logits stay near the unquantised model's."""
+    import copy
+
+    from shardlm.inference.quantize import quantize
+    model = build_model(load_config("mixtral-tiny").model, seed=0).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    q = copy.deepcopy(model)
+    assert quantize(q, "int8") > 0
+    with torch.no_grad():
+        base, got = model(ids), q(ids)
+    assert ((got - base).abs().max() / base.abs().max()).item() < 0.02
+
+
 @pytest.mark.parametrize("kind,tp", [("qwen2", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.slow)])
 def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
     """`generate --tp N` on N ranks (gloo): the training's tensor-parallel layers, each rank holding its slice

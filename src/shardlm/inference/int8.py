@@ -96,8 +96,9 @@ def to_int8(model: nn.Module) -> int:
     swapped = 0
     for block in blocks:
         for name, m in list(block.named_modules()):
-            if isinstance(m, nn.Linear):
-                parent, _, leaf = name.rpartition(".")
-                setattr(block.get_submodule(parent) if parent else block, leaf, Int8Linear(m))
+            parent, _, leaf = name.rpartition(".")
+            owner = block.get_submodule(parent) if parent else block
+            if isinstance(m, nn.Linear) and leaf not in getattr(owner, "unquantised", ()):  # an MoE's router
+                setattr(owner, leaf, Int8Linear(m))
                 swapped += 1
     return swapped

@@ -90,6 +90,9 @@ class MoE(nn.Module):
     After each training forward it holds `balance_loss` and `z_loss` (scalars with their graph, for the step to
     add) and adds the tokens each expert received to `load` (not under a recomputation's second forward, which
     would count them twice)."""
+    # Weight-only quantisation leaves these linears as they are: route() reads the router's weight itself, in fp32.
+    unquantised = ("router",)
+
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
