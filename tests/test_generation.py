@@ -422,6 +422,17 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
 
+def test_quantising_what_cannot_be_is_refused():
+    """int4 on a model whose layers' inputs no group divides: a ConfigError that says why."""
+    from shardlm.config import ConfigError
+    from shardlm.inference.quantize import quantize
+    pytest.importorskip("torchao")
+    odd = tiny(hidden_size=40, ffn_hidden_size=72, num_heads=2, num_kv_heads=2)
+    with pytest.raises(ConfigError, match="int4 needs an input size that a group of 128, 64, 32 divides"):
+        quantize(odd, "int4")
+    assert quantize(odd, "int8") == 8
+
+
 def test_quantised_mixture_of_experts_keeps_its_routing():
     """int8 weights on a mixture of experts: the router stays as it is (route() reads its weight, in fp32),
     so the tokens go to the experts they went to and the logits stay near the unquantised model's."""

@@ -279,8 +279,8 @@ def test_a_dataset_records_its_tokenizer(world):
 
 
 def test_an_adapter_is_refused_on_a_model_that_carries_it(world, tmp_path, capsys):
-    """`check_adapter_target`, which generate and eval call before loading: a LoRA run (merged on load) and a merged
-    export of the adapter's own run are refused; a plain model takes the adapter."""
+    """`check_adapter_target`, which generate, eval and serve call before loading: a LoRA run (merged on load) and a
+    merged export of the adapter's own run are refused; a plain model takes the adapter."""
     from shardlm.adapter_check import check_adapter_target
     from shardlm.config import ConfigError
     _, paths = world
@@ -297,8 +297,10 @@ def test_an_adapter_is_refused_on_a_model_that_carries_it(world, tmp_path, capsy
     check_adapter_target(paths["run"], adapter)  # a run without adapters
     capsys.readouterr()
     for model in (merged, paths["lrun"]):  # the commands call it: one line, status 2, before any decoding
-        for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(paths["text"]), "--seq-len", "8"]):
-            assert main([cmd[0], "--model", str(model), "--adapter", str(adapter), *cmd[1:]]) == 2
+        for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(paths["text"]), "--seq-len", "8"],
+                    ["serve"]):
+            spec = f"mine={adapter}" if cmd[0] == "serve" else str(adapter)
+            assert main([cmd[0], "--model", str(model), "--adapter", spec, *cmd[1:]]) == 2
             err = capsys.readouterr().err.strip()
             assert "\n" not in err and ("applied twice" in err or "merged into it" in err), err
 
@@ -314,6 +316,10 @@ def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):
         read_peft_dir(adapter, load_config("tiny", {"model.hidden_size": "128"}).model)
     with pytest.raises(ConfigError, match="it adapts layer 1, the model has 1 layers"):
         read_peft_dir(adapter, load_config("tiny", {"model.num_layers": "1"}).model)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])  # a copy cut short
+    with pytest.raises(ConfigError, match="is not a readable PEFT adapter directory"):
+        read_peft_dir(adapter, load_config("tiny").model)
 
 
 def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, capsys):

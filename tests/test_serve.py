@@ -176,6 +176,7 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"prompt": "x", "stream": "yes"}, 400, "stream"), ({"prompt": "x", "logprobs": 5}, 400, "logprobs"),
     ({"prompt": "x", "max_tokens": 200}, 400, "max_tokens"), ({"prompt": "To be " * 100}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"), ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
@@ -402,6 +403,15 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert "pip install 'shardlm[serve]'" in err and "\n" not in err
 
+
+@pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
+                                          (["--port", "-1"], "--port -1 is not a port"),
+                                          (["--max-batch", "0"], "--max-batch and --max-len must be at least 1")])
+def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, args, message):
+    from shardlm.cli import main
+    assert main(["serve", "--model", str(hf_dir), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
 
 
 @pytest.mark.timeout(240)

@@ -63,4 +63,7 @@ def quantize(model: nn.Module, kind: str) -> int:
             from torchao.quantization.granularity import PerGroup
             config = q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group))
         q.quantize_(model, config, filter_fn=lambda m, _, chosen=chosen: id(m) in chosen)
+    if len(left) == len(linears):
+        raise ConfigError(f"--quantize int4: none of this model's linear layers can be quantised (int4 needs an "
+                          f"input size that a group of {', '.join(map(str, INT4_GROUPS))} divides)")
     return len(linears) - len(left)

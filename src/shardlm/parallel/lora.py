@@ -208,13 +208,14 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     import json
     from pathlib import Path
 
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     try:
         conf = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
                           f"adapter_model.safetensors): {e}") from None
     if conf.get("peft_type") != "LORA":

@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _adapters(specs: list[str], base: str) -> dict[str, Path]:
+def _adapters(specs: list[str], base: str, model: str) -> dict[str, Path]:
+    from ..adapter_check import check_adapter_target
     out: dict[str, Path] = {}
     for spec in specs:
         name, sep, directory = spec.partition("=")
@@ -62,6 +63,7 @@ def _adapters(specs: list[str], base: str) -> dict[str, Path]:
             raise ConfigError(f"--adapter {spec!r}: the id {name!r} is taken (by the base model or another adapter)")
         if not Path(directory).is_dir():
             raise ConfigError(f"--adapter {spec!r}: {directory} is no directory")
+        check_adapter_target(model, directory)  # a LoRA run or a merged export would get it twice
         out[name] = Path(directory)
     return out
 
@@ -75,8 +77,10 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
     if a.max_batch < 1 or (a.max_len is not None and a.max_len < 1):
         raise ConfigError("--max-batch and --max-len must be at least 1")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
     base = a.served_model_name or a.model
-    adapters = _adapters(a.adapter, base)
+    adapters = _adapters(a.adapter, base, a.model)
     from ..inference import Engine, load_pretrained, slots_that_fit
     if adapters and not hasattr(Engine, "add_adapter"):
         raise ConfigError("--adapter: this version's engine cannot apply adapters per request (it has no "

@@ -229,6 +229,7 @@ def chat_params(body, models: Models) -> Params:
     from ..data.instruct import InstructError
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    models.adapter_of(body)  # an unknown model is a 404, whatever else is wrong with the request
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _wrong_type("messages", "a non-empty list of {role, content} objects")
