@@ -422,6 +422,14 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
 
+def test_slots_fit_the_hosts_memory_on_a_cpu():
+    """On a CPU the slots are bounded by the host's free memory, not only by what was asked (a --max-batch of
+    millions was taken as given, then killed for memory)."""
+    from shardlm.inference import slots_that_fit
+    fit = slots_that_fit(tiny(), 64, 10**12)
+    assert 1 <= fit < 10**12
+
+
 def test_quantising_what_cannot_be_is_refused():
     """int4 on a model whose layers' inputs no group divides: a ConfigError that says why."""
     from shardlm.config import ConfigError

@@ -406,12 +406,25 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
-                                          (["--max-batch", "0"], "--max-batch and --max-len must be at least 1")])
-def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, args, message):
+                                          (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
+                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use"),
+                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: ")])
+def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, monkeypatch, args, message):
+    """Before the model loads: a port out of range or in use, a host that does not resolve, no slots."""
+    import shardlm.inference
     from shardlm.cli import main
-    assert main(["serve", "--model", str(hf_dir), *args]) == 2
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = [str(port) if x == "taken" else x for x in args]
+        assert main(["serve", "--model", str(hf_dir), *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err, err
+    assert message.format(port=port) in err and "\n" not in err, err
 
 
 @pytest.mark.timeout(240)

@@ -10,11 +10,13 @@ products per layer, grouped by key/value head so GQA never copies keys.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from ..model import Decoder
 from .decode_attention import decode_attention, kernel_ok
 
@@ -35,19 +37,24 @@ class StaticKVCache:
 
 
 def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9) -> int:
-    """How many slots of `max_len` positions fit in `share` of the memory the GPU has free (at most `limit`);
-    `limit` on the CPU. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
+    """How many slots of `max_len` positions fit in `share` of the memory the GPU (or on the CPU, the host) has
+    free, at most `limit`. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
     p = next(model.parameters())
-    if p.device.type != "cuda":
-        return limit
-    free, _ = torch.cuda.mem_get_info(p.device)
+    if p.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(p.device)
+        where = "the GPU"
+    else:
+        try:  # Linux's available physical pages; elsewhere the limit as given
+            free, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host"
+        except (ValueError, OSError, AttributeError):
+            return limit
     cfg = model.cfg
     per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
                 + 4 * 4 * cfg.vocab_size)
     fit = int(share * free // per_slot)
     if fit < 1:
-        raise RuntimeError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
-                           f"the GPU has {free / 2**30:.2f} GiB free: shorten the context")
+        raise ConfigError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
+                          f"{where} has {free / 2**30:.2f} GiB free: shorten the context (--max-len)")
     return min(limit, fit)
 
 

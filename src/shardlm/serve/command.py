@@ -68,6 +68,25 @@ def _adapters(specs: list[str], base: str, model: str) -> dict[str, Path]:
     return out
 
 
+def _check_address(host: str, port: int) -> None:
+    """Refuse a host that does not resolve or a port in use before the model loads (minutes for a large one),
+    not after."""
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--port {port} on {host}: {e.strerror or e}") from None
+
+
 def cmd_serve(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     try:  # before the model loads: a missing extra fails at once
@@ -79,6 +98,7 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--max-batch and --max-len must be at least 1")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
+    _check_address(a.host, a.port)
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base, a.model)
     from ..inference import Engine, load_pretrained, slots_that_fit
@@ -97,6 +117,8 @@ def cmd_serve(argv: list[str]) -> int:
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
+    if a.max_len and a.max_len > max_len:
+        print(f"shardlm serve: --max-len {a.max_len} is beyond the model's context: {max_len}", file=sys.stderr)
     slots = slots_that_fit(model, max_len, a.max_batch)
     plans = None
     if group is not None:
