@@ -84,6 +84,8 @@ CASES = [
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
+    ("export-a-file", ["export", "--checkpoint", "{file}", "--out", "{new}"], "is a file; a run, a checkpoint or a", 2),
+    ("generate-a-file", ["generate", "--model", "{file}", "--prompt", "x"], "is a file; a run, a checkpoint or a", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
     # data prepare
     ("prepare-nothing-trained", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
@@ -303,6 +305,8 @@ def test_an_adapter_is_refused_on_a_model_that_carries_it(world, tmp_path, capsy
             assert main([cmd[0], "--model", str(model), "--adapter", spec, *cmd[1:]]) == 2
             err = capsys.readouterr().err.strip()
             assert "\n" not in err and ("applied twice" in err or "merged into it" in err), err
+    assert main(["generate", "--model", str(adapter), "--prompt", "x"]) == 2  # the adapter given as the model
+    assert "it is a PEFT adapter: give its base model and this as --adapter" in capsys.readouterr().err
 
 
 def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):

@@ -205,10 +205,14 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def _no_checkpoint(path: Path) -> FileNotFoundError:
+    if path.is_file():
+        return FileNotFoundError(f"{path} is a file; a run, a checkpoint or a Hugging Face model is a directory")
     hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume
+    adapter = (path / "adapter_config.json").is_file()
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
-                                if hf else ""))
+                                if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
+                                if adapter else ""))
 
 
 def read_state(path: str | Path) -> dict:
