@@ -490,3 +490,36 @@ def test_attention_runs_at_its_own_efficiency_on_half_the_counted_square(recompu
     standard = Layout(recompute=recompute, attention="standard")  # the whole square in plain GEMMs
     assert estimate(m, w, standard, g, attention_efficiency=0.8).step_time_s == \
         estimate(m, w, standard, g, attention_efficiency=0.4).step_time_s > slow.step_time_s
+
+
+def _plan_inference(*flags, check=True):
+    return run_cli("plan", "--model", "llama2-7b", "--inference", *flags, check=check)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--context", 0], "--context 0 must be between 2 and the model's max_seq_len 4096"),
+    (["--context", 1], "--context 1 must be between 2"),
+    (["--context", 100000], "--context 100000 must be between 2 and the model's max_seq_len 4096"),
+    (["--batch", 0], "--batch 0 must be at least 1"),
+])
+def test_plan_inference_batch_and_context_each_name_their_own_flag(flags, msg):
+    bad = _plan_inference(*flags, check=False)
+    assert bad.returncode == 2 and msg in bad.stderr
+    other = "--batch" if flags[0] == "--context" else "--context"
+    assert other not in bad.stderr
+
+
+@pytest.mark.parametrize("flags, names, not_named", [
+    (["--gpus", 8], "--gpus 8: --inference plans one GPU", "--dp"),
+    (["--tp", 2], "--tp 2: --inference plans one GPU", "--gpus"),
+    (["--lora-rank", 8], "--lora-rank plans LoRA fine-tuning", "--tp"),
+    (["--search"], "--search ranks training layouts", "--tp"),
+    (["--pp", 2, "--zero", 1], "--pp, --zero describe a training layout", "--tp"),
+    (["--params", 7e9], "--params gives training's model states only", "--tp"),
+])
+def test_plan_inference_refuses_training_flags_by_name(flags, names, not_named):
+    bad = _plan_inference(*flags, check=False)
+    assert bad.returncode == 2 and names in bad.stderr and not_named not in bad.stderr
+    assert "not built yet" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    tp = _plan_inference("--tp", 2, check=False).stderr
+    assert "serve or generate --tp N" in tp and "1/N of the weights" in tp

@@ -143,6 +143,9 @@ def check_flags(a) -> None:
             also = " and --offload-dir" if flag == "--disk-bw" else ""
             raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
                             "(--model or --arch)")
+    if a.params and a.inference:
+        raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
+                        "or --arch)")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:
@@ -214,20 +217,39 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def inference(a, model: ModelConfig, g) -> int:
-    from .inference import plan_inference
-    training_flags = [f for f, v in (("--dp", a.dp), ("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--cp", a.cp > 1),
-                                     ("--ep", a.ep > 1), ("--zero", a.zero), ("--search", a.search),
-                                     ("--largest", a.largest), ("--lora-rank", a.lora_rank)) if v]
-    if training_flags:
-        raise PlanError(f"--inference plans one GPU serving the whole model; {', '.join(training_flags)} "
-                        "describe a training layout (tensor-parallel serving is not built yet)")
-    context = a.context or model.max_seq_len
-    if a.batch < 1 or not 2 <= context <= model.max_seq_len:
-        raise PlanError(f"--batch {a.batch} must be at least 1 and --context {context} between 2 and the model's "
-                        f"max_seq_len {model.max_seq_len}")
+def check_inference_flags(a, model: ModelConfig) -> int:
+    """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
+    if a.search:
+        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
+    if a.largest:
+        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
+                        "one of them")
+    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
+    if parallel:
+        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
+                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
+                        "does not plan")
+    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
+                                ("--zero", a.zero)) if on]
+    if training:
+        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
+                        "--inference plans one GPU serving the whole model")
+    if a.lora_rank is not None:
+        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
     if a.precision not in ("bf16", "fp16", "fp32"):
         raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
+    if a.batch < 1:
+        raise PlanError(f"--batch {a.batch} must be at least 1")
+    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
+    context = model.max_seq_len if a.context is None else a.context
+    if not 2 <= context <= model.max_seq_len:
+        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
+    return context
+
+
+def inference(a, model: ModelConfig, g) -> int:
+    from .inference import plan_inference
+    context = check_inference_flags(a, model)
     e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT)
     if a.json:
         print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context}))
