@@ -523,3 +523,13 @@ def test_plan_inference_refuses_training_flags_by_name(flags, names, not_named):
     assert "not built yet" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     tp = _plan_inference("--tp", 2, check=False).stderr
     assert "serve or generate --tp N" in tp and "1/N of the weights" in tp
+
+
+def test_plan_inference_tokens_per_s_at_batch_one_is_one_figure():
+    line = next(x for x in _plan_inference().stdout.splitlines() if x.strip().startswith("tokens/s"))
+    assert "at batch 1" not in line and "at this batch" not in line
+    out = json.loads(_plan_inference("--context", 384, "--json").stdout)
+    assert out["tokens_per_s"] == out["batch1_tokens_per_s"]
+    out16 = json.loads(_plan_inference("--context", 384, "--batch", 16, "--json").stdout)
+    assert out16["batch1_tokens_per_s"] == out["tokens_per_s"] < out16["tokens_per_s"]
+    assert "at this batch" in _plan_inference("--batch", 16).stdout

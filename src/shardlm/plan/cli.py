@@ -254,6 +254,8 @@ def inference(a, model: ModelConfig, g) -> int:
     if a.json:
         print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context}))
         return 0
+    speed = f"{e.tokens_per_s:,.0f}" if a.batch == 1 else \
+        f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1"
     print(f"{g.name}, serving in {a.precision}, {a.batch} request(s) of up to {context} positions:")
     for k, v in (("weights", fmt(e.weights)), ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x {context + 1} positions)"),
                  ("workspace", fmt(e.workspace)),
@@ -261,8 +263,7 @@ def inference(a, model: ModelConfig, g) -> int:
                            f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
                  ("requests that fit", f"{e.slots} of {context} positions"),
                  ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
-                 ("tokens/s", f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1 "
-                              "(the measured share of the bound)")):
+                 ("tokens/s", f"{speed} (the measured share of the bound)")):
         print(f"  {k:<18}{v}")
     return 0
 

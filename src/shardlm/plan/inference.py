@@ -27,7 +27,7 @@ class InferencePlan:
     slots: int            # requests of `context` positions that fit beside the weights
     step_bound_s: float   # a decode step over the batch at the bandwidth bound
     tokens_per_s: float   # the batch's new tokens a second at DECODE_EFFICIENCY of that bound
-    batch1_tokens_per_s: float  # likewise at batch 1 (the weights alone)
+    batch1_tokens_per_s: float  # likewise for one request of `context` positions
 
     @property
     def total(self) -> float:
@@ -47,6 +47,10 @@ def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: i
     usable = g.memory * (1 - headroom) - reserved
     slots = max(0, int((usable - weights - activations) // (per_slot + logits)))
     read = weights - m.param_counts()["embedding"] * itemsize
-    step = (read + batch * context * m.kv_bytes_per_token(itemsize)) / g.hbm_bw
+    cache = context * m.kv_bytes_per_token(itemsize)  # a row's at `context` positions: the batch's slowest step
+
+    def tokens_per_s(rows: int) -> float:
+        return DECODE_EFFICIENCY * rows * g.hbm_bw / (read + rows * cache)
+
     return InferencePlan(weights, batch * per_slot, workspace, weights + batch * per_slot + workspace <= usable,
-                         slots, step, DECODE_EFFICIENCY * batch / step, DECODE_EFFICIENCY * g.hbm_bw / read)
+                         slots, (read + batch * cache) / g.hbm_bw, tokens_per_s(batch), tokens_per_s(1))
