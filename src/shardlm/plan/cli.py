@@ -72,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
     ft = p.add_argument_group("fine-tuning (default: a TOML --model's [lora] section)")
     ft.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank, the base frozen")
     ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
-    ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base")
+    ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base; with --inference, int8 or int4: "
+                    "the served weights (generate/serve --quantize)")
     inf = p.add_argument_group("inference (with --inference)")
     inf.add_argument("--inference", action="store_true", help="memory and decode speed of serving the model on "
                      "one GPU: weights, KV cache, the requests that fit, tokens/s")
@@ -219,6 +220,7 @@ def run(argv: list[str]) -> int:
 
 def check_inference_flags(a, model: ModelConfig) -> int:
     """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
+    from .inference import QUANTIZE
     if a.search:
         raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
     if a.largest:
@@ -236,8 +238,14 @@ def check_inference_flags(a, model: ModelConfig) -> int:
                         "--inference plans one GPU serving the whole model")
     if a.lora_rank is not None:
         raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
+    if a.quantize not in QUANTIZE:
+        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
+        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
     if a.precision not in ("bf16", "fp16", "fp32"):
         raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
+    if a.quantize == "int4" and a.precision != "bf16":
+        raise PlanError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel): give --precision bf16, not "
+                        f"{a.precision}")
     if a.batch < 1:
         raise PlanError(f"--batch {a.batch} must be at least 1")
     # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
@@ -250,20 +258,25 @@ def check_inference_flags(a, model: ModelConfig) -> int:
 def inference(a, model: ModelConfig, g) -> int:
     from .inference import plan_inference
     context = check_inference_flags(a, model)
-    e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT)
+    e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT,
+                       a.quantize)
     if a.json:
-        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context}))
+        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context,
+                          "quantize": a.quantize}))
         return 0
+    stored = f", {a.quantize} weights" if a.quantize != "none" else ""
+    share = f"{a.quantize}'s measured share of its bound at batch 1" if a.quantize != "none" else \
+        "the measured share of the bound"
     speed = f"{e.tokens_per_s:,.0f}" if a.batch == 1 else \
         f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1"
-    print(f"{g.name}, serving in {a.precision}, {a.batch} request(s) of up to {context} positions:")
+    print(f"{g.name}, serving in {a.precision}{stored}, {a.batch} request(s) of up to {context} positions:")
     for k, v in (("weights", fmt(e.weights)), ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x {context + 1} positions)"),
                  ("workspace", fmt(e.workspace)),
                  ("total", f"{fmt(e.total)} + {fmt(CUDA_CONTEXT)} CUDA context, of {fmt(g.memory)} "
                            f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
                  ("requests that fit", f"{e.slots} of {context} positions"),
                  ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
-                 ("tokens/s", f"{speed} (the measured share of the bound)")):
+                 ("tokens/s", f"{speed} ({share})")):
         print(f"  {k:<18}{v}")
     return 0
 
