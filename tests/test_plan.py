@@ -577,3 +577,10 @@ def test_plan_inference_tokens_per_s_at_batch_one_is_one_figure():
     out16 = json.loads(_plan_inference("--context", 384, "--batch", 16, "--json").stdout)
     assert out16["batch1_tokens_per_s"] == out["tokens_per_s"] < out16["tokens_per_s"]
     assert "at this batch" in _plan_inference("--batch", 16).stdout
+
+
+def test_readme_plan_inference_line_shows_the_default_gpu():
+    from shardlm.plan.cli import parser
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("shardlm plan") and "--inference" in x)
+    assert f"[--gpu {parser().get_default('gpu')}]" in line and "[--quantize int8|int4]" in line
