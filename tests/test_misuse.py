@@ -125,7 +125,7 @@ CASES = [
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
     ("plan-gpus-per-node", ["plan", "--model", "tiny", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1", 2),
-    ("plan-inference-tp", ["plan", "--model", "tiny", "--inference", "--tp", "2"], "describe a training layout", 2),
+    ("plan-inference-tp", ["plan", "--model", "tiny", "--inference", "--tp", "2"], "--tp 2: --inference plans one GPU", 2),
     ("plan-inference-context", ["plan", "--model", "tiny", "--inference", "--context", "100000"],
      "between 2 and the model's max_seq_len", 2),
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),

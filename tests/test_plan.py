@@ -490,3 +490,97 @@ def test_attention_runs_at_its_own_efficiency_on_half_the_counted_square(recompu
     standard = Layout(recompute=recompute, attention="standard")  # the whole square in plain GEMMs
     assert estimate(m, w, standard, g, attention_efficiency=0.8).step_time_s == \
         estimate(m, w, standard, g, attention_efficiency=0.4).step_time_s > slow.step_time_s
+
+
+def _plan_inference(*flags, check=True):
+    return run_cli("plan", "--model", "llama2-7b", "--inference", *flags, check=check)
+
+
+def test_plan_inference_quantized_weights_and_speed():
+    """--quantize int8 stores the blocks' linear weights in a byte each with a 16-bit scale per output, int4 in
+    half a byte with a 16-bit scale and minimum per 128 inputs (the untied head too); the rest stays 16-bit.
+    Against bench/results.jsonl's llama2-7b runs on one H200: weights and cache within 5% of the peak memory,
+    tokens/s near the measured."""
+    from shardlm.plan import CUDA_CONTEXT, HEADROOM
+    from shardlm.plan.inference import plan_inference
+    m = load_config("llama2-7b").model
+    h, f, v, n = 4096, 11008, 32000, 32
+    ins_outs = [(h, 3 * h), (h, h), (h, 2 * f), (f, h)]  # qkv, attention out, gate and up, down
+    linear = n * sum(i * o for i, o in ins_outs)
+    rest = m.num_params() - linear  # embedding, head, norms
+    outs = n * sum(o for _, o in ins_outs)
+    groups = n * sum(i // 128 * o for i, o in ins_outs)
+    expected = {"none": 2 * m.num_params(), "int8": 2 * rest + linear + 2 * outs,
+                "int4": 2 * (rest - h * v) + (linear + h * v) / 2 + 4 * (groups + h // 128 * v)}
+    for kind, weights in expected.items():
+        out = json.loads(_plan_inference("--quantize", kind, "--json").stdout)
+        assert out["weights"] == pytest.approx(weights) and out["quantize"] == kind
+    assert expected["int8"] / 2**30 == pytest.approx(6.52, abs=0.01)
+    assert expected["int4"] / 2**30 == pytest.approx(3.51, abs=0.01)
+    text = _plan_inference("--quantize", "int4").stdout
+    assert "int4 weights" in text and "weights           3.51 GiB" in text
+    rows = [json.loads(x) for x in (Path(__file__).parents[1] / "bench" / "results.jsonl").read_text().splitlines()]
+    superseded = ("c0e50d4", "8d4b534")  # int8 through torchao's product; its prefill through _weight_int8pack_mm
+    for kind, tolerance in (("none", 0.15), ("int8", 0.15), ("int4", 0.20)):
+        system = "shardlm" if kind == "none" else f"shardlm-{kind}"
+        measured = [r for r in rows if r["bench"] == "generate" and r["system"] == system and "H200" in r["card"]
+                    and r["batch"] == 1 and not (kind == "int8" and r["commit"] in superseded)]
+        assert measured
+        for r in measured:
+            e = plan_inference(m, gpu("h200"), 1, r["seq"], 2, HEADROOM, CUDA_CONTEXT, kind)
+            assert abs((e.weights + e.kv_cache) / 2**30 / r["peak_mem_gib"] - 1) < 0.05, (kind, r["peak_mem_gib"])
+            assert abs(e.tokens_per_s / r["tok_s"] - 1) < tolerance, (kind, e.tokens_per_s, r["tok_s"])
+
+
+@pytest.mark.parametrize("kind, msg", [("nf4", "(nf4 is QLoRA's 4-bit base for training with --lora-rank)"),
+                                       ("bogus", "--quantize 'bogus' with --inference is not one of none, int8, int4")])
+def test_plan_inference_refuses_other_quantizations(kind, msg):
+    bad = _plan_inference("--quantize", kind, check=False)
+    assert bad.returncode == 2 and msg in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "bf16" in _plan_inference("--quantize", "int4", "--precision", "fp16", check=False).stderr
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--context", 0], "--context 0 must be between 2 and the model's max_seq_len 4096"),
+    (["--context", 1], "--context 1 must be between 2"),
+    (["--context", 100000], "--context 100000 must be between 2 and the model's max_seq_len 4096"),
+    (["--batch", 0], "--batch 0 must be at least 1"),
+])
+def test_plan_inference_batch_and_context_each_name_their_own_flag(flags, msg):
+    bad = _plan_inference(*flags, check=False)
+    assert bad.returncode == 2 and msg in bad.stderr
+    other = "--batch" if flags[0] == "--context" else "--context"
+    assert other not in bad.stderr
+
+
+@pytest.mark.parametrize("flags, names, not_named", [
+    (["--gpus", 8], "--gpus 8: --inference plans one GPU", "--dp"),
+    (["--tp", 2], "--tp 2: --inference plans one GPU", "--gpus"),
+    (["--lora-rank", 8], "--lora-rank plans LoRA fine-tuning", "--tp"),
+    (["--search"], "--search ranks training layouts", "--tp"),
+    (["--pp", 2, "--zero", 1], "--pp, --zero describe a training layout", "--tp"),
+    (["--params", 7e9], "--params gives training's model states only", "--tp"),
+])
+def test_plan_inference_refuses_training_flags_by_name(flags, names, not_named):
+    bad = _plan_inference(*flags, check=False)
+    assert bad.returncode == 2 and names in bad.stderr and not_named not in bad.stderr
+    assert "not built yet" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    tp = _plan_inference("--tp", 2, check=False).stderr
+    assert "serve or generate --tp N" in tp and "1/N of the weights" in tp
+
+
+def test_plan_inference_tokens_per_s_at_batch_one_is_one_figure():
+    line = next(x for x in _plan_inference().stdout.splitlines() if x.strip().startswith("tokens/s"))
+    assert "at batch 1" not in line and "at this batch" not in line
+    out = json.loads(_plan_inference("--context", 384, "--json").stdout)
+    assert out["tokens_per_s"] == out["batch1_tokens_per_s"]
+    out16 = json.loads(_plan_inference("--context", 384, "--batch", 16, "--json").stdout)
+    assert out16["batch1_tokens_per_s"] == out["tokens_per_s"] < out16["tokens_per_s"]
+    assert "at this batch" in _plan_inference("--batch", 16).stdout
+
+
+def test_readme_plan_inference_line_shows_the_default_gpu():
+    from shardlm.plan.cli import parser
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("shardlm plan") and "--inference" in x)
+    assert f"[--gpu {parser().get_default('gpu')}]" in line and "[--quantize int8|int4]" in line

@@ -72,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
     ft = p.add_argument_group("fine-tuning (default: a TOML --model's [lora] section)")
     ft.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank, the base frozen")
     ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
-    ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base")
+    ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base; with --inference, int8 or int4: "
+                    "the served weights (generate/serve --quantize)")
     inf = p.add_argument_group("inference (with --inference)")
     inf.add_argument("--inference", action="store_true", help="memory and decode speed of serving the model on "
                      "one GPU: weights, KV cache, the requests that fit, tokens/s")
@@ -143,6 +144,9 @@ def check_flags(a) -> None:
             also = " and --offload-dir" if flag == "--disk-bw" else ""
             raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
                             "(--model or --arch)")
+    if a.params and a.inference:
+        raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
+                        "or --arch)")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:
@@ -214,33 +218,65 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def inference(a, model: ModelConfig, g) -> int:
-    from .inference import plan_inference
-    training_flags = [f for f, v in (("--dp", a.dp), ("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--cp", a.cp > 1),
-                                     ("--ep", a.ep > 1), ("--zero", a.zero), ("--search", a.search),
-                                     ("--largest", a.largest), ("--lora-rank", a.lora_rank)) if v]
-    if training_flags:
-        raise PlanError(f"--inference plans one GPU serving the whole model; {', '.join(training_flags)} "
-                        "describe a training layout (tensor-parallel serving is not built yet)")
-    context = a.context or model.max_seq_len
-    if a.batch < 1 or not 2 <= context <= model.max_seq_len:
-        raise PlanError(f"--batch {a.batch} must be at least 1 and --context {context} between 2 and the model's "
-                        f"max_seq_len {model.max_seq_len}")
+def check_inference_flags(a, model: ModelConfig) -> int:
+    """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
+    from .inference import QUANTIZE
+    if a.search:
+        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
+    if a.largest:
+        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
+                        "one of them")
+    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
+    if parallel:
+        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
+                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
+                        "does not plan")
+    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
+                                ("--zero", a.zero)) if on]
+    if training:
+        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
+                        "--inference plans one GPU serving the whole model")
+    if a.lora_rank is not None:
+        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
+    if a.quantize not in QUANTIZE:
+        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
+        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
     if a.precision not in ("bf16", "fp16", "fp32"):
         raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
-    e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT)
+    if a.quantize == "int4" and a.precision != "bf16":
+        raise PlanError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel): give --precision bf16, not "
+                        f"{a.precision}")
+    if a.batch < 1:
+        raise PlanError(f"--batch {a.batch} must be at least 1")
+    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
+    context = model.max_seq_len if a.context is None else a.context
+    if not 2 <= context <= model.max_seq_len:
+        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
+    return context
+
+
+def inference(a, model: ModelConfig, g) -> int:
+    from .inference import plan_inference
+    context = check_inference_flags(a, model)
+    e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT,
+                       a.quantize)
     if a.json:
-        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context}))
+        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context,
+                          "quantize": a.quantize}))
         return 0
-    print(f"{g.name}, serving in {a.precision}, {a.batch} request(s) of up to {context} positions:")
+    stored = f", {a.quantize} weights" if a.quantize != "none" else ""
+    share = f"{a.quantize}'s measured share of its bound at batch 1" if a.quantize != "none" else \
+        "the measured share of the bound"
+    speed = f"{e.tokens_per_s:,.0f}" if a.batch == 1 else \
+        f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1"
+    print(f"{g.name}, serving in {a.precision}{stored}, {a.batch} request(s) of up to {context} positions:")
     for k, v in (("weights", fmt(e.weights)), ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x {context + 1} positions)"),
                  ("workspace", fmt(e.workspace)),
                  ("total", f"{fmt(e.total)} + {fmt(CUDA_CONTEXT)} CUDA context, of {fmt(g.memory)} "
                            f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
                  ("requests that fit", f"{e.slots} of {context} positions"),
                  ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
-                 ("tokens/s", f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1 "
-                              "(the measured share of the bound)")):
+                 ("tokens/s", f"{speed} ({share})")):
         print(f"  {k:<18}{v}")
     return 0
 

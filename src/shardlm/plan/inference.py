@@ -6,6 +6,9 @@ the positions it attends over, so its time is at least those bytes over the memo
 that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
 engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16: 204 tok/s at
 batch 1, 56%; 2,468 at batch 16 with a 385-position cache, 53%; bench/generate.py).
+
+`generate --quantize int8|int4` (inference/quantize.py) stores linear layers' weights in fewer bytes, which
+shrinks the weights and the bytes a decode step reads; its kernels reach a share of the bound of their own.
 """
 from __future__ import annotations
 
@@ -15,6 +18,13 @@ from ..config import ModelConfig
 from .hardware import GPU
 
 DECODE_EFFICIENCY = 0.55
+# The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
+# (bench/results.jsonl): int8 282 tok/s through inference/int8.py's kernel (2bc08b3); int4 203-279 tok/s in
+# four runs of torchao's tinygemm, which reads its packed weights well below the memory's rate (bench/README.md,
+# twenty-first lease). Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.18}
+QUANTIZE = ("none", "int8", "int4")
+INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
 
 
@@ -26,19 +36,59 @@ class InferencePlan:
     fits: bool
     slots: int            # requests of `context` positions that fit beside the weights
     step_bound_s: float   # a decode step over the batch at the bandwidth bound
-    tokens_per_s: float   # the batch's new tokens a second at DECODE_EFFICIENCY of that bound
-    batch1_tokens_per_s: float  # likewise at batch 1 (the weights alone)
+    tokens_per_s: float   # the batch's new tokens a second at the measured share of that bound
+    batch1_tokens_per_s: float  # likewise for one request of `context` positions
 
     @property
     def total(self) -> float:
         return self.weights + self.kv_cache + self.workspace
 
 
+def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
+    """(inputs, outputs, how many, where) of the model's nn.Linear layers, where is "block", "router" (an MoE's,
+    which int8 leaves in 16 bits) or "head" (an untied output head, which int4 quantises and int8 does not).
+    The routed experts are stacked weights, not linear layers: no --quantize touches them."""
+    h, q, kv = m.hidden_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    up = 2 * m.ffn_size if m.arch != "gpt2" else m.ffn_size
+    out = [(h, q + 2 * kv, m.num_layers, "block"), (q, h, m.num_layers, "block"),
+           (h, up, m.num_layers - n_moe, "block"), (m.ffn_size, h, m.num_layers - n_moe, "block")]
+    if n_moe:
+        out.append((h, m.num_experts, n_moe, "router"))
+        shared = m.shared_expert_ffn_hidden_size
+        if shared:
+            out += [(h, 2 * shared, n_moe, "block"), (shared, h, n_moe, "block"), (h, 1, n_moe, "block")]
+    if not m.tie_embeddings:
+        out.append((h, m.vocab_size, 1, "head"))
+    return [x for x in out if x[2]]
+
+
+def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float:
+    """The model's weights in `itemsize`-byte numbers, the linear layers that `quantize` (none, int8, int4)
+    reaches stored as inference/quantize.py stores them: int8, one byte a weight and one scale per output;
+    int4, half a byte a weight and a 16-bit scale and minimum per group of inputs (a layer whose input no
+    group divides stays as it was). Biases, norms and embeddings keep `itemsize`."""
+    total = m.num_params() * itemsize
+    if quantize == "none":
+        return total
+    for fan_in, fan_out, count, where in linears(m):
+        if quantize == "int8" and where == "block":
+            total -= count * fan_out * (fan_in * (itemsize - 1) - itemsize)
+        elif quantize == "int4":
+            group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
+            if group:
+                total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * 2 * (fan_in // group))
+    return total
+
+
 def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: int = 2, headroom: float = 0.10,
-                   reserved: float = 0.75 * 2**30) -> InferencePlan:
+                   reserved: float = 0.75 * 2**30, quantize: str = "none") -> InferencePlan:
     """`batch` requests of up to `context` positions each (prompt and new tokens) on one GPU of `g`, weights
-    and cache in `itemsize`-byte numbers; `reserved`: the CUDA context outside torch's allocator."""
-    weights = m.num_params() * itemsize
+    and cache in `itemsize`-byte numbers, the linear layers' weights as `quantize` (none, int8, int4) stores
+    them; `reserved`: the CUDA context outside torch's allocator."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE)}")
+    weights = weight_bytes(m, itemsize, quantize)
     per_slot = (context + 1) * m.kv_bytes_per_token(itemsize)  # + the engine's scratch position
     activations = PREFILL_TOKENS * (2 * m.ffn_size + (m.num_heads + 2 * m.kv_heads) * m.head_size
                                     + 4 * m.hidden_size) * itemsize
@@ -47,6 +97,12 @@ def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: i
     usable = g.memory * (1 - headroom) - reserved
     slots = max(0, int((usable - weights - activations) // (per_slot + logits)))
     read = weights - m.param_counts()["embedding"] * itemsize
-    step = (read + batch * context * m.kv_bytes_per_token(itemsize)) / g.hbm_bw
+    cache = context * m.kv_bytes_per_token(itemsize)  # a row's at `context` positions: the batch's slowest step
+    # The quantised products reach their own share of the bound; attention over the cache stays bf16's.
+    share = QUANTIZED_EFFICIENCY.get(quantize, DECODE_EFFICIENCY)
+
+    def tokens_per_s(rows: int) -> float:
+        return rows * g.hbm_bw / (read / share + rows * cache / DECODE_EFFICIENCY)
+
     return InferencePlan(weights, batch * per_slot, workspace, weights + batch * per_slot + workspace <= usable,
-                         slots, step, DECODE_EFFICIENCY * batch / step, DECODE_EFFICIENCY * g.hbm_bw / read)
+                         slots, (read + batch * cache) / g.hbm_bw, tokens_per_s(batch), tokens_per_s(1))
