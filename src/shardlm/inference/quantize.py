@@ -45,7 +45,8 @@ def quantize(model: nn.Module, kind: str) -> int:
         return to_int8(model)
     q = _torchao()
     p = next(model.parameters())
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    kept = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "unquantised", ())}  # routers
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in kept]
     cuda = p.device.type == "cuda"
     if cuda and p.dtype != torch.bfloat16:
         raise ConfigError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel); the model is in "
