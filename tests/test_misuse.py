@@ -142,6 +142,10 @@ CASES = [
      "nofield.jsonl:1: needs a string field prompt", 2),
     ("generate-no-input", ["generate", "--model", "{exp}", "--input", "{new}", "--output", "{new}.jsonl"],
      "no such file", 2),
+    ("generate-device", ["generate", "--model", "{exp}", "--prompt", "x", "--device", "foo"],
+     "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
+    ("serve-device", ["serve", "--model", "{exp}", "--device", "foo"],
+     "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
@@ -251,6 +255,18 @@ def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, caps
         assert not new.exists() or not any(new.iterdir()), list(new.iterdir())
     else:  # stopped by what it found once running: no checkpoint, no metrics
         assert {p.name for p in new.iterdir()} <= {".shardlm.lock", "config.toml"}
+
+
+def test_a_gpu_that_is_not_there_is_named_by_the_commands_flag(world, monkeypatch, capsys):
+    """generate, eval and serve choose the device by --device, not train.device (with or without a GPU here)."""
+    _, paths = world
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for cmd, *rest in (["generate", "--prompt", "x"], ["eval", "--data", paths["text"], "--seq-len", "8"], ["serve"]):
+        status, lines = _cli([cmd, "--model", paths["exp"], "--device", "cuda", *rest], capsys)
+        want = (f"shardlm {cmd}: error: --device 'cuda', but no CUDA device is visible to this process: use "
+                "--device auto or cpu")
+        assert status == 2 and lines == [want], lines
 
 
 def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):

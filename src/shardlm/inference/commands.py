@@ -67,7 +67,7 @@ def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
-    device = pick_device(a.device)
+    device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
     import torch
