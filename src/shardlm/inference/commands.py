@@ -346,6 +346,7 @@ def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     finally:
         close()
     if main:
-        print(f"{len(requests)} completions, {sum(len(r.tokens) for r in requests):,} new tokens -> {out}",
+        n, new = len(requests), sum(len(r.tokens) for r in requests)
+        print(f"{n} completion{'s' if n != 1 else ''}, {new:,} new token{'s' if new != 1 else ''} -> {out}",
               file=sys.stderr)
     return 0
