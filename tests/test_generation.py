@@ -352,6 +352,17 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
 
 
+def test_generate_counts_in_words(tmp_path, capsys):
+    from shardlm.cli import main
+    save_hf("llama", tmp_path / "hf")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "To be", "max_new_tokens": 1}) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--input", str(src), "--output",
+                 str(tmp_path / "out.jsonl"), "--compile", "off"]) == 0
+    assert f"1 completion, 1 new token -> {tmp_path / 'out.jsonl'}" in capsys.readouterr().err
+
+
 def test_a_model_loads_in_the_dtype_asked(tmp_path):
     from shardlm.inference import load_pretrained
     save_hf("qwen2", tmp_path)

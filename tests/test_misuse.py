@@ -144,11 +144,52 @@ CASES = [
      "nofield.jsonl:1: needs a string field prompt", 2),
     ("generate-no-input", ["generate", "--model", "{exp}", "--input", "{new}", "--output", "{new}.jsonl"],
      "no such file", 2),
+    ("generate-empty-stop", ["generate", "--model", "{exp}", "--prompt", "def ", "--stop", ""],
+     "--stop '': a stop must be a non-empty string", 2),
+    ("generate-max-tokens", ["generate", "--model", "{exp}", "--input", "{line_max_tokens}", "--output", "{new}.jsonl"],
+     ("line_max_tokens.jsonl:1: unknown key 'max_tokens' (the key here is max_new_tokens); a line holds prompt, id, "
+      "max_new_tokens, temperature"), 2),
+    ("generate-key-typo", ["generate", "--model", "{exp}", "--input", "{line_typo}", "--output", "{new}.jsonl"],
+     "line_typo.jsonl:1: unknown key 'temprature'; a line holds prompt", 2),
+    ("generate-fraction", ["generate", "--model", "{exp}", "--input", "{line_fraction}", "--output", "{new}.jsonl"],
+     "line_fraction.jsonl:1: max_new_tokens = 2.7 must be an integer", 2),
+    ("generate-bool-int", ["generate", "--model", "{exp}", "--input", "{line_bool}", "--output", "{new}.jsonl"],
+     "line_bool.jsonl:1: max_new_tokens = true must be an integer", 2),
+    ("generate-string-int", ["generate", "--model", "{exp}", "--input", "{line_string}", "--output", "{new}.jsonl"],
+     "line_string.jsonl:1: top_k = \"x\" must be an integer", 2),
+    ("generate-string-number", ["generate", "--model", "{exp}", "--input", "{line_hot}", "--output", "{new}.jsonl"],
+     "line_hot.jsonl:1: temperature = \"hot\" must be a number", 2),
+    ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
+     "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
+    ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
+     "--output goes with --input", 2),
+    ("generate-output-is-input", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
+                                  "{longprompts}", "--overwrite"], "is the --input file", 2),
+    ("generate-output-a-directory", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{data}",
+                                     "--overwrite"], "is a directory: name a file", 2),
+    ("generate-output-no-parent", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
+                                   "{new}/out.jsonl"], "new does not exist", 2),
+    ("generate-input-a-directory", ["generate", "--model", "{exp}", "--input", "{data}", "--output", "{new}.jsonl"],
+     "is a directory, not a file", 2),
+    ("generate-device", ["generate", "--model", "{exp}", "--prompt", "x", "--device", "foo"],
+     "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
+    ("serve-device", ["serve", "--model", "{exp}", "--device", "foo"],
+     "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
      "exceeds the model's max_seq_len", 2),
+    ("eval-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--seq-len", "8"],
+     "is a directory, not a file", 2),
+    ("eval-bleu-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--tasks", "bleu"],
+     "is a directory, not a file", 2),
 ]
+
+# generate --input lines, each wrong in one way (see the generate rows)
+BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {"prompt": "a", "temprature": 0.5},
+             "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
+             "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
+             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5}}
 
 
 def _files(root):
@@ -187,6 +228,9 @@ def world(tmp_path_factory):
     p["text"], p["file"], p["longprompts"] = root / "text.txt", root / "file", root / "long.jsonl"
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
+    for name, line in BAD_LINES.items():
+        p[name] = root / f"{name}.jsonl"
+        p[name].write_text(json.dumps(line) + "\n")
     p["text"].write_text(TEXT * 4)
     p["file"].write_text("")
     p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
@@ -253,6 +297,18 @@ def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, caps
         assert not new.exists() or not any(new.iterdir()), list(new.iterdir())
     else:  # stopped by what it found once running: no checkpoint, no metrics
         assert {p.name for p in new.iterdir()} <= {".shardlm.lock", "config.toml"}
+
+
+def test_a_gpu_that_is_not_there_is_named_by_the_commands_flag(world, monkeypatch, capsys):
+    """generate, eval and serve choose the device by --device, not train.device (with or without a GPU here)."""
+    _, paths = world
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for cmd, *rest in (["generate", "--prompt", "x"], ["eval", "--data", paths["text"], "--seq-len", "8"], ["serve"]):
+        status, lines = _cli([cmd, "--model", paths["exp"], "--device", "cuda", *rest], capsys)
+        want = (f"shardlm {cmd}: error: --device 'cuda', but no CUDA device is visible to this process: use "
+                "--device auto or cpu")
+        assert status == 2 and lines == [want], lines
 
 
 def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):

@@ -427,6 +427,21 @@ def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, mo
     assert message.format(port=port) in err and "\n" not in err, err
 
 
+def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
+    from shardlm.cli import main
+    from shardlm.serve import command
+
+    class Stub:  # the server and its worker, built but not run
+        def run(self):
+            pass
+
+        def close(self, timeout):
+            pass
+    monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
+    assert main(["serve", "--model", str(hf_dir), "--max-batch", "1", "--compile", "off"]) == 0
+    assert "(1 slot of " in capsys.readouterr().err
+
+
 @pytest.mark.timeout(240)
 def test_tensor_parallel_serving_gives_the_tokens_of_one_process_and_sigterm_stops_every_rank(hf_dir, srv):
     """`serve --tp 2` as torchrun starts it (two processes, RANK/WORLD_SIZE/MASTER_* set; gloo on the CPU):

@@ -36,6 +36,8 @@ def read_examples(path: str | Path) -> tuple[list[str], list[str]]:
     """Prompts and references of a jsonl file: one object per line with `prompt` and `completion` (or
     `reference`), both strings. Blank lines are skipped."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--data {path} is a directory, not a file")
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file")
     prompts, refs = [], []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ batching); all scores are 0-100. They need pip install 'shardlm[eval]' (sacreble
 
 GENERATE_EPILOG = """\
 --input: one JSON object per line with "prompt" (a string) and optionally "max_new_tokens", "temperature",
-"top_k", "top_p", "seed" and "stop" (a string or a list of them), which override the flags for that line.
+"top_k", "top_p", "seed" and "stop" (a string or a list of them), which override the flags for that line, and
+"id"; "completion" and "reference" (eval's files) are allowed and unused. Any other key is refused.
 --output gets one object per input line, in order, as soon as it and every line before it are done:
 {"prompt", "completion", "finish_reason" ("stop" or "length"), "prompt_tokens", "completion_tokens"}, and
 "id" where the input line has one. Without --seed in a line, line i samples with seed --seed + i.
@@ -67,7 +69,7 @@ def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
-    device = pick_device(a.device)
+    device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
     import torch
@@ -129,8 +131,7 @@ def cmd_eval(argv: list[str]) -> int:
     if tasks == ["loss"]:
         if a.seq_len is None:
             raise ConfigError("the loss task needs --seq-len")
-        if not Path(a.data).is_file():
-            raise ConfigError(f"--data {a.data}: no such file")
+        _input_file(Path(a.data), "--data")
     else:
         _check_sampling(a)
         prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
@@ -165,35 +166,101 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
+def _input_file(path: Path, flag: str) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory, not a file")
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+
+
+# The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
+LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+UNUSED_KEYS = ("completion", "reference")
+# OpenAI's names, which a line written for the server would carry.
+KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+_INT64 = 1 << 63
+
+
+def _unknown_keys(where: str, obj: dict) -> None:
+    unknown = [k for k in obj if k not in LINE_KEYS and k not in UNUSED_KEYS]
+    if not unknown:
+        return
+    hints = [f"the key here is {KEY_NAMED_HERE[k]}" for k in unknown if k in KEY_NAMED_HERE]
+    raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                      f"{f' ({hints[0]})' if hints else ''}; a line holds {', '.join(LINE_KEYS)}")
+
+
+def _line_integer(where: str, obj: dict, key: str, default: int, low: int = 0) -> int:
+    """obj[key] (default where absent or null) as an int: a float only where it is integral (3.0, from a
+    writer that makes every number a float), never a boolean or a string; within int64, as the engine holds it."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be an integer")
+    if value < low:
+        raise ConfigError(f"{where}: {key} = {value} must not be negative")
+    if not -_INT64 <= value < _INT64:
+        raise ConfigError(f"{where}: {key} = {value} does not fit in 64 bits")
+    return value
+
+
+def _line_number(where: str, obj: dict, key: str, default: float) -> float:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number")
+    return float(value)
+
+
 def _read_requests(path: Path, a) -> list[dict]:
     """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
-    from ..data.jsonl import objects
+    from ..data.jsonl import JSON_KINDS, objects
     from .sampler import SamplingParams
-    if not path.is_file():
-        raise ConfigError(f"--input {path}: no such file")
+    _input_file(path, "--input")
     rows = []
     for where, obj, _ in objects(path, ConfigError, " with a prompt"):
-        if not isinstance(obj.get("prompt"), str):
+        if "prompt" not in obj:
             raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
+        if not isinstance(obj["prompt"], str):
+            kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
+            raise ConfigError(f"{where}: prompt must be a string, not {kind}")
+        _unknown_keys(where, obj)
         stop = obj.get("stop", [])
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
-        settings = {k: obj.get(k, getattr(a, k)) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
+        settings = (_line_number(where, obj, "temperature", a.temperature), _line_integer(where, obj, "top_k", a.top_k),
+                    _line_number(where, obj, "top_p", a.top_p),
+                    _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
         try:
-            seed = int(obj.get("seed", a.seed + len(rows)))
-            sampling = SamplingParams(float(settings["temperature"]), int(settings["top_k"]),
-                                      float(settings["top_p"]), seed)
-            max_new = int(settings["max_new_tokens"])
-        except (TypeError, ValueError) as e:
+            sampling = SamplingParams(*settings)
+        except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-        if max_new < 0:
-            raise ConfigError(f"{where}: max_new_tokens {max_new} must not be negative")
         rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
                      "stop": tuple(stop)})
     if not rows:
         raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
     return rows
+
+
+def _check_output(out: Path, src: Path, overwrite: bool) -> None:
+    """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
+    if out.is_dir():
+        raise ConfigError(f"--output {out} is a directory: name a file (in it or elsewhere)")
+    if out.exists() and out.samefile(src):
+        raise ConfigError(f"--output {out} is the --input file: the completions would replace the prompts; name "
+                          "another file")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {out}: its directory {parent} "
+                          f"{'is not a directory' if parent.exists() else 'does not exist'}")
+    if out.exists() and out.stat().st_size and not overwrite:
+        raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -213,16 +280,19 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help='print {"completion": ...} (--prompt)')
     a = p.parse_args(argv)
     _check_sampling(a)
+    if "" in a.stop:  # it would end every completion before its first token
+        raise ConfigError("--stop '': a stop must be a non-empty string")
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
-        out = Path(a.output)
-        if out.exists() and (out.is_dir() or (out.stat().st_size and not a.overwrite)):
-            raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
         rows = _read_requests(Path(a.input), a)
+        _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
+        if a.output is not None:
+            raise ConfigError("--output goes with --input (a jsonl file of prompts); a --prompt's completion is "
+                              "printed (--json for JSON)")
         from .sampler import SamplingParams
         rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
                  "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)}]
@@ -276,6 +346,7 @@ def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     finally:
         close()
     if main:
-        print(f"{len(requests)} completions, {sum(len(r.tokens) for r in requests):,} new tokens -> {out}",
+        n, new = len(requests), sum(len(r.tokens) for r in requests)
+        print(f"{n} completion{'s' if n != 1 else ''}, {new:,} new token{'s' if new != 1 else ''} -> {out}",
               file=sys.stderr)
     return 0

@@ -8,14 +8,26 @@ import torch
 from ..config import ConfigError
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """`auto`: the GPU where there is one, else the CPU; `cuda` without a GPU is an error, not a fallback."""
+def pick_device(name: str = "auto", option: str = "train.device") -> torch.device:
+    """`auto`: the GPU where there is one, else the CPU; `cuda` without a GPU is an error, not a fallback.
+    `option` is where the name came from (a config key, or a command's flag such as --device), for the errors."""
+    given = f"{option} {name!r}" if option.startswith("--") else f"{option} = {name!r}"
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda', but no CUDA device is visible to this process: use "
-                          "train.device auto or cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists every backend it knows, which shardlm does not run on
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{given} is not a device (auto, cpu, cuda, cuda:N)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{given}, but no CUDA device is visible to this process: use {option} auto or cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{given}, but this process sees {count} CUDA device{'s' if count > 1 else ''} "
+                              f"(cuda:0 to cuda:{count - 1})")
+    return device
 
 
 # torch's pinned allocator rounds every block up to a power of two bytes, so a 52 GB buffer (a 13B

@@ -145,7 +145,8 @@ def cmd_serve(argv: list[str]) -> int:
         server, worker = build_server(engines if len(engines) > 1 else engine, tok, base, adapters, a.host, a.port,
                                       a.log_level, lambda e: warm_up_batches(e, tok.eos_id or 0))
         where = f"{len(engines)} replicas on {', '.join(map(str, devices))}" if len(engines) > 1 else str(engine.device)
-        print(f"shardlm serve: {base} ({len(engine.slots)} slots of {max_len} positions, {where}"
+        n = len(engine.slots)
+        print(f"shardlm serve: {base} ({n} slot{'s' if n != 1 else ''} of {max_len} positions, {where}"
               f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}", file=sys.stderr,
               flush=True)
         server.run()
