@@ -46,7 +46,7 @@ class InferencePlan:
 
 def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
     """(inputs, outputs, how many, where) of the model's nn.Linear layers, where is "block", "router" (an MoE's,
-    which int8 leaves in 16 bits) or "head" (an untied output head, which int4 quantises and int8 does not).
+    which --quantize leaves as it is) or "head" (an untied output head, which int4 quantises and int8 does not).
     The routed experts are stacked weights, not linear layers: no --quantize touches them."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
@@ -74,7 +74,7 @@ def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float
     for fan_in, fan_out, count, where in linears(m):
         if quantize == "int8" and where == "block":
             total -= count * fan_out * (fan_in * (itemsize - 1) - itemsize)
-        elif quantize == "int4":
+        elif quantize == "int4" and where != "router":
             group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
             if group:
                 total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * 2 * (fan_in // group))
