@@ -434,6 +434,20 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
 
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_the_decode_steps_bounds_are_the_masks(window):
+    """visible_bounds, which every layer's decode kernel reads, are the first visible cached position and one past
+    the last of visible's mask: at the first key, the last, past a window, and an idle row's none."""
+    from shardlm.inference.slots import visible, visible_bounds
+    keys, idle = 32, 40
+    pos = torch.tensor([[0], [3], [12], [31], [idle]])
+    mask = visible(pos, keys, window, idle)[:, 0]
+    lo, hi = visible_bounds(pos, keys, window, idle)
+    assert lo.dtype == hi.dtype == torch.int32
+    assert lo.tolist() == [int(m.int().argmax()) if m.any() else 0 for m in mask]
+    assert (hi - lo).tolist() == mask.sum(-1).tolist()
+
+
 def test_slots_fit_the_hosts_memory_on_a_cpu():
     """On a CPU the slots are bounded by the host's free memory, not only by what was asked (a --max-batch of
     millions was taken as given, then killed for memory)."""

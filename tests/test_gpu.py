@@ -159,7 +159,7 @@ def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(d
     first key, the last, mid-way across split boundaries, an idle slot's (zeros), with GQA and a sliding
     window, on views of a longer cache as the decode step passes them; 6 rows and 72 (the two launches)."""
     from shardlm.inference.decode_attention import decode_attention, kernel_ok
-    from shardlm.inference.slots import visible
+    from shardlm.inference.slots import visible, visible_bounds
     g = torch.Generator(device="cuda").manual_seed(0)
     keys, d = 300, 64
     q = torch.randn(n, heads, 1, d, device="cuda", generator=g).to(dtype)
@@ -172,9 +172,10 @@ def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(d
     scores = torch.einsum("nhd,nhkd->nhk", q[:, :, 0].float(), k.float().repeat_interleave(heads // kv, 1))
     probs = (scores * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num()
     want = torch.einsum("nhk,nhkd->nhd", probs, v.float().repeat_interleave(heads // kv, 1)).reshape(n, 1, -1)
-    got = decode_attention(q, k, v, mask)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    for bounds in (None, visible_bounds(pos, keys, window, idle)):  # from the mask, and as the decode step gives them
+        got = decode_attention(q, k, v, mask, bounds)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
 
 
 @cuda

@@ -94,13 +94,18 @@ def kernel_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
             and k.stride(-1) == 1 and q.shape[2] == 1)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """slots.attend_cached for one query a row: q [n, H, 1, d], k and v [n, KV, keys, d], `mask` [n, 1, keys]
-    one run of visible positions a row (its position, back to the window's start). Returns [n, 1, H * d]."""
+    one run of visible positions a row (its position, back to the window's start), or `bounds`, that run's
+    first position and one past its last (int32 [n] each; slots.visible_bounds). Returns [n, 1, H * d]."""
     n, heads, _, d = q.shape
-    seen = mask[:, 0]
-    lo = seen.int().argmax(-1).int()  # the first visible key
-    hi = lo + seen.sum(-1).int()
+    if bounds is None:
+        seen = mask[:, 0]
+        lo = seen.int().argmax(-1).int()  # the first visible key
+        hi = lo + seen.sum(-1).int()
+    else:
+        lo, hi = bounds
     acc, best, total = torch.ops.shardlm.decode_attention_splits(q[:, :, 0].contiguous(), k, v, lo, hi)
     weight = torch.exp(best - best.amax(-1, keepdim=True))  # [n, H, splits]
     y = (acc * weight[..., None]).sum(-2) / (total * weight).sum(-1, keepdim=True).clamp_min(1e-30)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,14 +71,32 @@ def visible(positions: torch.Tensor, keys: int, window: int, idle: int | None = 
     return mask & (j > pos - window) if window else mask
 
 
-def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of queries q [n, H, T, d] to cached keys and values [n, KV, keys, d] under `mask`
+def visible_bounds(positions: torch.Tensor, keys: int, window: int, idle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one query a row (`positions` [n, 1]): the first cached position `visible` shows it and one past the
+    last (int32 [n] each); 0 and 0 for an idle row. Computed once a decode step for every layer's kernel."""
+    pos = positions[:, 0].int()
+    hi = (pos + 1).clamp_max(keys)
+    lo = (pos + 1 - window).clamp(0, keys) if window else torch.zeros_like(hi)
+    idle_rows = pos == idle
+    return lo.masked_fill(idle_rows, 0), hi.masked_fill(idle_rows, 0)
+
+
+class CachedMask(NamedTuple):
+    """What queries over the cache see: `visible`'s mask [n, T, keys], and for one query a row its bounds
+    (visible_bounds), else None."""
+    mask: torch.Tensor
+    bounds: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: CachedMask) -> torch.Tensor:
+    """Attention of queries q [n, H, T, d] to cached keys and values [n, KV, keys, d] under `seen`'s mask
     [n, T, keys]; H = KV x G, query head h reading key/value head h // G. Returns [n, T, H * d]."""
     n, heads, t, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
     g = heads // kv
+    mask = seen.mask
     if kernel_ok(q, k):
-        return decode_attention(q, k, v, mask)
+        return decode_attention(q, k, v, mask, seen.bounds)
     if t == 1 and torch.compiler.is_compiling():
         return _attend_one(q, k, v, mask)
     scores = (q.reshape(n, kv, g * t, d) @ k.transpose(-1, -2)).view(n, kv, g, t, keys).float()
@@ -159,7 +178,11 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
     angles = None if rope is None else (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
     keys = keys or cache.max_len
     window = model.cfg.sliding_window
-    mask = model.window_mask(0, t, ids.device) if fresh else visible(positions, keys, window, cache.scratch)
+    if fresh:
+        mask = model.window_mask(0, t, ids.device)
+    else:
+        mask = CachedMask(visible(positions, keys, window, cache.scratch),
+                          visible_bounds(positions, keys, window, cache.scratch) if t == 1 else None)
     for i, block in enumerate(model.blocks()):
         x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
     h = model.norm(x)
@@ -169,7 +192,8 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
 
 def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor, angles, rows: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor | None, mask, fresh: bool, keys: int) -> torch.Tensor:
-    """One block of forward_tokens over its layer's cache. Every block runs the same code on its own weights,
+    """One block of forward_tokens over its layer's cache (`mask`: a prompt's window mask where `fresh`, else
+    a CachedMask). Every block runs the same code on its own weights,
     so compiled once (the weights are the graph's inputs) it serves every layer: a prefill's shapes change with
     each prompt, which rules out one CUDA graph per shape, and eager, a 7B model's prefill spends most of its
     time launching a few hundred small operators per layer."""
