@@ -496,6 +496,12 @@ def _plan_inference(*flags, check=True):
     return run_cli("plan", "--model", "llama2-7b", "--inference", *flags, check=check)
 
 
+def test_plan_inference_groups_int4_as_quantize_does():
+    from shardlm.inference import quantize
+    from shardlm.plan import inference
+    assert inference.INT4_GROUPS == quantize.INT4_GROUPS
+
+
 def test_plan_inference_quantized_weights_and_speed():
     """--quantize int8 stores the blocks' linear weights in a byte each with a 16-bit scale per output, int4 in
     half a byte with a 16-bit scale and minimum per 128 inputs (the untied head too); the rest stays 16-bit.
