@@ -6,7 +6,7 @@ that a few CUDA graphs serve every step) reads and masks the keys past each row'
 end of the bound, most of what it reads. Here every (row, query head, split of the keys) is one program that
 reads the keys and values of its split that its row sees (`lo` to `hi`, its position and sliding window) and
 keeps an online softmax over them (a split with no key keeps the finite -1e30 as its maximum, so it
-weighs nothing); a second pass, in PyTorch, weighs the splits' partial sums by their
+weighs nothing); a second kernel, a program for each (row, head), weighs the splits' partial sums by their
 maxima and adds them. Splits past a row's end return at once, so a step costs the keys the rows hold.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from ..kernels import triton, triton_ok
 
 
-
 def launch(pairs: int) -> tuple[int, int]:
     """(keys a loop iteration loads, keys a program reads at most) for `pairs` (row, head) programs a split:
     an H200's best of a sweep over 16-128 and 64-512, 4 warps (bench/README.md): small splits where few rows
     leave the SMs idle, larger tiles where many keep them busy."""
     return (64, 64) if pairs < 256 else (128, 128)
+
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
@@ -58,23 +58,41 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(max_ptr + out, best)
         tl.store(sum_ptr + out, total)
 
-    # An opaque custom op, not a triton_op: the compiler then neither analyses the kernel for what it writes
-    # nor copies the cache views it reads, and the decode step's CUDA graph captures the launch as it is.
-    @torch.library.custom_op("shardlm::decode_attention_splits", mutates_args=())
-    def _splits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
-                hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @triton.jit
+    def _combine_kernel(acc_ptr, max_ptr, sum_ptr, y_ptr, SPLITS: tl.constexpr, POW2: tl.constexpr,
+                        D: tl.constexpr):
+        pair = tl.program_id(0)  # row * heads + head
+        s = tl.arange(0, POW2)
+        ok = s < SPLITS
+        best = tl.load(max_ptr + pair * SPLITS + s, mask=ok, other=-1e30)
+        total = tl.load(sum_ptr + pair * SPLITS + s, mask=ok, other=0.0)
+        weight = tl.where(ok, tl.exp(best - tl.max(best, 0)), 0.0)
+        d = tl.arange(0, D)
+        acc = tl.load(acc_ptr + (pair * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        y = tl.sum(acc * weight[:, None], 0) / tl.maximum(tl.sum(total * weight, 0), 1e-30)
+        tl.store(y_ptr + pair * D + d, y.to(y_ptr.dtype.element_ty))
+
+    # An opaque custom op, not a triton_op: the compiler then neither analyses the kernels for what they write
+    # nor copies the cache views they read, and the decode step's CUDA graph captures the launches as they are.
+    @torch.library.custom_op("shardlm::decode_attention", mutates_args=())
+    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> torch.Tensor:
         acc, best, total = _split_outputs(q, k)
         n, heads, d = q.shape
         block, split = launch(n * heads)
-        _split_kernel[(n, heads, acc.shape[2])](
+        splits = acc.shape[2]
+        _split_kernel[(n, heads, splits)](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
             HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=split, BLOCK=block, num_warps=4)
-        return acc, best, total
+        y = q.new_empty(n, heads, d)
+        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, POW2=triton.next_power_of_2(splits), D=d,
+                                      num_warps=1)
+        return y
 
-    @_splits.register_fake
+    @_attention.register_fake
     def _(q, k, v, lo, hi):
-        return _split_outputs(q, k)
+        return q.new_empty(q.shape)
 
 
 def _split_outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,7 +124,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         hi = lo + seen.sum(-1).int()
     else:
         lo, hi = bounds
-    acc, best, total = torch.ops.shardlm.decode_attention_splits(q[:, :, 0].contiguous(), k, v, lo, hi)
-    weight = torch.exp(best - best.amax(-1, keepdim=True))  # [n, H, splits]
-    y = (acc * weight[..., None]).sum(-2) / (total * weight).sum(-1, keepdim=True).clamp_min(1e-30)
+    y = torch.ops.shardlm.decode_attention(q[:, :, 0].contiguous(), k, v, lo, hi)
     return y.to(v.dtype).reshape(n, 1, heads * d)
