@@ -52,6 +52,9 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantisation of the linear layers: int8 per channel, int4 per group (torchao)")
 
 
+_INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -61,8 +64,16 @@ def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
 
 
 def _check_sampling(a) -> None:
-    if a.max_new_tokens < 0 or a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
-        raise ConfigError("--max-new-tokens, --temperature and --top-k must not be negative; --top-p is in (0, 1]")
+    """Each sampling flag refused on its own, by name."""
+    for flag, value, ok, rule in (
+            ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0, "must not be negative"),
+            ("--temperature", a.temperature, math.isfinite(a.temperature) and a.temperature >= 0,
+             "must be a finite number, not negative (0 is greedy)"),
+            ("--top-k", a.top_k, a.top_k >= 0, "must not be negative (0: every token)"),
+            ("--top-p", a.top_p, 0 < a.top_p <= 1, "is in (0, 1]"),
+            ("--seed", a.seed, -_INT64 <= a.seed < _INT64, "does not fit in 64 bits")):
+        if not ok:
+            raise ConfigError(f"{flag} {value} {rule}")
 
 
 def _tensor_parallel(a):
@@ -178,7 +189,6 @@ LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", 
 UNUSED_KEYS = ("completion", "reference")
 # OpenAI's names, which a line written for the server would carry.
 KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-_INT64 = 1 << 63
 
 
 def _unknown_keys(where: str, obj: dict) -> None:
