@@ -496,6 +496,18 @@ def _plan_inference(*flags, check=True):
     return run_cli("plan", "--model", "llama2-7b", "--inference", *flags, check=check)
 
 
+@pytest.mark.parametrize("flags,msg", [(("--seq", "4096"), "--seq shapes a training plan"),
+                                       (("--offload", "cpu", "--micro-batch", "2"), "--micro-batch, --offload shape a")])
+def test_plan_inference_refuses_training_flags_it_would_ignore(flags, msg):
+    bad = _plan_inference(*flags, check=False)
+    assert bad.returncode == 2 and msg in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_batch_and_context_without_inference_are_refused():
+    bad = run_cli("plan", "--model", "llama2-7b", "--batch", "8", check=False)
+    assert bad.returncode == 2 and "--batch and --context size a served batch: give them with --inference" in bad.stderr
+
+
 def test_plan_inference_groups_int4_as_quantize_does():
     from shardlm.inference import quantize
     from shardlm.plan import inference

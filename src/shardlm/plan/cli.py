@@ -129,6 +129,9 @@ def fmt(x: float) -> str:
 def check_flags(a) -> None:
     """The values no layout check sees."""
     check_numbers(a)
+    if not a.inference and (a.batch != 1 or a.context is not None):
+        raise PlanError("--batch and --context size a served batch: give them with --inference (training's are "
+                        "--micro-batch and --seq)")
     for flag, value in (("--tokens", a.tokens), ("--price-per-gpu-hour", a.price_per_gpu_hour)):
         if value < 0:
             raise PlanError(f"{flag} {value:g} must not be negative")
@@ -218,9 +221,21 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+# Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
+TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
+                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "sp", "recompute",
+                 "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo", "lora_targets",
+                 "host_memory", "top")
+
+
 def check_inference_flags(a, model: ModelConfig) -> int:
     """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
     from .inference import QUANTIZE
+    defaults = parser().parse_args([])
+    ignored = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(a, name) != getattr(defaults, name)]
+    if ignored:
+        raise PlanError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} a training plan; --inference "
+                        "reads the model, --batch, --context, --quantize, --precision and the GPU")
     if a.search:
         raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
     if a.largest:
