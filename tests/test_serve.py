@@ -442,6 +442,23 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     assert "(1 slot of " in capsys.readouterr().err
 
 
+def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):
+    """Under torchrun every rank runs the command and only rank 0 serves HTTP: another rank must not test-bind
+    the port (two ranks binding it at once would refuse each other)."""
+    import shardlm.inference
+    from shardlm.cli import main
+
+    def loading(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
+    monkeypatch.setenv("RANK", "1")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(AssertionError, match="the model was loaded"):
+            main(["serve", "--model", str(hf_dir), "--port", str(busy.getsockname()[1])])
+
+
 @pytest.mark.timeout(240)
 def test_tensor_parallel_serving_gives_the_tokens_of_one_process_and_sigterm_stops_every_rank(hf_dir, srv):
     """`serve --tp 2` as torchrun starts it (two processes, RANK/WORLD_SIZE/MASTER_* set; gloo on the CPU):

@@ -6,6 +6,7 @@ expect); a second signal ends it at once, with that signal's status.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--max-batch and --max-len must be at least 1")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
-    _check_address(a.host, a.port)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 serves HTTP; the others would race it
+        _check_address(a.host, a.port)
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base, a.model)
     from ..inference import Engine, load_pretrained, slots_that_fit
