@@ -89,16 +89,21 @@ class Int8Linear(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
 
+def unquantised(model: nn.Module) -> set[int]:
+    """The ids of the linear layers that weight-only quantisation leaves as they are: those a module names in its
+    `unquantised` (model/moe.py's router, whose weight route() reads itself, in fp32)."""
+    return {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "unquantised", ())}
+
+
 def to_int8(model: nn.Module) -> int:
     """Every nn.Linear of `model`'s blocks as an Int8Linear, in place; how many. The output head stays in
     16 bits: it is the model's own product with the (often tied) embedding, not a linear layer's."""
-    blocks = model.blocks()
+    kept = unquantised(model)
     swapped = 0
-    for block in blocks:
+    for block in model.blocks():
         for name, m in list(block.named_modules()):
-            parent, _, leaf = name.rpartition(".")
-            owner = block.get_submodule(parent) if parent else block
-            if isinstance(m, nn.Linear) and leaf not in getattr(owner, "unquantised", ()):  # an MoE's router
-                setattr(owner, leaf, Int8Linear(m))
+            if isinstance(m, nn.Linear) and id(m) not in kept:
+                parent, _, leaf = name.rpartition(".")
+                setattr(block.get_submodule(parent) if parent else block, leaf, Int8Linear(m))
                 swapped += 1
     return swapped

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .int8 import to_int8
+from .int8 import to_int8, unquantised
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input is its int4 group
@@ -45,7 +45,7 @@ def quantize(model: nn.Module, kind: str) -> int:
         return to_int8(model)
     q = _torchao()
     p = next(model.parameters())
-    kept = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "unquantised", ())}  # routers
+    kept = unquantised(model)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in kept]
     cuda = p.device.type == "cuda"
     if cuda and p.dtype != torch.bfloat16:
