@@ -157,7 +157,7 @@ def test_prefill_replayed_as_cuda_graphs_gives_the_compiled_prefills_tokens(chan
 def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(dtype, heads, kv, window, n):
     """The flash-decoding kernel against slots.attend_cached's masked products (its CPU path): rows at the
     first key, the last, mid-way across split boundaries, an idle slot's (zeros), with GQA and a sliding
-    window, on views of a longer cache as the decode step passes them; 6 rows and 72 (the two launches)."""
+    window, on views of a longer cache as the decode step passes them; 6 rows and 72."""
     from shardlm.inference.decode_attention import decode_attention, kernel_ok
     from shardlm.inference.slots import visible, visible_bounds
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -182,17 +182,19 @@ def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(d
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_int8_kernel_equals_the_dequantised_product(rows):
     """The int8 weight-only product of decode (Triton) against the weight dequantised and multiplied in fp32:
-    sizes that fill no tile evenly, several row tiles; and an Int8Linear beside the layer it replaced."""
-    from shardlm.inference.int8 import Int8Linear, int8_linear, kernel_ok
+    sizes that fill no tile evenly, several row tiles, narrow and wide layers; and an Int8Linear beside the
+    layer it replaced."""
+    from shardlm.inference.int8 import WIDE, Int8Linear, int8_linear, kernel_ok
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 300, device="cuda", generator=g).bfloat16()
     assert kernel_ok(x)
-    layer = torch.nn.Linear(300, 100, bias=True).cuda().bfloat16()
-    q = Int8Linear(layer)
-    want = x.float() @ (q.weight.float() * q.scale.float()[:, None]).t()
-    torch.testing.assert_close(int8_linear(x, q.weight, q.scale).float(), want, atol=2e-2, rtol=2e-2)
-    near = layer(x).float()
-    assert ((q(x).float() - near).abs().max() / near.abs().max()).item() < 0.02
+    for outputs in (100, WIDE + 100):  # the narrow and the wide layers' launches
+        layer = torch.nn.Linear(300, outputs, bias=True).cuda().bfloat16()
+        q = Int8Linear(layer)
+        want = x.float() @ (q.weight.float() * q.scale.float()[:, None]).t()
+        torch.testing.assert_close(int8_linear(x, q.weight, q.scale).float(), want, atol=2e-2, rtol=2e-2)
+        near = layer(x).float()
+        assert ((q(x).float() - near).abs().max() / near.abs().max()).item() < 0.02
 
 
 @cuda

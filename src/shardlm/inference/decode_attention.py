@@ -16,11 +16,10 @@ import torch
 from ..kernels import triton, triton_ok
 
 
-def launch(pairs: int) -> tuple[int, int]:
-    """(keys a loop iteration loads, keys a program reads at most) for `pairs` (row, head) programs a split:
-    an H200's best of a sweep over 16-128 and 64-512, 4 warps (bench/README.md): small splits where few rows
-    leave the SMs idle, larger tiles where many keep them busy."""
-    return (64, 64) if pairs < 256 else (128, 128)
+# Keys a loop iteration loads, keys a program reads at most, warps a program: an H200's best over 32-256,
+# 32-128 and 2-8 for one and for 16 rows of 16 slots, 512 and 2048 keys (bench/README.md). Small splits keep
+# the SMs busy when few rows hold keys; a split that holds none of its row's keys skips its loop.
+BLOCK, SPLIT, WARPS = 32, 64, 2
 
 
 if triton is not None and hasattr(torch.library, "custom_op"):
@@ -35,24 +34,25 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         start = tl.maximum(tl.load(lo_ptr + row), split * SPLIT)
         end = tl.minimum(tl.load(hi_ptr + row), split * SPLIT + SPLIT)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
-        keys = k_ptr + row.to(tl.int64) * sk_n + (head // GROUP) * sk_h
-        values = v_ptr + row.to(tl.int64) * sv_n + (head // GROUP) * sv_h
         best = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
         total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
         acc = tl.zeros([D], tl.float32)
-        for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
-            t = split * SPLIT + i * BLOCK + tl.arange(0, BLOCK)
-            ok = (t >= start) & (t < end)
-            k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
-            new = tl.maximum(best, tl.max(x, 0))
-            fade = tl.exp(best - new)
-            p = tl.where(ok, tl.exp(x - new), 0.0)
-            v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * fade + tl.sum(p[:, None] * v, 0)
-            total = total * fade + tl.sum(p, 0)
-            best = new
+        if start < end:
+            q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
+            keys = k_ptr + row.to(tl.int64) * sk_n + (head // GROUP) * sk_h
+            values = v_ptr + row.to(tl.int64) * sv_n + (head // GROUP) * sv_h
+            for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
+                t = split * SPLIT + i * BLOCK + tl.arange(0, BLOCK)
+                ok = (t >= start) & (t < end)
+                k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
+                new = tl.maximum(best, tl.max(x, 0))
+                fade = tl.exp(best - new)
+                p = tl.where(ok, tl.exp(x - new), 0.0)
+                v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                acc = acc * fade + tl.sum(p[:, None] * v, 0)
+                total = total * fade + tl.sum(p, 0)
+                best = new
         out = (row * HEADS + head) * tl.num_programs(2) + split
         tl.store(acc_ptr + out * D + d, acc)
         tl.store(max_ptr + out, best)
@@ -79,12 +79,11 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                    hi: torch.Tensor) -> torch.Tensor:
         acc, best, total = _split_outputs(q, k)
         n, heads, d = q.shape
-        block, split = launch(n * heads)
         splits = acc.shape[2]
         _split_kernel[(n, heads, splits)](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
-            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=split, BLOCK=block, num_warps=4)
+            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS)
         y = q.new_empty(n, heads, d)
         _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, POW2=triton.next_power_of_2(splits), D=d,
                                       num_warps=1)
@@ -98,7 +97,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 def _split_outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's outputs, empty: each split's unnormalised sum [n, H, splits, d], maximum and total."""
     n, heads, d = q.shape
-    splits = -(-k.shape[2] // launch(n * heads)[1])
+    splits = -(-k.shape[2] // SPLIT)
     acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
     best = q.new_empty((n, heads, splits), dtype=torch.float32)
     return acc, best, torch.empty_like(best)

@@ -17,7 +17,13 @@ from torch import nn
 from ..kernels import triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
-BM, BN, BK = 16, 32, 256  # an H200 sweep's best over BN 16-64, BK 128-512 (bench/README.md)
+BM = 16
+# Launch blocks (BN, BK, warps, stages) for layers of fewer than WIDE outputs (whose 32-row tiles give about one
+# program an SM) and for the others; both the best of an H200 sweep over all four of llama2-7b's shapes at once
+# (BN 16-64, BK 128-512; bench/README.md) until a sweep of each sets them apart.
+WIDE = 8192
+NARROW_LAUNCH = (32, 256, 4, 5)
+WIDE_LAUNCH = (64, 256, 4, 3)
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
@@ -43,9 +49,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = x.new_empty(m, n)
-        _int8_mm_kernel[(triton.cdiv(n, BN), triton.cdiv(m, BM))](
-            x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=BN, BK=BK,
-            num_warps=4, num_stages=4)
+        bn, bk, warps, stages = WIDE_LAUNCH if n >= WIDE else NARROW_LAUNCH
+        _int8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, BM))](
+            x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=bn, BK=bk,
+            num_warps=warps, num_stages=stages)
         return y
 
     @_int8_mm.register_fake
