@@ -157,25 +157,27 @@ def test_prefill_replayed_as_cuda_graphs_gives_the_compiled_prefills_tokens(chan
 def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(dtype, heads, kv, window, n):
     """The flash-decoding kernel against slots.attend_cached's masked products (its CPU path): rows at the
     first key, the last, mid-way across split boundaries, an idle slot's (zeros), with GQA and a sliding
-    window, on views of a longer cache as the decode step passes them; 6 rows and 72."""
+    window, on views of a longer cache as the decode step passes them; 6 rows and 72; 300 keys and 3,000."""
     from shardlm.inference.decode_attention import decode_attention, kernel_ok
     from shardlm.inference.slots import visible, visible_bounds
     g = torch.Generator(device="cuda").manual_seed(0)
-    keys, d = 300, 64
-    q = torch.randn(n, heads, 1, d, device="cuda", generator=g).to(dtype)
-    cache = [torch.randn(n, kv, keys + 77, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
-    k, v = (c[:, :, :keys] for c in cache)
-    idle = keys + 76  # an idle slot's scratch position: it sees no key, and reads none
-    pos = torch.tensor([[0], [keys - 1], [127], [128], [200], [idle]] * (n // 6), device="cuda")
-    mask = visible(pos, keys, window, idle)
-    assert kernel_ok(q, k)
-    scores = torch.einsum("nhd,nhkd->nhk", q[:, :, 0].float(), k.float().repeat_interleave(heads // kv, 1))
-    probs = (scores * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num()
-    want = torch.einsum("nhk,nhkd->nhd", probs, v.float().repeat_interleave(heads // kv, 1)).reshape(n, 1, -1)
-    for bounds in (None, visible_bounds(pos, keys, window, idle)):  # from the mask, and as the decode step gives them
-        got = decode_attention(q, k, v, mask, bounds)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), want, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    d = 64
+    for keys in (300, 3000):  # 3000: more splits than the combine takes at once
+        q = torch.randn(n, heads, 1, d, device="cuda", generator=g).to(dtype)
+        cache = [torch.randn(n, kv, keys + 77, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
+        k, v = (c[:, :, :keys] for c in cache)
+        idle = keys + 76  # an idle slot's scratch position: it sees no key, and reads none
+        pos = torch.tensor([[0], [keys - 1], [127], [128], [200], [idle]] * (n // 6), device="cuda")
+        mask = visible(pos, keys, window, idle)
+        assert kernel_ok(q, k)
+        scores = torch.einsum("nhd,nhkd->nhk", q[:, :, 0].float(), k.float().repeat_interleave(heads // kv, 1))
+        probs = (scores * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num()
+        want = torch.einsum("nhk,nhkd->nhd", probs, v.float().repeat_interleave(heads // kv, 1)).reshape(n, 1, -1)
+        for bounds in (None, visible_bounds(pos, keys, window, idle)):  # from the mask, and as the decode step does
+            got = decode_attention(q, k, v, mask, bounds)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want,
+                                       **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
 
 
 @cuda

@@ -59,18 +59,27 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(sum_ptr + out, total)
 
     @triton.jit
-    def _combine_kernel(acc_ptr, max_ptr, sum_ptr, y_ptr, SPLITS: tl.constexpr, POW2: tl.constexpr,
+    def _combine_kernel(acc_ptr, max_ptr, sum_ptr, y_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                         D: tl.constexpr):
+        # BLOCK splits at a time with the same online rescaling as the splits' own: a long context's hundreds
+        # of splits at once would not fit one program's registers.
         pair = tl.program_id(0)  # row * heads + head
-        s = tl.arange(0, POW2)
-        ok = s < SPLITS
-        best = tl.load(max_ptr + pair * SPLITS + s, mask=ok, other=-1e30)
-        total = tl.load(sum_ptr + pair * SPLITS + s, mask=ok, other=0.0)
-        weight = tl.where(ok, tl.exp(best - tl.max(best, 0)), 0.0)
         d = tl.arange(0, D)
-        acc = tl.load(acc_ptr + (pair * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        y = tl.sum(acc * weight[:, None], 0) / tl.maximum(tl.sum(total * weight, 0), 1e-30)
-        tl.store(y_ptr + pair * D + d, y.to(y_ptr.dtype.element_ty))
+        best = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        out = tl.zeros([D], tl.float32)
+        for s0 in range(0, SPLITS, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            ok = s < SPLITS
+            m = tl.load(max_ptr + pair * SPLITS + s, mask=ok, other=-1e30)
+            new = tl.maximum(best, tl.max(m, 0))
+            fade = tl.exp(best - new)
+            weight = tl.where(ok, tl.exp(m - new), 0.0)
+            acc = tl.load(acc_ptr + (pair * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            out = out * fade + tl.sum(acc * weight[:, None], 0)
+            total = total * fade + tl.sum(tl.load(sum_ptr + pair * SPLITS + s, mask=ok, other=0.0) * weight, 0)
+            best = new
+        tl.store(y_ptr + pair * D + d, (out / tl.maximum(total, 1e-30)).to(y_ptr.dtype.element_ty))
 
     # An opaque custom op, not a triton_op: the compiler then neither analyses the kernels for what they write
     # nor copies the cache views they read, and the decode step's CUDA graph captures the launches as they are.
@@ -85,8 +94,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
             HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS)
         y = q.new_empty(n, heads, d)
-        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, POW2=triton.next_power_of_2(splits), D=d,
-                                      num_warps=1)
+        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
         return y
 
     @_attention.register_fake
