@@ -19,8 +19,8 @@ from ..kernels import triton, triton_ok
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 BM = 16
 # Launch blocks (BN, BK, warps, stages) for layers of fewer than WIDE outputs (whose 32-row tiles give about one
-# program an SM) and for the others; both the best of an H200 sweep over all four of llama2-7b's shapes at once
-# (BN 16-64, BK 128-512; bench/README.md) until a sweep of each sets them apart.
+# program an SM) and for the others: each the best for llama2-7b's layers of its kind in an H200 sweep over
+# BN 16-64, BK 128-256, 4-8 warps, 3-5 stages (bench/README.md).
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
