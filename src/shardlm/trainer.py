@@ -199,7 +199,7 @@ class Trainer:
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
-                                 self.cfg.train.global_batch_size)
+                                 self.cfg.train.global_batch_size, self.cfg.train.seq_len)
         own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
                                                                   self.mesh.is_main)
         return path, own
