@@ -113,6 +113,8 @@ CASES = [
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
      "no tokenizer.json", 2),
     # plan
+    ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
+     2),
     ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
     ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
     ("plan-nan-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "nan"], "--gpu-tflops nan must be a positive", 2),
