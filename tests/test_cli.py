@@ -32,6 +32,17 @@ def test_print_config_and_errors():
     assert unknown.returncode == 2 and "train.bogus" in unknown.stderr
 
 
+@pytest.mark.parametrize("cmd", [["plan", "--model", "tiny", "--search", "--gpus", "8"],
+                                 ["train", "tiny", "--print-config"]])
+def test_a_reader_that_leaves_ends_the_command_quietly(cmd):
+    """`shardlm plan ... | head -1`: the rest of the output went to a closed pipe in BrokenPipeError's traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 141 and err == "", (proc.returncode, err)
+
+
 def test_train_export_eval_generate_roundtrip(tmp_path, capsys):
     run_cli("train", "tiny", "--train.steps", "3", "--out", tmp_path / "run")
     run_cli("export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")

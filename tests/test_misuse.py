@@ -28,6 +28,8 @@ CASES = [
     ("lora-quantize", ["train", "--resume", "{lrun}", "--lora.quantize", "nf4"], "lora.quantize is 'none' in the", 2),
     ("lora-on-full", ["train", "--resume", "{run}", "--lora.rank", "4"], "trained every weight, without adapters", 2),
     ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
+    ("resume-seq-len", ["train", "--resume", "{run}", "--train.seq_len", "16"],
+     "train.seq_len is 32 in the checkpoint and 16 in this run", 2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
@@ -111,6 +113,8 @@ CASES = [
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
      "no tokenizer.json", 2),
     # plan
+    ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
+     2),
     ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
     ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
     ("plan-nan-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "nan"], "--gpu-tflops nan must be a positive", 2),

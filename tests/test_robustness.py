@@ -3,6 +3,10 @@ would mix two runs, damaged checkpoints, failed saves, non-finite numbers, and t
 Each ends in one clear line and a non-zero status, or in the right outcome."""
 import errno
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,6 +305,25 @@ def test_version_and_the_first_log_line_at_step_one(tmp_path):
     out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
                   "--out", tmp_path / "run").stdout
     assert "step      1 | loss" in out  # the initial loss, long before log_every
+
+
+def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
+    """`shardlm train | head`: stdout's reader leaves. The run ended in a BrokenPipeError's traceback, the steps
+    since its last checkpoint lost; it now stops after the next step as a signal does, saved, with SIGPIPE's
+    status and the way to continue on stderr."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
+                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("step      2 |"):
+            break
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGPIPE and "Traceback" not in err, (proc.returncode, err[-2000:])
+    step = steps_of(run)[-1]
+    assert [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+    assert f"stopped by SIGPIPE after step {step} of 100000; to continue: shardlm train --resume {run}" in err
 
 
 def test_a_save_that_fails_on_rank_zero_stops_every_rank(tmp_path):

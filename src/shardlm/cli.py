@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -282,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # stdout's reader left (`shardlm plan ... | head`): end quietly as a shell command would, not in a
+        # traceback; Python's flush of stdout at exit would fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

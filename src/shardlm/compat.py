@@ -72,13 +72,18 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
         refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
 
 
-def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int) -> None:
+def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
+                      seq_len: int) -> None:
     """The sample order continues only over the same windows, seed and whole global batches."""
     data = state["data"]
     if data["train_windows"] != train_windows or data["seed"] != seed:
+        # The windows are the data cut at train.seq_len: a changed seq_len alone was blamed on data.path.
+        saved = state["config"]["train"]["seq_len"]
+        how = (f"train.seq_len is {saved} in the checkpoint and {seq_len} in this run: " + KEEP.format(old=saved)
+               if saved != seq_len else "resume with the checkpoint's data.path and train.seed")
         raise ResumeMismatch(f"cannot resume {path}: its data ({data['train_windows']} windows, seed {data['seed']}) "
                              f"differs from this run's ({train_windows}, {seed}); the sample order would not "
-                             "continue: resume with the checkpoint's data.path and train.seed")
+                             f"continue: {how}")
     if data["consumed_samples"] % global_batch:
         raise ResumeMismatch(f"cannot resume {path} with train.global_batch_size {global_batch}: "
                              f"{data['consumed_samples']} samples were consumed, not a whole number of batches")

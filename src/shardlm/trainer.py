@@ -10,6 +10,8 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import sys
 import time
 import weakref
@@ -44,7 +46,8 @@ from .tokenizer import load_tokenizer
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
                  mesh: DeviceMesh | None = None, log=print, overwrite: bool = False):
-        self.cfg, self.log, self.overwrite = cfg, log, overwrite
+        self.cfg, self.overwrite = cfg, overwrite
+        self._log, self.log, self.console_lost = log, self._console, False
         self.owns_process_group = mesh is None and not dist.is_initialized()
         self.mesh = mesh if mesh is not None else init_distributed(cfg)
         self.owns_process_group &= dist.is_initialized()
@@ -70,6 +73,19 @@ class Trainer:
             if self.run_lock is not None:  # a refused run leaves no trace: a directory it made goes again
                 self.run_lock.release(undo=True)
             raise
+
+    def _console(self, *args) -> None:
+        """`log`, but a console whose reader went away (`shardlm train | head`, a tee that was closed) stops the run
+        after the next step as a signal does, saved, where it ended it in a traceback losing the steps since the
+        last checkpoint; what is left to say goes to stderr."""
+        if not self.console_lost:
+            try:
+                return self._log(*args)
+            except BrokenPipeError:
+                # Python's flush of stdout at exit would fail again, with a message of its own.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                self.console_lost = True
+        print(*args, file=sys.stderr, flush=True)
 
     def _setup(self, cfg: Config, resume, overwrite: bool, log) -> None:
         t = cfg.train
@@ -183,7 +199,7 @@ class Trainer:
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
-                                 self.cfg.train.global_batch_size)
+                                 self.cfg.train.global_batch_size, self.cfg.train.seq_len)
         own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
                                                                   self.mesh.is_main)
         return path, own
@@ -308,6 +324,8 @@ class Trainer:
                 steps_since += 1
                 collector.step(self.step)
                 bar.update(1)
+                if self.console_lost:
+                    signals.received = signals.received or signal.SIGPIPE
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
@@ -339,7 +357,8 @@ class Trainer:
                     self.metrics.log(rec)
                     if self.mesh.is_main:
                         line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "")
-                        (bar.write if not bar.disable else self.log)(line)
+                        with bar.external_write_mode() if not bar.disable else nullcontext():
+                            self.log(line)
                     since, steps_since = time.perf_counter(), 0
                 if self.stopped_by:
                     break

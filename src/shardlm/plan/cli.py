@@ -96,7 +96,9 @@ def model_from_args(a) -> ModelConfig:
             from ..hf_config import model_config_from_hf
             cfg_file = path / "config.json" if path.is_dir() else path
             if not cfg_file.is_file():
-                raise PlanError(f"--model {a.model}: no config.json there")
+                run = path / "config.toml"  # a shardlm run directory records the config it trained with
+                fix = f": it is a shardlm run; plan it with --model {run}" if run.is_file() else ""
+                raise PlanError(f"--model {a.model}: no config.json there{fix}")
             cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
         else:
             cfg = load_config(a.model).model
