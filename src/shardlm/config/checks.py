@@ -12,7 +12,7 @@ from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
-from .shapes import LORA_MODULES, block_linears, lora_targets
+from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
 
 
 # Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
@@ -181,6 +181,11 @@ def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = 
         raise ConfigError(f"{show('quantize', lora.quantize)} with {show('num_experts', m.num_experts)}: the "
                           "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
                           f"built yet: use {show('quantize', 'none')}")
+    for t in (t.strip() for t in lora.targets.split(",")):
+        if MOE_LORA_NAMES & set(t.split(".")):  # else refused as no module of the dense architecture at all
+            raise ConfigError(f"{show('targets', lora.targets)} names {t!r}, a linear of the mixture of experts (an "
+                              "expert's or the router's), which take no adapters yet: adapt attention "
+                              "(q_proj,k_proj,v_proj,o_proj) and any dense MLP, or use all-linear")
     chosen = lora_targets(m.arch, lora.targets)
     if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
                for n in LORA_MODULES[m.arch][path]):
