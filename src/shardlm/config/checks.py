@@ -112,6 +112,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           f"= {longest} needs (use auto, efficient or math)")
     if m.num_experts:
         check_experts(cfg)
+    else:
+        check_dense(cfg)
     if any(not x.strip() for x in cfg.train.freeze.split(",")) and cfg.train.freeze.strip():
         raise ConfigError(f"train.freeze = {cfg.train.freeze!r} has an empty pattern: patterns are separated by "
                           "single commas")
@@ -142,6 +144,21 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
                           f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+# The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
+# without a word.
+MOE_ONLY = ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "capacity_factor", "router_bias_update_rate")
+
+
+def check_dense(cfg: Config) -> None:
+    for name in MOE_ONLY:
+        key, value = f"model.{name}", getattr(cfg.model, name)
+        if value:
+            whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
+                     if cfg.train.init_from else "model.num_experts = 0")
+            raise ConfigError(f"{key} = {value} applies to a mixture of experts, and this model is dense ({whose}): "
+                              f"set model.num_experts (and model.top_k), or leave {key} at 0")
 
 
 def check_experts(cfg: Config) -> None:
