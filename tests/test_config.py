@@ -58,6 +58,10 @@ def test_toml_file_and_overrides(tmp_path):
      "lora.targets = 'down_proj' names MLP linears only, and every layer's MLP is a mixture of experts"),
     ({"model.num_experts": "4", "model.arch": "gpt2", "model.num_kv_heads": "0"}, "needs model.arch = 'llama'"),
     ({"model.moe_every": "0"}, "model.moe_every = 0 must be positive"),
+    # A mixture of experts' keys on a dense model (a preset's, or one forgotten num_experts) are not ignored.
+    ({"model.capacity_factor": "1.25"}, "model.capacity_factor = 1.25 applies to a mixture of experts, and this "
+                                        "model is dense (model.num_experts = 0)"),
+    ({"model.router_bias_update_rate": "0.001"}, "model.router_bias_update_rate = 0.001 applies to a mixture"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),

@@ -251,3 +251,27 @@ def test_a_run_from_a_checkpoint_resumes_without_it(tmp_path):
     shutil.rmtree(path)
     resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(tmp_path / "a" / "checkpoints" / "step_00000002"))
     assert resumed["losses"] == full["losses"][2:]
+
+
+def test_a_runs_checkpoint_and_export_keep_the_tokenizers_chat_template_and_end_of_text(tmp_path, capsys):
+    """The run saves tokenizer_config.json beside tokenizer.json: without it an export of a chat fine-tune had
+    no chat template, and generation from the run stopped at another end-of-text token than training's."""
+    from helpers import cli_here
+    from shardlm.tokenizer import load_tokenizer
+    tok_dir = tmp_path / "tok"
+    tok = load_tokenizer("byte")
+    tok.tok.add_special_tokens(["<|im_end|>"])  # Qwen2-Instruct's end of turn, not the first end-of-text we guess
+    tok.save(tok_dir)
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": f"hi {i}"},
+                                                            {"role": "assistant", "content": "yo"}]} for i in range(8)])
+    cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
+             "--pad-to", 32)
+    cli_here(capsys, "train", "tiny", "--data.path", tmp_path / "data", "--train.seq_len", 32, "--train.steps", 1,
+             "--data.eval_windows", 0, "--train.eval_every", 0, "--train.sample_tokens", 0, "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    for where in (tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf"):
+        assert load_tokenizer(where).eos_id == 257, where
+        assert json.loads((where / "tokenizer_config.json").read_text())["chat_template"] == template

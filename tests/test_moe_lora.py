@@ -64,7 +64,10 @@ def test_a_dense_first_layer_keeps_its_mlp_adapters_and_the_count_is_what_trains
 
 @pytest.mark.parametrize("over, message", [
     ({"lora.targets": "gate_proj,down_proj"}, "names MLP linears only, and every layer's MLP is a mixture of experts"),
-    ({"lora.quantize": "nf4"}, "QLoRA on a mixture of experts is not built yet")])
+    ({"lora.quantize": "nf4"}, "QLoRA on a mixture of experts is not built yet"),
+    # PEFT's usual targets for Mixtral: its experts' names are not called unknown llama modules.
+    ({"lora.targets": "q_proj,v_proj,w1,w2,w3"}, "names 'w1', a linear of the mixture of experts"),
+    ({"lora.targets": "gate"}, "names 'gate', a linear of the mixture of experts")])
 def test_what_lora_on_experts_cannot_do_is_refused_by_name(over, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config("mixtral-tiny", {**LORA, **over}))

@@ -300,6 +300,8 @@ def test_lora_on_experts_is_refused_as_the_trainer_refuses_it():
         estimate(m, w, Layout(lora=LoRAConfig(rank=8, quantize="nf4")), h200)
     with pytest.raises(PlanError, match="--lora-targets gate_proj,up_proj names MLP linears only"):
         estimate(m, w, Layout(lora=LoRAConfig(rank=8, targets="gate_proj,up_proj")), h200)
+    with pytest.raises(PlanError, match="--lora-targets q_proj,w1 names 'w1', a linear of the mixture of experts"):
+        estimate(m, w, Layout(lora=LoRAConfig(rank=8, targets="q_proj,w1")), h200)
     assert estimate(m, w, Layout(lora=LoRAConfig(rank=8)), h200).memory.grads > 0
 
 

@@ -47,6 +47,10 @@ def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
     assert f"{run} already holds a run's checkpoints (up to step_00000006)" in line
     assert f"--resume {run}" in line and "--overwrite" in line
     assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
+    # --overwrite deletes only once the new run has passed its checks: a refused one keeps the old run.
+    proc = train_cli("--train.steps", 2, "--train.freeze", "embed_tokens", "--out", run, "--overwrite")
+    assert "train.freeze: 'embed_tokens' matches no parameter" in no_traceback(proc, 2)
+    assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
     train_cli("--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"] and steps_of(run) == [1, 2]
 

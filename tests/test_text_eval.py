@@ -134,6 +134,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     not_obj = write_jsonl(tmp_path / "list.jsonl", ['["x", "y"]'])
     assert f"{not_obj}:1: an array, not an object with prompt and completion" in error("--tasks", "bleu", "--data", not_obj)
     assert "needs --seq-len" in error("--data", ok)
+    # The loss task scores a text file's characters: a jsonl's syntax would be scored as if it were text.
+    assert "the loss task reads a plain UTF-8 text file, not .jsonl" in error("--data", ok, "--seq-len", 16, model=tmp_path)
+    binary = tmp_path / "b.txt"
+    binary.write_bytes(b"abc\xff")
+    assert f"--data {binary}: not UTF-8 text (byte offset 3)" in error("--data", binary, "--seq-len", 16, model=tmp_path)
 
 
 def test_a_prompt_too_long_for_the_model_is_named(model_dir, tmp_path, capsys):

@@ -176,8 +176,8 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
         torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
-        if tokenizer is not None:
-            tokenizer.tok.save(str(tmp / "tokenizer.json"))
+        if tokenizer is not None:  # with its tokenizer_config.json: the chat template and the end-of-text token
+            tokenizer.save(tmp)
         files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": _crc32(f)}
                  for f in sorted(tmp.iterdir())}
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")

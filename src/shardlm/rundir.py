@@ -84,12 +84,18 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     partial = remove_partial(out)
     if partial:
         log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR}")
-    if existing and overwrite and not own:
+    return None
+
+
+def overwrite_run(out: Path, resume: Path | None, log=print) -> None:
+    """--overwrite: delete the checkpoints and metrics of the run in `out` (main rank). Called once the new run
+    has passed its checks (data, tokenizer, model, train.freeze), so that one refused keeps the old run."""
+    existing = complete_checkpoints(out)
+    if existing and not (resume is not None and contains(out, Path(resume))):
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
         shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         (out / METRICS).unlink(missing_ok=True)
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
-    return None
 
 
 def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, main: bool) -> bool:

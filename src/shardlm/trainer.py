@@ -138,6 +138,8 @@ class Trainer:
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
+        if self.out is not None and overwrite and self.mesh.is_main:
+            rundir.overwrite_run(self.out, Path(resume) if resume is not None else None, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None)
         if self.out is not None and self.mesh.is_main:

@@ -12,7 +12,7 @@ from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
-from .shapes import LORA_MODULES, block_linears, lora_targets
+from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
 
 
 # Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
@@ -112,6 +112,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           f"= {longest} needs (use auto, efficient or math)")
     if m.num_experts:
         check_experts(cfg)
+    else:
+        check_dense(cfg)
     if any(not x.strip() for x in cfg.train.freeze.split(",")) and cfg.train.freeze.strip():
         raise ConfigError(f"train.freeze = {cfg.train.freeze!r} has an empty pattern: patterns are separated by "
                           "single commas")
@@ -142,6 +144,21 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
                           f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+# The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
+# without a word.
+MOE_ONLY = ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "capacity_factor", "router_bias_update_rate")
+
+
+def check_dense(cfg: Config) -> None:
+    for name in MOE_ONLY:
+        key, value = f"model.{name}", getattr(cfg.model, name)
+        if value:
+            whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
+                     if cfg.train.init_from else "model.num_experts = 0")
+            raise ConfigError(f"{key} = {value} applies to a mixture of experts, and this model is dense ({whose}): "
+                              f"set model.num_experts (and model.top_k), or leave {key} at 0")
 
 
 def check_experts(cfg: Config) -> None:
@@ -181,6 +198,11 @@ def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = 
         raise ConfigError(f"{show('quantize', lora.quantize)} with {show('num_experts', m.num_experts)}: the "
                           "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
                           f"built yet: use {show('quantize', 'none')}")
+    for t in (t.strip() for t in lora.targets.split(",")):
+        if MOE_LORA_NAMES & set(t.split(".")):  # else refused as no module of the dense architecture at all
+            raise ConfigError(f"{show('targets', lora.targets)} names {t!r}, a linear of the mixture of experts (an "
+                              "expert's or the router's), which take no adapters yet: adapt attention "
+                              "(q_proj,k_proj,v_proj,o_proj) and any dense MLP, or use all-linear")
     chosen = lora_targets(m.arch, lora.targets)
     if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
                for n in LORA_MODULES[m.arch][path]):

@@ -162,6 +162,11 @@ LORA_MODULES = {
              "mlp.down": ("mlp.c_proj",)},
 }
 
+# The Hugging Face names of a mixture of experts' own linears (Mixtral's experts w1, w2, w3 and its router gate;
+# Qwen2-MoE's experts, shared expert and its gate), which PEFT configs for those models list and which take no
+# adapters here yet.
+MOE_LORA_NAMES = {"w1", "w2", "w3", "gate", "experts", "block_sparse_moe", "shared_expert", "shared_expert_gate"}
+
 
 def block_linears(m, layer: int) -> list[str]:
     """The paths of LORA_MODULES that block `layer` has (`m` a ModelConfig): a mixture-of-experts layer's MLP

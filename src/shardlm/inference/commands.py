@@ -143,13 +143,13 @@ def cmd_eval(argv: list[str]) -> int:
         if a.seq_len is None:
             raise ConfigError("the loss task needs --seq-len")
         _input_file(Path(a.data), "--data")
+        text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
         prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
-        text = Path(a.data).read_text(encoding="utf-8")
         r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
         if a.main:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
@@ -175,6 +175,20 @@ def cmd_eval(argv: list[str]) -> int:
             print(f"{name:<8} {value:>13.2f}")
         print(f"{len(prompts)} examples, up to {a.max_new_tokens} new tokens each")
     return 0
+
+
+def _loss_text(path: Path) -> str:
+    # The loss task scores the file's characters as they are: a jsonl's or parquet's syntax would be scored
+    # with its text, a perplexity that looks plausible and means nothing.
+    if path.suffix.lower() in (".jsonl", ".parquet"):
+        raise ConfigError(f"--data {path}: the loss task reads a plain UTF-8 text file, not {path.suffix} (its "
+                          "syntax would be scored too); give a .txt file, or --tasks bleu,rouge for prompts "
+                          "with completions")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
+                          "UTF-8 text file") from None
 
 
 def _input_file(path: Path, flag: str) -> None:

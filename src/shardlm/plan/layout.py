@@ -65,9 +65,9 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
                         "the update that was to overlap has run; use bf16")
     if L.lora.rank:
         try:
-            lora_targets(model.arch, L.lora.targets)
-            if model.num_experts:
+            if model.num_experts:  # first: it names an expert's linears as such, not as unknown modules
                 check_expert_lora(model, L.lora, FLAGS)
+            lora_targets(model.arch, L.lora.targets)
         except ConfigError as e:
             raise PlanError(str(e).replace("lora.targets", "--lora-targets")) from None
     try:
