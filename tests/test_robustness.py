@@ -326,6 +326,27 @@ def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
     assert f"stopped by SIGPIPE after step {step} of 100000; to continue: shardlm train --resume {run}" in err
 
 
+def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):
+    """SIGTERM while the last step runs: the run said `stopped by SIGTERM after step 3 of 3; to continue: ...`
+    and exited 143, though every step was done. It is complete: saved, status 0, no advice to continue, and
+    the sample it leaves out is said to be skipped."""
+    from shardlm.cli import main
+    step = Trainer.train_step
+
+    def signalled(self):
+        if self.step == self.cfg.train.steps - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    run = tmp_path / "run"
+    status = main(["train", "tiny", *QUIET, "--train.steps", "3", "--train.sample_tokens", "8", "--out", str(run)])
+    out = capsys.readouterr().out
+    assert status == 0 and "to continue" not in out and "sample:" not in out, out
+    assert "SIGTERM received during the last step: the run is complete (3 of 3 steps); the end-of-run sample " \
+           "was skipped" in out
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000003"]
+
+
 def test_a_save_that_fails_on_rank_zero_stops_every_rank(tmp_path):
     """Rank 0 alone writes checkpoints: when its save fails, rank 1 must not go on into the next collective
     and wait there; both stop, rank 1 saying rank 0 could not save."""
