@@ -88,6 +88,18 @@ def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
 
 
+def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
+    """A resume at or past train.steps said `nothing to do`, then the header `... 2 steps ... writing r1`, of
+    steps that never ran; it now says only the first, and the header of a resume counts the steps left."""
+    from helpers import cli_here
+    run = tmp_path / "run"
+    cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "2", "--out", run)
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "2", "--out", tmp_path / "r1")
+    assert "nothing to do" in out and "shardlm:" not in out, out
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "3", "--out", tmp_path / "r2")
+    assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
+
+
 # ---- checkpoint integrity -----------------------------------------------------------------------------
 
 def damage(path, how):
