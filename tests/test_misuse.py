@@ -46,6 +46,8 @@ CASES = [
      "model.safetensors is not a readable safetensors file", 2),
     ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
+                        "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
     ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
     ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",

@@ -604,3 +604,21 @@ def test_readme_plan_inference_line_shows_the_default_gpu():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith("shardlm plan") and "--inference" in x)
     assert f"[--gpu {parser().get_default('gpu')}]" in line and "[--quantize int8|int4]" in line
+
+
+def test_plan_inference_of_a_tiny_model_counts_its_cache_and_requests_consistently():
+    """`--model tiny --inference` printed `KV cache ... (1 x 129 positions)` under `up to 128 positions` and
+    `requests that fit 1727094`. 129 is right (the engine's scratch position past the last usable one) and now
+    says so; the requests are right too, by hand: (0.9 x 80e9 - 0.75 GiB CUDA context - weights - 10 MiB of
+    prefill activations) over 129 x 256 bytes of keys and values and 16 x 512 of logits a request."""
+    from shardlm.plan.cli import CUDA_CONTEXT, HEADROOM
+    from shardlm.plan.inference import plan_inference
+    text = run_cli("plan", "--model", "tiny", "--inference").stdout
+    e = json.loads(run_cli("plan", "--model", "tiny", "--inference", "--json").stdout)
+    m = load_config("tiny").model
+    assert "(1 x (128 + 1 scratch) positions)" in text and "x 129" not in text
+    assert e["kv_cache"] == 129 * m.kv_bytes_per_token(2) == 129 * 256
+    assert e["slots"] == 1_727_094 and "requests that fit 1,727,094 of 128 positions" in text
+    batches = (e["slots"], e["slots"] + 1)
+    fits = [plan_inference(m, gpu("h100"), b, 128, 2, HEADROOM, CUDA_CONTEXT).fits for b in batches]
+    assert fits == [True, False]  # the figure is the largest batch that the total line calls fitting

@@ -92,6 +92,18 @@ def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
 
 
+def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
+    """A resume at or past train.steps said `nothing to do`, then the header `... 2 steps ... writing r1`, of
+    steps that never ran; it now says only the first, and the header of a resume counts the steps left."""
+    from helpers import cli_here
+    run = tmp_path / "run"
+    cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "2", "--out", run)
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "2", "--out", tmp_path / "r1")
+    assert "nothing to do" in out and "shardlm:" not in out, out
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "3", "--out", tmp_path / "r2")
+    assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
+
+
 # ---- checkpoint integrity -----------------------------------------------------------------------------
 
 def damage(path, how):
@@ -328,6 +340,27 @@ def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
     step = steps_of(run)[-1]
     assert [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
     assert f"stopped by SIGPIPE after step {step} of 100000; to continue: shardlm train --resume {run}" in err
+
+
+def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):
+    """SIGTERM while the last step runs: the run said `stopped by SIGTERM after step 3 of 3; to continue: ...`
+    and exited 143, though every step was done. It is complete: saved, status 0, no advice to continue, and
+    the sample it leaves out is said to be skipped."""
+    from shardlm.cli import main
+    step = Trainer.train_step
+
+    def signalled(self):
+        if self.step == self.cfg.train.steps - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    run = tmp_path / "run"
+    status = main(["train", "tiny", *QUIET, "--train.steps", "3", "--train.sample_tokens", "8", "--out", str(run)])
+    out = capsys.readouterr().out
+    assert status == 0 and "to continue" not in out and "sample:" not in out, out
+    assert "SIGTERM received during the last step: the run is complete (3 of 3 steps); the end-of-run sample " \
+           "was skipped" in out
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000003"]
 
 
 def test_a_save_that_fails_on_rank_zero_stops_every_rank(tmp_path):

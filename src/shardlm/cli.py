@@ -112,7 +112,8 @@ def _run_dir_of(resume: str | None) -> str | None:
 def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
     from .trainer import Trainer
     trainer = Trainer(cfg, out_dir=out, resume=resume, overwrite=overwrite)
-    if trainer.mesh.is_main:
+    # A resume at or past train.steps has said it has nothing to do: a header would claim steps that never run.
+    if trainer.mesh.is_main and trainer.step < cfg.train.steps:
         n, p = cfg.model.num_params(), cfg.parallel
         layout = ""
         if p.tp > 1:
@@ -133,7 +134,10 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             algo = getattr(trainer.engine, "algo", None)
             over = f"{p.replicas} ranks" + (f" (dp {p.dp} x cp {p.cp})" if p.cp > 1 else "")
             layout += f", {kind} over {over}" + (f" (reduce_algo {algo})" if algo else "")
-        print(f"shardlm: {n / 1e6:.2f}M parameters, {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
+        left = cfg.train.steps - trainer.step
+        steps = f"{left} more step{'s' if left > 1 else ''} (to {cfg.train.steps})" if trainer.step else \
+            f"{cfg.train.steps} steps"
+        print(f"shardlm: {n / 1e6:.2f}M parameters, {steps} of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
               flush=True)
     trainer.run()

@@ -189,6 +189,30 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
                f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
-    cfg.model = model_config_from_hf(hf)
+    cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
     apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
+    _refuse_other_weights(cfg.model, theirs, path)
     return cfg
+
+
+# The keys that fix the weights' shapes or what they mean: an override of one would fail on a tensor's shape while
+# the weights load, or load them into another model.
+WEIGHT_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "ffn_hidden_size", "tie_embeddings", "qkv_bias", "num_experts", "moe_ffn_hidden_size",
+               "shared_expert_ffn_hidden_size", "moe_every", "moe_first_dense")
+# What those whose 0 means a default resolve to: a key is named where both differ (a head_dim written out as its
+# default is the same model; a head_dim that follows a changed hidden_size is not the user's to change back).
+RESOLVED = {"num_kv_heads": "kv_heads", "head_dim": "head_size", "ffn_hidden_size": "ffn_size",
+            "moe_ffn_hidden_size": "moe_ffn_size"}
+
+
+def _refuse_other_weights(ours: ModelConfig, theirs: ModelConfig, path) -> None:
+    keys = WEIGHT_KEYS + (("max_seq_len",) if theirs.arch == "gpt2" else ())  # GPT-2's learned positions
+    differ = [(key, getattr(ours, RESOLVED.get(key, key)), getattr(theirs, RESOLVED.get(key, key))) for key in keys
+              if getattr(ours, key) != getattr(theirs, key)
+              and getattr(ours, RESOLVED.get(key, key)) != getattr(theirs, RESOLVED.get(key, key))
+              and not (key == "vocab_size" and ours.vocab_size == 0)]  # 0: the data's, checked against the tokenizer
+    if differ:
+        raise ConfigError(f"train.init_from = {str(path.parent)!r}: "
+                          + "; ".join(f"model.{k} is {a!r} here and {b!r} in {path}" for k, a, b in differ)
+                          + ": its weights are of that model; leave the model key(s) out to take config.json's")

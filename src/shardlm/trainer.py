@@ -127,7 +127,7 @@ class Trainer:
         self.forward_backward = self.parallel.forward_backward
         self.moe = MoEBalance(self.model, self.mesh, cfg.model, self.device)  # router bias, per-layer load statistics
         self.step = 0
-        self.stopped_by = 0  # the signal that stopped run() early, if one did
+        self.stopped_by = 0  # the signal that stopped run() before train.steps, if one did
         # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
         self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
         self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
@@ -374,6 +374,15 @@ class Trainer:
             if path:
                 self.log(f"saved {path}")
         self.metrics.close()
+        if self.stopped_by and self.step >= t.steps:
+            # The signal came during the last step: the run is complete and saved, nothing is left to continue
+            # (`stopped_by` names only a run stopped early, the exit status follows it).
+            if self.mesh.is_main:
+                skipped = "; the end-of-run sample was skipped" if t.sample_tokens else ""
+                self.log(f"{signal_name(self.stopped_by)} received during the last step: the run is complete "
+                         f"({self.step} of {t.steps} steps){skipped}")
+            self.stopped_by = 0
+            return records
         if self.stopped_by:
             if self.mesh.is_main:
                 how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""

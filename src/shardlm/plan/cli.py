@@ -287,11 +287,13 @@ def inference(a, model: ModelConfig, g) -> int:
     speed = f"{e.tokens_per_s:,.0f}" if a.batch == 1 else \
         f"{e.tokens_per_s:,.0f} at this batch, {e.batch1_tokens_per_s:,.0f} at batch 1"
     print(f"{g.name}, serving in {a.precision}{stored}, {a.batch} request(s) of up to {context} positions:")
-    for k, v in (("weights", fmt(e.weights)), ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x {context + 1} positions)"),
+    # The cache holds a position past `context` per request, where idle slots write (inference/engine.py).
+    for k, v in (("weights", fmt(e.weights)),
+                 ("KV cache", f"{fmt(e.kv_cache)} ({a.batch} x ({context} + 1 scratch) positions)"),
                  ("workspace", fmt(e.workspace)),
                  ("total", f"{fmt(e.total)} + {fmt(CUDA_CONTEXT)} CUDA context, of {fmt(g.memory)} "
                            f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
-                 ("requests that fit", f"{e.slots} of {context} positions"),
+                 ("requests that fit", f"{e.slots:,} of {context} positions (by memory)"),
                  ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
                  ("tokens/s", f"{speed} ({share})")):
         print(f"  {k:<18}{v}")
