@@ -98,7 +98,7 @@ def _split(record: dict, where: str, template, eos: str) -> list[tuple[str, bool
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
             raise InstructError(f"{where}: messages must be a non-empty list of {{role: system|user|assistant, "
-                                "content: string}}")
+                                "content: string}")
         if not any(m["role"] == "assistant" for m in messages):
             raise InstructError(f"{where}: no assistant message: nothing to train on")
         out, before = [], ""
