@@ -275,3 +275,69 @@ def test_a_runs_checkpoint_and_export_keep_the_tokenizers_chat_template_and_end_
     for where in (tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf"):
         assert load_tokenizer(where).eos_id == 257, where
         assert json.loads((where / "tokenizer_config.json").read_text())["chat_template"] == template
+
+
+def _bos_tokenizer(directory, **config):
+    """The tests' byte-level BPE with Llama's habit: a post-processor that opens every text with <s>."""
+    from tokenizers import Tokenizer, processors
+
+    from helpers import make_tokenizer
+    make_tokenizer(directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(["<s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}", **config}))
+    return tok.token_to_id("<s>")
+
+
+def test_texts_open_with_the_tokenizers_beginning_of_sequence_as_transformers_gives_it(tmp_path):
+    """A tokenizer that opens texts with a beginning-of-sequence token (Llama's <s>) gets it where transformers
+    puts it: before a prompt (generate, serve's completions), once before a chat (its template places it),
+    before every document and every prompt/completion example of prepared data; the export's config.json names
+    it. tokenizer_config.json's add_bos_token changes nothing (transformers 5 follows tokenizer.json), and a
+    tokenizer.json without the post-processor gets none."""
+    from transformers import PreTrainedTokenizerFast
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.loader import TokenShards
+    from shardlm.data.prepare import prepare
+    from shardlm.hf_config import hf_config_from_model
+    from shardlm.config import ModelConfig
+    from shardlm.inference import prompt_ids
+    from shardlm.tokenizer import load_tokenizer
+    bos = _bos_tokenizer(tmp_path / "tok")
+    tok, theirs = load_tokenizer(tmp_path / "tok"), PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok"))
+    assert tok.bos_ids == [bos] and tok.bos_token == "<s>"
+    assert prompt_ids(tok, "To be, or not") == theirs("To be, or not").input_ids == [bos] + tok.encode("To be, or not")
+    chat = [{"role": "user", "content": "hi"}]
+    text = chat_prompter(tok)(chat)
+    assert text == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert prompt_ids(tok, text, opened=True) == theirs(text, add_special_tokens=False).input_ids
+    assert prompt_ids(tok, text, opened=True).count(bos) == 1
+
+    docs = write_jsonl(tmp_path / "d.jsonl", [{"text": "To be"}, {"text": "or not"}])
+    prepare([docs], str(tmp_path / "tok"), tmp_path / "docs", progress=False)
+    ids = np.concatenate([np.asarray(t) for t in TokenShards(tmp_path / "docs").tokens]).tolist()
+    assert ids == [bos] + tok.encode("To be") + [tok.eos_id] + [bos] + tok.encode("or not") + [tok.eos_id]
+    examples = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "Q", "completion": "A"}, {"messages": chat + [
+        {"role": "assistant", "content": "yo"}]}])
+    prepare([examples], str(tmp_path / "tok"), tmp_path / "ex", progress=False)
+    shards = TokenShards(tmp_path / "ex")
+    ids = np.concatenate([np.asarray(t) for t in shards.tokens]).tolist()
+    mask = np.concatenate([np.asarray(m) for m in shards.masks]).astype(bool).tolist()
+    first = [bos] + tok.encode("Q") + tok.encode("A") + [tok.eos_id]
+    assert ids[:len(first)] == first and not mask[0] and mask[len(first) - 1]
+    assert ids[len(first):].count(bos) == 1 and ids[len(first)] == bos  # the template's own, once
+
+    assert hf_config_from_model(ModelConfig(), eos_id=tok.eos_id, bos_id=bos)["bos_token_id"] == bos
+    _bos_tokenizer(tmp_path / "off", add_bos_token=False)
+    assert prompt_ids(load_tokenizer(tmp_path / "off"), "To be") == PreTrainedTokenizerFast.from_pretrained(
+        str(tmp_path / "off"))("To be").input_ids == [bos] + tok.encode("To be")
+    from helpers import make_tokenizer
+    make_tokenizer(tmp_path / "plain")
+    plain = load_tokenizer(tmp_path / "plain")
+    assert plain.bos_ids == [] and plain.bos_token == "" and prompt_ids(plain, "To be") == plain.encode("To be")

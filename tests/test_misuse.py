@@ -63,6 +63,8 @@ CASES = [
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
+    ("init-from-an-adapter", ["train", "tiny", "--train.init_from", "{adapterdir}", "--out", "{new}"],
+     "it is a PEFT adapter, not a model; train.init_from takes its base model (org/base)", 2),
     ("eval-tokenizer", ["train", "tiny", "--data.path", "{data}", "--data.eval_path", "{swapdata}", "--out", "{new}"],
      "another tokenizer than data.eval_path", 2),
     # config keys
@@ -238,6 +240,9 @@ def world(tmp_path_factory):
     p = {name: root / name for name in ("run", "lrun", "exp", "data", "swapdata", "truncated", "empty", "badheader",
                                         "nonfinite", "fewtrained")}
     p["text"], p["file"], p["longprompts"] = root / "text.txt", root / "file", root / "long.jsonl"
+    p["adapterdir"] = root / "adapterdir"  # what PEFT's save_pretrained writes, weights aside
+    p["adapterdir"].mkdir()
+    (p["adapterdir"] / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():

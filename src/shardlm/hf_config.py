@@ -128,14 +128,17 @@ def _hf_moe_class(cfg: ModelConfig) -> str:
                       "qkv biases): Hugging Face has no class here that computes it")
 
 
-def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None) -> dict:
-    """config.json for the HF class that matches these shapes (Qwen2 for qkv biases, Mistral for a window)."""
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,
+                         bos_id: int | None = None) -> dict:
+    """config.json for the HF class that matches these shapes (Qwen2 for qkv biases, Mistral for a window).
+    Without a beginning-of-sequence token, its id is the end-of-text's, as GPT-2's."""
+    bos_id = eos_id if bos_id is None else bos_id
     if cfg.arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
                 "n_inner": cfg.ffn_size, "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new", "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-                "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
+                "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos_id, "eos_token_id": eos_id,
                 "torch_dtype": dtype}
     if cfg.num_experts:
         arch = _hf_moe_class(cfg)
@@ -155,7 +158,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
            "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling or None,
            "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-           "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": dtype}
+           "attention_dropout": 0.0, "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype}
     if model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, sliding_window=cfg.sliding_window
                    or None, router_jitter_noise=0.0, output_router_logits=False)
@@ -185,8 +188,13 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         run = (path.parent / "state.json").is_file() or (path.parent / "checkpoints").is_dir()
+        adapter = path.parent / "adapter_config.json"
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else None
         fix = (f": it is a shardlm run; continue it with --resume, or start from it after `shardlm export "
-               f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else "")
+               f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else
+               f": it is a PEFT adapter, not a model; train.init_from takes its base model ("
+               f"{base or 'adapter_config.json names none'}), and `generate`/`serve --adapter` take the adapter"
+               if adapter.is_file() else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
     cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)

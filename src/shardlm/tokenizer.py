@@ -42,14 +42,27 @@ def byte_tokenizer() -> HFTokenizer:
 
 
 class Tokenizer:
-    """encode / decode / eos_id / vocab_size / save over one `tokenizers.Tokenizer`."""
+    """encode / decode / eos_id / bos_ids / vocab_size / save over one `tokenizers.Tokenizer`.
 
-    def __init__(self, tok: HFTokenizer, source: Path | None = None, eos_token: str | None = None):
+    `bos_ids`: the tokens Hugging Face's tokenizer(text) puts before a text (Llama's <s>, Llama 3's
+    <|begin_of_text|>; none for GPT-2, Qwen2 or the byte tokenizer). A model pretrained with them at the start
+    of every sequence needs them there when it is fine-tuned and prompted: `encode_document` and
+    inference.prompt_ids add them, `encode` gives a text's own tokens. `bos_token`: the text a chat template
+    renders for `bos_token`."""
+
+    def __init__(self, tok: HFTokenizer, source: Path | None = None, eos_token: str | None = None,
+                 bos_token: str | None = None):
         self.tok = tok
         self.source = source  # the directory or file it came from, for copying side files on save
         eos = eos_token if eos_token is not None else next(
             (t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         self.eos_id = tok.token_to_id(eos) if eos else None
+        # As transformers 5 reads them, from tokenizer.json's post-processor (tokenizer_config.json's
+        # add_bos_token does not change them there).
+        self.bos_ids = _prefix(tok)
+        if bos_token is None and self.bos_ids:
+            bos_token = tok.id_to_token(self.bos_ids[0])
+        self.bos_token = bos_token or ""
 
     @property
     def vocab_size(self) -> int:
@@ -60,6 +73,10 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_document(self, text: str) -> list[int]:
+        """`text` as the start of a sequence: after the tokens the tokenizer puts first (`bos_ids`)."""
+        return self.bos_ids + self.encode(text)
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -72,6 +89,15 @@ class Tokenizer:
             for name in HF_SIDE_FILES:
                 if (self.source / name).is_file() and name != "generation_config.json":
                     shutil.copy(self.source / name, directory / name)
+
+
+def _prefix(tok: HFTokenizer) -> list[int]:
+    """The special tokens the tokenizer's post-processor puts before a text (what add_special_tokens adds in
+    front; an end-of-text it may append is the data's to place)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[:starts[0]] if starts else []
 
 
 def fingerprint(tok: Tokenizer) -> str:
@@ -89,9 +115,10 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")
-    eos = None
+    settings = {}
     cfg = file.parent / "tokenizer_config.json"
     if cfg.is_file():
-        value = json.loads(cfg.read_text()).get("eos_token")
-        eos = value.get("content") if isinstance(value, dict) else value
-    return Tokenizer(HFTokenizer.from_file(str(file)), source=file.parent, eos_token=eos)
+        settings = json.loads(cfg.read_text())
+    eos, bos = (v.get("content") if isinstance(v, dict) else v for v in (settings.get("eos_token"),
+                                                                          settings.get("bos_token")))
+    return Tokenizer(HFTokenizer.from_file(str(file)), source=file.parent, eos_token=eos, bos_token=bos)

@@ -27,7 +27,7 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
-from .inference import generate_text
+from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
@@ -394,7 +394,7 @@ class Trainer:
         elif t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives; generation's KV cache runs
             # the whole sequence on each rank, without context parallelism's exchanges); rank 0 prints them.
-            room = self.cfg.model.max_seq_len - len(self.tokenizer.encode(t.sample_prompt)) - 1
+            room = self.cfg.model.max_seq_len - len(prompt_ids(self.tokenizer, t.sample_prompt)) - 1
             with self._guard("the sample"):
                 text = generate_text(self.model, self.tokenizer, t.sample_prompt,
                                      max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed)

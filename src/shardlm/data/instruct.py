@@ -70,29 +70,30 @@ def chat_prompter(tok: Tokenizer):
     if template is None:
         return None
     eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-    return lambda messages: _render(template, messages, eos, generation_prompt=True)
+    return lambda messages: _render(template, messages, eos, tok.bos_token, generation_prompt=True)
 
 
-def _render(template, messages: list[dict], eos: str, generation_prompt: bool = False) -> str:
-    """The conversation as text; `generation_prompt` appends what opens the assistant's next turn."""
+def _render(template, messages: list[dict], eos: str, bos: str, generation_prompt: bool = False) -> str:
+    """The conversation as text; `generation_prompt` appends what opens the assistant's next turn. A template
+    places the beginning-of-sequence token itself (`bos_token`), as transformers' apply_chat_template does."""
     if template is None:
         return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + \
             ("<|assistant|>\n" if generation_prompt else "")
-    return template.render(messages=messages, add_generation_prompt=generation_prompt, eos_token=eos, bos_token="")
+    return template.render(messages=messages, add_generation_prompt=generation_prompt, eos_token=eos, bos_token=bos)
 
 
-def _pieces(record: dict, where: str, template, eos: str) -> list[tuple[str, bool]]:
+def _pieces(record: dict, where: str, template, eos: str, bos: str) -> list[tuple[str, bool]]:
     """(text, trained) pieces of one example, in order."""
     import jinja2
     try:
-        return _split(record, where, template, eos)
+        return _split(record, where, template, eos, bos)
     except InstructError as e:
         raise InstructError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     except jinja2.TemplateError as e:
         raise InstructError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
 
 
-def _split(record: dict, where: str, template, eos: str) -> list[tuple[str, bool]]:
+def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages or not all(
@@ -104,10 +105,10 @@ def _split(record: dict, where: str, template, eos: str) -> list[tuple[str, bool
         out, before = [], ""
         for i, m in enumerate(messages):
             if m["role"] == "assistant":  # the header that opens the answer is prompt, not answer
-                header = _render(template, messages[:i], eos, generation_prompt=True)
+                header = _render(template, messages[:i], eos, bos, generation_prompt=True)
                 out.append((_after(header, before, where, i), False))
                 before = header
-            text = _render(template, messages[:i + 1], eos)
+            text = _render(template, messages[:i + 1], eos, bos)
             out.append((_after(text, before, where, i), m["role"] == "assistant"))
             before = text
         return out
@@ -125,15 +126,17 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask, bytes read) of every example of a jsonl file, each closed by the end-of-text
-    token (trained on: the model learns to stop)."""
+    """(token ids, loss mask, bytes read) of every example of a jsonl file, each opened as the tokenizer opens
+    a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token (trained on:
+    the model learns to stop)."""
     if tok.eos_id is None:
         raise InstructError("instruction data needs a tokenizer with an end-of-text token")
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
-        ids, mask = [], []
-        for text, trained in _pieces(record, where, template, eos):
+        ids = [] if template is not None and "messages" in record else list(tok.bos_ids)
+        mask = [False] * len(ids)
+        for text, trained in _pieces(record, where, template, eos, tok.bos_token):
             piece = tok.encode(text) if text else []
             ids += piece
             mask += [trained] * len(piece)

@@ -260,17 +260,22 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     dtype = token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
+    bos = np.asarray(tok.bos_ids, dtype=np.int64)  # each document opens as the tokenizer opens a text
     documents = 0
     pending: list[tuple[str, bool]] = []
     pending_chars = 0
+    starts = True  # the next piece opens a document
 
     def flush():
-        nonlocal pending, pending_chars, documents
+        nonlocal pending, pending_chars, documents, starts
         for (_, ends), ids in zip(pending, tok.encode_batch([text for text, _ in pending])):
+            if starts:
+                writer.write(bos)
             writer.write(np.asarray(ids, dtype=np.int64))
             if ends:
                 writer.write(eos)
                 documents += 1
+            starts = ends
         pending, pending_chars = [], 0
 
     # Closed before an error propagates, so the error is the last line the command prints.

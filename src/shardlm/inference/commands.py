@@ -150,7 +150,7 @@ def cmd_eval(argv: list[str]) -> int:
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
-        r = evaluate_ids(model, tok.encode(text), a.seq_len, a.batch_size)
+        r = evaluate_ids(model, tok.encode_document(text), a.seq_len, a.batch_size)
         if a.main:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")

@@ -55,9 +55,11 @@ def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, tempera
     return torch.stack(out, dim=1) if out else ids.new_zeros((b, 0))
 
 
-def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
-    """The prompt's tokens; an empty prompt starts from the end-of-text token, as after a document."""
-    ids = tok.encode(prompt)
+def prompt_ids(tok: Tokenizer, prompt: str, opened: bool = False) -> list[int]:
+    """The prompt's tokens after those the tokenizer opens a text with (tok.bos_ids), as training's data
+    opens each document, unless the prompt is `opened` already (a chat template places them); an empty
+    prompt without them starts from the end-of-text token, as after a document."""
+    ids = tok.encode(prompt) if opened else tok.encode_document(prompt)
     if not ids:
         if tok.eos_id is None:
             raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")

@@ -302,11 +302,13 @@ def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Pa
         to_hf_state(state, cfg, shards)
     dtype_name = str(shards.dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype_name, eos), indent=2) + "\n")
+    bos = tokenizer.bos_ids[0] if tokenizer is not None and tokenizer.bos_ids else None
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype_name, eos, bos), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(out)
         if not (out / "tokenizer_config.json").is_file():
             eos_tok = tokenizer.tok.id_to_token(eos) if eos is not None else None
+            bos_tok = tokenizer.tok.id_to_token(bos) if bos is not None else eos_tok
             (out / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_tok, "bos_token": eos_tok,
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_tok, "bos_token": bos_tok,
                  "model_max_length": cfg.max_seq_len}, indent=2) + "\n")

@@ -247,4 +247,4 @@ def chat_params(body, models: Models) -> Params:
         text = models.chat(turns)
     except (InstructError, jinja2.TemplateError) as e:
         raise APIError(400, f"The model's chat template refuses these messages: {e}", "messages") from None
-    return _common(body, models, prompt_ids(models.tok, text), None, "messages")
+    return _common(body, models, prompt_ids(models.tok, text, opened=True), None, "messages")
