@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
+from .runtime.console import silence_stdout
 
 TRAIN_EPILOG = """\
 Any config key can be overridden as --section.key value (sections: model, data, train, parallel),
@@ -287,10 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:
-        # stdout's reader left (`shardlm plan ... | head`): end quietly as a shell command would, not in a
-        # traceback; Python's flush of stdout at exit would fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # stdout's reader left (`shardlm plan ... | head`): end quietly, as a shell command
+        silence_stdout()
         return 128 + signal.SIGPIPE
 
 

@@ -10,7 +10,6 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import sys
 import time
@@ -36,6 +35,7 @@ from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
+from .runtime.console import Console
 from .runtime.device import pick_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
@@ -47,7 +47,8 @@ class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
                  mesh: DeviceMesh | None = None, log=print, overwrite: bool = False):
         self.cfg, self.overwrite = cfg, overwrite
-        self._log, self.log, self.console_lost = log, self._console, False
+        self.console = Console(log)  # a console that goes away stops the run as a signal does, saved
+        self.log = self.console
         self.owns_process_group = mesh is None and not dist.is_initialized()
         self.mesh = mesh if mesh is not None else init_distributed(cfg)
         self.owns_process_group &= dist.is_initialized()
@@ -73,19 +74,6 @@ class Trainer:
             if self.run_lock is not None:  # a refused run leaves no trace: a directory it made goes again
                 self.run_lock.release(undo=True)
             raise
-
-    def _console(self, *args) -> None:
-        """`log`, but a console whose reader went away (`shardlm train | head`, a tee that was closed) stops the run
-        after the next step as a signal does, saved, where it ended it in a traceback losing the steps since the
-        last checkpoint; what is left to say goes to stderr."""
-        if not self.console_lost:
-            try:
-                return self._log(*args)
-            except BrokenPipeError:
-                # Python's flush of stdout at exit would fail again, with a message of its own.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                self.console_lost = True
-        print(*args, file=sys.stderr, flush=True)
 
     def _setup(self, cfg: Config, resume, overwrite: bool, log) -> None:
         t = cfg.train
@@ -326,7 +314,7 @@ class Trainer:
                 steps_since += 1
                 collector.step(self.step)
                 bar.update(1)
-                if self.console_lost:
+                if self.console.lost:
                     signals.received = signals.received or signal.SIGPIPE
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
@@ -374,19 +362,16 @@ class Trainer:
             if path:
                 self.log(f"saved {path}")
         self.metrics.close()
-        if self.stopped_by and self.step >= t.steps:
-            # The signal came during the last step: the run is complete and saved, nothing is left to continue
-            # (`stopped_by` names only a run stopped early, the exit status follows it).
-            if self.mesh.is_main:
+        if self.stopped_by:
+            complete = self.step >= t.steps  # the signal came during the last step: nothing is left to continue
+            if self.mesh.is_main and complete:
                 skipped = "; the end-of-run sample was skipped" if t.sample_tokens else ""
                 self.log(f"{signal_name(self.stopped_by)} received during the last step: the run is complete "
                          f"({self.step} of {t.steps} steps){skipped}")
-            self.stopped_by = 0
-            return records
-        if self.stopped_by:
-            if self.mesh.is_main:
+            elif self.mesh.is_main:
                 how = f"; to continue: {resume_command(self.out, self.mesh.world)}" if self.out is not None else ""
                 self.log(f"stopped by {signal_name(self.stopped_by)} after step {self.step} of {t.steps}{how}")
+            self.stopped_by = 0 if complete else self.stopped_by  # the exit status: a run stopped early only
             return records
         if t.sample_tokens and self.mesh.pp > 1:
             if self.mesh.is_main:

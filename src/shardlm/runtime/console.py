@@ -1,0 +1,28 @@
+"""A console whose reader may go away (`shardlm train | head`, a closed tee or ssh session): what is left to
+say goes to stderr, and the caller learns it (`lost`) to stop as a signal would, instead of dying in a
+BrokenPipeError with the steps since the last checkpoint."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: Python's own flush of it at exit would fail again, with a message of its own."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+class Console:
+    """`log(*args)` until its reader goes away, then stderr; `lost` says whether it has."""
+
+    def __init__(self, log=print):
+        self.log, self.lost = log, False
+
+    def __call__(self, *args) -> None:
+        if not self.lost:
+            try:
+                return self.log(*args)
+            except BrokenPipeError:
+                silence_stdout()
+                self.lost = True
+        print(*args, file=sys.stderr, flush=True)
