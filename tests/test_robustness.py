@@ -81,6 +81,27 @@ def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 7))
 
 
+def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_checkpoint(tmp_path):
+    """Resuming an earlier checkpoint with --overwrite: the check lets it through and deletes nothing (a check
+    after it may still refuse the run); overwrite_run, once all checks are passed, deletes the later ones only.
+    Resuming another run's checkpoint, or none, it deletes the run in --out."""
+    from shardlm import rundir
+    w = {"w": torch.zeros(2)}
+    for step in (3, 6, 9):
+        save_checkpoint(tmp_path / "run", step, w, {}, {"config": {}, "data": {}}, keep=3)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    names = lambda: [p.name for p in complete_checkpoints(tmp_path / "run")]  # noqa: E731
+    with pytest.raises(ConfigError, match="holds checkpoints after step_00000003"):
+        rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=False)
+    assert rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=True)
+    assert names() == ["step_00000003", "step_00000006", "step_00000009"]
+    said = []
+    rundir.overwrite_run(tmp_path / "run", ckpt, said.append)
+    assert names() == ["step_00000003"] and len(said) == 2
+    rundir.overwrite_run(tmp_path / "run", None, said.append)
+    assert names() == [] and "deleted the checkpoints (up to step_00000003)" in said[-1]
+
+
 def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
     run = tmp_path / "run"
     train_cli("--train.steps", 2, "--out", run, check=True)

@@ -87,29 +87,30 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     return None
 
 
-def overwrite_run(out: Path, resume: Path | None, log=print) -> None:
-    """--overwrite: delete the checkpoints and metrics of the run in `out` (main rank). Called once the new run
-    has passed its checks (data, tokenizer, model, train.freeze), so that one refused keeps the old run."""
+def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
+    """--overwrite: delete the run in `out` (its checkpoints and metrics), or, resuming its own `checkpoint`,
+    the checkpoints after it (main rank). Called once the new run has passed its checks (data, tokenizer,
+    model, train.freeze), so that one refused keeps the old run whole."""
     existing = complete_checkpoints(out)
-    if existing and not (resume is not None and contains(out, Path(resume))):
+    if checkpoint is not None and contains(out, checkpoint):
+        for p in (p for p in existing if checkpoint_step(p) > checkpoint_step(checkpoint)):
+            shutil.rmtree(p, ignore_errors=True)
+            log(f"--overwrite: deleted {p.name}, after the resumed {checkpoint.name}")
+    elif existing:
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
         shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         (out / METRICS).unlink(missing_ok=True)
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
 
 
-def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, main: bool) -> bool:
+def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool) -> bool:
     """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses to resume
-    an explicitly chosen earlier checkpoint beside later ones unless `overwrite`, which deletes them."""
+    an explicitly chosen earlier checkpoint beside later ones unless `overwrite` (overwrite_run deletes them)."""
     if not contains(out, checkpoint):
         return False
     later = [p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)]
-    if later and Path(resume).resolve() != out.resolve():
-        if not overwrite:
-            raise ConfigError(f"{out} holds checkpoints after {checkpoint.name} ({', '.join(p.name for p in later)}): "
-                              f"resuming {checkpoint.name} into it would mix two futures of the run; resume into "
-                              "another --out, or pass --overwrite to delete the later checkpoints")
-        if main:
-            for p in later:
-                shutil.rmtree(p, ignore_errors=True)
+    if later and Path(resume).resolve() != out.resolve() and not overwrite:
+        raise ConfigError(f"{out} holds checkpoints after {checkpoint.name} ({', '.join(p.name for p in later)}): "
+                          f"resuming {checkpoint.name} into it would mix two futures of the run; resume into "
+                          "another --out, or pass --overwrite to delete the later checkpoints")
     return True

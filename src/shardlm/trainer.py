@@ -127,7 +127,7 @@ class Trainer:
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
         if self.out is not None and overwrite and self.mesh.is_main:
-            rundir.overwrite_run(self.out, Path(resume) if resume is not None else None, log)
+            rundir.overwrite_run(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None)
         if self.out is not None and self.mesh.is_main:
@@ -190,8 +190,7 @@ class Trainer:
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size, self.cfg.train.seq_len)
-        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
-                                                                  self.mesh.is_main)
+        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite)
         return path, own
 
     def _resume(self, path: Path) -> None:
