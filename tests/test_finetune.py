@@ -341,3 +341,48 @@ def test_texts_open_with_the_tokenizers_beginning_of_sequence_as_transformers_gi
     make_tokenizer(tmp_path / "plain")
     plain = load_tokenizer(tmp_path / "plain")
     assert plain.bos_ids == [] and plain.bos_token == "" and prompt_ids(plain, "To be") == plain.encode("To be")
+
+
+def test_instruction_examples_tokenize_as_one_text_as_transformers_does_with_a_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's: Metaspace) marks a word start before any text it is
+    given alone: an answer encoded apart from its prompt trained a space before it that the model, served the
+    prompt, must not produce. Prepared examples are transformers' tokenizer(prompt + completion) and
+    apply_chat_template ids, the chat prompt served (/v1/chat/completions) their untrained start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers import TEXT
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.loader import TokenShards
+    from shardlm.data.prepare import prepare
+    from shardlm.inference import prompt_ids
+    from shardlm.tokenizer import load_tokenizer
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
+        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    ours, theirs = load_tokenizer(tmp_path / "tok"), PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok"))
+    chat = [{"role": "user", "content": "say 3"}]
+    records = [{"prompt": "Reverse: a b 3\n", "completion": "3 b a"}, {"messages": chat + [
+        {"role": "assistant", "content": "3!"}]}]
+    prepare([write_jsonl(tmp_path / "e.jsonl", records)], str(tmp_path / "tok"), tmp_path / "ex", progress=False)
+    shards = TokenShards(tmp_path / "ex")
+    ids = np.concatenate([np.asarray(t) for t in shards.tokens]).tolist()
+    mask = np.concatenate([np.asarray(m) for m in shards.masks]).astype(bool).tolist()
+    first = theirs("Reverse: a b 3\n3 b a").input_ids + [ours.eos_id]
+    second = theirs.apply_chat_template(records[1]["messages"], tokenize=False)
+    assert ids == first + theirs(second, add_special_tokens=False).input_ids
+    served = prompt_ids(ours, chat_prompter(ours)(chat), opened=True)
+    assert ids[len(first):len(first) + len(served)] == served and mask[len(first):] == (
+        [False] * len(served) + [True] * (len(ids) - len(first) - len(served)))
+    assert mask[:len(first)] == [False] * len(theirs("Reverse: a b 3\n").input_ids) + [True] * (
+        len(first) - len(theirs("Reverse: a b 3\n").input_ids))

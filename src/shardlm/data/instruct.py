@@ -136,14 +136,35 @@ def examples(path: Path, tok: Tokenizer):
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
         ids = [] if template is not None and "messages" in record else list(tok.bos_ids)
         mask = [False] * len(ids)
-        for text, trained in _pieces(record, where, template, eos, tok.bos_token):
-            piece = tok.encode(text) if text else []
+        for piece, trained in _encode(tok, _pieces(record, where, template, eos, tok.bos_token)):
             ids += piece
             mask += [trained] * len(piece)
         if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
             ids.append(tok.eos_id)
             mask.append(True)
         yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes
+
+
+def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:
+    """Each (text, trained) piece's tokens as they are inside the whole example's text, as transformers
+    tokenizes it (tokenizer(prompt + completion), apply_chat_template): a SentencePiece-style tokenizer (Llama
+    2's, Mistral's: a Metaspace pre-tokenizer or a Prepend normalizer) marks a word start (U+2581) before any
+    text it is given alone, so an answer encoded alone would train a space before it that the model, served
+    the prompt, must not produce. The tokens before each piece must be those of the text before it alone (what
+    a prompt ending there is served as); where they are not (a merge across the boundary), each piece is
+    encoded on its own."""
+    pieces = [(text, trained) for text, trained in pieces if text]
+    texts, ends, end = [], [], 0
+    for text, _ in pieces:
+        end += len(text)
+        texts.append(text)
+        ends.append(end)
+    full = "".join(texts)
+    *heads, whole = tok.encode_batch([full[:e] for e in ends[:-1]] + [full]) if pieces else [[]]
+    cuts = [0] + [len(h) for h in heads] + [len(whole)]
+    if any(whole[:len(h)] != h for h in heads) or cuts != sorted(cuts):
+        return [(tok.encode(text), trained) for text, trained in pieces]
+    return [(whole[a:b], trained) for (_, trained), a, b in zip(pieces, cuts, cuts[1:])]
 
 
 def fit(ids: np.ndarray, mask: np.ndarray, pad_to: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, bool]:
