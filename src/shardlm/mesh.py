@@ -72,6 +72,24 @@ class DeviceMesh:
     def release_groups(self) -> None:
         self.groups = {}
 
+    def any_rank(self, failed: bool, device: torch.device) -> bool:
+        """Whether a check failed on any rank (a MAX all-reduce over the world, on `device`: its backend's):
+        every rank reaches it, so a failure on one (the main rank's save or directory, one GPU's free memory)
+        stops them all together instead of leaving the others waiting in their next collective."""
+        if self.world == 1:
+            return failed
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def from_main(self, value):
+        """The main rank's `value` on every rank (a broadcast of the object: what it alone could find out)."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     # The data-parallel and tensor-parallel views most code asks for.
     dp = property(lambda self: self.sizes["dp"])
     tp = property(lambda self: self.sizes["tp"])

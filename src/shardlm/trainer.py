@@ -65,7 +65,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.run_lock = None
         if self.out is not None:
-            self.run_lock = rundir.claim(self.out, self.mesh.is_main, self._from_main, log)
+            self.run_lock = rundir.claim(self.out, self.mesh.is_main, self.mesh.from_main, log)
             if self.run_lock is not None:  # a Trainer never closed lets go of the directory when collected
                 weakref.finalize(self, self.run_lock.release)
         try:
@@ -149,22 +149,7 @@ class Trainer:
         return default_corpus() if not self.mesh.is_main else path
 
     def _any_rank(self, failed: bool) -> bool:
-        """Whether this check failed on any rank: every rank reaches this all-reduce, so a failure on one
-        (the main rank's save or directory, one GPU's free memory) stops them all together, instead of
-        leaving the others waiting in their next collective."""
-        if self.mesh.world == 1:
-            return failed
-        flag = torch.tensor([float(failed)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _from_main(self, value):
-        """The main rank's `value` on every rank (what it alone could find out: a lock, a checkpoint)."""
-        if self.mesh.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self.mesh.any_rank(failed, self.device)
 
     def _check_resume(self, resume) -> tuple[Path, bool]:
         """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
@@ -176,7 +161,7 @@ class Trainer:
                 chosen = str(resolve_checkpoint(resume, self.log))
             except (CheckpointError, FileNotFoundError) as e:
                 chosen = e
-        chosen = self._from_main(chosen)
+        chosen = self.mesh.from_main(chosen)
         if isinstance(chosen, Exception):
             raise chosen
         path, state = Path(chosen), read_state(chosen)
