@@ -5,8 +5,11 @@ over 127.5, so that a decode step, bound by reading the weights, reads half the 
 The product must read them as int8 for that to pay: `mm(x, w.to(bf16)) * scale` (torchao's, compiled by
 Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 TB/s (bench/README.md). Here,
 for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
-multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; elsewhere (prefill's
-many rows, the CPU) the weight is dequantised whole and multiplied as usual.
+multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; for one row (batch-1
+decode) a matrix-vector kernel on the CUDA cores instead, which converts each byte with one bitwise operation
+(the byte as the mantissa of a float by its bits, as FasterTransformer's and Marlin's fast int-to-float
+conversions do) and leaves the tensor cores' operand shuffles out. Elsewhere (prefill's many rows, the CPU)
+the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ BM = 16
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
+# The one-row kernel's (BN, BK, warps, stages), narrow and wide, from an H200 sweep of BN 4-128, BK 64-2048
+# and 4-16 warps over the same layers (bench/README.md).
+GEMV_NARROW_LAUNCH = (8, 512, 8, 3)
+GEMV_WIDE_LAUNCH = (16, 512, 8, 3)
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
@@ -44,11 +51,32 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(y_ptr + m[:, None] * sy + n[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
+    @triton.jit
+    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            # The byte's two's complement with its sign bit flipped is w + 128, laid into the mantissa of 2^23:
+            # the float 2^23 + 128 + w exactly, less that offset the weight, without an int-to-float conversion.
+            bits = ((w.to(tl.int32) & 0xFF) ^ 0x80) | 0x4B000000
+            acc += (bits.to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
+        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
+
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int8_mm", mutates_args=())
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = x.new_empty(m, n)
+        if m == 1:
+            bn, bk, warps, stages = GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH
+            _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), K=k, BN=bn, BK=bk,
+                                                     num_warps=warps, num_stages=stages)
+            return y
         bn, bk, warps, stages = WIDE_LAUNCH if n >= WIDE else NARROW_LAUNCH
         _int8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, BM))](
             x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=bn, BK=bk,
