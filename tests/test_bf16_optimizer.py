@@ -155,18 +155,20 @@ def test_config_refuses_what_cannot_run(key, value, extra, message):
         validate(cfg, world_size=cfg.parallel.world)
 
 
-def _trainer(tmp_path, name, optimizer_dtype, steps, resume=None):
+def _trainer(tmp_path, name, optimizer_dtype, steps, resume=None, checkpoint_format="sharded"):
     cfg = load_config("tiny", {"train.precision": "bf16", "train.optimizer_dtype": optimizer_dtype,
-                               "train.steps": str(steps), "train.tensorboard": "false"})
+                               "train.steps": str(steps), "train.tensorboard": "false",
+                               "train.checkpoint_format": checkpoint_format})
     return Trainer(cfg, out_dir=tmp_path / name, resume=resume, log=lambda *a: None)
 
 
+@pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
 @pytest.mark.parametrize("saved, resumed", [("fp32", "bf16"), ("bf16", "fp32")])
-def test_resume_across_optimizer_dtypes(tmp_path, saved, resumed):
-    """A checkpoint holds masters and moments by name in fp32 whatever the optimizer's dtype: an fp32 run's
-    resumes under a bf16 optimizer rounded to nearest, a bf16 run's under an fp32 one exactly widened; the step
-    count and the training go on."""
-    _trainer(tmp_path, "a", saved, 3).run()
+def test_resume_across_optimizer_dtypes(tmp_path, saved, resumed, checkpoint_format):
+    """Masters and moments are saved by name (sharded: in fp32; full: in the run's dtype) and read in fp32: an
+    fp32 run's checkpoint resumes under a bf16 optimizer rounded to nearest, a bf16 run's under an fp32 one
+    exactly widened; the step count and the training go on."""
+    _trainer(tmp_path, "a", saved, 3, checkpoint_format=checkpoint_format).run()
     same = _trainer(tmp_path, "same", saved, 5, resume=tmp_path / "a")
     other = _trainer(tmp_path, "other", resumed, 5, resume=tmp_path / "a")
     for kind in ("master", "exp_avg", "exp_avg_sq"):
