@@ -46,16 +46,17 @@ if triton is not None:
                 hit = hit | ((offs >= tl.load(row + 2 * k)) & (offs < tl.load(row + 2 * k + 1)))
             decay = tl.where(hit, decay, 1.0)
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        # fp32 or bf16 (train.optimizer_dtype) masters and moments; the math is fp32 either way
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         p = p * decay
         m = m + (1.0 - beta1) * (g - m)
         v = beta2 * v + (1.0 - beta2) * g * g
         p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
-        tl.store(master_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(master_ptr + offs, p.to(master_ptr.dtype.element_ty), mask=mask)  # round to nearest (even)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
         if WRITE_PARAM:
             tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
 
@@ -122,6 +123,8 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
                       decay_table=None, consume_grad: bool = False, host_kernel: bool = False) -> None:
     """One AdamW step on fp32 `master` from `grad` x `scale` (any float dtype), unless `skip` is set;
     writes the rounded result to the 16-bit `param` when one is given. Step counts start at 1.
+    `master`, `exp_avg` and `exp_avg_sq` may instead be bf16 (train.optimizer_dtype): each is read into fp32,
+    updated in fp32 and rounded once to bf16 (`_lowp_step`; on the GPU the same kernel).
     `decay_table` (GPU only, from `decay_table()`): `weight_decay` applies only inside its intervals.
     `consume_grad`: an fp32 CPU `grad` may be left scaled in place, which saves a pass over it.
     `host_kernel`: on the CPU, cpu_adam.py's compiled pass where it builds (offload's optimizer, whose ranks each
@@ -139,6 +142,15 @@ def adamw_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: to
     if decay_table is not None:
         raise ValueError("adamw_master_step: a decay table needs the Triton kernel (CUDA tensors)")
     if bool(skip):
+        return
+    if _low_precision(master, exp_avg, exp_avg_sq):
+        def update(p, g, m, v):
+            p.mul_(1 - lr * weight_decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            p.addcdiv_(m, v.sqrt().div_(math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+            return p, m, v
+        _lowp_step(update, master, param, grad, scale, exp_avg, exp_avg_sq)
         return
     lib = cpu_adam.load() if host_kernel and master.device.type == "cpu" and grad.dtype == torch.float32 and \
         beta1 > 0.5 and (param is None or param.dtype == torch.bfloat16) else None
@@ -191,11 +203,41 @@ def decay_table(intervals: list[tuple[int, int]], n: int, device) -> torch.Tenso
     return table.to(device)
 
 
+def _low_precision(*state: torch.Tensor) -> bool:
+    return any(t.dtype != torch.float32 for t in state)
+
+
+def _lowp_step(update, master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor, scale: torch.Tensor,
+               *state: torch.Tensor) -> None:
+    """A step on 16-bit masters and states (train.optimizer_dtype bf16) the way the GPU kernel runs it: a chunk
+    at a time, each read into fp32, `update(master, grad x scale, *state)` (fp32 tensors, updated in place or
+    returned) and each result rounded once to its dtype (to nearest), not once per torch op."""
+    factor = scale.float()
+    chunk = 1 << 16 if master.device.type == "cpu" else 1 << 24  # the CPU's fp32 temporaries stay in cache
+    for lo in range(0, master.numel(), chunk):
+        sl = slice(lo, lo + chunk)
+        g = grad[sl].float() * factor
+        new = update(master[sl].float(), g, *(t[sl].float() for t in state))
+        for t, v in zip((master, *state), new):
+            t[sl].copy_(v)
+        if param is not None:
+            param[sl].copy_(master[sl])
+
+
 def sgd_master_step(master: torch.Tensor, param: torch.Tensor | None, grad: torch.Tensor, momentum_buf: torch.Tensor,
                     scale: torch.Tensor, skip: torch.Tensor, *, step: int, lr: float, momentum: float,
                     weight_decay: float) -> None:
-    """SGD with momentum as torch.optim.SGD (coupled weight decay; the first step seeds the buffer)."""
+    """SGD with momentum as torch.optim.SGD (coupled weight decay; the first step seeds the buffer). bf16
+    `master` and `momentum_buf` (train.optimizer_dtype): the step in fp32, each result rounded once."""
     if bool(skip):
+        return
+    if _low_precision(master, momentum_buf):
+        def update(p, g, buf):
+            if weight_decay:
+                g = g.add(p, alpha=weight_decay)
+            buf = g if step == 1 else buf.mul_(momentum).add_(g)
+            return p.add_(buf, alpha=-lr), buf
+        _lowp_step(update, master, param, grad, scale, momentum_buf)
         return
     g = grad.float() * scale
     if weight_decay:

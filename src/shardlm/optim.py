@@ -2,7 +2,10 @@
 
 `MasterWeightOptimizer` keeps an fp32 copy of the 16-bit parameters (one flat buffer, see flat.py) and
 runs AdamW (Loshchilov & Hutter 2019) or SGD with momentum on it in one fused pass (kernels.py), as
-mixed-precision training prescribes; in fp32 the parameters are their own masters. Gradients are
+mixed-precision training prescribes; in fp32 the parameters are their own masters. With
+`train.optimizer_dtype = "bf16"` the masters and moments are bf16 (Megatron's precision-aware optimizer, HF's
+pure-bf16 training): each update is computed in fp32 and rounded once to bf16, and bf16 parameters are their
+own masters wherever the optimizer is not sharded. Gradients are
 unscaled, clipped by the global L2 norm (Pascanu et al. 2013), and a step whose norm is not finite is
 skipped. Its state is saved by parameter name, so a checkpoint does not depend on how parameters are
 laid out or sharded. The offloaded variant (masters, moments and the step on the CPU) is
@@ -94,9 +97,15 @@ class MasterWeightOptimizer:
         self.shard_len = [b.numel // self.world for b in flat.buckets]
         self.master_off = [sum(self.shard_len[:i]) for i in range(len(flat.buckets))]
         self.total = sum(self.shard_len)
-        # fp32 on one rank's full buckets whose storage stays (`params_kept`; ZeRO-3 frees it between uses):
-        # the parameters are their own masters.
-        self.alias = params_kept and not (self.sharded or self.offloaded or flat.dtype != torch.float32)
+        # The masters' and moments' dtype: fp32, or bf16 with train.optimizer_dtype "bf16" (not offloaded: refused
+        # by config.checks, as the CPU step and the offload buffers are fp32's).
+        self.state_dtype = torch.bfloat16 if getattr(cfg, "optimizer_dtype", "fp32") == "bf16" else torch.float32
+        if self.state_dtype != torch.float32 and (self.offloaded or flat.dtype != self.state_dtype):
+            raise ValueError(f"bf16 optimizer state needs bf16 parameters on the device (parameters {flat.dtype}, "
+                             f"offloaded: {self.offloaded})")
+        # Weights in the state's dtype on one rank's full buckets whose storage stays (`params_kept`; ZeRO-3
+        # frees it between uses): the parameters are their own masters.
+        self.alias = params_kept and not (self.sharded or self.offloaded or flat.dtype != self.state_dtype)
         if self.alias:
             self.master_parts = [b.data for b in flat.buckets]
             self.master = None
@@ -139,11 +148,12 @@ class MasterWeightOptimizer:
         self.last_norm = torch.zeros((), device=self.device)
 
     def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
-        """Storage for the masters or one optimizer state, all buckets' shards end to end (offload: in host
-        memory, the masters pinned where there is a GPU; or in a file: parallel/offload_disk.py)."""
+        """Storage for the masters or one optimizer state, all buckets' shards end to end, in `state_dtype`
+        (fp32 unless train.optimizer_dtype is bf16; offload: fp32 in host memory, the masters pinned where
+        there is a GPU; or in a file: parallel/offload_disk.py)."""
         if home.type != "cpu":
-            return torch.empty(n, dtype=torch.float32, device=home)
-        return host_empty(n, torch.float32, pin=self.offloaded and name == "master" and torch.cuda.is_available())
+            return torch.empty(n, dtype=self.state_dtype, device=home)
+        return host_empty(n, self.state_dtype, pin=self.offloaded and name == "master" and torch.cuda.is_available())
 
     def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         return self._fp32_buffer(name, n, home).zero_()
@@ -205,7 +215,7 @@ class MasterWeightOptimizer:
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        """Unsharded only: each parameter's fp32 master, shaped like it."""
+        """Unsharded only: each parameter's master (fp32, or bf16 with a bf16 optimizer), shaped like it."""
         assert not self.sharded
         return [self.flat.view(self.master_parts[self.flat.where[i][0]], i) for i in range(len(self.params))]
 
@@ -338,7 +348,9 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Take this rank's shard of every bucket from full per-name tensors; returns the 16-bit weights of
-        this rank's bucket shards (the caller puts them where its layout keeps parameters)."""
+        this rank's bucket shards (the caller puts them where its layout keeps parameters). Values are read
+        in fp32 and stored in the state's dtype: a checkpoint of either train.optimizer_dtype resumes under
+        the other (fp32 masters and moments rounded to nearest bf16; bf16 ones widened exactly)."""
         missing = [n for n in self.names if n not in masters]
         if missing:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")

@@ -27,6 +27,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", *BLOCK_RECOMPUTE),
     "train.optimizer": ("adamw", "sgd"),
+    "train.optimizer_dtype": ("fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.attention": ("auto", "flash", "cudnn", "efficient", "math"),
     "parallel.offload": ("none", "optimizer", "params"),
@@ -110,6 +111,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"train.attention = 'flash' takes no attention mask, which model.sliding_window = "
                           f"{m.sliding_window} below {'train.seq_len' if longest == t.seq_len else 'model.max_seq_len (the sample)'} "
                           f"= {longest} needs (use auto, efficient or math)")
+    if t.optimizer_dtype == "bf16":
+        check_bf16_optimizer(cfg)
     if m.num_experts:
         check_experts(cfg)
     else:
@@ -144,6 +147,21 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
                           f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+
+
+def check_bf16_optimizer(cfg: Config) -> None:
+    """train.optimizer_dtype = 'bf16' (masters and moments in bf16, optim.py): bf16 weights, and the optimizer on
+    the GPU (offload's CPU and NVMe steps keep fp32 state, cpu_adam.py and parallel/offload*.py)."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision != "bf16":
+        raise ConfigError(f"train.optimizer_dtype = 'bf16' keeps bf16 master weights, which needs train.precision "
+                          f"= 'bf16' (it is {t.precision!r}): the weights are then the masters themselves, as fp32 "
+                          "or fp16 weights are not; use train.optimizer_dtype = 'fp32'")
+    if p.offload != "none":
+        raise ConfigError(f"train.optimizer_dtype = 'bf16' with parallel.offload = {p.offload!r}: the offloaded "
+                          "optimizer keeps its masters and moments in host memory or files, in fp32 (its CPU step, "
+                          "cpu_adam.py, is fp32 only), so bf16 would save no GPU memory; use parallel.offload = "
+                          "'none' or train.optimizer_dtype = 'fp32'")
 
 
 # The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored

@@ -76,6 +76,9 @@ class TrainConfig:
     grad_clip: float = 1.0         # 0 disables clipping
     seed: int = 0
     precision: str = "fp32"        # fp32 | bf16 | fp16
+    # fp32 | bf16: the optimizer's master weights and moments (bf16: HF's pure-bf16 training, each update rounded
+    # to bf16, the parameters their own masters where the optimizer is not sharded; needs precision bf16)
+    optimizer_dtype: str = "fp32"
     # none | selective (attention core) | full (each block from its input) | full-skip-down (full, but the
     # recomputed forward skips the MLP's down projection: no more memory) | full-skip-out-down (also the
     # attention's output projection, keeping each block's mid-residual): model/recompute.py

@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", default="1f1b")
     lay.add_argument("--virtual-stages", type=int, default=1)
     lay.add_argument("--precision", default="bf16")
+    lay.add_argument("--optimizer-dtype", default="fp32", choices=("fp32", "bf16"),
+                     help="bf16: the optimizer's masters and moments in bf16 (train.optimizer_dtype)")
     lay.add_argument("--attention", default="flash")
     lay.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"))
     lay.add_argument("--reduce-algo", default="auto", choices=("auto", "all_to_all", "ring", "copy_engine"))
@@ -204,7 +206,8 @@ def run(argv: list[str]) -> int:
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,
-                    precision=a.precision, attention=a.attention, reduce_dtype=a.reduce_dtype,
+                    precision=a.precision, optimizer_dtype=a.optimizer_dtype, attention=a.attention,
+                    reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a))
     if a.search:
         return search_layouts(a, model, layout, g)

@@ -27,6 +27,9 @@ EFFICIENCY = 0.55
 # to context parallelism's rows at 16k and 64k tokens on H200s (cuDNN's kernels; bench/README.md).
 ATTENTION_EFFICIENCY = 0.4
 ADAM_BYTES = 28          # per parameter: 16-bit grad in, fp32 master, m, v in and out, 16-bit weight out
+# train.optimizer_dtype bf16: master, m, v in and out at 2 bytes each; the 16-bit weight written apart only where
+# the optimizer is sharded (unsharded, the weights are the masters)
+ADAM_BYTES_BF16 = {True: 16, False: 14}
 
 
 def model_flops_per_token(m: ModelConfig, seq: int) -> float:

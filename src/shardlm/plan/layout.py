@@ -26,6 +26,7 @@ class Workload:
 class Layout(ParallelConfig):
     recompute: str = "none"        # none | selective | full
     precision: str = "bf16"        # fp32 | bf16 | fp16
+    optimizer_dtype: str = "fp32"  # fp32 | bf16: the masters' and moments' (train.optimizer_dtype)
     attention: str = "flash"       # flash | standard
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: every weight trained
@@ -38,7 +39,7 @@ class Layout(ParallelConfig):
     def from_config(cls, cfg: Config) -> Layout:
         """The layout a training config runs."""
         return cls(**vars(cfg.parallel), recompute=cfg.train.recompute, precision=cfg.train.precision,
-                   loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora)
+                   optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora)
 
 
 FLAGS = Naming(flags=True)
@@ -48,9 +49,13 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
     L = layout
     for name, value, allowed in (("recompute", L.recompute, ("none", "selective", *BLOCK_RECOMPUTE)),
                                  ("precision", L.precision, ("fp32", "bf16", "fp16")),
+                                 ("optimizer-dtype", L.optimizer_dtype, ("fp32", "bf16")),
                                  ("attention", L.attention, ("flash", "standard"))):
         if value not in allowed:
             raise PlanError(f"--{name} {value!r} is not one of {', '.join(map(str, allowed))}")
+    if L.optimizer_dtype == "bf16" and (L.precision != "bf16" or L.offload != "none"):
+        raise PlanError(f"--optimizer-dtype bf16 needs --precision bf16 (it is {L.precision}) and no --offload (it is "
+                        f"{L.offload}): the runtime refuses the others (train.optimizer_dtype)")
     if L.lora.quantize not in ("none", "nf4"):
         raise PlanError(f"--quantize {L.lora.quantize!r} is not one of none, nf4")
     if L.lora.quantize == "nf4" and not L.lora.rank:

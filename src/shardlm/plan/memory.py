@@ -8,6 +8,8 @@ gradients, stage 3 everything: 2 Phi + 2 Phi + K Phi / Nd, 2 Phi + (2 + K) Phi /
 ones; a mixture of experts' experts are split over ep (num_experts / ep whole experts a rank) and their
 state is sharded over the ranks holding the same experts, edp = dp x cp / ep (groups.py).
 shardlm's stage 3 keeps no 16-bit copy (each gather casts the fp32 master).
+With bf16 optimizer state (train.optimizer_dtype, `--optimizer-dtype bf16`) K = 2 + 2 for the moments, plus
+2 for a bf16 master where the optimizer is sharded (ZeRO): unsharded, the bf16 weights are their own masters.
 Its gradient shards in the reduction dtype (stages 2 and 3, and stage 1 when that dtype differs from the
 gradients') exist from backward until the step: with one micro-batch they never meet forward's activation
 peak, but stages 2 and 3 reduce on every micro-step, so with accumulation (or a pipeline) they sit beside
@@ -225,6 +227,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         n = L.replicas
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
+        if L.optimizer_dtype == "bf16":  # bf16 moments, and a bf16 master unless the weights are their own
+            k = 4 if L.zero_stage == 0 else 6
         phi, frozen = trained_and_frozen(m, L, stage, p_b)
         sharded = zero_shard(m, L, stage, phi)  # each parameter's share over its own reduce group
         red = 4 if L.reduce_dtype == "fp32" else g_b
