@@ -8,7 +8,9 @@ MixtralForCausalLM of exactly the same shape, on one GPU and with expert paralle
 Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
 natural routing, then forced-balanced routing (the routing read at each step: a compiled graph recompiles).
 Every system trains on the same batches, shardlm's default corpus (text routes less evenly than random ids).
-- 1 GPU: `shardlm` (Trainer: bf16 parameters, fp32 masters, fused AdamW, blocks compiled), and HF's Mixtral in
+- 1 GPU: `shardlm` (Trainer: bf16 parameters, fp32 masters, fused AdamW, blocks compiled), its
+  `shardlm-bf16-optimizer` variant (train.optimizer_dtype bf16: masters and moments in bf16, as HF's run keeps
+  its AdamW states), and HF's Mixtral in
   bf16 weights with torch's fused AdamW as ../shared/bench/peer_baseline.py measures it, with
   `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
   `"eager"` (`hf-eager`, a Python loop over experts).
@@ -45,7 +47,8 @@ from common import (PEAK, driver_args, forwarded, job_env, profile_steps, record
 ROOT = Path(__file__).resolve().parents[1]
 ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
 MANY = ("shardlm-ep", "shardlm-zero3", "hf-fsdp2")
-SHARDLM = {"shardlm": {}, "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
+SHARDLM = {"shardlm": {}, "shardlm-bf16-optimizer": {"train.optimizer_dtype": "bf16", "train.precision": "bf16"},
+           "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
            "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"}}
 HF = {"hf-grouped-compiled": "grouped_mm", "hf-grouped": "grouped_mm", "hf-eager": "eager", "hf-fsdp2": "grouped_mm"}
 BALANCED = {"on": False}  # read inside the patched routers at every call (dynamo guards on it)
@@ -286,7 +289,8 @@ def main():
     p.add_argument("--profile", type=int, default=0, help="steps profiled after each routing's timing")
     p.add_argument("--profile-dir", default="profiles", help="where --profile writes traces and kernel tables")
     p.add_argument("--systems", nargs="+", default=None,
-                   help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp")
+                   help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, "
+                        "shardlm-bf16-optimizer (1 GPU)")
     driver_args(p, timeout=480)
     args, extra = p.parse_known_args()
     if args.system:
@@ -319,12 +323,12 @@ def main():
     by = {(r["system"], r["routing"]): r for r in rows}
     print(f"\n{card} x{args.gpus}, {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}/GPU "
           f"(MFU on active parameters)")
-    print(f"{'system':<21}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
+    print(f"{'system':<24}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
           f"{'x ' + ref:>23}")
     for r in rows:
         b = by.get((ref, r["routing"]))
         load = f"{r['max_over_mean']:.2f}" if r["max_over_mean"] else "-"
-        print(f"{r['system']:<21}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
+        print(f"{r['system']:<24}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
               f"{r['peak_mem_gib']:>9.1f}{load:>9}{r['dropped_tokens']:>8}"
               f"{r['tok_s_gpu'] / b['tok_s_gpu'] if b else float('nan'):>23.2f}")
     for s in dict.fromkeys(r["system"] for r in rows):
