@@ -277,6 +277,88 @@ def test_a_runs_checkpoint_and_export_keep_the_tokenizers_chat_template_and_end_
         assert json.loads((where / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
+def _source_with_tokenizer(tmp_path, generation_config: dict):
+    """A tiny HF directory with the tests' tokenizer and `generation_config` as its generation_config.json."""
+    from helpers import make_tokenizer
+    path, _ = hf_dir(tmp_path, vocab_size=300)
+    make_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+def _run_and_export(tmp_path, capsys, source):
+    """Data prepared with `source`'s tokenizer, one step from it at lr 0 (the weights stay the source's), the run
+    exported: (checkpoint, export)."""
+    from helpers import TEXT, cli_here
+    (tmp_path / "text.txt").write_text(TEXT)
+    cli_here(capsys, "data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", source, "--out",
+             tmp_path / "data")
+    assert not (tmp_path / "data" / "generation_config.json").exists()  # the model's file, not the tokenizer's
+    cli_here(capsys, "train", "tiny", "--train.init_from", source, "--data.path", tmp_path / "data",
+             "--train.steps", 1, "--train.lr", 0, "--train.warmup_steps", 0, "--train.weight_decay", 0,
+             "--data.eval_windows", 0, "--train.eval_every", 0, "--train.sample_tokens", 0, "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "exp")
+    return tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "exp"
+
+
+def test_the_sources_end_of_turn_survives_the_run_and_the_export_and_stops_transformers_there(tmp_path, capsys):
+    """A fine-tune of a chat model whose end of turn only generation_config.json names (Llama 3 Instruct's
+    eos_token_id [<|end_of_text|>, <|eot_id|>]): the checkpoint keeps the file, the export writes it, and
+    shardlm's generate/serve on either and transformers' generate on the export stop at the same token."""
+    import shutil
+
+    import transformers
+
+    from helpers import cli_here
+    from shardlm.generation_config import stop_ids_of
+    from shardlm.inference import generate_ids, load_pretrained, prompt_ids
+    from shardlm.tokenizer import load_tokenizer
+    source = _source_with_tokenizer(tmp_path, {})
+    model, tok, _ = load_pretrained(source)
+    prompt = prompt_ids(tok, "To be")
+    greedy = generate_ids(model, torch.tensor([prompt]), 12)[0].tolist()
+    k = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i] and greedy[i] != tok.eos_id)
+    turn = greedy[k]  # an end of turn greedy decoding emits, at its first appearance
+    gen = {"bos_token_id": 1, "eos_token_id": [tok.eos_id, turn], "temperature": 0.6, "top_p": 0.9,
+           "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps(gen))
+    checkpoint, export = _run_and_export(tmp_path, capsys, source)
+    assert json.loads((checkpoint / "generation_config.json").read_text()) == gen
+    assert json.loads((export / "generation_config.json").read_text()) == gen
+    hf_gen = transformers.GenerationConfig.from_pretrained(export)
+    assert hf_gen.eos_token_id == [tok.eos_id, turn] and hf_gen.temperature == 0.6
+    for where in (checkpoint, tmp_path / "run", export):
+        assert stop_ids_of(load_pretrained(where)[1]) == (tok.eos_id, turn), where
+        out = cli_here(capsys, "generate", "--model", where, "--prompt", "To be", "--json", "--max-new-tokens", 12,
+                       "--compile", "off")
+        assert json.loads(out)["completion"] == tok.decode(greedy[:k]), where
+    assert stop_ids_of(load_tokenizer(export)) == (tok.eos_id, turn)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        new = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_id)
+    assert new[0, len(prompt):].tolist() == greedy[:k + 1]  # transformers keeps the stop token; shardlm cuts it
+    shutil.rmtree(source)  # a resumed run keeps the checkpoint's, its init_from gone
+    cli_here(capsys, "train", "--resume", tmp_path / "run", "--train.steps", 2)
+    assert json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "generation_config.json").read_text()) \
+        == gen
+
+
+def test_an_export_without_the_sources_generation_config_has_one_of_config_jsons_ids(tmp_path, capsys):
+    """No generation_config.json of the source's own (here transformers' kind, made from the model class, whose
+    eos 2 is not this tokenizer's): the export's is the one GenerationConfig.from_model_config makes of its
+    config.json, as save_pretrained would write."""
+    import transformers
+    source = _source_with_tokenizer(tmp_path, {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2})
+    checkpoint, export = _run_and_export(tmp_path, capsys, source)
+    assert not (checkpoint / "generation_config.json").exists()
+    config = json.loads((export / "config.json").read_text())
+    written = transformers.GenerationConfig.from_pretrained(export)
+    made = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(export))
+    assert (written.bos_token_id, written.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
+    assert (written.bos_token_id, written.eos_token_id) == (made.bos_token_id, made.eos_token_id)
+    assert config["eos_token_id"] == 0 and written._from_model_config
+
+
 def _bos_tokenizer(directory, **config):
     """The tests' byte-level BPE with Llama's habit: a post-processor that opens every text with <s>."""
     from tokenizers import Tokenizer, processors

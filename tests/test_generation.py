@@ -352,6 +352,32 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
 
 
+def test_generate_and_eval_stop_at_the_generation_configs_end_of_turn(tmp_path, capsys):
+    """An end of turn that only generation_config.json names (Llama 3 Instruct's <|eot_id|>) ends `generate`'s
+    and `eval --tasks`' completions, as it ends serve's: one function gives every command its stop ids."""
+    from shardlm.generation_config import stop_ids_of
+    from shardlm.inference import load_pretrained, prompt_ids
+    save_hf("llama", tmp_path / "hf")
+    model, tok, _ = load_pretrained(tmp_path / "hf")
+    prompt = "To be"
+    alone = generate_ids(model, torch.tensor([prompt_ids(tok, prompt)]), 12)[0].tolist()
+    # a token greedy emits, not at its first step, whose first appearance is where the stop must come
+    k = next(i for i in range(2, len(alone)) if alone[i] not in alone[:i] and alone[i] != tok.eos_id)
+    turn = alone[k]
+    args = ["--model", tmp_path / "hf", "--max-new-tokens", 12, "--compile", "off"]
+    plain = json.loads(cli_here(capsys, "generate", *args, "--prompt", prompt, "--json"))["completion"]
+    assert plain == tok.decode(alone)  # transformers' own generation_config.json (made from the class) adds nothing
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1,
+                                                                         "eos_token_id": [tok.eos_id, turn]}))
+    assert stop_ids_of(load_pretrained(tmp_path / "hf")[1]) == (tok.eos_id, turn)
+    got = json.loads(cli_here(capsys, "generate", *args, "--prompt", prompt, "--json"))["completion"]
+    assert got == tok.decode(alone[:k])
+    data = tmp_path / "ref.jsonl"
+    data.write_text(json.dumps({"prompt": prompt, "completion": "x"}) + "\n")
+    scored = json.loads(cli_here(capsys, "eval", *args, "--tasks", "bleu", "--data", data, "--json"))
+    assert scored["completions"] == [tok.decode(alone[:k])]
+
+
 def test_generate_counts_in_words(tmp_path, capsys):
     from shardlm.cli import main
     save_hf("llama", tmp_path / "hf")

@@ -622,3 +622,17 @@ def test_plan_inference_of_a_tiny_model_counts_its_cache_and_requests_consistent
     batches = (e["slots"], e["slots"] + 1)
     fits = [plan_inference(m, gpu("h100"), b, 128, 2, HEADROOM, CUDA_CONTEXT).fits for b in batches]
     assert fits == [True, False]  # the figure is the largest batch that the total line calls fitting
+
+
+def test_small_times_print_with_three_significant_figures():
+    """`plan --model tiny --inference` printed its decode step as `0.00 ms` and training's step time as
+    `0.000 s`: times now take the unit that keeps three significant figures."""
+    from shardlm.plan.cli import duration
+    assert [duration(x) for x in (7.36e-8, 1.234e-6, 9.996e-6, 0.00099961, 0.0081234, 0.51234, 1.5, 12.345)] == \
+        ["73.6 ns", "1.23 us", "10.0 us", "1.00 ms", "8.12 ms", "512 ms", "1.50 s", "12.3 s"]
+    e = json.loads(run_cli("plan", "--model", "tiny", "--inference", "--json").stdout)
+    line = next(x for x in run_cli("plan", "--model", "tiny", "--inference").stdout.splitlines()
+                if x.strip().startswith("decode step"))
+    assert line.split()[2:4] == duration(e["step_bound_s"]).split() and float(line.split()[2]) >= 1
+    step = next(x for x in run_cli("plan", "--model", "tiny").stdout.splitlines() if x.strip().startswith("step time"))
+    assert float(step.split()[2]) >= 1 and step.split()[3] in ("s", "ms", "us", "ns")

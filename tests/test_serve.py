@@ -263,7 +263,7 @@ def test_streamed_text_never_sends_half_a_character_or_the_start_of_a_stop_strin
 
 
 def test_the_stop_ids_are_the_tokenizers_and_the_generation_configs(hf_dir, tmp_path):
-    from shardlm.serve.protocol import stop_ids_of
+    from shardlm.generation_config import stop_ids_of
     from shardlm.tokenizer import load_tokenizer
     make_tokenizer(tmp_path)
     tok = load_tokenizer(tmp_path)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import RunError
+from .generation_config import write_generation_config
 from .sharded_read import ShardedState
 
 CKPT_DIR = "checkpoints"
@@ -90,7 +91,8 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
-                    optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2) -> Path:
+                    optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2,
+                    generation_config: dict | None = None) -> Path:
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
@@ -98,7 +100,7 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
         save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-    return commit_checkpoint(run_dir, step, tmp, state, {}, tokenizer, keep)
+    return commit_checkpoint(run_dir, step, tmp, state, {}, tokenizer, keep, generation_config=generation_config)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
@@ -168,16 +170,19 @@ def failed_save(run_dir, step: int, why: str) -> CheckpointError:
 
 
 def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, written: dict, tokenizer=None,
-                      keep: int = 2, rng: dict | None = None) -> Path:
+                      keep: int = 2, rng: dict | None = None, generation_config: dict | None = None) -> Path:
     """Complete the checkpoint in `tmp` (`written`: the records of files written and checksummed already,
     by name; the others are checksummed here) with the RNG state (`rng`: as it was at the step saved; else
-    now), the tokenizer and state.json, written last; rename it into place and rotate."""
+    now), the tokenizer, the generation_config.json of the weights' source (`generation_config`: the run's,
+    generation_config.py) and state.json, written last; rename it into place and rotate."""
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
         torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
         if tokenizer is not None:  # with its tokenizer_config.json: the chat template and the end-of-text token
             tokenizer.save(tmp)
+        if generation_config is not None:  # its eos ids stop generate/serve on the checkpoint, and go to exports
+            write_generation_config(tmp, generation_config)
         files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": _crc32(f)}
                  for f in sorted(tmp.iterdir())}
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")

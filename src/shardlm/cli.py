@@ -206,6 +206,7 @@ def cmd_export(argv: list[str]) -> int:
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
     from .export import check_out, writing
+    from .generation_config import own_generation_config
     from .model.hf import write_hf_dir
     from .parallel.lora import merged, write_peft_dir
     from .precision import DTYPES
@@ -228,7 +229,9 @@ def cmd_export(argv: list[str]) -> int:
                 write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=full.train.init_from or None,
                                metadata=mark)
             else:
-                write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark)
+                # the generation_config.json the run kept from its weights' source, else one from config.json
+                write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark,
+                             generation_config=own_generation_config(ckpt["path"]))
     except OSError as e:
         raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
     what = "the LoRA adapter of " if lora.rank and not a.merge else ""

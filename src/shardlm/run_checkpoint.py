@@ -35,8 +35,10 @@ class CheckpointSaver:
     whether any rank failed, so that all stop together; `host_group()`: a gloo group over the world (None
     with one process), for the asynchronous saves' polls; `log` says how long each save took."""
 
-    def __init__(self, parallel, cfg, out: Path, tokenizer, any_rank, host_group, log):
+    def __init__(self, parallel, cfg, out: Path, tokenizer, any_rank, host_group, log,
+                 generation_config: dict | None = None):
         self.parallel, self.cfg, self.out, self.tokenizer = parallel, cfg, out, tokenizer
+        self.generation_config = generation_config  # the weights' source's, kept in every checkpoint
         self.any_rank, self.host_group, self.log = any_rank, host_group, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: dict | None = None  # the asynchronous save in flight
@@ -110,7 +112,7 @@ class CheckpointSaver:
             try:
                 refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
                 path = save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
-                                       keep=self.cfg.train.keep_checkpoints)
+                                       keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config)
             except RunError as e:
                 error = e
         # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
@@ -175,7 +177,8 @@ class CheckpointSaver:
                 (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
                 written = {name: record for m in everyone for name, record in m["files"]}
                 path = commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
-                                         keep=self.cfg.train.keep_checkpoints, rng=rng)
+                                         keep=self.cfg.train.keep_checkpoints, rng=rng,
+                                         generation_config=self.generation_config)
             except RunError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = e

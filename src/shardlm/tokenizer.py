@@ -86,7 +86,7 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(directory / "tokenizer.json"))
         if self.source is not None and self.source.is_dir():
-            for name in HF_SIDE_FILES:
+            for name in HF_SIDE_FILES:  # not generation_config.json: the model's (generation_config.py)
                 if (self.source / name).is_file() and name != "generation_config.json":
                     shutil.copy(self.source / name, directory / name)
 

@@ -26,6 +26,7 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
+from .generation_config import own_generation_config
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
@@ -118,8 +119,10 @@ class Trainer:
         self.stopped_by = 0  # the signal that stopped run() before train.steps, if one did
         # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
         self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
+        # The weights' source's generation_config.json (a chat model's end of turn), kept in every checkpoint
+        generation = own_generation_config(checkpoint) or own_generation_config(t.init_from)
         self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
-                                     self.log if self.mesh.is_main else lambda *a: None)
+                                     self.log if self.mesh.is_main else lambda *a: None, generation)
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)

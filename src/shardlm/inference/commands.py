@@ -155,11 +155,12 @@ def cmd_eval(argv: list[str]) -> int:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
         return 0
+    from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
     update, close = _progress(len(prompts), "eval", a.main)
     try:
-        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, tok.eos_id,
+        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, stop_ids_of(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, _compile(a), update)
     finally:
         close()
@@ -323,8 +324,9 @@ def cmd_generate(argv: list[str]) -> int:
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
     model, tok, cfg = _load(a)
+    from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
-    stop_ids = () if tok.eos_id is None else (tok.eos_id,)
+    stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
     requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, r in enumerate(rows)]
     for i, r in enumerate(requests):

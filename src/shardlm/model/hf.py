@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, ModelConfig
+from ..generation_config import derived_generation_config, write_generation_config
 from ..hf_config import hf_config_from_model, model_config_from_hf  # noqa: F401 (re-exported)
 
 def _hf_names(cfg: ModelConfig, i: int) -> dict:
@@ -293,9 +294,11 @@ class SafetensorsShards:
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
                  dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_shard_bytes: int = 2**30) -> None:
+                 max_shard_bytes: int = 2**30, generation_config: dict | None = None) -> None:
     """A directory that transformers' from_pretrained loads: config.json, model.safetensors (or its shards of about
-    `max_shard_bytes` and their index), tokenizer files."""
+    `max_shard_bytes` and their index), tokenizer files, and generation_config.json as save_pretrained writes
+    it: `generation_config` (the weights' source's, carried through the run), else one made from config.json's
+    bos/eos ids as GenerationConfig.from_model_config makes it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with SafetensorsShards(out, dtype, metadata, max_shard_bytes) as shards:
@@ -303,7 +306,10 @@ def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Pa
     dtype_name = str(shards.dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None
     bos = tokenizer.bos_ids[0] if tokenizer is not None and tokenizer.bos_ids else None
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype_name, eos, bos), indent=2) + "\n")
+    config = hf_config_from_model(cfg, dtype_name, eos, bos)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_generation_config(out, generation_config if generation_config is not None else
+                            derived_generation_config(config["bos_token_id"], config["eos_token_id"]))
     if tokenizer is not None:
         tokenizer.save(out)
         if not (out / "tokenizer_config.json").is_file():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -128,6 +129,17 @@ def lora_from_args(a) -> LoRAConfig:
 
 def fmt(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
+
+
+def duration(seconds: float) -> str:
+    """A time to three significant figures in s, ms, us or ns, whichever keeps it at 1 or more (a tiny
+    model's decode step is microseconds: fixed decimals of a millisecond printed it as 0.00 ms)."""
+    if seconds <= 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        value = float(f"{seconds / scale:.3g}")  # rounded first: 0.9996 ms is 1.00 ms, never 1e+03 us
+        if value >= 1 or unit == "ns":
+            return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}"
 
 
 def check_flags(a) -> None:
@@ -297,7 +309,7 @@ def inference(a, model: ModelConfig, g) -> int:
                  ("total", f"{fmt(e.total)} + {fmt(CUDA_CONTEXT)} CUDA context, of {fmt(g.memory)} "
                            f"({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
                  ("requests that fit", f"{e.slots:,} of {context} positions (by memory)"),
-                 ("decode step", f"{1e3 * e.step_bound_s:.2f} ms at the bandwidth bound"),
+                 ("decode step", f"{duration(e.step_bound_s)} at the bandwidth bound"),
                  ("tokens/s", f"{speed} ({share})")):
         print(f"  {k:<18}{v}")
     return 0
@@ -380,7 +392,7 @@ def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
            *([("host memory", f"{fmt(e.host_memory)} per rank (offload)")] if e.host_memory else []),
            ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
-           ("step time", f"{e.step_time_s:.3f} s"), ("MFU", f"{100 * e.mfu:.1f}%"),
+           ("step time", duration(e.step_time_s)), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
            ("bubble", f"{100 * e.bubble:.1f}%"),
            ("checkpoint", f"{fmt(e.checkpoint_bytes)} in all, {fmt(e.checkpoint_rank_bytes)} per rank: "

@@ -6,12 +6,11 @@ change the answer is refused, never silently ignored.
 """
 from __future__ import annotations
 
-import json
 import math
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 
+from ..generation_config import stop_ids_of
 from ..inference import SamplingParams, prompt_ids
 from ..tokenizer import Tokenizer
 
@@ -67,25 +66,6 @@ class Models:
             return model, model
         known = ", ".join([self.base, *sorted(self.adapters)])
         raise APIError(404, f"The model `{model}` does not exist (served: {known}).", "model", "model_not_found")
-
-
-def stop_ids_of(tok: Tokenizer) -> tuple[int, ...]:
-    """The ids that end a completion: the tokenizer's end-of-text token, and generation_config.json's
-    eos_token_id beside it (one or a list: a chat model's end of turn, as Llama 3's <|eot_id|>), on which
-    transformers' generate and vLLM stop too; not one transformers wrote from the model class's defaults
-    (`_from_model_config`), which knows nothing of the tokenizer."""
-    ids = [] if tok.eos_id is None else [tok.eos_id]
-    source = getattr(tok, "source", None)
-    config = Path(source) / "generation_config.json" if source else None
-    if config is not None and config.is_file():
-        try:
-            found = json.loads(config.read_text())
-        except ValueError:
-            found = {}
-        extra = found.get("eos_token_id") if isinstance(found, dict) and not found.get("_from_model_config") else None
-        extra = extra if isinstance(extra, list) else [extra]
-        ids += [t for t in extra if isinstance(t, int) and 0 <= t < tok.vocab_size and t not in ids]
-    return tuple(ids)
 
 
 def _wrong_type(param: str, what: str) -> APIError:
