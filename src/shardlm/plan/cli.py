@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from .flags import check_numbers
+from .flags import check_flags
 from .hardware import GPUS, parse_bytes
 
 GiB = 2**30
@@ -140,43 +140,6 @@ def duration(seconds: float) -> str:
         value = float(f"{seconds / scale:.3g}")  # rounded first: 0.9996 ms is 1.00 ms, never 1e+03 us
         if value >= 1 or unit == "ns":
             return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}"
-
-
-def check_flags(a) -> None:
-    """The values no layout check sees."""
-    check_numbers(a)
-    if not a.inference and (a.batch != 1 or a.context is not None):
-        raise PlanError("--batch and --context size a served batch: give them with --inference (training's are "
-                        "--micro-batch and --seq)")
-    for flag, value in (("--tokens", a.tokens), ("--price-per-gpu-hour", a.price_per_gpu_hour)):
-        if value < 0:
-            raise PlanError(f"{flag} {value:g} must not be negative")
-    if a.params is not None and a.params <= 0:
-        raise PlanError(f"--params {a.params:g} must be positive")
-    if a.gpus is not None and a.gpus < 1:
-        raise PlanError(f"--gpus {a.gpus} must be at least 1")
-    if a.gpus_per_node < 1:
-        raise PlanError(f"--gpus-per-node {a.gpus_per_node} must be at least 1")
-    for flag, value, needs in (("--pcie-bw", a.pcie_bw, a.offload != "none"), ("--host-bw", a.host_bw, a.offload != "none"),
-                               ("--disk-bw", a.disk_bw, bool(a.offload_dir))):
-        if value and (not needs or a.params):
-            also = " and --offload-dir" if flag == "--disk-bw" else ""
-            raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
-                            "(--model or --arch)")
-    if a.params and a.inference:
-        raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
-                        "or --arch)")
-    if a.host_memory and not a.largest:
-        raise PlanError("--host-memory bounds --largest's search: give --largest too")
-    if a.largest and a.search:
-        raise PlanError("--largest and --search answer different questions: give one")
-    if a.lora_rank is None and a.lora_targets != "all-linear" and not (a.model and Path(a.model).suffix == ".toml"):
-        raise PlanError("--lora-targets names the modules LoRA adapts: give --lora-rank too")
-    if a.price_per_gpu_hour and not a.tokens:
-        raise PlanError("--price-per-gpu-hour needs --tokens: the cost is that of training on them")
-    if a.price_per_gpu_hour and a.params:
-        raise PlanError("--price-per-gpu-hour needs a model to time (--model or --arch); --params gives model "
-                        "states and train FLOPs only")
 
 
 def data_parallel(a) -> tuple[int, str]:

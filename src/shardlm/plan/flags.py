@@ -1,4 +1,5 @@
-"""Ranges of the planner's numeric flags that argparse's types do not check.
+"""The planner's flags that argparse's types do not check: numeric ranges, and flags given without the ones
+they need or beside ones they contradict.
 
 argparse takes `--gpu-tflops -5` and `--dp 0` as numbers; the planner then printed a negative step time, and
 `--dp 0` became 1 through a falsy default. Each is refused here, naming the flag, its value and what it must be.
@@ -6,6 +7,7 @@ argparse takes `--gpu-tflops -5` and `--dp 0` as numbers; the planner then print
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from .layout import PlanError
 
@@ -28,3 +30,40 @@ def check_numbers(a) -> None:
     if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
         raise PlanError(f"--gpu-tflops {tflops:g} must be a positive, finite number of TFLOP/s (the GPU's dense "
                         "16-bit peak)")
+
+
+def check_flags(a) -> None:
+    """The values no layout check sees."""
+    check_numbers(a)
+    if not a.inference and (a.batch != 1 or a.context is not None):
+        raise PlanError("--batch and --context size a served batch: give them with --inference (training's are "
+                        "--micro-batch and --seq)")
+    for flag, value in (("--tokens", a.tokens), ("--price-per-gpu-hour", a.price_per_gpu_hour)):
+        if value < 0:
+            raise PlanError(f"{flag} {value:g} must not be negative")
+    if a.params is not None and a.params <= 0:
+        raise PlanError(f"--params {a.params:g} must be positive")
+    if a.gpus is not None and a.gpus < 1:
+        raise PlanError(f"--gpus {a.gpus} must be at least 1")
+    if a.gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node {a.gpus_per_node} must be at least 1")
+    for flag, value, needs in (("--pcie-bw", a.pcie_bw, a.offload != "none"), ("--host-bw", a.host_bw, a.offload != "none"),
+                               ("--disk-bw", a.disk_bw, bool(a.offload_dir))):
+        if value and (not needs or a.params):
+            also = " and --offload-dir" if flag == "--disk-bw" else ""
+            raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
+                            "(--model or --arch)")
+    if a.params and a.inference:
+        raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
+                        "or --arch)")
+    if a.host_memory and not a.largest:
+        raise PlanError("--host-memory bounds --largest's search: give --largest too")
+    if a.largest and a.search:
+        raise PlanError("--largest and --search answer different questions: give one")
+    if a.lora_rank is None and a.lora_targets != "all-linear" and not (a.model and Path(a.model).suffix == ".toml"):
+        raise PlanError("--lora-targets names the modules LoRA adapts: give --lora-rank too")
+    if a.price_per_gpu_hour and not a.tokens:
+        raise PlanError("--price-per-gpu-hour needs --tokens: the cost is that of training on them")
+    if a.price_per_gpu_hour and a.params:
+        raise PlanError("--price-per-gpu-hour needs a model to time (--model or --arch); --params gives model "
+                        "states and train FLOPs only")
