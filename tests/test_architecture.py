@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parallel.zero); never anything above it.
 LAYERS = [
     ["schedules"],                                                                                 # no torch
-    ["config", "cpu_adam", "sharding"],                                                           # no shardlm imports
+    ["config", "cpu_adam", "sharding", "generation_config"],                                      # no shardlm imports
     ["sharded_read"],
     ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
