@@ -306,3 +306,41 @@ def test_data_prepare_cli_errors_are_one_line(tmp_path):
     assert _error_line(bad) == (f"shardlm data: error: {tmp_path / 'bin.txt'}: not UTF-8 text (line 1, byte offset 0); "
                                 f"{out} still holds its previous dataset")
     assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_text_streamed_in_pieces_gets_the_whole_texts_tokens(tmp_path, monkeypatch, kind):
+    """A text file is tokenized a megabyte at a time (here 64 bytes): cut at a word's end and each piece encoded
+    after the character before it, the pieces' tokens are the whole text's, with a byte-level BPE (GPT-2's kind,
+    whose whitespace runs merge) and with a SentencePiece-style tokenizer (Llama 2's: every text it is given
+    alone opens with a word-start mark, which a piece encoded alone got where the text has none). Lines, blank
+    and indented lines, CRLF ends, and a line longer than four pieces with spaces only."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    import shardlm.data.prepare as prep
+    if kind == "byte-level":
+        make_tokenizer(tmp_path / "tok")
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        # Trained on words, as SentencePiece splits at whitespace (no merge spans two words), then applied to
+        # whole texts, as Llama 2's tokenizer.json does.
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=[
+            "<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        (tmp_path / "tok").mkdir()
+        tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    words = TEXT.split()
+    lines = [" ".join(words[i:i + 7]) for i in range(0, 140, 7)]
+    body = ("\n".join(lines[:6]) + "\n\n  " + "\n    ".join(lines[6:10]) + "\r\n" + "\r\n".join(lines[10:14])
+            + "\n" + " ".join(words[:80]) + "\n" + "\n".join(lines[14:]) + "\n")
+    (tmp_path / "in.txt").write_text(body, newline="")
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 64)
+    prepare([tmp_path / "in.txt"], str(tmp_path / "tok"), tmp_path / "out", progress=False)
+    tok = load_tokenizer(tmp_path / "tok")
+    stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
+    assert stream == tok.bos_ids + tok.encode(body) + [tok.eos_id]
+    assert (tok.bos_ids != []) == (kind == "sentencepiece")

@@ -136,17 +136,24 @@ def _decode(path: Path, data: bytes, offset: int, line: int) -> str:
     return text
 
 
+_LINE_END = re.compile(rb"(?<=\S)\r?\n")  # a line end right after a word
+
+
 def _cut(data: bytes, at_least: int, long_line: int) -> int:
-    """Where a piece of `data` ends, 0 for not yet: at the first line end from `at_least` bytes on, as
-    BPE merges rarely cross a newline; once `long_line` bytes hold none, at the last newline or space,
-    else at a character boundary, so memory stays bounded on files without newlines."""
+    """Where a piece of `data` ends, 0 for not yet: just before the first line end that follows a word, from
+    `at_least` bytes on; once `long_line` bytes hold none, before the last whitespace that follows a word, else
+    at a character boundary, so memory stays bounded on files without either. Tokenizers split words at
+    whitespace, and a run of whitespace (an indented line's newline and spaces) stays whole in the next piece,
+    so the pieces, encoded each after the character before it (`_write`), give the text's own tokens."""
     if len(data) < at_least:
         return 0
-    cut = data.find(b"\n", at_least - 1) + 1
-    if cut or len(data) < long_line:
-        return cut
-    cut = data.rfind(b"\n") + 1 or data.rfind(b" ") + 1
-    if cut:
+    found = _LINE_END.search(data, at_least - 1)
+    if found or len(data) < long_line:
+        return found.start() if found else 0
+    cut = max(data.rfind(c) for c in (b" ", b"\t", b"\n", b"\r", b"\f", b"\v"))
+    while cut > 0 and data[cut - 1:cut].isspace():  # back to the start of that whitespace run
+        cut -= 1
+    if cut > 0:
         return cut
     cut = len(data) - 1
     while cut > len(data) - 4 and data[cut] & 0xC0 == 0x80:  # back over UTF-8 continuation bytes
@@ -266,9 +273,21 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     pending_chars = 0
     starts = True  # the next piece opens a document
 
+    tail = ""  # the last character of the piece written last
+
     def flush():
-        nonlocal pending, pending_chars, documents, starts
-        for (_, ends), ids in zip(pending, tok.encode_batch([text for text, _ in pending])):
+        nonlocal pending, pending_chars, documents, starts, tail
+        # A piece that continues a document (a text file's next megabyte, cut at a word's end) is encoded after
+        # the character before it, whose tokens are then dropped: a tokenizer that opens every text with a
+        # word-start mark (SentencePiece's, Llama 2's) would otherwise put one where the whole text has none.
+        # Where a merge crosses the cut, the context's tokens are not a prefix: the piece is encoded alone.
+        before = [tail] + [text[-1:] for text, _ in pending[:-1]]
+        opens = [starts] + [ends for _, ends in pending[:-1]]
+        texts = [text if first else ctx + text for (text, _), first, ctx in zip(pending, opens, before)]
+        for (text, ends), first, ctx, ids in zip(pending, opens, before, tok.encode_batch(texts)):
+            if not first:
+                skip = tok.encode(ctx)
+                ids = ids[len(skip):] if ids[:len(skip)] == skip else tok.encode(text)
             if starts:
                 writer.write(bos)
             writer.write(np.asarray(ids, dtype=np.int64))
@@ -276,6 +295,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
                 writer.write(eos)
                 documents += 1
             starts = ends
+        tail = pending[-1][0][-1:] if pending else tail
         pending, pending_chars = [], 0
 
     # Closed before an error propagates, so the error is the last line the command prints.
