@@ -73,7 +73,7 @@ def deviation(results, ref) -> dict:
 def check_as_fp32_masters_do(over: dict, loss_rtol: float, norm_rtol: float):
     """The layout with bf16 state against one process with bf16 state deviates no more than the same layout
     with fp32 masters does against one process with fp32 masters (the layout's own bf16 roundings): weights
-    no further than 1.25 times the control's furthest (1.03 times at ep 2 on 2026-12-03: about 3 lr, where AdamW
+    no further than 1.25 times the control's furthest (1.03 times at ep 2 when written: about 3 lr, where AdamW
     stepped the other way), at most 1.5 times as many weights beyond one ulp (1.14 times at tp 2: which
     elements AdamW flips is chaotic), and losses and gradient norms within the layout's tolerance (from its
     first step: tp 2's first gradient norm is 3.3e-4 off, its losses 2e-5; ep 2's 1e-7 and 5e-5). A step 1%
@@ -106,7 +106,7 @@ def test_expert_parallel_with_bf16_sgd_moves_each_weight_by_at_most_an_ulp():
     """SGD does not amplify the experts' bf16 gradient roundings (an update lr g, a rounding of g 2^-8 of it, is
     well under a weight's ulp): each weight within 2^-12 of one process's (one bf16 ulp of the typical weight,
     |w| in [2^-5, 2^-4); the odd one near 0, where the update and the weight cancel, more than its own ulp),
-    fewer than 0.1% of them different (0.07% on 2026-12-03), the losses to 1e-5."""
+    fewer than 0.1% of them different (0.07% when written), the losses to 1e-5."""
     results, ref = layout_and_one_process({**COMMON, **MOE, **SGD, "parallel.dp": "2", "parallel.ep": "2"})
     masters, differ = main_masters(results), 0
     for name, want in ref["masters"].items():
@@ -129,7 +129,7 @@ def test_tensor_and_sequence_parallel_with_bf16_state_deviates_as_fp32_masters_d
 
 def test_pipeline_with_bf16_state_equals_one_process():
     """pp 2 under 1F1B, four micro-batches of one sample: each stage runs one process's operations in its
-    order, so the dp 2 tolerance holds (bit-equal on 2026-12-03); each stage keeps its own layers' state."""
+    order, so the dp 2 tolerance holds (bit-equal when written); each stage keeps its own layers' state."""
     over = {**COMMON, "parallel.pp": "2", "parallel.dp": "1", "parallel.pp_schedule": "1f1b",
             "model.num_layers": "4", "train.micro_batch_size": "1"}
     results, ref = layout_and_one_process(over)

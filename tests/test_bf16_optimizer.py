@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dist_fns
+from helpers import run_cli
 from shardlm.config import ConfigError, load_config
 from shardlm.kernels import adamw_master_step, sgd_master_step
 from shardlm.model import build_model
@@ -147,6 +148,10 @@ def test_two_ranks_equal_one_process(optimizer):
     ("train.optimizer_dtype", "bf16", {"train.precision": "fp16"}, "needs train.precision = 'bf16' \\(it is 'fp16'\\)"),
     ("train.optimizer_dtype", "bf16", {"train.precision": "bf16", "parallel.zero_stage": "2", "parallel.dp": "2",
                                        "parallel.offload": "optimizer"}, "with parallel.offload = 'optimizer'"),
+    ("train.optimizer_dtype", "bf16", {"train.precision": "bf16", "train.beta2": "0.999"},
+     "with train.beta2 = 0.999: bf16 rounds away a moment's change of 0.001 of itself"),
+    ("train.optimizer_dtype", "bf16", {"train.precision": "bf16", "train.beta1": "0.998"},
+     "with train.beta1 = 0.998"),
 ])
 def test_config_refuses_what_cannot_run(key, value, extra, message):
     from shardlm.config import validate
@@ -180,6 +185,25 @@ def test_resume_across_optimizer_dtypes(tmp_path, saved, resumed, checkpoint_for
     assert [r["step"] for r in records] == [4, 5] and all(math.isfinite(r["loss"]) for r in records)
 
 
+def test_bf16_second_moment_decays_at_the_largest_beta2_allowed():
+    """After a gradient spike, steps of small gradients bring Adam's bf16 second moment down with fp32's at the
+    largest beta2 the config allows with bf16 state (0.99): it stops within 1.6x of fp32's, where a change of 1%
+    falls under half a bf16 spacing; at 0.999 (refused) it stays at the spike's size."""
+    load_config("tiny", {**BF16, "train.beta2": "0.99"})
+    for beta2, bound in ((0.99, 1.64), (0.999, None)):
+        state = {dtype: [torch.zeros(8, dtype=dtype) for _ in range(3)] for dtype in (torch.bfloat16, torch.float32)}
+        for step in range(1, 1201):
+            g = torch.full((8,), 10.0 if step == 1 else 0.01)
+            for dtype, (w, m, v) in state.items():
+                adamw_master_step(w, None, g.to(dtype), m, v, torch.tensor(1.0), torch.tensor(0), step=step, lr=1e-4,
+                                  beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0)
+        ratio = (state[torch.bfloat16][2].float() / state[torch.float32][2]).max().item()
+        if bound:
+            assert 1 <= ratio <= bound, ratio
+        else:
+            assert ratio > 3 and state[torch.bfloat16][2].float().min() > 0.09  # 100 (1 - 0.999): the spike's
+
+
 def test_planner_counts_bf16_state():
     """Per parameter: 12 bytes of fp32 master and moments; bf16 moments alone (4) where the weights are their own
     masters, bf16 master and moments (6) where ZeRO shards them; the CLI flag reaches the same figure."""
@@ -192,6 +216,11 @@ def test_planner_counts_bf16_state():
         assert fp32.memory.optimizer == pytest.approx(12 * phi / dp)
         assert bf16.memory.optimizer == pytest.approx(bf16_bytes * phi / dp)
         assert bf16.memory.total < fp32.memory.total and bf16.step_time_s < fp32.step_time_s
+    one = estimate(m, w, Layout(zero_stage=1, optimizer_dtype="bf16"), g)  # ZeRO over one rank shards nothing
+    assert one.memory.optimizer == pytest.approx(4 * phi)
     from shardlm.plan.layout import PlanError
     with pytest.raises(PlanError, match="--optimizer-dtype bf16 needs --precision bf16"):
         estimate(m, w, Layout(precision="fp16", optimizer_dtype="bf16"), g)
+    for extra in (("--params", "7e9"), ("--model", "tiny", "--inference")):
+        proc = run_cli("plan", *extra, "--optimizer-dtype", "bf16", "--precision", "bf16", check=False)
+        assert proc.returncode == 2 and "--optimizer-dtype bf16 sizes a training's optimizer state" in proc.stderr

@@ -314,7 +314,7 @@ def test_a_text_streamed_in_pieces_gets_the_whole_texts_tokens(tmp_path, monkeyp
     after the character before it, the pieces' tokens are the whole text's, with a byte-level BPE (GPT-2's kind,
     whose whitespace runs merge) and with a SentencePiece-style tokenizer (Llama 2's: every text it is given
     alone opens with a word-start mark, which a piece encoded alone got where the text has none). Lines, blank
-    and indented lines, CRLF ends, and a line longer than four pieces with spaces only."""
+    and indented lines, CRLF ends, lines ending in a no-break space, and a line longer than four pieces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     import shardlm.data.prepare as prep
@@ -336,7 +336,7 @@ def test_a_text_streamed_in_pieces_gets_the_whole_texts_tokens(tmp_path, monkeyp
     words = TEXT.split()
     lines = [" ".join(words[i:i + 7]) for i in range(0, 140, 7)]
     body = ("\n".join(lines[:6]) + "\n\n  " + "\n    ".join(lines[6:10]) + "\r\n" + "\r\n".join(lines[10:14])
-            + "\n" + " ".join(words[:80]) + "\n" + "\n".join(lines[14:]) + "\n")
+            + "\n" + " ".join(words[:80]) + "\n" + "\u00a0\n".join(lines[14:]) + "\n")
     (tmp_path / "in.txt").write_text(body, newline="")
     monkeypatch.setattr(prep, "CHUNK_CHARS", 64)
     prepare([tmp_path / "in.txt"], str(tmp_path / "tok"), tmp_path / "out", progress=False)

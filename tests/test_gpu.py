@@ -200,6 +200,20 @@ def test_int8_kernel_equals_the_dequantised_product(rows):
 
 
 @cuda
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_kernels_read_every_byte_value_exactly(rows):
+    """Each of the 256 int8 values as the weight of one output channel (scale 1), times x of ones over 300
+    inputs: every product is an integer that fp32 holds exactly, so both kernels (the one-row GEMV's bytes in a
+    float's mantissa, the tensor-core kernel's conversion) must give 300 w rounded once to bf16, bit for bit;
+    a weight read off by one would be 300 off."""
+    from shardlm.inference.int8 import int8_linear
+    w = torch.arange(-128, 128, device="cuda", dtype=torch.int8)[:, None].expand(256, 300).contiguous()
+    x = torch.ones(rows, 300, device="cuda", dtype=torch.bfloat16)
+    got = int8_linear(x, w, torch.ones(256, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(got, (300.0 * torch.arange(-128, 128, device="cuda")).to(torch.bfloat16).expand(rows, 256))
+
+
+@cuda
 def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
     """Compiled, the product of many rows (prefill) dequantises and multiplies, giving the fp32 product; it must
     not become aten's _weight_int8pack_mm, whose CUDA kernel made llama2-7b's prefill 1.8 s (bench/README.md)."""

@@ -625,11 +625,14 @@ def test_plan_inference_of_a_tiny_model_counts_its_cache_and_requests_consistent
 
 
 def test_small_times_print_with_three_significant_figures():
-    """`plan --model tiny --inference` printed its decode step as `0.00 ms` and training's step time as
-    `0.000 s`: times now take the unit that keeps three significant figures."""
+    """`plan --model tiny --inference`'s decode step is nanoseconds and its training step microseconds: times take
+    the unit that keeps three significant figures, where fixed decimals of a millisecond or a second showed 0.
+    A time that is not a finite positive number (a bandwidth given as 1e-320) prints as it is."""
     from shardlm.plan.cli import duration
     assert [duration(x) for x in (7.36e-8, 1.234e-6, 9.996e-6, 0.00099961, 0.0081234, 0.51234, 1.5, 12.345)] == \
         ["73.6 ns", "1.23 us", "10.0 us", "1.00 ms", "8.12 ms", "512 ms", "1.50 s", "12.3 s"]
+    assert [duration(x) for x in (float("inf"), float("nan"), 0.0, 1e-13, 5e-10)] == \
+        ["inf s", "nan s", "0 s", "0.000100 ns", "0.500 ns"]
     e = json.loads(run_cli("plan", "--model", "tiny", "--inference", "--json").stdout)
     line = next(x for x in run_cli("plan", "--model", "tiny", "--inference").stdout.splitlines()
                 if x.strip().startswith("decode step"))

@@ -110,7 +110,7 @@ class MasterWeightOptimizer:
             self.master_parts = [b.data for b in flat.buckets]
             self.master = None
         else:
-            self.master = self._fp32_buffer("master", self.total, home)
+            self.master = self._state_buffer("master", self.total, home)
             with torch.no_grad():
                 for b in flat.buckets:
                     src = initial_shards[b.index] if initial_shards is not None else self.shard_of(b.data, b.index)
@@ -118,7 +118,7 @@ class MasterWeightOptimizer:
             self.master_parts = [self.master_part(b.index) for b in flat.buckets]
 
         def zeros(key):  # one buffer per state, laid out like the masters, viewed per bucket
-            flat = self._zeroed_fp32_buffer(key, self.total, home)
+            flat = self._zeroed_state_buffer(key, self.total, home)
             return [flat[o:o + n] for o, n in zip(self.master_off, self.shard_len)]
         keys = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buffer",)
         self.state = {k: zeros(k) for k in keys}
@@ -147,7 +147,7 @@ class MasterWeightOptimizer:
         self._first_nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # its step; 0: none
         self.last_norm = torch.zeros((), device=self.device)
 
-    def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+    def _state_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         """Storage for the masters or one optimizer state, all buckets' shards end to end, in `state_dtype`
         (fp32 unless train.optimizer_dtype is bf16; offload: fp32 in host memory, the masters pinned where
         there is a GPU; or in a file: parallel/offload_disk.py)."""
@@ -155,8 +155,8 @@ class MasterWeightOptimizer:
             return torch.empty(n, dtype=self.state_dtype, device=home)
         return host_empty(n, self.state_dtype, pin=self.offloaded and name == "master" and torch.cuda.is_available())
 
-    def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
-        return self._fp32_buffer(name, n, home).zero_()
+    def _zeroed_state_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        return self._state_buffer(name, n, home).zero_()
 
     def count_once(self, duplicates: list[tuple[int, int, int]], norm_group) -> None:
         """The ranks of `norm_group` (the world; classic DP: its roots) hold different parts and copies of one

@@ -162,6 +162,17 @@ def check_bf16_optimizer(cfg: Config) -> None:
                           "optimizer keeps its masters and moments in host memory or files, in fp32 (its CPU step, "
                           "cpu_adam.py, is fp32 only), so bf16 would save no GPU memory; use parallel.offload = "
                           "'none' or train.optimizer_dtype = 'fp32'")
+    # A moment moves by (1 - beta) of its distance to the new value a step, and bf16 rounds away a change under
+    # half its spacing (2^-9 to 2^-8 of the value): a moment then stops within (1 - beta) / (1 - beta - 2^-8) of
+    # where it heads, 1.6x at beta 0.99, never arriving at 0.996 (Adam's second moment at beta2 0.999 would keep
+    # a gradient spike's size for the rest of the run).
+    for name in ("beta1", "beta2") if t.optimizer == "adamw" else ():
+        beta = getattr(t, name)
+        if beta > 0.99:
+            raise ConfigError(f"train.optimizer_dtype = 'bf16' with train.{name} = {beta:g}: bf16 rounds away a "
+                              f"moment's change of {1 - beta:.2g} of itself (under half its spacing, 2^-9 to 2^-8 of "
+                              f"it), so it stops short of the gradients' size or never decays; use train.{name} <= "
+                              "0.99 or train.optimizer_dtype = 'fp32'")
 
 
 # The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored

@@ -3,14 +3,13 @@
 The on-disk format follows Megatron-LM's and nanoGPT's flat token files: each shard is a 16-byte
 header (magic, token count) followed by uint16 or uint32 token ids, documents separated by the
 tokenizer's end-of-text id. `index.json` lists the shards with their token counts, largest id and
-CRC32, so a truncated or corrupt shard is caught at load time and named. Inputs are streamed in
-bounded chunks, so multi-GB files need little memory.
+CRC32, so a truncated or corrupt shard is caught at load time and named. Inputs (documents.py) are streamed
+in bounded pieces, so multi-GB files need little memory.
 
 The dataset is built in a scratch directory beside the output and swapped in only when complete
-(swap.py), so a failed or killed run never costs the dataset the output held. Inputs are read
-strictly: bytes that are not UTF-8 text, a jsonl line that is not a JSON object with a string text
-field, a parquet column that is missing or not strings, each stop the run with an error naming the
-file (and line) rather than reaching the shards as U+FFFD or a tokenizer's type error.
+(swap.py), so a failed or killed run never costs the dataset the output held. Inputs are read strictly
+(documents.py): an error names the file and line rather than reaching the shards as U+FFFD or a
+tokenizer's type error.
 """
 from __future__ import annotations
 
@@ -20,12 +19,12 @@ import re
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer
-from .jsonl import JSON_KINDS, objects
+from .documents import PrepareError, iter_pieces
 from .swap import building
 
 MAGIC = b"SHLMTOK1"
@@ -37,10 +36,6 @@ CHUNK_CHARS = 1 << 20
 # window, which the loader never spans; above the ceiling a single shard is terabytes.
 MIN_SHARD_TOKENS, MAX_SHARD_TOKENS = 1 << 10, 1 << 40
 OWN_FILES = {INDEX, INDEX + ".tmp", "tokenizer.json", *HF_SIDE_FILES}
-
-
-class PrepareError(ValueError):
-    """An input that cannot be read as text of its kind, a bad size, or an output that cannot be replaced."""
 
 
 def check_shard_tokens(value, name: str) -> int:
@@ -117,134 +112,6 @@ class ShardWriter:
         return self.shards
 
 
-def _decode(path: Path, data: bytes, offset: int, line: int) -> str:
-    """`data` (from byte `offset`, line `line` of `path`) as text; the first byte that is not UTF-8
-    text, or is a NUL (binary files decode as UTF-8 often enough), is reported by line and offset."""
-    nul = data.find(b"\0")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if nul < 0 or e.start < nul:
-            at = e.start
-            line += data.count(b"\n", 0, at)
-            bom = offset + at == 0 and data[:2] in (b"\xff\xfe", b"\xfe\xff")
-            hint = "; it starts with a UTF-16 byte-order mark" if bom else ""
-            raise PrepareError(f"{path}: not UTF-8 text (line {line}, byte offset {offset + at}){hint}") from None
-    if nul >= 0:
-        line += data.count(b"\n", 0, nul)
-        raise PrepareError(f"{path}: binary data, not text (a NUL byte at line {line}, byte offset {offset + nul})")
-    return text
-
-
-_LINE_END = re.compile(rb"(?<=\S)\r?\n")  # a line end right after a word
-
-
-def _cut(data: bytes, at_least: int, long_line: int) -> int:
-    """Where a piece of `data` ends, 0 for not yet: just before the first line end that follows a word, from
-    `at_least` bytes on; once `long_line` bytes hold none, before the last whitespace that follows a word, else
-    at a character boundary, so memory stays bounded on files without either. Tokenizers split words at
-    whitespace, and a run of whitespace (an indented line's newline and spaces) stays whole in the next piece,
-    so the pieces, encoded each after the character before it (`_write`), give the text's own tokens."""
-    if len(data) < at_least:
-        return 0
-    found = _LINE_END.search(data, at_least - 1)
-    if found or len(data) < long_line:
-        return found.start() if found else 0
-    cut = max(data.rfind(c) for c in (b" ", b"\t", b"\n", b"\r", b"\f", b"\v"))
-    while cut > 0 and data[cut - 1:cut].isspace():  # back to the start of that whitespace run
-        cut -= 1
-    if cut > 0:
-        return cut
-    cut = len(data) - 1
-    while cut > len(data) - 4 and data[cut] & 0xC0 == 0x80:  # back over UTF-8 continuation bytes
-        cut -= 1
-    return cut
-
-
-def _text_pieces(path: Path) -> Iterator[tuple[str, int]]:
-    """A text file as (text, bytes) pieces of at least CHUNK_CHARS bytes (but the last)."""
-    offset, line, data = 0, 1, b""
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(CHUNK_CHARS)
-            data += block
-            cut = _cut(data, CHUNK_CHARS, 4 * CHUNK_CHARS) if block else len(data)
-            if cut:
-                piece, data = data[:cut], data[cut:]
-                yield _decode(path, piece, offset, line), len(piece)
-                offset, line = offset + len(piece), line + piece.count(b"\n")
-            if not block:
-                return
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
-    for where, record, nbytes in objects(path, PrepareError, f" with a {text_field!r} field"):
-        if text_field not in record:
-            keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")
-        if not text.isascii():  # a \uD800-style escape makes a lone surrogate, which UTF-8 cannot encode
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise PrepareError(f"{where}: {text_field!r} holds an unpaired surrogate "
-                                   f"({e.object[e.start]!a}), not Unicode text") from None
-        yield text, nbytes
-
-
-def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError("reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise PrepareError(f"{path}: not a readable parquet file ({e})") from None
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
-        raise PrepareError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
-    kind = schema.field(text_field).type
-    values = kind.value_type if pa.types.is_dictionary(kind) else kind
-    string_view = getattr(pa.types, "is_string_view", lambda t: False)
-    if not (pa.types.is_string(values) or pa.types.is_large_string(values) or string_view(values)):
-        raise PrepareError(f"{path}: column {text_field!r} holds {kind}, not strings")
-    per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
-    try:
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield text, per_row
-    except pa.ArrowException as e:
-        raise PrepareError(f"{path}: unreadable parquet data ({e})") from None
-
-
-def iter_pieces(path: Path, text_field: str) -> Iterator[tuple[str, bool, int]]:
-    """Yield (text, ends_a_document, input bytes consumed) for .txt, .jsonl and .parquet inputs.
-
-    A text file is one document, streamed in pieces; every jsonl line or parquet row is a document.
-    """
-    suffix = path.suffix.lower()
-    if suffix in (".txt", ".text", ".md", ".py", ""):
-        pieces = _text_pieces(path)
-        piece = next(pieces, None)
-        while piece is not None:
-            following = next(pieces, None)
-            yield piece[0], following is None, piece[1]
-            piece = following
-    elif suffix == ".jsonl":
-        for text, nbytes in _jsonl_documents(path, text_field):
-            yield text, True, nbytes
-    elif suffix == ".parquet":
-        for text, nbytes in _parquet_documents(path, text_field):
-            yield text, True, nbytes
-    else:
-        raise PrepareError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
-
-
 def _output_dir(out: Path) -> Path:
     """The real directory `out` names (the swap renames it, so a symlink is followed to what it points
     at), refused when it holds anything a dataset does not: that would go with the old dataset."""
@@ -303,7 +170,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
               disable=not progress) as bar:
         try:
             for path in inputs:
-                for text, ends, nbytes in iter_pieces(path, text_field):
+                for text, ends, nbytes in iter_pieces(path, text_field, CHUNK_CHARS):
                     pending.append((text, ends))
                     pending_chars += len(text)
                     if pending_chars >= CHUNK_CHARS:

@@ -100,11 +100,11 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         self.work = [{k: torch.empty(big + DIRECT_BLOCK // 4, dtype=torch.float32) for k in self.fds}
                      for _ in range(2)]
 
-    def _fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+    def _state_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
         return self.files.tensor(name, n, torch.float32)
 
-    def _zeroed_fp32_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
-        return self._fp32_buffer(name, n, home)  # a file's reserved blocks read as zeros: none written
+    def _zeroed_state_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
+        return self._state_buffer(name, n, home)  # a file's reserved blocks read as zeros: none written
 
     def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         weights = super().load(masters, state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig
+from ..config.views import group_span
 from .comm import comm_bytes, comm_seconds
 from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
                     model_flops_per_token, recompute_flops_per_token)
@@ -68,7 +69,8 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     compute = (rest / efficiency + attention / attention_efficiency) / g.peak_flops * (1 + b)
     phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = zero_shard(m, L, 0, phi) if L.zero_stage >= 1 else phi  # each parameter over its own reduce group
-    adam_bytes = ADAM_BYTES_BF16[L.zero_stage >= 1] if L.optimizer_dtype == "bf16" else ADAM_BYTES
+    separate_master = L.zero_stage >= 1 and group_span(L, "dp+cp")[0] > 1  # else the weights are the masters
+    adam_bytes = ADAM_BYTES_BF16[separate_master] if L.optimizer_dtype == "bf16" else ADAM_BYTES
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
         shard * adam_bytes / g.hbm_bw
     step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)

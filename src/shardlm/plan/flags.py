@@ -53,6 +53,10 @@ def check_flags(a) -> None:
             also = " and --offload-dir" if flag == "--disk-bw" else ""
             raise PlanError(f"{flag} times offload's traffic: give it with --offload{also} and a model to time "
                             "(--model or --arch)")
+    if a.optimizer_dtype != "fp32" and (a.params or a.inference):
+        raise PlanError(f"--optimizer-dtype {a.optimizer_dtype} sizes a training's optimizer state: "
+                        + ("--params gives the ZeRO paper's fp32 model states only" if a.params else
+                           "--inference holds none"))
     if a.params and a.inference:
         raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
                         "or --arch)")

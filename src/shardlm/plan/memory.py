@@ -131,6 +131,18 @@ def zero_shard(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
     return (phi - experts) / group_span(L, "dp+cp")[0] + experts / expert_replicas(L)
 
 
+def bf16_optimizer_bytes(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
+    """train.optimizer_dtype bf16 (optim.py): bf16 moments, 4 bytes a parameter on its ZeRO share, and a bf16
+    master, 2 more, only where a reduce group of more than one rank shards it: unsharded, the weights are their
+    own masters."""
+    if L.zero_stage == 0:
+        return 4.0 * phi
+    experts = 0.0 if L.lora.rank else expert_params(m, L, stage)
+    dense, edp = group_span(L, "dp+cp")[0], expert_replicas(L)
+    masters = (phi - experts) / dense * (dense > 1) + experts / edp * (edp > 1)
+    return 4.0 * zero_shard(m, L, stage, phi) + 2.0 * masters
+
+
 def expert_replicas(L: Layout) -> int:
     """The ranks over which an expert's gradients reduce and its ZeRO state shards: edp, and the tp ranks,
     each routing its own tokens through whole experts (placement "edp+tp", parallel/moe_tensor.py)."""
@@ -227,14 +239,14 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         n = L.replicas
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)
-        if L.optimizer_dtype == "bf16":  # bf16 moments, and a bf16 master unless the weights are their own
-            k = 4 if L.zero_stage == 0 else 6
         phi, frozen = trained_and_frozen(m, L, stage, p_b)
         sharded = zero_shard(m, L, stage, phi)  # each parameter's share over its own reduce group
         red = 4 if L.reduce_dtype == "fp32" else g_b
         params, grads, opt = p_b * phi, g_b * phi, k * phi
         if L.zero_stage >= 1:
             opt = k * sharded
+        if L.optimizer_dtype == "bf16":
+            opt = bf16_optimizer_bytes(m, L, stage, phi)
         # The reduced shard (beside stage 1's full 16-bit gradients) lives from backward to the step only.
         shard = red * sharded if (L.zero_stage >= 2 or (L.zero_stage == 1 and red != g_b)) else 0.0
         if L.offload != "none" and L.zero_stage >= 2:  # accumulated in host memory (parallel/offload.py)
