@@ -245,11 +245,13 @@ def floors(rows: list[dict]) -> list[str]:
     """The issue's floors, each with the measured ratio and whether it holds. Rows may be jobs of several
     settings (system/micro-batch/recompute): LoRA's speed is compared at each PEFT row's setting (the same
     micro-batch, shardlm's recomputation that setting's or a partial form of it, at no more memory) and with
-    each system at its fastest row that fits an 80 GB card."""
-    by = {r["system"]: r for r in rows}
-
+    each system at its fastest row that fits an 80 GB card; QLoRA's against rows of the same setting."""
     def ratio(a, b, key):
-        return by[a][key] / by[b][key] if a in by and b in by and by[b][key] else None
+        """System a's `key` over system b's, of their first rows at one setting (micro-batch, recomputation)."""
+        pairs = ((x, y) for x in rows if x["system"] == a for y in rows if y["system"] == b
+                 and (x["micro_batch"], x["recompute"]) == (y["micro_batch"], y["recompute"]) and y[key])
+        x, y = next(pairs, (None, None))
+        return None if x is None else x[key] / y[key]
 
     def line(text, value, ok):
         return f"{text}: {'-' if value is None else f'{value:.2f}'} ({'-' if value is None else 'met' if ok(value) else 'NOT met'})"
