@@ -147,7 +147,7 @@ def test_a_mixed_length_batch_equals_each_prompt_alone(case):
     eos = alone[3][4]
     cut = [a[:a.index(eos)] if eos in a else a for a in alone]
     assert any(len(c) < 12 for c in cut) and any(len(c) == 12 for c in cut)
-    assert generate_many(model, prompts, 12, eos_id=eos, batch_size=3) == cut
+    assert generate_many(model, prompts, 12, stop_ids=(eos,), batch_size=3) == cut
 
 
 def test_continuous_batching_with_requests_arriving_mid_decode():

@@ -91,7 +91,7 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(batch_size):
     eos = alone[2][4]
     want = [until_eos(a, eos) for a in alone]
     assert any(len(w) < 12 for w in want) and any(len(w) == 12 for w in want)
-    assert generate_many(model, prompts, 12, eos_id=eos, batch_size=batch_size) == want
+    assert generate_many(model, prompts, 12, stop_ids=(eos,), batch_size=batch_size) == want
 
 
 def test_eval_cli_scores_its_completions(model_dir, tmp_path, capsys):

@@ -18,12 +18,11 @@ __all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids"
            "until_eos"]
 
 
-def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
-                  eos_id: int | Sequence[int] | None = None,
+def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: Sequence[int] = (),
                   batch_size: int = 8, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int = 0, compile: bool | None = None, progress: Callable | None = None) -> list[list[int]]:
-    """The new tokens of every prompt (token ids), in order, each cut before its first `eos_id` (one id, or
-    several: generation_config.stop_ids_of's), all of them
+    """The new tokens of every prompt (token ids), in order, each cut before its first of `stop_ids`
+    (generation_config.stop_ids_of's: the end of text and a chat model's end of turn), all of them
     through one engine of up to `batch_size` slots, longest prompts first. Prompt i samples with seed
     `seed + i`, the same tokens whatever the batch. `progress(n)`: told of every n finished."""
     if batch_size < 1:
@@ -39,7 +38,7 @@ def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
         return []
     max_len = max(len(p) for p in prompts) + max_new_tokens
     engine = Engine(model, slots_that_fit(model, max_len, min(batch_size, len(prompts))), max_len, compile=compile)
-    stops = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    stops = tuple(stop_ids)
     requests = [Request(list(p), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), stops)
                 for i, p in enumerate(prompts)]
     engine.run(sorted(requests, key=lambda r: -len(r.prompt)), progress)

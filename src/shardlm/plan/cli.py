@@ -134,12 +134,11 @@ def fmt(x: float) -> str:
 def duration(seconds: float) -> str:
     """A time to three significant figures in s, ms, us or ns, whichever keeps it at 1 or more: a tiny model's
     decode step is nanoseconds, which fixed decimals of a millisecond show as 0.00 ms."""
-    if not math.isfinite(seconds) or seconds <= 0:
-        return f"{seconds:g} s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
         value = float(f"{seconds / scale:.3g}")  # rounded first: 0.9996 ms is 1.00 ms, never 1e+03 us
-        if value >= 1 or unit == "ns":
-            return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f} {unit}" if value else f"{seconds:.3g} s"
+        if value >= 1 and math.isfinite(value):
+            return f"{value:.{2 - math.floor(math.log10(min(value, 100)))}f} {unit}"
+    return f"{seconds:.3g} s"  # under a nanosecond, zero, negative, inf or nan: as it is
 
 
 def data_parallel(a) -> tuple[int, str]:
