@@ -1,0 +1,193 @@
+"""Weight-only int4 (inference/int4.py): the packing, the per-group rounding, the layer on the CPU (the weight
+dequantised whole), which layers --quantize int4 takes, and both Triton kernels run by Triton's interpreter on
+the CPU where triton is installed (tests/test_gpu.py runs them on a GPU)."""
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from shardlm.config import ConfigError, load_config
+from shardlm.inference.int4 import (GEMV_BN, GROUPS, Int4Linear, dequantize, group_size, pack, quantize_weight,
+                                    to_int4, unpack)
+from shardlm.model import build_model
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.timeout(60)
+def test_pack_holds_each_input_in_its_nibble_and_unpack_reads_it_back():
+    """Word (r, n) holds q[n, 8r + j] in bits 4j..4j+3: every value at every position, the top nibble's 8-15
+    included (the int32's sign bit), read back by unpack and by shifting the words as the kernels do."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (40, 64), generator=g)
+    q[:16, :8] = torch.arange(16)[:, None]  # each value at each of a word's positions
+    words = pack(q)
+    assert words.dtype == torch.int32 and words.shape == (8, 40)
+    assert torch.equal(unpack(words), q.t().int())
+    w = words.long() & 0xFFFFFFFF
+    for j in range(8):
+        assert torch.equal((w >> (4 * j)) & 15, q[:, j::8].t())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_dequantised_weight_is_q_times_the_groups_scale_plus_its_minimum(dtype):
+    """quantize_weight's groups, one loop at a time: low the group's minimum and scale its range over 15 (as
+    stored, in the weight's dtype), q the nearest level in 0..15; dequantize gives q * scale + low."""
+    g = torch.Generator().manual_seed(1)
+    n, k, group = 24, 192, 64
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    w[3, 64:128] = 0.25  # a constant group: its scale the dtype's tiniest, every q 0, the weight its minimum
+    words, scale, low = quantize_weight(w, group)
+    assert scale.shape == low.shape == (k // group, n) and scale.dtype == low.dtype == dtype
+    q = unpack(words)  # [K, N]
+    deq = dequantize(words, scale, low, torch.float32)
+    assert deq.shape == (n, k)
+    for i in range(n):
+        for c in range(k // group):
+            cols = slice(c * group, (c + 1) * group)
+            wg = w[i, cols].float()
+            s, lo = scale[c, i], low[c, i]
+            assert lo == wg.min().to(dtype)
+            assert s == ((wg.max() - wg.min()) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype)
+            levels = ((wg - lo.float()) / s.float()).round().clamp(0, 15)
+            assert torch.equal(q[cols, i], levels.int())
+            assert torch.equal(deq[i, cols], q[cols, i] * s.float() + lo.float())
+    assert torch.equal(deq[3, 64:128], torch.full((64,), 0.25))
+    assert torch.equal(dequantize(words, scale, low), deq.to(dtype))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("k, group, bound", [(1024, 128, 0.11), (320, 64, 0.10), (96, 32, 0.09)])
+def test_int4_rounding_error_of_normal_weights(k, group, bound):
+    """Normal weights: the relative error of the weight about one level over sqrt(12) of the range that its
+    group spans (about 5.2 standard deviations for 128 samples, less for fewer): 0.100 at 128, 0.093 at 64,
+    0.084 at 32; the bound a tenth above; and no weight moved by more than half a level."""
+    assert group_size(k) == group
+    w = torch.randn(256, k, generator=torch.Generator().manual_seed(2))
+    words, scale, low = quantize_weight(w, group)
+    deq = dequantize(words, scale, low)
+    assert ((deq - w).norm() / w.norm()).item() < bound
+    assert ((deq - w).abs() <= scale.repeat_interleave(group, 0).t() / 2 + 1e-6).all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_on_the_cpu_is_the_dequantised_product(dtype):
+    """On the CPU the layer multiplies by its weight dequantised whole, plus its bias, for any leading
+    dimensions; the state dict holds the packed weight, scales and minima, not the kernel's counters."""
+    layer = nn.Linear(256, 200).to(dtype)
+    q = Int4Linear(layer)
+    assert (q.in_features, q.out_features, q.group) == (256, 200, 128)
+    assert q.arrivals.shape == (-(-200 // GEMV_BN),) and not q.arrivals.any()
+    assert set(q.state_dict()) == {"words", "scale", "low", "bias"}
+    x = torch.randn(2, 3, 256).to(dtype)
+    with torch.no_grad():
+        want = x @ dequantize(q.words, q.scale, q.low, dtype).t() + layer.bias
+        assert torch.equal(q(x), want)
+        near = layer(x).float()
+        assert ((q(x).float() - near).abs().max() / near.abs().max()).item() < 0.1
+
+
+def test_groups_fall_back_and_odd_inputs_are_refused():
+    assert GROUPS == (128, 64, 32)
+    assert [group_size(k) for k in (4096, 11008, 320, 96, 72, 40)] == [128, 128, 64, 32, None, None]
+    with pytest.raises(ValueError, match="int4 needs an input size that a group of 128, 64, 32 divides, not 72"):
+        Int4Linear(nn.Linear(72, 8))
+
+
+@pytest.mark.timeout(120)
+def test_to_int4_swaps_the_blocks_linears_it_can():
+    """to_int4 takes each block's linear layers whose input a group divides (here all but the MLP's down
+    projection, of 72 inputs), leaves those and a mixture of experts' router as they are, and the output head
+    (16 bits, as int8's); a model none of whose layers it can take is refused."""
+    base = load_config("tiny").model
+    model = build_model(dataclasses.replace(base, ffn_hidden_size=72), seed=0).eval()
+    ids = torch.randint(0, base.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids)
+    head = model.lm_head
+    assert to_int4(model) == 6
+    for block in model.blocks():
+        quantised = {name for name, m in block.named_modules() if isinstance(m, Int4Linear)}
+        assert quantised == {"attn.qkv", "attn.out", "mlp.up"}, quantised
+        assert isinstance(block.mlp.down, nn.Linear)
+    assert model.lm_head is head and isinstance(head, nn.Linear)
+    with torch.no_grad():
+        got = model(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
+    moe = build_model(load_config("mixtral-tiny").model, seed=0).eval()
+    routers = [block.mlp.router for block in moe.blocks()]
+    assert to_int4(moe) > 0
+    assert [block.mlp.router for block in moe.blocks()] == routers
+    odd = build_model(dataclasses.replace(base, hidden_size=40, ffn_hidden_size=72, num_heads=2, num_kv_heads=2))
+    with pytest.raises(ConfigError, match="int4 needs an input size that a group of 128, 64, 32 divides"):
+        to_int4(odd)
+
+
+# ---- the Triton kernels, run by Triton's interpreter on the CPU -----------------------------------------------
+
+def check_kernels_interpreted() -> None:
+    """Run under TRITON_INTERPRET=1 (in a subprocess: the variable is read when triton is imported). Both
+    kernels in fp16 (the interpreter's bf16 is broken) against the product in fp64 of the dequantised weight:
+    one row (the split-K GEMV, called twice: its counters back at zeros, the same bits), 2, 16 and 64 rows (the
+    tensor-core kernel); outputs not a multiple of a block, groups of 128, 64 and 32; and every nibble read
+    exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32, rounded once to fp16)."""
+    from shardlm.inference import int4
+    g = torch.Generator().manual_seed(0)
+    worst = {}
+    for k, n in ((256, 200), (384, 200), (320, 72), (96, 130), (128, 128)):
+        group = group_size(k)
+        words, scale, low = quantize_weight(torch.randn(n, k, generator=g).half(), group)
+        arrivals = torch.zeros(-(-n // int4.GEMV_BN), dtype=torch.int32)
+        w = dequantize(words, scale, low, torch.float64)
+        for rows in (1, 2, 16, 64):
+            x = torch.randn(rows, k, generator=g).half()
+            want = x.double() @ w.t()
+            y = torch.ops.shardlm.int4_mm(x, words, scale, low, arrivals)
+            assert y.dtype == torch.float16 and y.shape == (rows, n)
+            assert not arrivals.any(), arrivals
+            assert torch.equal(torch.ops.shardlm.int4_mm(x, words, scale, low, arrivals), y)
+            err = (y.double() - want).abs()
+            # fp16's rounding of the result (half a unit in the last place: 2^-11 of it) and fp32's sums
+            assert (err <= want.abs() * 2**-11 + 1e-3).all(), (k, n, rows, err.max().item())
+            worst[rows] = max(worst.get(rows, 0.0), err.max().item())
+        q = torch.randint(0, 16, (n, k), generator=g)
+        ones = torch.ones(k // group, n, dtype=torch.float16)
+        for rows in (1, 16):
+            y = torch.ops.shardlm.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones,
+                                          torch.zeros(-(-n // int4.GEMV_BN), dtype=torch.int32))
+            # integer sums, exact in fp32, rounded once to fp16
+            assert torch.equal(y, q.sum(1).half().expand(rows, n)), (k, rows)
+    print("max abs error against the fp64 product, by rows:", worst)
+
+
+def _interpreter_usable() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (a CPU build of torch): its interpreter runs the kernels here"
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_int4_kernels_in_tritons_interpreter():
+    reason = _interpreter_usable()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    probe = ("import torch, triton, triton.language as tl\n"
+             "@triton.jit\ndef k(p):\n    tl.store(p + tl.arange(0, 4), tl.arange(0, 4))\n"
+             "t = torch.zeros(4, dtype=torch.int32)\nk[(1,)](t)\nassert t.tolist() == [0, 1, 2, 3]\n")
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode:
+        pytest.skip("triton's interpreter does not run a kernel with this torch")
+    done = subprocess.run([sys.executable, "-c", "import test_int4; test_int4.check_kernels_interpreted()"],
+                          env=env, capture_output=True, text=True, timeout=220, cwd=HERE)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    print(done.stdout)
+
