@@ -191,3 +191,25 @@ def test_int4_kernels_in_tritons_interpreter():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     print(done.stdout)
 
+
+@pytest.mark.timeout(240)
+def test_adapters_per_request_over_int4_weights(tmp_path):
+    """serve's adapters over --quantize int4: the engine sizes each adapter by the layers' in_features and
+    out_features (int4's packed weight is [in/8, out]); the adapter's rows change, the base's do not."""
+    peft = pytest.importorskip("peft")
+    from helpers import hf_model, save_hf
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.inference.quantize import quantize
+    save_hf("llama", tmp_path / "hf")
+    torch.manual_seed(10)  # init_lora_weights=False: random A and B, so the adapter changes the model
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)
+    peft.get_peft_model(hf_model("llama"), lora).save_pretrained(tmp_path / "lora")
+    model, _, _ = load_pretrained(tmp_path / "hf")
+    assert quantize(model, "int4") == 8
+    prompt = list(range(3, 12))
+    alone = Engine(model, 2, 32, compile=False).run([Request(prompt, 8)])[0].tokens
+    engine = Engine(model, 2, 32, compile=False)
+    engine.add_adapter("lora", tmp_path / "lora")
+    base, adapted = engine.run([Request(prompt, 8), Request(prompt, 8, adapter="lora")])
+    assert base.tokens == alone and adapted.tokens != alone
