@@ -292,3 +292,10 @@ def profile_steps(step, steps: int, device: str, trace_path=None) -> dict | None
         path.unlink()
         path = Path(f"{path}.gz")
     return {**summary, "wall_ms": wall * 1e3, "trace": str(path), "table": table}
+
+
+def busy_line(label: str, step_ms: float, prof: dict) -> str:
+    """One line of where a profiled step's GPU time went (profile_steps' summary) against the unprofiled step."""
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["kinds_ms"].items(), key=lambda x: -x[1]))
+    return (f"{label}: step {step_ms:.1f} ms (profiled {prof['wall_ms']:.1f}) | busy {prof['busy_ms']:.1f}: {kinds} | "
+            f"idle {100 * (1 - prof['busy_ms'] / step_ms):.1f}% | {prof['kernels_per_step']:.0f} kernels/step")

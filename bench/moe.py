@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import (PEAK, driver_args, forwarded, job_env, profile_steps, record, run_systems,
+from common import (PEAK, busy_line, driver_args, forwarded, job_env, profile_steps, record, run_systems,
                     timed)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,11 +269,7 @@ def print_profiles(rows, where: str) -> None:
     print("GPU busy per step (the union of kernels, copies and sets over streams) by kernel class; idle = 1 - "
           "busy / the unprofiled step")
     for r in rows:
-        p, step = r["profile"], r["step_s"] * 1e3
-        kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["kinds_ms"].items(), key=lambda x: -x[1]))
-        print(f"{r['system']} {r['routing']}: step {step:.1f} ms (profiled {p['wall_ms']:.1f}) | busy "
-              f"{p['busy_ms']:.1f}: {kinds} | idle {100 * (1 - p['busy_ms'] / step):.1f}% | "
-              f"{p['kernels_per_step']:.0f} kernels/step")
+        print(busy_line(f"{r['system']} {r['routing']}", r["step_s"] * 1e3, r["profile"]))
 
 
 def main():
