@@ -306,6 +306,7 @@ def main():
     if args.gpus != max(map(tp_of, args.systems.split(","))):
         sys.exit("--gpus: the most GPUs one system uses (1, or N for shardlm-tpN)")
     from common import job_env, record
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for system in args.systems.split(","):
         tokens = str(Path(args.out) / f"generate-{system}-tokens.json")
