@@ -286,6 +286,16 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
                           f"{'is not a directory' if parent.exists() else 'does not exist'}")
     if out.exists() and out.stat().st_size and not overwrite:
         raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
+    # A read-only directory or file fails here, not when the first completion is written, after the model has
+    # loaded and the prompts have been decoding: the file is opened as the run will, then left as it was.
+    import os
+    existed = out.exists()
+    try:
+        os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666))
+    except OSError as e:
+        raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
+    if not existed:
+        out.unlink()
 
 
 def cmd_generate(argv: list[str]) -> int:
