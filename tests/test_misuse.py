@@ -114,6 +114,8 @@ CASES = [
      "no 'text' field (fields: 'body')", 2),
     ("prepare-over-checkpoint", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out",
                                  "{run}/checkpoints/step_00000002"], "holds files that are not part of a prepared", 2),
+    ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
+     "/file/d cannot be written: ", 2),  # not a scratch directory's name
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
      "no tokenizer.json", 2),
     # plan
