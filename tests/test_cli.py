@@ -110,3 +110,21 @@ def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode != 0
         assert "parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 2" in out + err
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while `data prepare` tokenizes (or eval scores, or a model loads) ended in a KeyboardInterrupt
+    traceback; now one line and the shell's status for SIGINT, the output directory never made."""
+    import shardlm.data.prepare as prepare
+    from shardlm.cli import main
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare, "_write", ctrl_c)
+    text = tmp_path / "t.txt"
+    text.write_text("some text to tokenize\n" * 10)
+    capsys.readouterr()
+    status = main(["data", "prepare", "--input", str(text), "--tokenizer", "byte", "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert status == 130 and err == "shardlm data: interrupted (Ctrl-C)", (status, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]

@@ -96,6 +96,8 @@ def test_layout_must_match_world_size():
 def test_unknown_preset_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="neither a TOML file nor a preset"):
         load_config("no-such-preset")
+    with pytest.raises(ConfigError, match=r"config 'runs/my\.toml': no such file \(or a preset: default, "):
+        load_config("runs/my.toml")  # a path mistyped: said as such, not as an unknown preset
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["steps", "3"])
     with pytest.raises(ConfigError, match="missing a value"):

@@ -96,6 +96,16 @@ def test_generate_cli_json(tmp_path):
     assert completion == tok.decode(expected[0, prompt.shape[1]:].tolist(), skip_special_tokens=False)
 
 
+def test_evaluate_reports_its_progress_by_windows(tmp_path):
+    """`eval --tasks loss` scored a large text for minutes with nothing shown: its bar counts windows."""
+    save_hf("llama", tmp_path)
+    model, _, _ = load_pretrained(tmp_path)
+    ids = list(range(1, 200)) * 3  # 597 tokens: 37 windows of 16, the last batch of 5
+    done = []
+    r = evaluate_ids(model, ids, 16, batch_size=8, progress=done.append)
+    assert done == [8, 8, 8, 8, 5] and r == evaluate_ids(model, ids, 16, batch_size=8)
+
+
 def test_evaluate_rejects_short_text(tmp_path):
     save_hf("llama", tmp_path)
     model, _, _ = load_pretrained(tmp_path)

@@ -114,6 +114,8 @@ CASES = [
      "no 'text' field (fields: 'body')", 2),
     ("prepare-over-checkpoint", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out",
                                  "{run}/checkpoints/step_00000002"], "holds files that are not part of a prepared", 2),
+    ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
+     "/file/d cannot be written: ", 2),  # not a scratch directory's name
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
      "no tokenizer.json", 2),
     # plan
@@ -136,6 +138,11 @@ CASES = [
     ("plan-inference-tp", ["plan", "--model", "tiny", "--inference", "--tp", "2"], "--tp 2: --inference plans one GPU", 2),
     ("plan-inference-context", ["plan", "--model", "tiny", "--inference", "--context", "100000"],
      "between 2 and the model's max_seq_len", 2),
+    ("plan-pipeline-micro-batches", ["plan", "--model", "tiny", "--pp", "2"],
+     "needs at least --pp 2 micro-batches per step to fill the pipeline, not 1: raise --global-batch or lower "
+     "--micro-batch (or use --pp-schedule gpipe)", 2),
+    ("plan-unknown-schedule", ["plan", "--model", "tiny", "--pp", "2", "--global-batch", "4", "--pp-schedule", "foo"],
+     "--pp-schedule foo is not one of naive, gpipe", 2),
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),
     # generate and eval
     ("generate-no-model", ["generate", "--model", "{new}", "--prompt", "x"], "no such directory", 2),
@@ -326,6 +333,27 @@ def test_a_gpu_that_is_not_there_is_named_by_the_commands_flag(world, monkeypatc
         want = (f"shardlm {cmd}: error: --device 'cuda', but no CUDA device is visible to this process: use "
                 "--device auto or cpu")
         assert status == 2 and lines == [want], lines
+
+
+def test_an_output_that_cannot_be_written_is_named_before_the_model_loads(world, tmp_path, monkeypatch, capsys):
+    """generate --output in a read-only directory: a traceback from open(), after the model had loaded."""
+    import os
+    import shardlm.inference.load as load
+    _, paths = world
+    if os.geteuid() != 0:  # permissions hold
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        out = ro / "out.jsonl"
+    elif os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
+        out = "/sys/shardlm-out.jsonl"
+    else:
+        pytest.skip("no directory this user cannot write")
+    monkeypatch.setattr(load, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    status, lines = _cli(["generate", "--model", paths["exp"], "--input", paths["longprompts"], "--output", out],
+                         capsys)
+    assert status == 2 and len(lines) == 1 and f"--output {out} cannot be written" in lines[0], lines
+    assert not os.path.exists(out)
 
 
 def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):

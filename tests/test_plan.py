@@ -253,6 +253,18 @@ def test_scores_ten_thousand_layouts_quickly():
     assert time.perf_counter() - t < 2.0  # about 0.4 s on one core of the CI machine
 
 
+def test_the_default_sequence_fits_the_models_context():
+    """`plan --model tiny` planned sequences of 2048 for a model of 128 positions, a run that `train` refuses;
+    a --seq past the context is planned as asked, with a note of the key the run needs."""
+    default = run_cli("plan", "--model", "tiny", "--json")
+    assert json.loads(default.stdout) == json.loads(run_cli("plan", "--model", "tiny", "--seq", 128, "--json").stdout)
+    assert default.stderr == ""
+    longer = run_cli("plan", "--model", "tiny", "--seq", 512, "--json")
+    assert json.loads(longer.stdout) != json.loads(default.stdout)
+    assert longer.stderr.strip() == ("note: --seq 512 exceeds the model's max_seq_len 128: a run at it needs "
+                                     "--model.max_seq_len 512")
+
+
 def test_cli_json_search_and_no_torch():
     out = json.loads(run_cli("plan", "--model", "tinyllama-1.1b", "--seq", 2048, "--micro-batch", 4, "--gpu", "h200",
                              "--tokens", 1e9, "--json").stdout)

@@ -283,6 +283,18 @@ def test_an_out_that_is_a_file(tmp_path):
         train_cli("--out", tmp_path / "file").stderr
 
 
+def test_a_cache_directory_that_cannot_be_written_is_named_with_the_fix(tmp_path):
+    """The default corpus is tokenized into $XDG_CACHE_HOME/shardlm: where that cannot be written (here: a file
+    in its way) the error named a scratch path and no fix."""
+    (tmp_path / "file").write_text("")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "file")}
+    proc = run_cli("train", "tiny", "--out", tmp_path / "run", check=False, env=env)
+    line = no_traceback(proc, 2)
+    assert f"cannot be cached in {tmp_path / 'file' / 'shardlm'}: Not a directory" in line
+    assert "set XDG_CACHE_HOME to a writable directory" in line and "--data.path" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_rope_scaling_keys(tmp_path):
     proc = train_cli("--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
     assert "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings" in no_traceback(proc, 2)

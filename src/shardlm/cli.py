@@ -294,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout's reader left (`shardlm plan ... | head`): end quietly, as a shell command
         silence_stdout()
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop (which stops at a step's end and saves) or a second one inside it:
+        # what the command writes is swapped in whole or kept line by line, so the traceback would say nothing.
+        print(f"\nshardlm {cmd}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -320,7 +320,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
     if p.pp > 1:
         try:
-            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp))
+            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp), naming)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
     if p.zero_stage >= 2 and p.pp > 1:

@@ -37,6 +37,9 @@ def _resolve_source(source: str) -> Path:
     for d in CONFIG_DIRS:
         if (d / f"{source}.toml").is_file():
             return d / f"{source}.toml"
+    if p.suffix == ".toml":  # a path, not a preset's name: say what is wrong with it
+        raise ConfigError(f"config {source!r}: {'is a directory' if p.is_dir() else 'no such file'} (or a preset: "
+                          f"{', '.join(preset_names())})")
     raise ConfigError(f"config {source!r} is neither a TOML file nor a preset (presets: {', '.join(preset_names())})")
 
 

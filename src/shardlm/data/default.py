@@ -10,8 +10,10 @@ import hashlib
 import os
 import shutil
 import sysconfig
+import tempfile
 from pathlib import Path
 
+from ..config import ConfigError
 from .prepare import INDEX, prepare
 
 BUDGET_BYTES = 4 << 20
@@ -37,6 +39,7 @@ def default_corpus(progress: bool = False) -> Path:
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
     if not (cache / INDEX).is_file():
+        _check_writable(cache.parent)
         # Several processes of one machine (ranks, concurrent jobs) may get here at once: each prepares
         # into its own directory and the first to finish renames it into place.
         tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
@@ -46,3 +49,14 @@ def default_corpus(progress: bool = False) -> Path:
         except OSError:  # another process won the race: its copy is complete
             shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+def _check_writable(directory: Path) -> None:
+    # The user named no path here: an OSError would name a scratch directory and not say what to change.
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=directory))
+    except OSError as e:
+        raise ConfigError(f"the default corpus (the Python standard library's sources, tokenized once) cannot be "
+                          f"cached in {directory}: {e.strerror or e}; set XDG_CACHE_HOME to a writable directory, "
+                          "or train on your own data (--data.path, made by `shardlm data prepare`)") from None

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer
 from .documents import PrepareError, iter_pieces
-from .swap import building
+from .swap import SCRATCH, building
 
 MAGIC = b"SHLMTOK1"
 HEADER_BYTES = 16
@@ -280,4 +280,9 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
             note = f"; {out} is unchanged"
         else:
             note = ""
-        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{e}{note}") from e
+        # A failed write names the scratch directory beside --out (or a parent of it), not what the user gave.
+        what, written = str(e), getattr(e, "filename", None)
+        if isinstance(e, OSError) and e.strerror and written is not None and \
+                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)):
+            what = f"--out {out} cannot be written: {e.strerror}"
+        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{what}{note}") from e

@@ -114,11 +114,11 @@ def _compile(a) -> bool | None:
     return {"auto": None, "on": True, "off": False}[a.compile]
 
 
-def _progress(total: int, what: str, shown: bool = True):
+def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
     from tqdm import tqdm
-    bar = tqdm(total=total, desc=what, unit="req", disable=None if shown else True, file=sys.stderr)
+    bar = tqdm(total=total, desc=what, unit=unit, disable=None if shown else True, file=sys.stderr)
     return bar.update, bar.close
 
 
@@ -150,7 +150,18 @@ def cmd_eval(argv: list[str]) -> int:
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
-        r = evaluate_ids(model, tok.encode_document(text), a.seq_len, a.batch_size)
+        ids = tok.encode_document(text)
+        bar = None
+
+        def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
+            nonlocal bar
+            bar = bar or _progress(len(ids) // a.seq_len, "eval", a.main, unit="window")
+            bar[0](k)
+        try:
+            r = evaluate_ids(model, ids, a.seq_len, a.batch_size, update)
+        finally:
+            if bar is not None:
+                bar[1]()
         if a.main:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
@@ -286,6 +297,16 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
                           f"{'is not a directory' if parent.exists() else 'does not exist'}")
     if out.exists() and out.stat().st_size and not overwrite:
         raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
+    # A read-only directory or file fails here, not when the first completion is written, after the model has
+    # loaded and the prompts have been decoding: the file is opened as the run will, then left as it was.
+    import os
+    existed = out.exists()
+    try:
+        os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666))
+    except OSError as e:
+        raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
+    if not existed:
+        out.unlink()
 
 
 def cmd_generate(argv: list[str]) -> int:

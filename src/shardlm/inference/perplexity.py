@@ -11,8 +11,9 @@ from ..model import Decoder
 
 
 @torch.no_grad()
-def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int = 8) -> dict:
-    """Mean next-token cross-entropy (fp32) over non-overlapping windows of seq_len tokens."""
+def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int = 8, progress=None) -> dict:
+    """Mean next-token cross-entropy (fp32) over non-overlapping windows of seq_len tokens;
+    `progress(k)`, where given, after each batch with the k windows it scored (of len(ids) // seq_len)."""
     if seq_len < 2:
         raise ValueError(f"--seq-len {seq_len} must be at least 2")
     if seq_len > model.cfg.max_seq_len:
@@ -29,5 +30,7 @@ def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int =
         logits = model(w[:, :-1]).float()
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
         count += w[:, 1:].numel()
+        if progress is not None:
+            progress(len(w))
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from .flags import check_flags
 from .hardware import GPUS, parse_bytes
 
 GiB = 2**30
+SEQ = 2048  # --seq's default, where the model's context holds it
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--params", type=float,
                    help="a bare parameter count: model states (with --tokens, train FLOPs) only")
     w = p.add_argument_group("work")
-    w.add_argument("--seq", type=int, default=2048)
+    w.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per sequence (default: {SEQ}, or the model's max_seq_len where that is shorter)")
     w.add_argument("--micro-batch", type=int, default=1)
     w.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x dp")
     w.add_argument("--tokens", type=float, default=0.0,
@@ -113,7 +116,7 @@ def model_from_args(a) -> ModelConfig:
                         f"--ffn), or --params{'; missing ' + ', '.join('--' + n for n in missing) if a.arch else ''}")
     return ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers, hidden_size=a.hidden,
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
-                       vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt",
+                       vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ), tie_embeddings=a.arch == "gpt",
                        num_experts=a.experts, top_k=a.top_k)
 
 
@@ -176,6 +179,13 @@ def run(argv: list[str]) -> int:
     model = model_from_args(a)
     if a.inference:
         return inference(a, model, g)
+    # A run refuses train.seq_len beyond model.max_seq_len: a default past it planned a run that cannot start
+    # (tiny, gpt2-124m); one asked for is planned, as the run it would be with a longer context.
+    if a.seq is None:
+        a.seq = min(SEQ, model.max_seq_len)
+    elif a.seq > model.max_seq_len:
+        print(f"note: --seq {a.seq} exceeds the model's max_seq_len {model.max_seq_len}: a run at it needs "
+              f"--model.max_seq_len {a.seq}", file=sys.stderr)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,

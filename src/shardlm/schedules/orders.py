@@ -95,19 +95,31 @@ def _zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
 ORDERS = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1}
 
 
-def check_layout(name: str, pp: int, v: int, m: int) -> None:
+class _ConfigKeys:
+    """Settings named as config keys; the planner passes one that names its flags (config.Naming)."""
+    KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size"}
+
+    def key(self, name: str) -> str:
+        return self.KEYS.get(name, f"parallel.{name}")
+
+    def show(self, name: str, value) -> str:
+        return f"{self.key(name)} = {value!r}"
+
+
+def check_layout(name: str, pp: int, v: int, m: int, naming=_ConfigKeys()) -> None:
     """A schedule's conditions on its layout, refused with the values named."""
+    key, show = naming.key, naming.show
     if name not in ORDERS:
-        raise ScheduleError(f"parallel.pp_schedule = {name!r} is not one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"{show('pp_schedule', name)} is not one of {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
-        raise ScheduleError(f"parallel.virtual_stages = {v} needs parallel.pp_schedule = 'interleaved' (not {name!r})")
+        raise ScheduleError(f"{show('virtual_stages', v)} needs {show('pp_schedule', 'interleaved')} (not {name!r})")
     if name == "interleaved" and m % pp:
-        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of parallel.pp = {pp}: "
+        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of {show('pp', pp)}: "
                             f"{m} micro-batches per step is not a multiple of it")
     if name in ("1f1b", "interleaved", "zb-h1") and m < pp:
-        raise ScheduleError(f"the {name} schedule needs at least parallel.pp = {pp} micro-batches per step to "
-                            f"fill the pipeline, not {m}: raise train.global_batch_size or lower "
-                            "train.micro_batch_size (or use pp_schedule gpipe)")
+        raise ScheduleError(f"the {name} schedule needs at least {show('pp', pp)} micro-batches per step to "
+                            f"fill the pipeline, not {m}: raise {key('global_batch')} or lower "
+                            f"{key('micro_batch')} (or use {show('pp_schedule', 'gpipe')})")
 
 
 def schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
