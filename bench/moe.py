@@ -3,6 +3,7 @@ MixtralForCausalLM of exactly the same shape, on one GPU and with expert paralle
 
     python bench/moe.py --gpus 1|2|4 [--preset moe-1b] [--seq 2048] [--micro-batch 4] [--routing natural|balanced|both]
                         [--systems ...] [--budget S] [--record FILE] [--profile N [--profile-dir DIR]]
+                        [--memory-snapshot DIR]
                         [--shardlm.extra overrides]
 
 Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
@@ -32,6 +33,11 @@ chrome trace written to --profile-dir as SYSTEM-ROUTING.trace.json(.gz), its top
 SYSTEM.kernels.txt; the end of the output then gives each one's GPU busy ms per step by kernel class (gemm:
 names with gemm/nvjet/cutlass/sm90/grouped; elem: elementwise/reduce/triton; attn, nccl, copy, other), the
 idle fraction (1 - busy / the unprofiled timed step) and its top 5 kernels. On the CPU: CPU operators only.
+--memory-snapshot DIR: the allocator's history on while the model is built and warmed up (its Python stacks
+cost time, so not while timing), then one more step after the first routing's timing: what was live at that
+step's peak of allocated bytes, by allocation site (the innermost frame in shardlm's, transformers' or this
+bench's sources: common.memory_at_peak), printed at the end; the snapshot (rank 0's) written to DIR as
+SYSTEM-ROUTING.memory.pickle for pytorch.org/memory_viz. GPU only.
 """
 from __future__ import annotations
 
@@ -41,8 +47,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import (PEAK, busy_line, driver_args, forwarded, job_env, profile_steps, record, run_systems,
-                    timed)
+from common import (PEAK, busy_line, driver_args, forwarded, job_env, memory_at_peak, profile_steps, record,
+                    record_memory_history, run_systems, timed)
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
@@ -201,6 +207,8 @@ def worker(args, extra):
     cfg = load_config(args.preset, over)
     m = cfg.model
     trainer = None
+    if args.memory_snapshot and rank == 0:
+        record_memory_history(args.device)  # before the model and its states exist, so that they are named too
     if system in SHARDLM:
         from shardlm.trainer import Trainer
         patch_shardlm_router()
@@ -222,6 +230,8 @@ def worker(args, extra):
         for _ in range(args.warm):  # (a compiled graph recompiles on the switch here)
             step()
         stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the warm-up's statistics dropped
+        if args.memory_snapshot and rank == 0:
+            record_memory_history(args.device, on=False)  # timed without the stacks' cost
         dt, mem = timed(step, 0, args.steps, args.device)
         stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the timed steps' (a collective)
         if trainer:
@@ -234,6 +244,12 @@ def worker(args, extra):
                      "dropped_tokens": sum(v for k, v in stats.items() if k.endswith("/dropped"))})
         if rank == 0:  # after each routing: a job cut short keeps what it measured
             print("RESULT " + json.dumps({"rows": rows}), flush=True)
+        if args.memory_snapshot and cuda and routing == routings[0]:
+            if rank == 0:
+                rows[-1]["memory"] = memory_at_peak(step, Path(args.memory_snapshot, f"{system}-{routing}.memory.pickle"))
+                print("RESULT " + json.dumps({"rows": rows}), flush=True)
+            else:
+                step()
         if args.profile:
             trace = Path(args.profile_dir, f"{system}-{routing}.trace.json") if rank == 0 else None
             try:
@@ -251,6 +267,17 @@ def worker(args, extra):
         trainer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def print_memory(rows) -> None:
+    """Each row's composition at its step's peak of allocated memory (--memory-snapshot)."""
+    for r in (r for r in rows if r.get("memory")):
+        mem = r["memory"]
+        print(f"\n{r['system']} {r['routing']}: peak {mem['peak_gib']:.2f} GiB allocated in a step ({mem['before_gib']:.2f} "
+              f"at its start), by where it was allocated (snapshot {mem['snapshot']}):")
+        for where, gib in mem["top"]:
+            print(f"  {gib:7.3f}  {where}")
+        print(f"  {mem['rest_gib']:7.3f}  the rest")
 
 
 def print_profiles(rows, where: str) -> None:
@@ -284,6 +311,9 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (mixtral-tiny), not recorded")
     p.add_argument("--profile", type=int, default=0, help="steps profiled after each routing's timing")
     p.add_argument("--profile-dir", default="profiles", help="where --profile writes traces and kernel tables")
+    p.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                   help="after the first routing's timing, one step with the allocator's history: what is live at "
+                        "its peak, by allocation site (the snapshot written to DIR)")
     p.add_argument("--systems", nargs="+", default=None,
                    help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, "
                         "shardlm-bf16-optimizer (1 GPU)")
@@ -306,8 +336,11 @@ def main():
             traces = (f"{s}-{r}.trace.json{z}" for r in ("natural", "balanced") for z in ("", ".gz"))
             for old in (f"{s}.kernels.txt", *traces):
                 Path(args.profile_dir, old).unlink(missing_ok=True)
+    if args.memory_snapshot:
+        args.memory_snapshot = str(Path(args.memory_snapshot).resolve())
+        Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
     own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "routing", "device", "profile",
-                           "profile_dir"))
+                           "profile_dir", "memory_snapshot"))
     jobs = run_systems(__file__, systems, lambda s: args.gpus, lambda s: [*own, *extra] if s in SHARDLM else own,
                        env, args.timeout, args.budget)
     rows = [{**r, **({"ended": j["ended"]} if "ended" in j else {})} for j in jobs for r in j["rows"]]
@@ -332,6 +365,7 @@ def main():
         if n and b:
             print(f"{s}: balanced / natural routing {b['tok_s_gpu'] / n['tok_s_gpu']:.3f}")
     print_profiles(rows, args.profile_dir)
+    print_memory(rows)
     if args.device != "cuda":
         print("(a CPU smoke run: nothing recorded)", file=sys.stderr)
         return
