@@ -311,7 +311,7 @@ def test_the_sources_end_of_turn_survives_the_run_and_the_export_and_stops_trans
 
     from helpers import cli_here
     from shardlm.generation_config import stop_ids_of
-    from shardlm.inference import generate_ids, load_pretrained, prompt_ids
+    from shardlm.inference import generate_ids, generate_text, load_pretrained, prompt_ids
     from shardlm.tokenizer import load_tokenizer
     source = _source_with_tokenizer(tmp_path, {})
     model, tok, _ = load_pretrained(source)
@@ -328,10 +328,16 @@ def test_the_sources_end_of_turn_survives_the_run_and_the_export_and_stops_trans
     hf_gen = transformers.GenerationConfig.from_pretrained(export)
     assert hf_gen.eos_token_id == [tok.eos_id, turn] and hf_gen.temperature == 0.6
     for where in (checkpoint, tmp_path / "run", export):
-        assert stop_ids_of(load_pretrained(where)[1]) == (tok.eos_id, turn), where
+        loaded, loaded_tok, _ = load_pretrained(where)
+        assert stop_ids_of(loaded_tok) == (tok.eos_id, turn), where
         out = cli_here(capsys, "generate", "--model", where, "--prompt", "To be", "--json", "--max-new-tokens", 12,
                        "--compile", "off")
         assert json.loads(out)["completion"] == tok.decode(greedy[:k]), where
+        assert generate_text(loaded, loaded_tok, "To be", 12) == tok.decode(greedy[:k]), where  # a run's sample
+    # The run's own tokenizer is the prepared data's, which has no generation_config.json: the run's sample
+    # takes the end of turn from the weights' source's, as the trainer passes it.
+    data_tok = load_tokenizer(tmp_path / "data")
+    assert stop_ids_of(data_tok) == (tok.eos_id,) and stop_ids_of(data_tok, gen) == (tok.eos_id, turn)
     assert stop_ids_of(load_tokenizer(export)) == (tok.eos_id, turn)
     hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
     with torch.no_grad():

@@ -80,7 +80,7 @@ def srv(hf_dir):
 
 def reference(s, ids, n):
     """The eager decoder's greedy tokens for `ids` alone, cut at end-of-text as the server cuts them."""
-    new = generate_ids(s.model, torch.tensor([ids]), n, eos_id=s.tok.eos_id)[0].tolist()
+    new = generate_ids(s.model, torch.tensor([ids]), n, stop_ids=(s.tok.eos_id,))[0].tolist()
     return until_eos(new, s.tok.eos_id)
 
 
@@ -377,7 +377,7 @@ def test_two_adapters_and_the_base_in_one_batch_each_give_their_own_tokens(hf_di
     for name, d in {**dirs, "base": None}.items():
         model, tok, _ = load_pretrained(hf_dir, adapter=d)
         want[name] = [tok.decode(until_eos(generate_ids(model, torch.tensor([tok.encode(p)]), 8,
-                                                        eos_id=tok.eos_id)[0].tolist(), tok.eos_id))
+                                                        stop_ids=(tok.eos_id,))[0].tolist(), tok.eos_id))
                       for p in prompts]
     assert want["first"] != want["second"] != want["base"] != want["first"]
 

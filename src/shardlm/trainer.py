@@ -26,7 +26,7 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
-from .generation_config import own_generation_config
+from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
@@ -123,6 +123,7 @@ class Trainer:
         generation = own_generation_config(checkpoint) or own_generation_config(t.init_from)
         self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
                                      self.log if self.mesh.is_main else lambda *a: None, generation)
+        self.stop_ids = stop_ids_of(self.tokenizer, generation)  # where the sample ends, as generate's would
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)
@@ -369,7 +370,8 @@ class Trainer:
             room = self.cfg.model.max_seq_len - len(prompt_ids(self.tokenizer, t.sample_prompt)) - 1
             with self._guard("the sample"):
                 text = generate_text(self.model, self.tokenizer, t.sample_prompt,
-                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed)
+                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed,
+                                     stop_ids=self.stop_ids)
             if self.mesh.is_main:
                 self.log("sample:\n" + t.sample_prompt + text)
         return records
