@@ -51,9 +51,9 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A fused layer's adapters as two products, their A stacked (x read once) and their B block-diagonal
-        # with the scale folded into its few weights: a product pair per adapter read x once each, and the
-        # scale, slices and concatenation were passes over activations, forward and backward. The zero blocks
-        # cost rank x (adapters - 1) columns in a product as wide as the layer.
+        # with the scale folded into its few weights: a product pair per adapter would read x once each, and
+        # scaling, slicing and concatenating the update are passes over activations, forward and backward. The
+        # zero blocks cost rank x (adapters - 1) columns in a product as wide as the layer.
         rank = self.A[self.spans[0][0]].shape[0]
         a = torch.cat([self.A[name] for name, _, _ in self.spans]) if len(self.spans) > 1 else self.A[self.spans[0][0]]
         rows, at, width = [], 0, rank * len(self.spans)
