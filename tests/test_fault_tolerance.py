@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +226,38 @@ def test_one_rank_failing_on_its_own_stops_the_other_pointing_at_its_message(tmp
     assert "shardlm train: error: stopping: rank 1 stopped on an error (its message says why)" in err, err[-3000:]
     assert "died or stalled" not in err and "[rank0]" not in err and "[rank1]" not in err, err[-3000:]
     assert time.monotonic() - t0 < 120
+
+
+def test_workers_whose_torchrun_was_killed_stop_saved(tmp_path):
+    """torchrun SIGKILLed (the OOM killer; a scheduler's kill after its grace period) leaves its workers, each
+    in a session of its own, training on as orphans and holding the run directory. They now notice within
+    seconds, stop after a step, the same on both, save it and exit."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
+           "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.log_every", "1",
+           "--train.tensorboard", "false", "--train.steps", "100000", "--out", str(tmp_path / "a")]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
+    proc.kill()
+    try:
+        log = proc.communicate(timeout=90)[0]  # the workers hold the pipe until they exit
+    finally:
+        for pid in workers:  # orphans left by a failure must not outlive the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    k = read_metrics(tmp_path / "a")[-1]["step"]
+    assert "the launcher (pid" in log and f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
+
+
+def _parent(proc_dir) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

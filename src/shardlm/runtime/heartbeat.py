@@ -10,7 +10,9 @@ fails, point at its message instead of reporting a death.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -27,6 +29,9 @@ class Heartbeat:
         self.host, self.port = host, port
         self.me = f"{os.getpid()} {socket.gethostname()}"
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # torchrun starts its workers in sessions of their own: killed outright (the OOM killer, a scheduler's
+        # SIGKILL after its grace period), it leaves them training on as orphans, holding the run directory.
+        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="shardlm-heartbeat", daemon=True)
         self.thread.start()
@@ -45,6 +50,11 @@ class Heartbeat:
     def _beat(self) -> None:
         store = None
         while not self.stop.is_set():
+            if self.launcher is not None and os.getppid() != self.launcher:
+                print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
+                      file=sys.stderr, flush=True)
+                self.launcher = None
+                os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends on its way out: a stop, saved
             try:  # the store may come up after this process, or go with its host: keep trying
                 store = store or self._client()
                 store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}")
