@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,102 @@ def test_the_heartbeat_names_the_rank_that_fell_silent():
     while_all, after = run_distributed(dist_fns.heartbeat_names_the_silent_rank, 3, timeout=60)[0]
     assert while_all == "which one could not be told"  # everyone beats: nobody to name
     assert after.startswith("rank 1 (silent for ") and "rank 2" not in after, after
+
+
+def test_the_heartbeat_names_a_killed_peer_at_once_and_a_peer_that_stopped_on_its_own_error():
+    """A peer SIGKILLed a moment after its last beat was not yet silent for long: it was reported as 'which
+    one could not be told'. Its process has ended on this host, which the report now says at once. A peer
+    that stopped on an error it printed says so before exiting (farewell), and is not reported as a death."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardlm.runtime.heartbeat import Heartbeat
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10),  # noqa: F841 - serves
+                          wait_for_workers=False)
+    peer = ("import sys, time\nfrom shardlm.runtime.heartbeat import Heartbeat\n"
+            f"beat = Heartbeat(1, 2, '127.0.0.1', {port}, interval=60)\n"
+            "if sys.argv[1] == 'fails':\n    beat.farewell()\n    print('said', flush=True)\n"
+            "time.sleep(120)\n")
+    me = Heartbeat(0, 2, "127.0.0.1", port, interval=60)
+    try:
+        for fate in ("killed", "fails"):
+            p1 = subprocess.Popen([sys.executable, "-c", peer, fate], stdout=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 60
+                while me.report() != "which one could not be told" and time.monotonic() < deadline:
+                    time.sleep(0.1)  # until its first beat
+                if fate == "fails":
+                    assert p1.stdout.readline() == "said\n"
+                    assert me.failed() == [1]
+                    continue
+                assert me.failed() == []
+                p1.kill()
+                p1.wait()
+                assert me.report() == "rank 1 (its process ended)"
+            finally:
+                p1.kill()
+                p1.wait()
+    finally:
+        me.close()
+
+
+def test_one_rank_failing_on_its_own_stops_the_other_pointing_at_its_message(tmp_path):
+    """Rank 1 alone cannot read its data (a node without the dataset): it says so, and rank 0, whose next
+    collective fails, said 'a peer rank died or stalled: which one could not be told'. It now points at rank 1's
+    message; both stop at once, neither with a traceback."""
+    from shardlm.data.prepare import prepare
+    (tmp_path / "text.txt").write_text("a few words of text, over and over. " * 2000)
+    prepare([str(tmp_path / "text.txt")], "byte", str(tmp_path / "data"))
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import os, sys\nfrom shardlm.cli import main\n"
+        f"data = {str(tmp_path / 'not-here')!r} if os.environ['RANK'] == '1' else {str(tmp_path / 'data')!r}\n"
+        f"sys.exit(main(['train', 'tiny', '--parallel.dp', '2', '--train.device', 'cpu', '--data.path', data,\n"
+        f"               '--out', {str(tmp_path / 'r')!r}]))\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr
+    assert done.returncode != 0
+    assert err.count(f"shardlm train: error: data.path = '{tmp_path / 'not-here'}' is not a prepared data") == 1, err
+    assert "shardlm train: error: stopping: rank 1 stopped on an error (its message says why)" in err, err[-3000:]
+    assert "died or stalled" not in err and "[rank0]" not in err and "[rank1]" not in err, err[-3000:]
+    assert time.monotonic() - t0 < 120
+
+
+def test_workers_whose_torchrun_was_killed_stop_saved(tmp_path):
+    """torchrun SIGKILLed (the OOM killer; a scheduler's kill after its grace period) leaves its workers, each
+    in a session of its own, training on as orphans and holding the run directory. They now notice within
+    seconds, stop after a step, the same on both, save it and exit."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
+           "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.log_every", "1",
+           "--train.tensorboard", "false", "--train.steps", "100000", "--out", str(tmp_path / "a")]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
+    proc.kill()
+    try:
+        log = proc.communicate(timeout=90)[0]  # the workers hold the pipe until they exit
+    finally:
+        for pid in workers:  # orphans left by a failure must not outlive the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    k = read_metrics(tmp_path / "a")[-1]["step"]
+    assert "the launcher (pid" in log and f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
+
+
+def _parent(proc_dir) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -161,6 +161,26 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
 
 
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_state_json_whose_model_does_not_match_its_tensors_is_refused(tmp_path, fmt):
+    """state.json's model.hidden_size edited from 64 to 128: the resume trained on, each parameter's first
+    64-wide part loaded and the rest left at zero. It is refused naming a tensor and both shapes."""
+    from shardlm.checkpoint import read_state
+    from shardlm.config import config_from_dict
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "1", "train.tensorboard": "false", "train.checkpoint_format": fmt})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    state_json = run / "checkpoints" / "step_00000001" / "state.json"
+    state = json.loads(state_json.read_text())
+    state["config"]["model"]["hidden_size"] = 128
+    state_json.write_text(json.dumps(state))
+    cfg = config_from_dict(read_state(run)["config"])
+    cfg.train.steps = 2
+    with pytest.raises(ConfigError, match=r"embed.weight is saved as \[512, 64\], but the model config in its "
+                                          r"state.json makes it \[512, 128\]"):
+        Trainer(cfg, out_dir=tmp_path / "resumed", resume=run, log=lambda *a: None)
+
+
 def test_an_invalid_state_json_is_named(tmp_path):
     w = {"w": torch.zeros(2)}
     path = save_checkpoint(tmp_path, 1, w, {}, {"config": {}, "data": {}})

@@ -302,6 +302,18 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} could not be read ({e})") from None
 
 
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The full shape of each master tensor of checkpoint `path`, read from the files' headers only."""
+    if (path / MANIFEST).is_file():
+        state = ShardedState(path, json.loads((path / MANIFEST).read_text()))
+        return {n: state.shape(n) for n, k in state.pieces if k == "master"}
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for any damage it finds
+        raise CheckpointError(f"{path / 'model.safetensors'} could not be read ({e})") from None
+
+
 def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True) -> dict:
     """The checkpoint's state, its masters ("model") and optimizer state by name, and the RNG state. Those of
     a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read."""

@@ -77,13 +77,21 @@ def cmd_train(argv: list[str]) -> int:
     try:
         return _train(cfg, out, args.resume, args.overwrite)
     except RunError:
+        _farewell(heartbeat)
         raise
     except RuntimeError as e:
         why = peer_failure(e)
         if why is not None:
-            who = heartbeat.report() if heartbeat is not None else "which one could not be told"
-            print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
-                  f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
+            # torchrun sends SIGTERM to every worker once one has failed: it must not cut this message short.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            failed = heartbeat.failed() if heartbeat is not None else []
+            if failed:  # not a death: a peer's own error, which its message names
+                print(f"shardlm train: error: stopping: {_ranks(failed)} stopped on an error (its message says "
+                      f"why)", file=sys.stderr)
+            else:
+                who = heartbeat.report() if heartbeat is not None else "which one could not be told"
+                print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
+                      f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
@@ -91,15 +99,29 @@ def cmd_train(argv: list[str]) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+        _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
                   "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
                   "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
             return 1
         raise
+    except Exception:
+        _farewell(heartbeat)
+        raise
     finally:
         if heartbeat is not None:
             heartbeat.close()
+
+
+def _farewell(heartbeat) -> None:
+    """This rank stops on its own error: its peers, whose next collective fails, say so instead of a death."""
+    if heartbeat is not None:
+        heartbeat.farewell()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _run_dir_of(resume: str | None) -> str | None:

@@ -72,6 +72,27 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
         refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
 
 
+def check_resume_shapes(path: Path, cfg: Config) -> None:
+    """Every saved tensor must have the shape of the parameter it loads into: a state.json whose model config
+    does not describe its tensors (edited by hand, or copied from another run) would load the overlap of each
+    and leave the rest of the new, larger parameters at zero, training on as if resumed."""
+    import torch
+
+    from .checkpoint import saved_shapes
+    from .model import Decoder
+    from .parallel.lora import apply_lora
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+        if cfg.lora.rank:
+            apply_lora(model, cfg.lora)
+    saved = saved_shapes(path)
+    for name, p in model.named_parameters():
+        if name in saved and tuple(saved[name]) != tuple(p.shape):
+            raise ResumeMismatch(f"cannot resume {path}: {name} is saved as {list(saved[name])}, but the model "
+                                 f"config in its state.json makes it {list(p.shape)}: that config does not "
+                                 f"describe the saved tensors; put back the one they were saved with")
+
+
 def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
                       seq_len: int) -> None:
     """The sample order continues only over the same windows, seed and whole global batches."""

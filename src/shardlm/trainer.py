@@ -176,6 +176,7 @@ class Trainer:
                               f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
                               f"steps would be numbered anew beside its checkpoints; resume into another --out")
         compat.check_resume(path, saved, self.cfg)
+        compat.check_resume_shapes(path, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size, self.cfg.train.seq_len)
