@@ -89,8 +89,12 @@ def test_layout_must_match_world_size():
     cfg = load_config("tiny")
     with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2"):
         validate(cfg, world_size=2)
-    with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4"):
+    with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4: "
+                       r"launch 2 processes \(torchrun --nproc-per-node 2\), or set a layout of 4, e.g. --parallel.dp 4$"):
         validate(load_config("tiny", {"parallel.dp": "2"}), world_size=4)
+    with pytest.raises(ConfigError, match=r"= 2 != world size 3: .* or set a layout of 3 \(the other axes' 2 does not "
+                                          r"divide 3\)$"):
+        validate(load_config("tiny", {"parallel.tp": "2"}), world_size=3)
 
 
 def test_unknown_preset_and_bad_override_syntax():

@@ -92,8 +92,8 @@ def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_che
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
     names = lambda: [p.name for p in complete_checkpoints(tmp_path / "run")]  # noqa: E731
     with pytest.raises(ConfigError, match="holds checkpoints after step_00000003"):
-        rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=False)
-    assert rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=True)
+        rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=False, saved_batch=8, batch=8)
+    assert rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=True, saved_batch=8, batch=8)
     assert names() == ["step_00000003", "step_00000006", "step_00000009"]
     said = []
     rundir.overwrite_run(tmp_path / "run", ckpt, said.append)

@@ -46,7 +46,8 @@ def _lora_change(key: str, old, new, path) -> str:
 
 
 def check_resume(path: Path, saved: Config, now: Config) -> None:
-    """Refuse a resume of checkpoint `path` (saved with `saved`) under `now` that changes the model or adapters."""
+    """Refuse a resume of checkpoint `path` (saved with `saved`) under `now` that changes the model or adapters,
+    or whose saved tensors are not the shapes its config gives them."""
     def refuse(key, old, new, what):
         raise ResumeMismatch(f"cannot resume {path}: {key} is {old!r} in the checkpoint and {new!r} in this run: "
                              f"{what}")
@@ -63,13 +64,12 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
     s, n = saved.lora, now.lora
     if s.rank != n.rank:
         refuse("lora.rank", s.rank, n.rank, _lora_change("rank", s.rank, n.rank, path))
-    if not s.rank:
-        return
-    for key in ("alpha", "rslora", "quantize"):
+    for key in ("alpha", "rslora", "quantize") if s.rank else ():
         if getattr(s, key) != getattr(n, key):
             refuse(f"lora.{key}", getattr(s, key), getattr(n, key), _lora_change(key, getattr(s, key), None, path))
-    if lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
+    if s.rank and lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
         refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
+    check_resume_shapes(path, now)
 
 
 def check_resume_shapes(path: Path, cfg: Config) -> None:

@@ -103,11 +103,16 @@ def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
 
 
-def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool) -> bool:
-    """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses to resume
-    an explicitly chosen earlier checkpoint beside later ones unless `overwrite` (overwrite_run deletes them)."""
+def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, saved_batch: int,
+                      batch: int) -> bool:
+    """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses another
+    global batch there (`saved_batch`, the checkpoint's, against `batch`), and to resume an explicitly chosen
+    earlier checkpoint beside later ones unless `overwrite` (overwrite_run deletes them)."""
     if not contains(out, checkpoint):
         return False
+    if saved_batch != batch:
+        raise ConfigError(f"{checkpoint} was trained with train.global_batch_size {saved_batch}: with {batch} the "
+                          "steps would be numbered anew beside its checkpoints; resume into another --out")
     later = [p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)]
     if later and Path(resume).resolve() != out.resolve() and not overwrite:
         raise ConfigError(f"{out} holds checkpoints after {checkpoint.name} ({', '.join(p.name for p in later)}): "

@@ -170,17 +170,13 @@ class Trainer:
             raise chosen
         path, state = Path(chosen), read_state(chosen)
         saved = config_from_dict(state["config"])
-        if self.out is not None and rundir.contains(self.out, path) and \
-                saved.train.global_batch_size != self.cfg.train.global_batch_size:
-            raise ConfigError(f"{path} was trained with train.global_batch_size "
-                              f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
-                              f"steps would be numbered anew beside its checkpoints; resume into another --out")
         compat.check_resume(path, saved, self.cfg)
-        compat.check_resume_shapes(path, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size, self.cfg.train.seq_len)
-        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite)
+        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
+                                                                saved.train.global_batch_size,
+                                                                self.cfg.train.global_batch_size)
         return path, own
 
     def _resume(self, path: Path) -> None:

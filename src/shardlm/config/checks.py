@@ -280,9 +280,16 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if world is not None and p.world != world:
         axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
         got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
-        hint = ("" if naming.flags or world != 1 else
-                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
-                "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
+        other = p.world // p.dp  # tp x pp x cp: what data parallelism multiplies
+        if naming.flags:
+            hint = ""
+        elif world == 1:
+            hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
+                    "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
+        else:
+            hint = (f": launch {p.world} processes (torchrun --nproc-per-node {p.world}), or set a layout of {world}"
+                    + (f", e.g. --parallel.dp {world // other}" if world % other == 0 else
+                       f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     if m.num_heads % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")

@@ -298,15 +298,18 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
     if out.exists() and out.stat().st_size and not overwrite:
         raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
     # A read-only directory or file fails here, not when the first completion is written, after the model has
-    # loaded and the prompts have been decoding: the file is opened as the run will, then left as it was.
+    # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
+    # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
     import os
-    existed = out.exists()
+    import tempfile
     try:
-        os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666))
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
-    if not existed:
-        out.unlink()
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"--output {out} cannot be written: permission denied")
 
 
 def cmd_generate(argv: list[str]) -> int:
