@@ -22,13 +22,14 @@ linear), no dropout, activations recomputed as `--recompute` says (full by defau
   `prepare_model_for_kbit_training`; skipped with a note where bitsandbytes does not import.
 Every system is charged the same FLOPs per token (`shardlm.config.LoRAConfig.flops_per_token`: the frozen forward and the
 backward through the inputs, the adapters' forward and both backwards, attention) against 989 TFLOP/s.
-`--profile N`: N more steps of each job under torch.profiler after its timing (common.profile_steps), the
-trace and the top kernels written to `--profile-dir` as JOB.trace.json(.gz) and JOB.kernels.txt, and a line
-of GPU busy time by kernel class printed for each. Peak memory is torch.cuda.max_memory_allocated over the timed steps; "base" is the bytes of the frozen
+Peak memory is torch.cuda.max_memory_allocated over the timed steps; "base" is the bytes of the frozen
 weights (shardlm.parallel.qlora.base_bytes; the quantised codes and scales for NF4). The driver prints a
 table with the ratios to peft-lora and the issue's floors, and appends rows (bench "finetune") to
 bench/results.jsonl. On --device cpu (gloo, fp32 for the peers) it runs the code only: no memory figures,
 no rows recorded.
+`--profile N`: N more steps of each job under torch.profiler after its timing (common.profile_steps), the
+trace and the top kernels written to `--profile-dir` as JOB.trace.json(.gz) and JOB.kernels.txt, and a line
+of GPU busy time by kernel class printed for each.
 """
 from __future__ import annotations
 
