@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
@@ -152,7 +154,6 @@ def cmd_eval(argv: list[str]) -> int:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
         bar = None
-
         def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
             nonlocal bar
             bar = bar or _progress(len(ids) // a.seq_len, "eval", a.main, unit="window")
@@ -300,8 +301,6 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
     # A read-only directory or file fails here, not when the first completion is written, after the model has
     # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
     # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
-    import os
-    import tempfile
     try:
         fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
         os.close(fd)
@@ -371,7 +370,6 @@ def cmd_generate(argv: list[str]) -> int:
 def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     """Runs the engine, writing each completion once it and all before it are done (a crash keeps them);
     under tensor parallelism every rank runs the same requests and the first writes them."""
-    import os
     update, close = _progress(len(requests), "generate", main)
     written = 0
     try:
