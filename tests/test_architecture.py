@@ -10,6 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top. A module imports modules of lower layers, or of its own package (parallel.zero3 ->
 # parallel.zero); never anything above it.
 LAYERS = [
+    ["naming"],                                                                                    # no imports
     ["schedules"],                                                                                 # no torch
     ["config", "cpu_adam", "sharding", "generation_config"],                                      # no shardlm imports
     ["sharded_read"],

@@ -6,11 +6,12 @@ the planner (plan/layout.py) share, naming what it refuses by config key or by t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
+from ..naming import Naming
 from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
 from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
 
@@ -241,27 +242,6 @@ def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = 
 
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
-
-@dataclass(frozen=True)
-class Naming:
-    """How a layout check names what it refuses: by config key (`parallel.tp = 3`), or by the planner's
-    flags (`--tp 3`)."""
-    flags: bool = False
-    CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
-                   "seq": "train.seq_len", "quantize": "lora.quantize", "targets": "lora.targets",
-                   "num_experts": "model.num_experts"}
-    FLAGS = {"zero_stage": "zero", "targets": "lora_targets", "num_experts": "experts"}
-
-    def key(self, name: str) -> str:
-        if self.flags:
-            return "--" + self.FLAGS.get(name, name).replace("_", "-")
-        return self.CONFIG_KEYS.get(name, f"parallel.{name}")
-
-    def show(self, name: str, value) -> str:
-        if self.flags:
-            return self.key(name) if value is True else f"{self.key(name)} {value}"
-        return f"{self.key(name)} = {value!r}"
-
 
 def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
                  world: int | None = None, naming: Naming = Naming()) -> None:

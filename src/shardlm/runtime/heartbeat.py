@@ -44,8 +44,8 @@ class Heartbeat:
             return None
         return cls(int(os.environ.get("RANK", 0)), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
-    def _client(self):
-        return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=5))
+    def _client(self, seconds: float = 5):
+        return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
 
     def _beat(self) -> None:
         store = None
@@ -65,8 +65,7 @@ class Heartbeat:
     def farewell(self) -> None:
         """Tell the peers this rank is stopping on an error of its own (its message is printed)."""
         try:
-            store = dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=2))
-            store.set(f"{FAILED}{self.attempt}/{self.rank}", "1")
+            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", "1")  # briefly: this rank is on its way out
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
             pass
 

@@ -4,6 +4,7 @@ by compute. No torch.
 """
 from __future__ import annotations
 
+from ..naming import Naming
 from .table import Action, ScheduleError, lower, rank_of
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
@@ -95,18 +96,7 @@ def _zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
 ORDERS = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1}
 
 
-class _ConfigKeys:
-    """Settings named as config keys; the planner passes one that names its flags (config.Naming)."""
-    KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size"}
-
-    def key(self, name: str) -> str:
-        return self.KEYS.get(name, f"parallel.{name}")
-
-    def show(self, name: str, value) -> str:
-        return f"{self.key(name)} = {value!r}"
-
-
-def check_layout(name: str, pp: int, v: int, m: int, naming=_ConfigKeys()) -> None:
+def check_layout(name: str, pp: int, v: int, m: int, naming: Naming = Naming()) -> None:
     """A schedule's conditions on its layout, refused with the values named."""
     key, show = naming.key, naming.show
     if name not in ORDERS:
