@@ -67,6 +67,32 @@ def test_logits_and_adapter_gradients_equal_peft(tmp_path, arch, rslora):
         torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_blocks_run_each_adapted_linear_as_one_operator_with_autograds_gradients():
+    """Compiled, a frozen linear and its adapters are one operator with a backward of its own
+    (model/lora_linear.py): in fp64 its output and gradients equal autograd's through the plain products
+    (gradcheck), torch.library.opcheck finds its registration consistent, and a compiled block calls it for
+    every adapted linear (the compiled-block cases of test_trainer.py compare those blocks' gradients)."""
+    from shardlm.model.lora_linear import lora_linear
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 5, 8, dtype=torch.float64, generator=g), torch.randn(6, 8, dtype=torch.float64, generator=g)
+    a, b = torch.randn(3, 8, dtype=torch.float64, generator=g), torch.randn(6, 3, dtype=torch.float64, generator=g)
+    x, a, b = (t.requires_grad_() for t in (x, a, b))
+    torch.testing.assert_close(lora_linear(x, w, a, b), F.linear(x, w) + F.linear(F.linear(x, a), b), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, a, b: lora_linear(x, w, a, b), (x, a, b))
+    torch.library.opcheck(lora_linear, (x, w, a, b))
+
+    cfg, model = lora_model("llama")
+    block, ran = model.blocks()[0], []
+
+    def backend(gm, example_inputs):
+        ran.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    block.compile(backend=backend)
+    model(torch.zeros(1, 4, dtype=torch.long))
+    adapted = [m for m in block.modules() if getattr(m, "lora", None) is not None]
+    assert ran.count(torch.ops.shardlm.lora_linear.default) == len(adapted) == 4
+
+
 def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base(tmp_path, capsys):
     """Train with adapters; the base weights in the checkpoint are the initial ones bit for bit; PeftModel
     over the base with the exported adapter, the merged export and `generate --adapter` all agree."""

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lora_linear import lora_linear
+
 
 class WeightGradStore:
     def __init__(self):
@@ -40,10 +42,22 @@ class Linear(nn.Linear):
     def forward(self, x):
         if self.lora is None:
             return linear(x, self.weight, self.bias, self.weight_grads)
+        if self._one_operator(x):
+            out = lora_linear(x, self.weight, *self.lora.factors())
+            return out if self.bias is None else out + self.bias
         # The adapter first: the base product's inputs are then the last tensors the layer saves, so a
         # recomputation that only needs those stops before the product runs (model/recompute.py).
         update = self.lora(x)
         return linear(x, self.weight, self.bias, self.weight_grads) + update
+
+    def _one_operator(self, x) -> bool:
+        """Whether the base product and the adapters' update run as one operator (lora_linear.py): in compiled
+        graphs only, where the partitioner, not checkpoint's early stop, decides what a recomputation reruns;
+        with a plain frozen weight of x's dtype (not QLoRA's 4-bit one), no autocast and no dropout."""
+        w = self.weight
+        return (torch.compiler.is_compiling() and not w.requires_grad and type(w) in (torch.Tensor, nn.Parameter)
+                and w.dtype == x.dtype == self.lora.A[self.lora.spans[0][0]].dtype
+                and not torch.is_autocast_enabled(x.device.type) and not self.lora.drops())
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):

@@ -49,11 +49,13 @@ class LoRA(nn.Module):
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A fused layer's adapters as two products, their A stacked (x read once) and their B block-diagonal
-        # with the scale folded into its few weights: a product pair per adapter would read x once each, and
-        # scaling, slicing and concatenating the update are passes over activations, forward and backward. The
-        # zero blocks cost rank x (adapters - 1) columns in a product as wide as the layer.
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rank x adapters, in] and B [out, rank x adapters]: the update of x is x A^T B^T.
+
+        A fused layer's adapters as two products, their A stacked (x read once) and their B block-diagonal
+        with the scale folded into its few weights: a product pair per adapter would read x once each, and
+        scaling, slicing and concatenating the update are passes over activations, forward and backward. The
+        zero blocks cost rank x (adapters - 1) columns in a product as wide as the layer."""
         rank = self.A[self.spans[0][0]].shape[0]
         a = torch.cat([self.A[name] for name, _, _ in self.spans]) if len(self.spans) > 1 else self.A[self.spans[0][0]]
         rows, at, width = [], 0, rank * len(self.spans)
@@ -66,7 +68,15 @@ class LoRA(nn.Module):
         if at < self.out_features:
             rows.append(rows[-1].new_zeros(self.out_features - at, width))
         b = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return F.linear(F.linear(self.dropout(x), a), b * self.scaling)
+        return a, b * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.factors()
+        return F.linear(F.linear(self.dropout(x), a), b)
+
+    def drops(self) -> bool:
+        """Whether dropout changes the adapters' input now (training with lora.dropout > 0)."""
+        return self.training and isinstance(self.dropout, nn.Dropout) and self.dropout.p > 0
 
 
 def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lora: LoRAConfig) -> LoRA | None:
