@@ -72,7 +72,10 @@ def test_torchrun_refuses_a_layout_that_does_not_fill_the_world(tmp_path):
     assert proc.returncode != 0
     # torchrun stops the other worker as soon as one fails, so that one may be gone before it prints (seen
     # on a GPU host); that every rank refuses by itself is the next test.
-    assert "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2" in proc.stdout + proc.stderr
+    said = "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2"
+    assert said in proc.stdout + proc.stderr
+    # torchrun's summary names the error (each rank's error file), not only its exit status
+    assert f"traceback : shardlm train: error: {said}" in proc.stderr
 
 
 @pytest.mark.parametrize("local_rank", [0, 3])
@@ -95,21 +98,27 @@ def test_every_rank_refuses_more_processes_per_node_than_gpus(monkeypatch, local
 
 
 def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
-    """Both ranks of a world of 2, launched as torchrun would but without its supervision, each print the
-    error and exit; a rank that went on into a collective would wait for its peer until the timeout."""
+    """Both ranks of a world of 2, launched as torchrun would but without its supervision, exit with the error;
+    a rank that went on into a collective would wait for its peer until the timeout. The node's first rank
+    prints it, once for the node, and each writes it to the error file torchrun gives it (its summary then
+    names the error as the root cause instead of pointing at torchrun's docs)."""
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "4", "--out", tmp_path / "r"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"error{r}.json")}) for r in range(2)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode != 0
-        assert "parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 2" in out + err
+    said = "shardlm train: error: parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 2"
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2
+        assert (said in out + err) == (r == 0), (r, out + err)
+        reply = json.loads((tmp_path / f"error{r}.json").read_text())["message"]
+        assert said in reply["message"] and said in reply["extraInfo"]["py_callstack"]
 
 
 def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):

@@ -280,6 +280,25 @@ COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": 
             "data": cmd_data, "export": cmd_export}
 
 
+def _error(message: str, code: int, every_rank: bool) -> int:
+    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file, so
+    that torchrun's summary names it as the root cause instead of pointing at its docs; bad input (a config,
+    a path), which every rank finds alike, is printed by each node's first rank alone, not once a process."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                         "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the summary then points at torchrun's docs, as without this file: the message is printed below
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -308,11 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[cmd](rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return _error(f"shardlm {cmd}: error: {e}", 2, every_rank=False)
     except RunError as e:
-        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
-        return 1
+        return _error(f"shardlm {cmd}: error: {e}", 1, every_rank=True)
     except BrokenPipeError:  # stdout's reader left (`shardlm plan ... | head`): end quietly, as a shell command
         silence_stdout()
         return 128 + signal.SIGPIPE
