@@ -55,6 +55,8 @@ class Linear(nn.Linear):
         graphs only, where the partitioner, not checkpoint's early stop, decides what a recomputation reruns;
         with a plain frozen weight of x's dtype (not QLoRA's 4-bit one), no autocast and no dropout."""
         w = self.weight
+        if not hasattr(self.lora, "factors"):  # serving's per-row adapters (inference/adapters.py)
+            return False
         return (torch.compiler.is_compiling() and not w.requires_grad and type(w) in (torch.Tensor, nn.Parameter)
                 and w.dtype == x.dtype == self.lora.A[self.lora.spans[0][0]].dtype
                 and not torch.is_autocast_enabled(x.device.type) and not self.lora.drops())
