@@ -561,6 +561,34 @@ def heartbeat_names_the_silent_rank(rank, world):
     return while_all, after
 
 
+def heartbeat_names_where_a_stalled_rank_is(rank, world, fifo):
+    """Every rank beats every 0.2 s; rank 1 then waits on a data read that does not come (a named pipe with
+    no writer: a file on a hung filesystem), ranks 2 and 3 in a collective of the training step, for rank 1.
+    What rank 0 reports once both places are told; then it writes the data and joins the collective."""
+    from pathlib import Path
+
+    from shardlm.data.instruct import is_instruct
+    from shardlm.divergence import refuse_nan_loss
+    from shardlm.runtime.heartbeat import Heartbeat
+    beat = Heartbeat(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), interval=0.2)
+    report = None
+    if rank == 1:
+        assert is_instruct(Path(fifo))
+    elif rank == 0:
+        try:
+            deadline, report = time.monotonic() + 30, ""
+            while time.monotonic() < deadline and not (  # until each peer's beat tells where it has gone from here
+                    "is_instruct" in report and "refuse_nan_loss" in report and "_worker" not in report):
+                time.sleep(0.2)
+                report = beat.report()
+        finally:
+            with open(fifo, "w") as f:
+                f.write('{"prompt": "a", "completion": "b"}\n')
+    refuse_nan_loss(torch.zeros(()), 0, False, None)
+    beat.close()
+    return report
+
+
 def save_fails_on_rank_zero(rank, world, out_dir):
     """A full disk on rank 0 while it writes step 2's checkpoint: what each rank raises (none may hang)."""
     import errno

@@ -90,8 +90,12 @@ def cmd_train(argv: list[str]) -> int:
                       f"why)", file=sys.stderr)
             else:
                 who = heartbeat.report() if heartbeat is not None else "which one could not be told"
-                print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
-                      f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
+                timeout = f"parallel.timeout_s = {cfg.parallel.timeout_s:g} s"
+                if who.startswith("no rank died"):  # every peer beats on: where each one was, last
+                    print(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", file=sys.stderr)
+                else:
+                    print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})",
+                          file=sys.stderr)
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:

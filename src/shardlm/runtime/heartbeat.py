@@ -5,7 +5,10 @@ names at most a peer's address (gloo) or nothing useful (a timeout); torchrun na
 summary after every worker has exited. A beat also carries the process's id and host, so that a peer on
 the same host whose process has ended (killed: it beat a moment ago) is named at once; and a rank that stops
 on an error of its own says so in the store before it exits, so that the others, whose next collective
-fails, point at its message instead of reporting a death.
+fails, point at its message instead of reporting a death. A peer that is alive but stalled (its training
+thread stuck in a read from a slow filesystem, a deadlock, a different collective) beats on: a beat also
+says where that thread is, its innermost frame in shardlm's own source and since when, and when no peer
+fell silent the report says where each one was, the odd one out first.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import torch.distributed as dist
 
 PREFIX = "shardlm/heartbeat/"
 FAILED = "shardlm/failed/"  # then torchrun's restart count (a key outlives the attempt that set it) and the rank
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where is told in shardlm's own source
+WATCHERS = {os.path.join(PACKAGE, "runtime", f) for f in ("heartbeat.py", "watchdog.py")}  # not in these
 
 
 class Heartbeat:
@@ -32,6 +37,7 @@ class Heartbeat:
         # torchrun starts its workers in sessions of their own: killed outright (the OOM killer, a scheduler's
         # SIGKILL after its grace period), it leaves them training on as orphans, holding the run directory.
         self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.main = threading.get_ident()  # the training thread, whose place each beat tells
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="shardlm-heartbeat", daemon=True)
         self.thread.start()
@@ -47,17 +53,33 @@ class Heartbeat:
     def _client(self, seconds: float = 5):
         return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
 
+    def _where(self) -> str | None:
+        """Where the training thread is, as `shardlm/data/loader.py:88 next_batch`: its innermost frame in
+        shardlm's own source (None outside it, or when the thread has ended)."""
+        frame = sys._current_frames().get(self.main)
+        while frame is not None:
+            path = os.path.abspath(frame.f_code.co_filename)
+            if path.startswith(PACKAGE + os.sep) and path not in WATCHERS:
+                where = os.path.relpath(path, os.path.dirname(PACKAGE)).replace(os.sep, "/")
+                return f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
+            frame = frame.f_back
+        return None
+
     def _beat(self) -> None:
-        store = None
+        store, where, since = None, None, 0.0
         while not self.stop.is_set():
             if self.launcher is not None and os.getppid() != self.launcher:
                 print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
                       file=sys.stderr, flush=True)
                 self.launcher = None
                 os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends on its way out: a stop, saved
+            if (here := self._where()) != where:
+                where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
                 store = store or self._client()
-                store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}")
+                # After a tab, which no host name holds: since when the training thread is where it is.
+                at = f"\t{since!r} {where}" if where else ""
+                store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}{at}")
             except Exception:  # noqa: BLE001
                 store = None
             self.stop.wait(self.interval)
@@ -77,10 +99,9 @@ class Heartbeat:
         except Exception:  # noqa: BLE001
             return []
 
-    def silent(self) -> list[tuple[int, str]]:
-        """(rank, how) of the peers that fell silent: never heard from, whose process on this host has ended,
-        or silent for some seconds; empty when the store cannot be read (its host, rank 0's process or
-        torchrun's agent, is gone)."""
+    def _peers(self) -> list[tuple[int, str | None, tuple[float, str] | None]]:
+        """(rank, how it fell silent or None, (since when, where) its training thread is or None) of each
+        peer; empty when the store cannot be read (its host, rank 0's process or torchrun's agent, is gone)."""
         try:
             store, now = self._client(), time.time()
             out = []
@@ -88,24 +109,45 @@ class Heartbeat:
                 if r == self.rank:
                     continue
                 if not store.check([f"{PREFIX}{r}"]):
-                    out.append((r, "never heard from"))
+                    out.append((r, "never heard from", None))
                     continue
-                beat = store.get(f"{PREFIX}{r}").decode().split(" ", 2)
-                age = now - float(beat[0])
+                beat, _, at = store.get(f"{PREFIX}{r}").decode().partition("\t")
+                beat = beat.split(" ", 2)
+                age, how = now - float(beat[0]), None
                 if len(beat) == 3 and beat[2] == socket.gethostname() and _ended(int(beat[1])):
-                    out.append((r, "its process ended"))  # killed: its last beat may be a second old
+                    how = "its process ended"  # killed: its last beat may be a second old
                 elif age > 3 * self.interval:
-                    out.append((r, f"silent for {age:.0f} s"))
+                    how = f"silent for {age:.0f} s"
+                since, _, where = at.partition(" ")
+                out.append((r, how, (float(since), where) if where else None))
             return out
         except Exception:  # noqa: BLE001
             return []
 
+    def silent(self) -> list[tuple[int, str]]:
+        """(rank, how) of the peers that fell silent: never heard from, whose process on this host has ended,
+        or silent for some seconds; empty when the store cannot be read."""
+        return [(r, how) for r, how, _ in self._peers() if how]
+
     def report(self) -> str:
-        """`rank 1 (silent for 12 s)`-style words for the silent peers, or what little is known."""
-        silent = self.silent()
-        if not silent:
+        """`rank 1 (silent for 12 s)`-style words for the silent peers; else where each peer was, grouped,
+        the odd one out (the smallest group, then the longest in place) first; or what little is known."""
+        peers, now = self._peers(), time.time()
+        silent = [(r, how) for r, how, _ in peers if how]
+        if silent:
+            return ", ".join(f"rank {r} ({how})" for r, how in silent)
+        if not peers:
             return "which one could not be told"
-        return ", ".join(f"rank {r} ({how})" for r, how in silent)
+        groups: dict[str | None, list] = {}  # where: [ranks, the longest time one of them has been there]
+        for r, _, at in peers:
+            group = groups.setdefault(at and at[1], [[], 0.0])
+            group[0].append(r)
+            group[1] = max(group[1], now - at[0] if at else 0.0)
+        out = []
+        for where, (ranks, held) in sorted(groups.items(), key=lambda g: (g[0] is None, len(g[1][0]), -g[1][1])):
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            out.append(f"{who} at {where} (for {held:.0f} s)" if where else f"{who} (alive, where unknown)")
+        return "no rank died; where each was: " + "; ".join(out)
 
     def close(self) -> None:
         self.stop.set()
