@@ -103,6 +103,43 @@ def test_work_that_never_finishes_ends_the_process_with_a_message(how):
     assert "training step 7 made no progress for 0.3 s" in done.stderr
 
 
+def test_the_watchdog_names_the_stalled_peer_and_where_it_is(tmp_path):
+    """On GPUs the watchdog, not a failed collective, ends a rank whose peer stalled: its message said only
+    'a peer rank died or stalled'. It now reads the peers' beats as a failed collective's message does: here
+    rank 1 is alive, stuck in a read that never comes (a named pipe without a writer)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardlm.data.instruct import is_instruct
+    port, fifo = free_port(), tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10),
+                          wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "from pathlib import Path\nfrom shardlm.data.instruct import is_instruct\n"
+        "from shardlm.runtime.heartbeat import Heartbeat\n"
+        f"beat = Heartbeat(1, 2, '127.0.0.1', {port}, interval=0.2)\nis_instruct(Path({str(fifo)!r}))\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while "is_instruct" not in (store.get("shardlm/heartbeat/1").decode() if store.check(["shardlm/heartbeat/1"])
+                                    else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\nw = Watchdog(0.3)\n"
+                "with w.guard('training step 7'):\n    time.sleep(30)\n")
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        peer.kill()
+        peer.wait()
+    lines, first = inspect.getsourcelines(is_instruct)
+    read = first + next(i for i, line in enumerate(lines) if "open(path" in line)
+    assert done.returncode == 1
+    assert re.search(r"training step 7 made no progress for 0\.3 s \(parallel\.timeout_s\): a peer rank died or "
+                     rf"stalled: no rank died; where each was: rank 1 at shardlm/data/instruct\.py:{read} is_instruct "
+                     r"\(for \d+ s\); exiting", done.stderr), done.stderr
+
+
 def test_the_trainer_guards_its_waits_on_peers():
     """The trainer's host sections that wait on peers (here the metrics of a step) run under its watchdog:
     one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own

@@ -28,22 +28,17 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where i
 WATCHERS = {os.path.join(PACKAGE, "runtime", f) for f in ("heartbeat.py", "watchdog.py")}  # not in these
 
 
-class Heartbeat:
+class Peers:
+    """What the store says of this rank's peers (their beats, their farewells), without beating: a watchdog
+    about to end this rank asks it which peer to blame."""
+
     def __init__(self, rank: int, world: int, host: str, port: int, interval: float = 2.0):
         self.rank, self.world, self.interval = rank, world, interval
         self.host, self.port = host, port
-        self.me = f"{os.getpid()} {socket.gethostname()}"
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        # torchrun starts its workers in sessions of their own: killed outright (the OOM killer, a scheduler's
-        # SIGKILL after its grace period), it leaves them training on as orphans, holding the run directory.
-        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        self.main = threading.get_ident()  # the training thread, whose place each beat tells
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="shardlm-heartbeat", daemon=True)
-        self.thread.start()
 
     @classmethod
-    def from_env(cls) -> Heartbeat | None:
+    def from_env(cls):
         """One for this process of a torchrun job (None in a single process)."""
         world = int(os.environ.get("WORLD_SIZE", 1))
         if world == 1 or "MASTER_ADDR" not in os.environ:
@@ -53,43 +48,6 @@ class Heartbeat:
     def _client(self, seconds: float = 5):
         return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
 
-    def _where(self) -> str | None:
-        """Where the training thread is, as `shardlm/data/loader.py:88 next_batch`: its innermost frame in
-        shardlm's own source (None outside it, or when the thread has ended)."""
-        frame = sys._current_frames().get(self.main)
-        while frame is not None:
-            path = os.path.abspath(frame.f_code.co_filename)
-            if path.startswith(PACKAGE + os.sep) and path not in WATCHERS:
-                where = os.path.relpath(path, os.path.dirname(PACKAGE)).replace(os.sep, "/")
-                return f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
-            frame = frame.f_back
-        return None
-
-    def _beat(self) -> None:
-        store, where, since = None, None, 0.0
-        while not self.stop.is_set():
-            if self.launcher is not None and os.getppid() != self.launcher:
-                print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
-                      file=sys.stderr, flush=True)
-                self.launcher = None
-                os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends on its way out: a stop, saved
-            if (here := self._where()) != where:
-                where, since = here, time.time()
-            try:  # the store may come up after this process, or go with its host: keep trying
-                store = store or self._client()
-                # After a tab, which no host name holds: since when the training thread is where it is.
-                at = f"\t{since!r} {where}" if where else ""
-                store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}{at}")
-            except Exception:  # noqa: BLE001
-                store = None
-            self.stop.wait(self.interval)
-
-    def farewell(self) -> None:
-        """Tell the peers this rank is stopping on an error of its own (its message is printed)."""
-        try:
-            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", "1")  # briefly: this rank is on its way out
-        except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
-            pass
 
     def failed(self) -> list[int]:
         """The peers that stopped on an error of their own (farewell)."""
@@ -148,6 +106,59 @@ class Heartbeat:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
             out.append(f"{who} at {where} (for {held:.0f} s)" if where else f"{who} (alive, where unknown)")
         return "no rank died; where each was: " + "; ".join(out)
+
+
+class Heartbeat(Peers):
+    """This rank's beat, from a thread of its own, and its farewell."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int, interval: float = 2.0):
+        super().__init__(rank, world, host, port, interval)
+        self.me = f"{os.getpid()} {socket.gethostname()}"
+        # torchrun starts its workers in sessions of their own: killed outright (the OOM killer, a scheduler's
+        # SIGKILL after its grace period), it leaves them training on as orphans, holding the run directory.
+        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.main = threading.get_ident()  # the training thread, whose place each beat tells
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="shardlm-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _where(self) -> str | None:
+        """Where the training thread is, as `shardlm/data/loader.py:88 next_batch`: its innermost frame in
+        shardlm's own source (None outside it, or when the thread has ended)."""
+        frame = sys._current_frames().get(self.main)
+        while frame is not None:
+            path = os.path.abspath(frame.f_code.co_filename)
+            if path.startswith(PACKAGE + os.sep) and path not in WATCHERS:
+                where = os.path.relpath(path, os.path.dirname(PACKAGE)).replace(os.sep, "/")
+                return f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
+            frame = frame.f_back
+        return None
+
+    def _beat(self) -> None:
+        store, where, since = None, None, 0.0
+        while not self.stop.is_set():
+            if self.launcher is not None and os.getppid() != self.launcher:
+                print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
+                      file=sys.stderr, flush=True)
+                self.launcher = None
+                os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends on its way out: a stop, saved
+            if (here := self._where()) != where:
+                where, since = here, time.time()
+            try:  # the store may come up after this process, or go with its host: keep trying
+                store = store or self._client()
+                # After a tab, which no host name holds: since when the training thread is where it is.
+                at = f"\t{since!r} {where}" if where else ""
+                store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}{at}")
+            except Exception:  # noqa: BLE001
+                store = None
+            self.stop.wait(self.interval)
+
+    def farewell(self) -> None:
+        """Tell the peers this rank is stopping on an error of its own (its message is printed)."""
+        try:
+            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", "1")  # briefly: this rank is on its way out
+        except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
+            pass
 
     def close(self) -> None:
         self.stop.set()
