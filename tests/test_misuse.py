@@ -196,6 +196,10 @@ CASES = [
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
     ("serve-device", ["serve", "--model", "{exp}", "--device", "foo"],
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
+    ("generate-run-before-first-save", ["generate", "--model", "{unsaved}", "--prompt", "x"],
+     "it is a run that has saved no checkpoint yet", 2),
+    ("eval-run-before-first-save", ["eval", "--model", "{unsaved}", "--data", "{text}", "--seq-len", "8"],
+     "it is a run that has saved no checkpoint yet", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
@@ -279,6 +283,10 @@ def world(tmp_path_factory):
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
        "q_proj,v_proj", "--out", p["lrun"])
     ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
+    p["unsaved"].mkdir()
+    shutil.copy(p["run"] / "config.toml", p["unsaved"])
+    (p["unsaved"] / "metrics.jsonl").write_text("")
     weights = (p["exp"] / "model.safetensors").read_bytes()
     for name in ("truncated", "empty", "badheader", "nonfinite"):
         shutil.copytree(p["exp"], p[name])
