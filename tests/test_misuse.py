@@ -90,6 +90,8 @@ CASES = [
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
+    ("export-checkpoints-folder", ["export", "--checkpoint", "{run}/checkpoints", "--out", "{new}"],
+     "/checkpoints is the checkpoints folder of the run ", 2),
     ("export-a-file", ["export", "--checkpoint", "{file}", "--out", "{new}"], "is a file; a run, a checkpoint or a", 2),
     ("generate-a-file", ["generate", "--model", "{file}", "--prompt", "x"], "is a file; a run, a checkpoint or a", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),

@@ -217,6 +217,10 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
     # A run still before its first save (a run writes config.toml and metrics.jsonl at its start): the bare
     # "holds no complete checkpoint" read as a wrong path, and said nothing of when there will be one.
     run = (path / "config.toml").is_file() or (path / "metrics.jsonl").is_file()
+    if path.name == CKPT_DIR and complete_checkpoints(path.parent):  # RUN/checkpoints: it does hold checkpoints
+        newest = complete_checkpoints(path.parent)[-1]
+        return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
+                                 f"checkpoint) or one checkpoint in it, such as {newest}")
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
                                 if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
