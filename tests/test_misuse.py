@@ -46,6 +46,8 @@ CASES = [
      "model.safetensors is not a readable safetensors file", 2),
     ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
+     "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
@@ -148,6 +150,10 @@ CASES = [
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),
     # generate and eval
     ("generate-no-model", ["generate", "--model", "{new}", "--prompt", "x"], "no such directory", 2),
+    ("generate-pickled", ["generate", "--model", "{pickled}", "--prompt", "x"],
+     "has no *.safetensors weights: it holds pytorch_model.bin", 2),
+    ("serve-no-weights", ["serve", "--model", "{noweights}", "--port", "0"],
+     "has no *.safetensors weights: download or export the weights into it", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
      "exceeds the model's max_seq_len", 2),
@@ -306,6 +312,10 @@ def world(tmp_path_factory):
     state["files"]["model.safetensors"] = {"bytes": (ckpt / "model.safetensors").stat().st_size,
                                            "crc32": zlib.crc32((ckpt / "model.safetensors").read_bytes())}
     (ckpt / "state.json").write_text(json.dumps(state))
+    for name in ("pickled", "noweights"):  # an HF directory without safetensors: PyTorch's .bin, or nothing
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(p["exp"] / "model.safetensors"), p["pickled"] / "pytorch_model.bin")
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})

@@ -240,7 +240,13 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
         raise FileNotFoundError(f"{path} has no config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+        # PyTorch's pickled weights are what older save_pretrained wrote: say how to get the safetensors.
+        pickled = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.pt"))
+        fix = (f": it holds {pickled[0]}{' and others' if len(pickled) > 1 else ''}, PyTorch's pickled weights, "
+               "which shardlm does not read: save the model as safetensors (transformers: `AutoModelForCausalLM."
+               "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
+               if pickled else ": download or export the weights into it")
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     return cfg, HFTensors(files, cfg)
 
