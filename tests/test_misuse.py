@@ -48,6 +48,10 @@ CASES = [
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
     ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
      "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
+    ("init-bert", ["train", "tiny", "--train.init_from", "{bert}", "--data.path", "{data}", "--out", "{new}"],
+     "/bert': unsupported Hugging Face architecture 'bert': shardlm builds the decoder-only", 2),
+    ("init-config-lacks-key", ["train", "tiny", "--train.init_from", "{nokey}", "--data.path", "{data}", "--out",
+                               "{new}"], "/nokey': the Hugging Face config lacks 'hidden_size'", 2),
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
@@ -154,6 +158,12 @@ CASES = [
      "has no *.safetensors weights: it holds pytorch_model.bin", 2),
     ("serve-no-weights", ["serve", "--model", "{noweights}", "--port", "0"],
      "has no *.safetensors weights: download or export the weights into it", 2),
+    ("generate-bert", ["generate", "--model", "{bert}", "--prompt", "x"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
+    ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
+     "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
+     "badjson/config.json is not valid JSON (", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
      "exceeds the model's max_seq_len", 2),
@@ -316,6 +326,15 @@ def world(tmp_path_factory):
         p[name] = root / name
         shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(load_file(p["exp"] / "model.safetensors"), p["pickled"] / "pytorch_model.bin")
+    for name in ("nokey", "badjson"):  # config.json cut short: without a key the model needs, or not JSON at all
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+    hf = json.loads((p["exp"] / "config.json").read_text())
+    (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
+    (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
+    p["bert"].mkdir()
+    (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})

@@ -238,6 +238,14 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
+    try:  # first: weights of an architecture not supported are no use
+        hf = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path / 'config.json'} is not valid JSON ({e}): download or save the model again") from None
+    try:
+        cfg = model_config_from_hf(hf)
+    except ConfigError as e:  # say which directory's config (--model's, train.init_from's) is refused
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         # PyTorch's pickled weights are what older save_pretrained wrote: say how to get the safetensors.
@@ -247,7 +255,6 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
                "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
                if pickled else ": download or export the weights into it")
         raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     return cfg, HFTensors(files, cfg)
 
 
