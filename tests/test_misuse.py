@@ -52,6 +52,10 @@ CASES = [
      "/bert': unsupported Hugging Face architecture 'bert': shardlm builds the decoder-only", 2),
     ("init-config-lacks-key", ["train", "tiny", "--train.init_from", "{nokey}", "--data.path", "{data}", "--out",
                                "{new}"], "/nokey': the Hugging Face config lacks 'hidden_size'", 2),
+    ("init-shard-missing", ["train", "tiny", "--train.init_from", "{sharded}", "--data.path", "{data}", "--out",
+                            "{new}"], "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
+    ("init-tensor-missing", ["train", "tiny", "--train.init_from", "{tensorless}", "--data.path", "{data}", "--out",
+                             "{new}"], "tensorless: the checkpoint lacks model.layers.1.mlp.up_proj.weight", 2),
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
@@ -164,6 +168,8 @@ CASES = [
      "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
     ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
      "badjson/config.json is not valid JSON (", 2),
+    ("generate-shard-missing", ["generate", "--model", "{sharded}", "--prompt", "x"],
+     "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
      "exceeds the model's max_seq_len", 2),
@@ -335,6 +341,19 @@ def world(tmp_path_factory):
     p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
     p["bert"].mkdir()
     (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    p["sharded"], p["tensorless"] = root / "sharded", root / "tensorless"  # a shard the index lists, a tensor: gone
+    shutil.copytree(p["exp"], p["tensorless"])
+    tensors = load_file(p["exp"] / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              p["tensorless"] / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(p["exp"], p["sharded"], ignore=shutil.ignore_patterns("*.safetensors"))
+    names = sorted(tensors)
+    parts = [names[i::3] for i in range(3)]
+    for i, part in enumerate(parts):
+        if i != 1:
+            save_file({k: tensors[k] for k in part}, p["sharded"] / f"model-{i + 1:05d}-of-00003.safetensors")
+    (p["sharded"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f"model-{i + 1:05d}-of-00003.safetensors" for i, part in enumerate(parts) for k in part}}))
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})
