@@ -407,8 +407,12 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
                                           (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
-                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use"),
-                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: ")])
+                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
+                                           "another process listens there (another shardlm serve?); stop it or pick "
+                                           "another --port (0: any free one)"),
+                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: "),
+                                          (["--host", "192.0.2.1"], "--host 192.0.2.1: Cannot assign requested address: "
+                                           "it is not an address of this machine; use 127.0.0.1")])
 def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, monkeypatch, args, message):
     """Before the model loads: a port out of range or in use, a host that does not resolve, no slots."""
     import shardlm.inference

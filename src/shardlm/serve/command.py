@@ -85,7 +85,23 @@ def _check_address(host: str, port: int) -> None:
         try:
             s.bind(address)
         except OSError as e:
-            raise ConfigError(f"--port {port} on {host}: {e.strerror or e}") from None
+            raise ConfigError(_bind_error(host, port, e)) from None
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    """Why the address cannot be listened on, naming the flag at fault and the fix (the bare strerror named
+    --port also when --host was the trouble, and said nothing to do)."""
+    import errno
+    why = e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        return (f"--port {port} on {host}: {why}: another process listens there (another shardlm serve?); stop it "
+                "or pick another --port (0: any free one)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host}: {why}: it is not an address of this machine; use 127.0.0.1 (this machine only) or "
+                "0.0.0.0 (every interface)")
+    if e.errno == errno.EACCES:
+        return f"--port {port} on {host}: {why}: ports below 1024 need root; pick one from 1024 on"
+    return f"--port {port} on {host}: {why}"
 
 
 def cmd_serve(argv: list[str]) -> int:
