@@ -436,7 +436,7 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     from shardlm.serve import command
 
     class Stub:  # the server and its worker, built but not run
-        def run(self):
+        def run(self, sockets=None):
             pass
 
         def close(self, timeout):
@@ -444,6 +444,39 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
     assert main(["serve", "--model", str(hf_dir), "--max-batch", "1", "--compile", "off"]) == 0
     assert "(1 slot of " in capsys.readouterr().err
+
+
+def test_the_port_is_held_while_the_model_loads_and_served_on(hf_dir, monkeypatch, capsys):
+    """The port is bound before the model loads and that socket is the one served on: another process could
+    take it during a load of minutes, and uvicorn, binding only then, failed with its own log line and status 3
+    after the banner had announced the server. The banner names the port (--port 0: the one chosen)."""
+    import shardlm.inference
+    from shardlm.cli import main
+    from shardlm.serve import command
+    real, served = shardlm.inference.load_pretrained, []
+
+    def loading(*a, **k):  # another process tries the port meanwhile
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+        return real(*a, **k)
+
+    class Stub:
+        def run(self, sockets=None):
+            served.extend(sockets or [])
+
+        def close(self, timeout):
+            pass
+    from shardlm.testing.distributed import free_port
+    port = free_port()
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
+    monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
+    assert main(["serve", "--model", str(hf_dir), "--port", str(port), "--max-batch", "1", "--compile", "off"]) == 0
+    assert [s.getsockname()[1] for s in served] == [port]
+    assert f"on http://127.0.0.1:{port}" in capsys.readouterr().err
+    served[0].close()
 
 
 def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):
