@@ -46,6 +46,16 @@ CASES = [
      "model.safetensors is not a readable safetensors file", 2),
     ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
+     "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
+    ("init-bert", ["train", "tiny", "--train.init_from", "{bert}", "--data.path", "{data}", "--out", "{new}"],
+     "/bert': unsupported Hugging Face architecture 'bert': shardlm builds the decoder-only", 2),
+    ("init-config-lacks-key", ["train", "tiny", "--train.init_from", "{nokey}", "--data.path", "{data}", "--out",
+                               "{new}"], "/nokey': the Hugging Face config lacks 'hidden_size'", 2),
+    ("init-shard-missing", ["train", "tiny", "--train.init_from", "{sharded}", "--data.path", "{data}", "--out",
+                            "{new}"], "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
+    ("init-tensor-missing", ["train", "tiny", "--train.init_from", "{tensorless}", "--data.path", "{data}", "--out",
+                             "{new}"], "tensorless: the checkpoint lacks model.layers.1.mlp.up_proj.weight", 2),
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
@@ -90,6 +100,8 @@ CASES = [
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
+    ("export-checkpoints-folder", ["export", "--checkpoint", "{run}/checkpoints", "--out", "{new}"],
+     "/checkpoints is the checkpoints folder of the run ", 2),
     ("export-a-file", ["export", "--checkpoint", "{file}", "--out", "{new}"], "is a file; a run, a checkpoint or a", 2),
     ("generate-a-file", ["generate", "--model", "{file}", "--prompt", "x"], "is a file; a run, a checkpoint or a", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
@@ -146,6 +158,18 @@ CASES = [
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),
     # generate and eval
     ("generate-no-model", ["generate", "--model", "{new}", "--prompt", "x"], "no such directory", 2),
+    ("generate-pickled", ["generate", "--model", "{pickled}", "--prompt", "x"],
+     "has no *.safetensors weights: it holds pytorch_model.bin", 2),
+    ("serve-no-weights", ["serve", "--model", "{noweights}", "--port", "0"],
+     "has no *.safetensors weights: download or export the weights into it", 2),
+    ("generate-bert", ["generate", "--model", "{bert}", "--prompt", "x"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
+    ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
+     "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
+     "badjson/config.json is not valid JSON (", 2),
+    ("generate-shard-missing", ["generate", "--model", "{sharded}", "--prompt", "x"],
+     "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
      "exceeds the model's max_seq_len", 2),
@@ -196,6 +220,10 @@ CASES = [
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
     ("serve-device", ["serve", "--model", "{exp}", "--device", "foo"],
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
+    ("generate-run-before-first-save", ["generate", "--model", "{unsaved}", "--prompt", "x"],
+     "it is a run that has saved no checkpoint yet", 2),
+    ("eval-run-before-first-save", ["eval", "--model", "{unsaved}", "--data", "{text}", "--seq-len", "8"],
+     "it is a run that has saved no checkpoint yet", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
@@ -279,6 +307,10 @@ def world(tmp_path_factory):
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
        "q_proj,v_proj", "--out", p["lrun"])
     ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
+    p["unsaved"].mkdir()
+    shutil.copy(p["run"] / "config.toml", p["unsaved"])
+    (p["unsaved"] / "metrics.jsonl").write_text("")
     weights = (p["exp"] / "model.safetensors").read_bytes()
     for name in ("truncated", "empty", "badheader", "nonfinite"):
         shutil.copytree(p["exp"], p[name])
@@ -296,6 +328,32 @@ def world(tmp_path_factory):
     state["files"]["model.safetensors"] = {"bytes": (ckpt / "model.safetensors").stat().st_size,
                                            "crc32": zlib.crc32((ckpt / "model.safetensors").read_bytes())}
     (ckpt / "state.json").write_text(json.dumps(state))
+    for name in ("pickled", "noweights"):  # an HF directory without safetensors: PyTorch's .bin, or nothing
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(p["exp"] / "model.safetensors"), p["pickled"] / "pytorch_model.bin")
+    for name in ("nokey", "badjson"):  # config.json cut short: without a key the model needs, or not JSON at all
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+    hf = json.loads((p["exp"] / "config.json").read_text())
+    (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
+    (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
+    p["bert"].mkdir()
+    (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    p["sharded"], p["tensorless"] = root / "sharded", root / "tensorless"  # a shard the index lists, a tensor: gone
+    shutil.copytree(p["exp"], p["tensorless"])
+    tensors = load_file(p["exp"] / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              p["tensorless"] / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(p["exp"], p["sharded"], ignore=shutil.ignore_patterns("*.safetensors"))
+    names = sorted(tensors)
+    parts = [names[i::3] for i in range(3)]
+    for i, part in enumerate(parts):
+        if i != 1:
+            save_file({k: tensors[k] for k in part}, p["sharded"] / f"model-{i + 1:05d}-of-00003.safetensors")
+    (p["sharded"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f"model-{i + 1:05d}-of-00003.safetensors" for i, part in enumerate(parts) for k in part}}))
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})

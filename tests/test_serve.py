@@ -407,8 +407,12 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
                                           (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
-                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use"),
-                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: ")])
+                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
+                                           "another process listens there (another shardlm serve?); stop it or pick "
+                                           "another --port (0: any free one)"),
+                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: "),
+                                          (["--host", "192.0.2.1"], "--host 192.0.2.1: Cannot assign requested address: "
+                                           "it is not an address of this machine; use 127.0.0.1")])
 def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, monkeypatch, args, message):
     """Before the model loads: a port out of range or in use, a host that does not resolve, no slots."""
     import shardlm.inference
@@ -432,7 +436,7 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     from shardlm.serve import command
 
     class Stub:  # the server and its worker, built but not run
-        def run(self):
+        def run(self, sockets=None):
             pass
 
         def close(self, timeout):
@@ -440,6 +444,39 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
     assert main(["serve", "--model", str(hf_dir), "--max-batch", "1", "--compile", "off"]) == 0
     assert "(1 slot of " in capsys.readouterr().err
+
+
+def test_the_port_is_held_while_the_model_loads_and_served_on(hf_dir, monkeypatch, capsys):
+    """The port is bound before the model loads and that socket is the one served on: another process could
+    take it during a load of minutes, and uvicorn, binding only then, failed with its own log line and status 3
+    after the banner had announced the server. The banner names the port (--port 0: the one chosen)."""
+    import shardlm.inference
+    from shardlm.cli import main
+    from shardlm.serve import command
+    real, served = shardlm.inference.load_pretrained, []
+
+    def loading(*a, **k):  # another process tries the port meanwhile
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+        return real(*a, **k)
+
+    class Stub:
+        def run(self, sockets=None):
+            served.extend(sockets or [])
+
+        def close(self, timeout):
+            pass
+    from shardlm.testing.distributed import free_port
+    port = free_port()
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
+    monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
+    assert main(["serve", "--model", str(hf_dir), "--port", str(port), "--max-batch", "1", "--compile", "off"]) == 0
+    assert [s.getsockname()[1] for s in served] == [port]
+    assert f"on http://127.0.0.1:{port}" in capsys.readouterr().err
+    served[0].close()
 
 
 def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):

@@ -214,10 +214,19 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
         return FileNotFoundError(f"{path} is a file; a run, a checkpoint or a Hugging Face model is a directory")
     hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume
     adapter = (path / "adapter_config.json").is_file()
+    # A run still before its first save (a run writes config.toml and metrics.jsonl at its start): the bare
+    # "holds no complete checkpoint" read as a wrong path, and said nothing of when there will be one.
+    run = (path / "config.toml").is_file() or (path / "metrics.jsonl").is_file()
+    if path.name == CKPT_DIR and complete_checkpoints(path.parent):  # RUN/checkpoints: it does hold checkpoints
+        newest = complete_checkpoints(path.parent)[-1]
+        return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
+                                 f"checkpoint) or one checkpoint in it, such as {newest}")
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
                                 if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
-                                if adapter else ""))
+                                if adapter else "; it is a run that has saved no checkpoint yet: a run saves one "
+                                "every train.save_every steps (0: at its end) and when stopped by Ctrl-C or SIGTERM; "
+                                "wait for its first, or name a run or checkpoint that has one" if run else ""))
 
 
 def read_state(path: str | Path) -> dict:

@@ -34,11 +34,20 @@ def _qwen2_window(hf: dict) -> int:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
+    try:
+        return _model_config_from_hf(hf)
+    except KeyError as e:  # a config.json cut short or written by hand: one line, not a traceback
+        raise ConfigError(f"the Hugging Face config lacks {e.args[0]!r}, which its architecture needs: it is not a "
+                          "complete config.json (download or save the model again)") from None
+
+
+def _model_config_from_hf(hf: dict) -> ModelConfig:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = archs[0] if archs else {**{v: k for k, v in LLAMA_LIKE.items()}, "gpt2": "GPT2LMHeadModel"}.get(model_type)
     if arch not in SUPPORTED:
-        raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
+        raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r}: shardlm builds the decoder-only "
+                          f"language models {', '.join(SUPPORTED)}; start from a checkpoint of one of them")
     if arch == "GPT2LMHeadModel":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -197,7 +206,10 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
                if adapter.is_file() else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
-    cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
+    try:  # the error names the directory: a preset's or a config's own model keys are not what is refused
+        cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
+    except ConfigError as e:
+        raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: {e}") from None
     apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
     _refuse_other_weights(cfg.model, theirs, path)
     return cfg

@@ -16,7 +16,7 @@ from ..checkpoint import MANIFEST, CheckpointError, read_state, resolve_checkpoi
 from ..sharded_read import ShardedState
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
-from ..model.hf import is_hf_dir, open_hf_dir
+from ..model.hf import open_hf_dir
 from ..model.moe import moe_layers
 from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
@@ -44,7 +44,9 @@ class _Source:
     """The model's tensors by name, read one at a time: `names`, `read(name)`, `dtype` as stored."""
 
     def __init__(self, path: Path):
-        if is_hf_dir(path):
+        # config.json makes it an HF directory, weights or not: its own error (no weights, an architecture not
+        # supported) says what is wrong, where the checkpoint's advised training from it (--train.init_from).
+        if (path / "config.json").is_file():
             self.cfg, tensors = open_hf_dir(path)
             self.lora, self.tok_dir, self.router_bias = LoRAConfig(), path, None
             self.names, self.read = list(tensors.names), tensors

@@ -47,7 +47,8 @@ def hf_recipes(keys, cfg: ModelConfig) -> dict[str, tuple[list[str], object]]:
     def put(ours, names, how=same):
         missing = [n for n in names if n not in theirs]
         if missing:  # a ValueError, which the commands report as an error, not a traceback
-            raise ValueError(f"the checkpoint lacks {missing[0]} (for {ours}): not a complete {cfg.arch} model")
+            raise ValueError(f"the checkpoint lacks {missing[0]} (for {ours}): not a complete {cfg.arch} model; "
+                             "fetch or export its weights again")
         out[ours] = ([theirs[n] for n in names], how)
 
     if cfg.arch == "gpt2":
@@ -238,11 +239,47 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
+    try:  # first: weights of an architecture not supported are no use
+        hf = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path / 'config.json'} is not valid JSON ({e}): download or save the model again") from None
+    try:
+        cfg = model_config_from_hf(hf)
+    except ConfigError as e:  # say which directory's config (--model's, train.init_from's) is refused
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    return cfg, HFTensors(files, cfg)
+        # PyTorch's pickled weights are what older save_pretrained wrote: say how to get the safetensors.
+        pickled = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.pt"))
+        fix = (f": it holds {pickled[0]}{' and others' if len(pickled) > 1 else ''}, PyTorch's pickled weights, "
+               "which shardlm does not read: save the model as safetensors (transformers: `AutoModelForCausalLM."
+               "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
+               if pickled else ": download or export the weights into it")
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
+    _check_index(path)
+    try:
+        return cfg, HFTensors(files, cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a tensor the model needs is in no file: say which directory
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _check_index(path: Path) -> None:
+    """A shard that the index lists and the directory lacks (a download cut short) is named, rather than the
+    first tensor it held, as missing from the model."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not the index transformers writes: the tensors found are checked one by one instead
+    missing = [f for f in listed if not (path / f).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{path / missing[0]}{more}, which {index.name} lists, is missing: the download or copy "
+                          "is incomplete; fetch the model's files again")
 
 
 class SafetensorsShards:
