@@ -83,11 +83,13 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     return y.detach(), x.grad, col.weight.grad, row.weight.grad, e.weight.grad
 
 
-def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[dict]:
-    """One tensor-parallel llama block, eager then compiled by `compile_block(model, block)`: the input
-    gradient and the block's weight gradients of each, by name."""
-    from shardlm.config import ModelConfig
+def _block_gradients(rank, world, sp: bool, batch: int, compile_block, lora: bool = False) -> list[dict]:
+    """One tensor-parallel llama block (with LoRA adapters on every linear, drawn at random, where `lora`),
+    eager then compiled by `compile_block(model, block)`: the input gradient and the gradients of the block's
+    trained weights of each, by name."""
+    from shardlm.config import LoRAConfig, ModelConfig
     from shardlm.model import Decoder
+    from shardlm.parallel.lora import apply_lora
     from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
                       ffn_hidden_size=64, max_seq_len=16)
@@ -97,8 +99,15 @@ def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[d
         with torch.device("meta"):
             model = Decoder(cfg)
         tensor_parallel(model, dist.group.WORLD, sp)
+        if lora:
+            apply_lora(model, LoRAConfig(rank=4, alpha=8, targets="all-linear"))
         model.to_empty(device="cpu")
         model.init_weights(0)
+        if lora:  # B starts at zero: the adapters' own gradients would not tell
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".lora." in name:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2)
         sum_partial_gradients(model, dist.group.WORLD)
         block = model.blocks()[0]
         if compiled:
@@ -107,14 +116,14 @@ def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[d
         x = torch.randn(batch, seq, cfg.hidden_size, generator=g, requires_grad=True)
         dy = torch.randn(batch, seq, cfg.hidden_size, generator=g)
         (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
-        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
+        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters() if p.requires_grad}})
     return grads
 
 
-def compiled_block_gradients(rank, world, sp: bool):
+def compiled_block_gradients(rank, world, sp: bool, lora: bool = False):
     """Eager and compiled by AOTAutograd with the eager backend (what decides the gradients, without
     inductor's compile time): `_block_gradients`."""
-    return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"))
+    return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"), lora)
 
 
 def _compile_everything_here():

@@ -40,26 +40,7 @@ class Linear(nn.Linear):
         self.lora = None
 
     def forward(self, x):
-        if self.lora is None:
-            return linear(x, self.weight, self.bias, self.weight_grads)
-        if self._one_operator(x):
-            out = lora_linear(x, self.weight, *self.lora.factors())
-            return out if self.bias is None else out + self.bias
-        # The adapter first: the base product's inputs are then the last tensors the layer saves, so a
-        # recomputation that only needs those stops before the product runs (model/recompute.py).
-        update = self.lora(x)
-        return linear(x, self.weight, self.bias, self.weight_grads) + update
-
-    def _one_operator(self, x) -> bool:
-        """Whether the base product and the adapters' update run as one operator (lora_linear.py): in compiled
-        graphs only, where the partitioner, not checkpoint's early stop, decides what a recomputation reruns;
-        with a plain frozen weight of x's dtype (not QLoRA's 4-bit one), no autocast and no dropout."""
-        w = self.weight
-        if not hasattr(self.lora, "factors"):  # serving's per-row adapters (inference/adapters.py)
-            return False
-        return (torch.compiler.is_compiling() and not w.requires_grad and type(w) in (torch.Tensor, nn.Parameter)
-                and w.dtype == x.dtype == self.lora.A[self.lora.spans[0][0]].dtype
-                and not torch.is_autocast_enabled(x.device.type) and not self.lora.drops())
+        return adapted_linear(x, self.weight, self.bias, self.weight_grads, self.lora)
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):
@@ -67,6 +48,25 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None):
     if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     return _deferrable_linear(x, weight, bias, store)
+
+
+def adapted_linear(x, weight, bias, store: WeightGradStore | None, lora):
+    """`linear` plus the update of low-rank adapters (`lora`: parallel/lora.py's LoRA, serving's per-row
+    adapters, or None). Compiled, with a plain frozen weight of x's dtype (not QLoRA's 4-bit one), no
+    autocast and no dropout, the two run as one operator (lora_linear.py); eagerly the adapter runs first:
+    the base product's inputs are then the last tensors the layer saves, so a recomputation that only needs
+    those stops before the product runs (checkpoint's early stop, model/recompute.py), where under compile the
+    partitioner decides what is rerun."""
+    if lora is None:
+        return linear(x, weight, bias, store)
+    if (hasattr(lora, "factors") and torch.compiler.is_compiling() and not weight.requires_grad
+            and type(weight) in (torch.Tensor, nn.Parameter) and not lora.drops()
+            and weight.dtype == x.dtype == lora.A[lora.spans[0][0]].dtype
+            and not torch.is_autocast_enabled(x.device.type)):
+        out = lora_linear(x, weight, *lora.factors())
+        return out if bias is None else out + bias
+    update = lora(x)
+    return linear(x, weight, bias, store) + update
 
 
 # Outside any compiled graph: torch.compile traces a Function's backward when it compiles the forward, with

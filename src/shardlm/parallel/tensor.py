@@ -31,7 +31,7 @@ from torch import nn
 
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from ..model.moe import MoE
-from ..model.weight_grad import WeightGradStore, linear
+from ..model.weight_grad import WeightGradStore, adapted_linear
 from .cross_entropy import vocab_parallel_cross_entropy
 from .placement import TPSharding, degree, rank_in, replicated, tag
 
@@ -191,8 +191,8 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.group, self.async_tp)
         else:
             x = copy_to_tp(x, self.group)
-        y = linear(x, self.weight, self.bias, self.weight_grads)
-        return y if self.lora is None else y + self.lora(x)  # adapters: this rank's rows of their update
+        # adapters: this rank's rows of their update
+        return adapted_linear(x, self.weight, self.bias, self.weight_grads, self.lora)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -231,12 +231,8 @@ class RowParallelLinear(nn.Module):
         tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
-        # An adapter's partial product joins the base's before their reduction; computed first, so that the
-        # base product's inputs are the last tensors saved and a recomputation stops before it (model/recompute.py).
-        update = self.lora(x) if self.lora is not None else None
-        y = linear(x, self.weight, None, self.weight_grads)
-        if update is not None:
-            y = y + update
+        # An adapter's partial product joins the base's before their reduction.
+        y = adapted_linear(x, self.weight, None, self.weight_grads, self.lora)
         if self.sequence_parallel and self.training:
             y = reduce_scatter_to_sp(y, self.group, self.async_tp)
         else:
