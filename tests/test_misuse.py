@@ -129,7 +129,15 @@ CASES = [
     ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
      "/file/d cannot be written: ", 2),  # not a scratch directory's name
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
-     "no tokenizer.json", 2),
+     "new: no such file or directory; give 'byte', a tokenizer.json, or a directory holding one", 2),
+    ("prepare-hub-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "no-such-org/model", "--out",
+                               "{new}"], "for a Hub model, download its tokenizer.json and tokenizer_config.json", 2),
+    ("prepare-tokenizerless-dir", ["data", "prepare", "--input", "{text}", "--tokenizer", "{adapterdir}", "--out",
+                                   "{new}"], "adapterdir: the directory holds no tokenizer.json; give 'byte'", 2),
+    ("prepare-tokenizer-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{text}", "--out", "{new}"],
+     "text.txt is not a tokenizer.json the tokenizers library can read (", 2),
+    ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
+                                           "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
      2),
@@ -290,6 +298,9 @@ def world(tmp_path_factory):
     few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n"
                    + "".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(39)))
     _swapped_byte_tokenizer(root / "swapped")
+    p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
+    shutil.copytree(root / "swapped", p["badtokconfig"])
+    (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
 
     def ok(*argv):
         status = main([str(a) for a in argv])
