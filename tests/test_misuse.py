@@ -60,6 +60,9 @@ CASES = [
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
     ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
+     "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
+     "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
     ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",
                         "--out", "{new}"], "no token of its batch is trained on", 1),
     ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),

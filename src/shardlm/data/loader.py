@@ -72,7 +72,11 @@ class TokenShards:
         if header[:len(MAGIC)] != MAGIC or struct.unpack("<Q", header[len(MAGIC):])[0] != n:
             raise DataError(f"shard {path} has a bad header (not a shardlm token shard, or corrupt)")
         if model_vocab is not None and entry["max_id"] >= model_vocab:
-            raise DataError(f"shard {path} holds token id {entry['max_id']} >= the model's vocab_size {model_vocab}")
+            # Most often a preset's vocab_size (tiny's 512) under data of a real tokenizer (GPT-2's 50,257 tokens).
+            raise DataError(f"shard {path} holds token id {entry['max_id']} >= the model's vocab_size {model_vocab}: "
+                            f"{self.dir} was prepared with a tokenizer of {self.index.get('vocab_size', '?')} tokens; "
+                            "prepare it with the model's tokenizer, or (a model trained from scratch) set "
+                            "model.vocab_size to at least that (0 takes the data's tokenizer size)")
         data = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
         if verify:
             crc, top = 0, -1
