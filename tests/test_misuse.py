@@ -63,6 +63,9 @@ CASES = [
     ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
      "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
      "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
+    ("data-shorter-than-window", ["train", "tiny", "--data.path", "{shortdata}", "--out", "{new}"],
+     "shortdata holds 27 tokens, fewer than the 33 of one window of train.seq_len 32: lower train.seq_len (to 26 "
+     "at most), or prepare more text", 2),
     ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",
                         "--out", "{new}"], "no token of its batch is trained on", 1),
     ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),
@@ -311,6 +314,9 @@ def world(tmp_path_factory):
 
     ok("data", "prepare", "--input", p["text"], "--tokenizer", "byte", "--out", p["data"])
     ok("data", "prepare", "--input", p["text"], "--tokenizer", root / "swapped", "--out", p["swapdata"])
+    (root / "short.txt").write_text("hello world, a short text\n")  # 26 bytes and the end of text
+    p["shortdata"] = root / "shortdata"
+    ok("data", "prepare", "--input", root / "short.txt", "--tokenizer", "byte", "--out", p["shortdata"])
     ok("data", "prepare", "--input", few, "--tokenizer", "byte", "--out", p["fewtrained"], "--pad-to", "8")
     # Full tensors: the fp16 case below edits model.safetensors.
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--out", p["run"],

@@ -107,7 +107,13 @@ class WindowDataset:
                   for t in shards.tokens]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.starts[-1] == 0:
-            raise DataError(f"{shards.dir} holds fewer than {seq_len + 1} tokens: no window of train.seq_len fits")
+            window = f"fewer than the {seq_len + 1} of one window of train.seq_len {seq_len}"
+            if len(shards.tokens) > 1:  # a window never spans two shards
+                raise DataError(f"{shards.dir}'s shards hold {max(len(t) for t in shards.tokens):,} tokens at most, "
+                                f"{window}: prepare it again with a larger --shard-tokens")
+            have = sum(len(t) for t in shards.tokens)
+            raise DataError(f"{shards.dir} holds {have:,} tokens, {window}: lower train.seq_len (to "
+                            f"{max(have - 1, 1)} at most), or prepare more text")
 
     def __len__(self) -> int:
         return int(self.starts[-1])
