@@ -242,6 +242,13 @@ CASES = [
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
      "exceeds the model's max_seq_len", 2),
+    ("eval-text-shorter-than-window", ["eval", "--model", "{exp}", "--data", "{shorttext}", "--seq-len", "64"],
+     "the text has 26 tokens, fewer than one window of --seq-len 64: lower --seq-len to 26 at most, or give a "
+     "longer text", 2),
+    ("eval-empty-text", ["eval", "--model", "{exp}", "--data", "{file}", "--seq-len", "8"],
+     "the text has 0 tokens, fewer than one window of --seq-len 8: give a longer text", 2),
+    ("eval-no-seq-len", ["eval", "--model", "{exp}", "--data", "{text}"],
+     "the loss task needs --seq-len N, the length of the windows it scores (the run's train.seq_len", 2),
     ("eval-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--seq-len", "8"],
      "is a directory, not a file", 2),
     ("eval-bleu-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--tasks", "bleu"],
@@ -314,7 +321,8 @@ def world(tmp_path_factory):
 
     ok("data", "prepare", "--input", p["text"], "--tokenizer", "byte", "--out", p["data"])
     ok("data", "prepare", "--input", p["text"], "--tokenizer", root / "swapped", "--out", p["swapdata"])
-    (root / "short.txt").write_text("hello world, a short text\n")  # 26 bytes and the end of text
+    p["shorttext"] = root / "short.txt"
+    p["shorttext"].write_text("hello world, a short text\n")  # 26 bytes and the end of text
     p["shortdata"] = root / "shortdata"
     ok("data", "prepare", "--input", root / "short.txt", "--tokenizer", "byte", "--out", p["shortdata"])
     ok("data", "prepare", "--input", few, "--tokenizer", "byte", "--out", p["fewtrained"], "--pad-to", "8")
