@@ -30,6 +30,10 @@ CASES = [
     ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
     ("resume-seq-len", ["train", "--resume", "{run}", "--train.seq_len", "16"],
      "train.seq_len is 32 in the checkpoint and 16 in this run", 2),
+    ("resume-global-batch", ["train", "--resume", "{run}", "--train.global_batch_size", "12"],
+     "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
+     "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",
+     2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
