@@ -130,6 +130,8 @@ CASES = [
      "is a directory, not a file", 2),
     ("prepare-mixed", ["data", "prepare", "--input", "{text}", "{longprompts}", "--tokenizer", "byte", "--out", "{new}"],
      "cannot be prepared into one dataset", 2),
+    ("prepare-empty-input", ["data", "prepare", "--input", "{file}", "--tokenizer", "byte", "--out", "{new}"],
+     "/file: no text to tokenize (empty): give files that hold text", 2),
     ("prepare-pad-to-zero", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
                              "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
     ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],

@@ -183,7 +183,8 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
             raise
     shards = writer.finish()
     if not shards:
-        raise PrepareError("the inputs hold no text")
+        raise PrepareError(f"--input {' '.join(map(str, inputs))}: no text to tokenize (empty): give files that hold "
+                           "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
