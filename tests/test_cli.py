@@ -1,4 +1,5 @@
 """The command line: help for every command, the config flags, export, and torchrun layout checks."""
+import io
 import json
 import os
 import subprocess
@@ -137,3 +138,29 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_p
     err = capsys.readouterr().err.strip()
     assert status == 130 and err == "shardlm data: interrupted (Ctrl-C)", (status, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+
+
+def test_export_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """A 7B export is minutes of checksumming the checkpoint, then of writing: it ran without a word until
+    'exported'. On a terminal each phase has its bar, one at a time, each ending at its total; a file or a pipe
+    gets none."""
+    from helpers import TEXT
+    (tmp_path / "t.txt").write_text(TEXT)
+    cli_here(capsys, "data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte", "--out", tmp_path / "d")
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--train.tensorboard", "false", "--train.sample_tokens", "0",
+             "--data.path", tmp_path / "d", "--out", tmp_path / "run")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cli_here(None, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    monkeypatch.undo()
+    shown = [line.strip() for line in terminal.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    phases = [line.split(":")[0] for line in shown]
+    assert phases == ["verify"] * phases.count("verify") + ["export"] * phases.count("export"), shown
+    assert any(line.startswith("verify: 100%") for line in shown), shown
+    assert shown[-1].startswith("export: 100%") and "140k/140k" in shown[-1], shown  # tiny's 139,584 parameters
+    out = cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf", "--overwrite")
+    assert "exported" in out and "verify" not in capsys.readouterr().err  # not a terminal: no bar

@@ -30,6 +30,10 @@ CASES = [
     ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
     ("resume-seq-len", ["train", "--resume", "{run}", "--train.seq_len", "16"],
      "train.seq_len is 32 in the checkpoint and 16 in this run", 2),
+    ("resume-global-batch", ["train", "--resume", "{run}", "--train.global_batch_size", "12"],
+     "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
+     "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",
+     2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
@@ -60,6 +64,12 @@ CASES = [
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
     ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
+     "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
+     "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
+    ("data-shorter-than-window", ["train", "tiny", "--data.path", "{shortdata}", "--out", "{new}"],
+     "shortdata holds 27 tokens, fewer than the 33 of one window of train.seq_len 32: lower train.seq_len (to 26 "
+     "at most), or prepare more text", 2),
     ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",
                         "--out", "{new}"], "no token of its batch is trained on", 1),
     ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),
@@ -120,6 +130,8 @@ CASES = [
      "is a directory, not a file", 2),
     ("prepare-mixed", ["data", "prepare", "--input", "{text}", "{longprompts}", "--tokenizer", "byte", "--out", "{new}"],
      "cannot be prepared into one dataset", 2),
+    ("prepare-empty-input", ["data", "prepare", "--input", "{file}", "--tokenizer", "byte", "--out", "{new}"],
+     "/file: no text to tokenize (empty): give files that hold text", 2),
     ("prepare-pad-to-zero", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
                              "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
     ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],
@@ -129,7 +141,15 @@ CASES = [
     ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
      "/file/d cannot be written: ", 2),  # not a scratch directory's name
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
-     "no tokenizer.json", 2),
+     "new: no such file or directory; give 'byte', a tokenizer.json, or a directory holding one", 2),
+    ("prepare-hub-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "no-such-org/model", "--out",
+                               "{new}"], "for a Hub model, download its tokenizer.json and tokenizer_config.json", 2),
+    ("prepare-tokenizerless-dir", ["data", "prepare", "--input", "{text}", "--tokenizer", "{adapterdir}", "--out",
+                                   "{new}"], "adapterdir: the directory holds no tokenizer.json; give 'byte'", 2),
+    ("prepare-tokenizer-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{text}", "--out", "{new}"],
+     "text.txt is not a tokenizer.json the tokenizers library can read (", 2),
+    ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
+                                           "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
      2),
@@ -228,6 +248,13 @@ CASES = [
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
      "exceeds the model's max_seq_len", 2),
+    ("eval-text-shorter-than-window", ["eval", "--model", "{exp}", "--data", "{shorttext}", "--seq-len", "64"],
+     "the text has 26 tokens, fewer than one window of --seq-len 64: lower --seq-len to 26 at most, or give a "
+     "longer text", 2),
+    ("eval-empty-text", ["eval", "--model", "{exp}", "--data", "{file}", "--seq-len", "8"],
+     "the text has 0 tokens, fewer than one window of --seq-len 8: give a longer text", 2),
+    ("eval-no-seq-len", ["eval", "--model", "{exp}", "--data", "{text}"],
+     "the loss task needs --seq-len N, the length of the windows it scores (the run's train.seq_len", 2),
     ("eval-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--seq-len", "8"],
      "is a directory, not a file", 2),
     ("eval-bleu-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--tasks", "bleu"],
@@ -290,6 +317,9 @@ def world(tmp_path_factory):
     few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n"
                    + "".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(39)))
     _swapped_byte_tokenizer(root / "swapped")
+    p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
+    shutil.copytree(root / "swapped", p["badtokconfig"])
+    (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
 
     def ok(*argv):
         status = main([str(a) for a in argv])
@@ -297,6 +327,10 @@ def world(tmp_path_factory):
 
     ok("data", "prepare", "--input", p["text"], "--tokenizer", "byte", "--out", p["data"])
     ok("data", "prepare", "--input", p["text"], "--tokenizer", root / "swapped", "--out", p["swapdata"])
+    p["shorttext"] = root / "short.txt"
+    p["shorttext"].write_text("hello world, a short text\n")  # 26 bytes and the end of text
+    p["shortdata"] = root / "shortdata"
+    ok("data", "prepare", "--input", root / "short.txt", "--tokenizer", "byte", "--out", p["shortdata"])
     ok("data", "prepare", "--input", few, "--tokenizer", "byte", "--out", p["fewtrained"], "--pad-to", "8")
     # Full tensors: the fp16 case below edits model.safetensors.
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--out", p["run"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,11 +74,13 @@ class CheckpointError(RunError):
     """A checkpoint could not be written, or one on disk is damaged; the message names the file."""
 
 
-def _crc32(path: Path) -> int:
+def _crc32(path: Path, done=None) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
+            if done is not None:
+                done(len(chunk))
     return crc
 
 
@@ -248,9 +251,10 @@ def read_state(path: str | Path) -> dict:
     raise CheckpointError(f"no state.json under {path} is readable JSON with a config")
 
 
-def verify_checkpoint(path: Path) -> dict:
+def verify_checkpoint(path: Path, progress=None) -> dict:
     """The checkpoint's state (state.json), after checking that every file it records is there, whole and
-    unchanged; CheckpointError names the first file that is not."""
+    unchanged; CheckpointError names the first file that is not. `progress`: called with the bytes to read, it
+    returns what to call with each piece read (a model of billions of parameters is minutes of reading)."""
     try:
         state = json.loads((path / STATE).read_text())
     except (OSError, ValueError) as e:
@@ -265,10 +269,17 @@ def verify_checkpoint(path: Path) -> dict:
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} were written (truncated or replaced)")
+    done = None
+    if progress is not None:
+        update, lock = progress(sum(want["bytes"] for want in files.values())), threading.Lock()
+
+        def done(n):
+            with lock:  # the threads' counts would race
+                update(n)
     # A sharded checkpoint is many files (all ranks' pieces) checked by one rank: the reads and zlib release
     # the GIL, so threads check them at the disk's rate rather than one core's.
     with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, max(len(files), 1))) as pool:
-        crcs = [pool.submit(_crc32, path / name) for name in files]
+        crcs = [pool.submit(_crc32, path / name, done) for name in files]
         for (name, want), crc in zip(files.items(), crcs):
             if crc.result() != want["crc32"]:  # the files not yet read are not read
                 pool.shutdown(cancel_futures=True)
@@ -276,7 +287,7 @@ def verify_checkpoint(path: Path) -> dict:
     return state
 
 
-def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
+def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None) -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
     a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
     resolved and verified already."""
@@ -285,7 +296,7 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     if (path / STATE).is_file() or path.name.startswith("step_"):
         if verify:
-            verify_checkpoint(path)
+            verify_checkpoint(path, progress)
         return path
     found = complete_checkpoints(path)
     if not found:
@@ -293,7 +304,7 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
     problems = []
     for ckpt in reversed(found):
         try:
-            verify_checkpoint(ckpt)
+            verify_checkpoint(ckpt, progress)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -323,10 +334,12 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         raise CheckpointError(f"{path / 'model.safetensors'} could not be read ({e})") from None
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True) -> dict:
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True,
+                    progress=None) -> dict:
     """The checkpoint's state, its masters ("model") and optimizer state by name, and the RNG state. Those of
-    a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read."""
-    ckpt = resolve_checkpoint(path, log, verify)
+    a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read. `progress`:
+    verify_checkpoint's."""
+    ckpt = resolve_checkpoint(path, log, verify, progress)
     out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text())}
     if (ckpt / MANIFEST).is_file():
         state = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text()))

@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
@@ -238,31 +239,47 @@ def cmd_export(argv: list[str]) -> int:
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
     check_out(a.out, a.overwrite)  # before reading a large checkpoint
-    ckpt = load_checkpoint(a.checkpoint, with_optimizer=False)
-    full = config_from_dict(ckpt["state"]["config"])
-    cfg, lora = full.model, full.lora
-    if a.merge and not lora.rank:
-        raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
-    state, mark = ckpt["model"], {}
-    if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
-        mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
-    state = merged(state, cfg, lora) if a.merge else state
-    if a.dtype == "fp16":
-        _refuse_beyond_fp16(state, a.out)
-    try:
-        with writing(a.out, a.overwrite) as scratch:
-            if lora.rank and not a.merge:
-                write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=full.train.init_from or None,
-                               metadata=mark)
-            else:
-                # the generation_config.json the run kept from its weights' source, else one from config.json
-                write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark,
-                             generation_config=own_generation_config(ckpt["path"]))
-    except OSError as e:
-        raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
+    with ExitStack() as bars:  # closed before an error propagates, so the error is the last line printed
+        # A 7B run is minutes of checksumming (its optimizer state too), then of writing: each has its bar.
+        ckpt = load_checkpoint(a.checkpoint, with_optimizer=False, progress=_bar(bars, "verify", "B"))
+        full = config_from_dict(ckpt["state"]["config"])
+        cfg, lora = full.model, full.lora
+        if a.merge and not lora.rank:
+            raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to "
+                              "merge")
+        state, mark = ckpt["model"], {}
+        if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
+            mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
+        state = merged(state, cfg, lora) if a.merge else state
+        if a.dtype == "fp16":
+            _refuse_beyond_fp16(state, a.out)
+        try:
+            with writing(a.out, a.overwrite) as scratch:
+                if lora.rank and not a.merge:
+                    write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype],
+                                   base=full.train.init_from or None, metadata=mark)
+                else:
+                    # the generation_config.json the run kept from its weights' source, else one from config.json
+                    write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],
+                                 metadata=mark, generation_config=own_generation_config(ckpt["path"]),
+                                 progress=_bar(bars, "export", "param"))
+        except OSError as e:
+            raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
     what = "the LoRA adapter of " if lora.rank and not a.merge else ""
     print(f"exported {what}{ckpt['path']} -> {a.out}" + (" (PEFT format; --merge for the merged model)" if what else ""))
     return 0
+
+
+def _bar(bars: ExitStack, what: str, unit: str):
+    """A `progress` for verify_checkpoint and write_hf_dir: a tqdm bar on a terminal (none when stderr is a file
+    or a pipe), opened once its total is known and closed with `bars` or by the next bar."""
+    from tqdm import tqdm
+
+    def start(total: int):
+        bars.close()  # one bar at a time: an open one would be redrawn below the next
+        return bars.enter_context(tqdm(total=total, desc=what, unit=unit, unit_scale=True, disable=None,
+                                       file=sys.stderr)).update
+    return start
 
 
 def _refuse_beyond_fp16(state: dict, out: str) -> None:

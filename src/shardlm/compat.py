@@ -106,8 +106,11 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
                              f"differs from this run's ({train_windows}, {seed}); the sample order would not "
                              f"continue: {how}")
     if data["consumed_samples"] % global_batch:
+        saved = state["config"]["train"]["global_batch_size"]
         raise ResumeMismatch(f"cannot resume {path} with train.global_batch_size {global_batch}: "
-                             f"{data['consumed_samples']} samples were consumed, not a whole number of batches")
+                             f"{data['consumed_samples']} samples were consumed, not a whole number of batches; "
+                             + KEEP.format(old=saved) + f", or resume into another --out with one that divides "
+                             f"{data['consumed_samples']}")
 
 
 def data_fingerprint(data_dir: Path, index: dict, tokenizer) -> str:

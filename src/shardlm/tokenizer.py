@@ -118,7 +118,15 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     settings = {}
     cfg = file.parent / "tokenizer_config.json"
     if cfg.is_file():
-        settings = json.loads(cfg.read_text())
+        try:
+            settings = json.loads(cfg.read_text())
+        except ValueError as e:  # json's own message names neither the file nor what it is
+            raise ValueError(f"{cfg} is not valid JSON ({e}): fetch or write it again") from None
     eos, bos = (v.get("content") if isinstance(v, dict) else v for v in (settings.get("eos_token"),
                                                                           settings.get("bos_token")))
-    return Tokenizer(HFTokenizer.from_file(str(file)), source=file.parent, eos_token=eos, bos_token=bos)
+    try:
+        tok = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
+        raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read ({e}): give a "
+                         "Hugging Face tokenizer.json, a directory holding one, or 'byte'") from None
+    return Tokenizer(tok, source=file.parent, eos_token=eos, bos_token=bos)

@@ -183,7 +183,8 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
             raise
     shards = writer.finish()
     if not shards:
-        raise PrepareError("the inputs hold no text")
+        raise PrepareError(f"--input {' '.join(map(str, inputs))}: no text to tokenize (empty): give files that hold "
+                           "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
@@ -240,6 +241,18 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     return index
 
 
+def _load_tokenizer(spec: str | Path) -> Tokenizer:
+    """--tokenizer, where a name that is no local tokenizer is most often a Hub name as from_pretrained takes it
+    (gpt2, meta-llama/Llama-3.1-8B): nothing is fetched, so the error says how to get the files."""
+    path = Path(spec)
+    if str(spec) == "byte" or (path / "tokenizer.json" if path.is_dir() else path).is_file():
+        return load_tokenizer(spec)
+    where = "the directory holds no tokenizer.json" if path.is_dir() else "no such file or directory"
+    raise FileNotFoundError(f"--tokenizer {spec}: {where}; give 'byte', a tokenizer.json, or a directory holding "
+                            "one (for a Hub model, download its tokenizer.json and tokenizer_config.json into a "
+                            "directory and give that)")
+
+
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
             shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True,
             pad_to: int | None = None) -> dict:
@@ -251,7 +264,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
     out = Path(out)
     final = None
     try:
-        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else _load_tokenizer(tokenizer)
         inputs = [Path(p) for p in inputs]
         for p in inputs:
             if p.is_dir():

@@ -143,7 +143,8 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
     if tasks == ["loss"]:
         if a.seq_len is None:
-            raise ConfigError("the loss task needs --seq-len")
+            raise ConfigError("the loss task needs --seq-len N, the length of the windows it scores (the run's "
+                              "train.seq_len, or any up to the model's max_seq_len)")
         _input_file(Path(a.data), "--data")
         text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:

@@ -20,7 +20,8 @@ def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int =
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     n = len(ids) // seq_len
     if n == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+        fix = f"lower --seq-len to {len(ids)} at most, or give a longer text" if len(ids) >= 2 else "give a longer text"
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of --seq-len {seq_len}: {fix}")
     device = next(model.parameters()).device
     windows = torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
     total, count = 0.0, 0

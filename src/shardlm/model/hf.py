@@ -286,11 +286,12 @@ class SafetensorsShards:
     """A sink for HF tensors that writes them to `model.safetensors`, or where they pass `max_bytes`, to
     `model-0000i-of-0000n.safetensors` files and the index transformers reads (save_pretrained's layout):
     at most `max_bytes` and one tensor are held at once, so a state read one tensor at a time (a sharded
-    checkpoint's) is exported without the whole model in memory."""
+    checkpoint's) is exported without the whole model in memory. `done`: called with the elements of each file
+    written."""
 
     def __init__(self, out: Path, dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_bytes: int = 2**30):
-        self.out, self.cast, self.max_bytes = out, dtype, max_bytes
+                 max_bytes: int = 2**30, done=None):
+        self.out, self.cast, self.max_bytes, self.done = out, dtype, max_bytes, done
         self.metadata = {"format": "pt", **(metadata or {})}
         self.staged, self.size, self.total, self.files, self.dtype = {}, 0, 0, [], dtype
 
@@ -307,6 +308,8 @@ class SafetensorsShards:
         if self.staged:
             path = self.out / f".part-{len(self.files):05d}.safetensors"
             save_file(self.staged, str(path), metadata=self.metadata)
+            if self.done is not None:
+                self.done(sum(t.numel() for t in self.staged.values()))
             self.files.append((path, list(self.staged)))
             self.staged, self.size = {}, 0
 
@@ -331,14 +334,16 @@ class SafetensorsShards:
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
                  dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_shard_bytes: int = 2**30, generation_config: dict | None = None) -> None:
+                 max_shard_bytes: int = 2**30, generation_config: dict | None = None, progress=None) -> None:
     """A directory that transformers' from_pretrained loads: config.json, model.safetensors (or its shards of about
     `max_shard_bytes` and their index), tokenizer files, and generation_config.json as save_pretrained writes
     it: `generation_config` (the weights' source's, carried through the run), else one made from config.json's
-    bos/eos ids as GenerationConfig.from_model_config makes it."""
+    bos/eos ids as GenerationConfig.from_model_config makes it. `progress`: called with the elements to write,
+    it returns what to call with the elements of each file written (a large model is minutes of writing)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with SafetensorsShards(out, dtype, metadata, max_shard_bytes) as shards:
+    done = progress(cfg.num_params()) if progress is not None else None
+    with SafetensorsShards(out, dtype, metadata, max_shard_bytes, done) as shards:
         to_hf_state(state, cfg, shards)
     dtype_name = str(shards.dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None
