@@ -12,6 +12,8 @@ from pathlib import Path
 
 from ..config import ConfigError
 
+COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
+
 EVAL_EPILOG = """\
 tasks:
   loss   (default) mean next-token loss and perplexity over a UTF-8 text file, in non-overlapping
@@ -112,10 +114,6 @@ def _load(a):
     return model, tok, cfg
 
 
-def _compile(a) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[a.compile]
-
-
 def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
@@ -174,7 +172,7 @@ def cmd_eval(argv: list[str]) -> int:
     update, close = _progress(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, stop_ids_of(tok),
-                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, _compile(a), update)
+                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
     finally:
         close()
     completions = [tok.decode(ids) for ids in new]
@@ -359,7 +357,7 @@ def cmd_generate(argv: list[str]) -> int:
                               f"exceeds the model's max_seq_len {cfg.max_seq_len}")
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     engine = Engine(model, slots_that_fit(model, max_len, min(a.max_batch, len(requests))), max_len,
-                    compile=_compile(a), decode=tok.decode)
+                    compile=COMPILE[a.compile], decode=tok.decode)
     if a.input is None:
         (r,) = engine.run(requests)
         if a.main:
