@@ -3,6 +3,9 @@ WeightGradStore): a linear layer's backward is two matmuls, the input gradient d
 previous stage waits for, and the weight gradient dW = dY^T X, which nobody waits for. While a store
 defers, the linear layers attached to it compute dX only and queue dW's matmul; the schedule runs the
 queue later (its W action), filling the pipeline's idle time with it.
+
+Every linear layer's product goes through here (`adapted_linear`: the model's and the tensor-parallel ones),
+with the update of the low-rank adapters attached to it, if any.
 """
 from __future__ import annotations
 
