@@ -91,6 +91,10 @@ CASES = [
     ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
     ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
     ("key-no-value", ["train", "tiny", "--out", "{new}", "--train.steps"], "train.steps is missing a value", 2),
+    ("key-no-value-before-flag", ["train", "tiny", "--train.steps", "--out", "{new}"],
+     "train.steps is missing a value: give --train.steps VALUE (or --train.steps=VALUE)", 2),  # not a config '{new}'
+    ("key-no-value-before-key", ["train", "tiny", "--data.path", "--train.lr", "1e-3", "--out", "{new}"],
+     "data.path is missing a value: give --data.path VALUE", 2),  # not data.path = '--train.lr'
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
