@@ -193,6 +193,10 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
     ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
      "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    ("generate-config-a-list", ["generate", "--model", "{listconfig}", "--prompt", "x"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("init-config-a-list", ["train", "tiny", "--train.init_from", "{listconfig}", "--out", "{new}"],
+     "the Hugging Face config is a JSON list, not an object of keys", 2),
     ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
      "badjson/config.json is not valid JSON (", 2),
     ("generate-shard-missing", ["generate", "--model", "{sharded}", "--prompt", "x"],
@@ -379,6 +383,9 @@ def world(tmp_path_factory):
     hf = json.loads((p["exp"] / "config.json").read_text())
     (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
     (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
+    p["listconfig"].mkdir()
+    (p["listconfig"] / "config.json").write_text("[]")
     p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
     p["bert"].mkdir()
     (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
