@@ -170,6 +170,11 @@ CASES = [
     ("plan-model-and-shape", ["plan", "--model", "tiny", "--layers", "4"],
      "--model tiny and --layers 4 each give the model, and only one is read: give --model, or --arch", 2),
     ("plan-model-and-params", ["plan", "--model", "tiny", "--params", "1e9"], "--model tiny and --params 1e+09 each", 2),
+    ("plan-config-not-json", ["plan", "--model", "{badjson}"], "badjson/config.json is not valid JSON (", 2),
+    ("plan-bert", ["plan", "--model", "{bert}/config.json"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),  # the file named, as generate names it
+    ("plan-config-a-list", ["plan", "--model", "{listconfig}"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
