@@ -208,7 +208,14 @@ CASES = [
      "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
-     "exceeds the model's max_seq_len", 2),
+     "--prompt: a prompt of 1 token + --max-new-tokens 100000 exceeds the model's max_seq_len 128: lower "
+     "--max-new-tokens to 127 at most, or shorten the prompt", 2),
+    ("generate-too-long-line", ["generate", "--model", "{exp}", "--input", "{longline}", "--output", "{new}.jsonl"],
+     "longline.jsonl:3: a prompt of 20 tokens + max_new_tokens 200 exceeds the model's max_seq_len 128: lower "
+     "max_new_tokens to 108 at most", 2),  # its line, not 'prompt 2' (a blank line before it)
+    ("generate-prompt-too-long", ["generate", "--model", "{exp}", "--prompt", "x" * 200],
+     "a prompt of 200 tokens + --max-new-tokens 64 exceeds the model's max_seq_len 128: shorten the prompt to "
+     "fewer than 128 tokens", 2),
     ("generate-top-p", ["generate", "--model", "{exp}", "--prompt", "x", "--top-p", "0"], "--top-p 0.0 is in (0, 1]", 2),
     ("generate-negative-new", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "-1"],
      "--max-new-tokens -1 must not be negative", 2),
@@ -327,6 +334,9 @@ def world(tmp_path_factory):
         p[name] = root / f"{name}.jsonl"
         p[name].write_text(json.dumps(line) + "\n")
     p["text"].write_text(TEXT * 4)
+    p["longline"] = root / "longline.jsonl"
+    long_line = json.dumps({"prompt": "x" * 20, "max_new_tokens": 200})
+    p["longline"].write_text(json.dumps({"prompt": "a"}) + "\n\n" + long_line + "\n")  # line 3, prompt 2
     p["file"].write_text("")
     p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
     few = root / "few.jsonl"
