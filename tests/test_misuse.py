@@ -247,6 +247,10 @@ CASES = [
      "line_string.jsonl:1: top_k = \"x\" must be an integer", 2),
     ("generate-string-number", ["generate", "--model", "{exp}", "--input", "{line_hot}", "--output", "{new}.jsonl"],
      "line_hot.jsonl:1: temperature = \"hot\" must be a number", 2),
+    ("generate-negative-temperature", ["generate", "--model", "{exp}", "--input", "{line_cold}", "--output",
+                                       "{new}.jsonl"], "line_cold.jsonl:1: temperature = -1 must not be negative", 2),
+    ("generate-line-top-p", ["generate", "--model", "{exp}", "--input", "{line_top_p}", "--output", "{new}.jsonl"],
+     "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
     ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
@@ -288,7 +292,8 @@ CASES = [
 BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {"prompt": "a", "temprature": 0.5},
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
-             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5}}
+             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5}}
 
 
 def _files(root):

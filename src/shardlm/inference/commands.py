@@ -270,13 +270,15 @@ def _read_requests(path: Path, a) -> list[dict]:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
         max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
-        settings = (_line_number(where, obj, "temperature", a.temperature), _line_integer(where, obj, "top_k", a.top_k),
-                    _line_number(where, obj, "top_p", a.top_p),
-                    _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
-        try:
-            sampling = SamplingParams(*settings)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        temperature = _line_number(where, obj, "temperature", a.temperature)
+        top_p = _line_number(where, obj, "top_p", a.top_p)
+        # Each named alone: SamplingParams' own message lists every setting, the valid ones too.
+        if temperature < 0:
+            raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
+        sampling = SamplingParams(temperature, _line_integer(where, obj, "top_k", a.top_k), top_p,
+                                  _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
         # where a prompt too long for the model is named: the line, and the line's key or the flag it took
         source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
         rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
