@@ -91,6 +91,10 @@ CASES = [
     ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
     ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
     ("key-no-value", ["train", "tiny", "--out", "{new}", "--train.steps"], "train.steps is missing a value", 2),
+    ("key-no-value-before-flag", ["train", "tiny", "--train.steps", "--out", "{new}"],
+     "train.steps is missing a value: give --train.steps VALUE (or --train.steps=VALUE)", 2),  # not a config '{new}'
+    ("key-no-value-before-key", ["train", "tiny", "--data.path", "--train.lr", "1e-3", "--out", "{new}"],
+     "data.path is missing a value: give --data.path VALUE", 2),  # not data.path = '--train.lr'
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
@@ -163,6 +167,14 @@ CASES = [
                               "100"], "--hidden -64 must be at least 1", 2),
     ("plan-experts-negative", ["plan", "--model", "tiny", "--experts", "-1"], "--experts -1 must not be negative", 2),
     ("plan-tokens-nan", ["plan", "--model", "tiny", "--tokens", "nan"], "--tokens nan must be a finite number", 2),
+    ("plan-model-and-shape", ["plan", "--model", "tiny", "--layers", "4"],
+     "--model tiny and --layers 4 each give the model, and only one is read: give --model, or --arch", 2),
+    ("plan-model-and-params", ["plan", "--model", "tiny", "--params", "1e9"], "--model tiny and --params 1e+09 each", 2),
+    ("plan-config-not-json", ["plan", "--model", "{badjson}"], "badjson/config.json is not valid JSON (", 2),
+    ("plan-bert", ["plan", "--model", "{bert}/config.json"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),  # the file named, as generate names it
+    ("plan-config-a-list", ["plan", "--model", "{listconfig}"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
@@ -186,13 +198,24 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
     ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
      "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    ("generate-config-a-list", ["generate", "--model", "{listconfig}", "--prompt", "x"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("init-config-a-list", ["train", "tiny", "--train.init_from", "{listconfig}", "--out", "{new}"],
+     "the Hugging Face config is a JSON list, not an object of keys", 2),
     ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
      "badjson/config.json is not valid JSON (", 2),
     ("generate-shard-missing", ["generate", "--model", "{sharded}", "--prompt", "x"],
      "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
-     "exceeds the model's max_seq_len", 2),
+     "--prompt: a prompt of 1 token + --max-new-tokens 100000 exceeds the model's max_seq_len 128: lower "
+     "--max-new-tokens to 127 at most, or shorten the prompt", 2),
+    ("generate-too-long-line", ["generate", "--model", "{exp}", "--input", "{longline}", "--output", "{new}.jsonl"],
+     "longline.jsonl:3: a prompt of 20 tokens + max_new_tokens 200 exceeds the model's max_seq_len 128: lower "
+     "max_new_tokens to 108 at most", 2),  # its line, not 'prompt 2' (a blank line before it)
+    ("generate-prompt-too-long", ["generate", "--model", "{exp}", "--prompt", "x" * 200],
+     "a prompt of 200 tokens + --max-new-tokens 64 exceeds the model's max_seq_len 128: shorten the prompt to "
+     "fewer than 128 tokens", 2),
     ("generate-top-p", ["generate", "--model", "{exp}", "--prompt", "x", "--top-p", "0"], "--top-p 0.0 is in (0, 1]", 2),
     ("generate-negative-new", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "-1"],
      "--max-new-tokens -1 must not be negative", 2),
@@ -224,6 +247,10 @@ CASES = [
      "line_string.jsonl:1: top_k = \"x\" must be an integer", 2),
     ("generate-string-number", ["generate", "--model", "{exp}", "--input", "{line_hot}", "--output", "{new}.jsonl"],
      "line_hot.jsonl:1: temperature = \"hot\" must be a number", 2),
+    ("generate-negative-temperature", ["generate", "--model", "{exp}", "--input", "{line_cold}", "--output",
+                                       "{new}.jsonl"], "line_cold.jsonl:1: temperature = -1 must not be negative", 2),
+    ("generate-line-top-p", ["generate", "--model", "{exp}", "--input", "{line_top_p}", "--output", "{new}.jsonl"],
+     "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
     ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
@@ -265,7 +292,8 @@ CASES = [
 BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {"prompt": "a", "temprature": 0.5},
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
-             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5}}
+             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5}}
 
 
 def _files(root):
@@ -311,6 +339,9 @@ def world(tmp_path_factory):
         p[name] = root / f"{name}.jsonl"
         p[name].write_text(json.dumps(line) + "\n")
     p["text"].write_text(TEXT * 4)
+    p["longline"] = root / "longline.jsonl"
+    long_line = json.dumps({"prompt": "x" * 20, "max_new_tokens": 200})
+    p["longline"].write_text(json.dumps({"prompt": "a"}) + "\n\n" + long_line + "\n")  # line 3, prompt 2
     p["file"].write_text("")
     p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
     few = root / "few.jsonl"
@@ -372,6 +403,9 @@ def world(tmp_path_factory):
     hf = json.loads((p["exp"] / "config.json").read_text())
     (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
     (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
+    p["listconfig"].mkdir()
+    (p["listconfig"] / "config.json").write_text("[]")
     p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
     p["bert"].mkdir()
     (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))

@@ -44,7 +44,9 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         if a.startswith("--") and "." in a.split("=", 1)[0]:
-            take = 1 if "=" in a else 2
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            # A flag where the value belongs is not the value: parse_overrides says the value is missing.
+            take = 1 if "=" in a or following.startswith("--") else 2
             overrides += argv[i:i + take]
             i += take
         else:

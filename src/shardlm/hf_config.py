@@ -34,6 +34,9 @@ def _qwen2_window(hf: dict) -> int:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
+    if not isinstance(hf, dict):  # valid JSON, but a list or a string: not a config at all
+        raise ConfigError(f"the Hugging Face config is a JSON {type(hf).__name__}, not an object of keys: it is not a "
+                          "config.json (download or save the model again)")
     try:
         return _model_config_from_hf(hf)
     except KeyError as e:  # a config.json cut short or written by hand: one line, not a traceback

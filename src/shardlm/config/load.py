@@ -142,8 +142,9 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             key, value = key.split("=", 1)
             i += 1
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{key} is missing a value")
+            # `--train.steps --out run` forgot the value: taking '--out' as it would blame the wrong argument.
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{key} is missing a value: give --{key} VALUE (or --{key}=VALUE)")
             value = args[i + 1]
             i += 2
         out[key] = value

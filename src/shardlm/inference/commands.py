@@ -270,15 +270,19 @@ def _read_requests(path: Path, a) -> list[dict]:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
         max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
-        settings = (_line_number(where, obj, "temperature", a.temperature), _line_integer(where, obj, "top_k", a.top_k),
-                    _line_number(where, obj, "top_p", a.top_p),
-                    _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
-        try:
-            sampling = SamplingParams(*settings)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        temperature = _line_number(where, obj, "temperature", a.temperature)
+        top_p = _line_number(where, obj, "top_p", a.top_p)
+        # Each named alone: SamplingParams' own message lists every setting, the valid ones too.
+        if temperature < 0:
+            raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
+        sampling = SamplingParams(temperature, _line_integer(where, obj, "top_k", a.top_k), top_p,
+                                  _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
+        # where a prompt too long for the model is named: the line, and the line's key or the flag it took
+        source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
         rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
-                     "stop": tuple(stop)})
+                     "stop": tuple(stop), "where": where, "max_new_from": source})
     if not rows:
         raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
     return rows
@@ -342,7 +346,8 @@ def cmd_generate(argv: list[str]) -> int:
                               "printed (--json for JSON)")
         from .sampler import SamplingParams
         rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
-                 "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)}]
+                 "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), "where": "--prompt",
+                 "max_new_from": "--max-new-tokens"}]
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
     model, tok, cfg = _load(a)
@@ -351,10 +356,14 @@ def cmd_generate(argv: list[str]) -> int:
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
     requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, r in enumerate(rows)]
-    for i, r in enumerate(requests):
-        if len(r.prompt) + r.max_new_tokens > cfg.max_seq_len:
-            raise ConfigError(f"prompt {i + 1} ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) "
-                              f"exceeds the model's max_seq_len {cfg.max_seq_len}")
+    for r, row in zip(requests, rows):
+        room = cfg.max_seq_len - len(r.prompt)
+        if r.max_new_tokens > room:
+            fix = (f"lower {row['max_new_from']} to {room} at most, or shorten the prompt" if room > 0 else
+                   f"shorten the prompt to fewer than {cfg.max_seq_len} tokens, leaving room for the new ones")
+            n = len(r.prompt)
+            raise ConfigError(f"{row['where']}: a prompt of {n} token{'s' if n != 1 else ''} + {row['max_new_from']} "
+                              f"{r.max_new_tokens} exceeds the model's max_seq_len {cfg.max_seq_len}: {fix}")
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     engine = Engine(model, slots_that_fit(model, max_len, min(a.max_batch, len(requests))), max_len,
                     compile=COMPILE[a.compile], decode=tok.decode)

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..config import LoRAConfig, ModelConfig, load_config
+from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
 from .flags import check_flags
 from .hardware import GPUS, parse_bytes
@@ -105,7 +105,12 @@ def model_from_args(a) -> ModelConfig:
                 run = path / "config.toml"  # a shardlm run directory records the config it trained with
                 fix = f": it is a shardlm run; plan it with --model {run}" if run.is_file() else ""
                 raise PlanError(f"--model {a.model}: no config.json there{fix}")
-            cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
+            try:  # the error names the file: json's and the config's own messages do not
+                cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
+            except ConfigError as e:
+                raise PlanError(f"--model {cfg_file}: {e}") from None
+            except ValueError as e:
+                raise PlanError(f"--model {cfg_file} is not valid JSON ({e}): download or save it again") from None
         else:
             cfg = load_config(a.model).model
         return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg

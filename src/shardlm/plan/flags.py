@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .layout import PlanError
 
-AT_LEAST_ONE = ("dp", "global_batch", "top", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "top_k")
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")  # a model's shape, with --arch
+AT_LEAST_ONE = ("dp", "global_batch", "top", *SHAPE, "top_k")
 FINITE = ("tokens", "price_per_gpu_hour", "params")
 
 
@@ -60,6 +61,15 @@ def check_flags(a) -> None:
     if a.params and a.inference:
         raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
                         "or --arch)")
+    # Each way of giving the model reads only its own flags: beside another, one was ignored without a word
+    # (`--model tiny --layers 4` planned tiny's 2 layers).
+    shape = " ".join(f"--{n.replace('_', '-')} {getattr(a, n)}" for n in ("arch", *SHAPE)
+                     if getattr(a, n) is not None)
+    ways = [way for way in (a.model and f"--model {a.model}", shape, a.params and f"--params {a.params:g}") if way]
+    if len(ways) > 1:
+        raise PlanError(f"{' and '.join(ways)} each give the model, and only one is read: give --model, or --arch "
+                        "with --layers --hidden --heads --vocab, or --params (to change a preset's shape, copy it "
+                        "into a TOML file for --model)")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:
