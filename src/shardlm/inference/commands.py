@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
+from .request_lines import INT64, input_file, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 
@@ -56,7 +57,6 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantisation of the linear layers: int8 per channel, int4 per group (torchao)")
 
 
-_INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
@@ -75,7 +75,7 @@ def _check_sampling(a) -> None:
              "must be a finite number, not negative (0 is greedy)"),
             ("--top-k", a.top_k, a.top_k >= 0, "must not be negative (0: every token)"),
             ("--top-p", a.top_p, 0 < a.top_p <= 1, "is in (0, 1]"),
-            ("--seed", a.seed, -_INT64 <= a.seed < _INT64, "does not fit in 64 bits")):
+            ("--seed", a.seed, -INT64 <= a.seed < INT64, "does not fit in 64 bits")):
         if not ok:
             raise ConfigError(f"{flag} {value} {rule}")
 
@@ -143,7 +143,7 @@ def cmd_eval(argv: list[str]) -> int:
         if a.seq_len is None:
             raise ConfigError("the loss task needs --seq-len N, the length of the windows it scores (the run's "
                               "train.seq_len, or any up to the model's max_seq_len)")
-        _input_file(Path(a.data), "--data")
+        input_file(Path(a.data), "--data")
         text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
@@ -203,91 +203,6 @@ def _loss_text(path: Path) -> str:
                           "UTF-8 text file") from None
 
 
-def _input_file(path: Path, flag: str) -> None:
-    if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory, not a file")
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
-
-
-# The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
-LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
-UNUSED_KEYS = ("completion", "reference")
-# OpenAI's names, which a line written for the server would carry.
-KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-
-
-def _unknown_keys(where: str, obj: dict) -> None:
-    unknown = [k for k in obj if k not in LINE_KEYS and k not in UNUSED_KEYS]
-    if not unknown:
-        return
-    hints = [f"the key here is {KEY_NAMED_HERE[k]}" for k in unknown if k in KEY_NAMED_HERE]
-    raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                      f"{f' ({hints[0]})' if hints else ''}; a line holds {', '.join(LINE_KEYS)}")
-
-
-def _line_integer(where: str, obj: dict, key: str, default: int, low: int = 0) -> int:
-    """obj[key] (default where absent or null) as an int: a float only where it is integral (3.0, from a
-    writer that makes every number a float), never a boolean or a string; within int64, as the engine holds it."""
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be an integer")
-    if value < low:
-        raise ConfigError(f"{where}: {key} = {value} must not be negative")
-    if not -_INT64 <= value < _INT64:
-        raise ConfigError(f"{where}: {key} = {value} does not fit in 64 bits")
-    return value
-
-
-def _line_number(where: str, obj: dict, key: str, default: float) -> float:
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number")
-    return float(value)
-
-
-def _read_requests(path: Path, a) -> list[dict]:
-    """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
-    from ..data.jsonl import JSON_KINDS, objects
-    from .sampler import SamplingParams
-    _input_file(path, "--input")
-    rows = []
-    for where, obj, _ in objects(path, ConfigError, " with a prompt"):
-        if "prompt" not in obj:
-            raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
-        if not isinstance(obj["prompt"], str):
-            kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
-            raise ConfigError(f"{where}: prompt must be a string, not {kind}")
-        _unknown_keys(where, obj)
-        stop = obj.get("stop", [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
-        max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
-        temperature = _line_number(where, obj, "temperature", a.temperature)
-        top_p = _line_number(where, obj, "top_p", a.top_p)
-        # Each named alone: SamplingParams' own message lists every setting, the valid ones too.
-        if temperature < 0:
-            raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
-        if not 0 < top_p <= 1:
-            raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
-        sampling = SamplingParams(temperature, _line_integer(where, obj, "top_k", a.top_k), top_p,
-                                  _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
-        # where a prompt too long for the model is named: the line, and the line's key or the flag it took
-        source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
-        rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
-                     "stop": tuple(stop), "where": where, "max_new_from": source})
-    if not rows:
-        raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
-    return rows
-
-
 def _check_output(out: Path, src: Path, overwrite: bool) -> None:
     """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
     if out.is_dir():
@@ -338,7 +253,7 @@ def cmd_generate(argv: list[str]) -> int:
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
-        rows = _read_requests(Path(a.input), a)
+        rows = read_requests(Path(a.input), a)
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
