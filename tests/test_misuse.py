@@ -100,6 +100,11 @@ CASES = [
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
     ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
+    ("copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.reduce_algo", "copy_engine", "--out",
+                            "{new}"], "parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and "
+     "this run is on cpu: use parallel.reduce_algo auto", 2),  # with ranks: a traceback once the engine was built
+    ("pp-copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.pp_transfer", "copy_engine",
+                               "--out", "{new}"], "parallel.pp_transfer = 'copy_engine' needs CUDA GPUs", 2),
     # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
     ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",
                                 "bf16"], "is a checkpoint: an export never replaces one", 2),

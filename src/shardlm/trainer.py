@@ -58,6 +58,12 @@ class Trainer:
         self.device = pick_device(t.device)
         if self.device.type == "cuda" and self.mesh.world > 1:
             self.device = torch.device("cuda", self.mesh.local_rank)
+        # Refused here, before --out is touched: on the CPU it would fail only once the engine is built, as a
+        # traceback on every rank (and a single process, which never reduces, would not say it is ignored).
+        for name in ("reduce_algo", "pp_transfer"):
+            if getattr(cfg.parallel, name) == "copy_engine" and self.device.type != "cuda":
+                raise ConfigError(f"parallel.{name} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
+                                  f"run is on {self.device.type}: use parallel.{name} auto")
         # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
         # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
         # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
