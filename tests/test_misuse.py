@@ -593,3 +593,15 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
                  "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
+
+
+def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
+    """Accepted (a short test run may mean it), but said: the learning rate would never reach train.lr."""
+    _, paths = world
+    for steps, warmup, said in ((2, 3, True), (2, 2, False)):
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", str(steps),
+                     "--train.warmup_steps", str(warmup), "--out", str(tmp_path / f"run{warmup}")]) == 0
+        out = capsys.readouterr().out
+        assert ("note: train.warmup_steps = 3 exceeds train.steps = 2: the learning rate climbs only to 2.00e-03, not "
+                "train.lr = 3.00e-03, and never decays; lower train.warmup_steps to 2 at most" in out) == said, out

@@ -102,6 +102,10 @@ class Trainer:
         if t.eval_every and not len(self.data.eval_range) and self.mesh.is_main:  # else eval_loss is null, unexplained
             log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
                 "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+        if t.warmup_steps > t.steps and self.mesh.is_main:  # a note, not an error: short test runs may mean it
+            log(f"note: train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}: the learning rate "
+                f"climbs only to {lr_at(t.steps - 1, t):.2e}, not train.lr = {t.lr:.2e}, and never decays; lower "
+                f"train.warmup_steps to {t.steps} at most for the whole schedule")
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
