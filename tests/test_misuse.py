@@ -605,3 +605,27 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
         out = capsys.readouterr().out
         assert ("note: train.warmup_steps = 3 exceeds train.steps = 2: the learning rate climbs only to 2.00e-03, not "
                 "train.lr = 3.00e-03, and never decays; lower train.warmup_steps to 2 at most" in out) == said, out
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE = 2 but MASTER_ADDR and MASTER_PORT are not set: start the ranks "
+     "with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost"},  # the heartbeat's KeyError
+     "WORLD_SIZE = 2 but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "abc"},
+     "the environment variable MASTER_PORT = 'abc' is not a whole number 1 to 65535: set it to a free port"),
+    ({"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE = 'two' is not a whole number 1 or more: unset it"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
+     "the environment variable RANK = 'x' is not a whole number 0 or more"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number"])
+def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
+    """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--out", tmp_path / "new"],
+                 ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+        status, lines = _cli(argv, capsys)
+        assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "new").exists()
