@@ -100,6 +100,11 @@ CASES = [
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
     ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
+    ("copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.reduce_algo", "copy_engine", "--out",
+                            "{new}"], "parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and "
+     "this run is on cpu: use parallel.reduce_algo auto", 2),  # with ranks: a traceback once the engine was built
+    ("pp-copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.pp_transfer", "copy_engine",
+                               "--out", "{new}"], "parallel.pp_transfer = 'copy_engine' needs CUDA GPUs", 2),
     # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
     ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",
                                 "bf16"], "is a checkpoint: an export never replaces one", 2),
@@ -588,3 +593,39 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
                  "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
+
+
+def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
+    """Accepted (a short test run may mean it), but said: the learning rate would never reach train.lr."""
+    _, paths = world
+    for steps, warmup, said in ((2, 3, True), (2, 2, False)):
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", str(steps),
+                     "--train.warmup_steps", str(warmup), "--out", str(tmp_path / f"run{warmup}")]) == 0
+        out = capsys.readouterr().out
+        assert ("note: train.warmup_steps = 3 exceeds train.steps = 2: the learning rate climbs only to 2.00e-03, not "
+                "train.lr = 3.00e-03, and never decays; lower train.warmup_steps to 2 at most" in out) == said, out
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE = 2 but MASTER_ADDR and MASTER_PORT are not set: start the ranks "
+     "with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost"},  # the heartbeat's KeyError
+     "WORLD_SIZE = 2 but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "abc"},
+     "the environment variable MASTER_PORT = 'abc' is not a whole number 1 to 65535: set it to a free port"),
+    ({"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE = 'two' is not a whole number 1 or more: unset it"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
+     "the environment variable RANK = 'x' is not a whole number 0 or more"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number"])
+def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
+    """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--out", tmp_path / "new"],
+                 ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+        status, lines = _cli(argv, capsys)
+        assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "new").exists()

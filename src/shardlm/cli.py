@@ -73,9 +73,12 @@ def cmd_train(argv: list[str]) -> int:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
+    from .mesh import check_rendezvous_env, world_from_env
     from .runtime.heartbeat import Heartbeat
     from .runtime.watchdog import peer_failure
     out = args.out or _run_dir_of(args.resume) or str(Path("runs") / Path(args.config or "default").stem)
+    if (world := world_from_env()[0]) > 1:  # torchrun's variables set by hand: named before the heartbeat reads them
+        check_rendezvous_env(world)
     heartbeat = Heartbeat.from_env()
     try:
         return _train(cfg, out, args.resume, args.overwrite)

@@ -90,7 +90,7 @@ def _tensor_parallel(a):
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, world_from_env
+    from ..mesh import build_mesh, check_rendezvous_env, world_from_env
     world, rank, local = world_from_env()
     if a.tp < 1 or world != a.tp:
         raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
@@ -101,6 +101,7 @@ def _tensor_parallel(a):
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        check_rendezvous_env(world)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
