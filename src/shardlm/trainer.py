@@ -31,13 +31,13 @@ from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
-from .optim import NonFiniteGradient, lr_at
+from .optim import NonFiniteGradient, lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
-from .runtime.device import pick_device
+from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
@@ -55,15 +55,7 @@ class Trainer:
         self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
-        self.device = pick_device(t.device)
-        if self.device.type == "cuda" and self.mesh.world > 1:
-            self.device = torch.device("cuda", self.mesh.local_rank)
-        # Refused here, before --out is touched: on the CPU it would fail only once the engine is built, as a
-        # traceback on every rank (and a single process, which never reduces, would not say it is ignored).
-        for name in ("reduce_algo", "pp_transfer"):
-            if getattr(cfg.parallel, name) == "copy_engine" and self.device.type != "cuda":
-                raise ConfigError(f"parallel.{name} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
-                                  f"run is on {self.device.type}: use parallel.{name} auto")
+        self.device = training_device(t.device, cfg.parallel, self.mesh)  # before --out is touched
         # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
         # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
         # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
@@ -102,10 +94,8 @@ class Trainer:
         if t.eval_every and not len(self.data.eval_range) and self.mesh.is_main:  # else eval_loss is null, unexplained
             log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
                 "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
-        if t.warmup_steps > t.steps and self.mesh.is_main:  # a note, not an error: short test runs may mean it
-            log(f"note: train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}: the learning rate "
-                f"climbs only to {lr_at(t.steps - 1, t):.2e}, not train.lr = {t.lr:.2e}, and never decays; lower "
-                f"train.warmup_steps to {t.steps} at most for the whole schedule")
+        if (note := warmup_note(t)) and self.mesh.is_main:
+            log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
