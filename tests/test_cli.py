@@ -122,6 +122,22 @@ def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
         assert said in reply["message"] and said in reply["extraInfo"]["py_callstack"]
 
 
+def test_a_rank_whose_peers_never_start_says_what_it_waits_for(tmp_path):
+    """Rank 0 of a world of 2 started by hand, rank 1 never: it waited in silence until the timeout. A node's
+    first rank now says, once the wait is no longer a start-up's, what it waits for; at the timeout the error
+    names the rank never heard from."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                           "--parallel.timeout_s", "8", "--out", tmp_path / "r"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert (f"shardlm: waiting for all 2 ranks to join at 127.0.0.1:{port} (for up to 8 s): each must be started, "
+            "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") in done.stderr, done.stderr
+    assert "shardlm train: error: a peer rank died or stalled: rank 1 (never heard from)" in done.stderr, done.stderr
+
+
 def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):
     """Ctrl-C while `data prepare` tokenizes (or eval scores, or a model loads) ended in a KeyboardInterrupt
     traceback; now one line and the shell's status for SIGINT, the output directory never made."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -241,5 +243,24 @@ def init_distributed(cfg: Config) -> DeviceMesh:
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        _rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
     return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
+
+
+def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
+    """init_process_group, which waits for every rank of the job up to `timeout`: a rank started by hand whose
+    peers never start, or a node of the job slow to come up, waited in silence. Where `say` (a node's first
+    rank), a line tells what it waits for once the wait is no longer a start-up's."""
+    done = threading.Event()
+
+    def waiting():
+        if not done.wait(min(10.0, timeout.total_seconds() / 4)):
+            print(f"shardlm: waiting for all {world} ranks to join at {os.environ['MASTER_ADDR']}:"
+                  f"{os.environ['MASTER_PORT']} (for up to {timeout.total_seconds():g} s): each must be started, "
+                  "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", file=sys.stderr, flush=True)
+    if say:
+        threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    finally:
+        done.set()
