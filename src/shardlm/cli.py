@@ -74,7 +74,7 @@ def cmd_train(argv: list[str]) -> int:
         print(cfg.to_toml())
         return 0
     from .mesh import check_rendezvous_env, world_from_env
-    from .runtime.heartbeat import Heartbeat
+    from .runtime.heartbeat import Heartbeat, ranks_named
     from .runtime.watchdog import peer_failure
     out = args.out or _run_dir_of(args.resume) or str(Path("runs") / Path(args.config or "default").stem)
     if (world := world_from_env()[0]) > 1:  # torchrun's variables set by hand: named before the heartbeat reads them
@@ -92,7 +92,7 @@ def cmd_train(argv: list[str]) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             failed = heartbeat.failed() if heartbeat is not None else []
             if failed:  # not a death: a peer's own error, which its message names
-                print(f"shardlm train: error: stopping: {_ranks(failed)} stopped on an error (its message says "
+                print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error (its message says "
                       f"why)", file=sys.stderr)
             else:
                 who = heartbeat.report() if heartbeat is not None else "which one could not be told"
@@ -128,10 +128,6 @@ def _farewell(heartbeat) -> None:
     """This rank stops on its own error: its peers, whose next collective fails, say so instead of a death."""
     if heartbeat is not None:
         heartbeat.farewell()
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _run_dir_of(resume: str | None) -> str | None:

@@ -103,7 +103,7 @@ class Peers:
             group[1] = max(group[1], now - at[0] if at else 0.0)
         out = []
         for where, (ranks, held) in sorted(groups.items(), key=lambda g: (g[0] is None, len(g[1][0]), -g[1][1])):
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            who = ranks_named(ranks)
             out.append(f"{who} at {where} (for {held:.0f} s)" if where else f"{who} (alive, where unknown)")
         return "no rank died; where each was: " + "; ".join(out)
 
@@ -179,3 +179,8 @@ def _ended(pid: int) -> bool:
         except OSError:
             pass
         return False
+
+
+def ranks_named(ranks: list[int]) -> str:
+    """`rank 1` or `ranks 1, 3`."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
