@@ -35,8 +35,8 @@ WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed
 
 
 def tp_of(system: str) -> int:
-    """shardlm-tpN: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
-    return int(system.removeprefix("shardlm-tp")) if system.startswith("shardlm-tp") else 1
+    """shardlm-tpN[-nccl]: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
+    return int(system.removeprefix("shardlm-tp").removesuffix("-nccl")) if system.startswith("shardlm-tp") else 1
 
 
 def build(args, device, group=None):
@@ -73,7 +73,7 @@ def random_prompts(n, lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
+def run_shardlm(args, device, quantized: str = "none", tp: int = 1, one_shot: bool | None = None):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
     group = None
@@ -91,11 +91,11 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
     weights = weight_bytes(model) * tp  # GB/s below counts the 16-bit bytes the quantised weights stand for
     quantize(model, quantized)
     system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
-    system = system if tp == 1 else f"shardlm-tp{tp}"
+    system = system if tp == 1 else f"shardlm-tp{tp}" + ("-nccl" if one_shot is False else "")
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
-        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None)
+        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None, one_shot=one_shot)
         engine.run([Request(p, args.new) for p in prompts])  # compiles and records the graphs
         sync(device)
         if device == "cuda":
@@ -267,7 +267,8 @@ def worker(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.config.recompile_limit = 64
     if tp_of(args.system) > 1:
-        return [print("RESULT " + json.dumps(r), flush=True) for r in run_shardlm(args, device, tp=tp_of(args.system))]
+        rows = run_shardlm(args, device, tp=tp_of(args.system), one_shot=False if args.system.endswith("-nccl") else None)
+        return [print("RESULT " + json.dumps(r), flush=True) for r in rows]
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
            "mixed-old": run_mixed_old, "agree-fp32": run_agree,
@@ -291,7 +292,7 @@ def main():
     p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
-                   "GPUs (torchrun)")
+                   "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))

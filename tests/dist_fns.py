@@ -909,3 +909,20 @@ def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
     ckpt_module.safe_open = spied
     trainer = tiny_trainer(world, {"train.steps": "3", **overrides}, resume=ckpt)
     return sorted(opened), {k: v.clone() for k, v in trainer.engine.gather_full_state()[0].items()}
+
+
+def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot):
+    """Greedy tokens of `prompts` from the engine over a tensor-parallel model on this rank's GPU (compiled
+    decode step, CUDA graphs), and whether its decode step ran the one-shot all-reduce kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.mesh import build_mesh
+    model, _, _ = load_pretrained(model_dir, device="cuda", dtype="fp32", tp_group=build_mesh(tp=world).group("tp"))
+    engine = Engine(model, len(prompts), compile=True, one_shot=one_shot)
+    engine.run([Request(p, new) for p in prompts])  # compiles and records the graphs
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        done = engine.run([Request(p, new) for p in prompts])
+        torch.cuda.synchronize()
+    kernels = " ".join(e.key for e in prof.key_averages())
+    return [[r.tokens for r in done], "one_shot" in kernels]

@@ -298,3 +298,22 @@ def test_compiled_lora_blocks_equal_eager_in_bf16(recompute):
     for name, want in eager.items():
         assert want.norm() > 0, name
         assert (grads[name] - want).norm() <= 0.03 * want.norm(), name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_tensor_parallel_decode_on_gpus_gives_one_gpus_tokens(one_shot, tmp_path):
+    """tp 2 decoding over NCCL, its all-reduces by the one-shot kernel over symmetric memory or by NCCL
+    inside the decode step's CUDA graphs: one GPU's greedy tokens, and the kernel asked for is the one run."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+    want = [r.tokens for r in Engine(model, 2, compile=True).run([Request(p, 12) for p in prompts])]
+    got = run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, one_shot, timeout=300,
+                          device="cuda")
+    assert got == [[want, one_shot]] * 2

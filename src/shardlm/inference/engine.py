@@ -20,6 +20,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
+from .one_shot import decode_compile_options
 from .prefill_graphs import PrefillGraphs, tensor_parallel
 from .request import Request, Slot
 from .sampler import greedy, sample
@@ -36,7 +37,9 @@ class Engine:
     counted. `prefill_graphs`: passes of up to this many tokens (and `prefill_tokens`), padded, are replayed
     as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
     not tensor-parallel, else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
-    those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`.
+    those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`. `one_shot`:
+    a tensor-parallel model's decode all-reduces by the one-shot kernel (one_shot.py; None: where the GPUs
+    allow; every rank constructs its engine at once).
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
@@ -44,7 +47,7 @@ class Engine:
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
                  prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None,
-                 prefill_graphs: int | None = None, prefill_split: int = 4):
+                 prefill_graphs: int | None = None, prefill_split: int = 4, one_shot: bool | None = None):
         cfg = model.cfg
         self.model = model.eval()
         p = next(model.parameters())
@@ -79,14 +82,14 @@ class Engine:
         if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
             prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not tensor_parallel(model) else 0
         self.prefill_graphs, self.prefill_split = prefill_graphs, prefill_split
+        self._decode_options = decode_compile_options(model, dev, one_shot) if self.compile else {}
         self._build_steps()
 
     def _build_steps(self) -> None:
         steps = (self._greedy_step, self._sampling_step)
         if self.compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            steps = tuple(CompiledOrEager(f, "the decode step", mode=mode, fullgraph=True, dynamic=False)
-                          for f in steps)
+            steps = tuple(CompiledOrEager(f, "the decode step", fullgraph=True, dynamic=False,
+                                          **self._decode_options) for f in steps)
         self._steps = steps
         # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
         self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None
