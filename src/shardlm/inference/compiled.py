@@ -29,7 +29,7 @@ class CompiledOrEager:
 
     def __init__(self, fn: Callable, what: str, **options):
         self.eager, self.what = fn, what
-        self.graphs = options.get("mode") == "reduce-overhead" or options.get("options", {}).get("triton.cudagraphs")
+        self.graphs = options.get("mode") == "reduce-overhead"
         self.fn = torch.compile(fn, **options)
 
     def __call__(self, *args):

@@ -20,7 +20,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
-from .one_shot import decode_compile_options
+from .one_shot import use_one_shot
 from .prefill_graphs import PrefillGraphs, tensor_parallel
 from .request import Request, Slot
 from .sampler import greedy, sample
@@ -38,8 +38,8 @@ class Engine:
     as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
     not tensor-parallel, else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
     those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`. `one_shot`:
-    a tensor-parallel model's decode all-reduces by the one-shot kernel (one_shot.py; None: where the GPUs
-    allow; every rank constructs its engine at once).
+    a compiled tensor-parallel model's small all-reduces by the one-shot kernel (one_shot.py; None: where the
+    GPUs allow it, True: an error where they do not; every rank constructs its engine at once).
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
@@ -82,14 +82,15 @@ class Engine:
         if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
             prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not tensor_parallel(model) else 0
         self.prefill_graphs, self.prefill_split = prefill_graphs, prefill_split
-        self._decode_options = decode_compile_options(model, dev, one_shot) if self.compile else {}
+        self.one_shot = use_one_shot(model, n, one_shot)
         self._build_steps()
 
     def _build_steps(self) -> None:
         steps = (self._greedy_step, self._sampling_step)
         if self.compile:
-            steps = tuple(CompiledOrEager(f, "the decode step", fullgraph=True, dynamic=False,
-                                          **self._decode_options) for f in steps)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            steps = tuple(CompiledOrEager(f, "the decode step", mode=mode, fullgraph=True, dynamic=False)
+                          for f in steps)
         self._steps = steps
         # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
         self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None

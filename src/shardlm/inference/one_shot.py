@@ -1,67 +1,106 @@
 """Tensor-parallel decoding's small all-reduces as one-shot all-reduces over symmetric memory.
 
-A decode step all-reduces a few kilobytes twice a layer (the attention output and the MLP's), and NCCL's
-ring takes about 18 us for each inside a CUDA graph on H200s (bench/README.md, fourteenth lease): a fifth of
-a token's time at tp 2. The one-shot form is one kernel in which every rank, after a barrier on signal
-flags, reads each peer's buffer over NVLink and sums them itself: vLLM's custom all-reduce, TensorRT-LLM's
-one-shot all-reduce, PyTorch's `symm_mem.one_shot_all_reduce`. Inductor lowers a compiled all-reduce to the
-latter when its input fits `_collective.one_shot_all_reduce_threshold_bytes` (128 KiB: 16 rows of a 4096
-hidden size in bf16) and the group has symmetric memory; this module turns both on where every rank of the
-group can map every other's memory, which all ranks agree on so that none waits in a collective the
-others do not run.
+A decode step all-reduces a few kilobytes twice a layer (the attention's output and the MLP's), and NCCL's
+ring took about 29 us for each inside the step's CUDA graph on two H200s (bench/README.md): more than the
+weights' reading at tp 2. The one-shot form is one kernel in which every rank, after a barrier on signal
+flags, reads each peer's copy over NVLink and sums them itself: vLLM's and SGLang's custom all-reduce,
+TensorRT-LLM's one-shot all-reduce, PyTorch's `symm_mem.one_shot_all_reduce`, which this module calls.
+
+Its input must lie in symmetric memory mapped by every rank, so the partial sums are first copied into a
+buffer allocated and exchanged (rendezvous) once, before any CUDA graph is captured: Inductor's own lowering
+of the op allocates buffers that are exchanged inside the graphs' memory pool, which fails CUDA graph
+trees' check, so the op is called through an operator of shardlm's own. Two buffers taken in
+turn make reuse safe: a rank refills a buffer only after the barrier of the next all-reduce, which no peer
+passes before it has finished reading that buffer.
 """
 from __future__ import annotations
 
-import warnings
+import socket
 
 import torch
 import torch.distributed as dist
 
+# Above this the bandwidth-optimal algorithms win (each rank reads every peer's whole buffer here).
+MAX_BYTES = 512 * 1024
 
-def tensor_parallel_group(model: torch.nn.Module):
-    """The process group of `model`'s tensor-parallel layers; None for a model without them."""
-    from ..parallel.tensor import RowParallelLinear
-    return next((m.group for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+
+@torch.library.custom_op("shardlm::one_shot_all_reduce", mutates_args=("buffer",))
+def one_shot_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of `x` over the group: staged in `buffer` (symmetric memory, exchanged at its allocation),
+    then `symm_mem.one_shot_all_reduce`. An operator of its own so that Inductor calls it as it is: its
+    lowering of the symm_mem op copies the input into buffers of its own, exchanged inside the CUDA graphs."""
+    staged = buffer[:x.numel()]
+    staged.copy_(x.reshape(-1))
+    return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", group_name).view(x.shape)
+
+
+@one_shot_all_reduce.register_fake
+def _(x, buffer, group_name):
+    return torch.empty_like(x)
+
+
+class OneShotAllReduce:
+    """Sums a tensor of up to `numel` elements over `group` by `symm_mem.one_shot_all_reduce`, through one of
+    two symmetric buffers (`turn` picks which); larger tensors go to NCCL."""
+
+    def __init__(self, buffers: list[torch.Tensor], group, turn: int):
+        self.buffers, self.group, self.turn = buffers, group, turn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers[self.turn]
+        if x.numel() > buf.numel() or x.dtype != buf.dtype:
+            x = x.contiguous()
+            dist.all_reduce(x, group=self.group)
+            return x
+        return one_shot_all_reduce(x.contiguous(), buf, self.group.group_name)
 
 
 def peers_mapped(group) -> bool:
     """Whether every rank of `group` holds a GPU of this host that can read each other rank's GPU directly
     (NVLink or PCIe peer access): what symmetric memory needs. A collective: every rank of the group calls
     it, and all get the same answer."""
-    import socket
     here = (socket.gethostname(), torch.cuda.current_device())
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, here, group=group)
-    same_host = all(host == here[0] for host, _ in everyone)
     mine = here[1]
-    ok = same_host and all(d == mine or torch.cuda.can_device_access_peer(mine, d) for _, d in everyone)
+    ok = all(host == here[0] and (d == mine or torch.cuda.can_device_access_peer(mine, d)) for host, d in everyone)
     flag = torch.tensor([int(ok)], device="cuda")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def decode_compile_options(model: torch.nn.Module, device: torch.device, one_shot: bool | None = None) -> dict:
-    """torch.compile's keyword arguments for the decode step on `device`: CUDA graphs on a GPU, and for a
-    tensor-parallel model there (`one_shot` None: where its group's GPUs map each other's memory) the
-    all-reduces lowered to the one-shot kernel. A collective for tensor-parallel models: every rank calls it."""
-    if device.type != "cuda":
-        return {}
-    group = tensor_parallel_group(model)
-    collective = getattr(torch._inductor.config, "_collective", None)
-    if group is None or collective is None or not hasattr(collective, "auto_select") or one_shot is False:
-        return {"mode": "reduce-overhead"}
-    if not peers_mapped(group):
+def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None) -> bool:
+    """Give `model`'s row-parallel linears one-shot all-reduces for up to `rows` rows of one token (a decode
+    step's) where they pay: on GPUs that map each other's memory, in bf16 or fp32 (the kernel's types), for
+    at most MAX_BYTES; `one_shot` True insists (an error where it cannot), False takes NCCL. Returns whether
+    they were given. A collective for a tensor-parallel model: every rank calls it with the same arguments."""
+    from ..parallel.tensor import RowParallelLinear
+    layers = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    for layer in layers:
+        layer.small_all_reduce = None
+    if not layers or one_shot is False:
+        return False
+    weight = layers[0].weight
+    numel = rows * max(layer.weight.shape[0] for layer in layers)
+    why = ("not on a GPU" if weight.device.type != "cuda" else
+           f"{weight.dtype} is not bf16 or fp32" if weight.dtype not in (torch.bfloat16, torch.float32) else
+           f"{rows} rows exceed {MAX_BYTES} bytes" if numel * weight.element_size() > MAX_BYTES else
+           "the GPUs do not map each other's memory" if not peers_mapped(layers[0].group) else None)
+    if why is not None:
         if one_shot:
-            raise RuntimeError("one-shot all-reduces need every tensor-parallel rank's GPU on one host, each "
-                               "able to read the others' memory (peer access)")
-        return {"mode": "reduce-overhead"}
+            raise RuntimeError(f"one-shot all-reduces asked for, but {why}")
+        return False
     from torch.distributed import _symmetric_memory as symm_mem
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:
-        with warnings.catch_warnings():
-            # Deprecated since torch 2.9, yet Inductor lowers to the one-shot kernel only for a group it
-            # enabled (2.11 to 2.13).
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(group.group_name)
-    # `mode` and `options` exclude each other: "reduce-overhead" is "triton.cudagraphs" spelled out
-    return {"options": {"triton.cudagraphs": True, "_collective.auto_select": True}}
+    group = layers[0].group
+    buffers = [symm_mem.empty(numel, dtype=weight.dtype, device=weight.device) for _ in range(2)]
+    for buf in buffers:
+        symm_mem.rendezvous(buf, group.group_name)
+        # Once outside any CUDA graph: the op's first call on a buffer allocates (torch 2.11), and inside the
+        # graphs' memory pool that allocation fails CUDA graph trees' check.
+        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+        # a CUDA graph may then write into it: its address never changes
+        torch._dynamo.mark_static_address(buf)
+    torch.cuda.synchronize()
+    for i, layer in enumerate(layers):  # in the order they run: attention's, the MLP's, the next block's...
+        layer.small_all_reduce = OneShotAllReduce(buffers, group, i % 2)
+    return True

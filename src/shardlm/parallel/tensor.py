@@ -216,6 +216,7 @@ class RowParallelLinear(nn.Module):
     the sequence), the bias added once after."""
     weight_grads: WeightGradStore | None = None
     async_tp = False  # the sequence reduce-scatter fusable with this matmul (async_tp.py)
+    small_all_reduce = None  # inference: a faster all-reduce without gradient (inference/one_shot.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool,
                  init_std: float):
@@ -235,6 +236,8 @@ class RowParallelLinear(nn.Module):
         y = adapted_linear(x, self.weight, None, self.weight_grads, self.lora)
         if self.sequence_parallel and self.training:
             y = reduce_scatter_to_sp(y, self.group, self.async_tp)
+        elif self.small_all_reduce is not None and not torch.is_grad_enabled():
+            y = self.small_all_reduce(y)
         else:
             y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
