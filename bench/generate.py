@@ -32,7 +32,7 @@ HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
 SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32", "shardlm-int8",
            "shardlm-int4")
 WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree",
-            "profile", "out")
+            "profile", "out", "tp_prefill_graphs")
 
 
 def tp_of(system: str) -> int:
@@ -96,7 +96,9 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, one_shot: bo
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
-        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None, one_shot=one_shot)
+        graphs = {"prefill_graphs": args.tp_prefill_graphs} if tp > 1 and args.tp_prefill_graphs is not None else {}
+        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None, one_shot=one_shot,
+                        **graphs)
         engine.run([Request(p, args.new) for p in prompts])  # compiles and records the graphs
         sync(device)
         if device == "cuda":
@@ -296,6 +298,8 @@ def main():
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
                    "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL")
+    p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
+                   "prompts replayed as CUDA graphs up to this many tokens (default the engine's: none over tp)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
@@ -319,7 +323,7 @@ def main():
             launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp_of(system)), "--master-port",
                        str(29500 + random.randrange(1000))]
         cmd = launch + [__file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD and v is not None]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))

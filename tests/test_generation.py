@@ -542,3 +542,13 @@ def test_a_tensor_parallel_model_loads_in_the_dtype_asked(tmp_path):
     from shardlm.testing.distributed import run_distributed
     save_hf("llama", tmp_path / "hf")
     assert run_distributed(dist_fns.dtypes_at_tp, 2, tmp_path / "hf", "bf16", timeout=120) == [["torch.bfloat16"]] * 2
+
+
+def test_one_shot_all_reduces_asked_of_a_model_without_tensor_parallelism_are_refused():
+    """`Engine(one_shot=True)` insists on the one-shot kernel: a model it cannot serve says why instead of
+    running NCCL's all-reduce (or nothing) silently; None and False simply go without."""
+    from shardlm.inference import Engine
+    model = build_model(load_config("tiny").model, seed=0)
+    with pytest.raises(RuntimeError, match="not tensor-parallel"):
+        Engine(model, 2, compile=False, one_shot=True)
+    assert not Engine(model, 2, compile=False).one_shot and not Engine(model, 2, compile=False, one_shot=False).one_shot

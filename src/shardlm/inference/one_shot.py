@@ -74,14 +74,18 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
     step's) where they pay: on GPUs that map each other's memory, in bf16 or fp32 (the kernel's types), for
     at most MAX_BYTES; `one_shot` True insists (an error where it cannot), False takes NCCL. Returns whether
     they were given. A collective for a tensor-parallel model: every rank calls it with the same arguments."""
-    from ..parallel.tensor import RowParallelLinear
-    layers = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    from ..parallel.tensor import RowParallelLinear, VocabParallelEmbedding
+    # in the order they run: the embedding's, then each block's attention's and MLP's
+    layers = [m for m in model.modules() if isinstance(m, (VocabParallelEmbedding, RowParallelLinear))]
     for layer in layers:
         layer.small_all_reduce = None
-    if not layers or one_shot is False:
+    if one_shot is False or (not layers and one_shot is None):
         return False
+    if not layers:
+        raise RuntimeError("one-shot all-reduces asked for, but the model is not tensor-parallel")
     weight = layers[0].weight
-    numel = rows * max(layer.weight.shape[0] for layer in layers)
+    # the hidden size: a row-parallel linear's output, and the embedding's
+    numel = rows * max(m.weight.shape[0] for m in layers if isinstance(m, RowParallelLinear))
     why = ("not on a GPU" if weight.device.type != "cuda" else
            f"{weight.dtype} is not bf16 or fp32" if weight.dtype not in (torch.bfloat16, torch.float32) else
            f"{rows} rows exceed {MAX_BYTES} bytes" if numel * weight.element_size() > MAX_BYTES else
@@ -101,6 +105,6 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         # a CUDA graph may then write into it: its address never changes
         torch._dynamo.mark_static_address(buf)
     torch.cuda.synchronize()
-    for i, layer in enumerate(layers):  # in the order they run: attention's, the MLP's, the next block's...
+    for i, layer in enumerate(layers):
         layer.small_all_reduce = OneShotAllReduce(buffers, group, i % 2)
     return True

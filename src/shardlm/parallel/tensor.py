@@ -258,12 +258,16 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
         tag(self, {"weight": TPSharding(rank, tp, 0, (num_embeddings,), (True,), rows * tp - num_embeddings)})
 
+    small_all_reduce = None  # as RowParallelLinear's
+
     def forward(self, ids):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel and self.training:
             return reduce_scatter_to_sp(out, self.group)
+        if self.small_all_reduce is not None and not torch.is_grad_enabled():
+            return self.small_all_reduce(out)
         return reduce_from_tp(out, self.group)
 
 
