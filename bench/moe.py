@@ -302,9 +302,9 @@ def print_profiles(rows, where: str) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--preset", default="moe-1b")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--preset", default=None, help="default moe-1b (mixtral-tiny with --device cpu)")
+    p.add_argument("--seq", type=int, default=None, help="default 2048 (128 with --device cpu)")
+    p.add_argument("--micro-batch", type=int, default=None, help="default 4 (2 with --device cpu)")
     p.add_argument("--warm", type=int, default=3, help="steps before each routing's timing (compilation)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--routing", default="both", choices=("natural", "balanced", "both"))
@@ -319,6 +319,10 @@ def main():
                         "shardlm-bf16-optimizer (1 GPU)")
     driver_args(p, timeout=480)
     args, extra = p.parse_known_args()
+    cpu = args.device == "cpu"  # a smoke run: a shape two gloo ranks train in seconds, in a few GiB
+    args.preset = args.preset or ("mixtral-tiny" if cpu else "moe-1b")
+    args.seq = args.seq or (128 if cpu else 2048)
+    args.micro_batch = args.micro_batch or (2 if cpu else 4)
     if args.system:
         return worker(args, extra)
     systems = args.systems or list(ONE if args.gpus == 1 else MANY)
