@@ -9,9 +9,11 @@ TensorRT-LLM's one-shot all-reduce, PyTorch's `symm_mem.one_shot_all_reduce`, wh
 Its input must lie in symmetric memory mapped by every rank, so the partial sums are first copied into a
 buffer allocated and exchanged (rendezvous) once, before any CUDA graph is captured: Inductor's own lowering
 of the op allocates buffers that are exchanged inside the graphs' memory pool, which fails CUDA graph
-trees' check, so the op is called through an operator of shardlm's own. Two buffers taken in
-turn make reuse safe: a rank refills a buffer only after the barrier of the next all-reduce, which no peer
-passes before it has finished reading that buffer.
+trees' check, so the op is called through an operator of shardlm's own. No two all-reduces in a row
+share a buffer, which makes reuse safe: a rank refills a buffer only after the barrier of the next
+all-reduce, which no peer passes before it has finished reading that buffer. The row-parallel linears take
+two buffers in turn, in the order they run, and the embedding's all-reduce, which follows the last of them
+in the next step, a third.
 """
 from __future__ import annotations
 
@@ -40,14 +42,14 @@ def _(x, buffer, group_name):
 
 
 class OneShotAllReduce:
-    """Sums a tensor of up to `numel` elements over `group` by `symm_mem.one_shot_all_reduce`, through one of
-    two symmetric buffers (`turn` picks which); larger tensors go to NCCL."""
+    """Sums a tensor over `group` by `symm_mem.one_shot_all_reduce` through the symmetric `buffer`; a tensor
+    larger than it goes to NCCL."""
 
-    def __init__(self, buffers: list[torch.Tensor], group, turn: int):
-        self.buffers, self.group, self.turn = buffers, group, turn
+    def __init__(self, buffer: torch.Tensor, group):
+        self.buffer, self.group = buffer, group
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers[self.turn]
+        buf = self.buffer
         if x.numel() > buf.numel() or x.dtype != buf.dtype:
             x = x.contiguous()
             dist.all_reduce(x, group=self.group)
@@ -96,7 +98,7 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         return False
     from torch.distributed import _symmetric_memory as symm_mem
     group = layers[0].group
-    buffers = [symm_mem.empty(numel, dtype=weight.dtype, device=weight.device) for _ in range(2)]
+    buffers = [symm_mem.empty(numel, dtype=weight.dtype, device=weight.device) for _ in range(3)]
     for buf in buffers:
         symm_mem.rendezvous(buf, group.group_name)
         # Once outside any CUDA graph: the op's first call on a buffer allocates (torch 2.11), and inside the
@@ -105,6 +107,9 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         # a CUDA graph may then write into it: its address never changes
         torch._dynamo.mark_static_address(buf)
     torch.cuda.synchronize()
-    for i, layer in enumerate(layers):
-        layer.small_all_reduce = OneShotAllReduce(buffers, group, i % 2)
+    for i, layer in enumerate(m for m in layers if isinstance(m, RowParallelLinear)):
+        layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group)
+    for layer in layers:
+        if isinstance(layer, VocabParallelEmbedding):
+            layer.small_all_reduce = OneShotAllReduce(buffers[2], group)
     return True
