@@ -13,7 +13,7 @@ trees' check, so the op is called through an operator of shardlm's own. No two a
 share a buffer, which makes reuse safe: a rank refills a buffer only after the barrier of the next
 all-reduce, which no peer passes before it has finished reading that buffer. The row-parallel linears take
 two buffers in turn, in the order they run, and the embedding's all-reduce, which follows the last of them
-in the next step, a third.
+in the next step, a third; the logits' all-gather, between them, a fourth.
 """
 from __future__ import annotations
 
@@ -41,6 +41,25 @@ def _(x, buffer, group_name):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("shardlm::one_shot_all_gather", mutates_args=("buffer",))
+def one_shot_all_gather(x: torch.Tensor, buffer: torch.Tensor, group_name: str, rank: int, world: int) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dimension, in rank order: each rank writes its own into its
+    place in the zeroed `buffer`, and the one-shot sum of the buffers is the gathered tensor (adding zeros is
+    exact)."""
+    n = x.shape[-1]
+    rows = x.numel() // n
+    staged = buffer[:rows * world * n]
+    staged.zero_()
+    staged.view(rows, world, n)[:, rank].copy_(x.reshape(rows, n))
+    out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", group_name)
+    return out.view(*x.shape[:-1], world * n)
+
+
+@one_shot_all_gather.register_fake
+def _(x, buffer, group_name, rank, world):
+    return x.new_empty(*x.shape[:-1], world * x.shape[-1])
+
+
 class OneShotAllReduce:
     """Sums a tensor over `group` by `symm_mem.one_shot_all_reduce` through the symmetric `buffer`; a tensor
     larger than it goes to NCCL."""
@@ -55,6 +74,22 @@ class OneShotAllReduce:
             dist.all_reduce(x, group=self.group)
             return x
         return one_shot_all_reduce(x.contiguous(), buf, self.group.group_name)
+
+
+class OneShotAllGather:
+    """Gathers a tensor along its last dimension over `group` by `one_shot_all_gather` through the symmetric
+    `buffer`; a tensor whose gathered size exceeds it goes to NCCL."""
+
+    def __init__(self, buffer: torch.Tensor, group):
+        self.buffer, self.group = buffer, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() * self.world > self.buffer.numel() or x.dtype != self.buffer.dtype:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            return torch.cat(parts, dim=-1)
+        return one_shot_all_gather(x.contiguous(), self.buffer, self.group.group_name, self.rank, self.world)
 
 
 def peers_mapped(group) -> bool:
@@ -72,15 +107,20 @@ def peers_mapped(group) -> bool:
 
 
 def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None) -> bool:
-    """Give `model`'s row-parallel linears one-shot all-reduces for up to `rows` rows of one token (a decode
+    """Give `model`'s row-parallel linears and vocab-parallel embedding one-shot all-reduces, and its
+    vocab-parallel head a one-shot all-gather of the logits, for up to `rows` rows of one token (a decode
     step's) where they pay: on GPUs that map each other's memory, in bf16 or fp32 (the kernel's types), for
-    at most MAX_BYTES; `one_shot` True insists (an error where it cannot), False takes NCCL. Returns whether
-    they were given. A collective for a tensor-parallel model: every rank calls it with the same arguments."""
-    from ..parallel.tensor import RowParallelLinear, VocabParallelEmbedding
+    at most MAX_BYTES each; `one_shot` True insists (an error where it cannot), False takes NCCL. Returns
+    whether they were given. A collective for a tensor-parallel model: every rank calls it with the same
+    arguments."""
+    from ..parallel.tensor import RowParallelLinear, VocabParallelEmbedding, VocabParallelOutput
     # in the order they run: the embedding's, then each block's attention's and MLP's
     layers = [m for m in model.modules() if isinstance(m, (VocabParallelEmbedding, RowParallelLinear))]
+    heads = [m for m in model.modules() if isinstance(m, VocabParallelOutput)]
     for layer in layers:
         layer.small_all_reduce = None
+    for head in heads:
+        head.small_all_gather = None
     if one_shot is False or (not layers and one_shot is None):
         return False
     if not layers:
@@ -96,20 +136,28 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         if one_shot:
             raise RuntimeError(f"one-shot all-reduces asked for, but {why}")
         return False
-    from torch.distributed import _symmetric_memory as symm_mem
     group = layers[0].group
-    buffers = [symm_mem.empty(numel, dtype=weight.dtype, device=weight.device) for _ in range(3)]
-    for buf in buffers:
-        symm_mem.rendezvous(buf, group.group_name)
-        # Once outside any CUDA graph: the op's first call on a buffer allocates (torch 2.11), and inside the
-        # graphs' memory pool that allocation fails CUDA graph trees' check.
-        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
-        # a CUDA graph may then write into it: its address never changes
-        torch._dynamo.mark_static_address(buf)
-    torch.cuda.synchronize()
+    buffers = [symmetric_buffer(numel, weight, group) for _ in range(3)]
     for i, layer in enumerate(m for m in layers if isinstance(m, RowParallelLinear)):
         layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group)
     for layer in layers:
         if isinstance(layer, VocabParallelEmbedding):
             layer.small_all_reduce = OneShotAllReduce(buffers[2], group)
+    for head in heads:  # the logits, between the last block's all-reduce and the next step's embedding's
+        world = dist.get_world_size(group)
+        vocab = rows * -(-head.vocab_size // world) * world
+        if vocab * weight.element_size() <= MAX_BYTES:
+            head.small_all_gather = OneShotAllGather(symmetric_buffer(vocab, weight, group), group)
     return True
+
+
+def symmetric_buffer(numel: int, like: torch.Tensor, group) -> torch.Tensor:
+    """A symmetric buffer of `numel` elements of `like`'s dtype on its device, exchanged over `group` and
+    used once, outside any CUDA graph (the op's first call on a buffer allocates, in torch 2.11)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    buf = symm_mem.empty(numel, dtype=like.dtype, device=like.device)
+    symm_mem.rendezvous(buf, group.group_name)
+    torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+    # a CUDA graph may then write into it: its address never changes
+    torch._dynamo.mark_static_address(buf)
+    return buf

@@ -296,9 +296,13 @@ class VocabParallelOutput(nn.Module):
         self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
         self.sequence_parallel = sequence_parallel
 
+    small_all_gather = None  # inference: a faster all-gather without gradient (inference/one_shot.py)
+
     def forward(self, h, weight, targets=None, chunk: int = 2048, compiled: bool = False):
         h = gather_from_sp(h, self.group) if self.sequence_parallel and self.training else copy_to_tp(h, self.group)
         if targets is None:
+            if self.small_all_gather is not None and not torch.is_grad_enabled():
+                return self.small_all_gather(F.linear(h, weight))[..., :self.vocab_size]
             return _GatherLastDim.apply(F.linear(h, weight), self.group)[..., :self.vocab_size]
         return vocab_parallel_cross_entropy(h, weight, targets, self.group, self.vocab_start, self.vocab_size,
                                             chunk or targets.numel(), compiled)
