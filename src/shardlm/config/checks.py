@@ -263,13 +263,16 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         other = p.world // p.dp  # tp x pp x cp: what data parallelism multiplies
         if naming.flags:
             hint = ""
-        elif world == 1:
+        elif world == 1:  # every axis above 1 named: pp, cp or ep left as they were would refuse the next try
+            ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp")
+                            or getattr(p, a) > 1)
             hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
-                    "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
-        else:
+                    f"or set the layout for one ({ones}; checkpoints resume under any layout)")
+        else:  # ep must divide the new dp x cp, which carries the experts
+            ep = math.gcd(p.ep, world // other * p.cp) if world % other == 0 else p.ep
             hint = (f": launch {p.world} processes (torchrun --nproc-per-node {p.world}), or set a layout of {world}"
-                    + (f", e.g. --parallel.dp {world // other}" if world % other == 0 else
-                       f" (the other axes' {other} does not divide {world})"))
+                    + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
+                       if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     if m.num_heads % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
