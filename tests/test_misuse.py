@@ -80,6 +80,9 @@ CASES = [
      "which is a checkpoint, not a run directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
      "lora.alpha = 0.0 must be positive", 2),
+    ("lora-rank-beyond-width", ["train", "tiny", "--lora.rank", "1000", "--out", "{new}"],
+     "lora.rank = 1000 exceeds model.hidden_size = 64, the most an adapter's update B A can have: lower lora.rank "
+     "(to 64 at most)", 2),
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),

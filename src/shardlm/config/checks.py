@@ -123,6 +123,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "single commas")
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
+        # Every block linear has hidden_size on one side: B A can have no higher rank, and alpha / rank would
+        # shrink the update (a typo's rank 16000 trained nothing, at gigabytes of adapters).
+        if cfg.lora.rank > m.hidden_size:
+            raise ConfigError(f"lora.rank = {cfg.lora.rank} exceeds model.hidden_size = {m.hidden_size}, the most "
+                              f"an adapter's update B A can have: lower lora.rank (to {m.hidden_size} at most)")
     elif cfg.lora.quantize != "none":
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
