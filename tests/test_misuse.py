@@ -83,6 +83,10 @@ CASES = [
     ("lora-rank-beyond-width", ["train", "tiny", "--lora.rank", "1000", "--out", "{new}"],
      "lora.rank = 1000 exceeds model.hidden_size = 64, the most an adapter's update B A can have: lower lora.rank "
      "(to 64 at most)", 2),
+    ("z-loss-on-dense", ["train", "tiny", "--train.moe_z_loss_coef", "0.001", "--out", "{new}"],
+     "train.moe_z_loss_coef = 0.001 applies to a mixture of experts, and this model is dense", 2),
+    ("first-dense-on-dense", ["train", "tiny", "--model.moe_first_dense", "1", "--out", "{new}"],
+     "model.moe_first_dense = 1 applies to a mixture of experts, and this model is dense", 2),
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),

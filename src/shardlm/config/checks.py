@@ -183,12 +183,14 @@ def check_bf16_optimizer(cfg: Config) -> None:
 
 # The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
 # without a word.
-MOE_ONLY = ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "capacity_factor", "router_bias_update_rate")
+MOE_ONLY = ("model.moe_ffn_hidden_size", "model.shared_expert_ffn_hidden_size", "model.capacity_factor",
+            "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef")
 
 
 def check_dense(cfg: Config) -> None:
-    for name in MOE_ONLY:
-        key, value = f"model.{name}", getattr(cfg.model, name)
+    for key in MOE_ONLY:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
         if value:
             whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
                      if cfg.train.init_from else "model.num_experts = 0")
