@@ -38,6 +38,11 @@ CASES = [
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
                                   "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),  # step 4 kept
+    ("resume-another-base", ["train", "--resume", "{lrun}", "--train.init_from", "{deeper}"],
+     "deeper' in this run, another model (model.num_layers is 2 in the checkpoint and 3 there), which the run would "
+     "record as its base", 2),  # recorded as the run's base, which its adapter names
+    ("resume-base-missing", ["train", "--resume", "{lrun}", "--train.init_from", "{new}"],
+     "no readable Hugging Face config.json", 2),
     ("resume-missing", ["train", "--resume", "{run}/checkpoints/step_00000099"], "does not exist", 2),
     # starting from a checkpoint (train.init_from)
     ("init-tokenizer", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{swapdata}", "--out", "{new}"],
@@ -419,6 +424,9 @@ def world(tmp_path_factory):
     hf = json.loads((p["exp"] / "config.json").read_text())
     (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
     (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["deeper"] = root / "deeper"  # the config of another model: one more layer
+    p["deeper"].mkdir()
+    (p["deeper"] / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
     p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
     p["listconfig"].mkdir()
     (p["listconfig"] / "config.json").write_text("[]")
