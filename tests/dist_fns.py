@@ -231,6 +231,17 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "router_bias": trainer.moe.state()}
 
 
+def lines_of_a_resume(rank, world, overrides: dict, resume):
+    """What a trainer resuming `resume` on `world` data-parallel ranks says on this rank before it runs."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    said = []
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, resume=resume, log=said.append)
+    trainer.close()
+    return said
+
+
 def zero3_residency(rank, world):
     """Each ZeRO-3 unit's kind, and whether its full weights occupy memory at rest, after forward, and after
     backward."""

@@ -97,6 +97,20 @@ def test_layout_must_match_world_size():
         validate(load_config("tiny", {"parallel.tp": "2"}), world_size=3)
 
 
+def test_a_layout_hint_sets_every_axis_that_would_refuse_the_next_try():
+    """The fix the world-size error gives is one that validates: expert and pipeline axes included."""
+    cfg = load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2", "parallel.pp": "2",
+                                       "train.micro_batch_size": "2"})
+    with pytest.raises(ConfigError, match=r"set the layout for one \(--parallel.dp 1 --parallel.tp 1 --parallel.pp 1 "
+                                          r"--parallel.ep 1; checkpoints"):
+        validate(cfg, world_size=1)
+    validate(load_config("mixtral-tiny", {"parallel.dp": "1", "parallel.tp": "1", "parallel.pp": "1", "parallel.ep": "1"}),
+             world_size=1)
+    with pytest.raises(ConfigError, match=r"e.g. --parallel.dp 2 --parallel.ep 2$"):
+        validate(load_config("mixtral-tiny", {"parallel.dp": "4", "parallel.ep": "4"}), world_size=2)
+    validate(load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2"}), world_size=2)
+
+
 def test_unknown_preset_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="neither a TOML file nor a preset"):
         load_config("no-such-preset")

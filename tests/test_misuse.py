@@ -38,6 +38,11 @@ CASES = [
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
                                   "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),  # step 4 kept
+    ("resume-another-base", ["train", "--resume", "{lrun}", "--train.init_from", "{deeper}"],
+     "deeper' in this run, another model (model.num_layers is 2 in the checkpoint and 3 there), which the run would "
+     "record as its base", 2),  # recorded as the run's base, which its adapter names
+    ("resume-base-missing", ["train", "--resume", "{lrun}", "--train.init_from", "{new}"],
+     "no readable Hugging Face config.json", 2),
     ("resume-missing", ["train", "--resume", "{run}/checkpoints/step_00000099"], "does not exist", 2),
     # starting from a checkpoint (train.init_from)
     ("init-tokenizer", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{swapdata}", "--out", "{new}"],
@@ -80,6 +85,13 @@ CASES = [
      "which is a checkpoint, not a run directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
      "lora.alpha = 0.0 must be positive", 2),
+    ("lora-rank-beyond-width", ["train", "tiny", "--lora.rank", "1000", "--out", "{new}"],
+     "lora.rank = 1000 exceeds model.hidden_size = 64, the most an adapter's update B A can have: lower lora.rank "
+     "(to 64 at most)", 2),
+    ("z-loss-on-dense", ["train", "tiny", "--train.moe_z_loss_coef", "0.001", "--out", "{new}"],
+     "train.moe_z_loss_coef = 0.001 applies to a mixture of experts, and this model is dense", 2),
+    ("first-dense-on-dense", ["train", "tiny", "--model.moe_first_dense", "1", "--out", "{new}"],
+     "model.moe_first_dense = 1 applies to a mixture of experts, and this model is dense", 2),
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
@@ -258,6 +270,10 @@ CASES = [
      "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
+    ("generate-adapter-a-run", ["generate", "--model", "{exp}", "--adapter", "{lrun}", "--prompt", "x"],
+     "it is a shardlm run or checkpoint: `shardlm export --checkpoint ", 2),
+    ("generate-adapter-a-model", ["generate", "--model", "{exp}", "--adapter", "{exp}", "--prompt", "x"],
+     "it is a model, not an adapter: give it as --model", 2),
     ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
      "--output goes with --input", 2),
     ("generate-output-is-input", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
@@ -408,6 +424,9 @@ def world(tmp_path_factory):
     hf = json.loads((p["exp"] / "config.json").read_text())
     (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
     (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["deeper"] = root / "deeper"  # the config of another model: one more layer
+    p["deeper"].mkdir()
+    (p["deeper"] / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
     p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
     p["listconfig"].mkdir()
     (p["listconfig"] / "config.json").write_text("[]")

@@ -125,6 +125,16 @@ def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
     assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
 
 
+def test_a_resume_with_nothing_to_do_says_so_on_the_main_rank_only(tmp_path):
+    """Under torchrun every rank printed `nothing to do`, the copies run together on one line."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    said = run_distributed(dist_fns.lines_of_a_resume, 2, {"train.steps": "2"}, str(run), timeout=120)
+    assert [sum("nothing to do" in line for line in lines) for lines in said] == [1, 0], said
+
+
 # ---- checkpoint integrity -----------------------------------------------------------------------------
 
 def damage(path, how):

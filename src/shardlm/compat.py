@@ -69,7 +69,30 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
             refuse(f"lora.{key}", getattr(s, key), getattr(n, key), _lora_change(key, getattr(s, key), None, path))
     if s.rank and lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
         refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
+    check_resume_base(path, saved, now)
     check_resume_shapes(path, now)
+
+
+def check_resume_base(path: Path, saved: Config, now: Config) -> None:
+    """A resume naming another `train.init_from` than its checkpoint's: the weights come from the checkpoint,
+    but the run records it as its base (an exported adapter's base_model_name_or_path, the generation config).
+    The same model moved elsewhere passes; a directory without it, or of another model, is refused."""
+    import copy
+
+    from .hf_config import RESOLVED, WEIGHT_KEYS, with_init_from
+    new, old = now.train.init_from, saved.train.init_from
+    if not new or new == old:
+        return
+    theirs = with_init_from(copy.deepcopy(now)).model  # an unreadable directory is refused naming it
+    ours = saved.model
+    differ = [f"model.{k} is {getattr(ours, RESOLVED.get(k, k))!r} in the checkpoint and "
+              f"{getattr(theirs, RESOLVED.get(k, k))!r} there" for k in WEIGHT_KEYS
+              if getattr(ours, RESOLVED.get(k, k)) != getattr(theirs, RESOLVED.get(k, k))
+              and not (k == "vocab_size" and ours.vocab_size == 0)]
+    if differ:
+        raise ResumeMismatch(f"cannot resume {path}: train.init_from is {old!r} in the checkpoint and {new!r} in this "
+                             f"run, another model ({'; '.join(differ)}), which the run would record as its base: "
+                             + KEEP.format(old=old) + ", or name where the checkpoint's base now lies")
 
 
 def check_resume_shapes(path: Path, cfg: Config) -> None:

@@ -190,7 +190,7 @@ class Trainer:
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
-        if self.step >= self.cfg.train.steps:
+        if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      "nothing to do (raise train.steps to continue)")
 

@@ -123,6 +123,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "single commas")
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
+        # Every block linear has hidden_size on one side: B A can have no higher rank, and alpha / rank would
+        # shrink the update (a typo's rank 16000 trained nothing, at gigabytes of adapters).
+        if cfg.lora.rank > m.hidden_size:
+            raise ConfigError(f"lora.rank = {cfg.lora.rank} exceeds model.hidden_size = {m.hidden_size}, the most "
+                              f"an adapter's update B A can have: lower lora.rank (to {m.hidden_size} at most)")
     elif cfg.lora.quantize != "none":
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
@@ -178,12 +183,14 @@ def check_bf16_optimizer(cfg: Config) -> None:
 
 # The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
 # without a word.
-MOE_ONLY = ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "capacity_factor", "router_bias_update_rate")
+MOE_ONLY = ("model.moe_ffn_hidden_size", "model.shared_expert_ffn_hidden_size", "model.capacity_factor",
+            "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef")
 
 
 def check_dense(cfg: Config) -> None:
-    for name in MOE_ONLY:
-        key, value = f"model.{name}", getattr(cfg.model, name)
+    for key in MOE_ONLY:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
         if value:
             whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
                      if cfg.train.init_from else "model.num_experts = 0")
@@ -263,13 +270,16 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         other = p.world // p.dp  # tp x pp x cp: what data parallelism multiplies
         if naming.flags:
             hint = ""
-        elif world == 1:
+        elif world == 1:  # every axis above 1 named: pp, cp or ep left as they were would refuse the next try
+            ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp")
+                            or getattr(p, a) > 1)
             hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
-                    "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
-        else:
+                    f"or set the layout for one ({ones}; checkpoints resume under any layout)")
+        else:  # ep must divide the new dp x cp, which carries the experts
+            ep = math.gcd(p.ep, world // other * p.cp) if world % other == 0 else p.ep
             hint = (f": launch {p.world} processes (torchrun --nproc-per-node {p.world}), or set a layout of {world}"
-                    + (f", e.g. --parallel.dp {world // other}" if world % other == 0 else
-                       f" (the other axes' {other} does not divide {world})"))
+                    + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
+                       if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     if m.num_heads % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")

@@ -232,8 +232,13 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         conf = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:
+        # What was given instead, where it is plain: a run or a model, which --adapter users often pass.
+        run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
+        fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
+               "writes its adapter (or give it as --model, its adapters merged)" if run else
+               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
-                          f"adapter_model.safetensors): {e}") from None
+                          f"adapter_model.safetensors): {e}{fix}") from None
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.
