@@ -180,3 +180,11 @@ def test_export_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
     assert shown[-1].startswith("export: 100%") and "140k/140k" in shown[-1], shown  # tiny's 139,584 parameters
     out = cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf", "--overwrite")
     assert "exported" in out and "verify" not in capsys.readouterr().err  # not a terminal: no bar
+
+
+def test_the_header_says_one_step_and_lora_keys_that_rank_0_leaves_unused(tmp_path, capsys):
+    """`--lora.alpha` without `--lora.rank` trains every weight, as rank 0 means: the header says so rather than
+    leaving a user to find that their fine-tune was not a LoRA one; and it counts one step in the singular."""
+    out = cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.alpha", "32", "--out", tmp_path / "run")
+    header = next(line for line in out.splitlines() if line.startswith("shardlm:"))
+    assert " 1 step of " in header and "lora.rank 0: no adapters, every weight trains" in header

@@ -154,7 +154,10 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += f", each sequence split over {p.cp} ranks (context parallel, {how})"
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
-            layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"
+            base = f" over an {cfg.lora.quantize.upper()} base (QLoRA)" if cfg.lora.quantize != "none" else ""
+            layout += f", LoRA rank {cfg.lora.rank}{base} ({adapters / 1e6:.3f}M trainable on this rank)"
+        elif cfg.lora != type(cfg.lora)():  # [lora] keys given beside rank 0, which switches adapters off
+            layout += ", lora.rank 0: no adapters, every weight trains (the other [lora] keys unused)"
         if cfg.train.freeze:  # train.freeze: what it holds fixed on this rank
             frozen = sum(q.numel() for q in trainer.model.parameters() if not q.requires_grad)
             layout += f", {cfg.train.freeze!r} frozen ({frozen / 1e6:.3f}M parameters on this rank)"
@@ -165,7 +168,7 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += f", {kind} over {over}" + (f" (reduce_algo {algo})" if algo else "")
         left = cfg.train.steps - trainer.step
         steps = f"{left} more step{'s' if left > 1 else ''} (to {cfg.train.steps})" if trainer.step else \
-            f"{cfg.train.steps} steps"
+            f"{cfg.train.steps} step{'s' if cfg.train.steps > 1 else ''}"
         print(f"shardlm: {n / 1e6:.2f}M parameters, {steps} of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
               flush=True)
