@@ -16,7 +16,8 @@ Every system trains on the same batches, shardlm's default corpus (text routes l
   `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
   `"eager"` (`hf-eager`, a Python loop over experts).
 - 2+ GPUs: `shardlm-ep` (parallel.ep = dp = GPUs, ZeRO-1: faster than DDP for the dense part on 2 H200s in
-  data_parallel's rows; `shardlm-ep-ddp` is the DDP variant), `shardlm-zero3` (ep 1, ZeRO-3), and `hf-fsdp2`
+  data_parallel's rows; `shardlm-ep-ddp` is the DDP variant, `shardlm-ep-bf16-optimizer` keeps its AdamW
+  state in bf16 as HF's run does), `shardlm-zero3` (ep 1, ZeRO-3), and `hf-fsdp2`
   (HF's model, grouped_mm experts, FSDP2 `fully_shard` per decoder layer, bf16 compute / fp32 reduce, as
   the peer's fsdp()).
 Forced-balanced routing: the router's logits and softmax are computed as usual, then token t's k experts
@@ -55,7 +56,9 @@ ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
 MANY = ("shardlm-ep", "shardlm-zero3", "hf-fsdp2")
 SHARDLM = {"shardlm": {}, "shardlm-bf16-optimizer": {"train.optimizer_dtype": "bf16", "train.precision": "bf16"},
            "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
-           "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"}}
+           "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"},
+           "shardlm-ep-bf16-optimizer": {"parallel.ep": "W", "parallel.zero_stage": "1",
+                                         "train.optimizer_dtype": "bf16", "train.precision": "bf16"}}
 HF = {"hf-grouped-compiled": "grouped_mm", "hf-grouped": "grouped_mm", "hf-eager": "eager", "hf-fsdp2": "grouped_mm"}
 BALANCED = {"on": False}  # read inside the patched routers at every call (dynamo guards on it)
 
@@ -316,7 +319,7 @@ def main():
                         "its peak, by allocation site (the snapshot written to DIR)")
     p.add_argument("--systems", nargs="+", default=None,
                    help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, "
-                        "shardlm-bf16-optimizer (1 GPU)")
+                        "shardlm-ep-bf16-optimizer, shardlm-bf16-optimizer (1 GPU)")
     driver_args(p, timeout=480)
     args, extra = p.parse_known_args()
     cpu = args.device == "cpu"  # a smoke run: a shape two gloo ranks train in seconds, in a few GiB
@@ -329,7 +332,7 @@ def main():
     for s in systems:
         if s not in SHARDLM and s not in HF:
             p.error(f"unknown system {s}")
-        if args.gpus > 1 and s in ONE[1:] or args.gpus == 1 and s in ("shardlm-ep", "shardlm-ep-ddp", "hf-fsdp2"):
+        if args.gpus > 1 and s in ONE[1:] or args.gpus == 1 and (s.startswith("shardlm-ep") or s == "hf-fsdp2"):
             p.error(f"{s} runs on {'1 GPU' if s in ONE else '2 or more'}")
     env = job_env(ROOT)
     if args.device == "cpu":

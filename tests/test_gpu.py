@@ -300,7 +300,10 @@ def test_compiled_lora_blocks_equal_eager_in_bf16(recompute):
         assert (grads[name] - want).norm() <= 0.03 * want.norm(), name
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
 @pytest.mark.parametrize("one_shot", [True, False])
 def test_tensor_parallel_decode_on_gpus_gives_one_gpus_tokens(one_shot, tmp_path):
     """tp 2 decoding over NCCL, its all-reduces by the one-shot kernel over symmetric memory or by NCCL
@@ -317,3 +320,20 @@ def test_tensor_parallel_decode_on_gpus_gives_one_gpus_tokens(one_shot, tmp_path
     got = run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, one_shot, timeout=300,
                           device="cuda")
     assert got == [[want, one_shot]] * 2
+
+
+@two_gpus
+def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
+    """In bf16, as users serve: at tp 2 each sum is one addition either way and the gathered logits are copies,
+    so the tokens are the same; the one-token prompt's prefill all-reduces fit the buffers and take the one-shot
+    kernel too, in the prefill's compiled block (dynamic shapes)."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5], [3, 1, 4, 1, 5, 9, 2, 6]]
+    one_shot, nccl = (run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, flag, "bf16",
+                                      timeout=300, device="cuda") for flag in (True, False))
+    assert one_shot[0][0] == one_shot[1][0] == nccl[0][0] == nccl[1][0]
+    assert [r[1] for r in one_shot] == [True, True] and [r[1] for r in nccl] == [False, False]

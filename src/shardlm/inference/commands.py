@@ -269,6 +269,7 @@ def cmd_generate(argv: list[str]) -> int:
     model, tok, cfg = _load(a)
     from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
+    from ..parallel.tensor import tensor_parallel_group
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
     requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, r in enumerate(rows)]
@@ -281,8 +282,8 @@ def cmd_generate(argv: list[str]) -> int:
             raise ConfigError(f"{row['where']}: a prompt of {n} token{'s' if n != 1 else ''} + {row['max_new_from']} "
                               f"{r.max_new_tokens} exceeds the model's max_seq_len {cfg.max_seq_len}: {fix}")
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    engine = Engine(model, slots_that_fit(model, max_len, min(a.max_batch, len(requests))), max_len,
-                    compile=COMPILE[a.compile], decode=tok.decode)
+    slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model))
+    engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.decode)
     if a.input is None:
         (r,) = engine.run(requests)
         if a.main:

@@ -38,8 +38,8 @@ class Engine:
     as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
     not tensor-parallel, else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
     those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`. `one_shot`:
-    a compiled tensor-parallel model's small all-reduces by the one-shot kernel (one_shot.py; None: where the
-    GPUs allow it, True: an error where they do not; every rank constructs its engine at once).
+    a tensor-parallel model's small all-reduces and logits' all-gather by the one-shot kernel (one_shot.py;
+    None: where the GPUs allow it, True: an error where they do not; every rank constructs its engine at once).
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""

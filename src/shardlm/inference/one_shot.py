@@ -9,11 +9,14 @@ TensorRT-LLM's one-shot all-reduce, PyTorch's `symm_mem.one_shot_all_reduce`, wh
 Its input must lie in symmetric memory mapped by every rank, so the partial sums are first copied into a
 buffer allocated and exchanged (rendezvous) once, before any CUDA graph is captured: Inductor's own lowering
 of the op allocates buffers that are exchanged inside the graphs' memory pool, which fails CUDA graph
-trees' check, so the op is called through an operator of shardlm's own. No two all-reduces in a row
-share a buffer, which makes reuse safe: a rank refills a buffer only after the barrier of the next
-all-reduce, which no peer passes before it has finished reading that buffer. The row-parallel linears take
-two buffers in turn, in the order they run, and the embedding's all-reduce, which follows the last of them
-in the next step, a third; the logits' all-gather, between them, a fourth.
+trees' check, so the op is called through an operator of shardlm's own. torch's kernel barriers before its
+reads and after them, so a rank refills a buffer only once every peer has read it; the all-reduces still
+take turns over separate buffers (the row-parallel linears two, the embedding a third, the logits'
+all-gather a fourth), which keeps reuse safe under a kernel that barriers only before.
+
+Unlike NCCL's, these barriers have no timeout: a rank whose step failed leaves its peers' GPUs waiting. Every
+rank therefore decides together whether to use them (the same shapes, one agreed answer on the hardware),
+and NCCL stays where the memory cannot be shared.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         buf = self.buffer
-        if x.numel() > buf.numel() or x.dtype != buf.dtype:
+        if x.numel() > buf.numel() or x.dtype != buf.dtype or not aligned(x.numel(), x):
             x = x.contiguous()
             dist.all_reduce(x, group=self.group)
             return x
@@ -85,25 +88,42 @@ class OneShotAllGather:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() * self.world > self.buffer.numel() or x.dtype != self.buffer.dtype:
+        n = x.numel() * self.world
+        if n > self.buffer.numel() or x.dtype != self.buffer.dtype or not aligned(n, x):
             parts = [torch.empty_like(x) for _ in range(self.world)]
             dist.all_gather(parts, x.contiguous(), group=self.group)
             return torch.cat(parts, dim=-1)
         return one_shot_all_gather(x.contiguous(), self.buffer, self.group.group_name, self.rank, self.world)
 
 
-def peers_mapped(group) -> bool:
-    """Whether every rank of `group` holds a GPU of this host that can read each other rank's GPU directly
-    (NVLink or PCIe peer access): what symmetric memory needs. A collective: every rank of the group calls
-    it, and all get the same answer."""
-    here = (socket.gethostname(), torch.cuda.current_device())
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, here, group=group)
-    mine = here[1]
-    ok = all(host == here[0] and (d == mine or torch.cuda.can_device_access_peer(mine, d)) for host, d in everyone)
+def aligned(numel: int, like: torch.Tensor) -> bool:
+    """Whether `numel` elements of `like`'s dtype fill whole 4-byte words, as torch's kernel requires (an odd
+    count of bf16 logits at an odd tp degree does not)."""
+    return numel * like.element_size() % 4 == 0
+
+
+def agreed(ok: bool, group) -> bool:
+    """Whether `ok` holds on every rank of `group` (a collective over the GPUs)."""
     flag = torch.tensor([int(ok)], device="cuda")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def peers_mapped(group) -> bool:
+    """Whether every rank of `group` holds a GPU of this host that this process sees and can read directly
+    (NVLink or PCIe peer access): what symmetric memory needs. GPUs are told apart by their UUIDs, since
+    ranks that each see one GPU all call it device 0. A collective, every rank the same answer."""
+    def uuid(i: int) -> str:
+        return str(getattr(torch.cuda.get_device_properties(i), "uuid", i))
+
+    mine = torch.cuda.current_device()
+    here = (socket.gethostname(), uuid(mine))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, here, group=group)
+    seen = {uuid(i): i for i in range(torch.cuda.device_count())}
+    ok = all(host == here[0] and d in seen and (seen[d] == mine or torch.cuda.can_device_access_peer(mine, seen[d]))
+             for host, d in everyone)
+    return agreed(ok, group)
 
 
 def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None) -> bool:
@@ -137,27 +157,39 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
             raise RuntimeError(f"one-shot all-reduces asked for, but {why}")
         return False
     group = layers[0].group
-    buffers = [symmetric_buffer(numel, weight, group) for _ in range(3)]
+    world = dist.get_world_size(group)
+    vocab = max((rows * -(-head.vocab_size // world) * world for head in heads), default=0)
+    if vocab * weight.element_size() > MAX_BYTES:  # the logits' all-gather stays NCCL's
+        vocab = 0
+    buffers = symmetric_buffers([numel] * 3 + ([vocab] if vocab else []), weight, group)
+    if buffers is None:
+        if one_shot:
+            raise RuntimeError("one-shot all-reduces asked for, but a rank could not allocate symmetric memory")
+        return False
     for i, layer in enumerate(m for m in layers if isinstance(m, RowParallelLinear)):
         layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group)
     for layer in layers:
         if isinstance(layer, VocabParallelEmbedding):
             layer.small_all_reduce = OneShotAllReduce(buffers[2], group)
-    for head in heads:  # the logits, between the last block's all-reduce and the next step's embedding's
-        world = dist.get_world_size(group)
-        vocab = rows * -(-head.vocab_size // world) * world
-        if vocab * weight.element_size() <= MAX_BYTES:
-            head.small_all_gather = OneShotAllGather(symmetric_buffer(vocab, weight, group), group)
+    for head in heads if vocab else ():  # the logits: after the last block's all-reduce, before the embedding's
+        head.small_all_gather = OneShotAllGather(buffers[3], group)
     return True
 
 
-def symmetric_buffer(numel: int, like: torch.Tensor, group) -> torch.Tensor:
-    """A symmetric buffer of `numel` elements of `like`'s dtype on its device, exchanged over `group` and
-    used once, outside any CUDA graph (the op's first call on a buffer allocates, in torch 2.11)."""
+def symmetric_buffers(sizes: list[int], like: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Symmetric buffers of at least `sizes` elements of `like`'s dtype on its device (rounded up to 8: whole
+    16-byte vectors), exchanged over `group` and each used once, outside any CUDA graph (the op's first call
+    on a buffer allocates, in torch 2.11); None on every rank where one could not allocate them."""
     from torch.distributed import _symmetric_memory as symm_mem
-    buf = symm_mem.empty(numel, dtype=like.dtype, device=like.device)
-    symm_mem.rendezvous(buf, group.group_name)
-    torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
-    # a CUDA graph may then write into it: its address never changes
-    torch._dynamo.mark_static_address(buf)
-    return buf
+    try:
+        buffers = [symm_mem.empty(-(-n // 8) * 8, dtype=like.dtype, device=like.device) for n in sizes]
+    except RuntimeError:  # a driver or container without the memory-sharing handles symmetric memory needs
+        buffers = None
+    if not agreed(buffers is not None, group):
+        return None
+    for buf in buffers:
+        symm_mem.rendezvous(buf, group.group_name)
+        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+        # a CUDA graph may then write into it: its address never changes
+        torch._dynamo.mark_static_address(buf)
+    return buffers

@@ -310,6 +310,11 @@ class VocabParallelOutput(nn.Module):
 
 # ---- the transform -----------------------------------------------------------------------------------
 
+def tensor_parallel_group(model: nn.Module):
+    """The process group of `model`'s tensor-parallel layers; None for a model without them."""
+    return next((m.group for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+
+
 def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
     """Shard a decoder over `group`, in place, on the meta device (before its weights exist): the linears of
     every block, the embeddings, the head and the loss are replaced by their parallel versions; the norms
