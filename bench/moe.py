@@ -359,12 +359,12 @@ def main():
     by = {(r["system"], r["routing"]): r for r in rows}
     print(f"\n{card} x{args.gpus}, {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}/GPU "
           f"(MFU on active parameters)")
-    print(f"{'system':<24}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
+    print(f"{'system':<28}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
           f"{'x ' + ref:>23}")
     for r in rows:
         b = by.get((ref, r["routing"]))
         load = f"{r['max_over_mean']:.2f}" if r["max_over_mean"] else "-"
-        print(f"{r['system']:<24}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
+        print(f"{r['system']:<28}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
               f"{r['peak_mem_gib']:>9.1f}{load:>9}{r['dropped_tokens']:>8}"
               f"{r['tok_s_gpu'] / b['tok_s_gpu'] if b else float('nan'):>23.2f}")
     for s in dict.fromkeys(r["system"] for r in rows):
