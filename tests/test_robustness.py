@@ -209,9 +209,10 @@ def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
     assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
 
 
-def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys):
-    """A full disk (ENOSPC) while step 4 is written: the run ends with status 1 and one line; step 2's
-    checkpoint is there and verifies; no partial directory is left."""
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys, fmt):
+    """A full disk (ENOSPC) while step 4 is written, in either checkpoint format: the run ends with status 1
+    and one line; step 2's checkpoint is there and verifies; no partial directory is left."""
     import shardlm.checkpoint as ckpt
     from shardlm.cli import main
 
@@ -221,7 +222,8 @@ def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fai
         return open(file, mode, *args, **kwargs)
     monkeypatch.setattr(ckpt, "open", full_disk, raising=False)
     run = tmp_path / "run"
-    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run)])
+    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run),
+                   "--train.checkpoint_format", fmt])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and "saving step 4" in err[-1] and "No space left on device" in err[-1]
     assert "step_00000002 is kept" in err[-1]
