@@ -296,8 +296,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if seq % p.cp:
         raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if p.cp > 1 and p.cp_comm == "p2p" and not m.capacity_factor and seq % (2 * p.cp):
-        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {show('cp', p.cp)} for ring attention's zig-zag "
-                          f"layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
+        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {key('cp')} ({p.cp}) = {2 * p.cp} for ring "
+                          f"attention's zig-zag layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
     if p.sp and p.tp == 1:
         raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
     if p.sp and seq % (p.tp * p.cp):
