@@ -209,6 +209,16 @@ def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
     assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
 
 
+def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from(tmp_path):
+    """A run killed while writing step 4 (its temporary directory left): the next start says which step's save
+    was lost and which complete checkpoint the run stands at."""
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    (run / "checkpoints" / ".tmp-step_00000004-12345").mkdir()
+    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    assert "(step 4, cut short by a crash or kill); the newest complete checkpoint is step_00000002" in proc.stdout
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys, fmt):
     """A full disk (ENOSPC) while step 4 is written, in either checkpoint format: the run ends with status 1
