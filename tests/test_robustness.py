@@ -398,6 +398,17 @@ def test_version_and_the_first_log_line_at_step_one(tmp_path):
     assert "step      1 | loss" in out  # the initial loss, long before log_every
 
 
+def test_a_console_without_the_progress_bar_shows_the_time_left(tmp_path, capsys):
+    """Output to a file or pipe (a scheduler's log) has no tqdm bar: the step lines carry the ETA instead, from
+    the second logged step (the first's time includes the start-up) to the one before the last."""
+    import re
+
+    from helpers import cli_here
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "4", "--out", tmp_path / "run")
+    lines = [x for x in out.splitlines() if x.startswith("step  ")]
+    assert [bool(re.search(r" \| eta (\d+h\d\dm|\d+m\d\ds|\d+s)$", x)) for x in lines] == [False, True, True, False]
+
+
 def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
     """`shardlm train | head`: stdout's reader leaves. The run ended in a BrokenPipeError's traceback, the steps
     since its last checkpoint lost; it now stops after the next step as a signal does, saved, with SIGPIPE's
