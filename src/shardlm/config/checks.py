@@ -285,10 +285,13 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                     + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
                        if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
+    both = math.gcd(m.num_heads, m.ffn_size)  # the tp values that fit, named: the fix is one of them
+    fits = [str(d) for d in range(2, both + 1) if both % d == 0]
+    fits = f": {key('tp')} can be {', '.join(fits)} for this model" if fits else f": no {key('tp')} above 1 fits it"
     if m.num_heads % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads{fits}")
     if m.ffn_size % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features{fits}")
     if p.cp_comm == "a2a" and (m.num_heads // p.tp) % p.cp:
         raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
                           f"rank holds: Ulysses' context parallelism splits them over its ranks around attention "
