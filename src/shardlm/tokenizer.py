@@ -14,7 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 BYTE_EOS = "<|endoftext|>"
-HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",  # transformers >= 4.47's
+                 "generation_config.json")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
