@@ -64,6 +64,10 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.router_bias_update_rate": "0.001"}, "model.router_bias_update_rate = 0.001 applies to a mixture"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
+    # The preset's num_kv_heads, left set under --model.arch gpt2, is the key named.
+    ({"model.arch": "gpt2"}, "model.num_kv_heads = 2 needs model.arch = 'llama'"),
+    ({"parallel.cp": "2", "parallel.cp_comm": "p2p", "train.seq_len": "30"},
+     "train.seq_len = 30 must divide by 2 x parallel.cp (2) = 4 for ring attention's zig-zag layout"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),

@@ -277,6 +277,32 @@ def test_a_runs_checkpoint_and_export_keep_the_tokenizers_chat_template_and_end_
         assert json.loads((where / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
+def test_a_chat_template_in_chat_template_jinja_is_rendered_and_kept(tmp_path, capsys):
+    """transformers >= 4.47 saves a tokenizer's template as chat_template.jinja, which wins over one in
+    tokenizer_config.json: prepare renders with it (it was ignored, the plain fallback rendered instead), and the
+    dataset, the run's checkpoint and its export keep it."""
+    from helpers import cli_here
+    from shardlm.tokenizer import load_tokenizer
+    tok_dir = tmp_path / "tok"
+    load_tokenizer("byte").save(tok_dir)
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                               "chat_template": "{{ 'stale' }}"}))
+    (tok_dir / "chat_template.jinja").write_text(template)
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "yo"}]}] * 8)
+    cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
+             "--pad-to", 24)
+    assert trained_text(tmp_path / "data")[0].startswith("yo#")
+    assert trained_text(tmp_path / "data")[1].startswith("[user]hi#[assistant]")
+    cli_here(capsys, "train", "tiny", "--data.path", tmp_path / "data", "--train.seq_len", 24, "--train.steps", 1,
+             "--data.eval_windows", 0, "--train.eval_every", 0, "--train.sample_tokens", 0, "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    for where in (tmp_path / "data", tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf"):
+        assert (where / "chat_template.jinja").read_text() == template, where
+
+
 def _source_with_tokenizer(tmp_path, generation_config: dict):
     """A tiny HF directory with the tests' tokenizer and `generation_config` as its generation_config.json."""
     from helpers import make_tokenizer

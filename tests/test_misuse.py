@@ -207,6 +207,15 @@ CASES = [
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),
     # generate and eval
     ("generate-no-model", ["generate", "--model", "{new}", "--prompt", "x"], "no such directory", 2),
+    # no tokenizer.json: converted from the slow tokenizer's files there, else copied from the model's source
+    ("generate-slow-tokenizer", ["generate", "--model", "{slowtok}", "--prompt", "x"], "slowtok: it holds "
+     "tokenizer.model, a slow tokenizer's files, which shardlm does not read; transformers writes their "
+     "tokenizer.json: `AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`", 2),
+    ("generate-no-tokenizer", ["generate", "--model", "{notok}", "--prompt", "x"], "no tokenizer.json at ", 2),
+    ("generate-no-tokenizer-how", ["generate", "--model", "{notok}", "--prompt", "x"],
+     "notok; copy the tokenizer's files (tokenizer.json, tokenizer_config.json) from where the model came from", 2),
+    ("prepare-slow-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{slowtok}", "--out", "{new}"],
+     "the directory holds no tokenizer.json: it holds tokenizer.model, a slow tokenizer's files", 2),
     ("generate-pickled", ["generate", "--model", "{pickled}", "--prompt", "x"],
      "has no *.safetensors weights: it holds pytorch_model.bin", 2),
     ("serve-no-weights", ["serve", "--model", "{noweights}", "--port", "0"],
@@ -418,6 +427,10 @@ def world(tmp_path_factory):
         p[name] = root / name
         shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(load_file(p["exp"] / "model.safetensors"), p["pickled"] / "pytorch_model.bin")
+    for name in ("slowtok", "notok"):  # no tokenizer.json: Llama's SentencePiece file instead, or nothing
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("tokenizer*"))
+    (p["slowtok"] / "tokenizer.model").write_bytes(b"\x0a\x00")
     for name in ("nokey", "badjson"):  # config.json cut short: without a key the model needs, or not JSON at all
         p[name] = root / name
         shutil.copytree(p["exp"], p[name])

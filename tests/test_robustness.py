@@ -209,9 +209,20 @@ def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
     assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
 
 
-def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys):
-    """A full disk (ENOSPC) while step 4 is written: the run ends with status 1 and one line; step 2's
-    checkpoint is there and verifies; no partial directory is left."""
+def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from(tmp_path):
+    """A run killed while writing step 4 (its temporary directory left): the next start says which step's save
+    was lost and which complete checkpoint the run stands at."""
+    run = tmp_path / "run"
+    train_cli("--train.steps", 2, "--out", run, check=True)
+    (run / "checkpoints" / ".tmp-step_00000004-12345").mkdir()
+    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    assert "(step 4, cut short by a crash or kill); the newest complete checkpoint is step_00000002" in proc.stdout
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys, fmt):
+    """A full disk (ENOSPC) while step 4 is written, in either checkpoint format: the run ends with status 1
+    and one line; step 2's checkpoint is there and verifies; no partial directory is left."""
     import shardlm.checkpoint as ckpt
     from shardlm.cli import main
 
@@ -221,7 +232,8 @@ def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fai
         return open(file, mode, *args, **kwargs)
     monkeypatch.setattr(ckpt, "open", full_disk, raising=False)
     run = tmp_path / "run"
-    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run)])
+    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run),
+                   "--train.checkpoint_format", fmt])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and "saving step 4" in err[-1] and "No space left on device" in err[-1]
     assert "step_00000002 is kept" in err[-1]
@@ -384,6 +396,17 @@ def test_version_and_the_first_log_line_at_step_one(tmp_path):
     out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
                   "--out", tmp_path / "run").stdout
     assert "step      1 | loss" in out  # the initial loss, long before log_every
+
+
+def test_a_console_without_the_progress_bar_shows_the_time_left(tmp_path, capsys):
+    """Output to a file or pipe (a scheduler's log) has no tqdm bar: the step lines carry the ETA instead, from
+    the second logged step (the first's time includes the start-up) to the one before the last."""
+    import re
+
+    from helpers import cli_here
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "4", "--out", tmp_path / "run")
+    lines = [x for x in out.splitlines() if x.startswith("step  ")]
+    assert [bool(re.search(r" \| eta (\d+h\d\dm|\d+m\d\ds|\d+s)$", x)) for x in lines] == [False, True, True, False]
 
 
 def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):

@@ -265,6 +265,9 @@ def test_export_of_a_tensor_parallel_run_is_the_one_process_runs_hf_directory(tm
 
 @pytest.mark.parametrize("overrides, world, message", [
     ({"parallel.tp": "3"}, 3, "parallel.tp = 3 does not divide the 4 attention heads"),
+    ({"parallel.tp": "3"}, 3, "heads: parallel.tp can be 2, 4 for this model"),  # the values that fit, named
+    ({"parallel.tp": "2", "model.ffn_hidden_size": "127"}, 2, "the MLP's 127 hidden features: no parallel.tp above "
+                                                              "1 fits it"),
     ({"parallel.tp": "2"}, 4, "parallel.dp (1) x parallel.tp (2) x parallel.pp (1) = 2 != world size 4"),
     ({"parallel.tp": "2"}, 1, "!= world size 1: start 2 processes, e.g. `torchrun --nproc-per-node 2"),
     ({"parallel.sp": "true"}, 1, "parallel.sp = True (sequence parallelism) needs parallel.tp > 1"),

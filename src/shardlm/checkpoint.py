@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import RunError
 from .generation_config import write_generation_config
@@ -99,11 +98,13 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
+    # write_tensors, not safetensors' save_file, whose I/O errors are not OSError: a full disk must end in
+    # failed_save's line, not a traceback; the checksums come from memory too.
     with _FailingSave(run_dir, step, tmp):
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
-        save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-    return commit_checkpoint(run_dir, step, tmp, state, {}, tokenizer, keep, generation_config=generation_config)
+        written = {name: write_tensors(tmp / name, cpu(tensors), sync=False)
+                   for name, tensors in (("model.safetensors", masters), ("optimizer.safetensors", optimizer))}
+    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, generation_config=generation_config)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:

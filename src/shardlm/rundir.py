@@ -82,8 +82,12 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     except OSError as e:
         return f"--out {out} cannot be written: {e.strerror or e}"
     partial = remove_partial(out)
-    if partial:
-        log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR}")
+    if partial:  # which steps were lost and where the run stands: a resume continues from the newest complete one
+        steps = ", ".join(sorted({str(int(p.name.split("_")[1].split("-")[0])) for p in partial}, key=int))
+        newest = complete_checkpoints(out)
+        log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR} (step {steps}, cut short by a "
+            f"crash or kill); " + (f"the newest complete checkpoint is {newest[-1].name}" if newest else
+                                   "no complete checkpoint is left"))
     return None
 
 

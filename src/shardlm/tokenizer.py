@@ -14,7 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 BYTE_EOS = "<|endoftext|>"
-HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",  # transformers >= 4.47's
+                 "generation_config.json")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -107,6 +108,14 @@ def fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def slow_tokenizer_hint(directory: Path) -> str:
+    """How to get the tokenizer.json a directory lacks from the slow tokenizer's files it holds (Llama's
+    SentencePiece tokenizer.model, GPT-2's vocab.json and merges.txt); "" where it holds none."""
+    slow = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (directory / n).is_file()]
+    return (f": it holds {' and '.join(slow)}, a slow tokenizer's files, which shardlm does not read; transformers "
+            "writes their tokenizer.json: `AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`") if slow else ""
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """`byte`, a tokenizer.json file, or a directory holding one (an HF checkpoint, a run, a data dir)."""
     if str(spec) == "byte":
@@ -114,7 +123,9 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     path = Path(spec)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path}")
+        how = (slow_tokenizer_hint(path) or "; copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
+               "from where the model came from into it") if path.is_dir() else ""
+        raise FileNotFoundError(f"no tokenizer.json at {path}{how}")
     settings = {}
     cfg = file.parent / "tokenizer_config.json"
     if cfg.is_file():

@@ -30,7 +30,7 @@ from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
-from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
+from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
@@ -291,7 +291,7 @@ class Trainer:
                    disable=not self.mesh.is_main or not sys.stderr.isatty())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        since, steps_since = time.perf_counter(), 0
+        since, steps_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
                 loss = self.train_step()
@@ -331,7 +331,8 @@ class Trainer:
                     records.append(rec)
                     self.metrics.log(rec)
                     if self.mesh.is_main:
-                        line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "")
+                        line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "") \
+                            + eta(self.step)
                         with bar.external_write_mode() if not bar.disable else nullcontext():
                             self.log(line)
                     since, steps_since = time.perf_counter(), 0

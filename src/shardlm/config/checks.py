@@ -99,9 +99,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
-    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling or m.sliding_window):
-        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
-                          "sliding_window")
+    llama_only = [f"model.{k} = {v!r}" for k, v in (("num_kv_heads", m.num_kv_heads), ("qkv_bias", m.qkv_bias),
+                  ("rope_scaling", m.rope_scaling), ("sliding_window", m.sliding_window))
+                  if v and not (k == "num_kv_heads" and v == m.num_heads)]
+    if m.arch == "gpt2" and llama_only:  # named: the key is often a preset's, left set under --model.arch gpt2
+        raise ConfigError(f"model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
+                          f"sliding_window: {', '.join(llama_only)} needs model.arch = 'llama' (for GPT-2 leave it "
+                          "unset; model.num_kv_heads 0 is one per head)")
     if m.arch == "llama" and m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
@@ -281,10 +285,13 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                     + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
                        if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
+    both = math.gcd(m.num_heads, m.ffn_size)  # the tp values that fit, named: the fix is one of them
+    fits = [str(d) for d in range(2, both + 1) if both % d == 0]
+    fits = f": {key('tp')} can be {', '.join(fits)} for this model" if fits else f": no {key('tp')} above 1 fits it"
     if m.num_heads % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads{fits}")
     if m.ffn_size % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features{fits}")
     if p.cp_comm == "a2a" and (m.num_heads // p.tp) % p.cp:
         raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
                           f"rank holds: Ulysses' context parallelism splits them over its ranks around attention "
@@ -292,8 +299,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if seq % p.cp:
         raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if p.cp > 1 and p.cp_comm == "p2p" and not m.capacity_factor and seq % (2 * p.cp):
-        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {show('cp', p.cp)} for ring attention's zig-zag "
-                          f"layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
+        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {key('cp')} ({p.cp}) = {2 * p.cp} for ring "
+                          f"attention's zig-zag layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
     if p.sp and p.tp == 1:
         raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
     if p.sp and seq % (p.tp * p.cp):

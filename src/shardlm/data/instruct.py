@@ -4,9 +4,10 @@ completion, the assistant's turns and the end-of-text token that closes them; 0 
 the answers are learned, as in InstructGPT's and Alpaca's supervised fine-tuning.
 
 Each line is {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}. Chat turns are rendered
-with the tokenizer's chat template (tokenizer_config.json's `chat_template`, through jinja2 as transformers
-renders it) when it has one, else as "<|role|>\\ncontent\\n" lines; a turn's tokens are what rendering the
-conversation up to it adds to the rendering before it, masked by whether the assistant said them.
+with the tokenizer's chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`, through
+jinja2 as transformers renders it) when it has one, else as "<|role|>\\ncontent\\n" lines; a turn's tokens are
+what rendering the conversation up to it adds to the rendering before it, masked by whether the assistant said
+them.
 
 With `pad_to` (the training's seq_len) every example is one window: cut at pad_to tokens, or padded to it
 with end-of-text tokens that are not trained on, so no example attends to another (no packing). Without
@@ -47,10 +48,13 @@ def is_instruct(path: Path) -> bool:
 
 def _chat_template(tok: Tokenizer):
     source = getattr(tok, "source", None)
-    cfg = Path(source) / "tokenizer_config.json" if source else None
-    if cfg is None or not cfg.is_file():
+    if not source:
         return None
-    template = json.loads(cfg.read_text()).get("chat_template")
+    # transformers >= 4.47 saves the template as chat_template.jinja, which wins over tokenizer_config.json's
+    # chat_template when both are there, as in transformers' from_pretrained.
+    file, cfg = Path(source) / "chat_template.jinja", Path(source) / "tokenizer_config.json"
+    template = file.read_text(encoding="utf-8") if file.is_file() else \
+        json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
     if not isinstance(template, str):
         return None
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates

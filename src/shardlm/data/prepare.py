@@ -23,7 +23,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer
+from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
 from .documents import PrepareError, iter_pieces
 from .swap import SCRATCH, building
 
@@ -247,7 +247,8 @@ def _load_tokenizer(spec: str | Path) -> Tokenizer:
     path = Path(spec)
     if str(spec) == "byte" or (path / "tokenizer.json" if path.is_dir() else path).is_file():
         return load_tokenizer(spec)
-    where = "the directory holds no tokenizer.json" if path.is_dir() else "no such file or directory"
+    where = f"the directory holds no tokenizer.json{slow_tokenizer_hint(path)}" if path.is_dir() else \
+        "no such file or directory"
     raise FileNotFoundError(f"--tokenizer {spec}: {where}; give 'byte', a tokenizer.json, or a directory holding "
                             "one (for a Hub model, download its tokenizer.json and tokenizer_config.json into a "
                             "directory and give that)")

@@ -105,7 +105,8 @@ def check_layout(name: str, pp: int, v: int, m: int, naming: Naming = Naming()) 
         raise ScheduleError(f"{show('virtual_stages', v)} needs {show('pp_schedule', 'interleaved')} (not {name!r})")
     if name == "interleaved" and m % pp:
         raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of {show('pp', pp)}: "
-                            f"{m} micro-batches per step is not a multiple of it")
+                            f"{m} micro-batches per step is not a multiple of it: change {key('global_batch')} or "
+                            f"{key('micro_batch')} so that it is (or use {show('pp_schedule', '1f1b')})")
     if name in ("1f1b", "interleaved", "zb-h1") and m < pp:
         raise ScheduleError(f"the {name} schedule needs at least {show('pp', pp)} micro-batches per step to "
                             f"fill the pipeline, not {m}: raise {key('global_batch')} or lower "
