@@ -344,3 +344,26 @@ def test_a_text_streamed_in_pieces_gets_the_whole_texts_tokens(tmp_path, monkeyp
     stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
     assert stream == tok.bos_ids + tok.encode(body) + [tok.eos_id]
     assert (tok.bos_ids != []) == (kind == "sentencepiece")
+
+
+def test_sigterm_ends_data_prepare_in_one_line_and_removes_its_partial_output(tmp_path):
+    """A scheduler's SIGTERM during `data prepare` ends it as Ctrl-C does: exit 143, one line, no scratch
+    directory left (it was killed silently, its partial shards left for the next run to remove)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog\n" * 200_000)  # 8.8 MB: seconds to tokenize
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "data", "prepare", "--input", big, "--tokenizer", "byte",
+                             "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("out.prepare-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("prepare finished before the signal")
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("out.prepare-tmp-*")) and not out.exists()

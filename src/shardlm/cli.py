@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -349,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"shardlm: unknown command {cmd!r} (train, eval, generate, serve, data, export, plan)", file=sys.stderr)
         return 2
+    previous = None
+    if cmd in ("data", "export") and threading.current_thread() is threading.main_thread():
+        # A scheduler's or a shell's SIGTERM ends them as Ctrl-C does: their partial output removed, one line.
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return COMMANDS[cmd](rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
@@ -358,11 +363,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout's reader left (`shardlm plan ... | head`): end quietly, as a shell command
         silence_stdout()
         return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # Ctrl-C outside the training loop (which stops at a step's end and saves) or a second one inside it:
         # what the command writes is swapped in whole or kept line by line, so the traceback would say nothing.
-        print(f"\nshardlm {cmd}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 128 + signal.SIGINT
+        how = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        print(f"\nshardlm {cmd}: interrupted ({'SIGTERM' if how == signal.SIGTERM else 'Ctrl-C'})", file=sys.stderr)
+        return 128 + how
+    finally:
+        if previous is not None:  # main() may run inside another program (the tests call it in-process)
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, to unwind it as Ctrl-C does."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
 
 
 if __name__ == "__main__":
