@@ -16,7 +16,8 @@ Every system trains on the same batches, shardlm's default corpus (text routes l
   `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
   `"eager"` (`hf-eager`, a Python loop over experts).
 - 2+ GPUs: `shardlm-ep` (parallel.ep = dp = GPUs, ZeRO-1: faster than DDP for the dense part on 2 H200s in
-  data_parallel's rows; `shardlm-ep-ddp` is the DDP variant, `shardlm-ep-bf16-optimizer` keeps its AdamW
+  data_parallel's rows; `shardlm-ep-ddp` is the DDP variant, `shardlm-ep-exact` sends rows by exact counts
+  (parallel.ep_dispatch exact) where shardlm-ep takes the default (padded at ep 2), `shardlm-ep-bf16-optimizer` keeps its AdamW
   state in bf16 as HF's run does), `shardlm-zero3` (ep 1, ZeRO-3), and `hf-fsdp2`
   (HF's model, grouped_mm experts, FSDP2 `fully_shard` per decoder layer, bf16 compute / fp32 reduce, as
   the peer's fsdp()).
@@ -56,6 +57,7 @@ ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
 MANY = ("shardlm-ep", "shardlm-zero3", "hf-fsdp2")
 SHARDLM = {"shardlm": {}, "shardlm-bf16-optimizer": {"train.optimizer_dtype": "bf16", "train.precision": "bf16"},
            "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
+           "shardlm-ep-exact": {"parallel.ep": "W", "parallel.zero_stage": "1", "parallel.ep_dispatch": "exact"},
            "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"},
            "shardlm-ep-bf16-optimizer": {"parallel.ep": "W", "parallel.zero_stage": "1",
                                          "train.optimizer_dtype": "bf16", "train.precision": "bf16"}}
@@ -318,7 +320,7 @@ def main():
                    help="after the first routing's timing, one step with the allocator's history: what is live at "
                         "its peak, by allocation site (the snapshot written to DIR)")
     p.add_argument("--systems", nargs="+", default=None,
-                   help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, "
+                   help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, shardlm-ep-exact, "
                         "shardlm-ep-bf16-optimizer, shardlm-bf16-optimizer (1 GPU)")
     driver_args(p, timeout=480)
     args, extra = p.parse_known_args()

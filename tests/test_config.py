@@ -46,6 +46,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.cp": "8"}, "parallel.cp = 8 must divide the 4 attention heads each tensor-parallel rank holds"),
     ({"parallel.cp": "8"}, "(ring attention, parallel.cp_comm = 'p2p', does not)"),
     ({"parallel.cp": "2", "parallel.cp_comm": "ring"}, "parallel.cp_comm = 'ring' is not one of a2a, p2p"),
+    ({"parallel.ep_dispatch": "fixed"}, "parallel.ep_dispatch = 'fixed' is not one of auto, padded, exact"),
     ({"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "34"},
      "train.seq_len = 34 must divide by parallel.tp = 2 x parallel.cp (2) for sequence parallelism"),
     ({"parallel.cp": "3", "model.num_heads": "6", "model.num_kv_heads": "6", "model.hidden_size": "48",

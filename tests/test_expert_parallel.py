@@ -49,13 +49,18 @@ def test_expert_parallel_equals_one_process(world, mode, optimizer):
     check(results, reference(common), world, 2)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_ep_4_equals_one_process(mode):
-    """ep 4 at dp 4: one expert a rank (edp 1), each exchange among four ranks."""
-    common = {**equality_case("adamw", 4), **MOE, "train.micro_batch_size": "1"}
-    results = run_distributed(dist_fns.train_and_capture, 4,
-                              {**common, **MODES[mode], "parallel.dp": "4", "parallel.ep": "4"}, timeout=300)
-    check(results, reference(common), 4, 4)
+@pytest.mark.parametrize("world, mode, dispatch", [(4, "ddp", "auto"), (4, "zero3", "padded"), (2, "zero1", "exact")])
+def test_each_dispatch_equals_one_process(world, mode, dispatch):
+    """ep = dp = world under each `parallel.ep_dispatch`: at ep 4 (one expert a rank, each exchange among four
+    ranks) the default sends exact counts, the padded blocks are asked for; at ep 2 the exact form is asked for
+    (the padded one, ep 2's default, is every other test's)."""
+    common = {**equality_case("adamw", world), **MOE}
+    if world == 4:
+        common["train.micro_batch_size"] = "1"
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world), "parallel.ep": str(world),
+                               "parallel.ep_dispatch": dispatch}, timeout=300)
+    check(results, reference(common), world, world)
 
 
 def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):

@@ -651,3 +651,23 @@ def test_small_times_print_with_three_significant_figures():
     assert line.split()[2:4] == duration(e["step_bound_s"]).split() and float(line.split()[2]) >= 1
     step = next(x for x in run_cli("plan", "--model", "tiny").stdout.splitlines() if x.strip().startswith("step time"))
     assert float(step.split()[2]) >= 1 and step.split()[3] in ("s", "ms", "us", "ns")
+
+
+def test_padded_expert_dispatch_is_charged_ep_times_the_routed_rows():
+    """Fixed-size blocks (parallel.ep_dispatch padded, the default at ep 2) hold and send room for every token
+    copy at every peer: the experts' activations ep times a balanced load's (the router's own part unchanged)
+    and the all-to-all ep - 1 blocks where exact counts move (ep - 1) / ep of them; exact beyond ep 2 by
+    default, and under capacity routing always."""
+    m = load_config("moe-1b").model
+    w = Workload(2048, 4, 16)
+
+    def est(ep, dispatch, model=m):
+        return estimate(model, w, Layout(dp=ep, ep=ep, ep_dispatch=dispatch), gpu("h100"))
+    for ep in (2, 4):
+        padded, exact = est(ep, "padded"), est(ep, "exact")
+        assert padded.comm_bytes_per_step["ep"] == pytest.approx(ep * exact.comm_bytes_per_step["ep"])
+        assert padded.memory.activation_per_layer > exact.memory.activation_per_layer
+    assert est(2, "auto").memory.activation_per_layer == est(2, "padded").memory.activation_per_layer
+    assert est(4, "auto").memory.activation_per_layer == est(4, "exact").memory.activation_per_layer
+    dropping = load_config("moe-1b", {"model.capacity_factor": "1.25"}).model
+    assert est(2, "padded", dropping).comm_bytes_per_step["ep"] == est(2, "exact", dropping).comm_bytes_per_step["ep"]

@@ -38,6 +38,7 @@ CHOICES = {
     "parallel.pp_transfer": ("auto", "process_group", "copy_engine"),
     "parallel.pp_schedule": SCHEDULES,
     "parallel.cp_comm": ("a2a", "p2p"),
+    "parallel.ep_dispatch": ("auto", "padded", "exact"),
     "lora.quantize": ("none", "nf4"),
 }
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
@@ -265,7 +266,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
     for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
-                          ("cp_comm", CHOICES["parallel.cp_comm"])):
+                          ("cp_comm", CHOICES["parallel.cp_comm"]), ("ep_dispatch", CHOICES["parallel.ep_dispatch"])):
         if getattr(p, name) not in allowed:
             raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
     if world is not None and p.world != world:

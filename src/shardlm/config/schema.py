@@ -127,6 +127,7 @@ class ParallelConfig:
     cp: int = 1                    # context parallel (sequence split over ranks)
     cp_comm: str = "a2a"           # a2a: Ulysses' all-to-all of heads (context.py) | p2p: ring attention (ring_attention.py)
     ep: int = 1                    # expert parallel, carved out of dp x cp
+    ep_dispatch: str = "auto"      # auto | padded | exact: how rows reach the experts' ranks (parallel/expert.py)
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     tp_async: bool = False         # collectives fused with their matmuls (async_tp.py): refused on GPUs for now
     zero_stage: int = 0
@@ -151,6 +152,11 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    def ep_padded(self, dropless: bool = True) -> bool:
+        """Whether expert parallelism sends its rows in fixed-size blocks (parallel/expert.py): asked for, or
+        "auto" at ep 2; dropless routing only (`dropless`: model.capacity_factor is 0, or not training)."""
+        return self.ep > 1 and dropless and (self.ep_dispatch == "padded" or (self.ep_dispatch == "auto" and self.ep == 2))
 
     @property
     def replicas(self) -> int:

@@ -22,6 +22,17 @@ over the ep group, each inside the step's forward (and again in a recomputed one
      reverse exchange of the gradients;
   3. the local experts' grouped GEMMs on what arrived, rows regrouped by local expert;
   4. `all_to_all_single` of the outputs back (combine), again inside `_AllToAll`.
+`parallel.ep_dispatch` picks how the rows travel. "exact" sends each peer exactly its rows: their counts must
+reach the host first (one sync a layer), which under a compiled block is a graph break and an eager island of
+small operators; two H200s spent 40% of an ep 2 step idle behind the host that way (bench/README.md).
+"padded" (torchtitan's and DeepSpeed's fixed-capacity form, at the dropless capacity) sends every peer a
+block of as many rows as this rank has token copies, its rows first and padding after, so that nothing waits
+for the host and the whole block compiles: the same rows reach the same experts, at ep times the rows a
+balanced load moves and holds (what the exact form needs under its worst load). It needs as many copies on
+every rank: dropless routing over micro-batches of one shape (training's windows, evaluation's shared
+batches); capacity routing's survivors, whose count the host knows anyway, go exactly. "auto": padded at
+ep 2, where that is twice a balanced load, exact beyond.
+
 Routing, the auxiliary losses and the load stay the layer's, on this rank's tokens, as at one process: the
 balance loss of a micro-batch is computed on that micro-batch's tokens at every layout (its counts over the cp
 group where ep spans context-parallel ranks: parallel/context.py).
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ..model.moe import MoE, moe_layers
@@ -37,8 +49,9 @@ from ..sharding import TPSharding
 from .placement import DataPlacement, gather_full, place, tag
 
 
-def expert_parallel(model: nn.Module, mesh) -> None:
-    """Split every MoE layer's routed experts over mesh axis "ep" (a no-op at ep 1); on the meta model."""
+def expert_parallel(model: nn.Module, mesh, padded: bool = False) -> None:
+    """Split every MoE layer's routed experts over mesh axis "ep" (a no-op at ep 1), their rows sent in
+    fixed-size blocks where `padded` (ParallelConfig.ep_padded; the module docstring); on the meta model."""
     ep = mesh.size("ep")
     if ep == 1:
         return
@@ -55,6 +68,7 @@ def expert_parallel(model: nn.Module, mesh) -> None:
             place(linear, DataPlacement(reduce=expert_reduce_view(mesh.size("tp"))))
         layer.__class__ = ExpertParallelMoE
         layer.ep_group, layer.ep, layer.ep_rank = group, ep, rank
+        layer.padded = padded
 
 
 def expert_reduce_view(tp: int) -> str:
@@ -71,9 +85,43 @@ class ExpertParallelMoE(MoE):
     ep_group = None
     ep = 1
     ep_rank = 0
+    padded = False
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Blocks of one size need as many rows on every rank: dropless routing's token copies of micro-batches
+        # of one shape, not capacity routing's survivors (whose count the host knows already).
+        dropless = not (self.capacity_factor > 0 and self.training)
+        return self._padded(rows, counts) if self.padded and dropless else self._exact(rows, counts)
+
+    def _padded(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The four steps over fixed-size blocks: n rows to every peer (n = this rank's token copies), each
+        block this rank's rows for that peer and then padding; no host sync."""
+        ep, local, (n, h) = self.ep, self.num_experts // self.ep, rows.shape
+        # 1. counts exchanged: received[s, e] rows from rank s for local expert e.
+        received = funcol.all_to_all_single(counts, None, None, self.ep_group).view(ep, local)
+        # 2. dispatch: rows are sorted by expert, so by destination; block r takes rows [start_r, start_r +
+        # send_r), padded with a zero row (index n) that also absorbs the padding's gradients.
+        send = counts.view(ep, local).sum(1)
+        j = torch.arange(n, device=rows.device)
+        src = torch.where(j < send[:, None], (send.cumsum(0) - send)[:, None] + j, n)
+        blocks = torch.cat([rows, rows.new_zeros(1, h)])[src.view(-1)]
+        arrived = funcol.all_to_all_single_autograd(blocks, None, None, self.ep_group)  # [ep n, h]
+        # Arrived slot (s, j) holds local expert e's row where j falls in e's range of source s's block, or
+        # padding (e = local). 3. the local experts on the rows grouped by expert (then source, then j), the
+        # padding last, where the grouped GEMMs leave it out (their outputs there are zeros).
+        expert = (j[None, :, None] >= received.cumsum(1)[:, None, :]).sum(-1)  # [ep, n]
+        slot = torch.arange(ep * n, device=rows.device)
+        order = (expert.view(-1) * (ep * n) + slot).argsort()
+        out = self.experts(arrived[order], received.sum(0), self.impl, padded=True)
+        back = torch.empty_like(order).scatter_(0, order, slot)
+        # 4. combine: every slot's output back to the block (and place) it came from, and each row out of its
+        # block: row i of destination r sits at slot r n + i - start_r.
+        returned = funcol.all_to_all_single_autograd(out[back], None, None, self.ep_group)
+        dest = (torch.arange(n, device=rows.device)[:, None] >= send.cumsum(0)).sum(-1)
+        return returned[dest * n + j - (send.cumsum(0) - send)[dest]]
 
     @torch.compiler.disable  # host-side split sizes and collectives: run eagerly between compiled graphs
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _exact(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, self.num_experts // self.ep
         # 1. counts exchanged: received[s, e] rows from rank s for local expert e.
         received = torch.empty_like(counts)
@@ -88,7 +136,7 @@ class ExpertParallelMoE(MoE):
                                             output_size=sum(recv))
         order = expert_of.argsort(stable=True)
         # 3. the local experts.
-        out = self.experts(arrived[order], received.sum(0), self.impl)
+        out = self.experts(arrived[order], received.sum(0), self.impl, padded=True)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         # 4. combine: each output row back to the rank (and place) its token copy came from.

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
                      help="with --offload optimizer at dp 1: the CPU update beside the next forward (exact)")
     lay.add_argument("--cp-comm", default="a2a", choices=("a2a", "p2p"),
                      help="with --cp: Ulysses' all-to-all of heads (a2a) or ring attention (p2p)")
+    lay.add_argument("--ep-dispatch", default="auto", choices=("auto", "padded", "exact"),
+                     help="with --ep: rows sent in fixed-size blocks (padded: ep times a balanced load's memory and "
+                          "bytes, no host sync) or by exact counts; auto: padded at ep 2")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -191,7 +194,8 @@ def run(argv: list[str]) -> int:
     elif a.seq > model.max_seq_len:
         print(f"note: --seq {a.seq} exceeds the model's max_seq_len {model.max_seq_len}: a run at it needs "
               f"--model.max_seq_len {a.seq}", file=sys.stderr)
-    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, zero_stage=a.zero, offload=a.offload,
+    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, ep_dispatch=a.ep_dispatch,
+                    zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,
@@ -217,7 +221,7 @@ def run(argv: list[str]) -> int:
 
 # Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
 TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
-                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "sp", "recompute",
+                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "sp", "recompute",
                  "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo", "lora_targets",
                  "host_memory", "top")
 

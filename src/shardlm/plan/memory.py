@@ -196,7 +196,9 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
             if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
-                mlp = mlp * m.top_k + s * b * (h + m.num_experts) * m.top_k / t
+                # (fixed-size blocks of expert parallelism: room for ep times the copies, parallel/expert.py)
+                padded = L.ep if L.ep_padded(not m.capacity_factor) else 1
+                mlp = (mlp * m.top_k + s * b * h * m.top_k / t) * padded + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
