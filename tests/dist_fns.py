@@ -867,9 +867,10 @@ def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: 
     tiny_trainer(world, overrides, out_dir=out_dir).run()
 
 
-def expert_parallel_layer(rank, world, routing: str):
+def expert_parallel_layer(rank, world, routing: str, padded: bool = False):
     """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
-    them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16). `routing`: "natural", or
+    them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16),
+    its rows sent in fixed-size blocks where `padded`, else by exact counts. `routing`: "natural", or
     "one-rank" (every token to experts 0 and 1, rank 0's: the others receive nothing). Returns this rank's
     outputs, its experts' gradients (of every rank's tokens) and the router's summed over ranks."""
     from shardlm.config import load_config
@@ -880,7 +881,7 @@ def expert_parallel_layer(rank, world, routing: str):
     mesh = build_mesh(dp=world, ep=world)
     with torch.device("meta"):
         model = Decoder(cfg)
-    expert_parallel(model, mesh)
+    expert_parallel(model, mesh, padded)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -118,7 +118,7 @@ def test_expert_parallel_with_recomputation_evaluation_and_a_sample():
 
 @pytest.mark.slow
 def test_compiled_blocks_at_ep_2_equal_eager():
-    """train.compile: the dispatch (host-side split sizes, all-to-alls) runs eagerly between the graphs."""
+    """train.compile: the padded dispatch (ep 2's default) traced into the blocks' graphs equals eager."""
     common = {**equality_case("adamw", 2), **MOE, "train.steps": "2", "parallel.dp": "2", "parallel.ep": "2"}
     eager = run_distributed(dist_fns.train_and_capture, 2, common, timeout=300)
     compiled = run_distributed(dist_fns.train_and_capture, 2, {**common, "train.compile": "true"}, timeout=600)
@@ -127,13 +127,15 @@ def test_compiled_blocks_at_ep_2_equal_eager():
         torch.testing.assert_close(compiled[0]["masters"][name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("routing", ["natural", "one-rank"])
-def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing):
-    """One MoE layer at ep 2: each rank's outputs and input gradients, its block of the experts' gradients and
-    the router's (summed) equal one process's on the same tokens; with every token routed to rank 0's experts
-    rank 1 receives no rows and still takes part in each exchange."""
+def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing, padded):
+    """One MoE layer at ep 2, rows sent by exact counts or in fixed-size blocks: each rank's outputs and input
+    gradients, its block of the experts' gradients and the router's (summed) equal one process's on the same
+    tokens; with every token routed to rank 0's experts rank 1 receives no rows (its blocks all padding) and
+    still takes part in each exchange."""
     ref = dist_fns.expert_parallel_layer(0, 1, routing)  # both ranks' 16 tokens at one process
-    for rank, r in enumerate(run_distributed(dist_fns.expert_parallel_layer, 2, routing, timeout=120)):
+    for rank, r in enumerate(run_distributed(dist_fns.expert_parallel_layer, 2, routing, padded, timeout=120)):
         rows = slice(8 * rank, 8 * (rank + 1))
         torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)

@@ -27,11 +27,12 @@ reach the host first (one sync a layer), which under a compiled block is a graph
 small operators; two H200s spent 40% of an ep 2 step idle behind the host that way (bench/README.md).
 "padded" (torchtitan's and DeepSpeed's fixed-capacity form, at the dropless capacity) sends every peer a
 block of as many rows as this rank has token copies, its rows first and padding after, so that nothing waits
-for the host and the whole block compiles: the same rows reach the same experts, at ep times the rows a
-balanced load moves and holds (what the exact form needs under its worst load). It needs as many copies on
-every rank: dropless routing over micro-batches of one shape (training's windows, evaluation's shared
-batches); capacity routing's survivors, whose count the host knows anyway, go exactly. "auto": padded at
-ep 2, where that is twice a balanced load, exact beyond.
+for the host and the whole block compiles (with the grouped GEMM kernel; the loop fallback reads its group
+sizes): the same rows reach the same experts, at ep times the rows a balanced load moves and holds (what the
+exact form needs under its worst load). It needs as many copies on every rank: dropless routing over
+micro-batches of one shape (training's windows, evaluation's shared batches); capacity routing's survivors,
+whose count the host knows anyway, go exactly. "auto": padded at ep 2, where that is twice a balanced load,
+exact beyond.
 
 Routing, the auxiliary losses and the load stay the layer's, on this rank's tokens, as at one process: the
 balance loss of a micro-batch is computed on that micro-batch's tokens at every layout (its counts over the cp
