@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dist_fns
-from helpers import run_cli
+from helpers import cli_here
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import with_init_from
 from shardlm.model import Decoder
@@ -45,13 +45,13 @@ def test_training_starts_from_the_checkpoints_weights(tmp_path, layout, lora):
         torch.testing.assert_close(masters[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_the_model_section_comes_from_the_checkpoint(tmp_path):
+def test_the_model_section_comes_from_the_checkpoint(tmp_path, capsys):
     path, want = hf_dir(tmp_path, num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3)
     cfg = with_init_from(load_config("tiny", {"train.init_from": str(path), "model.max_seq_len": "64"}),
                          {"model.max_seq_len": "64"})
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.kv_heads, cfg.model.max_seq_len) == (3, 48, 3, 64)
-    run_cli("train", "tiny", "--train.init_from", path, "--train.steps", "2", "--lora.rank", "4",
-            "--out", tmp_path / "run")
+    cli_here(capsys, "train", "tiny", "--train.init_from", path, "--train.steps", "2", "--lora.rank", "4",
+             "--out", tmp_path / "run")
     state = read_hf_dir(path)[1]
     from shardlm.checkpoint import load_checkpoint
     saved = load_checkpoint(tmp_path / "run", with_optimizer=False)["model"]

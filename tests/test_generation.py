@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dist_fns
-from helpers import cli_here, run_cli, save_hf
+from helpers import cli_here, cli_proc, run_cli, save_hf
 from shardlm.config import load_config
 from shardlm.inference import Engine, Request, SamplingParams, generate_ids, generate_many
 from shardlm.inference.sampler import sample
@@ -333,8 +333,8 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
-    run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--max-new-tokens", 6,
-            "--max-batch", 2)
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--max-new-tokens", 6,
+             "--max-batch", 2)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [x["prompt"] for x in lines] and rows[0]["id"] == "a"
     assert [r["completion_tokens"] for r in rows][:2] == [6, 3] and rows[3]["completion"] == ""
@@ -344,11 +344,10 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
         assert json.loads(alone)["completion"] == r["completion"]
     assert "e" not in rows[2]["completion"]
     before = out.read_text()
-    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, check=False)
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and out.read_text() == before
     src.write_text('{"prompt": "a", "top_p": 0}\n')
-    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl",
-                   check=False)
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl")
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
 
 
@@ -515,7 +514,7 @@ def test_quantised_mixture_of_experts_keeps_its_routing():
 
 
 @pytest.mark.parametrize("kind,tp", [("qwen2", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.slow)])
-def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
+def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path, capsys):
     """`generate --tp N` on N ranks (gloo): the training's tensor-parallel layers, each rank holding its slice
     (llama at tp 4: its 2 key/value heads kept whole on every rank), the same completions as one process;
     `eval` of the loss likewise."""
@@ -524,7 +523,7 @@ def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("To be", "or not to be, that is", "whether")))
     args = ["generate", "--model", tmp_path / "hf", "--input", src, "--max-new-tokens", 10, "--max-batch", 2]
-    run_cli(*args, "--output", tmp_path / "one.jsonl")
+    cli_here(capsys, *args, "--output", tmp_path / "one.jsonl")
     assert run_distributed(dist_fns.cli_at_rank, tp, [*args, "--output", tmp_path / "tp.jsonl", "--tp", tp],
                            timeout=240) == [0] * tp
     assert (tmp_path / "tp.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()

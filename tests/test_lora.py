@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dist_fns
 from dp_cases import RTOL
-from helpers import cli_here, run_cli
+from helpers import cli_here
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.model import Decoder
 from shardlm.model.hf import write_hf_dir
@@ -103,8 +103,8 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
     from shardlm.inference import load_pretrained
     from shardlm.tokenizer import load_tokenizer
     run = tmp_path / "run"
-    run_cli("train", "tiny", "--train.steps", "4", "--lora.rank", "4", "--lora.targets", "q_proj,v_proj,down_proj",
-            "--train.lr", "3e-2", "--out", run)
+    cli_here(capsys, "train", "tiny", "--train.steps", "4", "--lora.rank", "4", "--lora.targets",
+             "q_proj,v_proj,down_proj", "--train.lr", "3e-2", "--out", run)
     cfg = load_config("tiny")
     initial = Decoder(cfg.model)
     initial.init_weights(cfg.train.seed)
@@ -135,7 +135,7 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
     g = json.loads(cli_here(capsys, "generate", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter",
                             "--prompt", "To be", "--max-new-tokens", 4, "--json"))
     assert isinstance(g["completion"], str)
-    run_cli("train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
     with pytest.raises(AssertionError, match="not a LoRA run"):
         cli_here(capsys, "export", "--checkpoint", tmp_path / "plain", "--merge", "--out", tmp_path / "x")
 
@@ -255,7 +255,7 @@ def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
     check_equal(run_distributed(dist_fns.train_and_capture, world, over, timeout=240), ref)
 
 
-def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path):
+def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path, capsys):
     """Resuming quantises the saved (dequantised) base again: the same codes, block scales equal up to the
     double quantisation's rounding (parallel/qlora.py), so the losses follow closely, not bit for bit."""
     over = {**QLORA, "train.steps": "6", "train.save_every": "3", "train.keep_checkpoints": "5", "train.device": "cpu",
@@ -264,7 +264,7 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
     resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
                                          str(tmp_path / "a" / "checkpoints" / "step_00000003"))
     torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=1e-3, atol=0)
-    run_cli("export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
     assert (tmp_path / "merged" / "model.safetensors").is_file()
 
 

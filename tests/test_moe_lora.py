@@ -94,13 +94,13 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from helpers import cli_here, run_cli
+    from helpers import cli_here
     from shardlm.checkpoint import load_checkpoint
     from shardlm.inference import load_pretrained
     from shardlm.model.hf import write_hf_dir
     from shardlm.tokenizer import load_tokenizer
     run = tmp_path / "run"
-    run_cli("train", "mixtral-tiny", "--train.steps", "3", "--lora.rank", "4", "--train.lr", "3e-2", "--out", run)
+    cli_here(capsys, "train", "mixtral-tiny", "--train.steps", "3", "--lora.rank", "4", "--train.lr", "3e-2", "--out", run)
     ckpt = load_checkpoint(run, with_optimizer=False)
     cfg = load_config("mixtral-tiny").model
     write_hf_dir({k: v for k, v in ckpt["model"].items() if not is_adapter_key(k)}, cfg, tmp_path / "base",

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_proc, run_cli
 from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.trainer import Trainer, TrainingError
@@ -21,6 +21,19 @@ QUIET = ["--train.tensorboard", "false", "--train.log_every", "1"]
 
 def train_cli(*args, check=False):
     return run_cli("train", "tiny", *QUIET, *map(str, args), check=check)
+
+
+def here(capsys, *args, check=False):
+    """`shardlm ...` in this process (cli_proc): what run_cli returns, without starting Python and importing
+    torch again, where the test needs no process of its own; `check` as run_cli's."""
+    proc = cli_proc(capsys, *args)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def train_here(capsys, *args, check=False):
+    return here(capsys, "train", "tiny", *QUIET, *args, check=check)
 
 
 def steps_of(run):
@@ -38,20 +51,20 @@ def no_traceback(proc, status=None):
 
 # ---- run directories ----------------------------------------------------------------------------------
 
-def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
+def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 6, "--train.save_every", 3, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 6, "--train.save_every", 3, "--out", run, check=True)
     before = [p.name for p in complete_checkpoints(run)]
-    proc = train_cli("--train.steps", 2, "--train.seed", 5, "--out", run)
+    proc = train_here(capsys, "--train.steps", 2, "--train.seed", 5, "--out", run)
     line = no_traceback(proc, 2)
     assert f"{run} already holds a run's checkpoints (up to step_00000006)" in line
     assert f"--resume {run}" in line and "--overwrite" in line
     assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
     # --overwrite deletes only once the new run has passed its checks: a refused one keeps the old run.
-    proc = train_cli("--train.steps", 2, "--train.freeze", "embed_tokens", "--out", run, "--overwrite")
+    proc = train_here(capsys, "--train.steps", 2, "--train.freeze", "embed_tokens", "--out", run, "--overwrite")
     assert "train.freeze: 'embed_tokens' matches no parameter" in no_traceback(proc, 2)
     assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
-    train_cli("--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
+    train_here(capsys, "--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"] and steps_of(run) == [1, 2]
 
 
@@ -64,17 +77,17 @@ def test_rotation_never_deletes_a_checkpoint_for_later_steps(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005", "step_00000010", "step_00000020"]
 
 
-def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path):
+def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path, capsys):
     """Beside later checkpoints it is refused (two futures would mix); with --overwrite the later ones go,
     and metrics.jsonl and TensorBoard keep the history up to the checkpoint, with no step twice."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_00000003"
     args = ["tiny", "--train.log_every", "1", "--train.steps", "6", "--train.save_every", "3", "--out", run]
-    run_cli("train", *args)
-    refused = run_cli("train", *args, "--resume", ckpt, check=False)
+    here(capsys, "train", *args, check=True)
+    refused = here(capsys, "train", *args, "--resume", ckpt)
     assert "holds checkpoints after step_00000003 (step_00000006)" in no_traceback(refused, 2)
-    run_cli("train", *args, "--resume", ckpt, "--overwrite")
+    here(capsys, "train", *args, "--resume", ckpt, "--overwrite", check=True)
     assert steps_of(run) == list(range(1, 7))
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
@@ -102,14 +115,14 @@ def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_che
     assert names() == [] and "deleted the checkpoints (up to step_00000003)" in said[-1]
 
 
-def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
+def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
-    refused = run_cli("train", "--resume", run, "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
-                      "--train.steps", "6", check=False)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
+    refused = here(capsys, "train", "--resume", run, "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
+                   "--train.steps", "6")
     assert "was trained with train.global_batch_size 8" in no_traceback(refused, 2)
-    run_cli("train", "--resume", run, "--out", tmp_path / "other", "--train.global_batch_size", "4",
-            "--train.micro_batch_size", "4", "--train.steps", "6")
+    here(capsys, "train", "--resume", run, "--out", tmp_path / "other", "--train.global_batch_size", "4",
+         "--train.micro_batch_size", "4", "--train.steps", "6", check=True)
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
 
 
@@ -125,12 +138,12 @@ def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
     assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
 
 
-def test_a_resume_with_nothing_to_do_says_so_on_the_main_rank_only(tmp_path):
+def test_a_resume_with_nothing_to_do_says_so_on_the_main_rank_only(tmp_path, capsys):
     """Under torchrun every rank printed `nothing to do`, the copies run together on one line."""
     import dist_fns
     from shardlm.testing.distributed import run_distributed
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     said = run_distributed(dist_fns.lines_of_a_resume, 2, {"train.steps": "2"}, str(run), timeout=120)
     assert [sum("nothing to do" in line for line in lines) for lines in said] == [1, 0], said
 
@@ -199,23 +212,23 @@ def test_an_invalid_state_json_is_named(tmp_path):
         load_checkpoint(path)
 
 
-def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
+def test_unfinished_saves_are_removed_on_the_next_start(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     partial = run / "checkpoints" / ".tmp-step_00000003-12345"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"half")
-    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    proc = here(capsys, "train", "--resume", run, "--train.steps", "3", check=True)
     assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
 
 
-def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from(tmp_path):
+def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from(tmp_path, capsys):
     """A run killed while writing step 4 (its temporary directory left): the next start says which step's save
     was lost and which complete checkpoint the run stands at."""
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     (run / "checkpoints" / ".tmp-step_00000004-12345").mkdir()
-    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    proc = here(capsys, "train", "--resume", run, "--train.steps", "3", check=True)
     assert "(step 4, cut short by a crash or kill); the newest complete checkpoint is step_00000002" in proc.stdout
 
 
@@ -258,15 +271,15 @@ def test_betas_and_momentum_are_in_the_unit_interval(key, value):
         validate(load_config("tiny", {key: value}))
 
 
-def test_non_finite_gradients_before_any_update_blame_the_initialisation_not_the_learning_rate(tmp_path):
-    proc = train_cli("--model.init_std", "1e30", "--out", tmp_path / "run")
+def test_non_finite_gradients_before_any_update_blame_the_initialisation_not_the_learning_rate(tmp_path, capsys):
+    proc = train_here(capsys, "--model.init_std", "1e30", "--out", tmp_path / "run")
     line = no_traceback(proc, 1)
     assert "the gradient of step 1 was not finite" in line and "before any update" in line
     assert "model.init_std" in line and "lower train.lr" not in line
 
 
-def test_non_finite_gradients_after_updates_say_the_run_diverged(tmp_path):
-    proc = train_cli("--train.lr", "1e30", "--train.steps", "5", "--out", tmp_path / "run")
+def test_non_finite_gradients_after_updates_say_the_run_diverged(tmp_path, capsys):
+    proc = train_here(capsys, "--train.lr", "1e30", "--train.steps", "5", "--out", tmp_path / "run")
     line = no_traceback(proc, 1)
     assert "the gradient of step 2 was not finite" in line and "after 1 updates the run diverged" in line
     assert "lower train.lr" in line
@@ -285,13 +298,13 @@ def test_a_nan_loss_in_fp16_is_divergence_not_an_overflow():
     assert all(torch.equal(before[n][2], after[n][2]) for n in before)
 
 
-def test_weights_beyond_fp16s_range_are_never_saved(tmp_path):
+def test_weights_beyond_fp16s_range_are_never_saved(tmp_path, capsys):
     """fp16 SGD with an absurd learning rate: the gradients are finite, the updated fp32 masters too, but
     beyond fp16's range (their 16-bit copies are inf). The run ends with an error naming them and no
     checkpoint of them (status 1 through the command)."""
     run = tmp_path / "run"
-    proc = train_cli("--train.precision", "fp16", "--train.optimizer", "sgd", "--train.lr", "1e9",
-                     "--train.warmup_steps", "0", "--train.grad_clip", "0", "--train.steps", "1", "--out", run)
+    proc = train_here(capsys, "--train.precision", "fp16", "--train.optimizer", "sgd", "--train.lr", "1e9",
+                      "--train.warmup_steps", "0", "--train.grad_clip", "0", "--train.steps", "1", "--out", run)
     line = no_traceback(proc, 1)
     assert "step 1: the weights of" in line and "are not finite in fp16; not saved (no checkpoint was saved)" in line
     assert complete_checkpoints(run) == []
@@ -314,31 +327,31 @@ def test_metrics_stay_strict_json(tmp_path):
 # ---- the errors users cause ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-def test_train_device_cuda_without_a_gpu(tmp_path):
-    line = no_traceback(train_cli("--train.device", "cuda", "--out", tmp_path / "run"), 2)
+def test_train_device_cuda_without_a_gpu(tmp_path, capsys):
+    line = no_traceback(train_here(capsys, "--train.device", "cuda", "--out", tmp_path / "run"), 2)
     assert "train.device = 'cuda', but no CUDA device is visible" in line
 
 
-def test_an_out_that_is_a_file(tmp_path):
+def test_an_out_that_is_a_file(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert "--out " in no_traceback(train_cli("--out", tmp_path / "file"), 2) and "is a file" in \
-        train_cli("--out", tmp_path / "file").stderr
+    line = no_traceback(train_here(capsys, "--out", tmp_path / "file"), 2)
+    assert "--out " in line and "is a file" in line
 
 
-def test_a_cache_directory_that_cannot_be_written_is_named_with_the_fix(tmp_path):
+def test_a_cache_directory_that_cannot_be_written_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
     """The default corpus is tokenized into $XDG_CACHE_HOME/shardlm: where that cannot be written (here: a file
     in its way) the error named a scratch path and no fix."""
     (tmp_path / "file").write_text("")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "file")}
-    proc = run_cli("train", "tiny", "--out", tmp_path / "run", check=False, env=env)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    proc = here(capsys, "train", "tiny", "--out", tmp_path / "run")
     line = no_traceback(proc, 2)
     assert f"cannot be cached in {tmp_path / 'file' / 'shardlm'}: Not a directory" in line
     assert "set XDG_CACHE_HOME to a writable directory" in line and "--data.path" in line
     assert not (tmp_path / "run").exists()
 
 
-def test_missing_rope_scaling_keys(tmp_path):
-    proc = train_cli("--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
+def test_missing_rope_scaling_keys(tmp_path, capsys):
+    proc = train_here(capsys, "--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
     assert "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings" in no_traceback(proc, 2)
 
 
@@ -362,39 +375,40 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
 
 
-def test_an_unusable_offload_dir_is_named(tmp_path):
+def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    proc = train_cli("--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
-                     tmp_path / "file" / "x", "--out", tmp_path / "run")
+    proc = train_here(capsys, "--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
+                      tmp_path / "file" / "x", "--out", tmp_path / "run")
     assert "parallel.offload_dir" in no_traceback(proc, 2)
 
 
-def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path):
+def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     cfg = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
     cfg["config"]["parallel"]["dp"] = 2  # as a dp 2 run saved it
     (run / "checkpoints" / "step_00000002" / "state.json").write_text(json.dumps(cfg))
-    line = no_traceback(run_cli("train", "--resume", run, "--train.steps", "4", check=False), 2)
+    line = no_traceback(here(capsys, "train", "--resume", run, "--train.steps", "4"), 2)
     assert "torchrun --nproc-per-node 2" in line and "--parallel.dp 1" in line
 
 
-def test_vocab_size_comes_from_the_data(tmp_path):
+def test_vocab_size_comes_from_the_data(tmp_path, capsys):
     from helpers import make_tokenizer
     make_tokenizer(tmp_path / "tok", vocab_size=300)
     (tmp_path / "text.txt").write_text("to be or not to be " * 400)
-    run_cli("data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", tmp_path / "tok", "--out", tmp_path / "d")
+    here(capsys, "data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", tmp_path / "tok", "--out", tmp_path / "d",
+         check=True)
     cfg = load_config("tiny", {"model.vocab_size": "0", "data.path": str(tmp_path / "d"), "train.steps": "1",
                                "train.tensorboard": "false", "data.eval_windows": "2"})
     trainer = Trainer(cfg, log=lambda *a: None)
     assert trainer.cfg.model.vocab_size == 300 and trainer.model.embed.weight.shape[0] == 300
 
 
-def test_version_and_the_first_log_line_at_step_one(tmp_path):
+def test_version_and_the_first_log_line_at_step_one(tmp_path, capsys):
     from shardlm import __version__
-    assert run_cli("--version").stdout.strip() == f"shardlm {__version__}"
-    out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
-                  "--out", tmp_path / "run").stdout
+    assert here(capsys, "--version", check=True).stdout.strip() == f"shardlm {__version__}"
+    out = here(capsys, "train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
+                  "--out", tmp_path / "run", check=True).stdout
     assert "step      1 | loss" in out  # the initial loss, long before log_every
 
 

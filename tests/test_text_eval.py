@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_here
 from shardlm.cli import main
 from shardlm.inference import generate_ids, generate_many, load_pretrained, prompt_ids, until_eos
 from shardlm.text_metrics import read_examples, score
@@ -96,9 +96,8 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(batch_size):
 
 def test_eval_cli_scores_its_completions(model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", EXAMPLES)
-    proc = run_cli("eval", "--model", model_dir, "--tasks", "bleu,rouge", "--data", data, "--json",
-                   "--max-new-tokens", 16, "--batch-size", 2)
-    r = json.loads(proc.stdout)
+    r = json.loads(cli_here(capsys, "eval", "--model", model_dir, "--tasks", "bleu,rouge", "--data", data, "--json",
+                            "--max-new-tokens", 16, "--batch-size", 2))
     prompts, refs = read_examples(data)
     assert r["examples"] == len(EXAMPLES) and len(r["completions"]) == len(EXAMPLES)
     assert {k: r[k] for k in ("bleu", "chrf", "rouge1", "rouge2", "rougeL")} == pytest.approx(
