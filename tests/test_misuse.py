@@ -126,6 +126,11 @@ CASES = [
      "is inside the checkpoint", 2),
     ("export-over-dataset", ["export", "--checkpoint", "{run}", "--out", "{data}"], "is a prepared dataset", 2),
     ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
+    # --overwrite replaces a previous export only: never the directory holding the run (`--out .` in a project)
+    ("export-overwrite-project", ["export", "--checkpoint", "{run}", "--out", "{root}", "--overwrite"],
+     "is not a previous export (it holds ", 2),
+    ("export-overwrite-other-files", ["export", "--checkpoint", "{run}", "--out", "{notes}", "--overwrite"],
+     "is not a previous export (it holds notes.txt)", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
@@ -363,6 +368,9 @@ def world(tmp_path_factory):
     p["adapterdir"] = root / "adapterdir"  # what PEFT's save_pretrained writes, weights aside
     p["adapterdir"].mkdir()
     (p["adapterdir"] / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    p["notes"] = root / "notes"  # a directory of the user's own files, no export
+    p["notes"].mkdir()
+    (p["notes"] / "notes.txt").write_text("mine")
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
@@ -469,7 +477,7 @@ def world(tmp_path_factory):
 def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, capsys):
     root, paths = world
     _, argv, fragment, want = case
-    names = {**paths, "new": tmp_path / "new"}
+    names = {**paths, "new": tmp_path / "new", "root": root}
     argv = [str(a).format(**names) for a in argv]
     argv[1:1] = QUIET if argv[0] == "train" else []
     before = _files(root)
