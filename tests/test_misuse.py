@@ -176,6 +176,15 @@ CASES = [
      "text.txt is not a tokenizer.json the tokenizers library can read (", 2),
     ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
                                            "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
+    # tokenizer_config.json valid JSON but wrong: a list, an id for eos_token, an eos_token the vocabulary lacks
+    ("prepare-tokenizer-config-list", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_list}",
+                                       "--out", "{new}"], "tokenizer_config.json holds list, not a JSON object", 2),
+    ("prepare-eos-token-id", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_id}", "--out",
+                              "{new}"], "eos_token is 5, not the token's text", 2),
+    ("prepare-eos-token-unknown", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_unknown}",
+                                   "--out", "{new}"], "eos_token '<nope>' is no token of", 2),
+    ("generate-eos-token-unknown", ["generate", "--model", "{tokconfig_model}", "--prompt", "hi"],
+     "eos_token '<nope>' is no token of", 2),
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
      2),
@@ -389,6 +398,10 @@ def world(tmp_path_factory):
     p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
     shutil.copytree(root / "swapped", p["badtokconfig"])
     (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    for name, settings in (("list", "[]"), ("id", '{"eos_token": 5}'), ("unknown", '{"eos_token": "<nope>"}')):
+        p[f"tokconfig_{name}"] = root / f"tokconfig_{name}"
+        shutil.copytree(root / "swapped", p[f"tokconfig_{name}"])
+        (p[f"tokconfig_{name}"] / "tokenizer_config.json").write_text(settings)
 
     def ok(*argv):
         status = main([str(a) for a in argv])
@@ -410,6 +423,9 @@ def world(tmp_path_factory):
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
        "q_proj,v_proj", "--out", p["lrun"])
     ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
+    shutil.copytree(p["exp"], p["tokconfig_model"])
+    (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
     p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
     p["unsaved"].mkdir()
     shutil.copy(p["run"] / "config.toml", p["unsaved"])
