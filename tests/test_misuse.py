@@ -238,6 +238,12 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
     ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
      "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    # config.json values of the wrong type: each once a traceback, from arithmetic on them or the model's build
+    ("generate-config-string-size", ["generate", "--model", "{strsize}", "--prompt", "x"],
+     "strsize/config.json: the Hugging Face config holds a value of the wrong type (", 2),
+    ("generate-config-null-layers", ["generate", "--model", "{nulllayers}", "--prompt", "x"],
+     "nulllayers/config.json: model.num_layers = None is not a valid int (shardlm's name for the config.json", 2),
+    ("plan-config-string-eps", ["plan", "--model", "{streps}"], "streps/config.json: model.norm_eps = 'x' is not", 2),
     ("generate-config-a-list", ["generate", "--model", "{listconfig}", "--prompt", "x"],
      "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
     ("init-config-a-list", ["train", "tiny", "--train.init_from", "{listconfig}", "--out", "{new}"],
@@ -464,6 +470,11 @@ def world(tmp_path_factory):
     p["deeper"] = root / "deeper"  # the config of another model: one more layer
     p["deeper"].mkdir()
     (p["deeper"] / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
+    for name, wrong in (("strsize", {"hidden_size": "64"}), ("nulllayers", {"num_hidden_layers": None}),
+                        ("streps", {"rms_norm_eps": "x"})):
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+        (p[name] / "config.json").write_text(json.dumps({**hf, **wrong}))
     p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
     p["listconfig"].mkdir()
     (p["listconfig"] / "config.json").write_text("[]")
