@@ -297,6 +297,15 @@ CASES = [
                                        "{new}.jsonl"], "line_cold.jsonl:1: temperature = -1 must not be negative", 2),
     ("generate-line-top-p", ["generate", "--model", "{exp}", "--input", "{line_top_p}", "--output", "{new}.jsonl"],
      "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
+    # a lone surrogate (a \ud800 escape, or bytes the shell passed that are not UTF-8): once the tokenizer's TypeError
+    ("generate-line-surrogate", ["generate", "--model", "{exp}", "--input", "{line_surrogate}", "--output",
+                                 "{new}.jsonl"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("eval-line-surrogate", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{line_surrogate}"],
+     "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("prepare-line-surrogate", ["data", "prepare", "--input", "{line_surrogate}", "--tokenizer", "byte", "--out",
+                                "{new}"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("generate-prompt-not-utf8", ["generate", "--model", "{exp}", "--prompt", "ab\udcff"],
+     "--prompt holds the byte 0xff, which is not UTF-8 text", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
     ("generate-adapter-a-run", ["generate", "--model", "{exp}", "--adapter", "{lrun}", "--prompt", "x"],
@@ -343,7 +352,8 @@ BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
              "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
-             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5}}
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5},
+             "line_surrogate": {"prompt": "a\ud800", "completion": "b"}}  # written as the escape \ud800
 
 
 def _files(root):
