@@ -306,6 +306,8 @@ CASES = [
                                 "{new}"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
     ("generate-prompt-not-utf8", ["generate", "--model", "{exp}", "--prompt", "ab\udcff"],
      "--prompt holds the byte 0xff, which is not UTF-8 text", 2),
+    ("train-override-not-utf8", ["train", "tiny", "--train.sample_prompt", "a\udcff", "--out", "{new}"],
+     "train.sample_prompt holds the byte 0xff, which is not UTF-8 text", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
     ("generate-adapter-a-run", ["generate", "--model", "{exp}", "--adapter", "{lrun}", "--prompt", "x"],
