@@ -131,6 +131,8 @@ CASES = [
      "is not a previous export (it holds ", 2),
     ("export-overwrite-other-files", ["export", "--checkpoint", "{run}", "--out", "{notes}", "--overwrite"],
      "is not a previous export (it holds notes.txt)", 2),
+    ("export-under-a-file", ["export", "--checkpoint", "{run}", "--out", "{file}/hf"],
+     "file is a file, so no directory can be made under it", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],

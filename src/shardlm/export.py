@@ -45,6 +45,10 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
                               "give another --out")
     if os.path.lexists(final) and not final.is_dir():
         raise ConfigError(f"--out {out} is a file: give a directory")
+    # Found here, not after minutes of reading a large checkpoint, and not as the write's bare "File exists".
+    blocked = next((p for p in final.parents if os.path.lexists(p) and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file, so no directory can be made under it; give another --out")
     what = _what(final) if final.is_dir() else None
     if what is not None:
         raise ConfigError(f"--out {out} is {what}: an export never replaces one (even with --overwrite); give a "
