@@ -190,6 +190,10 @@ CASES = [
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
      2),
+    ("plan-a-checkpoint", ["plan", "--model", "{run}/checkpoints/step_00000002"],
+     "it is a checkpoint of a shardlm run; plan it with --model ", 2),
+    ("plan-an-adapter", ["plan", "--model", "{adapterdir}"], "it is a PEFT adapter; plan its base model with --lora-rank",
+     2),
     ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
     ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
     ("plan-nan-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "nan"], "--gpu-tflops nan must be a positive", 2),
