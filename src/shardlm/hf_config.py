@@ -39,6 +39,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                           "config.json (download or save the model again)")
     try:
         cfg = _model_config_from_hf(hf)
+    except ConfigError:  # a ValueError too: its own message, not the wrong-type one below
+        raise
     except KeyError as e:  # a config.json cut short or written by hand: one line, not a traceback
         raise ConfigError(f"the Hugging Face config lacks {e.args[0]!r}, which its architecture needs: it is not a "
                           "complete config.json (download or save the model again)") from None
