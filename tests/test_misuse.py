@@ -179,6 +179,11 @@ CASES = [
     ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
                                            "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
     # tokenizer_config.json valid JSON but wrong: a list, an id for eos_token, an eos_token the vocabulary lacks
+    # a chat template that does not parse, or is not text: once a traceback, and a number taken for no template
+    ("prepare-template-syntax", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_syntax}", "--out",
+                                 "{new}"], "the chat template does not parse (line 1: unexpected '}'", 2),
+    ("prepare-template-number", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_number}", "--out",
+                                 "{new}"], "chat_template is not a template's text", 2),
     ("prepare-tokenizer-config-list", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_list}",
                                        "--out", "{new}"], "tokenizer_config.json holds list, not a JSON object", 2),
     ("prepare-eos-token-id", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_id}", "--out",
@@ -422,6 +427,13 @@ def world(tmp_path_factory):
     p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
     shutil.copytree(root / "swapped", p["badtokconfig"])
     (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    p["chat"] = root / "chat.jsonl"
+    p["chat"].write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "yo"}]}) + "\n")
+    for name, template in (("syntax", "{% for m in messages %}{{ m.content }"), ("number", 5)):
+        p[f"template_{name}"] = root / f"template_{name}"
+        shutil.copytree(root / "swapped", p[f"template_{name}"])
+        (p[f"template_{name}"] / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     for name, settings in (("list", "[]"), ("id", '{"eos_token": 5}'), ("unknown", '{"eos_token": "<nope>"}')):
         p[f"tokconfig_{name}"] = root / f"tokconfig_{name}"
         shutil.copytree(root / "swapped", p[f"tokconfig_{name}"])
