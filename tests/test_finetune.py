@@ -303,6 +303,25 @@ def test_a_chat_template_in_chat_template_jinja_is_rendered_and_kept(tmp_path, c
         assert (where / "chat_template.jinja").read_text() == template, where
 
 
+def test_named_chat_templates_render_with_the_default_one(tmp_path, capsys):
+    """tokenizer_config.json's chat_template as transformers' list of named templates: prepare renders with the one
+    named "default", as transformers does (the list was taken for no template, the plain fallback rendered)."""
+    from helpers import cli_here
+    from shardlm.tokenizer import load_tokenizer
+    tok_dir = tmp_path / "tok"
+    load_tokenizer("byte").save(tok_dir)
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": [
+        {"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": template}]}))
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "yo"}]}] * 8)
+    cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
+             "--pad-to", 24)
+    assert trained_text(tmp_path / "data")[0].startswith("yo#")
+    assert trained_text(tmp_path / "data")[1].startswith("[user]hi#[assistant]")
+
+
 def _source_with_tokenizer(tmp_path, generation_config: dict):
     """A tiny HF directory with the tests' tokenizer and `generation_config` as its generation_config.json."""
     from helpers import make_tokenizer

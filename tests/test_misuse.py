@@ -126,6 +126,13 @@ CASES = [
      "is inside the checkpoint", 2),
     ("export-over-dataset", ["export", "--checkpoint", "{run}", "--out", "{data}"], "is a prepared dataset", 2),
     ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
+    # --overwrite replaces a previous export only: never the directory holding the run (`--out .` in a project)
+    ("export-overwrite-project", ["export", "--checkpoint", "{run}", "--out", "{root}", "--overwrite"],
+     "is not a previous export (it holds ", 2),
+    ("export-overwrite-other-files", ["export", "--checkpoint", "{run}", "--out", "{notes}", "--overwrite"],
+     "is not a previous export (it holds notes.txt)", 2),
+    ("export-under-a-file", ["export", "--checkpoint", "{run}", "--out", "{file}/hf"],
+     "file is a file, so no directory can be made under it", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
@@ -171,8 +178,26 @@ CASES = [
      "text.txt is not a tokenizer.json the tokenizers library can read (", 2),
     ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
                                            "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
+    # tokenizer_config.json valid JSON but wrong: a list, an id for eos_token, an eos_token the vocabulary lacks
+    # a chat template that does not parse, or is not text: once a traceback, and a number taken for no template
+    ("prepare-template-syntax", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_syntax}", "--out",
+                                 "{new}"], "the chat template does not parse (line 1: unexpected '}'", 2),
+    ("prepare-template-number", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_number}", "--out",
+                                 "{new}"], "chat_template is not a template's text", 2),
+    ("prepare-tokenizer-config-list", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_list}",
+                                       "--out", "{new}"], "tokenizer_config.json holds list, not a JSON object", 2),
+    ("prepare-eos-token-id", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_id}", "--out",
+                              "{new}"], "eos_token is 5, not the token's text", 2),
+    ("prepare-eos-token-unknown", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_unknown}",
+                                   "--out", "{new}"], "eos_token '<nope>' is no token of", 2),
+    ("generate-eos-token-unknown", ["generate", "--model", "{tokconfig_model}", "--prompt", "hi"],
+     "eos_token '<nope>' is no token of", 2),
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
+     2),
+    ("plan-a-checkpoint", ["plan", "--model", "{run}/checkpoints/step_00000002"],
+     "it is a checkpoint of a shardlm run; plan it with --model ", 2),
+    ("plan-an-adapter", ["plan", "--model", "{adapterdir}"], "it is a PEFT adapter; plan its base model with --lora-rank",
      2),
     ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
     ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
@@ -224,6 +249,12 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
     ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
      "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    # config.json values of the wrong type: each once a traceback, from arithmetic on them or the model's build
+    ("generate-config-string-size", ["generate", "--model", "{strsize}", "--prompt", "x"],
+     "strsize/config.json: the Hugging Face config holds a value of the wrong type (", 2),
+    ("generate-config-null-layers", ["generate", "--model", "{nulllayers}", "--prompt", "x"],
+     "nulllayers/config.json: model.num_layers = None is not a valid int (shardlm's name for the config.json", 2),
+    ("plan-config-string-eps", ["plan", "--model", "{streps}"], "streps/config.json: model.norm_eps = 'x' is not", 2),
     ("generate-config-a-list", ["generate", "--model", "{listconfig}", "--prompt", "x"],
      "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
     ("init-config-a-list", ["train", "tiny", "--train.init_from", "{listconfig}", "--out", "{new}"],
@@ -277,6 +308,17 @@ CASES = [
                                        "{new}.jsonl"], "line_cold.jsonl:1: temperature = -1 must not be negative", 2),
     ("generate-line-top-p", ["generate", "--model", "{exp}", "--input", "{line_top_p}", "--output", "{new}.jsonl"],
      "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
+    # a lone surrogate (a \ud800 escape, or bytes the shell passed that are not UTF-8): once the tokenizer's TypeError
+    ("generate-line-surrogate", ["generate", "--model", "{exp}", "--input", "{line_surrogate}", "--output",
+                                 "{new}.jsonl"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("eval-line-surrogate", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{line_surrogate}"],
+     "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("prepare-line-surrogate", ["data", "prepare", "--input", "{line_surrogate}", "--tokenizer", "byte", "--out",
+                                "{new}"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("generate-prompt-not-utf8", ["generate", "--model", "{exp}", "--prompt", "ab\udcff"],
+     "--prompt holds the byte 0xff, which is not UTF-8 text", 2),
+    ("train-override-not-utf8", ["train", "tiny", "--train.sample_prompt", "a\udcff", "--out", "{new}"],
+     "train.sample_prompt holds the byte 0xff, which is not UTF-8 text", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
     ("generate-adapter-a-run", ["generate", "--model", "{exp}", "--adapter", "{lrun}", "--prompt", "x"],
@@ -323,7 +365,8 @@ BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
              "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
-             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5}}
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5},
+             "line_surrogate": {"prompt": "a\ud800", "completion": "b"}}  # written as the escape \ud800
 
 
 def _files(root):
@@ -363,6 +406,9 @@ def world(tmp_path_factory):
     p["adapterdir"] = root / "adapterdir"  # what PEFT's save_pretrained writes, weights aside
     p["adapterdir"].mkdir()
     (p["adapterdir"] / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    p["notes"] = root / "notes"  # a directory of the user's own files, no export
+    p["notes"].mkdir()
+    (p["notes"] / "notes.txt").write_text("mine")
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
@@ -381,6 +427,17 @@ def world(tmp_path_factory):
     p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
     shutil.copytree(root / "swapped", p["badtokconfig"])
     (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    p["chat"] = root / "chat.jsonl"
+    p["chat"].write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "yo"}]}) + "\n")
+    for name, template in (("syntax", "{% for m in messages %}{{ m.content }"), ("number", 5)):
+        p[f"template_{name}"] = root / f"template_{name}"
+        shutil.copytree(root / "swapped", p[f"template_{name}"])
+        (p[f"template_{name}"] / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    for name, settings in (("list", "[]"), ("id", '{"eos_token": 5}'), ("unknown", '{"eos_token": "<nope>"}')):
+        p[f"tokconfig_{name}"] = root / f"tokconfig_{name}"
+        shutil.copytree(root / "swapped", p[f"tokconfig_{name}"])
+        (p[f"tokconfig_{name}"] / "tokenizer_config.json").write_text(settings)
 
     def ok(*argv):
         status = main([str(a) for a in argv])
@@ -402,6 +459,9 @@ def world(tmp_path_factory):
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
        "q_proj,v_proj", "--out", p["lrun"])
     ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
+    shutil.copytree(p["exp"], p["tokconfig_model"])
+    (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
     p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
     p["unsaved"].mkdir()
     shutil.copy(p["run"] / "config.toml", p["unsaved"])
@@ -440,6 +500,11 @@ def world(tmp_path_factory):
     p["deeper"] = root / "deeper"  # the config of another model: one more layer
     p["deeper"].mkdir()
     (p["deeper"] / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
+    for name, wrong in (("strsize", {"hidden_size": "64"}), ("nulllayers", {"num_hidden_layers": None}),
+                        ("streps", {"rms_norm_eps": "x"})):
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+        (p[name] / "config.json").write_text(json.dumps({**hf, **wrong}))
     p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
     p["listconfig"].mkdir()
     (p["listconfig"] / "config.json").write_text("[]")
@@ -469,7 +534,7 @@ def world(tmp_path_factory):
 def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, capsys):
     root, paths = world
     _, argv, fragment, want = case
-    names = {**paths, "new": tmp_path / "new"}
+    names = {**paths, "new": tmp_path / "new", "root": root}
     argv = [str(a).format(**names) for a in argv]
     argv[1:1] = QUIET if argv[0] == "train" else []
     before = _files(root)

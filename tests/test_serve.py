@@ -167,6 +167,9 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
 
 BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completions
     (b"{not json", 400, None), (b"[1, 2]", 400, None), ({"prompt": 5}, 400, "prompt"),
+    # a lone surrogate's escape: valid JSON the tokenizer rejects (once a 500 with a TypeError)
+    (b'{"prompt": "a\\ud800", "max_tokens": 2}', 400, "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 400, "messages"),
     ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [0, 99999]}, 400, "prompt"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"), ({"prompt": "x", "temperature": "hot"}, 400,
                                                                   "temperature"),

@@ -38,10 +38,24 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"the Hugging Face config is a JSON {type(hf).__name__}, not an object of keys: it is not a "
                           "config.json (download or save the model again)")
     try:
-        return _model_config_from_hf(hf)
+        cfg = _model_config_from_hf(hf)
+    except ConfigError:  # a ValueError too: its own message, not the wrong-type one below
+        raise
     except KeyError as e:  # a config.json cut short or written by hand: one line, not a traceback
         raise ConfigError(f"the Hugging Face config lacks {e.args[0]!r}, which its architecture needs: it is not a "
                           "complete config.json (download or save the model again)") from None
+    except (TypeError, ValueError) as e:  # "hidden_size": "64", "rope_parameters": [...]: arithmetic on it failed
+        raise ConfigError(f"the Hugging Face config holds a value of the wrong type ({e}): fix config.json, or "
+                          "download or save the model again") from None
+    # Every value as the TOML path checks it (ConfigError naming the key): "num_hidden_layers": null or
+    # "rms_norm_eps": "x" once reached the model's build and ended there in a traceback.
+    typed = Config()
+    try:
+        apply_overrides(typed, {f"model.{k}": v for k, v in vars(cfg).items()})
+    except ConfigError as e:
+        raise ConfigError(f"{e} (shardlm's name for the config.json key): fix config.json, or download or save "
+                          "the model again") from None
+    return typed.model
 
 
 def _model_config_from_hf(hf: dict) -> ModelConfig:

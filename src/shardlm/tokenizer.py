@@ -133,11 +133,20 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
             settings = json.loads(cfg.read_text())
         except ValueError as e:  # json's own message names neither the file nor what it is
             raise ValueError(f"{cfg} is not valid JSON ({e}): fetch or write it again") from None
+    if not isinstance(settings, dict):  # `[]` once ended in an AttributeError's traceback
+        raise ValueError(f"{cfg} holds {type(settings).__name__}, not a JSON object: fetch or write it again")
     eos, bos = (v.get("content") if isinstance(v, dict) else v for v in (settings.get("eos_token"),
                                                                           settings.get("bos_token")))
+    for key, value in (("eos_token", eos), ("bos_token", bos)):
+        if value is not None and not isinstance(value, str):  # an id where the token's text belongs
+            raise ValueError(f"{cfg}: {key} is {value!r}, not the token's text (e.g. \"</s>\"): fix it there")
     try:
         tok = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
         raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read ({e}): give a "
                          "Hugging Face tokenizer.json, a directory holding one, or 'byte'") from None
+    if eos and tok.token_to_id(eos) is None:
+        # Silently no end-of-text otherwise: documents packed with nothing between them, generation that never
+        # stops on it.
+        raise ValueError(f"{cfg}: eos_token {eos!r} is no token of {file}: name one it holds there")
     return Tokenizer(tok, source=file.parent, eos_token=eos, bos_token=bos)

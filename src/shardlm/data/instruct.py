@@ -53,17 +53,29 @@ def _chat_template(tok: Tokenizer):
     # transformers >= 4.47 saves the template as chat_template.jinja, which wins over tokenizer_config.json's
     # chat_template when both are there, as in transformers' from_pretrained.
     file, cfg = Path(source) / "chat_template.jinja", Path(source) / "tokenizer_config.json"
+    where = file if file.is_file() else cfg
     template = file.read_text(encoding="utf-8") if file.is_file() else \
         json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
-    if not isinstance(template, str):
+    if isinstance(template, list):  # transformers' named templates: it renders with the one named "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        template)
+    if template is None:
         return None
+    if not isinstance(template, str):  # once taken for no template: data prepare then used the fallback format
+        raise InstructError(f"{where}: chat_template is not a template's text (or a list of named ones with a "
+                            "'default'): fix it, or remove it")
+    import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
 
     def raise_exception(message):  # the helper transformers gives templates, for their own checks
         raise InstructError(message)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:  # once a traceback (serve's start, data prepare)
+        raise InstructError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}): fix it, or "
+                            "remove it") from None
 
 
 def chat_prompter(tok: Tokenizer):

@@ -31,4 +31,26 @@ def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[
                 raise error(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
                 raise error(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object{expected}")
+            # Valid UTF-8 holds no lone surrogate, but a \ud800 escape makes one, which tokenizers reject with a
+            # TypeError's traceback (generate --input, eval, instruction data): named here, with its field.
+            if "\\u" in line and (found := unpaired_surrogate(record)):
+                raise error(f"{where}: {found[0]!r} holds an unpaired surrogate ({found[1]!a}), not Unicode text")
             yield where, record, len(raw)
+
+
+def unpaired_surrogate(value, path: str = "") -> tuple[str, str] | None:
+    """(where in `value`, e.g. "messages[0].content", the character) of the first string, key or value,
+    holding a lone UTF-16 surrogate, which UTF-8 cannot encode; None where there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path or "the value", e.object[e.start]
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = unpaired_surrogate(key, inner) if isinstance(key, str) else None
+        if found := found or unpaired_surrogate(item, inner):
+            return found
+    return None

@@ -106,7 +106,12 @@ def model_from_args(a) -> ModelConfig:
             cfg_file = path / "config.json" if path.is_dir() else path
             if not cfg_file.is_file():
                 run = path / "config.toml"  # a shardlm run directory records the config it trained with
-                fix = f": it is a shardlm run; plan it with --model {run}" if run.is_file() else ""
+                above = path.parent.parent / "config.toml"  # a checkpoint's: RUN/checkpoints/step_N
+                fix = (f": it is a shardlm run; plan it with --model {run}" if run.is_file() else
+                       f": it is a checkpoint of a shardlm run; plan it with --model {above}"
+                       if (path / "state.json").is_file() and above.is_file() else
+                       ": it is a PEFT adapter; plan its base model with --lora-rank (adapter_config.json's r)"
+                       if (path / "adapter_config.json").is_file() else "")
                 raise PlanError(f"--model {a.model}: no config.json there{fix}")
             try:  # the error names the file: json's and the config's own messages do not
                 cfg = model_config_from_hf(json.loads(cfg_file.read_text()))

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..data.jsonl import unpaired_surrogate
 from ..inference import Request
 from .protocol import APIError, Models, Params, chat_params, completion_params
 from .responses import DONE, Answer, TextStream, error_event
@@ -113,10 +114,15 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     async def body_of(http: HTTPRequest):
         try:
-            return json.loads(await http.body())
+            body = json.loads(await http.body())
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
                                 "aren't using your HTTP library correctly.)") from None
+        # A "\ud800" escape parses to a lone surrogate, which the tokenizer rejects: a 400 naming it, not a 500.
+        if found := unpaired_surrogate(body):
+            raise APIError(400, f"'{found[0]}' holds an unpaired surrogate ({found[1]!a}), which is not Unicode "
+                                "text.", found[0].split(".")[0].split("[")[0], "invalid_value")
+        return body
 
     def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
