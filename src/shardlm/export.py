@@ -6,9 +6,9 @@ prepared dataset are never export targets, and any other directory that is not e
 --overwrite. The export is built in a scratch directory beside --out and swapped in complete (data/swap.py),
 so a failed or killed export leaves --out as it was.
 
---overwrite once replaced any non-empty directory: `--out . --overwrite` run in a project directory swapped the
-whole directory (the run being exported included) for the export. Now it replaces only what looks like a previous
-export: files alone, config.json or adapter_config.json among them.
+--overwrite replaces only what looks like a previous export (files alone, config.json or adapter_config.json
+among them): everything in --out is deleted, and `--out . --overwrite` in a project directory must not take the
+project, and the run being exported, with it.
 """
 from __future__ import annotations
 
