@@ -106,7 +106,7 @@ def cmd_train(argv: list[str]) -> int:
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
-                heartbeat.close()
+                heartbeat.close(wait=False)  # os._exit runs no interpreter shutdown for its thread to outlive
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)

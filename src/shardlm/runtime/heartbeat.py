@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 PREFIX = "shardlm/heartbeat/"
+BEAT_TIMEOUT_S = 2.0  # a beat's wait for the store: what closing may wait for where the store is unreachable
 FAILED = "shardlm/failed/"  # then torchrun's restart count (a key outlives the attempt that set it) and the rank
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where is told in shardlm's own source
 WATCHERS = {os.path.join(PACKAGE, "runtime", f) for f in ("heartbeat.py", "watchdog.py")}  # not in these
@@ -145,7 +146,7 @@ class Heartbeat(Peers):
             if (here := self._where()) != where:
                 where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
-                store = store or self._client()
+                store = store or self._client(BEAT_TIMEOUT_S)
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
                 store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}{at}")
@@ -160,8 +161,13 @@ class Heartbeat(Peers):
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
             pass
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop beating; `wait`: until the thread has ended. A beat may be inside the store client's
+        constructor, retrying an unreachable store (a launch by hand without torchrun), and that C++ call left
+        running at interpreter exit aborts the process (SIGABRT and a C++ trace instead of the exit status)."""
         self.stop.set()
+        if wait:
+            self.thread.join(timeout=BEAT_TIMEOUT_S + 2 * self.interval)
 
 
 def _ended(pid: int) -> bool:
