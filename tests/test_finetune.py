@@ -282,20 +282,7 @@ def test_a_chat_template_in_chat_template_jinja_is_rendered_and_kept(tmp_path, c
     tokenizer_config.json: prepare renders with it (it was ignored, the plain fallback rendered instead), and the
     dataset, the run's checkpoint and its export keep it."""
     from helpers import cli_here
-    from shardlm.tokenizer import load_tokenizer
-    tok_dir = tmp_path / "tok"
-    load_tokenizer("byte").save(tok_dir)
-    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
-               "{% if add_generation_prompt %}[assistant]{% endif %}"
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                               "chat_template": "{{ 'stale' }}"}))
-    (tok_dir / "chat_template.jinja").write_text(template)
-    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                            {"role": "assistant", "content": "yo"}]}] * 8)
-    cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
-             "--pad-to", 24)
-    assert trained_text(tmp_path / "data")[0].startswith("yo#")
-    assert trained_text(tmp_path / "data")[1].startswith("[user]hi#[assistant]")
+    template = _prepare_chat(tmp_path, capsys, "{{ 'stale' }}", jinja=True)
     cli_here(capsys, "train", "tiny", "--data.path", tmp_path / "data", "--train.seq_len", 24, "--train.steps", 1,
              "--data.eval_windows", 0, "--train.eval_every", 0, "--train.sample_tokens", 0, "--out", tmp_path / "run")
     cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
@@ -306,20 +293,32 @@ def test_a_chat_template_in_chat_template_jinja_is_rendered_and_kept(tmp_path, c
 def test_named_chat_templates_render_with_the_default_one(tmp_path, capsys):
     """tokenizer_config.json's chat_template as transformers' list of named templates: prepare renders with the one
     named "default", as transformers does (the list was taken for no template, the plain fallback rendered)."""
+    _prepare_chat(tmp_path, capsys, [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                                     {"name": "default", "template": CHAT}])
+
+
+CHAT = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+       "{% if add_generation_prompt %}[assistant]{% endif %}"
+
+
+def _prepare_chat(tmp_path, capsys, in_config, jinja: bool = False) -> str:
+    """`data prepare` of one chat, with tokenizer_config.json's chat_template `in_config` (and CHAT in
+    chat_template.jinja where `jinja`) into tmp_path/data, asserting CHAT rendered it; returns CHAT."""
     from helpers import cli_here
     from shardlm.tokenizer import load_tokenizer
     tok_dir = tmp_path / "tok"
     load_tokenizer("byte").save(tok_dir)
-    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
-               "{% if add_generation_prompt %}[assistant]{% endif %}"
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": [
-        {"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": template}]}))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                               "chat_template": in_config}))
+    if jinja:
+        (tok_dir / "chat_template.jinja").write_text(CHAT)
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                             {"role": "assistant", "content": "yo"}]}] * 8)
     cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
              "--pad-to", 24)
     assert trained_text(tmp_path / "data")[0].startswith("yo#")
     assert trained_text(tmp_path / "data")[1].startswith("[user]hi#[assistant]")
+    return CHAT
 
 
 def _source_with_tokenizer(tmp_path, generation_config: dict):
