@@ -103,8 +103,10 @@ class ExpertParallelMoE(MoE):
         # 2. dispatch: rows are sorted by expert, so by destination; block r takes rows [start_r, start_r +
         # send_r), padded with a zero row (index n) that also absorbs the padding's gradients.
         send = counts.view(ep, local).sum(1)
+        end = send.cumsum(0)
+        start = end - send
         j = torch.arange(n, device=rows.device)
-        src = torch.where(j < send[:, None], (send.cumsum(0) - send)[:, None] + j, n)
+        src = torch.where(j < send[:, None], start[:, None] + j, n)
         blocks = torch.cat([rows, rows.new_zeros(1, h)])[src.view(-1)]
         arrived = funcol.all_to_all_single_autograd(blocks, None, None, self.ep_group)  # [ep n, h]
         # Arrived slot (s, j) holds local expert e's row where j falls in e's range of source s's block, or
@@ -118,8 +120,8 @@ class ExpertParallelMoE(MoE):
         # 4. combine: every slot's output back to the block (and place) it came from, and each row out of its
         # block: row i of destination r sits at slot r n + i - start_r.
         returned = funcol.all_to_all_single_autograd(out[back], None, None, self.ep_group)
-        dest = (torch.arange(n, device=rows.device)[:, None] >= send.cumsum(0)).sum(-1)
-        return returned[dest * n + j - (send.cumsum(0) - send)[dest]]
+        dest = (j[:, None] >= end).sum(-1)
+        return returned[dest * n + j - start[dest]]
 
     @torch.compiler.disable  # host-side split sizes and collectives: run eagerly between compiled graphs
     def _exact(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
