@@ -46,7 +46,7 @@ def _resolve_source(source: str) -> Path:
 def _convert(key: str, value: Any, typ: Any) -> Any:
     """Turn a TOML value or a command-line string into the field's type, or fail naming the key."""
     if isinstance(value, str) and not value.isascii():
-        _refuse_surrogates(key, value)
+        refuse_non_utf8(key, value)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -87,15 +87,17 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
 
 
-def _refuse_surrogates(key: str, value: str) -> None:
-    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape): the run
-    would fail later, writing config.toml, in a message that named no key."""
+def refuse_non_utf8(name: str, value: str, fix: str = "") -> None:
+    """ConfigError naming `name` where `value` is not UTF-8 text: bytes that are not UTF-8 on the command line
+    reach Python as lone surrogates (surrogateescape), which fail later where a message names nothing (writing
+    config.toml, a tokenizer's TypeError). `fix`: another way out, added to the message."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         byte = ord(e.object[e.start]) - 0xDC00
         what = f"the byte {byte:#04x}" if 0x80 <= byte <= 0xFF else repr(e.object[e.start])
-        raise ConfigError(f"{key} holds {what}, which is not UTF-8 text: use a UTF-8 terminal or locale") from None
+        raise ConfigError(f"{name} holds {what}, which is not UTF-8 text: use a UTF-8 terminal or locale{fix}") \
+            from None
 
 
 def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:

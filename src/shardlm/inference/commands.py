@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
-from ..data.jsonl import unpaired_surrogate
+from ..config.load import refuse_non_utf8
 from .request_lines import INT64, input_file, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
@@ -253,13 +253,7 @@ def cmd_generate(argv: list[str]) -> int:
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
     for flag, text in [("--prompt", a.prompt or "")] + [("--stop", s) for s in a.stop]:
-        # Bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape), which the tokenizer
-        # rejects with a TypeError's traceback.
-        if found := unpaired_surrogate(text):
-            byte = ord(found[1]) - 0xDC00
-            what = f"the byte {byte:#04x}" if 0x80 <= byte <= 0xFF else repr(found[1])
-            raise ConfigError(f"{flag} holds {what}, which is not UTF-8 text: use a UTF-8 terminal or locale, "
-                              "or put the prompt in an --input file")
+        refuse_non_utf8(flag, text, ", or put the prompt in an --input file")
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
