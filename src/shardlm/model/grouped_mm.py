@@ -8,21 +8,15 @@ import torch
 import torch.nn.functional as F
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl: str = "auto",
-               padded: bool = False) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [N, in] whose rows are sorted into groups of counts[e] rows, weight [E, out, in]: each group times
-    its weight transposed, [N, out]. Rows past the groups (sum counts < N) are padding: their outputs are
-    left unwritten by the grouped kernel, zeros where `padded` (and always in the loop). `impl`: grouped
+    its weight transposed, [N, out]. Rows past the groups (sum counts < N) are padding, whose outputs are
+    never read: the grouped kernel leaves them unwritten, the loop writes zeros. `impl`: grouped
     (torch._grouped_mm), loop, or auto (grouped where this device, dtype and the shapes allow it)."""
     if impl == "grouped" or (impl == "auto" and grouped_available(x, weight)):
         if x.device.type == "cpu" and torch.compiler.is_compiling():
-            y = _eager_grouped_mm(x, weight, counts)  # the compiler's shape rules are the GPU kernel's (bf16)
-        else:
-            y = _grouped_mm(x, weight, counts)
-        if padded:
-            written = torch.arange(x.shape[0], device=x.device) < counts.sum()
-            y = torch.where(written[:, None], y, 0)
-        return y
+            return _eager_grouped_mm(x, weight, counts)  # the compiler's shape rules are the GPU kernel's (bf16)
+        return _grouped_mm(x, weight, counts)
     ends = counts.tolist()  # one host sync for the group sizes
     ends.append(x.shape[0] - sum(ends))
     parts = [F.linear(xe, weight[e]) if e < len(weight) else x.new_zeros(ends[e], weight.shape[1])

@@ -50,10 +50,10 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, out_features, in_features))
         self.init_std = init_std  # read by Decoder.init_parameter
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto", padded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         """Rows of `x` sorted by expert, counts[e] of them for expert e: each row times its expert's weight
-        (grouped_mm's `padded` for rows past them)."""
-        return grouped_mm(x, self.weight, counts, impl, padded)
+        (rows past them: grouped_mm's padding)."""
+        return grouped_mm(x, self.weight, counts, impl)
 
 
 class SwiGLU(nn.Module):
@@ -80,11 +80,9 @@ class Experts(nn.Module):
         self.up = GroupedLinear(e, h, 2 * f, cfg.init_std)  # rows [gate; up] per expert
         self.down = GroupedLinear(e, f, h, cfg.init_std / math.sqrt(2 * cfg.num_layers))  # GPT-2's residual init
 
-    def forward(self, x, counts, impl="auto", padded=False):
-        """Rows of x sorted by expert, counts[e] for expert e; `padded`: rows past them too, whose outputs are
-        zeros (expert parallelism's fixed-size blocks)."""
+    def forward(self, x, counts, impl="auto"):
         gate, up = self.up(x, counts, impl).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, counts, impl, padded)
+        return self.down(F.silu(gate) * up, counts, impl)
 
 
 class MoE(nn.Module):

@@ -111,11 +111,12 @@ class ExpertParallelMoE(MoE):
         arrived = funcol.all_to_all_single_autograd(blocks, None, None, self.ep_group)  # [ep n, h]
         # Arrived slot (s, j) holds local expert e's row where j falls in e's range of source s's block, or
         # padding (e = local). 3. the local experts on the rows grouped by expert (then source, then j), the
-        # padding last, where the grouped GEMMs leave it out (their outputs there are zeros).
+        # padding last, where the grouped GEMMs leave it out (its outputs go back as padding, never read, and
+        # take no gradient).
         expert = (j[None, :, None] >= received.cumsum(1)[:, None, :]).sum(-1)  # [ep, n]
         slot = torch.arange(ep * n, device=rows.device)
         order = (expert.view(-1) * (ep * n) + slot).argsort()
-        out = self.experts(arrived[order], received.sum(0), self.impl, padded=True)
+        out = self.experts(arrived[order], received.sum(0), self.impl)
         back = torch.empty_like(order).scatter_(0, order, slot)
         # 4. combine: every slot's output back to the block (and place) it came from, and each row out of its
         # block: row i of destination r sits at slot r n + i - start_r.
@@ -139,7 +140,7 @@ class ExpertParallelMoE(MoE):
                                             output_size=sum(recv))
         order = expert_of.argsort(stable=True)
         # 3. the local experts.
-        out = self.experts(arrived[order], received.sum(0), self.impl, padded=True)
+        out = self.experts(arrived[order], received.sum(0), self.impl)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         # 4. combine: each output row back to the rank (and place) its token copy came from.
