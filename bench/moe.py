@@ -6,12 +6,15 @@ MixtralForCausalLM of exactly the same shape, on one GPU and with expert paralle
                         [--memory-snapshot DIR]
                         [--shardlm.extra overrides]
 
-Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job times
-natural routing, then forced-balanced routing (the routing read at each step: a compiled graph recompiles).
+Each system runs as its own `torchrun` job (clean allocator, honest peaks); with --routing both, one job warms up
+(compiles) both routings, then times each in --rounds rounds, alternating which goes first (a machine just started
+runs its first minutes slower), and reports each one's median round (the routing read at each step: a compiled
+graph recompiles on the first switch).
 Every system trains on the same batches, shardlm's default corpus (text routes less evenly than random ids).
 - 1 GPU: `shardlm` (Trainer: bf16 parameters, fp32 masters, fused AdamW, blocks compiled), its
   `shardlm-bf16-optimizer` variant (train.optimizer_dtype bf16: masters and moments in bf16, as HF's run keeps
-  its AdamW states), and HF's Mixtral in
+  its AdamW states; `shardlm-bf16-optimizer-kept-grads` keeps one gradient buffer for the run, train.free_grads
+  false), and HF's Mixtral in
   bf16 weights with torch's fused AdamW as ../shared/bench/peer_baseline.py measures it, with
   `experts_implementation="grouped_mm"` compiled (`hf-grouped-compiled`) and eager (`hf-grouped`), and
   `"eager"` (`hf-eager`, a Python loop over experts).
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -56,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
 MANY = ("shardlm-ep", "shardlm-zero3", "hf-fsdp2")
 SHARDLM = {"shardlm": {}, "shardlm-bf16-optimizer": {"train.optimizer_dtype": "bf16", "train.precision": "bf16"},
+           "shardlm-bf16-optimizer-kept-grads": {"train.optimizer_dtype": "bf16", "train.precision": "bf16",
+                                                 "train.free_grads": "false"},
            "shardlm-ep": {"parallel.ep": "W", "parallel.zero_stage": "1"},
            "shardlm-ep-exact": {"parallel.ep": "W", "parallel.zero_stage": "1", "parallel.ep_dispatch": "exact"},
            "shardlm-ep-ddp": {"parallel.ep": "W"}, "shardlm-zero3": {"parallel.zero_stage": "3"},
@@ -229,24 +235,39 @@ def worker(args, extra):
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             dist.init_process_group("nccl" if cuda else "gloo")
         step, routers = hf_step(system, m, args, world)
+    def loads() -> dict:  # the statistics since the last call (a collective)
+        return trainer.moe.stats() if trainer else hf_loads(routers)
+
+    for routing in routings:  # every routing compiled before any is timed (a switch recompiles once)
+        BALANCED["on"] = routing == "balanced"
+        for _ in range(args.warm):
+            step()
+    if args.memory_snapshot and rank == 0:
+        record_memory_history(args.device, on=False)  # timed without the stacks' cost
+    # Rounds alternate which routing goes first, so that neither takes the machine's slower start alone.
+    times, peaks, stats = {r: [] for r in routings}, dict.fromkeys(routings, 0.0), {}
+    for k in range(args.rounds):
+        for routing in routings if k % 2 == 0 else routings[::-1]:
+            BALANCED["on"] = routing == "balanced"
+            step()  # the switch's step (a graph's guards fail once), then the warm-up's statistics dropped
+            loads()
+            dt, mem = timed(step, 0, args.steps, args.device)
+            times[routing].append(dt)
+            peaks[routing] = max(peaks[routing], mem)
+            stats[routing] = loads()
     rows = []
     for routing in routings:
         BALANCED["on"] = routing == "balanced"
-        for _ in range(args.warm):  # (a compiled graph recompiles on the switch here)
-            step()
-        stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the warm-up's statistics dropped
-        if args.memory_snapshot and rank == 0:
-            record_memory_history(args.device, on=False)  # timed without the stacks' cost
-        dt, mem = timed(step, 0, args.steps, args.device)
-        stats = trainer.moe.stats() if trainer else hf_loads(routers)  # the timed steps' (a collective)
+        dt, mem = statistics.median(times[routing]), peaks[routing]
         if trainer:
             mem += trainer.engine.symmetric_bytes() / 2**30 if cuda else 0.0
-        loads = [v for k, v in stats.items() if k.endswith("max_over_mean")]
+        load = [v for key, v in stats[routing].items() if key.endswith("max_over_mean")]
         tokens = args.micro_batch * args.seq
         rows.append({"system": system, "routing": routing, "gpus": world, "step_s": dt, "tok_s_gpu": tokens / dt,
                      "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem,
-                     "max_over_mean": max(loads) if loads else None,
-                     "dropped_tokens": sum(v for k, v in stats.items() if k.endswith("/dropped"))})
+                     "rounds_tok_s": [round(tokens / t) for t in times[routing]],
+                     "max_over_mean": max(load) if load else None,
+                     "dropped_tokens": sum(v for key, v in stats[routing].items() if key.endswith("/dropped"))})
         if rank == 0:  # after each routing: a job cut short keeps what it measured
             print("RESULT " + json.dumps({"rows": rows}), flush=True)
         if args.memory_snapshot and cuda and routing == routings[0]:
@@ -311,7 +332,9 @@ def main():
     p.add_argument("--seq", type=int, default=None, help="default 2048 (128 with --device cpu)")
     p.add_argument("--micro-batch", type=int, default=None, help="default 4 (2 with --device cpu)")
     p.add_argument("--warm", type=int, default=3, help="steps before each routing's timing (compilation)")
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=15, help="timed steps of each routing in each round")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timings of each routing, alternating which goes first; the median round is reported")
     p.add_argument("--routing", default="both", choices=("natural", "balanced", "both"))
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on gloo (mixtral-tiny), not recorded")
     p.add_argument("--profile", type=int, default=0, help="steps profiled after each routing's timing")
@@ -321,7 +344,7 @@ def main():
                         "its peak, by allocation site (the snapshot written to DIR)")
     p.add_argument("--systems", nargs="+", default=None,
                    help=f"default {' '.join(ONE)} on 1 GPU, {' '.join(MANY)} on more; also shardlm-ep-ddp, shardlm-ep-exact, "
-                        "shardlm-ep-bf16-optimizer, shardlm-bf16-optimizer (1 GPU)")
+                        "shardlm-ep-bf16-optimizer, shardlm-bf16-optimizer(-kept-grads) (1 GPU)")
     driver_args(p, timeout=480)
     args, extra = p.parse_known_args()
     cpu = args.device == "cpu"  # a smoke run: a shape two gloo ranks train in seconds, in a few GiB
@@ -348,7 +371,7 @@ def main():
     if args.memory_snapshot:
         args.memory_snapshot = str(Path(args.memory_snapshot).resolve())
         Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
-    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "routing", "device", "profile",
+    own = forwarded(args, ("preset", "seq", "micro_batch", "warm", "steps", "rounds", "routing", "device", "profile",
                            "profile_dir", "memory_snapshot"))
     jobs = run_systems(__file__, systems, lambda s: args.gpus, lambda s: [*own, *extra] if s in SHARDLM else own,
                        env, args.timeout, args.budget)

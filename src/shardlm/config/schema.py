@@ -79,6 +79,9 @@ class TrainConfig:
     # fp32 | bf16: the optimizer's master weights and moments (bf16: HF's pure-bf16 training, each update rounded
     # to bf16, the parameters their own masters where the optimizer is not sharded; needs precision bf16)
     optimizer_dtype: str = "fp32"
+    # one process: the gradients' memory given back after each step and taken again bucket by bucket as backward
+    # reaches them (torch's zero_grad(set_to_none=True)); false keeps one buffer for the run (one optimizer launch)
+    free_grads: bool = True
     # none | selective (attention core) | full (each block from its input) | full-skip-down (full, but the
     # recomputed forward skips the MLP's down projection: no more memory) | full-skip-out-down (also the
     # attention's output projection, keeping each block's mid-residual): model/recompute.py

@@ -125,6 +125,10 @@ class LoRAShapes:
         return 4 * matmul + 6 * self.adapter_count(m) + attention
 
 
+# Buckets of gradients taken and given back by one process (train.free_grads): about a block of a 1B model, so
+# that backward holds little more than the blocks it has reached while the update stays a few launches a step.
+FREE_GRAD_BUCKET_MB = 128
+
 NF4_BLOCK = 64  # weights per absmax scale in QLoRA's NF4 (the paper's and torchao's)
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)  # codes, int8 scales, their fp32 scales
 

@@ -30,6 +30,7 @@ class Layout(ParallelConfig):
     attention: str = "flash"       # flash | standard
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: every weight trained
+    free_grads: bool = True        # one process gives its gradients' memory back between steps (train.free_grads)
 
     @property
     def gpus(self) -> int:
@@ -39,7 +40,8 @@ class Layout(ParallelConfig):
     def from_config(cls, cfg: Config) -> Layout:
         """The layout a training config runs."""
         return cls(**vars(cfg.parallel), recompute=cfg.train.recompute, precision=cfg.train.precision,
-                   optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora)
+                   optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora,
+                   free_grads=cfg.train.free_grads)
 
 
 FLAGS = Naming(flags=True)
