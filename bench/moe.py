@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 from common import (PEAK, busy_line, driver_args, forwarded, job_env, memory_at_peak, profile_steps, record,
-                    record_memory_history, run_systems, timed)
+                    record_memory_history, run_systems, shardlm_trainer, timed)
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE = ("shardlm", "hf-grouped-compiled", "hf-grouped", "hf-eager")
@@ -221,13 +221,10 @@ def worker(args, extra):
     if args.memory_snapshot and rank == 0:
         record_memory_history(args.device)  # before the model and its states exist, so that they are named too
     if system in SHARDLM:
-        from shardlm.trainer import Trainer
         patch_shardlm_router()
-        trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
-
-        def step():
-            trainer.train_step()
-            trainer.step += 1
+        # Python's collector on Trainer.run's schedule: left to itself it stops one rank at a time, and the
+        # other waits at the next all-to-all
+        trainer, step = shardlm_trainer(args.preset, over)
     else:
         patch_hf_router()
         if world > 1 and not dist.is_initialized():
