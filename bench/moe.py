@@ -258,12 +258,13 @@ def worker(args, extra):
         dt, mem = statistics.median(times[routing]), peaks[routing]
         if trainer:
             mem += trainer.engine.symmetric_bytes() / 2**30 if cuda else 0.0
-        load = [v for key, v in stats[routing].items() if key.endswith("max_over_mean")]
+        load = [v for key, v in stats[routing].items() if key.endswith("/max_over_mean")]
+        ranks = [v for key, v in stats[routing].items() if key.endswith("/ep_max_over_mean")]
         tokens = args.micro_batch * args.seq
         rows.append({"system": system, "routing": routing, "gpus": world, "step_s": dt, "tok_s_gpu": tokens / dt,
                      "mfu": tokens / dt * m.flops_per_token(args.seq) / PEAK, "peak_mem_gib": mem,
                      "rounds_tok_s": [round(tokens / t) for t in times[routing]],
-                     "max_over_mean": max(load) if load else None,
+                     "max_over_mean": max(load) if load else None, "ep_max_over_mean": max(ranks) if ranks else None,
                      "dropped_tokens": sum(v for key, v in stats[routing].items() if key.endswith("/dropped"))})
         if rank == 0:  # after each routing: a job cut short keeps what it measured
             print("RESULT " + json.dumps({"rows": rows}), flush=True)
@@ -381,13 +382,15 @@ def main():
     by = {(r["system"], r["routing"]): r for r in rows}
     print(f"\n{card} x{args.gpus}, {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}/GPU "
           f"(MFU on active parameters)")
-    print(f"{'system':<28}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean':>9}{'dropped':>8}"
+    print(f"{'system':<28}{'routing':<10}{'tok/s/GPU':>10}{'MFU':>7}{'peak GiB':>9}{'max/mean (ep)':>14}{'dropped':>8}"
           f"{'x ' + ref:>23}")
     for r in rows:
         b = by.get((ref, r["routing"]))
         load = f"{r['max_over_mean']:.2f}" if r["max_over_mean"] else "-"
+        if r.get("ep_max_over_mean"):  # the busiest expert-parallel rank's load
+            load = f"{load}/{r['ep_max_over_mean']:.2f}"
         print(f"{r['system']:<28}{r['routing']:<10}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
-              f"{r['peak_mem_gib']:>9.1f}{load:>9}{r['dropped_tokens']:>8}"
+              f"{r['peak_mem_gib']:>9.1f}{load:>14}{r['dropped_tokens']:>8}"
               f"{r['tok_s_gpu'] / b['tok_s_gpu'] if b else float('nan'):>23.2f}")
     for s in dict.fromkeys(r["system"] for r in rows):
         n, b = by.get((s, "natural")), by.get((s, "balanced"))
@@ -404,7 +407,8 @@ def main():
                [{"system": r["system"], "routing": r["routing"], "model": args.preset, "seq": args.seq,
                  "micro_batch": args.micro_batch, "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
                  "peak_mem_gib": round(r["peak_mem_gib"], 2), "step_s": r["step_s"],
-                 "max_over_mean": r["max_over_mean"], "dropped_tokens": r["dropped_tokens"],
+                 "max_over_mean": r["max_over_mean"], "ep_max_over_mean": r.get("ep_max_over_mean"),
+                 "dropped_tokens": r["dropped_tokens"],
                  **({"ended": r["ended"]} if "ended" in r else {}),
                  "command": f"python bench/moe.py --gpus {args.gpus} {shape} --systems {r['system']} "
                             f"--routing {r['routing']} {' '.join(extra)}".rstrip()} for r in rows])

@@ -57,8 +57,9 @@ class MoEBalance:
         return per_layer
 
     def stats(self) -> dict:
-        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call; a
-        collective over every rank (call it on all of them); {} for a dense model."""
+        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call, and
+        under expert parallelism ".../ep_max_over_mean" (by rank); a collective over every rank (call it on all
+        of them); {} for a dense model."""
         if not self.num_experts:
             return {}
         e = self.num_experts
@@ -68,6 +69,7 @@ class MoEBalance:
             if stats is not None:
                 table[m.layer] = stats
         table = self._world_sum(table).cpu()
+        ep = self.mesh.size("ep")
         out = {}
         for layer, row in enumerate(table):
             routed, kept, probs, tokens = row[:e], row[e:2 * e], row[2 * e:3 * e], row[3 * e].item()
@@ -76,6 +78,9 @@ class MoEBalance:
             mean = kept.mean().item()
             copies = routed.sum().item()
             out[f"moe/layer{layer}/max_over_mean"] = kept.max().item() / mean if mean else 0.0
+            if ep > 1:  # the busiest expert-parallel rank's copies (its block of experts) over the mean rank's:
+                # what the other ranks wait for at the combine
+                out[f"moe/layer{layer}/ep_max_over_mean"] = kept.view(ep, -1).sum(1).max().item() / (mean * e / ep) if mean else 0.0
             out[f"moe/layer{layer}/dropped"] = int(copies - kept.sum().item())
             out[f"moe/layer{layer}/aux_loss"] = e * ((routed / copies) * (probs / tokens)).sum().item()
         return out
