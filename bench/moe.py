@@ -411,7 +411,8 @@ def main():
                  "dropped_tokens": r["dropped_tokens"],
                  **({"ended": r["ended"]} if "ended" in r else {}),
                  "command": f"python bench/moe.py --gpus {args.gpus} {shape} --systems {r['system']} "
-                            f"--routing {r['routing']} {' '.join(extra)}".rstrip()} for r in rows])
+                            f"--routing {r['routing']} --steps {args.steps} --rounds {args.rounds} "
+                            f"{' '.join(extra)}".rstrip()} for r in rows])
 
 
 if __name__ == "__main__":
