@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config import FREE_GRAD_BUCKET_MB
-from ..flat import FlatParams
+from ..flat import FlatParams, trainable
 from ..optim import MasterWeightOptimizer
 
 
@@ -175,7 +175,8 @@ class LocalEngine(Engine):
         self.cfg, self.divisor = cfg, divisor
         if free_grads and buckets is None:
             from .buckets import reverse_order_buckets
-            buckets = reverse_order_buckets(model, FREE_GRAD_BUCKET_MB, next(model.parameters()).element_size(), names)
+            item = trainable(model, names)[0][1].element_size()
+            buckets = reverse_order_buckets(model, FREE_GRAD_BUCKET_MB, item, names)
         self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill, names=names,
                                free_grads=free_grads)
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)

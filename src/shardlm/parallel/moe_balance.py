@@ -80,7 +80,8 @@ class MoEBalance:
             out[f"moe/layer{layer}/max_over_mean"] = kept.max().item() / mean if mean else 0.0
             if ep > 1:  # the busiest expert-parallel rank's copies (its block of experts) over the mean rank's:
                 # what the other ranks wait for at the combine
-                out[f"moe/layer{layer}/ep_max_over_mean"] = kept.view(ep, -1).sum(1).max().item() / (mean * e / ep) if mean else 0.0
+                busiest = kept.view(ep, -1).sum(1).max().item()
+                out[f"moe/layer{layer}/ep_max_over_mean"] = busiest / (mean * e / ep) if mean else 0.0
             out[f"moe/layer{layer}/dropped"] = int(copies - kept.sum().item())
             out[f"moe/layer{layer}/aux_loss"] = e * ((routed / copies) * (probs / tokens)).sum().item()
         return out

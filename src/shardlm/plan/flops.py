@@ -7,8 +7,9 @@ forward work the MFU does not credit: full recomputation one more forward of the
 6N per token), selective the attention scores and values again (12 -> 16 L h s).
 
 Step time = compute / (peak x efficiency) x (1 + pipeline bubble) + the optimizer's memory traffic +
-the part of each collective not hidden behind compute + an MoE's routed copies' own passes (MOE_ROUTING_BYTES); attention's computed FLOPs (half the square the MFU
-counts, under the causal mask) run at their own efficiency, 0.4. The efficiency (the fraction of the dense
+the part of each collective not hidden behind compute + an MoE's routed copies' own passes
+(MOE_ROUTING_BYTES); attention's computed FLOPs (half the square the MFU counts, under the causal mask) run
+at their own efficiency, 0.4. The efficiency (the fraction of the dense
 peak that shardlm's fused blocks reach, 0.55) and the exposed fractions of collectives (all-reduce 0.85,
 reduce-scatter 0.3, ZeRO-3's prefetched gathers 0.1, ZeRO-1/2's post-step all-gather 1.0) were measured
 on H200s with tinyllama-1.1b (bench/README.md); override them for other hardware.
