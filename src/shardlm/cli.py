@@ -201,7 +201,8 @@ def cmd_data(argv: list[str]) -> int:
     prep.add_argument("--input", nargs="+", required=True, help="input files (.txt, .jsonl, .parquet)")
     prep.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a directory holding one")
     prep.add_argument("--out", required=True)
-    prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
+    prep.add_argument("--text-field", default=None,
+                      help="the jsonl field / parquet column holding the text (default: text)")
     prep.add_argument("--shard-tokens", default=str(1 << 27), help="tokens per shard file (1024 to 2^40)")
     prep.add_argument("--pad-to", type=int, default=None,
                       help="instruction examples: one per window of this train.seq_len (cut or padded, never "
