@@ -732,3 +732,27 @@ def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path
         status, lines = _cli(argv, capsys)
         assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+def test_a_sequence_too_long_for_memory_is_named_before_the_model(world, tmp_path, monkeypatch, capsys):
+    """train.seq_len 10**6 typed for 10**3: refused by its activations before any is allocated (on a CPU the kernel
+    killed the process without a word); an out-of-memory error once running names train.seq_len too."""
+    import shardlm.cli as cli
+    import shardlm.memory_check as memory_check
+    _, paths = world
+    monkeypatch.setattr(memory_check, "free_memory", lambda device: 8 << 30)
+    argv = ["train", "tiny", *QUIET, "--data.path", paths["data"], "--model.max_seq_len", "1000000",
+            "--train.seq_len", "1000000", "--out", tmp_path / "new"]
+    status, lines = _cli(argv, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("shardlm train: error: a micro-batch of 4 x 1,000,000 tokens (train.micro_batch_size "
+                               "x train.seq_len) needs about ") and "and cpu has 8.0 GiB free: lower train.seq_len" \
+        in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+    def oom(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 800000000000 bytes.")
+    monkeypatch.setattr(cli, "_train", oom)
+    status, lines = _cli(argv, capsys)
+    assert status == 1 and len(lines) == 1 and "lower train.seq_len (1,000,000) or train.micro_batch_size (4)" in \
+        lines[0], lines

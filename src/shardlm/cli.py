@@ -112,9 +112,11 @@ def cmd_train(argv: list[str]) -> int:
             os._exit(1)
         _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
-            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
-                  "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
-                  "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
+            t = cfg.train  # a step's activations grow with both: either may be what does not fit
+            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
+                  f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
+                  "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
+                  "parallel.cp)", file=sys.stderr)
             return 1
         raise
     except Exception:
