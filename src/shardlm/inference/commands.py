@@ -60,12 +60,32 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 
-def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the flags' defaults
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=SAMPLING["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=SAMPLING["temperature"], help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=SAMPLING["top_k"])
+    p.add_argument("--top-p", type=float, default=SAMPLING["top_p"])
+    p.add_argument("--seed", type=int, default=SAMPLING["seed"])
+
+
+def _refuse_unused(a, tasks: list[str]) -> None:
+    """eval's flags of the other kind of task, which would be ignored without a word: the loss task generates
+    nothing, and the text tasks score whole completions, not windows. The sampling flags default to None here."""
+    if tasks == ["loss"]:
+        given = next((k for k in SAMPLING if getattr(a, k) is not None), None)
+        if given is not None:
+            flag = "--" + given.replace("_", "-")
+            raise ConfigError(f"{flag} has no effect on the loss task, which scores the text and generates nothing: "
+                              f"leave it out, or give --tasks bleu,rouge with a jsonl of prompts")
+    elif a.seq_len is not None:
+        raise ConfigError(f"--seq-len has no effect on --tasks {','.join(tasks)}: it scores whole completions, not "
+                          "windows; leave it out (it sets the loss task's windows)")
+    for k, default in SAMPLING.items():
+        if getattr(a, k) is None:
+            setattr(a, k, default)
 
 
 def _check_sampling(a) -> None:
@@ -134,11 +154,13 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="window length of the loss task (required for it)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
     _sampling_args(p)
+    p.set_defaults(**dict.fromkeys(SAMPLING))  # told apart from not given: the loss task refuses them
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
     from ..text_metrics import parse_tasks, read_examples
     tasks = parse_tasks(a.tasks)
+    _refuse_unused(a, tasks)
     if a.batch_size < 1:
         raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
     if tasks == ["loss"]:
