@@ -99,6 +99,18 @@ CASES = [
      "it is a PEFT adapter, not a model; train.init_from takes its base model (org/base)", 2),
     ("eval-tokenizer", ["train", "tiny", "--data.path", "{data}", "--data.eval_path", "{swapdata}", "--out", "{new}"],
      "another tokenizer than data.eval_path", 2),
+    # a path given as '' (an unset shell variable): once '.', or not given (a new run for --resume '')
+    ("resume-empty", ["train", "tiny", "--resume", ""], "--resume is empty: give a path", 2),
+    ("out-empty", ["train", "tiny", "--out="], "--out is empty: give a path", 2),
+    ("config-empty", ["train", "", "--out", "{new}"], "the config is empty: give a TOML file or a preset", 2),
+    ("generate-model-empty", ["generate", "--model", "", "--prompt", "x"], "--model is empty: give a path", 2),
+    ("export-out-empty", ["export", "--checkpoint", "{run}", "--out", ""], "--out is empty: give a path", 2),
+    # other tools' ways of giving a config
+    ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
+     "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
+    ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
+    ("toml-key-outside-sections", ["train", "{toplevel}", "--out", "{new}"],
+     "toplevel.toml: steps = 2 is outside any [section]: put it under [train]", 2),
     # config keys
     ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
     ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
@@ -415,6 +427,8 @@ def world(tmp_path_factory):
     p["notes"] = root / "notes"  # a directory of the user's own files, no export
     p["notes"].mkdir()
     (p["notes"] / "notes.txt").write_text("mine")
+    p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
+    p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():

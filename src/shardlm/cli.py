@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
+from .config.load import refuse_empty_paths, refuse_misplaced_train_args
 from .runtime.console import silence_stdout
 
 TRAIN_EPILOG = """\
@@ -59,7 +60,10 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_train(argv: list[str]) -> int:
     parser = _train_parser()
     ours, rest = _split_train_args(argv)
+    refuse_misplaced_train_args(ours)
     args = parser.parse_args(ours)
+    if args.config == "":  # as from an unset shell variable: it would have trained the default without a word
+        raise ConfigError("the config is empty: give a TOML file or a preset, or leave it out for the default")
     overrides = parse_overrides(rest)
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
@@ -358,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         # A scheduler's or a shell's SIGTERM ends them as Ctrl-C does: their partial output removed, one line.
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        refuse_empty_paths(rest)
         return COMMANDS[cmd](rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _error(f"shardlm {cmd}: error: {e}", 2, every_rank=False)
