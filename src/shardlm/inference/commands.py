@@ -101,6 +101,16 @@ def _check_sampling(a) -> None:
             raise ConfigError(f"{flag} {value} {rule}")
 
 
+def _refuse_sampling_when_greedy(a) -> None:
+    """--top-k, --top-p and --seed shape sampling, which --temperature 0 (the default) turns off: each given there
+    was ignored without a word, the answer greedy where the user asked for a sample."""
+    if a.temperature == 0:
+        for flag, value, default in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0), ("--seed", a.seed, 0)):
+            if value != default:
+                raise ConfigError(f"{flag} {value} has no effect at --temperature 0, which decodes greedily: give "
+                                  "--temperature above 0 to sample, or leave it out")
+
+
 def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
@@ -171,6 +181,7 @@ def cmd_eval(argv: list[str]) -> int:
         text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
+        _refuse_sampling_when_greedy(a)
         prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
@@ -279,12 +290,19 @@ def cmd_generate(argv: list[str]) -> int:
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
+        if a.json:
+            raise ConfigError("--json goes with --prompt: --input's completions are written to --output as jsonl; "
+                              "leave it out")
         rows = read_requests(Path(a.input), a)
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
             raise ConfigError("--output goes with --input (a jsonl file of prompts); a --prompt's completion is "
                               "printed (--json for JSON)")
+        if a.overwrite:
+            raise ConfigError("--overwrite goes with --output (an --input file's completions); a --prompt's "
+                              "completion is printed, nothing is written: leave it out")
+        _refuse_sampling_when_greedy(a)  # an --input line may set its own temperature, which these then shape
         from .sampler import SamplingParams
         rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
                  "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), "where": "--prompt",
