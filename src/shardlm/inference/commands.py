@@ -115,6 +115,8 @@ def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
+    if a.tp < 1:  # else told to start `torchrun --nproc-per-node 0`
+        raise ConfigError(f"--tp {a.tp} must be at least 1 (1: one process)")
     device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
@@ -123,7 +125,7 @@ def _tensor_parallel(a):
 
     from ..mesh import build_mesh, check_rendezvous_env, world_from_env
     world, rank, local = world_from_env()
-    if a.tp < 1 or world != a.tp:
+    if world != a.tp:
         raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
                           f"-m shardlm ... --tp {a.tp} (this is {world} process{'es' if world > 1 else ''})")
     if a.quantize != "none":
