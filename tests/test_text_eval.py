@@ -125,6 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "no such file" in error("--tasks", "bleu", "--data", tmp_path / "missing.jsonl")
     assert "unknown task 'blue'" in error("--tasks", "bleu,blue", "--data", ok)
     assert "run them separately" in error("--tasks", "loss,bleu", "--data", ok)
+    assert "needs --seq-len" in error("--tasks", "loss,loss", "--data", ok)  # a repeat is no other task
     assert "no examples" in error("--tasks", "rouge", "--data", write_jsonl(tmp_path / "e.jsonl", ["", " "]))
     bad = write_jsonl(tmp_path / "bad.jsonl", [EXAMPLES[0], "", "{not json"])
     assert f"{bad}:3: not JSON" in error("--tasks", "bleu", "--data", bad)
