@@ -81,6 +81,10 @@ CASES = [
     ("out-is-a-dataset", ["train", "tiny", "--data.path", "{data}", "--out", "{data}"],
      "is a prepared dataset, not a run directory", 2),
     ("out-is-an-export", ["train", "tiny", "--data.path", "{data}", "--out", "{exp}"], "is an exported model", 2),
+    ("out-holds-a-project-config", ["train", "tiny", "--data.path", "{data}", "--out", "{project}"],
+     "project holds a config.toml that is not a shardlm run's, which the run would replace", 2),
+    ("out-holds-other-metrics", ["train", "tiny", "--data.path", "{data}", "--out", "{othermetrics}"],
+     "holds a metrics.jsonl that is not a shardlm run's", 2),
     ("out-in-a-checkpoint", ["train", "tiny", "--data.path", "{data}", "--out", "{run}/checkpoints/step_00000002/x"],
      "which is a checkpoint, not a run directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
@@ -440,6 +444,12 @@ def world(tmp_path_factory):
     p["notes"] = root / "notes"  # a directory of the user's own files, no export
     p["notes"].mkdir()
     (p["notes"] / "notes.txt").write_text("mine")
+    p["project"] = root / "project"  # a project's own config.toml: `--out .` there replaced it
+    p["project"].mkdir()
+    (p["project"] / "config.toml").write_text('[tool.poetry]\nname = "mine"\n')
+    p["othermetrics"] = root / "othermetrics"  # another tool's metrics.jsonl
+    p["othermetrics"].mkdir()
+    (p["othermetrics"] / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
     p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
     p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
     p["nofield"] = root / "nofield.jsonl"
