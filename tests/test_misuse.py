@@ -239,6 +239,12 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),  # the file named, as generate names it
     ("plan-config-a-list", ["plan", "--model", "{listconfig}"],
      "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("plan-search-zero", ["plan", "--model", "tiny", "--search", "--zero", "3"],
+     "--zero 3 has no effect with --search, which tries every dp, tp, pp, ZeRO stage", 2),
+    ("plan-search-recompute", ["plan", "--model", "tiny", "--search", "--recompute", "full"],
+     "--recompute full has no effect with --search", 2),
+    ("plan-search-tp-with-gpus", ["plan", "--model", "tiny", "--search", "--gpus", "4", "--tp", "2"],
+     "--tp 2 has no effect with --search", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
