@@ -259,6 +259,10 @@ def test_parquet_columns_must_exist_and_hold_strings(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "b.parquet")
     with pytest.raises(ValueError, match=r"b.parquet: column 'text' holds int64, not strings"):
         prepare([tmp_path / "b.parquet"], "byte", tmp_path / "out", progress=False)
+    # a null row is refused as a jsonl line's null is, not dropped unseen
+    pq.write_table(pa.table({"text": ["a"] * 1030 + [None]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n.parquet: row 1031: 'text' is null, not a string \(drop or fill"):
+        prepare([tmp_path / "n.parquet"], "byte", tmp_path / "out", progress=False)
     pq.write_table(pa.table({"text": pa.array(["ab", "c", "ab"]).dictionary_encode()}), tmp_path / "c.parquet")
     prepare([tmp_path / "c.parquet"], "byte", tmp_path / "out", progress=False)
     assert np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist() == [97, 98, 256, 99, 256, 97, 98, 256]
@@ -367,3 +371,13 @@ def test_sigterm_ends_data_prepare_in_one_line_and_removes_its_partial_output(tm
         pytest.skip("prepare finished before the signal")
     assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in err and "Traceback" not in err
     assert not list(tmp_path.glob("out.prepare-tmp-*")) and not out.exists()
+
+
+def test_one_file_given_twice_is_refused(tmp_path):
+    """Named twice, or through a link: its text would be trained on twice. Two files of equal text are two inputs."""
+    (tmp_path / "a.txt").write_text(TEXT[:100])
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")
+    (tmp_path / "copy.txt").write_text(TEXT[:100])
+    with pytest.raises(ValueError, match=r"--input .*link.txt is given twice \(the same file as .*a.txt\)"):
+        prepare([tmp_path / "a.txt", tmp_path / "link.txt"], "byte", tmp_path / "out", progress=False)
+    assert prepare([tmp_path / "a.txt", tmp_path / "copy.txt"], "byte", tmp_path / "out", progress=False)["documents"] == 2

@@ -81,6 +81,10 @@ CASES = [
     ("out-is-a-dataset", ["train", "tiny", "--data.path", "{data}", "--out", "{data}"],
      "is a prepared dataset, not a run directory", 2),
     ("out-is-an-export", ["train", "tiny", "--data.path", "{data}", "--out", "{exp}"], "is an exported model", 2),
+    ("out-holds-a-project-config", ["train", "tiny", "--data.path", "{data}", "--out", "{project}"],
+     "project holds a config.toml that is not a shardlm run's, which the run would replace", 2),
+    ("out-holds-other-metrics", ["train", "tiny", "--data.path", "{data}", "--out", "{othermetrics}"],
+     "holds a metrics.jsonl that is not a shardlm run's", 2),
     ("out-in-a-checkpoint", ["train", "tiny", "--data.path", "{data}", "--out", "{run}/checkpoints/step_00000002/x"],
      "which is a checkpoint, not a run directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
@@ -99,6 +103,18 @@ CASES = [
      "it is a PEFT adapter, not a model; train.init_from takes its base model (org/base)", 2),
     ("eval-tokenizer", ["train", "tiny", "--data.path", "{data}", "--data.eval_path", "{swapdata}", "--out", "{new}"],
      "another tokenizer than data.eval_path", 2),
+    # a path given as '' (an unset shell variable): once '.', or not given (a new run for --resume '')
+    ("resume-empty", ["train", "tiny", "--resume", ""], "--resume is empty: give a path", 2),
+    ("out-empty", ["train", "tiny", "--out="], "--out is empty: give a path", 2),
+    ("config-empty", ["train", "", "--out", "{new}"], "the config is empty: give a TOML file or a preset", 2),
+    ("generate-model-empty", ["generate", "--model", "", "--prompt", "x"], "--model is empty: give a path", 2),
+    ("export-out-empty", ["export", "--checkpoint", "{run}", "--out", ""], "--out is empty: give a path", 2),
+    # other tools' ways of giving a config
+    ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
+     "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
+    ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
+    ("toml-key-outside-sections", ["train", "{toplevel}", "--out", "{new}"],
+     "toplevel.toml: steps = 2 is outside any [section]: put it under [train]", 2),
     # config keys
     ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
     ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
@@ -164,6 +180,12 @@ CASES = [
                              "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
     ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],
      "no 'text' field (fields: 'body')", 2),
+    ("prepare-input-twice", ["data", "prepare", "--input", "{text}", "{text}", "--tokenizer", "byte", "--out", "{new}"],
+     "text.txt is given twice: its text would be in the dataset twice; give each file once", 2),
+    ("prepare-text-field-on-text", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}",
+                                    "--text-field", "body"], "--text-field body has no effect on these inputs", 2),
+    ("prepare-text-field-on-examples", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out",
+                                        "{new}", "--text-field", "prompt"], "--text-field prompt has no effect", 2),
     ("prepare-over-checkpoint", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out",
                                  "{run}/checkpoints/step_00000002"], "holds files that are not part of a prepared", 2),
     ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
@@ -217,6 +239,12 @@ CASES = [
      "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),  # the file named, as generate names it
     ("plan-config-a-list", ["plan", "--model", "{listconfig}"],
      "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("plan-search-zero", ["plan", "--model", "tiny", "--search", "--zero", "3"],
+     "--zero 3 has no effect with --search, which tries every dp, tp, pp, ZeRO stage", 2),
+    ("plan-search-recompute", ["plan", "--model", "tiny", "--search", "--recompute", "full"],
+     "--recompute full has no effect with --search", 2),
+    ("plan-search-tp-with-gpus", ["plan", "--model", "tiny", "--search", "--gpus", "4", "--tp", "2"],
+     "--tp 2 has no effect with --search", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
@@ -327,6 +355,19 @@ CASES = [
      "it is a model, not an adapter: give it as --model", 2),
     ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
      "--output goes with --input", 2),
+    # flags that do not apply where given, once ignored without a word
+    ("generate-greedy-top-k", ["generate", "--model", "{exp}", "--prompt", "x", "--top-k", "5"],
+     "--top-k 5 has no effect at --temperature 0, which decodes greedily: give --temperature above 0", 2),
+    ("generate-greedy-seed", ["generate", "--model", "{exp}", "--prompt", "x", "--seed", "3"],
+     "--seed 3 has no effect at --temperature 0", 2),
+    ("eval-greedy-top-p", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{longprompts}", "--top-p", "0.9"],
+     "--top-p 0.9 has no effect at --temperature 0", 2),
+    ("generate-prompt-overwrite", ["generate", "--model", "{exp}", "--prompt", "x", "--overwrite"],
+     "--overwrite goes with --output", 2),
+    ("generate-input-json", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{new}.jsonl",
+                             "--json"], "--json goes with --prompt", 2),
+    ("generate-tp-zero", ["generate", "--model", "{exp}", "--prompt", "x", "--tp", "0"], "--tp 0 must be at least 1", 2),
+    ("serve-tp-negative", ["serve", "--model", "{exp}", "--tp", "-2"], "--tp -2 must be at least 1", 2),
     ("generate-output-is-input", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
                                   "{longprompts}", "--overwrite"], "is the --input file", 2),
     ("generate-output-a-directory", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{data}",
@@ -409,6 +450,14 @@ def world(tmp_path_factory):
     p["notes"] = root / "notes"  # a directory of the user's own files, no export
     p["notes"].mkdir()
     (p["notes"] / "notes.txt").write_text("mine")
+    p["project"] = root / "project"  # a project's own config.toml: `--out .` there replaced it
+    p["project"].mkdir()
+    (p["project"] / "config.toml").write_text('[tool.poetry]\nname = "mine"\n')
+    p["othermetrics"] = root / "othermetrics"  # another tool's metrics.jsonl
+    p["othermetrics"].mkdir()
+    (p["othermetrics"] / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
+    p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
+    p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
@@ -726,3 +775,27 @@ def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path
         status, lines = _cli(argv, capsys)
         assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+def test_a_sequence_too_long_for_memory_is_named_before_the_model(world, tmp_path, monkeypatch, capsys):
+    """train.seq_len 10**6 typed for 10**3: refused by its activations before any is allocated (on a CPU the kernel
+    killed the process without a word); an out-of-memory error once running names train.seq_len too."""
+    import shardlm.cli as cli
+    import shardlm.memory_check as memory_check
+    _, paths = world
+    monkeypatch.setattr(memory_check, "free_memory", lambda device: 8 << 30)
+    argv = ["train", "tiny", *QUIET, "--data.path", paths["data"], "--model.max_seq_len", "1000000",
+            "--train.seq_len", "1000000", "--out", tmp_path / "new"]
+    status, lines = _cli(argv, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("shardlm train: error: a micro-batch of 4 x 1,000,000 tokens (train.micro_batch_size "
+                               "x train.seq_len) needs about ") and "and cpu has 8.0 GiB free: lower train.seq_len" \
+        in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+    def oom(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 800000000000 bytes.")
+    monkeypatch.setattr(cli, "_train", oom)
+    status, lines = _cli(argv, capsys)
+    assert status == 1 and len(lines) == 1 and "lower train.seq_len (1,000,000) or train.micro_batch_size (4)" in \
+        lines[0], lines

@@ -252,6 +252,43 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(srv, monk
     assert srv.worker.metrics()["slots_in_use"] == 0
 
 
+def test_a_body_shorter_than_its_content_length_gets_408_while_others_are_served(srv, monkeypatch):
+    """Such a client waited for ever, counted in flight (a draining server never exited); one that left mid-body
+    logged a ClientDisconnect traceback. Now the first gets 408 and its connection closed, the second nothing."""
+    import logging
+
+    import shardlm.serve.app as app
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 3.0)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    port = int(srv.url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "To be", "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as short, httpx.Client(
+                base_url=srv.url, timeout=TIMEOUT) as c:
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as leaving:
+                leaving.sendall(head % (len(body) + 10) + body)
+            short.sendall(head % (len(body) + 10) + body)
+            wait_for(lambda: c.get("/metrics").json()["requests_in_flight"] == 1, "the short request never arrived")
+            ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, "temperature": 0})
+            assert ok.status_code == 200
+            short.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still waiting for its body while the other was served
+                short.recv(1)
+            short.settimeout(TIMEOUT)
+            answer = b""
+            while chunk := short.recv(65536):  # to the end: the server closes the connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer
+            assert c.get("/metrics").json()["requests_in_flight"] == 0
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r.getMessage() for r in logged if r.levelno >= logging.ERROR]
+
+
 def test_streamed_text_never_sends_half_a_character_or_the_start_of_a_stop_string():
     from shardlm.serve.responses import TextStream
     from shardlm.tokenizer import load_tokenizer

@@ -125,6 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "no such file" in error("--tasks", "bleu", "--data", tmp_path / "missing.jsonl")
     assert "unknown task 'blue'" in error("--tasks", "bleu,blue", "--data", ok)
     assert "run them separately" in error("--tasks", "loss,bleu", "--data", ok)
+    assert "needs --seq-len" in error("--tasks", "loss,loss", "--data", ok)  # a repeat is no other task
     assert "no examples" in error("--tasks", "rouge", "--data", write_jsonl(tmp_path / "e.jsonl", ["", " "]))
     bad = write_jsonl(tmp_path / "bad.jsonl", [EXAMPLES[0], "", "{not json"])
     assert f"{bad}:3: not JSON" in error("--tasks", "bleu", "--data", bad)
@@ -133,6 +134,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     not_obj = write_jsonl(tmp_path / "list.jsonl", ['["x", "y"]'])
     assert f"{not_obj}:1: an array, not an object with prompt and completion" in error("--tasks", "bleu", "--data", not_obj)
     assert "needs --seq-len" in error("--data", ok)
+    # The other kind of task's flags, once ignored without a word
+    assert "--max-new-tokens has no effect on the loss task, which scores the text and generates nothing" in \
+        error("--data", ok, "--seq-len", 16, "--max-new-tokens", 64)
+    assert "--temperature has no effect on the loss task" in error("--data", ok, "--seq-len", 16, "--temperature", 0)
+    assert "--seq-len has no effect on --tasks bleu,rouge: it scores whole completions" in \
+        error("--tasks", "bleu,rouge", "--data", ok, "--seq-len", 16)
     # The loss task scores a text file's characters: a jsonl's syntax would be scored as if it were text.
     assert "the loss task reads a plain UTF-8 text file, not .jsonl" in error("--data", ok, "--seq-len", 16, model=tmp_path)
     binary = tmp_path / "b.txt"

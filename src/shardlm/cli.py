@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
+from .config.load import refuse_empty_paths, refuse_misplaced_train_args
 from .runtime.console import silence_stdout
 
 TRAIN_EPILOG = """\
@@ -59,7 +60,10 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_train(argv: list[str]) -> int:
     parser = _train_parser()
     ours, rest = _split_train_args(argv)
+    refuse_misplaced_train_args(ours)
     args = parser.parse_args(ours)
+    if args.config == "":  # as from an unset shell variable: it would have trained the default without a word
+        raise ConfigError("the config is empty: give a TOML file or a preset, or leave it out for the default")
     overrides = parse_overrides(rest)
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
@@ -112,9 +116,11 @@ def cmd_train(argv: list[str]) -> int:
             os._exit(1)
         _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
-            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
-                  "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
-                  "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
+            t = cfg.train  # a step's activations grow with both: either may be what does not fit
+            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
+                  f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
+                  "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
+                  "parallel.cp)", file=sys.stderr)
             return 1
         raise
     except Exception:
@@ -201,7 +207,8 @@ def cmd_data(argv: list[str]) -> int:
     prep.add_argument("--input", nargs="+", required=True, help="input files (.txt, .jsonl, .parquet)")
     prep.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a directory holding one")
     prep.add_argument("--out", required=True)
-    prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
+    prep.add_argument("--text-field", default=None,
+                      help="the jsonl field / parquet column holding the text (default: text)")
     prep.add_argument("--shard-tokens", default=str(1 << 27), help="tokens per shard file (1024 to 2^40)")
     prep.add_argument("--pad-to", type=int, default=None,
                       help="instruction examples: one per window of this train.seq_len (cut or padded, never "
@@ -355,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         # A scheduler's or a shell's SIGTERM ends them as Ctrl-C does: their partial output removed, one line.
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        refuse_empty_paths(rest)
         return COMMANDS[cmd](rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _error(f"shardlm {cmd}: error: {e}", 2, every_rank=False)

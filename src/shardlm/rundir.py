@@ -21,7 +21,7 @@ from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, 
 from .config import ConfigError
 from .runlock import RunLock, acquire
 
-METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
+METRICS, TENSORBOARD, CONFIG = "metrics.jsonl", "tensorboard", "config.toml"
 
 
 def contains(directory: Path, path: Path) -> bool:
@@ -58,6 +58,34 @@ def _refuse_foreign(out: Path) -> None:
         if found is not None and (above == out or found == "a checkpoint"):
             where = "is" if above == out else f"is inside {above}, which is"
             raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out")
+    # A project's own config.toml or metrics.jsonl (`--out .`) was replaced by the run's without a word.
+    for name, ours in ((CONFIG, _run_config), (METRICS, _run_metrics)):
+        if (out / name).is_file() and not ours(out / name):
+            raise ConfigError(f"--out {out} holds a {name} that is not a shardlm run's, which the run would replace: "
+                              "train into another --out (a new or empty directory)")
+
+
+def _run_config(path: Path) -> bool:
+    """Whether `path` is a config.toml a run wrote (its sections are shardlm's), or empty."""
+    from .config import SECTIONS
+    from .config.load import tomllib
+    try:
+        sections = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return set(sections) <= set(SECTIONS)
+
+
+def _run_metrics(path: Path) -> bool:
+    """Whether `path` is a metrics.jsonl a run wrote (its first record has a step), or empty."""
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        record = json.loads(first) if first.strip() else {"step": 0}
+    except (ValueError, OSError):
+        return False
+    return isinstance(record, dict) and "step" in record
 
 
 def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> str | None:

@@ -19,7 +19,7 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 def parse_tasks(spec: str) -> list[str]:
     """`bleu,rouge` -> ["bleu", "rouge"]; `loss` (perplexity over a text file) is a task of its own."""
-    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    tasks = list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))  # loss,loss is loss alone
     known = ("loss", *TASKS)
     for t in tasks:
         if t not in known:
@@ -29,7 +29,7 @@ def parse_tasks(spec: str) -> list[str]:
     if "loss" in tasks and len(tasks) > 1:
         raise ConfigError("--tasks: loss reads a text file and the others a jsonl file of prompts and "
                           "references; run them separately")
-    return list(dict.fromkeys(tasks))
+    return tasks
 
 
 def read_examples(path: str | Path) -> tuple[list[str], list[str]]:

@@ -118,7 +118,13 @@ def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
 def _flatten(d: dict, where: str) -> dict[str, Any]:
     flat = {}
     for section, body in d.items():
-        if section not in SECTIONS or not isinstance(body, dict):
+        if not isinstance(body, dict):  # a key above every [section]: TOML puts it in none
+            cfg = Config()
+            homes = [s for s in SECTIONS if section in get_type_hints(type(getattr(cfg, s)))]
+            home = f"put it under {' or '.join(f'[{h}]' for h in homes)}" if homes else \
+                f"and no section has such a key (sections: {', '.join(SECTIONS)})"
+            raise ConfigError(f"{where}: {section} = {body!r} is outside any [section]{':' if homes else ','} {home}")
+        if section not in SECTIONS:
             raise ConfigError(f"unknown config section [{section}] in {where} (sections: {', '.join(SECTIONS)})")
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
@@ -142,6 +148,29 @@ def config_from_dict(d: dict) -> Config:
     cfg = Config()
     apply_overrides(cfg, _flatten(d, "saved config"))
     return cfg
+
+
+def refuse_misplaced_train_args(args: list[str]) -> None:
+    """`shardlm train`'s arguments that are not overrides, written as other tools write their config: argparse said
+    'unrecognized arguments' without saying how shardlm spells them."""
+    for a in args:
+        name = a.split("=", 1)[0]
+        if name in ("--config", "--preset", "-c"):
+            raise ConfigError(f"{name}: the config is the first argument, without a flag: shardlm train FILE.toml "
+                              f"(or a preset: {', '.join(preset_names())})")
+        if not a.startswith("-") and "=" in a and name.partition(".")[0] in SECTIONS:
+            raise ConfigError(f"{a!r}: an override is written with two dashes: --{a}")
+
+
+def refuse_empty_paths(argv: list[str]) -> None:
+    """A path given as '' (a shell variable that was never set) read as '.' or as not given at all: --resume ''
+    started a new run, --out '' trained into runs/<config>, --model '' named the working directory."""
+    flags = ("--out", "--resume", "--model", "--checkpoint", "--data", "--input", "--output", "--tokenizer",
+             "--adapter", "--config")
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in flags and (value == "" if eq else i + 1 < len(argv) and argv[i + 1] == ""):
+            raise ConfigError(f"{flag} is empty: give a path (is the shell variable for it set?)")
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:

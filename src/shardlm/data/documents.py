@@ -123,11 +123,17 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]
     if not (pa.types.is_string(values) or pa.types.is_large_string(values) or string_view(values)):
         raise PrepareError(f"{path}: column {text_field!r} holds {kind}, not strings")
     per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
+    row = 0
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield text, per_row
+            column = batch.column(0)
+            if column.null_count:  # as a jsonl line's null is: dropping it would change the data unseen
+                at = row + column.is_null().to_pylist().index(True) + 1
+                raise PrepareError(f"{path}: row {at}: {text_field!r} is null, not a string (drop or fill the "
+                                   "null rows)")
+            for text in column.to_pylist():
+                yield text, per_row
+            row += len(column)
     except pa.ArrowException as e:
         raise PrepareError(f"{path}: unreadable parquet data ({e})") from None
 

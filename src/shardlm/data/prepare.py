@@ -254,12 +254,26 @@ def _load_tokenizer(spec: str | Path) -> Tokenizer:
                             "directory and give that)")
 
 
+def _refuse_repeats(inputs: list[Path]) -> None:
+    """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
+    seen = {}
+    for p in inputs:
+        st = p.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), p)
+        if first is not p:
+            same = "" if str(first) == str(p) else f" (the same file as {first})"
+            raise PrepareError(f"--input {p} is given twice{same}: its text would be in the dataset twice; give each "
+                               "file once")
+
+
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
-            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True,
+            shard_tokens: int = 1 << 27, text_field: str | None = None, progress: bool = True,
             pad_to: int | None = None) -> dict:
     """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index.
 
-    `out` is replaced only by a complete dataset: after any error it holds what it held before.
+    `text_field` (default "text") names the jsonl field or parquet column of plain-text inputs; given where no
+    input has one, it is refused. `out` is replaced only by a complete dataset: after any error it holds what it
+    held before.
     """
     shard_tokens = check_shard_tokens(shard_tokens, "shard_tokens")
     out = Path(out)
@@ -272,6 +286,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 raise PrepareError(f"input {p} is a directory, not a file")
             if not p.is_file():
                 raise FileNotFoundError(f"input {p} does not exist")
+        _refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p) for p in inputs]
         if any(instruct) and not all(instruct):
@@ -281,11 +296,15 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
             raise PrepareError("--pad-to applies to instruction examples (prompt/completion or messages jsonl)")
         if pad_to is not None and pad_to < 1:
             raise PrepareError(f"--pad-to {pad_to} must be a positive number of tokens (the training's seq_len)")
+        if text_field is not None and all(i or p.suffix.lower() not in (".jsonl", ".parquet")
+                                          for p, i in zip(inputs, instruct)):
+            raise PrepareError(f"--text-field {text_field} has no effect on these inputs: it names the field of "
+                               "plain-text .jsonl and the column of .parquet inputs; leave it out")
         final = _output_dir(out)
         with building(final) as scratch:
             if instruct and all(instruct):
                 return _write_instruct(inputs, tok, scratch, shard_tokens, pad_to, progress)
-            return _write(inputs, tok, scratch, shard_tokens, text_field, progress)
+            return _write(inputs, tok, scratch, shard_tokens, text_field or "text", progress)
     except (ValueError, OSError) as e:
         final = final or Path(os.path.realpath(out))
         if (final / INDEX).is_file():

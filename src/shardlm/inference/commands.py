@@ -60,12 +60,32 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 
-def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the flags' defaults
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=SAMPLING["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=SAMPLING["temperature"], help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=SAMPLING["top_k"])
+    p.add_argument("--top-p", type=float, default=SAMPLING["top_p"])
+    p.add_argument("--seed", type=int, default=SAMPLING["seed"])
+
+
+def _refuse_unused(a, tasks: list[str]) -> None:
+    """eval's flags of the other kind of task, which would be ignored without a word: the loss task generates
+    nothing, and the text tasks score whole completions, not windows. The sampling flags default to None here."""
+    if tasks == ["loss"]:
+        given = next((k for k in SAMPLING if getattr(a, k) is not None), None)
+        if given is not None:
+            flag = "--" + given.replace("_", "-")
+            raise ConfigError(f"{flag} has no effect on the loss task, which scores the text and generates nothing: "
+                              f"leave it out, or give --tasks bleu,rouge with a jsonl of prompts")
+    elif a.seq_len is not None:
+        raise ConfigError(f"--seq-len has no effect on --tasks {','.join(tasks)}: it scores whole completions, not "
+                          "windows; leave it out (it sets the loss task's windows)")
+    for k, default in SAMPLING.items():
+        if getattr(a, k) is None:
+            setattr(a, k, default)
 
 
 def _check_sampling(a) -> None:
@@ -81,10 +101,22 @@ def _check_sampling(a) -> None:
             raise ConfigError(f"{flag} {value} {rule}")
 
 
+def _refuse_sampling_when_greedy(a) -> None:
+    """--top-k, --top-p and --seed shape sampling, which --temperature 0 (the default) turns off: each given there
+    was ignored without a word, the answer greedy where the user asked for a sample."""
+    if a.temperature == 0:
+        for flag, value, default in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0), ("--seed", a.seed, 0)):
+            if value != default:
+                raise ConfigError(f"{flag} {value} has no effect at --temperature 0, which decodes greedily: give "
+                                  "--temperature above 0 to sample, or leave it out")
+
+
 def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
+    if a.tp < 1:  # else told to start `torchrun --nproc-per-node 0`
+        raise ConfigError(f"--tp {a.tp} must be at least 1 (1: one process)")
     device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
@@ -93,7 +125,7 @@ def _tensor_parallel(a):
 
     from ..mesh import build_mesh, check_rendezvous_env, world_from_env
     world, rank, local = world_from_env()
-    if a.tp < 1 or world != a.tp:
+    if world != a.tp:
         raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
                           f"-m shardlm ... --tp {a.tp} (this is {world} process{'es' if world > 1 else ''})")
     if a.quantize != "none":
@@ -134,11 +166,13 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="window length of the loss task (required for it)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
     _sampling_args(p)
+    p.set_defaults(**dict.fromkeys(SAMPLING))  # told apart from not given: the loss task refuses them
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
     from ..text_metrics import parse_tasks, read_examples
     tasks = parse_tasks(a.tasks)
+    _refuse_unused(a, tasks)
     if a.batch_size < 1:
         raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
     if tasks == ["loss"]:
@@ -149,6 +183,7 @@ def cmd_eval(argv: list[str]) -> int:
         text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
+        _refuse_sampling_when_greedy(a)
         prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
@@ -257,12 +292,19 @@ def cmd_generate(argv: list[str]) -> int:
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
+        if a.json:
+            raise ConfigError("--json goes with --prompt: --input's completions are written to --output as jsonl; "
+                              "leave it out")
         rows = read_requests(Path(a.input), a)
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
             raise ConfigError("--output goes with --input (a jsonl file of prompts); a --prompt's completion is "
                               "printed (--json for JSON)")
+        if a.overwrite:
+            raise ConfigError("--overwrite goes with --output (an --input file's completions); a --prompt's "
+                              "completion is printed, nothing is written: leave it out")
+        _refuse_sampling_when_greedy(a)  # an --input line may set its own temperature, which these then shape
         from .sampler import SamplingParams
         rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
                  "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), "where": "--prompt",

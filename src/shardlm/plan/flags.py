@@ -74,6 +74,8 @@ def check_flags(a) -> None:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:
         raise PlanError("--largest and --search answer different questions: give one")
+    if a.search:
+        check_searched(a)
     if a.lora_rank is None and a.lora_targets != "all-linear" and not (a.model and Path(a.model).suffix == ".toml"):
         raise PlanError("--lora-targets names the modules LoRA adapts: give --lora-rank too")
     if a.price_per_gpu_hour and not a.tokens:
@@ -81,3 +83,18 @@ def check_flags(a) -> None:
     if a.price_per_gpu_hour and a.params:
         raise PlanError("--price-per-gpu-hour needs a model to time (--model or --arch); --params gives model "
                         "states and train FLOPs only")
+
+
+def check_searched(a) -> None:
+    """--search tries every value of these itself: one given was ignored without a word (`--search --zero 3` ranked
+    ZeRO-0 layouts first). Without --gpus, --dp x --tp x --pp x --cp is the number of GPUs searched, and stays."""
+    fixed = [("--zero", a.zero, 0), ("--sp", a.sp, False), ("--recompute", a.recompute, "none"),
+             ("--pp-schedule", a.pp_schedule, "1f1b"), ("--virtual-stages", a.virtual_stages, 1)]
+    if a.gpus is not None:
+        fixed += [("--dp", a.dp, None), ("--tp", a.tp, 1), ("--pp", a.pp, 1)]
+    for flag, value, default in fixed:
+        if value != default:
+            shown = "" if value is True else f" {value}"
+            raise PlanError(f"{flag}{shown} has no effect with --search, which tries every dp, tp, pp, ZeRO stage, "
+                            "sequence parallelism, recomputation and schedule itself: leave it out, or plan that "
+                            "layout without --search")

@@ -25,6 +25,9 @@ from .responses import DONE, Answer, TextStream, error_event
 from .worker import Closed, EngineWorker
 
 _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists its engine requests
+# A body shorter than its Content-Length leaves the server waiting for the rest, which h11 and uvicorn do without
+# end; counted in flight, it also kept a draining server from ever exiting. Slow links still send within this.
+BODY_TIMEOUT_S = 30.0
 
 
 class ServerState:
@@ -57,12 +60,43 @@ class Lifecycle:
         scope[_OWNED] = owned
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            body = await self._body(scope, receive, send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
         finally:
             self.state.in_flight -= 1
             for r in owned:
                 if not r.done:
                     self.worker.cancel(r)
+
+
+    async def _body(self, scope, receive, send) -> bytes | None:
+        """The request's whole body; None where its client left, or stalled and was answered 408."""
+        chunks, more = [], True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.state.rejected += 1
+                err = APIError(408, f"The request body stopped arriving: nothing for {BODY_TIMEOUT_S:g} s before its "
+                                    "Content-Length was reached. Send the whole body, with a Content-Length that "
+                                    "counts its bytes.", code="request_timeout")
+                await JSONResponse(err.body(), status_code=408, headers={"connection": "close"})(scope, receive, send)
+                return None
+            if message["type"] == "http.disconnect":  # no one is left to answer (once a ClientDisconnect traceback)
+                return None
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """`receive` for the app: the body read already, then the connection's own (a client leaving mid-stream)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+    return replayed
 
 
 class Handoff:
