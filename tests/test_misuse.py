@@ -358,8 +358,6 @@ CASES = [
     # flags that do not apply where given, once ignored without a word
     ("generate-greedy-top-k", ["generate", "--model", "{exp}", "--prompt", "x", "--top-k", "5"],
      "--top-k 5 has no effect at --temperature 0, which decodes greedily: give --temperature above 0", 2),
-    ("generate-greedy-seed", ["generate", "--model", "{exp}", "--prompt", "x", "--seed", "3"],
-     "--seed 3 has no effect at --temperature 0", 2),
     ("eval-greedy-top-p", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{longprompts}", "--top-p", "0.9"],
      "--top-p 0.9 has no effect at --temperature 0", 2),
     ("generate-prompt-overwrite", ["generate", "--model", "{exp}", "--prompt", "x", "--overwrite"],

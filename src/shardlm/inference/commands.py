@@ -102,10 +102,11 @@ def _check_sampling(a) -> None:
 
 
 def _refuse_sampling_when_greedy(a) -> None:
-    """--top-k, --top-p and --seed shape sampling, which --temperature 0 (the default) turns off: each given there
-    was ignored without a word, the answer greedy where the user asked for a sample."""
+    """--top-k and --top-p shape sampling, which --temperature 0 (the default) turns off: each given there was
+    ignored without a word, the answer greedy where the user asked for a sample. (A --seed is let be: scripts pass
+    one whatever the temperature, and it changes nothing where nothing is drawn.)"""
     if a.temperature == 0:
-        for flag, value, default in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0), ("--seed", a.seed, 0)):
+        for flag, value, default in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0)):
             if value != default:
                 raise ConfigError(f"{flag} {value} has no effect at --temperature 0, which decodes greedily: give "
                                   "--temperature above 0 to sample, or leave it out")
