@@ -101,7 +101,7 @@ def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
     runs = []
     for joined in (True, False):
         model = build_model(cfg.model, torch.device("cuda"), torch.bfloat16, 0)
-        flat = FlatParams(model, reverse_order_buckets(model, 0.01, 2), pad_multiple=4)
+        flat = FlatParams(model, reverse_order_buckets(model, 0.01), pad_multiple=4)
         assert len(flat.buckets) > 5
         opt = MasterWeightOptimizer(flat, cfg.train, NoLossScaler())
         if not joined:

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
-from shardlm.plan import Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from shardlm.plan import Layout, PlanError, Workload, estimate, estimate_memory, gpu, paper_model_states
 from shardlm.config.views import group_span
 from shardlm.plan.memory import activation_per_layer
 
@@ -63,11 +63,12 @@ def test_narayanan_flops(recompute, coeff):
 
 
 def test_predictions_match_measured_tinyllama_memory():
-    """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md); one GPU's before
-    its gradients were freed between steps."""
+    """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md): one GPU's with its
+    gradients freed between steps (the default) and kept (before it), ZeRO's."""
     m, g = load_config("tinyllama-1.1b").model, gpu("h200")
     kept = {"free_grads": False}
-    cases = [(Workload(2048, 4, 4), Layout(**kept), 28.1), (Workload(2048, 4, 4), Layout(recompute="full", **kept), 18.0),
+    cases = [(Workload(2048, 4, 4), Layout(), 25.3), (Workload(2048, 4, 4), Layout(**kept), 28.1),
+             (Workload(2048, 4, 4), Layout(recompute="full", **kept), 18.0),
              (Workload(2048, 4, 16), Layout(dp=4, zero_stage=3), 14.9), (Workload(2048, 4, 16), Layout(dp=4, zero_stage=2), 16.9)]
     for w, L, measured in cases:
         predicted = estimate(m, w, L, g).memory.total / 2**30
@@ -87,6 +88,18 @@ def test_predictions_match_measured_model_parallel_memory():
     for w, L, measured in cases:
         predicted = estimate(m, w, L, g).memory.total / 2**30
         assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
+
+
+def test_only_one_process_at_zero_0_frees_its_gradients():
+    """train.free_grads applies to one process's LocalEngine: ZeRO at one GPU keeps its 16-bit gradients, and so
+    does a step of several micro-batches (every gradient alive from the first backward on)."""
+    m = load_config("tinyllama-1.1b").model
+    mem = lambda w, **kw: estimate_memory(m, w, Layout(**kw)).total  # noqa: E731
+    one, acc = Workload(2048, 4, 4), Workload(2048, 4, 8)
+    assert mem(one) < mem(one, free_grads=False) - 2**30
+    for kw in ({"zero_stage": 1}, {"zero_stage": 1, "offload": "optimizer"}):
+        assert mem(one, **kw) == mem(one, **kw, free_grads=False)
+    assert mem(acc) == mem(acc, free_grads=False)
 
 
 def test_moe_step_time_matches_one_h200():

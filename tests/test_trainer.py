@@ -286,14 +286,19 @@ def test_optimizer_step_matches_torch_reference(optimizer):
         torch.testing.assert_close(p, q, msg=n)
 
 
-def test_one_process_frees_its_gradients_between_steps(tmp_path):
+def test_one_process_frees_its_gradients_between_steps(tmp_path, monkeypatch):
     """train.free_grads (the default on one process): between steps every .grad is None, as after torch's
-    zero_grad(set_to_none=True), and the run equals one that keeps its gradient buffer (accumulation, clipping)."""
+    zero_grad(set_to_none=True), and reads as zeros through the engine; the run, its gradients taken in many
+    buckets, equals one that keeps its gradient buffer (accumulation, clipping)."""
+    import shardlm.parallel.engine as engine
+    monkeypatch.setattr(engine, "FREE_GRAD_BUCKET_MB", 0.05)  # `tiny` in some ten buckets, not one
     runs = {}
     for free in ("true", "false"):
         trainer, records = train(tmp_path, free, train__free_grads=free, train__micro_batch_size=4, train__steps=4)
         grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
         assert all(g is None for g in grads) if free == "true" else all(g is not None for g in grads)
+        assert len(trainer.engine.flat.buckets) > 5 if free == "true" else len(trainer.engine.flat.buckets) == 1
+        assert not any(v.any() for _, _, v in trainer.engine.owned_shards("grad").values())
         runs[free] = losses(records), [r["grad_norm"] for r in records], trainer.engine.owned_shards("master")
     (loss, norm, master), (loss_kept, norm_kept, master_kept) = runs["true"], runs["false"]
     torch.testing.assert_close(loss, loss_kept, rtol=1e-6, atol=0)  # the norm sums its buckets in another order

@@ -121,8 +121,8 @@ class FlatParams:
                             fill(self.names[i], self.view(bucket.data, i))
                         self.params[i].data = self.view(bucket.data, i)
                 if grad_buffers:
-                    bucket.grad = grad[start:start + bucket.numel] if grad is not None else torch.zeros(
-                        bucket.numel, dtype=self.dtype, device=self.device)
+                    bucket.grad = grad[start:start + bucket.numel] if grad is not None else torch.empty(
+                        bucket.numel, dtype=self.dtype, device=self.device)  # freed below, zeroed when taken
                     for i in bucket.params:
                         self.params[i].grad = self.view(bucket.grad, i)
         self.free_grads = free_grads and grad_buffers and materialize
@@ -135,6 +135,8 @@ class FlatParams:
     def rehome(self, data: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
         """Move the buckets' weights into `data` and their gradients into `grad` (flat buffers holding the
         buckets back to back, such as symmetric memory the peers map), parameters and .grad following."""
+        if grad is not None and self.free_grads:
+            raise ValueError("gradients freed between steps (free_grads) have buffers of their own per bucket")
         start = 0
         for bucket in self.buckets:
             span = slice(start, start + bucket.numel)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config import FREE_GRAD_BUCKET_MB
-from ..flat import FlatParams, trainable
+from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
 
 
@@ -132,7 +132,8 @@ class Engine:
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor this rank holds for the model's training state, each with its kind: "params" (16-bit
-        or fp32 weights kept whole), "param_shards" (ZeRO-3's 16-bit slices), "grads", "masters",
+        or fp32 weights kept whole), "param_shards" (ZeRO-3's 16-bit slices), "grads" (at their size in a step,
+        also where one process frees them between steps), "masters",
         "optimizer" (the moments) and "host_grads" (offload's staging buffer)."""
         out = [("params", b.data) for b in self.flat.buckets]
         out += [("grads", b.grad) for b in self.flat.buckets if b.grad is not None]
@@ -175,13 +176,13 @@ class LocalEngine(Engine):
         self.cfg, self.divisor = cfg, divisor
         if free_grads and buckets is None:
             from .buckets import reverse_order_buckets
-            item = trainable(model, names)[0][1].element_size()
-            buckets = reverse_order_buckets(model, FREE_GRAD_BUCKET_MB, item, names)
+            buckets = reverse_order_buckets(model, FREE_GRAD_BUCKET_MB, names)
         self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill, names=names,
                                free_grads=free_grads)
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)
 
     def grad_shard(self, b: int) -> torch.Tensor:
+        self.flat.ensure_grads(b)  # freed between steps (free_grads): read as the zeros it stands for
         return self.flat.buckets[b].grad  # the whole bucket: the optimizer is not sharded
 
     def finish_backward(self, last: bool) -> None:

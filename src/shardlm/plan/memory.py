@@ -331,13 +331,15 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             grads, acts = grads + shard, 0.0
         peak = params + grads + opt + buffers + acts
         cand = (peak, Memory(params, grads, opt, acts, buffers, per_layer))
-        if L.free_grads and L.world == 1 and micro == 1 and grads:
+        if L.free_grads and L.world == 1 and L.zero_stage == 0 and micro == 1 and grads:
             # One process takes its gradients bucket by bucket in backward (train.free_grads): at the activations'
-            # peak, early in backward, the head's and about one bucket's exist; all of them meet the step alone.
+            # peak, early in backward, the head's and about one bucket's exist; nearly all of them meet the first
+            # block's backward (its activations, or its recomputed forward), and all of them the step.
             head = 0 if L.lora.rank else m.param_counts()["lm_head"] or m.param_counts()["embedding"]
             early = min(grads, g_b * head + FREE_GRAD_BUCKET_MB * MiB)
+            late = per_layer + recomputed
             cand = max((params + early + opt + buffers + acts, Memory(params, early, opt, acts, buffers, per_layer)),
-                       (params + grads + opt + WORKSPACE, Memory(params, grads, opt, 0.0, WORKSPACE, per_layer)),
+                       (params + grads + opt + WORKSPACE + late, Memory(params, grads, opt, late, WORKSPACE, per_layer)),
                        key=lambda c: c[0])
         if worst is None or cand[0] > worst[0]:
             worst = cand
