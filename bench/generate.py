@@ -299,7 +299,7 @@ def main():
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
                    "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL")
     p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
-                   "prompts replayed as CUDA graphs up to this many tokens (default the engine's: none over tp)")
+                   "prompts replayed as CUDA graphs up to this many tokens (default the engine's: 2048; 0: none)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))

@@ -923,15 +923,16 @@ def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
     return sorted(opened), {k: v.clone() for k, v in trainer.engine.gather_full_state()[0].items()}
 
 
-def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp32"):
+def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp32", prefill_graphs=None):
     """Greedy tokens of `prompts` from the engine over a tensor-parallel model on this rank's GPU (compiled
-    decode step, CUDA graphs), and whether its decode step ran the one-shot all-reduce kernel."""
+    decode step, CUDA graphs; prefill passes as CUDA graphs as `prefill_graphs` says), and whether its decode
+    step ran the one-shot all-reduce kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     from shardlm.inference import Engine, Request, load_pretrained
     from shardlm.mesh import build_mesh
     model, _, _ = load_pretrained(model_dir, device="cuda", dtype=dtype, tp_group=build_mesh(tp=world).group("tp"))
-    engine = Engine(model, len(prompts), compile=True, one_shot=one_shot)
+    engine = Engine(model, len(prompts), compile=True, one_shot=one_shot, prefill_graphs=prefill_graphs)
     engine.run([Request(p, new) for p in prompts])  # compiles and records the graphs
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         done = engine.run([Request(p, new) for p in prompts])

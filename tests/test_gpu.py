@@ -323,6 +323,25 @@ def test_tensor_parallel_decode_on_gpus_gives_one_gpus_tokens(one_shot, tmp_path
 
 
 @two_gpus
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_tensor_parallel_prefill_graphs_give_one_gpus_tokens(one_shot, tmp_path):
+    """Prefill passes replayed as CUDA graphs over tp 2 (their all-reduces NCCL's inside the graphs, or the
+    one-shot kernel's where a pass is small): one GPU's greedy tokens, prompts of 1 to 40 tokens."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(2, 42))]
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+    want = [r.tokens for r in Engine(model, 3, compile=True).run([Request(p, 12) for p in prompts])]
+    got = run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, one_shot, "fp32", 2048,
+                          timeout=300, device="cuda")
+    assert got == [[want, one_shot]] * 2
+
+
+@two_gpus
 def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
     """In bf16, as users serve: at tp 2 each sum is one addition either way and the gathered logits are copies,
     so the tokens are the same; the one-token prompt's prefill all-reduces fit the buffers and take the one-shot
