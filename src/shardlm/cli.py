@@ -224,7 +224,8 @@ def cmd_data(argv: list[str]) -> int:
         print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
               f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
         return 0
-    print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents in {len(index['shards'])} "
+    docs = index["documents"]
+    print(f"{index['total_tokens']:,} tokens from {docs:,} document{'' if docs == 1 else 's'} in {len(index['shards'])} "
           f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
     return 0
 

@@ -372,8 +372,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                           "hidden features")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
-    if min(seq, micro_batch, global_batch) < 1:
-        raise ConfigError(f"{key('seq')}, {key('micro_batch')} and {key('global_batch')} must be positive")
+    bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))
+           if v < 1]
+    if bad:
+        raise ConfigError(f"{' and '.join(bad)} must be positive")
     if global_batch % (micro_batch * p.dp):
         raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
                           f"({micro_batch}) x {key('dp')} ({p.dp})")

@@ -114,7 +114,12 @@ def model_from_args(a) -> ModelConfig:
                        if (path / "adapter_config.json").is_file() else "")
                 raise PlanError(f"--model {a.model}: no config.json there{fix}")
             try:  # the error names the file: json's and the config's own messages do not
-                cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
+                hf = json.loads(cfg_file.read_text())
+                if isinstance(hf, dict) and not ({"architectures", "model_type"} & hf.keys()):
+                    above = cfg_file.parent.parent.parent / "config.toml"  # RUN/checkpoints/step_N/state.json
+                    raise PlanError("not a Hugging Face config.json (no architectures or model_type)"
+                                    + (f": plan its run with --model {above}" if above.is_file() else ""))
+                cfg = model_config_from_hf(hf)
             except ConfigError as e:
                 raise PlanError(f"--model {cfg_file}: {e}") from None
             except ValueError as e:
