@@ -199,6 +199,16 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     assert os.listdir(tmp_path / "out") == ["notes.md"]
 
 
+def test_an_output_inside_a_prepared_dataset_is_refused(tmp_path):
+    """It would be a foreign directory of that dataset, whose next preparation then refuses it."""
+    (tmp_path / "in.txt").write_text("abc")
+    prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1", progress=False)
+    with pytest.raises(ValueError, match="d1/sub is inside the prepared dataset .*d1: give an --out outside it"):
+        prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1" / "sub", progress=False)
+    assert not (tmp_path / "d1" / "sub").exists()
+    prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1", progress=False)  # the dataset itself, prepared again
+
+
 def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     import fcntl
 

@@ -124,6 +124,10 @@ def _output_dir(out: Path) -> Path:
             more = ", ..." if len(foreign) > 3 else ""
             raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
                                f"{more}): the output directory is replaced whole, so give a new or empty one")
+    # Inside another dataset it would be a foreign file of that one, which its next preparation refuses.
+    above = next((d for d in final.parents if (d / INDEX).is_file()), None)
+    if above is not None:
+        raise PrepareError(f"{out} is inside the prepared dataset {above}: give an --out outside it")
     return final
 
 
