@@ -391,3 +391,19 @@ def test_one_file_given_twice_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--input .*link.txt is given twice \(the same file as .*a.txt\)"):
         prepare([tmp_path / "a.txt", tmp_path / "link.txt"], "byte", tmp_path / "out", progress=False)
     assert prepare([tmp_path / "a.txt", tmp_path / "copy.txt"], "byte", tmp_path / "out", progress=False)["documents"] == 2
+
+
+def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path, monkeypatch):
+    """Debian's Python links _sysconfigdata_* under two names; prepare refuses a file given twice, so the default
+    corpus (and `shardlm train` with no arguments) must list it once."""
+    import sysconfig
+
+    from shardlm.data.default import default_sources
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "c.py").symlink_to(tmp_path / "a.py")
+    os.link(tmp_path / "b.py", tmp_path / "d.py")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    files = default_sources()
+    assert [f.name for f in files] == ["a.py", "b.py"]
+    prepare(files, "byte", tmp_path / "out", progress=False)

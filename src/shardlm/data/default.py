@@ -21,13 +21,16 @@ BUDGET_BYTES = 4 << 20
 
 def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
+    files, total, seen = [], 0, set()
     for p in sorted(stdlib.glob("*.py")):
-        size = p.stat().st_size
-        if total + size > budget:
+        st = p.stat()
+        # Some distributions link one module under two names (Debian's _sysconfigdata_*): read it once, as
+        # prepare refuses a file given twice.
+        if (st.st_dev, st.st_ino) in seen or total + st.st_size > budget:
             continue
+        seen.add((st.st_dev, st.st_ino))
         files.append(p)
-        total += size
+        total += st.st_size
     if not files:
         raise FileNotFoundError(f"no Python sources found in {stdlib} for the default corpus")
     return files
