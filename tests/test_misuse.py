@@ -34,6 +34,8 @@ CASES = [
      "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
      "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",
      2),
+    ("resume-optimizer", ["train", "--resume", "{run}", "--train.optimizer", "sgd"],
+     "train.optimizer is 'adamw' in the checkpoint and 'sgd' in this run: its saved optimizer state is adamw's", 2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
