@@ -98,6 +98,14 @@ CASES = [
      "train.moe_z_loss_coef = 0.001 applies to a mixture of experts, and this model is dense", 2),
     ("first-dense-on-dense", ["train", "tiny", "--model.moe_first_dense", "1", "--out", "{new}"],
      "model.moe_first_dense = 1 applies to a mixture of experts, and this model is dense", 2),
+    # MoE keys with a non-zero default, once ignored on a dense model: `--model.top_k 1` trained it dense
+    ("top-k-on-dense", ["train", "tiny", "--model.top_k", "1", "--out", "{new}"],
+     "model.top_k = 1 applies to a mixture of experts, and this model is dense (model.num_experts = 0): set "
+     "model.num_experts (and model.top_k), or leave model.top_k at 2 or 0", 2),
+    ("aux-loss-on-dense", ["train", "tiny", "--train.moe_aux_loss_coef", "0.5", "--out", "{new}"],
+     "train.moe_aux_loss_coef = 0.5 applies to a mixture of experts", 2),
+    ("router-scoring-on-dense", ["train", "tiny", "--model.router_scoring", "sigmoid", "--out", "{new}"],
+     "model.router_scoring = 'sigmoid' applies to a mixture of experts", 2),
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
