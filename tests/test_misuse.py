@@ -106,6 +106,9 @@ CASES = [
      "train.moe_aux_loss_coef = 0.5 applies to a mixture of experts", 2),
     ("router-scoring-on-dense", ["train", "tiny", "--model.router_scoring", "sigmoid", "--out", "{new}"],
      "model.router_scoring = 'sigmoid' applies to a mixture of experts", 2),
+    ("freeze-lora-base", ["train", "tiny", "--lora.rank", "4", "--train.freeze", "embed", "--out", "{new}"],
+     "train.freeze: 'embed' matches only weights frozen already (the base under LoRA adapters), so it freezes "
+     "nothing: name modules that carry adapters (lora.targets), or leave it out", 2),  # once trained as without it
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
