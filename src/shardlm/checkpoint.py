@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -290,8 +291,9 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
 
 def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None) -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
-    a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
-    resolved and verified already."""
+    a damaged one is skipped with a message through `log` (None: a note on stderr, as export, generate and
+    eval once took an older step without a word). `verify` False: trust a path another rank resolved and
+    verified already."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
@@ -309,8 +311,9 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if problems and log is not None:
-            log(f"skipping damaged checkpoints ({'; '.join(problems)}); resuming from {ckpt}")
+        if problems:
+            note = f"skipping damaged checkpoints ({'; '.join(problems)}); using {ckpt}, the newest that verifies"
+            log(note) if log is not None else print(f"note: {note}", file=sys.stderr)
         return ckpt
     raise CheckpointError(f"no checkpoint of {path} verifies: {'; '.join(problems)}")
 
