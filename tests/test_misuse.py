@@ -398,6 +398,10 @@ CASES = [
      "it is a run that has saved no checkpoint yet", 2),
     ("eval-run-before-first-save", ["eval", "--model", "{unsaved}", "--data", "{text}", "--seq-len", "8"],
      "it is a run that has saved no checkpoint yet", 2),
+    # a checkpoint whose state.json was deleted: once "saved no checkpoint yet: wait for its first"
+    ("export-state-json-missing", ["export", "--checkpoint", "{nostate}", "--out", "{new}"],
+     "nostate/checkpoints/step_00000002 has no state.json, which a save writes last (a save still under way, or "
+     "one cut short or damaged)", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
@@ -525,6 +529,9 @@ def world(tmp_path_factory):
     p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
     shutil.copytree(p["exp"], p["tokconfig_model"])
     (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
+    p["nostate"] = root / "nostate"  # a run whose only checkpoint lost its state.json
+    shutil.copytree(p["run"], p["nostate"])
+    (p["nostate"] / "checkpoints" / "step_00000002" / "state.json").unlink()
     p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
     p["unsaved"].mkdir()
     shutil.copy(p["run"] / "config.toml", p["unsaved"])

@@ -226,6 +226,11 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
         newest = complete_checkpoints(path.parent)[-1]
         return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
                                  f"checkpoint) or one checkpoint in it, such as {newest}")
+    partial = sorted((path / CKPT_DIR).glob("step_*")) if run else []
+    if partial:  # "saved no checkpoint yet" once sent a user to wait for a run whose state.json was deleted
+        return FileNotFoundError(f"{path} holds no complete checkpoint: {partial[-1]} has no {STATE}, which a save "
+                                 "writes last (a save still under way, or one cut short or damaged): wait for the "
+                                 "save, or train the run again (--overwrite) or name another checkpoint")
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
                                 if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
@@ -243,14 +248,17 @@ def read_state(path: str | Path) -> dict:
     candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
     if not candidates:
         raise _no_checkpoint(path)
+    problems = []
     for ckpt in candidates:
         try:
             state = json.loads((ckpt / STATE).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            problems.append(f"{ckpt / STATE} is not readable JSON ({e})")
             continue
         if isinstance(state, dict) and "config" in state:
             return state
-    raise CheckpointError(f"no state.json under {path} is readable JSON with a config")
+        problems.append(f"{ckpt / STATE} holds no config")
+    raise CheckpointError(f"no checkpoint of {path} has a readable {STATE}: {'; '.join(problems)}")
 
 
 def verify_checkpoint(path: Path, progress=None) -> dict:
