@@ -138,6 +138,10 @@ CASES = [
      "data.path is missing a value: give --data.path VALUE", 2),  # not data.path = '--train.lr'
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
+    ("free-grads-not-bool", ["train", "tiny", "--train.free_grads", "maybe", "--out", "{new}"],
+     "train.free_grads = 'maybe' is not a valid bool: give true or false", 2),
+    ("toml-list-for-a-string", ["train", "{listfreeze}", "--out", "{new}"], "train.freeze = ['router', 'experts'] is "
+     "not a valid str: give one string, the items separated by commas (freeze = 'router,experts')", 2),
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
     ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
@@ -480,6 +484,8 @@ def world(tmp_path_factory):
     (p["othermetrics"] / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
     p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
     p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
+    p["listfreeze"] = root / "listfreeze.toml"  # a TOML list where the key takes one comma-separated string
+    p["listfreeze"].write_text('[train]\nfreeze = ["router", "experts"]\n')
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
