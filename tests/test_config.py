@@ -86,6 +86,12 @@ def test_ring_attention_takes_heads_that_cp_does_not_divide():
     validate(load_config("tiny", {"parallel.cp": "8", "parallel.cp_comm": "p2p"}), world_size=8)
 
 
+def test_a_dense_model_takes_the_moe_keys_at_their_defaults_or_off():
+    """Refused on a dense model where set (misuse table); their defaults and the 0 that means none pass."""
+    validate(load_config("tiny", {"model.top_k": "2", "train.moe_aux_loss_coef": "0.01"}))
+    validate(load_config("tiny", {"model.top_k": "0", "train.moe_aux_loss_coef": "0"}))
+
+
 def test_training_beyond_the_sliding_window_validates():
     validate(load_config("tiny", {"model.sliding_window": "8", "train.seq_len": "32"}))
 

@@ -34,6 +34,8 @@ CASES = [
      "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
      "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",
      2),
+    ("resume-optimizer", ["train", "--resume", "{run}", "--train.optimizer", "sgd"],
+     "train.optimizer is 'adamw' in the checkpoint and 'sgd' in this run: its saved optimizer state is adamw's", 2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
@@ -96,6 +98,17 @@ CASES = [
      "train.moe_z_loss_coef = 0.001 applies to a mixture of experts, and this model is dense", 2),
     ("first-dense-on-dense", ["train", "tiny", "--model.moe_first_dense", "1", "--out", "{new}"],
      "model.moe_first_dense = 1 applies to a mixture of experts, and this model is dense", 2),
+    # MoE keys with a non-zero default, once ignored on a dense model: `--model.top_k 1` trained it dense
+    ("top-k-on-dense", ["train", "tiny", "--model.top_k", "1", "--out", "{new}"],
+     "model.top_k = 1 applies to a mixture of experts, and this model is dense (model.num_experts = 0): set "
+     "model.num_experts (and model.top_k), or leave model.top_k at 2 or 0", 2),
+    ("aux-loss-on-dense", ["train", "tiny", "--train.moe_aux_loss_coef", "0.5", "--out", "{new}"],
+     "train.moe_aux_loss_coef = 0.5 applies to a mixture of experts", 2),
+    ("router-scoring-on-dense", ["train", "tiny", "--model.router_scoring", "sigmoid", "--out", "{new}"],
+     "model.router_scoring = 'sigmoid' applies to a mixture of experts", 2),
+    ("freeze-lora-base", ["train", "tiny", "--lora.rank", "4", "--train.freeze", "embed", "--out", "{new}"],
+     "train.freeze: 'embed' matches only weights frozen already (the base under LoRA adapters), so it freezes "
+     "nothing: name modules that carry adapters (lora.targets), or leave it out", 2),  # once trained as without it
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
@@ -125,6 +138,10 @@ CASES = [
      "data.path is missing a value: give --data.path VALUE", 2),  # not data.path = '--train.lr'
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
+    ("free-grads-not-bool", ["train", "tiny", "--train.free_grads", "maybe", "--out", "{new}"],
+     "train.free_grads = 'maybe' is not a valid bool: give true or false", 2),
+    ("toml-list-for-a-string", ["train", "{listfreeze}", "--out", "{new}"], "train.freeze = ['router', 'experts'] is "
+     "not a valid str: give one string, the items separated by commas (freeze = 'router,experts')", 2),
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
     ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
@@ -153,6 +170,10 @@ CASES = [
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
+    ("export-moe-no-hf-class", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
+     "this mixture of experts (model.shared_expert_ffn_hidden_size = 32) is neither Mixtral's", 2),  # which key, said
+    ("export-moe-no-hf-class-how", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
+     "Hugging Face has no class here that computes it; shardlm generate, eval and serve read the run itself", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
     ("export-checkpoints-folder", ["export", "--checkpoint", "{run}/checkpoints", "--out", "{new}"],
      "/checkpoints is the checkpoints folder of the run ", 2),
@@ -385,6 +406,10 @@ CASES = [
      "it is a run that has saved no checkpoint yet", 2),
     ("eval-run-before-first-save", ["eval", "--model", "{unsaved}", "--data", "{text}", "--seq-len", "8"],
      "it is a run that has saved no checkpoint yet", 2),
+    # a checkpoint whose state.json was deleted: once "saved no checkpoint yet: wait for its first"
+    ("export-state-json-missing", ["export", "--checkpoint", "{nostate}", "--out", "{new}"],
+     "nostate/checkpoints/step_00000002 has no state.json, which a save writes last (a save still under way, or "
+     "one cut short or damaged)", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
@@ -459,6 +484,8 @@ def world(tmp_path_factory):
     (p["othermetrics"] / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
     p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
     p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
+    p["listfreeze"] = root / "listfreeze.toml"  # a TOML list where the key takes one comma-separated string
+    p["listfreeze"].write_text('[train]\nfreeze = ["router", "experts"]\n')
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
@@ -512,6 +539,12 @@ def world(tmp_path_factory):
     p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
     shutil.copytree(p["exp"], p["tokconfig_model"])
     (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
+    p["sharedmoe"] = root / "sharedmoe"  # a mixture of experts with a shared expert and no qkv biases: no HF class
+    ok("train", "mixtral-tiny", *QUIET, "--train.steps", "1", "--data.path", p["data"], "--out", p["sharedmoe"],
+       "--model.shared_expert_ffn_hidden_size", "32")
+    p["nostate"] = root / "nostate"  # a run whose only checkpoint lost its state.json
+    shutil.copytree(p["run"], p["nostate"])
+    (p["nostate"] / "checkpoints" / "step_00000002" / "state.json").unlink()
     p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
     p["unsaved"].mkdir()
     shutil.copy(p["run"] / "config.toml", p["unsaved"])

@@ -184,6 +184,36 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
 
 
+def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_say_which_they_use(tmp_path, capsys):
+    """They take the newest checkpoint that verifies, as a resume does: that was an older step without a word."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    damage(run / "checkpoints" / "step_00000004" / "rank00000-0000.safetensors", "truncated")
+    (tmp_path / "text.txt").write_text("some text to score " * 20)
+    for argv in (["export", "--checkpoint", run, "--out", tmp_path / "hf"],
+                 ["generate", "--model", run, "--prompt", "a", "--max-new-tokens", "1"],
+                 ["eval", "--model", run, "--data", tmp_path / "text.txt", "--seq-len", "16"]):
+        proc = cli_proc(capsys, *argv)
+        assert proc.returncode == 0, proc.stderr
+        assert (f"note: skipping damaged checkpoints ({run}/checkpoints/step_00000004/rank00000-0000.safetensors "
+                f"has ") in proc.stderr and f"using {run}/checkpoints/step_00000002, the newest" in proc.stderr
+
+
+def test_a_resume_whose_state_json_is_cut_short_names_the_file_and_why(tmp_path, capsys):
+    """Once 'no state.json under RUN is readable JSON with a config', naming neither the file nor the fault."""
+    run = tmp_path / "run"
+    Trainer(load_config("tiny", {"train.steps": "1", "train.tensorboard": "false"}), out_dir=run,
+            log=lambda *a: None).run()
+    state = run / "checkpoints" / "step_00000001" / "state.json"
+    state.write_text(state.read_text()[:100])
+    proc = cli_proc(capsys, "train", "--resume", run, "--out", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"shardlm train: error: no checkpoint of {run} has a readable state.json: {state} is "
+                               "not readable JSON ("), lines
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_a_state_json_whose_model_does_not_match_its_tensors_is_refused(tmp_path, fmt):
     """state.json's model.hidden_size edited from 64 to 128: the resume trained on, each parameter's first

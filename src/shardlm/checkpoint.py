@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -225,6 +226,11 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
         newest = complete_checkpoints(path.parent)[-1]
         return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
                                  f"checkpoint) or one checkpoint in it, such as {newest}")
+    partial = sorted((path / CKPT_DIR).glob("step_*")) if run else []
+    if partial:  # "saved no checkpoint yet" once sent a user to wait for a run whose state.json was deleted
+        return FileNotFoundError(f"{path} holds no complete checkpoint: {partial[-1]} has no {STATE}, which a save "
+                                 "writes last (a save still under way, or one cut short or damaged): wait for the "
+                                 "save, or train the run again (--overwrite) or name another checkpoint")
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
                                 if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
@@ -242,14 +248,17 @@ def read_state(path: str | Path) -> dict:
     candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
     if not candidates:
         raise _no_checkpoint(path)
+    problems = []
     for ckpt in candidates:
         try:
             state = json.loads((ckpt / STATE).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            problems.append(f"{ckpt / STATE} is not readable JSON ({e})")
             continue
         if isinstance(state, dict) and "config" in state:
             return state
-    raise CheckpointError(f"no state.json under {path} is readable JSON with a config")
+        problems.append(f"{ckpt / STATE} holds no config")
+    raise CheckpointError(f"no checkpoint of {path} has a readable {STATE}: {'; '.join(problems)}")
 
 
 def verify_checkpoint(path: Path, progress=None) -> dict:
@@ -290,8 +299,9 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
 
 def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None) -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
-    a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
-    resolved and verified already."""
+    a damaged one is skipped with a message through `log` (None: a note on stderr, as export, generate and
+    eval once took an older step without a word). `verify` False: trust a path another rank resolved and
+    verified already."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
@@ -309,8 +319,9 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if problems and log is not None:
-            log(f"skipping damaged checkpoints ({'; '.join(problems)}); resuming from {ckpt}")
+        if problems:
+            note = f"skipping damaged checkpoints ({'; '.join(problems)}); using {ckpt}, the newest that verifies"
+            log(note) if log is not None else print(f"note: {note}", file=sys.stderr)
         return ckpt
     raise CheckpointError(f"no checkpoint of {path} verifies: {'; '.join(problems)}")
 

@@ -61,6 +61,11 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
                "parameters would start or stop training without their optimizer state; resume with "
                f"train.freeze = {saved.train.freeze!r}, or start a new run from this checkpoint's weights "
                f"(`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE)")
+    if saved.train.optimizer != now.train.optimizer:  # once a KeyError from the optimizer's load
+        refuse("train.optimizer", saved.train.optimizer, now.train.optimizer,
+               f"its saved optimizer state is {saved.train.optimizer}'s, which {now.train.optimizer} cannot continue "
+               "from; " + KEEP.format(old=saved.train.optimizer) + ", or start a new run from this checkpoint's "
+               f"weights (`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE)")
     s, n = saved.lora, now.lora
     if s.rank != n.rank:
         refuse("lora.rank", s.rank, n.rank, _lora_change("rank", s.rank, n.rank, path))

@@ -133,25 +133,32 @@ def _experts_from_hf(arch: str, hf: dict) -> dict:
                 moe_every=step, moe_first_dense=len(dense), router_renormalize=bool(hf.get("norm_topk_prob", False)))
 
 
+READ_THE_RUN = "; shardlm generate, eval and serve read the run itself (--model RUN)"
+
+
 def _hf_moe_class(cfg: ModelConfig) -> str:
     """The HF class that computes this mixture of experts: Mixtral's (every layer, experts of the dense size,
     renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (a shared expert, qkv biases)."""
     if cfg.router_bias_update_rate > 0:
         raise ConfigError(f"model.router_bias_update_rate = {cfg.router_bias_update_rate}: the experts were chosen "
                           "with DeepSeek-V3's selection bias, which Mixtral's and Qwen2-MoE's routers lack (an export "
-                          "would route differently; shardlm generate and eval read the bias from the checkpoint)")
+                          "would route differently; shardlm generate, eval and serve read the bias from the run)")
     if cfg.router_scoring != "softmax":
         raise ConfigError(f"model.router_scoring = {cfg.router_scoring!r} has no Hugging Face class here "
-                          "(Mixtral and Qwen2-MoE score with a softmax)")
-    mixtral = (not cfg.shared_expert_ffn_hidden_size and cfg.router_renormalize and not cfg.qkv_bias
-               and cfg.moe_every == 1 and not cfg.moe_first_dense and cfg.moe_ffn_size == cfg.ffn_size)
-    if mixtral:
+                          f"(Mixtral and Qwen2-MoE score with a softmax){READ_THE_RUN}")
+    # What makes it other than Mixtral's, named: the bare refusal left a user to find it among six keys.
+    unlike = [f"model.{k} = {v!r}" for k, v, mixtral in (
+        ("shared_expert_ffn_hidden_size", cfg.shared_expert_ffn_hidden_size, 0),
+        ("router_renormalize", cfg.router_renormalize, True), ("qkv_bias", cfg.qkv_bias, False),
+        ("moe_every", cfg.moe_every, 1), ("moe_first_dense", cfg.moe_first_dense, 0),
+        ("moe_ffn_hidden_size", cfg.moe_ffn_size, cfg.ffn_size)) if v != mixtral]
+    if not unlike:
         return "MixtralForCausalLM"
     if cfg.shared_expert_ffn_hidden_size and cfg.qkv_bias:
         return "Qwen2MoeForCausalLM"
-    raise ConfigError("this mixture of experts is neither Mixtral's (every layer, experts of ffn_hidden_size, "
-                      "renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared expert and "
-                      "qkv biases): Hugging Face has no class here that computes it")
+    raise ConfigError(f"this mixture of experts ({', '.join(unlike)}) is neither Mixtral's (every layer, experts of "
+                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared "
+                      f"expert and qkv biases): Hugging Face has no class here that computes it{READ_THE_RUN}")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,

@@ -186,21 +186,26 @@ def check_bf16_optimizer(cfg: Config) -> None:
                               "0.99 or train.optimizer_dtype = 'fp32'")
 
 
-# The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
-# without a word.
+# The keys only a mixture of experts reads: on a dense model they would be ignored without a word. Those with
+# another default than 0 count as set where they differ from it (`--model.top_k 2` once trained a dense model).
 MOE_ONLY = ("model.moe_ffn_hidden_size", "model.shared_expert_ffn_hidden_size", "model.capacity_factor",
-            "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef")
+            "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef", "model.top_k",
+            "model.moe_every", "model.router_scoring", "model.router_renormalize", "train.moe_aux_loss_coef",
+            "parallel.ep_dispatch")
 
 
 def check_dense(cfg: Config) -> None:
     for key in MOE_ONLY:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value:
+        default = next(f.default for f in fields(getattr(cfg, section)) if f.name == name)
+        off = (default, 0) if key in ("model.top_k", "train.moe_aux_loss_coef") else (default,)  # 0: "none", said
+        if value not in off:
             whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
                      if cfg.train.init_from else "model.num_experts = 0")
-            raise ConfigError(f"{key} = {value} applies to a mixture of experts, and this model is dense ({whose}): "
-                              f"set model.num_experts (and model.top_k), or leave {key} at 0")
+            leave = " or ".join(f"{v:g}" if isinstance(v, float) else repr(v) for v in off)
+            raise ConfigError(f"{key} = {value!r} applies to a mixture of experts, and this model is dense ({whose}): "
+                              f"set model.num_experts (and model.top_k), or leave {key} at {leave}")
 
 
 def check_experts(cfg: Config) -> None:

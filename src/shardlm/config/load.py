@@ -84,7 +84,12 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
             return dict(value)
     except (ValueError, TypeError):
         pass
-    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
+    how = ""  # the two a first config gets wrong: a bool spelled otherwise, a TOML list where one string goes
+    if typ is bool:
+        how = ": give true or false"
+    elif typ is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        how = f": give one string, the items separated by commas ({key.split('.')[1]} = {','.join(value)!r})"
+    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
 
 
 def refuse_non_utf8(name: str, value: str, fix: str = "") -> None:
