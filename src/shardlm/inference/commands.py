@@ -106,8 +106,8 @@ def _refuse_sampling_when_greedy(a) -> None:
     ignored without a word, the answer greedy where the user asked for a sample. (A --seed is let be: scripts pass
     one whatever the temperature, and it changes nothing where nothing is drawn.)"""
     if a.temperature == 0:
-        for flag, value, default in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0)):
-            if value != default:
+        for flag, key in (("--top-k", "top_k"), ("--top-p", "top_p")):
+            if (value := getattr(a, key)) != SAMPLING[key]:
                 raise ConfigError(f"{flag} {value} has no effect at --temperature 0, which decodes greedily: give "
                                   "--temperature above 0 to sample, or leave it out")
 

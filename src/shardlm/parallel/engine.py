@@ -190,7 +190,6 @@ class LocalEngine(Engine):
             self.flat.ensure_grads()
 
     def optimizer_step(self, lr: float, step: int) -> None:
-        self.flat.ensure_grads()
         self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor(),
                       sumsq=self.grad_sumsq())
         self.flat.zero_grad()
