@@ -36,8 +36,25 @@ WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed
 
 
 def tp_of(system: str) -> int:
-    """shardlm-tpN[-nccl]: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
-    return int(system.removeprefix("shardlm-tp").removesuffix("-nccl")) if system.startswith("shardlm-tp") else 1
+    """shardlm-tpN[VARIANT]: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
+    return int(system.removeprefix("shardlm-tp").split("-")[0]) if system.startswith("shardlm-tp") else 1
+
+
+# shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each row-parallel product apart from its sum
+# (cuBLAS, copy, torch's one-shot kernel); cuBLAS's product into symmetric memory and a one-barrier Triton sum;
+# the fused kernel's outputs sent to the peers by its last program (gemv_all_reduce.py's modes).
+TP_VARIANTS = ("-nccl", "-unfused", "-pull", "-late")
+
+
+def tp_variant(engine_model, variant: str) -> None:
+    """Switch the one-row row-parallel products of a model that an Engine set up (inference/gemv_all_reduce.py)
+    to `variant`'s form, before its first run compiles them."""
+    for m in engine_model.modules():
+        fused = getattr(getattr(m, "small_all_reduce", None), "fused", None)
+        if fused is not None and variant == "-unfused":
+            m.small_all_reduce.fused = None
+        elif fused is not None and variant in ("-pull", "-late"):
+            fused.mode = {"-pull": "pull", "-late": "fused-late"}[variant]
 
 
 def build(args, device, group=None):
@@ -74,7 +91,7 @@ def random_prompts(n, lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def run_shardlm(args, device, quantized: str = "none", tp: int = 1, one_shot: bool | None = None):
+def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str = ""):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
     group = None
@@ -92,13 +109,15 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, one_shot: bo
     weights = weight_bytes(model) * tp  # GB/s below counts the 16-bit bytes the quantised weights stand for
     quantize(model, quantized)
     system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
-    system = system if tp == 1 else f"shardlm-tp{tp}" + ("-nccl" if one_shot is False else "")
+    system = system if tp == 1 else f"shardlm-tp{tp}{variant}"
+    one_shot = False if variant == "-nccl" else None
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
         graphs = {"prefill_graphs": args.tp_prefill_graphs} if tp > 1 and args.tp_prefill_graphs is not None else {}
         engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None, one_shot=one_shot,
                         **graphs)
+        tp_variant(model, variant)
         engine.run([Request(p, args.new) for p in prompts])  # compiles and records the graphs
         sync(device)
         if device == "cuda":
@@ -273,7 +292,8 @@ def worker(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.config.recompile_limit = 64
     if tp_of(args.system) > 1:
-        return run_shardlm(args, device, tp=tp_of(args.system), one_shot=False if args.system.endswith("-nccl") else None)
+        variant = next((v for v in TP_VARIANTS if args.system.endswith(v)), "")
+        return run_shardlm(args, device, tp=tp_of(args.system), variant=variant)
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
            "mixed-old": run_mixed_old, "agree-fp32": run_agree,
@@ -297,7 +317,8 @@ def main():
     p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
-                   "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL")
+                   "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL; "
+                   "-unfused, -pull, -late: the one-row row-parallel products as TP_VARIANTS says")
     p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
                    "prompts replayed as CUDA graphs up to this many tokens (default the engine's: 2048; 0: none)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")

@@ -923,10 +923,12 @@ def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
     return sorted(opened), {k: v.clone() for k, v in trainer.engine.gather_full_state()[0].items()}
 
 
-def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp32", prefill_graphs=None):
+def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp32", prefill_graphs=None,
+                      fused=False):
     """Greedy tokens of `prompts` from the engine over a tensor-parallel model on this rank's GPU (compiled
     decode step, CUDA graphs; prefill passes as CUDA graphs as `prefill_graphs` says), and whether its decode
-    step ran the one-shot all-reduce kernel."""
+    step ran the one-shot all-reduce kernel (and, with `fused`, whether it ran the one-row product and
+    all-reduce kernel too)."""
     from torch.profiler import ProfilerActivity, profile
 
     from shardlm.inference import Engine, Request, load_pretrained
@@ -938,4 +940,5 @@ def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp3
         done = engine.run([Request(p, new) for p in prompts])
         torch.cuda.synchronize()
     kernels = " ".join(e.key for e in prof.key_averages())
-    return [[r.tokens for r in done], "one_shot" in kernels]
+    ran = [[r.tokens for r in done], "one_shot" in kernels]
+    return ran + ["gemv_all_reduce" in kernels] if fused else ran

@@ -342,6 +342,30 @@ def test_tensor_parallel_prefill_graphs_give_one_gpus_tokens(one_shot, tmp_path)
 
 
 @two_gpus
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_row_tensor_parallel_decode_fuses_each_product_with_its_all_reduce(dtype, tmp_path):
+    """Batch-1 decoding at tp 2: the row-parallel products and their sums as one kernel (gemv_all_reduce.py)
+    give the tokens of one GPU (fp32) or of NCCL's all-reduces (bf16, each sum one addition either way), every
+    rank the same; NCCL's run never takes the fused kernel."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    fused, nccl = (run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 16, flag, dtype, None,
+                                   True, timeout=300, device="cuda") for flag in (True, False))
+    assert [r[1:] for r in fused] == [[True, True]] * 2 and [r[1:] for r in nccl] == [[False, False]] * 2
+    if dtype == "fp32":
+        model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+        want = [r.tokens for r in Engine(model, 1, compile=True).run([Request(p, 16) for p in prompts])]
+    else:
+        want = nccl[0][0]
+    assert fused[0][0] == fused[1][0] == nccl[1][0] == want
+
+
+@two_gpus
 def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
     """In bf16, as users serve: at tp 2 each sum is one addition either way and the gathered logits are copies,
     so the tokens are the same; the one-token prompt's prefill all-reduces fit the buffers and take the one-shot

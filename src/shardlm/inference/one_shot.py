@@ -24,6 +24,9 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from .gemv_all_reduce import GemvAllReduce
 
 # Above this the bandwidth-optimal algorithms win (each rank reads every peer's whole buffer here).
 MAX_BYTES = 512 * 1024
@@ -65,10 +68,16 @@ def _(x, buffer, group_name, rank, world):
 
 class OneShotAllReduce:
     """Sums a tensor over `group` by `symm_mem.one_shot_all_reduce` through the symmetric `buffer`; a tensor
-    larger than it goes to NCCL."""
+    larger than it goes to NCCL. `linear(x, w)`: a row-parallel product and its sum, one kernel for one row
+    (`fused`, gemv_all_reduce.py, through its buffer `turn`)."""
 
-    def __init__(self, buffer: torch.Tensor, group):
-        self.buffer, self.group = buffer, group
+    def __init__(self, buffer: torch.Tensor, group, fused: GemvAllReduce | None = None, turn: int = 0):
+        self.buffer, self.group, self.fused, self.turn = buffer, group, fused, turn
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.fits(x, w):
+            return self.fused(x, w, self.turn)
+        return self(F.linear(x, w))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         buf = self.buffer
@@ -166,8 +175,10 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         if one_shot:
             raise RuntimeError("one-shot all-reduces asked for, but a rank could not allocate symmetric memory")
         return False
-    for i, layer in enumerate(m for m in layers if isinstance(m, RowParallelLinear)):
-        layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group)
+    rows_parallel = [m for m in layers if isinstance(m, RowParallelLinear)]
+    fused = GemvAllReduce(max(m.weight.shape[0] for m in rows_parallel), weight, group)
+    for i, layer in enumerate(rows_parallel):
+        layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group, fused, i % 2)
     for layer in layers:
         if isinstance(layer, VocabParallelEmbedding):
             layer.small_all_reduce = OneShotAllReduce(buffers[2], group)

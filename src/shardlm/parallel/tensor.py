@@ -232,14 +232,19 @@ class RowParallelLinear(nn.Module):
         tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
-        # An adapter's partial product joins the base's before their reduction.
-        y = adapted_linear(x, self.weight, None, self.weight_grads, self.lora)
-        if self.sequence_parallel and self.training:
-            y = reduce_scatter_to_sp(y, self.group, self.async_tp)
-        elif self.small_all_reduce is not None and not torch.is_grad_enabled():
-            y = self.small_all_reduce(y)
+        small = self.small_all_reduce is not None and not torch.is_grad_enabled()
+        if small and self.lora is None and not (self.sequence_parallel and self.training):
+            # the product and its sum, one kernel where it can (inference/gemv_all_reduce.py)
+            y = self.small_all_reduce.linear(x, self.weight)
         else:
-            y = reduce_from_tp(y, self.group)
+            # An adapter's partial product joins the base's before their reduction.
+            y = adapted_linear(x, self.weight, None, self.weight_grads, self.lora)
+            if self.sequence_parallel and self.training:
+                y = reduce_scatter_to_sp(y, self.group, self.async_tp)
+            elif small:
+                y = self.small_all_reduce(y)
+            else:
+                y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
 

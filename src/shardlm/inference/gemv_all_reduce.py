@@ -1,0 +1,185 @@
+"""A row-parallel linear's one-row product and its all-reduce as one kernel (tensor-parallel batch-1 decode).
+
+At tp 2 a decode token all-reduces twice a layer a vector of a few kilobytes, each the sum of the ranks'
+partial products of a row-parallel linear (the attention's output projection, the MLP's down projection).
+Done apart, that is cuBLAS's GEMV, a copy of its output into symmetric memory and the one-shot all-reduce
+kernel (one_shot.py): three launches, two of them waiting on latency, about 12 us a layer's linear on two
+H200s, where the weights' reading takes 5-15 us (bench/README.md). Here one Triton kernel does all of it, as
+the GEMV + all-reduce of PyTorch's symmetric-memory recipes (yifuwang/symm-mem-recipes) and TensorRT-LLM's
+fused all-reduce do: each program computes a few outputs and stores them straight into every rank's
+symmetric buffer (slot `rank`, over NVLink); the last program to finish on a rank (counted on a device
+counter, which it sets back to zero: nothing to reset between calls, so a CUDA graph replays it as it is)
+meets the peers at a barrier on the buffer's signal pad and sums the slots of its own buffer in rank order.
+
+The barrier is the one torch's one-shot kernel and the recipes use: each rank sets its flag in every peer's
+pad (compare-and-swap 0 -> 1, release at system scope) and waits for every peer's flag in its own (1 -> 0,
+acquire), so the pad is all zeros again afterwards. A rank refills a buffer's slots only after the next call's
+barrier, which the peers reach only after summing the previous call's: two buffers taken in turn (the two
+row-parallel linears of a block) are never overwritten while read.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import triton, triton_ok
+
+# (BN outputs a program, BK inputs a step, warps): from an H200 sweep over llama2-7b's row-parallel shapes
+# at tp 2 (bench/README.md).
+LAUNCH = (8, 512, 8)
+
+if triton is not None and hasattr(torch.library, "custom_op"):
+    import triton.language as tl
+
+    @triton.jit
+    def _barrier(pads_ptr, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """Every rank's stores so far (released at system scope) seen by this program (acquired) once all have
+        come: each rank sets its flag in every pad, 0 -> 1, and clears the peers' in its own, 1 -> 0."""
+        mine = tl.load(pads_ptr + RANK).to(tl.pointer_type(tl.int32))
+        for r in tl.static_range(WORLD):
+            pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
+            old = tl.atomic_cas(pad + RANK, 0, 1, sem="release", scope="sys")
+            while old != 0:
+                old = tl.atomic_cas(pad + RANK, 0, 1, sem="release", scope="sys")
+        for r in tl.static_range(WORLD):
+            old = tl.atomic_cas(mine + r, 1, 0, sem="acquire", scope="sys")
+            while old != 1:
+                old = tl.atomic_cas(mine + r, 1, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()  # the acquire before any thread's loads
+
+    @triton.jit
+    def _sum_slots(y_ptr, buffers_ptr, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr,
+                   BR: tl.constexpr, PULL: tl.constexpr):
+        """y = the sum of the ranks' partial vectors, in rank order (the same bits on every rank): rank r's at
+        the start of its own buffer (PULL: read over NVLink) or in slot r of this rank's (pushed there)."""
+        local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        for i0 in range(0, N, BR):
+            i = i0 + tl.arange(0, BR)
+            total = tl.zeros([BR], tl.float32)
+            for r in tl.static_range(WORLD):
+                src = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty)) if PULL else local + r * N
+                # .cg: from L2, where the peers' stores land, never a stale line of this SM's L1
+                total += tl.load(src + i, mask=i < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(y_ptr + i, total.to(y_ptr.dtype.element_ty), mask=i < N)
+
+    @triton.jit
+    def _gemv_all_reduce_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, pads_ptr, count_ptr, sw, N: tl.constexpr,
+                                K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, BR: tl.constexpr, REDUCE: tl.constexpr,
+                                LATE: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        part = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)  # rounded as the unfused product's output is
+        if not REDUCE:  # the product alone (bench/gemv_all_reduce.py: what the reading costs)
+            tl.store(y_ptr + n, part, mask=n < N)
+            return
+        if LATE:  # into this rank's slot only; the last program sends the whole vector to the peers
+            local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            tl.store(local + RANK * N + n, part, mask=n < N)
+            tl.debug_barrier()
+            last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1
+        else:
+            for r in tl.static_range(WORLD):  # into slot RANK of rank r's buffer
+                dst = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
+                tl.store(dst + RANK * N + n, part, mask=n < N)
+            # Every thread's stores before one thread's count, which releases them at system scope (the peers
+            # read them) to the last program, which acquires them with it.
+            tl.debug_barrier()
+            last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1
+        if last:
+            tl.store(count_ptr, 0)  # every program has counted: ready for the next call
+            if LATE:
+                local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
+                for i0 in range(0, N, BR):
+                    i = i0 + tl.arange(0, BR)
+                    v = tl.load(local + RANK * N + i, mask=i < N, other=0.0, cache_modifier=".cg")
+                    for r in tl.static_range(WORLD):
+                        if r != RANK:
+                            dst = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
+                            tl.store(dst + RANK * N + i, v, mask=i < N)
+                tl.debug_barrier()  # every thread's stores before the barrier's release
+            _barrier(pads_ptr, RANK, WORLD)
+            _sum_slots(y_ptr, buffers_ptr, RANK, WORLD, N, BR, False)
+
+    @triton.jit
+    def _all_reduce_kernel(y_ptr, buffers_ptr, pads_ptr, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                           BR: tl.constexpr):
+        _barrier(pads_ptr, RANK, WORLD)
+        _sum_slots(y_ptr, buffers_ptr, RANK, WORLD, N, BR, True)
+
+    # Opaque custom ops (as one_shot.py's): the compiler calls them as they are, inside the CUDA graph. The
+    # buffers and pads are reached through their addresses; `count` is left as it was found.
+    @torch.library.custom_op("shardlm::gemv_all_reduce", mutates_args=("count",))
+    def _gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
+                         count: torch.Tensor, rank: int, world: int, bn: int, bk: int, warps: int,
+                         reduce: bool = True, late: bool = False) -> torch.Tensor:
+        n, k = w.shape
+        y = x.new_empty(n)
+        _gemv_all_reduce_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, pads, count, w.stride(0), N=n, K=k,
+                                                        RANK=rank, WORLD=world, BN=bn, BK=bk, BR=1024,
+                                                        REDUCE=reduce, LATE=late, num_warps=warps)
+        return y
+
+    @_gemv_all_reduce.register_fake
+    def _(x, w, buffers, pads, count, rank, world, bn, bk, warps, reduce=True, late=False):
+        return x.new_empty(w.shape[0])
+
+    @torch.library.custom_op("shardlm::linear_all_reduce", mutates_args=("buffer",))
+    def _linear_all_reduce(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor, buffers: torch.Tensor,
+                           pads: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        n = w.shape[0]
+        torch.mm(x.view(1, -1), w.t(), out=buffer[:n].view(1, n))  # cuBLAS's product, into symmetric memory
+        y = x.new_empty(n)
+        _all_reduce_kernel[(1,)](y, buffers, pads, N=n, RANK=rank, WORLD=world, BR=1024, num_warps=4)
+        return y
+
+    @_linear_all_reduce.register_fake
+    def _(x, w, buffer, buffers, pads, rank, world):
+        return x.new_empty(w.shape[0])
+
+
+class GemvAllReduce:
+    """x [..., K] times a row-parallel weight [N, K], summed over `group`, in one kernel for one row (`fits`),
+    through one of two symmetric buffers of `world` x `max_n` elements (`turn`: 0 or 1, taken in turn by
+    consecutive linears). Allocating them is a collective, outside any CUDA graph."""
+
+    def __init__(self, max_n: int, like: torch.Tensor, group, launch=LAUNCH, mode: str = "fused"):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.launch, self.max_n, self.mode = launch, max_n, mode
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.buffers, self.ptrs, self.pads, self.counts = [], [], [], []
+        for _ in range(2):
+            buf = symm_mem.empty(self.world * max_n, dtype=like.dtype, device=like.device)
+            handle = symm_mem.rendezvous(buf, group.group_name)
+            self.buffers.append(buf)  # kept alive: the kernel reaches it by its address only
+            self.ptrs.append(_static(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=like.device)))
+            self.pads.append(_static(torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=like.device)))
+            self.counts.append(_static(torch.zeros(1, dtype=torch.int32, device=like.device)))
+
+    def fits(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        # static shapes only: a decode step's (a prefill pass compiled for any length would be guarded on it)
+        return (all(isinstance(d, int) for d in x.shape) and x.numel() == w.shape[1] and w.shape[0] <= self.max_n
+                and x.dtype == w.dtype == self.buffers[0].dtype and w.stride(1) == 1 and triton_ok(x))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, turn: int) -> torch.Tensor:
+        x1 = x.reshape(-1).contiguous()
+        if self.mode == "pull":
+            y = torch.ops.shardlm.linear_all_reduce(x1, w, self.buffers[turn], self.ptrs[turn], self.pads[turn],
+                                                    self.rank, self.world)
+        else:
+            bn, bk, warps = self.launch
+            y = torch.ops.shardlm.gemv_all_reduce(x1, w, self.ptrs[turn], self.pads[turn], self.counts[turn],
+                                                  self.rank, self.world, bn, bk, warps, self.mode != "gemv-only",
+                                                  self.mode == "fused-late")
+        return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.mark_static_address(t)  # a CUDA graph reads it: its address never changes
+    return t
