@@ -11,11 +11,10 @@ Systems:
   symmetric memory, then `symm_mem.one_shot_all_reduce`): the decode step's path before the fused kernel.
 - `fused BN/BK/WARPS`: shardlm.inference.gemv_all_reduce's one kernel per product and sum, a row per launch.
 - `gemv-only BN/BK/WARPS`: that kernel's product alone, no sum (its reading against cuBLAS's).
-- `fused-late BN/BK/WARPS`: the same, each program storing its outputs in this rank's own slot, the last one
-  sending the whole vector to the peers (one system-scope release where every program had one).
 - `cublas column`, `gemv-only column ...`: the column-parallel products (qkv, gate-up), which need no sum.
-- `pull`: cuBLAS's product written into symmetric memory, then one Triton kernel: a barrier and each rank
-  reading every peer's partial over NVLink.
+Two forms measured at 7c9d726 and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a
+one-barrier Triton sum reading the peers' ("pull"), and the fused kernel's outputs sent to the peers by its last
+program ("fused-late").
 
 Each fused row's error is the largest |y - ref| over the largest |ref|, ref the one-shot path's output;
 `same_bits`: every replay gave the first replay's bits (a race would show as a changed bit). Rows with bench
@@ -93,11 +92,9 @@ def worker(args) -> None:
     us, ref, _ = graph_us(run(lambda i, x, w: plain[i](F.linear(x, w))), args.replays)
     rows.append({"system": "cublas+one-shot", "us": us})
     scale = max(r.abs().max().item() for r in ref)
-    runs = [("pull", None)] + [(mode, launch) for launch in itertools.product(args.bn, args.bk, args.warps)
-                               for mode in ("fused", "fused-late", "gemv-only")]
-    for mode, launch in runs:
-        name = mode if launch is None else f"{mode} {'/'.join(map(str, launch))}"
-        fused = GemvAllReduce(h, ws[0][0], group, **({"launch": launch} if launch else {}), mode=mode)
+    for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), ("fused", "gemv-only")):
+        name = f"{mode} {'/'.join(map(str, launch))}"
+        fused = GemvAllReduce(h, ws[0][0], group, launch=launch, reduce=mode == "fused")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
         except Exception as e:  # noqa: BLE001 (a launch that does not compile; the others run)
@@ -116,7 +113,7 @@ def worker(args) -> None:
     us, _, _ = graph_us(col_run(F.linear), args.replays)
     rows.append({"system": "cublas column", "us": us})
     for launch in itertools.product(args.bn, args.bk, args.warps):
-        alone = GemvAllReduce(2 * f // world, ws[0][0], group, launch=launch, mode="gemv-only")
+        alone = GemvAllReduce(2 * f // world, ws[0][0], group, launch=launch, reduce=False)
         us, _, _ = graph_us(col_run(lambda x, w: alone(x, w, 0)), args.replays)
         rows.append({"system": f"gemv-only column {'/'.join(map(str, launch))}", "us": us})
     everyone = [None] * world

@@ -40,21 +40,17 @@ def tp_of(system: str) -> int:
     return int(system.removeprefix("shardlm-tp").split("-")[0]) if system.startswith("shardlm-tp") else 1
 
 
-# shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each row-parallel product apart from its sum
-# (cuBLAS, copy, torch's one-shot kernel); cuBLAS's product into symmetric memory and a one-barrier Triton sum;
-# the fused kernel's outputs sent to the peers by its last program (gemv_all_reduce.py's modes).
-TP_VARIANTS = ("-nccl", "-unfused", "-pull", "-late")
+# shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each one-row row-parallel product apart from
+# its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py.
+TP_VARIANTS = ("-nccl", "-unfused")
 
 
 def tp_variant(engine_model, variant: str) -> None:
-    """Switch the one-row row-parallel products of a model that an Engine set up (inference/gemv_all_reduce.py)
-    to `variant`'s form, before its first run compiles them."""
+    """Take the fused one-row row-parallel products (inference/gemv_all_reduce.py) out of a model that an Engine
+    set up, for "-unfused", before its first run compiles them."""
     for m in engine_model.modules():
-        fused = getattr(getattr(m, "small_all_reduce", None), "fused", None)
-        if fused is not None and variant == "-unfused":
+        if variant == "-unfused" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
             m.small_all_reduce.fused = None
-        elif fused is not None and variant in ("-pull", "-late"):
-            fused.mode = {"-pull": "pull", "-late": "fused-late"}[variant]
 
 
 def build(args, device, group=None):
@@ -318,7 +314,7 @@ def main():
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
                    "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL; "
-                   "-unfused, -pull, -late: the one-row row-parallel products as TP_VARIANTS says")
+                   "-unfused: the one-row row-parallel products as TP_VARIANTS says")
     p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
                    "prompts replayed as CUDA graphs up to this many tokens (default the engine's: 2048; 0: none)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")

@@ -3,8 +3,8 @@
 At tp 2 a decode token all-reduces twice a layer a vector of a few kilobytes, each the sum of the ranks'
 partial products of a row-parallel linear (the attention's output projection, the MLP's down projection).
 Done apart, that is cuBLAS's GEMV, a copy of its output into symmetric memory and the one-shot all-reduce
-kernel (one_shot.py): three launches, two of them waiting on latency, about 12 us a layer's linear on two
-H200s, where the weights' reading takes 5-15 us (bench/README.md). Here one Triton kernel does all of it, as
+kernel (one_shot.py): three launches, two of them waiting on latency, the sum costing about two-thirds of
+what the weights' reading costs on two H200s (bench/README.md). Here one Triton kernel does all of it, as
 the GEMV + all-reduce of PyTorch's symmetric-memory recipes (yifuwang/symm-mem-recipes) and TensorRT-LLM's
 fused all-reduce do: each program computes a few outputs and stores them straight into every rank's
 symmetric buffer (slot `rank`, over NVLink); the last program to finish on a rank (counted on a device
@@ -48,25 +48,22 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.debug_barrier()  # the acquire before any thread's loads
 
     @triton.jit
-    def _sum_slots(y_ptr, buffers_ptr, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr,
-                   BR: tl.constexpr, PULL: tl.constexpr):
-        """y = the sum of the ranks' partial vectors, in rank order (the same bits on every rank): rank r's at
-        the start of its own buffer (PULL: read over NVLink) or in slot r of this rank's (pushed there)."""
+    def _sum_slots(y_ptr, buffers_ptr, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
+        """y = the sum of the ranks' partial vectors, pushed into the slots of this rank's buffer, in rank order
+        (the same bits on every rank)."""
         local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
         for i0 in range(0, N, BR):
             i = i0 + tl.arange(0, BR)
             total = tl.zeros([BR], tl.float32)
             for r in tl.static_range(WORLD):
-                src = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty)) if PULL else local + r * N
                 # .cg: from L2, where the peers' stores land, never a stale line of this SM's L1
-                total += tl.load(src + i, mask=i < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+                total += tl.load(local + r * N + i, mask=i < N, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(y_ptr + i, total.to(y_ptr.dtype.element_ty), mask=i < N)
 
     @triton.jit
     def _gemv_all_reduce_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, pads_ptr, count_ptr, sw, N: tl.constexpr,
                                 K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
-                                BK: tl.constexpr, BR: tl.constexpr, REDUCE: tl.constexpr,
-                                LATE: tl.constexpr):
+                                BK: tl.constexpr, BR: tl.constexpr, REDUCE: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         acc = tl.zeros([BN, BK], tl.float32)
         for k0 in range(0, K, BK):
@@ -79,68 +76,32 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         if not REDUCE:  # the product alone (bench/gemv_all_reduce.py: what the reading costs)
             tl.store(y_ptr + n, part, mask=n < N)
             return
-        if LATE:  # into this rank's slot only; the last program sends the whole vector to the peers
-            local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            tl.store(local + RANK * N + n, part, mask=n < N)
-            tl.debug_barrier()
-            last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1
-        else:
-            for r in tl.static_range(WORLD):  # into slot RANK of rank r's buffer
-                dst = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
-                tl.store(dst + RANK * N + n, part, mask=n < N)
-            # Every thread's stores before one thread's count, which releases them at system scope (the peers
-            # read them) to the last program, which acquires them with it.
-            tl.debug_barrier()
-            last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1
-        if last:
+        for r in tl.static_range(WORLD):  # into slot RANK of rank r's buffer
+            dst = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            tl.store(dst + RANK * N + n, part, mask=n < N)
+        # Every thread's stores before one thread's count, which releases them at system scope (the peers read
+        # them) to the last program, which acquires them with it.
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
             tl.store(count_ptr, 0)  # every program has counted: ready for the next call
-            if LATE:
-                local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty))
-                for i0 in range(0, N, BR):
-                    i = i0 + tl.arange(0, BR)
-                    v = tl.load(local + RANK * N + i, mask=i < N, other=0.0, cache_modifier=".cg")
-                    for r in tl.static_range(WORLD):
-                        if r != RANK:
-                            dst = tl.load(buffers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
-                            tl.store(dst + RANK * N + i, v, mask=i < N)
-                tl.debug_barrier()  # every thread's stores before the barrier's release
             _barrier(pads_ptr, RANK, WORLD)
-            _sum_slots(y_ptr, buffers_ptr, RANK, WORLD, N, BR, False)
+            _sum_slots(y_ptr, buffers_ptr, RANK, WORLD, N, BR)
 
-    @triton.jit
-    def _all_reduce_kernel(y_ptr, buffers_ptr, pads_ptr, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                           BR: tl.constexpr):
-        _barrier(pads_ptr, RANK, WORLD)
-        _sum_slots(y_ptr, buffers_ptr, RANK, WORLD, N, BR, True)
-
-    # Opaque custom ops (as one_shot.py's): the compiler calls them as they are, inside the CUDA graph. The
-    # buffers and pads are reached through their addresses; `count` is left as it was found.
+    # An opaque custom op (as one_shot.py's): the compiler calls it as it is, inside the CUDA graph. The buffers
+    # and pads are reached through their addresses; `count` is left as it was found.
     @torch.library.custom_op("shardlm::gemv_all_reduce", mutates_args=("count",))
     def _gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
                          count: torch.Tensor, rank: int, world: int, bn: int, bk: int, warps: int,
-                         reduce: bool = True, late: bool = False) -> torch.Tensor:
+                         reduce: bool = True) -> torch.Tensor:
         n, k = w.shape
         y = x.new_empty(n)
         _gemv_all_reduce_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, pads, count, w.stride(0), N=n, K=k,
                                                         RANK=rank, WORLD=world, BN=bn, BK=bk, BR=1024,
-                                                        REDUCE=reduce, LATE=late, num_warps=warps)
+                                                        REDUCE=reduce, num_warps=warps)
         return y
 
     @_gemv_all_reduce.register_fake
-    def _(x, w, buffers, pads, count, rank, world, bn, bk, warps, reduce=True, late=False):
-        return x.new_empty(w.shape[0])
-
-    @torch.library.custom_op("shardlm::linear_all_reduce", mutates_args=("buffer",))
-    def _linear_all_reduce(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor, buffers: torch.Tensor,
-                           pads: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        n = w.shape[0]
-        torch.mm(x.view(1, -1), w.t(), out=buffer[:n].view(1, n))  # cuBLAS's product, into symmetric memory
-        y = x.new_empty(n)
-        _all_reduce_kernel[(1,)](y, buffers, pads, N=n, RANK=rank, WORLD=world, BR=1024, num_warps=4)
-        return y
-
-    @_linear_all_reduce.register_fake
-    def _(x, w, buffer, buffers, pads, rank, world):
+    def _(x, w, buffers, pads, count, rank, world, bn, bk, warps, reduce=True):
         return x.new_empty(w.shape[0])
 
 
@@ -149,9 +110,9 @@ class GemvAllReduce:
     through one of two symmetric buffers of `world` x `max_n` elements (`turn`: 0 or 1, taken in turn by
     consecutive linears). Allocating them is a collective, outside any CUDA graph."""
 
-    def __init__(self, max_n: int, like: torch.Tensor, group, launch=LAUNCH, mode: str = "fused"):
+    def __init__(self, max_n: int, like: torch.Tensor, group, launch=LAUNCH, reduce: bool = True):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.launch, self.max_n, self.mode = launch, max_n, mode
+        self.launch, self.max_n, self.reduce = launch, max_n, reduce
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.buffers, self.ptrs, self.pads, self.counts = [], [], [], []
         for _ in range(2):
@@ -168,15 +129,9 @@ class GemvAllReduce:
                 and x.dtype == w.dtype == self.buffers[0].dtype and w.stride(1) == 1 and triton_ok(x))
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, turn: int) -> torch.Tensor:
-        x1 = x.reshape(-1).contiguous()
-        if self.mode == "pull":
-            y = torch.ops.shardlm.linear_all_reduce(x1, w, self.buffers[turn], self.ptrs[turn], self.pads[turn],
-                                                    self.rank, self.world)
-        else:
-            bn, bk, warps = self.launch
-            y = torch.ops.shardlm.gemv_all_reduce(x1, w, self.ptrs[turn], self.pads[turn], self.counts[turn],
-                                                  self.rank, self.world, bn, bk, warps, self.mode != "gemv-only",
-                                                  self.mode == "fused-late")
+        bn, bk, warps = self.launch
+        y = torch.ops.shardlm.gemv_all_reduce(x.reshape(-1).contiguous(), w, self.ptrs[turn], self.pads[turn],
+                                              self.counts[turn], self.rank, self.world, bn, bk, warps, self.reduce)
         return y.view(*x.shape[:-1], w.shape[0])
 
 
