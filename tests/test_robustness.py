@@ -200,6 +200,18 @@ def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_sa
                 f"has ") in proc.stderr and f"using {run}/checkpoints/step_00000002, the newest" in proc.stderr
 
 
+def test_a_damaged_checkpoint_skipped_under_tensor_parallelism_is_noted_by_rank_0_only(tmp_path):
+    """generate, eval and serve --tp N printed the note once per rank."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "2", "train.save_every": "1", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    damage(run / "checkpoints" / "step_00000002" / "rank00000-0000.safetensors", "truncated")
+    said = run_distributed(dist_fns.notes_of_a_tp_load, 2, str(run), timeout=120)
+    assert ["skipping damaged checkpoints" in s for s in said] == [True, False], said
+
+
 def test_a_resume_whose_state_json_is_cut_short_names_the_file_and_why(tmp_path, capsys):
     """Once 'no state.json under RUN is readable JSON with a config', naming neither the file nor the fault."""
     run = tmp_path / "run"
