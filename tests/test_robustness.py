@@ -133,7 +133,10 @@ def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
     run = tmp_path / "run"
     cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "2", "--out", run)
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "2", "--out", tmp_path / "r1")
-    assert "nothing to do" in out and "shardlm:" not in out, out
+    assert "nothing to do (raise train.steps above 2 to continue)" in out and "shardlm:" not in out, out
+    # Below the checkpoint's step: a note of a warmup longer than the schedule came first, of steps not run.
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "1", "--out", tmp_path / "r0")
+    assert "is at step 2, train.steps is 1: nothing to do" in out and "warmup" not in out, out
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "3", "--out", tmp_path / "r2")
     assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
 
