@@ -69,6 +69,9 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.arch": "gpt2"}, "model.num_kv_heads = 2 needs model.arch = 'llama'"),
     ({"parallel.cp": "2", "parallel.cp_comm": "p2p", "train.seq_len": "30"},
      "train.seq_len = 30 must divide by 2 x parallel.cp (2) = 4 for ring attention's zig-zag layout"),
+    ({"model.num_experts": "4", "parallel.ep_dispatch": "padded"}, "parallel.ep_dispatch = 'padded' applies to "
+     "expert parallelism, and parallel.ep = 1 (every expert on every rank): set parallel.ep above 1, or leave "
+     "parallel.ep_dispatch at 'auto'"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
@@ -90,6 +93,10 @@ def test_a_dense_model_takes_the_moe_keys_at_their_defaults_or_off():
     """Refused on a dense model where set (misuse table); their defaults and the 0 that means none pass."""
     validate(load_config("tiny", {"model.top_k": "2", "train.moe_aux_loss_coef": "0.01"}))
     validate(load_config("tiny", {"model.top_k": "0", "train.moe_aux_loss_coef": "0"}))
+
+
+def test_expert_dispatch_at_its_default_passes_without_expert_parallelism():
+    validate(load_config("mixtral-tiny", {"parallel.ep_dispatch": "auto"}))
 
 
 def test_training_beyond_the_sliding_window_validates():
