@@ -12,7 +12,7 @@ from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from ..naming import Naming
-from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
+from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig, TrainConfig
 from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
 
 
@@ -59,6 +59,10 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
+# (train key, value): the keys it leaves unread (set away from their defaults once without a word), and their reader.
+UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
+          ("optimizer", "sgd"): (("beta1", "beta2", "eps"), "optimizer = 'adamw'"),
+          ("lr_schedule", "constant"): (("min_lr_ratio",), "lr_schedule = 'cosine' or 'linear'")}
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -137,6 +141,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    for (key, value), (names, reader) in UNREAD.items():
+        for name in (n for n in names if getattr(t, key) == value and getattr(t, n) != getattr(TrainConfig, n)):
+            raise ConfigError(f"train.{name} = {getattr(t, name)!r} applies to train.{reader}, and train.{key} is "
+                              f"{value!r}: set train.{reader}, or leave train.{name} at {getattr(TrainConfig, name)!r}")
     if p.tp_async and not (p.sp and t.compile):
         raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
                           f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
