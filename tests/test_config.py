@@ -79,6 +79,10 @@ def test_toml_file_and_overrides(tmp_path):
     ({"train.optimizer": "sgd", "train.eps": "1e-6"}, "train.eps = 1e-06 applies to train.optimizer = 'adamw'"),
     ({"train.lr_schedule": "constant", "train.min_lr_ratio": "0"}, "train.min_lr_ratio = 0.0 applies to "
      "train.lr_schedule = 'cosine' or 'linear', and train.lr_schedule is 'constant'"),
+    # 2.5e29 micro-batches a step: the run went on without a word, and SIGTERM, heard between steps, never stopped it.
+    ({"train.global_batch_size": "1e30"}, "is over 65,536 micro-batches of train.micro_batch_size (4) per "
+     "parallel.dp rank a step, more than any run takes: lower it (to 262,144 at most here)"),
+    ({"train.global_batch_size": "8.5"}, "train.global_batch_size = '8.5' is not a valid int"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
@@ -110,6 +114,10 @@ def test_the_keys_of_one_optimizer_or_schedule_pass_under_it_and_at_their_defaul
     validate(load_config("tiny", {"train.optimizer": "sgd", "train.momentum": "0", "train.lr_schedule": "constant"}))
     validate(load_config("tiny", {"train.beta1": "0.8", "train.eps": "1e-6", "train.min_lr_ratio": "0",
                                   "train.momentum": "0.9"}))
+
+
+def test_a_global_batch_of_65536_micro_batches_a_rank_passes():
+    validate(load_config("tiny", {"train.global_batch_size": str(4 * 65536)}))
 
 
 def test_training_beyond_the_sliding_window_validates():

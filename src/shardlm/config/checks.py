@@ -63,6 +63,7 @@ UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")
 UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
           ("optimizer", "sgd"): (("beta1", "beta2", "eps"), "optimizer = 'adamw'"),
           ("lr_schedule", "constant"): (("min_lr_ratio",), "lr_schedule = 'cosine' or 'linear'")}
+MAX_ACCUM = 1 << 16  # micro-batches per rank a step: global_batch_size 1e30 ran on, deaf to SIGTERM (heard between)
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -279,6 +280,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         if getattr(p, name) < 1:
             raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
+    if micro_batch >= 1 and global_batch // (micro_batch * p.dp) > MAX_ACCUM:
+        raise ConfigError(f"{show('global_batch', global_batch)} is over {MAX_ACCUM:,} micro-batches of "
+                          f"{key('micro_batch')} ({micro_batch}) per {key('dp')} rank a step, more than any run takes: "
+                          f"lower it (to {MAX_ACCUM * micro_batch * p.dp:,} at most here) or raise {key('micro_batch')}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
     for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
