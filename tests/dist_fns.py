@@ -747,6 +747,19 @@ def dtypes_at_tp(rank, world, model_dir, dtype):
     return sorted({str(p.dtype) for p in model.parameters()})
 
 
+def notes_of_a_tp_load(rank, world, run):
+    """What load_pretrained of run directory `run` says on stderr on this rank of `world` tensor-parallel ranks."""
+    import contextlib
+    import io
+
+    from shardlm.inference import load_pretrained
+    from shardlm.mesh import build_mesh
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        load_pretrained(run, tp_group=build_mesh(tp=world).group("tp"))
+    return said.getvalue()
+
+
 def loss_at_tp(rank, world, model_dir, text, seq_len):
     """The perplexity task of `shardlm eval` on a tensor-parallel model of `world` ranks."""
     from shardlm.inference import evaluate_ids, load_pretrained

@@ -69,6 +69,20 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.arch": "gpt2"}, "model.num_kv_heads = 2 needs model.arch = 'llama'"),
     ({"parallel.cp": "2", "parallel.cp_comm": "p2p", "train.seq_len": "30"},
      "train.seq_len = 30 must divide by 2 x parallel.cp (2) = 4 for ring attention's zig-zag layout"),
+    ({"model.num_experts": "4", "parallel.ep_dispatch": "padded"}, "parallel.ep_dispatch = 'padded' applies to "
+     "expert parallelism, and parallel.ep = 1 (every expert on every rank): set parallel.ep above 1, or leave "
+     "parallel.ep_dispatch at 'auto'"),
+    # Keys another optimizer or schedule reads, once ignored without a word.
+    ({"train.momentum": "0.5"}, "train.momentum = 0.5 applies to train.optimizer = 'sgd', and train.optimizer is "
+     "'adamw': set train.optimizer = 'sgd', or leave train.momentum at 0.9"),
+    ({"train.optimizer": "sgd", "train.beta2": "0.999"}, "train.beta2 = 0.999 applies to train.optimizer = 'adamw'"),
+    ({"train.optimizer": "sgd", "train.eps": "1e-6"}, "train.eps = 1e-06 applies to train.optimizer = 'adamw'"),
+    ({"train.lr_schedule": "constant", "train.min_lr_ratio": "0"}, "train.min_lr_ratio = 0.0 applies to "
+     "train.lr_schedule = 'cosine' or 'linear', and train.lr_schedule is 'constant'"),
+    # 2.5e29 micro-batches a step: the run went on without a word, and SIGTERM, heard between steps, never stopped it.
+    ({"train.global_batch_size": "1e30"}, "is over 65,536 micro-batches of train.micro_batch_size (4) per "
+     "parallel.dp rank a step, more than any run takes: lower it (to 262,144 at most here)"),
+    ({"train.global_batch_size": "8.5"}, "train.global_batch_size = '8.5' is not a valid int"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
@@ -90,6 +104,20 @@ def test_a_dense_model_takes_the_moe_keys_at_their_defaults_or_off():
     """Refused on a dense model where set (misuse table); their defaults and the 0 that means none pass."""
     validate(load_config("tiny", {"model.top_k": "2", "train.moe_aux_loss_coef": "0.01"}))
     validate(load_config("tiny", {"model.top_k": "0", "train.moe_aux_loss_coef": "0"}))
+
+
+def test_expert_dispatch_at_its_default_passes_without_expert_parallelism():
+    validate(load_config("mixtral-tiny", {"parallel.ep_dispatch": "auto"}))
+
+
+def test_the_keys_of_one_optimizer_or_schedule_pass_under_it_and_at_their_defaults_under_another():
+    validate(load_config("tiny", {"train.optimizer": "sgd", "train.momentum": "0", "train.lr_schedule": "constant"}))
+    validate(load_config("tiny", {"train.beta1": "0.8", "train.eps": "1e-6", "train.min_lr_ratio": "0",
+                                  "train.momentum": "0.9"}))
+
+
+def test_a_global_batch_of_65536_micro_batches_a_rank_passes():
+    validate(load_config("tiny", {"train.global_batch_size": str(4 * 65536)}))
 
 
 def test_training_beyond_the_sliding_window_validates():

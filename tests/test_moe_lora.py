@@ -11,7 +11,7 @@ import dist_fns
 from helpers import matched_to_transformers
 from shardlm.config import ConfigError, LoRAConfig, load_config, validate
 from shardlm.model import Decoder
-from shardlm.parallel.lora import apply_lora, is_adapter_key, peft_state, write_peft_dir
+from shardlm.parallel.lora import apply_lora, is_adapter_key, peft_config, peft_state, write_peft_dir
 from shardlm.testing.distributed import run_distributed
 from test_tensor_parallel import check_equal
 
@@ -60,6 +60,16 @@ def test_a_dense_first_layer_keeps_its_mlp_adapters_and_the_count_is_what_trains
     apply_lora(Decoder(cfg.model, layers=[0], last=False), mlp_only)
     with pytest.raises(ConfigError, match="adapts no linear of this pipeline stage's layers 1-2"):
         apply_lora(Decoder(cfg.model, layers=[1, 2], first=False), mlp_only)
+
+
+def test_the_adapter_config_lists_only_the_modules_the_model_has():
+    """adapter_config.json of a model whose every MLP is a mixture of experts listed the dense MLP's
+    gate_proj, up_proj and down_proj, which it has not; a dense first layer keeps them."""
+    cfg = load_config("mixtral-tiny", LORA)
+    assert peft_config(cfg.model, cfg.lora)["target_modules"] == [
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    cfg = load_config("mixtral-tiny", {**LORA, "model.num_layers": "3", "model.moe_first_dense": "1"})
+    assert "mlp.gate_proj" in peft_config(cfg.model, cfg.lora)["target_modules"]
 
 
 @pytest.mark.parametrize("over, message", [

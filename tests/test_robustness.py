@@ -133,7 +133,10 @@ def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
     run = tmp_path / "run"
     cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "2", "--out", run)
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "2", "--out", tmp_path / "r1")
-    assert "nothing to do" in out and "shardlm:" not in out, out
+    assert "nothing to do (raise train.steps above 2 to continue)" in out and "shardlm:" not in out, out
+    # Below the checkpoint's step: a note of a warmup longer than the schedule came first, of steps not run.
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "1", "--out", tmp_path / "r0")
+    assert "is at step 2, train.steps is 1: nothing to do" in out and "warmup" not in out, out
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "3", "--out", tmp_path / "r2")
     assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
 
@@ -198,6 +201,18 @@ def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_sa
         assert proc.returncode == 0, proc.stderr
         assert (f"note: skipping damaged checkpoints ({run}/checkpoints/step_00000004/rank00000-0000.safetensors "
                 f"has ") in proc.stderr and f"using {run}/checkpoints/step_00000002, the newest" in proc.stderr
+
+
+def test_a_damaged_checkpoint_skipped_under_tensor_parallelism_is_noted_by_rank_0_only(tmp_path):
+    """generate, eval and serve --tp N printed the note once per rank."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "2", "train.save_every": "1", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    damage(run / "checkpoints" / "step_00000002" / "rank00000-0000.safetensors", "truncated")
+    said = run_distributed(dist_fns.notes_of_a_tp_load, 2, str(run), timeout=120)
+    assert ["skipping damaged checkpoints" in s for s in said] == [True, False], said
 
 
 def test_a_resume_whose_state_json_is_cut_short_names_the_file_and_why(tmp_path, capsys):

@@ -94,8 +94,6 @@ class Trainer:
         if t.eval_every and not len(self.data.eval_range) and self.mesh.is_main:  # else eval_loss is null, unexplained
             log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
                 "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
-        if (note := warmup_note(t)) and self.mesh.is_main:
-            log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
@@ -127,6 +125,8 @@ class Trainer:
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)
+        if (note := warmup_note(t)) and self.mesh.is_main and self.step < t.steps:  # no schedule runs: no note
+            log(note)
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
@@ -192,7 +192,7 @@ class Trainer:
         self.resumed_from = ckpt["path"]
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
-                     "nothing to do (raise train.steps to continue)")
+                     f"nothing to do (raise train.steps above {self.step} to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):

@@ -12,7 +12,7 @@ from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from ..naming import Naming
-from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
+from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig, TrainConfig
 from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
 
 
@@ -59,6 +59,11 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
+# (train key, value): the keys it leaves unread (set away from their defaults once without a word), and their reader.
+UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
+          ("optimizer", "sgd"): (("beta1", "beta2", "eps"), "optimizer = 'adamw'"),
+          ("lr_schedule", "constant"): (("min_lr_ratio",), "lr_schedule = 'cosine' or 'linear'")}
+MAX_ACCUM = 1 << 16  # micro-batches per rank a step: global_batch_size 1e30 ran on, deaf to SIGTERM (heard between)
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -137,6 +142,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    for (key, value), (names, reader) in UNREAD.items():
+        for name in (n for n in names if getattr(t, key) == value and getattr(t, n) != getattr(TrainConfig, n)):
+            raise ConfigError(f"train.{name} = {getattr(t, name)!r} applies to train.{reader}, and train.{key} is "
+                              f"{value!r}: set train.{reader}, or leave train.{name} at {getattr(TrainConfig, name)!r}")
     if p.tp_async and not (p.sp and t.compile):
         raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
                           f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
@@ -232,6 +241,9 @@ def check_experts(cfg: Config) -> None:
     if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
                           "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
+    if p.ep == 1 and p.ep_dispatch != "auto":
+        raise ConfigError(f"parallel.ep_dispatch = {p.ep_dispatch!r} applies to expert parallelism, and parallel.ep = "
+                          "1 (every expert on every rank): set parallel.ep above 1, or leave parallel.ep_dispatch at 'auto'")
     check_expert_lora(m, cfg.lora)
 
 
@@ -268,6 +280,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         if getattr(p, name) < 1:
             raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
+    if micro_batch >= 1 and global_batch // (micro_batch * p.dp) > MAX_ACCUM:
+        raise ConfigError(f"{show('global_batch', global_batch)} is over {MAX_ACCUM:,} micro-batches of "
+                          f"{key('micro_batch')} ({micro_batch}) per {key('dp')} rank a step, more than any run takes: "
+                          f"lower it (to {MAX_ACCUM * micro_batch * p.dp:,} at most here) or raise {key('micro_batch')}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
     for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),

@@ -174,7 +174,11 @@ def peft_state(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> dict:
     """adapter_config.json for `peft_state`'s tensors."""
-    chosen = sorted(lora_targets(cfg.arch, lora.targets))
+    # Only the modules some layer has: where every MLP is a mixture of experts, the dense MLP's names listed
+    # modules the model lacks, as if adapted.
+    present = {n for layer in range(cfg.num_layers) for path in block_linears(cfg, layer)
+               for n in LORA_MODULES[cfg.arch][path]}
+    chosen = sorted(lora_targets(cfg.arch, lora.targets) & present)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "target_modules": chosen, "bias": "none",
             "fan_in_fan_out": cfg.arch == "gpt2", "init_lora_weights": "gaussian", "inference_mode": True,
