@@ -83,6 +83,35 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_checkpoint_saved_at_ep_4_resumes_at_one_process(tmp_path):
+    """Saved at ep 4 (dp 4, ZeRO-1, sharded: one expert a rank, each piece with its ep sharding), resumed at
+    one process, which joins all four blocks: the remaining steps are an uninterrupted one-process run's."""
+    over = {**MOE, "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.micro_batch_size": "1"}
+    run_distributed(dist_fns.train_and_capture, 4,
+                    {**over, "parallel.dp": "4", "parallel.ep": "4", "parallel.zero_stage": "1"},
+                    str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    one = {**over, "train.device": "cpu"}
+    resumed = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "b"), ckpt)
+    ref = reference(one)
+    assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_export_of_an_expert_parallel_run_is_the_one_process_runs_hf_directory(tmp_path):
+    """`shardlm export` of an ep 2 run's checkpoint (dp 2, ZeRO-1, sharded: each rank's block of experts)
+    writes the whole stacked experts: the one-process run's Mixtral directory, config and tensors."""
+    from helpers import assert_same_export
+    steps = {**equality_case("adamw", 2), **MOE, "train.save_every": "0"}  # the equality tests' tolerance holds
+    run_distributed(dist_fns.train_and_capture, 2,
+                    {**steps, "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"},
+                    str(tmp_path / "ep"), timeout=300)
+    dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu"}, str(tmp_path / "one"))
+    assert_same_export(tmp_path / "ep", tmp_path / "one", tmp_path / "hf", RTOL, ATOL)
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_a_checkpoint_saved_at_ep_4_resumes_at_ep_2_x_edp_2(tmp_path, fmt):
     """Saved at ep 4 (dp 4, ZeRO-1: one expert a rank), resumed at ep 2 with two replicas of each block (dp 4,
