@@ -1,6 +1,7 @@
 """Expert parallelism (parallel/expert.py): `mixtral-tiny` with its experts split over ep ranks trains as one
-process does in fp32 (losses, gradient norms, gathered weights, gradients and optimizer state), and a
-checkpoint saved at ep 2 resumes at one process on the same trajectory."""
+process does in fp32 (losses, gradient norms, gathered weights, gradients and optimizer state) and in fp16 (as
+data parallelism does), checkpoints saved at ep 2 and ep 4 resume at one process on the same trajectory, and an
+ep 2 run's export is the one-process run's."""
 import pytest
 import torch
 
@@ -81,6 +82,71 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
     # The weights at the end: the run resumed at one process equals the ep 2 run, expert by expert.
     for name, value in full[0]["masters"].items():
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_saved_at_ep_4_resumes_at_one_process(tmp_path):
+    """Saved at ep 4 (dp 4, ZeRO-1, sharded: one expert a rank, each piece with its ep sharding), resumed at
+    one process, which joins all four blocks: the remaining steps are an uninterrupted one-process run's."""
+    over = {**MOE, "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.micro_batch_size": "1"}
+    run_distributed(dist_fns.train_and_capture, 4,
+                    {**over, "parallel.dp": "4", "parallel.ep": "4", "parallel.zero_stage": "1"},
+                    str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    one = {**over, "train.device": "cpu"}
+    resumed = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "b"), ckpt)
+    ref = reference(one)
+    assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_export_of_an_expert_parallel_run_is_the_one_process_runs_hf_directory(tmp_path):
+    """`shardlm export` of an ep 2 run's checkpoint (dp 2, ZeRO-1, sharded: each rank's block of experts)
+    writes the whole stacked experts: the one-process run's Mixtral directory, config and tensors."""
+    from helpers import assert_same_export
+    steps = {**equality_case("adamw", 2), **MOE, "train.save_every": "0"}  # the equality tests' tolerance holds
+    run_distributed(dist_fns.train_and_capture, 2,
+                    {**steps, "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"},
+                    str(tmp_path / "ep"), timeout=300)
+    dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu"}, str(tmp_path / "one"))
+    assert_same_export(tmp_path / "ep", tmp_path / "one", tmp_path / "hf", RTOL, ATOL)
+
+
+FP16 = {**MOE, "train.steps": "3", "train.global_batch_size": "16", "train.micro_batch_size": "4",
+        "train.precision": "fp16", "parallel.dp": "2", "parallel.zero_stage": "1"}
+
+
+def fp16_deviation(over: dict, ref: dict) -> tuple[float, int]:
+    """A dp 2 run's losses and gradient norms checked against one process's `ref` (no step skipped in either:
+    the trajectories are comparable); returns its weights' largest difference and how many differ by > 1e-4."""
+    results = run_distributed(dist_fns.train_and_capture, 2, over, timeout=300)
+    assert all(n < float("inf") for r in [ref, *results] for n in r["grad_norms"])
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=3e-4, atol=0)
+    diffs = [(results[0]["masters"][k] - w).abs() for k, w in ref["masters"].items()]
+    return max(float(d.max()) for d in diffs), sum(int((d > 1e-4).sum()) for d in diffs)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
+    """fp16 at ep 2 (dp 2, ZeRO-1) against one process in fp16. Each rank's gradient is the mean over its own
+    tokens (summed over dp, then divided), so its per-token gradients are dp times one process's: the batch is
+    large enough (16 sequences) that neither overflows at the first loss scale, where at 8 both dp 2 and ep 2
+    skip two steps that one process runs. The experts' matmuls round in fp16 over both ranks' tokens at once,
+    one process's per micro-batch: losses and gradient norms agree to 4e-6 and 3e-5 (when written), SGD's
+    weights to 3e-6. AdamW turns the rounding of a nearly cancelling gradient into up to lr a step, as data
+    parallelism's own fp16 roundings do: ep 2 is held against dp 2 at ep 1 (the control), which it matched when
+    written (furthest 3.9e-3 both, 6024 weights against 5993 beyond 1e-4 of 288k)."""
+    over = {**FP16, **({"train.optimizer": "sgd", "train.lr": "1e-2"} if optimizer == "sgd" else {})}
+    ref = reference({k: v for k, v in over.items() if not k.startswith("parallel.")})
+    furthest, far = fp16_deviation({**over, "parallel.ep": "2"}, ref)
+    if optimizer == "sgd":
+        assert furthest <= 3e-5, furthest
+        return
+    control, control_far = fp16_deviation(over, ref)
+    assert furthest <= 1.25 * control and far <= 1.25 * control_far + 50, (furthest, far, control, control_far)
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])

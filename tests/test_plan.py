@@ -499,6 +499,31 @@ def test_search_with_context_parallelism_fills_the_gpus_it_leaves():
     assert all(L.cp == 2 and L.dp * L.tp * L.pp * L.cp == 8 for _, _, L in best)
 
 
+def test_search_tries_expert_parallelism_for_a_mixture_of_experts_only():
+    """A MoE model's search ranks every ep that divides its experts and dp x cp by the planner's own estimate
+    (Mixtral 8x7B on 16 GPUs: ep > 1 first); a dense model's keeps ep 1, and neither its rows nor --ep name it."""
+    from shardlm.plan.search import search
+    m, w, g = load_config("mixtral-8x7b").model, Workload(4096, 1, 64), gpu("h100")
+    ranked, scored, _, _ = search(m, w, g, 16, 8, top=10**6)
+    eps = {L.ep for _, _, L in ranked}
+    assert {1, 2, 4, 8} <= eps and all(m.num_experts % L.ep == 0 and (L.dp * L.cp) % L.ep == 0 for *_, L in ranked)
+    speeds = [e.tokens_per_s for e, _, _ in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for e, work, L in ranked[:3] + [next(t for t in ranked if t[2].ep == 1)]:
+        assert estimate(m, work, L, g, 8, 16).tokens_per_s == pytest.approx(e.tokens_per_s)
+    best = ranked[0][2]
+    assert best.ep > 1
+    text = run_cli("plan", "--model", "mixtral-8x7b", "--gpus", 16, "--search", "--seq", 4096, "--global-batch", 64,
+                   "--top", 1).stdout
+    assert f"1. dp {best.dp} ep {best.ep} tp {best.tp}" in text
+
+    dense, _, _, _ = search(load_config("llama2-7b").model, Workload(4096, 1, 64), g, 8, 8, top=10**6)
+    assert dense and all(L.ep == 1 for _, _, L in dense)
+    text = run_cli("plan", "--model", "llama2-7b", "--gpus", 8, "--search", "--seq", 4096, "--global-batch", 64,
+                   "--top", 3).stdout
+    assert "1. dp" in text and " ep " not in text
+
+
 def test_context_parallel_attention_scores_span_the_whole_sequence():
     """Ulysses: a rank's 1/cp of the heads attend over the whole sequence, so standard attention's scores per
     rank are the one-rank scores / cp, while the rest of the activations are / cp of the tokens."""

@@ -88,13 +88,13 @@ def check_flags(a) -> None:
 def check_searched(a) -> None:
     """--search tries every value of these itself: one given was ignored without a word (`--search --zero 3` ranked
     ZeRO-0 layouts first). Without --gpus, --dp x --tp x --pp x --cp is the number of GPUs searched, and stays."""
-    fixed = [("--zero", a.zero, 0), ("--sp", a.sp, False), ("--recompute", a.recompute, "none"),
+    fixed = [("--zero", a.zero, 0), ("--ep", a.ep, 1), ("--sp", a.sp, False), ("--recompute", a.recompute, "none"),
              ("--pp-schedule", a.pp_schedule, "1f1b"), ("--virtual-stages", a.virtual_stages, 1)]
     if a.gpus is not None:
         fixed += [("--dp", a.dp, None), ("--tp", a.tp, 1), ("--pp", a.pp, 1)]
     for flag, value, default in fixed:
         if value != default:
             shown = "" if value is True else f" {value}"
-            raise PlanError(f"{flag}{shown} has no effect with --search, which tries every dp, tp, pp, ZeRO stage, "
-                            "sequence parallelism, recomputation and schedule itself: leave it out, or plan that "
-                            "layout without --search")
+            raise PlanError(f"{flag}{shown} has no effect with --search, which tries every dp, tp, pp, ep, ZeRO "
+                            "stage, sequence parallelism, recomputation and schedule itself: leave it out, or plan "
+                            "that layout without --search")

@@ -70,6 +70,9 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
     if L.delayed_update and L.precision == "fp16":
         raise PlanError("--delayed-update with --precision fp16: a step skipped for an overflow is only known once "
                         "the update that was to overlap has run; use bf16")
+    if L.delayed_update and L.ep > 1:  # config.checks.check_moe's refusal: a plan of it was a run that cannot start
+        raise PlanError(f"--delayed-update with --ep {L.ep}: the delayed update of two parameter groups (dense and "
+                        "experts) is not validated yet")
     if L.lora.rank:
         try:
             if model.num_experts:  # first: it names an expert's linears as such, not as unknown modules
