@@ -340,7 +340,8 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     print(f"{scored} layouts scored for {gpus} x {g.name}; {rejected} do not fit in {100 * (1 - headroom):.0f}% "
           f"of {fmt(g.memory)}")
     for rank, (e, w, L) in enumerate(best, 1):
-        desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''}{f' ep {L.ep}' if model.num_experts else ''} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
+        ep = f" ep {L.ep}" if model.num_experts else ""
+        desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''}{ep} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
                 f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
