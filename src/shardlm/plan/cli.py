@@ -381,21 +381,17 @@ def training(a, e) -> str:
     return f", {e.train_days:.1f} days, {e.gpu_hours:,.0f} GPU-hours{cost}"
 
 
-def rows(a, e, g, layout: Layout, model: ModelConfig | None = None, work: Workload | None = None) -> list[tuple[str, str]]:
+def rows(a, e, g, layout: Layout, model: ModelConfig, work: Workload) -> list[tuple[str, str]]:
     mem = e.memory
-    if model is not None and model.num_experts and work is not None:
-        held, arrived, why = expert_loads(model, layout)
-        balanced = activation_per_layer(model, work, layout, balanced=True)
-        experts = [("experts' load", f"activation/layer at {held:g} balanced loads a rank, the worst ({why}); "
-                                     f"{fmt(balanced)} at a balanced load")]
-    else:
-        experts = []
+    held, _, why = expert_loads(model, layout)  # the worst load activation/layer is at
+    experts = [("experts' load", f"activation/layer at {held:g} balanced load{'s' * (held != 1)} a rank, the worst ({why}); "
+                f"{fmt(activation_per_layer(model, work, layout, balanced=True))} at a balanced load")]
     out = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
            *([("host memory", f"{fmt(e.host_memory)} per rank (offload)")] if e.host_memory else []),
-           ("activation/layer", fmt(mem.activation_per_layer)), *experts,
+           ("activation/layer", fmt(mem.activation_per_layer)), *(experts if model.num_experts else []),
            ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
            ("step time", duration(e.step_time_s)), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),

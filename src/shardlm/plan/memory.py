@@ -170,11 +170,10 @@ def nf4_weights(m: ModelConfig, L: Layout, stage: int) -> float:
 
 
 def expert_loads(m: ModelConfig, L: Layout) -> tuple[float, float, str]:
-    """A rank's experts at their worst, in balanced loads (a balanced load: the rank's own token copies):
-    (the rows whose activations they hold, the rows that arrive, why, as the planner says it). The padded dispatch's blocks hold ep
-    whatever the routing; the exact dispatch receives up to ep (every copy of the ep group on one rank; under
-    capacity routing at most the capacity factor's), and past parallel.ep_load_budget runs its experts in
-    checkpointed chunks that keep only the arrived rows (parallel/expert_chunks.py). One process: one."""
+    """A rank's experts at their worst, in balanced loads (its own token copies): (the rows whose activations
+    they hold, the rows that arrive, why, as the planner says it). Padded blocks hold ep at any routing; exact
+    counts bring up to ep (capacity routing: its factor), past parallel.ep_load_budget run in checkpointed
+    chunks that keep the arrived rows alone (parallel/expert_chunks.py). One process: one."""
     if L.ep_padded(not m.capacity_factor):
         return L.ep, L.ep, f"padded blocks, {L.ep} loads at any routing"
     arrived = min(L.ep, m.capacity_factor) if m.capacity_factor else L.ep
