@@ -59,8 +59,8 @@ class MoEBalance:
 
     def stats(self) -> dict:
         """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call, and
-        under expert parallelism ".../ep_max_over_mean" (by rank) and ".../chunked" (the training forwards, summed
-        over the ranks, whose experts took more than parallel.ep_load_budget and ran in chunks); a collective over every rank (call it on all
+        under expert parallelism ".../ep_max_over_mean" (by rank) and, where any ran, ".../chunked" (the training
+        forwards, summed over the ranks, whose experts took more than parallel.ep_load_budget and ran in chunks); a collective over every rank (call it on all
         of them); {} for a dense model."""
         if not self.num_experts:
             return {}
@@ -86,7 +86,8 @@ class MoEBalance:
                 # what the other ranks wait for at the combine
                 busiest = kept.view(ep, -1).sum(1).max().item()
                 out[f"moe/layer{layer}/ep_max_over_mean"] = busiest / (mean * e / ep) if mean else 0.0
-                out[f"moe/layer{layer}/chunked"] = int(row[-1].item())  # forwards run in chunks, over the ranks
+            if row[-1]:  # forwards run in chunks, summed over the ranks; said where any ran (a rare event)
+                out[f"moe/layer{layer}/chunked"] = int(row[-1].item())
             out[f"moe/layer{layer}/dropped"] = int(copies - kept.sum().item())
             out[f"moe/layer{layer}/aux_loss"] = e * ((routed / copies) * (probs / tokens)).sum().item()
         return out
