@@ -41,11 +41,12 @@ def run_in_chunks(experts, rows: torch.Tensor, counts: list[int], size: int, imp
     (those of each expert's rows that fall in it), so the grouped GEMMs see each chunk as a whole batch."""
     ends = list(accumulate(counts))
     starts = [0, *ends[:-1]]
-    outs = []
+    outs, keep = [], torch.is_grad_enabled()  # evaluation keeps nothing: the chunks alone bound its memory
     for lo in range(0, rows.shape[0], size):
         hi = min(lo + size, rows.shape[0])
         part = torch.tensor([max(0, min(e, hi) - max(s, lo)) for s, e in zip(starts, ends)], device=rows.device)
         # Checkpointed: backward keeps the chunk's input (a view of `rows`) and recomputes the [size, 2f] and
         # [size, f] intermediates, one chunk at a time (autograd runs the later chunk's chain to its end first).
-        outs.append(checkpoint(experts, rows[lo:hi], part, impl, use_reentrant=False))
+        outs.append(checkpoint(experts, rows[lo:hi], part, impl, use_reentrant=False) if keep
+                    else experts(rows[lo:hi], part, impl))
     return torch.cat(outs)
