@@ -880,12 +880,13 @@ def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: 
     tiny_trainer(world, overrides, out_dir=out_dir).run()
 
 
-def expert_parallel_layer(rank, world, routing: str, padded: bool = False):
+def expert_parallel_layer(rank, world, routing: str, padded: bool = False, budget: float = 0.0):
     """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
     them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16),
-    its rows sent in fixed-size blocks where `padded`, else by exact counts. `routing`: "natural", or
-    "one-rank" (every token to experts 0 and 1, rank 0's: the others receive nothing). Returns this rank's
-    outputs, its experts' gradients (of every rank's tokens) and the router's summed over ranks."""
+    its rows sent in fixed-size blocks where `padded`, else by exact counts, in chunks past `budget` balanced
+    loads (parallel.ep_load_budget). `routing`: "natural", or "one-rank" (every token to experts 0 and 1,
+    rank 0's: the others receive nothing). Returns this rank's outputs, its experts' gradients (of every
+    rank's tokens), the router's summed over ranks, and the forwards its experts ran in chunks."""
     from shardlm.config import load_config
     from shardlm.mesh import build_mesh
     from shardlm.model import Decoder
@@ -894,19 +895,14 @@ def expert_parallel_layer(rank, world, routing: str, padded: bool = False):
     mesh = build_mesh(dp=world, ep=world)
     with torch.device("meta"):
         model = Decoder(cfg)
-    expert_parallel(model, mesh, padded)
+    expert_parallel(model, mesh, padded, budget)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             model.init_parameter(name, p, seed=3)
     layer = model.layers["0"].mlp
     if routing == "one-rank":
-        route = layer.route
-
-        def forced(x):
-            logits, experts, weights = route(x)
-            return logits, torch.tensor([0, 1]).expand_as(experts), weights
-        layer.route = forced
+        layer.route = _one_rank(layer.route)
     g = torch.Generator().manual_seed(5)
     x_all, w_all = torch.randn(16, cfg.hidden_size, generator=g), torch.randn(16, cfg.hidden_size, generator=g)
     mine = slice(0, 16) if world == 1 else slice(8 * rank, 8 * (rank + 1))
@@ -917,7 +913,28 @@ def expert_parallel_layer(rank, world, routing: str, padded: bool = False):
     if world > 1:
         dist.all_reduce(router)
     return {"y": y.detach(), "x_grad": x.grad, "router": router,
-            "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad}
+            "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad,
+            "chunked": getattr(layer, "chunked", 0)}
+
+
+def _one_rank(route):
+    """`route` with every token sent to experts 0 and 1 (rank 0's at ep 2), its logits and weights kept."""
+    def forced(x):
+        logits, experts, weights = route(x)
+        return logits, torch.tensor([0, 1], device=x.device).expand_as(experts), weights
+    return forced
+
+
+def train_routed_to_one_rank(rank, world, overrides: dict):
+    """train_and_capture with every MoE layer's tokens routed to experts 0 and 1 (at ep 2: rank 0 takes every
+    row, twice a balanced load; rank 1 none)."""
+    from shardlm.model.moe import MoE
+    route = MoE.route
+    MoE.route = lambda self, x: _one_rank(lambda y: route(self, y))(x)
+    try:
+        return train_and_capture(rank, world, overrides)
+    finally:  # the reference runs in the test's process
+        MoE.route = route
 
 
 def files_read_at_resume(rank, world, overrides: dict, ckpt: str):

@@ -47,6 +47,13 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.cp": "8"}, "(ring attention, parallel.cp_comm = 'p2p', does not)"),
     ({"parallel.cp": "2", "parallel.cp_comm": "ring"}, "parallel.cp_comm = 'ring' is not one of a2a, p2p"),
     ({"parallel.ep_dispatch": "fixed"}, "parallel.ep_dispatch = 'fixed' is not one of auto, padded, exact"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "0.5"},
+     "parallel.ep_load_budget = 0.5: a rank's experts take at least one balanced load (its own token copies) in one "
+     "pass; use 0 (never in chunks) or a multiple of at least 1"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "-1"}, "parallel.ep_load_budget = -1.0 must not be negative"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "nan"}, "parallel.ep_load_budget = nan must be a finite"),
+    ({"parallel.ep_load_budget": "4"}, "parallel.ep_load_budget = 4.0 applies to a mixture of experts, and this model "
+                                       "is dense"),
     ({"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "34"},
      "train.seq_len = 34 must divide by parallel.tp = 2 x parallel.cp (2) for sequence parallelism"),
     ({"parallel.cp": "3", "model.num_heads": "6", "model.num_kv_heads": "6", "model.hidden_size": "48",
@@ -118,6 +125,11 @@ def test_the_keys_of_one_optimizer_or_schedule_pass_under_it_and_at_their_defaul
 
 def test_a_global_batch_of_65536_micro_batches_a_rank_passes():
     validate(load_config("tiny", {"train.global_batch_size": str(4 * 65536)}))
+
+
+def test_the_expert_load_budget_takes_0_or_at_least_one_balanced_load():
+    for budget in ("0", "1", "3.5"):
+        validate(load_config("mixtral-tiny", {"parallel.ep_load_budget": budget}))
 
 
 def test_training_beyond_the_sliding_window_validates():

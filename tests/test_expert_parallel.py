@@ -215,3 +215,36 @@ def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing
             torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
             if routing == "one-rank" and rank == 1:
                 assert not r[name].any()
+
+
+def test_exact_dispatch_in_chunks_equals_one_process_when_one_rank_gets_every_token():
+    """parallel.ep_load_budget 1.5: rank 0, sent every row (32, twice its 16 token copies), runs its experts
+    in chunks of 24 rows, the first cutting through expert 1's, each chunk recomputed in backward; outputs,
+    input gradients and the experts' and router's gradients equal one process's. Rank 1 (no rows) runs none."""
+    ref = dist_fns.expert_parallel_layer(0, 1, "one-rank")
+    results = run_distributed(dist_fns.expert_parallel_layer, 2, "one-rank", False, 1.5, timeout=120)
+    assert [r["chunked"] for r in results] == [1, 0]
+    for rank, r in enumerate(results):
+        rows = slice(8 * rank, 8 * (rank + 1))
+        torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-6)
+        for name in ("up", "down"):
+            torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_training_routed_to_one_rank_runs_in_chunks_and_equals_one_process(recompute):
+    """Every token routed to rank 0's experts at ep 2, exact dispatch, parallel.ep_load_budget 1.5: losses,
+    gradient norms, gathered weights, gradients and optimizer state equal one process's (whose experts take one
+    balanced load and never run in chunks); the statistics count rank 0's chunked forwards, every layer's in
+    each of its two micro-batches a step, once under full recomputation (whose second forward, inside
+    backward, runs the chunks' checkpoints nested in the block's)."""
+    common = {**equality_case("adamw", 2), **MOE, "train.recompute": recompute}
+    results = run_distributed(dist_fns.train_routed_to_one_rank, 2,
+                              {**common, **MODES["zero1"], "parallel.dp": "2", "parallel.ep": "2",
+                               "parallel.ep_dispatch": "exact", "parallel.ep_load_budget": "1.5"}, timeout=300)
+    check(results, dist_fns.train_routed_to_one_rank(0, 1, common), 2, 2)
+    for stats in results[0]["moe"]:
+        chunked = {k: v for k, v in stats.items() if k.endswith("/chunked")}
+        assert chunked and set(chunked.values()) == {2}, stats

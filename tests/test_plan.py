@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
 from shardlm.plan import Layout, PlanError, Workload, estimate, estimate_memory, gpu, paper_model_states
 from shardlm.config.views import group_span
-from shardlm.plan.memory import activation_per_layer
+from shardlm.plan.memory import activation_per_layer, expert_loads
 
 
 def test_zero_paper_figure_1():
@@ -720,8 +721,41 @@ def test_padded_expert_dispatch_is_charged_ep_times_the_routed_rows():
     for ep in (2, 4):
         padded, exact = est(ep, "padded"), est(ep, "exact")
         assert padded.comm_bytes_per_step["ep"] == pytest.approx(ep * exact.comm_bytes_per_step["ep"])
-        assert padded.memory.activation_per_layer > exact.memory.activation_per_layer
+        # the exact dispatch at its worst: ep loads at ep 2, within parallel.ep_load_budget's 2 (below)
+        assert padded.memory.activation_per_layer >= exact.memory.activation_per_layer
     assert est(2, "auto").memory.activation_per_layer == est(2, "padded").memory.activation_per_layer
     assert est(4, "auto").memory.activation_per_layer == est(4, "exact").memory.activation_per_layer
     dropping = load_config("moe-1b", {"model.capacity_factor": "1.25"}).model
     assert est(2, "padded", dropping).comm_bytes_per_step["ep"] == est(2, "exact", dropping).comm_bytes_per_step["ep"]
+
+
+def test_exact_dispatch_is_charged_at_its_load_budget():
+    """The exact dispatch's experts are charged at their worst load (plan/memory.py's expert_loads): every
+    token copy of the ep group on one rank, ep balanced loads, or past parallel.ep_load_budget its checkpointed
+    chunks (parallel/expert_chunks.py): the budget's intermediates, and every arrived row, whichever is more.
+    The padded blocks hold ep loads at any routing; at a balanced load every layout holds one."""
+    m = load_config("moe-1b").model
+    w = Workload(2048, 4, 16)
+    act, copies = 2, 2048 * 4 * m.top_k  # bf16; a rank's token copies: one balanced load
+    row = act * copies * (3 * m.moe_ffn_size + m.hidden_size)  # one balanced load's input rows and intermediates
+
+    def per_layer(ep, dispatch, budget, model=m, balanced=False):
+        layout = Layout(dp=ep, ep=ep, ep_dispatch=dispatch, ep_load_budget=budget)
+        return activation_per_layer(model, w, layout, balanced)
+    one = per_layer(1, "auto", 2.0)
+    assert per_layer(4, "exact", 2.0, balanced=True) == one == per_layer(4, "padded", 2.0, balanced=True)
+    assert per_layer(4, "exact", 2.0) - one == pytest.approx(row)  # two loads: one above the balanced
+    assert per_layer(4, "exact", 3.0) - one == pytest.approx(2 * row)
+    assert per_layer(4, "exact", 0.0) == per_layer(4, "exact", 4.0) == per_layer(4, "padded", 2.0)
+    assert per_layer(4, "padded", 2.0) - one == pytest.approx(3 * row)
+    assert per_layer(2, "exact", 2.0) == per_layer(2, "padded", 2.0)  # a budget of ep: never in chunks
+    assert expert_loads(m, Layout(dp=4, ep=4, ep_dispatch="exact"))[:2] == (2.0, 4)
+    # Narrow experts: past the budget the arrived rows (h wide, up to ep loads) outweigh the budget's rows.
+    narrow = replace(m, moe_ffn_hidden_size=128)
+    assert per_layer(8, "exact", 1.0, narrow) - per_layer(1, "auto", 1.0, narrow) == \
+        pytest.approx(act * copies * (8 * m.hidden_size - (3 * 128 + m.hidden_size)))
+    # The planner's flag, checked as the config key is, and said where it states the experts' activations.
+    assert "--ep-load-budget 0.5" in run_cli("plan", "--model", "moe-1b", "--dp", "4", "--ep", "4",
+                                              "--ep-load-budget", "0.5", check=False).stderr
+    said = run_cli("plan", "--model", "moe-1b", "--dp", "4", "--ep", "4").stdout
+    assert "experts' load" in said and "--ep-load-budget 2" in said

@@ -53,7 +53,8 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
                 "parallel.offload_threads", "lora.rank", "model.moe_ffn_hidden_size",
                 "model.shared_expert_ffn_hidden_size", "model.moe_first_dense", "train.moe_aux_loss_coef",
-                "train.moe_z_loss_coef", "model.capacity_factor", "model.router_bias_update_rate")
+                "train.moe_z_loss_coef", "model.capacity_factor", "model.router_bias_update_rate",
+                "parallel.ep_load_budget")
 
 
 ROPE_KEYS = {"default": (), "linear": ("factor",),
@@ -200,7 +201,7 @@ def check_bf16_optimizer(cfg: Config) -> None:
 MOE_ONLY = ("model.moe_ffn_hidden_size", "model.shared_expert_ffn_hidden_size", "model.capacity_factor",
             "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef", "model.top_k",
             "model.moe_every", "model.router_scoring", "model.router_renormalize", "train.moe_aux_loss_coef",
-            "parallel.ep_dispatch")
+            "parallel.ep_dispatch", "parallel.ep_load_budget")
 
 
 def check_dense(cfg: Config) -> None:
@@ -391,6 +392,9 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if m.num_experts and m.shared_expert_ffn_hidden_size % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the shared expert's {m.shared_expert_ffn_hidden_size} "
                           "hidden features")
+    if not (p.ep_load_budget == 0 or p.ep_load_budget >= 1):  # nan too
+        raise ConfigError(f"{show('ep_load_budget', p.ep_load_budget)}: a rank's experts take at least one balanced "
+                          "load (its own token copies) in one pass; use 0 (never in chunks) or a multiple of at least 1")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
     bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))

@@ -131,6 +131,9 @@ class ParallelConfig:
     cp_comm: str = "a2a"           # a2a: Ulysses' all-to-all of heads (context.py) | p2p: ring attention (ring_attention.py)
     ep: int = 1                    # expert parallel, carved out of dp x cp
     ep_dispatch: str = "auto"      # auto | padded | exact: how rows reach the experts' ranks (parallel/expert.py)
+    # the most rows a rank's experts take in one pass of the exact dispatch, in balanced loads (its own token copies);
+    # past it they run in checkpointed chunks of that many (parallel/expert_chunks.py); 0: one pass, however many
+    ep_load_budget: float = 2.0
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     tp_async: bool = False         # collectives fused with their matmuls (async_tp.py): refused on GPUs for now
     zero_stage: int = 0

@@ -33,6 +33,11 @@ exact form needs under its worst load). It needs as many copies on every rank: d
 micro-batches of one shape (training's windows, evaluation's shared batches); capacity routing's survivors,
 whose count the host knows anyway, go exactly. "auto": padded at ep 2, where that is twice a balanced load,
 exact beyond.
+Under imbalance the exact form's rows grow with the router's choice, up to ep balanced loads on one rank: past
+`parallel.ep_load_budget` balanced loads the local experts run in checkpointed chunks (parallel/expert_chunks.py),
+so dropless stays dropless within a stated memory. The padded form needs no chunks (its blocks are ep balanced
+loads whatever the routing: the worst case, held always), nor does one process (its experts take its own
+token copies, one balanced load).
 
 Routing, the auxiliary losses and the load stay the layer's, on this rank's tokens, as at one process: the
 balance loss of a micro-batch is computed on that micro-batch's tokens at every layout (its counts over the cp
@@ -45,14 +50,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..model.moe import MoE, moe_layers
+from ..model.moe import MoE, in_backward, moe_layers
 from ..sharding import TPSharding
+from .expert_chunks import budget_rows, run_in_chunks
 from .placement import DataPlacement, gather_full, place, tag
 
 
-def expert_parallel(model: nn.Module, mesh, padded: bool = False) -> None:
+def expert_parallel(model: nn.Module, mesh, padded: bool = False, load_budget: float = 0.0) -> None:
     """Split every MoE layer's routed experts over mesh axis "ep" (a no-op at ep 1), their rows sent in
-    fixed-size blocks where `padded` (ParallelConfig.ep_padded; the module docstring); on the meta model."""
+    fixed-size blocks where `padded` (ParallelConfig.ep_padded; the module docstring), else by exact counts,
+    run in chunks past `load_budget` balanced loads (parallel.ep_load_budget; 0: never); on the meta model."""
     ep = mesh.size("ep")
     if ep == 1:
         return
@@ -69,7 +76,7 @@ def expert_parallel(model: nn.Module, mesh, padded: bool = False) -> None:
             place(linear, DataPlacement(reduce=expert_reduce_view(mesh.size("tp"))))
         layer.__class__ = ExpertParallelMoE
         layer.ep_group, layer.ep, layer.ep_rank = group, ep, rank
-        layer.padded = padded
+        layer.padded, layer.load_budget = padded, load_budget
 
 
 def expert_reduce_view(tp: int) -> str:
@@ -87,6 +94,8 @@ class ExpertParallelMoE(MoE):
     ep = 1
     ep_rank = 0
     padded = False
+    load_budget = 0.0
+    chunked = 0  # training forwards whose experts ran in chunks since the last take (MoEBalance.stats)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Blocks of one size need as many rows on every rank: dropless routing's token copies of micro-batches
@@ -131,16 +140,24 @@ class ExpertParallelMoE(MoE):
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
         received = received.view(ep, local)
-        # The split sizes on the host, one sync for both: rows are sorted by expert, so by destination rank.
-        send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
+        # The split sizes and the local experts' rows on the host, one sync for all: rows are sorted by expert,
+        # so by destination rank.
+        sizes = torch.cat([counts.view(ep, local).sum(1), received.sum(1), received.sum(0)]).tolist()
+        send, recv, per_expert = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
         # 2. dispatch: rows arrive ordered by (source rank, local expert); regrouped by local expert (stable:
         # each expert sees its rows in source-rank order) for the grouped GEMMs.
         arrived = _AllToAll.apply(rows, recv, send, self.ep_group)
         expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1),
                                             output_size=sum(recv))
         order = expert_of.argsort(stable=True)
-        # 3. the local experts.
-        out = self.experts(arrived[order], received.sum(0), self.impl)
+        # 3. the local experts: in checkpointed chunks past the budget (parallel/expert_chunks.py).
+        size = budget_rows(self.load_budget, rows.shape[0])
+        if size and sum(recv) > size:
+            out = run_in_chunks(self.experts, arrived[order], per_expert, size, self.impl)
+            if self.training and not in_backward():  # a recomputed block's second forward would count it twice
+                self.chunked += 1
+        else:
+            out = self.experts(arrived[order], received.sum(0), self.impl)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         # 4. combine: each output row back to the rank (and place) its token copy came from.

@@ -12,6 +12,7 @@ from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
 from .flags import check_flags
 from .hardware import GPUS, parse_bytes
+from .memory import activation_per_layer, expert_loads
 
 GiB = 2**30
 SEQ = 2048  # --seq's default, where the model's context holds it
@@ -68,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--ep-dispatch", default="auto", choices=("auto", "padded", "exact"),
                      help="with --ep: rows sent in fixed-size blocks (padded: ep times a balanced load's memory and "
                           "bytes, no host sync) or by exact counts; auto: padded at ep 2")
+    lay.add_argument("--ep-load-budget", type=float, default=2.0,
+                     help="with --ep and exact counts: the most rows a rank's experts take in one pass, in balanced "
+                          "loads; past it they run in recomputed chunks (planned at it); 0: no chunks")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -205,6 +209,7 @@ def run(argv: list[str]) -> int:
         print(f"note: --seq {a.seq} exceeds the model's max_seq_len {model.max_seq_len}: a run at it needs "
               f"--model.max_seq_len {a.seq}", file=sys.stderr)
     layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, ep_dispatch=a.ep_dispatch,
+                    ep_load_budget=a.ep_load_budget,
                     zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
@@ -224,14 +229,15 @@ def run(argv: list[str]) -> int:
     if note:
         print(note)
     print(f"{g.name}, per GPU (worst pipeline stage):")
-    for k, v in rows(a, e, g, layout):
+    for k, v in rows(a, e, g, layout, model, work):
         print(f"  {k:<18}{v}")
     return 0
 
 
 # Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
 TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
-                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "sp", "recompute",
+                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "ep_load_budget", "sp",
+                 "recompute",
                  "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo", "lora_targets",
                  "host_memory", "top")
 
@@ -376,14 +382,18 @@ def training(a, e) -> str:
     return f", {e.train_days:.1f} days, {e.gpu_hours:,.0f} GPU-hours{cost}"
 
 
-def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
+def rows(a, e, g, layout: Layout, model: ModelConfig, work: Workload) -> list[tuple[str, str]]:
     mem = e.memory
+    held, _, why = expert_loads(model, layout)  # the worst load activation/layer is at
+    experts = [("experts' load", f"activation/layer at {held:g} balanced load{'s' * (held != 1)} a rank, the worst ({why}); "
+                f"{fmt(activation_per_layer(model, work, layout, balanced=True))} at a balanced load")]
     out = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
            *([("host memory", f"{fmt(e.host_memory)} per rank (offload)")] if e.host_memory else []),
-           ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
+           ("activation/layer", fmt(mem.activation_per_layer)), *(experts if model.num_experts else []),
+           ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
            ("step time", duration(e.step_time_s)), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
            ("bubble", f"{100 * e.bubble:.1f}%"),

@@ -169,7 +169,23 @@ def nf4_weights(m: ModelConfig, L: Layout, stage: int) -> float:
     return per_layer * rank_layers(m, L, stage) / L.tp
 
 
-def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
+def expert_loads(m: ModelConfig, L: Layout) -> tuple[float, float, str]:
+    """A rank's experts at their worst, in balanced loads (its own token copies): (the rows whose activations
+    they hold, the rows that arrive, why, as the planner says it). Padded blocks hold ep at any routing; exact
+    counts bring up to ep (capacity routing: its factor), past parallel.ep_load_budget run in checkpointed
+    chunks that keep the arrived rows alone (parallel/expert_chunks.py). One process: one."""
+    if L.ep_padded(not m.capacity_factor):
+        return L.ep, L.ep, f"padded blocks, {L.ep} loads at any routing"
+    arrived = min(L.ep, m.capacity_factor) if m.capacity_factor else L.ep
+    if L.ep_load_budget and arrived > L.ep_load_budget:
+        return L.ep_load_budget, arrived, f"past --ep-load-budget {L.ep_load_budget:g} in recomputed chunks"
+    why = "one process" if L.ep == 1 else ("capacity" if arrived < L.ep else "every token copy on one rank")
+    return arrived, arrived, why
+
+
+def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool = False) -> float:
+    """Bytes a layer keeps for backward; a mixture of experts' at its worst load (expert_loads), or at a
+    balanced one (`balanced`)."""
     s, b, h, a, t = w.seq / L.cp, w.micro_batch, m.hidden_size, m.num_heads, L.tp
     sbh = s * b * h
     if m.arch == "gpt2" and L.attention == "standard" and m.ffn_size == 4 * h:
@@ -195,10 +211,12 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             norms = (2 * sbh / t + 2 * sbh) if L.sp else 4 * sbh
             attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
-            if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
-                # (fixed-size blocks of expert parallelism: room for ep times the copies, parallel/expert.py)
-                padded = L.ep if L.ep_padded(not m.capacity_factor) else 1
-                mlp = (mlp * m.top_k + s * b * h * m.top_k / t) * padded + s * b * m.num_experts * m.top_k / t
+            if m.num_experts:  # each token copy's input row and up (2f gated) and activation in its expert,
+                # at the worst load a rank's experts hold (expert_loads), plus each token's routing. Past the
+                # budget the arrived rows alone are kept; the chunk being recomputed is one layer's transient.
+                held, arrived, _ = (1, 1, "") if balanced else expert_loads(m, L)
+                copies = s * b * m.top_k / t
+                mlp = copies * max(held * (3 * m.moe_ffn_size + h), arrived * h) + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
