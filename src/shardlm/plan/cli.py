@@ -10,9 +10,10 @@ from pathlib import Path
 
 from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from .flags import check_flags
+from .flags import check_flags, check_inference_flags
 from .hardware import GPUS, parse_bytes
-from .memory import activation_per_layer, expert_loads
+from .layout import expert_loads
+from .memory import activation_per_layer
 
 GiB = 2**30
 SEQ = 2048  # --seq's default, where the model's context holds it
@@ -234,59 +235,9 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-# Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
-TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
-                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "ep_load_budget", "sp",
-                 "recompute",
-                 "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo", "lora_targets",
-                 "host_memory", "top")
-
-
-def check_inference_flags(a, model: ModelConfig) -> int:
-    """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
-    from .inference import QUANTIZE
-    defaults = parser().parse_args([])
-    ignored = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(a, name) != getattr(defaults, name)]
-    if ignored:
-        raise PlanError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} a training plan; --inference "
-                        "reads the model, --batch, --context, --quantize, --precision and the GPU")
-    if a.search:
-        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
-    if a.largest:
-        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
-                        "one of them")
-    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
-    if parallel:
-        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
-                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
-                        "does not plan")
-    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
-                                ("--zero", a.zero)) if on]
-    if training:
-        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
-                        "--inference plans one GPU serving the whole model")
-    if a.lora_rank is not None:
-        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
-    if a.quantize not in QUANTIZE:
-        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
-        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
-    if a.precision not in ("bf16", "fp16", "fp32"):
-        raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
-    if a.quantize == "int4" and a.precision != "bf16":
-        raise PlanError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel): give --precision bf16, not "
-                        f"{a.precision}")
-    if a.batch < 1:
-        raise PlanError(f"--batch {a.batch} must be at least 1")
-    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
-    context = model.max_seq_len if a.context is None else a.context
-    if not 2 <= context <= model.max_seq_len:
-        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
-    return context
-
-
 def inference(a, model: ModelConfig, g) -> int:
     from .inference import plan_inference
-    context = check_inference_flags(a, model)
+    context = check_inference_flags(a, model, parser().parse_args([]))
     e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT,
                        a.quantize)
     if a.json:
@@ -385,8 +336,8 @@ def training(a, e) -> str:
 def rows(a, e, g, layout: Layout, model: ModelConfig, work: Workload) -> list[tuple[str, str]]:
     mem = e.memory
     held, _, why = expert_loads(model, layout)  # the worst load activation/layer is at
-    experts = [("experts' load", f"activation/layer at {held:g} balanced load{'s' * (held != 1)} a rank, the worst ({why}); "
-                f"{fmt(activation_per_layer(model, work, layout, balanced=True))} at a balanced load")]
+    experts = [("experts' load", f"activation/layer at {held:g} balanced load{'s' * (held != 1)} a rank, the "
+                f"worst ({why}); {fmt(activation_per_layer(model, work, layout, balanced=True))} at a balanced load")]
     out = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "

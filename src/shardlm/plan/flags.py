@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..config import ModelConfig
 from .layout import PlanError
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")  # a model's shape, with --arch
@@ -98,3 +99,52 @@ def check_searched(a) -> None:
             raise PlanError(f"{flag}{shown} has no effect with --search, which tries every dp, tp, pp, ep, ZeRO "
                             "stage, sequence parallelism, recomputation and schedule itself: leave it out, or plan "
                             "that layout without --search")
+
+
+# Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
+TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
+                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "ep_load_budget",
+                 "sp", "recompute", "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo",
+                 "lora_targets", "host_memory", "top")
+
+
+def check_inference_flags(a, model: ModelConfig, defaults) -> int:
+    """The flags --inference reads, checked, each refusal naming only its own flags (`defaults`: the parser's
+    values when none is given); returns the context."""
+    from .inference import QUANTIZE
+    ignored = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(a, name) != getattr(defaults, name)]
+    if ignored:
+        raise PlanError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} a training plan; --inference "
+                        "reads the model, --batch, --context, --quantize, --precision and the GPU")
+    if a.search:
+        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
+    if a.largest:
+        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
+                        "one of them")
+    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
+    if parallel:
+        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
+                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
+                        "does not plan")
+    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
+                                ("--zero", a.zero)) if on]
+    if training:
+        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
+                        "--inference plans one GPU serving the whole model")
+    if a.lora_rank is not None:
+        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
+    if a.quantize not in QUANTIZE:
+        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
+        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
+    if a.precision not in ("bf16", "fp16", "fp32"):
+        raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
+    if a.quantize == "int4" and a.precision != "bf16":
+        raise PlanError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel): give --precision bf16, not "
+                        f"{a.precision}")
+    if a.batch < 1:
+        raise PlanError(f"--batch {a.batch} must be at least 1")
+    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
+    context = model.max_seq_len if a.context is None else a.context
+    if not 2 <= context <= model.max_seq_len:
+        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
+    return context

@@ -84,3 +84,17 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
         check_layout(model, L, work.seq, work.micro_batch, work.global_batch, gpus, FLAGS)
     except ConfigError as e:
         raise PlanError(str(e)) from None
+
+
+def expert_loads(m: ModelConfig, L: Layout) -> tuple[float, float, str]:
+    """A rank's experts at their worst, in balanced loads (its own token copies): (the rows whose activations
+    they hold, the rows that arrive, why, as the planner says it). Padded blocks hold ep at any routing; exact
+    counts bring up to ep (capacity routing: its factor), past parallel.ep_load_budget run in checkpointed
+    chunks that keep the arrived rows alone (parallel/expert_chunks.py). One process: one."""
+    if L.ep_padded(not m.capacity_factor):
+        return L.ep, L.ep, f"padded blocks, {L.ep} loads at any routing"
+    arrived = min(L.ep, m.capacity_factor) if m.capacity_factor else L.ep
+    if L.ep_load_budget and arrived > L.ep_load_budget:
+        return L.ep_load_budget, arrived, f"past --ep-load-budget {L.ep_load_budget:g} in recomputed chunks"
+    why = "one process" if L.ep == 1 else ("capacity" if arrived < L.ep else "every token copy on one rank")
+    return arrived, arrived, why

@@ -51,7 +51,7 @@ from ..config import BLOCK_RECOMPUTE, FREE_GRAD_BUCKET_MB, NF4_BYTES_PER_WEIGHT,
 from ..config.views import group_span
 from ..schedules import split_layers
 from .flops import simulated
-from .layout import Layout, Workload
+from .layout import Layout, Workload, expert_loads
 
 MiB = 2**20
 WORKSPACE = 256 * MiB
@@ -167,20 +167,6 @@ def nf4_weights(m: ModelConfig, L: Layout, stage: int) -> float:
     q, kv, h, f = m.num_heads * m.head_size, m.kv_heads * m.head_size, m.hidden_size, m.ffn_size
     per_layer = h * (q + 2 * kv) + q * h + (3 if m.arch != "gpt2" else 2) * h * f
     return per_layer * rank_layers(m, L, stage) / L.tp
-
-
-def expert_loads(m: ModelConfig, L: Layout) -> tuple[float, float, str]:
-    """A rank's experts at their worst, in balanced loads (its own token copies): (the rows whose activations
-    they hold, the rows that arrive, why, as the planner says it). Padded blocks hold ep at any routing; exact
-    counts bring up to ep (capacity routing: its factor), past parallel.ep_load_budget run in checkpointed
-    chunks that keep the arrived rows alone (parallel/expert_chunks.py). One process: one."""
-    if L.ep_padded(not m.capacity_factor):
-        return L.ep, L.ep, f"padded blocks, {L.ep} loads at any routing"
-    arrived = min(L.ep, m.capacity_factor) if m.capacity_factor else L.ep
-    if L.ep_load_budget and arrived > L.ep_load_budget:
-        return L.ep_load_budget, arrived, f"past --ep-load-budget {L.ep_load_budget:g} in recomputed chunks"
-    why = "one process" if L.ep == 1 else ("capacity" if arrived < L.ep else "every token copy on one rank")
-    return arrived, arrived, why
 
 
 def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool = False) -> float:
