@@ -94,7 +94,8 @@ def worker(args) -> None:
     scale = max(r.abs().max().item() for r in ref)
     for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), ("fused", "gemv-only")):
         name = f"{mode} {'/'.join(map(str, launch))}"
-        fused = GemvAllReduce(h, ws[0][0], group, launch=launch, reduce=mode == "fused")
+        fused = GemvAllReduce(symmetric_buffers([world * h] * 2, ws[0][0], group), h, group, launch=launch,
+                              reduce=mode == "fused")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
         except Exception as e:  # noqa: BLE001 (a launch that does not compile; the others run)
@@ -113,7 +114,8 @@ def worker(args) -> None:
     us, _, _ = graph_us(col_run(F.linear), args.replays)
     rows.append({"system": "cublas column", "us": us})
     for launch in itertools.product(args.bn, args.bk, args.warps):
-        alone = GemvAllReduce(2 * f // world, ws[0][0], group, launch=launch, reduce=False)
+        alone = GemvAllReduce(symmetric_buffers([2 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
+                              reduce=False)
         us, _, _ = graph_us(col_run(lambda x, w: alone(x, w, 0)), args.replays)
         rows.append({"system": f"gemv-only column {'/'.join(map(str, launch))}", "us": us})
     everyone = [None] * world

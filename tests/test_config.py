@@ -49,7 +49,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.ep_dispatch": "fixed"}, "parallel.ep_dispatch = 'fixed' is not one of auto, padded, exact"),
     ({"model.num_experts": "4", "parallel.ep_load_budget": "0.5"},
      "parallel.ep_load_budget = 0.5: a rank's experts take at least one balanced load (its own token copies) in one "
-     "pass; use 0 (never in chunks) or a multiple of at least 1"),
+     "pass; use 0 (never in chunks) or a finite multiple of at least 1"),
     ({"model.num_experts": "4", "parallel.ep_load_budget": "-1"}, "parallel.ep_load_budget = -1.0 must not be negative"),
     ({"model.num_experts": "4", "parallel.ep_load_budget": "nan"}, "parallel.ep_load_budget = nan must be a finite"),
     ({"parallel.ep_load_budget": "4"}, "parallel.ep_load_budget = 4.0 applies to a mixture of experts, and this model "

@@ -13,7 +13,7 @@ from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
 from shardlm.plan import Layout, PlanError, Workload, estimate, estimate_memory, gpu, paper_model_states
 from shardlm.config.views import group_span
-from shardlm.plan.memory import activation_per_layer, expert_loads
+from shardlm.plan.memory import activation_per_layer, expert_chunk_bytes, expert_loads
 
 
 def test_zero_paper_figure_1():
@@ -732,8 +732,9 @@ def test_padded_expert_dispatch_is_charged_ep_times_the_routed_rows():
 def test_exact_dispatch_is_charged_at_its_load_budget():
     """The exact dispatch's experts are charged at their worst load (plan/memory.py's expert_loads): every
     token copy of the ep group on one rank, ep balanced loads, or past parallel.ep_load_budget its checkpointed
-    chunks (parallel/expert_chunks.py): the budget's intermediates, and every arrived row, whichever is more.
-    The padded blocks hold ep loads at any routing; at a balanced load every layout holds one."""
+    chunks (parallel/expert_chunks.py): every layer keeps the arrived rows, and one chunk's intermediates (the
+    budget's) exist at a time. The padded blocks hold ep loads at any routing; at a balanced load every layout
+    holds one."""
     m = load_config("moe-1b").model
     w = Workload(2048, 4, 16)
     act, copies = 2, 2048 * 4 * m.top_k  # bf16; a rank's token copies: one balanced load
@@ -744,8 +745,13 @@ def test_exact_dispatch_is_charged_at_its_load_budget():
         return activation_per_layer(model, w, layout, balanced)
     one = per_layer(1, "auto", 2.0)
     assert per_layer(4, "exact", 2.0, balanced=True) == one == per_layer(4, "padded", 2.0, balanced=True)
-    assert per_layer(4, "exact", 2.0) - one == pytest.approx(row)  # two loads: one above the balanced
-    assert per_layer(4, "exact", 3.0) - one == pytest.approx(2 * row)
+    arrived = act * copies * 4 * m.hidden_size  # ep 4: every copy of the group on one rank, its input rows
+    assert per_layer(4, "exact", 2.0) - one == per_layer(4, "exact", 3.0) - one == pytest.approx(arrived - row)
+    chunk = act * copies * 3 * m.moe_ffn_size  # one balanced load's up (2f gated) and activation
+    for budget, transient in ((2.0, 2 * chunk), (3.0, 3 * chunk), (4.0, 0.0), (0.0, 0.0)):
+        layout = Layout(dp=4, ep=4, ep_dispatch="exact", ep_load_budget=budget)
+        assert expert_chunk_bytes(m, w, layout) == pytest.approx(transient)
+    assert expert_chunk_bytes(m, w, Layout(dp=4, ep=4, ep_dispatch="padded")) == 0.0
     assert per_layer(4, "exact", 0.0) == per_layer(4, "exact", 4.0) == per_layer(4, "padded", 2.0)
     assert per_layer(4, "padded", 2.0) - one == pytest.approx(3 * row)
     assert per_layer(2, "exact", 2.0) == per_layer(2, "padded", 2.0)  # a budget of ep: never in chunks

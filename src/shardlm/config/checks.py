@@ -318,9 +318,14 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if m.num_experts and m.shared_expert_ffn_hidden_size % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the shared expert's {m.shared_expert_ffn_hidden_size} "
                           "hidden features")
-    if not (p.ep_load_budget == 0 or p.ep_load_budget >= 1):  # nan too
+    if not (p.ep_load_budget == 0 or 1 <= p.ep_load_budget < math.inf):  # nan too
         raise ConfigError(f"{show('ep_load_budget', p.ep_load_budget)}: a rank's experts take at least one balanced "
-                          "load (its own token copies) in one pass; use 0 (never in chunks) or a multiple of at least 1")
+                          "load (its own token copies) in one pass; use 0 (never in chunks) or a finite multiple of "
+                          "at least 1")
+    if m.num_experts and p.ep == 1 and p.ep_dispatch != "auto":  # here: the planner refuses it too
+        raise ConfigError(f"{show('ep_dispatch', p.ep_dispatch)} applies to expert parallelism, and {show('ep', 1)} "
+                          f"(every expert on every rank): set {key('ep')} above 1, or leave {key('ep_dispatch')} at "
+                          "'auto'")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
     bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))

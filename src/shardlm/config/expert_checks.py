@@ -57,9 +57,6 @@ def check_experts(cfg: Config) -> None:
     if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
                           "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
-    if p.ep == 1 and p.ep_dispatch != "auto":
-        raise ConfigError(f"parallel.ep_dispatch = {p.ep_dispatch!r} applies to expert parallelism, and parallel.ep = "
-                          "1 (every expert on every rank): set parallel.ep above 1, or leave parallel.ep_dispatch at 'auto'")
     check_expert_lora(m, cfg.lora)
 
 

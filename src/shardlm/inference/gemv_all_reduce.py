@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import triton, triton_ok
+from ..kernels import triton
 
 # (BN outputs a program, BK inputs a step, warps): from an H200 sweep over llama2-7b's row-parallel shapes
 # at tp 2 (bench/README.md).
@@ -107,26 +107,29 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
 class GemvAllReduce:
     """x [..., K] times a row-parallel weight [N, K], summed over `group`, in one kernel for one row (`fits`),
-    through one of two symmetric buffers of `world` x `max_n` elements (`turn`: 0 or 1, taken in turn by
-    consecutive linears). Allocating them is a collective, outside any CUDA graph."""
+    through one of two symmetric `buffers` of at least `world` x `max_n` elements (one_shot.symmetric_buffers:
+    allocated and exchanged by every rank, outside any CUDA graph), `turn` 0 or 1 taken in turn by consecutive
+    linears. Every rank must agree to use it (one_shot.use_one_shot decides once): a rank that took another
+    path would leave its peers waiting at the barrier."""
 
-    def __init__(self, max_n: int, like: torch.Tensor, group, launch=LAUNCH, reduce: bool = True):
+    def __init__(self, buffers: list[torch.Tensor], max_n: int, group, launch=LAUNCH, reduce: bool = True):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.launch, self.max_n, self.reduce = launch, max_n, reduce
+        self.launch, self.max_n, self.reduce, self.dtype = launch, max_n, reduce, buffers[0].dtype
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.buffers, self.ptrs, self.pads, self.counts = [], [], [], []
-        for _ in range(2):
-            buf = symm_mem.empty(self.world * max_n, dtype=like.dtype, device=like.device)
-            handle = symm_mem.rendezvous(buf, group.group_name)
-            self.buffers.append(buf)  # kept alive: the kernel reaches it by its address only
-            self.ptrs.append(_static(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=like.device)))
-            self.pads.append(_static(torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=like.device)))
-            self.counts.append(_static(torch.zeros(1, dtype=torch.int32, device=like.device)))
+        self.ptrs, self.pads, self.counts = [], [], []
+        for buf in buffers:
+            handle = symm_mem.rendezvous(buf, group.group_name)  # the exchange's handle, already made
+            device = buf.device
+            self.ptrs.append(_static(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)))
+            self.pads.append(_static(torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)))
+            self.counts.append(_static(torch.zeros(1, dtype=torch.int32, device=device)))
+        self.buffers = buffers  # kept alive: the kernel reaches them by their addresses only
 
     def fits(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        # static shapes only: a decode step's (a prefill pass compiled for any length would be guarded on it)
+        # static shapes only: a decode step's (a prefill pass compiled for any length would be guarded on it),
+        # the same on every rank
         return (all(isinstance(d, int) for d in x.shape) and x.numel() == w.shape[1] and w.shape[0] <= self.max_n
-                and x.dtype == w.dtype == self.buffers[0].dtype and w.stride(1) == 1 and triton_ok(x))
+                and x.dtype == w.dtype == self.dtype and w.stride(1) == 1)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, turn: int) -> torch.Tensor:
         bn, bk, warps = self.launch

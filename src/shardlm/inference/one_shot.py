@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..kernels import triton_ok
 from .gemv_all_reduce import GemvAllReduce
 
 # Above this the bandwidth-optimal algorithms win (each rank reads every peer's whole buffer here).
@@ -170,13 +171,15 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
     vocab = max((rows * -(-head.vocab_size // world) * world for head in heads), default=0)
     if vocab * weight.element_size() > MAX_BYTES:  # the logits' all-gather stays NCCL's
         vocab = 0
-    buffers = symmetric_buffers([numel] * 3 + ([vocab] if vocab else []), weight, group)
+    rows_parallel = [m for m in layers if isinstance(m, RowParallelLinear)]
+    max_n = max(m.weight.shape[0] for m in rows_parallel)
+    buffers = symmetric_buffers([numel] * 3 + ([vocab] if vocab else []) + [world * max_n] * 2, weight, group)
     if buffers is None:
         if one_shot:
             raise RuntimeError("one-shot all-reduces asked for, but a rank could not allocate symmetric memory")
         return False
-    rows_parallel = [m for m in layers if isinstance(m, RowParallelLinear)]
-    fused = GemvAllReduce(max(m.weight.shape[0] for m in rows_parallel), weight, group)
+    # One row's product and sum in one kernel (gemv_all_reduce.py) where every rank can run Triton.
+    fused = GemvAllReduce(buffers[-2:], max_n, group) if agreed(triton_ok(weight), group) else None
     for i, layer in enumerate(rows_parallel):
         layer.small_all_reduce = OneShotAllReduce(buffers[i % 2], group, fused, i % 2)
     for layer in layers:

@@ -97,11 +97,11 @@ class ExpertParallelMoE(MoE):
     load_budget = 0.0
     chunked = 0  # training forwards whose experts ran in chunks since the last take (MoEBalance.stats)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, copies: int) -> torch.Tensor:
         # Blocks of one size need as many rows on every rank: dropless routing's token copies of micro-batches
         # of one shape, not capacity routing's survivors (whose count the host knows already).
         dropless = not (self.capacity_factor > 0 and self.training)
-        return self._padded(rows, counts) if self.padded and dropless else self._exact(rows, counts)
+        return self._padded(rows, counts) if self.padded and dropless else self._exact(rows, counts, copies)
 
     def _padded(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The four steps over fixed-size blocks: n rows to every peer (n = this rank's token copies), each
@@ -134,7 +134,7 @@ class ExpertParallelMoE(MoE):
         return returned[dest * n + j - start[dest]]
 
     @torch.compiler.disable  # host-side split sizes and collectives: run eagerly between compiled graphs
-    def _exact(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _exact(self, rows: torch.Tensor, counts: torch.Tensor, copies: int) -> torch.Tensor:
         ep, local = self.ep, self.num_experts // self.ep
         # 1. counts exchanged: received[s, e] rows from rank s for local expert e.
         received = torch.empty_like(counts)
@@ -151,7 +151,7 @@ class ExpertParallelMoE(MoE):
                                             output_size=sum(recv))
         order = expert_of.argsort(stable=True)
         # 3. the local experts: in checkpointed chunks past the budget (parallel/expert_chunks.py).
-        size = budget_rows(self.load_budget, rows.shape[0])
+        size = budget_rows(self.load_budget, copies)  # in balanced loads: the copies routed, dropped ones too
         if size and sum(recv) > size:
             out = run_in_chunks(self.experts, arrived[order], per_expert, size, self.impl)
             if self.training and not in_backward():  # a recomputed block's second forward would count it twice

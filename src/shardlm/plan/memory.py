@@ -199,15 +199,24 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool 
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
             if m.num_experts:  # each token copy's input row and up (2f gated) and activation in its expert,
                 # at the worst load a rank's experts hold (expert_loads), plus each token's routing. Past the
-                # budget the arrived rows alone are kept; the chunk being recomputed is one layer's transient.
+                # budget a layer keeps the arrived rows alone (its chunks' intermediates: expert_chunk_bytes).
                 held, arrived, _ = (1, 1, "") if balanced else expert_loads(m, L)
-                copies = s * b * m.top_k / t
-                mlp = copies * max(held * (3 * m.moe_ffn_size + h), arrived * h) + s * b * m.num_experts * m.top_k / t
+                kept = arrived * h if held < arrived else held * (3 * m.moe_ffn_size + h)
+                mlp = s * b * m.top_k / t * kept + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
+
+
+def expert_chunk_bytes(m: ModelConfig, w: Workload, L: Layout) -> float:
+    """The intermediates of the one chunk of an overloaded rank's experts that exists at a time, in forward and
+    again in backward's recomputation (parallel/expert_chunks.py): budget balanced loads of up (2f gated) and
+    activation; 0 where the experts never run in chunks."""
+    held, arrived, _ = expert_loads(m, L) if m.num_experts else (1, 1, "")
+    act = 2 if L.precision != "fp32" else 4
+    return act * w.seq / L.cp * w.micro_batch * m.top_k / L.tp * held * 3 * m.moe_ffn_size if held < arrived else 0.0
 
 
 def kept_residual(L: Layout, act: float) -> float:
@@ -278,6 +287,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         acts = per_layer * layers * in_flight(w, L)
         if L.offload_activations:  # the blocks' inputs wait in host memory (model/activation_offload.py)
             acts = 0.0
+        acts += expert_chunk_bytes(m, w, L)
         recomputed = 0.0
         if L.recompute in BLOCK_RECOMPUTE:  # the layer being recomputed holds its full activations
             recomputed = activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
