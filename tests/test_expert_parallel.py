@@ -206,15 +206,22 @@ def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing
     tokens; with every token routed to rank 0's experts rank 1 receives no rows (its blocks all padding) and
     still takes part in each exchange."""
     ref = dist_fns.expert_parallel_layer(0, 1, routing)  # both ranks' 16 tokens at one process
-    for rank, r in enumerate(run_distributed(dist_fns.expert_parallel_layer, 2, routing, padded, timeout=120)):
+    results = run_distributed(dist_fns.expert_parallel_layer, 2, routing, padded, timeout=120)
+    assert_layer_equals_one_process(results, ref)
+    if routing == "one-rank":
+        assert not results[1]["up"].any() and not results[1]["down"].any()
+
+
+def assert_layer_equals_one_process(results: list[dict], ref: dict) -> None:
+    """Each rank's outputs and input gradients for its 8 tokens, its block of two experts' gradients and the
+    router's (summed) equal one process's."""
+    for rank, r in enumerate(results):
         rows = slice(8 * rank, 8 * (rank + 1))
         torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-6)
         for name in ("up", "down"):
             torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
-            if routing == "one-rank" and rank == 1:
-                assert not r[name].any()
 
 
 def test_exact_dispatch_in_chunks_equals_one_process_when_one_rank_gets_every_token():
@@ -224,13 +231,7 @@ def test_exact_dispatch_in_chunks_equals_one_process_when_one_rank_gets_every_to
     ref = dist_fns.expert_parallel_layer(0, 1, "one-rank")
     results = run_distributed(dist_fns.expert_parallel_layer, 2, "one-rank", False, 1.5, timeout=120)
     assert [r["chunked"] for r in results] == [1, 0]
-    for rank, r in enumerate(results):
-        rows = slice(8 * rank, 8 * (rank + 1))
-        torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-6)
-        for name in ("up", "down"):
-            torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
+    assert_layer_equals_one_process(results, ref)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
