@@ -1,6 +1,7 @@
 """Fine-tuning from a Hugging Face checkpoint (`train.init_from`): its config.json gives the model section, its
 weights the start, under any layout, with or without LoRA."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -62,6 +63,9 @@ def test_the_model_section_comes_from_the_checkpoint(tmp_path, capsys):
 def test_a_missing_checkpoint_fails_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="train.init_from = .*nowhere.*config.json"):
         with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "nowhere")}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a file of the checkpoint, where its directory belongs
+    with pytest.raises(ConfigError, match=re.escape(f"it is a file; give the directory holding it ({tmp_path})")):
+        with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "model.safetensors")}))
 
 
 # ---- instruction data ----------------------------------------------------------------------------------
