@@ -745,6 +745,8 @@ def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):
     weights.write_bytes(weights.read_bytes()[:50])  # a copy cut short
     with pytest.raises(ConfigError, match="is not a readable PEFT adapter directory"):
         read_peft_dir(adapter, load_config("tiny").model)
+    with pytest.raises(ConfigError, match="it is a file: give the directory holding it"):
+        read_peft_dir(weights, load_config("tiny").model)
 
 
 def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, capsys):

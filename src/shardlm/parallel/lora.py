@@ -240,7 +240,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
         fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
                "writes its adapter (or give it as --model, its adapters merged)" if run else
-               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else "")
+               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else
+               f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
                           f"adapter_model.safetensors): {e}{fix}") from None
     if conf.get("peft_type") != "LORA":
