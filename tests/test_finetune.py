@@ -122,6 +122,24 @@ def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     assert len(WindowDataset(TokenShards(tmp_path / "out"), 24)) == 1
 
 
+def test_an_end_of_text_spelled_out_in_a_prompt_is_named_as_a_cause_when_packing(tmp_path):
+    """No chat template here: the error blamed one, and the user's text holding the token's spelling was the cause."""
+    from shardlm.data.loader import DataError, TokenShards, WindowDataset
+    from shardlm.data.prepare import prepare
+    tok_dir = tmp_path / "tok"
+    load_tokenizer_byte_with_eos(tok_dir)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a <|endoftext|> b", "completion": "c"}])
+    assert prepare([data], str(tok_dir), tmp_path / "out", progress=False)["eos_inside_examples"] == 1
+    with pytest.raises(DataError, match="or a prompt or answer that spells the token out.*--pad-to 8"):
+        WindowDataset(TokenShards(tmp_path / "out"), 8)
+
+
+def load_tokenizer_byte_with_eos(tok_dir):
+    from shardlm.tokenizer import load_tokenizer
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
 def test_pad_to_gives_one_example_per_window(tmp_path):
     from shardlm.data.loader import DataError, TokenShards, WindowDataset
     from shardlm.data.prepare import prepare
