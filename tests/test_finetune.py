@@ -232,6 +232,20 @@ def test_bad_instruction_data_fails_naming_the_line(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(PrepareError, match="c.jsonl:1: no assistant message"):
         prepare([chat], "byte", tmp_path / "o2", progress=False)
+    # Which field is off: another tool's name for the answer, or a value of another type.
+    for record, words in [({"prompt": "a", "response": "b"}, "has 'prompt', 'response'"),
+                          ({"prompt": "a", "completion": 5}, "has 'prompt', 'completion' \\(a number\\)"),
+                          ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+                           "message 2 has role 'bot'"),
+                          ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+                           "message 1's content is an array"),
+                          ({"messages": []}, "it is an array and empty")]:
+        with pytest.raises(PrepareError, match=words):
+            prepare([write_jsonl(tmp_path / "w.jsonl", [record])], "byte", tmp_path / "o3", progress=False)
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "a", "output": "b"}])  # read as plain text
+    with pytest.raises(PrepareError, match="no 'text' field .*for instruction data, write each line as "
+                                           '{"prompt", "completion"} or {"messages"'):
+        prepare([alpaca], "byte", tmp_path / "o4", progress=False)
     odd = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}]}])
     tok_dir = tmp_path / "tok"

@@ -91,7 +91,11 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     for where, record, nbytes in objects(path, PrepareError, f" with a {text_field!r} field"):
         if text_field not in record:
             keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
+            # Alpaca's instruction/output or ShareGPT's conversations read as plain text: say what instruction
+            # data looks like, since nothing else would.
+            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys}); name the text's field with "
+                               "--text-field, or, for instruction data, write each line as {\"prompt\", "
+                               "\"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}")
         text = record[text_field]
         if not isinstance(text, str):
             raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import Tokenizer
-from .jsonl import objects
+from .jsonl import JSON_KINDS, objects
 
 ROLES = ("system", "user", "assistant")
 
@@ -112,10 +112,10 @@ def _pieces(record: dict, where: str, template, eos: str, bos: str) -> list[tupl
 def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+        bad = _bad_message(messages)
+        if bad:
             raise InstructError(f"{where}: messages must be a non-empty list of {{role: system|user|assistant, "
-                                "content: string}")
+                                f"content: string}}: {bad}")
         if not any(m["role"] == "assistant" for m in messages):
             raise InstructError(f"{where}: no assistant message: nothing to train on")
         out, before = [], ""
@@ -130,8 +130,25 @@ def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple
         return out
     prompt, completion = record.get("prompt"), record.get("completion")
     if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise InstructError(f"{where}: needs string fields prompt and completion (or messages)")
+        # Which field is off, as other tools spell it (response, output, answer) or of another type.
+        has = ", ".join(f"{k!r}" + ("" if isinstance(v, str) else f" ({JSON_KINDS.get(type(v), 'a value')})")
+                        for k, v in list(record.items())[:8])
+        raise InstructError(f"{where}: needs string fields prompt and completion (or messages); has {has or 'none'}")
     return [(prompt, False), (completion, True)]
+
+
+def _bad_message(messages) -> str:
+    """What is wrong with the first message that is no {role, content} turn ("" when none is)."""
+    if not isinstance(messages, list) or not messages:
+        return f"it is {JSON_KINDS.get(type(messages), 'a value')}" + (" and empty" if messages == [] else "")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i + 1} is {JSON_KINDS.get(type(m), 'a value')}"
+        if m.get("role") not in ROLES:
+            return f"message {i + 1} has role {m.get('role')!r}"
+        if not isinstance(m.get("content"), str):  # OpenAI's list of content parts among them
+            return f"message {i + 1}'s content is {JSON_KINDS.get(type(m.get('content')), 'a value')}"
+    return ""
 
 
 def _after(text: str, before: str, where: str, i: int) -> str:
