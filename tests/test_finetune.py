@@ -99,6 +99,33 @@ def test_prepare_masks_the_prompts_and_trains_the_answers(tmp_path):
     assert index["examples"] == 2 and index["trained_tokens"] == len(trained)
 
 
+@pytest.mark.parametrize("bos", [False, True])
+def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_chat_template(tmp_path, bos):
+    """A tokenizer with no chat template: conversations are trained in the plain '<|role|>' format, which serve's
+    chat endpoint and transformers' apply_chat_template of the export knew nothing of. The dataset's tokenizer now
+    holds it as its template: preparing again through it gives the same tokens, its opening token (Llama's <s>) too."""
+    from tokenizers.processors import TemplateProcessing
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.prepare import prepare
+    from shardlm.tokenizer import byte_tokenizer, load_tokenizer
+    tok = byte_tokenizer()
+    if bos:
+        tok.add_special_tokens(["<s>"])
+        tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"prompt": "a", "completion": "b"}])
+    assert prepare([data], str(tmp_path / "tok"), tmp_path / "one", progress=False)["plain_chat_examples"] == 1
+    assert "chat_template" in json.loads((tmp_path / "one" / "tokenizer_config.json").read_text())
+    prepare([data], str(tmp_path / "one"), tmp_path / "two", progress=False)
+    for name in ("shard_00000.bin", "mask_00000.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    served = chat_prompter(load_tokenizer(tmp_path / "one"))(chat[:1])
+    assert served == ("<s>" if bos else "") + "<|user|>\nhi\n<|assistant|>\n"
+
+
 def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     from shardlm.data.prepare import prepare
     from shardlm.tokenizer import load_tokenizer

@@ -89,6 +89,18 @@ def chat_prompter(tok: Tokenizer):
     return lambda messages: _render(template, messages, eos, tok.bos_token, generation_prompt=True)
 
 
+# _render's plain format as a chat template, which `data prepare` writes into a dataset whose tokenizer has none
+# (as TRL's setup_chat_format gives one): the run's export and `serve` then prompt in the format the model learned,
+# where /v1/chat/completions and transformers' apply_chat_template otherwise knew no format at all.
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def plain_template(tok: Tokenizer) -> str:
+    """PLAIN_TEMPLATE opened as examples() opens a conversation rendered without a template (`bos_ids`)."""
+    return ("{{ bos_token }}" if tok.bos_ids else "") + PLAIN_TEMPLATE
+
+
 def _render(template, messages: list[dict], eos: str, bos: str, generation_prompt: bool = False) -> str:
     """The conversation as text; `generation_prompt` appends what opens the assistant's next turn. A template
     places the beginning-of-sequence token itself (`bos_token`), as transformers' apply_chat_template does."""
@@ -159,9 +171,9 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask, bytes read) of every example of a jsonl file, each opened as the tokenizer opens
-    a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token (trained on:
-    the model learns to stop)."""
+    """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template) of
+    every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
+    them itself) and closed by the end-of-text token (trained on: the model learns to stop)."""
     if tok.eos_id is None:
         raise InstructError("instruction data needs a tokenizer with an end-of-text token")
     template = _chat_template(tok)
@@ -175,7 +187,8 @@ def examples(path: Path, tok: Tokenizer):
         if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
             ids.append(tok.eos_id)
             mask.append(True)
-        yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes
+        yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
+               template is None and "messages" in record)
 
 
 def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:
