@@ -161,6 +161,19 @@ def test_an_end_of_text_spelled_out_in_a_prompt_is_named_as_a_cause_when_packing
         WindowDataset(TokenShards(tmp_path / "out"), 8)
 
 
+def test_instruction_data_under_a_tokenizer_with_no_end_of_text_says_where_to_name_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardlm.data.prepare import PrepareError, prepare
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(PrepareError, match="with an end-of-text token.*tok has none: set tokenizer_config.json's eos_token"):
+        prepare([data], str(tmp_path / "tok"), tmp_path / "out", progress=False)
+
+
 def load_tokenizer_byte_with_eos(tok_dir):
     from shardlm.tokenizer import load_tokenizer
     load_tokenizer("byte").save(tok_dir)

@@ -175,7 +175,10 @@ def examples(path: Path, tok: Tokenizer):
     every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
     them itself) and closed by the end-of-text token (trained on: the model learns to stop)."""
     if tok.eos_id is None:
-        raise InstructError("instruction data needs a tokenizer with an end-of-text token")
+        where = getattr(tok, "source", None) or "the tokenizer"
+        raise InstructError(f"instruction data needs a tokenizer with an end-of-text token, which closes each answer "
+                            f"so the model learns to stop; {where} has none: set tokenizer_config.json's eos_token "
+                            "to the token the model ends a text with (one of tokenizer.json's)")
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
