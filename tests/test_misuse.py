@@ -786,6 +786,26 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
 
 
+def test_instruction_data_smaller_than_a_batch_or_a_window_is_said(tmp_path, capsys):
+    """Three examples packed into one window: 8 copies of it made each batch and the examples past it were never
+    trained on, without a word. Said, with the fix; with --pad-to every example has its window."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?", "completion": f"answer {i}."}) + "\n"
+                            for i in range(3)))
+    for pad in ([], ["--pad-to", "32"]):
+        assert main(["data", "prepare", "--input", str(data), "--tokenizer", "byte", "--out", str(tmp_path / "d"),
+                     *pad]) == 0
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(tmp_path / "d"), "--train.seq_len", "32",
+                     "--train.steps", "1", "--train.eval_every", "0", "--out", str(tmp_path / "run"),
+                     "--overwrite"]) == 0
+        out = capsys.readouterr().out
+        windows = 3 if pad else 1
+        assert (f"holds {windows} training window{'s' * (windows > 1)}, fewer than train.global_batch_size = 8: "
+                f"every step's batch repeats {'them' if pad else 'it'}") in out, out
+        assert ("are never trained on; --pad-to 32 in `data prepare` gives each example a window" in out) != bool(pad)
+
+
 def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
     """Accepted (a short test run may mean it), but said: the learning rate would never reach train.lr."""
     _, paths = world
