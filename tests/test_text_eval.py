@@ -134,6 +134,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     not_obj = write_jsonl(tmp_path / "list.jsonl", ['["x", "y"]'])
     assert f"{not_obj}:1: an array, not an object with prompt and completion" in error("--tasks", "bleu", "--data", not_obj)
     assert "needs --seq-len" in error("--data", ok)
+    (tmp_path / "prepared").mkdir()  # what `data prepare` wrote, which a fine-tuning user holds
+    (tmp_path / "prepared" / "index.json").write_text("{}")
+    assert "is a directory, not a file; it is a prepared dataset, which eval does not read: name it as a run's " \
+        "data.eval_path" in error("--data", tmp_path / "prepared", "--seq-len", 16)
     # The other kind of task's flags, once ignored without a word
     assert "--max-new-tokens has no effect on the loss task, which scores the text and generates nothing" in \
         error("--data", ok, "--seq-len", 16, "--max-new-tokens", 64)

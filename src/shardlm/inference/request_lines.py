@@ -13,7 +13,10 @@ INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
 
 def input_file(path: Path, flag: str) -> None:
     if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory, not a file")
+        # `data prepare`'s output is what a fine-tuning user holds after training on it.
+        prepared = ("; it is a prepared dataset, which eval does not read: name it as a run's data.eval_path to "
+                    "score it during training, or give eval a text file") if (path / "index.json").is_file() else ""
+        raise ConfigError(f"{flag} {path} is a directory, not a file{prepared}")
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
 
