@@ -126,6 +126,11 @@ CASES = [
     ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
      "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
     ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
+    # A key without its section, or as TrainingArguments spells it: argparse said only "unrecognized arguments"
+    ("key-no-section", ["train", "tiny", "--lr", "1e-4", "--out", "{new}"],
+     "--lr: config keys are written with their section: --train.lr", 2),
+    ("key-hf-name", ["train", "tiny", "--learning_rate", "1e-4", "--out", "{new}"],
+     "--learning_rate: config keys are written with their section: --train.lr", 2),
     ("toml-key-outside-sections", ["train", "{toplevel}", "--out", "{new}"],
      "toplevel.toml: steps = 2 is outside any [section]: put it under [train]", 2),
     # config keys

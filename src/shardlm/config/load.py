@@ -184,6 +184,13 @@ def refuse_misplaced_train_args(args: list[str]) -> None:
                               f"(or a preset: {', '.join(preset_names())})")
         if not a.startswith("-") and "=" in a and name.partition(".")[0] in SECTIONS:
             raise ConfigError(f"{a!r}: an override is written with two dashes: --{a}")
+        bare = name.lstrip("-").replace("-", "_")
+        if a.startswith("--") and "." not in name:  # --lr, --steps, --learning_rate: a key without its section
+            owners = [f"{s}.{bare}" for s in SECTIONS if bare in {f.name for f in fields(getattr(Config(), s))}]
+            owners += [HF_NAMES[f"{s}.{bare}"][0] for s in SECTIONS if f"{s}.{bare}" in HF_NAMES]
+            if owners:
+                raise ConfigError(f"{name}: config keys are written with their section: --{owners[0].split()[0]}"
+                                  + (f" (or {', '.join('--' + o.split()[0] for o in owners[1:])})" if owners[1:] else ""))
 
 
 def refuse_empty_paths(argv: list[str]) -> None:
