@@ -144,6 +144,8 @@ def test_bad_lora_settings_fail_naming_the_value():
     for over, words in [({"lora.targets": "q_proj,wq"}, "'wq', which is no llama module"),
                         ({"lora.dropout": "1.5"}, "lora.dropout = 1.5"),
                         ({"lora.rank": "-1"}, "lora.rank = -1"),
+                        ({"lora.targets": "all-linear,q_proj"}, "every module is lora.targets = 'all-linear', alone"),
+                        ({"lora.targets": "all_linear"}, "'all_linear', which is no llama module.*'all-linear', alone"),
                         ({"model.arch": "gpt2", "model.num_kv_heads": "0", "lora.targets": "q_proj"},
                          "'q_proj', which is no gpt2 module")]:
         with pytest.raises(ConfigError, match=words):
