@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from .jsonl import JSON_KINDS, objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 
 class PrepareError(ValueError):
@@ -81,7 +81,8 @@ def _text_pieces(path: Path, chunk: int) -> Iterator[tuple[str, int]]:
             cut = _cut(data, chunk, 4 * chunk) if block else len(data)
             if cut:
                 piece, data = data[:cut], data[cut:]
-                yield _decode(path, piece, offset, line), len(piece)
+                text = _decode(path, piece, offset, line)
+                yield text.removeprefix(BOM) if offset == 0 else text, len(piece)  # no document opens with a BOM
                 offset, line = offset + len(piece), line + piece.count(b"\n")
             if not block:
                 return

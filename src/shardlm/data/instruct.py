@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import Tokenizer
-from .jsonl import JSON_KINDS, objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 ROLES = ("system", "user", "assistant")
 
@@ -39,7 +39,7 @@ def is_instruct(path: Path) -> bool:
         for raw in f:
             if raw.strip():
                 try:
-                    record = json.loads(raw)
+                    record = json.loads(raw.removeprefix(BOM.encode()))
                 except ValueError:
                     return False
                 return isinstance(record, dict) and ("messages" in record or "prompt" in record)
