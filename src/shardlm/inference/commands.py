@@ -207,9 +207,10 @@ def cmd_eval(argv: list[str]) -> int:
     from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
+    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, a.data) for q in prompts]
     update, close = _progress(len(prompts), "eval", a.main)
     try:
-        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, stop_ids_of(tok),
+        new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
     finally:
         close()
@@ -225,6 +226,17 @@ def cmd_eval(argv: list[str]) -> int:
             print(f"{name:<8} {value:>13.2f}")
         print(f"{len(prompts)} examples, up to {a.max_new_tokens} new tokens each")
     return 0
+
+
+def _chat_ids(tok, turns: list[dict], data) -> list[int]:
+    """A held-out chat's turns before its answer, rendered as training and serve render them."""
+    from ..data.instruct import chat_prompter
+    from . import prompt_ids
+    chat = chat_prompter(tok)
+    if chat is None:
+        raise ConfigError(f"--data {data} holds chats (messages) and the model's tokenizer has no chat template "
+                          "to render them: give prompt and completion lines")
+    return prompt_ids(tok, chat(turns), opened=True)
 
 
 def _loss_text(path: Path) -> str:
