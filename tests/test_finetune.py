@@ -170,7 +170,7 @@ def test_instruction_data_under_a_tokenizer_with_no_end_of_text_says_where_to_na
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "completion": "b"}])
-    with pytest.raises(PrepareError, match="with an end-of-text token.*tok has none: set tokenizer_config.json's eos_token"):
+    with pytest.raises(PrepareError, match="end-of-text token.*tok has none: set tokenizer_config.json's eos_token"):
         prepare([data], str(tmp_path / "tok"), tmp_path / "out", progress=False)
 
 

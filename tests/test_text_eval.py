@@ -126,7 +126,8 @@ def test_held_out_chats_are_scored_through_the_models_chat_template(model_dir, t
     (chat_model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     turns = [{"role": "user", "content": "the cat "}, {"role": "assistant", "content": "sat on the mat."}]
     chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}])
-    plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "[user]the cat [assistant]", "completion": "sat on the mat."}])
+    plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "[user]the cat [assistant]",
+                                                "completion": "sat on the mat."}])
     run = lambda data: json.loads(cli_here(capsys, "eval", "--model", chat_model, "--tasks", "bleu",  # noqa: E731
                                            "--data", data, "--json", "--max-new-tokens", 8))
     assert run(chats) == run(plain)

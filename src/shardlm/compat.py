@@ -238,7 +238,7 @@ def data_notes(t, data_dir: Path, data) -> list[str]:
     if data.train_windows < t.global_batch_size:
         n = data.train_windows
         notes.append(f"note: {data_dir} holds {n} training window{'s' * (n != 1)}, fewer than "
-                     f"train.global_batch_size = {t.global_batch_size}: every step's batch repeats {'them' if n > 1 else 'it'} "
-                     f"({t.global_batch_size / n:.1f} times over); lower train.global_batch_size "
-                     "(and train.micro_batch_size) to see each once a step")
+                     f"train.global_batch_size = {t.global_batch_size}: every step's batch repeats "
+                     f"{'them' if n > 1 else 'it'} ({t.global_batch_size / n:.1f} times over); lower "
+                     "train.global_batch_size (and train.micro_batch_size) to see each once a step")
     return notes

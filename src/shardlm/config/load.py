@@ -189,8 +189,9 @@ def refuse_misplaced_train_args(args: list[str]) -> None:
             owners = [f"{s}.{bare}" for s in SECTIONS if bare in {f.name for f in fields(getattr(Config(), s))}]
             owners += [HF_NAMES[f"{s}.{bare}"][0] for s in SECTIONS if f"{s}.{bare}" in HF_NAMES]
             if owners:
+                others = ", ".join("--" + o.split()[0] for o in owners[1:])
                 raise ConfigError(f"{name}: config keys are written with their section: --{owners[0].split()[0]}"
-                                  + (f" (or {', '.join('--' + o.split()[0] for o in owners[1:])})" if owners[1:] else ""))
+                                  + (f" (or {others})" if others else ""))
 
 
 def refuse_empty_paths(argv: list[str]) -> None:
