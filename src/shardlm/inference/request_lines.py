@@ -22,7 +22,7 @@ def input_file(path: Path, flag: str) -> None:
 
 
 # The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
-LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+LINE_KEYS = ("prompt", "messages", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 UNUSED_KEYS = ("completion", "reference")
 # OpenAI's names, which a line written for the server would carry.
 KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -70,9 +70,18 @@ def read_requests(path: Path, a) -> list[dict]:
     input_file(path, "--input")
     rows = []
     for where, obj, _ in objects(path, ConfigError, " with a prompt"):
-        if "prompt" not in obj:
-            raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
-        if not isinstance(obj["prompt"], str):
+        turns = obj.get("messages") if "prompt" not in obj else None
+        if turns is not None:  # a chat, as training reads it: its last turn, an assistant's answer, is not asked
+            turns = turns[:-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and \
+                turns[-1].get("role") == "assistant" else turns
+            if not (isinstance(turns, list) and turns and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                              and isinstance(m.get("content"), str) for m in turns)):
+                raise ConfigError(f"{where}: messages must be a list of {{role, content: string}} turns, one at "
+                                  "least before any final assistant answer")
+        elif "prompt" not in obj:
+            raise ConfigError(f"{where}: needs a string field prompt (or messages), has "
+                              f"{', '.join(sorted(obj)) or 'none'}")
+        elif not isinstance(obj["prompt"], str):
             kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
             raise ConfigError(f"{where}: prompt must be a string, not {kind}")
         _unknown_keys(where, obj)
@@ -92,7 +101,8 @@ def read_requests(path: Path, a) -> list[dict]:
                                   _line_integer(where, obj, "seed", a.seed + len(rows), low=-INT64))
         # where a prompt too long for the model is named: the line, and the line's key or the flag it took
         source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
-        rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
+        rows.append({"prompt": obj.get("prompt") if turns is None else None, "messages": turns,
+                     "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
                      "stop": tuple(stop), "where": where, "max_new_from": source})
     if not rows:
         raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
