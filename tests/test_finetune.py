@@ -118,7 +118,9 @@ def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_cha
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"prompt": "a", "completion": "b"}])
     assert prepare([data], str(tmp_path / "tok"), tmp_path / "one", progress=False)["plain_chat_examples"] == 1
-    assert "chat_template" in json.loads((tmp_path / "one" / "tokenizer_config.json").read_text())
+    settings = json.loads((tmp_path / "one" / "tokenizer_config.json").read_text())
+    # written where there was none: with the end-of-text token that export writes into one it makes itself
+    assert "chat_template" in settings and settings["eos_token"] == "<|endoftext|>"
     prepare([data], str(tmp_path / "one"), tmp_path / "two", progress=False)
     for name in ("shard_00000.bin", "mask_00000.bin"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name

@@ -201,7 +201,11 @@ def _write_plain_template(out: Path, tok: Tokenizer) -> None:
     """The format conversations were rendered in, as the dataset tokenizer's chat template (data/instruct.py)."""
     from .instruct import plain_template
     path = out / "tokenizer_config.json"
-    settings = json.loads(path.read_text()) if path.is_file() else {}
+    # A tokenizer without the file (byte, a bare tokenizer.json) gets what export writes for one, which it no
+    # longer writes once the file is there: transformers would load it with no end-of-text token.
+    settings = json.loads(path.read_text()) if path.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tok.id_to_token(tok.eos_id),
+        **({"bos_token": tok.bos_token} if tok.bos_token else {})}
     path.write_text(json.dumps({**settings, "chat_template": plain_template(tok)}, indent=1) + "\n")
 
 
