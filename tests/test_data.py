@@ -38,6 +38,20 @@ def test_prepare_txt_jsonl_parquet_in_order(tmp_path):
     assert load_tokenizer(tmp_path / "out").vocab_size == 257
 
 
+def test_a_utf8_byte_order_mark_opening_a_file_is_no_text(tmp_path):
+    """Windows editors open UTF-8 files with U+FEFF: a jsonl (instruction or text) failed on line 1 with "Unexpected
+    UTF-8 BOM", and a text file trained the mark's bytes as its first token."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + b"hi\r\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "yo"}\r\n')
+    (tmp_path / "c.jsonl").write_bytes(bom + b'{"prompt": "q", "completion": "a"}\r\n')
+    prepare([tmp_path / "a.txt", tmp_path / "b.jsonl"], "byte", tmp_path / "out", progress=False)
+    assert np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist() == list(b"hi\r\n") + [256] + list(b"yo") + [256]
+    index = prepare([tmp_path / "c.jsonl"], "byte", tmp_path / "out2", progress=False)
+    assert index["examples"] == 1 and np.asarray(TokenShards(tmp_path / "out2").tokens[0]).tolist() == \
+        list(b"qa") + [256]
+
+
 def test_large_vocab_uses_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     vocab = {f"w{i}": i for i in range(70000)}

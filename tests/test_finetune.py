@@ -1,6 +1,7 @@
 """Fine-tuning from a Hugging Face checkpoint (`train.init_from`): its config.json gives the model section, its
 weights the start, under any layout, with or without LoRA."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -62,6 +63,9 @@ def test_the_model_section_comes_from_the_checkpoint(tmp_path, capsys):
 def test_a_missing_checkpoint_fails_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="train.init_from = .*nowhere.*config.json"):
         with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "nowhere")}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a file of the checkpoint, where its directory belongs
+    with pytest.raises(ConfigError, match=re.escape(f"it is a file; give the directory holding it ({tmp_path})")):
+        with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "model.safetensors")}))
 
 
 # ---- instruction data ----------------------------------------------------------------------------------
@@ -95,6 +99,35 @@ def test_prepare_masks_the_prompts_and_trains_the_answers(tmp_path):
     assert index["examples"] == 2 and index["trained_tokens"] == len(trained)
 
 
+@pytest.mark.parametrize("bos", [False, True])
+def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_chat_template(tmp_path, bos):
+    """A tokenizer with no chat template: conversations are trained in the plain '<|role|>' format, which serve's
+    chat endpoint and transformers' apply_chat_template of the export knew nothing of. The dataset's tokenizer now
+    holds it as its template: preparing again through it gives the same tokens, its opening token (Llama's <s>) too."""
+    from tokenizers.processors import TemplateProcessing
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.prepare import prepare
+    from shardlm.tokenizer import byte_tokenizer, load_tokenizer
+    tok = byte_tokenizer()
+    if bos:
+        tok.add_special_tokens(["<s>"])
+        tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"prompt": "a", "completion": "b"}])
+    assert prepare([data], str(tmp_path / "tok"), tmp_path / "one", progress=False)["plain_chat_examples"] == 1
+    settings = json.loads((tmp_path / "one" / "tokenizer_config.json").read_text())
+    # written where there was none: with the end-of-text token that export writes into one it makes itself
+    assert "chat_template" in settings and settings["eos_token"] == "<|endoftext|>"
+    prepare([data], str(tmp_path / "one"), tmp_path / "two", progress=False)
+    for name in ("shard_00000.bin", "mask_00000.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    served = chat_prompter(load_tokenizer(tmp_path / "one"))(chat[:1])
+    assert served == ("<s>" if bos else "") + "<|user|>\nhi\n<|assistant|>\n"
+
+
 def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     from shardlm.data.prepare import prepare
     from shardlm.tokenizer import load_tokenizer
@@ -116,6 +149,37 @@ def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
         WindowDataset(TokenShards(tmp_path / "out"), 8)
     prepare([data], str(tok_dir), tmp_path / "out", pad_to=24, progress=False)  # into the same directory
     assert len(WindowDataset(TokenShards(tmp_path / "out"), 24)) == 1
+
+
+def test_an_end_of_text_spelled_out_in_a_prompt_is_named_as_a_cause_when_packing(tmp_path):
+    """No chat template here: the error blamed one, and the user's text holding the token's spelling was the cause."""
+    from shardlm.data.loader import DataError, TokenShards, WindowDataset
+    from shardlm.data.prepare import prepare
+    tok_dir = tmp_path / "tok"
+    load_tokenizer_byte_with_eos(tok_dir)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a <|endoftext|> b", "completion": "c"}])
+    assert prepare([data], str(tok_dir), tmp_path / "out", progress=False)["eos_inside_examples"] == 1
+    with pytest.raises(DataError, match="or a prompt or answer that spells the token out.*--pad-to 8"):
+        WindowDataset(TokenShards(tmp_path / "out"), 8)
+
+
+def test_instruction_data_under_a_tokenizer_with_no_end_of_text_says_where_to_name_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardlm.data.prepare import PrepareError, prepare
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(PrepareError, match="end-of-text token.*tok has none: set tokenizer_config.json's eos_token"):
+        prepare([data], str(tmp_path / "tok"), tmp_path / "out", progress=False)
+
+
+def load_tokenizer_byte_with_eos(tok_dir):
+    from shardlm.tokenizer import load_tokenizer
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def test_pad_to_gives_one_example_per_window(tmp_path):
@@ -210,6 +274,20 @@ def test_bad_instruction_data_fails_naming_the_line(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(PrepareError, match="c.jsonl:1: no assistant message"):
         prepare([chat], "byte", tmp_path / "o2", progress=False)
+    # Which field is off: another tool's name for the answer, or a value of another type.
+    for record, words in [({"prompt": "a", "response": "b"}, "has 'prompt', 'response'"),
+                          ({"prompt": "a", "completion": 5}, "has 'prompt', 'completion' \\(a number\\)"),
+                          ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+                           "message 2 has role 'bot'"),
+                          ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+                           "message 1's content is an array"),
+                          ({"messages": []}, "it is an array and empty")]:
+        with pytest.raises(PrepareError, match=words):
+            prepare([write_jsonl(tmp_path / "w.jsonl", [record])], "byte", tmp_path / "o3", progress=False)
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "a", "output": "b"}])  # read as plain text
+    with pytest.raises(PrepareError, match="no 'text' field .*for instruction data, write each line as "
+                                           '{"prompt", "completion"} or {"messages"'):
+        prepare([alpaca], "byte", tmp_path / "o4", progress=False)
     odd = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}]}])
     tok_dir = tmp_path / "tok"

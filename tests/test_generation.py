@@ -351,6 +351,26 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
 
 
+def test_generate_a_jsonl_file_of_chats_renders_them_by_the_chat_template(tmp_path, capsys):
+    """A chat fine-tune's held-out lines ({"messages"}) were refused ("needs a string field prompt"): rendered by
+    the model's chat template (a final assistant answer left out), each equals its rendering given as a prompt."""
+    save_hf("llama", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    turns = [{"role": "user", "content": "To be"}, {"role": "assistant", "content": "or not"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"prompt": "[user]To be[assistant]"}) + "\n")
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "out.jsonl",
+             "--max-new-tokens", 6)
+    chat, plain = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert chat["messages"] == turns[:1] and chat["completion"] == plain["completion"]
+    assert chat["prompt_tokens"] == plain["prompt_tokens"]
+    src.write_text(json.dumps({"messages": turns[1:]}) + "\n")  # nothing asked before the answer
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl")
+    assert proc.returncode == 2 and "in.jsonl:1: messages must be a list of {role, content: string} turns" in proc.stderr
+
+
 def test_generate_and_eval_stop_at_the_generation_configs_end_of_turn(tmp_path, capsys):
     """An end of turn that only generation_config.json names (Llama 3 Instruct's <|eot_id|>) ends `generate`'s
     and `eval --tasks`' completions, as it ends serve's: one function gives every command its stop ids."""

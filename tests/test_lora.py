@@ -144,6 +144,8 @@ def test_bad_lora_settings_fail_naming_the_value():
     for over, words in [({"lora.targets": "q_proj,wq"}, "'wq', which is no llama module"),
                         ({"lora.dropout": "1.5"}, "lora.dropout = 1.5"),
                         ({"lora.rank": "-1"}, "lora.rank = -1"),
+                        ({"lora.targets": "all-linear,q_proj"}, "every module is lora.targets = 'all-linear', alone"),
+                        ({"lora.targets": "all_linear"}, "'all_linear', which is no llama module.*'all-linear', alone"),
                         ({"model.arch": "gpt2", "model.num_kv_heads": "0", "lora.targets": "q_proj"},
                          "'q_proj', which is no gpt2 module")]:
         with pytest.raises(ConfigError, match=words):
@@ -322,6 +324,24 @@ def test_a_peft_adapter_with_settings_this_version_does_not_apply_is_refused(tmp
         (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, **extra}))
         with pytest.raises(ConfigError, match=words):
             read_peft_dir(tmp_path, cfg.model)
+
+
+def test_an_adapter_of_another_architecture_or_outside_the_blocks_is_refused_naming_it(tmp_path):
+    """A GPT-2 adapter given to a Llama model (and back), or a PEFT adapter of lm_head: a ValueError of
+    list.index ("'layers' is not in list") named neither the adapter nor the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.parallel.lora import read_peft_dir
+    for arch, other in (("gpt2", "llama"), ("llama", "gpt2")):
+        cfg, model = lora_model(arch)
+        write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path / arch)
+        with pytest.raises(ConfigError, match=rf"{arch}.*is no adapter of a linear inside a {other} block"):
+            read_peft_dir(tmp_path / arch, lora_model(other)[0].model)
+    tensors = load_file(tmp_path / "llama" / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, tmp_path / "llama" / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=r"lm_head.lora_A.weight is no adapter .*not of lm_head or embed_tokens"):
+        read_peft_dir(tmp_path / "llama", lora_model("llama")[0].model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -126,6 +126,11 @@ CASES = [
     ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
      "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
     ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
+    # A key without its section, or as TrainingArguments spells it: argparse said only "unrecognized arguments"
+    ("key-no-section", ["train", "tiny", "--lr", "1e-4", "--out", "{new}"],
+     "--lr: config keys are written with their section: --train.lr", 2),
+    ("key-hf-name", ["train", "tiny", "--learning_rate", "1e-4", "--out", "{new}"],
+     "--learning_rate: config keys are written with their section: --train.lr", 2),
     ("toml-key-outside-sections", ["train", "{toplevel}", "--out", "{new}"],
      "toplevel.toml: steps = 2 is outside any [section]: put it under [train]", 2),
     # config keys
@@ -745,6 +750,8 @@ def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):
     weights.write_bytes(weights.read_bytes()[:50])  # a copy cut short
     with pytest.raises(ConfigError, match="is not a readable PEFT adapter directory"):
         read_peft_dir(adapter, load_config("tiny").model)
+    with pytest.raises(ConfigError, match="it is a file: give the directory holding it"):
+        read_peft_dir(weights, load_config("tiny").model)
 
 
 def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, capsys):
@@ -782,6 +789,26 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
                  "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
+
+
+def test_instruction_data_smaller_than_a_batch_or_a_window_is_said(tmp_path, capsys):
+    """Three examples packed into one window: 8 copies of it made each batch and the examples past it were never
+    trained on, without a word. Said, with the fix; with --pad-to every example has its window."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?", "completion": f"answer {i}."}) + "\n"
+                            for i in range(3)))
+    for pad in ([], ["--pad-to", "32"]):
+        assert main(["data", "prepare", "--input", str(data), "--tokenizer", "byte", "--out", str(tmp_path / "d"),
+                     *pad]) == 0
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(tmp_path / "d"), "--train.seq_len", "32",
+                     "--train.steps", "1", "--train.eval_every", "0", "--out", str(tmp_path / "run"),
+                     "--overwrite"]) == 0
+        out = capsys.readouterr().out
+        windows = 3 if pad else 1
+        assert (f"holds {windows} training window{'s' * (windows > 1)}, fewer than train.global_batch_size = 8: "
+                f"every step's batch repeats {'them' if pad else 'it'}") in out, out
+        assert ("are never trained on; --pad-to 32 in `data prepare` gives each example a window" in out) != bool(pad)
 
 
 def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):

@@ -223,6 +223,11 @@ def cmd_data(argv: list[str]) -> int:
             cut += f", {index['untrained_examples']:,} with no token to train on"
         print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
               f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
+        if index.get("plain_chat_examples"):
+            print(f"note: {a.tokenizer} has no chat template: {index['plain_chat_examples']:,} conversations were "
+                  "rendered as '<|role|>\\ncontent\\n' turns, and that format is written into the dataset "
+                  "tokenizer's chat_template, which the run's export and `serve` take; for another format, put its "
+                  "template in the tokenizer's tokenizer_config.json and prepare again", file=sys.stderr)
         return 0
     docs = index["documents"]
     print(f"{index['total_tokens']:,} tokens from {docs:,} document{'' if docs == 1 else 's'} in {len(index['shards'])} "

@@ -216,3 +216,29 @@ def untrained_step(step: int, data_dir: Path) -> str:
     return (f"step {step}: no token of its batch is trained on ({data_dir}: examples with empty completions, or "
             "prompts cut at --pad-to), so its loss would read 0: fix the data, or set data.skip_untrained = true "
             "to skip such steps (counted in the metrics)")
+
+
+def data_notes(t, data_dir: Path, data) -> list[str]:
+    """What a run on this data would do that a user does not see (`t`: the train section, `data`: TrainData): no
+    eval, a batch larger than the data, or examples never trained on. A tiny instruction set trained 16 copies of
+    its one window a step and silently left out the examples past it."""
+    notes = []
+    if t.eval_every and not len(data.eval_range):  # else eval_loss is null, unexplained
+        notes.append(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under "
+                     "ten windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+    shards = data.train.shards
+    if not shards.pad_to:  # packed: each shard's tail short of a window fills none
+        total = sum(len(x) for x in shards.tokens)
+        left = sum(len(x) - ((len(x) - 1) // t.seq_len * t.seq_len + 1 if len(x) > t.seq_len else 0)
+                   for x in shards.tokens)
+        if left >= 0.01 * total:
+            fix = f"; --pad-to {t.seq_len} in `data prepare` gives each example a window" if shards.masks else ""
+            notes.append(f"note: {left:,} of {data_dir}'s {total:,} tokens ({100 * left / total:.0f}%) fill no whole "
+                         f"window of train.seq_len + 1 = {t.seq_len + 1} tokens and are never trained on{fix}")
+    if data.train_windows < t.global_batch_size:
+        n = data.train_windows
+        notes.append(f"note: {data_dir} holds {n} training window{'s' * (n != 1)}, fewer than "
+                     f"train.global_batch_size = {t.global_batch_size}: every step's batch repeats "
+                     f"{'them' if n > 1 else 'it'} ({t.global_batch_size / n:.1f} times over); lower "
+                     "train.global_batch_size (and train.micro_batch_size) to see each once a step")
+    return notes

@@ -227,7 +227,10 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
                f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else
                f": it is a PEFT adapter, not a model; train.init_from takes its base model ("
                f"{base or 'adapter_config.json names none'}), and `generate`/`serve --adapter` take the adapter"
-               if adapter.is_file() else "")
+               if adapter.is_file() else
+               # A file (model.safetensors, config.json) where transformers' from_pretrained takes its directory.
+               f": it is a file; give the directory holding it ({path.parent.parent})" if path.parent.is_file()
+               else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
     try:  # the error names the directory: a preset's or a config's own model keys are not what is refused

@@ -91,9 +91,8 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
         compat.check_trainable(data_dir, self.data.train.shards.index)
-        if t.eval_every and not len(self.data.eval_range) and self.mesh.is_main:  # else eval_loss is null, unexplained
-            log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
-                "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+        for note in compat.data_notes(t, data_dir, self.data) if self.mesh.is_main else ():
+            log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)

@@ -105,6 +105,23 @@ def refuse_non_utf8(name: str, value: str, fix: str = "") -> None:
             from None
 
 
+# PEFT's LoraConfig and transformers' TrainingArguments names, which a user coming from them writes first.
+HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "PEFT"),
+            "lora.lora_dropout": ("lora.dropout", "PEFT"), "lora.target_modules": ("lora.targets", "PEFT"),
+            "lora.use_rslora": ("lora.rslora", "PEFT"), "train.learning_rate": ("train.lr", "TrainingArguments"),
+            "train.max_steps": ("train.steps", "TrainingArguments"),
+            "train.num_train_epochs": ("train.steps (steps, not epochs)", "TrainingArguments"),
+            "train.warmup_ratio": ("train.warmup_steps (steps, not a ratio)", "TrainingArguments"),
+            "train.per_device_train_batch_size": ("train.micro_batch_size", "TrainingArguments"),
+            "train.gradient_accumulation_steps": ("train.global_batch_size (micro batches x dp x accumulation)",
+                                                  "TrainingArguments"),
+            "train.max_grad_norm": ("train.grad_clip", "TrainingArguments"),
+            "train.max_seq_length": ("train.seq_len", "TRL"), "train.max_length": ("train.seq_len", "TRL"),
+            "train.save_steps": ("train.save_every", "TrainingArguments"),
+            "train.eval_steps": ("train.eval_every", "TrainingArguments"),
+            "train.logging_steps": ("train.log_every", "TrainingArguments")}
+
+
 def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
     """Set `section.key` values (strings from the command line, or TOML values) on `cfg`, converted to each
     field's type; an unknown key or a value of the wrong type raises ConfigError naming it."""
@@ -116,7 +133,9 @@ def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
         hints = get_type_hints(type(obj))
         if name not in hints:
             known = ", ".join(f.name for f in fields(obj))
-            raise ConfigError(f"unknown config key {key!r} (known in [{section}]: {known})")
+            ours = HF_NAMES.get(key)
+            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else ""
+            raise ConfigError(f"unknown config key {key!r}{hint} (known in [{section}]: {known})")
         setattr(obj, name, _convert(key, value, hints[name]))
 
 
@@ -165,6 +184,14 @@ def refuse_misplaced_train_args(args: list[str]) -> None:
                               f"(or a preset: {', '.join(preset_names())})")
         if not a.startswith("-") and "=" in a and name.partition(".")[0] in SECTIONS:
             raise ConfigError(f"{a!r}: an override is written with two dashes: --{a}")
+        bare = name.lstrip("-").replace("-", "_")
+        if a.startswith("--") and "." not in name:  # --lr, --steps, --learning_rate: a key without its section
+            owners = [f"{s}.{bare}" for s in SECTIONS if bare in {f.name for f in fields(getattr(Config(), s))}]
+            owners += [HF_NAMES[f"{s}.{bare}"][0] for s in SECTIONS if f"{s}.{bare}" in HF_NAMES]
+            if owners:
+                others = ", ".join("--" + o.split()[0] for o in owners[1:])
+                raise ConfigError(f"{name}: config keys are written with their section: --{owners[0].split()[0]}"
+                                  + (f" (or {others})" if others else ""))
 
 
 def refuse_empty_paths(argv: list[str]) -> None:

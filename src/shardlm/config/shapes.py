@@ -189,8 +189,12 @@ def lora_targets(arch: str, targets: str) -> set[str]:
     for t in wanted:
         hits = {n for n in known if n == t or n.endswith("." + t)}
         if not hits:
+            # all-linear among other names, or spelt all_linear: the list of names ended "or all-linear", as if
+            # that were what was missing.
+            alone = t.lower().replace("_", "-") in ("all-linear", "all")
             raise ConfigError(f"lora.targets names {t!r}, which is no {arch} module (modules: "
-                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)")
+                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)"
+                              + ("; every module is lora.targets = 'all-linear', alone" if alone else ""))
         chosen |= hits
     if not chosen:
         raise ConfigError("lora.targets is empty: name the modules to adapt, or all-linear")

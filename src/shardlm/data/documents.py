@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from .jsonl import JSON_KINDS, objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 
 class PrepareError(ValueError):
@@ -81,7 +81,8 @@ def _text_pieces(path: Path, chunk: int) -> Iterator[tuple[str, int]]:
             cut = _cut(data, chunk, 4 * chunk) if block else len(data)
             if cut:
                 piece, data = data[:cut], data[cut:]
-                yield _decode(path, piece, offset, line), len(piece)
+                text = _decode(path, piece, offset, line)
+                yield text.removeprefix(BOM) if offset == 0 else text, len(piece)  # no document opens with a BOM
                 offset, line = offset + len(piece), line + piece.count(b"\n")
             if not block:
                 return
@@ -91,7 +92,11 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     for where, record, nbytes in objects(path, PrepareError, f" with a {text_field!r} field"):
         if text_field not in record:
             keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
+            # Alpaca's instruction/output or ShareGPT's conversations read as plain text: say what instruction
+            # data looks like, since nothing else would.
+            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys}); name the text's field with "
+                               "--text-field, or, for instruction data, write each line as {\"prompt\", "
+                               "\"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}")
         text = record[text_field]
         if not isinstance(text, str):
             raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import Tokenizer
-from .jsonl import objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 ROLES = ("system", "user", "assistant")
 
@@ -39,7 +39,7 @@ def is_instruct(path: Path) -> bool:
         for raw in f:
             if raw.strip():
                 try:
-                    record = json.loads(raw)
+                    record = json.loads(raw.removeprefix(BOM.encode()))
                 except ValueError:
                     return False
                 return isinstance(record, dict) and ("messages" in record or "prompt" in record)
@@ -89,6 +89,18 @@ def chat_prompter(tok: Tokenizer):
     return lambda messages: _render(template, messages, eos, tok.bos_token, generation_prompt=True)
 
 
+# _render's plain format as a chat template, which `data prepare` writes into a dataset whose tokenizer has none
+# (as TRL's setup_chat_format gives one): the run's export and `serve` then prompt in the format the model learned,
+# where /v1/chat/completions and transformers' apply_chat_template otherwise knew no format at all.
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def plain_template(tok: Tokenizer) -> str:
+    """PLAIN_TEMPLATE opened as examples() opens a conversation rendered without a template (`bos_ids`)."""
+    return ("{{ bos_token }}" if tok.bos_ids else "") + PLAIN_TEMPLATE
+
+
 def _render(template, messages: list[dict], eos: str, bos: str, generation_prompt: bool = False) -> str:
     """The conversation as text; `generation_prompt` appends what opens the assistant's next turn. A template
     places the beginning-of-sequence token itself (`bos_token`), as transformers' apply_chat_template does."""
@@ -112,10 +124,10 @@ def _pieces(record: dict, where: str, template, eos: str, bos: str) -> list[tupl
 def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+        bad = _bad_message(messages)
+        if bad:
             raise InstructError(f"{where}: messages must be a non-empty list of {{role: system|user|assistant, "
-                                "content: string}")
+                                f"content: string}}: {bad}")
         if not any(m["role"] == "assistant" for m in messages):
             raise InstructError(f"{where}: no assistant message: nothing to train on")
         out, before = [], ""
@@ -130,8 +142,25 @@ def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple
         return out
     prompt, completion = record.get("prompt"), record.get("completion")
     if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise InstructError(f"{where}: needs string fields prompt and completion (or messages)")
+        # Which field is off, as other tools spell it (response, output, answer) or of another type.
+        has = ", ".join(f"{k!r}" + ("" if isinstance(v, str) else f" ({JSON_KINDS.get(type(v), 'a value')})")
+                        for k, v in list(record.items())[:8])
+        raise InstructError(f"{where}: needs string fields prompt and completion (or messages); has {has or 'none'}")
     return [(prompt, False), (completion, True)]
+
+
+def _bad_message(messages) -> str:
+    """What is wrong with the first message that is no {role, content} turn ("" when none is)."""
+    if not isinstance(messages, list) or not messages:
+        return f"it is {JSON_KINDS.get(type(messages), 'a value')}" + (" and empty" if messages == [] else "")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i + 1} is {JSON_KINDS.get(type(m), 'a value')}"
+        if m.get("role") not in ROLES:
+            return f"message {i + 1} has role {m.get('role')!r}"
+        if not isinstance(m.get("content"), str):  # OpenAI's list of content parts among them
+            return f"message {i + 1}'s content is {JSON_KINDS.get(type(m.get('content')), 'a value')}"
+    return ""
 
 
 def _after(text: str, before: str, where: str, i: int) -> str:
@@ -142,11 +171,14 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask, bytes read) of every example of a jsonl file, each opened as the tokenizer opens
-    a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token (trained on:
-    the model learns to stop)."""
+    """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template) of
+    every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
+    them itself) and closed by the end-of-text token (trained on: the model learns to stop)."""
     if tok.eos_id is None:
-        raise InstructError("instruction data needs a tokenizer with an end-of-text token")
+        where = getattr(tok, "source", None) or "the tokenizer"
+        raise InstructError(f"instruction data needs a tokenizer with an end-of-text token, which closes each answer "
+                            f"so the model learns to stop; {where} has none: set tokenizer_config.json's eos_token "
+                            "to the token the model ends a text with (one of tokenizer.json's)")
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
@@ -158,7 +190,8 @@ def examples(path: Path, tok: Tokenizer):
         if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
             ids.append(tok.eos_id)
             mask.append(True)
-        yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes
+        yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
+               template is None and "messages" in record)
 
 
 def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:

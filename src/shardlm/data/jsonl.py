@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+BOM = "\ufeff"
 JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
               bool: "a boolean", type(None): "null"}
 
@@ -22,6 +23,8 @@ def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise error(f"{where}: not UTF-8 text (byte offset {offset + e.start})") from None
+            if lineno == 1:  # a byte-order mark (Windows editors write one) failed json.loads: "Unexpected UTF-8 BOM"
+                line = line.removeprefix(BOM)
             offset += len(raw)
             if not line.strip():
                 continue

@@ -100,7 +100,8 @@ class WindowDataset:
                             f"but train.seq_len = {seq_len}: prepare it again with --pad-to {seq_len}")
         if shards.masks is not None and not shards.pad_to and shards.index.get("eos_inside_examples"):
             raise DataError(f"{shards.dir}: {shards.index['eos_inside_examples']} examples hold the end-of-text token "
-                            "inside them (the chat template closes every turn with it), so packed examples "
+                            "inside them (a chat template that closes every turn with it, or a prompt or answer "
+                            "that spells the token out, which tokenizes as the token), so packed examples "
                             f"cannot be told apart: prepare it with --pad-to {seq_len} (one example per window)")
         self.stride = seq_len + 1 if shards.pad_to else seq_len
         counts = [max(0, (len(t) - 1) // seq_len) if not shards.pad_to else len(t) // self.stride

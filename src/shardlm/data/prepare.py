@@ -197,6 +197,18 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     return index
 
 
+def _write_plain_template(out: Path, tok: Tokenizer) -> None:
+    """The format conversations were rendered in, as the dataset tokenizer's chat template (data/instruct.py)."""
+    from .instruct import plain_template
+    path = out / "tokenizer_config.json"
+    # A tokenizer without the file (byte, a bare tokenizer.json) gets what export writes for one, which it no
+    # longer writes once the file is there: transformers would load it with no end-of-text token.
+    settings = json.loads(path.read_text()) if path.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tok.id_to_token(tok.eos_id),
+        **({"bos_token": tok.bos_token} if tok.bos_token else {})}
+    path.write_text(json.dumps({**settings, "chat_template": plain_template(tok)}, indent=1) + "\n")
+
+
 def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, pad_to: int | None,
                     progress: bool) -> dict:
     """Instruction examples (data/instruct.py): token shards and loss-mask shards of the same lengths; with
@@ -208,12 +220,13 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     if pad_to:
         shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
-    count = truncated = trained = inside = untrained = 0
+    count = truncated = trained = inside = untrained = plain_chats = 0
     try:
         with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
                   disable=not progress) as bar:
             for path in inputs:
-                for ids, mask, nbytes in examples(path, tok):
+                for ids, mask, nbytes, plain_chat in examples(path, tok):
+                    plain_chats += plain_chat
                     inside += bool((ids[:-1] == tok.eos_id).any())  # packing finds examples by this token
                     if pad_to:
                         ids, mask, cut = fit(ids, mask, pad_to + 1, tok.eos_id)
@@ -239,8 +252,11 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": count, "examples": count, "untrained_examples": untrained,
              "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
-             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside}
+             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside,
+             "plain_chat_examples": plain_chats}
     tok.save(out)
+    if plain_chats:
+        _write_plain_template(out, tok)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
 

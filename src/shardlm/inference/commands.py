@@ -207,9 +207,10 @@ def cmd_eval(argv: list[str]) -> int:
     from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
+    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
     update, close = _progress(len(prompts), "eval", a.main)
     try:
-        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, stop_ids_of(tok),
+        new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
     finally:
         close()
@@ -225,6 +226,17 @@ def cmd_eval(argv: list[str]) -> int:
             print(f"{name:<8} {value:>13.2f}")
         print(f"{len(prompts)} examples, up to {a.max_new_tokens} new tokens each")
     return 0
+
+
+def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
+    """A held-out chat's turns before its answer, rendered as training and serve render them."""
+    from ..data.instruct import chat_prompter
+    from . import prompt_ids
+    chat = chat_prompter(tok)
+    if chat is None:
+        raise ConfigError(f"{source} holds chats (messages) and the model's tokenizer has no chat template to "
+                          "render them (chat_template.jinja or tokenizer_config.json's chat_template): give prompts")
+    return prompt_ids(tok, chat(turns), opened=True)
 
 
 def _loss_text(path: Path) -> str:
@@ -317,8 +329,10 @@ def cmd_generate(argv: list[str]) -> int:
     from . import Engine, Request, prompt_ids, slots_that_fit
     from ..parallel.tensor import tensor_parallel_group
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
-    requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
-                for i, r in enumerate(rows)]
+    asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
+             _chat_ids(tok, r["messages"], f"--input {a.input}") for r in rows]
+    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
+                for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):
         room = cfg.max_seq_len - len(r.prompt)
         if r.max_new_tokens > room:
@@ -349,7 +363,8 @@ def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
                 nonlocal written
                 while written < len(requests) and requests[written].done:
                     r, row = requests[written], rows[written]
-                    line = {"prompt": row["prompt"], "completion": r.text, "finish_reason": r.finish_reason,
+                    asked = {"prompt": row["prompt"]} if row.get("messages") is None else {"messages": row["messages"]}
+                    line = {**asked, "completion": r.text, "finish_reason": r.finish_reason,
                             "prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens)}
                     if row["id"] is not None:
                         line = {"id": row["id"], **line}

@@ -13,13 +13,16 @@ INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
 
 def input_file(path: Path, flag: str) -> None:
     if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory, not a file")
+        # `data prepare`'s output is what a fine-tuning user holds after training on it.
+        prepared = ("; it is a prepared dataset, which eval does not read: name it as a run's data.eval_path to "
+                    "score it during training, or give eval a text file") if (path / "index.json").is_file() else ""
+        raise ConfigError(f"{flag} {path} is a directory, not a file{prepared}")
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
 
 
 # The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
-LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+LINE_KEYS = ("prompt", "messages", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 UNUSED_KEYS = ("completion", "reference")
 # OpenAI's names, which a line written for the server would carry.
 KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -67,9 +70,18 @@ def read_requests(path: Path, a) -> list[dict]:
     input_file(path, "--input")
     rows = []
     for where, obj, _ in objects(path, ConfigError, " with a prompt"):
-        if "prompt" not in obj:
-            raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
-        if not isinstance(obj["prompt"], str):
+        turns = obj.get("messages") if "prompt" not in obj else None
+        if turns is not None:  # a chat, as training reads it: its last turn, an assistant's answer, is not asked
+            turns = turns[:-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and \
+                turns[-1].get("role") == "assistant" else turns
+            if not (isinstance(turns, list) and turns and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                              and isinstance(m.get("content"), str) for m in turns)):
+                raise ConfigError(f"{where}: messages must be a list of {{role, content: string}} turns, one at "
+                                  "least before any final assistant answer")
+        elif "prompt" not in obj:
+            raise ConfigError(f"{where}: needs a string field prompt (or messages), has "
+                              f"{', '.join(sorted(obj)) or 'none'}")
+        elif not isinstance(obj["prompt"], str):
             kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
             raise ConfigError(f"{where}: prompt must be a string, not {kind}")
         _unknown_keys(where, obj)
@@ -89,7 +101,8 @@ def read_requests(path: Path, a) -> list[dict]:
                                   _line_integer(where, obj, "seed", a.seed + len(rows), low=-INT64))
         # where a prompt too long for the model is named: the line, and the line's key or the flag it took
         source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
-        rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
+        rows.append({"prompt": obj.get("prompt") if turns is None else None, "messages": turns,
+                     "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
                      "stop": tuple(stop), "where": where, "max_new_from": source})
     if not rows:
         raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")

@@ -240,7 +240,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
         fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
                "writes its adapter (or give it as --model, its adapters merged)" if run else
-               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else "")
+               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else
+               f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
                           f"adapter_model.safetensors): {e}{fix}") from None
     if conf.get("peft_type") != "LORA":
@@ -260,7 +261,15 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     for key, t in tensors.items():
         head, _, kind = key.rpartition(".lora_")  # ...layers.3.self_attn.q_proj, A.weight
         parts = head.split(".")
-        i = parts.index("h" if cfg.arch == "gpt2" else "layers")
+        blocks = "h" if cfg.arch == "gpt2" else "layers"
+        # An adapter of another architecture (GPT-2's transformer.h.N on Llama) or of lm_head/embed_tokens
+        # ended in ValueError("'layers' is not in list"), naming neither the adapter nor the tensor.
+        i = next((j for j, p in enumerate(parts[:-1]) if p == blocks and parts[j + 1].isdigit()), None)
+        if i is None:
+            raise ConfigError(f"{path}: {key} is no adapter of a linear inside a {cfg.arch} block (no {blocks}.N in "
+                              "its name): this version loads adapters of the blocks' linears only (not of lm_head or "
+                              "embed_tokens), and an adapter of another architecture does not fit: use the adapter "
+                              "trained on this --model's base")
         layer, module = int(parts[i + 1]), ".".join(parts[i + 2:])
         if module not in where or kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
