@@ -358,8 +358,8 @@ CASES = [
     ("generate-empty-stop", ["generate", "--model", "{exp}", "--prompt", "def ", "--stop", ""],
      "--stop '': a stop must be a non-empty string", 2),
     ("generate-max-tokens", ["generate", "--model", "{exp}", "--input", "{line_max_tokens}", "--output", "{new}.jsonl"],
-     ("line_max_tokens.jsonl:1: unknown key 'max_tokens' (the key here is max_new_tokens); a line holds prompt, id, "
-      "max_new_tokens, temperature"), 2),
+     ("line_max_tokens.jsonl:1: unknown key 'max_tokens' (the key here is max_new_tokens); a line holds prompt, "
+      "messages, id, max_new_tokens, temperature"), 2),
     ("generate-key-typo", ["generate", "--model", "{exp}", "--input", "{line_typo}", "--output", "{new}.jsonl"],
      "line_typo.jsonl:1: unknown key 'temprature'; a line holds prompt", 2),
     ("generate-fraction", ["generate", "--model", "{exp}", "--input", "{line_fraction}", "--output", "{new}.jsonl"],

@@ -14,9 +14,9 @@ from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENC
                     model_flops_per_token, moe_routing_seconds, recompute_flops_per_token)
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
-from .memory import (Memory, checkpoint_bytes, estimate_memory, host_bytes, in_flight, nf4_weights, paper_model_states,
+from .memory import (Memory, checkpoint_bytes, estimate_memory, in_flight, nf4_weights, paper_model_states,
                      trained_and_frozen, zero_shard)
-from .offload import offload_seconds
+from .offload import host_bytes, offload_seconds
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
            "paper_model_states"]
@@ -39,7 +39,7 @@ class Estimate:
     train_days: float = 0.0
     gpu_hours: float = 0.0     # training cost is counted in these: days x 24 x GPUs
     cost: float = 0.0          # gpu_hours x the price per GPU-hour, when one is given
-    host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (memory.host_bytes)
+    host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (offload.host_bytes)
     checkpoint_bytes: float = 0.0       # a sharded checkpoint's size (save_bytes)
     checkpoint_rank_bytes: float = 0.0  # the most one rank writes of it
     checkpoint_save_s: float = 0.0      # that rank's write at its share of the node's disk rate
