@@ -183,8 +183,8 @@ def record(path: str, bench: str, card: str, gpus: int, rows: list[dict]) -> Non
 
 
 def forwarded(args, names: tuple[str, ...]) -> list[str]:
-    """The driver's own arguments `names` as a worker's command-line flags."""
-    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in names]
+    """The driver's own arguments `names` as a worker's command-line flags (those not None)."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in names and v is not None]
 
 
 def host_rate(n: int = 1 << 27) -> float | None:
@@ -292,3 +292,92 @@ def profile_steps(step, steps: int, device: str, trace_path=None) -> dict | None
         path.unlink()
         path = Path(f"{path}.gz")
     return {**summary, "wall_ms": wall * 1e3, "trace": str(path), "table": table}
+
+
+def busy_line(label: str, step_ms: float, prof: dict) -> str:
+    """One line of where a profiled step's GPU time went (profile_steps' summary) against the unprofiled step."""
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["kinds_ms"].items(), key=lambda x: -x[1]))
+    return (f"{label}: step {step_ms:.1f} ms (profiled {prof['wall_ms']:.1f}) | busy {prof['busy_ms']:.1f}: {kinds} | "
+            f"idle {100 * (1 - prof['busy_ms'] / step_ms):.1f}% | {prof['kernels_per_step']:.0f} kernels/step")
+
+
+def record_memory_history(device: str, on: bool = True) -> None:
+    """Every CUDA allocation from here on kept with its Python stack (for memory_at_peak), or (`on` False) no
+    more: the stacks cost time, so timed steps run without them. Nothing off a GPU."""
+    import torch
+    if device == "cuda":
+        torch.cuda.memory._record_memory_history(**({"max_entries": 4_000_000, "stacks": "python"} if on else
+                                                   {"enabled": None}))
+
+
+# Allocations are named by the innermost frame in these sources (the model's or the trainer's line, not the
+# torch internals under it), else by the innermost frame outside torch's own package.
+OWN_SOURCES = ("/shardlm/", "/transformers/", "/peft/", "/bench/")
+
+
+def allocation_site(frames: list[dict]) -> str:
+    def short(f):
+        path = f["filename"]
+        for src in OWN_SOURCES:
+            if src in path:
+                path = src.strip("/") + "/" + path.split(src, 1)[1]
+                break
+        return f"{path}:{f['line']} {f['name']}"
+    own = next((f for f in frames if any(s in f["filename"] for s in OWN_SOURCES)), None)
+    if own is not None:
+        return short(own)
+    other = next((f for f in frames if "/torch/" not in f["filename"]), None)
+    if other is not None:
+        return short(other)
+    return "torch: " + short(frames[0]) if frames else "no Python frame (before the history, autograd's backward, C++)"
+
+
+def peak_composition(live: dict, events: list[dict], top: int = 20) -> dict:
+    """The bytes live at the highest point of allocated bytes, by allocation site: `live` the blocks allocated
+    at the start (address: {"size", "frames"}), `events` an allocator trace from there (torch.cuda.memory.
+    _snapshot()'s device_traces); with the bytes live at the start."""
+    live = dict(live)
+    before = total = sum(b["size"] for b in live.values())
+    peak, at_peak = total, dict(live)
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, None  # copied when the climb ends: a peak is followed by a free
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            if at_peak is None:
+                at_peak = dict(live)
+            total -= live.pop(e["addr"])["size"]
+    sites = {}
+    for b in (live if at_peak is None else at_peak).values():
+        key = allocation_site(b.get("frames", []))
+        sites[key] = sites.get(key, 0) + b["size"]
+    ranked = sorted(sites.items(), key=lambda x: -x[1])
+    return {"peak_gib": peak / 2**30, "before_gib": before / 2**30,
+            "top": [[k, v / 2**30] for k, v in ranked[:top]],
+            "rest_gib": sum(v for _, v in ranked[top:]) / 2**30}
+
+
+def memory_at_peak(step, path) -> dict:
+    """One more `step` with the allocator's history on: what was live at its peak, by allocation site
+    (peak_composition; the blocks allocated before it named where record_memory_history was on when they were
+    allocated); the snapshot written to `path` (a pickle that pytorch.org/memory_viz opens). History is off
+    afterwards."""
+    import pickle
+
+    import torch
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python", clear_history=True)
+    start = torch.cuda.memory._snapshot()
+    live = {b["address"]: b for seg in start["segments"] if seg["device"] == device for b in seg["blocks"]
+            if b["state"] == "active_allocated"}
+    first = len(start["device_traces"][device])
+    step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    return {**peak_composition(live, snap["device_traces"][device][first:]), "snapshot": str(path)}

@@ -27,6 +27,9 @@ weights (shardlm.parallel.qlora.base_bytes; the quantised codes and scales for N
 table with the ratios to peft-lora and the issue's floors, and appends rows (bench "finetune") to
 bench/results.jsonl. On --device cpu (gloo, fp32 for the peers) it runs the code only: no memory figures,
 no rows recorded.
+`--profile N`: N more steps of each job under torch.profiler after its timing (common.profile_steps), the
+trace and the top kernels written to `--profile-dir` as JOB.trace.json(.gz) and JOB.kernels.txt, and a line
+of GPU busy time by kernel class printed for each.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import PEAK, driver_args, forwarded, job_env, run_systems, shardlm_trainer, timed, workload_args
+from common import (PEAK, busy_line, driver_args, forwarded, job_env, profile_steps, run_systems, shardlm_trainer,
+                    timed, workload_args)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLM = {"shardlm-lora": "none", "shardlm-qlora": "nf4"}
@@ -220,6 +224,16 @@ def worker(args, extra):
         step()
         say(f"warm step {i} done at {time.perf_counter() - t0:.0f} s")
     dt, mem = timed(step, 0, args.steps, args.device)
+    prof = None
+    if args.profile:
+        name = job.replace("/", "-")
+        try:
+            prof = profile_steps(step, args.profile, args.device, Path(args.profile_dir, f"{name}.trace.json"))
+            with open(Path(args.profile_dir, f"{name}.kernels.txt"), "w") as f:
+                f.write(f"{job}: {args.profile} steps, top kernels by total time (busy {prof['busy_ms']:.2f} "
+                        f"ms/step, timed step {dt * 1e3:.2f} ms)\n{prof.pop('table')}")
+        except Exception as e:  # noqa: BLE001 (the timing stands)
+            prof = {"error": repr(e)[:300]}
     if state is not None:
         info.update(compiled=state["compiled"], compile_error=state["compile_error"])
     m = model_config(args).model
@@ -233,7 +247,7 @@ def worker(args, extra):
     print("RESULT " + json.dumps({"system": args.system, "job": job, "micro_batch": args.micro_batch,
                                   "microbatches": args.microbatches, "gpus": 1, "step_s": dt, "tok_s_gpu": tok,
                                   "mfu": tok * flops / PEAK, "peak_mem_gib": mem + outside, "flops_per_token": flops,
-                                  **info}), flush=True)
+                                  **info, **({"profile": prof} if prof else {})}), flush=True)
     if close is not None:
         close()  # the trainer's process group released before the interpreter exits
 
@@ -291,6 +305,8 @@ def main():
     p.add_argument("--peer-compile", type=int, default=None, help="torch.compile the PEFT model (default: --compile)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the systems' code on gloo (tiny presets)")
     p.add_argument("--systems", nargs="+", default=[*SHARDLM, *PEERS])
+    p.add_argument("--profile", type=int, default=0, help="steps profiled after each job's timing")
+    p.add_argument("--profile-dir", default="profiles", help="where --profile writes traces and kernel tables")
     driver_args(p, timeout=1200)
     args, extra = p.parse_known_args()
     if args.peer_compile is None:
@@ -307,8 +323,9 @@ def main():
         except Exception as e:  # a broken install raises more than ImportError
             print(f"peft-qlora: skipped, bitsandbytes does not import here ({type(e).__name__}: {e})", flush=True)
             systems.remove("peft-qlora")
+    args.profile_dir = str(Path(args.profile_dir).resolve())
     own = forwarded(args, ("preset", "seq", "micro_batch", "microbatches", "rank", "alpha", "targets", "recompute",
-                           "warm", "steps", "compile", "peer_compile", "device"))
+                           "warm", "steps", "compile", "peer_compile", "device", "profile", "profile_dir"))
     rows = run_systems(__file__, systems, lambda s: 1, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
@@ -327,6 +344,11 @@ def main():
     for r in rows:
         if r.get("compile_error"):
             print(f"{r['system']}: torch.compile failed, measured eagerly: {r['compile_error']}")
+    for r in rows:
+        if "error" in r.get("profile", {}):
+            print(f"{r['job']}: profiling failed: {r['profile']['error']}")
+        elif r.get("profile"):
+            print(busy_line(r["job"], r["step_s"] * 1e3, r["profile"]))
     if args.device != "cuda":
         print("(a CPU smoke run: the floors below are for the GPU measurement)")
     for text in floors(rows):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -33,12 +34,25 @@ HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, SXM cards
 SYSTEMS = ("shardlm", "hf-static", "hf-dynamic", "mixed-new", "mixed-old", "agree-fp32", "shardlm-int8",
            "shardlm-int4")
 WORKLOAD = ("preset", "prompt", "new", "mixed", "mixed_max", "mixed_new", "mixed_batch", "old_batches", "agree",
-            "profile")
+            "profile", "out", "tp_prefill_graphs")
 
 
 def tp_of(system: str) -> int:
-    """shardlm-tpN: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
-    return int(system.removeprefix("shardlm-tp")) if system.startswith("shardlm-tp") else 1
+    """shardlm-tpN[VARIANT]: the engine over N tensor-parallel ranks (torchrun, one GPU each); else 1."""
+    return int(system.removeprefix("shardlm-tp").split("-")[0]) if system.startswith("shardlm-tp") else 1
+
+
+# shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each one-row row-parallel product apart from
+# its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py.
+TP_VARIANTS = ("-nccl", "-unfused")
+
+
+def tp_variant(engine_model, variant: str) -> None:
+    """Take the fused one-row row-parallel products (inference/gemv_all_reduce.py) out of a model that an Engine
+    set up, for "-unfused", before its first run compiles them."""
+    for m in engine_model.modules():
+        if variant == "-unfused" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
+            m.small_all_reduce.fused = None
 
 
 def build(args, device, group=None):
@@ -97,7 +111,7 @@ def torchao_int4(model) -> None:
         q.quantize_(model, config, filter_fn=lambda m, _, chosen=chosen: id(m) in chosen)
 
 
-def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
+def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str = ""):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
     group = None
@@ -118,11 +132,15 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
     else:
         quantize(model, quantized)
     system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
-    system = system if tp == 1 else f"shardlm-tp{tp}"
+    system = system if tp == 1 else f"shardlm-tp{tp}{variant}"
+    one_shot = False if variant == "-nccl" else None
     rows = []
     for batch in args.batches:
         prompts = random_prompts(batch, [args.prompt] * batch, cfg.vocab_size)
-        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None)
+        graphs = {"prefill_graphs": args.tp_prefill_graphs} if tp > 1 and args.tp_prefill_graphs is not None else {}
+        engine = Engine(model, batch, args.prompt + args.new, compile=device == "cuda" or None, one_shot=one_shot,
+                        **graphs)
+        tp_variant(model, variant)
         engine.run([Request(p, args.new) for p in prompts])  # compiles and records the graphs
         sync(device)
         if device == "cuda":
@@ -132,13 +150,16 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1):
         sync(device)
         rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
                         first=done[0].tokens[:8], tp=tp))
+        if tp > 1 and torch.distributed.get_rank() == 0:  # now: the job's teardown may not end (below)
+            print("RESULT " + json.dumps(rows[-1]), flush=True)
         if args.profile and batch == args.batches[0]:
             profile(args, engine, prompts[0], system, batch)
         del engine
     if tp > 1:
-        rank = torch.distributed.get_rank()
-        torch.distributed.destroy_process_group()
-        return rows if rank == 0 else []
+        # Tearing down NCCL under the decode step's captured CUDA graphs has hung past the driver's timeout
+        # (bench/README.md): the rows are printed, so the job ends here.
+        sys.stdout.flush()
+        os._exit(0)
     return rows
 
 
@@ -294,7 +315,8 @@ def worker(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.config.recompile_limit = 64
     if tp_of(args.system) > 1:
-        return [print("RESULT " + json.dumps(r), flush=True) for r in run_shardlm(args, device, tp=tp_of(args.system))]
+        variant = next((v for v in TP_VARIANTS if args.system.endswith(v)), "")
+        return run_shardlm(args, device, tp=tp_of(args.system), variant=variant)
     run = {"shardlm": run_shardlm, "hf-static": lambda a, d: run_hf(a, d, "static"),
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
            "mixed-old": run_mixed_old, "agree-fp32": run_agree,
@@ -319,7 +341,11 @@ def main():
     p.add_argument("--old-batches", type=int, default=24, help="batches of the old path timed")
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
-                   "GPUs (torchrun); shardlm-int4-torchao: torchao's int4 product in the same layers")
+                   "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL; "
+                   "-unfused: the one-row row-parallel products as TP_VARIANTS says; shardlm-int4-torchao: "
+                   "torchao's int4 product in the same layers")
+    p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
+                   "prompts replayed as CUDA graphs up to this many tokens (default the engine's: 2048; 0: none)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
@@ -334,6 +360,7 @@ def main():
     if args.gpus != max(map(tp_of, args.systems.split(","))):
         sys.exit("--gpus: the most GPUs one system uses (1, or N for shardlm-tpN)")
     from common import job_env, record
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for system in args.systems.split(","):
         tokens = str(Path(args.out) / f"generate-{system}-tokens.json")
@@ -342,7 +369,7 @@ def main():
             launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp_of(system)), "--master-port",
                        str(29500 + random.randrange(1000))]
         cmd = launch + [__file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD and v is not None]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
@@ -350,6 +377,7 @@ def main():
             print(f"{system}: timed out after {args.timeout:.0f} s", file=sys.stderr, flush=True)
             text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
             (Path(args.out) / f"generate-{system}.log").write_text("".join(text))
+            rows += [json.loads(x[7:]) for x in text[0].splitlines() if x.startswith("RESULT ")]  # what it measured
             continue
         (Path(args.out) / f"generate-{system}.log").write_text(proc.stdout + proc.stderr)
         got = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -3,6 +3,7 @@ with the torchtitan plan, and Megatron-core's GPTModel, on the same shapes and t
 
     python bench/tensor_parallel.py --gpus 4 [--systems ...] [--preset llama2-7b --seq 4096 --global-batch 16 --micro-batch 1]
     python bench/tensor_parallel.py --gpus 2 --systems shardlm-tp2-sp dtensor-tp4   # tp 2: the peers take --gpus ranks
+    python bench/tensor_parallel.py --gpus 2 --systems shardlm-tp2-sp --local-collectives 1   # the control run
 
 Each system runs as its own `torchrun --nproc-per-node GPUS` job (clean memory, honest peaks); a step is the
 global batch as micro-batches with gradient accumulation, then AdamW, in bf16 with fp32 master weights.
@@ -39,6 +40,34 @@ SHARDLM = {"shardlm-tp4-sp": {"parallel.tp": "4", "parallel.sp": "true"},
            "shardlm-tp2-dp2": {"parallel.tp": "2", "parallel.dp": "2", "parallel.zero_stage": "1", "parallel.sp": "true"},
            "shardlm-tp2-sp": {"parallel.tp": "2", "parallel.sp": "true"}}
 PEERS = ("dtensor-tp4", "megatron-tp4")
+
+
+def local_collectives() -> None:
+    """The control run (--local-collectives 1): shardlm's tensor-parallel collectives (parallel/tensor.py's, and
+    the vocabulary-parallel loss's) replaced by a local pass over the same tensors: an all-reduce one elementwise
+    pass in place, an all-gather this rank's slice copied into every place, a reduce-scatter its own slice copied
+    out. What is left is the step's compute and launches alone; its numbers are wrong, its time is the point."""
+    import torch.distributed as dist
+
+    from shardlm.parallel import cross_entropy, tensor
+    from shardlm.parallel.placement import rank_in
+
+    class Local:  # torch.distributed as the two modules see it, but for its all-reduce
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_reduce(x, op=None, group=None, async_op=False):
+            x.mul_(1)
+
+    def all_gather(out, x, group=None, async_op=False):
+        out.view(-1, *x.shape).copy_(x.expand(out.numel() // x.numel(), *x.shape))
+
+    def reduce_scatter(out, src, group=None, async_op=False):
+        out.copy_(src.view(-1, *out.shape)[rank_in(group)])
+
+    tensor.dist = cross_entropy.dist = Local()
+    tensor.all_gather_into_tensor, tensor.reduce_scatter_tensor = all_gather, reduce_scatter
 
 
 def model_config(args):
@@ -204,6 +233,8 @@ def worker(args, extra):
         import torch._inductor.config as inductor
         inductor.reorder_for_compute_comm_overlap = True
     if args.system in SHARDLM:
+        if args.local_collectives:
+            local_collectives()
         step, outside = shardlm_step(args, args.system, world, extra)
     else:
         if not dist.is_initialized():
@@ -218,7 +249,8 @@ def worker(args, extra):
     tok = args.global_batch * args.seq / dt / world
     flops = model_config(args).model.flops_per_token(args.seq)
     row = {"system": args.system, "gpus": world, "step_s": dt, "tok_s_gpu": tok, "mfu": tok * flops / PEAK,
-           "peak_mem_gib": float(peak), **({"inductor_overlap": True} if args.inductor_overlap else {})}
+           "peak_mem_gib": float(peak), **({"inductor_overlap": True} if args.inductor_overlap else {}),
+           **({"local_collectives": True} if args.local_collectives and args.system in SHARDLM else {})}
     if args.profile:  # every rank's trace: where a step's time goes on each, and how the collectives spread
         rank = int(os.environ.get("RANK", 0))
         got = profile_steps(step, args.profile, args.device,
@@ -255,6 +287,9 @@ def main():
     p.add_argument("--inductor-overlap", type=int, default=0,
                    help="1: Inductor reorders each compiled graph's collectives against its compute "
                         "(torch._inductor.config.reorder_for_compute_comm_overlap), for every system")
+    p.add_argument("--local-collectives", type=int, default=0,
+                   help="1: a control run of shardlm's systems with their tensor-parallel collectives replaced by "
+                        "local passes over the same tensors (compute and launches alone; wrong numbers)")
     driver_args(p, timeout=600)
     args, extra = p.parse_known_args()
     if args.system:
@@ -264,7 +299,7 @@ def main():
         layout = SHARDLM.get(system)
         return math.prod(int(v) for k, v in layout.items() if k in ("parallel.tp", "parallel.dp")) if layout else args.gpus
     own = forwarded(args, ("preset", "seq", "global_batch", "micro_batch", "warm", "steps", "compile", "device",
-                           "profile", "profile_dir", "inductor_overlap"))
+                           "profile", "profile_dir", "inductor_overlap", "local_collectives"))
     rows = run_systems(__file__, args.systems, gpus, lambda s: [*own, *extra], job_env(ROOT), args.timeout, args.budget)
     card = "cpu"
     if args.device == "cuda":
@@ -273,10 +308,11 @@ def main():
     by = {r["system"]: r for r in rows}
     print(f"\n{card} x{args.gpus}, {args.preset}, seq {args.seq}, global batch {args.global_batch}, "
           f"micro-batch {args.micro_batch}")
-    print(f"{'system':<18}{'tok/s/GPU':>11}{'MFU':>8}{'peak GiB':>10}{'vs dtensor':>12}{'vs megatron':>13}")
+    print(f"{'system':<26}{'tok/s/GPU':>11}{'MFU':>8}{'peak GiB':>10}{'vs dtensor':>12}{'vs megatron':>13}")
     for r in rows:
         rel = lambda k: f"{r['tok_s_gpu'] / by[k]['tok_s_gpu']:.2f}" if k in by else "-"  # noqa: E731
-        print(f"{r['system']:<18}{r['tok_s_gpu']:>11.0f}{100 * r['mfu']:>7.1f}%{r['peak_mem_gib']:>10.1f}"
+        name = r["system"] + (" (local)" if r.get("local_collectives") else "")
+        print(f"{name:<26}{r['tok_s_gpu']:>11.0f}{100 * r['mfu']:>7.1f}%{r['peak_mem_gib']:>10.1f}"
               f"{rel('dtensor-tp4'):>12}{rel('megatron-tp4'):>13}")
     for r in rows:
         for rank, got in enumerate(r.get("profile") or []):
@@ -291,8 +327,11 @@ def main():
                                     "micro_batch": args.micro_batch, "global_batch": args.global_batch,
                                     "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
                                     "peak_mem_gib": round(r["peak_mem_gib"], 2),
+                                    **({"local_collectives": True} if r.get("local_collectives") else {}),
                                     "command": f"python bench/tensor_parallel.py --systems {r['system']}"
-                                               + (" --inductor-overlap 1" if args.inductor_overlap else "")}) + "\n")
+                                               + (" --inductor-overlap 1" if args.inductor_overlap else "")
+                                               + (" --local-collectives 1" if r.get("local_collectives") else "")})
+                        + "\n")
 
 
 if __name__ == "__main__":

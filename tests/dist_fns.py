@@ -83,11 +83,13 @@ def tensor_parallel_mlp(rank, world, seed, distributed=True):
     return y.detach(), x.grad, col.weight.grad, row.weight.grad, e.weight.grad
 
 
-def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[dict]:
-    """One tensor-parallel llama block, eager then compiled by `compile_block(model, block)`: the input
-    gradient and the block's weight gradients of each, by name."""
-    from shardlm.config import ModelConfig
+def _block_gradients(rank, world, sp: bool, batch: int, compile_block, lora: bool = False) -> list[dict]:
+    """One tensor-parallel llama block (with LoRA adapters on every linear, drawn at random, where `lora`),
+    eager then compiled by `compile_block(model, block)`: the input gradient and the gradients of the block's
+    trained weights of each, by name."""
+    from shardlm.config import LoRAConfig, ModelConfig
     from shardlm.model import Decoder
+    from shardlm.parallel.lora import apply_lora
     from shardlm.parallel.tensor import sum_partial_gradients, tensor_parallel
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
                       ffn_hidden_size=64, max_seq_len=16)
@@ -97,8 +99,15 @@ def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[d
         with torch.device("meta"):
             model = Decoder(cfg)
         tensor_parallel(model, dist.group.WORLD, sp)
+        if lora:
+            apply_lora(model, LoRAConfig(rank=4, alpha=8, targets="all-linear"))
         model.to_empty(device="cpu")
         model.init_weights(0)
+        if lora:  # B starts at zero: the adapters' own gradients would not tell
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".lora." in name:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2)
         sum_partial_gradients(model, dist.group.WORLD)
         block = model.blocks()[0]
         if compiled:
@@ -107,14 +116,14 @@ def _block_gradients(rank, world, sp: bool, batch: int, compile_block) -> list[d
         x = torch.randn(batch, seq, cfg.hidden_size, generator=g, requires_grad=True)
         dy = torch.randn(batch, seq, cfg.hidden_size, generator=g)
         (block(x, model.rope(0, cfg.max_seq_len, x.device, x.dtype), None, None) * dy).sum().backward()
-        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}})
+        grads.append({"input": x.grad, **{n: p.grad for n, p in block.named_parameters() if p.requires_grad}})
     return grads
 
 
-def compiled_block_gradients(rank, world, sp: bool):
+def compiled_block_gradients(rank, world, sp: bool, lora: bool = False):
     """Eager and compiled by AOTAutograd with the eager backend (what decides the gradients, without
     inductor's compile time): `_block_gradients`."""
-    return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"))
+    return _block_gradients(rank, world, sp, 2, lambda model, block: block.compile(backend="aot_eager"), lora)
 
 
 def _compile_everything_here():
@@ -220,6 +229,17 @@ def train_and_capture(rank, world, overrides: dict, out_dir=None, resume=None):
             "bytes": captured["bytes"], "numel": sum(e.flat.numel for e in engine.group_engines()),
             "moe": [{k: v for k, v in r.items() if k.startswith("moe/")} for r in records],
             "router_bias": trainer.moe.state()}
+
+
+def lines_of_a_resume(rank, world, overrides: dict, resume):
+    """What a trainer resuming `resume` on `world` data-parallel ranks says on this rank before it runs."""
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    said = []
+    cfg = load_config("tiny", {"parallel.dp": str(world), "train.tensorboard": "false", **overrides})
+    trainer = Trainer(cfg, resume=resume, log=said.append)
+    trainer.close()
+    return said
 
 
 def zero3_residency(rank, world):
@@ -561,6 +581,34 @@ def heartbeat_names_the_silent_rank(rank, world):
     return while_all, after
 
 
+def heartbeat_names_where_a_stalled_rank_is(rank, world, fifo):
+    """Every rank beats every 0.2 s; rank 1 then waits on a data read that does not come (a named pipe with
+    no writer: a file on a hung filesystem), ranks 2 and 3 in a collective of the training step, for rank 1.
+    What rank 0 reports once both places are told; then it writes the data and joins the collective."""
+    from pathlib import Path
+
+    from shardlm.data.instruct import is_instruct
+    from shardlm.divergence import refuse_nan_loss
+    from shardlm.runtime.heartbeat import Heartbeat
+    beat = Heartbeat(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), interval=0.2)
+    report = None
+    if rank == 1:
+        assert is_instruct(Path(fifo))
+    elif rank == 0:
+        try:
+            deadline, report = time.monotonic() + 30, ""
+            while time.monotonic() < deadline and not (  # until each peer's beat tells where it has gone from here
+                    "is_instruct" in report and "refuse_nan_loss" in report and "_worker" not in report):
+                time.sleep(0.2)
+                report = beat.report()
+        finally:
+            with open(fifo, "w") as f:
+                f.write('{"prompt": "a", "completion": "b"}\n')
+    refuse_nan_loss(torch.zeros(()), 0, False, None)
+    beat.close()
+    return report
+
+
 def save_fails_on_rank_zero(rank, world, out_dir):
     """A full disk on rank 0 while it writes step 2's checkpoint: what each rank raises (none may hang)."""
     import errno
@@ -699,6 +747,19 @@ def dtypes_at_tp(rank, world, model_dir, dtype):
     return sorted({str(p.dtype) for p in model.parameters()})
 
 
+def notes_of_a_tp_load(rank, world, run):
+    """What load_pretrained of run directory `run` says on stderr on this rank of `world` tensor-parallel ranks."""
+    import contextlib
+    import io
+
+    from shardlm.inference import load_pretrained
+    from shardlm.mesh import build_mesh
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        load_pretrained(run, tp_group=build_mesh(tp=world).group("tp"))
+    return said.getvalue()
+
+
 def loss_at_tp(rank, world, model_dir, text, seq_len):
     """The perplexity task of `shardlm eval` on a tensor-parallel model of `world` ranks."""
     from shardlm.inference import evaluate_ids, load_pretrained
@@ -819,11 +880,13 @@ def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: 
     tiny_trainer(world, overrides, out_dir=out_dir).run()
 
 
-def expert_parallel_layer(rank, world, routing: str):
+def expert_parallel_layer(rank, world, routing: str, padded: bool = False, budget: float = 0.0):
     """Layer 0's MoE of mixtral-tiny at ep = world (each rank its block of experts, edp 1; world 1: all of
-    them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16). `routing`: "natural", or
-    "one-rank" (every token to experts 0 and 1, rank 0's: the others receive nothing). Returns this rank's
-    outputs, its experts' gradients (of every rank's tokens) and the router's summed over ranks."""
+    them, the plain dispatch) on 8 tokens a rank (rank r the r-th 8 of one batch of 16; world 1: all 16),
+    its rows sent in fixed-size blocks where `padded`, else by exact counts, in chunks past `budget` balanced
+    loads (parallel.ep_load_budget). `routing`: "natural", or "one-rank" (every token to experts 0 and 1,
+    rank 0's: the others receive nothing). Returns this rank's outputs, its experts' gradients (of every
+    rank's tokens), the router's summed over ranks, and the forwards its experts ran in chunks."""
     from shardlm.config import load_config
     from shardlm.mesh import build_mesh
     from shardlm.model import Decoder
@@ -832,19 +895,14 @@ def expert_parallel_layer(rank, world, routing: str):
     mesh = build_mesh(dp=world, ep=world)
     with torch.device("meta"):
         model = Decoder(cfg)
-    expert_parallel(model, mesh)
+    expert_parallel(model, mesh, padded, budget)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             model.init_parameter(name, p, seed=3)
     layer = model.layers["0"].mlp
     if routing == "one-rank":
-        route = layer.route
-
-        def forced(x):
-            logits, experts, weights = route(x)
-            return logits, torch.tensor([0, 1]).expand_as(experts), weights
-        layer.route = forced
+        layer.route = _one_rank(layer.route)
     g = torch.Generator().manual_seed(5)
     x_all, w_all = torch.randn(16, cfg.hidden_size, generator=g), torch.randn(16, cfg.hidden_size, generator=g)
     mine = slice(0, 16) if world == 1 else slice(8 * rank, 8 * (rank + 1))
@@ -855,7 +913,28 @@ def expert_parallel_layer(rank, world, routing: str):
     if world > 1:
         dist.all_reduce(router)
     return {"y": y.detach(), "x_grad": x.grad, "router": router,
-            "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad}
+            "up": layer.experts.up.weight.grad, "down": layer.experts.down.weight.grad,
+            "chunked": getattr(layer, "chunked", 0)}
+
+
+def _one_rank(route):
+    """`route` with every token sent to experts 0 and 1 (rank 0's at ep 2), its logits and weights kept."""
+    def forced(x):
+        logits, experts, weights = route(x)
+        return logits, torch.tensor([0, 1], device=x.device).expand_as(experts), weights
+    return forced
+
+
+def train_routed_to_one_rank(rank, world, overrides: dict):
+    """train_and_capture with every MoE layer's tokens routed to experts 0 and 1 (at ep 2: rank 0 takes every
+    row, twice a balanced load; rank 1 none)."""
+    from shardlm.model.moe import MoE
+    route = MoE.route
+    MoE.route = lambda self, x: _one_rank(lambda y: route(self, y))(x)
+    try:
+        return train_and_capture(rank, world, overrides)
+    finally:  # the reference runs in the test's process
+        MoE.route = route
 
 
 def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
@@ -872,3 +951,24 @@ def files_read_at_resume(rank, world, overrides: dict, ckpt: str):
     ckpt_module.safe_open = spied
     trainer = tiny_trainer(world, {"train.steps": "3", **overrides}, resume=ckpt)
     return sorted(opened), {k: v.clone() for k, v in trainer.engine.gather_full_state()[0].items()}
+
+
+def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp32", prefill_graphs=None,
+                      fused=False):
+    """Greedy tokens of `prompts` from the engine over a tensor-parallel model on this rank's GPU (compiled
+    decode step, CUDA graphs; prefill passes as CUDA graphs as `prefill_graphs` says), and whether its decode
+    step ran the one-shot all-reduce kernel (and, with `fused`, whether it ran the one-row product and
+    all-reduce kernel too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.mesh import build_mesh
+    model, _, _ = load_pretrained(model_dir, device="cuda", dtype=dtype, tp_group=build_mesh(tp=world).group("tp"))
+    engine = Engine(model, len(prompts), compile=True, one_shot=one_shot, prefill_graphs=prefill_graphs)
+    engine.run([Request(p, new) for p in prompts])  # compiles and records the graphs
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        done = engine.run([Request(p, new) for p in prompts])
+        torch.cuda.synchronize()
+    kernels = " ".join(e.key for e in prof.key_averages())
+    ran = [[r.tokens for r in done], "one_shot" in kernels]
+    return ran + ["gemv_all_reduce" in kernels] if fused else ran

@@ -107,6 +107,21 @@ def cli_here(capsys, *args) -> str:
     return out
 
 
+def cli_proc(capsys, *args) -> subprocess.CompletedProcess:
+    """`shardlm ...` run in this process, as run_cli(..., check=False) runs it in a subprocess: a CompletedProcess
+    with main()'s status and what it printed (capsys: pytest's fixture). An exception main() lets out, which a
+    user would see as a traceback, fails the test where it is raised."""
+    from shardlm.cli import main
+    capsys.readouterr()
+    argv = list(map(str, args))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["shardlm", *argv], 0 if code is None else code, out, err)
+
+
 def assert_same_export(run: Path, reference: Path, out: Path, rtol: float, atol: float) -> None:
     """`shardlm export` of two runs' checkpoints: the same config.json, tensors equal within the tolerance."""
     from safetensors.torch import load_file

@@ -10,6 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top. A module imports modules of lower layers, or of its own package (parallel.zero3 ->
 # parallel.zero); never anything above it.
 LAYERS = [
+    ["naming"],                                                                                    # no imports
     ["schedules"],                                                                                 # no torch
     ["config", "cpu_adam", "sharding", "generation_config"],                                      # no shardlm imports
     ["sharded_read"],
@@ -88,15 +89,27 @@ def test_imports_point_down_and_form_no_cycle():
 
 def test_every_module_imports_on_its_own():
     """Each module imported first, into an interpreter that holds no other shardlm module (torch stays
-    loaded, so this takes seconds): an import cycle that only shows in some import order fails here."""
+    loaded, so this takes seconds; two interpreters at once, each taking every other module): an import
+    cycle that only shows in some import order fails here."""
     names = sorted(m for m in modules() if not m.endswith("__main__"))
-    code = ("import importlib, sys, torch\n"
-            f"for name in {names!r}:\n"
-            "    for m in [m for m in sys.modules if m == 'shardlm' or m.startswith('shardlm.')]:\n"
-            "        del sys.modules[m]\n"
-            "    importlib.import_module(name)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    procs = []
+    for share in (names[0::2], names[1::2]):
+        code = ("import importlib, sys, torch\n"
+                f"for name in {share!r}:\n"
+                "    for m in [m for m in sys.modules if m == 'shardlm' or m.startswith('shardlm.')]:\n"
+                "        del sys.modules[m]\n"
+                "    importlib.import_module(name)\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        for proc in procs:
+            err = proc.communicate(timeout=240)[1]
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_the_planner_and_the_config_import_no_torch():

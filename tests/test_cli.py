@@ -1,4 +1,5 @@
 """The command line: help for every command, the config flags, export, and torchrun layout checks."""
+import io
 import json
 import os
 import subprocess
@@ -7,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from helpers import cli_here, run_cli
+from helpers import cli_here, cli_proc, run_cli
 from shardlm.testing.distributed import free_port
 
 
 @pytest.mark.parametrize("cmd", [[], ["train"], ["eval"], ["generate"], ["data"], ["data", "prepare"], ["export"], ["plan"]])
-def test_help(cmd):
-    proc = run_cli(*cmd, "--help")
-    assert "usage" in proc.stdout.lower()
+def test_help(cmd, capsys):
+    proc = cli_proc(capsys, *cmd, "--help")  # in this process: eval's and generate's import torch
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc
 
 
 def test_overrides_without_a_config_name():
@@ -22,13 +23,13 @@ def test_overrides_without_a_config_name():
     assert "steps = 50" in out and "log_every = 10" in out and "hidden_size = 256" in out  # the default preset
 
 
-def test_print_config_and_errors():
-    out = run_cli("train", "tiny", "--train.steps", "3", "--print-config").stdout
+def test_print_config_and_errors(capsys):
+    out = cli_here(capsys, "train", "tiny", "--train.steps", "3", "--print-config")
     assert "[train]" in out and "steps = 3" in out
-    bad = run_cli("train", "tiny", "--train.micro_batch_size", "3", check=False)
+    bad = cli_proc(capsys, "train", "tiny", "--train.micro_batch_size", "3")
     assert bad.returncode == 2
     assert "train.global_batch_size = 8 is not divisible by train.micro_batch_size (3)" in bad.stderr
-    unknown = run_cli("train", "tiny", "--train.bogus", "1", check=False)
+    unknown = cli_proc(capsys, "train", "tiny", "--train.bogus", "1")
     assert unknown.returncode == 2 and "train.bogus" in unknown.stderr
 
 
@@ -44,8 +45,8 @@ def test_a_reader_that_leaves_ends_the_command_quietly(cmd):
 
 
 def test_train_export_eval_generate_roundtrip(tmp_path, capsys):
-    run_cli("train", "tiny", "--train.steps", "3", "--out", tmp_path / "run")
-    run_cli("export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    cli_here(capsys, "train", "tiny", "--train.steps", "3", "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
     from transformers import AutoModelForCausalLM
     from shardlm.inference import load_pretrained
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -72,7 +73,10 @@ def test_torchrun_refuses_a_layout_that_does_not_fill_the_world(tmp_path):
     assert proc.returncode != 0
     # torchrun stops the other worker as soon as one fails, so that one may be gone before it prints (seen
     # on a GPU host); that every rank refuses by itself is the next test.
-    assert "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2" in proc.stdout + proc.stderr
+    said = "parallel.dp (1) x parallel.tp (1) x parallel.pp (1) = 1 != world size 2"
+    assert said in proc.stdout + proc.stderr
+    # torchrun's summary names the error (each rank's error file), not only its exit status
+    assert f"traceback : shardlm train: error: {said}" in proc.stderr
 
 
 @pytest.mark.parametrize("local_rank", [0, 3])
@@ -95,18 +99,92 @@ def test_every_rank_refuses_more_processes_per_node_than_gpus(monkeypatch, local
 
 
 def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
-    """Both ranks of a world of 2, launched as torchrun would but without its supervision, each print the
-    error and exit; a rank that went on into a collective would wait for its peer until the timeout."""
+    """Both ranks of a world of 2, launched as torchrun would but without its supervision, exit with the error;
+    a rank that went on into a collective would wait for its peer until the timeout. The node's first rank
+    prints it, once for the node, and each writes it to the error file torchrun gives it (its summary then
+    names the error as the root cause instead of pointing at torchrun's docs)."""
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "4", "--out", tmp_path / "r"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"error{r}.json")}) for r in range(2)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode != 0
-        assert "parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 2" in out + err
+    said = "shardlm train: error: parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 2"
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2
+        assert (said in out + err) == (r == 0), (r, out + err)
+        reply = json.loads((tmp_path / f"error{r}.json").read_text())["message"]
+        assert said in reply["message"] and said in reply["extraInfo"]["py_callstack"]
+
+
+def test_a_rank_whose_peers_never_start_says_what_it_waits_for(tmp_path):
+    """Rank 0 of a world of 2 started by hand, rank 1 never: it waited in silence until the timeout. A node's
+    first rank now says, once the wait is no longer a start-up's, what it waits for; at the timeout the error
+    names the rank never heard from."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                           "--parallel.timeout_s", "4", "--out", tmp_path / "r"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert (f"shardlm: waiting for all 2 ranks to join at 127.0.0.1:{port} (for up to 4 s): each must be started, "
+            "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") in done.stderr, done.stderr
+    assert "shardlm train: error: a peer rank died or stalled: rank 1 (never heard from)" in done.stderr, done.stderr
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while `data prepare` tokenizes (or eval scores, or a model loads) ended in a KeyboardInterrupt
+    traceback; now one line and the shell's status for SIGINT, the output directory never made."""
+    import shardlm.data.prepare as prepare
+    from shardlm.cli import main
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare, "_write", ctrl_c)
+    text = tmp_path / "t.txt"
+    text.write_text("some text to tokenize\n" * 10)
+    capsys.readouterr()
+    status = main(["data", "prepare", "--input", str(text), "--tokenizer", "byte", "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert status == 130 and err == "shardlm data: interrupted (Ctrl-C)", (status, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+
+
+def test_export_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """A 7B export is minutes of checksumming the checkpoint, then of writing: it ran without a word until
+    'exported'. On a terminal each phase has its bar, one at a time, each ending at its total; a file or a pipe
+    gets none."""
+    from helpers import TEXT
+    (tmp_path / "t.txt").write_text(TEXT)
+    cli_here(capsys, "data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte", "--out", tmp_path / "d")
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--train.tensorboard", "false", "--train.sample_tokens", "0",
+             "--data.path", tmp_path / "d", "--out", tmp_path / "run")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cli_here(None, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    monkeypatch.undo()
+    shown = [line.strip() for line in terminal.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    phases = [line.split(":")[0] for line in shown]
+    assert phases == ["verify"] * phases.count("verify") + ["export"] * phases.count("export"), shown
+    assert any(line.startswith("verify: 100%") for line in shown), shown
+    assert shown[-1].startswith("export: 100%") and "140k/140k" in shown[-1], shown  # tiny's 139,584 parameters
+    out = cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf", "--overwrite")
+    assert "exported" in out and "verify" not in capsys.readouterr().err  # not a terminal: no bar
+
+
+def test_the_header_says_one_step_and_lora_keys_that_rank_0_leaves_unused(tmp_path, capsys):
+    """`--lora.alpha` without `--lora.rank` trains every weight, as rank 0 means: the header says so rather than
+    leaving a user to find that their fine-tune was not a LoRA one; and it counts one step in the singular."""
+    out = cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.alpha", "32", "--out", tmp_path / "run")
+    header = next(line for line in out.splitlines() if line.startswith("shardlm:"))
+    assert " 1 step of " in header and "lora.rank 0: no adapters, every weight trains" in header

@@ -24,6 +24,8 @@ def test_toml_file_and_overrides(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"train.nonsense": "1"}, "unknown config key 'train.nonsense'"),
     ({"optim.lr": "1"}, "unknown config key 'optim.lr'"),
+    ({"lora.r": "8"}, "unknown config key 'lora.r'; PEFT's r is lora.rank here"),  # other tools' names, said
+    ({"train.learning_rate": "1e-4"}, "TrainingArguments's learning_rate is train.lr here"),
     ({"train.steps": "ten"}, "train.steps = 'ten' is not a valid int"),
     ({"train.steps": "0"}, "train.steps = 0 must be positive"),
     ({"model.hidden_size": "-8"}, "model.hidden_size = -8 must be positive"),
@@ -46,6 +48,14 @@ def test_toml_file_and_overrides(tmp_path):
     ({"parallel.cp": "8"}, "parallel.cp = 8 must divide the 4 attention heads each tensor-parallel rank holds"),
     ({"parallel.cp": "8"}, "(ring attention, parallel.cp_comm = 'p2p', does not)"),
     ({"parallel.cp": "2", "parallel.cp_comm": "ring"}, "parallel.cp_comm = 'ring' is not one of a2a, p2p"),
+    ({"parallel.ep_dispatch": "fixed"}, "parallel.ep_dispatch = 'fixed' is not one of auto, padded, exact"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "0.5"},
+     "parallel.ep_load_budget = 0.5: a rank's experts take at least one balanced load (its own token copies) in one "
+     "pass; use 0 (never in chunks) or a finite multiple of at least 1"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "-1"}, "parallel.ep_load_budget = -1.0 must not be negative"),
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "nan"}, "parallel.ep_load_budget = nan must be a finite"),
+    ({"parallel.ep_load_budget": "4"}, "parallel.ep_load_budget = 4.0 applies to a mixture of experts, and this model "
+                                       "is dense"),
     ({"parallel.cp": "2", "parallel.tp": "2", "parallel.sp": "true", "train.seq_len": "34"},
      "train.seq_len = 34 must divide by parallel.tp = 2 x parallel.cp (2) for sequence parallelism"),
     ({"parallel.cp": "3", "model.num_heads": "6", "model.num_kv_heads": "6", "model.hidden_size": "48",
@@ -64,6 +74,24 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.router_bias_update_rate": "0.001"}, "model.router_bias_update_rate = 0.001 applies to a mixture"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
+    # The preset's num_kv_heads, left set under --model.arch gpt2, is the key named.
+    ({"model.arch": "gpt2"}, "model.num_kv_heads = 2 needs model.arch = 'llama'"),
+    ({"parallel.cp": "2", "parallel.cp_comm": "p2p", "train.seq_len": "30"},
+     "train.seq_len = 30 must divide by 2 x parallel.cp (2) = 4 for ring attention's zig-zag layout"),
+    ({"model.num_experts": "4", "parallel.ep_dispatch": "padded"}, "parallel.ep_dispatch = 'padded' applies to "
+     "expert parallelism, and parallel.ep = 1 (every expert on every rank): set parallel.ep above 1, or leave "
+     "parallel.ep_dispatch at 'auto'"),
+    # Keys another optimizer or schedule reads, once ignored without a word.
+    ({"train.momentum": "0.5"}, "train.momentum = 0.5 applies to train.optimizer = 'sgd', and train.optimizer is "
+     "'adamw': set train.optimizer = 'sgd', or leave train.momentum at 0.9"),
+    ({"train.optimizer": "sgd", "train.beta2": "0.999"}, "train.beta2 = 0.999 applies to train.optimizer = 'adamw'"),
+    ({"train.optimizer": "sgd", "train.eps": "1e-6"}, "train.eps = 1e-06 applies to train.optimizer = 'adamw'"),
+    ({"train.lr_schedule": "constant", "train.min_lr_ratio": "0"}, "train.min_lr_ratio = 0.0 applies to "
+     "train.lr_schedule = 'cosine' or 'linear', and train.lr_schedule is 'constant'"),
+    # 2.5e29 micro-batches a step: the run went on without a word, and SIGTERM, heard between steps, never stopped it.
+    ({"train.global_batch_size": "1e30"}, "is over 65,536 micro-batches of train.micro_batch_size (4) per "
+     "parallel.dp rank a step, more than any run takes: lower it (to 262,144 at most here)"),
+    ({"train.global_batch_size": "8.5"}, "train.global_batch_size = '8.5' is not a valid int"),
     ({"parallel.reduce_dtype": "int8"}, "parallel.reduce_dtype = 'int8' is not one of fp32, compute"),
     ({"parallel.offload_threads": "-1"}, "parallel.offload_threads = -1 must not be negative"),
     ({"parallel.reduce_algo": "tree"}, "parallel.reduce_algo = 'tree' is not one of auto, all_to_all, ring, copy_engine"),
@@ -81,6 +109,31 @@ def test_ring_attention_takes_heads_that_cp_does_not_divide():
     validate(load_config("tiny", {"parallel.cp": "8", "parallel.cp_comm": "p2p"}), world_size=8)
 
 
+def test_a_dense_model_takes_the_moe_keys_at_their_defaults_or_off():
+    """Refused on a dense model where set (misuse table); their defaults and the 0 that means none pass."""
+    validate(load_config("tiny", {"model.top_k": "2", "train.moe_aux_loss_coef": "0.01"}))
+    validate(load_config("tiny", {"model.top_k": "0", "train.moe_aux_loss_coef": "0"}))
+
+
+def test_expert_dispatch_at_its_default_passes_without_expert_parallelism():
+    validate(load_config("mixtral-tiny", {"parallel.ep_dispatch": "auto"}))
+
+
+def test_the_keys_of_one_optimizer_or_schedule_pass_under_it_and_at_their_defaults_under_another():
+    validate(load_config("tiny", {"train.optimizer": "sgd", "train.momentum": "0", "train.lr_schedule": "constant"}))
+    validate(load_config("tiny", {"train.beta1": "0.8", "train.eps": "1e-6", "train.min_lr_ratio": "0",
+                                  "train.momentum": "0.9"}))
+
+
+def test_a_global_batch_of_65536_micro_batches_a_rank_passes():
+    validate(load_config("tiny", {"train.global_batch_size": str(4 * 65536)}))
+
+
+def test_the_expert_load_budget_takes_0_or_at_least_one_balanced_load():
+    for budget in ("0", "1", "3.5"):
+        validate(load_config("mixtral-tiny", {"parallel.ep_load_budget": budget}))
+
+
 def test_training_beyond_the_sliding_window_validates():
     validate(load_config("tiny", {"model.sliding_window": "8", "train.seq_len": "32"}))
 
@@ -89,13 +142,33 @@ def test_layout_must_match_world_size():
     cfg = load_config("tiny")
     with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2"):
         validate(cfg, world_size=2)
-    with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4"):
+    with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4: "
+                       r"launch 2 processes \(torchrun --nproc-per-node 2\), or set a layout of 4, e.g. --parallel.dp 4$"):
         validate(load_config("tiny", {"parallel.dp": "2"}), world_size=4)
+    with pytest.raises(ConfigError, match=r"= 2 != world size 3: .* or set a layout of 3 \(the other axes' 2 does not "
+                                          r"divide 3\)$"):
+        validate(load_config("tiny", {"parallel.tp": "2"}), world_size=3)
+
+
+def test_a_layout_hint_sets_every_axis_that_would_refuse_the_next_try():
+    """The fix the world-size error gives is one that validates: expert and pipeline axes included."""
+    cfg = load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2", "parallel.pp": "2",
+                                       "train.micro_batch_size": "2"})
+    with pytest.raises(ConfigError, match=r"set the layout for one \(--parallel.dp 1 --parallel.tp 1 --parallel.pp 1 "
+                                          r"--parallel.ep 1; checkpoints"):
+        validate(cfg, world_size=1)
+    validate(load_config("mixtral-tiny", {"parallel.dp": "1", "parallel.tp": "1", "parallel.pp": "1", "parallel.ep": "1"}),
+             world_size=1)
+    with pytest.raises(ConfigError, match=r"e.g. --parallel.dp 2 --parallel.ep 2$"):
+        validate(load_config("mixtral-tiny", {"parallel.dp": "4", "parallel.ep": "4"}), world_size=2)
+    validate(load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2"}), world_size=2)
 
 
 def test_unknown_preset_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="neither a TOML file nor a preset"):
         load_config("no-such-preset")
+    with pytest.raises(ConfigError, match=r"config 'runs/my\.toml': no such file \(or a preset: default, "):
+        load_config("runs/my.toml")  # a path mistyped: said as such, not as an unknown preset
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["steps", "3"])
     with pytest.raises(ConfigError, match="missing a value"):

@@ -38,6 +38,20 @@ def test_prepare_txt_jsonl_parquet_in_order(tmp_path):
     assert load_tokenizer(tmp_path / "out").vocab_size == 257
 
 
+def test_a_utf8_byte_order_mark_opening_a_file_is_no_text(tmp_path):
+    """Windows editors open UTF-8 files with U+FEFF: a jsonl (instruction or text) failed on line 1 with "Unexpected
+    UTF-8 BOM", and a text file trained the mark's bytes as its first token."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + b"hi\r\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "yo"}\r\n')
+    (tmp_path / "c.jsonl").write_bytes(bom + b'{"prompt": "q", "completion": "a"}\r\n')
+    prepare([tmp_path / "a.txt", tmp_path / "b.jsonl"], "byte", tmp_path / "out", progress=False)
+    assert np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist() == list(b"hi\r\n") + [256] + list(b"yo") + [256]
+    index = prepare([tmp_path / "c.jsonl"], "byte", tmp_path / "out2", progress=False)
+    assert index["examples"] == 1 and np.asarray(TokenShards(tmp_path / "out2").tokens[0]).tolist() == \
+        list(b"qa") + [256]
+
+
 def test_large_vocab_uses_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     vocab = {f"w{i}": i for i in range(70000)}
@@ -199,6 +213,16 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     assert os.listdir(tmp_path / "out") == ["notes.md"]
 
 
+def test_an_output_inside_a_prepared_dataset_is_refused(tmp_path):
+    """It would be a foreign directory of that dataset, whose next preparation then refuses it."""
+    (tmp_path / "in.txt").write_text("abc")
+    prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1", progress=False)
+    with pytest.raises(ValueError, match="d1/sub is inside the prepared dataset .*d1: give an --out outside it"):
+        prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1" / "sub", progress=False)
+    assert not (tmp_path / "d1" / "sub").exists()
+    prepare([tmp_path / "in.txt"], "byte", tmp_path / "d1", progress=False)  # the dataset itself, prepared again
+
+
 def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     import fcntl
 
@@ -259,6 +283,10 @@ def test_parquet_columns_must_exist_and_hold_strings(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "b.parquet")
     with pytest.raises(ValueError, match=r"b.parquet: column 'text' holds int64, not strings"):
         prepare([tmp_path / "b.parquet"], "byte", tmp_path / "out", progress=False)
+    # a null row is refused as a jsonl line's null is, not dropped unseen
+    pq.write_table(pa.table({"text": ["a"] * 1030 + [None]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n.parquet: row 1031: 'text' is null, not a string \(drop or fill"):
+        prepare([tmp_path / "n.parquet"], "byte", tmp_path / "out", progress=False)
     pq.write_table(pa.table({"text": pa.array(["ab", "c", "ab"]).dictionary_encode()}), tmp_path / "c.parquet")
     prepare([tmp_path / "c.parquet"], "byte", tmp_path / "out", progress=False)
     assert np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist() == [97, 98, 256, 99, 256, 97, 98, 256]
@@ -344,3 +372,52 @@ def test_a_text_streamed_in_pieces_gets_the_whole_texts_tokens(tmp_path, monkeyp
     stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
     assert stream == tok.bos_ids + tok.encode(body) + [tok.eos_id]
     assert (tok.bos_ids != []) == (kind == "sentencepiece")
+
+
+def test_sigterm_ends_data_prepare_in_one_line_and_removes_its_partial_output(tmp_path):
+    """A scheduler's SIGTERM during `data prepare` ends it as Ctrl-C does: exit 143, one line, no scratch
+    directory left (it was killed silently, its partial shards left for the next run to remove)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog\n" * 200_000)  # 8.8 MB: seconds to tokenize
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "data", "prepare", "--input", big, "--tokenizer", "byte",
+                             "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("out.prepare-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("prepare finished before the signal")
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("out.prepare-tmp-*")) and not out.exists()
+
+
+def test_one_file_given_twice_is_refused(tmp_path):
+    """Named twice, or through a link: its text would be trained on twice. Two files of equal text are two inputs."""
+    (tmp_path / "a.txt").write_text(TEXT[:100])
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")
+    (tmp_path / "copy.txt").write_text(TEXT[:100])
+    with pytest.raises(ValueError, match=r"--input .*link.txt is given twice \(the same file as .*a.txt\)"):
+        prepare([tmp_path / "a.txt", tmp_path / "link.txt"], "byte", tmp_path / "out", progress=False)
+    assert prepare([tmp_path / "a.txt", tmp_path / "copy.txt"], "byte", tmp_path / "out", progress=False)["documents"] == 2
+
+
+def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path, monkeypatch):
+    """Debian's Python links _sysconfigdata_* under two names; prepare refuses a file given twice, so the default
+    corpus (and `shardlm train` with no arguments) must list it once."""
+    import sysconfig
+
+    from shardlm.data.default import default_sources
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "c.py").symlink_to(tmp_path / "a.py")
+    os.link(tmp_path / "b.py", tmp_path / "d.py")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    files = default_sources()
+    assert [f.name for f in files] == ["a.py", "b.py"]
+    prepare(files, "byte", tmp_path / "out", progress=False)

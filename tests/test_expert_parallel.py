@@ -1,6 +1,7 @@
 """Expert parallelism (parallel/expert.py): `mixtral-tiny` with its experts split over ep ranks trains as one
-process does in fp32 (losses, gradient norms, gathered weights, gradients and optimizer state), and a
-checkpoint saved at ep 2 resumes at one process on the same trajectory."""
+process does in fp32 (losses, gradient norms, gathered weights, gradients and optimizer state) and in fp16 (as
+data parallelism does), checkpoints saved at ep 2 and ep 4 resume at one process on the same trajectory, and an
+ep 2 run's export is the one-process run's."""
 import pytest
 import torch
 
@@ -49,13 +50,23 @@ def test_expert_parallel_equals_one_process(world, mode, optimizer):
     check(results, reference(common), world, 2)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_ep_4_equals_one_process(mode):
-    """ep 4 at dp 4: one expert a rank (edp 1), each exchange among four ranks."""
-    common = {**equality_case("adamw", 4), **MOE, "train.micro_batch_size": "1"}
-    results = run_distributed(dist_fns.train_and_capture, 4,
-                              {**common, **MODES[mode], "parallel.dp": "4", "parallel.ep": "4"}, timeout=300)
-    check(results, reference(common), 4, 4)
+@pytest.mark.parametrize("world, mode, dispatch", [(4, "ddp", "auto"), (4, "zero3", "padded"), (2, "zero1", "exact")])
+def test_each_dispatch_equals_one_process(world, mode, dispatch):
+    """ep = dp = world under each `parallel.ep_dispatch`: at ep 4 (one expert a rank, each exchange among four
+    ranks) the default sends exact counts, the padded blocks are asked for; at ep 2 the exact form is asked for
+    (the padded one, ep 2's default, is every other test's)."""
+    common = {**equality_case("adamw", world), **MOE}
+    if world == 4:
+        common["train.micro_batch_size"] = "1"
+    results = run_distributed(dist_fns.train_and_capture, world,
+                              {**common, **MODES[mode], "parallel.dp": str(world), "parallel.ep": str(world),
+                               "parallel.ep_dispatch": dispatch}, timeout=300)
+    check(results, reference(common), world, world)
+    if world == 4:  # one expert a rank: the busiest rank's load over the mean is the busiest expert's
+        for stats in results[0]["moe"]:
+            for key in (k for k in stats if k.endswith("/ep_max_over_mean")):
+                assert stats[key] == pytest.approx(stats[key.replace("/ep_max", "/max")], rel=1e-12)
+        assert any(k.endswith("/ep_max_over_mean") for k in results[0]["moe"][0])
 
 
 def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
@@ -71,6 +82,71 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_one_process(tmp_path):
     # The weights at the end: the run resumed at one process equals the ep 2 run, expert by expert.
     for name, value in full[0]["masters"].items():
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_saved_at_ep_4_resumes_at_one_process(tmp_path):
+    """Saved at ep 4 (dp 4, ZeRO-1, sharded: one expert a rank, each piece with its ep sharding), resumed at
+    one process, which joins all four blocks: the remaining steps are an uninterrupted one-process run's."""
+    over = {**MOE, "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.micro_batch_size": "1"}
+    run_distributed(dist_fns.train_and_capture, 4,
+                    {**over, "parallel.dp": "4", "parallel.ep": "4", "parallel.zero_stage": "1"},
+                    str(tmp_path / "a"), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    one = {**over, "train.device": "cpu"}
+    resumed = dist_fns.train_and_capture(0, 1, one, str(tmp_path / "b"), ckpt)
+    ref = reference(one)
+    assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    for name, value in ref["masters"].items():
+        torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_export_of_an_expert_parallel_run_is_the_one_process_runs_hf_directory(tmp_path):
+    """`shardlm export` of an ep 2 run's checkpoint (dp 2, ZeRO-1, sharded: each rank's block of experts)
+    writes the whole stacked experts: the one-process run's Mixtral directory, config and tensors."""
+    from helpers import assert_same_export
+    steps = {**equality_case("adamw", 2), **MOE, "train.save_every": "0"}  # the equality tests' tolerance holds
+    run_distributed(dist_fns.train_and_capture, 2,
+                    {**steps, "parallel.dp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"},
+                    str(tmp_path / "ep"), timeout=300)
+    dist_fns.train_and_capture(0, 1, {**steps, "train.device": "cpu"}, str(tmp_path / "one"))
+    assert_same_export(tmp_path / "ep", tmp_path / "one", tmp_path / "hf", RTOL, ATOL)
+
+
+FP16 = {**MOE, "train.steps": "3", "train.global_batch_size": "16", "train.micro_batch_size": "4",
+        "train.precision": "fp16", "parallel.dp": "2", "parallel.zero_stage": "1"}
+
+
+def fp16_deviation(over: dict, ref: dict) -> tuple[float, int]:
+    """A dp 2 run's losses and gradient norms checked against one process's `ref` (no step skipped in either:
+    the trajectories are comparable); returns its weights' largest difference and how many differ by > 1e-4."""
+    results = run_distributed(dist_fns.train_and_capture, 2, over, timeout=300)
+    assert all(n < float("inf") for r in [ref, *results] for n in r["grad_norms"])
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], rtol=3e-4, atol=0)
+    diffs = [(results[0]["masters"][k] - w).abs() for k, w in ref["masters"].items()]
+    return max(float(d.max()) for d in diffs), sum(int((d > 1e-4).sum()) for d in diffs)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
+    """fp16 at ep 2 (dp 2, ZeRO-1) against one process in fp16. Each rank's gradient is the mean over its own
+    tokens (summed over dp, then divided), so its per-token gradients are dp times one process's: the batch is
+    large enough (16 sequences) that neither overflows at the first loss scale, where at 8 both dp 2 and ep 2
+    skip two steps that one process runs. The experts' matmuls round in fp16 over both ranks' tokens at once,
+    one process's per micro-batch: losses and gradient norms agree to 4e-6 and 3e-5 (when written), SGD's
+    weights to 3e-6. AdamW turns the rounding of a nearly cancelling gradient into up to lr a step, as data
+    parallelism's own fp16 roundings do: ep 2 is held against dp 2 at ep 1 (the control), which it matched when
+    written (furthest 3.9e-3 both, 6024 weights against 5993 beyond 1e-4 of 288k)."""
+    over = {**FP16, **({"train.optimizer": "sgd", "train.lr": "1e-2"} if optimizer == "sgd" else {})}
+    ref = reference({k: v for k, v in over.items() if not k.startswith("parallel.")})
+    furthest, far = fp16_deviation({**over, "parallel.ep": "2"}, ref)
+    if optimizer == "sgd":
+        assert furthest <= 3e-5, furthest
+        return
+    control, control_far = fp16_deviation(over, ref)
+    assert furthest <= 1.25 * control and far <= 1.25 * control_far + 50, (furthest, far, control, control_far)
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
@@ -113,7 +189,7 @@ def test_expert_parallel_with_recomputation_evaluation_and_a_sample():
 
 @pytest.mark.slow
 def test_compiled_blocks_at_ep_2_equal_eager():
-    """train.compile: the dispatch (host-side split sizes, all-to-alls) runs eagerly between the graphs."""
+    """train.compile: the padded dispatch (ep 2's default) traced into the blocks' graphs equals eager."""
     common = {**equality_case("adamw", 2), **MOE, "train.steps": "2", "parallel.dp": "2", "parallel.ep": "2"}
     eager = run_distributed(dist_fns.train_and_capture, 2, common, timeout=300)
     compiled = run_distributed(dist_fns.train_and_capture, 2, {**common, "train.compile": "true"}, timeout=600)
@@ -122,18 +198,54 @@ def test_compiled_blocks_at_ep_2_equal_eager():
         torch.testing.assert_close(compiled[0]["masters"][name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("routing", ["natural", "one-rank"])
-def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing):
-    """One MoE layer at ep 2: each rank's outputs and input gradients, its block of the experts' gradients and
-    the router's (summed) equal one process's on the same tokens; with every token routed to rank 0's experts
-    rank 1 receives no rows and still takes part in each exchange."""
+def test_dispatch_equals_one_process_even_when_one_rank_gets_every_token(routing, padded):
+    """One MoE layer at ep 2, rows sent by exact counts or in fixed-size blocks: each rank's outputs and input
+    gradients, its block of the experts' gradients and the router's (summed) equal one process's on the same
+    tokens; with every token routed to rank 0's experts rank 1 receives no rows (its blocks all padding) and
+    still takes part in each exchange."""
     ref = dist_fns.expert_parallel_layer(0, 1, routing)  # both ranks' 16 tokens at one process
-    for rank, r in enumerate(run_distributed(dist_fns.expert_parallel_layer, 2, routing, timeout=120)):
+    results = run_distributed(dist_fns.expert_parallel_layer, 2, routing, padded, timeout=120)
+    assert_layer_equals_one_process(results, ref)
+    if routing == "one-rank":
+        assert not results[1]["up"].any() and not results[1]["down"].any()
+
+
+def assert_layer_equals_one_process(results: list[dict], ref: dict) -> None:
+    """Each rank's outputs and input gradients for its 8 tokens, its block of two experts' gradients and the
+    router's (summed) equal one process's."""
+    for rank, r in enumerate(results):
         rows = slice(8 * rank, 8 * (rank + 1))
         torch.testing.assert_close(r["y"], ref["y"][rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["x_grad"], ref["x_grad"][rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-6)
         for name in ("up", "down"):
             torch.testing.assert_close(r[name], ref[name][2 * rank:2 * (rank + 1)], rtol=1e-5, atol=1e-6)
-            if routing == "one-rank" and rank == 1:
-                assert not r[name].any()
+
+
+def test_exact_dispatch_in_chunks_equals_one_process_when_one_rank_gets_every_token():
+    """parallel.ep_load_budget 1.5: rank 0, sent every row (32, twice its 16 token copies), runs its experts
+    in chunks of 24 rows, the first cutting through expert 1's, each chunk recomputed in backward; outputs,
+    input gradients and the experts' and router's gradients equal one process's. Rank 1 (no rows) runs none."""
+    ref = dist_fns.expert_parallel_layer(0, 1, "one-rank")
+    results = run_distributed(dist_fns.expert_parallel_layer, 2, "one-rank", False, 1.5, timeout=120)
+    assert [r["chunked"] for r in results] == [1, 0]
+    assert_layer_equals_one_process(results, ref)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_training_routed_to_one_rank_runs_in_chunks_and_equals_one_process(recompute):
+    """Every token routed to rank 0's experts at ep 2, exact dispatch, parallel.ep_load_budget 1.5: losses,
+    gradient norms, gathered weights, gradients and optimizer state equal one process's (whose experts take one
+    balanced load and never run in chunks); the statistics count rank 0's chunked forwards, every layer's in
+    each of its two micro-batches a step, once under full recomputation (whose second forward, inside
+    backward, runs the chunks' checkpoints nested in the block's)."""
+    common = {**equality_case("adamw", 2), **MOE, "train.recompute": recompute}
+    results = run_distributed(dist_fns.train_routed_to_one_rank, 2,
+                              {**common, **MODES["zero1"], "parallel.dp": "2", "parallel.ep": "2",
+                               "parallel.ep_dispatch": "exact", "parallel.ep_load_budget": "1.5"}, timeout=300)
+    check(results, dist_fns.train_routed_to_one_rank(0, 1, common), 2, 2)
+    for stats in results[0]["moe"]:
+        chunked = {k: v for k, v in stats.items() if k.endswith("/chunked")}
+        assert chunked and set(chunked.values()) == {2}, stats

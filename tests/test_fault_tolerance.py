@@ -1,10 +1,13 @@
 """Failures of a distributed run: a signal to one rank, SIGTERM to torchrun, a dead or stalled peer (on
 the CPU and on GPUs), and the watchdog that ends a rank whose peers make no progress."""
+import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +103,43 @@ def test_work_that_never_finishes_ends_the_process_with_a_message(how):
     assert "training step 7 made no progress for 0.3 s" in done.stderr
 
 
+def test_the_watchdog_names_the_stalled_peer_and_where_it_is(tmp_path):
+    """On GPUs the watchdog, not a failed collective, ends a rank whose peer stalled: its message said only
+    'a peer rank died or stalled'. It now reads the peers' beats as a failed collective's message does: here
+    rank 1 is alive, stuck in a read that never comes (a named pipe without a writer)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardlm.data.instruct import is_instruct
+    port, fifo = free_port(), tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10),
+                          wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "from pathlib import Path\nfrom shardlm.data.instruct import is_instruct\n"
+        "from shardlm.runtime.heartbeat import Heartbeat\n"
+        f"beat = Heartbeat(1, 2, '127.0.0.1', {port}, interval=0.2)\nis_instruct(Path({str(fifo)!r}))\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while "is_instruct" not in (store.get("shardlm/heartbeat/1").decode() if store.check(["shardlm/heartbeat/1"])
+                                    else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\nw = Watchdog(0.3)\n"
+                "with w.guard('training step 7'):\n    time.sleep(30)\n")
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        peer.kill()
+        peer.wait()
+    lines, first = inspect.getsourcelines(is_instruct)
+    read = first + next(i for i, line in enumerate(lines) if "open(path" in line)
+    assert done.returncode == 1
+    assert re.search(r"training step 7 made no progress for 0\.3 s \(parallel\.timeout_s\): a peer rank died or "
+                     rf"stalled: no rank died; where each was: rank 1 at shardlm/data/instruct\.py:{read} is_instruct "
+                     r"\(for \d+ s\); exiting", done.stderr), done.stderr
+
+
 def test_the_trainer_guards_its_waits_on_peers():
     """The trainer's host sections that wait on peers (here the metrics of a step) run under its watchdog:
     one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own
@@ -159,5 +199,123 @@ def test_a_stalled_peer_ends_the_gpu_run_within_the_timeout(tmp_path, algo, stag
 
 def test_the_heartbeat_names_the_rank_that_fell_silent():
     while_all, after = run_distributed(dist_fns.heartbeat_names_the_silent_rank, 3, timeout=60)[0]
-    assert while_all == "which one could not be told"  # everyone beats: nobody to name
+    assert while_all.startswith("no rank died; where each was: ranks 1, 2 at "), while_all  # everyone beats
     assert after.startswith("rank 1 (silent for ") and "rank 2" not in after, after
+
+
+def test_the_heartbeat_names_a_killed_peer_at_once_and_a_peer_that_stopped_on_its_own_error():
+    """A peer SIGKILLed a moment after its last beat was not yet silent for long: it was reported as 'which
+    one could not be told'. Its process has ended on this host, which the report now says at once. A peer
+    that stopped on an error it printed says so before exiting (farewell), and is not reported as a death."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardlm.runtime.heartbeat import Heartbeat
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10),  # noqa: F841 - serves
+                          wait_for_workers=False)
+    peer = ("import sys, time\nfrom shardlm.runtime.heartbeat import Heartbeat\n"
+            f"beat = Heartbeat(1, 2, '127.0.0.1', {port}, interval=60)\n"
+            "if sys.argv[1] == 'fails':\n    beat.farewell()\n    print('said', flush=True)\n"
+            "time.sleep(120)\n")
+    me = Heartbeat(0, 2, "127.0.0.1", port, interval=60)
+    try:
+        for fate in ("killed", "fails"):
+            p1 = subprocess.Popen([sys.executable, "-c", peer, fate], stdout=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 60
+                while me.silent() and time.monotonic() < deadline:
+                    time.sleep(0.1)  # until its first beat
+                if fate == "fails":
+                    assert p1.stdout.readline() == "said\n"
+                    assert me.failed() == [1]
+                    continue
+                assert me.failed() == []
+                p1.kill()
+                p1.wait()
+                assert me.report() == "rank 1 (its process ended)"
+            finally:
+                p1.kill()
+                p1.wait()
+    finally:
+        me.close()
+
+
+def test_the_heartbeat_names_where_each_peer_was_when_none_died(tmp_path):
+    """A peer alive but stalled (here in a read from a file that never comes, as on a hung filesystem) beats
+    on: the report said 'which one could not be told'. A beat now tells where the rank's training thread is in
+    shardlm's source and since when; the report names where each peer was, the odd one out first."""
+    from shardlm.data.instruct import is_instruct
+    from shardlm.divergence import refuse_nan_loss
+
+    def line_of(fn, text):
+        lines, first = inspect.getsourcelines(fn)
+        return first + next(i for i, line in enumerate(lines) if text in line)
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    report = run_distributed(dist_fns.heartbeat_names_where_a_stalled_rank_is, 4, str(fifo), timeout=90)[0]
+    read, reduce = line_of(is_instruct, "open(path"), line_of(refuse_nan_loss, "dist.all_reduce(")
+    assert re.fullmatch(rf"no rank died; where each was: rank 1 at shardlm/data/instruct\.py:{read} is_instruct "
+                        rf"\(for \d+ s\); ranks 2, 3 at shardlm/divergence\.py:{reduce} refuse_nan_loss \(for \d+ s\)",
+                        report), report
+
+
+def test_one_rank_failing_on_its_own_stops_the_other_pointing_at_its_message(tmp_path):
+    """Rank 1 alone cannot read its data (a node without the dataset): it says so, and rank 0, whose next
+    collective fails, said 'a peer rank died or stalled: which one could not be told'. It now points at rank 1's
+    message; both stop at once, neither with a traceback."""
+    from shardlm.data.prepare import prepare
+    (tmp_path / "text.txt").write_text("a few words of text, over and over. " * 2000)
+    prepare([str(tmp_path / "text.txt")], "byte", str(tmp_path / "data"))
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import os, sys\nfrom shardlm.cli import main\n"
+        f"data = {str(tmp_path / 'not-here')!r} if os.environ['RANK'] == '1' else {str(tmp_path / 'data')!r}\n"
+        f"sys.exit(main(['train', 'tiny', '--parallel.dp', '2', '--train.device', 'cpu', '--data.path', data,\n"
+        f"               '--out', {str(tmp_path / 'r')!r}]))\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr
+    assert done.returncode != 0
+    assert err.count(f"shardlm train: error: data.path = '{tmp_path / 'not-here'}' is not a prepared data") == 1, err
+    assert "shardlm train: error: stopping: rank 1 stopped on an error (its message says why)" in err, err[-3000:]
+    assert "died or stalled" not in err and "[rank0]" not in err and "[rank1]" not in err, err[-3000:]
+    assert time.monotonic() - t0 < 120
+
+
+def test_workers_whose_torchrun_was_killed_stop_saved(tmp_path):
+    """torchrun SIGKILLed (the OOM killer; a scheduler's kill after its grace period) leaves its workers, each
+    in a session of its own, training on as orphans and holding the run directory. They now notice within
+    seconds, stop after a step, the same on both, save it and exit."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
+           "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.log_every", "1",
+           "--train.tensorboard", "false", "--train.steps", "100000", "--out", str(tmp_path / "a")]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
+    proc.kill()
+    try:
+        log = proc.communicate(timeout=90)[0]  # the workers hold the pipe until they exit
+    finally:
+        for pid in workers:  # orphans left by a failure must not outlive the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    k = read_metrics(tmp_path / "a")[-1]["step"]
+    assert "the launcher (pid" in log and f"stopped by SIGTERM after step {k} of 100000" in log, log[-3000:]
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == [f"step_{k:08d}"]
+
+
+def _parent(proc_dir) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

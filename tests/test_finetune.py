@@ -1,13 +1,14 @@
 """Fine-tuning from a Hugging Face checkpoint (`train.init_from`): its config.json gives the model section, its
 weights the start, under any layout, with or without LoRA."""
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 import dist_fns
-from helpers import run_cli
+from helpers import cli_here
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import with_init_from
 from shardlm.model import Decoder
@@ -45,13 +46,13 @@ def test_training_starts_from_the_checkpoints_weights(tmp_path, layout, lora):
         torch.testing.assert_close(masters[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_the_model_section_comes_from_the_checkpoint(tmp_path):
+def test_the_model_section_comes_from_the_checkpoint(tmp_path, capsys):
     path, want = hf_dir(tmp_path, num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3)
     cfg = with_init_from(load_config("tiny", {"train.init_from": str(path), "model.max_seq_len": "64"}),
                          {"model.max_seq_len": "64"})
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.kv_heads, cfg.model.max_seq_len) == (3, 48, 3, 64)
-    run_cli("train", "tiny", "--train.init_from", path, "--train.steps", "2", "--lora.rank", "4",
-            "--out", tmp_path / "run")
+    cli_here(capsys, "train", "tiny", "--train.init_from", path, "--train.steps", "2", "--lora.rank", "4",
+             "--out", tmp_path / "run")
     state = read_hf_dir(path)[1]
     from shardlm.checkpoint import load_checkpoint
     saved = load_checkpoint(tmp_path / "run", with_optimizer=False)["model"]
@@ -62,6 +63,9 @@ def test_the_model_section_comes_from_the_checkpoint(tmp_path):
 def test_a_missing_checkpoint_fails_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="train.init_from = .*nowhere.*config.json"):
         with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "nowhere")}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a file of the checkpoint, where its directory belongs
+    with pytest.raises(ConfigError, match=re.escape(f"it is a file; give the directory holding it ({tmp_path})")):
+        with_init_from(load_config("tiny", {"train.init_from": str(tmp_path / "model.safetensors")}))
 
 
 # ---- instruction data ----------------------------------------------------------------------------------
@@ -95,6 +99,35 @@ def test_prepare_masks_the_prompts_and_trains_the_answers(tmp_path):
     assert index["examples"] == 2 and index["trained_tokens"] == len(trained)
 
 
+@pytest.mark.parametrize("bos", [False, True])
+def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_chat_template(tmp_path, bos):
+    """A tokenizer with no chat template: conversations are trained in the plain '<|role|>' format, which serve's
+    chat endpoint and transformers' apply_chat_template of the export knew nothing of. The dataset's tokenizer now
+    holds it as its template: preparing again through it gives the same tokens, its opening token (Llama's <s>) too."""
+    from tokenizers.processors import TemplateProcessing
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.prepare import prepare
+    from shardlm.tokenizer import byte_tokenizer, load_tokenizer
+    tok = byte_tokenizer()
+    if bos:
+        tok.add_special_tokens(["<s>"])
+        tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"prompt": "a", "completion": "b"}])
+    assert prepare([data], str(tmp_path / "tok"), tmp_path / "one", progress=False)["plain_chat_examples"] == 1
+    settings = json.loads((tmp_path / "one" / "tokenizer_config.json").read_text())
+    # written where there was none: with the end-of-text token that export writes into one it makes itself
+    assert "chat_template" in settings and settings["eos_token"] == "<|endoftext|>"
+    prepare([data], str(tmp_path / "one"), tmp_path / "two", progress=False)
+    for name in ("shard_00000.bin", "mask_00000.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    served = chat_prompter(load_tokenizer(tmp_path / "one"))(chat[:1])
+    assert served == ("<s>" if bos else "") + "<|user|>\nhi\n<|assistant|>\n"
+
+
 def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     from shardlm.data.prepare import prepare
     from shardlm.tokenizer import load_tokenizer
@@ -116,6 +149,37 @@ def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
         WindowDataset(TokenShards(tmp_path / "out"), 8)
     prepare([data], str(tok_dir), tmp_path / "out", pad_to=24, progress=False)  # into the same directory
     assert len(WindowDataset(TokenShards(tmp_path / "out"), 24)) == 1
+
+
+def test_an_end_of_text_spelled_out_in_a_prompt_is_named_as_a_cause_when_packing(tmp_path):
+    """No chat template here: the error blamed one, and the user's text holding the token's spelling was the cause."""
+    from shardlm.data.loader import DataError, TokenShards, WindowDataset
+    from shardlm.data.prepare import prepare
+    tok_dir = tmp_path / "tok"
+    load_tokenizer_byte_with_eos(tok_dir)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a <|endoftext|> b", "completion": "c"}])
+    assert prepare([data], str(tok_dir), tmp_path / "out", progress=False)["eos_inside_examples"] == 1
+    with pytest.raises(DataError, match="or a prompt or answer that spells the token out.*--pad-to 8"):
+        WindowDataset(TokenShards(tmp_path / "out"), 8)
+
+
+def test_instruction_data_under_a_tokenizer_with_no_end_of_text_says_where_to_name_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardlm.data.prepare import PrepareError, prepare
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(PrepareError, match="end-of-text token.*tok has none: set tokenizer_config.json's eos_token"):
+        prepare([data], str(tmp_path / "tok"), tmp_path / "out", progress=False)
+
+
+def load_tokenizer_byte_with_eos(tok_dir):
+    from shardlm.tokenizer import load_tokenizer
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def test_pad_to_gives_one_example_per_window(tmp_path):
@@ -210,6 +274,20 @@ def test_bad_instruction_data_fails_naming_the_line(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(PrepareError, match="c.jsonl:1: no assistant message"):
         prepare([chat], "byte", tmp_path / "o2", progress=False)
+    # Which field is off: another tool's name for the answer, or a value of another type.
+    for record, words in [({"prompt": "a", "response": "b"}, "has 'prompt', 'response'"),
+                          ({"prompt": "a", "completion": 5}, "has 'prompt', 'completion' \\(a number\\)"),
+                          ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+                           "message 2 has role 'bot'"),
+                          ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+                           "message 1's content is an array"),
+                          ({"messages": []}, "it is an array and empty")]:
+        with pytest.raises(PrepareError, match=words):
+            prepare([write_jsonl(tmp_path / "w.jsonl", [record])], "byte", tmp_path / "o3", progress=False)
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "a", "output": "b"}])  # read as plain text
+    with pytest.raises(PrepareError, match="no 'text' field .*for instruction data, write each line as "
+                                           '{"prompt", "completion"} or {"messages"'):
+        prepare([alpaca], "byte", tmp_path / "o4", progress=False)
     odd = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}]}])
     tok_dir = tmp_path / "tok"
@@ -277,6 +355,50 @@ def test_a_runs_checkpoint_and_export_keep_the_tokenizers_chat_template_and_end_
         assert json.loads((where / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
+def test_a_chat_template_in_chat_template_jinja_is_rendered_and_kept(tmp_path, capsys):
+    """transformers >= 4.47 saves a tokenizer's template as chat_template.jinja, which wins over one in
+    tokenizer_config.json: prepare renders with it (it was ignored, the plain fallback rendered instead), and the
+    dataset, the run's checkpoint and its export keep it."""
+    from helpers import cli_here
+    template = _prepare_chat(tmp_path, capsys, "{{ 'stale' }}", jinja=True)
+    cli_here(capsys, "train", "tiny", "--data.path", tmp_path / "data", "--train.seq_len", 24, "--train.steps", 1,
+             "--data.eval_windows", 0, "--train.eval_every", 0, "--train.sample_tokens", 0, "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf")
+    for where in (tmp_path / "data", tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf"):
+        assert (where / "chat_template.jinja").read_text() == template, where
+
+
+def test_named_chat_templates_render_with_the_default_one(tmp_path, capsys):
+    """tokenizer_config.json's chat_template as transformers' list of named templates: prepare renders with the one
+    named "default", as transformers does (the list was taken for no template, the plain fallback rendered)."""
+    _prepare_chat(tmp_path, capsys, [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                                     {"name": "default", "template": CHAT}])
+
+
+CHAT = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+       "{% if add_generation_prompt %}[assistant]{% endif %}"
+
+
+def _prepare_chat(tmp_path, capsys, in_config, jinja: bool = False) -> str:
+    """`data prepare` of one chat, with tokenizer_config.json's chat_template `in_config` (and CHAT in
+    chat_template.jinja where `jinja`) into tmp_path/data, asserting CHAT rendered it; returns CHAT."""
+    from helpers import cli_here
+    from shardlm.tokenizer import load_tokenizer
+    tok_dir = tmp_path / "tok"
+    load_tokenizer("byte").save(tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                               "chat_template": in_config}))
+    if jinja:
+        (tok_dir / "chat_template.jinja").write_text(CHAT)
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "yo"}]}] * 8)
+    cli_here(capsys, "data", "prepare", "--input", data, "--tokenizer", tok_dir, "--out", tmp_path / "data",
+             "--pad-to", 24)
+    assert trained_text(tmp_path / "data")[0].startswith("yo#")
+    assert trained_text(tmp_path / "data")[1].startswith("[user]hi#[assistant]")
+    return CHAT
+
+
 def _source_with_tokenizer(tmp_path, generation_config: dict):
     """A tiny HF directory with the tests' tokenizer and `generation_config` as its generation_config.json."""
     from helpers import make_tokenizer
@@ -311,7 +433,7 @@ def test_the_sources_end_of_turn_survives_the_run_and_the_export_and_stops_trans
 
     from helpers import cli_here
     from shardlm.generation_config import stop_ids_of
-    from shardlm.inference import generate_ids, load_pretrained, prompt_ids
+    from shardlm.inference import generate_ids, generate_text, load_pretrained, prompt_ids
     from shardlm.tokenizer import load_tokenizer
     source = _source_with_tokenizer(tmp_path, {})
     model, tok, _ = load_pretrained(source)
@@ -328,10 +450,16 @@ def test_the_sources_end_of_turn_survives_the_run_and_the_export_and_stops_trans
     hf_gen = transformers.GenerationConfig.from_pretrained(export)
     assert hf_gen.eos_token_id == [tok.eos_id, turn] and hf_gen.temperature == 0.6
     for where in (checkpoint, tmp_path / "run", export):
-        assert stop_ids_of(load_pretrained(where)[1]) == (tok.eos_id, turn), where
+        loaded, loaded_tok, _ = load_pretrained(where)
+        assert stop_ids_of(loaded_tok) == (tok.eos_id, turn), where
         out = cli_here(capsys, "generate", "--model", where, "--prompt", "To be", "--json", "--max-new-tokens", 12,
                        "--compile", "off")
         assert json.loads(out)["completion"] == tok.decode(greedy[:k]), where
+        assert generate_text(loaded, loaded_tok, "To be", 12) == tok.decode(greedy[:k]), where  # a run's sample
+    # The run's own tokenizer is the prepared data's, which has no generation_config.json: the run's sample
+    # takes the end of turn from the weights' source's, as the trainer passes it.
+    data_tok = load_tokenizer(tmp_path / "data")
+    assert stop_ids_of(data_tok) == (tok.eos_id,) and stop_ids_of(data_tok, gen) == (tok.eos_id, turn)
     assert stop_ids_of(load_tokenizer(export)) == (tok.eos_id, turn)
     hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
     with torch.no_grad():

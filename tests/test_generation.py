@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dist_fns
-from helpers import cli_here, run_cli, save_hf
+from helpers import cli_here, cli_proc, run_cli, save_hf
 from shardlm.config import load_config
 from shardlm.inference import Engine, Request, SamplingParams, generate_ids, generate_many
 from shardlm.inference.sampler import sample
@@ -332,8 +332,8 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
-    run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--max-new-tokens", 6,
-            "--max-batch", 2)
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--max-new-tokens", 6,
+             "--max-batch", 2)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [x["prompt"] for x in lines] and rows[0]["id"] == "a"
     assert [r["completion_tokens"] for r in rows][:2] == [6, 3] and rows[3]["completion"] == ""
@@ -343,12 +343,31 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
         assert json.loads(alone)["completion"] == r["completion"]
     assert "e" not in rows[2]["completion"]
     before = out.read_text()
-    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", out, check=False)
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and out.read_text() == before
     src.write_text('{"prompt": "a", "top_p": 0}\n')
-    proc = run_cli("generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl",
-                   check=False)
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl")
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr
+
+
+def test_generate_a_jsonl_file_of_chats_renders_them_by_the_chat_template(tmp_path, capsys):
+    """A chat fine-tune's held-out lines ({"messages"}) were refused ("needs a string field prompt"): rendered by
+    the model's chat template (a final assistant answer left out), each equals its rendering given as a prompt."""
+    save_hf("llama", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    turns = [{"role": "user", "content": "To be"}, {"role": "assistant", "content": "or not"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"prompt": "[user]To be[assistant]"}) + "\n")
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "out.jsonl",
+             "--max-new-tokens", 6)
+    chat, plain = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert chat["messages"] == turns[:1] and chat["completion"] == plain["completion"]
+    assert chat["prompt_tokens"] == plain["prompt_tokens"]
+    src.write_text(json.dumps({"messages": turns[1:]}) + "\n")  # nothing asked before the answer
+    proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl")
+    assert proc.returncode == 2 and "in.jsonl:1: messages must be a list of {role, content: string} turns" in proc.stderr
 
 
 def test_generate_and_eval_stop_at_the_generation_configs_end_of_turn(tmp_path, capsys):
@@ -510,7 +529,7 @@ def test_quantised_mixture_of_experts_keeps_its_routing():
 
 
 @pytest.mark.parametrize("kind,tp", [("qwen2", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.slow)])
-def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
+def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path, capsys):
     """`generate --tp N` on N ranks (gloo): the training's tensor-parallel layers, each rank holding its slice
     (llama at tp 4: its 2 key/value heads kept whole on every rank), the same completions as one process;
     `eval` of the loss likewise."""
@@ -519,7 +538,7 @@ def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("To be", "or not to be, that is", "whether")))
     args = ["generate", "--model", tmp_path / "hf", "--input", src, "--max-new-tokens", 10, "--max-batch", 2]
-    run_cli(*args, "--output", tmp_path / "one.jsonl")
+    cli_here(capsys, *args, "--output", tmp_path / "one.jsonl")
     assert run_distributed(dist_fns.cli_at_rank, tp, [*args, "--output", tmp_path / "tp.jsonl", "--tp", tp],
                            timeout=240) == [0] * tp
     assert (tmp_path / "tp.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
@@ -537,3 +556,13 @@ def test_a_tensor_parallel_model_loads_in_the_dtype_asked(tmp_path):
     from shardlm.testing.distributed import run_distributed
     save_hf("llama", tmp_path / "hf")
     assert run_distributed(dist_fns.dtypes_at_tp, 2, tmp_path / "hf", "bf16", timeout=120) == [["torch.bfloat16"]] * 2
+
+
+def test_one_shot_all_reduces_asked_of_a_model_without_tensor_parallelism_are_refused():
+    """`Engine(one_shot=True)` insists on the one-shot kernel: a model it cannot serve says why instead of
+    running NCCL's all-reduce (or nothing) silently; None and False simply go without."""
+    from shardlm.inference import Engine
+    model = build_model(load_config("tiny").model, seed=0)
+    with pytest.raises(RuntimeError, match="not tensor-parallel"):
+        Engine(model, 2, compile=False, one_shot=True)
+    assert not Engine(model, 2, compile=False).one_shot and not Engine(model, 2, compile=False, one_shot=False).one_shot

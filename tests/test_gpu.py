@@ -101,7 +101,7 @@ def test_one_launch_over_all_buckets_steps_like_bucket_by_bucket(monkeypatch):
     runs = []
     for joined in (True, False):
         model = build_model(cfg.model, torch.device("cuda"), torch.bfloat16, 0)
-        flat = FlatParams(model, reverse_order_buckets(model, 0.01, 2), pad_multiple=4)
+        flat = FlatParams(model, reverse_order_buckets(model, 0.01), pad_multiple=4)
         assert len(flat.buckets) > 5
         opt = MasterWeightOptimizer(flat, cfg.train, NoLossScaler())
         if not joined:
@@ -354,3 +354,120 @@ def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
         assert ((p.float() - q.float()).abs() <= ulp * q.float().abs() + 1e-30).all(), name
+
+
+@cuda
+@pytest.mark.parametrize("recompute", ["none", "full-skip-down"])
+def test_compiled_lora_blocks_equal_eager_in_bf16(recompute):
+    """Compiled by Inductor on a GPU, each adapted linear is one operator (model/lora_linear.py: cuBLAS
+    accumulates the base product onto the adapters' update, forward and backward): the loss and every
+    adapter's gradient equal the eager blocks' within bf16's rounding."""
+    import copy
+
+    from helpers import tiny_decoder
+    model, cfg = tiny_decoder({"lora.rank": "8", "train.recompute": recompute})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model = model.cuda().bfloat16()
+    model.set_recompute(recompute)
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 129), generator=g).cuda()
+    out = []
+    for compiled in (False, True):
+        run = copy.deepcopy(model)
+        if compiled:
+            for block in run.blocks():
+                block.compile()
+        loss = run(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        out.append((loss.detach().float(), {n: p.grad.float() for n, p in run.named_parameters() if p.requires_grad}))
+    (eager_loss, eager), (loss, grads) = out
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-2, atol=0)
+    assert eager.keys() == grads.keys() and eager
+    for name, want in eager.items():
+        assert want.norm() > 0, name
+        assert (grads[name] - want).norm() <= 0.03 * want.norm(), name
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_tensor_parallel_decode_on_gpus_gives_one_gpus_tokens(one_shot, tmp_path):
+    """tp 2 decoding over NCCL, its all-reduces by the one-shot kernel over symmetric memory or by NCCL
+    inside the decode step's CUDA graphs: one GPU's greedy tokens, and the kernel asked for is the one run."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+    want = [r.tokens for r in Engine(model, 2, compile=True).run([Request(p, 12) for p in prompts])]
+    got = run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, one_shot, timeout=300,
+                          device="cuda")
+    assert got == [[want, one_shot]] * 2
+
+
+@two_gpus
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_tensor_parallel_prefill_graphs_give_one_gpus_tokens(one_shot, tmp_path):
+    """Prefill passes replayed as CUDA graphs over tp 2 (their all-reduces NCCL's inside the graphs, or the
+    one-shot kernel's where a pass is small): one GPU's greedy tokens, prompts of 1 to 40 tokens."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(2, 42))]
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+    want = [r.tokens for r in Engine(model, 3, compile=True).run([Request(p, 12) for p in prompts])]
+    got = run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, one_shot, "fp32", 2048,
+                          timeout=300, device="cuda")
+    assert got == [[want, one_shot]] * 2
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_row_tensor_parallel_decode_fuses_each_product_with_its_all_reduce(dtype, tmp_path):
+    """Batch-1 decoding at tp 2: the row-parallel products and their sums as one kernel (gemv_all_reduce.py)
+    give the tokens of one GPU (fp32) or of NCCL's all-reduces (bf16, each sum one addition either way), every
+    rank the same; NCCL's run never takes the fused kernel."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    fused, nccl = (run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 16, flag, dtype, None,
+                                   True, timeout=300, device="cuda") for flag in (True, False))
+    assert [r[1:] for r in fused] == [[True, True]] * 2 and [r[1:] for r in nccl] == [[False, False]] * 2
+    if dtype == "fp32":
+        model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+        want = [r.tokens for r in Engine(model, 1, compile=True).run([Request(p, 16) for p in prompts])]
+    else:
+        want = nccl[0][0]
+    assert fused[0][0] == fused[1][0] == nccl[1][0] == want
+
+
+@two_gpus
+def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
+    """In bf16, as users serve: at tp 2 each sum is one addition either way and the gathered logits are copies,
+    so the tokens are the same; the one-token prompt's prefill all-reduces fit the buffers and take the one-shot
+    kernel too, in the prefill's compiled block (dynamic shapes)."""
+    import dist_fns
+    from helpers import save_hf
+
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    prompts = [[5], [3, 1, 4, 1, 5, 9, 2, 6]]
+    one_shot, nccl = (run_distributed(dist_fns.tp_decode_on_gpus, 2, tmp_path / "hf", prompts, 12, flag, "bf16",
+                                      timeout=300, device="cuda") for flag in (True, False))
+    assert one_shot[0][0] == one_shot[1][0] == nccl[0][0] == nccl[1][0]
+    assert [r[1] for r in one_shot] == [True, True] and [r[1] for r in nccl] == [False, False]

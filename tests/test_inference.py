@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import TEXT, run_cli, save_hf
+from helpers import TEXT, cli_here, save_hf
 from shardlm.inference import evaluate_ids, generate_ids, load_pretrained
 from shardlm.model import KVCache
 
@@ -67,12 +67,12 @@ def test_sampling_is_seeded_and_respects_top_k(tmp_path):
     assert torch.equal(c, generate_ids(model, ids, 12))
 
 
-def test_eval_cli_matches_transformers_windows(tmp_path):
+def test_eval_cli_matches_transformers_windows(tmp_path, capsys):
     ref = save_hf("llama", tmp_path / "hf")
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT[:3000])
-    proc = run_cli("eval", "--model", tmp_path / "hf", "--data", text_file, "--seq-len", 32, "--json")
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = cli_here(capsys, "eval", "--model", tmp_path / "hf", "--data", text_file, "--seq-len", 32, "--json")
+    got = json.loads(out.strip().splitlines()[-1])
     from tokenizers import Tokenizer
     ids = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(TEXT[:3000], add_special_tokens=False).ids
     n = len(ids) // 32
@@ -85,15 +85,25 @@ def test_eval_cli_matches_transformers_windows(tmp_path):
     assert got["perplexity"] == pytest.approx(math.exp(loss.item()), rel=1e-5)
 
 
-def test_generate_cli_json(tmp_path):
+def test_generate_cli_json(tmp_path, capsys):
     ref = save_hf("gpt2", tmp_path)
-    proc = run_cli("generate", "--model", tmp_path, "--prompt", "To be", "--max-new-tokens", 8, "--json")
-    completion = json.loads(proc.stdout.strip().splitlines()[-1])["completion"]
+    out = cli_here(capsys, "generate", "--model", tmp_path, "--prompt", "To be", "--max-new-tokens", 8, "--json")
+    completion = json.loads(out.strip().splitlines()[-1])["completion"]
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     prompt = torch.tensor([tok.encode("To be", add_special_tokens=False).ids])
     expected = ref.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert completion == tok.decode(expected[0, prompt.shape[1]:].tolist(), skip_special_tokens=False)
+
+
+def test_evaluate_reports_its_progress_by_windows(tmp_path):
+    """`eval --tasks loss` scored a large text for minutes with nothing shown: its bar counts windows."""
+    save_hf("llama", tmp_path)
+    model, _, _ = load_pretrained(tmp_path)
+    ids = list(range(1, 200)) * 3  # 597 tokens: 37 windows of 16, the last batch of 5
+    done = []
+    r = evaluate_ids(model, ids, 16, batch_size=8, progress=done.append)
+    assert done == [8, 8, 8, 8, 5] and r == evaluate_ids(model, ids, 16, batch_size=8)
 
 
 def test_evaluate_rejects_short_text(tmp_path):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dist_fns
 from dp_cases import RTOL
-from helpers import cli_here, run_cli
+from helpers import cli_here
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.model import Decoder
 from shardlm.model.hf import write_hf_dir
@@ -67,6 +67,32 @@ def test_logits_and_adapter_gradients_equal_peft(tmp_path, arch, rslora):
         torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_blocks_run_each_adapted_linear_as_one_operator_with_autograds_gradients():
+    """Compiled, a frozen linear and its adapters are one operator with a backward of its own
+    (model/lora_linear.py): in fp64 its output and gradients equal autograd's through the plain products
+    (gradcheck), torch.library.opcheck finds its registration consistent, and a compiled block calls it for
+    every adapted linear (the compiled-block cases of test_trainer.py compare those blocks' gradients)."""
+    from shardlm.model.lora_linear import lora_linear
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 5, 8, dtype=torch.float64, generator=g), torch.randn(6, 8, dtype=torch.float64, generator=g)
+    a, b = torch.randn(3, 8, dtype=torch.float64, generator=g), torch.randn(6, 3, dtype=torch.float64, generator=g)
+    x, a, b = (t.requires_grad_() for t in (x, a, b))
+    torch.testing.assert_close(lora_linear(x, w, a, b), F.linear(x, w) + F.linear(F.linear(x, a), b), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, a, b: lora_linear(x, w, a, b), (x, a, b))
+    torch.library.opcheck(lora_linear, (x, w, a, b))
+
+    cfg, model = lora_model("llama")
+    block, ran = model.blocks()[0], []
+
+    def backend(gm, example_inputs):
+        ran.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    block.compile(backend=backend)
+    model(torch.zeros(1, 4, dtype=torch.long))
+    adapted = [m for m in block.modules() if getattr(m, "lora", None) is not None]
+    assert ran.count(torch.ops.shardlm.lora_linear.default) == len(adapted) == 4
+
+
 def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base(tmp_path, capsys):
     """Train with adapters; the base weights in the checkpoint are the initial ones bit for bit; PeftModel
     over the base with the exported adapter, the merged export and `generate --adapter` all agree."""
@@ -77,8 +103,8 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
     from shardlm.inference import load_pretrained
     from shardlm.tokenizer import load_tokenizer
     run = tmp_path / "run"
-    run_cli("train", "tiny", "--train.steps", "4", "--lora.rank", "4", "--lora.targets", "q_proj,v_proj,down_proj",
-            "--train.lr", "3e-2", "--out", run)
+    cli_here(capsys, "train", "tiny", "--train.steps", "4", "--lora.rank", "4", "--lora.targets",
+             "q_proj,v_proj,down_proj", "--train.lr", "3e-2", "--out", run)
     cfg = load_config("tiny")
     initial = Decoder(cfg.model)
     initial.init_weights(cfg.train.seed)
@@ -109,7 +135,7 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_and_keeps_its_base
     g = json.loads(cli_here(capsys, "generate", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter",
                             "--prompt", "To be", "--max-new-tokens", 4, "--json"))
     assert isinstance(g["completion"], str)
-    run_cli("train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "plain")
     with pytest.raises(AssertionError, match="not a LoRA run"):
         cli_here(capsys, "export", "--checkpoint", tmp_path / "plain", "--merge", "--out", tmp_path / "x")
 
@@ -118,6 +144,8 @@ def test_bad_lora_settings_fail_naming_the_value():
     for over, words in [({"lora.targets": "q_proj,wq"}, "'wq', which is no llama module"),
                         ({"lora.dropout": "1.5"}, "lora.dropout = 1.5"),
                         ({"lora.rank": "-1"}, "lora.rank = -1"),
+                        ({"lora.targets": "all-linear,q_proj"}, "every module is lora.targets = 'all-linear', alone"),
+                        ({"lora.targets": "all_linear"}, "'all_linear', which is no llama module.*'all-linear', alone"),
                         ({"model.arch": "gpt2", "model.num_kv_heads": "0", "lora.targets": "q_proj"},
                          "'q_proj', which is no gpt2 module")]:
         with pytest.raises(ConfigError, match=words):
@@ -229,7 +257,7 @@ def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
     check_equal(run_distributed(dist_fns.train_and_capture, world, over, timeout=240), ref)
 
 
-def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path):
+def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path, capsys):
     """Resuming quantises the saved (dequantised) base again: the same codes, block scales equal up to the
     double quantisation's rounding (parallel/qlora.py), so the losses follow closely, not bit for bit."""
     over = {**QLORA, "train.steps": "6", "train.save_every": "3", "train.keep_checkpoints": "5", "train.device": "cpu",
@@ -238,7 +266,7 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
     resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
                                          str(tmp_path / "a" / "checkpoints" / "step_00000003"))
     torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=1e-3, atol=0)
-    run_cli("export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
     assert (tmp_path / "merged" / "model.safetensors").is_file()
 
 
@@ -296,6 +324,24 @@ def test_a_peft_adapter_with_settings_this_version_does_not_apply_is_refused(tmp
         (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, **extra}))
         with pytest.raises(ConfigError, match=words):
             read_peft_dir(tmp_path, cfg.model)
+
+
+def test_an_adapter_of_another_architecture_or_outside_the_blocks_is_refused_naming_it(tmp_path):
+    """A GPT-2 adapter given to a Llama model (and back), or a PEFT adapter of lm_head: a ValueError of
+    list.index ("'layers' is not in list") named neither the adapter nor the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.parallel.lora import read_peft_dir
+    for arch, other in (("gpt2", "llama"), ("llama", "gpt2")):
+        cfg, model = lora_model(arch)
+        write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path / arch)
+        with pytest.raises(ConfigError, match=rf"{arch}.*is no adapter of a linear inside a {other} block"):
+            read_peft_dir(tmp_path / arch, lora_model(other)[0].model)
+    tensors = load_file(tmp_path / "llama" / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, tmp_path / "llama" / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=r"lm_head.lora_A.weight is no adapter .*not of lm_head or embed_tokens"):
+        read_peft_dir(tmp_path / "llama", lora_model("llama")[0].model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

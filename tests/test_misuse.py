@@ -30,10 +30,21 @@ CASES = [
     ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
     ("resume-seq-len", ["train", "--resume", "{run}", "--train.seq_len", "16"],
      "train.seq_len is 32 in the checkpoint and 16 in this run", 2),
+    ("resume-global-batch", ["train", "--resume", "{run}", "--train.global_batch_size", "12"],
+     "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
+     "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",
+     2),
+    ("resume-optimizer", ["train", "--resume", "{run}", "--train.optimizer", "sgd"],
+     "train.optimizer is 'adamw' in the checkpoint and 'sgd' in this run: its saved optimizer state is adamw's", 2),
     ("resume-tokenizer", ["train", "--resume", "{run}", "--data.path", "{swapdata}"],
      "another tokenizer than the checkpoint's", 2),
     ("resume-overwrite-refused", ["train", "--resume", "{run4}/checkpoints/step_00000002", "--overwrite",
                                   "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),  # step 4 kept
+    ("resume-another-base", ["train", "--resume", "{lrun}", "--train.init_from", "{deeper}"],
+     "deeper' in this run, another model (model.num_layers is 2 in the checkpoint and 3 there), which the run would "
+     "record as its base", 2),  # recorded as the run's base, which its adapter names
+    ("resume-base-missing", ["train", "--resume", "{lrun}", "--train.init_from", "{new}"],
+     "no readable Hugging Face config.json", 2),
     ("resume-missing", ["train", "--resume", "{run}/checkpoints/step_00000099"], "does not exist", 2),
     # starting from a checkpoint (train.init_from)
     ("init-tokenizer", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{swapdata}", "--out", "{new}"],
@@ -46,20 +57,58 @@ CASES = [
      "model.safetensors is not a readable safetensors file", 2),
     ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
+     "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
+    ("init-bert", ["train", "tiny", "--train.init_from", "{bert}", "--data.path", "{data}", "--out", "{new}"],
+     "/bert': unsupported Hugging Face architecture 'bert': shardlm builds the decoder-only", 2),
+    ("init-config-lacks-key", ["train", "tiny", "--train.init_from", "{nokey}", "--data.path", "{data}", "--out",
+                               "{new}"], "/nokey': the Hugging Face config lacks 'hidden_size'", 2),
+    ("init-shard-missing", ["train", "tiny", "--train.init_from", "{sharded}", "--data.path", "{data}", "--out",
+                            "{new}"], "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
+    ("init-tensor-missing", ["train", "tiny", "--train.init_from", "{tensorless}", "--data.path", "{data}", "--out",
+                             "{new}"], "tensorless: the checkpoint lacks model.layers.1.mlp.up_proj.weight", 2),
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
     ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
+     "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
+     "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
+    ("data-shorter-than-window", ["train", "tiny", "--data.path", "{shortdata}", "--out", "{new}"],
+     "shortdata holds 27 tokens, fewer than the 33 of one window of train.seq_len 32: lower train.seq_len (to 26 "
+     "at most), or prepare more text", 2),
     ("untrained-step", ["train", "tiny", "--data.path", "{fewtrained}", "--train.seq_len", "8", "--train.steps", "5",
                         "--out", "{new}"], "no token of its batch is trained on", 1),
     ("out-is-a-file", ["train", "tiny", "--data.path", "{data}", "--out", "{file}"], "is a file, not a directory", 2),
     ("out-is-a-dataset", ["train", "tiny", "--data.path", "{data}", "--out", "{data}"],
      "is a prepared dataset, not a run directory", 2),
     ("out-is-an-export", ["train", "tiny", "--data.path", "{data}", "--out", "{exp}"], "is an exported model", 2),
+    ("out-holds-a-project-config", ["train", "tiny", "--data.path", "{data}", "--out", "{project}"],
+     "project holds a config.toml that is not a shardlm run's, which the run would replace", 2),
+    ("out-holds-other-metrics", ["train", "tiny", "--data.path", "{data}", "--out", "{othermetrics}"],
+     "holds a metrics.jsonl that is not a shardlm run's", 2),
     ("out-in-a-checkpoint", ["train", "tiny", "--data.path", "{data}", "--out", "{run}/checkpoints/step_00000002/x"],
      "which is a checkpoint, not a run directory", 2),
     ("lora-alpha-zero", ["train", "tiny", "--lora.rank", "4", "--lora.alpha", "0", "--out", "{new}"],
      "lora.alpha = 0.0 must be positive", 2),
+    ("lora-rank-beyond-width", ["train", "tiny", "--lora.rank", "1000", "--out", "{new}"],
+     "lora.rank = 1000 exceeds model.hidden_size = 64, the most an adapter's update B A can have: lower lora.rank "
+     "(to 64 at most)", 2),
+    ("z-loss-on-dense", ["train", "tiny", "--train.moe_z_loss_coef", "0.001", "--out", "{new}"],
+     "train.moe_z_loss_coef = 0.001 applies to a mixture of experts, and this model is dense", 2),
+    ("first-dense-on-dense", ["train", "tiny", "--model.moe_first_dense", "1", "--out", "{new}"],
+     "model.moe_first_dense = 1 applies to a mixture of experts, and this model is dense", 2),
+    # MoE keys with a non-zero default, once ignored on a dense model: `--model.top_k 1` trained it dense
+    ("top-k-on-dense", ["train", "tiny", "--model.top_k", "1", "--out", "{new}"],
+     "model.top_k = 1 applies to a mixture of experts, and this model is dense (model.num_experts = 0): set "
+     "model.num_experts (and model.top_k), or leave model.top_k at 2 or 0", 2),
+    ("aux-loss-on-dense", ["train", "tiny", "--train.moe_aux_loss_coef", "0.5", "--out", "{new}"],
+     "train.moe_aux_loss_coef = 0.5 applies to a mixture of experts", 2),
+    ("router-scoring-on-dense", ["train", "tiny", "--model.router_scoring", "sigmoid", "--out", "{new}"],
+     "model.router_scoring = 'sigmoid' applies to a mixture of experts", 2),
+    ("freeze-lora-base", ["train", "tiny", "--lora.rank", "4", "--train.freeze", "embed", "--out", "{new}"],
+     "train.freeze: 'embed' matches only weights frozen already (the base under LoRA adapters), so it freezes "
+     "nothing: name modules that carry adapters (lora.targets), or leave it out", 2),  # once trained as without it
     ("resume-an-export", ["train", "--resume", "{exp}"], "it is a Hugging Face directory: start a run from it", 2),
     ("init-from-a-run", ["train", "tiny", "--train.init_from", "{run}", "--out", "{new}"],
      "it is a shardlm run; continue it with --resume", 2),
@@ -67,15 +116,45 @@ CASES = [
      "it is a PEFT adapter, not a model; train.init_from takes its base model (org/base)", 2),
     ("eval-tokenizer", ["train", "tiny", "--data.path", "{data}", "--data.eval_path", "{swapdata}", "--out", "{new}"],
      "another tokenizer than data.eval_path", 2),
+    # a path given as '' (an unset shell variable): once '.', or not given (a new run for --resume '')
+    ("resume-empty", ["train", "tiny", "--resume", ""], "--resume is empty: give a path", 2),
+    ("out-empty", ["train", "tiny", "--out="], "--out is empty: give a path", 2),
+    ("config-empty", ["train", "", "--out", "{new}"], "the config is empty: give a TOML file or a preset", 2),
+    ("generate-model-empty", ["generate", "--model", "", "--prompt", "x"], "--model is empty: give a path", 2),
+    ("export-out-empty", ["export", "--checkpoint", "{run}", "--out", ""], "--out is empty: give a path", 2),
+    # other tools' ways of giving a config
+    ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
+     "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
+    ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
+    # A key without its section, or as TrainingArguments spells it: argparse said only "unrecognized arguments"
+    ("key-no-section", ["train", "tiny", "--lr", "1e-4", "--out", "{new}"],
+     "--lr: config keys are written with their section: --train.lr", 2),
+    ("key-hf-name", ["train", "tiny", "--learning_rate", "1e-4", "--out", "{new}"],
+     "--learning_rate: config keys are written with their section: --train.lr", 2),
+    ("toml-key-outside-sections", ["train", "{toplevel}", "--out", "{new}"],
+     "toplevel.toml: steps = 2 is outside any [section]: put it under [train]", 2),
     # config keys
     ("key-unknown", ["train", "tiny", "--train.nosuch", "1", "--out", "{new}"], "unknown config key 'train.nosuch'", 2),
     ("key-type", ["train", "tiny", "--train.steps", "abc", "--out", "{new}"], "train.steps = 'abc' is not a valid int", 2),
     ("key-no-value", ["train", "tiny", "--out", "{new}", "--train.steps"], "train.steps is missing a value", 2),
+    ("key-no-value-before-flag", ["train", "tiny", "--train.steps", "--out", "{new}"],
+     "train.steps is missing a value: give --train.steps VALUE (or --train.steps=VALUE)", 2),  # not a config '{new}'
+    ("key-no-value-before-key", ["train", "tiny", "--data.path", "--train.lr", "1e-3", "--out", "{new}"],
+     "data.path is missing a value: give --data.path VALUE", 2),  # not data.path = '--train.lr'
     ("key-choice", ["train", "tiny", "--train.precision", "fp8", "--out", "{new}"], "is not one of fp32, bf16, fp16", 2),
     ("key-bool", ["train", "--resume", "{lrun}", "--data.skip_untrained", "maybe"], "is not a valid bool", 2),
+    ("free-grads-not-bool", ["train", "tiny", "--train.free_grads", "maybe", "--out", "{new}"],
+     "train.free_grads = 'maybe' is not a valid bool: give true or false", 2),
+    ("toml-list-for-a-string", ["train", "{listfreeze}", "--out", "{new}"], "train.freeze = ['router', 'experts'] is "
+     "not a valid str: give one string, the items separated by commas (freeze = 'router,experts')", 2),
     ("key-eps", ["train", "tiny", "--train.eps", "0", "--out", "{new}"], "train.eps = 0.0 must be positive", 2),
     ("key-ignored", ["train", "tiny", "--data.tokenizer", "gpt2", "--out", "{new}"], "data.tokenizer = 'gpt2' is not one", 2),
     ("key-layout", ["train", "tiny", "--parallel.tp", "2", "--out", "{new}"], "= 2 != world size 1", 2),
+    ("copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.reduce_algo", "copy_engine", "--out",
+                            "{new}"], "parallel.reduce_algo = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and "
+     "this run is on cpu: use parallel.reduce_algo auto", 2),  # with ranks: a traceback once the engine was built
+    ("pp-copy-engine-on-cpu", ["train", "tiny", "--train.device", "cpu", "--parallel.pp_transfer", "copy_engine",
+                               "--out", "{new}"], "parallel.pp_transfer = 'copy_engine' needs CUDA GPUs", 2),
     # export: never over a checkpoint, a run or a dataset; a non-empty directory only with --overwrite
     ("export-over-checkpoint", ["export", "--checkpoint", "{run}", "--out", "{run}/checkpoints/step_00000002", "--dtype",
                                 "bf16"], "is a checkpoint: an export never replaces one", 2),
@@ -85,11 +164,24 @@ CASES = [
      "is inside the checkpoint", 2),
     ("export-over-dataset", ["export", "--checkpoint", "{run}", "--out", "{data}"], "is a prepared dataset", 2),
     ("export-non-empty", ["export", "--checkpoint", "{run}", "--out", "{exp}"], "exists and is not empty: pass --overwrite", 2),
+    # --overwrite replaces a previous export only: never the directory holding the run (`--out .` in a project)
+    ("export-overwrite-project", ["export", "--checkpoint", "{run}", "--out", "{root}", "--overwrite"],
+     "is not a previous export (it holds ", 2),
+    ("export-overwrite-other-files", ["export", "--checkpoint", "{run}", "--out", "{notes}", "--overwrite"],
+     "is not a previous export (it holds notes.txt)", 2),
+    ("export-under-a-file", ["export", "--checkpoint", "{run}", "--out", "{file}/hf"],
+     "file is a file, so no directory can be made under it", 2),
     ("export-over-file", ["export", "--checkpoint", "{run}", "--out", "{file}"], "is a file", 2),
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
+    ("export-moe-no-hf-class", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
+     "this mixture of experts (model.shared_expert_ffn_hidden_size = 32) is neither Mixtral's", 2),  # which key, said
+    ("export-moe-no-hf-class-how", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
+     "Hugging Face has no class here that computes it; shardlm generate, eval and serve read the run itself", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
+    ("export-checkpoints-folder", ["export", "--checkpoint", "{run}/checkpoints", "--out", "{new}"],
+     "/checkpoints is the checkpoints folder of the run ", 2),
     ("export-a-file", ["export", "--checkpoint", "{file}", "--out", "{new}"], "is a file; a run, a checkpoint or a", 2),
     ("generate-a-file", ["generate", "--model", "{file}", "--prompt", "x"], "is a file; a run, a checkpoint or a", 2),
     ("export-missing", ["export", "--checkpoint", "{run}/nothing", "--out", "{new}"], "does not exist", 2),
@@ -108,16 +200,55 @@ CASES = [
      "is a directory, not a file", 2),
     ("prepare-mixed", ["data", "prepare", "--input", "{text}", "{longprompts}", "--tokenizer", "byte", "--out", "{new}"],
      "cannot be prepared into one dataset", 2),
+    ("prepare-empty-input", ["data", "prepare", "--input", "{file}", "--tokenizer", "byte", "--out", "{new}"],
+     "/file: no text to tokenize (empty): give files that hold text", 2),
     ("prepare-pad-to-zero", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
                              "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
     ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],
      "no 'text' field (fields: 'body')", 2),
+    ("prepare-input-twice", ["data", "prepare", "--input", "{text}", "{text}", "--tokenizer", "byte", "--out", "{new}"],
+     "text.txt is given twice: its text would be in the dataset twice; give each file once", 2),
+    ("prepare-text-field-on-text", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}",
+                                    "--text-field", "body"], "--text-field body has no effect on these inputs", 2),
+    ("prepare-text-field-on-examples", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out",
+                                        "{new}", "--text-field", "prompt"], "--text-field prompt has no effect", 2),
     ("prepare-over-checkpoint", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out",
                                  "{run}/checkpoints/step_00000002"], "holds files that are not part of a prepared", 2),
+    ("prepare-out-not-writable", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{file}/d"],
+     "/file/d cannot be written: ", 2),  # not a scratch directory's name
     ("prepare-no-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{new}", "--out", "{new}"],
-     "no tokenizer.json", 2),
+     "new: no such file or directory; give 'byte', a tokenizer.json, or a directory holding one", 2),
+    ("prepare-hub-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "no-such-org/model", "--out",
+                               "{new}"], "for a Hub model, download its tokenizer.json and tokenizer_config.json", 2),
+    ("prepare-tokenizerless-dir", ["data", "prepare", "--input", "{text}", "--tokenizer", "{adapterdir}", "--out",
+                                   "{new}"], "adapterdir: the directory holds no tokenizer.json; give 'byte'", 2),
+    ("prepare-tokenizer-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{text}", "--out", "{new}"],
+     "text.txt is not a tokenizer.json the tokenizers library can read (", 2),
+    ("prepare-tokenizer-config-not-json", ["data", "prepare", "--input", "{text}", "--tokenizer", "{badtokconfig}",
+                                           "--out", "{new}"], "badtokconfig/tokenizer_config.json is not valid JSON (", 2),
+    # tokenizer_config.json valid JSON but wrong: a list, an id for eos_token, an eos_token the vocabulary lacks
+    # a chat template that does not parse, or is not text: once a traceback, and a number taken for no template
+    ("prepare-template-syntax", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_syntax}", "--out",
+                                 "{new}"], "the chat template does not parse (line 1: unexpected '}'", 2),
+    ("prepare-template-number", ["data", "prepare", "--input", "{chat}", "--tokenizer", "{template_number}", "--out",
+                                 "{new}"], "chat_template is not a template's text", 2),
+    ("prepare-tokenizer-config-list", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_list}",
+                                       "--out", "{new}"], "tokenizer_config.json holds list, not a JSON object", 2),
+    ("prepare-eos-token-id", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_id}", "--out",
+                              "{new}"], "eos_token is 5, not the token's text", 2),
+    ("prepare-eos-token-unknown", ["data", "prepare", "--input", "{text}", "--tokenizer", "{tokconfig_unknown}",
+                                   "--out", "{new}"], "eos_token '<nope>' is no token of", 2),
+    ("generate-eos-token-unknown", ["generate", "--model", "{tokconfig_model}", "--prompt", "hi"],
+     "eos_token '<nope>' is no token of", 2),
     # plan
     ("plan-a-run", ["plan", "--model", "{run}"], "no config.json there: it is a shardlm run; plan it with --model ",
+     2),
+    ("plan-a-checkpoint", ["plan", "--model", "{run}/checkpoints/step_00000002"],
+     "it is a checkpoint of a shardlm run; plan it with --model ", 2),
+    ("plan-a-checkpoint-state", ["plan", "--model", "{run}/checkpoints/step_00000002/state.json"],
+     "state.json: not a Hugging Face config.json (no architectures or model_type): plan its run with --model ", 2),
+    ("plan-zero-seq", ["plan", "--model", "tiny", "--seq", "0"], "--seq (0) must be positive", 2),
+    ("plan-an-adapter", ["plan", "--model", "{adapterdir}"], "it is a PEFT adapter; plan its base model with --lora-rank",
      2),
     ("plan-negative-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "-5"], "--gpu-tflops -5 must be a positive", 2),
     ("plan-zero-tflops", ["plan", "--model", "tiny", "--gpu-tflops", "0"], "--gpu-tflops 0 must be a positive", 2),
@@ -129,6 +260,29 @@ CASES = [
                               "100"], "--hidden -64 must be at least 1", 2),
     ("plan-experts-negative", ["plan", "--model", "tiny", "--experts", "-1"], "--experts -1 must not be negative", 2),
     ("plan-tokens-nan", ["plan", "--model", "tiny", "--tokens", "nan"], "--tokens nan must be a finite number", 2),
+    ("plan-model-and-shape", ["plan", "--model", "tiny", "--layers", "4"],
+     "--model tiny and --layers 4 each give the model, and only one is read: give --model, or --arch", 2),
+    ("plan-model-and-params", ["plan", "--model", "tiny", "--params", "1e9"], "--model tiny and --params 1e+09 each", 2),
+    ("plan-config-not-json", ["plan", "--model", "{badjson}"], "badjson/config.json is not valid JSON (", 2),
+    ("plan-bert", ["plan", "--model", "{bert}/config.json"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),  # the file named, as generate names it
+    ("plan-config-a-list", ["plan", "--model", "{listconfig}"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("plan-search-zero", ["plan", "--model", "tiny", "--search", "--zero", "3"],
+     "--zero 3 has no effect with --search, which tries every dp, tp, pp, ep, ZeRO stage", 2),
+    ("plan-search-recompute", ["plan", "--model", "tiny", "--search", "--recompute", "full"],
+     "--recompute full has no effect with --search", 2),
+    ("plan-search-ep", ["plan", "--model", "mixtral-tiny", "--search", "--ep", "2"], "--ep 2 has no effect with --search",
+     2),
+    ("plan-search-tp-with-gpus", ["plan", "--model", "tiny", "--search", "--gpus", "4", "--tp", "2"],
+     "--tp 2 has no effect with --search", 2),
+    ("plan-delayed-update-ep", ["plan", "--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--zero", "2", "--offload",
+                                "optimizer", "--delayed-update", "--seq", "64", "--global-batch", "2"],
+     "--delayed-update with --ep 2: the delayed update of two parameter groups", 2),
+    ("plan-ep-dispatch-at-ep-1", ["plan", "--model", "mixtral-tiny", "--ep-dispatch", "exact", "--seq", "64",
+                                  "--global-batch", "2"], "--ep-dispatch exact applies to expert parallelism, and --ep 1", 2),
+    ("plan-ep-load-budget-inf", ["plan", "--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--ep-load-budget", "inf",
+                                 "--seq", "64", "--global-batch", "2"], "--ep-load-budget inf: a rank's experts", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),
     ("plan-price-without-tokens", ["plan", "--model", "tiny", "--price-per-gpu-hour", "2"], "needs --tokens", 2),
     ("plan-unknown-gpu", ["plan", "--model", "tiny", "--gpu", "h900"], "unknown --gpu 'h900'", 2),
@@ -136,12 +290,55 @@ CASES = [
     ("plan-inference-tp", ["plan", "--model", "tiny", "--inference", "--tp", "2"], "--tp 2: --inference plans one GPU", 2),
     ("plan-inference-context", ["plan", "--model", "tiny", "--inference", "--context", "100000"],
      "between 2 and the model's max_seq_len", 2),
+    ("plan-pipeline-micro-batches", ["plan", "--model", "tiny", "--pp", "2"],
+     "needs at least --pp 2 micro-batches per step to fill the pipeline, not 1: raise --global-batch or lower "
+     "--micro-batch (or use --pp-schedule gpipe)", 2),
+    ("plan-unknown-schedule", ["plan", "--model", "tiny", "--pp", "2", "--global-batch", "4", "--pp-schedule", "foo"],
+     "--pp-schedule foo is not one of naive, gpipe", 2),
     ("plan-inference-batch", ["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0 must be at least 1", 2),
     # generate and eval
     ("generate-no-model", ["generate", "--model", "{new}", "--prompt", "x"], "no such directory", 2),
+    # no tokenizer.json: converted from the slow tokenizer's files there, else copied from the model's source
+    ("generate-slow-tokenizer", ["generate", "--model", "{slowtok}", "--prompt", "x"], "slowtok: it holds "
+     "tokenizer.model, a slow tokenizer's files, which shardlm does not read; transformers writes their "
+     "tokenizer.json: `AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`", 2),
+    ("generate-no-tokenizer", ["generate", "--model", "{notok}", "--prompt", "x"], "no tokenizer.json at ", 2),
+    ("generate-no-tokenizer-how", ["generate", "--model", "{notok}", "--prompt", "x"],
+     "notok; copy the tokenizer's files (tokenizer.json, tokenizer_config.json) from where the model came from", 2),
+    ("prepare-slow-tokenizer", ["data", "prepare", "--input", "{text}", "--tokenizer", "{slowtok}", "--out", "{new}"],
+     "the directory holds no tokenizer.json: it holds tokenizer.model, a slow tokenizer's files", 2),
+    ("generate-pickled", ["generate", "--model", "{pickled}", "--prompt", "x"],
+     "has no *.safetensors weights: it holds pytorch_model.bin", 2),
+    ("serve-no-weights", ["serve", "--model", "{noweights}", "--port", "0"],
+     "has no *.safetensors weights: download or export the weights into it", 2),
+    ("generate-bert", ["generate", "--model", "{bert}", "--prompt", "x"],
+     "bert/config.json: unsupported Hugging Face architecture 'bert'", 2),
+    ("generate-config-lacks-key", ["generate", "--model", "{nokey}", "--prompt", "x"],
+     "nokey/config.json: the Hugging Face config lacks 'hidden_size'", 2),
+    # config.json values of the wrong type: each once a traceback, from arithmetic on them or the model's build
+    ("generate-config-string-size", ["generate", "--model", "{strsize}", "--prompt", "x"],
+     "strsize/config.json: the Hugging Face config holds a value of the wrong type (", 2),
+    ("generate-config-null-layers", ["generate", "--model", "{nulllayers}", "--prompt", "x"],
+     "nulllayers/config.json: model.num_layers = None is not a valid int (shardlm's name for the config.json", 2),
+    ("plan-config-string-eps", ["plan", "--model", "{streps}"], "streps/config.json: model.norm_eps = 'x' is not", 2),
+    ("generate-config-a-list", ["generate", "--model", "{listconfig}", "--prompt", "x"],
+     "listconfig/config.json: the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("init-config-a-list", ["train", "tiny", "--train.init_from", "{listconfig}", "--out", "{new}"],
+     "the Hugging Face config is a JSON list, not an object of keys", 2),
+    ("generate-config-not-json", ["generate", "--model", "{badjson}", "--prompt", "x"],
+     "badjson/config.json is not valid JSON (", 2),
+    ("generate-shard-missing", ["generate", "--model", "{sharded}", "--prompt", "x"],
+     "-00002-of-00003.safetensors, which model.safetensors.index.json lists, is missing", 2),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "x"], "is not a readable safetensors", 2),
     ("generate-too-long", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "100000"],
-     "exceeds the model's max_seq_len", 2),
+     "--prompt: a prompt of 1 token + --max-new-tokens 100000 exceeds the model's max_seq_len 128: lower "
+     "--max-new-tokens to 127 at most, or shorten the prompt", 2),
+    ("generate-too-long-line", ["generate", "--model", "{exp}", "--input", "{longline}", "--output", "{new}.jsonl"],
+     "longline.jsonl:3: a prompt of 20 tokens + max_new_tokens 200 exceeds the model's max_seq_len 128: lower "
+     "max_new_tokens to 108 at most", 2),  # its line, not 'prompt 2' (a blank line before it)
+    ("generate-prompt-too-long", ["generate", "--model", "{exp}", "--prompt", "x" * 200],
+     "a prompt of 200 tokens + --max-new-tokens 64 exceeds the model's max_seq_len 128: shorten the prompt to "
+     "fewer than 128 tokens", 2),
     ("generate-top-p", ["generate", "--model", "{exp}", "--prompt", "x", "--top-p", "0"], "--top-p 0.0 is in (0, 1]", 2),
     ("generate-negative-new", ["generate", "--model", "{exp}", "--prompt", "x", "--max-new-tokens", "-1"],
      "--max-new-tokens -1 must not be negative", 2),
@@ -161,8 +358,8 @@ CASES = [
     ("generate-empty-stop", ["generate", "--model", "{exp}", "--prompt", "def ", "--stop", ""],
      "--stop '': a stop must be a non-empty string", 2),
     ("generate-max-tokens", ["generate", "--model", "{exp}", "--input", "{line_max_tokens}", "--output", "{new}.jsonl"],
-     ("line_max_tokens.jsonl:1: unknown key 'max_tokens' (the key here is max_new_tokens); a line holds prompt, id, "
-      "max_new_tokens, temperature"), 2),
+     ("line_max_tokens.jsonl:1: unknown key 'max_tokens' (the key here is max_new_tokens); a line holds prompt, "
+      "messages, id, max_new_tokens, temperature"), 2),
     ("generate-key-typo", ["generate", "--model", "{exp}", "--input", "{line_typo}", "--output", "{new}.jsonl"],
      "line_typo.jsonl:1: unknown key 'temprature'; a line holds prompt", 2),
     ("generate-fraction", ["generate", "--model", "{exp}", "--input", "{line_fraction}", "--output", "{new}.jsonl"],
@@ -173,10 +370,40 @@ CASES = [
      "line_string.jsonl:1: top_k = \"x\" must be an integer", 2),
     ("generate-string-number", ["generate", "--model", "{exp}", "--input", "{line_hot}", "--output", "{new}.jsonl"],
      "line_hot.jsonl:1: temperature = \"hot\" must be a number", 2),
+    ("generate-negative-temperature", ["generate", "--model", "{exp}", "--input", "{line_cold}", "--output",
+                                       "{new}.jsonl"], "line_cold.jsonl:1: temperature = -1 must not be negative", 2),
+    ("generate-line-top-p", ["generate", "--model", "{exp}", "--input", "{line_top_p}", "--output", "{new}.jsonl"],
+     "line_top_p.jsonl:1: top_p = 1.5 must be in (0, 1]", 2),
+    # a lone surrogate (a \ud800 escape, or bytes the shell passed that are not UTF-8): once the tokenizer's TypeError
+    ("generate-line-surrogate", ["generate", "--model", "{exp}", "--input", "{line_surrogate}", "--output",
+                                 "{new}.jsonl"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("eval-line-surrogate", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{line_surrogate}"],
+     "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("prepare-line-surrogate", ["data", "prepare", "--input", "{line_surrogate}", "--tokenizer", "byte", "--out",
+                                "{new}"], "line_surrogate.jsonl:1: 'prompt' holds an unpaired surrogate", 2),
+    ("generate-prompt-not-utf8", ["generate", "--model", "{exp}", "--prompt", "ab\udcff"],
+     "--prompt holds the byte 0xff, which is not UTF-8 text", 2),
+    ("train-override-not-utf8", ["train", "tiny", "--train.sample_prompt", "a\udcff", "--out", "{new}"],
+     "train.sample_prompt holds the byte 0xff, which is not UTF-8 text", 2),
     ("generate-prompt-type", ["generate", "--model", "{exp}", "--input", "{line_prompt}", "--output", "{new}.jsonl"],
      "line_prompt.jsonl:1: prompt must be a string, not a number", 2),
+    ("generate-adapter-a-run", ["generate", "--model", "{exp}", "--adapter", "{lrun}", "--prompt", "x"],
+     "it is a shardlm run or checkpoint: `shardlm export --checkpoint ", 2),
+    ("generate-adapter-a-model", ["generate", "--model", "{exp}", "--adapter", "{exp}", "--prompt", "x"],
+     "it is a model, not an adapter: give it as --model", 2),
     ("generate-prompt-output", ["generate", "--model", "{exp}", "--prompt", "x", "--output", "{new}"],
      "--output goes with --input", 2),
+    # flags that do not apply where given, once ignored without a word
+    ("generate-greedy-top-k", ["generate", "--model", "{exp}", "--prompt", "x", "--top-k", "5"],
+     "--top-k 5 has no effect at --temperature 0, which decodes greedily: give --temperature above 0", 2),
+    ("eval-greedy-top-p", ["eval", "--model", "{exp}", "--tasks", "bleu", "--data", "{longprompts}", "--top-p", "0.9"],
+     "--top-p 0.9 has no effect at --temperature 0", 2),
+    ("generate-prompt-overwrite", ["generate", "--model", "{exp}", "--prompt", "x", "--overwrite"],
+     "--overwrite goes with --output", 2),
+    ("generate-input-json", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{new}.jsonl",
+                             "--json"], "--json goes with --prompt", 2),
+    ("generate-tp-zero", ["generate", "--model", "{exp}", "--prompt", "x", "--tp", "0"], "--tp 0 must be at least 1", 2),
+    ("serve-tp-negative", ["serve", "--model", "{exp}", "--tp", "-2"], "--tp -2 must be at least 1", 2),
     ("generate-output-is-input", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
                                   "{longprompts}", "--overwrite"], "is the --input file", 2),
     ("generate-output-a-directory", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{data}",
@@ -189,10 +416,25 @@ CASES = [
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
     ("serve-device", ["serve", "--model", "{exp}", "--device", "foo"],
      "--device 'foo' is not a device (auto, cpu, cuda, cuda:N)", 2),
+    ("generate-run-before-first-save", ["generate", "--model", "{unsaved}", "--prompt", "x"],
+     "it is a run that has saved no checkpoint yet", 2),
+    ("eval-run-before-first-save", ["eval", "--model", "{unsaved}", "--data", "{text}", "--seq-len", "8"],
+     "it is a run that has saved no checkpoint yet", 2),
+    # a checkpoint whose state.json was deleted: once "saved no checkpoint yet: wait for its first"
+    ("export-state-json-missing", ["export", "--checkpoint", "{nostate}", "--out", "{new}"],
+     "nostate/checkpoints/step_00000002 has no state.json, which a save writes last (a save still under way, or "
+     "one cut short or damaged)", 2),
     ("eval-batch-size", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size 0 must be at least 1", 2),
     ("eval-window-too-long", ["eval", "--model", "{exp}", "--data", "{text}", "--seq-len", "100000"],
      "exceeds the model's max_seq_len", 2),
+    ("eval-text-shorter-than-window", ["eval", "--model", "{exp}", "--data", "{shorttext}", "--seq-len", "64"],
+     "the text has 26 tokens, fewer than one window of --seq-len 64: lower --seq-len to 26 at most, or give a "
+     "longer text", 2),
+    ("eval-empty-text", ["eval", "--model", "{exp}", "--data", "{file}", "--seq-len", "8"],
+     "the text has 0 tokens, fewer than one window of --seq-len 8: give a longer text", 2),
+    ("eval-no-seq-len", ["eval", "--model", "{exp}", "--data", "{text}"],
+     "the loss task needs --seq-len N, the length of the windows it scores (the run's train.seq_len", 2),
     ("eval-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--seq-len", "8"],
      "is a directory, not a file", 2),
     ("eval-bleu-data-a-directory", ["eval", "--model", "{exp}", "--data", "{data}", "--tasks", "bleu"],
@@ -203,7 +445,9 @@ CASES = [
 BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {"prompt": "a", "temprature": 0.5},
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
-             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5}}
+             "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5},
+             "line_surrogate": {"prompt": "a\ud800", "completion": "b"}}  # written as the escape \ud800
 
 
 def _files(root):
@@ -243,18 +487,48 @@ def world(tmp_path_factory):
     p["adapterdir"] = root / "adapterdir"  # what PEFT's save_pretrained writes, weights aside
     p["adapterdir"].mkdir()
     (p["adapterdir"] / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    p["notes"] = root / "notes"  # a directory of the user's own files, no export
+    p["notes"].mkdir()
+    (p["notes"] / "notes.txt").write_text("mine")
+    p["project"] = root / "project"  # a project's own config.toml: `--out .` there replaced it
+    p["project"].mkdir()
+    (p["project"] / "config.toml").write_text('[tool.poetry]\nname = "mine"\n')
+    p["othermetrics"] = root / "othermetrics"  # another tool's metrics.jsonl
+    p["othermetrics"].mkdir()
+    (p["othermetrics"] / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
+    p["toplevel"] = root / "toplevel.toml"  # a key above the first [section]
+    p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
+    p["listfreeze"] = root / "listfreeze.toml"  # a TOML list where the key takes one comma-separated string
+    p["listfreeze"].write_text('[train]\nfreeze = ["router", "experts"]\n')
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
         p[name] = root / f"{name}.jsonl"
         p[name].write_text(json.dumps(line) + "\n")
     p["text"].write_text(TEXT * 4)
+    p["longline"] = root / "longline.jsonl"
+    long_line = json.dumps({"prompt": "x" * 20, "max_new_tokens": 200})
+    p["longline"].write_text(json.dumps({"prompt": "a"}) + "\n\n" + long_line + "\n")  # line 3, prompt 2
     p["file"].write_text("")
     p["longprompts"].write_text("".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(3)))
     few = root / "few.jsonl"
     few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n"
                    + "".join(json.dumps({"prompt": "x" * 20, "completion": "y"}) + "\n" for _ in range(39)))
     _swapped_byte_tokenizer(root / "swapped")
+    p["badtokconfig"] = root / "badtokconfig"  # a tokenizer whose tokenizer_config.json was cut short
+    shutil.copytree(root / "swapped", p["badtokconfig"])
+    (p["badtokconfig"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    p["chat"] = root / "chat.jsonl"
+    p["chat"].write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "yo"}]}) + "\n")
+    for name, template in (("syntax", "{% for m in messages %}{{ m.content }"), ("number", 5)):
+        p[f"template_{name}"] = root / f"template_{name}"
+        shutil.copytree(root / "swapped", p[f"template_{name}"])
+        (p[f"template_{name}"] / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    for name, settings in (("list", "[]"), ("id", '{"eos_token": 5}'), ("unknown", '{"eos_token": "<nope>"}')):
+        p[f"tokconfig_{name}"] = root / f"tokconfig_{name}"
+        shutil.copytree(root / "swapped", p[f"tokconfig_{name}"])
+        (p[f"tokconfig_{name}"] / "tokenizer_config.json").write_text(settings)
 
     def ok(*argv):
         status = main([str(a) for a in argv])
@@ -262,6 +536,10 @@ def world(tmp_path_factory):
 
     ok("data", "prepare", "--input", p["text"], "--tokenizer", "byte", "--out", p["data"])
     ok("data", "prepare", "--input", p["text"], "--tokenizer", root / "swapped", "--out", p["swapdata"])
+    p["shorttext"] = root / "short.txt"
+    p["shorttext"].write_text("hello world, a short text\n")  # 26 bytes and the end of text
+    p["shortdata"] = root / "shortdata"
+    ok("data", "prepare", "--input", root / "short.txt", "--tokenizer", "byte", "--out", p["shortdata"])
     ok("data", "prepare", "--input", few, "--tokenizer", "byte", "--out", p["fewtrained"], "--pad-to", "8")
     # Full tensors: the fp16 case below edits model.safetensors.
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--out", p["run"],
@@ -272,6 +550,19 @@ def world(tmp_path_factory):
     ok("train", "tiny", *QUIET, "--train.steps", "2", "--data.path", p["data"], "--lora.rank", "4", "--lora.targets",
        "q_proj,v_proj", "--out", p["lrun"])
     ok("export", "--checkpoint", p["run"], "--out", p["exp"])
+    p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
+    shutil.copytree(p["exp"], p["tokconfig_model"])
+    (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
+    p["sharedmoe"] = root / "sharedmoe"  # a mixture of experts with a shared expert and no qkv biases: no HF class
+    ok("train", "mixtral-tiny", *QUIET, "--train.steps", "1", "--data.path", p["data"], "--out", p["sharedmoe"],
+       "--model.shared_expert_ffn_hidden_size", "32")
+    p["nostate"] = root / "nostate"  # a run whose only checkpoint lost its state.json
+    shutil.copytree(p["run"], p["nostate"])
+    (p["nostate"] / "checkpoints" / "step_00000002" / "state.json").unlink()
+    p["unsaved"] = root / "unsaved"  # a run before its first save: its config and metrics, no checkpoints yet
+    p["unsaved"].mkdir()
+    shutil.copy(p["run"] / "config.toml", p["unsaved"])
+    (p["unsaved"] / "metrics.jsonl").write_text("")
     weights = (p["exp"] / "model.safetensors").read_bytes()
     for name in ("truncated", "empty", "badheader", "nonfinite"):
         shutil.copytree(p["exp"], p[name])
@@ -289,6 +580,47 @@ def world(tmp_path_factory):
     state["files"]["model.safetensors"] = {"bytes": (ckpt / "model.safetensors").stat().st_size,
                                            "crc32": zlib.crc32((ckpt / "model.safetensors").read_bytes())}
     (ckpt / "state.json").write_text(json.dumps(state))
+    for name in ("pickled", "noweights"):  # an HF directory without safetensors: PyTorch's .bin, or nothing
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(p["exp"] / "model.safetensors"), p["pickled"] / "pytorch_model.bin")
+    for name in ("slowtok", "notok"):  # no tokenizer.json: Llama's SentencePiece file instead, or nothing
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name], ignore=shutil.ignore_patterns("tokenizer*"))
+    (p["slowtok"] / "tokenizer.model").write_bytes(b"\x0a\x00")
+    for name in ("nokey", "badjson"):  # config.json cut short: without a key the model needs, or not JSON at all
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+    hf = json.loads((p["exp"] / "config.json").read_text())
+    (p["nokey"] / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "hidden_size"}))
+    (p["badjson"] / "config.json").write_text(json.dumps(hf)[:40])
+    p["deeper"] = root / "deeper"  # the config of another model: one more layer
+    p["deeper"].mkdir()
+    (p["deeper"] / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
+    for name, wrong in (("strsize", {"hidden_size": "64"}), ("nulllayers", {"num_hidden_layers": None}),
+                        ("streps", {"rms_norm_eps": "x"})):
+        p[name] = root / name
+        shutil.copytree(p["exp"], p[name])
+        (p[name] / "config.json").write_text(json.dumps({**hf, **wrong}))
+    p["listconfig"] = root / "listconfig"  # valid JSON, but not an object
+    p["listconfig"].mkdir()
+    (p["listconfig"] / "config.json").write_text("[]")
+    p["bert"] = root / "bert"  # an encoder, not a decoder-only language model (its weights would not matter)
+    p["bert"].mkdir()
+    (p["bert"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    p["sharded"], p["tensorless"] = root / "sharded", root / "tensorless"  # a shard the index lists, a tensor: gone
+    shutil.copytree(p["exp"], p["tensorless"])
+    tensors = load_file(p["exp"] / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              p["tensorless"] / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(p["exp"], p["sharded"], ignore=shutil.ignore_patterns("*.safetensors"))
+    names = sorted(tensors)
+    parts = [names[i::3] for i in range(3)]
+    for i, part in enumerate(parts):
+        if i != 1:
+            save_file({k: tensors[k] for k in part}, p["sharded"] / f"model-{i + 1:05d}-of-00003.safetensors")
+    (p["sharded"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f"model-{i + 1:05d}-of-00003.safetensors" for i, part in enumerate(parts) for k in part}}))
     tensors = load_file(p["nonfinite"] / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(tensors, p["nonfinite"] / "model.safetensors", metadata={"format": "pt"})
@@ -299,7 +631,7 @@ def world(tmp_path_factory):
 def test_a_misuse_is_one_line_a_status_and_no_change(world, case, tmp_path, capsys):
     root, paths = world
     _, argv, fragment, want = case
-    names = {**paths, "new": tmp_path / "new"}
+    names = {**paths, "new": tmp_path / "new", "root": root}
     argv = [str(a).format(**names) for a in argv]
     argv[1:1] = QUIET if argv[0] == "train" else []
     before = _files(root)
@@ -326,6 +658,27 @@ def test_a_gpu_that_is_not_there_is_named_by_the_commands_flag(world, monkeypatc
         want = (f"shardlm {cmd}: error: --device 'cuda', but no CUDA device is visible to this process: use "
                 "--device auto or cpu")
         assert status == 2 and lines == [want], lines
+
+
+def test_an_output_that_cannot_be_written_is_named_before_the_model_loads(world, tmp_path, monkeypatch, capsys):
+    """generate --output in a read-only directory: a traceback from open(), after the model had loaded."""
+    import os
+    import shardlm.inference.load as load
+    _, paths = world
+    if os.geteuid() != 0:  # permissions hold
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        out = ro / "out.jsonl"
+    elif os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
+        out = "/sys/shardlm-out.jsonl"
+    else:
+        pytest.skip("no directory this user cannot write")
+    monkeypatch.setattr(load, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    status, lines = _cli(["generate", "--model", paths["exp"], "--input", paths["longprompts"], "--output", out],
+                         capsys)
+    assert status == 2 and len(lines) == 1 and f"--output {out} cannot be written" in lines[0], lines
+    assert not os.path.exists(out)
 
 
 def test_skip_untrained_counts_the_steps_it_skips(world, tmp_path, capsys):
@@ -397,6 +750,8 @@ def test_an_adapter_of_another_models_shape_is_named(world, tmp_path):
     weights.write_bytes(weights.read_bytes()[:50])  # a copy cut short
     with pytest.raises(ConfigError, match="is not a readable PEFT adapter directory"):
         read_peft_dir(adapter, load_config("tiny").model)
+    with pytest.raises(ConfigError, match="it is a file: give the directory holding it"):
+        read_peft_dir(weights, load_config("tiny").model)
 
 
 def test_an_export_is_written_whole_or_not_at_all(world, tmp_path, monkeypatch, capsys):
@@ -434,3 +789,83 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
                  "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
+
+
+def test_instruction_data_smaller_than_a_batch_or_a_window_is_said(tmp_path, capsys):
+    """Three examples packed into one window: 8 copies of it made each batch and the examples past it were never
+    trained on, without a word. Said, with the fix; with --pad-to every example has its window."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?", "completion": f"answer {i}."}) + "\n"
+                            for i in range(3)))
+    for pad in ([], ["--pad-to", "32"]):
+        assert main(["data", "prepare", "--input", str(data), "--tokenizer", "byte", "--out", str(tmp_path / "d"),
+                     *pad]) == 0
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(tmp_path / "d"), "--train.seq_len", "32",
+                     "--train.steps", "1", "--train.eval_every", "0", "--out", str(tmp_path / "run"),
+                     "--overwrite"]) == 0
+        out = capsys.readouterr().out
+        windows = 3 if pad else 1
+        assert (f"holds {windows} training window{'s' * (windows > 1)}, fewer than train.global_batch_size = 8: "
+                f"every step's batch repeats {'them' if pad else 'it'}") in out, out
+        assert ("are never trained on; --pad-to 32 in `data prepare` gives each example a window" in out) != bool(pad)
+
+
+def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
+    """Accepted (a short test run may mean it), but said: the learning rate would never reach train.lr."""
+    _, paths = world
+    for steps, warmup, said in ((2, 3, True), (2, 2, False)):
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", str(steps),
+                     "--train.warmup_steps", str(warmup), "--out", str(tmp_path / f"run{warmup}")]) == 0
+        out = capsys.readouterr().out
+        assert ("note: train.warmup_steps = 3 exceeds train.steps = 2: the learning rate climbs only to 2.00e-03, not "
+                "train.lr = 3.00e-03, and never decays; lower train.warmup_steps to 2 at most" in out) == said, out
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE = 2 but MASTER_ADDR and MASTER_PORT are not set: start the ranks "
+     "with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost"},  # the heartbeat's KeyError
+     "WORLD_SIZE = 2 but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "abc"},
+     "the environment variable MASTER_PORT = 'abc' is not a whole number 1 to 65535: set it to a free port"),
+    ({"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE = 'two' is not a whole number 1 or more: unset it"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
+     "the environment variable RANK = 'x' is not a whole number 0 or more"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number"])
+def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
+    """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--out", tmp_path / "new"],
+                 ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+        status, lines = _cli(argv, capsys)
+        assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_sequence_too_long_for_memory_is_named_before_the_model(world, tmp_path, monkeypatch, capsys):
+    """train.seq_len 10**6 typed for 10**3: refused by its activations before any is allocated (on a CPU the kernel
+    killed the process without a word); an out-of-memory error once running names train.seq_len too."""
+    import shardlm.cli as cli
+    import shardlm.memory_check as memory_check
+    _, paths = world
+    monkeypatch.setattr(memory_check, "free_memory", lambda device: 8 << 30)
+    argv = ["train", "tiny", *QUIET, "--data.path", paths["data"], "--model.max_seq_len", "1000000",
+            "--train.seq_len", "1000000", "--out", tmp_path / "new"]
+    status, lines = _cli(argv, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("shardlm train: error: a micro-batch of 4 x 1,000,000 tokens (train.micro_batch_size "
+                               "x train.seq_len) needs about ") and "and cpu has 8.0 GiB free: lower train.seq_len" \
+        in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+    def oom(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 800000000000 bytes.")
+    monkeypatch.setattr(cli, "_train", oom)
+    status, lines = _cli(argv, capsys)
+    assert status == 1 and len(lines) == 1 and "lower train.seq_len (1,000,000) or train.micro_batch_size (4)" in \
+        lines[0], lines

@@ -229,7 +229,7 @@ def test_routing_and_its_counts_compile_into_one_graph_unless_recomputed(recompu
     model = build_model(moe_cfg(router_bias_update_rate=0.01), seed=0).train()
     model.set_recompute(recompute)
     layer = next(m for m in model.modules() if isinstance(m, MoE))
-    layer.run_experts = lambda rows, counts: 2 * rows
+    layer.run_experts = lambda rows, counts, copies: 2 * rows
     graphs = []
 
     def backend(gm, inputs):

@@ -11,7 +11,7 @@ import dist_fns
 from helpers import matched_to_transformers
 from shardlm.config import ConfigError, LoRAConfig, load_config, validate
 from shardlm.model import Decoder
-from shardlm.parallel.lora import apply_lora, is_adapter_key, peft_state, write_peft_dir
+from shardlm.parallel.lora import apply_lora, is_adapter_key, peft_config, peft_state, write_peft_dir
 from shardlm.testing.distributed import run_distributed
 from test_tensor_parallel import check_equal
 
@@ -62,6 +62,16 @@ def test_a_dense_first_layer_keeps_its_mlp_adapters_and_the_count_is_what_trains
         apply_lora(Decoder(cfg.model, layers=[1, 2], first=False), mlp_only)
 
 
+def test_the_adapter_config_lists_only_the_modules_the_model_has():
+    """adapter_config.json of a model whose every MLP is a mixture of experts listed the dense MLP's
+    gate_proj, up_proj and down_proj, which it has not; a dense first layer keeps them."""
+    cfg = load_config("mixtral-tiny", LORA)
+    assert peft_config(cfg.model, cfg.lora)["target_modules"] == [
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    cfg = load_config("mixtral-tiny", {**LORA, "model.num_layers": "3", "model.moe_first_dense": "1"})
+    assert "mlp.gate_proj" in peft_config(cfg.model, cfg.lora)["target_modules"]
+
+
 @pytest.mark.parametrize("over, message", [
     ({"lora.targets": "gate_proj,down_proj"}, "names MLP linears only, and every layer's MLP is a mixture of experts"),
     ({"lora.quantize": "nf4"}, "QLoRA on a mixture of experts is not built yet"),
@@ -94,13 +104,13 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from helpers import cli_here, run_cli
+    from helpers import cli_here
     from shardlm.checkpoint import load_checkpoint
     from shardlm.inference import load_pretrained
     from shardlm.model.hf import write_hf_dir
     from shardlm.tokenizer import load_tokenizer
     run = tmp_path / "run"
-    run_cli("train", "mixtral-tiny", "--train.steps", "3", "--lora.rank", "4", "--train.lr", "3e-2", "--out", run)
+    cli_here(capsys, "train", "mixtral-tiny", "--train.steps", "3", "--lora.rank", "4", "--train.lr", "3e-2", "--out", run)
     ckpt = load_checkpoint(run, with_optimizer=False)
     cfg = load_config("mixtral-tiny").model
     write_hf_dir({k: v for k, v in ckpt["model"].items() if not is_adapter_key(k)}, cfg, tmp_path / "base",
@@ -117,8 +127,10 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
         want = adapted(input_ids=ids).logits
         with adapted.disable_adapter():
             assert not torch.allclose(adapted(input_ids=ids).logits, want, atol=1e-4)  # the adapter matters
+        # fp32 logits of about 1: the merged weight, our (A x) then (scale B) and PEFT's scale (B (A x)) round
+        # differently; 2e-5 apart seen after a few layers and a router's softmax.
         for got in (merged(input_ids=ids).logits, on_base(ids)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
     from shardlm.inference import Engine, Request  # served per row over the base, beside a row without it
     engine = Engine(load_pretrained(tmp_path / "base")[0], max_batch=2, max_len=32, compile=False)
     engine.add_adapter("tuned", tmp_path / "adapter")

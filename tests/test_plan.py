@@ -4,15 +4,16 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from helpers import run_cli
 from shardlm.config import ModelConfig, load_config
-from shardlm.plan import Layout, PlanError, Workload, estimate, gpu, paper_model_states
+from shardlm.plan import Layout, PlanError, Workload, estimate, estimate_memory, gpu, paper_model_states
 from shardlm.config.views import group_span
-from shardlm.plan.memory import activation_per_layer
+from shardlm.plan.memory import activation_per_layer, expert_chunk_bytes, expert_loads
 
 
 def test_zero_paper_figure_1():
@@ -63,9 +64,12 @@ def test_narayanan_flops(recompute, coeff):
 
 
 def test_predictions_match_measured_tinyllama_memory():
-    """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md)."""
+    """Golden figures measured with torch.cuda.max_memory_allocated on H200s (bench/README.md): one GPU's with its
+    gradients freed between steps (the default) and kept (before it), ZeRO's."""
     m, g = load_config("tinyllama-1.1b").model, gpu("h200")
-    cases = [(Workload(2048, 4, 4), Layout(), 28.1), (Workload(2048, 4, 4), Layout(recompute="full"), 18.0),
+    kept = {"free_grads": False}
+    cases = [(Workload(2048, 4, 4), Layout(), 25.3), (Workload(2048, 4, 4), Layout(**kept), 28.1),
+             (Workload(2048, 4, 4), Layout(recompute="full"), 17.0), (Workload(2048, 4, 4), Layout(recompute="full", **kept), 18.0),
              (Workload(2048, 4, 16), Layout(dp=4, zero_stage=3), 14.9), (Workload(2048, 4, 16), Layout(dp=4, zero_stage=2), 16.9)]
     for w, L, measured in cases:
         predicted = estimate(m, w, L, g).memory.total / 2**30
@@ -85,6 +89,32 @@ def test_predictions_match_measured_model_parallel_memory():
     for w, L, measured in cases:
         predicted = estimate(m, w, L, g).memory.total / 2**30
         assert abs(predicted / measured - 1) < 0.10, (L, predicted, measured)
+
+
+def test_only_one_process_at_zero_0_frees_its_gradients():
+    """train.free_grads applies to one process's LocalEngine: ZeRO at one GPU keeps its 16-bit gradients, and so
+    does a step of several micro-batches (every gradient alive from the first backward on)."""
+    m = load_config("tinyllama-1.1b").model
+    mem = lambda w, **kw: estimate_memory(m, w, Layout(**kw)).total  # noqa: E731
+    one, acc = Workload(2048, 4, 4), Workload(2048, 4, 8)
+    assert mem(one) < mem(one, free_grads=False) - 2**30
+    for kw in ({"zero_stage": 1}, {"zero_stage": 1, "offload": "optimizer"}):
+        assert mem(one, **kw) == mem(one, **kw, free_grads=False)
+    assert mem(acc) == mem(acc, free_grads=False)
+
+
+def test_moe_step_time_matches_one_h200():
+    """moe-1b, seq 2048, micro-batch 4 on one H200 (bench/moe.py): 58.6 ms a step with bf16 optimizer state (the
+    routed copies' cost is fitted to it) and 63.4 ms with fp32 masters and moments; the routing term doubles the
+    experts' side at ep 2's fixed-size blocks, and a dense model has none."""
+    m, g = load_config("moe-1b").model, gpu("h200")
+    for L, measured in ((Layout(optimizer_dtype="bf16"), 58.6), (Layout(), 63.4)):
+        assert estimate(m, Workload(2048, 4, 4), L, g).step_time_s * 1e3 == pytest.approx(measured, rel=0.05)
+    from shardlm.plan.flops import moe_routing_seconds
+    w = Workload(2048, 4, 8)
+    exact, padded = (moe_routing_seconds(m, w, Layout(dp=2, ep=2, ep_dispatch=d), g.hbm_bw) for d in ("exact", "padded"))
+    assert padded == pytest.approx(1.5 * exact) and exact > 0
+    assert moe_routing_seconds(load_config("tinyllama-1.1b").model, w, Layout(dp=2), g.hbm_bw) == 0
 
 
 def test_pipeline_ranks_hold_the_runtime_split():
@@ -251,6 +281,18 @@ def test_scores_ten_thousand_layouts_quickly():
             estimate(m, w, L, g)
             n += 1
     assert time.perf_counter() - t < 2.0  # about 0.4 s on one core of the CI machine
+
+
+def test_the_default_sequence_fits_the_models_context():
+    """`plan --model tiny` planned sequences of 2048 for a model of 128 positions, a run that `train` refuses;
+    a --seq past the context is planned as asked, with a note of the key the run needs."""
+    default = run_cli("plan", "--model", "tiny", "--json")
+    assert json.loads(default.stdout) == json.loads(run_cli("plan", "--model", "tiny", "--seq", 128, "--json").stdout)
+    assert default.stderr == ""
+    longer = run_cli("plan", "--model", "tiny", "--seq", 512, "--json")
+    assert json.loads(longer.stdout) != json.loads(default.stdout)
+    assert longer.stderr.strip() == ("note: --seq 512 exceeds the model's max_seq_len 128: a run at it needs "
+                                     "--model.max_seq_len 512")
 
 
 def test_cli_json_search_and_no_torch():
@@ -458,6 +500,31 @@ def test_search_with_context_parallelism_fills_the_gpus_it_leaves():
     assert all(L.cp == 2 and L.dp * L.tp * L.pp * L.cp == 8 for _, _, L in best)
 
 
+def test_search_tries_expert_parallelism_for_a_mixture_of_experts_only():
+    """A MoE model's search ranks every ep that divides its experts and dp x cp by the planner's own estimate
+    (Mixtral 8x7B on 16 GPUs: ep > 1 first); a dense model's keeps ep 1, and neither its rows nor --ep name it."""
+    from shardlm.plan.search import search
+    m, w, g = load_config("mixtral-8x7b").model, Workload(4096, 1, 64), gpu("h100")
+    ranked, scored, _, _ = search(m, w, g, 16, 8, top=10**6)
+    eps = {L.ep for _, _, L in ranked}
+    assert {1, 2, 4, 8} <= eps and all(m.num_experts % L.ep == 0 and (L.dp * L.cp) % L.ep == 0 for *_, L in ranked)
+    speeds = [e.tokens_per_s for e, _, _ in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for e, work, L in ranked[:3] + [next(t for t in ranked if t[2].ep == 1)]:
+        assert estimate(m, work, L, g, 8, 16).tokens_per_s == pytest.approx(e.tokens_per_s)
+    best = ranked[0][2]
+    assert best.ep > 1
+    text = run_cli("plan", "--model", "mixtral-8x7b", "--gpus", 16, "--search", "--seq", 4096, "--global-batch", 64,
+                   "--top", 1).stdout
+    assert f"1. dp {best.dp} ep {best.ep} tp {best.tp}" in text
+
+    dense, _, _, _ = search(load_config("llama2-7b").model, Workload(4096, 1, 64), g, 8, 8, top=10**6)
+    assert dense and all(L.ep == 1 for _, _, L in dense)
+    text = run_cli("plan", "--model", "llama2-7b", "--gpus", 8, "--search", "--seq", 4096, "--global-batch", 64,
+                   "--top", 3).stdout
+    assert "1. dp" in text and " ep " not in text
+
+
 def test_context_parallel_attention_scores_span_the_whole_sequence():
     """Ulysses: a rank's 1/cp of the heads attend over the whole sequence, so standard attention's scores per
     rank are the one-rank scores / cp, while the rest of the activations are / cp of the tokens."""
@@ -639,3 +706,62 @@ def test_small_times_print_with_three_significant_figures():
     assert line.split()[2:4] == duration(e["step_bound_s"]).split() and float(line.split()[2]) >= 1
     step = next(x for x in run_cli("plan", "--model", "tiny").stdout.splitlines() if x.strip().startswith("step time"))
     assert float(step.split()[2]) >= 1 and step.split()[3] in ("s", "ms", "us", "ns")
+
+
+def test_padded_expert_dispatch_is_charged_ep_times_the_routed_rows():
+    """Fixed-size blocks (parallel.ep_dispatch padded, the default at ep 2) hold and send room for every token
+    copy at every peer: the experts' activations ep times a balanced load's (the router's own part unchanged)
+    and the all-to-all ep - 1 blocks where exact counts move (ep - 1) / ep of them; exact beyond ep 2 by
+    default, and under capacity routing always."""
+    m = load_config("moe-1b").model
+    w = Workload(2048, 4, 16)
+
+    def est(ep, dispatch, model=m):
+        return estimate(model, w, Layout(dp=ep, ep=ep, ep_dispatch=dispatch), gpu("h100"))
+    for ep in (2, 4):
+        padded, exact = est(ep, "padded"), est(ep, "exact")
+        assert padded.comm_bytes_per_step["ep"] == pytest.approx(ep * exact.comm_bytes_per_step["ep"])
+        # the exact dispatch at its worst: ep loads at ep 2, within parallel.ep_load_budget's 2 (below)
+        assert padded.memory.activation_per_layer >= exact.memory.activation_per_layer
+    assert est(2, "auto").memory.activation_per_layer == est(2, "padded").memory.activation_per_layer
+    assert est(4, "auto").memory.activation_per_layer == est(4, "exact").memory.activation_per_layer
+    dropping = load_config("moe-1b", {"model.capacity_factor": "1.25"}).model
+    assert est(2, "padded", dropping).comm_bytes_per_step["ep"] == est(2, "exact", dropping).comm_bytes_per_step["ep"]
+
+
+def test_exact_dispatch_is_charged_at_its_load_budget():
+    """The exact dispatch's experts are charged at their worst load (plan/memory.py's expert_loads): every
+    token copy of the ep group on one rank, ep balanced loads, or past parallel.ep_load_budget its checkpointed
+    chunks (parallel/expert_chunks.py): every layer keeps the arrived rows, and one chunk's intermediates (the
+    budget's) exist at a time. The padded blocks hold ep loads at any routing; at a balanced load every layout
+    holds one."""
+    m = load_config("moe-1b").model
+    w = Workload(2048, 4, 16)
+    act, copies = 2, 2048 * 4 * m.top_k  # bf16; a rank's token copies: one balanced load
+    row = act * copies * (3 * m.moe_ffn_size + m.hidden_size)  # one balanced load's input rows and intermediates
+
+    def per_layer(ep, dispatch, budget, model=m, balanced=False):
+        layout = Layout(dp=ep, ep=ep, ep_dispatch=dispatch, ep_load_budget=budget)
+        return activation_per_layer(model, w, layout, balanced)
+    one = per_layer(1, "auto", 2.0)
+    assert per_layer(4, "exact", 2.0, balanced=True) == one == per_layer(4, "padded", 2.0, balanced=True)
+    arrived = act * copies * 4 * m.hidden_size  # ep 4: every copy of the group on one rank, its input rows
+    assert per_layer(4, "exact", 2.0) - one == per_layer(4, "exact", 3.0) - one == pytest.approx(arrived - row)
+    chunk = act * copies * 3 * m.moe_ffn_size  # one balanced load's up (2f gated) and activation
+    for budget, transient in ((2.0, 2 * chunk), (3.0, 3 * chunk), (4.0, 0.0), (0.0, 0.0)):
+        layout = Layout(dp=4, ep=4, ep_dispatch="exact", ep_load_budget=budget)
+        assert expert_chunk_bytes(m, w, layout) == pytest.approx(transient)
+    assert expert_chunk_bytes(m, w, Layout(dp=4, ep=4, ep_dispatch="padded")) == 0.0
+    assert per_layer(4, "exact", 0.0) == per_layer(4, "exact", 4.0) == per_layer(4, "padded", 2.0)
+    assert per_layer(4, "padded", 2.0) - one == pytest.approx(3 * row)
+    assert per_layer(2, "exact", 2.0) == per_layer(2, "padded", 2.0)  # a budget of ep: never in chunks
+    assert expert_loads(m, Layout(dp=4, ep=4, ep_dispatch="exact"))[:2] == (2.0, 4)
+    # Narrow experts: past the budget the arrived rows (h wide, up to ep loads) outweigh the budget's rows.
+    narrow = replace(m, moe_ffn_hidden_size=128)
+    assert per_layer(8, "exact", 1.0, narrow) - per_layer(1, "auto", 1.0, narrow) == \
+        pytest.approx(act * copies * (8 * m.hidden_size - (3 * 128 + m.hidden_size)))
+    # The planner's flag, checked as the config key is, and said where it states the experts' activations.
+    assert "--ep-load-budget 0.5" in run_cli("plan", "--model", "moe-1b", "--dp", "4", "--ep", "4",
+                                              "--ep-load-budget", "0.5", check=False).stderr
+    said = run_cli("plan", "--model", "moe-1b", "--dp", "4", "--ep", "4").stdout
+    assert "experts' load" in said and "--ep-load-budget 2" in said

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_proc, run_cli
 from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.trainer import Trainer, TrainingError
@@ -21,6 +21,19 @@ QUIET = ["--train.tensorboard", "false", "--train.log_every", "1"]
 
 def train_cli(*args, check=False):
     return run_cli("train", "tiny", *QUIET, *map(str, args), check=check)
+
+
+def here(capsys, *args, check=False):
+    """`shardlm ...` in this process (cli_proc): what run_cli returns, without starting Python and importing
+    torch again, where the test needs no process of its own; `check` as run_cli's."""
+    proc = cli_proc(capsys, *args)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"shardlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def train_here(capsys, *args, check=False):
+    return here(capsys, "train", "tiny", *QUIET, *args, check=check)
 
 
 def steps_of(run):
@@ -38,20 +51,20 @@ def no_traceback(proc, status=None):
 
 # ---- run directories ----------------------------------------------------------------------------------
 
-def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
+def test_a_run_directory_holding_another_runs_checkpoints_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 6, "--train.save_every", 3, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 6, "--train.save_every", 3, "--out", run, check=True)
     before = [p.name for p in complete_checkpoints(run)]
-    proc = train_cli("--train.steps", 2, "--train.seed", 5, "--out", run)
+    proc = train_here(capsys, "--train.steps", 2, "--train.seed", 5, "--out", run)
     line = no_traceback(proc, 2)
     assert f"{run} already holds a run's checkpoints (up to step_00000006)" in line
     assert f"--resume {run}" in line and "--overwrite" in line
     assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
     # --overwrite deletes only once the new run has passed its checks: a refused one keeps the old run.
-    proc = train_cli("--train.steps", 2, "--train.freeze", "embed_tokens", "--out", run, "--overwrite")
+    proc = train_here(capsys, "--train.steps", 2, "--train.freeze", "embed_tokens", "--out", run, "--overwrite")
     assert "train.freeze: 'embed_tokens' matches no parameter" in no_traceback(proc, 2)
     assert [p.name for p in complete_checkpoints(run)] == before and steps_of(run) == list(range(1, 7))
-    train_cli("--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
+    train_here(capsys, "--train.steps", 2, "--train.seed", 5, "--out", run, "--overwrite", check=True)
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"] and steps_of(run) == [1, 2]
 
 
@@ -64,17 +77,17 @@ def test_rotation_never_deletes_a_checkpoint_for_later_steps(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005", "step_00000010", "step_00000020"]
 
 
-def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path):
+def test_an_earlier_checkpoint_resumed_into_its_own_directory(tmp_path, capsys):
     """Beside later checkpoints it is refused (two futures would mix); with --overwrite the later ones go,
     and metrics.jsonl and TensorBoard keep the history up to the checkpoint, with no step twice."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_00000003"
     args = ["tiny", "--train.log_every", "1", "--train.steps", "6", "--train.save_every", "3", "--out", run]
-    run_cli("train", *args)
-    refused = run_cli("train", *args, "--resume", ckpt, check=False)
+    here(capsys, "train", *args, check=True)
+    refused = here(capsys, "train", *args, "--resume", ckpt)
     assert "holds checkpoints after step_00000003 (step_00000006)" in no_traceback(refused, 2)
-    run_cli("train", *args, "--resume", ckpt, "--overwrite")
+    here(capsys, "train", *args, "--resume", ckpt, "--overwrite", check=True)
     assert steps_of(run) == list(range(1, 7))
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
@@ -92,8 +105,8 @@ def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_che
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
     names = lambda: [p.name for p in complete_checkpoints(tmp_path / "run")]  # noqa: E731
     with pytest.raises(ConfigError, match="holds checkpoints after step_00000003"):
-        rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=False)
-    assert rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=True)
+        rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=False, saved_batch=8, batch=8)
+    assert rundir.check_resume_into(tmp_path / "run", ckpt, ckpt, overwrite=True, saved_batch=8, batch=8)
     assert names() == ["step_00000003", "step_00000006", "step_00000009"]
     said = []
     rundir.overwrite_run(tmp_path / "run", ckpt, said.append)
@@ -102,14 +115,14 @@ def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_che
     assert names() == [] and "deleted the checkpoints (up to step_00000003)" in said[-1]
 
 
-def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path):
+def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
-    refused = run_cli("train", "--resume", run, "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
-                      "--train.steps", "6", check=False)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
+    refused = here(capsys, "train", "--resume", run, "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
+                   "--train.steps", "6")
     assert "was trained with train.global_batch_size 8" in no_traceback(refused, 2)
-    run_cli("train", "--resume", run, "--out", tmp_path / "other", "--train.global_batch_size", "4",
-            "--train.micro_batch_size", "4", "--train.steps", "6")
+    here(capsys, "train", "--resume", run, "--out", tmp_path / "other", "--train.global_batch_size", "4",
+         "--train.micro_batch_size", "4", "--train.steps", "6", check=True)
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
 
 
@@ -120,9 +133,22 @@ def test_a_resume_with_nothing_to_do_prints_no_header(tmp_path, capsys):
     run = tmp_path / "run"
     cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "2", "--out", run)
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "2", "--out", tmp_path / "r1")
-    assert "nothing to do" in out and "shardlm:" not in out, out
+    assert "nothing to do (raise train.steps above 2 to continue)" in out and "shardlm:" not in out, out
+    # Below the checkpoint's step: a note of a warmup longer than the schedule came first, of steps not run.
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "1", "--out", tmp_path / "r0")
+    assert "is at step 2, train.steps is 1: nothing to do" in out and "warmup" not in out, out
     out = cli_here(capsys, "train", "tiny", *QUIET, "--resume", run, "--train.steps", "3", "--out", tmp_path / "r2")
     assert "1 more step (to 3) of 8 x 32 tokens" in out and "step      3 |" in out, out
+
+
+def test_a_resume_with_nothing_to_do_says_so_on_the_main_rank_only(tmp_path, capsys):
+    """Under torchrun every rank printed `nothing to do`, the copies run together on one line."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    run = tmp_path / "run"
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
+    said = run_distributed(dist_fns.lines_of_a_resume, 2, {"train.steps": "2"}, str(run), timeout=120)
+    assert [sum("nothing to do" in line for line in lines) for lines in said] == [1, 0], said
 
 
 # ---- checkpoint integrity -----------------------------------------------------------------------------
@@ -161,6 +187,68 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
 
 
+def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_say_which_they_use(tmp_path, capsys):
+    """They take the newest checkpoint that verifies, as a resume does: that was an older step without a word."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    damage(run / "checkpoints" / "step_00000004" / "rank00000-0000.safetensors", "truncated")
+    (tmp_path / "text.txt").write_text("some text to score " * 20)
+    for argv in (["export", "--checkpoint", run, "--out", tmp_path / "hf"],
+                 ["generate", "--model", run, "--prompt", "a", "--max-new-tokens", "1"],
+                 ["eval", "--model", run, "--data", tmp_path / "text.txt", "--seq-len", "16"]):
+        proc = cli_proc(capsys, *argv)
+        assert proc.returncode == 0, proc.stderr
+        assert (f"note: skipping damaged checkpoints ({run}/checkpoints/step_00000004/rank00000-0000.safetensors "
+                f"has ") in proc.stderr and f"using {run}/checkpoints/step_00000002, the newest" in proc.stderr
+
+
+def test_a_damaged_checkpoint_skipped_under_tensor_parallelism_is_noted_by_rank_0_only(tmp_path):
+    """generate, eval and serve --tp N printed the note once per rank."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "2", "train.save_every": "1", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    damage(run / "checkpoints" / "step_00000002" / "rank00000-0000.safetensors", "truncated")
+    said = run_distributed(dist_fns.notes_of_a_tp_load, 2, str(run), timeout=120)
+    assert ["skipping damaged checkpoints" in s for s in said] == [True, False], said
+
+
+def test_a_resume_whose_state_json_is_cut_short_names_the_file_and_why(tmp_path, capsys):
+    """Once 'no state.json under RUN is readable JSON with a config', naming neither the file nor the fault."""
+    run = tmp_path / "run"
+    Trainer(load_config("tiny", {"train.steps": "1", "train.tensorboard": "false"}), out_dir=run,
+            log=lambda *a: None).run()
+    state = run / "checkpoints" / "step_00000001" / "state.json"
+    state.write_text(state.read_text()[:100])
+    proc = cli_proc(capsys, "train", "--resume", run, "--out", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"shardlm train: error: no checkpoint of {run} has a readable state.json: {state} is "
+                               "not readable JSON ("), lines
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_state_json_whose_model_does_not_match_its_tensors_is_refused(tmp_path, fmt):
+    """state.json's model.hidden_size edited from 64 to 128: the resume trained on, each parameter's first
+    64-wide part loaded and the rest left at zero. It is refused naming a tensor and both shapes."""
+    from shardlm.checkpoint import read_state
+    from shardlm.config import config_from_dict
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "1", "train.tensorboard": "false", "train.checkpoint_format": fmt})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    state_json = run / "checkpoints" / "step_00000001" / "state.json"
+    state = json.loads(state_json.read_text())
+    state["config"]["model"]["hidden_size"] = 128
+    state_json.write_text(json.dumps(state))
+    cfg = config_from_dict(read_state(run)["config"])
+    cfg.train.steps = 2
+    with pytest.raises(ConfigError, match=r"embed.weight is saved as \[512, 64\], but the model config in its "
+                                          r"state.json makes it \[512, 128\]"):
+        Trainer(cfg, out_dir=tmp_path / "resumed", resume=run, log=lambda *a: None)
+
+
 def test_an_invalid_state_json_is_named(tmp_path):
     w = {"w": torch.zeros(2)}
     path = save_checkpoint(tmp_path, 1, w, {}, {"config": {}, "data": {}})
@@ -169,19 +257,30 @@ def test_an_invalid_state_json_is_named(tmp_path):
         load_checkpoint(path)
 
 
-def test_unfinished_saves_are_removed_on_the_next_start(tmp_path):
+def test_unfinished_saves_are_removed_on_the_next_start(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     partial = run / "checkpoints" / ".tmp-step_00000003-12345"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"half")
-    proc = run_cli("train", "--resume", run, "--train.steps", "3")
+    proc = here(capsys, "train", "--resume", run, "--train.steps", "3", check=True)
     assert not partial.exists() and "removed 1 unfinished checkpoint save" in proc.stdout
 
 
-def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys):
-    """A full disk (ENOSPC) while step 4 is written: the run ends with status 1 and one line; step 2's
-    checkpoint is there and verifies; no partial directory is left."""
+def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from(tmp_path, capsys):
+    """A run killed while writing step 4 (its temporary directory left): the next start says which step's save
+    was lost and which complete checkpoint the run stands at."""
+    run = tmp_path / "run"
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
+    (run / "checkpoints" / ".tmp-step_00000004-12345").mkdir()
+    proc = here(capsys, "train", "--resume", run, "--train.steps", "3", check=True)
+    assert "(step 4, cut short by a crash or kill); the newest complete checkpoint is step_00000002" in proc.stdout
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys, fmt):
+    """A full disk (ENOSPC) while step 4 is written, in either checkpoint format: the run ends with status 1
+    and one line; step 2's checkpoint is there and verifies; no partial directory is left."""
     import shardlm.checkpoint as ckpt
     from shardlm.cli import main
 
@@ -191,7 +290,8 @@ def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fai
         return open(file, mode, *args, **kwargs)
     monkeypatch.setattr(ckpt, "open", full_disk, raising=False)
     run = tmp_path / "run"
-    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run)])
+    status = main(["train", "tiny", *QUIET, "--train.steps", "4", "--train.save_every", "2", "--out", str(run),
+                   "--train.checkpoint_format", fmt])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and "saving step 4" in err[-1] and "No space left on device" in err[-1]
     assert "step_00000002 is kept" in err[-1]
@@ -216,15 +316,15 @@ def test_betas_and_momentum_are_in_the_unit_interval(key, value):
         validate(load_config("tiny", {key: value}))
 
 
-def test_non_finite_gradients_before_any_update_blame_the_initialisation_not_the_learning_rate(tmp_path):
-    proc = train_cli("--model.init_std", "1e30", "--out", tmp_path / "run")
+def test_non_finite_gradients_before_any_update_blame_the_initialisation_not_the_learning_rate(tmp_path, capsys):
+    proc = train_here(capsys, "--model.init_std", "1e30", "--out", tmp_path / "run")
     line = no_traceback(proc, 1)
     assert "the gradient of step 1 was not finite" in line and "before any update" in line
     assert "model.init_std" in line and "lower train.lr" not in line
 
 
-def test_non_finite_gradients_after_updates_say_the_run_diverged(tmp_path):
-    proc = train_cli("--train.lr", "1e30", "--train.steps", "5", "--out", tmp_path / "run")
+def test_non_finite_gradients_after_updates_say_the_run_diverged(tmp_path, capsys):
+    proc = train_here(capsys, "--train.lr", "1e30", "--train.steps", "5", "--out", tmp_path / "run")
     line = no_traceback(proc, 1)
     assert "the gradient of step 2 was not finite" in line and "after 1 updates the run diverged" in line
     assert "lower train.lr" in line
@@ -243,13 +343,13 @@ def test_a_nan_loss_in_fp16_is_divergence_not_an_overflow():
     assert all(torch.equal(before[n][2], after[n][2]) for n in before)
 
 
-def test_weights_beyond_fp16s_range_are_never_saved(tmp_path):
+def test_weights_beyond_fp16s_range_are_never_saved(tmp_path, capsys):
     """fp16 SGD with an absurd learning rate: the gradients are finite, the updated fp32 masters too, but
     beyond fp16's range (their 16-bit copies are inf). The run ends with an error naming them and no
     checkpoint of them (status 1 through the command)."""
     run = tmp_path / "run"
-    proc = train_cli("--train.precision", "fp16", "--train.optimizer", "sgd", "--train.lr", "1e9",
-                     "--train.warmup_steps", "0", "--train.grad_clip", "0", "--train.steps", "1", "--out", run)
+    proc = train_here(capsys, "--train.precision", "fp16", "--train.optimizer", "sgd", "--train.lr", "1e9",
+                      "--train.warmup_steps", "0", "--train.grad_clip", "0", "--train.steps", "1", "--out", run)
     line = no_traceback(proc, 1)
     assert "step 1: the weights of" in line and "are not finite in fp16; not saved (no checkpoint was saved)" in line
     assert complete_checkpoints(run) == []
@@ -272,19 +372,31 @@ def test_metrics_stay_strict_json(tmp_path):
 # ---- the errors users cause ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-def test_train_device_cuda_without_a_gpu(tmp_path):
-    line = no_traceback(train_cli("--train.device", "cuda", "--out", tmp_path / "run"), 2)
+def test_train_device_cuda_without_a_gpu(tmp_path, capsys):
+    line = no_traceback(train_here(capsys, "--train.device", "cuda", "--out", tmp_path / "run"), 2)
     assert "train.device = 'cuda', but no CUDA device is visible" in line
 
 
-def test_an_out_that_is_a_file(tmp_path):
+def test_an_out_that_is_a_file(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert "--out " in no_traceback(train_cli("--out", tmp_path / "file"), 2) and "is a file" in \
-        train_cli("--out", tmp_path / "file").stderr
+    line = no_traceback(train_here(capsys, "--out", tmp_path / "file"), 2)
+    assert "--out " in line and "is a file" in line
 
 
-def test_missing_rope_scaling_keys(tmp_path):
-    proc = train_cli("--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
+def test_a_cache_directory_that_cannot_be_written_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """The default corpus is tokenized into $XDG_CACHE_HOME/shardlm: where that cannot be written (here: a file
+    in its way) the error named a scratch path and no fix."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    proc = here(capsys, "train", "tiny", "--out", tmp_path / "run")
+    line = no_traceback(proc, 2)
+    assert f"cannot be cached in {tmp_path / 'file' / 'shardlm'}: Not a directory" in line
+    assert "set XDG_CACHE_HOME to a writable directory" in line and "--data.path" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_rope_scaling_keys(tmp_path, capsys):
+    proc = train_here(capsys, "--model.rope_scaling", '{"rope_type": "llama3", "factor": 8.0}', "--out", tmp_path / "run")
     assert "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings" in no_traceback(proc, 2)
 
 
@@ -308,40 +420,52 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
 
 
-def test_an_unusable_offload_dir_is_named(tmp_path):
+def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    proc = train_cli("--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
-                     tmp_path / "file" / "x", "--out", tmp_path / "run")
+    proc = train_here(capsys, "--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
+                      tmp_path / "file" / "x", "--out", tmp_path / "run")
     assert "parallel.offload_dir" in no_traceback(proc, 2)
 
 
-def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path):
+def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path, capsys):
     run = tmp_path / "run"
-    train_cli("--train.steps", 2, "--out", run, check=True)
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
     cfg = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
     cfg["config"]["parallel"]["dp"] = 2  # as a dp 2 run saved it
     (run / "checkpoints" / "step_00000002" / "state.json").write_text(json.dumps(cfg))
-    line = no_traceback(run_cli("train", "--resume", run, "--train.steps", "4", check=False), 2)
+    line = no_traceback(here(capsys, "train", "--resume", run, "--train.steps", "4"), 2)
     assert "torchrun --nproc-per-node 2" in line and "--parallel.dp 1" in line
 
 
-def test_vocab_size_comes_from_the_data(tmp_path):
+def test_vocab_size_comes_from_the_data(tmp_path, capsys):
     from helpers import make_tokenizer
     make_tokenizer(tmp_path / "tok", vocab_size=300)
     (tmp_path / "text.txt").write_text("to be or not to be " * 400)
-    run_cli("data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", tmp_path / "tok", "--out", tmp_path / "d")
+    here(capsys, "data", "prepare", "--input", tmp_path / "text.txt", "--tokenizer", tmp_path / "tok", "--out", tmp_path / "d",
+         check=True)
     cfg = load_config("tiny", {"model.vocab_size": "0", "data.path": str(tmp_path / "d"), "train.steps": "1",
                                "train.tensorboard": "false", "data.eval_windows": "2"})
     trainer = Trainer(cfg, log=lambda *a: None)
     assert trainer.cfg.model.vocab_size == 300 and trainer.model.embed.weight.shape[0] == 300
 
 
-def test_version_and_the_first_log_line_at_step_one(tmp_path):
+def test_version_and_the_first_log_line_at_step_one(tmp_path, capsys):
     from shardlm import __version__
-    assert run_cli("--version").stdout.strip() == f"shardlm {__version__}"
-    out = run_cli("train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
-                  "--out", tmp_path / "run").stdout
+    assert here(capsys, "--version", check=True).stdout.strip() == f"shardlm {__version__}"
+    out = here(capsys, "train", "tiny", "--train.steps", "3", "--train.log_every", "50", "--train.tensorboard", "false",
+                  "--out", tmp_path / "run", check=True).stdout
     assert "step      1 | loss" in out  # the initial loss, long before log_every
+
+
+def test_a_console_without_the_progress_bar_shows_the_time_left(tmp_path, capsys):
+    """Output to a file or pipe (a scheduler's log) has no tqdm bar: the step lines carry the ETA instead, from
+    the second logged step (the first's time includes the start-up) to the one before the last."""
+    import re
+
+    from helpers import cli_here
+    out = cli_here(capsys, "train", "tiny", *QUIET, "--train.steps", "4", "--out", tmp_path / "run")
+    lines = [x for x in out.splitlines() if x.startswith("step  ")]
+    assert [bool(re.search(r" \| eta (\d+h\d\dm|\d+m\d\ds|\d+s)$", x)) for x in lines] == [False, True, True, False]
 
 
 def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):

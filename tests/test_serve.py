@@ -80,7 +80,7 @@ def srv(hf_dir):
 
 def reference(s, ids, n):
     """The eager decoder's greedy tokens for `ids` alone, cut at end-of-text as the server cuts them."""
-    new = generate_ids(s.model, torch.tensor([ids]), n, eos_id=s.tok.eos_id)[0].tolist()
+    new = generate_ids(s.model, torch.tensor([ids]), n, stop_ids=(s.tok.eos_id,))[0].tolist()
     return until_eos(new, s.tok.eos_id)
 
 
@@ -167,6 +167,9 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
 
 BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completions
     (b"{not json", 400, None), (b"[1, 2]", 400, None), ({"prompt": 5}, 400, "prompt"),
+    # a lone surrogate's escape: valid JSON the tokenizer rejects (once a 500 with a TypeError)
+    (b'{"prompt": "a\\ud800", "max_tokens": 2}', 400, "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 400, "messages"),
     ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [0, 99999]}, 400, "prompt"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"), ({"prompt": "x", "temperature": "hot"}, 400,
                                                                   "temperature"),
@@ -247,6 +250,43 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(srv, monk
     wait_for(lambda: srv.worker.metrics()["requests_cancelled"] == before + 1,
              "the departed client's request was not cancelled")
     assert srv.worker.metrics()["slots_in_use"] == 0
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_while_others_are_served(srv, monkeypatch):
+    """Such a client waited for ever, counted in flight (a draining server never exited); one that left mid-body
+    logged a ClientDisconnect traceback. Now the first gets 408 and its connection closed, the second nothing."""
+    import logging
+
+    import shardlm.serve.app as app
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 3.0)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    port = int(srv.url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "To be", "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as short, httpx.Client(
+                base_url=srv.url, timeout=TIMEOUT) as c:
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as leaving:
+                leaving.sendall(head % (len(body) + 10) + body)
+            short.sendall(head % (len(body) + 10) + body)
+            wait_for(lambda: c.get("/metrics").json()["requests_in_flight"] == 1, "the short request never arrived")
+            ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, "temperature": 0})
+            assert ok.status_code == 200
+            short.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still waiting for its body while the other was served
+                short.recv(1)
+            short.settimeout(TIMEOUT)
+            answer = b""
+            while chunk := short.recv(65536):  # to the end: the server closes the connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer
+            assert c.get("/metrics").json()["requests_in_flight"] == 0
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r.getMessage() for r in logged if r.levelno >= logging.ERROR]
 
 
 def test_streamed_text_never_sends_half_a_character_or_the_start_of_a_stop_string():
@@ -377,7 +417,7 @@ def test_two_adapters_and_the_base_in_one_batch_each_give_their_own_tokens(hf_di
     for name, d in {**dirs, "base": None}.items():
         model, tok, _ = load_pretrained(hf_dir, adapter=d)
         want[name] = [tok.decode(until_eos(generate_ids(model, torch.tensor([tok.encode(p)]), 8,
-                                                        eos_id=tok.eos_id)[0].tolist(), tok.eos_id))
+                                                        stop_ids=(tok.eos_id,))[0].tolist(), tok.eos_id))
                       for p in prompts]
     assert want["first"] != want["second"] != want["base"] != want["first"]
 
@@ -407,8 +447,12 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
                                           (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
-                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use"),
-                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: ")])
+                                          (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
+                                           "another process listens there (another shardlm serve?); stop it or pick "
+                                           "another --port (0: any free one)"),
+                                          (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: "),
+                                          (["--host", "192.0.2.1"], "--host 192.0.2.1: Cannot assign requested address: "
+                                           "it is not an address of this machine; use 127.0.0.1")])
 def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, monkeypatch, args, message):
     """Before the model loads: a port out of range or in use, a host that does not resolve, no slots."""
     import shardlm.inference
@@ -432,7 +476,7 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     from shardlm.serve import command
 
     class Stub:  # the server and its worker, built but not run
-        def run(self):
+        def run(self, sockets=None):
             pass
 
         def close(self, timeout):
@@ -440,6 +484,39 @@ def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
     assert main(["serve", "--model", str(hf_dir), "--max-batch", "1", "--compile", "off"]) == 0
     assert "(1 slot of " in capsys.readouterr().err
+
+
+def test_the_port_is_held_while_the_model_loads_and_served_on(hf_dir, monkeypatch, capsys):
+    """The port is bound before the model loads and that socket is the one served on: another process could
+    take it during a load of minutes, and uvicorn, binding only then, failed with its own log line and status 3
+    after the banner had announced the server. The banner names the port (--port 0: the one chosen)."""
+    import shardlm.inference
+    from shardlm.cli import main
+    from shardlm.serve import command
+    real, served = shardlm.inference.load_pretrained, []
+
+    def loading(*a, **k):  # another process tries the port meanwhile
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+        return real(*a, **k)
+
+    class Stub:
+        def run(self, sockets=None):
+            served.extend(sockets or [])
+
+        def close(self, timeout):
+            pass
+    from shardlm.testing.distributed import free_port
+    port = free_port()
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
+    monkeypatch.setattr(command, "build_server", lambda *args, **kwargs: (Stub(), Stub()))
+    assert main(["serve", "--model", str(hf_dir), "--port", str(port), "--max-batch", "1", "--compile", "off"]) == 0
+    assert [s.getsockname()[1] for s in served] == [port]
+    assert f"on http://127.0.0.1:{port}" in capsys.readouterr().err
+    served[0].close()
 
 
 def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):

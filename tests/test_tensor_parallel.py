@@ -57,12 +57,13 @@ def test_tensor_parallel_equals_one_process(model, tp, sp, optimizer):
     check_equal(results, ref, atol=ADAM_ATOL[model] if optimizer == "adamw" else ATOL)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_a_compiled_tensor_parallel_block_has_the_eager_gradients(sp):
+@pytest.mark.parametrize("sp,lora", [(False, False), (True, False), (True, True)])
+def test_a_compiled_tensor_parallel_block_has_the_eager_gradients(sp, lora):
     """torch.compile traces the collectives inside a block (the GPUs compile every block): on torch 2.11 a
-    sequence-parallel block once compiled to zero weight gradients, with the eager block's outputs."""
-    for eager, compiled in run_distributed(dist_fns.compiled_block_gradients, 2, sp, timeout=240):
-        assert eager.keys() == compiled.keys()
+    sequence-parallel block once compiled to zero weight gradients, with the eager block's outputs. With LoRA
+    each adapted linear compiles to one operator (model/lora_linear.py) on its rank's slice."""
+    for eager, compiled in run_distributed(dist_fns.compiled_block_gradients, 2, sp, lora, timeout=240):
+        assert eager.keys() == compiled.keys() and (not lora or any(".lora." in n for n in eager))
         for name in eager:
             assert compiled[name] is not None and eager[name].norm() > 0, name
             torch.testing.assert_close(compiled[name], eager[name], atol=1e-6, rtol=1e-5, msg=name)
@@ -264,6 +265,9 @@ def test_export_of_a_tensor_parallel_run_is_the_one_process_runs_hf_directory(tm
 
 @pytest.mark.parametrize("overrides, world, message", [
     ({"parallel.tp": "3"}, 3, "parallel.tp = 3 does not divide the 4 attention heads"),
+    ({"parallel.tp": "3"}, 3, "heads: parallel.tp can be 2, 4 for this model"),  # the values that fit, named
+    ({"parallel.tp": "2", "model.ffn_hidden_size": "127"}, 2, "the MLP's 127 hidden features: no parallel.tp above "
+                                                              "1 fits it"),
     ({"parallel.tp": "2"}, 4, "parallel.dp (1) x parallel.tp (2) x parallel.pp (1) = 2 != world size 4"),
     ({"parallel.tp": "2"}, 1, "!= world size 1: start 2 processes, e.g. `torchrun --nproc-per-node 2"),
     ({"parallel.sp": "true"}, 1, "parallel.sp = True (sequence parallelism) needs parallel.tp > 1"),

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_here
 from shardlm.cli import main
 from shardlm.inference import generate_ids, generate_many, load_pretrained, prompt_ids, until_eos
 from shardlm.text_metrics import read_examples, score
@@ -96,9 +96,8 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(batch_size):
 
 def test_eval_cli_scores_its_completions(model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", EXAMPLES)
-    proc = run_cli("eval", "--model", model_dir, "--tasks", "bleu,rouge", "--data", data, "--json",
-                   "--max-new-tokens", 16, "--batch-size", 2)
-    r = json.loads(proc.stdout)
+    r = json.loads(cli_here(capsys, "eval", "--model", model_dir, "--tasks", "bleu,rouge", "--data", data, "--json",
+                            "--max-new-tokens", 16, "--batch-size", 2))
     prompts, refs = read_examples(data)
     assert r["examples"] == len(EXAMPLES) and len(r["completions"]) == len(EXAMPLES)
     assert {k: r[k] for k in ("bleu", "chrf", "rouge1", "rouge2", "rougeL")} == pytest.approx(
@@ -114,6 +113,32 @@ def test_eval_cli_scores_its_completions(model_dir, tmp_path, capsys):
     assert "rougeL" in table and "bleu" not in table and "5 examples" in table
 
 
+def test_held_out_chats_are_scored_through_the_models_chat_template(model_dir, tmp_path, capsys):
+    """A run fine-tuned on messages jsonl could not be scored on its held-out chats ("needs string fields prompt
+    and completion"): the turns before the last are the prompt, rendered as training and serve render them, and
+    the last, the assistant's, the reference."""
+    import shutil
+    chat_model = tmp_path / "chat"
+    shutil.copytree(model_dir, chat_model)
+    config = json.loads((chat_model / "tokenizer_config.json").read_text()) \
+        if (chat_model / "tokenizer_config.json").is_file() else {}
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    (chat_model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    turns = [{"role": "user", "content": "the cat "}, {"role": "assistant", "content": "sat on the mat."}]
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}])
+    plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "[user]the cat [assistant]",
+                                                "completion": "sat on the mat."}])
+    run = lambda data: json.loads(cli_here(capsys, "eval", "--model", chat_model, "--tasks", "bleu",  # noqa: E731
+                                           "--data", data, "--json", "--max-new-tokens", 8))
+    assert run(chats) == run(plain)
+    assert main(["eval", "--model", str(model_dir), "--tasks", "bleu", "--data", str(chats)]) == 2
+    assert "holds chats (messages) and the model's tokenizer has no chat template" in capsys.readouterr().err
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": turns[:1]}])
+    assert main(["eval", "--model", str(model_dir), "--tasks", "bleu", "--data", str(bad)]) == 2
+    assert "b.jsonl:1: messages must be a list of {role, content: string} turns ending with the assistant's" in \
+        capsys.readouterr().err
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     def error(*args, model=tmp_path / "no_model"):
         assert main(["eval", "--model", str(model), *map(str, args)]) == 2
@@ -126,6 +151,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "no such file" in error("--tasks", "bleu", "--data", tmp_path / "missing.jsonl")
     assert "unknown task 'blue'" in error("--tasks", "bleu,blue", "--data", ok)
     assert "run them separately" in error("--tasks", "loss,bleu", "--data", ok)
+    assert "needs --seq-len" in error("--tasks", "loss,loss", "--data", ok)  # a repeat is no other task
     assert "no examples" in error("--tasks", "rouge", "--data", write_jsonl(tmp_path / "e.jsonl", ["", " "]))
     bad = write_jsonl(tmp_path / "bad.jsonl", [EXAMPLES[0], "", "{not json"])
     assert f"{bad}:3: not JSON" in error("--tasks", "bleu", "--data", bad)
@@ -134,6 +160,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     not_obj = write_jsonl(tmp_path / "list.jsonl", ['["x", "y"]'])
     assert f"{not_obj}:1: an array, not an object with prompt and completion" in error("--tasks", "bleu", "--data", not_obj)
     assert "needs --seq-len" in error("--data", ok)
+    (tmp_path / "prepared").mkdir()  # what `data prepare` wrote, which a fine-tuning user holds
+    (tmp_path / "prepared" / "index.json").write_text("{}")
+    assert "is a directory, not a file; it is a prepared dataset, which eval does not read: name it as a run's " \
+        "data.eval_path" in error("--data", tmp_path / "prepared", "--seq-len", 16)
+    # The other kind of task's flags, once ignored without a word
+    assert "--max-new-tokens has no effect on the loss task, which scores the text and generates nothing" in \
+        error("--data", ok, "--seq-len", 16, "--max-new-tokens", 64)
+    assert "--temperature has no effect on the loss task" in error("--data", ok, "--seq-len", 16, "--temperature", 0)
+    assert "--seq-len has no effect on --tasks bleu,rouge: it scores whole completions" in \
+        error("--tasks", "bleu,rouge", "--data", ok, "--seq-len", 16)
     # The loss task scores a text file's characters: a jsonl's syntax would be scored as if it were text.
     assert "the loss task reads a plain UTF-8 text file, not .jsonl" in error("--data", ok, "--seq-len", 16, model=tmp_path)
     binary = tmp_path / "b.txt"

@@ -224,6 +224,7 @@ def test_fp16_overflow_skips_the_step_on_the_scaler_schedule(tmp_path):
     cfg = load_config("tiny", {"train.precision": "fp16"})
     trainer = Trainer(cfg, out_dir=None, log=lambda *a: None)
     before = trainer.engine.owned_shards("master")
+    trainer.engine.finish_backward(True)  # a backward that added nothing: every .grad a zero view of its bucket
     next(trainer.model.parameters()).grad[0, 0] = float("inf")
     trainer.engine.optimizer_step(1e-3, 1)
     assert trainer.scaler.skipped_steps == 1
@@ -231,6 +232,7 @@ def test_fp16_overflow_skips_the_step_on_the_scaler_schedule(tmp_path):
     after = trainer.engine.owned_shards("master")
     assert all(torch.equal(before[n][2], after[n][2]) for n in before)
     assert not any(v.any() for _, _, v in trainer.engine.owned_shards("exp_avg").values())  # no step was taken
+    trainer.engine.finish_backward(True)
     next(trainer.model.parameters()).grad.fill_(float("nan"))
     trainer.engine.optimizer_step(1e-3, 2)
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 2
@@ -280,6 +282,53 @@ def test_optimizer_step_matches_torch_reference(optimizer):
         norm, skipped = opt.step_stats(1)
         assert skipped == 0
         assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=n)
+
+
+def test_one_process_frees_its_gradients_between_steps(tmp_path, monkeypatch):
+    """train.free_grads (the default on one process): between steps every .grad is None, as after torch's
+    zero_grad(set_to_none=True), and reads as zeros through the engine; the run, its gradients taken in many
+    buckets, equals one that keeps its gradient buffer (accumulation, clipping)."""
+    import shardlm.parallel.engine as engine
+    monkeypatch.setattr(engine, "FREE_GRAD_BUCKET_MB", 0.05)  # `tiny` in some ten buckets, not one
+    runs = {}
+    for free in ("true", "false"):
+        trainer, records = train(tmp_path, free, train__free_grads=free, train__micro_batch_size=4, train__steps=4)
+        grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
+        assert all(g is None for g in grads) if free == "true" else all(g is not None for g in grads)
+        assert len(trainer.engine.flat.buckets) > 5 if free == "true" else len(trainer.engine.flat.buckets) == 1
+        assert not any(v.any() for _, _, v in trainer.engine.owned_shards("grad").values())
+        runs[free] = losses(records), [r["grad_norm"] for r in records], trainer.engine.owned_shards("master")
+    (loss, norm, master), (loss_kept, norm_kept, master_kept) = runs["true"], runs["false"]
+    torch.testing.assert_close(loss, loss_kept, rtol=1e-6, atol=0)  # the norm sums its buckets in another order
+    torch.testing.assert_close(norm, norm_kept, rtol=1e-6, atol=0)
+    for name, (_, _, v) in master.items():
+        torch.testing.assert_close(v, master_kept[name][2], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_freed_gradients_are_taken_bucket_by_bucket_as_backward_reaches_them():
+    """A bucket's memory comes back with the first gradient backward adds into it; a bucket that took none reads
+    as zeros at the step, whose update equals torch's."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4)), torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Linear(5, 4))
+    ref.load_state_dict(model.state_dict())
+    cfg = load_config("tiny", {"train.optimizer": "sgd", "train.grad_clip": 0.0, "train.weight_decay": 0.0})
+    engine = LocalEngine(model, cfg, NoLossScaler(), buckets=[["1.weight", "1.bias"], ["0.weight", "0.bias"]],
+                         free_grads=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=cfg.train.momentum)
+    x = torch.randn(3, 6)
+    for _ in range(2):
+        assert all(p.grad is None for p in model.parameters())
+        model[1](model[0](x).detach()).square().sum().backward()  # the first layer takes no gradient
+        assert model[1].weight.grad is not None and model[0].weight.grad is None
+        engine.finish_backward(True)
+        assert not model[0].weight.grad.any()
+        ref[1](ref[0](x).detach()).square().sum().backward()
+        engine.optimizer_step(0.1, 1)
+        ref_opt.step()
+        ref_opt.zero_grad()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, msg=n)
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import RunError
 from .generation_config import write_generation_config
@@ -73,11 +74,13 @@ class CheckpointError(RunError):
     """A checkpoint could not be written, or one on disk is damaged; the message names the file."""
 
 
-def _crc32(path: Path) -> int:
+def _crc32(path: Path, done=None) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
+            if done is not None:
+                done(len(chunk))
     return crc
 
 
@@ -96,11 +99,13 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
+    # write_tensors, not safetensors' save_file, whose I/O errors are not OSError: a full disk must end in
+    # failed_save's line, not a traceback; the checksums come from memory too.
     with _FailingSave(run_dir, step, tmp):
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
-        save_file(cpu(masters), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        save_file(cpu(optimizer), str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
-    return commit_checkpoint(run_dir, step, tmp, state, {}, tokenizer, keep, generation_config=generation_config)
+        written = {name: write_tensors(tmp / name, cpu(tensors), sync=False)
+                   for name, tensors in (("model.safetensors", masters), ("optimizer.safetensors", optimizer))}
+    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, generation_config=generation_config)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
@@ -214,10 +219,24 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
         return FileNotFoundError(f"{path} is a file; a run, a checkpoint or a Hugging Face model is a directory")
     hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume
     adapter = (path / "adapter_config.json").is_file()
+    # A run still before its first save (a run writes config.toml and metrics.jsonl at its start): the bare
+    # "holds no complete checkpoint" read as a wrong path, and said nothing of when there will be one.
+    run = (path / "config.toml").is_file() or (path / "metrics.jsonl").is_file()
+    if path.name == CKPT_DIR and complete_checkpoints(path.parent):  # RUN/checkpoints: it does hold checkpoints
+        newest = complete_checkpoints(path.parent)[-1]
+        return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
+                                 f"checkpoint) or one checkpoint in it, such as {newest}")
+    partial = sorted((path / CKPT_DIR).glob("step_*")) if run else []
+    if partial:  # "saved no checkpoint yet" once sent a user to wait for a run whose state.json was deleted
+        return FileNotFoundError(f"{path} holds no complete checkpoint: {partial[-1]} has no {STATE}, which a save "
+                                 "writes last (a save still under way, or one cut short or damaged): wait for the "
+                                 "save, or train the run again (--overwrite) or name another checkpoint")
     return FileNotFoundError(f"{path} holds no complete checkpoint (looked for {path / CKPT_DIR}/step_*/{STATE})"
                              + ("; it is a Hugging Face directory: start a run from it with --train.init_from"
                                 if hf else "; it is a PEFT adapter: give its base model and this as --adapter"
-                                if adapter else ""))
+                                if adapter else "; it is a run that has saved no checkpoint yet: a run saves one "
+                                "every train.save_every steps (0: at its end) and when stopped by Ctrl-C or SIGTERM; "
+                                "wait for its first, or name a run or checkpoint that has one" if run else ""))
 
 
 def read_state(path: str | Path) -> dict:
@@ -229,19 +248,23 @@ def read_state(path: str | Path) -> dict:
     candidates = [path] if (path / STATE).is_file() else list(reversed(complete_checkpoints(path)))
     if not candidates:
         raise _no_checkpoint(path)
+    problems = []
     for ckpt in candidates:
         try:
             state = json.loads((ckpt / STATE).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            problems.append(f"{ckpt / STATE} is not readable JSON ({e})")
             continue
         if isinstance(state, dict) and "config" in state:
             return state
-    raise CheckpointError(f"no state.json under {path} is readable JSON with a config")
+        problems.append(f"{ckpt / STATE} holds no config")
+    raise CheckpointError(f"no checkpoint of {path} has a readable {STATE}: {'; '.join(problems)}")
 
 
-def verify_checkpoint(path: Path) -> dict:
+def verify_checkpoint(path: Path, progress=None) -> dict:
     """The checkpoint's state (state.json), after checking that every file it records is there, whole and
-    unchanged; CheckpointError names the first file that is not."""
+    unchanged; CheckpointError names the first file that is not. `progress`: called with the bytes to read, it
+    returns what to call with each piece read (a model of billions of parameters is minutes of reading)."""
     try:
         state = json.loads((path / STATE).read_text())
     except (OSError, ValueError) as e:
@@ -256,10 +279,17 @@ def verify_checkpoint(path: Path) -> dict:
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} were written (truncated or replaced)")
+    done = None
+    if progress is not None:
+        update, lock = progress(sum(want["bytes"] for want in files.values())), threading.Lock()
+
+        def done(n):
+            with lock:  # the threads' counts would race
+                update(n)
     # A sharded checkpoint is many files (all ranks' pieces) checked by one rank: the reads and zlib release
     # the GIL, so threads check them at the disk's rate rather than one core's.
     with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, max(len(files), 1))) as pool:
-        crcs = [pool.submit(_crc32, path / name) for name in files]
+        crcs = [pool.submit(_crc32, path / name, done) for name in files]
         for (name, want), crc in zip(files.items(), crcs):
             if crc.result() != want["crc32"]:  # the files not yet read are not read
                 pool.shutdown(cancel_futures=True)
@@ -267,16 +297,17 @@ def verify_checkpoint(path: Path) -> dict:
     return state
 
 
-def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
+def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None) -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
-    a damaged one is skipped with a message through `log`. `verify` False: trust a path another rank
-    resolved and verified already."""
+    a damaged one is skipped with a message through `log` (None: a note on stderr, as export, generate and
+    eval once took an older step without a word). `verify` False: trust a path another rank resolved and
+    verified already."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     if (path / STATE).is_file() or path.name.startswith("step_"):
         if verify:
-            verify_checkpoint(path)
+            verify_checkpoint(path, progress)
         return path
     found = complete_checkpoints(path)
     if not found:
@@ -284,12 +315,13 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True) -> Path:
     problems = []
     for ckpt in reversed(found):
         try:
-            verify_checkpoint(ckpt)
+            verify_checkpoint(ckpt, progress)
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if problems and log is not None:
-            log(f"skipping damaged checkpoints ({'; '.join(problems)}); resuming from {ckpt}")
+        if problems:
+            note = f"skipping damaged checkpoints ({'; '.join(problems)}); using {ckpt}, the newest that verifies"
+            log(note) if log is not None else print(f"note: {note}", file=sys.stderr)
         return ckpt
     raise CheckpointError(f"no checkpoint of {path} verifies: {'; '.join(problems)}")
 
@@ -302,10 +334,24 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} could not be read ({e})") from None
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True) -> dict:
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The full shape of each master tensor of checkpoint `path`, read from the files' headers only."""
+    if (path / MANIFEST).is_file():
+        state = ShardedState(path, json.loads((path / MANIFEST).read_text()))
+        return {n: state.shape(n) for n, k in state.pieces if k == "master"}
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for any damage it finds
+        raise CheckpointError(f"{path / 'model.safetensors'} could not be read ({e})") from None
+
+
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, log=None, verify: bool = True,
+                    progress=None) -> dict:
     """The checkpoint's state, its masters ("model") and optimizer state by name, and the RNG state. Those of
-    a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read."""
-    ckpt = resolve_checkpoint(path, log, verify)
+    a sharded save (a manifest of pieces) are mappings that assemble each tensor when it is read. `progress`:
+    verify_checkpoint's."""
+    ckpt = resolve_checkpoint(path, log, verify, progress)
     out = {"path": ckpt, "state": json.loads((ckpt / STATE).read_text())}
     if (ckpt / MANIFEST).is_file():
         state = ShardedState(ckpt, json.loads((ckpt / MANIFEST).read_text()))

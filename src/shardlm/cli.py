@@ -9,9 +9,12 @@ import argparse
 import os
 import signal
 import sys
+import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
+from .config.load import refuse_empty_paths, refuse_misplaced_train_args
 from .runtime.console import silence_stdout
 
 TRAIN_EPILOG = """\
@@ -43,7 +46,9 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         if a.startswith("--") and "." in a.split("=", 1)[0]:
-            take = 1 if "=" in a else 2
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            # A flag where the value belongs is not the value: parse_overrides says the value is missing.
+            take = 1 if "=" in a or following.startswith("--") else 2
             overrides += argv[i:i + take]
             i += take
         else:
@@ -55,7 +60,10 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_train(argv: list[str]) -> int:
     parser = _train_parser()
     ours, rest = _split_train_args(argv)
+    refuse_misplaced_train_args(ours)
     args = parser.parse_args(ours)
+    if args.config == "":  # as from an unset shell variable: it would have trained the default without a word
+        raise ConfigError("the config is empty: give a TOML file or a preset, or leave it out for the default")
     overrides = parse_overrides(rest)
     if args.resume and args.config is None:
         # Resuming a run without naming its config continues with the config it was saved with.
@@ -70,36 +78,63 @@ def cmd_train(argv: list[str]) -> int:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
-    from .runtime.heartbeat import Heartbeat
+    from .mesh import check_rendezvous_env, world_from_env
+    from .runtime.heartbeat import Heartbeat, ranks_named
     from .runtime.watchdog import peer_failure
     out = args.out or _run_dir_of(args.resume) or str(Path("runs") / Path(args.config or "default").stem)
+    if (world := world_from_env()[0]) > 1:  # torchrun's variables set by hand: named before the heartbeat reads them
+        check_rendezvous_env(world)
     heartbeat = Heartbeat.from_env()
     try:
         return _train(cfg, out, args.resume, args.overwrite)
     except RunError:
+        _farewell(heartbeat)
         raise
     except RuntimeError as e:
         why = peer_failure(e)
         if why is not None:
-            who = heartbeat.report() if heartbeat is not None else "which one could not be told"
-            print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; parallel.timeout_s = "
-                  f"{cfg.parallel.timeout_s:g} s)", file=sys.stderr)
+            # torchrun sends SIGTERM to every worker once one has failed: it must not cut this message short.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            failed = heartbeat.failed() if heartbeat is not None else []
+            if failed:  # not a death: a peer's own error, which its message names
+                print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error (its message says "
+                      f"why)", file=sys.stderr)
+            else:
+                who = heartbeat.report() if heartbeat is not None else "which one could not be told"
+                timeout = f"parallel.timeout_s = {cfg.parallel.timeout_s:g} s"
+                if who.startswith("no rank died"):  # every peer beats on: where each one was, last
+                    print(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", file=sys.stderr)
+                else:
+                    print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})",
+                          file=sys.stderr)
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
-                heartbeat.close()
+                heartbeat.close(wait=False)  # os._exit runs no interpreter shutdown for its thread to outlive
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+        _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
-            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): shrink "
-                  "train.micro_batch_size or the model, recompute (train.recompute full), or shard it "
-                  "(parallel.zero_stage, parallel.tp)", file=sys.stderr)
+            t = cfg.train  # a step's activations grow with both: either may be what does not fit
+            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
+                  f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
+                  "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
+                  "parallel.cp)", file=sys.stderr)
             return 1
+        raise
+    except Exception:
+        _farewell(heartbeat)
         raise
     finally:
         if heartbeat is not None:
             heartbeat.close()
+
+
+def _farewell(heartbeat) -> None:
+    """This rank stops on its own error: its peers, whose next collective fails, say so instead of a death."""
+    if heartbeat is not None:
+        heartbeat.farewell()
 
 
 def _run_dir_of(resume: str | None) -> str | None:
@@ -126,7 +161,10 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += f", each sequence split over {p.cp} ranks (context parallel, {how})"
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
-            layout += f", LoRA rank {cfg.lora.rank} ({adapters / 1e6:.3f}M trainable on this rank)"
+            base = f" over an {cfg.lora.quantize.upper()} base (QLoRA)" if cfg.lora.quantize != "none" else ""
+            layout += f", LoRA rank {cfg.lora.rank}{base} ({adapters / 1e6:.3f}M trainable on this rank)"
+        elif cfg.lora != type(cfg.lora)():  # [lora] keys given beside rank 0, which switches adapters off
+            layout += ", lora.rank 0: no adapters, every weight trains (the other [lora] keys unused)"
         if cfg.train.freeze:  # train.freeze: what it holds fixed on this rank
             frozen = sum(q.numel() for q in trainer.model.parameters() if not q.requires_grad)
             layout += f", {cfg.train.freeze!r} frozen ({frozen / 1e6:.3f}M parameters on this rank)"
@@ -137,7 +175,7 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += f", {kind} over {over}" + (f" (reduce_algo {algo})" if algo else "")
         left = cfg.train.steps - trainer.step
         steps = f"{left} more step{'s' if left > 1 else ''} (to {cfg.train.steps})" if trainer.step else \
-            f"{cfg.train.steps} steps"
+            f"{cfg.train.steps} step{'s' if cfg.train.steps > 1 else ''}"
         print(f"shardlm: {n / 1e6:.2f}M parameters, {steps} of {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens on {trainer.device} ({cfg.train.precision}){layout}, writing {out}",
               flush=True)
@@ -169,7 +207,8 @@ def cmd_data(argv: list[str]) -> int:
     prep.add_argument("--input", nargs="+", required=True, help="input files (.txt, .jsonl, .parquet)")
     prep.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a directory holding one")
     prep.add_argument("--out", required=True)
-    prep.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
+    prep.add_argument("--text-field", default=None,
+                      help="the jsonl field / parquet column holding the text (default: text)")
     prep.add_argument("--shard-tokens", default=str(1 << 27), help="tokens per shard file (1024 to 2^40)")
     prep.add_argument("--pad-to", type=int, default=None,
                       help="instruction examples: one per window of this train.seq_len (cut or padded, never "
@@ -184,8 +223,14 @@ def cmd_data(argv: list[str]) -> int:
             cut += f", {index['untrained_examples']:,} with no token to train on"
         print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
               f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
+        if index.get("plain_chat_examples"):
+            print(f"note: {a.tokenizer} has no chat template: {index['plain_chat_examples']:,} conversations were "
+                  "rendered as '<|role|>\\ncontent\\n' turns, and that format is written into the dataset "
+                  "tokenizer's chat_template, which the run's export and `serve` take; for another format, put its "
+                  "template in the tokenizer's tokenizer_config.json and prepare again", file=sys.stderr)
         return 0
-    print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents in {len(index['shards'])} "
+    docs = index["documents"]
+    print(f"{index['total_tokens']:,} tokens from {docs:,} document{'' if docs == 1 else 's'} in {len(index['shards'])} "
           f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
     return 0
 
@@ -212,31 +257,47 @@ def cmd_export(argv: list[str]) -> int:
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
     check_out(a.out, a.overwrite)  # before reading a large checkpoint
-    ckpt = load_checkpoint(a.checkpoint, with_optimizer=False)
-    full = config_from_dict(ckpt["state"]["config"])
-    cfg, lora = full.model, full.lora
-    if a.merge and not lora.rank:
-        raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
-    state, mark = ckpt["model"], {}
-    if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
-        mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
-    state = merged(state, cfg, lora) if a.merge else state
-    if a.dtype == "fp16":
-        _refuse_beyond_fp16(state, a.out)
-    try:
-        with writing(a.out, a.overwrite) as scratch:
-            if lora.rank and not a.merge:
-                write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=full.train.init_from or None,
-                               metadata=mark)
-            else:
-                # the generation_config.json the run kept from its weights' source, else one from config.json
-                write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype], metadata=mark,
-                             generation_config=own_generation_config(ckpt["path"]))
-    except OSError as e:
-        raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
+    with ExitStack() as bars:  # closed before an error propagates, so the error is the last line printed
+        # A 7B run is minutes of checksumming (its optimizer state too), then of writing: each has its bar.
+        ckpt = load_checkpoint(a.checkpoint, with_optimizer=False, progress=_bar(bars, "verify", "B"))
+        full = config_from_dict(ckpt["state"]["config"])
+        cfg, lora = full.model, full.lora
+        if a.merge and not lora.rank:
+            raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to "
+                              "merge")
+        state, mark = ckpt["model"], {}
+        if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
+            mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
+        state = merged(state, cfg, lora) if a.merge else state
+        if a.dtype == "fp16":
+            _refuse_beyond_fp16(state, a.out)
+        try:
+            with writing(a.out, a.overwrite) as scratch:
+                if lora.rank and not a.merge:
+                    write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype],
+                                   base=full.train.init_from or None, metadata=mark)
+                else:
+                    # the generation_config.json the run kept from its weights' source, else one from config.json
+                    write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],
+                                 metadata=mark, generation_config=own_generation_config(ckpt["path"]),
+                                 progress=_bar(bars, "export", "param"))
+        except OSError as e:
+            raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
     what = "the LoRA adapter of " if lora.rank and not a.merge else ""
     print(f"exported {what}{ckpt['path']} -> {a.out}" + (" (PEFT format; --merge for the merged model)" if what else ""))
     return 0
+
+
+def _bar(bars: ExitStack, what: str, unit: str):
+    """A `progress` for verify_checkpoint and write_hf_dir: a tqdm bar on a terminal (none when stderr is a file
+    or a pipe), opened once its total is known and closed with `bars` or by the next bar."""
+    from tqdm import tqdm
+
+    def start(total: int):
+        bars.close()  # one bar at a time: an open one would be redrawn below the next
+        return bars.enter_context(tqdm(total=total, desc=what, unit=unit, unit_scale=True, disable=None,
+                                       file=sys.stderr)).update
+    return start
 
 
 def _refuse_beyond_fp16(state: dict, out: str) -> None:
@@ -256,6 +317,25 @@ def cmd_plan(argv: list[str]) -> int:
 
 COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "serve": cmd_serve,
             "data": cmd_data, "export": cmd_export}
+
+
+def _error(message: str, code: int, every_rank: bool) -> int:
+    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file, so
+    that torchrun's summary names it as the root cause instead of pointing at its docs; bad input (a config,
+    a path), which every rank finds alike, is printed by each node's first rank alone, not once a process."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                         "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the summary then points at torchrun's docs, as without this file: the message is printed below
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,17 +363,37 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"shardlm: unknown command {cmd!r} (train, eval, generate, serve, data, export, plan)", file=sys.stderr)
         return 2
+    previous = None
+    if cmd in ("data", "export") and threading.current_thread() is threading.main_thread():
+        # A scheduler's or a shell's SIGTERM ends them as Ctrl-C does: their partial output removed, one line.
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        refuse_empty_paths(rest)
         return COMMANDS[cmd](rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return _error(f"shardlm {cmd}: error: {e}", 2, every_rank=False)
     except RunError as e:
-        print(f"shardlm {cmd}: error: {e}", file=sys.stderr)
-        return 1
+        return _error(f"shardlm {cmd}: error: {e}", 1, every_rank=True)
     except BrokenPipeError:  # stdout's reader left (`shardlm plan ... | head`): end quietly, as a shell command
         silence_stdout()
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt as e:
+        # Ctrl-C outside the training loop (which stops at a step's end and saves) or a second one inside it:
+        # what the command writes is swapped in whole or kept line by line, so the traceback would say nothing.
+        how = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        print(f"\nshardlm {cmd}: interrupted ({'SIGTERM' if how == signal.SIGTERM else 'Ctrl-C'})", file=sys.stderr)
+        return 128 + how
+    finally:
+        if previous is not None:  # main() may run inside another program (the tests call it in-process)
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, to unwind it as Ctrl-C does."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def _lora_change(key: str, old, new, path) -> str:
 
 
 def check_resume(path: Path, saved: Config, now: Config) -> None:
-    """Refuse a resume of checkpoint `path` (saved with `saved`) under `now` that changes the model or adapters."""
+    """Refuse a resume of checkpoint `path` (saved with `saved`) under `now` that changes the model or adapters,
+    or whose saved tensors are not the shapes its config gives them."""
     def refuse(key, old, new, what):
         raise ResumeMismatch(f"cannot resume {path}: {key} is {old!r} in the checkpoint and {new!r} in this run: "
                              f"{what}")
@@ -60,16 +61,64 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
                "parameters would start or stop training without their optimizer state; resume with "
                f"train.freeze = {saved.train.freeze!r}, or start a new run from this checkpoint's weights "
                f"(`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE)")
+    if saved.train.optimizer != now.train.optimizer:  # once a KeyError from the optimizer's load
+        refuse("train.optimizer", saved.train.optimizer, now.train.optimizer,
+               f"its saved optimizer state is {saved.train.optimizer}'s, which {now.train.optimizer} cannot continue "
+               "from; " + KEEP.format(old=saved.train.optimizer) + ", or start a new run from this checkpoint's "
+               f"weights (`shardlm export --checkpoint {path} --out BASE`, then --train.init_from BASE)")
     s, n = saved.lora, now.lora
     if s.rank != n.rank:
         refuse("lora.rank", s.rank, n.rank, _lora_change("rank", s.rank, n.rank, path))
-    if not s.rank:
-        return
-    for key in ("alpha", "rslora", "quantize"):
+    for key in ("alpha", "rslora", "quantize") if s.rank else ():
         if getattr(s, key) != getattr(n, key):
             refuse(f"lora.{key}", getattr(s, key), getattr(n, key), _lora_change(key, getattr(s, key), None, path))
-    if lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
+    if s.rank and lora_targets(saved.model.arch, s.targets) != lora_targets(now.model.arch, n.targets):
         refuse("lora.targets", s.targets, n.targets, _lora_change("targets", s.targets, n.targets, path))
+    check_resume_base(path, saved, now)
+    check_resume_shapes(path, now)
+
+
+def check_resume_base(path: Path, saved: Config, now: Config) -> None:
+    """A resume naming another `train.init_from` than its checkpoint's: the weights come from the checkpoint,
+    but the run records it as its base (an exported adapter's base_model_name_or_path, the generation config).
+    The same model moved elsewhere passes; a directory without it, or of another model, is refused."""
+    import copy
+
+    from .hf_config import RESOLVED, WEIGHT_KEYS, with_init_from
+    new, old = now.train.init_from, saved.train.init_from
+    if not new or new == old:
+        return
+    theirs = with_init_from(copy.deepcopy(now)).model  # an unreadable directory is refused naming it
+    ours = saved.model
+    differ = [f"model.{k} is {getattr(ours, RESOLVED.get(k, k))!r} in the checkpoint and "
+              f"{getattr(theirs, RESOLVED.get(k, k))!r} there" for k in WEIGHT_KEYS
+              if getattr(ours, RESOLVED.get(k, k)) != getattr(theirs, RESOLVED.get(k, k))
+              and not (k == "vocab_size" and ours.vocab_size == 0)]
+    if differ:
+        raise ResumeMismatch(f"cannot resume {path}: train.init_from is {old!r} in the checkpoint and {new!r} in this "
+                             f"run, another model ({'; '.join(differ)}), which the run would record as its base: "
+                             + KEEP.format(old=old) + ", or name where the checkpoint's base now lies")
+
+
+def check_resume_shapes(path: Path, cfg: Config) -> None:
+    """Every saved tensor must have the shape of the parameter it loads into: a state.json whose model config
+    does not describe its tensors (edited by hand, or copied from another run) would load the overlap of each
+    and leave the rest of the new, larger parameters at zero, training on as if resumed."""
+    import torch
+
+    from .checkpoint import saved_shapes
+    from .model import Decoder
+    from .parallel.lora import apply_lora
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+        if cfg.lora.rank:
+            apply_lora(model, cfg.lora)
+    saved = saved_shapes(path)
+    for name, p in model.named_parameters():
+        if name in saved and tuple(saved[name]) != tuple(p.shape):
+            raise ResumeMismatch(f"cannot resume {path}: {name} is saved as {list(saved[name])}, but the model "
+                                 f"config in its state.json makes it {list(p.shape)}: that config does not "
+                                 f"describe the saved tensors; put back the one they were saved with")
 
 
 def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
@@ -85,8 +134,11 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
                              f"differs from this run's ({train_windows}, {seed}); the sample order would not "
                              f"continue: {how}")
     if data["consumed_samples"] % global_batch:
+        saved = state["config"]["train"]["global_batch_size"]
         raise ResumeMismatch(f"cannot resume {path} with train.global_batch_size {global_batch}: "
-                             f"{data['consumed_samples']} samples were consumed, not a whole number of batches")
+                             f"{data['consumed_samples']} samples were consumed, not a whole number of batches; "
+                             + KEEP.format(old=saved) + f", or resume into another --out with one that divides "
+                             f"{data['consumed_samples']}")
 
 
 def data_fingerprint(data_dir: Path, index: dict, tokenizer) -> str:
@@ -164,3 +216,29 @@ def untrained_step(step: int, data_dir: Path) -> str:
     return (f"step {step}: no token of its batch is trained on ({data_dir}: examples with empty completions, or "
             "prompts cut at --pad-to), so its loss would read 0: fix the data, or set data.skip_untrained = true "
             "to skip such steps (counted in the metrics)")
+
+
+def data_notes(t, data_dir: Path, data) -> list[str]:
+    """What a run on this data would do that a user does not see (`t`: the train section, `data`: TrainData): no
+    eval, a batch larger than the data, or examples never trained on. A tiny instruction set trained 16 copies of
+    its one window a step and silently left out the examples past it."""
+    notes = []
+    if t.eval_every and not len(data.eval_range):  # else eval_loss is null, unexplained
+        notes.append(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under "
+                     "ten windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+    shards = data.train.shards
+    if not shards.pad_to:  # packed: each shard's tail short of a window fills none
+        total = sum(len(x) for x in shards.tokens)
+        left = sum(len(x) - ((len(x) - 1) // t.seq_len * t.seq_len + 1 if len(x) > t.seq_len else 0)
+                   for x in shards.tokens)
+        if left >= 0.01 * total:
+            fix = f"; --pad-to {t.seq_len} in `data prepare` gives each example a window" if shards.masks else ""
+            notes.append(f"note: {left:,} of {data_dir}'s {total:,} tokens ({100 * left / total:.0f}%) fill no whole "
+                         f"window of train.seq_len + 1 = {t.seq_len + 1} tokens and are never trained on{fix}")
+    if data.train_windows < t.global_batch_size:
+        n = data.train_windows
+        notes.append(f"note: {data_dir} holds {n} training window{'s' * (n != 1)}, fewer than "
+                     f"train.global_batch_size = {t.global_batch_size}: every step's batch repeats "
+                     f"{'them' if n > 1 else 'it'} ({t.global_batch_size / n:.1f} times over); lower "
+                     "train.global_batch_size (and train.micro_batch_size) to see each once a step")
+    return notes

@@ -5,6 +5,10 @@ with bf16 ones and the run could not resume. Now a checkpoint, a run directory (
 prepared dataset are never export targets, and any other directory that is not empty is replaced only with
 --overwrite. The export is built in a scratch directory beside --out and swapped in complete (data/swap.py),
 so a failed or killed export leaves --out as it was.
+
+--overwrite replaces only what looks like a previous export (files alone, config.json or adapter_config.json
+among them): everything in --out is deleted, and `--out . --overwrite` in a project directory must not take the
+project, and the run being exported, with it.
 """
 from __future__ import annotations
 
@@ -41,14 +45,36 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
                               "give another --out")
     if os.path.lexists(final) and not final.is_dir():
         raise ConfigError(f"--out {out} is a file: give a directory")
+    # Found here, not after minutes of reading a large checkpoint, and not as the write's bare "File exists".
+    blocked = next((p for p in final.parents if os.path.lexists(p) and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file, so no directory can be made under it; give another --out")
     what = _what(final) if final.is_dir() else None
     if what is not None:
         raise ConfigError(f"--out {out} is {what}: an export never replaces one (even with --overwrite); give a "
                           "new or empty --out")
-    if final.is_dir() and any(final.iterdir()) and not overwrite:
-        raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it (a previous export), "
-                          "or give a new --out")
+    if final.is_dir() and any(final.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it (a previous "
+                              "export), or give a new --out")
+        _refuse_non_export(out, final)
     return final
+
+
+EXPORT_MARKS = ("config.json", "adapter_config.json")  # what write_hf_dir and write_peft_dir always write
+
+
+def _refuse_non_export(out: str | Path, final: Path) -> None:
+    """--overwrite deletes --out's contents: only a previous export's (files, one of EXPORT_MARKS among them),
+    never a directory holding folders (a project, a home directory, the run being exported) or other files."""
+    entries = sorted(final.iterdir())
+    folders = [e.name + "/" for e in entries if e.is_dir() and not e.is_symlink()]
+    if folders or not any((final / m).is_file() for m in EXPORT_MARKS):
+        named = folders or [e.name for e in entries]
+        shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
+        raise ConfigError(f"--out {out} is not a previous export (it holds {shown}): --overwrite replaces only "
+                          "one (files, with config.json or adapter_config.json), since everything in --out is "
+                          "deleted; give a new or empty --out")
 
 
 @contextmanager

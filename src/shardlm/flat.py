@@ -13,6 +13,7 @@ to a multiple of `pad_multiple` elements, so it splits into equal rank-aligned s
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +68,13 @@ def split_buckets(names: list[str], sizes: list[int], bucket_numel: int) -> list
 
 class FlatParams:
     def __init__(self, model: nn.Module, buckets: list[list[str]] | None = None, pad_multiple: int = 1,
-                 grad_buffers: bool = True, materialize: bool = True, fill=None, names=None):
+                 grad_buffers: bool = True, materialize: bool = True, fill=None, names=None,
+                 free_grads: bool = False):
         """`fill(name, out)`: the parameters have no storage yet (parallelize); their values are written
         straight into the buckets, so the model never exists twice. `names`: the trainable parameters of
-        one parameter group (parallel/groups.py); None: all of them."""
+        one parameter group (parallel/groups.py); None: all of them. `free_grads`: each bucket's gradients
+        get a buffer of their own, given back at `zero_grad` and taken again, zeroed, when backward brings
+        the bucket's first gradient (see `ensure_grads`)."""
         named = dict((n, p) for n, p in trainable(model, names))
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -106,7 +110,7 @@ class FlatParams:
             sizes = [b.numel for b in self.buckets]
             starts = [0, *itertools.accumulate(sizes)][:-1]
             data = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-            grad = torch.zeros_like(data) if grad_buffers else None
+            grad = torch.zeros_like(data) if grad_buffers and not free_grads else None
             for bucket, start in zip(self.buckets, starts):
                 bucket.data = data[start:start + bucket.numel]
                 with torch.no_grad():
@@ -117,14 +121,22 @@ class FlatParams:
                             fill(self.names[i], self.view(bucket.data, i))
                         self.params[i].data = self.view(bucket.data, i)
                 if grad_buffers:
-                    bucket.grad = grad[start:start + bucket.numel]
+                    bucket.grad = grad[start:start + bucket.numel] if grad is not None else torch.empty(
+                        bucket.numel, dtype=self.dtype, device=self.device)  # freed below, zeroed when taken
                     for i in bucket.params:
                         self.params[i].grad = self.view(bucket.grad, i)
+        self.free_grads = free_grads and grad_buffers and materialize
+        if self.free_grads:
+            self.zero_grad()
+            self._alloc_hooks = [p.register_hook(self._allocating(self.where[i][0]))
+                                 for i, p in enumerate(self.params)]
 
     @torch.no_grad()
     def rehome(self, data: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
         """Move the buckets' weights into `data` and their gradients into `grad` (flat buffers holding the
         buckets back to back, such as symmetric memory the peers map), parameters and .grad following."""
+        if grad is not None and self.free_grads:
+            raise ValueError("gradients freed between steps (free_grads) have buffers of their own per bucket")
         start = 0
         for bucket in self.buckets:
             span = slice(start, start + bucket.numel)
@@ -155,9 +167,36 @@ class FlatParams:
     def bucket_of(self, i: int) -> Bucket:
         return self.buckets[self.where[i][0]]
 
+    def _allocating(self, b: int):
+        """A hook that runs before autograd adds a gradient into bucket b, giving the bucket its memory back.
+        Weakly bound, as the buckets' readiness hooks are (parallel/buckets.py)."""
+        ref = weakref.ref(self)
+
+        def hook(grad):
+            flat = ref()
+            if flat is not None:
+                flat.ensure_grads(b)
+        return hook
+
+    def ensure_grads(self, b: int | None = None) -> None:
+        """Give bucket b (None: every bucket) its gradient memory back, zeroed, and its parameters' .grad as
+        views of it, where `zero_grad` freed it: before backward adds into it, and before anything reads a
+        bucket that took no gradient this step."""
+        for bucket in self.buckets if b is None else [self.buckets[b]]:
+            if bucket.grad is not None and bucket.grad.untyped_storage().size() == 0:
+                alloc_storage(bucket.grad)
+                bucket.grad.zero_()
+                for i in bucket.params:
+                    self.params[i].grad = self.view(bucket.grad, i)
+
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             if bucket.grad is None:
+                continue
+            if self.free_grads:  # torch's zero_grad(set_to_none=True): .grad is None until backward's next
+                free_storage(bucket.grad)
+                for i in bucket.params:
+                    self.params[i].grad = None
                 continue
             bucket.grad.zero_()
             # A user (or a library) may have replaced .grad; point it back at the bucket.

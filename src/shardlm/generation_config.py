@@ -43,13 +43,13 @@ def write_generation_config(directory: str | Path, config: dict) -> None:
     (Path(directory) / GENERATION_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def stop_ids_of(tok) -> tuple[int, ...]:
-    """The ids that end a completion, for every command that generates (generate, eval, serve): the
-    tokenizer's end-of-text token, and the eos_token_id (one or a list) of the generation_config.json beside
-    its files (`own_generation_config`: not one made from the model class's defaults), on which transformers'
-    generate and vLLM stop too."""
+def stop_ids_of(tok, generation: dict | None = None) -> tuple[int, ...]:
+    """The ids that end a completion, for everything that generates (generate, eval, serve, a run's sample):
+    the tokenizer's end-of-text token, and the eos_token_id (one or a list) of `generation`, else of the
+    generation_config.json beside the tokenizer's files (`own_generation_config`: not one made from the model
+    class's defaults), on which transformers' generate and vLLM stop too."""
     ids = [] if tok.eos_id is None else [tok.eos_id]
-    found = own_generation_config(getattr(tok, "source", None)) or {}
+    found = generation or own_generation_config(getattr(tok, "source", None)) or {}
     extra = found.get("eos_token_id")
     extra = extra if isinstance(extra, list) else [extra]
     ids += [t for t in extra if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size

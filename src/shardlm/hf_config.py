@@ -34,11 +34,37 @@ def _qwen2_window(hf: dict) -> int:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
+    if not isinstance(hf, dict):  # valid JSON, but a list or a string: not a config at all
+        raise ConfigError(f"the Hugging Face config is a JSON {type(hf).__name__}, not an object of keys: it is not a "
+                          "config.json (download or save the model again)")
+    try:
+        cfg = _model_config_from_hf(hf)
+    except ConfigError:  # a ValueError too: its own message, not the wrong-type one below
+        raise
+    except KeyError as e:  # a config.json cut short or written by hand: one line, not a traceback
+        raise ConfigError(f"the Hugging Face config lacks {e.args[0]!r}, which its architecture needs: it is not a "
+                          "complete config.json (download or save the model again)") from None
+    except (TypeError, ValueError) as e:  # "hidden_size": "64", "rope_parameters": [...]: arithmetic on it failed
+        raise ConfigError(f"the Hugging Face config holds a value of the wrong type ({e}): fix config.json, or "
+                          "download or save the model again") from None
+    # Every value as the TOML path checks it (ConfigError naming the key): "num_hidden_layers": null or
+    # "rms_norm_eps": "x" once reached the model's build and ended there in a traceback.
+    typed = Config()
+    try:
+        apply_overrides(typed, {f"model.{k}": v for k, v in vars(cfg).items()})
+    except ConfigError as e:
+        raise ConfigError(f"{e} (shardlm's name for the config.json key): fix config.json, or download or save "
+                          "the model again") from None
+    return typed.model
+
+
+def _model_config_from_hf(hf: dict) -> ModelConfig:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = archs[0] if archs else {**{v: k for k, v in LLAMA_LIKE.items()}, "gpt2": "GPT2LMHeadModel"}.get(model_type)
     if arch not in SUPPORTED:
-        raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r} (supported: {', '.join(SUPPORTED)})")
+        raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r}: shardlm builds the decoder-only "
+                          f"language models {', '.join(SUPPORTED)}; start from a checkpoint of one of them")
     if arch == "GPT2LMHeadModel":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -107,25 +133,32 @@ def _experts_from_hf(arch: str, hf: dict) -> dict:
                 moe_every=step, moe_first_dense=len(dense), router_renormalize=bool(hf.get("norm_topk_prob", False)))
 
 
+READ_THE_RUN = "; shardlm generate, eval and serve read the run itself (--model RUN)"
+
+
 def _hf_moe_class(cfg: ModelConfig) -> str:
     """The HF class that computes this mixture of experts: Mixtral's (every layer, experts of the dense size,
     renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (a shared expert, qkv biases)."""
     if cfg.router_bias_update_rate > 0:
         raise ConfigError(f"model.router_bias_update_rate = {cfg.router_bias_update_rate}: the experts were chosen "
                           "with DeepSeek-V3's selection bias, which Mixtral's and Qwen2-MoE's routers lack (an export "
-                          "would route differently; shardlm generate and eval read the bias from the checkpoint)")
+                          "would route differently; shardlm generate, eval and serve read the bias from the run)")
     if cfg.router_scoring != "softmax":
         raise ConfigError(f"model.router_scoring = {cfg.router_scoring!r} has no Hugging Face class here "
-                          "(Mixtral and Qwen2-MoE score with a softmax)")
-    mixtral = (not cfg.shared_expert_ffn_hidden_size and cfg.router_renormalize and not cfg.qkv_bias
-               and cfg.moe_every == 1 and not cfg.moe_first_dense and cfg.moe_ffn_size == cfg.ffn_size)
-    if mixtral:
+                          f"(Mixtral and Qwen2-MoE score with a softmax){READ_THE_RUN}")
+    # What makes it other than Mixtral's, named: the bare refusal left a user to find it among six keys.
+    unlike = [f"model.{k} = {v!r}" for k, v, mixtral in (
+        ("shared_expert_ffn_hidden_size", cfg.shared_expert_ffn_hidden_size, 0),
+        ("router_renormalize", cfg.router_renormalize, True), ("qkv_bias", cfg.qkv_bias, False),
+        ("moe_every", cfg.moe_every, 1), ("moe_first_dense", cfg.moe_first_dense, 0),
+        ("moe_ffn_hidden_size", cfg.moe_ffn_size, cfg.ffn_size)) if v != mixtral]
+    if not unlike:
         return "MixtralForCausalLM"
     if cfg.shared_expert_ffn_hidden_size and cfg.qkv_bias:
         return "Qwen2MoeForCausalLM"
-    raise ConfigError("this mixture of experts is neither Mixtral's (every layer, experts of ffn_hidden_size, "
-                      "renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared expert and "
-                      "qkv biases): Hugging Face has no class here that computes it")
+    raise ConfigError(f"this mixture of experts ({', '.join(unlike)}) is neither Mixtral's (every layer, experts of "
+                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared "
+                      f"expert and qkv biases): Hugging Face has no class here that computes it{READ_THE_RUN}")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,
@@ -194,10 +227,16 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
                f"--checkpoint {cfg.train.init_from} --out HF_DIR`" if run else
                f": it is a PEFT adapter, not a model; train.init_from takes its base model ("
                f"{base or 'adapter_config.json names none'}), and `generate`/`serve --adapter` take the adapter"
-               if adapter.is_file() else "")
+               if adapter.is_file() else
+               # A file (model.safetensors, config.json) where transformers' from_pretrained takes its directory.
+               f": it is a file; give the directory holding it ({path.parent.parent})" if path.parent.is_file()
+               else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
-    cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
+    try:  # the error names the directory: a preset's or a config's own model keys are not what is refused
+        cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
+    except ConfigError as e:
+        raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: {e}") from None
     apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
     _refuse_other_weights(cfg.model, theirs, path)
     return cfg

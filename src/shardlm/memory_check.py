@@ -3,6 +3,7 @@ against the device's free memory, offload's host share against the node's availa
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -17,7 +18,9 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
     layout = Layout.from_config(cfg)
     work = Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
     mem = estimate_memory(cfg.model, work, layout)
-    need = mem.params + mem.grads + mem.optimizer  # LoRA's: the frozen base, and the adapters' states
+    # every gradient exists at the step, where one process frees them between steps too (train.free_grads)
+    held = estimate_memory(cfg.model, work, replace(layout, free_grads=False))
+    need = held.params + held.grads + held.optimizer  # LoRA's: the frozen base, and the adapters' states
     free = free_memory(device)
     short = free is not None and need > free
     if any_rank(short):  # one rank's busy GPU stops them all, not that rank alone
@@ -25,6 +28,7 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
         raise ConfigError(f"the model ({cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
                           f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
                           f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+    _check_activations(cfg, device, any_rank, mem, free)
     # Offload's host memory: every rank of this node takes its share of the same RAM.
     host, local = host_bytes(cfg.model, layout, work), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = free_memory(torch.device("cpu")) if host else None
@@ -37,6 +41,27 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
                           f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                           f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
                           f"(parallel.dp, parallel.cp), or use a host with more memory")
+
+
+def _check_activations(cfg, device: torch.device, any_rank, mem, free: int | None) -> None:
+    """Refuse a micro-batch whose activations cannot fit (a sequence length of 10**6 typed for 10**3): on a GPU
+    it would fail at the first step's forward, on a CPU the kernel would kill the process without a word."""
+    t = cfg.train
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1  # ranks share host memory
+    # The planner's count is within 10% on GPUs and below the use measured on CPUs: refused only beyond that.
+    slack = 1.0 if device.type == "cpu" else 1.25
+    short = free is not None and mem.total * share > free * slack  # the planner's peak
+    if any_rank(short):
+        if not short:
+            raise ConfigError("another rank's device has too little free memory for a micro-batch's activations "
+                              "(its message says how much)")
+        fixes = ["lower train.seq_len or train.micro_batch_size"] + \
+            (["recompute (train.recompute full)"] if t.recompute != "full" else []) + \
+            ["split each sequence (parallel.cp)"]
+        raise ConfigError(f"a micro-batch of {t.micro_batch_size} x {t.seq_len:,} tokens (train.micro_batch_size x "
+                          f"train.seq_len) needs about {(mem.activations + mem.buffers) / 2**30:,.1f} GiB for its "
+                          f"activations by the planner's count, and {device} has {free / 2**30:.1f} GiB free"
+                          f"{f' for {share} ranks' if share > 1 else ''}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
 
 
 def free_memory(device: torch.device) -> int | None:

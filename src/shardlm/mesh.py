@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -118,8 +120,36 @@ def flows(pp: int) -> list[tuple[str, int, int]]:
     return list(dict.fromkeys(f for a in range(pp) for f in (("F", a, (a + 1) % pp), ("B", (a + 1) % pp, a))))
 
 
+def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
+             fix: str = "unset it to run one process, or start the ranks with torchrun, which sets it") -> int:
+    """The launcher's variable `name`, named with `fix` where it is not a number in range (int() would not)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        span = f"{low} to {high}" if high is not None else f"{low} or more"
+        raise ConfigError(f"the environment variable {name} = {value!r} is not a whole number {span}: {fix}")
+    return n
+
+
 def world_from_env() -> tuple[int, int, int]:
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    return _env_int("WORLD_SIZE", 1, low=1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+
+
+def check_rendezvous_env(world: int) -> None:
+    """Before the env:// rendezvous (and the heartbeat, which reads the same variables): torch's own errors
+    give no fix ('environment variable MASTER_ADDR expected, but not set'), or do not name the variable (a
+    MASTER_PORT that is not a number: 'invalid literal for int()'), or are a KeyError's traceback."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE = {world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                          f"set: start the ranks with torchrun (torchrun --nproc-per-node {world} -m shardlm ...), "
+                          "which sets them, or set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port")
+    _env_int("MASTER_PORT", 0, low=1, high=65535, fix="set it to a free port on rank 0's host (MASTER_ADDR)")
 
 
 def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None,
@@ -212,5 +242,25 @@ def init_distributed(cfg: Config) -> DeviceMesh:
     # timeout_s instead, and NCCL's, at twice that, is only the backstop.
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        check_rendezvous_env(world)
+        _rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
     return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
+
+
+def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
+    """init_process_group, which waits for every rank of the job up to `timeout`: a rank started by hand whose
+    peers never start, or a node of the job slow to come up, waited in silence. Where `say` (a node's first
+    rank), a line tells what it waits for once the wait is no longer a start-up's."""
+    done = threading.Event()
+
+    def waiting():
+        if not done.wait(min(10.0, timeout.total_seconds() / 4)):
+            print(f"shardlm: waiting for all {world} ranks to join at {os.environ['MASTER_ADDR']}:"
+                  f"{os.environ['MASTER_PORT']} (for up to {timeout.total_seconds():g} s): each must be started, "
+                  "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", file=sys.stderr, flush=True)
+    if say:
+        threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    finally:
+        done.set()

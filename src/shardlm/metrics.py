@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -97,11 +98,35 @@ def format_line(r: dict) -> str:
             + (f" | disk {r['disk_gb_s']:.2f} GB/s" if r.get("disk_gb_s") is not None else "") + _moe(r))
 
 
+class Eta:
+    """` | eta 1h02m` for the console line where no progress bar shows it (a log file, a pipe, a scheduler's
+    output): the mean step time since this process's first logged step (its start-up left out), times the
+    steps left."""
+
+    def __init__(self, total: int, shown: bool):
+        self.total, self.shown, self.start = total, shown, None
+
+    def __call__(self, step: int) -> str:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = (step, now)
+        done = step - self.start[0]
+        if not self.shown or not done or step >= self.total:
+            return ""
+        left = round((now - self.start[1]) / done * (self.total - step))
+        h, m, sec = left // 3600, left // 60 % 60, left % 60
+        return f" | eta {h}h{m:02d}m" if h else f" | eta {m}m{sec:02d}s" if m else f" | eta {sec}s"
+
+
 def _moe(r: dict) -> str:
-    """The MoE layers in one part: the worst layer's max / mean expert load, the dropped token copies summed
-    over the layers (per layer in metrics.jsonl and TensorBoard, keys moe/layer{i}/...)."""
+    """The MoE layers in one part: the worst layer's max / mean expert load (and expert-parallel rank load), the
+    dropped token copies and the forwards run in chunks past parallel.ep_load_budget summed over the layers (per
+    layer in metrics.jsonl and TensorBoard, keys moe/layer{i}/...)."""
     loads = [v for k, v in r.items() if k.startswith("moe/") and k.endswith("/max_over_mean")]
     if not loads:
         return ""
     dropped = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/dropped"))
-    return f" | moe max/mean {max(loads):.2f}" + (f" dropped {dropped}" if dropped else "")
+    ranks = [v for k, v in r.items() if k.startswith("moe/") and k.endswith("/ep_max_over_mean")]
+    chunked = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/chunked"))
+    return (f" | moe max/mean {max(loads):.2f}" + (f" (ranks {max(ranks):.2f})" if ranks else "")
+            + (f" dropped {dropped}" if dropped else "") + (f" chunked {chunked}" if chunked else ""))

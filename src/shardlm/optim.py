@@ -42,6 +42,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+
+def warmup_note(cfg: TrainConfig) -> str | None:
+    """What a warmup longer than the run leaves out of the schedule: a note, not an error (short test runs
+    may mean it)."""
+    if cfg.warmup_steps <= cfg.steps:
+        return None
+    return (f"note: train.warmup_steps = {cfg.warmup_steps} exceeds train.steps = {cfg.steps}: the learning rate "
+            f"climbs only to {lr_at(cfg.steps - 1, cfg):.2e}, not train.lr = {cfg.lr:.2e}, and never decays; lower "
+            f"train.warmup_steps to {cfg.steps} at most for the whole schedule")
+
 class NonFiniteGradient(FloatingPointError):
     """A bf16/fp32 step's gradient was not finite; the step was skipped. `step`: the first such step."""
 

@@ -21,7 +21,7 @@ from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, 
 from .config import ConfigError
 from .runlock import RunLock, acquire
 
-METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
+METRICS, TENSORBOARD, CONFIG = "metrics.jsonl", "tensorboard", "config.toml"
 
 
 def contains(directory: Path, path: Path) -> bool:
@@ -58,6 +58,34 @@ def _refuse_foreign(out: Path) -> None:
         if found is not None and (above == out or found == "a checkpoint"):
             where = "is" if above == out else f"is inside {above}, which is"
             raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out")
+    # A project's own config.toml or metrics.jsonl (`--out .`) was replaced by the run's without a word.
+    for name, ours in ((CONFIG, _run_config), (METRICS, _run_metrics)):
+        if (out / name).is_file() and not ours(out / name):
+            raise ConfigError(f"--out {out} holds a {name} that is not a shardlm run's, which the run would replace: "
+                              "train into another --out (a new or empty directory)")
+
+
+def _run_config(path: Path) -> bool:
+    """Whether `path` is a config.toml a run wrote (its sections are shardlm's), or empty."""
+    from .config import SECTIONS
+    from .config.load import tomllib
+    try:
+        sections = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return set(sections) <= set(SECTIONS)
+
+
+def _run_metrics(path: Path) -> bool:
+    """Whether `path` is a metrics.jsonl a run wrote (its first record has a step), or empty."""
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        record = json.loads(first) if first.strip() else {"step": 0}
+    except (ValueError, OSError):
+        return False
+    return isinstance(record, dict) and "step" in record
 
 
 def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=print) -> str | None:
@@ -82,8 +110,12 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     except OSError as e:
         return f"--out {out} cannot be written: {e.strerror or e}"
     partial = remove_partial(out)
-    if partial:
-        log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR}")
+    if partial:  # which steps were lost and where the run stands: a resume continues from the newest complete one
+        steps = ", ".join(sorted({str(int(p.name.split("_")[1].split("-")[0])) for p in partial}, key=int))
+        newest = complete_checkpoints(out)
+        log(f"removed {len(partial)} unfinished checkpoint save(s) in {out / CKPT_DIR} (step {steps}, cut short by a "
+            f"crash or kill); " + (f"the newest complete checkpoint is {newest[-1].name}" if newest else
+                                   "no complete checkpoint is left"))
     return None
 
 
@@ -103,11 +135,16 @@ def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
 
 
-def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool) -> bool:
-    """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses to resume
-    an explicitly chosen earlier checkpoint beside later ones unless `overwrite` (overwrite_run deletes them)."""
+def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, saved_batch: int,
+                      batch: int) -> bool:
+    """Whether resuming `checkpoint` (asked for as `resume`) continues its own run in `out`; refuses another
+    global batch there (`saved_batch`, the checkpoint's, against `batch`), and to resume an explicitly chosen
+    earlier checkpoint beside later ones unless `overwrite` (overwrite_run deletes them)."""
     if not contains(out, checkpoint):
         return False
+    if saved_batch != batch:
+        raise ConfigError(f"{checkpoint} was trained with train.global_batch_size {saved_batch}: with {batch} the "
+                          "steps would be numbered anew beside its checkpoints; resume into another --out")
     later = [p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)]
     if later and Path(resume).resolve() != out.resolve() and not overwrite:
         raise ConfigError(f"{out} holds checkpoints after {checkpoint.name} ({', '.join(p.name for p in later)}): "

@@ -114,6 +114,14 @@ class ShardedState:
             return None if kind == "step" else self.flat_range(name, kind, lo, hi)
         return LazyMap(keys, get, ranged)
 
+    def shape(self, name: str, kind: str = "master") -> tuple[int, ...]:
+        """The full tensor's shape, from the manifest alone."""
+        entry = self.pieces[(name, kind)][0]
+        tp = entry["tp"]
+        return tuple(entry["shape"]) if tp is None else \
+            TPSharding(tp["rank"], tp["degree"], tp["dim"], tuple(tp["parts"]), tuple(tp["split"]),
+                       tp["pad"]).full_shape(entry["shape"])
+
     def _file(self, entry: dict):
         # The most recently read files stay open (a tensor's pieces lie in a few, read in turn); the others
         # are closed, so that a checkpoint of thousands of files stays under the process's open-file limit.

@@ -19,7 +19,7 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 def parse_tasks(spec: str) -> list[str]:
     """`bleu,rouge` -> ["bleu", "rouge"]; `loss` (perplexity over a text file) is a task of its own."""
-    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    tasks = list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))  # loss,loss is loss alone
     known = ("loss", *TASKS)
     for t in tasks:
         if t not in known:
@@ -29,12 +29,14 @@ def parse_tasks(spec: str) -> list[str]:
     if "loss" in tasks and len(tasks) > 1:
         raise ConfigError("--tasks: loss reads a text file and the others a jsonl file of prompts and "
                           "references; run them separately")
-    return list(dict.fromkeys(tasks))
+    return tasks
 
 
-def read_examples(path: str | Path) -> tuple[list[str], list[str]]:
+def read_examples(path: str | Path) -> tuple[list, list[str]]:
     """Prompts and references of a jsonl file: one object per line with `prompt` and `completion` (or
-    `reference`), both strings. Blank lines are skipped."""
+    `reference`), both strings, or a chat as training reads it (`messages`), whose last turn, the assistant's,
+    is the reference and the turns before it the prompt (a list, for the model's chat template). Blank lines
+    are skipped."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"--data {path} is a directory, not a file")
@@ -42,9 +44,19 @@ def read_examples(path: str | Path) -> tuple[list[str], list[str]]:
         raise ConfigError(f"--data {path}: no such file")
     prompts, refs = [], []
     for where, obj, _ in objects(path, ConfigError, " with prompt and completion"):
+        if "messages" in obj and "prompt" not in obj:  # held-out chats of the data a run trained on
+            turns = obj["messages"]
+            if not (isinstance(turns, list) and len(turns) > 1 and all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in turns)
+                    and turns[-1].get("role") == "assistant"):
+                raise ConfigError(f"{where}: messages must be a list of {{role, content: string}} turns ending "
+                                  "with the assistant's, the reference, after at least one turn to answer")
+            prompts.append(turns[:-1])
+            refs.append(turns[-1]["content"])
+            continue
         ref = obj.get("completion", obj.get("reference"))
         if not isinstance(obj.get("prompt"), str) or not isinstance(ref, str):
-            raise ConfigError(f"{where}: needs string fields prompt and completion (or reference), "
+            raise ConfigError(f"{where}: needs string fields prompt and completion (or reference), or messages, "
                               f"has {', '.join(sorted(obj)) or 'none'}")
         prompts.append(obj["prompt"])
         refs.append(ref)

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 BYTE_EOS = "<|endoftext|>"
-HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",  # transformers >= 4.47's
+                 "generation_config.json")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -107,6 +108,14 @@ def fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def slow_tokenizer_hint(directory: Path) -> str:
+    """How to get the tokenizer.json a directory lacks from the slow tokenizer's files it holds (Llama's
+    SentencePiece tokenizer.model, GPT-2's vocab.json and merges.txt); "" where it holds none."""
+    slow = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (directory / n).is_file()]
+    return (f": it holds {' and '.join(slow)}, a slow tokenizer's files, which shardlm does not read; transformers "
+            "writes their tokenizer.json: `AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`") if slow else ""
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """`byte`, a tokenizer.json file, or a directory holding one (an HF checkpoint, a run, a data dir)."""
     if str(spec) == "byte":
@@ -114,11 +123,30 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     path = Path(spec)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path}")
+        how = (slow_tokenizer_hint(path) or "; copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
+               "from where the model came from into it") if path.is_dir() else ""
+        raise FileNotFoundError(f"no tokenizer.json at {path}{how}")
     settings = {}
     cfg = file.parent / "tokenizer_config.json"
     if cfg.is_file():
-        settings = json.loads(cfg.read_text())
+        try:
+            settings = json.loads(cfg.read_text())
+        except ValueError as e:  # json's own message names neither the file nor what it is
+            raise ValueError(f"{cfg} is not valid JSON ({e}): fetch or write it again") from None
+    if not isinstance(settings, dict):  # `[]` once ended in an AttributeError's traceback
+        raise ValueError(f"{cfg} holds {type(settings).__name__}, not a JSON object: fetch or write it again")
     eos, bos = (v.get("content") if isinstance(v, dict) else v for v in (settings.get("eos_token"),
                                                                           settings.get("bos_token")))
-    return Tokenizer(HFTokenizer.from_file(str(file)), source=file.parent, eos_token=eos, bos_token=bos)
+    for key, value in (("eos_token", eos), ("bos_token", bos)):
+        if value is not None and not isinstance(value, str):  # an id where the token's text belongs
+            raise ValueError(f"{cfg}: {key} is {value!r}, not the token's text (e.g. \"</s>\"): fix it there")
+    try:
+        tok = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
+        raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read ({e}): give a "
+                         "Hugging Face tokenizer.json, a directory holding one, or 'byte'") from None
+    if eos and tok.token_to_id(eos) is None:
+        # Silently no end-of-text otherwise: documents packed with nothing between them, generation that never
+        # stops on it.
+        raise ValueError(f"{cfg}: eos_token {eos!r} is no token of {file}: name one it holds there")
+    return Tokenizer(tok, source=file.parent, eos_token=eos, bos_token=bos)

@@ -26,18 +26,18 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
-from .generation_config import own_generation_config
+from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
-from .metrics import MetricsLogger, format_line, memory_gib, peak_flops
-from .optim import NonFiniteGradient, lr_at
+from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
+from .optim import NonFiniteGradient, lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
-from .runtime.device import pick_device
+from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
@@ -55,9 +55,7 @@ class Trainer:
         self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
-        self.device = pick_device(t.device)
-        if self.device.type == "cuda" and self.mesh.world > 1:
-            self.device = torch.device("cuda", self.mesh.local_rank)
+        self.device = training_device(t.device, cfg.parallel, self.mesh)  # before --out is touched
         # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
         # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
         # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
@@ -93,9 +91,8 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
         compat.check_trainable(data_dir, self.data.train.shards.index)
-        if t.eval_every and not len(self.data.eval_range) and self.mesh.is_main:  # else eval_loss is null, unexplained
-            log(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under ten "
-                "windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+        for note in compat.data_notes(t, data_dir, self.data) if self.mesh.is_main else ():
+            log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
@@ -123,9 +120,12 @@ class Trainer:
         generation = own_generation_config(checkpoint) or own_generation_config(t.init_from)
         self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
                                      self.log if self.mesh.is_main else lambda *a: None, generation)
+        self.stop_ids = stop_ids_of(self.tokenizer, generation)  # where the sample ends, as generate's would
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)
+        if (note := warmup_note(t)) and self.mesh.is_main and self.step < t.steps:  # no schedule runs: no note
+            log(note)
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
@@ -169,16 +169,13 @@ class Trainer:
             raise chosen
         path, state = Path(chosen), read_state(chosen)
         saved = config_from_dict(state["config"])
-        if self.out is not None and rundir.contains(self.out, path) and \
-                saved.train.global_batch_size != self.cfg.train.global_batch_size:
-            raise ConfigError(f"{path} was trained with train.global_batch_size "
-                              f"{saved.train.global_batch_size}: with {self.cfg.train.global_batch_size} the "
-                              f"steps would be numbered anew beside its checkpoints; resume into another --out")
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size, self.cfg.train.seq_len)
-        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite)
+        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
+                                                                saved.train.global_batch_size,
+                                                                self.cfg.train.global_batch_size)
         return path, own
 
     def _resume(self, path: Path) -> None:
@@ -192,9 +189,9 @@ class Trainer:
         set_rng_state(ckpt["rng"])
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
-        if self.step >= self.cfg.train.steps:
+        if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
-                     "nothing to do (raise train.steps to continue)")
+                     f"nothing to do (raise train.steps above {self.step} to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -293,7 +290,7 @@ class Trainer:
                    disable=not self.mesh.is_main or not sys.stderr.isatty())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        since, steps_since = time.perf_counter(), 0
+        since, steps_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
                 loss = self.train_step()
@@ -333,7 +330,8 @@ class Trainer:
                     records.append(rec)
                     self.metrics.log(rec)
                     if self.mesh.is_main:
-                        line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "")
+                        line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "") \
+                            + eta(self.step)
                         with bar.external_write_mode() if not bar.disable else nullcontext():
                             self.log(line)
                     since, steps_since = time.perf_counter(), 0
@@ -369,7 +367,8 @@ class Trainer:
             room = self.cfg.model.max_seq_len - len(prompt_ids(self.tokenizer, t.sample_prompt)) - 1
             with self._guard("the sample"):
                 text = generate_text(self.model, self.tokenizer, t.sample_prompt,
-                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed)
+                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed,
+                                     stop_ids=self.stop_ids)
             if self.mesh.is_main:
                 self.log("sample:\n" + t.sample_prompt + text)
         return records

@@ -13,14 +13,15 @@ so parameter counts have one source of truth. By concern:
 """
 from __future__ import annotations
 
-from .checks import BLOCK_RECOMPUTE, CHOICES, NON_NEGATIVE, POSITIVE, ROPE_KEYS, UNIT_INTERVAL, Naming, check_expert_lora, check_layout, validate
+from .checks import BLOCK_RECOMPUTE, CHOICES, NON_NEGATIVE, POSITIVE, ROPE_KEYS, UNIT_INTERVAL, Naming, check_layout, validate
+from .expert_checks import check_expert_lora
 from .errors import ConfigError, RunError
 from .load import CONFIG_DIRS, apply_overrides, config_from_dict, load_config, parse_overrides, preset_names
 from .schema import IGNORE, SECTIONS, Config, DataConfig, LoRAConfig, ModelConfig, ParallelConfig, TrainConfig, dump_toml
-from .shapes import (LORA_MODULES, NF4_BLOCK, NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, block_linears, exchanged_kv_heads,
+from .shapes import (FREE_GRAD_BUCKET_MB, LORA_MODULES, NF4_BLOCK, NF4_BYTES_PER_WEIGHT, RING_QUERY_ROWS, block_linears, exchanged_kv_heads,
                      fused_parts, lora_targets)
 
-__all__ = ["BLOCK_RECOMPUTE", "CHOICES", "CONFIG_DIRS", "IGNORE", "LORA_MODULES", "NF4_BLOCK", "NF4_BYTES_PER_WEIGHT", "NON_NEGATIVE",
+__all__ = ["BLOCK_RECOMPUTE", "CHOICES", "CONFIG_DIRS", "FREE_GRAD_BUCKET_MB", "IGNORE", "LORA_MODULES", "NF4_BLOCK", "NF4_BYTES_PER_WEIGHT", "NON_NEGATIVE",
            "POSITIVE", "RING_QUERY_ROWS", "ROPE_KEYS", "SECTIONS", "UNIT_INTERVAL", "Config", "ConfigError",
            "DataConfig", "LoRAConfig", "ModelConfig", "Naming", "ParallelConfig", "RunError", "TrainConfig",
            "apply_overrides", "block_linears", "check_expert_lora", "check_layout", "config_from_dict", "dump_toml", "exchanged_kv_heads", "fused_parts",

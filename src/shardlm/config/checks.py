@@ -6,13 +6,15 @@ the planner (plan/layout.py) share, naming what it refuses by config key or by t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from ..schedules import SCHEDULES, ScheduleError
 from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
-from .schema import SECTIONS, Config, LoRAConfig, ModelConfig, ParallelConfig
-from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
+from .expert_checks import check_dense, check_experts
+from ..naming import Naming
+from .schema import SECTIONS, Config, ModelConfig, ParallelConfig, TrainConfig
+from .shapes import lora_targets
 
 
 # Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
@@ -37,6 +39,7 @@ CHOICES = {
     "parallel.pp_transfer": ("auto", "process_group", "copy_engine"),
     "parallel.pp_schedule": SCHEDULES,
     "parallel.cp_comm": ("a2a", "p2p"),
+    "parallel.ep_dispatch": ("auto", "padded", "exact"),
     "lora.quantize": ("none", "nf4"),
 }
 POSITIVE = ("model.hidden_size", "model.num_layers", "model.num_heads", "model.max_seq_len",
@@ -51,12 +54,18 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
                 "train.min_lr_ratio", "train.momentum", "train.seed", "parallel.persist_threshold",
                 "parallel.offload_threads", "lora.rank", "model.moe_ffn_hidden_size",
                 "model.shared_expert_ffn_hidden_size", "model.moe_first_dense", "train.moe_aux_loss_coef",
-                "train.moe_z_loss_coef", "model.capacity_factor", "model.router_bias_update_rate")
+                "train.moe_z_loss_coef", "model.capacity_factor", "model.router_bias_update_rate",
+                "parallel.ep_load_budget")
 
 
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
+# (train key, value): the keys it leaves unread (set away from their defaults once without a word), and their reader.
+UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
+          ("optimizer", "sgd"): (("beta1", "beta2", "eps"), "optimizer = 'adamw'"),
+          ("lr_schedule", "constant"): (("min_lr_ratio",), "lr_schedule = 'cosine' or 'linear'")}
+MAX_ACCUM = 1 << 16  # micro-batches per rank a step: global_batch_size 1e30 ran on, deaf to SIGTERM (heard between)
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -98,9 +107,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
-    if m.arch == "gpt2" and (m.num_kv_heads not in (0, m.num_heads) or m.qkv_bias or m.rope_scaling or m.sliding_window):
-        raise ConfigError("model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
-                          "sliding_window")
+    llama_only = [f"model.{k} = {v!r}" for k, v in (("num_kv_heads", m.num_kv_heads), ("qkv_bias", m.qkv_bias),
+                  ("rope_scaling", m.rope_scaling), ("sliding_window", m.sliding_window))
+                  if v and not (k == "num_kv_heads" and v == m.num_heads)]
+    if m.arch == "gpt2" and llama_only:  # named: the key is often a preset's, left set under --model.arch gpt2
+        raise ConfigError(f"model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
+                          f"sliding_window: {', '.join(llama_only)} needs model.arch = 'llama' (for GPT-2 leave it "
+                          "unset; model.num_kv_heads 0 is one per head)")
     if m.arch == "llama" and m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
@@ -122,10 +135,19 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                           "single commas")
     if cfg.lora.rank:
         lora_targets(m.arch, cfg.lora.targets)
+        # Every block linear has hidden_size on one side: B A can have no higher rank, and alpha / rank would
+        # shrink the update (a typo's rank 16000 trained nothing, at gigabytes of adapters).
+        if cfg.lora.rank > m.hidden_size:
+            raise ConfigError(f"lora.rank = {cfg.lora.rank} exceeds model.hidden_size = {m.hidden_size}, the most "
+                              f"an adapter's update B A can have: lower lora.rank (to {m.hidden_size} at most)")
     elif cfg.lora.quantize != "none":
         raise ConfigError(f"lora.quantize = {cfg.lora.quantize!r} quantizes a frozen base under adapters: set lora.rank")
     if t.min_lr_ratio > 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be at most 1")
+    for (key, value), (names, reader) in UNREAD.items():
+        for name in (n for n in names if getattr(t, key) == value and getattr(t, n) != getattr(TrainConfig, n)):
+            raise ConfigError(f"train.{name} = {getattr(t, name)!r} applies to train.{reader}, and train.{key} is "
+                              f"{value!r}: set train.{reader}, or leave train.{name} at {getattr(TrainConfig, name)!r}")
     if p.tp_async and not (p.sp and t.compile):
         raise ConfigError("parallel.tp_async = True fuses the sequence-parallel collectives with their matmuls when the "
                           f"blocks compile: it needs parallel.sp = True and train.compile = True (they are {p.sp} and "
@@ -175,93 +197,7 @@ def check_bf16_optimizer(cfg: Config) -> None:
                               "0.99 or train.optimizer_dtype = 'fp32'")
 
 
-# The model keys only a mixture of experts reads (each 0 by default): on a dense model they would be ignored
-# without a word.
-MOE_ONLY = ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "capacity_factor", "router_bias_update_rate")
-
-
-def check_dense(cfg: Config) -> None:
-    for name in MOE_ONLY:
-        key, value = f"model.{name}", getattr(cfg.model, name)
-        if value:
-            whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
-                     if cfg.train.init_from else "model.num_experts = 0")
-            raise ConfigError(f"{key} = {value} applies to a mixture of experts, and this model is dense ({whose}): "
-                              f"set model.num_experts (and model.top_k), or leave {key} at 0")
-
-
-def check_experts(cfg: Config) -> None:
-    """What a mixture-of-experts model (model/moe.py) runs with: one process, data parallelism (DDP, ZeRO),
-    pipeline parallelism (each stage its layers' experts and auxiliary losses), context parallelism (the
-    routing statistics reduced over the cp group) and expert parallelism (parallel/expert.py) carved out of
-    dp x cp, within each pipeline stage, and tensor parallelism (parallel/moe_tensor.py: routed experts whole on
-    each tp rank, which routes its own slice of the tokens); LoRA adapts attention and any dense MLP, not the
-    experts, a shared expert or the router (frozen with the base)."""
-    m, p = cfg.model, cfg.parallel
-    if m.arch != "llama":
-        raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
-                          f"{m.arch!r}")
-    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
-        raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
-                          f"none of the {m.num_layers} layers a mixture of experts")
-    if p.tp > 1 and p.dp_mode == "classic" and p.zero_stage == 0 and p.dp * p.cp > 1:
-        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.tp = {p.tp}: the experts, whole on each tensor-"
-                          "parallel rank, reduce over the tp ranks too, which classic data parallelism cannot; use DDP "
-                          "or ZeRO")
-    if p.ep > 1 and p.delayed_update:
-        raise ConfigError(f"parallel.delayed_update = True with parallel.ep = {p.ep}: the delayed update of two "
-                          "parameter groups (dense and experts) is not validated yet; use parallel.delayed_update = False")
-    if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
-        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
-                          "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
-    check_expert_lora(m, cfg.lora)
-
-
-def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = None) -> None:
-    """LoRA (`lora`) on a mixture of experts: adapters on attention and dense MLPs only, and no
-    QLoRA; shared by the runtime and the planner (`naming`: how to name the values, Naming)."""
-    show = (naming or Naming()).show
-    if not lora.rank:
-        return
-    if lora.quantize != "none":
-        raise ConfigError(f"{show('quantize', lora.quantize)} with {show('num_experts', m.num_experts)}: the "
-                          "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
-                          f"built yet: use {show('quantize', 'none')}")
-    for t in (t.strip() for t in lora.targets.split(",")):
-        if MOE_LORA_NAMES & set(t.split(".")):  # else refused as no module of the dense architecture at all
-            raise ConfigError(f"{show('targets', lora.targets)} names {t!r}, a linear of the mixture of experts (an "
-                              "expert's or the router's), which take no adapters yet: adapt attention "
-                              "(q_proj,k_proj,v_proj,o_proj) and any dense MLP, or use all-linear")
-    chosen = lora_targets(m.arch, lora.targets)
-    if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
-               for n in LORA_MODULES[m.arch][path]):
-        raise ConfigError(f"{show('targets', lora.targets)} names MLP linears only, and every layer's MLP is a "
-                          "mixture of experts, whose experts take no adapters yet: add attention's "
-                          "(q_proj,k_proj,v_proj,o_proj) or use all-linear")
-
-
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
-
-@dataclass(frozen=True)
-class Naming:
-    """How a layout check names what it refuses: by config key (`parallel.tp = 3`), or by the planner's
-    flags (`--tp 3`)."""
-    flags: bool = False
-    CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
-                   "seq": "train.seq_len", "quantize": "lora.quantize", "targets": "lora.targets",
-                   "num_experts": "model.num_experts"}
-    FLAGS = {"zero_stage": "zero", "targets": "lora_targets", "num_experts": "experts"}
-
-    def key(self, name: str) -> str:
-        if self.flags:
-            return "--" + self.FLAGS.get(name, name).replace("_", "-")
-        return self.CONFIG_KEYS.get(name, f"parallel.{name}")
-
-    def show(self, name: str, value) -> str:
-        if self.flags:
-            return self.key(name) if value is True else f"{self.key(name)} {value}"
-        return f"{self.key(name)} = {value!r}"
-
 
 def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
                  world: int | None = None, naming: Naming = Naming()) -> None:
@@ -271,23 +207,40 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         if getattr(p, name) < 1:
             raise ConfigError(f"{show(name, getattr(p, name))} must be at least 1")
+    if micro_batch >= 1 and global_batch // (micro_batch * p.dp) > MAX_ACCUM:
+        raise ConfigError(f"{show('global_batch', global_batch)} is over {MAX_ACCUM:,} micro-batches of "
+                          f"{key('micro_batch')} ({micro_batch}) per {key('dp')} rank a step, more than any run takes: "
+                          f"lower it (to {MAX_ACCUM * micro_batch * p.dp:,} at most here) or raise {key('micro_batch')}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} is not one of 0, 1, 2, 3")
     for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
-                          ("cp_comm", CHOICES["parallel.cp_comm"])):
+                          ("cp_comm", CHOICES["parallel.cp_comm"]), ("ep_dispatch", CHOICES["parallel.ep_dispatch"])):
         if getattr(p, name) not in allowed:
             raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
     if world is not None and p.world != world:
         axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
         got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
-        hint = ("" if naming.flags or world != 1 else
-                f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
-                "or set the layout for one (--parallel.dp 1 --parallel.tp 1; checkpoints resume under any layout)")
+        other = p.world // p.dp  # tp x pp x cp: what data parallelism multiplies
+        if naming.flags:
+            hint = ""
+        elif world == 1:  # every axis above 1 named: pp, cp or ep left as they were would refuse the next try
+            ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp")
+                            or getattr(p, a) > 1)
+            hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
+                    f"or set the layout for one ({ones}; checkpoints resume under any layout)")
+        else:  # ep must divide the new dp x cp, which carries the experts
+            ep = math.gcd(p.ep, world // other * p.cp) if world % other == 0 else p.ep
+            hint = (f": launch {p.world} processes (torchrun --nproc-per-node {p.world}), or set a layout of {world}"
+                    + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
+                       if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
+    both = math.gcd(m.num_heads, m.ffn_size)  # the tp values that fit, named: the fix is one of them
+    fits = [str(d) for d in range(2, both + 1) if both % d == 0]
+    fits = f": {key('tp')} can be {', '.join(fits)} for this model" if fits else f": no {key('tp')} above 1 fits it"
     if m.num_heads % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the {m.num_heads} attention heads{fits}")
     if m.ffn_size % p.tp:
-        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features")
+        raise ConfigError(f"{show('tp', p.tp)} does not divide the MLP's {m.ffn_size} hidden features{fits}")
     if p.cp_comm == "a2a" and (m.num_heads // p.tp) % p.cp:
         raise ConfigError(f"{show('cp', p.cp)} must divide the {m.num_heads // p.tp} attention heads each tensor-parallel "
                           f"rank holds: Ulysses' context parallelism splits them over its ranks around attention "
@@ -295,8 +248,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if seq % p.cp:
         raise ConfigError(f"{show('seq', seq)} must divide by {show('cp', p.cp)}")
     if p.cp > 1 and p.cp_comm == "p2p" and not m.capacity_factor and seq % (2 * p.cp):
-        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {show('cp', p.cp)} for ring attention's zig-zag "
-                          f"layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
+        raise ConfigError(f"{show('seq', seq)} must divide by 2 x {key('cp')} ({p.cp}) = {2 * p.cp} for ring "
+                          f"attention's zig-zag layout: each rank holds two of 2 x {key('cp')} chunks of every sequence")
     if p.sp and p.tp == 1:
         raise ConfigError(f"{show('sp', True)} (sequence parallelism) needs {key('tp')} > 1")
     if p.sp and seq % (p.tp * p.cp):
@@ -320,7 +273,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
     if p.pp > 1:
         try:
-            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp))
+            check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp), naming)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
     if p.zero_stage >= 2 and p.pp > 1:
@@ -365,10 +318,20 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if m.num_experts and m.shared_expert_ffn_hidden_size % p.tp:
         raise ConfigError(f"{show('tp', p.tp)} does not divide the shared expert's {m.shared_expert_ffn_hidden_size} "
                           "hidden features")
+    if not (p.ep_load_budget == 0 or 1 <= p.ep_load_budget < math.inf):  # nan too
+        raise ConfigError(f"{show('ep_load_budget', p.ep_load_budget)}: a rank's experts take at least one balanced "
+                          "load (its own token copies) in one pass; use 0 (never in chunks) or a finite multiple of "
+                          "at least 1")
+    if m.num_experts and p.ep == 1 and p.ep_dispatch != "auto":  # here: the planner refuses it too
+        raise ConfigError(f"{show('ep_dispatch', p.ep_dispatch)} applies to expert parallelism, and {show('ep', 1)} "
+                          f"(every expert on every rank): set {key('ep')} above 1, or leave {key('ep_dispatch')} at "
+                          "'auto'")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
-    if min(seq, micro_batch, global_batch) < 1:
-        raise ConfigError(f"{key('seq')}, {key('micro_batch')} and {key('global_batch')} must be positive")
+    bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))
+           if v < 1]
+    if bad:
+        raise ConfigError(f"{' and '.join(bad)} must be positive")
     if global_batch % (micro_batch * p.dp):
         raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
                           f"({micro_batch}) x {key('dp')} ({p.dp})")

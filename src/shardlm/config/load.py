@@ -37,11 +37,16 @@ def _resolve_source(source: str) -> Path:
     for d in CONFIG_DIRS:
         if (d / f"{source}.toml").is_file():
             return d / f"{source}.toml"
+    if p.suffix == ".toml":  # a path, not a preset's name: say what is wrong with it
+        raise ConfigError(f"config {source!r}: {'is a directory' if p.is_dir() else 'no such file'} (or a preset: "
+                          f"{', '.join(preset_names())})")
     raise ConfigError(f"config {source!r} is neither a TOML file nor a preset (presets: {', '.join(preset_names())})")
 
 
 def _convert(key: str, value: Any, typ: Any) -> Any:
     """Turn a TOML value or a command-line string into the field's type, or fail naming the key."""
+    if isinstance(value, str) and not value.isascii():
+        refuse_non_utf8(key, value)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -79,7 +84,42 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
             return dict(value)
     except (ValueError, TypeError):
         pass
-    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
+    how = ""  # the two a first config gets wrong: a bool spelled otherwise, a TOML list where one string goes
+    if typ is bool:
+        how = ": give true or false"
+    elif typ is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        how = f": give one string, the items separated by commas ({key.split('.')[1]} = {','.join(value)!r})"
+    raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
+
+
+def refuse_non_utf8(name: str, value: str, fix: str = "") -> None:
+    """ConfigError naming `name` where `value` is not UTF-8 text: bytes that are not UTF-8 on the command line
+    reach Python as lone surrogates (surrogateescape), which fail later where a message names nothing (writing
+    config.toml, a tokenizer's TypeError). `fix`: another way out, added to the message."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(e.object[e.start]) - 0xDC00
+        what = f"the byte {byte:#04x}" if 0x80 <= byte <= 0xFF else repr(e.object[e.start])
+        raise ConfigError(f"{name} holds {what}, which is not UTF-8 text: use a UTF-8 terminal or locale{fix}") \
+            from None
+
+
+# PEFT's LoraConfig and transformers' TrainingArguments names, which a user coming from them writes first.
+HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "PEFT"),
+            "lora.lora_dropout": ("lora.dropout", "PEFT"), "lora.target_modules": ("lora.targets", "PEFT"),
+            "lora.use_rslora": ("lora.rslora", "PEFT"), "train.learning_rate": ("train.lr", "TrainingArguments"),
+            "train.max_steps": ("train.steps", "TrainingArguments"),
+            "train.num_train_epochs": ("train.steps (steps, not epochs)", "TrainingArguments"),
+            "train.warmup_ratio": ("train.warmup_steps (steps, not a ratio)", "TrainingArguments"),
+            "train.per_device_train_batch_size": ("train.micro_batch_size", "TrainingArguments"),
+            "train.gradient_accumulation_steps": ("train.global_batch_size (micro batches x dp x accumulation)",
+                                                  "TrainingArguments"),
+            "train.max_grad_norm": ("train.grad_clip", "TrainingArguments"),
+            "train.max_seq_length": ("train.seq_len", "TRL"), "train.max_length": ("train.seq_len", "TRL"),
+            "train.save_steps": ("train.save_every", "TrainingArguments"),
+            "train.eval_steps": ("train.eval_every", "TrainingArguments"),
+            "train.logging_steps": ("train.log_every", "TrainingArguments")}
 
 
 def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
@@ -93,14 +133,22 @@ def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
         hints = get_type_hints(type(obj))
         if name not in hints:
             known = ", ".join(f.name for f in fields(obj))
-            raise ConfigError(f"unknown config key {key!r} (known in [{section}]: {known})")
+            ours = HF_NAMES.get(key)
+            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else ""
+            raise ConfigError(f"unknown config key {key!r}{hint} (known in [{section}]: {known})")
         setattr(obj, name, _convert(key, value, hints[name]))
 
 
 def _flatten(d: dict, where: str) -> dict[str, Any]:
     flat = {}
     for section, body in d.items():
-        if section not in SECTIONS or not isinstance(body, dict):
+        if not isinstance(body, dict):  # a key above every [section]: TOML puts it in none
+            cfg = Config()
+            homes = [s for s in SECTIONS if section in get_type_hints(type(getattr(cfg, s)))]
+            home = f"put it under {' or '.join(f'[{h}]' for h in homes)}" if homes else \
+                f"and no section has such a key (sections: {', '.join(SECTIONS)})"
+            raise ConfigError(f"{where}: {section} = {body!r} is outside any [section]{':' if homes else ','} {home}")
+        if section not in SECTIONS:
             raise ConfigError(f"unknown config section [{section}] in {where} (sections: {', '.join(SECTIONS)})")
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
@@ -126,6 +174,37 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
+def refuse_misplaced_train_args(args: list[str]) -> None:
+    """`shardlm train`'s arguments that are not overrides, written as other tools write their config: argparse said
+    'unrecognized arguments' without saying how shardlm spells them."""
+    for a in args:
+        name = a.split("=", 1)[0]
+        if name in ("--config", "--preset", "-c"):
+            raise ConfigError(f"{name}: the config is the first argument, without a flag: shardlm train FILE.toml "
+                              f"(or a preset: {', '.join(preset_names())})")
+        if not a.startswith("-") and "=" in a and name.partition(".")[0] in SECTIONS:
+            raise ConfigError(f"{a!r}: an override is written with two dashes: --{a}")
+        bare = name.lstrip("-").replace("-", "_")
+        if a.startswith("--") and "." not in name:  # --lr, --steps, --learning_rate: a key without its section
+            owners = [f"{s}.{bare}" for s in SECTIONS if bare in {f.name for f in fields(getattr(Config(), s))}]
+            owners += [HF_NAMES[f"{s}.{bare}"][0] for s in SECTIONS if f"{s}.{bare}" in HF_NAMES]
+            if owners:
+                others = ", ".join("--" + o.split()[0] for o in owners[1:])
+                raise ConfigError(f"{name}: config keys are written with their section: --{owners[0].split()[0]}"
+                                  + (f" (or {others})" if others else ""))
+
+
+def refuse_empty_paths(argv: list[str]) -> None:
+    """A path given as '' (a shell variable that was never set) read as '.' or as not given at all: --resume ''
+    started a new run, --out '' trained into runs/<config>, --model '' named the working directory."""
+    flags = ("--out", "--resume", "--model", "--checkpoint", "--data", "--input", "--output", "--tokenizer",
+             "--adapter", "--config")
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in flags and (value == "" if eq else i + 1 < len(argv) and argv[i + 1] == ""):
+            raise ConfigError(f"{flag} is empty: give a path (is the shell variable for it set?)")
+
+
 def parse_overrides(args: list[str]) -> dict[str, str]:
     """`--section.key value` and `--section.key=value` pairs into a flat dict."""
     out: dict[str, str] = {}
@@ -139,8 +218,9 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             key, value = key.split("=", 1)
             i += 1
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{key} is missing a value")
+            # `--train.steps --out run` forgot the value: taking '--out' as it would blame the wrong argument.
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{key} is missing a value: give --{key} VALUE (or --{key}=VALUE)")
             value = args[i + 1]
             i += 2
         out[key] = value

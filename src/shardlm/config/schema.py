@@ -79,6 +79,9 @@ class TrainConfig:
     # fp32 | bf16: the optimizer's master weights and moments (bf16: HF's pure-bf16 training, each update rounded
     # to bf16, the parameters their own masters where the optimizer is not sharded; needs precision bf16)
     optimizer_dtype: str = "fp32"
+    # one process: the gradients' memory given back after each step and taken again bucket by bucket as backward
+    # reaches them (torch's zero_grad(set_to_none=True)); false keeps one buffer for the run (one optimizer launch)
+    free_grads: bool = True
     # none | selective (attention core) | full (each block from its input) | full-skip-down (full, but the
     # recomputed forward skips the MLP's down projection: no more memory) | full-skip-out-down (also the
     # attention's output projection, keeping each block's mid-residual): model/recompute.py
@@ -127,6 +130,10 @@ class ParallelConfig:
     cp: int = 1                    # context parallel (sequence split over ranks)
     cp_comm: str = "a2a"           # a2a: Ulysses' all-to-all of heads (context.py) | p2p: ring attention (ring_attention.py)
     ep: int = 1                    # expert parallel, carved out of dp x cp
+    ep_dispatch: str = "auto"      # auto | padded | exact: how rows reach the experts' ranks (parallel/expert.py)
+    # the most rows a rank's experts take in one pass of the exact dispatch, in balanced loads (its own token copies);
+    # past it they run in checkpointed chunks of that many (parallel/expert_chunks.py); 0: one pass, however many
+    ep_load_budget: float = 2.0
     sp: bool = False               # Megatron sequence parallelism (with tp > 1)
     tp_async: bool = False         # collectives fused with their matmuls (async_tp.py): refused on GPUs for now
     zero_stage: int = 0
@@ -151,6 +158,11 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    def ep_padded(self, dropless: bool = True) -> bool:
+        """Whether expert parallelism sends its rows in fixed-size blocks (parallel/expert.py): asked for, or
+        "auto" at ep 2; dropless routing only (`dropless`: model.capacity_factor is 0, or not training)."""
+        return self.ep > 1 and dropless and (self.ep_dispatch == "padded" or (self.ep_dispatch == "auto" and self.ep == 2))
 
     @property
     def replicas(self) -> int:

@@ -125,6 +125,10 @@ class LoRAShapes:
         return 4 * matmul + 6 * self.adapter_count(m) + attention
 
 
+# Buckets of gradients taken and given back by one process (train.free_grads): about a block of a 1B model, so
+# that backward holds little more than the blocks it has reached while the update stays a few launches a step.
+FREE_GRAD_BUCKET_MB = 128
+
 NF4_BLOCK = 64  # weights per absmax scale in QLoRA's NF4 (the paper's and torchao's)
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)  # codes, int8 scales, their fp32 scales
 
@@ -185,8 +189,12 @@ def lora_targets(arch: str, targets: str) -> set[str]:
     for t in wanted:
         hits = {n for n in known if n == t or n.endswith("." + t)}
         if not hits:
+            # all-linear among other names, or spelt all_linear: the list of names ended "or all-linear", as if
+            # that were what was missing.
+            alone = t.lower().replace("_", "-") in ("all-linear", "all")
             raise ConfigError(f"lora.targets names {t!r}, which is no {arch} module (modules: "
-                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)")
+                              f"{', '.join(n.rsplit('.', 1)[1] for n in known)}, or all-linear)"
+                              + ("; every module is lora.targets = 'all-linear', alone" if alone else ""))
         chosen |= hits
     if not chosen:
         raise ConfigError("lora.targets is empty: name the modules to adapt, or all-linear")

@@ -10,8 +10,10 @@ import hashlib
 import os
 import shutil
 import sysconfig
+import tempfile
 from pathlib import Path
 
+from ..config import ConfigError
 from .prepare import INDEX, prepare
 
 BUDGET_BYTES = 4 << 20
@@ -19,13 +21,16 @@ BUDGET_BYTES = 4 << 20
 
 def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
+    files, total, seen = [], 0, set()
     for p in sorted(stdlib.glob("*.py")):
-        size = p.stat().st_size
-        if total + size > budget:
+        st = p.stat()
+        # Some distributions link one module under two names (Debian's _sysconfigdata_*): read it once, as
+        # prepare refuses a file given twice.
+        if (st.st_dev, st.st_ino) in seen or total + st.st_size > budget:
             continue
+        seen.add((st.st_dev, st.st_ino))
         files.append(p)
-        total += size
+        total += st.st_size
     if not files:
         raise FileNotFoundError(f"no Python sources found in {stdlib} for the default corpus")
     return files
@@ -37,6 +42,7 @@ def default_corpus(progress: bool = False) -> Path:
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
     if not (cache / INDEX).is_file():
+        _check_writable(cache.parent)
         # Several processes of one machine (ranks, concurrent jobs) may get here at once: each prepares
         # into its own directory and the first to finish renames it into place.
         tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
@@ -46,3 +52,14 @@ def default_corpus(progress: bool = False) -> Path:
         except OSError:  # another process won the race: its copy is complete
             shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+def _check_writable(directory: Path) -> None:
+    # The user named no path here: an OSError would name a scratch directory and not say what to change.
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=directory))
+    except OSError as e:
+        raise ConfigError(f"the default corpus (the Python standard library's sources, tokenized once) cannot be "
+                          f"cached in {directory}: {e.strerror or e}; set XDG_CACHE_HOME to a writable directory, "
+                          "or train on your own data (--data.path, made by `shardlm data prepare`)") from None

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from .jsonl import JSON_KINDS, objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 
 class PrepareError(ValueError):
@@ -81,7 +81,8 @@ def _text_pieces(path: Path, chunk: int) -> Iterator[tuple[str, int]]:
             cut = _cut(data, chunk, 4 * chunk) if block else len(data)
             if cut:
                 piece, data = data[:cut], data[cut:]
-                yield _decode(path, piece, offset, line), len(piece)
+                text = _decode(path, piece, offset, line)
+                yield text.removeprefix(BOM) if offset == 0 else text, len(piece)  # no document opens with a BOM
                 offset, line = offset + len(piece), line + piece.count(b"\n")
             if not block:
                 return
@@ -91,7 +92,11 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     for where, record, nbytes in objects(path, PrepareError, f" with a {text_field!r} field"):
         if text_field not in record:
             keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys})")
+            # Alpaca's instruction/output or ShareGPT's conversations read as plain text: say what instruction
+            # data looks like, since nothing else would.
+            raise PrepareError(f"{where}: no {text_field!r} field (fields: {keys}); name the text's field with "
+                               "--text-field, or, for instruction data, write each line as {\"prompt\", "
+                               "\"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}")
         text = record[text_field]
         if not isinstance(text, str):
             raise PrepareError(f"{where}: {text_field!r} is {JSON_KINDS.get(type(text), 'a value')}, not a string")
@@ -123,11 +128,17 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]
     if not (pa.types.is_string(values) or pa.types.is_large_string(values) or string_view(values)):
         raise PrepareError(f"{path}: column {text_field!r} holds {kind}, not strings")
     per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
+    row = 0
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield text, per_row
+            column = batch.column(0)
+            if column.null_count:  # as a jsonl line's null is: dropping it would change the data unseen
+                at = row + column.is_null().to_pylist().index(True) + 1
+                raise PrepareError(f"{path}: row {at}: {text_field!r} is null, not a string (drop or fill the "
+                                   "null rows)")
+            for text in column.to_pylist():
+                yield text, per_row
+            row += len(column)
     except pa.ArrowException as e:
         raise PrepareError(f"{path}: unreadable parquet data ({e})") from None
 

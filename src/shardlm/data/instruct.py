@@ -4,9 +4,10 @@ completion, the assistant's turns and the end-of-text token that closes them; 0 
 the answers are learned, as in InstructGPT's and Alpaca's supervised fine-tuning.
 
 Each line is {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}. Chat turns are rendered
-with the tokenizer's chat template (tokenizer_config.json's `chat_template`, through jinja2 as transformers
-renders it) when it has one, else as "<|role|>\\ncontent\\n" lines; a turn's tokens are what rendering the
-conversation up to it adds to the rendering before it, masked by whether the assistant said them.
+with the tokenizer's chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`, through
+jinja2 as transformers renders it) when it has one, else as "<|role|>\\ncontent\\n" lines; a turn's tokens are
+what rendering the conversation up to it adds to the rendering before it, masked by whether the assistant said
+them.
 
 With `pad_to` (the training's seq_len) every example is one window: cut at pad_to tokens, or padded to it
 with end-of-text tokens that are not trained on, so no example attends to another (no packing). Without
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenizer import Tokenizer
-from .jsonl import objects
+from .jsonl import BOM, JSON_KINDS, objects
 
 ROLES = ("system", "user", "assistant")
 
@@ -38,7 +39,7 @@ def is_instruct(path: Path) -> bool:
         for raw in f:
             if raw.strip():
                 try:
-                    record = json.loads(raw)
+                    record = json.loads(raw.removeprefix(BOM.encode()))
                 except ValueError:
                     return False
                 return isinstance(record, dict) and ("messages" in record or "prompt" in record)
@@ -47,19 +48,34 @@ def is_instruct(path: Path) -> bool:
 
 def _chat_template(tok: Tokenizer):
     source = getattr(tok, "source", None)
-    cfg = Path(source) / "tokenizer_config.json" if source else None
-    if cfg is None or not cfg.is_file():
+    if not source:
         return None
-    template = json.loads(cfg.read_text()).get("chat_template")
-    if not isinstance(template, str):
+    # transformers >= 4.47 saves the template as chat_template.jinja, which wins over tokenizer_config.json's
+    # chat_template when both are there, as in transformers' from_pretrained.
+    file, cfg = Path(source) / "chat_template.jinja", Path(source) / "tokenizer_config.json"
+    where = file if file.is_file() else cfg
+    template = file.read_text(encoding="utf-8") if file.is_file() else \
+        json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    if isinstance(template, list):  # transformers' named templates: it renders with the one named "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        template)
+    if template is None:
         return None
+    if not isinstance(template, str):  # once taken for no template: data prepare then used the fallback format
+        raise InstructError(f"{where}: chat_template is not a template's text (or a list of named ones with a "
+                            "'default'): fix it, or remove it")
+    import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
 
     def raise_exception(message):  # the helper transformers gives templates, for their own checks
         raise InstructError(message)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:  # once a traceback (serve's start, data prepare)
+        raise InstructError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}): fix it, or "
+                            "remove it") from None
 
 
 def chat_prompter(tok: Tokenizer):
@@ -71,6 +87,18 @@ def chat_prompter(tok: Tokenizer):
         return None
     eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
     return lambda messages: _render(template, messages, eos, tok.bos_token, generation_prompt=True)
+
+
+# _render's plain format as a chat template, which `data prepare` writes into a dataset whose tokenizer has none
+# (as TRL's setup_chat_format gives one): the run's export and `serve` then prompt in the format the model learned,
+# where /v1/chat/completions and transformers' apply_chat_template otherwise knew no format at all.
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def plain_template(tok: Tokenizer) -> str:
+    """PLAIN_TEMPLATE opened as examples() opens a conversation rendered without a template (`bos_ids`)."""
+    return ("{{ bos_token }}" if tok.bos_ids else "") + PLAIN_TEMPLATE
 
 
 def _render(template, messages: list[dict], eos: str, bos: str, generation_prompt: bool = False) -> str:
@@ -96,10 +124,10 @@ def _pieces(record: dict, where: str, template, eos: str, bos: str) -> list[tupl
 def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+        bad = _bad_message(messages)
+        if bad:
             raise InstructError(f"{where}: messages must be a non-empty list of {{role: system|user|assistant, "
-                                "content: string}")
+                                f"content: string}}: {bad}")
         if not any(m["role"] == "assistant" for m in messages):
             raise InstructError(f"{where}: no assistant message: nothing to train on")
         out, before = [], ""
@@ -114,8 +142,25 @@ def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple
         return out
     prompt, completion = record.get("prompt"), record.get("completion")
     if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise InstructError(f"{where}: needs string fields prompt and completion (or messages)")
+        # Which field is off, as other tools spell it (response, output, answer) or of another type.
+        has = ", ".join(f"{k!r}" + ("" if isinstance(v, str) else f" ({JSON_KINDS.get(type(v), 'a value')})")
+                        for k, v in list(record.items())[:8])
+        raise InstructError(f"{where}: needs string fields prompt and completion (or messages); has {has or 'none'}")
     return [(prompt, False), (completion, True)]
+
+
+def _bad_message(messages) -> str:
+    """What is wrong with the first message that is no {role, content} turn ("" when none is)."""
+    if not isinstance(messages, list) or not messages:
+        return f"it is {JSON_KINDS.get(type(messages), 'a value')}" + (" and empty" if messages == [] else "")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i + 1} is {JSON_KINDS.get(type(m), 'a value')}"
+        if m.get("role") not in ROLES:
+            return f"message {i + 1} has role {m.get('role')!r}"
+        if not isinstance(m.get("content"), str):  # OpenAI's list of content parts among them
+            return f"message {i + 1}'s content is {JSON_KINDS.get(type(m.get('content')), 'a value')}"
+    return ""
 
 
 def _after(text: str, before: str, where: str, i: int) -> str:
@@ -126,11 +171,14 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask, bytes read) of every example of a jsonl file, each opened as the tokenizer opens
-    a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token (trained on:
-    the model learns to stop)."""
+    """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template) of
+    every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
+    them itself) and closed by the end-of-text token (trained on: the model learns to stop)."""
     if tok.eos_id is None:
-        raise InstructError("instruction data needs a tokenizer with an end-of-text token")
+        where = getattr(tok, "source", None) or "the tokenizer"
+        raise InstructError(f"instruction data needs a tokenizer with an end-of-text token, which closes each answer "
+                            f"so the model learns to stop; {where} has none: set tokenizer_config.json's eos_token "
+                            "to the token the model ends a text with (one of tokenizer.json's)")
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
@@ -142,7 +190,8 @@ def examples(path: Path, tok: Tokenizer):
         if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
             ids.append(tok.eos_id)
             mask.append(True)
-        yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes
+        yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
+               template is None and "messages" in record)
 
 
 def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:

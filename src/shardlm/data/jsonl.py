@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+BOM = "\ufeff"
 JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
               bool: "a boolean", type(None): "null"}
 
@@ -22,6 +23,8 @@ def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise error(f"{where}: not UTF-8 text (byte offset {offset + e.start})") from None
+            if lineno == 1:  # a byte-order mark (Windows editors write one) failed json.loads: "Unexpected UTF-8 BOM"
+                line = line.removeprefix(BOM)
             offset += len(raw)
             if not line.strip():
                 continue
@@ -31,4 +34,26 @@ def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[
                 raise error(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
                 raise error(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object{expected}")
+            # Valid UTF-8 holds no lone surrogate, but a \ud800 escape makes one, which tokenizers reject with a
+            # TypeError's traceback (generate --input, eval, instruction data): named here, with its field.
+            if "\\u" in line and (found := unpaired_surrogate(record)):
+                raise error(f"{where}: {found[0]!r} holds an unpaired surrogate ({found[1]!a}), not Unicode text")
             yield where, record, len(raw)
+
+
+def unpaired_surrogate(value, path: str = "") -> tuple[str, str] | None:
+    """(where in `value`, e.g. "messages[0].content", the character) of the first string, key or value,
+    holding a lone UTF-16 surrogate, which UTF-8 cannot encode; None where there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path or "the value", e.object[e.start]
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = unpaired_surrogate(key, inner) if isinstance(key, str) else None
+        if found := found or unpaired_surrogate(item, inner):
+            return found
+    return None

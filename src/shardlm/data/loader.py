@@ -72,7 +72,11 @@ class TokenShards:
         if header[:len(MAGIC)] != MAGIC or struct.unpack("<Q", header[len(MAGIC):])[0] != n:
             raise DataError(f"shard {path} has a bad header (not a shardlm token shard, or corrupt)")
         if model_vocab is not None and entry["max_id"] >= model_vocab:
-            raise DataError(f"shard {path} holds token id {entry['max_id']} >= the model's vocab_size {model_vocab}")
+            # Most often a preset's vocab_size (tiny's 512) under data of a real tokenizer (GPT-2's 50,257 tokens).
+            raise DataError(f"shard {path} holds token id {entry['max_id']} >= the model's vocab_size {model_vocab}: "
+                            f"{self.dir} was prepared with a tokenizer of {self.index.get('vocab_size', '?')} tokens; "
+                            "prepare it with the model's tokenizer, or (a model trained from scratch) set "
+                            "model.vocab_size to at least that (0 takes the data's tokenizer size)")
         data = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
         if verify:
             crc, top = 0, -1
@@ -96,14 +100,21 @@ class WindowDataset:
                             f"but train.seq_len = {seq_len}: prepare it again with --pad-to {seq_len}")
         if shards.masks is not None and not shards.pad_to and shards.index.get("eos_inside_examples"):
             raise DataError(f"{shards.dir}: {shards.index['eos_inside_examples']} examples hold the end-of-text token "
-                            "inside them (the chat template closes every turn with it), so packed examples "
+                            "inside them (a chat template that closes every turn with it, or a prompt or answer "
+                            "that spells the token out, which tokenizes as the token), so packed examples "
                             f"cannot be told apart: prepare it with --pad-to {seq_len} (one example per window)")
         self.stride = seq_len + 1 if shards.pad_to else seq_len
         counts = [max(0, (len(t) - 1) // seq_len) if not shards.pad_to else len(t) // self.stride
                   for t in shards.tokens]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.starts[-1] == 0:
-            raise DataError(f"{shards.dir} holds fewer than {seq_len + 1} tokens: no window of train.seq_len fits")
+            window = f"fewer than the {seq_len + 1} of one window of train.seq_len {seq_len}"
+            if len(shards.tokens) > 1:  # a window never spans two shards
+                raise DataError(f"{shards.dir}'s shards hold {max(len(t) for t in shards.tokens):,} tokens at most, "
+                                f"{window}: prepare it again with a larger --shard-tokens")
+            have = sum(len(t) for t in shards.tokens)
+            raise DataError(f"{shards.dir} holds {have:,} tokens, {window}: lower train.seq_len (to "
+                            f"{max(have - 1, 1)} at most), or prepare more text")
 
     def __len__(self) -> int:
         return int(self.starts[-1])

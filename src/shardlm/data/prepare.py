@@ -23,9 +23,9 @@ from typing import Iterable
 
 import numpy as np
 
-from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer
+from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
 from .documents import PrepareError, iter_pieces
-from .swap import building
+from .swap import SCRATCH, building
 
 MAGIC = b"SHLMTOK1"
 HEADER_BYTES = 16
@@ -124,6 +124,10 @@ def _output_dir(out: Path) -> Path:
             more = ", ..." if len(foreign) > 3 else ""
             raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
                                f"{more}): the output directory is replaced whole, so give a new or empty one")
+    # Inside another dataset it would be a foreign file of that one, which its next preparation refuses.
+    above = next((d for d in final.parents if (d / INDEX).is_file()), None)
+    if above is not None:
+        raise PrepareError(f"{out} is inside the prepared dataset {above}: give an --out outside it")
     return final
 
 
@@ -183,13 +187,26 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
             raise
     shards = writer.finish()
     if not shards:
-        raise PrepareError("the inputs hold no text")
+        raise PrepareError(f"--input {' '.join(map(str, inputs))}: no text to tokenize (empty): give files that hold "
+                           "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
+
+
+def _write_plain_template(out: Path, tok: Tokenizer) -> None:
+    """The format conversations were rendered in, as the dataset tokenizer's chat template (data/instruct.py)."""
+    from .instruct import plain_template
+    path = out / "tokenizer_config.json"
+    # A tokenizer without the file (byte, a bare tokenizer.json) gets what export writes for one, which it no
+    # longer writes once the file is there: transformers would load it with no end-of-text token.
+    settings = json.loads(path.read_text()) if path.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tok.id_to_token(tok.eos_id),
+        **({"bos_token": tok.bos_token} if tok.bos_token else {})}
+    path.write_text(json.dumps({**settings, "chat_template": plain_template(tok)}, indent=1) + "\n")
 
 
 def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, pad_to: int | None,
@@ -203,12 +220,13 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     if pad_to:
         shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
-    count = truncated = trained = inside = untrained = 0
+    count = truncated = trained = inside = untrained = plain_chats = 0
     try:
         with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
                   disable=not progress) as bar:
             for path in inputs:
-                for ids, mask, nbytes in examples(path, tok):
+                for ids, mask, nbytes, plain_chat in examples(path, tok):
+                    plain_chats += plain_chat
                     inside += bool((ids[:-1] == tok.eos_id).any())  # packing finds examples by this token
                     if pad_to:
                         ids, mask, cut = fit(ids, mask, pad_to + 1, tok.eos_id)
@@ -234,30 +252,61 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": count, "examples": count, "untrained_examples": untrained,
              "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
-             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside}
+             "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside,
+             "plain_chat_examples": plain_chats}
     tok.save(out)
+    if plain_chats:
+        _write_plain_template(out, tok)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
 
 
+def _load_tokenizer(spec: str | Path) -> Tokenizer:
+    """--tokenizer, where a name that is no local tokenizer is most often a Hub name as from_pretrained takes it
+    (gpt2, meta-llama/Llama-3.1-8B): nothing is fetched, so the error says how to get the files."""
+    path = Path(spec)
+    if str(spec) == "byte" or (path / "tokenizer.json" if path.is_dir() else path).is_file():
+        return load_tokenizer(spec)
+    where = f"the directory holds no tokenizer.json{slow_tokenizer_hint(path)}" if path.is_dir() else \
+        "no such file or directory"
+    raise FileNotFoundError(f"--tokenizer {spec}: {where}; give 'byte', a tokenizer.json, or a directory holding "
+                            "one (for a Hub model, download its tokenizer.json and tokenizer_config.json into a "
+                            "directory and give that)")
+
+
+def _refuse_repeats(inputs: list[Path]) -> None:
+    """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
+    seen = {}
+    for p in inputs:
+        st = p.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), p)
+        if first is not p:
+            same = "" if str(first) == str(p) else f" (the same file as {first})"
+            raise PrepareError(f"--input {p} is given twice{same}: its text would be in the dataset twice; give each "
+                               "file once")
+
+
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
-            shard_tokens: int = 1 << 27, text_field: str = "text", progress: bool = True,
+            shard_tokens: int = 1 << 27, text_field: str | None = None, progress: bool = True,
             pad_to: int | None = None) -> dict:
     """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index.
 
-    `out` is replaced only by a complete dataset: after any error it holds what it held before.
+    `text_field` (default "text") names the jsonl field or parquet column of plain-text inputs; given where no
+    input has one, it is refused. `out` is replaced only by a complete dataset: after any error it holds what it
+    held before.
     """
     shard_tokens = check_shard_tokens(shard_tokens, "shard_tokens")
     out = Path(out)
     final = None
     try:
-        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else _load_tokenizer(tokenizer)
         inputs = [Path(p) for p in inputs]
         for p in inputs:
             if p.is_dir():
                 raise PrepareError(f"input {p} is a directory, not a file")
             if not p.is_file():
                 raise FileNotFoundError(f"input {p} does not exist")
+        _refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p) for p in inputs]
         if any(instruct) and not all(instruct):
@@ -267,11 +316,15 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
             raise PrepareError("--pad-to applies to instruction examples (prompt/completion or messages jsonl)")
         if pad_to is not None and pad_to < 1:
             raise PrepareError(f"--pad-to {pad_to} must be a positive number of tokens (the training's seq_len)")
+        if text_field is not None and all(i or p.suffix.lower() not in (".jsonl", ".parquet")
+                                          for p, i in zip(inputs, instruct)):
+            raise PrepareError(f"--text-field {text_field} has no effect on these inputs: it names the field of "
+                               "plain-text .jsonl and the column of .parquet inputs; leave it out")
         final = _output_dir(out)
         with building(final) as scratch:
             if instruct and all(instruct):
                 return _write_instruct(inputs, tok, scratch, shard_tokens, pad_to, progress)
-            return _write(inputs, tok, scratch, shard_tokens, text_field, progress)
+            return _write(inputs, tok, scratch, shard_tokens, text_field or "text", progress)
     except (ValueError, OSError) as e:
         final = final or Path(os.path.realpath(out))
         if (final / INDEX).is_file():
@@ -280,4 +333,9 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
             note = f"; {out} is unchanged"
         else:
             note = ""
-        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{e}{note}") from e
+        # A failed write names the scratch directory beside --out (or a parent of it), not what the user gave.
+        what, written = str(e), getattr(e, "filename", None)
+        if isinstance(e, OSError) and e.strerror and written is not None and \
+                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)):
+            what = f"--out {out} cannot be written: {e.strerror}"
+        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{what}{note}") from e

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
+from ..config.load import refuse_non_utf8
+from .request_lines import INT64, input_file, read_requests
+
+COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 
 EVAL_EPILOG = """\
 tasks:
@@ -52,15 +58,34 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantisation of the blocks' linear layers: int8 per channel, int4 per group")
 
 
-_INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
 
 
-def _sampling_args(p: argparse.ArgumentParser, max_new: int = 64) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the flags' defaults
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=SAMPLING["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=SAMPLING["temperature"], help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=SAMPLING["top_k"])
+    p.add_argument("--top-p", type=float, default=SAMPLING["top_p"])
+    p.add_argument("--seed", type=int, default=SAMPLING["seed"])
+
+
+def _refuse_unused(a, tasks: list[str]) -> None:
+    """eval's flags of the other kind of task, which would be ignored without a word: the loss task generates
+    nothing, and the text tasks score whole completions, not windows. The sampling flags default to None here."""
+    if tasks == ["loss"]:
+        given = next((k for k in SAMPLING if getattr(a, k) is not None), None)
+        if given is not None:
+            flag = "--" + given.replace("_", "-")
+            raise ConfigError(f"{flag} has no effect on the loss task, which scores the text and generates nothing: "
+                              f"leave it out, or give --tasks bleu,rouge with a jsonl of prompts")
+    elif a.seq_len is not None:
+        raise ConfigError(f"--seq-len has no effect on --tasks {','.join(tasks)}: it scores whole completions, not "
+                          "windows; leave it out (it sets the loss task's windows)")
+    for k, default in SAMPLING.items():
+        if getattr(a, k) is None:
+            setattr(a, k, default)
 
 
 def _check_sampling(a) -> None:
@@ -71,24 +96,37 @@ def _check_sampling(a) -> None:
              "must be a finite number, not negative (0 is greedy)"),
             ("--top-k", a.top_k, a.top_k >= 0, "must not be negative (0: every token)"),
             ("--top-p", a.top_p, 0 < a.top_p <= 1, "is in (0, 1]"),
-            ("--seed", a.seed, -_INT64 <= a.seed < _INT64, "does not fit in 64 bits")):
+            ("--seed", a.seed, -INT64 <= a.seed < INT64, "does not fit in 64 bits")):
         if not ok:
             raise ConfigError(f"{flag} {value} {rule}")
+
+
+def _refuse_sampling_when_greedy(a) -> None:
+    """--top-k and --top-p shape sampling, which --temperature 0 (the default) turns off: each given there was
+    ignored without a word, the answer greedy where the user asked for a sample. (A --seed is let be: scripts pass
+    one whatever the temperature, and it changes nothing where nothing is drawn.)"""
+    if a.temperature == 0:
+        for flag, key in (("--top-k", "top_k"), ("--top-p", "top_p")):
+            if (value := getattr(a, key)) != SAMPLING[key]:
+                raise ConfigError(f"{flag} {value} has no effect at --temperature 0, which decodes greedily: give "
+                                  "--temperature above 0 to sample, or leave it out")
 
 
 def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
+    if a.tp < 1:  # else told to start `torchrun --nproc-per-node 0`
+        raise ConfigError(f"--tp {a.tp} must be at least 1 (1: one process)")
     device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, world_from_env
+    from ..mesh import build_mesh, check_rendezvous_env, world_from_env
     world, rank, local = world_from_env()
-    if a.tp < 1 or world != a.tp:
+    if world != a.tp:
         raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
                           f"-m shardlm ... --tp {a.tp} (this is {world} process{'es' if world > 1 else ''})")
     if a.quantize != "none":
@@ -97,6 +135,7 @@ def _tensor_parallel(a):
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        check_rendezvous_env(world)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
@@ -110,15 +149,11 @@ def _load(a):
     return model, tok, cfg
 
 
-def _compile(a) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[a.compile]
-
-
-def _progress(total: int, what: str, shown: bool = True):
+def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
     from tqdm import tqdm
-    bar = tqdm(total=total, desc=what, unit="req", disable=None if shown else True, file=sys.stderr)
+    bar = tqdm(total=total, desc=what, unit=unit, disable=None if shown else True, file=sys.stderr)
     return bar.update, bar.close
 
 
@@ -132,25 +167,39 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="window length of the loss task (required for it)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
     _sampling_args(p)
+    p.set_defaults(**dict.fromkeys(SAMPLING))  # told apart from not given: the loss task refuses them
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
     from ..text_metrics import parse_tasks, read_examples
     tasks = parse_tasks(a.tasks)
+    _refuse_unused(a, tasks)
     if a.batch_size < 1:
         raise ConfigError(f"--batch-size {a.batch_size} must be at least 1")
     if tasks == ["loss"]:
         if a.seq_len is None:
-            raise ConfigError("the loss task needs --seq-len")
-        _input_file(Path(a.data), "--data")
+            raise ConfigError("the loss task needs --seq-len N, the length of the windows it scores (the run's "
+                              "train.seq_len, or any up to the model's max_seq_len)")
+        input_file(Path(a.data), "--data")
         text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
+        _refuse_sampling_when_greedy(a)
         prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
-        r = evaluate_ids(model, tok.encode_document(text), a.seq_len, a.batch_size)
+        ids = tok.encode_document(text)
+        bar = None
+        def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
+            nonlocal bar
+            bar = bar or _progress(len(ids) // a.seq_len, "eval", a.main, unit="window")
+            bar[0](k)
+        try:
+            r = evaluate_ids(model, ids, a.seq_len, a.batch_size, update)
+        finally:
+            if bar is not None:
+                bar[1]()
         if a.main:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
@@ -158,10 +207,11 @@ def cmd_eval(argv: list[str]) -> int:
     from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
+    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
     update, close = _progress(len(prompts), "eval", a.main)
     try:
-        new = generate_many(model, [prompt_ids(tok, q) for q in prompts], a.max_new_tokens, stop_ids_of(tok),
-                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, _compile(a), update)
+        new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
+                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
     finally:
         close()
     completions = [tok.decode(ids) for ids in new]
@@ -178,6 +228,17 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
+def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
+    """A held-out chat's turns before its answer, rendered as training and serve render them."""
+    from ..data.instruct import chat_prompter
+    from . import prompt_ids
+    chat = chat_prompter(tok)
+    if chat is None:
+        raise ConfigError(f"{source} holds chats (messages) and the model's tokenizer has no chat template to "
+                          "render them (chat_template.jinja or tokenizer_config.json's chat_template): give prompts")
+    return prompt_ids(tok, chat(turns), opened=True)
+
+
 def _loss_text(path: Path) -> str:
     # The loss task scores the file's characters as they are: a jsonl's or parquet's syntax would be scored
     # with its text, a perplexity that looks plausible and means nothing.
@@ -190,87 +251,6 @@ def _loss_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None
-
-
-def _input_file(path: Path, flag: str) -> None:
-    if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory, not a file")
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
-
-
-# The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
-LINE_KEYS = ("prompt", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
-UNUSED_KEYS = ("completion", "reference")
-# OpenAI's names, which a line written for the server would carry.
-KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-
-
-def _unknown_keys(where: str, obj: dict) -> None:
-    unknown = [k for k in obj if k not in LINE_KEYS and k not in UNUSED_KEYS]
-    if not unknown:
-        return
-    hints = [f"the key here is {KEY_NAMED_HERE[k]}" for k in unknown if k in KEY_NAMED_HERE]
-    raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                      f"{f' ({hints[0]})' if hints else ''}; a line holds {', '.join(LINE_KEYS)}")
-
-
-def _line_integer(where: str, obj: dict, key: str, default: int, low: int = 0) -> int:
-    """obj[key] (default where absent or null) as an int: a float only where it is integral (3.0, from a
-    writer that makes every number a float), never a boolean or a string; within int64, as the engine holds it."""
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be an integer")
-    if value < low:
-        raise ConfigError(f"{where}: {key} = {value} must not be negative")
-    if not -_INT64 <= value < _INT64:
-        raise ConfigError(f"{where}: {key} = {value} does not fit in 64 bits")
-    return value
-
-
-def _line_number(where: str, obj: dict, key: str, default: float) -> float:
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number")
-    return float(value)
-
-
-def _read_requests(path: Path, a) -> list[dict]:
-    """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
-    from ..data.jsonl import JSON_KINDS, objects
-    from .sampler import SamplingParams
-    _input_file(path, "--input")
-    rows = []
-    for where, obj, _ in objects(path, ConfigError, " with a prompt"):
-        if "prompt" not in obj:
-            raise ConfigError(f"{where}: needs a string field prompt, has {', '.join(sorted(obj)) or 'none'}")
-        if not isinstance(obj["prompt"], str):
-            kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
-            raise ConfigError(f"{where}: prompt must be a string, not {kind}")
-        _unknown_keys(where, obj)
-        stop = obj.get("stop", [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
-        max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
-        settings = (_line_number(where, obj, "temperature", a.temperature), _line_integer(where, obj, "top_k", a.top_k),
-                    _line_number(where, obj, "top_p", a.top_p),
-                    _line_integer(where, obj, "seed", a.seed + len(rows), low=-_INT64))
-        try:
-            sampling = SamplingParams(*settings)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        rows.append({"prompt": obj["prompt"], "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
-                     "stop": tuple(stop)})
-    if not rows:
-        raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
-    return rows
 
 
 def _check_output(out: Path, src: Path, overwrite: bool) -> None:
@@ -286,6 +266,17 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
                           f"{'is not a directory' if parent.exists() else 'does not exist'}")
     if out.exists() and out.stat().st_size and not overwrite:
         raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
+    # A read-only directory or file fails here, not when the first completion is written, after the model has
+    # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
+    # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
+    try:
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"--output {out} cannot be written: permission denied")
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -309,33 +300,50 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError("--stop '': a stop must be a non-empty string")
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
+    for flag, text in [("--prompt", a.prompt or "")] + [("--stop", s) for s in a.stop]:
+        refuse_non_utf8(flag, text, ", or put the prompt in an --input file")
     if a.input is not None:
         if a.output is None:
             raise ConfigError("--input needs --output, the jsonl file its completions go to")
-        rows = _read_requests(Path(a.input), a)
+        if a.json:
+            raise ConfigError("--json goes with --prompt: --input's completions are written to --output as jsonl; "
+                              "leave it out")
+        rows = read_requests(Path(a.input), a)
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
             raise ConfigError("--output goes with --input (a jsonl file of prompts); a --prompt's completion is "
                               "printed (--json for JSON)")
+        if a.overwrite:
+            raise ConfigError("--overwrite goes with --output (an --input file's completions); a --prompt's "
+                              "completion is printed, nothing is written: leave it out")
+        _refuse_sampling_when_greedy(a)  # an --input line may set its own temperature, which these then shape
         from .sampler import SamplingParams
         rows = [{"prompt": a.prompt, "id": None, "max_new": a.max_new_tokens, "stop": tuple(a.stop),
-                 "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)}]
+                 "sampling": SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), "where": "--prompt",
+                 "max_new_from": "--max-new-tokens"}]
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
     model, tok, cfg = _load(a)
     from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
+    from ..parallel.tensor import tensor_parallel_group
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
-    requests = [Request(prompt_ids(tok, r["prompt"]), r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
-                for i, r in enumerate(rows)]
-    for i, r in enumerate(requests):
-        if len(r.prompt) + r.max_new_tokens > cfg.max_seq_len:
-            raise ConfigError(f"prompt {i + 1} ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) "
-                              f"exceeds the model's max_seq_len {cfg.max_seq_len}")
+    asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
+             _chat_ids(tok, r["messages"], f"--input {a.input}") for r in rows]
+    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
+                for i, (ids, r) in enumerate(zip(asked, rows))]
+    for r, row in zip(requests, rows):
+        room = cfg.max_seq_len - len(r.prompt)
+        if r.max_new_tokens > room:
+            fix = (f"lower {row['max_new_from']} to {room} at most, or shorten the prompt" if room > 0 else
+                   f"shorten the prompt to fewer than {cfg.max_seq_len} tokens, leaving room for the new ones")
+            n = len(r.prompt)
+            raise ConfigError(f"{row['where']}: a prompt of {n} token{'s' if n != 1 else ''} + {row['max_new_from']} "
+                              f"{r.max_new_tokens} exceeds the model's max_seq_len {cfg.max_seq_len}: {fix}")
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    engine = Engine(model, slots_that_fit(model, max_len, min(a.max_batch, len(requests))), max_len,
-                    compile=_compile(a), decode=tok.decode)
+    slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model))
+    engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.decode)
     if a.input is None:
         (r,) = engine.run(requests)
         if a.main:
@@ -347,7 +355,6 @@ def cmd_generate(argv: list[str]) -> int:
 def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     """Runs the engine, writing each completion once it and all before it are done (a crash keeps them);
     under tensor parallelism every rank runs the same requests and the first writes them."""
-    import os
     update, close = _progress(len(requests), "generate", main)
     written = 0
     try:
@@ -356,7 +363,8 @@ def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
                 nonlocal written
                 while written < len(requests) and requests[written].done:
                     r, row = requests[written], rows[written]
-                    line = {"prompt": row["prompt"], "completion": r.text, "finish_reason": r.finish_reason,
+                    asked = {"prompt": row["prompt"]} if row.get("messages") is None else {"messages": row["messages"]}
+                    line = {**asked, "completion": r.text, "finish_reason": r.finish_reason,
                             "prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens)}
                     if row["id"] is not None:
                         line = {"id": row["id"], **line}

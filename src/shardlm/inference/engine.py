@@ -20,7 +20,8 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
-from .prefill_graphs import PrefillGraphs, tensor_parallel
+from .one_shot import use_one_shot
+from .prefill_graphs import PrefillGraphs
 from .request import Request, Slot
 from .sampler import greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
@@ -34,9 +35,11 @@ class Engine:
     either runs eagerly, with a warning, where the compiler fails (compiled.py). A prompt prefills
     `prefill_chunk` tokens at a time, and one prefill pass takes at most `prefill_tokens` tokens, padding
     counted. `prefill_graphs`: passes of up to this many tokens (and `prefill_tokens`), padded, are replayed
-    as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU and the model is
-    not tensor-parallel, else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
-    those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`.
+    as CUDA graphs (prefill_graphs.py; default 2048 where the prefill is compiled on a GPU, tensor-parallel
+    models too, their all-reduces captured in the graphs; else 0: none); a pass of up to `prefill_split` prompts runs as one-row passes where
+    those take graphs. `decode`: the tokenizer's ids -> text, for stop strings and `Request.text`. `one_shot`:
+    a tensor-parallel model's small all-reduces and logits' all-gather by the one-shot kernel (one_shot.py;
+    None: where the GPUs allow it, True: an error where they do not; every rank constructs its engine at once).
 
     One thread steps the engine (compiled steps and CUDA graphs belong to the thread that made them); any
     other thread may `submit` requests, `cancel` them and read `in_use` and `queued` meanwhile."""
@@ -44,7 +47,7 @@ class Engine:
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
                  prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None,
-                 prefill_graphs: int | None = None, prefill_split: int = 4):
+                 prefill_graphs: int | None = None, prefill_split: int = 4, one_shot: bool | None = None):
         cfg = model.cfg
         self.model = model.eval()
         p = next(model.parameters())
@@ -76,9 +79,10 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.compile = dev.type == "cuda" if compile is None else compile
         self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
-        if prefill_graphs is None:  # not over tensor-parallel layers: their all-reduces in graphs are unvalidated
-            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" and not tensor_parallel(model) else 0
+        if prefill_graphs is None:
+            prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" else 0
         self.prefill_graphs, self.prefill_split = prefill_graphs, prefill_split
+        self.one_shot = use_one_shot(model, n, one_shot)
         self._build_steps()
 
     def _build_steps(self) -> None:

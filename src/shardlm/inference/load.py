@@ -16,7 +16,7 @@ from ..checkpoint import MANIFEST, CheckpointError, read_state, resolve_checkpoi
 from ..sharded_read import ShardedState
 from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
-from ..model.hf import is_hf_dir, open_hf_dir
+from ..model.hf import open_hf_dir
 from ..model.moe import moe_layers
 from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
@@ -43,8 +43,10 @@ _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.flo
 class _Source:
     """The model's tensors by name, read one at a time: `names`, `read(name)`, `dtype` as stored."""
 
-    def __init__(self, path: Path):
-        if is_hf_dir(path):
+    def __init__(self, path: Path, log=None):
+        # config.json makes it an HF directory, weights or not: its own error (no weights, an architecture not
+        # supported) says what is wrong, where the checkpoint's advised training from it (--train.init_from).
+        if (path / "config.json").is_file():
             self.cfg, tensors = open_hf_dir(path)
             self.lora, self.tok_dir, self.router_bias = LoRAConfig(), path, None
             self.names, self.read = list(tensors.names), tensors
@@ -52,7 +54,7 @@ class _Source:
             with safe_open(str(tensors.where[first]), framework="pt") as st:
                 self.dtype = _STORED_DTYPES.get(st.get_slice(first).get_dtype(), torch.float32)
             return
-        ckpt = resolve_checkpoint(path)
+        ckpt = resolve_checkpoint(path, log)
         state = read_state(ckpt)
         full = config_from_dict(state["config"])
         self.cfg, self.lora, self.tok_dir = full.model, full.lora, ckpt
@@ -83,7 +85,9 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     path, device = Path(path), torch.device(device)
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such directory")
-    src = _Source(path)
+    # Every tensor-parallel rank resolves the checkpoint; one note of a damaged one skipped is enough.
+    quiet = tp_group is not None and torch.distributed.get_rank(tp_group) != 0
+    src = _Source(path, (lambda note: None) if quiet else None)
     cfg = src.cfg
     dtype = inference_dtype(dtype, device, src.dtype)
     lora, adapters = None, {}

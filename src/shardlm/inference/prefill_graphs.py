@@ -100,12 +100,6 @@ class PrefillGraphs:
         return _Graph(graph, static, out, keep)
 
 
-def tensor_parallel(model: torch.nn.Module) -> bool:
-    """Whether `model` has tensor-parallel layers, whose all-reduces captured in graphs are not validated."""
-    from ..parallel.tensor import RowParallelLinear
-    return any(isinstance(m, RowParallelLinear) for m in model.modules())
-
-
 def _pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
     if x.dim() < 2 or x.shape[1] == length:
         return x

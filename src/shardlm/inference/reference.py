@@ -5,8 +5,11 @@ applies temperature, then top-k, then top-p (Holtzman et al. 2020).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from ..generation_config import stop_ids_of
 from ..model import Decoder, KVCache
 from ..tokenizer import Tokenizer
 
@@ -28,8 +31,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 @torch.no_grad()
 def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> torch.Tensor:
-    """New tokens only, shape [batch, <= max_new_tokens]; stops early when every row produced eos."""
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = ()) -> torch.Tensor:
+    """New tokens only, shape [batch, <= max_new_tokens]; stops early when every row produced one of
+    `stop_ids` (generation_config.stop_ids_of's)."""
     was_training = model.training
     model.eval()
     b, t = ids.shape
@@ -43,11 +47,12 @@ def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, tempera
     logits = model(ids, cache=cache, last_only=True)[:, -1]
     out = []
     done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    stops = torch.tensor(list(stop_ids), dtype=ids.dtype, device=ids.device)
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)
         out.append(nxt)
-        if eos_id is not None:
-            done |= nxt == eos_id
+        if len(stops):
+            done |= torch.isin(nxt, stops)
             if bool(done.all()):
                 break
         logits = model(nxt[:, None], cache=cache, last_only=True)[:, -1]
@@ -68,12 +73,14 @@ def prompt_ids(tok: Tokenizer, prompt: str, opened: bool = False) -> list[int]:
 
 
 def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None) -> str:
+    """The completion's text, up to its first of `stop_ids` (default: stop_ids_of the tokenizer)."""
     device = next(model.parameters()).device
     ids = prompt_ids(tok, prompt)
+    stops = stop_ids_of(tok) if stop_ids is None else tuple(stop_ids)
     new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
-                       seed, eos_id=tok.eos_id)
-    return tok.decode(new[0].tolist())
+                       seed, stop_ids=stops)[0].tolist()
+    return tok.decode(next((new[:i] for i, t in enumerate(new) if t in stops), new))
 
 
 def until_eos(ids: list[int], eos_id: int | None) -> list[int]:

@@ -15,6 +15,7 @@ import threading
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError
@@ -37,9 +38,11 @@ class StaticKVCache:
                 torch._dynamo.mark_static_address(t)
 
 
-def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9) -> int:
+def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9, group=None) -> int:
     """How many slots of `max_len` positions fit in `share` of the memory the GPU (or on the CPU, the host) has
-    free, at most `limit`. Each slot holds its keys and values and its fp32 logits and sampling workspace."""
+    free, at most `limit`. Each slot holds its keys and values and its fp32 logits and sampling workspace.
+    With a tensor-parallel `group`, the fewest any of its ranks holds (a collective): every rank's engine
+    must have as many, or their steps' shapes and collectives would differ."""
     p = next(model.parameters())
     if p.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(p.device)
@@ -48,14 +51,20 @@ def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9)
         try:  # Linux's available physical pages; elsewhere the limit as given
             free, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host"
         except (ValueError, OSError, AttributeError):
-            return limit
+            free, where = None, "the host"
     cfg = model.cfg
     per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
                 + 4 * 4 * cfg.vocab_size)
-    fit = int(share * free // per_slot)
+    fit = limit if free is None else int(share * free // per_slot)
+    if group is not None and dist.get_world_size(group) > 1:
+        fewest = torch.tensor([fit], device=p.device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
+        fit = int(fewest.item())
     if fit < 1:
+        have = f"{free / 2**30:.2f} GiB" if free is not None and fit == int(share * free // per_slot) else "too little"
         raise ConfigError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
-                          f"{where} has {free / 2**30:.2f} GiB free: shorten the context (--max-len)")
+                          f"{where} has {have} free{' (on some rank)' if group is not None else ''}: shorten the "
+                          "context (--max-len)")
     return min(limit, fit)
 
 

@@ -9,22 +9,25 @@ import torch.nn.functional as F
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """x [N, in] whose rows are sorted into groups of counts[e] rows (sum N), weight [E, out, in]: each group
-    times its weight transposed, [N, out]. `impl`: grouped (torch._grouped_mm), loop, or auto (grouped where
-    this device, dtype and the shapes allow it)."""
+    """x [N, in] whose rows are sorted into groups of counts[e] rows, weight [E, out, in]: each group times
+    its weight transposed, [N, out]. Rows past the groups (sum counts < N) are padding, whose outputs are
+    never read: the grouped kernel leaves them unwritten, the loop writes zeros. `impl`: grouped
+    (torch._grouped_mm), loop, or auto (grouped where this device, dtype and the shapes allow it)."""
     if impl == "grouped" or (impl == "auto" and grouped_available(x, weight)):
         if x.device.type == "cpu" and torch.compiler.is_compiling():
             return _eager_grouped_mm(x, weight, counts)  # the compiler's shape rules are the GPU kernel's (bf16)
         return _grouped_mm(x, weight, counts)
     ends = counts.tolist()  # one host sync for the group sizes
-    parts = [F.linear(xe, weight[e]) for e, xe in enumerate(x.split(ends)) if ends[e]]
+    ends.append(x.shape[0] - sum(ends))
+    parts = [F.linear(xe, weight[e]) if e < len(weight) else x.new_zeros(ends[e], weight.shape[1])
+             for e, xe in enumerate(x.split(ends)) if ends[e]]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
 def _grouped_mm(x, weight, counts):
     offsets = counts.cumsum(0).to(torch.int32)  # the kernels take int32 offsets: each group's end row
     # The backward of _grouped_mm (torch 2.13's CPU one) refuses a gradient with a stride 0 (from a sum) or
-    # transposed: hand it a contiguous one. Offsets end at N exactly, so no output row is left unwritten.
+    # transposed: hand it a contiguous one.
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 

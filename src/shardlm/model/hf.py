@@ -47,7 +47,8 @@ def hf_recipes(keys, cfg: ModelConfig) -> dict[str, tuple[list[str], object]]:
     def put(ours, names, how=same):
         missing = [n for n in names if n not in theirs]
         if missing:  # a ValueError, which the commands report as an error, not a traceback
-            raise ValueError(f"the checkpoint lacks {missing[0]} (for {ours}): not a complete {cfg.arch} model")
+            raise ValueError(f"the checkpoint lacks {missing[0]} (for {ours}): not a complete {cfg.arch} model; "
+                             "fetch or export its weights again")
         out[ours] = ([theirs[n] for n in names], how)
 
     if cfg.arch == "gpt2":
@@ -238,22 +239,59 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
+    try:  # first: weights of an architecture not supported are no use
+        hf = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path / 'config.json'} is not valid JSON ({e}): download or save the model again") from None
+    try:
+        cfg = model_config_from_hf(hf)
+    except ConfigError as e:  # say which directory's config (--model's, train.init_from's) is refused
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    return cfg, HFTensors(files, cfg)
+        # PyTorch's pickled weights are what older save_pretrained wrote: say how to get the safetensors.
+        pickled = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.pt"))
+        fix = (f": it holds {pickled[0]}{' and others' if len(pickled) > 1 else ''}, PyTorch's pickled weights, "
+               "which shardlm does not read: save the model as safetensors (transformers: `AutoModelForCausalLM."
+               "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
+               if pickled else ": download or export the weights into it")
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
+    _check_index(path)
+    try:
+        return cfg, HFTensors(files, cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a tensor the model needs is in no file: say which directory
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _check_index(path: Path) -> None:
+    """A shard that the index lists and the directory lacks (a download cut short) is named, rather than the
+    first tensor it held, as missing from the model."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not the index transformers writes: the tensors found are checked one by one instead
+    missing = [f for f in listed if not (path / f).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{path / missing[0]}{more}, which {index.name} lists, is missing: the download or copy "
+                          "is incomplete; fetch the model's files again")
 
 
 class SafetensorsShards:
     """A sink for HF tensors that writes them to `model.safetensors`, or where they pass `max_bytes`, to
     `model-0000i-of-0000n.safetensors` files and the index transformers reads (save_pretrained's layout):
     at most `max_bytes` and one tensor are held at once, so a state read one tensor at a time (a sharded
-    checkpoint's) is exported without the whole model in memory."""
+    checkpoint's) is exported without the whole model in memory. `done`: called with the elements of each file
+    written."""
 
     def __init__(self, out: Path, dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_bytes: int = 2**30):
-        self.out, self.cast, self.max_bytes = out, dtype, max_bytes
+                 max_bytes: int = 2**30, done=None):
+        self.out, self.cast, self.max_bytes, self.done = out, dtype, max_bytes, done
         self.metadata = {"format": "pt", **(metadata or {})}
         self.staged, self.size, self.total, self.files, self.dtype = {}, 0, 0, [], dtype
 
@@ -270,6 +308,8 @@ class SafetensorsShards:
         if self.staged:
             path = self.out / f".part-{len(self.files):05d}.safetensors"
             save_file(self.staged, str(path), metadata=self.metadata)
+            if self.done is not None:
+                self.done(sum(t.numel() for t in self.staged.values()))
             self.files.append((path, list(self.staged)))
             self.staged, self.size = {}, 0
 
@@ -294,14 +334,16 @@ class SafetensorsShards:
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
                  dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_shard_bytes: int = 2**30, generation_config: dict | None = None) -> None:
+                 max_shard_bytes: int = 2**30, generation_config: dict | None = None, progress=None) -> None:
     """A directory that transformers' from_pretrained loads: config.json, model.safetensors (or its shards of about
     `max_shard_bytes` and their index), tokenizer files, and generation_config.json as save_pretrained writes
     it: `generation_config` (the weights' source's, carried through the run), else one made from config.json's
-    bos/eos ids as GenerationConfig.from_model_config makes it."""
+    bos/eos ids as GenerationConfig.from_model_config makes it. `progress`: called with the elements to write,
+    it returns what to call with the elements of each file written (a large model is minutes of writing)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with SafetensorsShards(out, dtype, metadata, max_shard_bytes) as shards:
+    done = progress(cfg.num_params()) if progress is not None else None
+    with SafetensorsShards(out, dtype, metadata, max_shard_bytes, done) as shards:
         to_hf_state(state, cfg, shards)
     dtype_name = str(shards.dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None

@@ -51,7 +51,8 @@ class GroupedLinear(nn.Module):
         self.init_std = init_std  # read by Decoder.init_parameter
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        """Rows of `x` sorted by expert, counts[e] of them for expert e: each row times its expert's weight."""
+        """Rows of `x` sorted by expert, counts[e] of them for expert e: each row times its expert's weight
+        (rows past them: grouped_mm's padding)."""
         return grouped_mm(x, self.weight, counts, impl)
 
 
@@ -169,7 +170,7 @@ class MoE(nn.Module):
             order = kept[flat[kept].argsort(stable=True)]  # a host sync for the kept count
             counts = torch.bincount(flat[kept], minlength=self.num_experts)
             token = order // self.top_k
-            out = self.run_experts(x[token], counts)
+            out = self.run_experts(x[token], counts, flat.numel())
             out = (out * weights.reshape(-1)[order, None]).to(x.dtype)  # weights in fp32, as HF's are
             # A dropped copy adds nothing: its token keeps the residual path and its other experts' outputs,
             # with their weights as routed (not renormalised over the survivors: Switch, GShard, Megatron-core).
@@ -180,17 +181,18 @@ class MoE(nn.Module):
             # both gathers' gradients are gathers too (no atomic scatter-add: deterministic).
             order, counts = flat.argsort(stable=True), routed
             inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-            out = self.run_experts(GatherRows.apply(x, order // self.top_k, inverse, self.top_k), counts)
+            out = self.run_experts(GatherRows.apply(x, order // self.top_k, inverse, self.top_k), counts,
+                                   flat.numel())
             out = GatherRows.apply(out, inverse, order, 1).view(-1, self.top_k, out.shape[-1])
             y = (out.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # weights in fp32, as HF's are
         if self.training:  # evaluation and generation neither train on these nor count into the load
             self._record(logits, routed, counts)
         return y.view(shape)
 
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """The experts' outputs for token copies `rows` sorted by expert, counts[e] of them for expert e
-        (global ids); expert parallelism (parallel/expert.py) swaps in a layer that sends them to the ranks
-        holding their experts and back."""
+        (global ids), of the `copies` this rank routed (capacity's dropped ones too); expert parallelism
+        (parallel/expert.py) swaps in a layer that sends them to the ranks holding their experts and back."""
         return self.experts(rows, counts, self.impl)
 
     def _record(self, logits: torch.Tensor, routed: torch.Tensor, counts: torch.Tensor) -> None:

@@ -3,12 +3,17 @@ WeightGradStore): a linear layer's backward is two matmuls, the input gradient d
 previous stage waits for, and the weight gradient dW = dY^T X, which nobody waits for. While a store
 defers, the linear layers attached to it compute dX only and queue dW's matmul; the schedule runs the
 queue later (its W action), filling the pipeline's idle time with it.
+
+Every linear layer's product goes through here (`adapted_linear`: the model's and the tensor-parallel ones),
+with the update of the low-rank adapters attached to it, if any.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .lora_linear import lora_linear
 
 
 class WeightGradStore:
@@ -38,12 +43,7 @@ class Linear(nn.Linear):
         self.lora = None
 
     def forward(self, x):
-        if self.lora is None:
-            return linear(x, self.weight, self.bias, self.weight_grads)
-        # The adapter first: the base product's inputs are then the last tensors the layer saves, so a
-        # recomputation that only needs those stops before the product runs (model/recompute.py).
-        update = self.lora(x)
-        return linear(x, self.weight, self.bias, self.weight_grads) + update
+        return adapted_linear(x, self.weight, self.bias, self.weight_grads, self.lora)
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):
@@ -51,6 +51,25 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None):
     if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     return _deferrable_linear(x, weight, bias, store)
+
+
+def adapted_linear(x, weight, bias, store: WeightGradStore | None, lora):
+    """`linear` plus the update of low-rank adapters (`lora`: parallel/lora.py's LoRA, serving's per-row
+    adapters, or None). Compiled, with a plain frozen weight of x's dtype (not QLoRA's 4-bit one), no
+    autocast and no dropout, the two run as one operator (lora_linear.py); eagerly the adapter runs first:
+    the base product's inputs are then the last tensors the layer saves, so a recomputation that only needs
+    those stops before the product runs (checkpoint's early stop, model/recompute.py), where under compile the
+    partitioner decides what is rerun."""
+    if lora is None:
+        return linear(x, weight, bias, store)
+    if (hasattr(lora, "factors") and torch.compiler.is_compiling() and not weight.requires_grad
+            and type(weight) in (torch.Tensor, nn.Parameter) and not lora.drops()
+            and weight.dtype == x.dtype == lora.A[lora.spans[0][0]].dtype
+            and not torch.is_autocast_enabled(x.device.type)):
+        out = lora_linear(x, weight, *lora.factors())
+        return out if bias is None else out + bias
+    update = lora(x)
+    return linear(x, weight, bias, store) + update
 
 
 # Outside any compiled graph: torch.compile traces a Function's backward when it compiles the forward, with

@@ -40,7 +40,8 @@ def _engine(model, cfg, mesh, scaler, fill, view: str, names=None, divisor=None,
         from .zero import ZeroEngine
         return ZeroEngine(model, cfg, scaler, group, fill, **kw)
     if mesh.size(view) == 1:
-        return LocalEngine(model, cfg, scaler, fill=fill, names=names, divisor=divisor or 1)
+        return LocalEngine(model, cfg, scaler, fill=fill, names=names, divisor=divisor or 1,
+                           free_grads=cfg.train.free_grads and mesh.world == 1)
     if p.dp_mode == "classic":
         from .classic import ClassicEngine
         return ClassicEngine(model, cfg, scaler, group, fill, **kw)

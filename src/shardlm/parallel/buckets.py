@@ -9,10 +9,11 @@ from torch import nn
 from ..flat import FlatParams, split_buckets, trainable
 
 
-def reverse_order_buckets(model: nn.Module, bucket_mb: float, itemsize: int, names=None) -> list[list[str]]:
-    """Buckets of about `bucket_mb` in reverse registration order: the order backward produces gradients.
-    `names`: one parameter group's (None: every trainable parameter)."""
+def reverse_order_buckets(model: nn.Module, bucket_mb: float, names=None) -> list[list[str]]:
+    """Buckets of about `bucket_mb` of the trainable parameters' dtype in reverse registration order: the
+    order backward produces gradients. `names`: one parameter group's (None: every trainable parameter)."""
     named = trainable(model, names)[::-1]
+    itemsize = named[0][1].element_size() if named else 1  # (a frozen QLoRA base's first weight is packed bytes)
     return split_buckets([n for n, _ in named], [p.numel() for _, p in named],
                          max(1, int(bucket_mb * 2**20 / itemsize)))
 

@@ -26,9 +26,8 @@ class DDPEngine(LocalEngine):
         p = cfg.parallel
         self.group = group
         self.world = dist.get_world_size(group)
-        item = next(model.parameters()).element_size()
         # Buckets padded to a multiple of the world size split into equal reduce-scatter slices.
-        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, item, names),
+        super().__init__(model, cfg, scaler, reverse_order_buckets(model, p.bucket_mb, names),
                          pad_multiple=self.world, fill=fill, names=names, divisor=divisor or self.world)
         reduce_dtype = torch.float32 if p.reduce_dtype == "fp32" else self.flat.dtype
         self.algo = resolve_reduce_algo(p.reduce_algo, group, self.flat.device)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import FREE_GRAD_BUCKET_MB
 from ..flat import FlatParams
 from ..optim import MasterWeightOptimizer
 
@@ -131,7 +132,8 @@ class Engine:
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor this rank holds for the model's training state, each with its kind: "params" (16-bit
-        or fp32 weights kept whole), "param_shards" (ZeRO-3's 16-bit slices), "grads", "masters",
+        or fp32 weights kept whole), "param_shards" (ZeRO-3's 16-bit slices), "grads" (at their size in a step,
+        also where one process frees them between steps), "masters",
         "optimizer" (the moments) and "host_grads" (offload's staging buffer)."""
         out = [("params", b.data) for b in self.flat.buckets]
         out += [("grads", b.grad) for b in self.flat.buckets if b.grad is not None]
@@ -164,16 +166,28 @@ class Engine:
 
 
 class LocalEngine(Engine):
-    """One data-parallel rank: flat buckets and the optimizer, nothing to communicate."""
+    """One data-parallel rank: flat buckets and the optimizer, nothing to communicate. `free_grads` (one
+    process alone): the gradients' memory lives from the first gradient a bucket takes in backward to the
+    step, as torch's own zero_grad(set_to_none=True) leaves it: at the start of backward, where the
+    activations peak, no step's worth of gradients waits beside them."""
 
     def __init__(self, model: nn.Module, cfg, scaler, buckets=None, pad_multiple: int = 1, fill=None,
-                 names=None, divisor: int = 1):
+                 names=None, divisor: int = 1, free_grads: bool = False):
         self.cfg, self.divisor = cfg, divisor
-        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill, names=names)
+        if free_grads and buckets is None:
+            from .buckets import reverse_order_buckets
+            buckets = reverse_order_buckets(model, FREE_GRAD_BUCKET_MB, names)
+        self.flat = FlatParams(model, buckets, pad_multiple=pad_multiple, fill=fill, names=names,
+                               free_grads=free_grads)
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler)
 
     def grad_shard(self, b: int) -> torch.Tensor:
+        self.flat.ensure_grads(b)  # freed between steps (free_grads): read as the zeros it stands for
         return self.flat.buckets[b].grad  # the whole bucket: the optimizer is not sharded
+
+    def finish_backward(self, last: bool) -> None:
+        if last:  # a bucket that took no gradient this step reads as zeros
+            self.flat.ensure_grads()
 
     def optimizer_step(self, lr: float, step: int) -> None:
         self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor(),

@@ -16,7 +16,8 @@ back through the all-to-all). Checkpoints save them as they save a LoRA base. Co
 the base already: a pattern may freeze adapters too.
 
 Refused (ConfigError, before anything is allocated): a pattern that freezes nothing in the whole model (it
-matches no name, or only modules without parameters), and a freeze that leaves nothing to train.
+matches no name, only modules without parameters, or only a LoRA base's weights), and a freeze that leaves
+nothing to train.
 """
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ def frozen_names(model: nn.Module, spec: str) -> set[str]:
     if unmatched:
         raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
                           f" no parameter of this model (its modules: {_examples(model)}; layers.N is block N)")
+    # Under LoRA the base is frozen already: a pattern naming only base weights ("embed", "experts") once
+    # trained exactly as without it.
+    idle = [p for p in pats if not any(model.get_parameter(n).requires_grad for n in frozen[p])]
+    if idle:
+        one = len(idle) == 1
+        raise ConfigError(f"train.freeze: {', '.join(map(repr, idle))} match{'es' if one else ''} only weights frozen "
+                          f"already (the base under LoRA adapters), so {'it freezes' if one else 'they freeze'} "
+                          "nothing: name modules that carry adapters (lora.targets), or leave it out")
     return set().union(*frozen.values())
 
 

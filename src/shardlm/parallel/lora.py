@@ -49,18 +49,34 @@ class LoRA(nn.Module):
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(x)
-        pieces, at = [], 0
-        for name, start, stop in self.spans:
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rank x adapters, in] and B [out, rank x adapters]: the update of x is x A^T B^T.
+
+        A fused layer's adapters as two products, their A stacked (x read once) and their B block-diagonal
+        with the scale folded into its few weights: a product pair per adapter would read x once each, and
+        scaling, slicing and concatenating the update are passes over activations, forward and backward. The
+        zero blocks cost rank x (adapters - 1) columns in a product as wide as the layer."""
+        rank = self.A[self.spans[0][0]].shape[0]
+        a = torch.cat([self.A[name] for name, _, _ in self.spans]) if len(self.spans) > 1 else self.A[self.spans[0][0]]
+        rows, at, width = [], 0, rank * len(self.spans)
+        for i, (name, start, stop) in enumerate(self.spans):
+            b = self.B[name]
             if start > at:
-                pieces.append(x.new_zeros(*x.shape[:-1], start - at))
-            pieces.append(F.linear(F.linear(x, self.A[name]), self.B[name]))
+                rows.append(b.new_zeros(start - at, width))
+            rows.append(F.pad(b, (i * rank, width - (i + 1) * rank)) if len(self.spans) > 1 else b)
             at = stop
         if at < self.out_features:
-            pieces.append(x.new_zeros(*x.shape[:-1], self.out_features - at))
-        update = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return update * self.scaling
+            rows.append(rows[-1].new_zeros(self.out_features - at, width))
+        b = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return a, b * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.factors()
+        return F.linear(F.linear(self.dropout(x), a), b)
+
+    def drops(self) -> bool:
+        """Whether dropout changes the adapters' input now (training with lora.dropout > 0)."""
+        return self.training and isinstance(self.dropout, nn.Dropout) and self.dropout.p > 0
 
 
 def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lora: LoRAConfig) -> LoRA | None:
@@ -158,7 +174,11 @@ def peft_state(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def peft_config(cfg: ModelConfig, lora: LoRAConfig, base: str | None = None) -> dict:
     """adapter_config.json for `peft_state`'s tensors."""
-    chosen = sorted(lora_targets(cfg.arch, lora.targets))
+    # Only the modules some layer has: where every MLP is a mixture of experts, the dense MLP's names listed
+    # modules the model lacks, as if adapted.
+    present = {n for layer in range(cfg.num_layers) for path in block_linears(cfg, layer)
+               for n in LORA_MODULES[cfg.arch][path]}
+    chosen = sorted(lora_targets(cfg.arch, lora.targets) & present)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "target_modules": chosen, "bias": "none",
             "fan_in_fan_out": cfg.arch == "gpt2", "init_lora_weights": "gaussian", "inference_mode": True,
@@ -216,8 +236,14 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         conf = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:
+        # What was given instead, where it is plain: a run or a model, which --adapter users often pass.
+        run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
+        fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
+               "writes its adapter (or give it as --model, its adapters merged)" if run else
+               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else
+               f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
-                          f"adapter_model.safetensors): {e}") from None
+                          f"adapter_model.safetensors): {e}{fix}") from None
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.
@@ -235,7 +261,15 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     for key, t in tensors.items():
         head, _, kind = key.rpartition(".lora_")  # ...layers.3.self_attn.q_proj, A.weight
         parts = head.split(".")
-        i = parts.index("h" if cfg.arch == "gpt2" else "layers")
+        blocks = "h" if cfg.arch == "gpt2" else "layers"
+        # An adapter of another architecture (GPT-2's transformer.h.N on Llama) or of lm_head/embed_tokens
+        # ended in ValueError("'layers' is not in list"), naming neither the adapter nor the tensor.
+        i = next((j for j, p in enumerate(parts[:-1]) if p == blocks and parts[j + 1].isdigit()), None)
+        if i is None:
+            raise ConfigError(f"{path}: {key} is no adapter of a linear inside a {cfg.arch} block (no {blocks}.N in "
+                              "its name): this version loads adapters of the blocks' linears only (not of lm_head or "
+                              "embed_tokens), and an adapter of another architecture does not fit: use the adapter "
+                              "trained on this --model's base")
         layer, module = int(parts[i + 1]), ".".join(parts[i + 2:])
         if module not in where or kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")

@@ -14,7 +14,8 @@ It is not a parameter (no gradient, no optimizer state): the trainer saves it in
 exactly (fp32 values written as Python floats, which round-trip), so a resume continues it.
 
 Statistics (`stats`, at logging steps): per layer, the tokens each expert received (max / mean load), the
-token copies dropped by capacity (model.capacity_factor, the Switch Transformer's and GShard's capacity), and
+token copies dropped by capacity (model.capacity_factor, the Switch Transformer's and GShard's capacity), the
+forwards whose experts ran in chunks past their load budget (parallel/expert_chunks.py), and
 the Switch balance loss E sum_e f_e P_e evaluated on the global batch of the steps since the last log. Counted
 once under recomputation (moe.py records the first forward only), summed over every rank by one all-reduce in
 fp64 (each tp rank its own slice of the tokens, parallel/moe_tensor.py), so they do not depend on the layout;
@@ -57,17 +58,22 @@ class MoEBalance:
         return per_layer
 
     def stats(self) -> dict:
-        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call; a
-        collective over every rank (call it on all of them); {} for a dense model."""
+        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call, and
+        under expert parallelism ".../ep_max_over_mean" (by rank) and, where any ran, ".../chunked" (the training
+        forwards, summed over the ranks, whose experts took more than parallel.ep_load_budget and ran in chunks);
+        a collective over every rank (call it on all of them); {} for a dense model."""
         if not self.num_experts:
             return {}
         e = self.num_experts
-        table = torch.zeros(self.num_layers, 3 * e + 1, dtype=torch.float64, device=self.device)
+        table = torch.zeros(self.num_layers, 3 * e + 2, dtype=torch.float64, device=self.device)
         for m in self.layers:
             stats = m.take_stats()
             if stats is not None:
-                table[m.layer] = stats
+                table[m.layer, :-1] = stats
+            if chunked := getattr(m, "chunked", 0):  # an exact dispatch's passes past its budget
+                table[m.layer, -1], m.chunked = chunked, 0
         table = self._world_sum(table).cpu()
+        ep = self.mesh.size("ep")
         out = {}
         for layer, row in enumerate(table):
             routed, kept, probs, tokens = row[:e], row[e:2 * e], row[2 * e:3 * e], row[3 * e].item()
@@ -76,6 +82,12 @@ class MoEBalance:
             mean = kept.mean().item()
             copies = routed.sum().item()
             out[f"moe/layer{layer}/max_over_mean"] = kept.max().item() / mean if mean else 0.0
+            if ep > 1:  # the busiest expert-parallel rank's copies (its block of experts) over the mean rank's:
+                # what the other ranks wait for at the combine
+                busiest = kept.view(ep, -1).sum(1).max().item()
+                out[f"moe/layer{layer}/ep_max_over_mean"] = busiest / (mean * e / ep) if mean else 0.0
+            if row[-1]:  # forwards run in chunks, summed over the ranks; said where any ran (a rare event)
+                out[f"moe/layer{layer}/chunked"] = int(row[-1].item())
             out[f"moe/layer{layer}/dropped"] = int(copies - kept.sum().item())
             out[f"moe/layer{layer}/aux_loss"] = e * ((routed / copies) * (probs / tokens)).sum().item()
         return out

@@ -130,7 +130,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if mesh.cp > 1:
         context_parallel(model, mesh.group("cp"), p.cp_comm)
     moe_tensor_parallel(model, mesh, p.sp)  # MoE layers under tp > 1: each tp rank routes its own tokens
-    expert_parallel(model, mesh)  # each MoE layer's block of experts, dispatched by all-to-all (ep > 1)
+    # each MoE layer's experts, dispatched by all-to-all (ep > 1)
+    expert_parallel(model, mesh, p.ep_padded(), p.ep_load_budget)
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     if t.freeze:  # train.freeze: checked against the whole model's names, applied to this rank's part

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from ..model.moe import MoE
-from ..model.weight_grad import WeightGradStore, linear
+from ..model.weight_grad import WeightGradStore, adapted_linear
 from .cross_entropy import vocab_parallel_cross_entropy
 from .placement import TPSharding, degree, rank_in, replicated, tag
 
@@ -191,8 +191,8 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.group, self.async_tp)
         else:
             x = copy_to_tp(x, self.group)
-        y = linear(x, self.weight, self.bias, self.weight_grads)
-        return y if self.lora is None else y + self.lora(x)  # adapters: this rank's rows of their update
+        # adapters: this rank's rows of their update
+        return adapted_linear(x, self.weight, self.bias, self.weight_grads, self.lora)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -216,6 +216,7 @@ class RowParallelLinear(nn.Module):
     the sequence), the bias added once after."""
     weight_grads: WeightGradStore | None = None
     async_tp = False  # the sequence reduce-scatter fusable with this matmul (async_tp.py)
+    small_all_reduce = None  # inference: a faster all-reduce without gradient (inference/one_shot.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool,
                  init_std: float):
@@ -231,16 +232,19 @@ class RowParallelLinear(nn.Module):
         tag(self, shardings, {"bias": 0} if bias and sequence_parallel else {})
 
     def forward(self, x):
-        # An adapter's partial product joins the base's before their reduction; computed first, so that the
-        # base product's inputs are the last tensors saved and a recomputation stops before it (model/recompute.py).
-        update = self.lora(x) if self.lora is not None else None
-        y = linear(x, self.weight, None, self.weight_grads)
-        if update is not None:
-            y = y + update
-        if self.sequence_parallel and self.training:
-            y = reduce_scatter_to_sp(y, self.group, self.async_tp)
+        small = self.small_all_reduce is not None and not torch.is_grad_enabled()
+        if small and self.lora is None and not (self.sequence_parallel and self.training):
+            # the product and its sum, one kernel where it can (inference/gemv_all_reduce.py)
+            y = self.small_all_reduce.linear(x, self.weight)
         else:
-            y = reduce_from_tp(y, self.group)
+            # An adapter's partial product joins the base's before their reduction.
+            y = adapted_linear(x, self.weight, None, self.weight_grads, self.lora)
+            if self.sequence_parallel and self.training:
+                y = reduce_scatter_to_sp(y, self.group, self.async_tp)
+            elif small:
+                y = self.small_all_reduce(y)
+            else:
+                y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -259,12 +263,16 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
         tag(self, {"weight": TPSharding(rank, tp, 0, (num_embeddings,), (True,), rows * tp - num_embeddings)})
 
+    small_all_reduce = None  # as RowParallelLinear's
+
     def forward(self, ids):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel and self.training:
             return reduce_scatter_to_sp(out, self.group)
+        if self.small_all_reduce is not None and not torch.is_grad_enabled():
+            return self.small_all_reduce(out)
         return reduce_from_tp(out, self.group)
 
 
@@ -293,15 +301,24 @@ class VocabParallelOutput(nn.Module):
         self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
         self.sequence_parallel = sequence_parallel
 
+    small_all_gather = None  # inference: a faster all-gather without gradient (inference/one_shot.py)
+
     def forward(self, h, weight, targets=None, chunk: int = 2048, compiled: bool = False):
         h = gather_from_sp(h, self.group) if self.sequence_parallel and self.training else copy_to_tp(h, self.group)
         if targets is None:
+            if self.small_all_gather is not None and not torch.is_grad_enabled():
+                return self.small_all_gather(F.linear(h, weight))[..., :self.vocab_size]
             return _GatherLastDim.apply(F.linear(h, weight), self.group)[..., :self.vocab_size]
         return vocab_parallel_cross_entropy(h, weight, targets, self.group, self.vocab_start, self.vocab_size,
                                             chunk or targets.numel(), compiled)
 
 
 # ---- the transform -----------------------------------------------------------------------------------
+
+def tensor_parallel_group(model: nn.Module):
+    """The process group of `model`'s tensor-parallel layers; None for a model without them."""
+    return next((m.group for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+
 
 def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
     """Shard a decoder over `group`, in place, on the meta device (before its weights exist): the linears of

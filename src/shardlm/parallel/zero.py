@@ -101,8 +101,7 @@ class ZeroEngine(Engine):
             self.opt.overlap.order = self.gather_order
 
     def _flat_params(self, model: nn.Module) -> FlatParams:
-        item = next(model.parameters()).element_size()
-        return FlatParams(model, reverse_order_buckets(model, self.cfg.parallel.bucket_mb, item, self.names),
+        return FlatParams(model, reverse_order_buckets(model, self.cfg.parallel.bucket_mb, self.names),
                           pad_multiple=self.world, grad_buffers=self.stage == 1, fill=self.fill, names=self.names)
 
     def _shard_parameters(self, model: nn.Module) -> list | None:

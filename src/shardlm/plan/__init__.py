@@ -11,12 +11,12 @@ from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig
 from ..config.views import group_span
 from .comm import comm_bytes, comm_seconds
 from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
-                    model_flops_per_token, recompute_flops_per_token)
+                    model_flops_per_token, moe_routing_seconds, recompute_flops_per_token)
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
-from .memory import (Memory, checkpoint_bytes, estimate_memory, host_bytes, in_flight, nf4_weights, paper_model_states,
+from .memory import (Memory, checkpoint_bytes, estimate_memory, in_flight, nf4_weights, paper_model_states,
                      trained_and_frozen, zero_shard)
-from .offload import offload_seconds
+from .offload import host_bytes, offload_seconds
 
 __all__ = ["Estimate", "GPU", "Layout", "Memory", "PlanError", "Workload", "estimate", "gpu", "host_bytes",
            "paper_model_states"]
@@ -39,7 +39,7 @@ class Estimate:
     train_days: float = 0.0
     gpu_hours: float = 0.0     # training cost is counted in these: days x 24 x GPUs
     cost: float = 0.0          # gpu_hours x the price per GPU-hour, when one is given
-    host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (memory.host_bytes)
+    host_memory: float = 0.0   # per rank, bytes of host memory that offload takes (offload.host_bytes)
     checkpoint_bytes: float = 0.0       # a sharded checkpoint's size (save_bytes)
     checkpoint_rank_bytes: float = 0.0  # the most one rank writes of it
     checkpoint_save_s: float = 0.0      # that rank's write at its share of the node's disk rate
@@ -73,7 +73,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     adam_bytes = ADAM_BYTES_BF16[separate_master] if L.optimizer_dtype == "bf16" else ADAM_BYTES
     optimizer = offload_seconds(m, w, L, g, gpus_per_node, compute) if L.offload != "none" else \
         shard * adam_bytes / g.hbm_bw
-    step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node)
+    step = compute + optimizer + comm_seconds(m, w, L, g, gpus_per_node) + moe_routing_seconds(m, w, L, g.hbm_bw)
     if L.offload_activations:  # each block's input comes back up when its backward starts, on the compute stream
         micro = w.global_batch // (w.micro_batch * L.dp)
         step += micro / in_flight(w, L) * checkpoint_bytes(m, w, L) / g.pcie_bw

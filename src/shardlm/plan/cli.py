@@ -4,15 +4,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..config import LoRAConfig, ModelConfig, load_config
+from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from .flags import check_flags
+from .flags import check_flags, check_inference_flags
 from .hardware import GPUS, parse_bytes
+from .layout import expert_loads
+from .memory import activation_per_layer
 
 GiB = 2**30
+SEQ = 2048  # --seq's default, where the model's context holds it
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--params", type=float,
                    help="a bare parameter count: model states (with --tokens, train FLOPs) only")
     w = p.add_argument_group("work")
-    w.add_argument("--seq", type=int, default=2048)
+    w.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per sequence (default: {SEQ}, or the model's max_seq_len where that is shorter)")
     w.add_argument("--micro-batch", type=int, default=1)
     w.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x dp")
     w.add_argument("--tokens", type=float, default=0.0,
@@ -62,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
                      help="with --offload optimizer at dp 1: the CPU update beside the next forward (exact)")
     lay.add_argument("--cp-comm", default="a2a", choices=("a2a", "p2p"),
                      help="with --cp: Ulysses' all-to-all of heads (a2a) or ring attention (p2p)")
+    lay.add_argument("--ep-dispatch", default="auto", choices=("auto", "padded", "exact"),
+                     help="with --ep: rows sent in fixed-size blocks (padded: ep times a balanced load's memory and "
+                          "bytes, no host sync) or by exact counts; auto: padded at ep 2")
+    lay.add_argument("--ep-load-budget", type=float, default=2.0,
+                     help="with --ep and exact counts: the most rows a rank's experts take in one pass, in balanced "
+                          "loads; past it they run in recomputed chunks (planned at it); 0: no chunks")
     lay.add_argument("--sp", action="store_true")
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
@@ -100,9 +111,24 @@ def model_from_args(a) -> ModelConfig:
             cfg_file = path / "config.json" if path.is_dir() else path
             if not cfg_file.is_file():
                 run = path / "config.toml"  # a shardlm run directory records the config it trained with
-                fix = f": it is a shardlm run; plan it with --model {run}" if run.is_file() else ""
+                above = path.parent.parent / "config.toml"  # a checkpoint's: RUN/checkpoints/step_N
+                fix = (f": it is a shardlm run; plan it with --model {run}" if run.is_file() else
+                       f": it is a checkpoint of a shardlm run; plan it with --model {above}"
+                       if (path / "state.json").is_file() and above.is_file() else
+                       ": it is a PEFT adapter; plan its base model with --lora-rank (adapter_config.json's r)"
+                       if (path / "adapter_config.json").is_file() else "")
                 raise PlanError(f"--model {a.model}: no config.json there{fix}")
-            cfg = model_config_from_hf(json.loads(cfg_file.read_text()))
+            try:  # the error names the file: json's and the config's own messages do not
+                hf = json.loads(cfg_file.read_text())
+                if isinstance(hf, dict) and not ({"architectures", "model_type"} & hf.keys()):
+                    above = cfg_file.parent.parent.parent / "config.toml"  # RUN/checkpoints/step_N/state.json
+                    raise PlanError("not a Hugging Face config.json (no architectures or model_type)"
+                                    + (f": plan its run with --model {above}" if above.is_file() else ""))
+                cfg = model_config_from_hf(hf)
+            except ConfigError as e:
+                raise PlanError(f"--model {cfg_file}: {e}") from None
+            except ValueError as e:
+                raise PlanError(f"--model {cfg_file} is not valid JSON ({e}): download or save it again") from None
         else:
             cfg = load_config(a.model).model
         return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg
@@ -113,7 +139,7 @@ def model_from_args(a) -> ModelConfig:
                         f"--ffn), or --params{'; missing ' + ', '.join('--' + n for n in missing) if a.arch else ''}")
     return ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers, hidden_size=a.hidden,
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
-                       vocab_size=a.vocab, max_seq_len=max(a.seq, 2048), tie_embeddings=a.arch == "gpt",
+                       vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ), tie_embeddings=a.arch == "gpt",
                        num_experts=a.experts, top_k=a.top_k)
 
 
@@ -176,7 +202,16 @@ def run(argv: list[str]) -> int:
     model = model_from_args(a)
     if a.inference:
         return inference(a, model, g)
-    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, zero_stage=a.zero, offload=a.offload,
+    # A run refuses train.seq_len beyond model.max_seq_len: a default past it planned a run that cannot start
+    # (tiny, gpt2-124m); one asked for is planned, as the run it would be with a longer context.
+    if a.seq is None:
+        a.seq = min(SEQ, model.max_seq_len)
+    elif a.seq > model.max_seq_len:
+        print(f"note: --seq {a.seq} exceeds the model's max_seq_len {model.max_seq_len}: a run at it needs "
+              f"--model.max_seq_len {a.seq}", file=sys.stderr)
+    layout = Layout(dp=dp, tp=a.tp, pp=a.pp, cp=a.cp, cp_comm=a.cp_comm, ep=a.ep, ep_dispatch=a.ep_dispatch,
+                    ep_load_budget=a.ep_load_budget,
+                    zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
                     virtual_stages=a.virtual_stages,
@@ -195,60 +230,14 @@ def run(argv: list[str]) -> int:
     if note:
         print(note)
     print(f"{g.name}, per GPU (worst pipeline stage):")
-    for k, v in rows(a, e, g, layout):
+    for k, v in rows(a, e, g, layout, model, work):
         print(f"  {k:<18}{v}")
     return 0
 
 
-# Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
-TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
-                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "sp", "recompute",
-                 "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo", "lora_targets",
-                 "host_memory", "top")
-
-
-def check_inference_flags(a, model: ModelConfig) -> int:
-    """The flags --inference reads, checked, each refusal naming only its own flags; returns the context."""
-    from .inference import QUANTIZE
-    defaults = parser().parse_args([])
-    ignored = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(a, name) != getattr(defaults, name)]
-    if ignored:
-        raise PlanError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} a training plan; --inference "
-                        "reads the model, --batch, --context, --quantize, --precision and the GPU")
-    if a.search:
-        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
-    if a.largest:
-        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
-                        "one of them")
-    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
-    if parallel:
-        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
-                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
-                        "does not plan")
-    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
-                                ("--zero", a.zero)) if on]
-    if training:
-        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
-                        "--inference plans one GPU serving the whole model")
-    if a.lora_rank is not None:
-        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
-    if a.quantize not in QUANTIZE:
-        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
-        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
-    if a.precision not in ("bf16", "fp16", "fp32"):
-        raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
-    if a.batch < 1:
-        raise PlanError(f"--batch {a.batch} must be at least 1")
-    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
-    context = model.max_seq_len if a.context is None else a.context
-    if not 2 <= context <= model.max_seq_len:
-        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
-    return context
-
-
 def inference(a, model: ModelConfig, g) -> int:
     from .inference import plan_inference
-    context = check_inference_flags(a, model)
+    context = check_inference_flags(a, model, parser().parse_args([]))
     e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT,
                        a.quantize)
     if a.json:
@@ -308,7 +297,8 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     print(f"{scored} layouts scored for {gpus} x {g.name}; {rejected} do not fit in {100 * (1 - headroom):.0f}% "
           f"of {fmt(g.memory)}")
     for rank, (e, w, L) in enumerate(best, 1):
-        desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
+        ep = f" ep {L.ep}" if model.num_experts else ""
+        desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''}{ep} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
                 f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
@@ -343,14 +333,18 @@ def training(a, e) -> str:
     return f", {e.train_days:.1f} days, {e.gpu_hours:,.0f} GPU-hours{cost}"
 
 
-def rows(a, e, g, layout: Layout) -> list[tuple[str, str]]:
+def rows(a, e, g, layout: Layout, model: ModelConfig, work: Workload) -> list[tuple[str, str]]:
     mem = e.memory
+    held, _, why = expert_loads(model, layout)  # the worst load activation/layer is at
+    experts = [("experts' load", f"activation/layer at {held:g} balanced load{'s' * (held != 1)} a rank, the "
+                f"worst ({why}); {fmt(activation_per_layer(model, work, layout, balanced=True))} at a balanced load")]
     out = [("params", fmt(mem.params)), ("grads", fmt(mem.grads)), ("optimizer", fmt(mem.optimizer)),
            ("activations", fmt(mem.activations)), ("buffers", fmt(mem.buffers)),
            ("total", f"{fmt(mem.total)} allocated by torch, + {fmt(CUDA_CONTEXT)} CUDA context, of "
                      f"{fmt(g.memory)} ({'fits' if e.fits else 'DOES NOT FIT'} with {100 * HEADROOM:.0f}% headroom)"),
            *([("host memory", f"{fmt(e.host_memory)} per rank (offload)")] if e.host_memory else []),
-           ("activation/layer", fmt(mem.activation_per_layer)), ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
+           ("activation/layer", fmt(mem.activation_per_layer)), *(experts if model.num_experts else []),
+           ("flops/step/GPU", f"{e.flops_per_step:.3e}"),
            ("step time", duration(e.step_time_s)), ("MFU", f"{100 * e.mfu:.1f}%"),
            ("tokens/s", f"{e.tokens_per_s:,.0f} ({e.tokens_per_s / layout.gpus:,.0f} per GPU)"),
            ("bubble", f"{100 * e.bubble:.1f}%"),

@@ -86,8 +86,10 @@ def model_parallel_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, fl
         chunk = tokens * 2 * (m.kv_heads // t if m.kv_heads % t == 0 else q) * m.head_size
         cp = (passes * (L.cp - 1) * chunk * act + L.cp * chunk * 4) * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
-    # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021).
-    ep = 0.0 if L.ep == 1 else 4 * (L.ep - 1) / L.ep * tokens * m.top_k * m.hidden_size * act * layers * micro
+    # routed copies of every token (top_k of them) except the 1/ep that stay local (Lepikhin et al. 2021);
+    # fixed-size blocks send every peer room for all of them (parallel/expert.py).
+    sent = L.ep - 1 if L.ep_padded(not m.capacity_factor) else (L.ep - 1) / L.ep
+    ep = 0.0 if L.ep == 1 else 4 * sent * tokens * m.top_k * m.hidden_size * act * layers * micro
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
 
 

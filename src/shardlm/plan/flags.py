@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..config import ModelConfig
 from .layout import PlanError
 
-AT_LEAST_ONE = ("dp", "global_batch", "top", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "top_k")
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")  # a model's shape, with --arch
+AT_LEAST_ONE = ("dp", "global_batch", "top", *SHAPE, "top_k")
 FINITE = ("tokens", "price_per_gpu_hour", "params")
 
 
@@ -60,10 +62,21 @@ def check_flags(a) -> None:
     if a.params and a.inference:
         raise PlanError("--params gives training's model states only; --inference needs the model's shape (--model "
                         "or --arch)")
+    # Each way of giving the model reads only its own flags: beside another, one was ignored without a word
+    # (`--model tiny --layers 4` planned tiny's 2 layers).
+    shape = " ".join(f"--{n.replace('_', '-')} {getattr(a, n)}" for n in ("arch", *SHAPE)
+                     if getattr(a, n) is not None)
+    ways = [way for way in (a.model and f"--model {a.model}", shape, a.params and f"--params {a.params:g}") if way]
+    if len(ways) > 1:
+        raise PlanError(f"{' and '.join(ways)} each give the model, and only one is read: give --model, or --arch "
+                        "with --layers --hidden --heads --vocab, or --params (to change a preset's shape, copy it "
+                        "into a TOML file for --model)")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:
         raise PlanError("--largest and --search answer different questions: give one")
+    if a.search:
+        check_searched(a)
     if a.lora_rank is None and a.lora_targets != "all-linear" and not (a.model and Path(a.model).suffix == ".toml"):
         raise PlanError("--lora-targets names the modules LoRA adapts: give --lora-rank too")
     if a.price_per_gpu_hour and not a.tokens:
@@ -71,3 +84,64 @@ def check_flags(a) -> None:
     if a.price_per_gpu_hour and a.params:
         raise PlanError("--price-per-gpu-hour needs a model to time (--model or --arch); --params gives model "
                         "states and train FLOPs only")
+
+
+def check_searched(a) -> None:
+    """--search tries every value of these itself: one given was ignored without a word (`--search --zero 3` ranked
+    ZeRO-0 layouts first). Without --gpus, --dp x --tp x --pp x --cp is the number of GPUs searched, and stays."""
+    fixed = [("--zero", a.zero, 0), ("--ep", a.ep, 1), ("--sp", a.sp, False), ("--recompute", a.recompute, "none"),
+             ("--pp-schedule", a.pp_schedule, "1f1b"), ("--virtual-stages", a.virtual_stages, 1)]
+    if a.gpus is not None:
+        fixed += [("--dp", a.dp, None), ("--tp", a.tp, 1), ("--pp", a.pp, 1)]
+    for flag, value, default in fixed:
+        if value != default:
+            shown = "" if value is True else f" {value}"
+            raise PlanError(f"{flag}{shown} has no effect with --search, which tries every dp, tp, pp, ep, ZeRO "
+                            "stage, sequence parallelism, recomputation and schedule itself: leave it out, or plan "
+                            "that layout without --search")
+
+
+# Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
+TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
+                 "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "ep_load_budget",
+                 "sp", "recompute", "pp_schedule", "virtual_stages", "attention", "reduce_dtype", "reduce_algo",
+                 "lora_targets", "host_memory", "top")
+
+
+def check_inference_flags(a, model: ModelConfig, defaults) -> int:
+    """The flags --inference reads, checked, each refusal naming only its own flags (`defaults`: the parser's
+    values when none is given); returns the context."""
+    from .inference import QUANTIZE
+    ignored = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(a, name) != getattr(defaults, name)]
+    if ignored:
+        raise PlanError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} a training plan; --inference "
+                        "reads the model, --batch, --context, --quantize, --precision and the GPU")
+    if a.search:
+        raise PlanError("--search ranks training layouts; --inference plans serving: give one of them")
+    if a.largest:
+        raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
+                        "one of them")
+    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
+    if parallel:
+        raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
+                        "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "
+                        "does not plan")
+    training = [f for f, on in (("--dp", a.dp), ("--pp", a.pp > 1), ("--cp", a.cp > 1), ("--ep", a.ep > 1),
+                                ("--zero", a.zero)) if on]
+    if training:
+        raise PlanError(f"{', '.join(training)} describe{'s' if len(training) == 1 else ''} a training layout; "
+                        "--inference plans one GPU serving the whole model")
+    if a.lora_rank is not None:
+        raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
+    if a.quantize not in QUANTIZE:
+        nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
+        raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
+    if a.precision not in ("bf16", "fp16", "fp32"):
+        raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
+    if a.batch < 1:
+        raise PlanError(f"--batch {a.batch} must be at least 1")
+    # None, not a falsy 0, means the model's whole window: --context 0 is refused below.
+    context = model.max_seq_len if a.context is None else a.context
+    if not 2 <= context <= model.max_seq_len:
+        raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
+    return context

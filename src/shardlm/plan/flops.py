@@ -7,8 +7,9 @@ forward work the MFU does not credit: full recomputation one more forward of the
 6N per token), selective the attention scores and values again (12 -> 16 L h s).
 
 Step time = compute / (peak x efficiency) x (1 + pipeline bubble) + the optimizer's memory traffic +
-the part of each collective not hidden behind compute; attention's computed FLOPs (half the square the MFU
-counts, under the causal mask) run at their own efficiency, 0.4. The efficiency (the fraction of the dense
+the part of each collective not hidden behind compute + an MoE's routed copies' own passes
+(MOE_ROUTING_BYTES); attention's computed FLOPs (half the square the MFU counts, under the causal mask) run
+at their own efficiency, 0.4. The efficiency (the fraction of the dense
 peak that shardlm's fused blocks reach, 0.55) and the exposed fractions of collectives (all-reduce 0.85,
 reduce-scatter 0.3, ZeRO-3's prefetched gathers 0.1, ZeRO-1/2's post-step all-gather 1.0) were measured
 on H200s with tinyllama-1.1b (bench/README.md); override them for other hardware.
@@ -30,6 +31,11 @@ ADAM_BYTES = 28          # per parameter: 16-bit grad in, fp32 master, m, v in a
 # train.optimizer_dtype bf16: master, m, v in and out at 2 bytes each; the 16-bit weight written apart only where
 # the optimizer is sharded (unsharded, the weights are the masters)
 ADAM_BYTES_BF16 = {True: 16, False: 14}
+# Bytes per feature (hidden + 2 x expert ffn) of each routed token copy in each MoE layer, for what the copies
+# cost beside the products a dense block has too: the permutations into and out of expert order, the gathers and
+# their scatter-adds backward, the experts' SwiGLU forward, backward and recomputed. Fitted to moe-1b on one H200
+# (58.6 ms a step of 8,192 tokens, 40.3 predicted without it; bench/README.md, twenty-eighth lease).
+MOE_ROUTING_BYTES = 50
 
 
 def model_flops_per_token(m: ModelConfig, seq: int) -> float:
@@ -68,6 +74,18 @@ def skipped_flops_per_token(m: ModelConfig, recompute: str) -> float:
     down = 2 * m.ffn_size * m.hidden_size * dense if recompute in ("full-skip-down", "full-skip-out-down") else 0
     out = 2 * m.num_heads * m.head_size * m.hidden_size * m.num_layers if recompute == "full-skip-out-down" else 0
     return float(down + out)
+
+
+def moe_routing_seconds(m: ModelConfig, w: Workload, L: Layout, hbm_bw: float) -> float:
+    """A step's routed-copy passes (MOE_ROUTING_BYTES) on the busiest rank: its pipeline stage's MoE layers,
+    its replica's tokens (each tp rank routes its slice), top_k copies each. Fixed-size blocks at ep > 1
+    (parallel.ep_dispatch padded) hold ep times the copies on the experts' side of the passes, half of them."""
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
+    if not layers:
+        return 0.0
+    copies = w.global_batch * w.seq / (L.dp * L.cp * L.tp) * m.top_k
+    padded = (1 + L.ep) / 2 if L.ep_padded(m.capacity_factor == 0) else 1.0
+    return layers * copies * padded * MOE_ROUTING_BYTES * (m.hidden_size + 2 * m.moe_ffn_size) / hbm_bw
 
 
 def bubble(w: Workload, L: Layout) -> float:

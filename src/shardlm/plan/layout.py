@@ -30,6 +30,7 @@ class Layout(ParallelConfig):
     attention: str = "flash"       # flash | standard
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: every weight trained
+    free_grads: bool = True        # one process gives its gradients' memory back between steps (train.free_grads)
 
     @property
     def gpus(self) -> int:
@@ -39,7 +40,8 @@ class Layout(ParallelConfig):
     def from_config(cls, cfg: Config) -> Layout:
         """The layout a training config runs."""
         return cls(**vars(cfg.parallel), recompute=cfg.train.recompute, precision=cfg.train.precision,
-                   optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora)
+                   optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora,
+                   free_grads=cfg.train.free_grads)
 
 
 FLAGS = Naming(flags=True)
@@ -68,6 +70,9 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
     if L.delayed_update and L.precision == "fp16":
         raise PlanError("--delayed-update with --precision fp16: a step skipped for an overflow is only known once "
                         "the update that was to overlap has run; use bf16")
+    if L.delayed_update and L.ep > 1:  # config.checks.check_moe's refusal: a plan of it was a run that cannot start
+        raise PlanError(f"--delayed-update with --ep {L.ep}: the delayed update of two parameter groups (dense and "
+                        "experts) is not validated yet")
     if L.lora.rank:
         try:
             if model.num_experts:  # first: it names an expert's linears as such, not as unknown modules
@@ -79,3 +84,17 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
         check_layout(model, L, work.seq, work.micro_batch, work.global_batch, gpus, FLAGS)
     except ConfigError as e:
         raise PlanError(str(e)) from None
+
+
+def expert_loads(m: ModelConfig, L: Layout) -> tuple[float, float, str]:
+    """A rank's experts at their worst, in balanced loads (its own token copies): (the rows whose activations
+    they hold, the rows that arrive, why, as the planner says it). Padded blocks hold ep at any routing; exact
+    counts bring up to ep (capacity routing: its factor), past parallel.ep_load_budget run in checkpointed
+    chunks that keep the arrived rows alone (parallel/expert_chunks.py). One process: one."""
+    if L.ep_padded(not m.capacity_factor):
+        return L.ep, L.ep, f"padded blocks, {L.ep} loads at any routing"
+    arrived = min(L.ep, m.capacity_factor) if m.capacity_factor else L.ep
+    if L.ep_load_budget and arrived > L.ep_load_budget:
+        return L.ep_load_budget, arrived, f"past --ep-load-budget {L.ep_load_budget:g} in recomputed chunks"
+    why = "one process" if L.ep == 1 else ("capacity" if arrived < L.ep else "every token copy on one rank")
+    return arrived, arrived, why

@@ -47,11 +47,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
+from ..config import BLOCK_RECOMPUTE, FREE_GRAD_BUCKET_MB, NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span
 from ..schedules import split_layers
 from .flops import simulated
-from .layout import Layout, Workload
+from .layout import Layout, Workload, expert_loads
 
 MiB = 2**20
 WORKSPACE = 256 * MiB
@@ -169,7 +169,9 @@ def nf4_weights(m: ModelConfig, L: Layout, stage: int) -> float:
     return per_layer * rank_layers(m, L, stage) / L.tp
 
 
-def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
+def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool = False) -> float:
+    """Bytes a layer keeps for backward; a mixture of experts' at its worst load (expert_loads), or at a
+    balanced one (`balanced`)."""
     s, b, h, a, t = w.seq / L.cp, w.micro_batch, m.hidden_size, m.num_heads, L.tp
     sbh = s * b * h
     if m.arch == "gpt2" and L.attention == "standard" and m.ffn_size == 4 * h:
@@ -195,13 +197,25 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout) -> float:
             norms = (2 * sbh / t + 2 * sbh) if L.sp else 4 * sbh
             attn = s * b * (2 * q + 2 * kv) / t  # q, attention output; k and v
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
-            if m.num_experts:  # each token's activations in each of its top_k experts, plus its routing
-                mlp = mlp * m.top_k + s * b * (h + m.num_experts) * m.top_k / t
+            if m.num_experts:  # each token copy's input row and up (2f gated) and activation in its expert,
+                # at the worst load a rank's experts hold (expert_loads), plus each token's routing. Past the
+                # budget a layer keeps the arrived rows alone (its chunks' intermediates: expert_chunk_bytes).
+                held, arrived, _ = (1, 1, "") if balanced else expert_loads(m, L)
+                kept = arrived * h if held < arrived else held * (3 * m.moe_ffn_size + h)
+                mlp = s * b * m.top_k / t * kept + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
                 per += act * a * s * s * L.cp * b / t  # softmax probabilities (over the whole sequence under cp)
             per += 4 * s * b * (2 + a / t)  # fp32 norm statistics and the attention log-sum-exp
     return per
+
+
+def expert_chunk_bytes(m: ModelConfig, w: Workload, L: Layout) -> float:
+    """One chunk's up (2f gated) and activation, budget balanced loads: an overloaded rank's experts hold them a
+    chunk at a time, in forward and in backward's recomputation (parallel/expert_chunks.py); else 0."""
+    held, arrived, _ = expert_loads(m, L) if m.num_experts else (1, 1, "")
+    act = 2 if L.precision != "fp32" else 4
+    return act * w.seq / L.cp * w.micro_batch * m.top_k / L.tp * held * 3 * m.moe_ffn_size if held < arrived else 0.0
 
 
 def kept_residual(L: Layout, act: float) -> float:
@@ -272,6 +286,7 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         acts = per_layer * layers * in_flight(w, L)
         if L.offload_activations:  # the blocks' inputs wait in host memory (model/activation_offload.py)
             acts = 0.0
+        acts += expert_chunk_bytes(m, w, L)
         recomputed = 0.0
         if L.recompute in BLOCK_RECOMPUTE:  # the layer being recomputed holds its full activations
             recomputed = activation_per_layer(m, w, Layout(**{**L.__dict__, "recompute": "none"}))
@@ -329,15 +344,19 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             grads, acts = grads + shard, 0.0
         peak = params + grads + opt + buffers + acts
         cand = (peak, Memory(params, grads, opt, acts, buffers, per_layer))
+        if L.free_grads and L.world == 1 and L.zero_stage == 0 and micro == 1 and grads:
+            # One process takes its gradients bucket by bucket in backward (train.free_grads): at the activations'
+            # peak, early in backward, the head's and about one bucket's exist; nearly all of them meet the first
+            # block's backward (its activations, or its recomputed forward), and all of them the step.
+            head = 0 if L.lora.rank else m.param_counts()["lm_head"] or m.param_counts()["embedding"]
+            early = min(grads, g_b * head + FREE_GRAD_BUCKET_MB * MiB)
+            late = per_layer + recomputed
+            cand = max((params + early + opt + buffers + acts, Memory(params, early, opt, acts, buffers, per_layer)),
+                       (params + grads + opt + WORKSPACE + late, Memory(params, grads, opt, late, WORKSPACE, per_layer)),
+                       key=lambda c: c[0])
         if worst is None or cand[0] > worst[0]:
             worst = cand
     return worst[1]
-
-
-def reduced_bytes(L: Layout) -> int:
-    """Bytes an element of a reduced gradient shard takes as it leaves the GPU under offload: 16-bit at one
-    rank or with a 16-bit reduction, else fp32."""
-    return 2 if L.precision != "fp32" and (L.replicas == 1 or L.reduce_dtype != "fp32") else 4
 
 
 def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = False) -> float:
@@ -348,30 +367,3 @@ def checkpoint_bytes(m: ModelConfig, w: Workload, L: Layout, pinned: bool = Fals
     if pinned:
         per_layer = 2.0 ** math.ceil(math.log2(per_layer))
     return max(per_layer * rank_layers(m, L, stage) for stage in {0, L.pp - 1}) * in_flight(w, L)
-
-
-def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
-    """Host memory one rank's offload needs (parallel/offload.py, pinned where there is a GPU): its shard's
-    fp32 masters and optimizer moments (unless they are on disk), its gradient buffer, the 16-bit staging of
-    the updated weights (a bucket or two at a time), and with parameter offload the 16-bit shards themselves (unless they are on disk:
-    read through the page cache, which the kernel may evict); with `offload_activations` (and a workload `w`)
-    the blocks' inputs. 0 without offload."""
-    acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
-    if L.offload == "none":
-        return acts
-    trained = max(zero_shard(m, L, s, trained_and_frozen(m, L, s, 2)[0]) for s in {0, L.pp - 1})
-    # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
-    # parallel.offload_dir), gradients
-    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4
-    # The delayed update: the gradients of the step being updated beside the next's, and its updated 16-bit
-    # weights staged until they land.
-    per_param += 4 + 2 if L.delayed_update else 0
-    # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
-    # shard, locked at their exact size; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
-    # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
-    # offload updates its shards where they lie).
-    unit = max(L.bucket_mb * 2**20 / 2, layer_params(m, L) if L.zero_stage == 3 else 0)
-    staging = 8 * unit / L.replicas * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
-    if L.offload != "params" and not L.delayed_update:
-        staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.replicas * 2))
-    return trained * per_param + staging + acts

@@ -16,10 +16,12 @@ its ranks; PCIe is each GPU's own (hardware.py's figures, all overridable).
 """
 from __future__ import annotations
 
+import math
+
 from ..config import BLOCK_RECOMPUTE, ModelConfig
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import reduced_bytes, trained_and_frozen, zero_shard
+from .memory import checkpoint_bytes, layer_params, trained_and_frozen, zero_shard
 
 ADAM_HOST_BYTES = 30  # per element: the gradient, master and two moments read (16), the three written (12), the 16-bit weight (2)
 SQUARES_BYTES = 4     # the norm's pass over the fp32 sum
@@ -73,3 +75,36 @@ def offload_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_nod
     else:
         step = gpu + host
     return step - compute
+
+
+def reduced_bytes(L: Layout) -> int:
+    """Bytes an element of a reduced gradient shard takes as it leaves the GPU under offload: 16-bit at one
+    rank or with a 16-bit reduction, else fp32."""
+    return 2 if L.precision != "fp32" and (L.replicas == 1 or L.reduce_dtype != "fp32") else 4
+
+
+def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
+    """Host memory one rank's offload needs (parallel/offload.py, pinned where there is a GPU): its shard's
+    fp32 masters and optimizer moments (unless they are on disk), its gradient buffer, the 16-bit staging of
+    the updated weights (a bucket or two at a time), and with parameter offload the 16-bit shards themselves (unless they are on disk:
+    read through the page cache, which the kernel may evict); with `offload_activations` (and a workload `w`)
+    the blocks' inputs. 0 without offload."""
+    acts = checkpoint_bytes(m, w, L, pinned=True) if L.offload_activations and w is not None else 0.0
+    if L.offload == "none":
+        return acts
+    trained = max(zero_shard(m, L, s, trained_and_frozen(m, L, s, 2)[0]) for s in {0, L.pp - 1})
+    # fp32 masters and AdamW's two moments and parameter offload's 16-bit shards (on disk with
+    # parallel.offload_dir), gradients
+    per_param = (0 if L.offload_dir else 4 + 8 + (2 if L.offload == "params" else 0)) + 4
+    # The delayed update: the gradients of the step being updated beside the next's, and its updated 16-bit
+    # weights staged until they land.
+    per_param += 4 + 2 if L.delayed_update else 0
+    # The pinned staging that reduced gradient shards cross through (HostGradients' 8 slots of a bucket's
+    # shard, locked at their exact size; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
+    # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
+    # offload updates its shards where they lie).
+    unit = max(L.bucket_mb * 2**20 / 2, layer_params(m, L) if L.zero_stage == 3 else 0)
+    staging = 8 * unit / L.replicas * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
+    if L.offload != "params" and not L.delayed_update:
+        staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.replicas * 2))
+    return trained * per_param + staging + acts

@@ -1,14 +1,17 @@
 """Enumerate every valid layout for a cluster, drop those that do not fit, rank the rest by throughput.
 
 The space: dp x tp x pp = GPUs / cp (the layout's cp, 1 by default) with tp inside a node and dividing the
-heads, pp dividing the layers, ZeRO 0-3 (3 only without pipelining), sequence parallelism with tp > 1,
-recomputation none / selective / full, every micro-batch that divides the per-replica batch, and the 1F1B or
-interleaved schedule. Each layout is a few hundred arithmetic operations, and each pipeline shape's schedule
+heads, pp dividing the layers, for a mixture of experts every ep dividing both the experts and dp x cp (expert
+parallelism is carved out of them; a dense model keeps ep 1), ZeRO 0-3 (3 only without pipelining), sequence
+parallelism with tp > 1, recomputation none / selective / full, every micro-batch that divides the per-replica
+batch, and the 1F1B or interleaved schedule. Each layout is a few hundred arithmetic operations, and each pipeline shape's schedule
 is simulated once: 64 GPUs' 2,688 layouts of llama2-7b take about 5 s on one core, most of it the simulations.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from itertools import product
 
 from ..config import BLOCK_RECOMPUTE, ModelConfig
 from . import Estimate, HEADROOM, estimate
@@ -18,6 +21,13 @@ from .layout import Layout, PlanError, Workload
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_degrees(m: ModelConfig, dp: int, cp: int) -> list[int]:
+    """The ep degrees config.check_layout accepts beside dp x cp; the rest of its refusals the estimate makes."""
+    if not m.num_experts:
+        return [1]
+    return divisors(math.gcd(m.num_experts, dp * cp))
 
 
 def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout):
@@ -31,9 +41,9 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
             dp = gpus // (tp * pp * cp)
             if w.global_batch % dp:
                 continue
-            for micro in divisors(w.global_batch // dp):
+            for ep, micro in product(expert_degrees(m, dp, cp), divisors(w.global_batch // dp)):
                 if micro > 64:
-                    break
+                    continue
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for recompute in ("none", "selective", *BLOCK_RECOMPUTE):
@@ -42,7 +52,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
                                 schedules.append(("interleaved", 2))
                             for sched, v in schedules:
                                 yield replace(w, micro_batch=micro), replace(
-                                    base, dp=dp, tp=tp, pp=pp, zero_stage=zero, sp=sp, recompute=recompute,
+                                    base, dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, sp=sp, recompute=recompute,
                                     pp_schedule=sched, virtual_stages=v)
 
 

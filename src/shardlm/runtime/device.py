@@ -30,6 +30,21 @@ def pick_device(name: str = "auto", option: str = "train.device") -> torch.devic
     return device
 
 
+
+def training_device(name: str, parallel, mesh) -> torch.device:
+    """The device of this training rank (`train.device`; under torchrun each rank its local GPU), with the
+    parallel settings only GPUs can run refused elsewhere before a run claims its directory: on the CPU they
+    would fail once the engine is built, as a traceback on every rank (and a single process, which never
+    reduces, would not say it ignored them)."""
+    device = pick_device(name)
+    if device.type == "cuda" and mesh.world > 1:
+        device = torch.device("cuda", mesh.local_rank)
+    for key in ("reduce_algo", "pp_transfer"):
+        if getattr(parallel, key) == "copy_engine" and device.type != "cuda":
+            raise ConfigError(f"parallel.{key} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
+                              f"run is on {device.type}: use parallel.{key} auto")
+    return device
+
 # torch's pinned allocator rounds every block up to a power of two bytes, so a 52 GB buffer (a 13B
 # model's fp32 gradients) would hold 64 GiB; from this size on a buffer is page-locked in place instead,
 # at its exact size (as torch's distributed checkpoint stager does).

@@ -18,6 +18,8 @@ import time
 
 import torch.distributed as dist
 
+from .heartbeat import Peers
+
 
 class _Flag:
     """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
@@ -58,8 +60,10 @@ class Watchdog:
             while self.pending and self.pending[0][1].query():
                 self.pending.popleft()
             if self.pending and time.monotonic() > self.pending[0][0]:
+                peers = Peers.from_env()
+                who = f": {peers.report()}" if peers is not None else ""
                 print(f"shardlm: {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
-                      f"(parallel.timeout_s): a peer rank died or stalled; exiting", file=sys.stderr, flush=True)
+                      f"(parallel.timeout_s): a peer rank died or stalled{who}; exiting", file=sys.stderr, flush=True)
                 os._exit(1)
 
     def close(self) -> None:

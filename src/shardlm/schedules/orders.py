@@ -4,6 +4,7 @@ by compute. No torch.
 """
 from __future__ import annotations
 
+from ..naming import Naming
 from .table import Action, ScheduleError, lower, rank_of
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
@@ -95,19 +96,21 @@ def _zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
 ORDERS = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1}
 
 
-def check_layout(name: str, pp: int, v: int, m: int) -> None:
+def check_layout(name: str, pp: int, v: int, m: int, naming: Naming = Naming()) -> None:
     """A schedule's conditions on its layout, refused with the values named."""
+    key, show = naming.key, naming.show
     if name not in ORDERS:
-        raise ScheduleError(f"parallel.pp_schedule = {name!r} is not one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"{show('pp_schedule', name)} is not one of {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
-        raise ScheduleError(f"parallel.virtual_stages = {v} needs parallel.pp_schedule = 'interleaved' (not {name!r})")
+        raise ScheduleError(f"{show('virtual_stages', v)} needs {show('pp_schedule', 'interleaved')} (not {name!r})")
     if name == "interleaved" and m % pp:
-        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of parallel.pp = {pp}: "
-                            f"{m} micro-batches per step is not a multiple of it")
+        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of {show('pp', pp)}: "
+                            f"{m} micro-batches per step is not a multiple of it: change {key('global_batch')} or "
+                            f"{key('micro_batch')} so that it is (or use {show('pp_schedule', '1f1b')})")
     if name in ("1f1b", "interleaved", "zb-h1") and m < pp:
-        raise ScheduleError(f"the {name} schedule needs at least parallel.pp = {pp} micro-batches per step to "
-                            f"fill the pipeline, not {m}: raise train.global_batch_size or lower "
-                            "train.micro_batch_size (or use pp_schedule gpipe)")
+        raise ScheduleError(f"the {name} schedule needs at least {show('pp', pp)} micro-batches per step to "
+                            f"fill the pipeline, not {m}: raise {key('global_batch')} or lower "
+                            f"{key('micro_batch')} (or use {show('pp_schedule', 'gpipe')})")
 
 
 def schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:

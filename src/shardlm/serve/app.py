@@ -18,12 +18,16 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..data.jsonl import unpaired_surrogate
 from ..inference import Request
 from .protocol import APIError, Models, Params, chat_params, completion_params
 from .responses import DONE, Answer, TextStream, error_event
 from .worker import Closed, EngineWorker
 
 _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists its engine requests
+# A body shorter than its Content-Length leaves the server waiting for the rest, which h11 and uvicorn do without
+# end; counted in flight, it also kept a draining server from ever exiting. Slow links still send within this.
+BODY_TIMEOUT_S = 30.0
 
 
 class ServerState:
@@ -56,12 +60,43 @@ class Lifecycle:
         scope[_OWNED] = owned
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            body = await self._body(scope, receive, send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
         finally:
             self.state.in_flight -= 1
             for r in owned:
                 if not r.done:
                     self.worker.cancel(r)
+
+
+    async def _body(self, scope, receive, send) -> bytes | None:
+        """The request's whole body; None where its client left, or stalled and was answered 408."""
+        chunks, more = [], True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.state.rejected += 1
+                err = APIError(408, f"The request body stopped arriving: nothing for {BODY_TIMEOUT_S:g} s before its "
+                                    "Content-Length was reached. Send the whole body, with a Content-Length that "
+                                    "counts its bytes.", code="request_timeout")
+                await JSONResponse(err.body(), status_code=408, headers={"connection": "close"})(scope, receive, send)
+                return None
+            if message["type"] == "http.disconnect":  # no one is left to answer (once a ClientDisconnect traceback)
+                return None
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """`receive` for the app: the body read already, then the connection's own (a client leaving mid-stream)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+    return replayed
 
 
 class Handoff:
@@ -113,10 +148,15 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     async def body_of(http: HTTPRequest):
         try:
-            return json.loads(await http.body())
+            body = json.loads(await http.body())
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
                                 "aren't using your HTTP library correctly.)") from None
+        # A "\ud800" escape parses to a lone surrogate, which the tokenizer rejects: a 400 naming it, not a 500.
+        if found := unpaired_surrogate(body):
+            raise APIError(400, f"'{found[0]}' holds an unpaired surrogate ({found[1]!a}), which is not Unicode "
+                                "text.", found[0].split(".")[0].split("[")[0], "invalid_value")
+        return body
 
     def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()

@@ -69,23 +69,44 @@ def _adapters(specs: list[str], base: str, model: str) -> dict[str, Path]:
     return out
 
 
-def _check_address(host: str, port: int) -> None:
-    """Refuse a host that does not resolve or a port in use before the model loads (minutes for a large one),
-    not after."""
+def _bind(host: str, port: int):
+    """The socket uvicorn will listen on, bound now: a host that does not resolve or a port in use is refused
+    before the model loads (minutes for a large one), not after, and no other process takes the port while it
+    loads (uvicorn, binding only then, failed with a log line of its own and status 3 after the banner had
+    announced the server)."""
     import socket
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise ConfigError(f"--host {host}: {e.strerror or e}") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(address)
-        except OSError as e:
-            raise ConfigError(f"--port {port} on {host}: {e.strerror or e}") from None
+    s = socket.socket(family, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        s.bind(address)
+        # Listening holds the port (a bound socket alone does not, against another SO_REUSEADDR bind); a client
+        # that connects during the load waits in the backlog and is answered once the server is up.
+        s.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        s.close()
+        raise ConfigError(_bind_error(host, port, e)) from None
+    return s
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    """Why the address cannot be listened on, naming the flag at fault and the fix (the bare strerror named
+    --port also when --host was the trouble, and said nothing to do)."""
+    import errno
+    why = e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        return (f"--port {port} on {host}: {why}: another process listens there (another shardlm serve?); stop it "
+                "or pick another --port (0: any free one)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host}: {why}: it is not an address of this machine; use 127.0.0.1 (this machine only) or "
+                "0.0.0.0 (every interface)")
+    if e.errno == errno.EACCES:
+        return f"--port {port} on {host}: {why}: ports below 1024 need root; pick one from 1024 on"
+    return f"--port {port} on {host}: {why}"
 
 
 def cmd_serve(argv: list[str]) -> int:
@@ -99,8 +120,9 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--max-batch and --max-len must be at least 1")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
+    sock = None
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 serves HTTP; the others would race it
-        _check_address(a.host, a.port)
+        sock = _bind(a.host, a.port)
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base, a.model)
     from ..inference import Engine, load_pretrained, slots_that_fit
@@ -148,10 +170,12 @@ def cmd_serve(argv: list[str]) -> int:
                                       a.log_level, lambda e: warm_up_batches(e, tok.eos_id or 0))
         where = f"{len(engines)} replicas on {', '.join(map(str, devices))}" if len(engines) > 1 else str(engine.device)
         n = len(engine.slots)
+        # uvicorn names the address only where it binds it itself: the port chosen for --port 0 is told here
+        host = f"[{a.host}]" if ":" in a.host else a.host
         print(f"shardlm serve: {base} ({n} slot{'s' if n != 1 else ''} of {max_len} positions, {where}"
-              f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}", file=sys.stderr,
-              flush=True)
-        server.run()
+              f"{f', tp {a.tp}' if plans else ''}), models: {', '.join([base, *adapters])}, on "
+              f"http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
         worker.close(timeout=60)
     finally:
         if plans is not None:  # the followers exit with this rank

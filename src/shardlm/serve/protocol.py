@@ -220,8 +220,9 @@ def chat_params(body, models: Models) -> Params:
                            f"messages[{i}].role", "invalid_value")
         turns.append({"role": m["role"], "content": _content(m, i)})
     if models.chat is None:
-        raise APIError(400, "The served model's tokenizer has no chat template (tokenizer_config.json's "
-                            "chat_template), so it cannot render messages: use /v1/completions with a prompt.",
+        raise APIError(400, "The served model's tokenizer has no chat template (chat_template.jinja or "
+                            "tokenizer_config.json's chat_template), so it cannot render messages: use "
+                            "/v1/completions with a prompt.",
                        "messages", "no_chat_template")
     try:
         text = models.chat(turns)

@@ -1,0 +1,83 @@
+"""The checks of a mixture of experts' configuration (model/moe.py, parallel/expert.py): keys only a mixture of
+experts reads, refused on a dense model; what a mixture of experts runs with; LoRA on one. Shared by the
+runtime (checks.validate) and the planner (plan/layout.py)."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ..naming import Naming
+from .errors import ConfigError
+from .schema import Config, LoRAConfig, ModelConfig
+from .shapes import LORA_MODULES, MOE_LORA_NAMES, block_linears, lora_targets
+
+
+# The keys only a mixture of experts reads: on a dense model they would be ignored without a word. Those with
+# another default than 0 count as set where they differ from it (`--model.top_k 2` once trained a dense model).
+MOE_ONLY = ("model.moe_ffn_hidden_size", "model.shared_expert_ffn_hidden_size", "model.capacity_factor",
+            "model.router_bias_update_rate", "model.moe_first_dense", "train.moe_z_loss_coef", "model.top_k",
+            "model.moe_every", "model.router_scoring", "model.router_renormalize", "train.moe_aux_loss_coef",
+            "parallel.ep_dispatch", "parallel.ep_load_budget")
+
+
+def check_dense(cfg: Config) -> None:
+    for key in MOE_ONLY:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        default = next(f.default for f in fields(getattr(cfg, section)) if f.name == name)
+        off = (default, 0) if key in ("model.top_k", "train.moe_aux_loss_coef") else (default,)  # 0: "none", said
+        if value not in off:
+            whose = (f"the config.json of train.init_from = {cfg.train.init_from!r} has no experts"
+                     if cfg.train.init_from else "model.num_experts = 0")
+            leave = " or ".join(f"{v:g}" if isinstance(v, float) else repr(v) for v in off)
+            raise ConfigError(f"{key} = {value!r} applies to a mixture of experts, and this model is dense ({whose}): "
+                              f"set model.num_experts (and model.top_k), or leave {key} at {leave}")
+
+
+def check_experts(cfg: Config) -> None:
+    """What a mixture-of-experts model (model/moe.py) runs with: one process, data parallelism (DDP, ZeRO),
+    pipeline parallelism (each stage its layers' experts and auxiliary losses), context parallelism (the
+    routing statistics reduced over the cp group) and expert parallelism (parallel/expert.py) carved out of
+    dp x cp, within each pipeline stage, and tensor parallelism (parallel/moe_tensor.py: routed experts whole on
+    each tp rank, which routes its own slice of the tokens); LoRA adapts attention and any dense MLP, not the
+    experts, a shared expert or the router (frozen with the base)."""
+    m, p = cfg.model, cfg.parallel
+    if m.arch != "llama":
+        raise ConfigError(f"model.num_experts = {m.num_experts} needs model.arch = 'llama' (SwiGLU experts); it is "
+                          f"{m.arch!r}")
+    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+        raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} and model.moe_every = {m.moe_every} leave "
+                          f"none of the {m.num_layers} layers a mixture of experts")
+    if p.tp > 1 and p.dp_mode == "classic" and p.zero_stage == 0 and p.dp * p.cp > 1:
+        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.tp = {p.tp}: the experts, whole on each tensor-"
+                          "parallel rank, reduce over the tp ranks too, which classic data parallelism cannot; use DDP "
+                          "or ZeRO")
+    if p.ep > 1 and p.delayed_update:
+        raise ConfigError(f"parallel.delayed_update = True with parallel.ep = {p.ep}: the delayed update of two "
+                          "parameter groups (dense and experts) is not validated yet; use parallel.delayed_update = False")
+    if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
+        raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
+                          "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
+    check_expert_lora(m, cfg.lora)
+
+
+def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = None) -> None:
+    """LoRA (`lora`) on a mixture of experts: adapters on attention and dense MLPs only, and no
+    QLoRA; shared by the runtime and the planner (`naming`: how to name the values, Naming)."""
+    show = (naming or Naming()).show
+    if not lora.rank:
+        return
+    if lora.quantize != "none":
+        raise ConfigError(f"{show('quantize', lora.quantize)} with {show('num_experts', m.num_experts)}: the "
+                          "experts, most of the weights, would stay 16-bit; QLoRA on a mixture of experts is not "
+                          f"built yet: use {show('quantize', 'none')}")
+    for t in (t.strip() for t in lora.targets.split(",")):
+        if MOE_LORA_NAMES & set(t.split(".")):  # else refused as no module of the dense architecture at all
+            raise ConfigError(f"{show('targets', lora.targets)} names {t!r}, a linear of the mixture of experts (an "
+                              "expert's or the router's), which take no adapters yet: adapt attention "
+                              "(q_proj,k_proj,v_proj,o_proj) and any dense MLP, or use all-linear")
+    chosen = lora_targets(m.arch, lora.targets)
+    if not any(n in chosen for layer in range(m.num_layers) for path in block_linears(m, layer)
+               for n in LORA_MODULES[m.arch][path]):
+        raise ConfigError(f"{show('targets', lora.targets)} names MLP linears only, and every layer's MLP is a "
+                          "mixture of experts, whose experts take no adapters yet: add attention's "
+                          "(q_proj,k_proj,v_proj,o_proj) or use all-linear")

@@ -1,0 +1,109 @@
+"""`generate --input`'s file: one JSON object a line, a prompt and the settings that override the flags for it
+(max_new_tokens, sampling, seed, stop strings), each line checked and named by its number before a model loads."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..config import ConfigError
+
+INT64 = 1 << 63  # seeds and top_k as the engine holds them (int64)
+
+
+def input_file(path: Path, flag: str) -> None:
+    if path.is_dir():
+        # `data prepare`'s output is what a fine-tuning user holds after training on it.
+        prepared = ("; it is a prepared dataset, which eval does not read: name it as a run's data.eval_path to "
+                    "score it during training, or give eval a text file") if (path / "index.json").is_file() else ""
+        raise ConfigError(f"{flag} {path} is a directory, not a file{prepared}")
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+
+
+# The keys of a --input line; eval's files (prompt and completion or reference) are taken as they are.
+LINE_KEYS = ("prompt", "messages", "id", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+UNUSED_KEYS = ("completion", "reference")
+# OpenAI's names, which a line written for the server would carry.
+KEY_NAMED_HERE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+
+
+def _unknown_keys(where: str, obj: dict) -> None:
+    unknown = [k for k in obj if k not in LINE_KEYS and k not in UNUSED_KEYS]
+    if not unknown:
+        return
+    hints = [f"the key here is {KEY_NAMED_HERE[k]}" for k in unknown if k in KEY_NAMED_HERE]
+    raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                      f"{f' ({hints[0]})' if hints else ''}; a line holds {', '.join(LINE_KEYS)}")
+
+
+def _line_integer(where: str, obj: dict, key: str, default: int, low: int = 0) -> int:
+    """obj[key] (default where absent or null) as an int: a float only where it is integral (3.0, from a
+    writer that makes every number a float), never a boolean or a string; within int64, as the engine holds it."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be an integer")
+    if value < low:
+        raise ConfigError(f"{where}: {key} = {value} must not be negative")
+    if not -INT64 <= value < INT64:
+        raise ConfigError(f"{where}: {key} = {value} does not fit in 64 bits")
+    return value
+
+
+def _line_number(where: str, obj: dict, key: str, default: float) -> float:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number")
+    return float(value)
+
+
+def read_requests(path: Path, a) -> list[dict]:
+    """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
+    from ..data.jsonl import JSON_KINDS, objects
+    from .sampler import SamplingParams
+    input_file(path, "--input")
+    rows = []
+    for where, obj, _ in objects(path, ConfigError, " with a prompt"):
+        turns = obj.get("messages") if "prompt" not in obj else None
+        if turns is not None:  # a chat, as training reads it: its last turn, an assistant's answer, is not asked
+            turns = turns[:-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and \
+                turns[-1].get("role") == "assistant" else turns
+            if not (isinstance(turns, list) and turns and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                              and isinstance(m.get("content"), str) for m in turns)):
+                raise ConfigError(f"{where}: messages must be a list of {{role, content: string}} turns, one at "
+                                  "least before any final assistant answer")
+        elif "prompt" not in obj:
+            raise ConfigError(f"{where}: needs a string field prompt (or messages), has "
+                              f"{', '.join(sorted(obj)) or 'none'}")
+        elif not isinstance(obj["prompt"], str):
+            kind = JSON_KINDS.get(type(obj["prompt"]), "a value")
+            raise ConfigError(f"{where}: prompt must be a string, not {kind}")
+        _unknown_keys(where, obj)
+        stop = obj.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"{where}: stop must be a non-empty string or a list of them")
+        max_new = _line_integer(where, obj, "max_new_tokens", a.max_new_tokens)
+        temperature = _line_number(where, obj, "temperature", a.temperature)
+        top_p = _line_number(where, obj, "top_p", a.top_p)
+        # Each named alone: SamplingParams' own message lists every setting, the valid ones too.
+        if temperature < 0:
+            raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
+        sampling = SamplingParams(temperature, _line_integer(where, obj, "top_k", a.top_k), top_p,
+                                  _line_integer(where, obj, "seed", a.seed + len(rows), low=-INT64))
+        # where a prompt too long for the model is named: the line, and the line's key or the flag it took
+        source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"
+        rows.append({"prompt": obj.get("prompt") if turns is None else None, "messages": turns,
+                     "id": obj.get("id"), "sampling": sampling, "max_new": max_new,
+                     "stop": tuple(stop), "where": where, "max_new_from": source})
+    if not rows:
+        raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
+    return rows
