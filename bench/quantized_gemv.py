@@ -359,8 +359,8 @@ def bench(args, device="cuda", dtype=torch.bfloat16) -> None:
     print(f"{'system':<20}{'rows':>5}  {'launch':<18}{'all us':>8}" + "".join(f"{s:>9}" for s in names)
           + f"{'x bf16':>8}{'max err':>9}{'same bits':>10}{'peak GiB':>9}")
     for r in rows:
-        launch = "" if "bn" not in r else f"bn {r['bn']} w {r['warps']}" + (
-            f" s {r['sum_rows'] or 'all'}" if "sum_rows" in r else "")
+        launch = f"rows {r['gemv_rows']} w {r['warps']}" if "gemv_rows" in r else "" if "bn" not in r else (
+            f"bn {r['bn']} w {r['warps']}" + (f" s {r['sum_rows'] or 'all'}" if "sum_rows" in r else ""))
         ratio = f"{r['x_bf16']:.2f}" if r["x_bf16"] else "-"
         print(f"{r['system']:<20}{r['micro_batch']:>5}  {launch:<18}{r['us']:>8.1f}"
               + "".join(f"{r['us_by_shape'][s]:>9.1f}" for s in names)
