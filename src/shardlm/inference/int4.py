@@ -31,7 +31,7 @@ BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 # The one-row kernel's word rows a step and warps; the few-row kernel's tile (rows, outputs; its K step is the
 # group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
-GEMV_ROWS, GEMV_WARPS = 256, 8
+GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 512, 4, False
 MM_BM, MM_BN = 16, 64
 CHUNK = 4096  # outputs quantised at a time: the fp32 and int64 temporaries of a 70B layer stay below a GB
 
@@ -111,31 +111,47 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, K: tl.constexpr, G: tl.constexpr,
-                          ROWS: tl.constexpr):
+                          ROWS: tl.constexpr, GROUPED: tl.constexpr):
         # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
-        # of words a step, and adds one fp32 partial per row of words and output, summed once at the end.
+        # of words a step, keeps fp32 partials per row (or group, GROUPED) of words and output, summed at the end.
         b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
         w_ptr += b * (K // 8) * 8
         meta = b * (K // G) * 8
-        acc = tl.zeros([ROWS, 8], tl.float32)
+        RG: tl.constexpr = G // 8  # rows of words a group
+        if GROUPED:
+            acc = tl.zeros([ROWS // RG, 8], tl.float32)
+        else:
+            acc = tl.zeros([ROWS, 8], tl.float32)
         for r0 in range(0, K // 8, ROWS):
             r = r0 + tl.arange(0, ROWS)
             ok = r < K // 8
             words = tl.load(w_ptr + r[:, None] * 8 + o[None, :], mask=ok[:, None], other=0,
                             eviction_policy="evict_first")
+            high = words >> 16
             part = tl.zeros([ROWS, 8], tl.float32)
             xs = tl.zeros([ROWS], tl.float32)
             for j in tl.static_range(8):  # the j-th nibble of every word: input 8r + j
                 x = tl.load(x_ptr + r * 8 + j, mask=ok, other=0.0).to(tl.float32)
-                # The nibble as the low mantissa bits of 2^23: the float 2^23 + q, less 2^23 exactly q.
-                bits = ((words >> (4 * j)) & 15) | 0x4B000000
-                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * x[:, None]
                 xs += x
-            at = meta + (r // (G // 8))[:, None] * 8 + o[None, :]  # each row's group
-            scale = tl.load(s_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-            low = tl.load(lo_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-            acc += part * scale + xs[:, None] * low  # sum_k x_k (q_k scale + low) over the row's 8 inputs
+                # The nibble left in place as the low mantissa bits of 2^23 (one AND-OR, no shift): the float
+                # 2^23 + q 16^i, less 2^23 exactly q 16^i, times x / 16^i (exact: a power of two) is q x.
+                i: tl.constexpr = j % 4
+                bits = ((words if j < 4 else high) & (15 << (4 * i))) | 0x4B000000
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * i))))[:, None]
+            if GROUPED:
+                g = r0 // RG + tl.arange(0, ROWS // RG)
+                at = meta + g[:, None] * 8 + o[None, :]
+                gok = (g < K // G)[:, None]
+                scale = tl.load(s_ptr + at, mask=gok, other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=gok, other=0.0).to(tl.float32)
+                acc += (tl.sum(tl.reshape(part, [ROWS // RG, RG, 8]), 1) * scale
+                        + tl.sum(tl.reshape(xs, [ROWS // RG, RG]), 1)[:, None] * low)
+            else:
+                at = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
+                scale = tl.load(s_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+                acc += part * scale + xs[:, None] * low  # sum_k x_k (q_k scale + low) over the row's 8 inputs
         tl.store(y_ptr + b * 8 + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty))
 
     @triton.jit
@@ -161,13 +177,15 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
-    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS) -> torch.Tensor:
+    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
+                  grouped: bool = GEMV_GROUPED) -> torch.Tensor:
         """The one-row kernel on contiguous operands, x [1, K]: y [1, N] (new, or given); its launch apart for
         bench/quantized_gemv.py's sweep."""
         k, n = x.shape[1], words.shape[0] * BLOCK
         y = x.new_empty(1, n) if y is None else y
-        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, K=k, G=k // scale.shape[1], ROWS=rows,
-                                         num_warps=warps)
+        g = k // scale.shape[1]
+        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, K=k, G=g, ROWS=max(rows, g // 8),
+                                         GROUPED=grouped, num_warps=warps)
         return y
 
     # An opaque custom op (as int8.py's): the compiler calls it as it is, inside the CUDA graph.
