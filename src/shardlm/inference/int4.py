@@ -135,10 +135,9 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 x = tl.load(x_ptr + r * 8 + j, mask=ok, other=0.0).to(tl.float32)
                 xs += x
                 # The nibble left in place as the low mantissa bits of 2^23 (one AND-OR, no shift): the float
-                # 2^23 + q 16^i, less 2^23 exactly q 16^i, times x / 16^i (exact: a power of two) is q x.
-                i: tl.constexpr = j % 4
-                bits = ((words if j < 4 else high) & (15 << (4 * i))) | 0x4B000000
-                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * i))))[:, None]
+                # 2^23 + q 16^i (i = j mod 4), less 2^23 exactly q 16^i, times x / 16^i (exact) is q x.
+                bits = ((words if j < 4 else high) & (15 << (4 * (j % 4)))) | 0x4B000000
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * (j % 4)))))[:, None]
             if GROUPED:
                 g = r0 // RG + tl.arange(0, ROWS // RG)
                 at = meta + g[:, None] * 8 + o[None, :]
