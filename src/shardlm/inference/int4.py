@@ -31,7 +31,7 @@ BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 # The one-row kernel's word rows a step and warps; the few-row kernel's tile (rows, outputs; its K step is the
 # group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
-GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 512, 4, False
+GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
 MM_BM, MM_BN = 16, 64
 CHUNK = 4096  # outputs quantised at a time: the fp32 and int64 temporaries of a 70B layer stay below a GB
 
