@@ -19,11 +19,10 @@ from .hardware import GPU
 
 DECODE_EFFICIENCY = 0.55
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl): int8 282 tok/s through inference/int8.py's kernel (2bc08b3); int4 203-279 tok/s in
-# four runs of torchao's tinygemm, which reads its packed weights well below the memory's rate (bench/README.md,
-# twenty-first lease), before inference/int4.py's kernels replaced it: int4's share is tinygemm's until they
-# are measured in the model. Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.18}
+# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 300-317 tok/s through
+# inference/int4.py's (bench/README.md, thirtieth lease), whose one-row kernel reads its packed weights at
+# about 1.7 TB/s, far below the memory's rate. Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.25}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
