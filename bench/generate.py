@@ -1,6 +1,8 @@
 """Generation speed: shardlm's engine (static KV cache, compiled decode step as CUDA graphs) beside Hugging Face
 transformers' `generate` with its static cache (which compiles its forward on a GPU) and with its dynamic
-cache, on one GPU; its int8 and int4 weights (torchao) against its bf16; then many prompts of mixed lengths, eval-style, through the engine and through the
+cache, on one GPU; its int8 and int4 weights (inference/int8.py's and int4.py's products; with the system
+shardlm-int4-torchao, not run by default, torchao's tinygemm int4 as --quantize int4 ran it before int4.py)
+against its bf16; then many prompts of mixed lengths, eval-style, through the engine and through the
 path `eval --tasks` took before it (prompts of equal length batched together, the eager decoder).
 
     python bench/generate.py [--gpus 1] [--preset llama2-7b] [--prompt 128] [--new 256] [--batches 1,16]
@@ -87,6 +89,28 @@ def random_prompts(n, lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
+def torchao_int4(model) -> None:
+    """The blocks' linear layers (those int4.py takes) through torchao's tinygemm int4 product (bf16 on a CUDA
+    GPU, its tile_packed_to_4d format, groups as int4.py's), which `--quantize int4` ran before int4.py: the
+    comparison for shardlm-int4. Its earlier rows (system shardlm-int4 before int4.py) had the untied output
+    head quantised too."""
+    import logging
+    for name in ("torchao", "torch.utils._pytree"):  # warnings on import about kernels unused here
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import torchao.quantization as q
+    from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+
+    from shardlm.inference.int4 import group_size
+    from shardlm.inference.int8 import unquantised
+    kept = unquantised(model)
+    ours = [m for block in model.blocks() for m in block.modules()
+            if isinstance(m, torch.nn.Linear) and id(m) not in kept and group_size(m.in_features)]
+    for group in sorted({group_size(m.in_features) for m in ours}):
+        chosen = {id(m) for m in ours if group_size(m.in_features) == group}
+        config = q.Int4WeightOnlyConfig(group_size=group, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
+        q.quantize_(model, config, filter_fn=lambda m, _, chosen=chosen: id(m) in chosen)
+
+
 def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str = ""):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
@@ -103,7 +127,10 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         group = build_mesh(tp=tp).group("tp")
     model, cfg = build(args, device, group)
     weights = weight_bytes(model) * tp  # GB/s below counts the 16-bit bytes the quantised weights stand for
-    quantize(model, quantized)
+    if quantized == "int4-torchao":
+        torchao_int4(model)
+    else:
+        quantize(model, quantized)
     system = "shardlm" if quantized == "none" else f"shardlm-{quantized}"
     system = system if tp == 1 else f"shardlm-tp{tp}{variant}"
     one_shot = False if variant == "-nccl" else None
@@ -294,7 +321,8 @@ def worker(args):
            "hf-dynamic": lambda a, d: run_hf(a, d, "dynamic"), "mixed-new": run_mixed_new,
            "mixed-old": run_mixed_old, "agree-fp32": run_agree,
            "shardlm-int8": lambda a, d: run_shardlm(a, d, "int8"),
-           "shardlm-int4": lambda a, d: run_shardlm(a, d, "int4")}[args.system]
+           "shardlm-int4": lambda a, d: run_shardlm(a, d, "int4"),
+           "shardlm-int4-torchao": lambda a, d: run_shardlm(a, d, "int4-torchao")}[args.system]
     for r in run(args, device):
         print("RESULT " + json.dumps(r), flush=True)
 
@@ -314,7 +342,8 @@ def main():
     p.add_argument("--agree", type=int, default=32, help="prompts of the fp32 agreement check")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="also shardlm-tpN: the engine over N tensor-parallel "
                    "GPUs (torchrun), its all-reduces one-shot where the GPUs allow; shardlm-tpN-nccl: by NCCL; "
-                   "-unfused: the one-row row-parallel products as TP_VARIANTS says")
+                   "-unfused: the one-row row-parallel products as TP_VARIANTS says; shardlm-int4-torchao: "
+                   "torchao's int4 product in the same layers")
     p.add_argument("--tp-prefill-graphs", type=int, default=None, help="shardlm-tpN's Engine(prefill_graphs=): "
                    "prompts replayed as CUDA graphs up to this many tokens (default the engine's: 2048; 0: none)")
     p.add_argument("--profile", type=int, default=0, help="1: each engine system's CUDA kernels by time (--out)")

@@ -1,7 +1,6 @@
 """The fast decode path (shardlm.inference.Engine): a static KV cache of slots, a compiled decode step,
 mixed-length and continuous batching, per-request sampling, stops, and `shardlm generate --input`."""
 import dataclasses
-import importlib.util
 import json
 
 import pytest
@@ -456,7 +455,6 @@ def test_quantised_perplexity_stays_within_its_bound():
     from shardlm.inference import evaluate_ids
     from shardlm.inference.quantize import quantize
     from shardlm.tokenizer import load_tokenizer
-    pytest.importorskip("torchao")
     ids = torch.tensor(load_tokenizer("byte").encode(TEXT[:6000]))
     split = int(len(ids) * 0.8)
     model = build_model(load_config("tiny").model, seed=0)
@@ -472,9 +470,9 @@ def test_quantised_perplexity_stays_within_its_bound():
     held = ids[split:].tolist()
     base = evaluate_ids(model, held, 64)["perplexity"]
     want = Engine(model, 1, 40).run([Request(held[:16], 6)])[0].tokens
-    for kind, bound, linears in (("int8", 0.01, 8), ("int4", 0.05, 9)):
+    for kind, bound in (("int8", 0.01), ("int4", 0.05)):
         q = copy.deepcopy(model)
-        assert quantize(q, kind) == linears  # 4 linears in each of 2 blocks, and for int4 the head
+        assert quantize(q, kind) == 8  # 4 linears in each of 2 blocks; the head stays as it is
         assert evaluate_ids(q, held, 64)["perplexity"] / base - 1 < bound, kind
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
@@ -505,7 +503,6 @@ def test_quantising_what_cannot_be_is_refused():
     """int4 on a model whose layers' inputs no group divides: a ConfigError that says why."""
     from shardlm.config import ConfigError
     from shardlm.inference.quantize import quantize
-    pytest.importorskip("torchao")
     odd = tiny(hidden_size=40, ffn_hidden_size=72, num_heads=2, num_kv_heads=2)
     with pytest.raises(ConfigError, match="int4 needs an input size that a group of 128, 64, 32 divides"):
         quantize(odd, "int4")
@@ -521,8 +518,6 @@ def test_quantised_mixture_of_experts_keeps_its_routing():
     model = build_model(load_config("mixtral-tiny").model, seed=0).eval()
     ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     for kind, bound in (("int8", 0.02), ("int4", 0.15)):  # int8 with the router quantised: 0.07
-        if kind == "int4" and importlib.util.find_spec("torchao") is None:
-            continue
         q = copy.deepcopy(model)
         assert quantize(q, kind) > 0
         for block, kept in zip(model.blocks(), q.blocks()):

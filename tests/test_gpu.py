@@ -230,6 +230,97 @@ def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
 
 
 @cuda
+@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+def test_int4_kernels_equal_the_dequantised_product(rows):
+    """The int4 weight-only products of decode (Triton: the one-row GEMV, the tensor-core kernel at 2-64)
+    against the weight dequantised and multiplied in fp64, in bf16 and fp16: outputs that fill no tile evenly,
+    groups of 128, 64 and 32, llama2-7b's shapes; the result within the dtype's rounding of it, the same bits
+    on a second call; and every nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32,
+    rounded once)."""
+    from shardlm.inference.int4 import Int4Linear, blocked, dequantize, int4_linear, kernel_ok, pack
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, ulp in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
+        for k, n in ((256, 200), (384, 200), (320, 72), (96, 136), (4096, 12288), (11008, 4096)):
+            x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+            assert kernel_ok(x)
+            q = Int4Linear(torch.nn.Linear(k, n, bias=False).cuda().to(dtype))
+            want = x.double() @ dequantize(q.words, q.scale, q.low, torch.float64).t()
+            got = int4_linear(x, q.words, q.scale, q.low)
+            assert got.dtype == dtype
+            err = (got.double() - want).abs()
+            assert (err <= want.abs() * ulp + 1e-3).all(), (dtype, k, n, err.max().item())
+            assert torch.equal(int4_linear(x, q.words, q.scale, q.low), got)
+            levels = torch.randint(0, 16, (n, k), device="cuda", generator=g)
+            ones = blocked(torch.ones(n, k // q.group, device="cuda", dtype=dtype))
+            exact = int4_linear(torch.ones_like(x), pack(levels), ones, 0 * ones)
+            assert torch.equal(exact, levels.sum(1).to(dtype).expand(rows, n)), (dtype, k, n)
+
+
+@cuda
+def test_int4_one_row_product_is_the_same_bits_every_call_and_replay():
+    """The one-row kernel sums each output's partials in one fixed order: 200 eager calls on llama2-7b's down
+    projection give the same bits; captured in a CUDA graph, every replay gives the eager call's bits, for a
+    new x too."""
+    from shardlm.inference.int4 import Int4Linear
+    q = Int4Linear(torch.nn.Linear(11008, 4096, bias=False).cuda().bfloat16())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 1, 11008, device="cuda", generator=g).bfloat16()
+    first = q(x)
+    assert all(torch.equal(q(x), first) for _ in range(200))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q(x)  # warmed up off the capture, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = q(x)
+    for _ in range(5):
+        graph.replay()
+        assert torch.equal(y, first)
+    x.copy_(torch.randn(1, 1, 11008, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    assert torch.equal(y, q(x))
+
+
+@cuda
+def test_int4_engine_decodes_in_cuda_graphs_as_it_does_eagerly():
+    """A tiny Llama in bf16 with int4 weights: the compiled decode step (CUDA graph trees) calls the product
+    inside its graphs (no skip) and gives the eager engine's tokens at one row and at three."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from shardlm.config import load_config
+    from shardlm.inference import Engine, Request
+    from shardlm.inference.quantize import quantize
+    from shardlm.model import build_model
+    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, seed=3).eval()
+    assert quantize(model, "int4") == 8
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 2, 15)]
+    skips = counters["inductor"]["cudagraph_skips"]
+    for batch in (1, 3):
+        runs = [[r.tokens for r in Engine(model, batch, 48, compile=c).run([Request(p, 8) for p in prompts])]
+                for c in (False, True)]
+        assert runs[0] == runs[1], batch
+    assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+@cuda
+def test_int4_prefill_product_is_the_dequantised_product_compiled():
+    """More than MAX_ROWS rows (a prompt) dequantise the weight and multiply, compiled as prefill is."""
+    from shardlm.inference.int4 import MAX_ROWS, Int4Linear, dequantize
+    q = Int4Linear(torch.nn.Linear(512, 256, bias=False).cuda().bfloat16())
+    x = torch.randn(1, MAX_ROWS + 64, 512, device="cuda").bfloat16()
+    torch._dynamo.reset()
+    got = torch.compile(q)(x)
+    want = x.float() @ dequantize(q.words, q.scale, q.low, torch.float32).t()
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+
+
+@cuda
 def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
     """train.optimizer_dtype bf16 through the Triton AdamW (one launch over all buckets, weight decay by its
     table) on a bf16 model against torch's fused AdamW on bf16 parameters and states: the same losses to

@@ -77,7 +77,7 @@ def install_adapters(model: Decoder, directories: dict[str, str | Path], rows: A
         for (layer, path), ups in updates.items():
             base = model.blocks([layer])[0].get_submodule(path) if str(layer) in model.layers else None
             for start, a, b in ups:
-                if base is None or a.shape[1] != base.weight.shape[1] or start + b.shape[0] > base.weight.shape[0]:
+                if base is None or a.shape[1] != base.in_features or start + b.shape[0] > base.out_features:
                     raise ConfigError(f"adapter {name!r} ({directories[name]}) does not fit this model: its "
                                       f"layers.{layer}.{path} update is {tuple(b.shape[:1])} x {tuple(a.shape[1:])}")
     for block in model.blocks():
@@ -89,7 +89,7 @@ def install_adapters(model: Decoder, directories: dict[str, str | Path], rows: A
             rank = max((sum(a.shape[0] for _, a, _ in ups) for ups in per_adapter), default=0)
             if rank == 0:
                 continue
-            out_features, in_features = base.weight.shape
+            out_features, in_features = base.out_features, base.in_features  # int4's words are [in/8, out]
             A = torch.zeros(len(names) + 1, rank, in_features)
             B = torch.zeros(len(names) + 1, out_features, rank)
             for i, ups in enumerate(per_adapter, start=1):

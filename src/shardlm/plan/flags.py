@@ -138,9 +138,10 @@ def check_inference_flags(a, model: ModelConfig, defaults) -> int:
         raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
     if a.precision not in ("bf16", "fp16", "fp32"):
         raise PlanError(f"--precision {a.precision!r}: inference runs in bf16, fp16 or fp32")
-    if a.quantize == "int4" and a.precision != "bf16":
-        raise PlanError(f"--quantize int4 runs in bf16 on GPUs (tinygemm's kernel): give --precision bf16, not "
-                        f"{a.precision}")
+    if a.quantize != "none" and a.precision == "fp32":
+        # Their kernels take 16-bit inputs; in fp32 each step dequantises every weight whole, slower than fp32's.
+        raise PlanError(f"--quantize {a.quantize} is planned in bf16 or fp16 (its kernels' inputs): give "
+                        "--precision bf16 or fp16, not fp32")
     if a.batch < 1:
         raise PlanError(f"--batch {a.batch} must be at least 1")
     # None, not a falsy 0, means the model's whole window: --context 0 is refused below.

@@ -19,10 +19,10 @@ from .hardware import GPU
 
 DECODE_EFFICIENCY = 0.55
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl): int8 282 tok/s through inference/int8.py's kernel (2bc08b3); int4 203-279 tok/s in
-# four runs of torchao's tinygemm, which reads its packed weights well below the memory's rate (bench/README.md,
-# twenty-first lease). Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.18}
+# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 300-317 tok/s through
+# inference/int4.py's (bench/README.md, thirtieth lease), whose one-row kernel reads its packed weights at
+# about 1.7 TB/s, far below the memory's rate. Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.25}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
@@ -46,7 +46,7 @@ class InferencePlan:
 
 def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
     """(inputs, outputs, how many, where) of the model's nn.Linear layers, where is "block", "router" (an MoE's,
-    which --quantize leaves as it is) or "head" (an untied output head, which int4 quantises and int8 does not).
+    which --quantize leaves as it is) or "head" (an untied output head, which --quantize leaves too).
     The routed experts are stacked weights, not linear layers: no --quantize touches them."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
@@ -65,19 +65,19 @@ def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
 
 def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float:
     """The model's weights in `itemsize`-byte numbers, the linear layers that `quantize` (none, int8, int4)
-    reaches stored as inference/quantize.py stores them: int8, one byte a weight and one scale per output;
-    int4, half a byte a weight and a 16-bit scale and minimum per group of inputs (a layer whose input no
-    group divides stays as it was). Biases, norms and embeddings keep `itemsize`."""
+    reaches (the blocks') stored as inference/quantize.py stores them: int8, one byte a weight and one scale per
+    output; int4, half a byte a weight and a scale and minimum per group of inputs (a layer whose input no
+    group divides stays as it was). Scales, biases, norms, embeddings and the output head keep `itemsize`."""
     total = m.num_params() * itemsize
     if quantize == "none":
         return total
     for fan_in, fan_out, count, where in linears(m):
         if quantize == "int8" and where == "block":
             total -= count * fan_out * (fan_in * (itemsize - 1) - itemsize)
-        elif quantize == "int4" and where != "router":
+        elif quantize == "int4" and where == "block":
             group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
             if group:
-                total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * 2 * (fan_in // group))
+                total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * itemsize * (fan_in // group))
     return total
 
 

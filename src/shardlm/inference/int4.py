@@ -1,0 +1,270 @@
+"""Weight-only int4 linear layers with per-group scales (gpt-fast's int4): each output channel's weights in
+groups of G inputs (128, else 64 or 32), each group rounded to 16 levels between its minimum and its maximum
+(a scale and a minimum per group, in the model's dtype), so that a decode step, bound by reading the weights,
+reads about a quarter of bf16's bytes.
+
+A one-row product (batch-1 decode) pays only if its reading runs near the memory's rate. A quarter of bf16's
+bytes makes every product short, so what a launch costs besides its reading counts four times as much: a
+split-K GEMV (GemLite's RevSplit-K: a program per group of inputs, partial sums added by atomics or by the last
+program to arrive) pays two more trips through memory per product. So the packed weight is stored as the
+one-row kernel reads it (as Marlin and gpt-fast's tinygemm store theirs, in their own tiles): int32 words
+[N/8, K/8, 8], eight consecutive inputs of one output a word, each block of 8 outputs one contiguous run
+along K, its scales and minima beside it ([N/8, K/G, 8]). A program streams one block's run with wide loads,
+keeps a partial per row of words and output in fp32, and sums them once at the end: one launch, no
+workspace, the same bits every run. Each nibble becomes a float by its bits (OR-ed into the mantissa of 2^23)
+rather than by a conversion instruction, whose throughput is a sixteenth of an FMA's. A few rows (2-64) go
+through a tensor-core kernel that unpacks a group's tile in registers; elsewhere (prefill's many rows, the
+CPU, fp32) the weight is dequantised whole in the model's dtype and multiplied as usual.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+from ..kernels import triton, triton_ok
+from .int8 import unquantised
+
+GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
+BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row kernel)
+MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
+# The one-row kernel's word rows a step and warps; the few-row kernel's tile (rows, outputs; its K step is the
+# group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
+GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
+MM_BM, MM_BN = 16, 64
+CHUNK = 4096  # outputs quantised at a time: the fp32 and int64 temporaries of a 70B layer stay below a GB
+
+
+def group_size(k: int) -> int | None:
+    """The int4 group of a layer of `k` inputs: the largest of GROUPS dividing it (each a multiple of the 8
+    inputs of a word); None where none does, and the layer stays unquantised."""
+    return next((g for g in GROUPS if k % g == 0), None)
+
+
+def eligible(linear: nn.Linear) -> bool:
+    """Whether int4 can take the layer: a group divides its inputs and blocks of BLOCK its outputs."""
+    return group_size(linear.in_features) is not None and linear.out_features % BLOCK == 0
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (integers 0..15) as int32 words [N/8, K/8, 8]: word (b, r, o) holds q[8b + o, 8r + j] in bits
+    4j..4j+3, so each block of 8 outputs is one contiguous run of memory along K."""
+    n, k = q.shape
+    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
+    nibbles = q.reshape(n // BLOCK, BLOCK, k // 8, 8).permute(0, 2, 1, 3).to(torch.int64)
+    words = (nibbles << shifts).sum(-1)  # 0 .. 2^32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: words [N/8, K/8, 8] as q [N, K] (int32, 0..15)."""
+    b, r, _ = words.shape
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    q = (words[..., None] >> shifts) & 15  # [N/8, K/8, 8 outputs, 8 inputs]; & 15 drops the sign's bits
+    return q.permute(0, 2, 1, 3).reshape(b * BLOCK, r * 8)
+
+
+def blocked(t: torch.Tensor) -> torch.Tensor:
+    """Per-output values [N, C] in pack's order: [N/8, C, 8], each block's run contiguous."""
+    n, c = t.shape
+    return t.reshape(n // BLOCK, BLOCK, c).transpose(1, 2).contiguous()
+
+
+def unblocked(t: torch.Tensor) -> torch.Tensor:
+    """blocked's inverse: [N/8, C, 8] as [N, C]."""
+    b, c, _ = t.shape
+    return t.transpose(1, 2).reshape(b * BLOCK, c)
+
+
+def quantize_weight(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] as (words [N/8, K/8, 8] int32, scale [N/8, K/G, 8], low [N/8, K/G, 8]) in w's dtype: per output
+    and group of `group` inputs, low = the minimum, scale = (maximum - minimum) / 15, q = round((w - low) /
+    scale) in 0..15, rounded against the scale and minimum as stored (their dtype's)."""
+    n, k = w.shape
+    if group not in GROUPS or k % group or n % BLOCK:
+        raise ValueError(f"int4 takes groups of {', '.join(map(str, GROUPS))} inputs and blocks of {BLOCK} "
+                         f"outputs: a group of {group} over a [{n}, {k}] weight")
+    parts = []
+    for rows in w.detach().split(CHUNK):
+        groups = rows.float().reshape(len(rows), k // group, group)
+        low = groups.amin(-1)
+        scale = ((groups.amax(-1) - low) / 15).clamp_min(torch.finfo(w.dtype).tiny).to(w.dtype)
+        low = low.to(w.dtype)
+        q = ((groups - low.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, 15)
+        parts.append((pack(q.reshape(len(rows), k)), blocked(scale), blocked(low)))
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def dequantize(words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype | None = None):
+    """The weight [N, K] that `words`, `scale` and `low` stand for, q * scale + low of its group computed in
+    fp32, in `dtype` (the scale's by default)."""
+    q = unpack(words)
+    n, k = q.shape
+    g = scale.shape[1]
+    w = q.view(n, g, k // g) * unblocked(scale).float()[..., None] + unblocked(low).float()[..., None]
+    return w.view(n, k).to(dtype or scale.dtype)
+
+
+if triton is not None and hasattr(torch.library, "custom_op"):
+    import triton.language as tl
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, K: tl.constexpr, G: tl.constexpr,
+                          ROWS: tl.constexpr, GROUPED: tl.constexpr):
+        # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
+        # of words a step, keeps fp32 partials per row (or group, GROUPED) of words and output, summed at the end.
+        b = tl.program_id(0).to(tl.int64)
+        o = tl.arange(0, 8)
+        w_ptr += b * (K // 8) * 8
+        meta = b * (K // G) * 8
+        RG: tl.constexpr = G // 8  # rows of words a group
+        if GROUPED:
+            acc = tl.zeros([ROWS // RG, 8], tl.float32)
+        else:
+            acc = tl.zeros([ROWS, 8], tl.float32)
+        for r0 in range(0, K // 8, ROWS):
+            r = r0 + tl.arange(0, ROWS)
+            ok = r < K // 8
+            words = tl.load(w_ptr + r[:, None] * 8 + o[None, :], mask=ok[:, None], other=0,
+                            eviction_policy="evict_first")
+            high = words >> 16
+            part = tl.zeros([ROWS, 8], tl.float32)
+            xs = tl.zeros([ROWS], tl.float32)
+            for j in tl.static_range(8):  # the j-th nibble of every word: input 8r + j
+                x = tl.load(x_ptr + r * 8 + j, mask=ok, other=0.0).to(tl.float32)
+                xs += x
+                # The nibble left in place as the low mantissa bits of 2^23 (one AND-OR, no shift): the float
+                # 2^23 + q 16^i (i = j mod 4), less 2^23 exactly q 16^i, times x / 16^i (exact) is q x.
+                bits = ((words if j < 4 else high) & (15 << (4 * (j % 4)))) | 0x4B000000
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * (j % 4)))))[:, None]
+            if GROUPED:
+                g = r0 // RG + tl.arange(0, ROWS // RG)
+                at = meta + g[:, None] * 8 + o[None, :]
+                gok = (g < K // G)[:, None]
+                scale = tl.load(s_ptr + at, mask=gok, other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=gok, other=0.0).to(tl.float32)
+                acc += (tl.sum(tl.reshape(part, [ROWS // RG, RG, 8]), 1) * scale
+                        + tl.sum(tl.reshape(xs, [ROWS // RG, RG]), 1)[:, None] * low)
+            else:
+                at = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
+                scale = tl.load(s_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+                acc += part * scale + xs[:, None] * low  # sum_k x_k (q_k scale + low) over the row's 8 inputs
+        tl.store(y_ptr + b * 8 + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, M, N, sx, sy, K: tl.constexpr, G: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        nb, no = (n // 8).to(tl.int64), n % 8
+        kk = tl.arange(0, G)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for g in range(K // G):
+            k = g * G + kk
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=m[:, None] < M, other=0.0)
+            # each word read for its eight inputs (the same address: one read from memory), its nibble taken
+            words = tl.load(w_ptr + (nb[None, :] * (K // 8) + (k // 8)[:, None]) * 8 + no[None, :],
+                            mask=n[None, :] < N, other=0)
+            q = (words >> ((k % 8) * 4)[:, None]) & 15
+            at = (nb * (K // G) + g) * 8 + no
+            scale = tl.load(s_ptr + at, mask=n < N, other=0.0).to(tl.float32)
+            low = tl.load(lo_ptr + at, mask=n < N, other=0.0).to(tl.float32)
+            xs = tl.sum(x.to(tl.float32), 1)
+            acc += tl.dot(x, q.to(x.dtype)) * scale[None, :] + xs[:, None] * low[None, :]  # 0..15 exact in 16 bits
+        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
+                  grouped: bool = GEMV_GROUPED) -> torch.Tensor:
+        """The one-row kernel on contiguous operands, x [1, K]: y [1, N] (new, or given); its launch apart for
+        bench/quantized_gemv.py's sweep."""
+        k, n = x.shape[1], words.shape[0] * BLOCK
+        y = x.new_empty(1, n) if y is None else y
+        g = k // scale.shape[1]
+        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, K=k, G=g, ROWS=max(rows, g // 8),
+                                         GROUPED=grouped, num_warps=warps)
+        return y
+
+    # An opaque custom op (as int8.py's): the compiler calls it as it is, inside the CUDA graph.
+    @torch.library.custom_op("shardlm::int4_mm", mutates_args=())
+    def _int4_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, words.shape[0] * BLOCK
+        y = x.new_empty(m, n)
+        if m == 1:
+            return int4_gemv(x, words, scale, low, y)
+        _int4_mm_kernel[(triton.cdiv(n, MM_BN), triton.cdiv(m, MM_BM))](
+            x, words, scale, low, y, m, n, x.stride(0), y.stride(0), K=k, G=k // scale.shape[1], BM=MM_BM,
+            BN=MM_BN)
+        return y
+
+    @_int4_mm.register_fake
+    def _(x, words, scale, low):
+        return x.new_empty(x.shape[0], words.shape[0] * BLOCK)
+
+
+def kernel_ok(x: torch.Tensor) -> bool:
+    return triton_ok(x) and hasattr(torch.library, "custom_op") and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def int4_linear(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times the int4 weight [N, K] that `words` [N/8, K/8, 8], `scale` and `low` [N/8, K/G, 8]
+    stand for, transposed: [..., N]. Outside the kernels' cases (more than MAX_ROWS rows, the CPU, fp32, an x
+    that needs its gradient) the weight dequantised whole, in x's dtype, then multiplied."""
+    if x.shape[-1] != 8 * words.shape[1]:
+        raise ValueError(f"int4 product: an input of {x.shape[-1]} features against a weight of {8 * words.shape[1]}")
+    rows = x.numel() // x.shape[-1]
+    if 0 < rows <= MAX_ROWS and kernel_ok(x) and not x.requires_grad:
+        y = torch.ops.shardlm.int4_mm(x.reshape(rows, x.shape[-1]).contiguous(), words.contiguous(),
+                                      scale.contiguous(), low.contiguous())
+        return y.view(*x.shape[:-1], words.shape[0] * BLOCK)
+    return F.linear(x, dequantize(words, scale, low, x.dtype))
+
+
+class Int4Linear(nn.Module):
+    """`linear` with its weight in int4 (buffers `words` [out/8, in/8, 8] int32, `scale` and `low` [out/8,
+    in/G, 8] in the weight's dtype); keeps its bias and a low-rank adapter set on it (`lora`:
+    inference/adapters.py adds one per request row)."""
+
+    def __init__(self, linear: nn.Linear, group: int | None = None):
+        super().__init__()
+        k, n = linear.in_features, linear.out_features
+        self.group = group or group_size(k)
+        if not eligible(linear) or self.group not in GROUPS:
+            raise ValueError(f"int4 needs an input size that a group of {', '.join(map(str, GROUPS))} divides "
+                             f"and an output size that {BLOCK} divides, not {k} -> {n}")
+        words, scale, low = quantize_weight(linear.weight, self.group)
+        self.register_buffer("words", words)
+        self.register_buffer("scale", scale)
+        self.register_buffer("low", low)
+        self.bias = linear.bias
+        self.lora = getattr(linear, "lora", None)
+        self.in_features, self.out_features = k, n
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int4_linear(x, self.words, self.scale, self.low)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.lora is None else y + self.lora(x)
+
+
+def to_int4(model: nn.Module) -> int:
+    """Every nn.Linear of `model`'s blocks that int4 can take (eligible) as an Int4Linear, in place; how many
+    (ConfigError where none). The output head stays in 16 bits, as int8's (to_int8)."""
+    kept = unquantised(model)
+    swapped = 0
+    for block in model.blocks():
+        for name, m in list(block.named_modules()):
+            if isinstance(m, nn.Linear) and id(m) not in kept and eligible(m):
+                parent, _, leaf = name.rpartition(".")
+                setattr(block.get_submodule(parent) if parent else block, leaf, Int4Linear(m))
+                swapped += 1
+    if not swapped:
+        raise ConfigError(f"--quantize int4: none of this model's linear layers can be quantised (int4 needs an "
+                          f"input size that a group of {', '.join(map(str, GROUPS))} divides and an output size "
+                          f"that {BLOCK} divides)")
+    return swapped
