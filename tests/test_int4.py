@@ -152,8 +152,8 @@ def check_kernels_interpreted() -> None:
     """Run under TRITON_INTERPRET=1 (in a subprocess: the variable is read when triton is imported). Both
     kernels in fp16 (the interpreter's bf16 is broken) against the product in fp64 of the dequantised weight:
     one row (the one-row GEMV, called twice: the same bits; steps of rows that do and do not divide K's), 2, 16
-    and 64 rows (the tensor-core kernel); outputs not a multiple of a tile, groups of 128, 64 and 32; and every
-    nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32, rounded once to fp16)."""
+    and 64 rows (the tensor-core kernel, K split evenly and not); outputs not a multiple of a tile, groups of
+    128, 64 and 32; and every nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32, rounded once to fp16)."""
     from shardlm.inference import int4
     g = torch.Generator().manual_seed(0)
     worst = {}
@@ -182,6 +182,13 @@ def check_kernels_interpreted() -> None:
             y = torch.ops.shardlm.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones)
             # integer sums, exact in fp32, rounded once to fp16
             assert torch.equal(y, q.sum(1).half().expand(rows, n)), (k, rows)
+    # The few-row kernel's splits of K: 4 tiles of 200 outputs asked for 16 programs split 10 groups 3, 3, 3, 1
+    int4.MM_PROGRAMS = 16
+    words, scale, low = quantize_weight(torch.randn(200, 1280, generator=g).half(), 128)
+    x = torch.randn(5, 1280, generator=g).half()
+    want = x.double() @ dequantize(words, scale, low, torch.float64).t()
+    err = (torch.ops.shardlm.int4_mm(x, words, scale, low).double() - want).abs()
+    assert (err <= want.abs() * 2**-11 + 1e-3).all(), err.max().item()
     print("max abs error against the fp64 product, by rows:", worst)
 
 

@@ -13,7 +13,8 @@ along K, its scales and minima beside it ([N/8, K/G, 8]). A program streams one 
 keeps a partial per row of words and output in fp32, and sums them once at the end: one launch, no
 workspace, the same bits every run. Each nibble becomes a float by its bits (OR-ed into the mantissa of 2^23)
 rather than by a conversion instruction, whose throughput is a sixteenth of an FMA's. A few rows (2-64) go
-through a tensor-core kernel that unpacks a group's tile in registers; elsewhere (prefill's many rows, the
+through a tensor-core kernel that unpacks a group's tile in registers, K split over programs until the launch
+fills the GPU (a layer of 4,096 outputs has 64 tiles of 16 rows) and the splits summed in a fixed order; elsewhere (prefill's many rows, the
 CPU, fp32) the weight is dequantised whole in the model's dtype and multiplied as usual.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the 
 # group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
 GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
 MM_BM, MM_BN = 16, 64
+MM_PROGRAMS = 512  # the few-row kernel splits K until its launch has about this many programs (4 an SM)
 CHUNK = 4096  # outputs quantised at a time: the fp32 and int64 temporaries of a 70B layer stay below a GB
 
 
@@ -154,26 +156,35 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(y_ptr + b * 8 + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty))
 
     @triton.jit
-    def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, M, N, sx, sy, K: tl.constexpr, G: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr):
+    def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, part_ptr, M, N, sx, K: tl.constexpr, G: tl.constexpr,
+                        SPLIT_GROUPS: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # A tile of BM rows by BN outputs over SPLIT_GROUPS groups of inputs (the third program index picks
+        # which); its fp32 partial to part[split], the splits summed apart in a fixed order.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         m = tl.program_id(1) * BM + tl.arange(0, BM)
+        split = tl.program_id(2)
         nb, no = (n // 8).to(tl.int64), n % 8
         kk = tl.arange(0, G)
+        # The nibble OR-ed into the mantissa of 128 (bf16) or 1024 (fp16) is that number plus q, exactly, and
+        # less it exactly q: no int-to-float conversion, whose throughput is a sixteenth of an FMA's.
+        MAGIC: tl.constexpr = 0x4300 if BF16 else 0x6400
+        OFFSET: tl.constexpr = 128.0 if BF16 else 1024.0
         acc = tl.zeros([BM, BN], tl.float32)
-        for g in range(K // G):
+        for i in range(SPLIT_GROUPS):
+            g = split * SPLIT_GROUPS + i
+            live = g < K // G  # the last split may hold fewer groups
             k = g * G + kk
-            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=m[:, None] < M, other=0.0)
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m[:, None] < M) & live, other=0.0)
             # each word read for its eight inputs (the same address: one read from memory), its nibble taken
             words = tl.load(w_ptr + (nb[None, :] * (K // 8) + (k // 8)[:, None]) * 8 + no[None, :],
-                            mask=n[None, :] < N, other=0)
-            q = (words >> ((k % 8) * 4)[:, None]) & 15
+                            mask=(n[None, :] < N) & live, other=0)
+            q = (((words >> ((k % 8) * 4)[:, None]) & 15) | MAGIC).to(tl.int16).to(x.dtype, bitcast=True) - OFFSET
             at = (nb * (K // G) + g) * 8 + no
-            scale = tl.load(s_ptr + at, mask=n < N, other=0.0).to(tl.float32)
-            low = tl.load(lo_ptr + at, mask=n < N, other=0.0).to(tl.float32)
+            scale = tl.load(s_ptr + at, mask=(n < N) & live, other=0.0).to(tl.float32)
+            low = tl.load(lo_ptr + at, mask=(n < N) & live, other=0.0).to(tl.float32)
             xs = tl.sum(x.to(tl.float32), 1)
-            acc += tl.dot(x, q.to(x.dtype)) * scale[None, :] + xs[:, None] * low[None, :]  # 0..15 exact in 16 bits
-        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty),
+            acc += tl.dot(x, q.to(x.dtype)) * scale[None, :] + xs[:, None] * low[None, :]  # sum_k x_k (q_k scale + low)
+        tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
     def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
@@ -191,13 +202,18 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op("shardlm::int4_mm", mutates_args=())
     def _int4_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, words.shape[0] * BLOCK
-        y = x.new_empty(m, n)
         if m == 1:
-            return int4_gemv(x, words, scale, low, y)
-        _int4_mm_kernel[(triton.cdiv(n, MM_BN), triton.cdiv(m, MM_BM))](
-            x, words, scale, low, y, m, n, x.stride(0), y.stride(0), K=k, G=k // scale.shape[1], BM=MM_BM,
-            BN=MM_BN)
-        return y
+            return int4_gemv(x, words, scale, low)
+        groups = scale.shape[1]
+        tiles = triton.cdiv(n, MM_BN) * triton.cdiv(m, MM_BM)
+        # Split K until the launch fills the GPU: at 16 rows a layer of 4,096 outputs has only 64 tiles.
+        per_split = triton.cdiv(groups, min(groups, triton.cdiv(MM_PROGRAMS, tiles)))
+        splits = triton.cdiv(groups, per_split)
+        part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        _int4_mm_kernel[(triton.cdiv(n, MM_BN), triton.cdiv(m, MM_BM), splits)](
+            x, words, scale, low, part, m, n, x.stride(0), K=k, G=k // groups, SPLIT_GROUPS=per_split,
+            BF16=x.dtype == torch.bfloat16, BM=MM_BM, BN=MM_BN)
+        return part.sum(0).to(x.dtype)
 
     @_int4_mm.register_fake
     def _(x, words, scale, low):
