@@ -847,6 +847,30 @@ def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval", "--data", "{text}", "--seq-len", "8"],
+                                     ["serve", "--port", "0"]], ids=["generate", "eval", "serve"])
+def test_inference_under_torchrun_without_tp_is_refused_before_the_model(command, world, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 -m shardlm generate` without --tp ran the whole model in each process (every
+    answer printed twice, an --output written twice), and serve's rank 1 ended on an AttributeError."""
+    import shardlm.inference
+    import shardlm.inference.load
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(shardlm.inference.load, "load_pretrained", never)
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", never)
+    _, paths = world
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    argv = [command[0], "--model", str(paths["exp"]), *[str(a).format(**paths) for a in command[1:]]]
+    status, lines = _cli(argv, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert ("this is one of 2 processes (WORLD_SIZE = 2, as torchrun sets it) but --tp is 1: each would run the "
+            "whole model and repeat the same work; split the model with --tp 2") in lines[0], lines
+
+
 def test_a_sequence_too_long_for_memory_is_named_before_the_model(world, tmp_path, monkeypatch, capsys):
     """train.seq_len 10**6 typed for 10**3: refused by its activations before any is allocated (on a CPU the kernel
     killed the process without a word); an out-of-memory error once running names train.seq_len too."""

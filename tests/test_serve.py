@@ -522,18 +522,19 @@ def test_the_port_is_held_while_the_model_loads_and_served_on(hf_dir, monkeypatc
 def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):
     """Under torchrun every rank runs the command and only rank 0 serves HTTP: another rank must not test-bind
     the port (two ranks binding it at once would refuse each other)."""
-    import shardlm.inference
+    import shardlm.inference.commands
     from shardlm.cli import main
 
-    def loading(*a, **k):
+    def loading(*a, **k):  # where rank 1 would join the process group
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(shardlm.inference.commands, "_tensor_parallel", loading)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         with pytest.raises(AssertionError, match="the model was loaded"):
-            main(["serve", "--model", str(hf_dir), "--port", str(busy.getsockname()[1])])
+            main(["serve", "--model", str(hf_dir), "--port", str(busy.getsockname()[1]), "--tp", "2"])
 
 
 @pytest.mark.timeout(240)

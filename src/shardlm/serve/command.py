@@ -6,12 +6,11 @@ expect); a second signal ends it at once, with that signal's status.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from ..inference.commands import runtime_args
+from ..inference.commands import check_world, runtime_args
 
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
@@ -120,8 +119,9 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--max-batch and --max-len must be at least 1")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
+    _, rank, _ = check_world(a.tp)  # before the port: torchrun's ranks at --tp 1 each served (or raced for) it
     sock = None
-    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 serves HTTP; the others would race it
+    if a.tp == 1 or rank == 0:  # under torchrun only rank 0 serves HTTP; the others would race it
         sock = _bind(a.host, a.port)
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base, a.model)
