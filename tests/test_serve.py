@@ -183,6 +183,8 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
+    # "no" was truthy: the usage chunk came
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
 ]
 
 

@@ -156,7 +156,10 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise APIError(400, "'stream_options' is an object, allowed only with stream = true.", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
+    # {"include_usage": "no"} was truthy, so a usage chunk came that was asked not to: a flag's type is checked
+    include_usage = (options or {}).get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise _wrong_type("stream_options.include_usage", "a boolean")
     return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),
                   tuple(stop), stream, include_usage)
 
