@@ -335,6 +335,19 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
     assert set(threads) == {worker._thread} and not worker._thread.is_alive()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_len", [2, 3])
+def test_the_warm_up_fits_the_shortest_slots(hf_dir, max_len):
+    """`serve --max-len 2` (or 3) ended in its warm-up with 'prompt (1 tokens) + max_new_tokens (2) exceeds the 2
+    positions a slot holds', about a prompt the user never sent."""
+    from shardlm.serve.worker import EngineWorker, warm_up_batches
+    model, tok, _ = load_pretrained(hf_dir)
+    engine = Engine(model, 2, max_len, compile=False, decode=tok.decode)
+    warm = warm_up_batches(engine, tok.eos_id)
+    EngineWorker(engine).start(warm).close(TIMEOUT)
+    assert all(r.done for batch in warm for r in batch)
+
+
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
     prefill, calls = srv.engine._prefill, []
 
@@ -448,7 +461,9 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
-                                          (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
+                                          (["--max-batch", "0"], "--max-batch 0 must be at least 1"),
+                                          (["--max-len", "1"], "--max-len 1 leaves no room for a prompt and its "
+                                           "completion: give 2 or more"),
                                           (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
                                            "another process listens there (another shardlm serve?); stop it or pick "
                                            "another --port (0: any free one)"),

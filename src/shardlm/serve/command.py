@@ -115,8 +115,10 @@ def cmd_serve(argv: list[str]) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
-    if a.max_batch < 1 or (a.max_len is not None and a.max_len < 1):
-        raise ConfigError("--max-batch and --max-len must be at least 1")
+    if a.max_batch < 1:
+        raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
+    if a.max_len is not None and a.max_len < 2:  # a prompt is one token at least, its completion another
+        raise ConfigError(f"--max-len {a.max_len} leaves no room for a prompt and its completion: give 2 or more")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
     _, rank, _ = check_world(a.tp)  # before the port: torchrun's ranks at --tp 1 each served (or raced for) it
