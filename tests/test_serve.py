@@ -462,6 +462,8 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
                                           (["--max-batch", "0"], "--max-batch 0 must be at least 1"),
+                                          (["--served-model-name", ""], "--served-model-name is empty: give the "
+                                           "id clients name"),
                                           (["--max-len", "1"], "--max-len 1 leaves no room for a prompt and its "
                                            "completion: give 2 or more"),
                                           (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
