@@ -185,6 +185,9 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
     # "no" was truthy: the usage chunk came
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
+    # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they sampled at the defaults
+    ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
+    ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
 ]
 
 
@@ -201,7 +204,8 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
         assert c.get("/metrics").json()["requests_rejected"] == rejected + len(BAD)
         assert c.get("/v1/nothing").status_code == 404
         assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 0}).json()["choices"][0]["text"] == ""
-        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0})
+        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0, "user": "u",
+                                             "client_tag": 1, "min_p": 0.0})  # others' keys, neutral values: served
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 

@@ -110,10 +110,23 @@ def _flag(body: dict, param: str) -> bool:
 # Parameters accepted only at the value that leaves the answer as this server gives it.
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
             "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
-            "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,)}
+            "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
+            # vLLM's sampling extensions, which clients written for it send: ignored, they changed the answer unsaid
+            "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+            "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
+            "use_beam_search": (None, False)}
+# What this server reads; any other key is let through unread (as vLLM does: clients add their own), unless it is
+# a near miss of one of these ("temprature", "max_new_tokens"), which sampled at the default without a word.
+_READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+         "n", "stop", "stream", "stream_options")
 
 
 def _refuse_unsupported(body: dict) -> None:
+    import difflib
+    for param in body:
+        if param not in _READ and param not in _NEUTRAL and (near := difflib.get_close_matches(param, _READ, 1, 0.8)):
+            raise APIError(400, f"'{param}' is not a parameter of this API (it would be ignored): did you mean "
+                                f"'{near[0]}'?", param, "unknown_parameter")
     for param, neutral in _NEUTRAL.items():
         if param in body and not any(body[param] == v and type(body[param]) is type(v) for v in neutral):
             if param == "response_format" and body[param] == {"type": "text"}:
