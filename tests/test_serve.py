@@ -152,6 +152,18 @@ def test_the_openai_client_completes_and_chats_whole_and_streamed(srv):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.timeout(60)
+def test_a_developer_message_is_the_system_turn(srv):
+    """OpenAI's clients send the system turn as role "developer" (its newer name): it was a 400."""
+    def ask(role):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+    assert ask("developer") == ask("system")
+
+
 def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
     prompt = PROMPTS[0]
     full = srv.tok.decode(reference(srv, srv.tok.encode(prompt), 16))

@@ -201,7 +201,7 @@ def completion_params(body, models: Models) -> Params:
     return _common(body, models, ids, 16, "prompt")
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 
 
 def _content(m: dict, i: int) -> str:
@@ -234,7 +234,9 @@ def chat_params(body, models: Models) -> Params:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
                            f"messages[{i}].role", "invalid_value")
-        turns.append({"role": m["role"], "content": _content(m, i)})
+        # OpenAI's newer name for the system turn, which its clients send: chat templates know only "system"
+        role = "system" if m["role"] == "developer" else m["role"]
+        turns.append({"role": role, "content": _content(m, i)})
     if models.chat is None:
         raise APIError(400, "The served model's tokenizer has no chat template (chat_template.jinja or "
                             "tokenizer_config.json's chat_template), so it cannot render messages: use "
