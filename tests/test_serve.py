@@ -221,6 +221,21 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.timeout(60)
+def test_a_prompt_far_beyond_the_context_is_refused_untokenized(srv, monkeypatch):
+    """A 20 MB prompt was tokenized on the event loop (18 s for the byte tokenizer), every other client waiting."""
+    tokenized = []
+    encode = srv.tok.encode
+    monkeypatch.setattr(srv.tok, "encode", lambda text: tokenized.append(len(text)) or encode(text))
+    huge = "To be " * 100_000
+    for path, body in (("/v1/completions", {"prompt": huge}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+        r = httpx.post(srv.url + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert f"holds {len(huge)} characters, far more than that many tokens" in r.json()["error"]["message"]
+    assert not tokenized
+
+
 def test_a_tokenizer_without_a_chat_template_is_told_so(hf_dir, tmp_path):
     plain = tmp_path / "plain"
     shutil.copytree(hf_dir, plain)
