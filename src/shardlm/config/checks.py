@@ -230,7 +230,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                     f"or set the layout for one ({ones}; checkpoints resume under any layout)")
         else:  # ep must divide the new dp x cp, which carries the experts
             ep = math.gcd(p.ep, world // other * p.cp) if world % other == 0 else p.ep
-            # a layout of one (no --parallel flag at all) was told to "launch 1 processes (torchrun --nproc-per-node 1)"
+            # a layout of one needs no torchrun at all
             launch = (f"launch {p.world} processes (torchrun --nproc-per-node {p.world})" if p.world > 1
                       else "run one process, without torchrun")
             hint = (f": {launch}, or set a layout of {world}"
