@@ -140,7 +140,9 @@ def test_training_beyond_the_sliding_window_validates():
 
 def test_layout_must_match_world_size():
     cfg = load_config("tiny")
-    with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2"):
+    # torchrun --nproc-per-node 2 with no layout flag: it said "launch 1 processes (torchrun --nproc-per-node 1)"
+    with pytest.raises(ConfigError, match=r"parallel.dp \(1\) x parallel.tp \(1\) x parallel.pp \(1\) = 1 != world size 2: "
+                       r"run one process, without torchrun, or set a layout of 2, e.g. --parallel.dp 2$"):
         validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4: "
                        r"launch 2 processes \(torchrun --nproc-per-node 2\), or set a layout of 4, e.g. --parallel.dp 4$"):

@@ -847,6 +847,52 @@ def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_master_port_in_use_is_named_by_rank_0_started_by_hand(tmp_path, monkeypatch, capsys):
+    """Rank 0 listens on MASTER_PORT for the others: one in use was a screen of TCPStore's C++ frames, then 'a peer
+    rank died or stalled' (train) or a DistNetworkError traceback (generate --tp 2)."""
+    import socket
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--parallel.timeout_s", "5", "--out",
+                      tmp_path / "new"], ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+            status, lines = _cli(argv, capsys)
+            assert status == 2 and len(lines) == 1, lines
+            assert (f"MASTER_PORT = {port} is in use on this host (another job, or a server, listens there), and rank 0 "
+                    "listens on it for the others: set MASTER_PORT to a free port") in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval", "--data", "{text}", "--seq-len", "8"],
+                                     ["serve", "--port", "0"]], ids=["generate", "eval", "serve"])
+def test_inference_under_torchrun_without_tp_is_refused_before_the_model(command, world, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 -m shardlm generate` without --tp ran the whole model in each process (every
+    answer printed twice, an --output written twice), and serve's rank 1 ended on an AttributeError."""
+    import shardlm.inference
+    import shardlm.inference.load
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(shardlm.inference.load, "load_pretrained", never)
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", never)
+    _, paths = world
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    argv = [command[0], "--model", str(paths["exp"]), *[str(a).format(**paths) for a in command[1:]]]
+    status, lines = _cli(argv, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert ("this is one of 2 processes (WORLD_SIZE = 2, as torchrun sets it) but --tp is 1: each would run the "
+            "whole model and repeat the same work; split the model with --tp 2") in lines[0], lines
+
+
 def test_a_sequence_too_long_for_memory_is_named_before_the_model(world, tmp_path, monkeypatch, capsys):
     """train.seq_len 10**6 typed for 10**3: refused by its activations before any is allocated (on a CPU the kernel
     killed the process without a word); an out-of-memory error once running names train.seq_len too."""

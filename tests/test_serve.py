@@ -152,6 +152,18 @@ def test_the_openai_client_completes_and_chats_whole_and_streamed(srv):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.timeout(60)
+def test_a_developer_message_is_the_system_turn(srv):
+    """OpenAI's clients send the system turn as role "developer" (its newer name): it was a 400."""
+    def ask(role):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+    assert ask("developer") == ask("system")
+
+
 def test_stop_strings_end_the_text_before_them_streamed_or_not(srv):
     prompt = PROMPTS[0]
     full = srv.tok.decode(reference(srv, srv.tok.encode(prompt), 16))
@@ -183,6 +195,11 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
+    # "no" was truthy: the usage chunk came
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
+    # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they sampled at the defaults
+    ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
+    ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
 ]
 
 
@@ -199,8 +216,24 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
         assert c.get("/metrics").json()["requests_rejected"] == rejected + len(BAD)
         assert c.get("/v1/nothing").status_code == 404
         assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 0}).json()["choices"][0]["text"] == ""
-        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0})
+        ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0, "user": "u",
+                                             "client_tag": 1, "min_p": 0.0})  # others' keys, neutral values: served
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_far_beyond_the_context_is_refused_untokenized(srv, monkeypatch):
+    """A 20 MB prompt was tokenized on the event loop (18 s for the byte tokenizer), every other client waiting."""
+    tokenized = []
+    encode = srv.tok.encode
+    monkeypatch.setattr(srv.tok, "encode", lambda text: tokenized.append(len(text)) or encode(text))
+    huge = "To be " * 100_000
+    for path, body in (("/v1/completions", {"prompt": huge}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+        r = httpx.post(srv.url + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert f"holds {len(huge)} characters, far more than that many tokens" in r.json()["error"]["message"]
+    assert not tokenized
 
 
 def test_a_tokenizer_without_a_chat_template_is_told_so(hf_dir, tmp_path):
@@ -333,6 +366,19 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
     assert set(threads) == {worker._thread} and not worker._thread.is_alive()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_len", [2, 3])
+def test_the_warm_up_fits_the_shortest_slots(hf_dir, max_len):
+    """`serve --max-len 2` (or 3) ended in its warm-up with 'prompt (1 tokens) + max_new_tokens (2) exceeds the 2
+    positions a slot holds', about a prompt the user never sent."""
+    from shardlm.serve.worker import EngineWorker, warm_up_batches
+    model, tok, _ = load_pretrained(hf_dir)
+    engine = Engine(model, 2, max_len, compile=False, decode=tok.decode)
+    warm = warm_up_batches(engine, tok.eos_id)
+    EngineWorker(engine).start(warm).close(TIMEOUT)
+    assert all(r.done for batch in warm for r in batch)
+
+
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_serves_on(srv, monkeypatch):
     prefill, calls = srv.engine._prefill, []
 
@@ -446,7 +492,11 @@ def test_serve_without_fastapi_names_the_extra_to_install(hf_dir, monkeypatch, c
 
 @pytest.mark.parametrize("args,message", [(["--port", "70000"], "--port 70000 is not a port"),
                                           (["--port", "-1"], "--port -1 is not a port"),
-                                          (["--max-batch", "0"], "--max-batch and --max-len must be at least 1"),
+                                          (["--max-batch", "0"], "--max-batch 0 must be at least 1"),
+                                          (["--served-model-name", ""], "--served-model-name is empty: give the "
+                                           "id clients name"),
+                                          (["--max-len", "1"], "--max-len 1 leaves no room for a prompt and its "
+                                           "completion: give 2 or more"),
                                           (["--port", "taken"], "--port {port} on 127.0.0.1: Address already in use: "
                                            "another process listens there (another shardlm serve?); stop it or pick "
                                            "another --port (0: any free one)"),
@@ -522,18 +572,19 @@ def test_the_port_is_held_while_the_model_loads_and_served_on(hf_dir, monkeypatc
 def test_only_rank_0_checks_the_port(hf_dir, monkeypatch):
     """Under torchrun every rank runs the command and only rank 0 serves HTTP: another rank must not test-bind
     the port (two ranks binding it at once would refuse each other)."""
-    import shardlm.inference
+    import shardlm.inference.commands
     from shardlm.cli import main
 
-    def loading(*a, **k):
+    def loading(*a, **k):  # where rank 1 would join the process group
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(shardlm.inference, "load_pretrained", loading)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(shardlm.inference.commands, "_tensor_parallel", loading)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         with pytest.raises(AssertionError, match="the model was loaded"):
-            main(["serve", "--model", str(hf_dir), "--port", str(busy.getsockname()[1])])
+            main(["serve", "--model", str(hf_dir), "--port", str(busy.getsockname()[1]), "--tp", "2"])
 
 
 @pytest.mark.timeout(240)

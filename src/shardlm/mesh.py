@@ -149,7 +149,27 @@ def check_rendezvous_env(world: int) -> None:
         raise ConfigError(f"WORLD_SIZE = {world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                           f"set: start the ranks with torchrun (torchrun --nproc-per-node {world} -m shardlm ...), "
                           "which sets them, or set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port")
-    _env_int("MASTER_PORT", 0, low=1, high=65535, fix="set it to a free port on rank 0's host (MASTER_ADDR)")
+    port = _env_int("MASTER_PORT", 0, low=1, high=65535, fix="set it to a free port on rank 0's host (MASTER_ADDR)")
+    if _env_int("RANK", 0) == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _check_store_port(port)
+
+
+def _check_store_port(port: int) -> None:
+    """Rank 0 started by hand listens on MASTER_PORT for the others (torchrun's agent listens there itself):
+    a port in use was a screen of TCPStore's C++ frames, then 'a peer rank died or stalled' (train) or a
+    DistNetworkError traceback (generate --tp). Bound as TCPStore binds it, with SO_REUSEADDR."""
+    import errno
+    import socket
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (permissions and the like): the rendezvous says it
+            raise ConfigError(f"MASTER_PORT = {port} is in use on this host (another job, or a server, listens "
+                              "there), and rank 0 listens on it for the others: set MASTER_PORT to a free port, the "
+                              "same on every rank") from None
 
 
 def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None,

@@ -230,7 +230,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                     f"or set the layout for one ({ones}; checkpoints resume under any layout)")
         else:  # ep must divide the new dp x cp, which carries the experts
             ep = math.gcd(p.ep, world // other * p.cp) if world % other == 0 else p.ep
-            hint = (f": launch {p.world} processes (torchrun --nproc-per-node {p.world}), or set a layout of {world}"
+            # a layout of one needs no torchrun at all
+            launch = (f"launch {p.world} processes (torchrun --nproc-per-node {p.world})" if p.world > 1
+                      else "run one process, without torchrun")
+            hint = (f": {launch}, or set a layout of {world}"
                     + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
                        if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")

@@ -112,23 +112,36 @@ def _refuse_sampling_when_greedy(a) -> None:
                                   "--temperature above 0 to sample, or leave it out")
 
 
+def check_world(tp: int) -> tuple[int, int, int]:
+    """(world, rank, local rank) of a generate/eval/serve launch, refused where the processes started (torchrun's
+    WORLD_SIZE, or one set by hand) are not --tp's: `torchrun --nproc-per-node 2 ... generate` without --tp ran the
+    whole model in each process, which printed (or wrote) every answer twice, and two `serve`s raced for the port."""
+    from ..mesh import world_from_env
+    if tp < 1:  # else told to start `torchrun --nproc-per-node 0`
+        raise ConfigError(f"--tp {tp} must be at least 1 (1: one process)")
+    world, rank, local = world_from_env()
+    if world != tp and tp == 1:
+        raise ConfigError(f"this is one of {world} processes (WORLD_SIZE = {world}, as torchrun sets it) but --tp is 1: "
+                          f"each would run the whole model and repeat the same work; split the model with --tp {world}, "
+                          "or run one process, without torchrun (and unset WORLD_SIZE)")
+    if world != tp:
+        raise ConfigError(f"--tp {tp} runs as {tp} processes, one per rank: torchrun --nproc-per-node {tp} "
+                          f"-m shardlm ... --tp {tp} (this is {world} process{'es' if world > 1 else ''})")
+    return world, rank, local
+
+
 def _tensor_parallel(a):
     """(device, tp group, whether this rank writes the results): one process, or one of --tp ranks that
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
-    if a.tp < 1:  # else told to start `torchrun --nproc-per-node 0`
-        raise ConfigError(f"--tp {a.tp} must be at least 1 (1: one process)")
+    world, rank, local = check_world(a.tp)
     device = pick_device(a.device, "--device")
     if a.tp == 1:
         return device, None, True
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, check_rendezvous_env, world_from_env
-    world, rank, local = world_from_env()
-    if world != a.tp:
-        raise ConfigError(f"--tp {a.tp} runs as {a.tp} processes, one per rank: torchrun --nproc-per-node {a.tp} "
-                          f"-m shardlm ... --tp {a.tp} (this is {world} process{'es' if world > 1 else ''})")
+    from ..mesh import build_mesh, check_rendezvous_env
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":

@@ -6,12 +6,11 @@ expect); a second signal ends it at once, with that signal's status.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from ..inference.commands import runtime_args
+from ..inference.commands import check_world, runtime_args
 
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
@@ -116,12 +115,18 @@ def cmd_serve(argv: list[str]) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
-    if a.max_batch < 1 or (a.max_len is not None and a.max_len < 1):
-        raise ConfigError("--max-batch and --max-len must be at least 1")
+    if a.max_batch < 1:
+        raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
+    if a.max_len is not None and a.max_len < 2:  # a prompt is one token at least, its completion another
+        raise ConfigError(f"--max-len {a.max_len} leaves no room for a prompt and its completion: give 2 or more")
+    if a.served_model_name is not None and not a.served_model_name.strip():  # '' fell back to --model unsaid
+        raise ConfigError("--served-model-name is empty: give the id clients name in \"model\", or leave it out "
+                          "(the id is then --model as given)")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
+    _, rank, _ = check_world(a.tp)  # before the port: torchrun's ranks at --tp 1 each served (or raced for) it
     sock = None
-    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 serves HTTP; the others would race it
+    if a.tp == 1 or rank == 0:  # under torchrun only rank 0 serves HTTP; the others would race it
         sock = _bind(a.host, a.port)
     base = a.served_model_name or a.model
     adapters = _adapters(a.adapter, base, a.model)

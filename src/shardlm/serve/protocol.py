@@ -53,6 +53,16 @@ class Models:
         # process), so prompts of ids are held to what both the tokenizer and the model know.
         self.vocab = min(tok.vocab_size, model_vocab or tok.vocab_size)
         self.stop_ids = stop_ids_of(tok)
+        # The most characters a token stands for (its longest vocabulary entry): a prompt that far beyond the
+        # context is refused by its length, untokenized. Tokenizing 20 MB took 18 s on the event loop, every
+        # other client waiting; 4x spares a normaliser that drops characters.
+        self.max_chars = 4 * max_len * max(map(len, tok.tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def check_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_len} tokens. However, the {param} "
+                                f"holds {len(text)} characters, far more than that many tokens. Please reduce the "
+                                f"length of the {param}.", param, "context_length_exceeded")
 
     def adapter_of(self, body: dict) -> tuple[str, str | None]:
         model = body.get("model")
@@ -110,10 +120,23 @@ def _flag(body: dict, param: str) -> bool:
 # Parameters accepted only at the value that leaves the answer as this server gives it.
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
             "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
-            "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,)}
+            "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
+            # vLLM's sampling extensions, which clients written for it send: ignored, they changed the answer unsaid
+            "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+            "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
+            "use_beam_search": (None, False)}
+# What this server reads; any other key is let through unread (as vLLM does: clients add their own), unless it is
+# a near miss of one of these ("temprature", "max_new_tokens"), which sampled at the default without a word.
+_READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+         "n", "stop", "stream", "stream_options")
 
 
 def _refuse_unsupported(body: dict) -> None:
+    import difflib
+    for param in body:
+        if param not in _READ and param not in _NEUTRAL and (near := difflib.get_close_matches(param, _READ, 1, 0.8)):
+            raise APIError(400, f"'{param}' is not a parameter of this API (it would be ignored): did you mean "
+                                f"'{near[0]}'?", param, "unknown_parameter")
     for param, neutral in _NEUTRAL.items():
         if param in body and not any(body[param] == v and type(body[param]) is type(v) for v in neutral):
             if param == "response_format" and body[param] == {"type": "text"}:
@@ -156,7 +179,10 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise APIError(400, "'stream_options' is an object, allowed only with stream = true.", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
+    # {"include_usage": "no"} was truthy, so a usage chunk came that was asked not to: a flag's type is checked
+    include_usage = (options or {}).get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise _wrong_type("stream_options.include_usage", "a boolean")
     return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),
                   tuple(stop), stream, include_usage)
 
@@ -169,6 +195,7 @@ def completion_params(body, models: Models) -> Params:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        models.check_length(prompt, "prompt")
         try:
             ids = prompt_ids(models.tok, prompt)
         except ValueError as e:
@@ -185,7 +212,7 @@ def completion_params(body, models: Models) -> Params:
     return _common(body, models, ids, 16, "prompt")
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 
 
 def _content(m: dict, i: int) -> str:
@@ -218,7 +245,10 @@ def chat_params(body, models: Models) -> Params:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
                            f"messages[{i}].role", "invalid_value")
-        turns.append({"role": m["role"], "content": _content(m, i)})
+        # OpenAI's newer name for the system turn, which its clients send: chat templates know only "system"
+        role = "system" if m["role"] == "developer" else m["role"]
+        turns.append({"role": role, "content": _content(m, i)})
+    models.check_length("".join(t["content"] for t in turns), "messages")
     if models.chat is None:
         raise APIError(400, "The served model's tokenizer has no chat template (chat_template.jinja or "
                             "tokenizer_config.json's chat_template), so it cannot render messages: use "

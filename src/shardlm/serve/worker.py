@@ -37,8 +37,10 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     rows = next((n for n in range(least, len(engine.slots)) if n not in taken), 2)
     tail = next(n for n in range(3, 64) if n not in taken | {rows})  # the second chunk's length
     prompt = [token] * max(1, min(engine.prefill_chunk + tail, engine.max_len - 2))
-    several = [Request(prompt, 2) for _ in range(rows - 1)] + [Request(prompt, 2, SamplingParams(1.0, seed=0))]
-    return [several, [Request(prompt, 2)], *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
+    # two new tokens run a decode step; a slot of 2 positions (--max-len 2) never decodes, and refused a second
+    new = min(2, engine.max_len - len(prompt))
+    several = [Request(prompt, new) for _ in range(rows - 1)] + [Request(prompt, new, SamplingParams(1.0, seed=0))]
+    return [several, [Request(prompt, new)], *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
 
 
 class Closed(RuntimeError):
