@@ -8,7 +8,8 @@ bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout;
 an offload row's host memory rate is the one measured beside it, where its row has one.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
-compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row), rows run
+compiled steps in their steady state; so are rows marked "invalid" or "superseded" (the reason is in the row:
+a figure the code no longer gives), rows run
 "concurrent" with other jobs on the host (a share of its cores and memory bandwidth), and A/B rows whose command
 changes a parallel setting beside the system's own (`--parallel.*`). Floors:
 memory within 10%, step time within 25%.
@@ -94,14 +95,16 @@ def finetune_layout(r: dict) -> Layout | None:
     if r["system"] not in ("shardlm-lora", "shardlm-qlora"):
         return None
     flags = r["command"].split()
-    rank, targets = (flags[flags.index(f) + 1] for f in ("--rank", "--targets"))
+    # bench/finetune.py's (and finetune_sweep.py's) defaults where the command left them out
+    rank, targets = (flags[flags.index(f) + 1] if f in flags else default
+                     for f, default in (("--rank", "16"), ("--targets", "all-linear")))
     return Layout(recompute=r["recompute"], lora=LoRAConfig(rank=int(rank), targets=targets,
                                                            quantize="nf4" if r["system"] == "shardlm-qlora" else "none"))
 
 
 def layout_of(r: dict) -> Layout | None:
     flags = " ".join(r.get("command", "").split()) + " "
-    if "invalid" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
+    if "invalid" in r or "superseded" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
         return None
     if " --parallel." in flags:  # a parallel setting changed beside the system's own: an A/B
         return None
@@ -120,8 +123,8 @@ def main():
     rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
     latest = {}
     for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
-        key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"], r.get("microbatches"))
-        if layout_of(r) is not None and r["model"] in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
+        key = (r["bench"], r["gpus"], r["system"], r.get("model"), r.get("seq"), r.get("micro_batch"), r.get("microbatches"))
+        if layout_of(r) is not None and r.get("model") in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
             latest[key] = r
     out, ok = [], True
     print(f"{'layout':<46}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
