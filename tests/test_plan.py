@@ -770,3 +770,17 @@ def test_exact_dispatch_is_charged_at_its_load_budget():
                                               "--ep-load-budget", "0.5", check=False).stderr
     said = run_cli("plan", "--model", "moe-1b", "--dp", "4", "--ep", "4").stdout
     assert "experts' load" in said and "--ep-load-budget 2" in said
+
+
+def test_plan_inference_counts_int4_only_where_int4_takes_a_layer():
+    """int4 takes a linear whose input a group divides and whose output blocks of 8 do (inference/int4.py):
+    GPT-2's MLP of 36 outputs stays in full precision, in the plan as in the model."""
+    from shardlm.inference.int4 import to_int4
+    from shardlm.model import build_model
+    from shardlm.plan.inference import weight_bytes
+    cfg = load_config("tiny", {"model.arch": "gpt2", "model.tie_embeddings": "true", "model.num_kv_heads": "0",
+                               "model.ffn_hidden_size": "36"}).model
+    model = build_model(cfg, seed=0)
+    to_int4(model)
+    stored = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert weight_bytes(cfg, 4, "int4") == stored
