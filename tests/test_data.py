@@ -66,6 +66,20 @@ def test_large_vocab_uses_uint32(tmp_path):
     assert np.asarray(shards.tokens[0]).tolist() == [1, 69999, 5, 70000]
 
 
+@pytest.mark.timeout(60)
+def test_ids_past_the_token_count_use_uint32(tmp_path):
+    """A tokenizer of 4 tokens whose end-of-text is id 70000: uint16 shards wrapped it to 4464, unnoticed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.txt").write_text("a b a")
+    index = prepare([tmp_path / "in.txt"], tmp_path / "tokenizer.json", tmp_path / "out", progress=False)
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 70001 and index["eos_id"] == 70000
+    shards = TokenShards(tmp_path / "out", model_vocab=70001)
+    assert np.asarray(shards.tokens[0]).tolist() == [0, 1, 0, 70000]
+
+
 def test_hf_tokenizer_directory(tmp_path):
     make_tokenizer(tmp_path / "tok")
     (tmp_path / "in.txt").write_text(TEXT[:500])
