@@ -435,3 +435,17 @@ def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path,
     files = default_sources()
     assert [f.name for f in files] == ["a.py", "b.py"]
     prepare(files, "byte", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_text_field_reads_records_that_hold_a_prompt_as_text(tmp_path):
+    """A jsonl of {"prompt": ...} records to pretrain on: --text-field prompt was refused as having no effect, and
+    without it the records were instruction examples lacking a completion, a dead end."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi there"}\n{"prompt": "bye", "id": 2}\n')
+    index = prepare([tmp_path / "p.jsonl"], "byte", tmp_path / "out", text_field="prompt", progress=False)
+    assert index["documents"] == 2 and "loss_mask" not in index
+    stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
+    assert stream == list(b"hi there") + [256] + list(b"bye") + [256]
+    with pytest.raises(ValueError, match=r"p.jsonl:1: no 'text' field \(fields: 'prompt'\); name the text's field "
+                                         r"with --text-field, or, for instruction data, .*completion"):
+        prepare([tmp_path / "p.jsonl"], "byte", tmp_path / "out2", progress=False)

@@ -32,7 +32,9 @@ class InstructError(ValueError):
 
 
 def is_instruct(path: Path) -> bool:
-    """A jsonl file whose first record is an instruction example (prompt/completion, or messages)."""
+    """A jsonl file whose first record is an instruction example (prompt/completion, or messages). A prompt alone
+    is no example: such records (prompts to pretrain on, or text beside a prompt field) are plain text, which
+    --text-field can name; taken for examples, they were refused for lacking a completion, with no way out."""
     if path.suffix.lower() != ".jsonl":
         return False
     with open(path, "rb") as f:
@@ -42,7 +44,7 @@ def is_instruct(path: Path) -> bool:
                     record = json.loads(raw.removeprefix(BOM.encode()))
                 except ValueError:
                     return False
-                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+                return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())
     return False
 
 
