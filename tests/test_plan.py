@@ -415,6 +415,17 @@ def test_cli_search_without_gpus_says_it_searched_one():
     assert "searched layouts for 1 GPU (give --gpus N to search a cluster)" in text
 
 
+@pytest.mark.timeout(120)
+def test_search_that_fits_nothing_names_what_it_did_not_try():
+    """Once: "try --zero 3, --recompute full or a smaller --micro-batch", all tried by the search (which refuses
+    --zero); and with --json a bare [] and nothing on stderr."""
+    args = ("plan", "--model", "llama2-7b", "--search", "--gpus", 1)
+    text = run_cli(*args).stdout
+    assert "--zero 3" not in text and "try more --gpus, --offload optimizer, LoRA (--lora-rank 16)" in text
+    found = run_cli(*args, "--json")
+    assert json.loads(found.stdout) == [] and "nothing fits: none of the 20 layouts searched" in found.stderr
+
+
 def test_gpu_table_has_the_seeds_cards():
     """V100 SXM2 32GB; A800 and H800, the A100 and H100 with less NVLink (400 GB/s against 600 and 900)."""
     v100, a100, a800, h100, h800 = (gpu(n) for n in ("v100", "a100", "a800", "h100", "h800"))

@@ -291,6 +291,8 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
                                               a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
     if a.json:
         print(json.dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+        if not best:  # a bare [] said nothing of why
+            print(nothing_fits(a, scored), file=sys.stderr)
         return 0
     if a.gpus is None:
         print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")
@@ -302,8 +304,18 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
                 f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
-        print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
+        print(nothing_fits(a, scored))
     return 0
+
+
+def nothing_fits(a, scored: int) -> str:
+    """What is left to try when no searched layout fits: the search has tried every ZeRO stage, recomputation and
+    micro-batch itself (and refuses --zero), so naming those sent users round in a circle."""
+    fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
+        (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
+    tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
+    return (f"nothing fits: none of the {scored} layouts searched (every ZeRO stage, recomputation and micro-batch) "
+            f"fits; try {tries}")
 
 
 def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
