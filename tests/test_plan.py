@@ -426,6 +426,24 @@ def test_search_that_fits_nothing_names_what_it_did_not_try():
     assert json.loads(found.stdout) == [] and "nothing fits: none of the 20 layouts searched" in found.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_toml_model_of_vocab_size_0_is_planned_at_its_datas_tokenizer(tmp_path):
+    """model.vocab_size = 0 (the data's tokenizer size, as the README offers) was planned with no embedding or head."""
+    from shardlm.data.prepare import prepare
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    prepare([tmp_path / "a.txt"], "byte", tmp_path / "data", progress=False)
+    params = {}
+    for name, body in (("given", "vocab_size = 257"), ("default", "vocab_size = 0"),
+                       ("data", f'vocab_size = 0\n[data]\npath = "{tmp_path / "data"}"')):
+        (tmp_path / f"{name}.toml").write_text(f"[model]\n{body}\n")
+        out = run_cli("plan", "--model", tmp_path / f"{name}.toml", "--json").stdout
+        params[name] = json.loads(out)["memory"]["params"]
+    assert params["default"] == params["data"] == params["given"]
+    (tmp_path / "none.toml").write_text('[model]\nvocab_size = 0\n[data]\npath = "nowhere"\n')
+    refused = run_cli("plan", "--model", tmp_path / "none.toml", check=False)
+    assert refused.returncode == 2 and "model.vocab_size = 0 takes the size of data.path's tokenizer" in refused.stderr
+
+
 def test_gpu_table_has_the_seeds_cards():
     """V100 SXM2 32GB; A800 and H800, the A100 and H100 with less NVLink (400 GB/s against 600 and 900)."""
     v100, a100, a800, h100, h800 = (gpu(n) for n in ("v100", "a100", "a800", "h100", "h800"))

@@ -130,7 +130,8 @@ def model_from_args(a) -> ModelConfig:
             except ValueError as e:
                 raise PlanError(f"--model {cfg_file} is not valid JSON ({e}): download or save it again") from None
         else:
-            cfg = load_config(a.model).model
+            full = load_config(a.model)
+            cfg = full.model if full.model.vocab_size else replace(full.model, vocab_size=data_vocab(a.model, full))
         return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg
     need = ("layers", "hidden", "heads", "vocab")
     missing = [n for n in need if getattr(a, n) is None]
@@ -141,6 +142,20 @@ def model_from_args(a) -> ModelConfig:
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
                        vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ), tie_embeddings=a.arch == "gpt",
                        num_experts=a.experts, top_k=a.top_k)
+
+
+def data_vocab(source: str, cfg) -> int:
+    """model.vocab_size = 0, which a run takes from its data's tokenizer: data.path's index, or the default corpus's
+    byte tokenizer (256 bytes and an end-of-text). Planned as 0, it counted no embedding and no head."""
+    if not cfg.data.path:
+        return 257
+    index = Path(cfg.data.path) / "index.json"
+    try:
+        return int(json.loads(index.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise PlanError(f"--model {source}: model.vocab_size = 0 takes the size of data.path's tokenizer, and {index} "
+                        "cannot be read (is the data prepared, and plan run where training runs?): set "
+                        "model.vocab_size") from None
 
 
 def lora_from_args(a) -> LoRAConfig:
