@@ -444,6 +444,16 @@ def test_a_toml_model_of_vocab_size_0_is_planned_at_its_datas_tokenizer(tmp_path
     assert refused.returncode == 2 and "model.vocab_size = 0 takes the size of data.path's tokenizer" in refused.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_toml_models_run_settings_that_the_plan_does_not_take_are_named(tmp_path):
+    """plan --model run.toml planned a [parallel] tp 2 run at seq 64 as tp 1 at seq 2048, saying nothing."""
+    (tmp_path / "run.toml").write_text("[train]\nseq_len = 64\nlog_every = 5\n[parallel]\ntp = 2\nsp = true\n")
+    note = run_cli("plan", "--model", tmp_path / "run.toml").stderr
+    assert "it planned --seq 2048, --tp 1, no --sp, not its train.seq_len = 64, parallel.tp = 2, parallel.sp = " \
+           "True; give --seq 64 --tp 2 --sp to plan its run" in note and "log_every" not in note
+    assert "note" not in run_cli("plan", "--model", tmp_path / "run.toml", "--seq", 64, "--tp", 2, "--sp").stderr
+
+
 def test_gpu_table_has_the_seeds_cards():
     """V100 SXM2 32GB; A800 and H800, the A100 and H100 with less NVLink (400 GB/s against 600 and 900)."""
     v100, a100, a800, h100, h800 = (gpu(n) for n in ("v100", "a100", "a800", "h100", "h800"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from .flags import check_flags, check_inference_flags
+from .flags import RUN_FLAGS, check_flags, check_inference_flags, unplanned_settings
 from .hardware import GPUS, parse_bytes
 from .layout import expert_loads
 from .memory import activation_per_layer
@@ -238,6 +238,12 @@ def run(argv: list[str]) -> int:
     if a.largest:
         return largest_model(a, model, layout, g)
     work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
+    if a.model and Path(a.model).suffix == ".toml" and Path(a.model).is_file():
+        planned = {**{f: getattr(layout, f) for f in RUN_FLAGS.values() if hasattr(layout, f)},
+                   "seq": work.seq, "micro_batch": work.micro_batch, "global_batch": work.global_batch,
+                   "zero": layout.zero_stage}
+        if unplanned := unplanned_settings(a.model, planned):
+            print(unplanned, file=sys.stderr)
     e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
         print(json.dumps({**e.to_dict(), "layout": asdict(layout)}))
