@@ -70,7 +70,9 @@ CASES = [
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
-    ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"],
+     "text.txt' is a file; training reads a directory of token shards: shardlm data prepare --input ", 2),
+    ("data-path-missing", ["train", "tiny", "--data.path", "{new}/data", "--out", "{new}"], "/data' does not exist: make one", 2),
     ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
      "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
      "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
