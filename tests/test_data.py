@@ -446,6 +446,6 @@ def test_text_field_reads_records_that_hold_a_prompt_as_text(tmp_path):
     assert index["documents"] == 2 and "loss_mask" not in index
     stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
     assert stream == list(b"hi there") + [256] + list(b"bye") + [256]
-    with pytest.raises(ValueError, match=r"p.jsonl:1: no 'text' field \(fields: 'prompt'\); name the text's field "
-                                         r"with --text-field, or, for instruction data, .*completion"):
+    with pytest.raises(ValueError, match=r"p.jsonl:1: needs string fields prompt and completion \(or messages\); "
+                                         r"has 'prompt' \(for plain text, name its field with --text-field\)"):
         prepare([tmp_path / "p.jsonl"], "byte", tmp_path / "out2", progress=False)

@@ -309,7 +309,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 raise FileNotFoundError(f"input {p} does not exist{glob}")
         _refuse_repeats(inputs)
         from .instruct import is_instruct
-        instruct = [is_instruct(p) for p in inputs]
+        instruct = [is_instruct(p, text_field or "text") for p in inputs]
         if any(instruct) and not all(instruct):
             raise PrepareError("instruction examples (prompt/completion or messages jsonl) and plain text cannot be "
                                "prepared into one dataset: " + ", ".join(str(p) for p, i in zip(inputs, instruct) if i))
