@@ -415,6 +415,45 @@ def test_cli_search_without_gpus_says_it_searched_one():
     assert "searched layouts for 1 GPU (give --gpus N to search a cluster)" in text
 
 
+@pytest.mark.timeout(120)
+def test_search_that_fits_nothing_names_what_it_did_not_try():
+    """Once: "try --zero 3, --recompute full or a smaller --micro-batch", all tried by the search (which refuses
+    --zero); and with --json a bare [] and nothing on stderr."""
+    args = ("plan", "--model", "llama2-7b", "--search", "--gpus", 1)
+    text = run_cli(*args).stdout
+    assert "--zero 3" not in text and "try more --gpus, --offload optimizer, LoRA (--lora-rank 16)" in text
+    found = run_cli(*args, "--json")
+    assert json.loads(found.stdout) == [] and "nothing fits: none of the 20 layouts searched" in found.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_toml_model_of_vocab_size_0_is_planned_at_its_datas_tokenizer(tmp_path):
+    """model.vocab_size = 0 (the data's tokenizer size, as the README offers) was planned with no embedding or head."""
+    from shardlm.data.prepare import prepare
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    prepare([tmp_path / "a.txt"], "byte", tmp_path / "data", progress=False)
+    params = {}
+    for name, body in (("given", "vocab_size = 257"), ("default", "vocab_size = 0"),
+                       ("data", f'vocab_size = 0\n[data]\npath = "{tmp_path / "data"}"')):
+        (tmp_path / f"{name}.toml").write_text(f"[model]\n{body}\n")
+        out = run_cli("plan", "--model", tmp_path / f"{name}.toml", "--json").stdout
+        params[name] = json.loads(out)["memory"]["params"]
+    assert params["default"] == params["data"] == params["given"]
+    (tmp_path / "none.toml").write_text('[model]\nvocab_size = 0\n[data]\npath = "nowhere"\n')
+    refused = run_cli("plan", "--model", tmp_path / "none.toml", check=False)
+    assert refused.returncode == 2 and "model.vocab_size = 0 takes the size of data.path's tokenizer" in refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_toml_models_run_settings_that_the_plan_does_not_take_are_named(tmp_path):
+    """plan --model run.toml planned a [parallel] tp 2 run at seq 64 as tp 1 at seq 2048, saying nothing."""
+    (tmp_path / "run.toml").write_text("[train]\nseq_len = 64\nlog_every = 5\n[parallel]\ntp = 2\nsp = true\n")
+    note = run_cli("plan", "--model", tmp_path / "run.toml").stderr
+    assert "it planned --seq 2048, --tp 1, no --sp, not its train.seq_len = 64, parallel.tp = 2, parallel.sp = " \
+           "True; give --seq 64 --tp 2 --sp to plan its run" in note and "log_every" not in note
+    assert "note" not in run_cli("plan", "--model", tmp_path / "run.toml", "--seq", 64, "--tp", 2, "--sp").stderr
+
+
 def test_gpu_table_has_the_seeds_cards():
     """V100 SXM2 32GB; A800 and H800, the A100 and H100 with less NVLink (400 GB/s against 600 and 900)."""
     v100, a100, a800, h100, h800 = (gpu(n) for n in ("v100", "a100", "a800", "h100", "h800"))
