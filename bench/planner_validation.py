@@ -53,6 +53,7 @@ LAYOUTS = {
     ("data_parallel", 1, "shardlm-zero2"): Layout(zero_stage=2),
     ("data_parallel", 1, "shardlm-zero3"): Layout(zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4-sp"): Layout(tp=4, sp=True),
+    ("tensor_parallel", 2, "shardlm-tp2-sp"): Layout(tp=2, sp=True),
     ("tensor_parallel", 4, "shardlm-tp4"): Layout(tp=4),
     **{("pipeline_parallel", 4, f"shardlm-pp4-{s}"):
        Layout(pp=4, pp_schedule=s, virtual_stages=2 if s == "interleaved" else 1)
@@ -122,13 +123,14 @@ def main():
     args = p.parse_args()
     rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
     latest = {}
-    for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
-        key = (r["bench"], r["gpus"], r["system"], r.get("model"), r.get("seq"), r.get("micro_batch"), r.get("microbatches"))
+    for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts, and each card
+        key = (r["bench"], r["gpus"], r["system"], r.get("model"), r.get("seq"), r.get("micro_batch"),
+               r.get("microbatches"), r["card"])
         if layout_of(r) is not None and r.get("model") in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
             latest[key] = r
     out, ok = [], True
     print(f"{'layout':<46}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
-    for (bench, gpus, system, model, seq, mb, micro), r in sorted(latest.items(), key=lambda kv: str(kv[0])):
+    for (bench, gpus, system, model, seq, mb, micro, card), r in sorted(latest.items(), key=lambda kv: str(kv[0])):
         layout = layout_of(r)
         m = load_config(model, {"model.max_seq_len": str(seq)}).model
         batch = r.get("global_batch", mb * layout.dp * (micro or 1))
@@ -139,7 +141,7 @@ def main():
         step = batch * seq / (r["tok_s_gpu"] * gpus)
         mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1
         ok &= abs(mem_err) <= 0.10 and abs(step_err) <= 0.25
-        name = f"{system} x{gpus} s{seq} mb{mb}" + (f" m{micro}" if micro else "")
+        name = f"{system} x{gpus} s{seq} mb{mb}" + (f" m{micro}" if micro else "") + (" H100" if "H100" in card else "")
         print(f"{name:<46}{mem:>9.1f}{r['peak_mem_gib']:>7.1f}{100 * mem_err:>+6.1f}%"
               f"{e.step_time_s:>11.3f}{step:>8.3f}{100 * step_err:>+6.1f}%")
         out.append({"bench": "planner_validation", "date": datetime.date.today().isoformat(), "card": r["card"],
