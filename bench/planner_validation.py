@@ -3,8 +3,8 @@
     python bench/planner_validation.py [--record bench/results.jsonl]
 
 The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
-bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, bench/finetune.py and
-bench/offload.py wrote on the device
+bench/tensor_parallel.py, bench/context_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py,
+bench/finetune.py and bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout;
 an offload row's host memory rate is the one measured beside it, where its row has one.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
@@ -54,6 +54,8 @@ LAYOUTS = {
     ("data_parallel", 1, "shardlm-zero3"): Layout(zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4-sp"): Layout(tp=4, sp=True),
     ("tensor_parallel", 2, "shardlm-tp2-sp"): Layout(tp=2, sp=True),
+    ("context_parallel", 2, "shardlm-ring"): Layout(cp=2, cp_comm="p2p", zero_stage=3),
+    ("context_parallel", 2, "shardlm-ulysses"): Layout(cp=2, cp_comm="a2a", zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4"): Layout(tp=4),
     **{("pipeline_parallel", 4, f"shardlm-pp4-{s}"):
        Layout(pp=4, pp_schedule=s, virtual_stages=2 if s == "interleaved" else 1)
