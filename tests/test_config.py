@@ -194,6 +194,9 @@ def test_toml_roundtrip():
     ("[model]\nnum_layer = 2\n", "unknown config key 'model.num_layer'; did you mean model.num_layers?"),
     ("[trian]\nlr = 1e-4\n", "unknown config section [trian] in {path}; did you mean [train]?"),
     ("[Train]\nlr = 1e-4\n", "unknown config section [Train] in {path}; did you mean [train]?"),
+    # a number where a string goes: TOML reads precision = 16 unquoted
+    ("[train]\nprecision = 16\n", "train.precision = 16 is not a valid str: one of fp32, bf16, fp16, in quotes"),
+    ("[data]\npath = 5\n", 'data.path = 5 is not a valid str: give it in quotes (path = "5")'),
 ])
 def test_a_near_miss_in_a_toml_file_is_named(tmp_path, toml, message):
     """A misspelt key or section was answered with every key of the section (forty of [train]), no pointer."""

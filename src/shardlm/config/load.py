@@ -90,6 +90,11 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         how = ": give true or false"
     elif typ is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         how = f": give one string, the items separated by commas ({key.split('.')[1]} = {','.join(value)!r})"
+    elif typ is str and isinstance(value, (int, float)):  # precision = 16: TOML reads a number
+        from .checks import CHOICES
+        allowed = CHOICES.get(key)
+        how = f": one of {', '.join(allowed)}, in quotes" if allowed else f": give it in quotes ({key.split('.')[1]} = " \
+            f"\"{value}\")"
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
 
 
