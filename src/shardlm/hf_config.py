@@ -17,20 +17,40 @@ def _refuse(key: str, value, why: str):
     raise ConfigError(f"Hugging Face config {key} = {value!r} is not supported: {why}")
 
 
-def _qwen2_window(hf: dict) -> int:
-    """Qwen2 slides a window over the layers from max_window_layers on (or those layer_types names), and only
-    with use_sliding_window; shardlm has one attention pattern for every layer."""
-    if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
-        return 0
-    first = hf.get("max_window_layers", 28)  # Qwen2Config's default
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(hf["num_hidden_layers"])]
+def _one_window(hf: dict, types: list, key: str, value) -> int:
+    """The window of every layer where `types` (layer_types, or what `key` = `value` makes of them) is one kind;
+    shardlm has one attention pattern for every layer."""
     if not set(types) <= {"full_attention", "sliding_attention"}:
         _refuse("layer_types", types, "shardlm has full and sliding-window attention only")
     if len(set(types)) > 1:
-        key, value = ("layer_types", types) if hf.get("layer_types") else ("max_window_layers", first)
         _refuse(key, value, "a sliding window on some layers only (shardlm applies one window to every layer)")
-    return hf["sliding_window"] if types[0] == "sliding_attention" else 0
+    return (hf["sliding_window"] or 0) if types[0] == "sliding_attention" else 0
+
+
+def _qwen2_window(hf: dict, moe: bool) -> int:
+    """Qwen2 slides a window over the layers from max_window_layers on (or those layer_types names), and only
+    with use_sliding_window. Qwen2-MoE's rule is transformers' Qwen2MoeConfig's: every other layer, from the
+    first, below max_window_layers (a config.json written without layer_types, as transformers 4 wrote them)."""
+    if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
+        return 0
+    first = hf.get("max_window_layers", 28)  # both configs' default
+    slides = (lambda i: i % 2 == 0 and i < first) if moe else (lambda i: i >= first)
+    types = hf.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    key, value = ("layer_types", types) if hf.get("layer_types") else ("max_window_layers", first)
+    return _one_window(hf, types, key, value)
+
+
+def _mistral_window(hf: dict) -> int:
+    """MistralForCausalLM slides every layer; transformers' AutoModel reads a Mistral config.json that has
+    layer_types as Ministral's (a window on the sliding_attention layers only): where the two differ, the
+    checkpoint's numbers depend on how it is loaded, and it is refused."""
+    window = hf.get("sliding_window") or 0
+    types = hf.get("layer_types")
+    if types and _one_window(hf, types, "layer_types", types) != window:
+        _refuse("layer_types", types, f"with sliding_window = {window or None}, AutoModel (as Ministral) and "
+                "MistralForCausalLM compute different attention")
+    return window
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -65,6 +85,10 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
     if arch not in SUPPORTED:
         raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r}: shardlm builds the decoder-only "
                           f"language models {', '.join(SUPPORTED)}; start from a checkpoint of one of them")
+    ours = {**LLAMA_LIKE, "GPT2LMHeadModel": "gpt2"}[arch]
+    if archs and model_type and model_type != ours:  # AutoModel builds model_type's class, not architectures'
+        _refuse("model_type", model_type, f"architectures names {arch}, whose model_type is {ours!r}: transformers "
+                "builds the model_type's class; fix whichever of the two is wrong")
     if arch == "GPT2LMHeadModel":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -96,10 +120,12 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
     if kind == "default":
         rope = {}
     window = 0
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # every layer slides (they ignore layer_types)
+    if arch == "MistralForCausalLM":
+        window = _mistral_window(hf)
+    elif arch == "MixtralForCausalLM":  # every layer slides (it ignores layer_types)
         window = hf.get("sliding_window") or 0
     elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-        window = _qwen2_window(hf)
+        window = _qwen2_window(hf, moe=arch == "Qwen2MoeForCausalLM")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or 0
     if head_dim == hf["hidden_size"] // heads:
