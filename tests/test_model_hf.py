@@ -150,6 +150,23 @@ def test_window_rules_of_configs_without_or_with_layer_types_match_automodel(kin
         torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
+    """Every layer of the export slides in transformers too (its Qwen2-MoE rule from max_window_layers alone
+    slides every other layer or none)."""
+    from transformers import AutoModelForCausalLM
+    hf_model("qwen2_moe").save_pretrained(tmp_path / "hf")
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    cfg = dataclasses.replace(cfg, sliding_window=8)
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    write_hf_dir(ours.state_dict(), cfg, tmp_path / "export")
+    assert read_hf_dir(tmp_path / "export")[0] == cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()(ids).logits
+        torch.testing.assert_close(ours.eval()(ids), expected, rtol=0, atol=1e-5)
+
+
 def test_loss_matches_transformers(tmp_path):
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)

@@ -226,10 +226,13 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
                    shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, norm_topk_prob=cfg.router_renormalize,
                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(range(cfg.moe_first_dense)),
                    qkv_bias=True, output_router_logits=False)
-    if model_type in ("qwen2", "qwen2_moe"):  # a window slides over the layers from max_window_layers on
+    if model_type in ("qwen2", "qwen2_moe"):
+        # Qwen2 slides the layers from max_window_layers on, Qwen2-MoE every other one below it: layer_types,
+        # which both read first, says every layer.
         window = cfg.sliding_window or None
         out.update(use_sliding_window=bool(window), sliding_window=window,
-                   max_window_layers=0 if window else cfg.num_layers)
+                   max_window_layers=0 if window else cfg.num_layers,
+                   layer_types=["sliding_attention" if window else "full_attention"] * cfg.num_layers)
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out
