@@ -167,6 +167,24 @@ def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
         torch.testing.assert_close(ours.eval()(ids), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cls", ["LlamaConfig", "MistralConfig", "Qwen2Config", "MixtralConfig", "Qwen2MoeConfig"])
+def test_keys_a_config_json_leaves_out_take_the_transformers_class_defaults(cls):
+    """A config.json without rms_norm_eps, rope_theta, num_key_value_heads, sliding_window or
+    max_position_embeddings is the transformers class's defaults (Mixtral's 1e-5 and 1e6, Mistral's window of
+    4096), not Llama's."""
+    import transformers as tf
+    theirs = getattr(tf, cls)(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=32,
+                              vocab_size=300)
+    ours = model_config_from_hf({"architectures": theirs.architectures or [theirs.__class__.__name__.replace(
+        "Config", "ForCausalLM")], "model_type": theirs.model_type, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 300})
+    rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
+    assert (ours.norm_eps, ours.rope_theta, ours.kv_heads, ours.max_seq_len) == (
+        theirs.rms_norm_eps, rope["rope_theta"], theirs.num_key_value_heads, theirs.max_position_embeddings)
+    if cls == "MistralConfig":
+        assert ours.sliding_window == theirs.sliding_window == 4096
+
+
 def test_loss_matches_transformers(tmp_path):
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)

@@ -11,6 +11,15 @@ LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwe
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
 SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
 ROPE_TYPES = ("default", "linear", "llama3")
+# The transformers class's defaults for the keys a config.json may leave out that differ from Llama's (which the
+# reading below falls back to): Mixtral's norm and RoPE base, Mistral's window.
+HF_DEFAULTS = {
+    "MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, sliding_window=4096),
+    "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, sliding_window=4096),
+    "MixtralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+                               rope_theta=1e6),
+    "Qwen2MoeForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=32768, sliding_window=4096),
+}
 
 
 def _refuse(key: str, value, why: str):
@@ -100,6 +109,7 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
                            num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
                            max_seq_len=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                            tie_embeddings=hf.get("tie_word_embeddings", True))
+    hf = {**HF_DEFAULTS.get(arch, {}), **hf}
     if hf.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu)")
     if arch == "LlamaForCausalLM":  # Mistral and Qwen2 build their linears without these, whatever the config says
