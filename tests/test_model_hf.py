@@ -119,13 +119,17 @@ def test_unimplemented_hf_features_are_refused(make, message):
 
 
 def test_features_transformers_ignores_are_not_refused():
-    """Mistral and Qwen2 build bias-free MLPs and o_proj whatever attention_bias and mlp_bias say, and Qwen2
-    slides no layer without use_sliding_window."""
+    """Mistral and Qwen2 build bias-free MLPs and o_proj whatever attention_bias and mlp_bias say, Qwen2
+    slides no layer without use_sliding_window, and transformers' "swish" is its "silu"."""
     for cls in ("MistralConfig", "Qwen2Config"):
         assert model_config_from_hf(_hf(cls, sliding_window=None, attention_bias=True, mlp_bias=True)).sliding_window == 0
     assert model_config_from_hf(_hf("Qwen2Config", sliding_window=8, max_window_layers=0)).sliding_window == 0
     assert model_config_from_hf(_hf("Qwen2Config", use_sliding_window=True, sliding_window=8,
                                     max_window_layers=0)).sliding_window == 8
+    import transformers
+    x = torch.linspace(-6, 6, 101)
+    assert torch.equal(transformers.activations.ACT2FN["swish"](x), torch.nn.functional.silu(x))
+    assert model_config_from_hf(_hf("LlamaConfig", hidden_act="swish")) == model_config_from_hf(_hf("LlamaConfig"))
 
 
 @pytest.mark.parametrize("kind, edit", [

@@ -110,7 +110,7 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
                            max_seq_len=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                            tie_embeddings=hf.get("tie_word_embeddings", True))
     hf = {**HF_DEFAULTS.get(arch, {}), **hf}
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' swish is SiLU
         _refuse("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu)")
     if arch == "LlamaForCausalLM":  # Mistral and Qwen2 build their linears without these, whatever the config says
         if hf.get("mlp_bias"):
