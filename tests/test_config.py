@@ -197,6 +197,8 @@ def test_toml_roundtrip():
     # a number where a string goes: TOML reads precision = 16 unquoted
     ("[train]\nprecision = 16\n", "train.precision = 16 is not a valid str: one of fp32, bf16, fp16, in quotes"),
     ("[data]\npath = 5\n", 'data.path = 5 is not a valid str: give it in quotes (path = "5")'),
+    ("[train]\nbatch_size = 8\n", "did you mean train.global_batch_size (the sequences of a step) or "
+                                   "train.micro_batch_size (those of one forward pass on a rank)?"),
 ])
 def test_a_near_miss_in_a_toml_file_is_named(tmp_path, toml, message):
     """A misspelt key or section was answered with every key of the section (forty of [train]), no pointer."""

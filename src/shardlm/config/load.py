@@ -93,8 +93,8 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     elif typ is str and isinstance(value, (int, float)):  # precision = 16: TOML reads a number
         from .checks import CHOICES
         allowed = CHOICES.get(key)
-        how = f": one of {', '.join(allowed)}, in quotes" if allowed else f": give it in quotes ({key.split('.')[1]} = " \
-            f"\"{value}\")"
+        quoted = f"{key.split('.')[1]} = \"{value}\""
+        how = f": one of {', '.join(allowed)}, in quotes" if allowed else f": give it in quotes ({quoted})"
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
 
 
@@ -128,6 +128,11 @@ HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "
             "train.logging_steps": ("train.log_every", "TrainingArguments")}
 
 
+# Names other tools give two meanings: the hint names both of ours.
+AMBIGUOUS = {"train.batch_size": "; did you mean train.global_batch_size (the sequences of a step) or "
+                                 "train.micro_batch_size (those of one forward pass on a rank)?"}
+
+
 def _near_section(section: str) -> str:
     """'; did you mean [train]?' for a misspelt or capitalised section ([trian], [Train]), else ""."""
     found = difflib.get_close_matches(section.lower(), SECTIONS, n=1, cutoff=0.6)
@@ -159,7 +164,7 @@ def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
         if name not in hints:
             known = ", ".join(f.name for f in fields(obj))
             ours = HF_NAMES.get(key)
-            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else _near_key(section, name)
+            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else AMBIGUOUS.get(key) or _near_key(section, name)
             raise ConfigError(f"unknown config key {key!r}{hint} (known in [{section}]: {known})")
         setattr(obj, name, _convert(key, value, hints[name]))
 
