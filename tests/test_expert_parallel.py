@@ -147,16 +147,17 @@ def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
     assert furthest <= 1.25 * control and far <= 1.25 * control_far + 50, (furthest, far, control, control_far)
 
 
-@pytest.mark.parametrize("ep", ["1", "2"])
-def test_fp16_at_dp_2_and_ep_2_skips_only_the_steps_one_process_skips(ep):
+@pytest.mark.parametrize("layout", [{}, {"parallel.ep": "2"}, {"parallel.zero_stage": "3"},
+                                    {"parallel.dp": "1", "parallel.cp": "2"}], ids=["dp2", "ep2", "zero3", "cp2"])
+def test_fp16_at_dp_2_and_ep_2_skips_only_the_steps_one_process_skips(layout):
     """At a batch of 8 (4 sequences a rank), each rank's mean over its own tokens made its gradients,
     activations' too, twice one process's per token: dp 2 and ep 2 overflowed at the first loss scale and
     skipped two steps that one process ran. Each rank's loss is now divided by the data replicas before
     backward (Engine.loss_factor, fp16 only): the same steps run, the same loss scales, the same losses and
-    gradient norms as one process."""
+    gradient norms as one process (ZeRO-3 and context parallelism too, whose divisor is the same)."""
     over = {**FP16, "train.global_batch_size": "8", "train.optimizer": "sgd", "train.lr": "1e-2"}
     ref = reference({k: v for k, v in over.items() if not k.startswith("parallel.")})
-    for r in run_distributed(dist_fns.train_and_capture, 2, {**over, "parallel.ep": ep}, timeout=300):
+    for r in run_distributed(dist_fns.train_and_capture, 2, {**over, **layout}, timeout=300):
         assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=3e-4), (r["grad_norms"], ref["grad_norms"])
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-4, atol=0)
 

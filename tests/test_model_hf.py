@@ -177,16 +177,20 @@ def test_keys_a_config_json_leaves_out_take_the_transformers_class_defaults(cls)
     max_position_embeddings is the transformers class's defaults (Mixtral's 1e-5 and 1e6, Mistral's window of
     4096), not Llama's."""
     import transformers as tf
-    theirs = getattr(tf, cls)(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=32,
+    # 64 heads, which no class's key/value default equals: a missing key read as Llama's (as many) would show
+    theirs = getattr(tf, cls)(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=64,
                               vocab_size=300)
     ours = model_config_from_hf({"architectures": theirs.architectures or [theirs.__class__.__name__.replace(
         "Config", "ForCausalLM")], "model_type": theirs.model_type, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 300})
+        "num_hidden_layers": 2, "num_attention_heads": 64, "vocab_size": 300})
     rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
     assert (ours.norm_eps, ours.rope_theta, ours.kv_heads, ours.max_seq_len) == (
         theirs.rms_norm_eps, rope["rope_theta"], theirs.num_key_value_heads, theirs.max_position_embeddings)
     if cls == "MistralConfig":
         assert ours.sliding_window == theirs.sliding_window == 4096
+    if cls == "Qwen2Config":  # use_sliding_window with no sliding_window: the class's window of 4096
+        keys = {k: v for k, v in theirs.to_dict().items() if k not in ("sliding_window", "layer_types")}
+        assert model_config_from_hf({**keys, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 4096
 
 
 def test_loss_matches_transformers(tmp_path):

@@ -56,7 +56,7 @@ def _mistral_window(hf: dict) -> int:
     checkpoint's numbers depend on how it is loaded, and it is refused."""
     window = hf.get("sliding_window") or 0
     types = hf.get("layer_types")
-    if types and _one_window(hf, types, "layer_types", types) != window:
+    if window and types and _one_window(hf, types, "layer_types", types) != window:  # no window: both read full
         _refuse("layer_types", types, f"with sliding_window = {window or None}, AutoModel (as Ministral) and "
                 "MistralForCausalLM compute different attention")
     return window

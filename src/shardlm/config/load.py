@@ -90,7 +90,7 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         how = ": give true or false"
     elif typ is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         how = f": give one string, the items separated by commas ({key.split('.')[1]} = {','.join(value)!r})"
-    elif typ is str and isinstance(value, (int, float)):  # precision = 16: TOML reads a number
+    elif typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # precision = 16: a number
         from .checks import CHOICES
         allowed = CHOICES.get(key)
         quoted = f"{key.split('.')[1]} = \"{value}\""

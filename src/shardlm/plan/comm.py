@@ -114,7 +114,8 @@ EXPOSED = {"allreduce": 0.85, "reduce_scatter": 0.3, "allgather_step": 1.0, "zer
 # all-reduces without, in forward, backward and a recomputed forward) takes tp - 1 steps of a ring, each this
 # much beyond its bytes at the link's rate (the alpha of the alpha-beta model): the launch and the ranks' wait
 # for the slowest, at thousands of collectives a step. Fitted to the tp rows bench/planner_validation.py reads
-# (llama2-7b, seq 4096: tp 2 on 2x and 4x H200 and 4x H100, tp 4 on 4x H200 within 5%; tp 4 on 4x H100 -17%).
+# (llama2-7b, seq 4096: tp 2 on 2x H200, dp 2 x tp 2 and pp 2 x tp 2 on 4x H100, tp 4 on 4x H200 within 5%;
+# tp 4 on 4x H100 -17%).
 TP_STEP_S = 35e-6
 # ZeRO-2 and -3 reduce on every micro-step; each micro-step before the last costs this much per gradient
 # bucket (parallel.bucket_mb) beyond the last one's exposed traffic. Fitted to the four ZeRO-2/3 rows with
