@@ -295,13 +295,23 @@ def test_a_compiled_qlora_block_keeps_its_base_in_4_bits_for_backward():
     assert all(close(grads[name], p.grad) for name, p in block.named_parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "pp2"])
-def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
-    over = {**QLORA, **LAYOUTS[layout]}
-    world = int(over.get("parallel.dp", 1)) * int(over.get("parallel.pp", 1))
+@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "pp2", "tp2-sp"])
+def test_qlora_under_data_tensor_and_pipeline_parallelism_equals_one_process(layout):
+    """Data and pipeline parallelism quantise each weight whole, as one process does: equal. Tensor parallelism
+    quantises each rank's shard, whose NF4 block scales are double-quantised in groups of their own: a base
+    that differs in the scales' last bits, so the run follows one process's closely, not exactly."""
+    # At tp 2 each shard's rows hold whole blocks of 64 (hidden 128): the blocks are one process's
+    over = {**QLORA, **LAYOUTS[layout], **({"model.hidden_size": "128"} if layout == "tp2-sp" else {})}
+    world = int(over.get("parallel.dp", 1)) * int(over.get("parallel.pp", 1)) * int(over.get("parallel.tp", 1))
     ref = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1", "parallel.pp": "1",
-                                            "parallel.zero_stage": "0"})
-    check_equal(run_distributed(dist_fns.train_and_capture, world, over, timeout=240), ref)
+                                            "parallel.tp": "1", "parallel.sp": "false", "parallel.zero_stage": "0"})
+    results = run_distributed(dist_fns.train_and_capture, world, over, timeout=240)
+    if layout != "tp2-sp":
+        check_equal(results, ref)
+        return
+    for r in results:  # 9.3e-4 when written (1.3e-2 with shards of half blocks, at hidden 64)
+        rel = [abs(a / b - 1) for key in ("losses", "grad_norms") for a, b in zip(r[key], ref[key])]
+        assert max(rel) < 2e-3, rel
 
 
 def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path, capsys):
