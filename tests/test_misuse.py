@@ -73,6 +73,8 @@ CASES = [
     ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"],
      "text.txt' is a file; training reads a directory of token shards: shardlm data prepare --input ", 2),
     ("data-path-missing", ["train", "tiny", "--data.path", "{new}/data", "--out", "{new}"], "/data' does not exist: make one", 2),
+    ("data-path-the-index", ["train", "tiny", "--data.path", "{data}/index.json", "--out", "{new}"],
+     "index.json' is a prepared directory's index: give the directory, ", 2),
     ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
      "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
      "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),

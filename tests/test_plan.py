@@ -450,7 +450,7 @@ def test_a_toml_models_run_settings_that_the_plan_does_not_take_are_named(tmp_pa
     (tmp_path / "run.toml").write_text("[train]\nseq_len = 64\nlog_every = 5\n[parallel]\ntp = 2\nsp = true\n")
     note = run_cli("plan", "--model", tmp_path / "run.toml").stderr
     assert "it planned --seq 2048, --tp 1, no --sp, not its train.seq_len = 64, parallel.tp = 2, parallel.sp = " \
-           "True; give --seq 64 --tp 2 --sp to plan its run" in note and "log_every" not in note
+           "true; give --seq 64 --tp 2 --sp to plan its run" in note and "log_every" not in note
     assert "note" not in run_cli("plan", "--model", tmp_path / "run.toml", "--seq", 64, "--tp", 2, "--sp").stderr
 
 

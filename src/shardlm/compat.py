@@ -207,6 +207,8 @@ def non_finite_init(cfg: Config) -> str | None:
 def not_prepared(path: str) -> str:
     """Why data.path is no prepared dataset: a missing path, or a text file given where its tokens go, was told
     "not a prepared data directory" as a directory of something else is."""
+    if Path(path).name == "index.json" and Path(path).is_file():  # the directory's index named, not the directory
+        return f"data.path = {path!r} is a prepared directory's index: give the directory, {str(Path(path).parent)!r}"
     if Path(path).is_file():
         return (f"data.path = {path!r} is a file; training reads a directory of token shards: shardlm data prepare "
                 f"--input {path} --tokenizer byte (or a tokenizer.json) --out DIR, then data.path = DIR")

@@ -6,6 +6,7 @@ argparse takes `--gpu-tflops -5` and `--dp 0` as numbers; the planner then print
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -173,11 +174,14 @@ def unplanned_settings(source: str, planned: dict) -> str:
     if not off:
         return ""
 
+    def toml(value):  # as the file writes it
+        return str(value).lower() if isinstance(value, bool) else json.dumps(value)
+
     def flag(name, value):
         if value is False:
             return f"no --{name.replace('_', '-')}"
         return f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
     return (f"note: plan reads {source}'s [model] and [lora] only: it planned "
             f"{', '.join(flag(f, planned[f]) for _, _, f in off)}, not its "
-            f"{', '.join(f'{k} = {v!r}' for k, v, _ in off)}; give {' '.join(flag(f, v) for _, v, f in off)} to plan "
+            f"{', '.join(f'{k} = {toml(v)}' for k, v, _ in off)}; give {' '.join(flag(f, v) for _, v, f in off)} to plan "
             "its run")
