@@ -249,6 +249,25 @@ def test_routing_and_its_counts_compile_into_one_graph_unless_recomputed(recompu
     assert layer.take_load().sum() == layer.take_routed().sum() == 2 * 16 * layer.top_k
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_top_1_renormalised_routing_that_the_loss_cannot_train_is_refused(scoring):
+    """top_k 1 with the chosen weight renormalised: the weight is 1 whatever the router says, so the loss gave
+    the router no gradient (it trained on the balance loss alone); refused unless the router is not trained."""
+    grads = {}
+    for renormalize in (True, False):
+        layer = moe_layer(top_k=1, router_scoring=scoring, router_renormalize=renormalize).train()
+        layer(torch.randn(2, 8, layer.router.in_features, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+        grads[renormalize] = layer.router.weight.grad.norm().item()
+    assert grads[True] < 1e-4 * grads[False]  # why it is refused
+    over = {**MOE, "model.top_k": "1", "model.router_scoring": scoring}
+    with pytest.raises(ConfigError, match="model.top_k = 1 with model.router_renormalize = True weighs every token's "
+                                          "expert by 1, so the loss trains the router not at all"):
+        validate(load_config("tiny", over))
+    for fine in ({"model.router_renormalize": "false"}, {"train.freeze": "router"}, {"lora.rank": "4"}):
+        validate(load_config("tiny", {**over, **fine}))
+
+
 def test_config_checks_and_counts():
     cfg = load_config("mixtral-tiny")
     validate(cfg)

@@ -174,6 +174,17 @@ def test_plan_cli_fine_tuning(tmp_path):
         assert bad.returncode != 0 and msg in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.timeout(60)
+def test_plan_refuses_a_lora_rank_the_runtime_refuses(capsys):
+    """A rank above the hidden size, which `train` refuses, was planned (tiny at rank 100000: 2.29 GiB of
+    checkpoint for adapters that can learn nothing more than rank 64's)."""
+    from shardlm.cli import main
+    assert main(["plan", "--model", "tiny", "--lora-rank", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--lora-rank 100000 exceeds the model's hidden size 64" in err
+    assert main(["plan", "--model", "tiny", "--lora-rank", "64", "--json"]) == 0
+
+
 def test_offload_host_memory():
     """Per rank in host memory: 16 bytes a parameter of the rank's shard (fp32 masters, two moments,
     gradients), the gradients' pinned staging slots and two buckets' 16-bit staging of the updated weights, 4

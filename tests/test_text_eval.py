@@ -177,6 +177,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert f"--data {binary}: not UTF-8 text (byte offset 3)" in error("--data", binary, "--seq-len", 16, model=tmp_path)
 
 
+@pytest.mark.timeout(60)
+def test_a_reference_no_completion_can_score_against_is_named_before_the_model(tmp_path, capsys):
+    """An empty reference, or (for ROUGE) one in a script rouge-score drops, scored 0 against any completion,
+    its own text too; now refused naming its line, before --model is read (it does not exist here)."""
+    assert score(["你好 世界"], ["你好 世界"], ["rouge"])["rouge1"] == 0  # why: rouge-score keeps a-z and 0-9
+    def error(tasks, rows):
+        data = write_jsonl(tmp_path / "d.jsonl", [EXAMPLES[0], *rows])
+        assert main(["eval", "--model", str(tmp_path / "no_model"), "--tasks", tasks, "--data", str(data)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err
+        return err
+    empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}
+    for tasks in ("bleu", "rouge"):
+        assert "d.jsonl:2: the reference is empty" in error(tasks, [{"prompt": "x", "completion": ""}])
+        assert "d.jsonl:3: the reference is empty" in error(tasks, ["", empty])
+    assert "d.jsonl:2: rouge-score's tokeniser finds no word in the reference '你好 世界'" in \
+        error("bleu,rouge", [{"prompt": "x", "completion": "你好 世界"}])
+    assert "no such directory" in error("bleu", [{"prompt": "x", "completion": "你好 世界"}])  # BLEU scores it
+    assert read_examples(write_jsonl(tmp_path / "ok.jsonl", EXAMPLES), ["rouge"])[1][2] == "a mat"
+
+
 def test_a_prompt_too_long_for_the_model_is_named(model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "long.jsonl", [EXAMPLES[0], {"prompt": "x" * 125, "completion": "y"}])
     assert main(["eval", "--model", str(model_dir), "--tasks", "bleu", "--data", str(data), "--max-new-tokens", "8"]) == 2

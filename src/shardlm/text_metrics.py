@@ -32,11 +32,12 @@ def parse_tasks(spec: str) -> list[str]:
     return tasks
 
 
-def read_examples(path: str | Path) -> tuple[list, list[str]]:
+def read_examples(path: str | Path, tasks=()) -> tuple[list, list[str]]:
     """Prompts and references of a jsonl file: one object per line with `prompt` and `completion` (or
     `reference`), both strings, or a chat as training reads it (`messages`), whose last turn, the assistant's,
     is the reference and the turns before it the prompt (a list, for the model's chat template). Blank lines
-    are skipped."""
+    are skipped. A reference no completion could score against is refused naming its line: an empty one, or,
+    for `tasks` with rouge, one in which rouge-score's tokeniser finds no word."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"--data {path} is a directory, not a file")
@@ -52,17 +53,35 @@ def read_examples(path: str | Path) -> tuple[list, list[str]]:
                 raise ConfigError(f"{where}: messages must be a list of {{role, content: string}} turns ending "
                                   "with the assistant's, the reference, after at least one turn to answer")
             prompts.append(turns[:-1])
-            refs.append(turns[-1]["content"])
+            refs.append(_reference(turns[-1]["content"], where, tasks))
             continue
         ref = obj.get("completion", obj.get("reference"))
         if not isinstance(obj.get("prompt"), str) or not isinstance(ref, str):
             raise ConfigError(f"{where}: needs string fields prompt and completion (or reference), or messages, "
                               f"has {', '.join(sorted(obj)) or 'none'}")
         prompts.append(obj["prompt"])
-        refs.append(ref)
+        refs.append(_reference(ref, where, tasks))
     if not prompts:
         raise ConfigError(f"--data {path}: no examples (expected one JSON object per line)")
     return prompts, refs
+
+
+def _reference(ref: str, where: str, tasks) -> str:
+    # Both scored 0 whatever was generated, and pulled the mean down without a word: ROUGE of an empty
+    # reference is 0 even for an empty completion, and rouge-score keeps only a-z and 0-9 (a Chinese or
+    # Russian reference had ROUGE 0 against an exact copy of itself).
+    if not ref.strip():
+        raise ConfigError(f"{where}: the reference is empty, which no completion can match (BLEU and ROUGE score "
+                          "it 0 whatever is generated): give its reference, or drop the example")
+    if "rouge" in tasks and not _rouge_tokenizer().tokenize(ref):
+        raise ConfigError(f"{where}: rouge-score's tokeniser finds no word in the reference {ref[:40]!r} (it keeps "
+                          "the letters a-z and digits only), so its ROUGE is 0 whatever is generated: score this "
+                          "data with --tasks bleu (chrF compares characters of any script)")
+    return ref
+
+
+def _rouge_tokenizer():
+    return _require("rouge_score.tokenizers", "rouge-score").DefaultTokenizer(use_stemmer=True)
 
 
 def _require(module: str, package: str):

@@ -198,7 +198,7 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
-        prompts, refs = read_examples(a.data)  # before loading the model: a bad file fails fast
+        prompts, refs = read_examples(a.data, tasks)  # before loading the model: a bad file fails fast
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids

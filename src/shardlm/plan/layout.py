@@ -64,6 +64,9 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
         raise PlanError("--quantize nf4 quantises a frozen base: it needs --lora-rank")
     if L.lora.rank < 0:
         raise PlanError(f"--lora-rank {L.lora.rank} must not be negative")
+    if L.lora.rank > model.hidden_size:  # config.checks.validate's refusal: planned, it was a run that cannot start
+        raise PlanError(f"--lora-rank {L.lora.rank} exceeds the model's hidden size {model.hidden_size}, the most an "
+                        f"adapter's update B A can have: lower --lora-rank (to {model.hidden_size} at most)")
     if L.offload_activations and L.recompute != "full":
         raise PlanError("--offload-activations offloads what full recomputation keeps of a block (its input): it "
                         f"needs --recompute full (it is {L.recompute})")
