@@ -66,6 +66,19 @@ def test_resume_refuses_a_different_model(tmp_path):
         train(tmp_path, "b", resume=tmp_path / "a", model__hidden_size=32)
 
 
+@pytest.mark.timeout(120)
+def test_a_run_resumes_past_a_metrics_line_cut_short(tmp_path):
+    """A kill or a full disk while a record is appended leaves metrics.jsonl's last line cut short: resuming the
+    run once stopped on it with json's bare "Expecting ',' delimiter"."""
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')
+    _, more = train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__tensorboard=False)
+    assert [r["step"] for r in more] == [3]
+    lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3]
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
     import shardlm.checkpoint as ck

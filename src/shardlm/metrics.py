@@ -45,6 +45,16 @@ def memory_gib(device: torch.device) -> float:
         return 0.0
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for one that does not read, as a kill or a full disk leaves the
+    last one cut short: the run it belongs to must still resume."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
+
+
 class MetricsLogger:
     def __init__(self, out_dir: Path | None, enabled: bool, tensorboard: bool, resume_step: int | None = None):
         self.enabled = enabled and out_dir is not None
@@ -57,7 +67,7 @@ class MetricsLogger:
             # A run resumed into its own directory: its history up to the checkpoint stays, and what the
             # abandoned future logged after it goes (here and, by purge_step, in TensorBoard).
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+                    if (step := _step_of(line)) is not None and step <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.is_file():
             self.path.unlink()
