@@ -79,6 +79,21 @@ def test_a_run_resumes_past_a_metrics_line_cut_short(tmp_path):
     assert lines == [1, 2, 3]
 
 
+@pytest.mark.timeout(120)
+def test_a_copy_of_a_checkpoint_beside_the_others_is_not_a_step_of_the_run(tmp_path):
+    """`cp -r step_00000002 step_00000002.bak` in the checkpoints folder: the copy sorted as the newest
+    checkpoint, and resuming the run failed with "invalid literal for int() with base 10: '00000002.bak'"."""
+    import shutil
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+    ckpts = tmp_path / "a" / "checkpoints"
+    shutil.copytree(ckpts / "step_00000002", ckpts / "step_00000002.bak")
+    assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000002"]
+    _, more = train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__tensorboard=False,
+                    train__keep_checkpoints=1)
+    assert [r["step"] for r in more] == [3]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002.bak", "step_00000003"]  # rotation spares it
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
     import shardlm.checkpoint as ck

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -36,6 +37,9 @@ CKPT_DIR = "checkpoints"
 STATE = "state.json"
 MANIFEST = "manifest.json"  # a sharded save's pieces (parallel/sharded_state.py)
 VERIFY_THREADS = 8
+# What saves name their checkpoints: a copy beside them (`cp -r step_00000004 step_00000004.bak`) is the user's, not
+# a step of the run; taken for the newest one, its name failed as "invalid literal for int()".
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -204,14 +208,20 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
+    """The step of checkpoint `path`: from its name, or from its state.json for one renamed or copied elsewhere."""
+    if (named := STEP_NAME.match(path.name)) is not None:
+        return int(named.group(1))
+    try:
+        return int(json.loads((path / STATE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} has no step: neither its name (step_N) nor its {STATE} ({e}) gives one") from None
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
+    return sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and (p / STATE).is_file())
 
 
 def _no_checkpoint(path: Path) -> FileNotFoundError:
