@@ -174,7 +174,10 @@ class CheckpointSaver:
                     raise problem
                 manifest = {"optimizer_steps": max(m["steps"] for m in everyone),
                             "pieces": [p for m in everyone for p in m["pieces"]]}
-                (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+                try:  # the disk filled by the pieces fails here: a save's message, and every rank stopping with it
+                    (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+                except OSError as e:
+                    raise failed_save(self.out, step, e.strerror or str(e)) from None
                 written = {name: record for m in everyone for name, record in m["files"]}
                 path = commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
                                          keep=self.cfg.train.keep_checkpoints, rng=rng,
