@@ -68,7 +68,20 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+# What decides how many random numbers each rank draws a step (dropout over the layers a pipeline stage holds).
+RNG_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "pp_layers")
+
+
+def rng_layout(parallel) -> list:
+    return [getattr(parallel, k) for k in RNG_LAYOUT]
+
+
+def set_rng_state(state: dict, rank: int = 0, layout: list | None = None) -> None:
+    """Restore the RNG state saved; each rank its own where the checkpoint has every rank's (`state["ranks"]`) and
+    the layout (`rng_layout`) is the one saved, else rank 0's, as every rank started from the seed."""
+    ranks = state.get("ranks")
+    if ranks is not None and state.get("layout") == layout and rank < len(ranks):
+        state = ranks[rank]
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -99,7 +112,7 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
 
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
                     optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2,
-                    generation_config: dict | None = None) -> Path:
+                    generation_config: dict | None = None, rng: dict | None = None) -> Path:
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
@@ -109,7 +122,8 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
         written = {name: write_tensors(tmp / name, cpu(tensors), sync=False)
                    for name, tensors in (("model.safetensors", masters), ("optimizer.safetensors", optimizer))}
-    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, generation_config=generation_config)
+    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, rng=rng,
+                             generation_config=generation_config)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:

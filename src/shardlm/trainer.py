@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, set_rng_state
+from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, rng_layout, set_rng_state
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
@@ -185,7 +185,7 @@ class Trainer:
         self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         self.moe.load(ckpt["state"].get("router_bias"))
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
