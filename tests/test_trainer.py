@@ -94,6 +94,33 @@ def test_a_copy_of_a_checkpoint_beside_the_others_is_not_a_step_of_the_run(tmp_p
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002.bak", "step_00000003"]  # rotation spares it
 
 
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_within_a_metrics_record_drops_that_record_and_the_run_goes_on(tmp_path, monkeypatch):
+    """The disk filled while step 2's record was appended: the run ended with an OSError traceback, nothing
+    saved since its last checkpoint, and metrics.jsonl kept the record cut short, with step 3's glued onto it."""
+    import io
+
+    import shardlm.metrics as metrics_module
+
+    class DiskFull(io.FileIO):
+        def write(self, data):
+            data = bytes(data)
+            return super().write(data[:10] if data.startswith(b'{"step": 2,') else data)
+
+    def opened(file, mode="r", *args, **kwargs):
+        return DiskFull(file, "a") if mode == "ab" else open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(metrics_module, "open", opened, raising=False)
+    cfg = load_config("tiny", {"train.steps": "3", "train.tensorboard": "false"})
+    said = []
+    trainer = Trainer(cfg, out_dir=tmp_path / "a", log=said.append)
+    trainer.run()
+    trainer.close()
+    assert any("metrics.jsonl could not be written" in m and "step 2's metrics" in m for m in said), said
+    lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 3]
+    assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000003"]
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
     import shardlm.checkpoint as ck

@@ -132,7 +132,7 @@ class Trainer:
         if self.out is not None and overwrite and self.mesh.is_main:
             rundir.overwrite_run(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
-                                     resume_step=self.step if same_dir else None)
+                                     resume_step=self.step if same_dir else None, warn=self.log)
         if self.out is not None and self.mesh.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(cfg.to_toml())
