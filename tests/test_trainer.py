@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +120,26 @@ def test_a_disk_that_fills_within_a_metrics_record_drops_that_record_and_the_run
     lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [1, 3]
     assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000003"]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_whose_rotation_was_killed_midway_is_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A kill while rotation deleted step 2 (its state.json gone first) left step_00000002 neither whole nor gone:
+    no complete checkpoint, so no later rotation or cleanup removed it, a whole checkpoint's disk for good."""
+    import shutil
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+
+    def killed(path, *args, **kwargs):
+        if Path(path).exists():
+            (Path(path) / "state.json").unlink()
+            raise KeyboardInterrupt("killed mid-rotation")
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__keep_checkpoints=1,
+                  train__tensorboard=False)
+    train(tmp_path, "a", resume=tmp_path / "a", train__steps=4, train__keep_checkpoints=1, train__tensorboard=False)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_00000004"]
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -102,12 +102,25 @@ def _crc32(path: Path, done=None) -> int:
 
 
 def remove_partial(run_dir: str | Path) -> list[Path]:
-    """Delete the temporary directories that saves cut short (a crash, a full disk) left behind."""
+    """Delete the temporary directories that saves cut short (a crash, a full disk) left behind, and what a
+    deletion cut short left of a checkpoint rotated out (`discard`); returns the former."""
     root = Path(run_dir) / CKPT_DIR
     partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
-    for p in partial:
+    for p in [*partial, *(root.glob(".old-step_*") if root.is_dir() else [])]:
         shutil.rmtree(p, ignore_errors=True)
     return partial
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint, renamed out of the run's steps first: a kill midway through deleting it in place left
+    a step_N without its state.json, which no rotation or cleanup ever removed (a whole checkpoint's disk)."""
+    old = path.with_name(f".old-{path.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(path, old)
+    except OSError:
+        old = path
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
@@ -211,13 +224,13 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
-            shutil.rmtree(final)
+            discard(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     # Only checkpoints up to this step rotate out: one of a later step is not this run's to delete.
     older = [p for p in complete_checkpoints(run_dir) if p.name <= final.name]
     for old in older[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     return final
 
 
