@@ -142,6 +142,24 @@ def test_a_checkpoint_whose_rotation_was_killed_midway_is_removed_by_the_next_ru
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_00000004"]
 
 
+@pytest.mark.timeout(120)
+def test_a_run_on_a_relative_data_path_resumes_from_another_directory(tmp_path, monkeypatch):
+    """data.path = "data", relative to where the run started: `shardlm train --resume RUN` from another directory
+    (a job script's) took the path from the checkpoint and refused with "data.path = 'data' does not exist"."""
+    from shardlm.cli import main
+    from shardlm.data.prepare import prepare
+    (tmp_path / "project").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "project" / "t.txt").write_text("hello world, this is some text\n" * 300)
+    monkeypatch.chdir(tmp_path / "project")
+    prepare(["t.txt"], "byte", "data")
+    common = ["--train.device", "cpu", "--train.sample_tokens", "0", "--train.tensorboard", "false"]
+    assert main(["train", "tiny", "--data.path", "data", "--train.steps", "2", "--out", "run", *common]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["train", "--resume", str(tmp_path / "project" / "run"), "--train.steps", "3"]) == 0
+    assert [p.name for p in complete_checkpoints(tmp_path / "project" / "run")][-1] == "step_00000003"
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
     import shardlm.checkpoint as ck

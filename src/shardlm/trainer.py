@@ -10,6 +10,7 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import time
@@ -42,6 +43,17 @@ from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
+
+
+def _located(config: dict) -> dict:
+    """The config a checkpoint records, its local paths made absolute: `--resume` reads them from the checkpoint,
+    and relative ones (data.path = "data") named nothing when resumed from another directory (a job script's),
+    the run refused with "does not exist"."""
+    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from")):
+        value = config[section][key]
+        if value and os.path.exists(value):
+            config[section][key] = os.path.abspath(value)
+    return config
 
 
 class Trainer:
@@ -267,7 +279,7 @@ class Trainer:
         """Save this step (`wait` False: in the background where train.checkpoint_async says so)."""
         if self.out is None:
             return None
-        state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
+        state = {"config": _located(self.cfg.to_dict()), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):
