@@ -61,6 +61,23 @@ def test_resume_allows_more_steps(tmp_path):
     assert lines == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path):
+    """A raised train.steps stretches the cosine: the resumed run's learning rate went back up from the floor the
+    checkpoint's run had decayed to, without a word. Resumed on its own schedule, nothing is said."""
+    train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5, train__tensorboard=False)
+    said = []
+    cfg = load_config("tiny", {"train.steps": "8", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "b", resume=tmp_path / "a", log=said.append).close()
+    assert ("note: the learning-rate schedule is not the checkpoint's (train.steps 4 -> 8): step 5 runs at lr "
+            "2.32e-03, where the checkpoint's schedule continued at 3.00e-04") in said, said
+    said.clear()
+    cfg = load_config("tiny", {"train.steps": "4", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_00000002",
+            log=said.append).close()
+    assert not any("learning-rate" in m for m in said), said
+
+
 def test_resume_refuses_a_different_model(tmp_path):
     train(tmp_path, "a", train__steps=2)
     with pytest.raises(ValueError, match="model.hidden_size is 64 in the checkpoint and 32 in this run"):

@@ -200,9 +200,24 @@ class Trainer:
         set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
+        if self.step < self.cfg.train.steps and self.mesh.is_main:
+            self._note_schedule(config_from_dict(ckpt["state"]["config"]).train, ckpt["state"]["step"])
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      f"nothing to do (raise train.steps above {self.step} to continue)")
+
+    def _note_schedule(self, saved, saved_step: int) -> None:
+        """A resume that changes the schedule (most often a raised train.steps, which stretches the cosine) moved the
+        learning rate without a word: back up from near its floor, where the checkpoint's run was decaying."""
+        t = self.cfg.train
+        theirs, ours = lr_at(saved_step, saved), lr_at(self.step, t)
+        if abs(ours - theirs) <= 1e-6 * max(abs(theirs), 1e-30):
+            return
+        keys = ("steps", "global_batch_size", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio")
+        changed = ", ".join(f"train.{k} {getattr(saved, k)!r} -> {getattr(t, k)!r}" for k in keys
+                            if getattr(saved, k) != getattr(t, k))
+        self.log(f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {self.step + 1} runs at "
+                 f"lr {ours:.2e}, where the checkpoint's schedule continued at {theirs:.2e}")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
