@@ -316,13 +316,14 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} were written (truncated or replaced)")
-    done = None
     if progress is not None:
         update, lock = progress(sum(want["bytes"] for want in files.values())), threading.Lock()
 
         def done(n):
             with lock:  # the threads' counts would race
                 update(n)
+    else:
+        done = None
     # A sharded checkpoint is many files (all ranks' pieces) checked by one rank: the reads and zlib release
     # the GIL, so threads check them at the disk's rate rather than one core's.
     with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, max(len(files), 1))) as pool:
