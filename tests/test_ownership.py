@@ -103,3 +103,22 @@ def test_a_lock_file_left_by_a_dead_run_is_no_lock(tmp_path):
         from shardlm.rundir import claim
         (tmp_path / "file").write_text("")
         claim(tmp_path / "file", True, lambda v: v)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_refused_by_a_full_disk_leaves_no_directory_behind(tmp_path, monkeypatch):
+    """The lock file is the first thing a run writes into --out: on a full disk its owner's record failed, the run
+    was refused ("cannot be written"), and the directory it had made stayed, with an empty lock file and an fd
+    left open on it."""
+    import errno
+
+    from shardlm import rundir, runlock
+
+    def full(fd, data, at):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(runlock.os, "pwrite", full)
+    with pytest.raises(ConfigError, match="cannot be written: No space left on device"):
+        rundir.claim(tmp_path / "run", True, lambda value: value)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.undo()
+    acquire(tmp_path / "run").release()  # nothing in this process holds it

@@ -487,6 +487,24 @@ def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
     assert f"stopped by SIGPIPE after step {step} of 100000; to continue: shardlm train --resume {run}" in err
 
 
+@pytest.mark.timeout(120)
+def test_a_console_that_goes_away_with_stderr_stops_the_run_saved(tmp_path):
+    """`shardlm train 2>&1 | head`: stderr is the same closed pipe, so the lines meant for it once stdout's reader
+    left raised BrokenPipeError too, and the run ended (status 141) with nothing saved since its last checkpoint."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
+                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("step      2 |"):
+            break
+    proc.stdout.close()
+    proc.wait(timeout=120)
+    assert proc.returncode == 128 + signal.SIGPIPE
+    step = steps_of(run)[-1]
+    assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+
+
 def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):
     """SIGTERM while the last step runs: the run said `stopped by SIGTERM after step 3 of 3; to continue: ...`
     and exited 143, though every step was done. It is complete: saved, status 0, no advice to continue, and

@@ -1,6 +1,8 @@
 """Sharded checkpoints: a save raises no rank's host memory by more than its staging buffer and a tenth of its
 own shard, and a pipeline's save takes no longer than twice one process's (the full format gathers the whole
 state onto rank 0: the contrast shows the memory measure can fail)."""
+import os
+
 import pytest
 import torch
 
@@ -201,3 +203,44 @@ def test_a_save_longer_than_the_grace_period_is_warned_of_when_the_run_starts(tm
     monkeypatch.setattr(run_checkpoint, "GRACE_S", 0)  # as though the disk were slow beside the state
     Trainer(cfg, out_dir=tmp_path / "slow", log=said.append).close()
     assert any("more than the 0 s torchrun and Slurm leave after SIGTERM" in m for m in said), said
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_at_the_manifest_fails_the_save_with_its_message(tmp_path, monkeypatch):
+    """The pieces fit and the disk fills at the manifest, written last but state.json: the save raised the bare
+    OSError (a traceback; under torchrun the other ranks waited on rank 0 until the timeout) and left its
+    temporary directory."""
+    import errno
+    import pathlib
+
+    from shardlm.checkpoint import CheckpointError
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    real = pathlib.Path.write_text
+
+    def full_at_the_manifest(self, *args, **kwargs):
+        if self.name == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *args, **kwargs)
+    cfg = load_config("tiny", {"train.steps": "2", "train.tensorboard": "false"})
+    trainer = Trainer(cfg, out_dir=tmp_path / "r", log=lambda *a: None)
+    monkeypatch.setattr(pathlib.Path, "write_text", full_at_the_manifest)
+    with pytest.raises(CheckpointError, match="saving step 2 .* failed: No space left on device; no earlier"):
+        trainer.run()
+    assert list((tmp_path / "r" / "checkpoints").iterdir()) == []
+    trainer.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_pipeline_stages_of_unequal_layers_resume_their_own_dropout_streams(tmp_path, fmt):
+    """pp 2 over 3 layers with LoRA dropout: the stages draw unequal numbers from their RNGs each step. rng.pt held
+    rank 0's state alone, which every rank took on resume, so the resumed losses left the uninterrupted run's."""
+    over = {"parallel.pp": "2", "parallel.dp": "1", "model.num_layers": "3", "lora.rank": "4", "lora.alpha": "8", "lora.dropout": "0.1",
+            "lora.targets": "q_proj,v_proj,o_proj,gate_proj,down_proj", "train.micro_batch_size": "2",
+            "train.steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.checkpoint_format": fmt, "train.tensorboard": "false"}
+    full = run_distributed(dist_fns.train_and_capture, 2, over, str(tmp_path / "a"), timeout=120)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    resumed = run_distributed(dist_fns.train_and_capture, 2, over, str(tmp_path / "b"), ckpt, timeout=120)
+    assert resumed[0]["losses"] == full[0]["losses"][2:]

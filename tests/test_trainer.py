@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,10 +61,120 @@ def test_resume_allows_more_steps(tmp_path):
     assert lines == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path):
+    """A raised train.steps stretches the cosine: the resumed run's learning rate went back up from the floor the
+    checkpoint's run had decayed to, without a word. Resumed on its own schedule, nothing is said."""
+    train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5, train__tensorboard=False)
+    said = []
+    cfg = load_config("tiny", {"train.steps": "8", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "b", resume=tmp_path / "a", log=said.append).close()
+    assert ("note: the learning-rate schedule is not the checkpoint's (train.steps 4 -> 8): step 5 runs at lr "
+            "2.32e-03, where the checkpoint's schedule continued at 3.00e-04") in said, said
+    said.clear()
+    cfg = load_config("tiny", {"train.steps": "4", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_00000002",
+            log=said.append).close()
+    assert not any("learning-rate" in m for m in said), said
+
+
 def test_resume_refuses_a_different_model(tmp_path):
     train(tmp_path, "a", train__steps=2)
     with pytest.raises(ValueError, match="model.hidden_size is 64 in the checkpoint and 32 in this run"):
         train(tmp_path, "b", resume=tmp_path / "a", model__hidden_size=32)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_resumes_past_a_metrics_line_cut_short(tmp_path):
+    """A kill or a full disk while a record is appended leaves metrics.jsonl's last line cut short: resuming the
+    run once stopped on it with json's bare "Expecting ',' delimiter"."""
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')
+    _, more = train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__tensorboard=False)
+    assert [r["step"] for r in more] == [3]
+    lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_of_a_checkpoint_beside_the_others_is_not_a_step_of_the_run(tmp_path):
+    """`cp -r step_00000002 step_00000002.bak` in the checkpoints folder: the copy sorted as the newest
+    checkpoint, and resuming the run failed with "invalid literal for int() with base 10: '00000002.bak'"."""
+    import shutil
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+    ckpts = tmp_path / "a" / "checkpoints"
+    shutil.copytree(ckpts / "step_00000002", ckpts / "step_00000002.bak")
+    assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000002"]
+    _, more = train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__tensorboard=False,
+                    train__keep_checkpoints=1)
+    assert [r["step"] for r in more] == [3]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002.bak", "step_00000003"]  # rotation spares it
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_within_a_metrics_record_drops_that_record_and_the_run_goes_on(tmp_path, monkeypatch):
+    """The disk filled while step 2's record was appended: the run ended with an OSError traceback, nothing
+    saved since its last checkpoint, and metrics.jsonl kept the record cut short, with step 3's glued onto it."""
+    import io
+
+    import shardlm.metrics as metrics_module
+
+    class DiskFull(io.FileIO):
+        def write(self, data):
+            data = bytes(data)
+            return super().write(data[:10] if data.startswith(b'{"step": 2,') else data)
+
+    def opened(file, mode="r", *args, **kwargs):
+        return DiskFull(file, "a") if mode == "ab" else open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(metrics_module, "open", opened, raising=False)
+    cfg = load_config("tiny", {"train.steps": "3", "train.tensorboard": "false"})
+    said = []
+    trainer = Trainer(cfg, out_dir=tmp_path / "a", log=said.append)
+    trainer.run()
+    trainer.close()
+    assert any("metrics.jsonl could not be written" in m and "step 2's metrics" in m for m in said), said
+    lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 3]
+    assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000003"]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_whose_rotation_was_killed_midway_is_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A kill while rotation deleted step 2 (its state.json gone first) left step_00000002 neither whole nor gone:
+    no complete checkpoint, so no later rotation or cleanup removed it, a whole checkpoint's disk for good."""
+    import shutil
+    train(tmp_path, "a", train__steps=2, train__tensorboard=False)
+
+    def killed(path, *args, **kwargs):
+        if Path(path).exists():
+            (Path(path) / "state.json").unlink()
+            raise KeyboardInterrupt("killed mid-rotation")
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(tmp_path, "a", resume=tmp_path / "a", train__steps=3, train__keep_checkpoints=1,
+                  train__tensorboard=False)
+    train(tmp_path, "a", resume=tmp_path / "a", train__steps=4, train__keep_checkpoints=1, train__tensorboard=False)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_00000004"]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_on_a_relative_data_path_resumes_from_another_directory(tmp_path, monkeypatch):
+    """data.path = "data", relative to where the run started: `shardlm train --resume RUN` from another directory
+    (a job script's) took the path from the checkpoint and refused with "data.path = 'data' does not exist"."""
+    from shardlm.cli import main
+    from shardlm.data.prepare import prepare
+    (tmp_path / "project").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "project" / "t.txt").write_text("hello world, this is some text\n" * 300)
+    monkeypatch.chdir(tmp_path / "project")
+    prepare(["t.txt"], "byte", "data")
+    common = ["--train.device", "cpu", "--train.sample_tokens", "0", "--train.tensorboard", "false"]
+    assert main(["train", "tiny", "--data.path", "data", "--train.steps", "2", "--out", "run", *common]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["train", "--resume", str(tmp_path / "project" / "run"), "--train.steps", "3"]) == 0
+    assert [p.name for p in complete_checkpoints(tmp_path / "project" / "run")][-1] == "step_00000003"
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

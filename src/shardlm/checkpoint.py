@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -36,6 +37,9 @@ CKPT_DIR = "checkpoints"
 STATE = "state.json"
 MANIFEST = "manifest.json"  # a sharded save's pieces (parallel/sharded_state.py)
 VERIFY_THREADS = 8
+# What saves name their checkpoints: a copy beside them (`cp -r step_00000004 step_00000004.bak`) is the user's, not
+# a step of the run; taken for the newest one, its name failed as "invalid literal for int()".
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -64,7 +68,20 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+# What decides how many random numbers each rank draws a step (dropout over the layers a pipeline stage holds).
+RNG_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "pp_layers")
+
+
+def rng_layout(parallel) -> list:
+    return [getattr(parallel, k) for k in RNG_LAYOUT]
+
+
+def set_rng_state(state: dict, rank: int = 0, layout: list | None = None) -> None:
+    """Restore the RNG state saved; each rank its own where the checkpoint has every rank's (`state["ranks"]`) and
+    the layout (`rng_layout`) is the one saved, else rank 0's, as every rank started from the seed."""
+    ranks = state.get("ranks")
+    if ranks is not None and state.get("layout") == layout and rank < len(ranks):
+        state = ranks[rank]
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -85,17 +102,30 @@ def _crc32(path: Path, done=None) -> int:
 
 
 def remove_partial(run_dir: str | Path) -> list[Path]:
-    """Delete the temporary directories that saves cut short (a crash, a full disk) left behind."""
+    """Delete the temporary directories that saves cut short (a crash, a full disk) left behind, and what a
+    deletion cut short left of a checkpoint rotated out (`discard`); returns the former."""
     root = Path(run_dir) / CKPT_DIR
     partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
-    for p in partial:
+    for p in [*partial, *(root.glob(".old-step_*") if root.is_dir() else [])]:
         shutil.rmtree(p, ignore_errors=True)
     return partial
 
 
+def discard(path: Path) -> None:
+    """Delete a checkpoint, renamed out of the run's steps first: a kill midway through deleting it in place left
+    a step_N without its state.json, which no rotation or cleanup ever removed (a whole checkpoint's disk)."""
+    old = path.with_name(f".old-{path.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(path, old)
+    except OSError:
+        old = path
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
                     optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2,
-                    generation_config: dict | None = None) -> Path:
+                    generation_config: dict | None = None, rng: dict | None = None) -> Path:
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
     write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
@@ -105,7 +135,8 @@ def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Ten
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
         written = {name: write_tensors(tmp / name, cpu(tensors), sync=False)
                    for name, tensors in (("model.safetensors", masters), ("optimizer.safetensors", optimizer))}
-    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, generation_config=generation_config)
+    return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, rng=rng,
+                             generation_config=generation_config)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
@@ -193,25 +224,31 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
-            shutil.rmtree(final)
+            discard(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     # Only checkpoints up to this step rotate out: one of a later step is not this run's to delete.
     older = [p for p in complete_checkpoints(run_dir) if p.name <= final.name]
     for old in older[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     return final
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
+    """The step of checkpoint `path`: from its name, or from its state.json for one renamed or copied elsewhere."""
+    if (named := STEP_NAME.match(path.name)) is not None:
+        return int(named.group(1))
+    try:
+        return int(json.loads((path / STATE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} has no step: neither its name (step_N) nor its {STATE} ({e}) gives one") from None
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
+    return sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and (p / STATE).is_file())
 
 
 def _no_checkpoint(path: Path) -> FileNotFoundError:
@@ -279,13 +316,14 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} were written (truncated or replaced)")
-    done = None
     if progress is not None:
         update, lock = progress(sum(want["bytes"] for want in files.values())), threading.Lock()
 
         def done(n):
             with lock:  # the threads' counts would race
                 update(n)
+    else:
+        done = None
     # A sharded checkpoint is many files (all ranks' pieces) checked by one rank: the reads and zlib release
     # the GIL, so threads check them at the disk's rate rather than one core's.
     with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, max(len(files), 1))) as pool:

@@ -10,8 +10,10 @@ is not reported.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -45,9 +47,21 @@ def memory_gib(device: torch.device) -> float:
         return 0.0
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for one that does not read, as a kill or a full disk leaves the
+    last one cut short: the run it belongs to must still resume."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
+
+
 class MetricsLogger:
-    def __init__(self, out_dir: Path | None, enabled: bool, tensorboard: bool, resume_step: int | None = None):
+    def __init__(self, out_dir: Path | None, enabled: bool, tensorboard: bool, resume_step: int | None = None,
+                 warn=print):
         self.enabled = enabled and out_dir is not None
+        self.warn, self.failing = warn, False
         self.path = out_dir / "metrics.jsonl" if self.enabled else None
         self.tb = None
         if not self.enabled:
@@ -57,7 +71,7 @@ class MetricsLogger:
             # A run resumed into its own directory: its history up to the checkpoint stays, and what the
             # abandoned future logged after it goes (here and, by purge_step, in TensorBoard).
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+                    if (step := _step_of(line)) is not None and step <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.is_file():
             self.path.unlink()
@@ -74,13 +88,34 @@ class MetricsLogger:
             return
         # Strict JSON: a value that is not finite is written as null (json.dumps would write a bare NaN).
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(finite, allow_nan=False) + "\n")
+        self._append((json.dumps(finite, allow_nan=False) + "\n").encode(), record["step"])
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k if "/" in k else f"train/{k}", v, record["step"])
             self.tb.flush()
+
+    def _append(self, line: bytes, step) -> None:
+        """A full disk (or a quota) once ended the run with a traceback at this write, its steps since the last
+        save lost, and left the record cut short. The record is dropped whole and the run goes on: its next save
+        fails with a message if the disk is still full, and succeeds if space was freed meanwhile."""
+        try:
+            with open(self.path, "ab", buffering=0) as f:
+                at = f.seek(0, 2)
+                try:
+                    if f.write(line) != len(line):  # a short write: the disk filled within the line
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError:
+                    f.truncate(at)  # no line cut short for readers of the file to stop on
+                    raise
+        except OSError as e:
+            if not self.failing:
+                self.warn(f"warning: {self.path} could not be written ({e.strerror or e}): step {step}'s metrics, and "
+                          "those of the steps after it until it can be, are not recorded; free space before the next "
+                          "checkpoint save, which would fail too")
+            self.failing = True
+            return
+        self.failing = False
 
     def close(self) -> None:
         if self.tb is not None:

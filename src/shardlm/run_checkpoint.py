@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, commit_checkpoint, failed_save,
-                         fsync_files, rng_state, save_checkpoint, write_tensors)
+                         fsync_files, rng_layout, rng_state, save_checkpoint, write_tensors)
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
@@ -107,12 +107,17 @@ class CheckpointSaver:
     # ---- the parts of a save ----------------------------------------------------------------------
     def _save_gathered(self, step: int, state: dict) -> Path | None:
         masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
+        everyone = [mine := rng_state()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
+            dist.gather_object(mine, everyone, dst=0)
         path, error = None, None
         if self.parallel.mesh.is_main:
             try:
                 refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
                 path = save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
-                                       keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config)
+                                       keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config,
+                                       rng=self._every_rank(everyone))
             except RunError as e:
                 error = e
         # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
@@ -160,7 +165,7 @@ class CheckpointSaver:
 
     def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict) -> Path | None:
         """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
-        everyone = [mine]
+        everyone = [mine := {**mine, "rng": rng}]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
             dist.gather_object(mine, everyone, dst=0)
@@ -174,16 +179,25 @@ class CheckpointSaver:
                     raise problem
                 manifest = {"optimizer_steps": max(m["steps"] for m in everyone),
                             "pieces": [p for m in everyone for p in m["pieces"]]}
-                (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+                try:  # the disk filled by the pieces fails here: a save's message, and every rank stopping with it
+                    (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+                except OSError as e:
+                    raise failed_save(self.out, step, e.strerror or str(e)) from None
                 written = {name: record for m in everyone for name, record in m["files"]}
                 path = commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
-                                         keep=self.cfg.train.keep_checkpoints, rng=rng,
+                                         keep=self.cfg.train.keep_checkpoints,
+                                         rng=self._every_rank([m["rng"] for m in everyone]),
                                          generation_config=self.generation_config)
             except RunError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = e
         self._together(error, f"rank 0 could not save step {step} (its message says why)")
         return path
+
+    def _every_rank(self, states: list) -> dict:
+        """rng.pt: rank 0's state, and every rank's for a resume in the same layout. Pipeline stages of unequal
+        layers draw unequal numbers for dropout: each given rank 0's, a resumed run left the uninterrupted one."""
+        return {**states[0], "ranks": states, "layout": rng_layout(self.cfg.parallel)}
 
     def _together(self, error: Exception | None, elsewhere: str) -> None:
         if self.any_rank(error is not None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, remove_partial
+from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial
 from .config import ConfigError
 from .runlock import RunLock, acquire
 
@@ -126,7 +126,7 @@ def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
     existing = complete_checkpoints(out)
     if checkpoint is not None and contains(out, checkpoint):
         for p in (p for p in existing if checkpoint_step(p) > checkpoint_step(checkpoint)):
-            shutil.rmtree(p, ignore_errors=True)
+            discard(p)
             log(f"--overwrite: deleted {p.name}, after the resumed {checkpoint.name}")
     elif existing:
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)

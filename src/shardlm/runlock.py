@@ -60,17 +60,19 @@ class RunLock:
         if lock.refs:
             return
         _held.pop(lock.path, None)
-        if undo and lock.previous:  # still holding the lock: no other run is in the directory meanwhile
-            os.ftruncate(lock.fd, 0)
-            os.pwrite(lock.fd, lock.previous, 0)
-        elif undo:
-            os.unlink(lock.path)
-            if lock.created:
-                try:
-                    os.rmdir(os.path.dirname(lock.path))
-                except OSError:  # not empty: something else is in it now
-                    pass
-        os.close(lock.fd)  # closing the only fd releases the flock
+        try:
+            if undo and lock.previous:  # still holding the lock: no other run is in the directory meanwhile
+                os.ftruncate(lock.fd, 0)
+                os.pwrite(lock.fd, lock.previous, 0)
+            elif undo:
+                os.unlink(lock.path)
+                if lock.created:
+                    try:
+                        os.rmdir(os.path.dirname(lock.path))
+                    except OSError:  # not empty: something else is in it now
+                        pass
+        finally:
+            os.close(lock.fd)  # closing the only fd releases the flock
 
 
 def owner(run_dir: str | Path) -> dict | None:
@@ -111,7 +113,12 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join(["shardlm", *sys.argv[1:]])[:300]}
     previous = os.pread(fd, 1 << 16, 0)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     lock = _held[path] = _Lock(path, fd, created, previous)
-    return RunLock(lock)
+    handle = RunLock(lock)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError:  # a full disk: the refused run leaves the directory as it found it, as any refusal does
+        handle.release(undo=True)
+        raise
+    return handle

@@ -10,6 +10,7 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, set_rng_state
+from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, rng_layout, set_rng_state
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
@@ -42,6 +43,17 @@ from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
 from .tokenizer import load_tokenizer
+
+
+def _located(config: dict) -> dict:
+    """The config a checkpoint records, its local paths made absolute: `--resume` reads them from the checkpoint,
+    and relative ones (data.path = "data") named nothing when resumed from another directory (a job script's),
+    the run refused with "does not exist"."""
+    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from")):
+        value = config[section][key]
+        if value and os.path.exists(value):
+            config[section][key] = os.path.abspath(value)
+    return config
 
 
 class Trainer:
@@ -132,7 +144,7 @@ class Trainer:
         if self.out is not None and overwrite and self.mesh.is_main:
             rundir.overwrite_run(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
-                                     resume_step=self.step if same_dir else None)
+                                     resume_step=self.step if same_dir else None, warn=self.log)
         if self.out is not None and self.mesh.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(cfg.to_toml())
@@ -185,12 +197,27 @@ class Trainer:
         self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
         self.moe.load(ckpt["state"].get("router_bias"))
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
+        if self.step < self.cfg.train.steps and self.mesh.is_main:
+            self._note_schedule(config_from_dict(ckpt["state"]["config"]).train, ckpt["state"]["step"])
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      f"nothing to do (raise train.steps above {self.step} to continue)")
+
+    def _note_schedule(self, saved, saved_step: int) -> None:
+        """A resume that changes the schedule (most often a raised train.steps, which stretches the cosine) moved the
+        learning rate without a word: back up from near its floor, where the checkpoint's run was decaying."""
+        t = self.cfg.train
+        theirs, ours = lr_at(saved_step, saved), lr_at(self.step, t)
+        if abs(ours - theirs) <= 1e-6 * max(abs(theirs), 1e-30):
+            return
+        keys = ("steps", "global_batch_size", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio")
+        changed = ", ".join(f"train.{k} {getattr(saved, k)!r} -> {getattr(t, k)!r}" for k in keys
+                            if getattr(saved, k) != getattr(t, k))
+        self.log(f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {self.step + 1} runs at "
+                 f"lr {ours:.2e}, where the checkpoint's schedule continued at {theirs:.2e}")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -267,7 +294,7 @@ class Trainer:
         """Save this step (`wait` False: in the background where train.checkpoint_async says so)."""
         if self.out is None:
             return None
-        state = {"config": self.cfg.to_dict(), "data": self.data.state(self.step),
+        state = {"config": _located(self.cfg.to_dict()), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):

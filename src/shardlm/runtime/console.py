@@ -7,9 +7,10 @@ import os
 import sys
 
 
-def silence_stdout() -> None:
-    """Point stdout at /dev/null: Python's own flush of it at exit would fail again, with a message of its own."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+def silence_stdout(stream=None) -> None:
+    """Point stdout (or `stream`) at /dev/null: Python's own flush of it at exit would fail again, with a message
+    of its own."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), (stream or sys.stdout).fileno())
 
 
 class Console:
@@ -25,4 +26,7 @@ class Console:
             except BrokenPipeError:
                 silence_stdout()
                 self.lost = True
-        print(*args, file=sys.stderr, flush=True)
+        try:
+            print(*args, file=sys.stderr, flush=True)
+        except BrokenPipeError:  # `shardlm train 2>&1 | head`: stderr left with stdout; the run still stops saved
+            silence_stdout(sys.stderr)
