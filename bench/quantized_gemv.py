@@ -13,8 +13,8 @@ Systems:
 - `bf16`: torch.nn.functional.linear (cuBLAS).
 - `int8`: shardlm.inference.int8's int8_linear (per-channel int8, its one-row GEMV and few-row tl.dot kernels).
 - `int4`: shardlm.inference.int4 (`--quantize int4`): words [N/8, K/8, 8], each block of 8 outputs one
-  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step, `--warps`
-  and `--gemv-grouped` swept at one row), its few-row tensor-core kernel at 2-64.
+  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step and `--warps`
+  swept at one row), its few-row tensor-core kernel at 2-64.
 - `int4-torchao`: torchao's tinygemm (Int4WeightOnlyConfig, tile_packed_to_4d, groups of 128) on nn.Linear
   modules, built by shardlm.inference.quantize as `--quantize int4` builds it.
 - `int4-splitk`: the transposed split-K GEMV of branch next/int4-t, its kernel here: int32 words [K/8, N] (eight
@@ -236,7 +236,7 @@ def make_system(name: str):
         def run(x, op, launch):
             if launch is None:
                 return int4.int4_linear(x, *op)
-            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1], grouped=bool(launch[2]))
+            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1])
         return ((lambda w: int4.quantize_weight(w, int4.group_size(w.shape[1]))), run,
                 (lambda op: int4.dequantize(*op, torch.float32)))
     if name == "int4-torchao":
@@ -286,7 +286,7 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
     x = next(iter(xs_by_rows.values()))[layers[0][2]]
     ops = [build(w) for w in weights(layers, COPIES, x.device, x.dtype)]
     torch.cuda.synchronize()
-    third = {"int4-splitk": args.sum_rows, "int4": args.gemv_grouped}.get(name, [SUM_ROWS])
+    third = args.sum_rows if name == "int4-splitk" else [SUM_ROWS]
     launches = [(bn, w, s) for bn in (args.gemv_rows if name == "int4" else args.bn) for w in args.warps
                 for s in third]
     for m, xs in xs_by_rows.items():
@@ -319,8 +319,6 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
                                                  "warps": launch[1]}
             if name == "int4-splitk":
                 setting["sum_rows"] = launch[2]
-            if name == "int4" and launch is not None:
-                setting["grouped"] = bool(launch[2])
             rows.append({"system": name, "micro_batch": m, **setting, "us": round(seconds * 1e6, 1),
                          "us_by_shape": by_shape, "error": max(errors.values()), "error_by_shape": errors,
                          "same_bits": same, "peak_mem_gib": round(peak, 3)})
@@ -362,7 +360,7 @@ def bench(args, device="cuda", dtype=torch.bfloat16) -> None:
     print(f"{'system':<20}{'rows':>5}  {'launch':<18}{'all us':>8}" + "".join(f"{s:>9}" for s in names)
           + f"{'x bf16':>8}{'max err':>9}{'same bits':>10}{'peak GiB':>9}")
     for r in rows:
-        launch = f"rows {r['gemv_rows']} w {r['warps']}{' g' * r['grouped']}" if "gemv_rows" in r else "" if "bn" not in r else (
+        launch = f"rows {r['gemv_rows']} w {r['warps']}" if "gemv_rows" in r else "" if "bn" not in r else (
             f"bn {r['bn']} w {r['warps']}" + (f" s {r['sum_rows'] or 'all'}" if "sum_rows" in r else ""))
         ratio = f"{r['x_bf16']:.2f}" if r["x_bf16"] else "-"
         print(f"{r['system']:<20}{r['micro_batch']:>5}  {launch:<18}{r['us']:>8.1f}"
@@ -432,8 +430,6 @@ def main():
                    "comma-separated")
     p.add_argument("--gemv-rows", type=_ints, default=[GEMV_ROWS], help="int4 (inference/int4.py): rows of words "
                    "a step of its one-row kernel, powers of two, comma-separated")
-    p.add_argument("--gemv-grouped", type=_ints, default=[0], help="int4: 1 sums each group's partials before its "
-                   "scale (0: each row's), comma-separated")
     p.add_argument("--sum-rows", type=_ints, default=[SUM_ROWS],
                    help="int4-splitk: groups a tile of the last arriver's sum, powers of two (0: all, one tile)")
     p.add_argument("--warm", type=int, default=10, help="graph replays before timing")

@@ -172,9 +172,8 @@ def check_kernels_interpreted() -> None:
             assert (err <= want.abs() * 2**-11 + 1e-3).all(), (k, n, rows, err.max().item())
             worst[rows] = max(worst.get(rows, 0.0), err.max().item())
             if rows == 1:
-                for step, grouped in ((16, False), (64, False), (16, True), (64, True)):
-                    # 1536 inputs: 192 rows of words, which steps of 64 do not divide
-                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2, grouped=grouped)
+                for step in (16, 64):  # 1536 inputs: 192 rows of words, which steps of 64 do not divide
+                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2)
                     assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step)
         q = torch.randint(0, 16, (n, k), generator=g)
         ones = blocked(torch.ones(n, k // group, dtype=torch.float16))

@@ -32,7 +32,8 @@ BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 # The one-row kernel's word rows a step and warps; the few-row kernel's tile (rows, outputs; its K step is the
 # group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
-GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
+GEMV_ROWS, GEMV_WARPS = 256, 8
+MAGIC = 0x4B000000  # 2^23's bits, a float's mantissa that an OR-ed integer below 2^23 adds to exactly
 MM_BM, MM_BN = 16, 64
 MM_PROGRAMS = 512  # the few-row kernel splits K until its launch has about this many programs (4 an SM)
 CHUNK = 2048  # outputs quantised at a time: a 70B layer's fp32 and int32 temporaries stay below a GB
@@ -113,48 +114,56 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, K: tl.constexpr, G: tl.constexpr,
-                          ROWS: tl.constexpr, GROUPED: tl.constexpr):
+    def _nibble(words, mask: tl.constexpr, magic):
+        # The nibble under `mask` OR-ed into the mantissa of 2^23 (kept below 2^23 by the masks chosen): the float
+        # 2^23 + q 2^i, less 2^23 exactly q 2^i. `magic` (2^23's bits) is a runtime value, so that the AND and the
+        # OR are one instruction: with both constants immediate the compiler emits two.
+        return ((words & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, magic, K: tl.constexpr, G: tl.constexpr,
+                          ROWS: tl.constexpr):
         # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
-        # of words a step, keeps fp32 partials per row (or group, GROUPED) of words and output, summed at the end.
+        # of words a step, a thread a row: its 8 words (one per output) and its 8 inputs, each read once and
+        # taken apart in registers. The kernel is bound by the instructions it issues per nibble (about three:
+        # an AND-OR, a subtraction, an FMA), so everything else is done once per row, not once per nibble.
         b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
         w_ptr += b * (K // 8) * 8
         meta = b * (K // G) * 8
         RG: tl.constexpr = G // 8  # rows of words a group
-        if GROUPED:
-            acc = tl.zeros([ROWS // RG, 8], tl.float32)
-        else:
-            acc = tl.zeros([ROWS, 8], tl.float32)
+        acc = tl.zeros([ROWS, 8], tl.float32)
+        acc_low = tl.zeros([ROWS, 8], tl.float32)
         for r0 in range(0, K // 8, ROWS):
             r = r0 + tl.arange(0, ROWS)
             ok = r < K // 8
-            words = tl.load(w_ptr + r[:, None] * 8 + o[None, :], mask=ok[:, None], other=0,
-                            eviction_policy="evict_first")
-            high = words >> 16
-            part = tl.zeros([ROWS, 8], tl.float32)
-            xs = tl.zeros([ROWS], tl.float32)
-            for j in tl.static_range(8):  # the j-th nibble of every word: input 8r + j
-                x = tl.load(x_ptr + r * 8 + j, mask=ok, other=0.0).to(tl.float32)
-                xs += x
-                # The nibble left in place as the low mantissa bits of 2^23 (one AND-OR, no shift): the float
-                # 2^23 + q 16^i (i = j mod 4), less 2^23 exactly q 16^i, times x / 16^i (exact) is q x.
-                bits = ((words if j < 4 else high) & (15 << (4 * (j % 4)))) | 0x4B000000
-                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * (j % 4)))))[:, None]
-            if GROUPED:
-                g = r0 // RG + tl.arange(0, ROWS // RG)
-                at = meta + g[:, None] * 8 + o[None, :]
-                gok = (g < K // G)[:, None]
-                scale = tl.load(s_ptr + at, mask=gok, other=0.0).to(tl.float32)
-                low = tl.load(lo_ptr + at, mask=gok, other=0.0).to(tl.float32)
-                acc += (tl.sum(tl.reshape(part, [ROWS // RG, RG, 8]), 1) * scale
-                        + tl.sum(tl.reshape(xs, [ROWS // RG, RG]), 1)[:, None] * low)
-            else:
-                at = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
-                scale = tl.load(s_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-                low = tl.load(lo_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-                acc += part * scale + xs[:, None] * low  # sum_k x_k (q_k scale + low) over the row's 8 inputs
-        tl.store(y_ptr + b * 8 + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty))
+            at = r[:, None] * 8 + o[None, :]
+            words = tl.load(w_ptr + at, mask=ok[:, None], other=0, eviction_policy="evict_first")
+            xr = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)  # inputs 8r..8r+7
+            even, odd = tl.split(tl.reshape(xr, [ROWS, 4, 2]))
+            e0, e1 = tl.split(tl.reshape(even, [ROWS, 2, 2]))
+            o0, o1 = tl.split(tl.reshape(odd, [ROWS, 2, 2]))
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+            # Nibbles 0-4 in place (q 2^(4j) stays below 2^23 up to j = 4), 5-7 from the word shifted by 12;
+            # each x scaled by the nibble's power of two (exact), so each product is q x.
+            high = words >> 12
+            part = _nibble(words, 0xF, magic) * x0[:, None]
+            part += _nibble(words, 0xF0, magic) * (x1 * 2.0 ** -4)[:, None]
+            part += _nibble(words, 0xF00, magic) * (x2 * 2.0 ** -8)[:, None]
+            part += _nibble(words, 0xF000, magic) * (x3 * 2.0 ** -12)[:, None]
+            part += _nibble(words, 0xF0000, magic) * (x4 * 2.0 ** -16)[:, None]
+            part += _nibble(high, 0xF00, magic) * (x5 * 2.0 ** -8)[:, None]
+            part += _nibble(high, 0xF000, magic) * (x6 * 2.0 ** -12)[:, None]
+            part += _nibble(high, 0xF0000, magic) * (x7 * 2.0 ** -16)[:, None]
+            g = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
+            scale = tl.load(s_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
+            low = tl.load(lo_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
+            acc += part * scale  # sum_k x_k (q_k scale + low) over the row's 8 inputs, in two FMAs an output
+            acc_low += tl.sum(xr, 1)[:, None] * low
+        tl.store(y_ptr + b * 8 + o, tl.sum(acc + acc_low, 0).to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, part_ptr, M, N, sx, K: tl.constexpr, G: tl.constexpr,
@@ -188,15 +197,13 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
-    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
-                  grouped: bool = GEMV_GROUPED) -> torch.Tensor:
+    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS) -> torch.Tensor:
         """The one-row kernel on contiguous operands, x [1, K]: y [1, N] (new, or given); its launch apart for
         bench/quantized_gemv.py's sweep."""
         k, n = x.shape[1], words.shape[0] * BLOCK
         y = x.new_empty(1, n) if y is None else y
-        g = k // scale.shape[1]
-        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, K=k, G=g, ROWS=max(rows, g // 8),
-                                         GROUPED=grouped, num_warps=warps)
+        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, MAGIC, K=k, G=k // scale.shape[1], ROWS=rows,
+                                         num_warps=warps)
         return y
 
     # An opaque custom op (as int8.py's): the compiler calls it as it is, inside the CUDA graph.
