@@ -3,12 +3,13 @@
     python bench/planner_validation.py [--record bench/results.jsonl]
 
 The measured figures are the rows of bench/results.jsonl that bench/single_gpu.py, bench/data_parallel.py,
-bench/tensor_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py, bench/finetune.py and
-bench/offload.py wrote on the device
+bench/tensor_parallel.py, bench/context_parallel.py, bench/pipeline_parallel.py, bench/planner_pick.py,
+bench/finetune.py and bench/offload.py wrote on the device
 (torch.cuda.max_memory_allocated, plus symmetric memory, and the timed step), the newest row of each layout;
 an offload row's host memory rate is the one measured beside it, where its row has one.
 Rows timed eagerly (`--compile 0`) or without a warm-up step (`--warm 0`) are left out: the planner models
-compiled steps in their steady state; so are rows marked "invalid" (the reason is in the row), rows run
+compiled steps in their steady state; so are rows marked "invalid" or "superseded" (the reason is in the row:
+a figure the code no longer gives), rows run
 "concurrent" with other jobs on the host (a share of its cores and memory bandwidth), and A/B rows whose command
 changes a parallel setting beside the system's own (`--parallel.*`). Floors:
 memory within 10%, step time within 25%.
@@ -52,6 +53,9 @@ LAYOUTS = {
     ("data_parallel", 1, "shardlm-zero2"): Layout(zero_stage=2),
     ("data_parallel", 1, "shardlm-zero3"): Layout(zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4-sp"): Layout(tp=4, sp=True),
+    ("tensor_parallel", 2, "shardlm-tp2-sp"): Layout(tp=2, sp=True),
+    ("context_parallel", 2, "shardlm-ring"): Layout(cp=2, cp_comm="p2p", zero_stage=3),
+    ("context_parallel", 2, "shardlm-ulysses"): Layout(cp=2, cp_comm="a2a", zero_stage=3),
     ("tensor_parallel", 4, "shardlm-tp4"): Layout(tp=4),
     **{("pipeline_parallel", 4, f"shardlm-pp4-{s}"):
        Layout(pp=4, pp_schedule=s, virtual_stages=2 if s == "interleaved" else 1)
@@ -94,14 +98,16 @@ def finetune_layout(r: dict) -> Layout | None:
     if r["system"] not in ("shardlm-lora", "shardlm-qlora"):
         return None
     flags = r["command"].split()
-    rank, targets = (flags[flags.index(f) + 1] for f in ("--rank", "--targets"))
+    # bench/finetune.py's (and finetune_sweep.py's) defaults where the command left them out
+    rank, targets = (flags[flags.index(f) + 1] if f in flags else default
+                     for f, default in (("--rank", "16"), ("--targets", "all-linear")))
     return Layout(recompute=r["recompute"], lora=LoRAConfig(rank=int(rank), targets=targets,
                                                            quantize="nf4" if r["system"] == "shardlm-qlora" else "none"))
 
 
 def layout_of(r: dict) -> Layout | None:
     flags = " ".join(r.get("command", "").split()) + " "
-    if "invalid" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
+    if "invalid" in r or "superseded" in r or r.get("concurrent") or any(f"{f} 0 " in flags or f"{f}=0 " in flags for f in ("--compile", "--warm")):
         return None
     if " --parallel." in flags:  # a parallel setting changed beside the system's own: an A/B
         return None
@@ -119,13 +125,14 @@ def main():
     args = p.parse_args()
     rows = [json.loads(x) for x in Path(args.results).read_text().splitlines() if x.strip()]
     latest = {}
-    for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts
-        key = (r["bench"], r["gpus"], r["system"], r["model"], r["seq"], r["micro_batch"], r.get("microbatches"))
-        if layout_of(r) is not None and r["model"] in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
+    for r in rows:  # later rows are newer; seq variants of single_gpu count as their own layouts, and each card
+        key = (r["bench"], r["gpus"], r["system"], r.get("model"), r.get("seq"), r.get("micro_batch"),
+               r.get("microbatches"), r["card"])
+        if layout_of(r) is not None and r.get("model") in ("tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-13b"):
             latest[key] = r
     out, ok = [], True
     print(f"{'layout':<46}{'mem pred':>9}{'meas':>7}{'err':>7}{'step pred':>11}{'meas':>8}{'err':>7}")
-    for (bench, gpus, system, model, seq, mb, micro), r in sorted(latest.items(), key=lambda kv: str(kv[0])):
+    for (bench, gpus, system, model, seq, mb, micro, card), r in sorted(latest.items(), key=lambda kv: str(kv[0])):
         layout = layout_of(r)
         m = load_config(model, {"model.max_seq_len": str(seq)}).model
         batch = r.get("global_batch", mb * layout.dp * (micro or 1))
@@ -136,7 +143,7 @@ def main():
         step = batch * seq / (r["tok_s_gpu"] * gpus)
         mem_err, step_err = mem / r["peak_mem_gib"] - 1, e.step_time_s / step - 1
         ok &= abs(mem_err) <= 0.10 and abs(step_err) <= 0.25
-        name = f"{system} x{gpus} s{seq} mb{mb}" + (f" m{micro}" if micro else "")
+        name = f"{system} x{gpus} s{seq} mb{mb}" + (f" m{micro}" if micro else "") + (" H100" if "H100" in card else "")
         print(f"{name:<46}{mem:>9.1f}{r['peak_mem_gib']:>7.1f}{100 * mem_err:>+6.1f}%"
               f"{e.step_time_s:>11.3f}{step:>8.3f}{100 * step_err:>+6.1f}%")
         out.append({"bench": "planner_validation", "date": datetime.date.today().isoformat(), "card": r["card"],

@@ -28,7 +28,7 @@ def make_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 
 
 def hf_model(kind: str, vocab: int = 300, seed: int = 0):
-    """A tiny random transformers model of `kind` (llama, llama3, llama_tied, qwen2, qwen2_window, mistral,
+    """A tiny random transformers model of `kind` (llama, llama3, llama_linear, llama_tied, qwen2, qwen2_window, mistral,
     mistral_window, gpt2, and the mixtures of experts mixtral and qwen2_moe); the _window kinds attend over the
     last 8 positions."""
     import transformers as tf
@@ -44,6 +44,14 @@ def hf_model(kind: str, vocab: int = 300, seed: int = 0):
             cfg = tf.LlamaConfig(**common, rope_parameters={**rope, "rope_theta": 500000.0})
         except TypeError:  # transformers 4.x
             cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=rope)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "llama_linear":  # linear RoPE scaling, a large base, one KV head of head_dim 32 (not 64 / 4)
+        rope = {"rope_type": "linear", "factor": 4.0}
+        shape = {**common, "num_key_value_heads": 1}
+        try:
+            cfg = tf.LlamaConfig(**shape, head_dim=32, rope_parameters={**rope, "rope_theta": 5e6})
+        except TypeError:  # transformers 4.x
+            cfg = tf.LlamaConfig(**shape, head_dim=32, rope_theta=5e6, rope_scaling=rope)
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "llama_tied":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))

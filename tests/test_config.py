@@ -183,3 +183,27 @@ def test_toml_roundtrip():
     cfg = load_config("llama3-8b", {"model.rope_scaling": '{"rope_type": "linear", "factor": 2.0}'})
     again = config_from_dict(tomllib.loads(cfg.to_toml()))
     assert again == cfg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("toml, message", [
+    ("[train]\nlearnig_rate = 1e-4\n", "unknown config key 'train.learnig_rate'; did you mean train.lr?"),
+    ("[train]\nLR = 1e-4\n", "unknown config key 'train.LR'; did you mean train.lr?"),
+    ("[train]\ntp = 2\n", "unknown config key 'train.tp'; did you mean parallel.tp?"),
+    ("[parallel]\nzero = 2\n", "unknown config key 'parallel.zero'; did you mean parallel.zero_stage?"),
+    ("[model]\nnum_layer = 2\n", "unknown config key 'model.num_layer'; did you mean model.num_layers?"),
+    ("[trian]\nlr = 1e-4\n", "unknown config section [trian] in {path}; did you mean [train]?"),
+    ("[Train]\nlr = 1e-4\n", "unknown config section [Train] in {path}; did you mean [train]?"),
+    # a number where a string goes: TOML reads precision = 16 unquoted
+    ("[train]\nprecision = 16\n", "train.precision = 16 is not a valid str: one of fp32, bf16, fp16, in quotes"),
+    ("[data]\npath = 5\n", 'data.path = 5 is not a valid str: give it in quotes (path = "5")'),
+    ("[train]\nbatch_size = 8\n", "did you mean train.global_batch_size (the sequences of a step) or "
+                                   "train.micro_batch_size (those of one forward pass on a rank)?"),
+])
+def test_a_near_miss_in_a_toml_file_is_named(tmp_path, toml, message):
+    """A misspelt key or section was answered with every key of the section (forty of [train]), no pointer."""
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert message.format(path=path) in str(e.value)

@@ -66,6 +66,20 @@ def test_large_vocab_uses_uint32(tmp_path):
     assert np.asarray(shards.tokens[0]).tolist() == [1, 69999, 5, 70000]
 
 
+@pytest.mark.timeout(60)
+def test_ids_past_the_token_count_use_uint32(tmp_path):
+    """A tokenizer of 4 tokens whose end-of-text is id 70000: uint16 shards wrapped it to 4464, unnoticed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.txt").write_text("a b a")
+    index = prepare([tmp_path / "in.txt"], tmp_path / "tokenizer.json", tmp_path / "out", progress=False)
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 70001 and index["eos_id"] == 70000
+    shards = TokenShards(tmp_path / "out", model_vocab=70001)
+    assert np.asarray(shards.tokens[0]).tolist() == [0, 1, 0, 70000]
+
+
 def test_hf_tokenizer_directory(tmp_path):
     make_tokenizer(tmp_path / "tok")
     (tmp_path / "in.txt").write_text(TEXT[:500])
@@ -421,3 +435,17 @@ def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path,
     files = default_sources()
     assert [f.name for f in files] == ["a.py", "b.py"]
     prepare(files, "byte", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_text_field_reads_records_that_hold_a_prompt_as_text(tmp_path):
+    """A jsonl of {"prompt": ...} records to pretrain on: --text-field prompt was refused as having no effect, and
+    without it the records were instruction examples lacking a completion, a dead end."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi there"}\n{"prompt": "bye", "id": 2}\n')
+    index = prepare([tmp_path / "p.jsonl"], "byte", tmp_path / "out", text_field="prompt", progress=False)
+    assert index["documents"] == 2 and "loss_mask" not in index
+    stream = np.asarray(TokenShards(tmp_path / "out").tokens[0]).tolist()
+    assert stream == list(b"hi there") + [256] + list(b"bye") + [256]
+    with pytest.raises(ValueError, match=r"p.jsonl:1: needs string fields prompt and completion \(or messages\); "
+                                         r"has 'prompt' \(for plain text, name its field with --text-field\)"):
+        prepare([tmp_path / "p.jsonl"], "byte", tmp_path / "out2", progress=False)

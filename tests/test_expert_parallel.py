@@ -131,10 +131,8 @@ def fp16_deviation(over: dict, ref: dict) -> tuple[float, int]:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
-    """fp16 at ep 2 (dp 2, ZeRO-1) against one process in fp16. Each rank's gradient is the mean over its own
-    tokens (summed over dp, then divided), so its per-token gradients are dp times one process's: the batch is
-    large enough (16 sequences) that neither overflows at the first loss scale, where at 8 both dp 2 and ep 2
-    skip two steps that one process runs. The experts' matmuls round in fp16 over both ranks' tokens at once,
+    """fp16 at ep 2 (dp 2, ZeRO-1) against one process in fp16, 16 sequences a step (at 8, the skipped steps
+    are the test below's). The experts' matmuls round in fp16 over both ranks' tokens at once,
     one process's per micro-batch: losses and gradient norms agree to 4e-6 and 3e-5 (when written), SGD's
     weights to 3e-6. AdamW turns the rounding of a nearly cancelling gradient into up to lr a step, as data
     parallelism's own fp16 roundings do: ep 2 is held against dp 2 at ep 1 (the control), which it matched when
@@ -147,6 +145,21 @@ def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
         return
     control, control_far = fp16_deviation(over, ref)
     assert furthest <= 1.25 * control and far <= 1.25 * control_far + 50, (furthest, far, control, control_far)
+
+
+@pytest.mark.parametrize("layout", [{}, {"parallel.ep": "2"}, {"parallel.zero_stage": "3"},
+                                    {"parallel.dp": "1", "parallel.cp": "2"}], ids=["dp2", "ep2", "zero3", "cp2"])
+def test_fp16_at_dp_2_and_ep_2_skips_only_the_steps_one_process_skips(layout):
+    """At a batch of 8 (4 sequences a rank), each rank's mean over its own tokens made its gradients,
+    activations' too, twice one process's per token: dp 2 and ep 2 overflowed at the first loss scale and
+    skipped two steps that one process ran. Each rank's loss is now divided by the data replicas before
+    backward (Engine.loss_factor, fp16 only): the same steps run, the same loss scales, the same losses and
+    gradient norms as one process (ZeRO-3 and context parallelism too, whose divisor is the same)."""
+    over = {**FP16, "train.global_batch_size": "8", "train.optimizer": "sgd", "train.lr": "1e-2"}
+    ref = reference({k: v for k, v in over.items() if not k.startswith("parallel.")})
+    for r in run_distributed(dist_fns.train_and_capture, 2, {**over, **layout}, timeout=300):
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=3e-4), (r["grad_norms"], ref["grad_norms"])
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])

@@ -135,6 +135,23 @@ def test_the_engine_equals_transformers_greedy(kind, tmp_path):
     assert [r.tokens for r in got] == want
 
 
+@pytest.mark.parametrize("kind", ["llama3", "llama_linear", "qwen2_window", "mistral_window", "gpt2", "mixtral"])
+def test_chunks_across_the_window_and_reused_slots_equal_transformers(kind, tmp_path):
+    """A prompt that fills the model's context (128 positions) with its new tokens, then short ones in the slot
+    it held (its keys past their lengths stale there), prompts prefilled 5 tokens at a time across the window
+    of 8: each request's tokens are transformers' generate alone, and one slot gives those of several."""
+    from shardlm.inference import load_pretrained
+    ref = save_hf(kind, tmp_path)
+    model, _, _ = load_pretrained(tmp_path)
+    prompts = prompts_of((110, 3, 21, 1), vocab=300, seed=1)
+    want = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=18,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for slots in (1, 2):
+        engine = Engine(model, max_batch=slots, prefill_chunk=5, sync_every=3)
+        assert engine.max_len == 128
+        assert [r.tokens for r in engine.run([Request(p, 18) for p in prompts])] == want, slots
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_mixed_length_batch_equals_each_prompt_alone(case):
     model = tiny(**CASES[case])

@@ -248,6 +248,53 @@ def test_qlora_computes_as_lora_on_the_dequantised_base_and_takes_a_quarter_of_t
 QLORA = {**LORA, "lora.quantize": "nf4", "lora.targets": TARGETS["llama"]}
 
 
+def _compiled_block_saves(block, x) -> tuple[int, torch.Tensor, torch.Tensor, dict]:
+    """Bytes the compiled block saves for backward that are not its parameters (nor NF4 weights), its output,
+    and the gradients of x and of the adapters."""
+    params = {p.data_ptr() for p in block.parameters() if type(p).__name__ != "NF4Tensor"}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        if type(t).__name__ != "NF4Tensor" and t.data_ptr() not in params | seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return t
+    x = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = torch.compile(block)(x)
+    (y ** 2).sum().backward()
+    return total, y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_qlora_block_keeps_its_base_in_4_bits_for_backward():
+    """Compiled, the partitioner kept each NF4 weight's 16-bit form from forward to backward (it does not rerun
+    NF4's code lookup): a copy of the base per micro-batch in flight, the memory QLoRA exists to save. The
+    compiled QLoRA block saves about what the LoRA block saves, and gives eager's output and gradients."""
+    from shardlm.parallel.qlora import quantize_base
+    saved = {}
+    for quantize in ("none", "nf4"):
+        cfg, model = lora_model("llama", quantize=quantize, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                                "up_proj,down_proj")
+        if quantize == "nf4":
+            quantize_base(model)
+        block = model.parts().layers[0]
+        x = torch.randn(2, 16, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+        saved[quantize], y, grad_x, grads = _compiled_block_saves(block, x)
+    base = 4 * sum(p.numel() for p in block.parameters() if type(p).__name__ == "NF4Tensor")  # in fp32
+    assert saved["nf4"] < saved["none"] + base / 4, (saved, base)
+    for p in block.parameters():
+        p.grad = None
+    xe = x.clone().requires_grad_(True)
+    ye = block(xe)
+    (ye ** 2).sum().backward()
+    def close(a, b):  # fp32, the compiled kernels adding in their own order: within 1e-5 of the largest
+        return ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+    assert close(y, ye.detach()) and close(grad_x, xe.grad)
+    assert all(close(grads[name], p.grad) for name, p in block.named_parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "pp2"])
 def test_qlora_under_data_and_pipeline_parallelism_equals_one_process(layout):
     over = {**QLORA, **LAYOUTS[layout]}

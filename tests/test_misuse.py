@@ -70,7 +70,9 @@ CASES = [
     ("init-model-key", ["train", "tiny", "--train.init_from", "{exp}", "--data.path", "{data}", "--out", "{new}",
                         "--model.hidden_size", "128"], "model.hidden_size is 128 here and 64 in ", 2),  # before any tensor
     # data and run directories
-    ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"], "is not a prepared data directory", 2),
+    ("data-not-prepared", ["train", "tiny", "--data.path", "{text}", "--out", "{new}"],
+     "text.txt' is a file; training reads a directory of token shards: shardlm data prepare --input ", 2),
+    ("data-path-missing", ["train", "tiny", "--data.path", "{new}/data", "--out", "{new}"], "/data' does not exist: make one", 2),
     ("vocab-too-small", ["train", "tiny", "--data.path", "{data}", "--model.vocab_size", "100", "--out", "{new}"],
      "prepared with a tokenizer of 257 tokens; prepare it with the model's tokenizer, or (a model trained from "
      "scratch) set model.vocab_size to at least that (0 takes the data's tokenizer size)", 2),
@@ -197,7 +199,9 @@ CASES = [
     ("prepare-shard-tokens", ["data", "prepare", "--input", "{text}", "--tokenizer", "byte", "--out", "{new}",
                               "--shard-tokens", "5"], "--shard-tokens 5 is out of range", 2),
     ("prepare-a-directory", ["data", "prepare", "--input", "{data}", "--tokenizer", "byte", "--out", "{new}"],
-     "is a directory, not a file", 2),
+     "is a directory, not a file: give its files (", 2),
+    ("prepare-glob-of-nothing", ["data", "prepare", "--input", "{new}/*.jsonl", "--tokenizer", "byte", "--out",
+                                 "{new}"], "*.jsonl does not exist (a pattern that matched no file)", 2),
     ("prepare-mixed", ["data", "prepare", "--input", "{text}", "{longprompts}", "--tokenizer", "byte", "--out", "{new}"],
      "cannot be prepared into one dataset", 2),
     ("prepare-empty-input", ["data", "prepare", "--input", "{file}", "--tokenizer", "byte", "--out", "{new}"],

@@ -97,6 +97,18 @@ REFUSED = [
      "layer_types = ['full_attention', 'sliding_attention']"),
     (lambda: {k: v for k, v in _hf("Qwen2Config", use_sliding_window=True, sliding_window=8,
                                    max_window_layers=1).items() if k != "layer_types"}, "max_window_layers = 1"),
+    # Qwen2-MoE's rule without layer_types: every other layer below max_window_layers (not Qwen2's from it on).
+    (lambda: {k: v for k, v in _hf("Qwen2MoeConfig", use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=2).items() if k != "layer_types"}, "max_window_layers = 2"),
+    # transformers' AutoModel reads a Mistral config with layer_types as Ministral's (a window per layer type);
+    # MistralForCausalLM slides every layer: shardlm takes neither reading where they differ.
+    (lambda: {**_hf("MistralConfig", sliding_window=8), "layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types = ['full_attention', 'sliding_attention']"),
+    (lambda: {**_hf("MistralConfig", sliding_window=8), "layer_types": ["full_attention"] * 2},
+     "layer_types = ['full_attention', 'full_attention']"),
+    # AutoModel builds the class of model_type, whatever architectures names: here Mistral's, with a window.
+    (lambda: {**_hf("MistralConfig", sliding_window=8), "architectures": ["LlamaForCausalLM"]},
+     "model_type = 'mistral'"),
 ]
 
 
@@ -107,13 +119,78 @@ def test_unimplemented_hf_features_are_refused(make, message):
 
 
 def test_features_transformers_ignores_are_not_refused():
-    """Mistral and Qwen2 build bias-free MLPs and o_proj whatever attention_bias and mlp_bias say, and Qwen2
-    slides no layer without use_sliding_window."""
+    """Mistral and Qwen2 build bias-free MLPs and o_proj whatever attention_bias and mlp_bias say, Qwen2
+    slides no layer without use_sliding_window, and transformers' "swish" is its "silu"."""
     for cls in ("MistralConfig", "Qwen2Config"):
         assert model_config_from_hf(_hf(cls, sliding_window=None, attention_bias=True, mlp_bias=True)).sliding_window == 0
     assert model_config_from_hf(_hf("Qwen2Config", sliding_window=8, max_window_layers=0)).sliding_window == 0
     assert model_config_from_hf(_hf("Qwen2Config", use_sliding_window=True, sliding_window=8,
                                     max_window_layers=0)).sliding_window == 8
+    import transformers
+    x = torch.linspace(-6, 6, 101)
+    assert torch.equal(transformers.activations.ACT2FN["swish"](x), torch.nn.functional.silu(x))
+    assert model_config_from_hf(_hf("LlamaConfig", hidden_act="swish")) == model_config_from_hf(_hf("LlamaConfig"))
+
+
+@pytest.mark.parametrize("kind, edit", [
+    ("qwen2_moe", lambda c: {**c, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    ("mistral_window", lambda c: {**c, "layer_types": ["sliding_attention"] * 2}),
+], ids=["qwen2_moe_window_rule", "mistral_layer_types"])
+def test_window_rules_of_configs_without_or_with_layer_types_match_automodel(kind, edit, tmp_path):
+    """A Qwen2-MoE config.json without layer_types (as transformers 4 wrote it) slides the layers transformers'
+    Qwen2-MoE rule picks (here none); a Mistral one with layer_types, those AutoModel reads from them."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+    hf_model(kind).save_pretrained(tmp_path)
+    config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "layer_types"}
+    (tmp_path / "config.json").write_text(json.dumps(edit(config)))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg, state = read_hf_dir(tmp_path)
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
+    """Every layer of the export slides in transformers too (its Qwen2-MoE rule from max_window_layers alone
+    slides every other layer or none)."""
+    from transformers import AutoModelForCausalLM
+    hf_model("qwen2_moe").save_pretrained(tmp_path / "hf")
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    cfg = dataclasses.replace(cfg, sliding_window=8)
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    write_hf_dir(ours.state_dict(), cfg, tmp_path / "export")
+    assert read_hf_dir(tmp_path / "export")[0] == cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()(ids).logits
+        torch.testing.assert_close(ours.eval()(ids), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", ["LlamaConfig", "MistralConfig", "Qwen2Config", "MixtralConfig", "Qwen2MoeConfig"])
+def test_keys_a_config_json_leaves_out_take_the_transformers_class_defaults(cls):
+    """A config.json without rms_norm_eps, rope_theta, num_key_value_heads, sliding_window or
+    max_position_embeddings is the transformers class's defaults (Mixtral's 1e-5 and 1e6, Mistral's window of
+    4096), not Llama's."""
+    import transformers as tf
+    # 64 heads, which no class's key/value default equals: a missing key read as Llama's (as many) would show
+    theirs = getattr(tf, cls)(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=64,
+                              vocab_size=300)
+    ours = model_config_from_hf({"architectures": theirs.architectures or [theirs.__class__.__name__.replace(
+        "Config", "ForCausalLM")], "model_type": theirs.model_type, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 64, "vocab_size": 300})
+    rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
+    assert (ours.norm_eps, ours.rope_theta, ours.kv_heads, ours.max_seq_len) == (
+        theirs.rms_norm_eps, rope["rope_theta"], theirs.num_key_value_heads, theirs.max_position_embeddings)
+    if cls == "MistralConfig":
+        assert ours.sliding_window == theirs.sliding_window == 4096
+    if cls == "Qwen2Config":  # use_sliding_window with no sliding_window: the class's window of 4096
+        keys = {k: v for k, v in theirs.to_dict().items() if k not in ("sliding_window", "layer_types")}
+        assert model_config_from_hf({**keys, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 4096
 
 
 def test_loss_matches_transformers(tmp_path):

@@ -134,9 +134,10 @@ def test_balance_and_z_losses():
     assert z_loss(logits).item() == pytest.approx((torch.logsumexp(logits, -1) ** 2).mean().item())
 
 
-class _Engine:  # one process: nothing to synchronise around backward
+class _Engine:  # one process: nothing to synchronise around backward, nothing to divide
     def prepare_backward(self, last): pass
     def finish_backward(self, last): pass
+    def loss_factor(self): return 1.0
 
 
 class _Scaler:

@@ -195,9 +195,10 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
-    # "no" was truthy: the usage chunk came
+    # "no" is truthy: the usage chunk would come; 0 is falsy but no boolean either
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
-    # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they sampled at the defaults
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 0}}, 400, "stream_options.include_usage"),
+    # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they would sample at the defaults
     ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
     ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
 ]
@@ -217,7 +218,8 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
         assert c.get("/v1/nothing").status_code == 404
         assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 0}).json()["choices"][0]["text"] == ""
         ok = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0, "user": "u",
-                                             "client_tag": 1, "min_p": 0.0})  # others' keys, neutral values: served
+                                             "client_tag": 1, "min_p": 0.0, "models": ["a", "b"]})
+        # others' keys (OpenRouter's fallback "models", near "model" but no answer changed), neutral values: served
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 

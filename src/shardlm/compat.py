@@ -15,6 +15,7 @@ when fine-tuning.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from .config import Config, ConfigError, lora_targets
@@ -201,6 +202,16 @@ def non_finite_init(cfg: Config) -> str | None:
             return (f"train.init_from = {cfg.train.init_from!r} holds non-finite weights ({name} has nan or inf): "
                     "the checkpoint is damaged or was saved from a diverged run; start from another")
     return None
+
+
+def not_prepared(path: str) -> str:
+    """Why data.path is no prepared dataset: a missing path, or a text file given where its tokens go, was told
+    "not a prepared data directory" as a directory of something else is."""
+    if Path(path).is_file():
+        return (f"data.path = {path!r} is a file; training reads a directory of token shards: shardlm data prepare "
+                f"--input {path} --tokenizer byte (or a tokenizer.json) --out DIR, then data.path = DIR")
+    what = "is not a prepared data directory (no index.json)" if os.path.lexists(path) else "does not exist"
+    return f"data.path = {path!r} {what}: make one with `shardlm data prepare`"
 
 
 def check_trainable(data_dir: Path, index: dict) -> None:

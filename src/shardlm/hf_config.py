@@ -11,26 +11,55 @@ LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwe
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
 SUPPORTED = (*LLAMA_LIKE, "GPT2LMHeadModel")
 ROPE_TYPES = ("default", "linear", "llama3")
+# The transformers class's defaults for the keys a config.json may leave out that differ from Llama's (which the
+# reading below falls back to): Mixtral's norm and RoPE base, Mistral's window.
+HF_DEFAULTS = {
+    "MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, sliding_window=4096),
+    "Qwen2ForCausalLM": dict(num_key_value_heads=32, max_position_embeddings=32768, sliding_window=4096),
+    "MixtralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+                               rope_theta=1e6),
+    "Qwen2MoeForCausalLM": dict(num_key_value_heads=16, max_position_embeddings=32768, sliding_window=4096),
+}
 
 
 def _refuse(key: str, value, why: str):
     raise ConfigError(f"Hugging Face config {key} = {value!r} is not supported: {why}")
 
 
-def _qwen2_window(hf: dict) -> int:
-    """Qwen2 slides a window over the layers from max_window_layers on (or those layer_types names), and only
-    with use_sliding_window; shardlm has one attention pattern for every layer."""
-    if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
-        return 0
-    first = hf.get("max_window_layers", 28)  # Qwen2Config's default
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(hf["num_hidden_layers"])]
+def _one_window(hf: dict, types: list, key: str, value) -> int:
+    """The window of every layer where `types` (layer_types, or what `key` = `value` makes of them) is one kind;
+    shardlm has one attention pattern for every layer."""
     if not set(types) <= {"full_attention", "sliding_attention"}:
         _refuse("layer_types", types, "shardlm has full and sliding-window attention only")
     if len(set(types)) > 1:
-        key, value = ("layer_types", types) if hf.get("layer_types") else ("max_window_layers", first)
         _refuse(key, value, "a sliding window on some layers only (shardlm applies one window to every layer)")
-    return hf["sliding_window"] if types[0] == "sliding_attention" else 0
+    return (hf["sliding_window"] or 0) if types[0] == "sliding_attention" else 0
+
+
+def _qwen2_window(hf: dict, moe: bool) -> int:
+    """Qwen2 slides a window over the layers from max_window_layers on (or those layer_types names), and only
+    with use_sliding_window. Qwen2-MoE's rule is transformers' Qwen2MoeConfig's: every other layer, from the
+    first, below max_window_layers (a config.json written without layer_types, as transformers 4 wrote them)."""
+    if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
+        return 0
+    first = hf.get("max_window_layers", 28)  # both configs' default
+    slides = (lambda i: i % 2 == 0 and i < first) if moe else (lambda i: i >= first)
+    types = hf.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    key, value = ("layer_types", types) if hf.get("layer_types") else ("max_window_layers", first)
+    return _one_window(hf, types, key, value)
+
+
+def _mistral_window(hf: dict) -> int:
+    """MistralForCausalLM slides every layer; transformers' AutoModel reads a Mistral config.json that has
+    layer_types as Ministral's (a window on the sliding_attention layers only): where the two differ, the
+    checkpoint's numbers depend on how it is loaded, and it is refused."""
+    window = hf.get("sliding_window") or 0
+    types = hf.get("layer_types")
+    if window and types and _one_window(hf, types, "layer_types", types) != window:  # no window: both read full
+        _refuse("layer_types", types, f"with sliding_window = {window or None}, AutoModel (as Ministral) and "
+                "MistralForCausalLM compute different attention")
+    return window
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -65,6 +94,10 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
     if arch not in SUPPORTED:
         raise ConfigError(f"unsupported Hugging Face architecture {arch or model_type!r}: shardlm builds the decoder-only "
                           f"language models {', '.join(SUPPORTED)}; start from a checkpoint of one of them")
+    ours = {**LLAMA_LIKE, "GPT2LMHeadModel": "gpt2"}[arch]
+    if archs and model_type and model_type != ours:  # AutoModel builds model_type's class, not architectures'
+        _refuse("model_type", model_type, f"architectures names {arch}, whose model_type is {ours!r}: transformers "
+                "builds the model_type's class; fix whichever of the two is wrong")
     if arch == "GPT2LMHeadModel":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -76,7 +109,8 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
                            num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
                            max_seq_len=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                            tie_embeddings=hf.get("tie_word_embeddings", True))
-    if hf.get("hidden_act", "silu") != "silu":
+    hf = {**HF_DEFAULTS.get(arch, {}), **hf}
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' swish is SiLU
         _refuse("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu)")
     if arch == "LlamaForCausalLM":  # Mistral and Qwen2 build their linears without these, whatever the config says
         if hf.get("mlp_bias"):
@@ -96,10 +130,12 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
     if kind == "default":
         rope = {}
     window = 0
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # every layer slides (they ignore layer_types)
+    if arch == "MistralForCausalLM":
+        window = _mistral_window(hf)
+    elif arch == "MixtralForCausalLM":  # every layer slides (it ignores layer_types)
         window = hf.get("sliding_window") or 0
     elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-        window = _qwen2_window(hf)
+        window = _qwen2_window(hf, moe=arch == "Qwen2MoeForCausalLM")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or 0
     if head_dim == hf["hidden_size"] // heads:
@@ -200,10 +236,13 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
                    shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, norm_topk_prob=cfg.router_renormalize,
                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(range(cfg.moe_first_dense)),
                    qkv_bias=True, output_router_logits=False)
-    if model_type in ("qwen2", "qwen2_moe"):  # a window slides over the layers from max_window_layers on
+    if model_type in ("qwen2", "qwen2_moe"):
+        # Qwen2 slides the layers from max_window_layers on, Qwen2-MoE every other one below it: layer_types,
+        # which both read first, says every layer.
         window = cfg.sliding_window or None
         out.update(use_sliding_window=bool(window), sliding_window=window,
-                   max_window_layers=0 if window else cfg.num_layers)
+                   max_window_layers=0 if window else cfg.num_layers,
+                   layer_types=["sliding_attention" if window else "full_attention"] * cfg.num_layers)
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out

@@ -156,20 +156,20 @@ def check_rendezvous_env(world: int) -> None:
 
 def _check_store_port(port: int) -> None:
     """Rank 0 started by hand listens on MASTER_PORT for the others (torchrun's agent listens there itself):
-    a port in use was a screen of TCPStore's C++ frames, then 'a peer rank died or stalled' (train) or a
-    DistNetworkError traceback (generate --tp). Bound as TCPStore binds it, with SO_REUSEADDR."""
+    TCPStore's own failure on a port in use is a screen of C++ frames, then 'a peer rank died or stalled'
+    (train) or a DistNetworkError traceback (generate --tp). Bound as TCPStore binds it, with SO_REUSEADDR."""
     import errno
     import socket
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("", port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return  # not ours to judge (permissions and the like): the rendezvous says it
-            raise ConfigError(f"MASTER_PORT = {port} is in use on this host (another job, or a server, listens "
-                              "there), and rank 0 listens on it for the others: set MASTER_PORT to a free port, the "
-                              "same on every rank") from None
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # not ours to judge (no IPv4, permissions and the like): the rendezvous says it
+        raise ConfigError(f"MASTER_PORT = {port} is in use on this host (another job, or a server, listens "
+                          "there), and rank 0 listens on it for the others: set MASTER_PORT to a free port, the "
+                          "same on every rank") from None
 
 
 def build_mesh(pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, timeout: timedelta | None = None,

@@ -64,10 +64,14 @@ class Tokenizer:
         if bos_token is None and self.bos_ids:
             bos_token = tok.id_to_token(self.bos_ids[0])
         self.bos_token = bos_token or ""
+        # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
+        # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
+        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
+                               1 + max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
 
     @property
     def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -141,8 +141,7 @@ class Trainer:
     def _data_dir(self) -> Path:
         if self.cfg.data.path:
             if not (Path(self.cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
-                raise ConfigError(f"data.path = {self.cfg.data.path!r} is not a prepared data directory (no "
-                                  "index.json): make one with `shardlm data prepare`")
+                raise ConfigError(compat.not_prepared(self.cfg.data.path))
             return Path(self.cfg.data.path)
         from .data.default import default_corpus
         if self.mesh.is_main:

@@ -5,6 +5,7 @@ non-editable install has them), and a source checkout's top-level configs/.
 """
 from __future__ import annotations
 
+import difflib
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -89,6 +90,11 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         how = ": give true or false"
     elif typ is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         how = f": give one string, the items separated by commas ({key.split('.')[1]} = {','.join(value)!r})"
+    elif typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # precision = 16: a number
+        from .checks import CHOICES
+        allowed = CHOICES.get(key)
+        quoted = f"{key.split('.')[1]} = \"{value}\""
+        how = f": one of {', '.join(allowed)}, in quotes" if allowed else f": give it in quotes ({quoted})"
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
 
 
@@ -122,19 +128,43 @@ HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "
             "train.logging_steps": ("train.log_every", "TrainingArguments")}
 
 
+# Names other tools give two meanings: the hint names both of ours.
+AMBIGUOUS = {"train.batch_size": "; did you mean train.global_batch_size (the sequences of a step) or "
+                                 "train.micro_batch_size (those of one forward pass on a rank)?"}
+
+
+def _near_section(section: str) -> str:
+    """'; did you mean [train]?' for a misspelt or capitalised section ([trian], [Train]), else ""."""
+    found = difflib.get_close_matches(section.lower(), SECTIONS, n=1, cutoff=0.6)
+    return f"; did you mean [{found[0]}]?" if found else ""
+
+
+def _near_key(section: str, name: str) -> str:
+    """'; did you mean X?' for an unknown key: the same name in another section (train.tp), or a near spelling of
+    one of the section's keys or of another tool's name for one (LR, learnig_rate); else "". The list of every key
+    alone left a user to find the one meant among forty."""
+    cfg = Config()
+    elsewhere = [f"{s}.{name}" for s in SECTIONS if s != section and name in get_type_hints(type(getattr(cfg, s)))]
+    names = {f.name: f"{section}.{f.name}" for f in fields(getattr(cfg, section))}
+    names |= {k.partition(".")[2]: v[0].split()[0] for k, v in HF_NAMES.items() if k.startswith(section + ".")}
+    found = elsewhere or [names[m] for m in difflib.get_close_matches(name.lower(), list(names), n=1, cutoff=0.7)] \
+        or [names[m] for m in names if m.startswith(name.lower() + "_")]  # warmup, zero: a key's first word
+    return f"; did you mean {found[0]}?" if found else ""
+
+
 def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
     """Set `section.key` values (strings from the command line, or TOML values) on `cfg`, converted to each
     field's type; an unknown key or a value of the wrong type raises ConfigError naming it."""
     for key, value in flat.items():
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
-            raise ConfigError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
+            raise ConfigError(f"unknown config key {key!r}{_near_section(section)} (sections: {', '.join(SECTIONS)})")
         obj = getattr(cfg, section)
         hints = get_type_hints(type(obj))
         if name not in hints:
             known = ", ".join(f.name for f in fields(obj))
             ours = HF_NAMES.get(key)
-            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else ""
+            hint = f"; {ours[1]}'s {name} is {ours[0]} here" if ours else AMBIGUOUS.get(key) or _near_key(section, name)
             raise ConfigError(f"unknown config key {key!r}{hint} (known in [{section}]: {known})")
         setattr(obj, name, _convert(key, value, hints[name]))
 
@@ -149,7 +179,8 @@ def _flatten(d: dict, where: str) -> dict[str, Any]:
                 f"and no section has such a key (sections: {', '.join(SECTIONS)})"
             raise ConfigError(f"{where}: {section} = {body!r} is outside any [section]{':' if homes else ','} {home}")
         if section not in SECTIONS:
-            raise ConfigError(f"unknown config section [{section}] in {where} (sections: {', '.join(SECTIONS)})")
+            raise ConfigError(f"unknown config section [{section}] in {where}{_near_section(section)} (sections: "
+                              f"{', '.join(SECTIONS)})")
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
     return flat

@@ -31,8 +31,10 @@ class InstructError(ValueError):
     """A line that is no instruction example."""
 
 
-def is_instruct(path: Path) -> bool:
-    """A jsonl file whose first record is an instruction example (prompt/completion, or messages)."""
+def is_instruct(path: Path, text_field: str = "text") -> bool:
+    """A jsonl file whose first record is an instruction example (prompt/completion, or messages). A record with
+    a prompt but no completion is one (missing its answer, which the error names) unless it holds the text field
+    (`text_field`, --text-field's): prompts to pretrain on are plain text, once refused both ways."""
     if path.suffix.lower() != ".jsonl":
         return False
     with open(path, "rb") as f:
@@ -42,7 +44,8 @@ def is_instruct(path: Path) -> bool:
                     record = json.loads(raw.removeprefix(BOM.encode()))
                 except ValueError:
                     return False
-                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+                return isinstance(record, dict) and ("messages" in record or ("prompt" in record and
+                                                  ("completion" in record or text_field not in record)))
     return False
 
 
@@ -145,7 +148,8 @@ def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple
         # Which field is off, as other tools spell it (response, output, answer) or of another type.
         has = ", ".join(f"{k!r}" + ("" if isinstance(v, str) else f" ({JSON_KINDS.get(type(v), 'a value')})")
                         for k, v in list(record.items())[:8])
-        raise InstructError(f"{where}: needs string fields prompt and completion (or messages); has {has or 'none'}")
+        raise InstructError(f"{where}: needs string fields prompt and completion (or messages); has {has or 'none'}"
+                           " (for plain text, name its field with --text-field)")
     return [(prompt, False), (completion, True)]
 
 

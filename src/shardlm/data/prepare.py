@@ -303,12 +303,13 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
         inputs = [Path(p) for p in inputs]
         for p in inputs:
             if p.is_dir():
-                raise PrepareError(f"input {p} is a directory, not a file")
-            if not p.is_file():
-                raise FileNotFoundError(f"input {p} does not exist")
+                raise PrepareError(f"input {p} is a directory, not a file: give its files ({p / '*'})")
+            if not p.is_file():  # a shell leaves a pattern that matched nothing as it was written
+                glob = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
+                raise FileNotFoundError(f"input {p} does not exist{glob}")
         _refuse_repeats(inputs)
         from .instruct import is_instruct
-        instruct = [is_instruct(p) for p in inputs]
+        instruct = [is_instruct(p, text_field or "text") for p in inputs]
         if any(instruct) and not all(instruct):
             raise PrepareError("instruction examples (prompt/completion or messages jsonl) and plain text cannot be "
                                "prepared into one dataset: " + ", ".join(str(p) for p, i in zip(inputs, instruct) if i))

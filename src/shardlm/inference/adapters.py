@@ -89,7 +89,7 @@ def install_adapters(model: Decoder, directories: dict[str, str | Path], rows: A
             rank = max((sum(a.shape[0] for _, a, _ in ups) for ups in per_adapter), default=0)
             if rank == 0:
                 continue
-            out_features, in_features = base.out_features, base.in_features  # int4's words are [in/8, out]
+            out_features, in_features = base.out_features, base.in_features  # int4's words are [out/8, in/8, 8]
             A = torch.zeros(len(names) + 1, rank, in_features)
             B = torch.zeros(len(names) + 1, out_features, rank)
             for i, ups in enumerate(per_adapter, start=1):

@@ -114,16 +114,16 @@ def _refuse_sampling_when_greedy(a) -> None:
 
 def check_world(tp: int) -> tuple[int, int, int]:
     """(world, rank, local rank) of a generate/eval/serve launch, refused where the processes started (torchrun's
-    WORLD_SIZE, or one set by hand) are not --tp's: `torchrun --nproc-per-node 2 ... generate` without --tp ran the
-    whole model in each process, which printed (or wrote) every answer twice, and two `serve`s raced for the port."""
+    WORLD_SIZE, or one set by hand) are not --tp's: `torchrun --nproc-per-node 2 ... generate` without --tp would run
+    the whole model in each process, each printing (or writing) every answer; each `serve` would race for the port."""
     from ..mesh import world_from_env
     if tp < 1:  # else told to start `torchrun --nproc-per-node 0`
         raise ConfigError(f"--tp {tp} must be at least 1 (1: one process)")
     world, rank, local = world_from_env()
     if world != tp and tp == 1:
-        raise ConfigError(f"this is one of {world} processes (WORLD_SIZE = {world}, as torchrun sets it) but --tp is 1: "
-                          f"each would run the whole model and repeat the same work; split the model with --tp {world}, "
-                          "or run one process, without torchrun (and unset WORLD_SIZE)")
+        raise ConfigError(f"this is one of {world} processes (WORLD_SIZE = {world}, as torchrun sets it) but --tp is "
+                          f"1: each would run the whole model and repeat the same work; split the model with --tp "
+                          f"{world}, or run one process, without torchrun (and unset WORLD_SIZE)")
     if world != tp:
         raise ConfigError(f"--tp {tp} runs as {tp} processes, one per rank: torchrun --nproc-per-node {tp} "
                           f"-m shardlm ... --tp {tp} (this is {world} process{'es' if world > 1 else ''})")

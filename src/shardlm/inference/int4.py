@@ -42,7 +42,7 @@ GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
 # int4-mm in bench/quantized_gemv.py sweeps them.
 MM_FORM, MM_BM, MM_BN, MM_WARPS = "tiles", 16, 64, 4
 MM_PROGRAMS = 512  # the few-row kernel splits K until its launch has about this many programs (4 an SM)
-CHUNK = 4096  # outputs quantised at a time: the fp32 and int64 temporaries of a 70B layer stay below a GB
+CHUNK = 2048  # outputs quantised at a time: a 70B layer's fp32 and int32 temporaries stay below a GB
 
 
 def group_size(k: int) -> int | None:
@@ -60,10 +60,11 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] (integers 0..15) as int32 words [N/8, K/8, 8]: word (b, r, o) holds q[8b + o, 8r + j] in bits
     4j..4j+3, so each block of 8 outputs is one contiguous run of memory along K."""
     n, k = q.shape
-    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
-    nibbles = q.reshape(n // BLOCK, BLOCK, k // 8, 8).permute(0, 2, 1, 3).to(torch.int64)
-    words = (nibbles << shifts).sum(-1)  # 0 .. 2^32 - 1
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+    nibbles = q.reshape(n // BLOCK, BLOCK, k // 8, 8).permute(0, 2, 1, 3).to(torch.int32)
+    words = nibbles[..., 0].contiguous()
+    for j in range(1, 8):
+        words |= nibbles[..., j] << (4 * j)  # the top nibble's 8-15 set the sign bit: the same 32 bits
+    return words
 
 
 def unpack(words: torch.Tensor) -> torch.Tensor:

@@ -91,10 +91,22 @@ class Engine:
         loss scale), valid from the last micro-batch's finish_backward until optimizer_step."""
         raise NotImplementedError
 
+    # fp16's loss scaling: each micro-batch's loss divided by the data replicas before backward (prescale).
+    prescaled = False
+
+    def loss_factor(self) -> float:
+        """Besides the loss scale, what each micro-batch's loss is multiplied by before backward. Prescaled,
+        1 / divisor: every rank's gradients, its activations' too, are then its share of the global batch's
+        mean, the size one process's are, so that fp16 overflows at the loss scale one process does (each
+        rank's mean over its own tokens is divisor times that per token, and skipped steps one process ran).
+        Otherwise 1: grad_factor divides the reduced sum."""
+        return 1.0 / self.divisor if self.prescaled else 1.0
+
     def grad_factor(self) -> float:
         """What turns grad_shard's sum into the mean over the global batch: over every data-parallel
-        replica of the model, even where this group's gradients are summed over fewer ranks (experts)."""
-        return 1.0 / self.divisor
+        replica of the model, even where this group's gradients are summed over fewer ranks (experts);
+        prescaled, the sum is that mean already."""
+        return 1.0 if self.prescaled else 1.0 / self.divisor
 
     def grad_sumsq(self) -> torch.Tensor | None:
         """The squares of this rank's shard or replica slice where the reduction took them; None: the

@@ -43,6 +43,7 @@ class ForwardBackward:
             if aux is not None:  # trained on, not reported as the loss
                 loss = loss + (aux / count if aux_weights is None else aux * aux_weights[i])
             self.engine.prepare_backward(last)
-            (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+            factor = self.scaler.scale * self.engine.loss_factor()
+            (loss * factor if factor != 1.0 else loss).backward()
             self.engine.finish_backward(last)
         return total

@@ -177,6 +177,8 @@ def parallelize(cfg, mesh: DeviceMesh, device: torch.device, scaler, resuming: b
     if p.pp > 1 and m.tie_embeddings and model.last and not model.first:  # the head's copy of the embedding
         place(model.embed, DataPlacement(copies=("pp",)))
     engine = build_engine(model, cfg, mesh, scaler, fill)
+    for e in {engine, *engine.group_engines()}:
+        e.prescaled = t.precision == "fp16"
     specs = shardings(model)
     if p.pp == 1:
         step = ForwardBackward(model, engine, scaler, (t.moe_aux_loss_coef, t.moe_z_loss_coef))

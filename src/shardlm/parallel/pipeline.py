@@ -250,10 +250,11 @@ class PipelineSchedule:
         key = (a.stage, a.mb)
         self.weight_grads.deferring = a.kind == "I"
         out = step.outputs.pop(key)
+        factor = self.scaler.scale * self.engine.loss_factor()
         if grad is None:  # the last stage: out is the loss
-            (out * self.scaler.scale if self.scaler.scale != 1.0 else out).backward()
+            (out * factor if factor != 1.0 else out).backward()
         elif (aux := step.aux.pop(key, None)) is not None:  # the losses' gradient is the loss's: the scale
-            _run_backward((out, aux), (grad, torch.full_like(aux, self.scaler.scale)))
+            _run_backward((out, aux), (grad, torch.full_like(aux, factor)))
         else:
             _run_backward((out,), (grad,))
         if a.kind == "I":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
-from .flags import check_flags, check_inference_flags
+from .flags import RUN_FLAGS, check_flags, check_inference_flags, unplanned_settings
 from .hardware import GPUS, parse_bytes
 from .layout import expert_loads
 from .memory import activation_per_layer
@@ -130,7 +130,8 @@ def model_from_args(a) -> ModelConfig:
             except ValueError as e:
                 raise PlanError(f"--model {cfg_file} is not valid JSON ({e}): download or save it again") from None
         else:
-            cfg = load_config(a.model).model
+            full = load_config(a.model)
+            cfg = full.model if full.model.vocab_size else replace(full.model, vocab_size=data_vocab(a.model, full))
         return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg
     need = ("layers", "hidden", "heads", "vocab")
     missing = [n for n in need if getattr(a, n) is None]
@@ -141,6 +142,20 @@ def model_from_args(a) -> ModelConfig:
                        num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
                        vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ), tie_embeddings=a.arch == "gpt",
                        num_experts=a.experts, top_k=a.top_k)
+
+
+def data_vocab(source: str, cfg) -> int:
+    """model.vocab_size = 0, which a run takes from its data's tokenizer: data.path's index, or the default corpus's
+    byte tokenizer (256 bytes and an end-of-text). Planned as 0, it counted no embedding and no head."""
+    if not cfg.data.path:
+        return 257
+    index = Path(cfg.data.path) / "index.json"
+    try:
+        return int(json.loads(index.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise PlanError(f"--model {source}: model.vocab_size = 0 takes the size of data.path's tokenizer, and {index} "
+                        "cannot be read (is the data prepared, and plan run where training runs?): set "
+                        "model.vocab_size") from None
 
 
 def lora_from_args(a) -> LoRAConfig:
@@ -223,6 +238,12 @@ def run(argv: list[str]) -> int:
     if a.largest:
         return largest_model(a, model, layout, g)
     work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
+    if a.model and Path(a.model).suffix == ".toml" and Path(a.model).is_file():
+        planned = {**{f: getattr(layout, f) for f in RUN_FLAGS.values() if hasattr(layout, f)},
+                   "seq": work.seq, "micro_batch": work.micro_batch, "global_batch": work.global_batch,
+                   "zero": layout.zero_stage}
+        if unplanned := unplanned_settings(a.model, planned):
+            print(unplanned, file=sys.stderr)
     e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
         print(json.dumps({**e.to_dict(), "layout": asdict(layout)}))
@@ -291,6 +312,8 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
                                               a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
     if a.json:
         print(json.dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+        if not best:  # a bare [] said nothing of why
+            print(nothing_fits(a, scored), file=sys.stderr)
         return 0
     if a.gpus is None:
         print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")
@@ -302,8 +325,18 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
                 f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
-        print("nothing fits: try more GPUs, --zero 3, --recompute full or a smaller --micro-batch")
+        print(nothing_fits(a, scored))
     return 0
+
+
+def nothing_fits(a, scored: int) -> str:
+    """What is left to try when no searched layout fits: the search has tried every ZeRO stage, recomputation and
+    micro-batch itself (and refuses --zero), so naming those sent users round in a circle."""
+    fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
+        (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
+    tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
+    return (f"nothing fits: none of the {scored} layouts searched (every ZeRO stage, recomputation and micro-batch) "
+            f"fits; try {tries}")
 
 
 def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:

@@ -93,12 +93,30 @@ def model_parallel_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, fl
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
 
 
+def tp_collectives(m: ModelConfig, w: Workload, L: Layout) -> int:
+    """Tensor parallelism's collectives per step on a rank: per layer and pass, two all-gathers and two
+    reduce-scatters with sequence parallelism, two all-reduces without; forward, backward and a recomputed
+    forward."""
+    if L.tp == 1:
+        return 0
+    passes = 3 if L.recompute in BLOCK_RECOMPUTE else 2
+    micro = w.global_batch // (w.micro_batch * L.dp)
+    return (4 if L.sp else 2) * passes * rank_layers(m, L, 0) * micro
+
+
 def link_bw(g: GPU, L: Layout, group: str, gpus_per_node: int) -> float:
     """The bandwidth of the named group's link (groups.py): NVLink if its ranks stay inside a node."""
     return g.nvlink_bw if within_node(L, group, gpus_per_node) else g.network_bw
 
 
 EXPOSED = {"allreduce": 0.85, "reduce_scatter": 0.3, "allgather_step": 1.0, "zero3_gather": 0.1, "tp": 1.0, "pp": 0.0}
+# Each of tensor parallelism's synchronous collectives (a layer's all-gathers and reduce-scatters with sp, its
+# all-reduces without, in forward, backward and a recomputed forward) takes tp - 1 steps of a ring, each this
+# much beyond its bytes at the link's rate (the alpha of the alpha-beta model): the launch and the ranks' wait
+# for the slowest, at thousands of collectives a step. Fitted to the tp rows bench/planner_validation.py reads
+# (llama2-7b, seq 4096: tp 2 on 2x H200, dp 2 x tp 2 and pp 2 x tp 2 on 4x H100, tp 4 on 4x H200 within 5%;
+# tp 4 on 4x H100 -17%).
+TP_STEP_S = 35e-6
 # ZeRO-2 and -3 reduce on every micro-step; each micro-step before the last costs this much per gradient
 # bucket (parallel.bucket_mb) beyond the last one's exposed traffic. Fitted to the four ZeRO-2/3 rows with
 # accumulation that bench/planner_pick.py measured (4x H100, llama2-7b, 4 and 8 micro-steps: 58 to 100 us).
@@ -112,7 +130,7 @@ def comm_seconds(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: 
 
     b = model_parallel_bytes(m, w, L)
     t = seconds("tp", b["tp"]) * EXPOSED["tp"] + seconds("pp", b["pp"]) * EXPOSED["pp"] + seconds("cp", b["cp"]) \
-        + seconds("ep", b["ep"])
+        + seconds("ep", b["ep"]) + tp_collectives(m, w, L) * (L.tp - 1) * TP_STEP_S
     if L.replicas > 1:
         act = 2 if L.precision != "fp32" else 4
         micro = w.global_batch // (w.micro_batch * L.dp)

@@ -149,3 +149,35 @@ def check_inference_flags(a, model: ModelConfig, defaults) -> int:
     if not 2 <= context <= model.max_seq_len:
         raise PlanError(f"--context {context} must be between 2 and the model's max_seq_len {model.max_seq_len}")
     return context
+
+
+# A TOML --model's run settings that a plan takes as flags (the rest of [train] and [parallel] shape no plan).
+RUN_FLAGS = {"train.seq_len": "seq", "train.micro_batch_size": "micro_batch", "train.global_batch_size": "global_batch",
+             "train.precision": "precision", "train.recompute": "recompute", "train.optimizer_dtype": "optimizer_dtype",
+             **{f"parallel.{k}": k for k in ("dp", "tp", "pp", "cp", "ep", "sp", "offload", "pp_schedule",
+                                              "virtual_stages", "offload_activations")}, "parallel.zero_stage": "zero"}
+
+
+def unplanned_settings(source: str, planned: dict) -> str:
+    """A note naming what the TOML `source` sets for its run that differs from the plan (`planned`: each
+    RUN_FLAGS flag's value in it): plan reads the file's [model] and [lora], and planned a TOML of tp 2 at
+    seq 64 as tp 1 at seq 2048 without a word."""
+    from ..config.load import tomllib
+    try:
+        with open(source, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, ValueError):
+        return ""
+    given = {f"{s}.{k}": v for s in ("train", "parallel") for k, v in (raw.get(s) or {}).items()}
+    off = [(key, given[key], flag) for key, flag in RUN_FLAGS.items() if key in given and given[key] != planned[flag]]
+    if not off:
+        return ""
+
+    def flag(name, value):
+        if value is False:
+            return f"no --{name.replace('_', '-')}"
+        return f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+    return (f"note: plan reads {source}'s [model] and [lora] only: it planned "
+            f"{', '.join(flag(f, planned[f]) for _, _, f in off)}, not its "
+            f"{', '.join(f'{k} = {v!r}' for k, v, _ in off)}; give {' '.join(flag(f, v) for _, v, f in off)} to plan "
+            "its run")

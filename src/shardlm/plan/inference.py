@@ -76,7 +76,7 @@ def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float
             total -= count * fan_out * (fan_in * (itemsize - 1) - itemsize)
         elif quantize == "int4" and where == "block":
             group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
-            if group:
+            if group and fan_out % 8 == 0:  # int4.py's blocks of 8 outputs
                 total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * itemsize * (fan_in // group))
     return total
 

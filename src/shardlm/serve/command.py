@@ -119,12 +119,12 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
     if a.max_len is not None and a.max_len < 2:  # a prompt is one token at least, its completion another
         raise ConfigError(f"--max-len {a.max_len} leaves no room for a prompt and its completion: give 2 or more")
-    if a.served_model_name is not None and not a.served_model_name.strip():  # '' fell back to --model unsaid
+    if a.served_model_name is not None and not a.served_model_name.strip():  # '' would fall back to --model unsaid
         raise ConfigError("--served-model-name is empty: give the id clients name in \"model\", or leave it out "
                           "(the id is then --model as given)")
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} is not a port (0 to 65535; 0: any free one)")
-    _, rank, _ = check_world(a.tp)  # before the port: torchrun's ranks at --tp 1 each served (or raced for) it
+    _, rank, _ = check_world(a.tp)  # before the port: at --tp 1 each torchrun rank would serve it
     sock = None
     if a.tp == 1 or rank == 0:  # under torchrun only rank 0 serves HTTP; the others would race it
         sock = _bind(a.host, a.port)

@@ -121,20 +121,22 @@ def _flag(body: dict, param: str) -> bool:
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
             "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
             "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
-            # vLLM's sampling extensions, which clients written for it send: ignored, they changed the answer unsaid
+            # vLLM's sampling extensions, which clients written for it send: ignored, the answer would change unsaid
             "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
             "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
             "use_beam_search": (None, False)}
 # What this server reads; any other key is let through unread (as vLLM does: clients add their own), unless it is
-# a near miss of one of these ("temprature", "max_new_tokens"), which sampled at the default without a word.
+# a near miss of one of these ("temprature", "max_new_tokens"): ignored, it would sample at the default unsaid.
 _READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
          "n", "stop", "stream", "stream_options")
+_FOREIGN = ("models",)  # OpenRouter's fallback models, which its clients send: near "model", changes no answer
 
 
 def _refuse_unsupported(body: dict) -> None:
     import difflib
     for param in body:
-        if param not in _READ and param not in _NEUTRAL and (near := difflib.get_close_matches(param, _READ, 1, 0.8)):
+        if (param not in _READ + _FOREIGN and param not in _NEUTRAL
+                and (near := difflib.get_close_matches(param, _READ, 1, 0.8))):
             raise APIError(400, f"'{param}' is not a parameter of this API (it would be ignored): did you mean "
                                 f"'{near[0]}'?", param, "unknown_parameter")
     for param, neutral in _NEUTRAL.items():
@@ -179,8 +181,9 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise APIError(400, "'stream_options' is an object, allowed only with stream = true.", "stream_options")
-    # {"include_usage": "no"} was truthy, so a usage chunk came that was asked not to: a flag's type is checked
-    include_usage = (options or {}).get("include_usage") or False
+    # a flag's type is checked: "no" is truthy, and would send the usage chunk it declines
+    include_usage = (options or {}).get("include_usage")
+    include_usage = False if include_usage is None else include_usage
     if not isinstance(include_usage, bool):
         raise _wrong_type("stream_options.include_usage", "a boolean")
     return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),

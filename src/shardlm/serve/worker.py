@@ -37,7 +37,7 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     rows = next((n for n in range(least, len(engine.slots)) if n not in taken), 2)
     tail = next(n for n in range(3, 64) if n not in taken | {rows})  # the second chunk's length
     prompt = [token] * max(1, min(engine.prefill_chunk + tail, engine.max_len - 2))
-    # two new tokens run a decode step; a slot of 2 positions (--max-len 2) never decodes, and refused a second
+    # two new tokens run a decode step; a slot of 2 positions (--max-len 2) holds no second, nor decodes
     new = min(2, engine.max_len - len(prompt))
     several = [Request(prompt, new) for _ in range(rows - 1)] + [Request(prompt, new, SamplingParams(1.0, seed=0))]
     return [several, [Request(prompt, new)], *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
