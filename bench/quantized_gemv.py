@@ -14,8 +14,8 @@ Systems:
 - `bf16`: torch.nn.functional.linear (cuBLAS).
 - `int8`: shardlm.inference.int8's int8_linear (per-channel int8, its one-row GEMV and few-row tl.dot kernels).
 - `int4`: shardlm.inference.int4 (`--quantize int4`): words [N/8, K/8, 8], each block of 8 outputs one
-  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step, `--warps`
-  and `--gemv-blocks` swept at one row), its few-row forms at 2-64.
+  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step and `--warps`
+  swept at one row), its few-row forms at 2-64.
 - `int4-mm`: the same weights through int4_mm at 2-64 rows only, each of its forms (`--mm-forms`: tiles, a
   group's tile of nibbles a tl.dot; planes, 128 inputs' words loaded once as eight nibble planes, a tl.dot each;
   dequant, the weight written in bf16 by one Triton pass, then cuBLAS) at each tile (`--bm` rows, `--mm-bn`
@@ -68,7 +68,7 @@ COPIES = 8  # layers' worth of each shape: 8 x 0.4 GB in bf16, 8 x 0.1 GB in int
 # The split-K kernels' launch: outputs a program and warps (the branch's, from an H200 sweep); groups a tile of
 # the last arriver's sum (0: all of them in one tile).
 BN, WARPS, SUM_ROWS = 128, 2, 0
-GEMV_ROWS, GEMV_BLOCKS = 128, 2  # inference/int4.py's
+GEMV_ROWS = 256  # inference/int4.py's GEMV_ROWS
 GROUP_SIZES = (128, 64, 32)  # the largest that divides a layer's inputs is its int4 group
 
 
@@ -244,7 +244,7 @@ def make_system(name: str):
                 return int4.int4_mm(x, *op, *launch)
             if launch is None:
                 return int4.int4_linear(x, *op)
-            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1], blocks=launch[2])
+            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1])
         return ((lambda w: int4.quantize_weight(w, int4.group_size(w.shape[1]))), run,
                 (lambda op: int4.dequantize(*op, torch.float32)))
     if name == "int4-torchao":
@@ -294,7 +294,7 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
     x = next(iter(xs_by_rows.values()))[layers[0][2]]
     ops = [build(w) for w in weights(layers, COPIES, x.device, x.dtype)]
     torch.cuda.synchronize()
-    third = {"int4-splitk": args.sum_rows, "int4": args.gemv_blocks}.get(name, [SUM_ROWS])
+    third = args.sum_rows if name == "int4-splitk" else [SUM_ROWS]
     launches = [(bn, w, s) for bn in (args.gemv_rows if name == "int4" else args.bn) for w in args.warps
                 for s in third]
     for m, xs in xs_by_rows.items():
@@ -337,8 +337,6 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
                            "warps": launch[3]}
             if name == "int4-splitk":
                 setting["sum_rows"] = launch[2]
-            if name == "int4" and launch is not None:
-                setting["blocks"] = launch[2]
             rows.append({"system": name, "micro_batch": m, **setting, "us": round(seconds * 1e6, 1),
                          "us_by_shape": by_shape, "error": max(errors.values()), "error_by_shape": errors,
                          "same_bits": same, "peak_mem_gib": round(peak, 3)})
@@ -380,7 +378,7 @@ def bench(args, device="cuda", dtype=torch.bfloat16) -> None:
     print(f"{'system':<20}{'rows':>5}  {'launch':<18}{'all us':>8}" + "".join(f"{s:>9}" for s in names)
           + f"{'x bf16':>8}{'max err':>9}{'same bits':>10}{'peak GiB':>9}")
     for r in rows:
-        launch = f"rows {r['gemv_rows']} w {r['warps']} b {r['blocks']}" if "gemv_rows" in r else "" if "bn" not in r else (
+        launch = f"rows {r['gemv_rows']} w {r['warps']}" if "gemv_rows" in r else "" if "bn" not in r else (
             f"bn {r['bn']} w {r['warps']}" + (f" s {r['sum_rows'] or 'all'}" if "sum_rows" in r else ""))
         if "form" in r:
             launch = (f"{r['form']} {r['bm']}x{r['bn']} w{r['warps']}" if "bm" in r
@@ -459,8 +457,6 @@ def main():
     p.add_argument("--mm-bn", type=_ints, default=[32, 64, 128], help="int4-mm: outputs a tile, powers of two "
                    "(dequant: rows of words a program), comma-separated")
     p.add_argument("--mm-warps", type=_ints, default=[4], help="int4-mm: warps a program, comma-separated")
-    p.add_argument("--gemv-blocks", type=_ints, default=[GEMV_BLOCKS], help="int4: blocks of 8 outputs a program of "
-                   "its one-row kernel (1 or 2), comma-separated")
     p.add_argument("--sum-rows", type=_ints, default=[SUM_ROWS],
                    help="int4-splitk: groups a tile of the last arriver's sum, powers of two (0: all, one tile)")
     p.add_argument("--warm", type=int, default=10, help="graph replays before timing")

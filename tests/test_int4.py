@@ -194,11 +194,9 @@ def check_kernels_interpreted() -> None:
                     form, bm, bn, k, n, rows, err.max().item())
                 worst[form] = max(worst.get(form, 0.0), err.max().item())
             if rows == 1:
-                # 1536 inputs: 192 rows of words, which steps of 128 do not divide; 2 blocks a program where the
-                # layer's blocks are even (128 and 16 outputs), else 1
-                for step, blocks in ((16, 1), (128, 1), (16, 2), (128, 2)):
-                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2, blocks=blocks)
-                    assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step, blocks)
+                for step in (16, 64):  # 1536 inputs: 192 rows of words, which steps of 64 do not divide
+                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2)
+                    assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step)
         q = torch.randint(0, 16, (n, k), generator=g)
         ones = blocked(torch.ones(n, k // group, dtype=torch.float16))
         for rows in (1, 16):

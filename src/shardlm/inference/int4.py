@@ -38,7 +38,7 @@ BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 # The one-row kernel's word rows a step and warps, from an H200 sweep over llama2-7b's layers
 # (bench/quantized_gemv.py).
-GEMV_ROWS, GEMV_WARPS, GEMV_BLOCKS = 128, 4, 2
+GEMV_ROWS, GEMV_WARPS = 256, 4
 MAGIC = 0x4B000000  # 2^23's bits, a float's mantissa that an OR-ed integer below 2^23 adds to exactly
 # The few-row product's form (int4_mm: tiles, planes or dequant), tile (rows, outputs) and warps; its system
 # int4-mm in bench/quantized_gemv.py sweeps them. Up to MM_PLANES_ROWS rows "planes" (llama2-7b's products at 2
@@ -132,24 +132,25 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, magic, K: tl.constexpr, G: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCKS: tl.constexpr):
-        # One program BLOCKS blocks of 8 outputs: it streams the blocks' contiguous runs of words along K, ROWS
-        # rows of words a step, a thread a row: its 8 words of each block (one per output) and its 8 inputs,
-        # each read once and taken apart in registers. The kernel is bound by the instructions it issues per
-        # nibble (about three: an AND-OR, a subtraction, an FMA), so all else is done once per row, and an
-        # input's work serves BLOCKS * 8 outputs.
-        b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+                          ROWS: tl.constexpr):
+        # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
+        # of words a step, a thread a row: its 8 words (one per output) and its 8 inputs, each read once and
+        # taken apart in registers. The kernel is bound by the instructions it issues per nibble (about three:
+        # an AND-OR, a subtraction, an FMA), so everything else is done once per row, not once per nibble.
+        b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
+        w_ptr += b * (K // 8) * 8
+        meta = b * (K // G) * 8
         RG: tl.constexpr = G // 8  # rows of words a group
-        acc = tl.zeros([ROWS, BLOCKS, 8], tl.float32)
-        acc_low = tl.zeros([ROWS, BLOCKS, 8], tl.float32)
+        acc = tl.zeros([ROWS, 8], tl.float32)
+        acc_low = tl.zeros([ROWS, 8], tl.float32)
         for r0 in range(0, K // 8, ROWS):
             r = r0 + tl.arange(0, ROWS)
             ok = r < K // 8
-            at = (b[None, :, None] * (K // 8) + r[:, None, None]) * 8 + o[None, None, :]
-            words = tl.load(w_ptr + at, mask=ok[:, None, None], other=0, eviction_policy="evict_first")
-            xr = tl.load(x_ptr + r[:, None] * 8 + o[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            even, odd = tl.split(tl.reshape(xr, [ROWS, 4, 2]))  # inputs 8r + (0, 2, 4, 6) and (1, 3, 5, 7)
+            at = r[:, None] * 8 + o[None, :]
+            words = tl.load(w_ptr + at, mask=ok[:, None], other=0, eviction_policy="evict_first")
+            xr = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)  # inputs 8r..8r+7
+            even, odd = tl.split(tl.reshape(xr, [ROWS, 4, 2]))
             e0, e1 = tl.split(tl.reshape(even, [ROWS, 2, 2]))
             o0, o1 = tl.split(tl.reshape(odd, [ROWS, 2, 2]))
             x0, x4 = tl.split(e0)
@@ -159,20 +160,20 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             # Nibbles 0-4 in place (q 2^(4j) stays below 2^23 up to j = 4), 5-7 from the word shifted by 12;
             # each x scaled by the nibble's power of two (exact), so each product is q x.
             high = words >> 12
-            part = _nibble(words, 0xF, magic) * x0[:, None, None]
-            part += _nibble(words, 0xF0, magic) * (x1 * 2.0 ** -4)[:, None, None]
-            part += _nibble(words, 0xF00, magic) * (x2 * 2.0 ** -8)[:, None, None]
-            part += _nibble(words, 0xF000, magic) * (x3 * 2.0 ** -12)[:, None, None]
-            part += _nibble(words, 0xF0000, magic) * (x4 * 2.0 ** -16)[:, None, None]
-            part += _nibble(high, 0xF00, magic) * (x5 * 2.0 ** -8)[:, None, None]
-            part += _nibble(high, 0xF000, magic) * (x6 * 2.0 ** -12)[:, None, None]
-            part += _nibble(high, 0xF0000, magic) * (x7 * 2.0 ** -16)[:, None, None]
-            g = (b[None, :, None] * (K // G) + (r // RG)[:, None, None]) * 8 + o[None, None, :]  # each row's group
-            scale = tl.load(s_ptr + g, mask=ok[:, None, None], other=0.0).to(tl.float32)
-            low = tl.load(lo_ptr + g, mask=ok[:, None, None], other=0.0).to(tl.float32)
+            part = _nibble(words, 0xF, magic) * x0[:, None]
+            part += _nibble(words, 0xF0, magic) * (x1 * 2.0 ** -4)[:, None]
+            part += _nibble(words, 0xF00, magic) * (x2 * 2.0 ** -8)[:, None]
+            part += _nibble(words, 0xF000, magic) * (x3 * 2.0 ** -12)[:, None]
+            part += _nibble(words, 0xF0000, magic) * (x4 * 2.0 ** -16)[:, None]
+            part += _nibble(high, 0xF00, magic) * (x5 * 2.0 ** -8)[:, None]
+            part += _nibble(high, 0xF000, magic) * (x6 * 2.0 ** -12)[:, None]
+            part += _nibble(high, 0xF0000, magic) * (x7 * 2.0 ** -16)[:, None]
+            g = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
+            scale = tl.load(s_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
+            low = tl.load(lo_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
             acc += part * scale  # sum_k x_k (q_k scale + low) over the row's 8 inputs, in two FMAs an output
-            acc_low += tl.sum(xr, 1)[:, None, None] * low
-        tl.store(y_ptr + b[:, None] * 8 + o[None, :], tl.sum(acc + acc_low, 0).to(y_ptr.dtype.element_ty))
+            acc_low += tl.sum(xr, 1)[:, None] * low
+        tl.store(y_ptr + b * 8 + o, tl.sum(acc + acc_low, 0).to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, part_ptr, M, N, sx, K: tl.constexpr, G: tl.constexpr,
@@ -269,15 +270,13 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(out_ptr + (b * 8 + o)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=(k < K)[None, :])
 
-    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
-                  blocks: int = GEMV_BLOCKS) -> torch.Tensor:
+    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS) -> torch.Tensor:
         """The one-row kernel on contiguous operands, x [1, K]: y [1, N] (new, or given); its launch apart for
-        bench/quantized_gemv.py's sweep (`blocks` a program where they divide the layer's, else one)."""
+        bench/quantized_gemv.py's sweep."""
         k, n = x.shape[1], words.shape[0] * BLOCK
         y = x.new_empty(1, n) if y is None else y
-        blocks = blocks if words.shape[0] % blocks == 0 else 1
-        _int4_gemv_kernel[(n // BLOCK // blocks,)](x, words, scale, low, y, MAGIC, K=k, G=k // scale.shape[1],
-                                                   ROWS=rows, BLOCKS=blocks, num_warps=warps)
+        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, MAGIC, K=k, G=k // scale.shape[1], ROWS=rows,
+                                         num_warps=warps)
         return y
 
     def int4_dequant(words, scale, low, dtype, rows: int = 64, warps: int = 4) -> torch.Tensor:
