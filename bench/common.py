@@ -225,16 +225,22 @@ def kernel_kind(name: str, cat: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
+def covered(intervals) -> float:
+    """The length of the union of (start, end) intervals: a GPU's busy time over all its streams."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
+
+
 def trace_profile(trace: dict, steps: int, cats: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset"),
                   top: int = 25) -> tuple[dict, str]:
     """Per step, from a chrome trace's complete events of `cats` (the GPU's kernels, copies and sets; "cpu_op" on
     a CPU smoke run, whose nested operators then count more than once in the classes): busy ms (the union of
     their intervals over every stream), ms per class, and the `top` names by total time; with the table of them."""
     ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in cats and "dur" in e]
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev):  # microseconds
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
+    busy = covered((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev)  # microseconds
     kinds, names = {}, {}
     for e in ev:
         kind = kernel_kind(e["name"], e["cat"])

@@ -3,6 +3,7 @@
 (batch-1 decode's bound), then one burst under torch.profiler, its top kernels printed.
 
     python bench/decode_profile.py [--preset llama2-7b] [--slots 16] [--rows 1 16] [--prompt 128] [--new 64]
+        [--quantize int4]
 
 The eighteenth lease (bench/README.md) measured 6.5 ms a step at 1 row and 8.3 ms at 16 on an H200, where
 reading llama2-7b's bf16 weights takes 2.8 ms: this says which kernels take the rest. A step's time is the
@@ -27,6 +28,8 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="requests decoding together")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
+                   help="the block linears' weights as `--quantize` gives them (inference/quantize.py)")
     p.add_argument("--card", default="h200", help="the planner's GPU, for the memory bandwidth")
     p.add_argument("--out", default="profiles", help="where the traces are written")
     p.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 512],
@@ -36,6 +39,9 @@ def main():
     from shardlm.plan import gpu
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build(args, device)
+    if args.quantize != "none":
+        from shardlm.inference.quantize import quantize
+        quantize(model, args.quantize)
     engine = Engine(model, args.slots, max([args.prompt, *args.prefill]) + args.new + 8, compile=device == "cuda")
     g = torch.Generator().manual_seed(0)
 

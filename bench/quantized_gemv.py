@@ -5,7 +5,8 @@ in a graph of their own.
 
     python bench/quantized_gemv.py [--gpus 1] [--preset llama2-7b] [--rows 1[,16]] [--systems ...]
                                    [--bn 128[,64,...]] [--warps 2[,1,4,...]] [--sum-rows 0[,32,...]]
-                                   [--gemv-rows 256[,128,512]]
+                                   [--gemv-rows 256[,128,512]] [--mm-forms tiles,planes,dequant]
+                                   [--bm 16,32,64] [--mm-bn 32,64,128] [--mm-warps 4[,8]]
                                    [--warm 10] [--replays 200] [--record FILE]
     python bench/quantized_gemv.py --check    # the split-K kernels on small shapes (Triton's interpreter on a CPU)
 
@@ -13,8 +14,13 @@ Systems:
 - `bf16`: torch.nn.functional.linear (cuBLAS).
 - `int8`: shardlm.inference.int8's int8_linear (per-channel int8, its one-row GEMV and few-row tl.dot kernels).
 - `int4`: shardlm.inference.int4 (`--quantize int4`): words [N/8, K/8, 8], each block of 8 outputs one
-  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step, `--warps`
-  and `--gemv-grouped` swept at one row), its few-row tensor-core kernel at 2-64.
+  contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step and `--warps`
+  swept at one row), its few-row forms at 2-64.
+- `int4-mm`: the same weights through int4_mm at 2-64 rows only, each of its forms (`--mm-forms`: tiles, a
+  group's tile of nibbles a tl.dot; planes, 128 inputs' words loaded once as eight nibble planes, a tl.dot each;
+  dequant, the weight written in bf16 by one Triton pass, then cuBLAS) at each tile (`--bm` rows, `--mm-bn`
+  outputs; dequant: `--mm-bn` rows of words a program, no `--bm`) and `--mm-warps`; tiles of more rows than
+  max(16, rows) are left out. int4 at those rows is its default form and launch (int4.py's MM_*).
 - `int4-torchao`: torchao's tinygemm (Int4WeightOnlyConfig, tile_packed_to_4d, groups of 128) on nn.Linear
   modules, built by shardlm.inference.quantize as `--quantize int4` builds it.
 - `int4-splitk`: the transposed split-K GEMV of branch next/int4-t, its kernel here: int32 words [K/8, N] (eight
@@ -56,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("bf16", "int8", "int4", "int4-torchao", "int4-splitk", "int4-splitk-atomic")
+SYSTEMS = ("bf16", "int8", "int4", "int4-mm", "int4-torchao", "int4-splitk", "int4-splitk-atomic")
 SPLITK = ("int4-splitk", "int4-splitk-atomic")
 COPIES = 8  # layers' worth of each shape: 8 x 0.4 GB in bf16, 8 x 0.1 GB in int4, against an L2 of tens of MB
 # The split-K kernels' launch: outputs a program and warps (the branch's, from an H200 sweep); groups a tile of
@@ -230,13 +236,15 @@ def make_system(name: str):
         from shardlm.inference.int8 import Int8Linear, int8_linear
         return ((lambda w: Int8Linear(_linear(w))), (lambda x, q, _: int8_linear(x, q.weight, q.scale)),
                 (lambda q: q.weight.float() * q.scale.float()[:, None]))
-    if name == "int4":
+    if name in ("int4", "int4-mm"):
         from shardlm.inference import int4
 
         def run(x, op, launch):
+            if name == "int4-mm":  # (form, bm, bn, warps)
+                return int4.int4_mm(x, *op, *launch)
             if launch is None:
                 return int4.int4_linear(x, *op)
-            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1], grouped=bool(launch[2]))
+            return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1])
         return ((lambda w: int4.quantize_weight(w, int4.group_size(w.shape[1]))), run,
                 (lambda op: int4.dequantize(*op, torch.float32)))
     if name == "int4-torchao":
@@ -286,15 +294,22 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
     x = next(iter(xs_by_rows.values()))[layers[0][2]]
     ops = [build(w) for w in weights(layers, COPIES, x.device, x.dtype)]
     torch.cuda.synchronize()
-    third = {"int4-splitk": args.sum_rows, "int4": args.gemv_grouped}.get(name, [SUM_ROWS])
+    third = args.sum_rows if name == "int4-splitk" else [SUM_ROWS]
     launches = [(bn, w, s) for bn in (args.gemv_rows if name == "int4" else args.bn) for w in args.warps
                 for s in third]
     for m, xs in xs_by_rows.items():
         if name in SPLITK and m != 1:
             print(f"{name}: one row only, {m} rows left out", file=sys.stderr, flush=True)
             continue
+        if name == "int4-mm":
+            if not 1 < m <= 64:
+                print(f"{name}: 2-64 rows only, {m} rows left out", file=sys.stderr, flush=True)
+                continue
+            # (form, bm, bn, warps); dequant has no bm (0)
+            launches = [(f, bm, bn, w) for f in args.mm_forms for bm in ([0] if f == "dequant" else args.bm)
+                        if bm <= max(16, m) for bn in args.mm_bn for w in args.mm_warps]
         refs = [xs[k].float() @ dequantised(op).t() for op, (_, _, k) in zip(ops, layers)]  # the first copies
-        for launch in launches if name in SPLITK or (name == "int4" and m == 1) else [None]:
+        for launch in launches if name in (*SPLITK, "int4-mm") or (name == "int4" and m == 1) else [None]:
             def products(which=range(len(ops))):
                 return [run(xs[layers[i % len(layers)][2]], ops[i], launch) for i in which]
             try:  # a launch whose kernel does not build fails in the warm-up call, before any capture
@@ -317,10 +332,11 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
             del graph, outs
             setting = {} if launch is None else {"gemv_rows" if name == "int4" else "bn": launch[0],
                                                  "warps": launch[1]}
+            if name == "int4-mm":
+                setting = {"form": launch[0], **({"bm": launch[1]} if launch[1] else {}), "bn": launch[2],
+                           "warps": launch[3]}
             if name == "int4-splitk":
                 setting["sum_rows"] = launch[2]
-            if name == "int4" and launch is not None:
-                setting["grouped"] = bool(launch[2])
             rows.append({"system": name, "micro_batch": m, **setting, "us": round(seconds * 1e6, 1),
                          "us_by_shape": by_shape, "error": max(errors.values()), "error_by_shape": errors,
                          "same_bits": same, "peak_mem_gib": round(peak, 3)})
@@ -362,8 +378,11 @@ def bench(args, device="cuda", dtype=torch.bfloat16) -> None:
     print(f"{'system':<20}{'rows':>5}  {'launch':<18}{'all us':>8}" + "".join(f"{s:>9}" for s in names)
           + f"{'x bf16':>8}{'max err':>9}{'same bits':>10}{'peak GiB':>9}")
     for r in rows:
-        launch = f"rows {r['gemv_rows']} w {r['warps']}{' g' * r['grouped']}" if "gemv_rows" in r else "" if "bn" not in r else (
+        launch = f"rows {r['gemv_rows']} w {r['warps']}" if "gemv_rows" in r else "" if "bn" not in r else (
             f"bn {r['bn']} w {r['warps']}" + (f" s {r['sum_rows'] or 'all'}" if "sum_rows" in r else ""))
+        if "form" in r:
+            launch = (f"{r['form']} {r['bm']}x{r['bn']} w{r['warps']}" if "bm" in r
+                      else f"{r['form']} r{r['bn']} w{r['warps']}")
         ratio = f"{r['x_bf16']:.2f}" if r["x_bf16"] else "-"
         print(f"{r['system']:<20}{r['micro_batch']:>5}  {launch:<18}{r['us']:>8.1f}"
               + "".join(f"{r['us_by_shape'][s]:>9.1f}" for s in names)
@@ -432,8 +451,12 @@ def main():
                    "comma-separated")
     p.add_argument("--gemv-rows", type=_ints, default=[GEMV_ROWS], help="int4 (inference/int4.py): rows of words "
                    "a step of its one-row kernel, powers of two, comma-separated")
-    p.add_argument("--gemv-grouped", type=_ints, default=[0], help="int4: 1 sums each group's partials before its "
-                   "scale (0: each row's), comma-separated")
+    p.add_argument("--mm-forms", type=lambda s: s.split(","), default=["tiles", "planes", "dequant"],
+                   help="int4-mm: int4_mm's forms, comma-separated (tiles, planes, dequant)")
+    p.add_argument("--bm", type=_ints, default=[16, 32, 64], help="int4-mm: rows a tile (16, 32, 64), comma-separated")
+    p.add_argument("--mm-bn", type=_ints, default=[32, 64, 128], help="int4-mm: outputs a tile, powers of two "
+                   "(dequant: rows of words a program), comma-separated")
+    p.add_argument("--mm-warps", type=_ints, default=[4], help="int4-mm: warps a program, comma-separated")
     p.add_argument("--sum-rows", type=_ints, default=[SUM_ROWS],
                    help="int4-splitk: groups a tile of the last arriver's sum, powers of two (0: all, one tile)")
     p.add_argument("--warm", type=int, default=10, help="graph replays before timing")
@@ -447,6 +470,10 @@ def main():
             p.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")
     if any(v & (v - 1) for v in args.sum_rows) or any(v < 1 or v & (v - 1) for v in args.bn):
         p.error("--bn and --sum-rows take powers of two (--sum-rows also 0)")
+    if any(f not in ("tiles", "planes", "dequant") for f in args.mm_forms):
+        p.error("--mm-forms: tiles, planes, dequant")
+    if any(v < 16 or v & (v - 1) for v in args.bm + args.mm_bn):
+        p.error("--bm and --mm-bn take powers of two from 16 (tl.dot's least)")
     if args.gpus != 1:
         print(f"--gpus {args.gpus}: one GPU is used", file=sys.stderr)
     if args.check:

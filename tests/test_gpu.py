@@ -232,28 +232,80 @@ def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
 @cuda
 @pytest.mark.parametrize("rows", [1, 2, 16, 64])
 def test_int4_kernels_equal_the_dequantised_product(rows):
-    """The int4 weight-only products of decode (Triton: the one-row GEMV, the tensor-core kernel at 2-64)
-    against the weight dequantised and multiplied in fp64, in bf16 and fp16: outputs that fill no tile evenly,
-    groups of 128, 64 and 32, llama2-7b's shapes; the result within the dtype's rounding of it, the same bits
-    on a second call; and every nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32,
-    rounded once)."""
+    """The int4 weight-only products of decode as the model calls them (Triton: the one-row GEMV; at 2-64 rows
+    int4_mm's default form for the rows) against the weight dequantised and multiplied in fp64 (the weight
+    rounded to the dtype first where that form rounds it: planes with groups under 128, dequant), in bf16 and
+    fp16: outputs that fill no tile evenly, groups of 128, 64 and 32, llama2-7b's shapes; the result within the
+    dtype's rounding of it, the same bits on a second call; and every nibble read exactly (scale 1, minimum 0,
+    x of ones: integer sums, exact in fp32, rounded once; through cuBLAS for dequant, whose sums may round)."""
+    import torch.nn.functional as F
+
+    from shardlm.inference import int4
     from shardlm.inference.int4 import Int4Linear, blocked, dequantize, int4_linear, kernel_ok, pack
     g = torch.Generator(device="cuda").manual_seed(0)
+    form = "gemv" if rows == 1 else int4.MM_FORM if rows <= int4.MM_PLANES_ROWS else "dequant"
     for dtype, ulp in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
         for k, n in ((256, 200), (384, 200), (320, 72), (96, 136), (4096, 12288), (11008, 4096)):
             x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
             assert kernel_ok(x)
             q = Int4Linear(torch.nn.Linear(k, n, bias=False).cuda().to(dtype))
-            want = x.double() @ dequantize(q.words, q.scale, q.low, torch.float64).t()
+            exact_weight = form in ("gemv", "tiles") or (form == "planes" and q.group == 128)
+            w = dequantize(q.words, q.scale, q.low, torch.float64 if exact_weight else dtype)
+            want = x.double() @ w.double().t()
             got = int4_linear(x, q.words, q.scale, q.low)
             assert got.dtype == dtype
             err = (got.double() - want).abs()
-            assert (err <= want.abs() * ulp + 1e-3).all(), (dtype, k, n, err.max().item())
+            assert (err <= want.abs() * ulp + 1e-3).all(), (form, dtype, k, n, err.max().item())
             assert torch.equal(int4_linear(x, q.words, q.scale, q.low), got)
             levels = torch.randint(0, 16, (n, k), device="cuda", generator=g)
             ones = blocked(torch.ones(n, k // q.group, device="cuda", dtype=dtype))
             exact = int4_linear(torch.ones_like(x), pack(levels), ones, 0 * ones)
-            assert torch.equal(exact, levels.sum(1).to(dtype).expand(rows, n)), (dtype, k, n)
+            total = (F.linear(torch.ones_like(x), levels.to(dtype)) if form == "dequant"
+                     else levels.sum(1).to(dtype).expand(rows, n))
+            assert torch.equal(exact, total), (form, dtype, k, n)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [2, 16, 64])
+def test_int4_mm_forms_equal_the_dequantised_product(rows):
+    """int4_mm's forms and launches (those bench/quantized_gemv.py's int4-mm system sweeps), compiled by Triton
+    for the GPU: tiles and planes against the product in fp64 of the dequantised weight (planes with groups
+    under 128 of the weight rounded to the dtype, as dequantize rounds it), within the dtype's rounding, the
+    same bits on a second call; int4_dequant writes dequantize's bits and dequant is F.linear of them; and every
+    nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32, rounded once)."""
+    import torch.nn.functional as F
+
+    from shardlm.inference.int4 import Int4Linear, blocked, dequantize, int4_dequant, int4_mm, pack
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # tiles, planes: (form, bm, bn, warps), the tile up to 64 x 128; dequant: bn rows of words a program. A few
+    # launches and shapes: each is a compile, and nine launches over six shapes ran past a GPU call's limit.
+    launches = [("tiles", 16, 64, 4), ("tiles", 64, 128, 8), ("planes", 16, 128, 4), ("planes", 64, 64, 4),
+                ("dequant", 0, 128, 4)]
+    for dtype, ulp in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
+        for k, n in ((256, 200), (320, 72), (96, 136), (4096, 12288)):
+            x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+            q = Int4Linear(torch.nn.Linear(k, n, bias=False).cuda().to(dtype))
+            rounded = dequantize(q.words, q.scale, q.low, dtype)
+            assert torch.equal(int4_dequant(q.words, q.scale, q.low, dtype), rounded)
+            want = x.double() @ dequantize(q.words, q.scale, q.low, torch.float64).t()
+            want_rounded = x.double() @ rounded.double().t()
+            levels = torch.randint(0, 16, (n, k), device="cuda", generator=g)
+            ones = blocked(torch.ones(n, k // q.group, device="cuda", dtype=dtype))
+            for form, bm, bn, warps in launches:
+                got = int4_mm(x, q.words, q.scale, q.low, form, bm, bn, warps)
+                assert got.dtype == dtype and got.shape == (rows, n)
+                assert torch.equal(int4_mm(x, q.words, q.scale, q.low, form, bm, bn, warps), got)
+                if form == "dequant":
+                    assert torch.equal(got, F.linear(x, rounded)), (dtype, k, n, bn)
+                else:
+                    ref = want if form == "tiles" or q.group == 128 else want_rounded
+                    err = (got.double() - ref).abs()
+                    assert (err <= ref.abs() * ulp + 1e-3).all(), (form, bm, bn, warps, dtype, k, n, err.max().item())
+                exact = int4_mm(torch.ones_like(x), pack(levels), ones, 0 * ones, form, bm, bn, warps)
+                # dequant's integer weight through cuBLAS, whose reductions may round (bf16's split K): its bits
+                total = (F.linear(torch.ones_like(x), levels.to(dtype)) if form == "dequant"
+                         else levels.sum(1).to(dtype).expand(rows, n))
+                assert torch.equal(exact, total), (form, bm, bn, dtype, k, n)
 
 
 @cuda

@@ -149,32 +149,53 @@ def test_to_int4_swaps_the_blocks_linears_it_can():
 # ---- the Triton kernels, run by Triton's interpreter on the CPU -----------------------------------------------
 
 def check_kernels_interpreted() -> None:
-    """Run under TRITON_INTERPRET=1 (in a subprocess: the variable is read when triton is imported). Both
+    """Run under TRITON_INTERPRET=1 (in a subprocess: the variable is read when triton is imported). The
     kernels in fp16 (the interpreter's bf16 is broken) against the product in fp64 of the dequantised weight:
     one row (the one-row GEMV, called twice: the same bits; steps of rows that do and do not divide K's), 2, 16
-    and 64 rows (the tensor-core kernel, K split evenly and not); outputs not a multiple of a tile, groups of
-    128, 64 and 32; and every nibble read exactly (scale 1, minimum 0, x of ones: integer sums, exact in fp32, rounded once to fp16)."""
+    and 64 rows (the op's default form by rows, and int4_mm's forms at several tiles, K split evenly and not); outputs
+    not a multiple of a tile, groups of 128, 64 and 32; and every nibble read exactly (scale 1, minimum 0, x of
+    ones: integer sums, exact in fp32, rounded once to fp16). The forms that dequantise before the product
+    ("dequant"; "planes" with groups under 128, whose dot spans several) multiply by the weight rounded to fp16
+    as dequantize rounds it, and int4_dequant writes dequantize's bits."""
     from shardlm.inference import int4
     g = torch.Generator().manual_seed(0)
     worst = {}
+    # (form, bm, bn, warps): int4_mm's launches (dequant: bn rows of words a program, none of bm)
+    launches = (("tiles", 16, 32, 4), ("tiles", 64, 128, 8), ("planes", 16, 64, 4), ("planes", 32, 32, 4),
+                ("planes", 64, 128, 8), ("dequant", 0, 16, 4), ("dequant", 0, 64, 2))
     for k, n in ((256, 200), (384, 200), (320, 72), (96, 136), (128, 128), (1536, 16)):
         group = group_size(k)
         words, scale, low = quantize_weight(torch.randn(n, k, generator=g).half(), group)
         w = dequantize(words, scale, low, torch.float64)
+        rounded = dequantize(words, scale, low, torch.float16)
+        for rows in (16, 64):
+            assert torch.equal(int4.int4_dequant(words, scale, low, torch.float16, rows), rounded), (k, n, rows)
         for rows in (1, 2, 16, 64):
             x = torch.randn(rows, k, generator=g).half()
             want = x.double() @ w.t()
             y = torch.ops.shardlm.int4_mm(x, words, scale, low)
             assert y.dtype == torch.float16 and y.shape == (rows, n)
             assert torch.equal(torch.ops.shardlm.int4_mm(x, words, scale, low), y)
-            err = (y.double() - want).abs()
+            default = "gemv" if rows == 1 else int4.MM_FORM if rows <= int4.MM_PLANES_ROWS else "dequant"
+            exact = default in ("gemv", "tiles") or (default == "planes" and group == 128)
+            ref = want if exact else x.double() @ rounded.double().t()
+            err = (y.double() - ref).abs()
             # fp16's rounding of the result (half a unit in the last place: 2^-11 of it) and fp32's sums
-            assert (err <= want.abs() * 2**-11 + 1e-3).all(), (k, n, rows, err.max().item())
+            assert (err <= ref.abs() * 2**-11 + 1e-3).all(), (k, n, rows, err.max().item())
             worst[rows] = max(worst.get(rows, 0.0), err.max().item())
+            for form, bm, bn, warps in launches if rows > 1 else ():
+                if bm > max(16, rows):
+                    continue
+                y = int4.int4_mm(x, words, scale, low, form, bm, bn, warps)
+                exact = form == "tiles" or (form == "planes" and group == 128)
+                ref = want if exact else x.double() @ rounded.double().t()
+                err = (y.double() - ref).abs()
+                assert y.shape == (rows, n) and (err <= ref.abs() * 2**-11 + 1e-3).all(), (
+                    form, bm, bn, k, n, rows, err.max().item())
+                worst[form] = max(worst.get(form, 0.0), err.max().item())
             if rows == 1:
-                for step, grouped in ((16, False), (64, False), (16, True), (64, True)):
-                    # 1536 inputs: 192 rows of words, which steps of 64 do not divide
-                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2, grouped=grouped)
+                for step in (16, 64):  # 1536 inputs: 192 rows of words, which steps of 64 do not divide
+                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2)
                     assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step)
         q = torch.randint(0, 16, (n, k), generator=g)
         ones = blocked(torch.ones(n, k // group, dtype=torch.float16))
@@ -182,14 +203,22 @@ def check_kernels_interpreted() -> None:
             y = torch.ops.shardlm.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones)
             # integer sums, exact in fp32, rounded once to fp16
             assert torch.equal(y, q.sum(1).half().expand(rows, n)), (k, rows)
-    # The few-row kernel's splits of K: 4 tiles of 200 outputs asked for 16 programs split 10 groups 3, 3, 3, 1
+        for form, bm, bn, warps in launches:
+            for rows in (2, 64):
+                y = int4.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones, form, bm, bn, warps)
+                assert torch.equal(y, q.sum(1).half().expand(rows, n)), (form, bm, bn, k, rows)
+    # K split: 4 tiles of 200 outputs asked for 16 programs split 10 groups (or chunks of 128 inputs) 3, 3, 3, 1;
+    # 320 inputs in groups of 64: 5 groups split 2, 2, 1, or 3 chunks of 128 (the last half full) 1, 1, 1
     int4.MM_PROGRAMS = 16
-    words, scale, low = quantize_weight(torch.randn(200, 1280, generator=g).half(), 128)
-    x = torch.randn(5, 1280, generator=g).half()
-    want = x.double() @ dequantize(words, scale, low, torch.float64).t()
-    err = (torch.ops.shardlm.int4_mm(x, words, scale, low).double() - want).abs()
-    assert (err <= want.abs() * 2**-11 + 1e-3).all(), err.max().item()
-    print("max abs error against the fp64 product, by rows:", worst)
+    for k, group in ((1280, 128), (320, 64)):
+        words, scale, low = quantize_weight(torch.randn(200, k, generator=g).half(), group)
+        x = torch.randn(5, k, generator=g).half()
+        for form in ("tiles", "planes"):
+            exact = form == "tiles" or group == 128
+            want = x.double() @ dequantize(words, scale, low, torch.float64 if exact else torch.float16).double().t()
+            err = (int4.int4_mm(x, words, scale, low, form).double() - want).abs()
+            assert (err <= want.abs() * 2**-11 + 1e-3).all(), (form, k, err.max().item())
+    print("max abs error against the fp64 product, by rows (the op) and by form:", worst)
 
 
 def _interpreter_usable() -> str | None:

@@ -11,11 +11,17 @@ one-row kernel reads it (as Marlin and gpt-fast's tinygemm store theirs, in thei
 [N/8, K/8, 8], eight consecutive inputs of one output a word, each block of 8 outputs one contiguous run
 along K, its scales and minima beside it ([N/8, K/G, 8]). A program streams one block's run with wide loads,
 keeps a partial per row of words and output in fp32, and sums them once at the end: one launch, no
-workspace, the same bits every run. Each nibble becomes a float by its bits (OR-ed into the mantissa of 2^23)
-rather than by a conversion instruction, whose throughput is a sixteenth of an FMA's. A few rows (2-64) go
-through a tensor-core kernel that unpacks a group's tile in registers, K split over programs until the launch
-fills the GPU (a layer of 4,096 outputs has 64 tiles of 16 rows) and the splits summed in a fixed order; elsewhere (prefill's many rows, the
-CPU, fp32) the weight is dequantised whole in the model's dtype and multiplied as usual.
+workspace, the same bits every run. It is bound by the instructions it issues per nibble, not by the memory:
+each nibble becomes a float by its bits (OR-ed into the mantissa of 2^23, one instruction) rather than by a
+conversion instruction, whose throughput is a sixteenth of an FMA's, and all else is done once per row. A few rows (2-64) go
+through int4_mm, in one of three forms: tensor-core kernels that unpack the nibbles in registers, K split
+over programs until the launch fills the GPU (a layer of 4,096 outputs has 64 tiles of 16 rows) and the
+splits summed in a fixed order, either a group's [G, BN] tile at a time ("tiles": each word loaded once per
+input it holds, so its nibble is a per-input shift) or 128 inputs' words loaded once as eight nibble planes
+("planes": a shift common to the plane, eight dots of x's columns j::8); or the weight written whole in the
+model's dtype by one Triton pass and multiplied by cuBLAS ("dequant": the tensor cores at their own rate, at
+the cost of writing and reading the bf16 weight). Elsewhere (prefill's many rows, the CPU, fp32) the weight is
+dequantised whole in the model's dtype by torch and multiplied as usual.
 """
 from __future__ import annotations
 
@@ -30,10 +36,15 @@ from .int8 import unquantised
 GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
 BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row kernel)
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
-# The one-row kernel's word rows a step and warps; the few-row kernel's tile (rows, outputs; its K step is the
-# group). The one-row launch from an H200 sweep over llama2-7b's layers (bench/quantized_gemv.py).
-GEMV_ROWS, GEMV_WARPS, GEMV_GROUPED = 256, 8, False
-MM_BM, MM_BN = 16, 64
+# The one-row kernel's word rows a step and warps: the launch measured in the model on an H200 (4 warps ran its
+# products alone 4% faster in two sweeps, bench/quantized_gemv.py, not yet measured decoding).
+GEMV_ROWS, GEMV_WARPS = 256, 8
+MAGIC = 0x4B000000  # 2^23's bits, a float's mantissa that an OR-ed integer below 2^23 adds to exactly
+# The few-row product's form (int4_mm: tiles, planes or dequant), tile (rows, outputs) and warps; its system
+# int4-mm in bench/quantized_gemv.py sweeps them. Up to MM_PLANES_ROWS rows "planes" (llama2-7b's products at 2
+# and 16 rows on an H200: 2.2-3.0x "tiles"), beyond them "dequant" (at 64 rows 1.13x "tiles" of 64 rows).
+MM_FORM, MM_BM, MM_BN, MM_WARPS = "planes", 16, 128, 4
+MM_PLANES_ROWS = 16
 MM_PROGRAMS = 512  # the few-row kernel splits K until its launch has about this many programs (4 an SM)
 CHUNK = 2048  # outputs quantised at a time: a 70B layer's fp32 and int32 temporaries stay below a GB
 
@@ -113,53 +124,61 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, K: tl.constexpr, G: tl.constexpr,
-                          ROWS: tl.constexpr, GROUPED: tl.constexpr):
+    def _nibble(words, mask: tl.constexpr, magic):
+        # The nibble under `mask` OR-ed into the mantissa of 2^23 (kept below 2^23 by the masks chosen): the float
+        # 2^23 + q 2^i, less 2^23 exactly q 2^i. `magic` (2^23's bits) is a runtime value, so that the AND and the
+        # OR are one instruction: with both constants immediate the compiler emits two.
+        return ((words & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, y_ptr, magic, K: tl.constexpr, G: tl.constexpr,
+                          ROWS: tl.constexpr):
         # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
-        # of words a step, keeps fp32 partials per row (or group, GROUPED) of words and output, summed at the end.
+        # of words a step, a thread a row: its 8 words (one per output) and its 8 inputs, each read once and
+        # taken apart in registers. The kernel is bound by the instructions it issues per nibble (about three:
+        # an AND-OR, a subtraction, an FMA), so everything else is done once per row, not once per nibble.
         b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
         w_ptr += b * (K // 8) * 8
         meta = b * (K // G) * 8
         RG: tl.constexpr = G // 8  # rows of words a group
-        if GROUPED:
-            acc = tl.zeros([ROWS // RG, 8], tl.float32)
-        else:
-            acc = tl.zeros([ROWS, 8], tl.float32)
+        acc = tl.zeros([ROWS, 8], tl.float32)
+        acc_low = tl.zeros([ROWS, 8], tl.float32)
         for r0 in range(0, K // 8, ROWS):
             r = r0 + tl.arange(0, ROWS)
             ok = r < K // 8
-            words = tl.load(w_ptr + r[:, None] * 8 + o[None, :], mask=ok[:, None], other=0,
-                            eviction_policy="evict_first")
-            high = words >> 16
-            part = tl.zeros([ROWS, 8], tl.float32)
-            xs = tl.zeros([ROWS], tl.float32)
-            for j in tl.static_range(8):  # the j-th nibble of every word: input 8r + j
-                x = tl.load(x_ptr + r * 8 + j, mask=ok, other=0.0).to(tl.float32)
-                xs += x
-                # The nibble left in place as the low mantissa bits of 2^23 (one AND-OR, no shift): the float
-                # 2^23 + q 16^i (i = j mod 4), less 2^23 exactly q 16^i, times x / 16^i (exact) is q x.
-                bits = ((words if j < 4 else high) & (15 << (4 * (j % 4)))) | 0x4B000000
-                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * (x * (1.0 / (1 << (4 * (j % 4)))))[:, None]
-            if GROUPED:
-                g = r0 // RG + tl.arange(0, ROWS // RG)
-                at = meta + g[:, None] * 8 + o[None, :]
-                gok = (g < K // G)[:, None]
-                scale = tl.load(s_ptr + at, mask=gok, other=0.0).to(tl.float32)
-                low = tl.load(lo_ptr + at, mask=gok, other=0.0).to(tl.float32)
-                acc += (tl.sum(tl.reshape(part, [ROWS // RG, RG, 8]), 1) * scale
-                        + tl.sum(tl.reshape(xs, [ROWS // RG, RG]), 1)[:, None] * low)
-            else:
-                at = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
-                scale = tl.load(s_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-                low = tl.load(lo_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-                acc += part * scale + xs[:, None] * low  # sum_k x_k (q_k scale + low) over the row's 8 inputs
-        tl.store(y_ptr + b * 8 + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty))
+            at = r[:, None] * 8 + o[None, :]
+            words = tl.load(w_ptr + at, mask=ok[:, None], other=0, eviction_policy="evict_first")
+            xr = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)  # inputs 8r..8r+7
+            even, odd = tl.split(tl.reshape(xr, [ROWS, 4, 2]))
+            e0, e1 = tl.split(tl.reshape(even, [ROWS, 2, 2]))
+            o0, o1 = tl.split(tl.reshape(odd, [ROWS, 2, 2]))
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+            # Nibbles 0-4 in place (q 2^(4j) stays below 2^23 up to j = 4), 5-7 from the word shifted by 12;
+            # each x scaled by the nibble's power of two (exact), so each product is q x.
+            high = words >> 12
+            part = _nibble(words, 0xF, magic) * x0[:, None]
+            part += _nibble(words, 0xF0, magic) * (x1 * 2.0 ** -4)[:, None]
+            part += _nibble(words, 0xF00, magic) * (x2 * 2.0 ** -8)[:, None]
+            part += _nibble(words, 0xF000, magic) * (x3 * 2.0 ** -12)[:, None]
+            part += _nibble(words, 0xF0000, magic) * (x4 * 2.0 ** -16)[:, None]
+            part += _nibble(high, 0xF00, magic) * (x5 * 2.0 ** -8)[:, None]
+            part += _nibble(high, 0xF000, magic) * (x6 * 2.0 ** -12)[:, None]
+            part += _nibble(high, 0xF0000, magic) * (x7 * 2.0 ** -16)[:, None]
+            g = meta + (r // RG)[:, None] * 8 + o[None, :]  # each row's group
+            scale = tl.load(s_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
+            low = tl.load(lo_ptr + g, mask=ok[:, None], other=0.0).to(tl.float32)
+            acc += part * scale  # sum_k x_k (q_k scale + low) over the row's 8 inputs, in two FMAs an output
+            acc_low += tl.sum(xr, 1)[:, None] * low
+        tl.store(y_ptr + b * 8 + o, tl.sum(acc + acc_low, 0).to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, part_ptr, M, N, sx, K: tl.constexpr, G: tl.constexpr,
-                        SPLIT_GROUPS: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        # A tile of BM rows by BN outputs over SPLIT_GROUPS groups of inputs (the third program index picks
+                        SPLIT: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # form "tiles": a tile of BM rows by BN outputs over SPLIT groups of inputs (the third program index picks
         # which); its fp32 partial to part[split], the splits summed apart in a fixed order.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         m = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -171,8 +190,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         MAGIC: tl.constexpr = 0x4300 if BF16 else 0x6400
         OFFSET: tl.constexpr = 128.0 if BF16 else 1024.0
         acc = tl.zeros([BM, BN], tl.float32)
-        for i in range(SPLIT_GROUPS):
-            g = split * SPLIT_GROUPS + i
+        for i in range(SPLIT):
+            g = split * SPLIT + i
             live = g < K // G  # the last split may hold fewer groups
             k = g * G + kk
             x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m[:, None] < M) & live, other=0.0)
@@ -188,33 +207,117 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
-    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS,
-                  grouped: bool = GEMV_GROUPED) -> torch.Tensor:
+    @triton.jit
+    def _int4_planes_kernel(x_ptr, w_ptr, s_ptr, lo_ptr, part_ptr, M, N, sx, K: tl.constexpr, G: tl.constexpr,
+                            SPLIT: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # form "planes": as "tiles", over SPLIT chunks of 128 inputs (16 rows of words, tl.dot's least K), each
+        # word loaded once; its nibble j of every word (inputs j::8) one plane [16, BN] and one tl.dot with x's
+        # columns j::8. A chunk of one group takes its scale after the sum; one of several groups cannot (a dot
+        # sums across them), so its planes are dequantised first, in fp32 then x's dtype (dequantize's rounding).
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        nb, no = (n // 8).to(tl.int64), n % 8
+        MAGIC: tl.constexpr = 0x4300 if BF16 else 0x6400
+        OFFSET: tl.constexpr = 128.0 if BF16 else 1024.0
+        acc = tl.zeros([BM, BN], tl.float32)
+        for i in range(SPLIT):
+            c = tl.program_id(2) * SPLIT + i
+            r = c * 16 + tl.arange(0, 16)
+            ok = (r < K // 8)[:, None] & (n < N)[None, :]
+            words = tl.load(w_ptr + (nb[None, :] * (K // 8) + r[:, None]) * 8 + no[None, :], mask=ok, other=0)
+            if G < 128:
+                at = (nb[None, :] * (K // G) + (r // (G // 8))[:, None]) * 8 + no[None, :]  # each row's group
+                scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            else:
+                at = (nb * (K // G) + c) * 8 + no
+                scale = tl.load(s_ptr + at, mask=(n < N) & (c < K // G), other=0.0).to(tl.float32)
+                low = tl.load(lo_ptr + at, mask=(n < N) & (c < K // G), other=0.0).to(tl.float32)
+            part = tl.zeros([BM, BN], tl.float32)
+            xs = tl.zeros([BM], tl.float32)
+            for j in tl.static_range(8):
+                x = tl.load(x_ptr + m[:, None] * sx + r[None, :] * 8 + j,
+                            mask=(m[:, None] < M) & (r < K // 8)[None, :], other=0.0)
+                q = (((words >> (4 * j)) & 15) | MAGIC).to(tl.int16).to(x.dtype, bitcast=True) - OFFSET
+                if G < 128:
+                    q = q.to(tl.float32) * scale + low
+                else:
+                    xs += tl.sum(x.to(tl.float32), 1)
+                part += tl.dot(x, q.to(x.dtype))
+            if G < 128:
+                acc += part
+            else:
+                acc += part * scale[None, :] + xs[:, None] * low[None, :]
+        tl.store(part_ptr + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    @triton.jit
+    def _int4_dequant_kernel(w_ptr, s_ptr, lo_ptr, out_ptr, K: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr):
+        # ROWS rows of words of one block of 8 outputs, read once along K as stored, written as the weight's 8
+        # rows of ROWS * 8 inputs: w = q * scale + low in fp32 (exact product, one rounding), then the dtype's.
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        o = tl.arange(0, 8)
+        ok = (r < K // 8)[:, None]
+        words = tl.load(w_ptr + (b * (K // 8) + r[:, None]) * 8 + o[None, :], mask=ok, other=0)
+        at = (b * (K // G) + (r // (G // 8))[:, None]) * 8 + o[None, :]
+        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        low = tl.load(lo_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        bits = ((words[:, :, None] >> (4 * o)[None, None, :]) & 15) | 0x4B000000  # [rows, outputs, nibbles]
+        w = (bits.to(tl.float32, bitcast=True) - 8388608.0) * scale[:, :, None] + low[:, :, None]
+        w = tl.reshape(tl.permute(w, (1, 0, 2)), [8, ROWS * 8])
+        k = tl.program_id(1) * ROWS * 8 + tl.arange(0, ROWS * 8)
+        tl.store(out_ptr + (b * 8 + o)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=(k < K)[None, :])
+
+    def int4_gemv(x, words, scale, low, y=None, rows: int = GEMV_ROWS, warps: int = GEMV_WARPS) -> torch.Tensor:
         """The one-row kernel on contiguous operands, x [1, K]: y [1, N] (new, or given); its launch apart for
         bench/quantized_gemv.py's sweep."""
         k, n = x.shape[1], words.shape[0] * BLOCK
         y = x.new_empty(1, n) if y is None else y
-        g = k // scale.shape[1]
-        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, K=k, G=g, ROWS=max(rows, g // 8),
-                                         GROUPED=grouped, num_warps=warps)
+        _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, low, y, MAGIC, K=k, G=k // scale.shape[1], ROWS=rows,
+                                         num_warps=warps)
         return y
+
+    def int4_dequant(words, scale, low, dtype, rows: int = 64, warps: int = 4) -> torch.Tensor:
+        """dequantize(words, scale, low, dtype) on the GPU in one pass, the same bits: [N, K]."""
+        b, r, _ = words.shape
+        w = torch.empty(b * BLOCK, r * 8, device=words.device, dtype=dtype)
+        _int4_dequant_kernel[(b, triton.cdiv(r, rows))](words, scale, low, w, K=r * 8, G=r * 8 // scale.shape[1],
+                                                        ROWS=rows, num_warps=warps)
+        return w
+
+    def int4_mm(x, words, scale, low, form: str | None = None, bm: int | None = None, bn: int | None = None,
+                warps: int | None = None) -> torch.Tensor:
+        """x [M, K] (a few rows, contiguous operands) times the int4 weight, transposed: [M, N]. `form`: "tiles"
+        (a group's [G, BN] tile of nibbles, each word loaded once per input it holds, a tl.dot a group),
+        "planes" (each word loaded once, its 8 nibble planes 8 tl.dots against x's columns j::8) or "dequant"
+        (the weight [N, K] in x's dtype by one pass of int4_dequant, then F.linear); bm x bn its tile (dequant:
+        bn rows of words a program, no bm), warps a program's; where None, MM_FORM up to MM_PLANES_ROWS rows
+        and dequant beyond, MM_* (bench/quantized_gemv.py's sweep passes them)."""
+        (m, k), n, groups = x.shape, words.shape[0] * BLOCK, scale.shape[1]
+        form = form or (MM_FORM if m <= MM_PLANES_ROWS else "dequant")
+        bm, bn, warps = bm or MM_BM, bn or MM_BN, warps or MM_WARPS
+        if form == "dequant":
+            return F.linear(x, int4_dequant(words, scale, low, x.dtype, bn, warps))
+        if form not in ("tiles", "planes"):
+            raise ValueError(f"int4_mm: form {form!r} is none of tiles, planes, dequant")
+        chunks = groups if form == "tiles" else triton.cdiv(k, 128)  # the K step: a group, or 128 inputs
+        tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        # Split K until the launch fills the GPU: at 16 rows a layer of 4,096 outputs has only 64 tiles.
+        per_split = triton.cdiv(chunks, min(chunks, triton.cdiv(MM_PROGRAMS, tiles)))
+        splits = triton.cdiv(chunks, per_split)
+        part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        kernel = _int4_mm_kernel if form == "tiles" else _int4_planes_kernel
+        kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+            x, words, scale, low, part, m, n, x.stride(0), K=k, G=k // groups, SPLIT=per_split,
+            BF16=x.dtype == torch.bfloat16, BM=bm, BN=bn, num_warps=warps)
+        return part.sum(0).to(x.dtype)
 
     # An opaque custom op (as int8.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int4_mm", mutates_args=())
     def _int4_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        (m, k), n = x.shape, words.shape[0] * BLOCK
-        if m == 1:
-            return int4_gemv(x, words, scale, low)
-        groups = scale.shape[1]
-        tiles = triton.cdiv(n, MM_BN) * triton.cdiv(m, MM_BM)
-        # Split K until the launch fills the GPU: at 16 rows a layer of 4,096 outputs has only 64 tiles.
-        per_split = triton.cdiv(groups, min(groups, triton.cdiv(MM_PROGRAMS, tiles)))
-        splits = triton.cdiv(groups, per_split)
-        part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-        _int4_mm_kernel[(triton.cdiv(n, MM_BN), triton.cdiv(m, MM_BM), splits)](
-            x, words, scale, low, part, m, n, x.stride(0), K=k, G=k // groups, SPLIT_GROUPS=per_split,
-            BF16=x.dtype == torch.bfloat16, BM=MM_BM, BN=MM_BN)
-        return part.sum(0).to(x.dtype)
+        return int4_gemv(x, words, scale, low) if x.shape[0] == 1 else int4_mm(x, words, scale, low)
 
     @_int4_mm.register_fake
     def _(x, words, scale, low):
