@@ -658,7 +658,9 @@ def test_plan_inference_quantized_weights_and_speed():
     assert "int4 weights" in text and "weights           3.69 GiB" in text
     rows = [json.loads(x) for x in (Path(__file__).parents[1] / "bench" / "results.jsonl").read_text().splitlines()]
     superseded = {"int8": ("c0e50d4", "8d4b534"),  # through torchao's product; its prefill through _weight_int8pack_mm
-                  "int4": ("91837e5", "c0e50d4", "8d4b534", "2bc08b3", "0e9a34c")}  # through torchao's tinygemm
+                  # through torchao's tinygemm, then int4.py's kernels before its one-row GEMV issued fewer instructions
+                  "int4": ("91837e5", "c0e50d4", "8d4b534", "2bc08b3", "0e9a34c", "cf13148", "6bc2474", "33e3999",
+                           "b37a509", "ea2222b")}
     for kind, tolerance in (("none", 0.15), ("int8", 0.15), ("int4", 0.15)):
         system = "shardlm" if kind == "none" else f"shardlm-{kind}"
         measured = [r for r in rows if r["bench"] == "generate" and r["system"] == system and "H200" in r["card"]

@@ -19,10 +19,10 @@ from .hardware import GPU
 
 DECODE_EFFICIENCY = 0.55
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 300-317 tok/s through
-# inference/int4.py's (bench/README.md, thirtieth lease), whose one-row kernel reads its packed weights at
-# about 1.7 TB/s, far below the memory's rate. Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.25}
+# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 347.6 tok/s through
+# inference/int4.py's (bench/README.md, thirty-first lease), whose one-row kernel is bound by the instructions
+# it issues a nibble, not by the memory's rate. Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.275}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
