@@ -39,6 +39,7 @@ def main():
     from shardlm.plan import gpu
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build(args, device)
+    bound = weight_bytes(model) / gpu(args.card).hbm_bw  # bf16's: quantised weights are buffers, not parameters
     if args.quantize != "none":
         from shardlm.inference.quantize import quantize
         quantize(model, args.quantize)
@@ -54,7 +55,6 @@ def main():
         sync(device)
         return time.perf_counter() - start
 
-    bound = weight_bytes(model) / gpu(args.card).hbm_bw
     kinds = torch.profiler.ProfilerActivity
     activities = [kinds.CPU] + ([kinds.CUDA] if device == "cuda" else [])
     out = Path(args.out)
@@ -71,7 +71,7 @@ def main():
         print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=70))
         step = min(steps)
         lines.append(f"{args.preset}, {rows} of {args.slots} slots: {1e3 * step:.2f} ms a decode step, "
-                     f"{rows / step:.0f} tok/s; reading the weights at {args.card}'s bandwidth {1e3 * bound:.2f} ms "
+                     f"{rows / step:.0f} tok/s; reading the bf16 weights at {args.card}'s bandwidth {1e3 * bound:.2f} ms "
                      f"({bound / step:.0%} of the step)")
     for n in args.prefill:  # one request's prefill and first token, as a served request waits for it
         run(1, 1, n)

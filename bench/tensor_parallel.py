@@ -253,8 +253,8 @@ def worker(args, extra):
            **({"local_collectives": True} if args.local_collectives and args.system in SHARDLM else {})}
     if args.profile:  # every rank's trace: where a step's time goes on each, and how the collectives spread
         rank = int(os.environ.get("RANK", 0))
-        got = profile_steps(step, args.profile, args.device,
-                            Path(args.profile_dir) / f"{args.system}-rank{rank}.trace.json")
+        name = args.system + ("-local" if args.local_collectives and args.system in SHARDLM else "")
+        got = profile_steps(step, args.profile, args.device, Path(args.profile_dir) / f"{name}-rank{rank}.trace.json")
         mine = {k: got[k] for k in ("busy_ms", "kinds_ms", "kernels_per_step", "wall_ms")}
         ranks = [None] * world
         if dist.is_initialized():
@@ -263,7 +263,7 @@ def worker(args, extra):
             ranks = [mine]
         row["profile"] = ranks
         if rank == 0:
-            (Path(args.profile_dir) / f"{args.system}.kernels.txt").write_text(got["table"])
+            (Path(args.profile_dir) / f"{name}.kernels.txt").write_text(got["table"])
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps(row), flush=True)
     if dist.is_initialized():
@@ -328,7 +328,10 @@ def main():
                                     "tok_s_gpu": round(r["tok_s_gpu"]), "mfu": round(r["mfu"], 4),
                                     "peak_mem_gib": round(r["peak_mem_gib"], 2),
                                     **({"local_collectives": True} if r.get("local_collectives") else {}),
-                                    "command": f"python bench/tensor_parallel.py --systems {r['system']}"
+                                    **({"profile": r["profile"]} if r.get("profile") else {}),
+                                    "command": f"python bench/tensor_parallel.py --gpus {args.gpus} --systems "
+                                               f"{r['system']} --warm {args.warm} --steps {args.steps}"
+                                               + (f" --profile {args.profile}" if args.profile else "")
                                                + (" --inductor-overlap 1" if args.inductor_overlap else "")
                                                + (" --local-collectives 1" if r.get("local_collectives") else "")})
                         + "\n")

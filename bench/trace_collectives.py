@@ -8,6 +8,7 @@ each rank's waiting for the others; by collective.
 """
 import gzip
 import json
+import re
 from pathlib import Path
 
 from common import covered as union, kernel_kind
@@ -25,10 +26,15 @@ def events(trace):
 
 
 def main(d, system, steps):
-    ranks = sorted(Path(d).glob(f"{system}-rank*.trace.json*"))
+    ranks = sorted(p for p in Path(d).iterdir() if re.fullmatch(rf"{re.escape(system)}-rank\d+\.trace\.json(\.gz)?", p.name))
+    if not ranks:
+        raise SystemExit(f"no {system}-rankN.trace.json[.gz] in {d} (bench/tensor_parallel.py --profile writes them; "
+                         "a --local-collectives run's are SYSTEM-local-rankN)")
     per = []
     for p in ranks:
         ev = events(load(p))
+        if not ev:
+            raise SystemExit(f"{p} holds no GPU kernel: a trace of a CPU run, or of no step")
         t0, t1 = float(ev[0]["ts"]), max(float(e["ts"]) + float(e["dur"]) for e in ev)
         span = (t1 - t0) / 1e3 / steps
         iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev]

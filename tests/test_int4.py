@@ -194,7 +194,7 @@ def check_kernels_interpreted() -> None:
                     form, bm, bn, k, n, rows, err.max().item())
                 worst[form] = max(worst.get(form, 0.0), err.max().item())
             if rows == 1:
-                for step in (16, 64):  # 1536 inputs: 192 rows of words, which steps of 64 do not divide
+                for step in (16, 128):  # 1536 inputs: 192 rows of words, which steps of 128 do not divide
                     again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2)
                     assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step)
         q = torch.randint(0, 16, (n, k), generator=g)
@@ -207,10 +207,12 @@ def check_kernels_interpreted() -> None:
             for rows in (2, 64):
                 y = int4.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones, form, bm, bn, warps)
                 assert torch.equal(y, q.sum(1).half().expand(rows, n)), (form, bm, bn, k, rows)
-    # K split: 4 tiles of 200 outputs asked for 16 programs split 10 groups (or chunks of 128 inputs) 3, 3, 3, 1;
-    # 320 inputs in groups of 64: 5 groups split 2, 2, 1, or 3 chunks of 128 (the last half full) 1, 1, 1
-    int4.MM_PROGRAMS = 16
-    for k, group in ((1280, 128), (320, 64)):
+    # K split: 2 tiles of 200 outputs (MM_BN 128) asked for 8 programs split 10 groups (or chunks of 128 inputs)
+    # 3, 3, 3, 1; 320 inputs in groups of 64: 5 groups split 2, 2, 1, or 3 chunks of 128 (the last half full)
+    # 1, 1, 1; 1280 in groups of 64: 20 groups 5 each, or 10 chunks of two groups each 3, 3, 3, 1
+    assert int4.MM_BN == 128
+    int4.MM_PROGRAMS = 8
+    for k, group in ((1280, 128), (320, 64), (1280, 64)):
         words, scale, low = quantize_weight(torch.randn(200, k, generator=g).half(), group)
         x = torch.randn(5, k, generator=g).half()
         for form in ("tiles", "planes"):

@@ -179,9 +179,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_a_reference_no_completion_can_score_against_is_named_before_the_model(tmp_path, capsys):
-    """An empty reference, or (for ROUGE) one in a script rouge-score drops, scored 0 against any completion,
-    its own text too; now refused naming its line, before --model is read (it does not exist here)."""
+    """For ROUGE, an empty reference or one in a script rouge-score drops scored 0 against any completion, its own
+    text too; now refused naming its line, before --model is read (it does not exist here). BLEU and chrF score
+    both (an empty reference against an empty completion 100): refused for them no more."""
     assert score(["你好 世界"], ["你好 世界"], ["rouge"])["rouge1"] == 0  # why: rouge-score keeps a-z and 0-9
+    assert score(["a cat sat on the mat", ""], ["a cat sat on the mat", ""], ["bleu"])["bleu"] == pytest.approx(100)
     def error(tasks, rows):
         data = write_jsonl(tmp_path / "d.jsonl", [EXAMPLES[0], *rows])
         assert main(["eval", "--model", str(tmp_path / "no_model"), "--tasks", tasks, "--data", str(data)]) == 2
@@ -189,12 +191,12 @@ def test_a_reference_no_completion_can_score_against_is_named_before_the_model(t
         assert "\n" not in err
         return err
     empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}
-    for tasks in ("bleu", "rouge"):
-        assert "d.jsonl:2: the reference is empty" in error(tasks, [{"prompt": "x", "completion": ""}])
-        assert "d.jsonl:3: the reference is empty" in error(tasks, ["", empty])
-    assert "d.jsonl:2: rouge-score's tokeniser finds no word in the reference '你好 世界'" in \
+    assert "d.jsonl:2: the reference is empty" in error("rouge", [{"prompt": "x", "completion": ""}])
+    assert "d.jsonl:3: the reference is empty" in error("bleu,rouge", ["", empty])
+    assert "d.jsonl:2: the reference '你好 世界' has no word rouge-score's tokeniser keeps" in \
         error("bleu,rouge", [{"prompt": "x", "completion": "你好 世界"}])
-    assert "no such directory" in error("bleu", [{"prompt": "x", "completion": "你好 世界"}])  # BLEU scores it
+    for rows in ([{"prompt": "x", "completion": "你好 世界"}], [{"prompt": "x", "completion": ""}], ["", empty]):
+        assert "no such directory" in error("bleu", rows)  # BLEU scores them: the model is looked for
     assert read_examples(write_jsonl(tmp_path / "ok.jsonl", EXAMPLES), ["rouge"])[1][2] == "a mat"
 
 

@@ -76,6 +76,13 @@ def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path):
     Trainer(cfg, out_dir=tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_00000002",
             log=said.append).close()
     assert not any("learning-rate" in m for m in said), said
+    # changed during warmup, the rate at the resumed step is the same, the cosine after it is not
+    train(tmp_path, "d", train__steps=4, train__warmup_steps=3, train__save_every=2, train__tensorboard=False)
+    said.clear()
+    cfg = load_config("tiny", {"train.steps": "8", "train.warmup_steps": "3", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=tmp_path / "e", resume=tmp_path / "d" / "checkpoints" / "step_00000002",
+            log=said.append).close()
+    assert any("the learning-rate schedule is not the checkpoint's (train.steps 4 -> 8)" in m for m in said), said
 
 
 def test_resume_refuses_a_different_model(tmp_path):
@@ -136,6 +143,25 @@ def test_a_disk_that_fills_within_a_metrics_record_drops_that_record_and_the_run
     assert any("metrics.jsonl could not be written" in m and "step 2's metrics" in m for m in said), said
     lines = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [1, 3]
+    assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000003"]
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_at_tensorboard_turns_it_off_and_the_run_goes_on(tmp_path, monkeypatch):
+    """TensorBoard is on by default: a full disk at its event file raised out of the metrics' write (its writer
+    thread dead from then on), ending the run with a traceback, only rank 0's, the others left waiting."""
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+
+    def full(self, tag, value, step, *args, **kwargs):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tensorboard.SummaryWriter, "add_scalar", full)
+    said = []
+    trainer = Trainer(load_config("tiny", {"train.steps": "3"}), out_dir=tmp_path / "a", log=said.append)
+    trainer.run()
+    trainer.close()
+    assert any("TensorBoard" in m and "No space left" in m and "step 2" in m for m in said), said
+    assert [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert [p.name for p in complete_checkpoints(tmp_path / "a")] == ["step_00000003"]
 
 

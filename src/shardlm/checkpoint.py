@@ -263,7 +263,7 @@ def _no_checkpoint(path: Path) -> FileNotFoundError:
         newest = complete_checkpoints(path.parent)[-1]
         return FileNotFoundError(f"{path} is the checkpoints folder of the run {path.parent}: name the run (its newest "
                                  f"checkpoint) or one checkpoint in it, such as {newest}")
-    partial = sorted((path / CKPT_DIR).glob("step_*")) if run else []
+    partial = sorted(p for p in (path / CKPT_DIR).glob("step_*") if STEP_NAME.fullmatch(p.name)) if run else []
     if partial:  # "saved no checkpoint yet" once sent a user to wait for a run whose state.json was deleted
         return FileNotFoundError(f"{path} holds no complete checkpoint: {partial[-1]} has no {STATE}, which a save "
                                  "writes last (a save still under way, or one cut short or damaged): wait for the "

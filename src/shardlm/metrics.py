@@ -90,10 +90,15 @@ class MetricsLogger:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self._append((json.dumps(finite, allow_nan=False) + "\n").encode(), record["step"])
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k if "/" in k else f"train/{k}", v, record["step"])
-            self.tb.flush()
+            try:
+                for k, v in record.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self.tb.add_scalar(k if "/" in k else f"train/{k}", v, record["step"])
+                self.tb.flush()
+            except OSError as e:  # its writer thread is dead after a failed write: no more TensorBoard this run
+                self.warn(f"warning: TensorBoard's event file could not be written ({e.strerror or e}): TensorBoard "
+                          f"is off for the rest of the run, from step {record['step']}")
+                self._drop_tensorboard()
 
     def _append(self, line: bytes, step) -> None:
         """A full disk (or a quota) once ended the run with a traceback at this write, its steps since the last
@@ -110,16 +115,27 @@ class MetricsLogger:
                     raise
         except OSError as e:
             if not self.failing:
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
                 self.warn(f"warning: {self.path} could not be written ({e.strerror or e}): step {step}'s metrics, and "
-                          "those of the steps after it until it can be, are not recorded; free space before the next "
-                          "checkpoint save, which would fail too")
+                          "those of the steps after it until it can be, are not recorded"
+                          + ("; free space before the next checkpoint save, which would fail too" if full else ""))
             self.failing = True
             return
         self.failing = False
 
+    def _drop_tensorboard(self) -> None:
+        tb, self.tb = self.tb, None
+        try:
+            tb.close()
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:
+                self.warn(f"warning: TensorBoard's event file could not be written at the end ({e.strerror or e})")
 
 
 def format_line(r: dict) -> str:

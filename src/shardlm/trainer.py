@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import compat, rundir
 from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, rng_layout, set_rng_state
 from .config import IGNORE, Config, ConfigError, config_from_dict
+from .config.expert_checks import untrained_router_note
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
 from .generation_config import own_generation_config, stop_ids_of
@@ -103,8 +104,9 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
         compat.check_trainable(data_dir, self.data.train.shards.index)
-        for note in compat.data_notes(t, data_dir, self.data) if self.mesh.is_main else ():
-            log(note)
+        for note in [*compat.data_notes(t, data_dir, self.data), untrained_router_note(cfg)] if self.mesh.is_main else ():
+            if note:
+                log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
@@ -208,14 +210,17 @@ class Trainer:
 
     def _note_schedule(self, saved, saved_step: int) -> None:
         """A resume that changes the schedule (most often a raised train.steps, which stretches the cosine) moved the
-        learning rate without a word: back up from near its floor, where the checkpoint's run was decaying."""
+        learning rate without a word: back up from near its floor, where the checkpoint's run was decaying (or,
+        changed during warmup, from the first step after it)."""
         t = self.cfg.train
-        theirs, ours = lr_at(saved_step, saved), lr_at(self.step, t)
-        if abs(ours - theirs) <= 1e-6 * max(abs(theirs), 1e-30):
-            return
         keys = ("steps", "global_batch_size", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio")
         changed = ", ".join(f"train.{k} {getattr(saved, k)!r} -> {getattr(t, k)!r}" for k in keys
                             if getattr(saved, k) != getattr(t, k))
+        ahead = range(self.step, max(t.steps, saved.steps))
+        if not changed or all(abs(lr_at(s, t) - lr_at(s, saved)) <= 1e-6 * max(abs(lr_at(s, saved)), 1e-30)
+                              for s in ahead):
+            return
+        theirs, ours = lr_at(saved_step, saved), lr_at(self.step, t)
         self.log(f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {self.step + 1} runs at "
                  f"lr {ours:.2e}, where the checkpoint's schedule continued at {theirs:.2e}")
 

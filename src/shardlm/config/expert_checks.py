@@ -57,22 +57,31 @@ def check_experts(cfg: Config) -> None:
     if p.ep > 1 and p.dp_mode == "classic" and p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_mode = 'classic' with parallel.ep = {p.ep}: classic data parallelism reduces "
                           "every gradient onto one rank, not the experts' over their own replicas; use DDP or ZeRO")
-    if m.top_k == 1 and m.router_renormalize and not cfg.lora.rank and not _router_frozen(cfg):
-        # The one chosen weight divided by itself is 1 whatever the router says: the loss's gradient to the
-        # router is 0 and it learnt from the balance and z losses alone (Switch top-1 weighs by the probability).
-        raise ConfigError("model.top_k = 1 with model.router_renormalize = True weighs every token's expert by 1, "
-                          "so the loss trains the router not at all (only train.moe_aux_loss_coef's balance loss "
-                          "does): set model.router_renormalize = False (Switch Transformer's top-1, weighted by the "
-                          "router's probability), top_k 2 or more, or freeze the router (train.freeze = 'router')")
     check_expert_lora(m, cfg.lora)
 
 
+def untrained_router_note(cfg: Config) -> str | None:
+    """A note where the loss cannot train the router: top_k 1 with the chosen weight renormalised is 1 whatever
+    the router says, so its gradient from the loss is 0 and only the balance and z losses train it (as in
+    transformers for such a config). A note, not a refusal: a pretrained model may be so configured, and a run
+    already started must resume."""
+    m = cfg.model
+    if not (m.num_experts and m.top_k == 1 and m.router_renormalize) or cfg.lora.rank or _router_frozen(cfg):
+        return None
+    fixes = "freeze the router (train.freeze = 'router') or route to top_k 2 or more"
+    if not cfg.train.init_from:  # a pretrained model's router_renormalize is part of what it computes
+        fixes = ("set model.router_renormalize = False (Switch Transformer's top-1, weighted by the router's "
+                 f"probability), {fixes}")
+    return ("note: model.top_k = 1 with model.router_renormalize = True weighs every token's expert by 1, so the loss "
+            "trains the router not at all (only train.moe_aux_loss_coef's balance loss does): " + fixes)
+
+
 def _router_frozen(cfg: Config) -> bool:
-    """Whether train.freeze holds every MoE layer's router (which its patterns may name by layer)."""
-    from ..parallel.freeze import matches, patterns
-    names = [f"layers.{i}.mlp.router" for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
+    """Whether train.freeze holds every MoE layer's router (which its patterns may name by layer or weight)."""
+    from ..parallel.freeze import freezes, patterns
+    names = [f"layers.{i}.mlp.router.weight" for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
     pats = patterns(cfg.train.freeze)
-    return all(any(matches(p, ".".join(n.split(".")[:j])) for p in pats for j in range(1, 5)) for n in names)
+    return all(any(freezes(p, n) for p in pats) for n in names)
 
 
 def check_expert_lora(m: ModelConfig, lora: LoRAConfig, naming: Naming | None = None) -> None:

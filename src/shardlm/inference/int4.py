@@ -44,7 +44,8 @@ MAGIC = 0x4B000000  # 2^23's bits, a float's mantissa that an OR-ed integer belo
 # int4-mm in bench/quantized_gemv.py sweeps them. Up to MM_PLANES_ROWS rows "planes" (llama2-7b's products at 2
 # and 16 rows on an H200: 2.2-3.0x "tiles"), beyond them "dequant" (at 64 rows 1.13x "tiles" of 64 rows).
 MM_FORM, MM_BM, MM_BN, MM_WARPS = "planes", 16, 128, 4
-MM_PLANES_ROWS = 16
+MM_PLANES_ROWS = 16  # inferred: 17-32 rows were not timed (planes' 16-row tiles would read the weight twice)
+MM_DEQUANT_ROWS = 128  # rows of words a program of the dequantising pass (64: 0.5% slower in the same sweep)
 MM_PROGRAMS = 512  # the few-row kernel splits K until its launch has about this many programs (4 an SM)
 CHUNK = 2048  # outputs quantised at a time: a 70B layer's fp32 and int32 temporaries stay below a GB
 
@@ -279,7 +280,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                                          num_warps=warps)
         return y
 
-    def int4_dequant(words, scale, low, dtype, rows: int = 64, warps: int = 4) -> torch.Tensor:
+    def int4_dequant(words, scale, low, dtype, rows: int = MM_DEQUANT_ROWS, warps: int = MM_WARPS) -> torch.Tensor:
         """dequantize(words, scale, low, dtype) on the GPU in one pass, the same bits: [N, K]."""
         b, r, _ = words.shape
         w = torch.empty(b * BLOCK, r * 8, device=words.device, dtype=dtype)
@@ -297,11 +298,12 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         and dequant beyond, MM_* (bench/quantized_gemv.py's sweep passes them)."""
         (m, k), n, groups = x.shape, words.shape[0] * BLOCK, scale.shape[1]
         form = form or (MM_FORM if m <= MM_PLANES_ROWS else "dequant")
-        bm, bn, warps = bm or MM_BM, bn or MM_BN, warps or MM_WARPS
-        if form == "dequant":
-            return F.linear(x, int4_dequant(words, scale, low, x.dtype, bn, warps))
+        bm, warps = bm or MM_BM, warps or MM_WARPS
+        if form == "dequant":  # the layer's weight in x's dtype, transient (180 MB for llama2-7b's gate-up)
+            return F.linear(x, int4_dequant(words, scale, low, x.dtype, bn or MM_DEQUANT_ROWS, warps))
         if form not in ("tiles", "planes"):
             raise ValueError(f"int4_mm: form {form!r} is none of tiles, planes, dequant")
+        bn = bn or MM_BN
         chunks = groups if form == "tiles" else triton.cdiv(k, 128)  # the K step: a group, or 128 inputs
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
         # Split K until the launch fills the GPU: at 16 rows a layer of 4,096 outputs has only 64 tiles.

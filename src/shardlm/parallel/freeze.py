@@ -44,16 +44,18 @@ def matches(pattern: str, name: str) -> bool:
     return any(fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
 
 
+def freezes(pattern: str, name: str) -> bool:
+    """Whether `pattern` freezes the parameter `name`: it matches the name or one of the modules holding it."""
+    parts = name.split(".")
+    return any(matches(pattern, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def frozen_names(model: nn.Module, spec: str) -> set[str]:
     """The names of the parameters `spec` freezes in `model`; a pattern that freezes none (it matches no
     name, or only modules without parameters) is a ConfigError naming it."""
     pats = patterns(spec)
     params = [n for n, _ in model.named_parameters()]
-
-    def hit(pattern: str, name: str) -> bool:
-        parts = name.split(".")
-        return any(matches(pattern, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
-    frozen = {p: {n for n in params if hit(p, n)} for p in pats}
+    frozen = {p: {n for n in params if freezes(p, n)} for p in pats}
     unmatched = [p for p in pats if not frozen[p]]
     if unmatched:
         raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
