@@ -6,7 +6,7 @@ one-row GEMV was: its time followed its instruction count (5.9 a nibble, 536 us 
     python bench/sass_count.py int4-gemv [--k 4096] [--rows 256] [--warps 8]
 
 It needs the triton package only (with a CPU build of torch: `pip install triton` into a virtual environment
-that sees torch), not a GPU or CUDA.
+that sees torch), not a GPU or CUDA; written against triton 3.5 (`ASTSource(..., attrs=)`).
 
 Compiles with Triton's own ptxas for sm_90 (pointer arguments 16-byte aligned, as the launcher specialises
 them at run time), disassembles the cubin with its nvdisasm, and prints the opcodes of the longest loop (the

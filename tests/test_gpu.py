@@ -268,7 +268,7 @@ def test_int4_kernels_equal_the_dequantised_product(rows):
 @cuda
 @pytest.mark.parametrize("rows", [2, 16, 64])
 def test_int4_mm_forms_equal_the_dequantised_product(rows):
-    """int4_mm's forms and launches (those bench/quantized_gemv.py's int4-mm system sweeps), compiled by Triton
+    """int4_mm's forms at some of the launches bench/quantized_gemv.py's int4-mm system sweeps, compiled by Triton
     for the GPU: tiles and planes against the product in fp64 of the dequantised weight (planes with groups
     under 128 of the weight rounded to the dtype, as dequantize rounds it), within the dtype's rounding, the
     same bits on a second call; int4_dequant writes dequantize's bits and dequant is F.linear of them; and every

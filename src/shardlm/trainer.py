@@ -50,7 +50,7 @@ def _located(config: dict) -> dict:
     """The config a checkpoint records, its local paths made absolute: `--resume` reads them from the checkpoint,
     and relative ones (data.path = "data") named nothing when resumed from another directory (a job script's),
     the run refused with "does not exist"."""
-    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from")):
+    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from"), ("parallel", "offload_dir")):
         value = config[section][key]
         if value and os.path.exists(value):
             config[section][key] = os.path.abspath(value)
