@@ -8,7 +8,8 @@ import torch
 import dist_fns
 from dp_cases import ATOL, MODES, RTOL, check_against_reference, check_trajectory, equality_case, reference
 from shardlm.config import ConfigError, load_config, validate
-from shardlm.parallel.freeze import frozen_names, matches
+from shardlm.config.freeze_patterns import matches
+from shardlm.parallel.freeze import frozen_names
 from shardlm.testing.distributed import run_distributed
 
 MOE = {"model.num_experts": "4", "model.top_k": "2", "train.moe_z_loss_coef": "0.001"}  # `tiny` made mixtral-tiny

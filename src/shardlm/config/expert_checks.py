@@ -78,7 +78,7 @@ def untrained_router_note(cfg: Config) -> str | None:
 
 def _router_frozen(cfg: Config) -> bool:
     """Whether train.freeze holds every MoE layer's router (which its patterns may name by layer or weight)."""
-    from ..parallel.freeze import freezes, patterns
+    from .freeze_patterns import freezes, patterns
     names = [f"layers.{i}.mlp.router.weight" for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
     pats = patterns(cfg.train.freeze)
     return all(any(freezes(p, n) for p in pats) for n in names)

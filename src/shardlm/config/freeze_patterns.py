@@ -1,0 +1,31 @@
+"""`train.freeze`'s patterns (parallel/freeze.py applies them): a comma-separated list over the model's module and
+parameter names, fnmatch-style, a pattern matching a name or any dotted suffix of it. Here, below both the
+config's checks and the engine, so that the checks can ask what a value freezes without importing the engine.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from .errors import ConfigError
+
+
+def patterns(spec: str) -> list[str]:
+    """The patterns of a `train.freeze` value ("" : none); an empty item ("a,,b") is refused."""
+    if not spec.strip():
+        return []
+    items = [p.strip() for p in spec.split(",")]
+    if any(not p for p in items):
+        raise ConfigError(f"train.freeze = {spec!r} has an empty pattern: patterns are separated by single commas")
+    return items
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` matches dotted `name` or one of its dotted suffixes (the module docstring's rule)."""
+    parts = name.split(".")
+    return any(fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def freezes(pattern: str, name: str) -> bool:
+    """Whether `pattern` freezes the parameter `name`: it matches the name or one of the modules holding it."""
+    parts = name.split(".")
+    return any(matches(pattern, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
