@@ -137,7 +137,13 @@ def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
 
 
 def world_from_env() -> tuple[int, int, int]:
-    return _env_int("WORLD_SIZE", 1, low=1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world = _env_int("WORLD_SIZE", 1, low=1)
+    # A RANK past the world (a job script's RANK=$SLURM_PROCID under WORLD_SIZE=$SLURM_NNODES) joined the
+    # rendezvous as a client of a store no rank serves: screens of C++ frames, then 'a peer rank died'.
+    rank = _env_int("RANK", 0, high=world - 1 if world > 1 else None,
+                    fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
+                        "torchrun, which numbers them, or set RANK to this process's number")
+    return world, rank, _env_int("LOCAL_RANK", 0)
 
 
 def check_rendezvous_env(world: int) -> None:
