@@ -278,9 +278,10 @@ def init_distributed(cfg: Config, also: dict | None = None) -> DeviceMesh:
 
 def _settings(cfg: Config) -> dict:
     """The config's keys as "section.key": value. The data's paths are left out: what they hold is compared
-    once it is read (a copy of the data at another path on another node trains alike)."""
+    once it is read (a copy of the data at another path on another node trains alike); so is offload_dir,
+    each node's own scratch disk, which holds only that node's ranks' files."""
     flat = {f"{section}.{key}": value for section, keys in cfg.to_dict().items() for key, value in keys.items()}
-    return {k: v for k, v in flat.items() if k not in ("data.path", "data.eval_path")}
+    return {k: v for k, v in flat.items() if k not in ("data.path", "data.eval_path", "parallel.offload_dir")}
 
 
 def every_rank(value) -> list:
