@@ -371,3 +371,40 @@ def test_ranks_reading_other_data_are_refused(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "copy")
     done = _torchrun_with_rank_one(tmp_path, {"--data.path": str(tmp_path / "copy")})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_killed_rank_is_the_only_one_its_peers_name(tmp_path):
+    """Rank 3 of 4 SIGKILLed: the first rank to notice named it, then left, and the last to notice named
+    'rank 0 (its process ended), rank 2 (its process ended), rank 3 (its process ended)', as though three
+    had died. A rank leaving over a failed peer now says so in the store, and every message names rank 3."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "shardlm",
+           "train", "tiny", "--parallel.dp", "4", "--train.micro_batch_size", "2", "--train.device", "cpu",
+           "--train.log_every", "1", "--train.tensorboard", "false", "--train.steps", "100000",
+           "--out", str(tmp_path / "a")]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    workers = {_rank_of(p): int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid}
+    try:
+        assert sorted(workers) == [0, 1, 2, 3], workers
+        os.kill(workers[3], signal.SIGKILL)
+        log = proc.communicate(timeout=90)[0]
+    finally:
+        proc.kill()
+        for pid in workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    said = [line for line in log.splitlines() if line.startswith("shardlm train: error:")]
+    assert said and all("a peer rank died or stalled: rank 3 (its process ended) (" in line for line in said), said
+
+
+def _rank_of(proc_dir) -> int | None:
+    for var in (proc_dir / "environ").read_bytes().split(b"\0"):
+        if var.startswith(b"RANK="):
+            return int(var[5:])
+    return None
