@@ -739,6 +739,17 @@ def cli_at_rank(rank, world, argv):
     return main([str(a) for a in argv])
 
 
+def cli_with_rank_one_given(rank, world, argv, extra):
+    """`shardlm ...argv` on every rank, `extra` appended on rank 1 alone: its exit status and what it printed."""
+    import contextlib
+    import io
+    from shardlm.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main([str(a) for a in [*argv, *(extra if rank == 1 else [])]])
+    return status, err.getvalue()
+
+
 def dtypes_at_tp(rank, world, model_dir, dtype):
     """The dtypes of a tensor-parallel model's parameters as load_pretrained makes it in `dtype`."""
     from shardlm.inference import load_pretrained

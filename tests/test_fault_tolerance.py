@@ -319,3 +319,92 @@ def _parent(proc_dir) -> int | None:
         return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _torchrun_with_rank_one(tmp_path, rank_one: dict, rank_zero: dict | None = None):
+    """A 2-rank `shardlm train tiny` whose rank 1 is given `rank_one`'s arguments in place of rank 0's."""
+    from shardlm.data.prepare import prepare
+    for name, text in (("a", "a few words of text, over and over. "), ("b", "other words entirely, again. ")):
+        (tmp_path / f"{name}.txt").write_text(text * 2000)
+        prepare([str(tmp_path / f"{name}.txt")], "byte", str(tmp_path / name))
+    args = {"--data.path": str(tmp_path / "a"), "--out": str(tmp_path / "r"), **(rank_zero or {})}
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys\nfrom shardlm.cli import main\n"
+        f"args = {{**{args!r}, **({rank_one!r} if os.environ['RANK'] == '1' else {{}})}}\n"
+        "sys.exit(main(['train', 'tiny', '--parallel.dp', '2', '--train.device', 'cpu', '--train.steps', '2',\n"
+        "               '--train.tensorboard', 'false', '--train.sample_tokens', '0',\n"
+        "               *[x for kv in args.items() for x in kv]]))\n")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("rank_one, said", [
+    ({"--train.lr": "0.01"}, "rank 1 has train.lr = 0.01 where rank 0 has 0.003"),  # trained on, diverging
+    ({"--model.hidden_size": "128"}, "rank 1 has model.hidden_size = 128 where rank 0 has 64"),  # gloo's abort
+    ({"--out": "OTHER"}, "rank 1 has --out = 'OTHER' where rank 0 has 'R'"),  # failed at the first save
+], ids=["lr", "model", "out"])
+def test_ranks_started_with_other_settings_are_refused_at_once(tmp_path, rank_one, said):
+    """One rank given another config (a node left with an old job script) trained on silently with another
+    learning rate, aborted in gloo's C++ on another model shape, or failed steps later at the first save on
+    another --out. Every rank now stops before the model is built, naming the rank and the key."""
+    other = {"--out": str(tmp_path / "other")} if rank_one.get("--out") == "OTHER" else rank_one
+    done = _torchrun_with_rank_one(tmp_path, other)
+    said = said.replace("OTHER", str(tmp_path / "other")).replace("'R'", repr(str(tmp_path / "r")))
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert f"shardlm train: error: the ranks were started with different settings: {said}" in done.stderr, \
+        done.stderr[-3000:]
+    assert "Received data size" not in done.stderr and "[rank" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "other").exists()
+
+
+def test_ranks_reading_other_data_are_refused(tmp_path):
+    """A node's own copy of the data, prepared from other text: each rank trained on what it read. The shards'
+    index is compared, not the path: an identical copy elsewhere trains."""
+    done = _torchrun_with_rank_one(tmp_path, {"--data.path": str(tmp_path / "b")})
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert (f"shardlm train: error: rank 1 reads other data than rank 0: its data.path '{tmp_path / 'b'}' holds "
+            f"other shards than rank 0's '{tmp_path / 'a'}'") in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
+    import shutil
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    done = _torchrun_with_rank_one(tmp_path, {"--data.path": str(tmp_path / "copy")})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_killed_rank_is_the_only_one_its_peers_name(tmp_path):
+    """Rank 3 of 4 SIGKILLed: the first rank to notice named it, then left, and the last to notice named
+    'rank 0 (its process ended), rank 2 (its process ended), rank 3 (its process ended)', as though three
+    had died. A rank leaving over a failed peer now says so in the store, and every message names rank 3."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "shardlm",
+           "train", "tiny", "--parallel.dp", "4", "--train.micro_batch_size", "2", "--train.device", "cpu",
+           "--train.log_every", "1", "--train.tensorboard", "false", "--train.steps", "100000",
+           "--out", str(tmp_path / "a")]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    workers = {_rank_of(p): int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid}
+    try:
+        assert sorted(workers) == [0, 1, 2, 3], workers
+        os.kill(workers[3], signal.SIGKILL)
+        log = proc.communicate(timeout=90)[0]
+    finally:
+        proc.kill()
+        for pid in workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    said = [line for line in log.splitlines() if line.startswith("shardlm train: error:")]
+    assert said and all("a peer rank died or stalled: rank 3 (its process ended) (" in line for line in said), said
+
+
+def _rank_of(proc_dir) -> int | None:
+    for var in (proc_dir / "environ").read_bytes().split(b"\0"):
+        if var.startswith(b"RANK="):
+            return int(var[5:])
+    return None

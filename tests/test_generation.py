@@ -567,6 +567,22 @@ def test_tensor_parallel_generation_equals_one_process(kind, tp, tmp_path, capsy
     assert got == pytest.approx([want] * tp, rel=1e-5)
 
 
+@pytest.mark.timeout(120)
+def test_tensor_parallel_ranks_given_other_arguments_are_refused(tmp_path):
+    """Rank 1 of `generate --tp 2` given another prompt aborted in gloo's C++ ('Received data size doesn't
+    match expected size'), with tracebacks; given another --temperature it decoded on without a word. Both
+    ranks now stop before the model loads, naming the flag."""
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    args = ["generate", "--model", tmp_path / "hf", "--prompt", "To be", "--max-new-tokens", 2, "--tp", 2]
+    for extra, said in ((["--prompt", "or not to be, that is"], "rank 1 has --prompt = 'or not to be, that is' where "
+                                                                 "rank 0 has 'To be'"),
+                        (["--temperature", "1"], "rank 1 has --temperature = 1.0 where rank 0 has 0.0")):
+        got = run_distributed(dist_fns.cli_with_rank_one_given, 2, args, extra, timeout=90)
+        assert [status for status, _ in got] == [2, 2], got
+        assert f"shardlm generate: error: the ranks were started with different settings: {said}" in got[0][1], got
+
+
 def test_a_tensor_parallel_model_loads_in_the_dtype_asked(tmp_path):
     """The parallel layers tensor_parallel puts in are made in the default dtype: load_pretrained casts after
     them, so `--tp 2 --dtype bf16` holds bf16 weights everywhere (it once ran the parallel linears in fp32)."""

@@ -838,8 +838,11 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
      "the environment variable MASTER_PORT = 'abc' is not a whole number 1 to 65535: set it to a free port"),
     ({"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE = 'two' is not a whole number 1 or more: unset it"),
     ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
-     "the environment variable RANK = 'x' is not a whole number 0 or more"),
-], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number"])
+     "the environment variable RANK = 'x' is not a whole number 0 to 1"),
+    # It joined as a client of a store no rank serves: C++ frames, then 'a peer rank died or stalled'.
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "the environment variable RANK = '2' is not a whole number 0 to 1: the ranks of WORLD_SIZE = 2 are numbered"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

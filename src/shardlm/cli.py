@@ -95,6 +95,8 @@ def cmd_train(argv: list[str]) -> int:
         if why is not None:
             # torchrun sends SIGTERM to every worker once one has failed: it must not cut this message short.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if heartbeat is not None:  # first: peers noticing this rank gone must not blame it
+                heartbeat.gave_up()
             failed = heartbeat.failed() if heartbeat is not None else []
             if failed:  # not a death: a peer's own error, which its message names
                 print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error (its message says "

@@ -137,7 +137,13 @@ def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
 
 
 def world_from_env() -> tuple[int, int, int]:
-    return _env_int("WORLD_SIZE", 1, low=1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world = _env_int("WORLD_SIZE", 1, low=1)
+    # A RANK past the world (a job script's RANK=$SLURM_PROCID under WORLD_SIZE=$SLURM_NNODES) joined the
+    # rendezvous as a client of a store no rank serves: screens of C++ frames, then 'a peer rank died'.
+    rank = _env_int("RANK", 0, high=world - 1 if world > 1 else None,
+                    fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
+                        "torchrun, which numbers them, or set RANK to this process's number")
+    return world, rank, _env_int("LOCAL_RANK", 0)
 
 
 def check_rendezvous_env(world: int) -> None:
@@ -233,7 +239,8 @@ def _add_groups(mesh: DeviceMesh, grid: torch.Tensor, names: list[str], axes: tu
             mesh.groups[name] = group
 
 
-def init_distributed(cfg: Config) -> DeviceMesh:
+def init_distributed(cfg: Config, also: dict | None = None) -> DeviceMesh:
+    """The mesh of `cfg`'s layout; `also`: other settings (--out) that every rank must share with the config."""
     world, rank, local_rank = world_from_env()
     validate(cfg, world)
     if world == 1:
@@ -264,7 +271,42 @@ def init_distributed(cfg: Config) -> DeviceMesh:
     if not dist.is_initialized():
         check_rendezvous_env(world)
         _rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
+    # Before the mesh: ranks given other layouts would create other groups and wait in each other's.
+    check_same_settings({**_settings(cfg), **(also or {})})
     return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
+
+
+def _settings(cfg: Config) -> dict:
+    """The config's keys as "section.key": value. The data's paths are left out: what they hold is compared
+    once it is read (a copy of the data at another path on another node trains alike); so is offload_dir,
+    each node's own scratch disk, which holds only that node's ranks' files."""
+    flat = {f"{section}.{key}": value for section, keys in cfg.to_dict().items() for key, value in keys.items()}
+    return {k: v for k, v in flat.items() if k not in ("data.path", "data.eval_path", "parallel.offload_dir")}
+
+
+def every_rank(value) -> list:
+    """Each rank's `value`, on every rank (a gather of objects over the world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def check_same_settings(mine: dict) -> None:
+    """Refuse, on every rank at once, ranks started with different `mine` (one rank's other config or
+    --out, a node left with an old job script). They went on to train on silently diverging replicas (another
+    train.lr), or to abort in gloo's C++ ('Is there a distributed collective mismatch in your code?') at the
+    first collective of another shape, or to fail at the first save, steps later (another --out)."""
+    every = every_rank(mine)
+    first = every[0]
+    for rank, theirs in enumerate(every):
+        keys = [k for k in dict.fromkeys([*first, *theirs]) if first.get(k) != theirs.get(k)]
+        if keys:
+            shown = ", ".join(f"{k} = {theirs.get(k)!r} where rank 0 has {first.get(k)!r}" for k in keys[:3])
+            more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+            raise ConfigError(f"the ranks were started with different settings: rank {rank} has {shown}{more}; "
+                              "start every rank with the same config and arguments")
 
 
 def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:

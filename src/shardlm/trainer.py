@@ -10,6 +10,8 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -31,7 +33,7 @@ from .divergence import TrainingError, diagnose, refuse_nan_loss
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
-from .mesh import DeviceMesh, init_distributed
+from .mesh import DeviceMesh, every_rank, init_distributed
 from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
@@ -57,6 +59,22 @@ def _located(config: dict) -> dict:
     return config
 
 
+def _check_same_data(data, train_path, eval_path) -> None:
+    """Refuse ranks that read other tokens (a node's own copy of the data, prepared again or from other text):
+    each trained on what it read, silently. An index holds no path, and lists its shards' token counts and
+    CRC32s, which the loader checked against the files; copies at other paths pass."""
+    def tokens(windows):
+        return hashlib.sha256(json.dumps(windows.shards.index, sort_keys=True).encode()).hexdigest()
+    mine = ((tokens(data.train), str(train_path)), (tokens(data.eval), str(eval_path)))
+    every = every_rank(mine)
+    for key, i in (("data.path", 0), ("data.eval_path", 1)):
+        for rank, theirs in enumerate(every):
+            if theirs[i][0] != every[0][i][0]:
+                raise ConfigError(f"rank {rank} reads other data than rank 0: its {key} {theirs[i][1]!r} holds "
+                                  f"other shards than rank 0's {every[0][i][1]!r} (their index.json files differ): "
+                                  "every rank must read the same prepared data")
+
+
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: str | Path | None = None,
                  mesh: DeviceMesh | None = None, log=print, overwrite: bool = False):
@@ -64,7 +82,9 @@ class Trainer:
         self.console = Console(log)  # a console that goes away stops the run as a signal does, saved
         self.log = self.console
         self.owns_process_group = mesh is None and not dist.is_initialized()
-        self.mesh = mesh if mesh is not None else init_distributed(cfg)
+        where = {"--out": out_dir, "--resume": resume}  # rank 0 saves to its --out, each rank its shards to its own
+        self.mesh = mesh if mesh is not None else init_distributed(
+            cfg, {k: os.path.abspath(v) for k, v in where.items() if v is not None})
         self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
@@ -104,6 +124,9 @@ class Trainer:
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
         compat.check_trainable(data_dir, self.data.train.shards.index)
+        # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
+        # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
+        _check_same_data(self.data, data_dir, cfg.data.eval_path)
         for note in [*compat.data_notes(t, data_dir, self.data), untrained_router_note(cfg)] if self.mesh.is_main else ():
             if note:
                 log(note)

@@ -141,7 +141,7 @@ def _tensor_parallel(a):
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, check_rendezvous_env
+    from ..mesh import build_mesh, check_rendezvous_env, check_same_settings
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
@@ -150,6 +150,9 @@ def _tensor_parallel(a):
     if not dist.is_initialized():
         check_rendezvous_env(world)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # Every rank decodes the same requests: one given another prompt or length aborted in gloo's C++ at a
+    # collective of another shape, or decoded on silently with other tokens in its slice of the model.
+    check_same_settings({f"--{key.replace('_', '-')}": value for key, value in vars(a).items()})
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
 

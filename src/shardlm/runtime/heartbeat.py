@@ -25,6 +25,7 @@ import torch.distributed as dist
 PREFIX = "shardlm/heartbeat/"
 BEAT_TIMEOUT_S = 2.0  # a beat's wait for the store: what closing may wait for where the store is unreachable
 FAILED = "shardlm/failed/"  # then torchrun's restart count (a key outlives the attempt that set it) and the rank
+GAVE_UP = "shardlm/gave-up/"  # likewise: a rank that left because a peer had failed (Peers.gave_up)
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where is told in shardlm's own source
 WATCHERS = {os.path.join(PACKAGE, "runtime", f) for f in ("heartbeat.py", "watchdog.py")}  # not in these
 
@@ -77,6 +78,8 @@ class Peers:
                     how = "its process ended"  # killed: its last beat may be a second old
                 elif age > 3 * self.interval:
                     how = f"silent for {age:.0f} s"
+                if how and store.check([f"{GAVE_UP}{self.attempt}/{r}"]):
+                    how = FOLLOWED  # gone because of another's failure, not its cause
                 since, _, where = at.partition(" ")
                 out.append((r, how, (float(since), where) if where else None))
             return out
@@ -85,14 +88,26 @@ class Peers:
 
     def silent(self) -> list[tuple[int, str]]:
         """(rank, how) of the peers that fell silent: never heard from, whose process on this host has ended,
-        or silent for some seconds; empty when the store cannot be read."""
-        return [(r, how) for r, how, _ in self._peers() if how]
+        or silent for some seconds; empty when the store cannot be read. Peers that left because another had
+        failed are named only when no other one fell silent: with 4 ranks and rank 3 killed, the last rank to
+        notice named 'rank 0 (its process ended), rank 2 (...), rank 3 (...)', the two that had left over
+        rank 3 as though they had died too."""
+        silent = [(r, how) for r, how, _ in self._peers() if how]
+        return [(r, how) for r, how in silent if how != FOLLOWED] or silent
+
+    def gave_up(self) -> None:
+        """Tell the peers this rank is leaving because a peer failed (its message names that one)."""
+        try:
+            self._client(2).set(f"{GAVE_UP}{self.attempt}/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
+            pass
 
     def report(self) -> str:
         """`rank 1 (silent for 12 s)`-style words for the silent peers; else where each peer was, grouped,
         the odd one out (the smallest group, then the longest in place) first; or what little is known."""
         peers, now = self._peers(), time.time()
         silent = [(r, how) for r, how, _ in peers if how]
+        silent = [(r, how) for r, how in silent if how != FOLLOWED] or silent
         if silent:
             return ", ".join(f"rank {r} ({how})" for r, how in silent)
         if not peers:
@@ -107,6 +122,9 @@ class Peers:
             who = ranks_named(ranks)
             out.append(f"{who} at {where} (for {held:.0f} s)" if where else f"{who} (alive, where unknown)")
         return "no rank died; where each was: " + "; ".join(out)
+
+
+FOLLOWED = "it left over a failed peer"
 
 
 class Heartbeat(Peers):

@@ -61,6 +61,8 @@ class Watchdog:
                 self.pending.popleft()
             if self.pending and time.monotonic() > self.pending[0][0]:
                 peers = Peers.from_env()
+                if peers is not None:
+                    peers.gave_up()
                 who = f": {peers.report()}" if peers is not None else ""
                 print(f"shardlm: {self.pending[0][2]} made no progress for {self.timeout_s:g} s "
                       f"(parallel.timeout_s): a peer rank died or stalled{who}; exiting", file=sys.stderr, flush=True)
