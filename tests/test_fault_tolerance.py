@@ -286,19 +286,26 @@ def test_one_rank_failing_on_its_own_stops_the_other_pointing_at_its_message(tmp
     assert time.monotonic() - t0 < 120
 
 
+def _torchrun_training(out, ranks: int, extra: list, steps_logged: int):
+    """torchrun of `ranks` processes training tiny at dp `ranks` into `out` for good, returned once
+    metrics.jsonl holds `steps_logged` steps (or 200 s have passed)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+           "shardlm", "train", "tiny", "--parallel.dp", str(ranks), *extra, "--train.device", "cpu",
+           "--train.log_every", "1", "--train.tensorboard", "false", "--train.steps", "100000", "--out", str(out)]
+    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < steps_logged):
+        time.sleep(0.05)
+    return proc
+
+
 def test_workers_whose_torchrun_was_killed_stop_saved(tmp_path):
     """torchrun SIGKILLed (the OOM killer; a scheduler's kill after its grace period) leaves its workers, each
     in a session of its own, training on as orphans and holding the run directory. They now notice within
     seconds, stop after a step, the same on both, save it and exit."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardlm",
-           "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.log_every", "1",
-           "--train.tensorboard", "false", "--train.steps", "100000", "--out", str(tmp_path / "a")]
-    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "a" / "metrics.jsonl"
-    deadline = time.time() + 200
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
+    proc = _torchrun_training(tmp_path / "a", 2, [], steps_logged=3)
     workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
     proc.kill()
     try:
@@ -377,16 +384,7 @@ def test_a_killed_rank_is_the_only_one_its_peers_name(tmp_path):
     """Rank 3 of 4 SIGKILLed: the first rank to notice named it, then left, and the last to notice named
     'rank 0 (its process ended), rank 2 (its process ended), rank 3 (its process ended)', as though three
     had died. A rank leaving over a failed peer now says so in the store, and every message names rank 3."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "shardlm",
-           "train", "tiny", "--parallel.dp", "4", "--train.micro_batch_size", "2", "--train.device", "cpu",
-           "--train.log_every", "1", "--train.tensorboard", "false", "--train.steps", "100000",
-           "--out", str(tmp_path / "a")]
-    proc = subprocess.Popen(run, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "a" / "metrics.jsonl"
-    deadline = time.time() + 200
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.05)
+    proc = _torchrun_training(tmp_path / "a", 4, ["--train.micro_batch_size", "2"], steps_logged=2)
     workers = {_rank_of(p): int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid}
     try:
         assert sorted(workers) == [0, 1, 2, 3], workers

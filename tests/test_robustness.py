@@ -468,18 +468,25 @@ def test_a_console_without_the_progress_bar_shows_the_time_left(tmp_path, capsys
     assert [bool(re.search(r" \| eta (\d+h\d\dm|\d+m\d\ds|\d+s)$", x)) for x in lines] == [False, True, True, False]
 
 
-def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
-    """`shardlm train | head`: stdout's reader leaves. The run ended in a BrokenPipeError's traceback, the steps
-    since its last checkpoint lost; it now stops after the next step as a signal does, saved, with SIGPIPE's
-    status and the way to continue on stderr."""
-    run = tmp_path / "run"
+def _console_gone_at_step_2(run, stderr):
+    """`shardlm train` of tiny into `run` whose stdout's reader leaves once step 2 is printed (`stderr`: a pipe of
+    its own, or stdout's: `2>&1 | head`)."""
     proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
-                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--out", str(run)], stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if line.startswith("step      2 |"):
             break
     proc.stdout.close()
+    return proc
+
+
+def test_a_console_that_goes_away_stops_the_run_saved(tmp_path):
+    """`shardlm train | head`: stdout's reader leaves. The run ended in a BrokenPipeError's traceback, the steps
+    since its last checkpoint lost; it now stops after the next step as a signal does, saved, with SIGPIPE's
+    status and the way to continue on stderr."""
+    run = tmp_path / "run"
+    proc = _console_gone_at_step_2(run, subprocess.PIPE)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 128 + signal.SIGPIPE and "Traceback" not in err, (proc.returncode, err[-2000:])
     step = steps_of(run)[-1]
@@ -492,13 +499,7 @@ def test_a_console_that_goes_away_with_stderr_stops_the_run_saved(tmp_path):
     """`shardlm train 2>&1 | head`: stderr is the same closed pipe, so the lines meant for it once stdout's reader
     left raised BrokenPipeError too, and the run ended (status 141) with nothing saved since its last checkpoint."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
-                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        if line.startswith("step      2 |"):
-            break
-    proc.stdout.close()
+    proc = _console_gone_at_step_2(run, subprocess.STDOUT)
     proc.wait(timeout=120)
     assert proc.returncode == 128 + signal.SIGPIPE
     step = steps_of(run)[-1]
