@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from .config import RunError
 from .generation_config import write_generation_config
+from .rng_state import rng_state
 from .sharded_read import ShardedState
 
 CKPT_DIR = "checkpoints"
@@ -59,32 +60,6 @@ def fsync_files(paths) -> None:
 def _fsync_tree(path: Path) -> None:
     fsync_files(path.iterdir())
     _fsync_dir(path)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-# What decides how many random numbers each rank draws a step (dropout over the layers a pipeline stage holds).
-RNG_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "pp_layers")
-
-
-def rng_layout(parallel) -> list:
-    return [getattr(parallel, k) for k in RNG_LAYOUT]
-
-
-def set_rng_state(state: dict, rank: int = 0, layout: list | None = None) -> None:
-    """Restore the RNG state saved; each rank its own where the checkpoint has every rank's (`state["ranks"]`) and
-    the layout (`rng_layout`) is the one saved, else rank 0's, as every rank started from the seed."""
-    ranks = state.get("ranks")
-    if ranks is not None and state.get("layout") == layout and rank < len(ranks):
-        state = ranks[rank]
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class CheckpointError(RunError):

@@ -15,10 +15,14 @@ when fine-tuning.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 
-from .config import Config, ConfigError, lora_targets
+from .config import Config, ConfigError, TrainConfig, lora_targets
+from .mesh import every_rank
+from .optim import lr_at
 from .tokenizer import fingerprint, load_tokenizer
 
 
@@ -255,3 +259,45 @@ def data_notes(t, data_dir: Path, data) -> list[str]:
                      f"{'them' if n > 1 else 'it'} ({t.global_batch_size / n:.1f} times over); lower "
                      "train.global_batch_size (and train.micro_batch_size) to see each once a step")
     return notes
+
+
+def located(config: dict) -> dict:
+    """The config a checkpoint records, its local paths made absolute: `--resume` reads them from the checkpoint,
+    and relative ones (data.path = "data") named nothing when resumed from another directory (a job script's),
+    the run refused with "does not exist"."""
+    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from"), ("parallel", "offload_dir")):
+        value = config[section][key]
+        if value and os.path.exists(value):
+            config[section][key] = os.path.abspath(value)
+    return config
+
+
+def check_same_data(data, train_path, eval_path) -> None:
+    """Refuse ranks that read other tokens (a node's own copy of the data, prepared again or from other text):
+    each trained on what it read, silently. An index holds no path, and lists its shards' token counts and
+    CRC32s, which the loader checked against the files; copies at other paths pass."""
+    def tokens(windows):
+        return hashlib.sha256(json.dumps(windows.shards.index, sort_keys=True).encode()).hexdigest()
+    mine = ((tokens(data.train), str(train_path)), (tokens(data.eval), str(eval_path)))
+    every = every_rank(mine)
+    for key, i in (("data.path", 0), ("data.eval_path", 1)):
+        for rank, theirs in enumerate(every):
+            if theirs[i][0] != every[0][i][0]:
+                raise ConfigError(f"rank {rank} reads other data than rank 0: its {key} {theirs[i][1]!r} holds "
+                                  f"other shards than rank 0's {every[0][i][1]!r} (their index.json files differ): "
+                                  "every rank must read the same prepared data")
+
+
+def schedule_note(saved: TrainConfig, saved_step: int, now: TrainConfig, step: int) -> str | None:
+    """A resume that changes the schedule (most often a raised train.steps, which stretches the cosine) moved the
+    learning rate without a word: back up from near its floor, where the checkpoint's run was decaying (or,
+    changed during warmup, from the first step after it). The note saying so, or None."""
+    keys = ("steps", "global_batch_size", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio")
+    changed = ", ".join(f"train.{k} {getattr(saved, k)!r} -> {getattr(now, k)!r}" for k in keys
+                        if getattr(saved, k) != getattr(now, k))
+    ahead = range(step, max(now.steps, saved.steps))
+    if not changed or all(abs(lr_at(s, now) - lr_at(s, saved)) <= 1e-6 * max(abs(lr_at(s, saved)), 1e-30)
+                          for s in ahead):
+        return None
+    return (f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {step + 1} runs at lr "
+            f"{lr_at(step, now):.2e}, where the checkpoint's schedule continued at {lr_at(saved_step, saved):.2e}")

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, commit_checkpoint, failed_save,
-                         fsync_files, rng_layout, rng_state, save_checkpoint, write_tensors)
+                         fsync_files, save_checkpoint, write_tensors)
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
+from .rng_state import rng_layout, rng_state
 from .runtime.device import host_empty
 
 

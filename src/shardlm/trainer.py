@@ -10,8 +10,6 @@ the uninterrupted one exactly.
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -25,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, rng_layout, set_rng_state
+from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import untrained_router_note
 from .data.loader import open_train_data
@@ -33,7 +31,7 @@ from .divergence import TrainingError, diagnose, refuse_nan_loss
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
-from .mesh import DeviceMesh, every_rank, init_distributed
+from .mesh import DeviceMesh, init_distributed
 from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import NonFiniteGradient, lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
@@ -45,34 +43,8 @@ from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.watchdog import Watchdog
+from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
-
-
-def _located(config: dict) -> dict:
-    """The config a checkpoint records, its local paths made absolute: `--resume` reads them from the checkpoint,
-    and relative ones (data.path = "data") named nothing when resumed from another directory (a job script's),
-    the run refused with "does not exist"."""
-    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "init_from"), ("parallel", "offload_dir")):
-        value = config[section][key]
-        if value and os.path.exists(value):
-            config[section][key] = os.path.abspath(value)
-    return config
-
-
-def _check_same_data(data, train_path, eval_path) -> None:
-    """Refuse ranks that read other tokens (a node's own copy of the data, prepared again or from other text):
-    each trained on what it read, silently. An index holds no path, and lists its shards' token counts and
-    CRC32s, which the loader checked against the files; copies at other paths pass."""
-    def tokens(windows):
-        return hashlib.sha256(json.dumps(windows.shards.index, sort_keys=True).encode()).hexdigest()
-    mine = ((tokens(data.train), str(train_path)), (tokens(data.eval), str(eval_path)))
-    every = every_rank(mine)
-    for key, i in (("data.path", 0), ("data.eval_path", 1)):
-        for rank, theirs in enumerate(every):
-            if theirs[i][0] != every[0][i][0]:
-                raise ConfigError(f"rank {rank} reads other data than rank 0: its {key} {theirs[i][1]!r} holds "
-                                  f"other shards than rank 0's {every[0][i][1]!r} (their index.json files differ): "
-                                  "every rank must read the same prepared data")
 
 
 class Trainer:
@@ -126,7 +98,7 @@ class Trainer:
         compat.check_trainable(data_dir, self.data.train.shards.index)
         # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
         # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
-        _check_same_data(self.data, data_dir, cfg.data.eval_path)
+        compat.check_same_data(self.data, data_dir, cfg.data.eval_path)
         for note in [*compat.data_notes(t, data_dir, self.data), untrained_router_note(cfg)] if self.mesh.is_main else ():
             if note:
                 log(note)
@@ -226,26 +198,13 @@ class Trainer:
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
         if self.step < self.cfg.train.steps and self.mesh.is_main:
-            self._note_schedule(config_from_dict(ckpt["state"]["config"]).train, ckpt["state"]["step"])
+            note = compat.schedule_note(config_from_dict(ckpt["state"]["config"]).train, ckpt["state"]["step"],
+                                        self.cfg.train, self.step)
+            if note:
+                self.log(note)
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      f"nothing to do (raise train.steps above {self.step} to continue)")
-
-    def _note_schedule(self, saved, saved_step: int) -> None:
-        """A resume that changes the schedule (most often a raised train.steps, which stretches the cosine) moved the
-        learning rate without a word: back up from near its floor, where the checkpoint's run was decaying (or,
-        changed during warmup, from the first step after it)."""
-        t = self.cfg.train
-        keys = ("steps", "global_batch_size", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio")
-        changed = ", ".join(f"train.{k} {getattr(saved, k)!r} -> {getattr(t, k)!r}" for k in keys
-                            if getattr(saved, k) != getattr(t, k))
-        ahead = range(self.step, max(t.steps, saved.steps))
-        if not changed or all(abs(lr_at(s, t) - lr_at(s, saved)) <= 1e-6 * max(abs(lr_at(s, saved)), 1e-30)
-                              for s in ahead):
-            return
-        theirs, ours = lr_at(saved_step, saved), lr_at(self.step, t)
-        self.log(f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {self.step + 1} runs at "
-                 f"lr {ours:.2e}, where the checkpoint's schedule continued at {theirs:.2e}")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -322,7 +281,7 @@ class Trainer:
         """Save this step (`wait` False: in the background where train.checkpoint_async says so)."""
         if self.out is None:
             return None
-        state = {"config": _located(self.cfg.to_dict()), "data": self.data.state(self.step),
+        state = {"config": compat.located(self.cfg.to_dict()), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):
