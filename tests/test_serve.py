@@ -224,6 +224,19 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
 
 
 @pytest.mark.timeout(60)
+def test_neutral_values_written_as_floats_are_served_and_logprobs_0_is_refused(srv):
+    """Python clients write a penalty as 0.0, which was refused as unsupported; a completion's logprobs 0 asks for
+    the chosen tokens' log probabilities (OpenAI, vLLM) and was served with logprobs null."""
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "best_of": 1.0, "repetition_penalty": 1.0}
+        r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, **neutral})
+        assert r.status_code == 200, r.text
+        for body in ({"presence_penalty": 0.5}, {"logprobs": 0}, {"echo": 0}, {"best_of": True}):
+            r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), (body, r.text)
+
+
+@pytest.mark.timeout(60)
 def test_a_prompt_far_beyond_the_context_is_refused_untokenized(srv, monkeypatch):
     """A 20 MB prompt was tokenized on the event loop (18 s for the byte tokenizer), every other client waiting."""
     tokenized = []

@@ -117,9 +117,10 @@ def _flag(body: dict, param: str) -> bool:
     return value
 
 
-# Parameters accepted only at the value that leaves the answer as this server gives it.
+# Parameters accepted only at the value that leaves the answer as this server gives it. A completion's logprobs 0
+# is no such value: it asks for the chosen tokens' log probabilities (OpenAI's API, vLLM), which would come back null.
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
-            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+            "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
             "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
             # vLLM's sampling extensions, which clients written for it send: ignored, the answer would change unsaid
             "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
@@ -132,6 +133,16 @@ _READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "
 _FOREIGN = ("models",)  # OpenRouter's fallback models, which its clients send: near "model", changes no answer
 
 
+def _same(value, neutral) -> bool:
+    """Whether `value` is the neutral value: 0.0 is 0 (Python's json writes a float penalty so), but a
+    boolean is no number (True == 1)."""
+    numbers = (int, float)
+    if (isinstance(value, numbers) and isinstance(neutral, numbers)
+            and not isinstance(value, bool) and not isinstance(neutral, bool)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
 def _refuse_unsupported(body: dict) -> None:
     import difflib
     for param in body:
@@ -140,7 +151,7 @@ def _refuse_unsupported(body: dict) -> None:
             raise APIError(400, f"'{param}' is not a parameter of this API (it would be ignored): did you mean "
                                 f"'{near[0]}'?", param, "unknown_parameter")
     for param, neutral in _NEUTRAL.items():
-        if param in body and not any(body[param] == v and type(body[param]) is type(v) for v in neutral):
+        if param in body and not any(_same(body[param], v) for v in neutral):
             if param == "response_format" and body[param] == {"type": "text"}:
                 continue
             raise APIError(400, f"'{param}' = {body[param]!r} is not supported by this server.", param,
