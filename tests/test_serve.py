@@ -201,6 +201,12 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they would sample at the defaults
     ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
     ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    # more of vLLM's: a stop string kept, constrained decoding, a template's switches (once ignored: another answer)
+    ({"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
 ]
 
 

@@ -125,7 +125,14 @@ _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logi
             # vLLM's sampling extensions, which clients written for it send: ignored, the answer would change unsaid
             "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
             "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
-            "use_beam_search": (None, False)}
+            "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+            "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+            "logits_processors": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+            "return_tokens_as_token_ids": (None, False),
+            # and its chat extensions, which change the rendered prompt
+            "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+            "continue_final_message": (None, False)}
 # What this server reads; any other key is let through unread (as vLLM does: clients add their own), unless it is
 # a near miss of one of these ("temprature", "max_new_tokens"): ignored, it would sample at the default unsaid.
 _READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
