@@ -243,6 +243,20 @@ def test_neutral_values_written_as_floats_are_served_and_logprobs_0_is_refused(s
 
 
 @pytest.mark.timeout(60)
+def test_a_chat_that_fills_the_context_is_refused_not_answered_empty(srv):
+    """Without max_tokens a chat may take the rest of the context; where none is left it was answered 200 with
+    no text (finish_reason "length"), as if the model had nothing to say."""
+    def rendered(k):
+        return len(srv.tok.encode(f"<|user|>{'To be ' * k}\n<|assistant|>"))
+    k = next(k for k in range(1, 128) if rendered(k) >= 128)
+    assert rendered(k) == 128  # exactly the context (max_model_len 128)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "To be " * k}]},
+                   timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.timeout(60)
 def test_a_prompt_far_beyond_the_context_is_refused_untokenized(srv, monkeypatch):
     """A 20 MB prompt was tokenized on the event loop (18 s for the byte tokenizer), every other client waiting."""
     tokenized = []

@@ -182,7 +182,13 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, key, default_max_tokens, 0)
     if max_tokens is None:
-        max_tokens = max(room, 0)
+        # The rest of the context: where none is left, the answer would be empty, 200, as if the model had
+        # nothing to say.
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, the "
+                                f"{prompt_param} hold {len(prompt)} tokens, leaving none for the completion. Please "
+                                f"reduce the length of the {prompt_param}.", prompt_param, "context_length_exceeded")
+        max_tokens = room
     if len(prompt) + max_tokens > models.max_len:
         raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
                             f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
