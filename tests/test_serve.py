@@ -200,6 +200,8 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 0}}, 400, "stream_options.include_usage"),
     # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they would sample at the defaults
     ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
+    # nested deeper than the JSON decoder recurses: once a 500 with a traceback in the server's log
+    (b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     # more of vLLM's: a stop string kept, constrained decoding, a template's switches (once ignored: another answer)
     ({"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
