@@ -200,7 +200,15 @@ BAD = [  # (body, status, param); a body with messages goes to /v1/chat/completi
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 0}}, 400, "stream_options.include_usage"),
     # a misspelt or another library's name, and vLLM's sampling extensions: ignored, they would sample at the defaults
     ({"prompt": "x", "temprature": 0}, 400, "temprature"), ({"prompt": "x", "max_new_tokens": 4}, 400, "max_new_tokens"),
+    # nested deeper than the JSON decoder recurses: once a 500 with a traceback in the server's log
+    (b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     ({"prompt": "x", "min_p": 0.1}, 400, "min_p"), ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    # more of vLLM's: a stop string kept, constrained decoding, a template's switches (once ignored: another answer)
+    ({"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
 ]
 
 
@@ -221,6 +229,33 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(srv):
                                              "client_tag": 1, "min_p": 0.0, "models": ["a", "b"]})
         # others' keys (OpenRouter's fallback "models", near "model" but no answer changed), neutral values: served
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_neutral_values_written_as_floats_are_served_and_logprobs_0_is_refused(srv):
+    """Python clients write a penalty as 0.0, which was refused as unsupported; a completion's logprobs 0 asks for
+    the chosen tokens' log probabilities (OpenAI, vLLM) and was served with logprobs null."""
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "best_of": 1.0, "repetition_penalty": 1.0}
+        r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, **neutral})
+        assert r.status_code == 200, r.text
+        for body in ({"presence_penalty": 0.5}, {"logprobs": 0}, {"echo": 0}, {"best_of": True}):
+            r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), (body, r.text)
+
+
+@pytest.mark.timeout(60)
+def test_a_chat_that_fills_the_context_is_refused_not_answered_empty(srv):
+    """Without max_tokens a chat may take the rest of the context; where none is left it was answered 200 with
+    no text (finish_reason "length"), as if the model had nothing to say."""
+    def rendered(k):
+        return len(srv.tok.encode(f"<|user|>{'To be ' * k}\n<|assistant|>"))
+    k = next(k for k in range(1, 128) if rendered(k) >= 128)
+    assert rendered(k) == 128  # exactly the context (max_model_len 128)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "To be " * k}]},
+                   timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.timeout(60)

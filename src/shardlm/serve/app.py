@@ -147,13 +147,17 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
 
     async def body_of(http: HTTPRequest):
+        text = await http.body()
         try:
-            body = json.loads(await http.body())
+            body = json.loads(text)
+            # A "\ud800" escape parses to a lone surrogate, which the tokenizer rejects: a 400 naming it, not a 500.
+            found = unpaired_surrogate(body)
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
                                 "aren't using your HTTP library correctly.)") from None
-        # A "\ud800" escape parses to a lone surrogate, which the tokenizer rejects: a 400 naming it, not a 500.
-        if found := unpaired_surrogate(body):
+        except RecursionError:  # arrays in arrays thousands deep: once a 500, and a traceback in the log
+            raise APIError(400, "The JSON body of your request nests too deeply to be read.") from None
+        if found:
             raise APIError(400, f"'{found[0]}' holds an unpaired surrogate ({found[1]!a}), which is not Unicode "
                                 "text.", found[0].split(".")[0].split("[")[0], "invalid_value")
         return body

@@ -117,19 +117,37 @@ def _flag(body: dict, param: str) -> bool:
     return value
 
 
-# Parameters accepted only at the value that leaves the answer as this server gives it.
+# Parameters accepted only at the value that leaves the answer as this server gives it. A completion's logprobs 0
+# is no such value: it asks for the chosen tokens' log probabilities (OpenAI's API, vLLM), which would come back null.
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
-            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+            "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
             "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
             # vLLM's sampling extensions, which clients written for it send: ignored, the answer would change unsaid
             "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
             "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
-            "use_beam_search": (None, False)}
+            "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+            "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+            "logits_processors": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+            "return_tokens_as_token_ids": (None, False),
+            # and its chat extensions, which change the rendered prompt
+            "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+            "continue_final_message": (None, False)}
 # What this server reads; any other key is let through unread (as vLLM does: clients add their own), unless it is
 # a near miss of one of these ("temprature", "max_new_tokens"): ignored, it would sample at the default unsaid.
 _READ = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
          "n", "stop", "stream", "stream_options")
 _FOREIGN = ("models",)  # OpenRouter's fallback models, which its clients send: near "model", changes no answer
+
+
+def _same(value, neutral) -> bool:
+    """Whether `value` is the neutral value: 0.0 is 0 (Python's json writes a float penalty so), but a
+    boolean is no number (True == 1)."""
+    numbers = (int, float)
+    if (isinstance(value, numbers) and isinstance(neutral, numbers)
+            and not isinstance(value, bool) and not isinstance(neutral, bool)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -140,7 +158,7 @@ def _refuse_unsupported(body: dict) -> None:
             raise APIError(400, f"'{param}' is not a parameter of this API (it would be ignored): did you mean "
                                 f"'{near[0]}'?", param, "unknown_parameter")
     for param, neutral in _NEUTRAL.items():
-        if param in body and not any(body[param] == v and type(body[param]) is type(v) for v in neutral):
+        if param in body and not any(_same(body[param], v) for v in neutral):
             if param == "response_format" and body[param] == {"type": "text"}:
                 continue
             raise APIError(400, f"'{param}' = {body[param]!r} is not supported by this server.", param,
@@ -164,7 +182,13 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, key, default_max_tokens, 0)
     if max_tokens is None:
-        max_tokens = max(room, 0)
+        # The rest of the context: where none is left, the answer would be empty, 200, as if the model had
+        # nothing to say.
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, the "
+                                f"{prompt_param} hold {len(prompt)} tokens, leaving none for the completion. Please "
+                                f"reduce the length of the {prompt_param}.", prompt_param, "context_length_exceeded")
+        max_tokens = room
     if len(prompt) + max_tokens > models.max_len:
         raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
                             f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
