@@ -293,3 +293,20 @@ def test_bad_pipeline_layouts_fail_early_naming_the_values(overrides, world, mes
     with pytest.raises(ConfigError) as e:
         validate(load_config("tiny", overrides), world_size=world)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("extra, cause", [
+    ({"parallel.zero_stage": "3", "parallel.offload": "params"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
+    ({"parallel.zero_stage": "1", "parallel.offload": "params"}, "parallel.offload = 'params' needs parallel.zero_stage = 3"),
+    ({"parallel.zero_stage": "2", "parallel.offload": "optimizer", "parallel.delayed_update": "true"},
+     "parallel.delayed_update = True needs parallel.zero_stage = 2")])
+def test_offloads_that_need_zero_2_or_3_are_refused_under_pipelines_naming_why(extra, cause):
+    """ZeRO-3's parameter offload and ZeRO-2's delayed update under stages: the refusal names them, not only the
+    ZeRO stage (whose "use zero_stage 1" the offload then refused), and the layout it offers is accepted."""
+    from shardlm.config import ConfigError, load_config, validate
+    over = {**layout(2, 2, dp=2), **extra}
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", over), world_size=4)
+    assert cause in str(e.value) and "parallel.zero_stage = 1 and parallel.offload = 'optimizer'" in str(e.value)
+    validate(load_config("tiny", {**over, "parallel.zero_stage": "1", "parallel.offload": "optimizer",
+                                  "parallel.delayed_update": "false"}), world_size=4)

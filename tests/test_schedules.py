@@ -1,6 +1,8 @@
 """Pipeline schedules as tables, without processes: every schedule validates at pp 2 and 4 with m in {pp, 2pp,
 odd}; the simulator gives each schedule's bubble formula with unit costs and its activation peak; the
 validator and the simulator reject hand-made bad tables."""
+import re
+
 import pytest
 
 from shardlm.schedules import SCHEDULES, Action, ScheduleError, check_layout, peer, schedule, simulate, validate
@@ -77,6 +79,17 @@ def test_bad_layouts_are_refused_naming_the_values():
     with pytest.raises(ScheduleError, match="is not one of"):
         check_layout("dualpipe", 2, 1, 4)
     check_layout("gpipe", 4, 1, 3)  # GPipe runs with fewer micro-batches than stages
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 3), (2, 2, 1), (4, 2, 6), (2, 1, 3), (4, 1, 2)])
+def test_the_schedule_a_refusal_offers_is_accepted(pp, v, m):
+    """The interleaved schedule's refusal offers another schedule: with virtual stages it must say to drop them
+    (any other schedule refuses them), and with fewer micro-batches than stages offer gpipe, not 1f1b."""
+    with pytest.raises(ScheduleError) as e:
+        check_layout("interleaved", pp, v, m)
+    offered = re.search(r"use parallel\.pp_schedule = '([\w-]+)'( with parallel\.virtual_stages = 1)?", str(e.value))
+    assert offered, str(e.value)
+    check_layout(offered[1], pp, 1 if offered[2] else v, m)
 
 
 def test_a_backward_before_its_forward_is_rejected():

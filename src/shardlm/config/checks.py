@@ -279,6 +279,14 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
             check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp), naming)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
+    # Before the ZeRO stage's own refusal, whose "use zero_stage 1" these two would refuse in turn.
+    needs = [f"{show('offload', 'params')} needs {show('zero_stage', 3)}"] if p.offload == "params" else []
+    needs += [f"{show('delayed_update', True)} needs {show('zero_stage', 2)}"] if p.delayed_update else []
+    if needs and p.pp > 1:
+        raise ConfigError(f"{' and '.join(needs)}, which {show('pp', p.pp)} does not support: keep the stages with "
+                          f"{show('zero_stage', 1)} and {show('offload', 'optimizer')}"
+                          + (f" and no {key('delayed_update')}" if p.delayed_update else "")
+                          + f", or set {key('pp')} = 1")
     if p.zero_stage >= 2 and p.pp > 1:
         raise ConfigError(f"{show('zero_stage', p.zero_stage)} with {show('pp', p.pp)} is not supported: ZeRO-2 would "
                           "reduce-scatter every micro-batch's gradients (m times ZeRO-1's traffic) and ZeRO-3 gather "

@@ -103,14 +103,18 @@ def check_layout(name: str, pp: int, v: int, m: int, naming: Naming = Naming()) 
         raise ScheduleError(f"{show('pp_schedule', name)} is not one of {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
         raise ScheduleError(f"{show('virtual_stages', v)} needs {show('pp_schedule', 'interleaved')} (not {name!r})")
+    # The other schedule a refusal offers must itself be accepted: 1f1b needs pp micro-batches, and any schedule
+    # but interleaved needs one chunk per rank.
+    def instead(other: str) -> str:
+        return show('pp_schedule', other) + (f" with {show('virtual_stages', 1)}" if v > 1 else "")
     if name == "interleaved" and m % pp:
         raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of {show('pp', pp)}: "
                             f"{m} micro-batches per step is not a multiple of it: change {key('global_batch')} or "
-                            f"{key('micro_batch')} so that it is (or use {show('pp_schedule', '1f1b')})")
+                            f"{key('micro_batch')} so that it is (or use {instead('1f1b' if m >= pp else 'gpipe')})")
     if name in ("1f1b", "interleaved", "zb-h1") and m < pp:
         raise ScheduleError(f"the {name} schedule needs at least {show('pp', pp)} micro-batches per step to "
                             f"fill the pipeline, not {m}: raise {key('global_batch')} or lower "
-                            f"{key('micro_batch')} (or use {show('pp_schedule', 'gpipe')})")
+                            f"{key('micro_batch')} (or use {instead('gpipe')})")
 
 
 def schedule(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
