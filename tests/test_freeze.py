@@ -39,8 +39,11 @@ def test_patterns_match_dotted_suffixes_and_fnmatch():
                                        ("attn.core", "'attn.core' matches no parameter"),  # a module without any
                                        ("*", "freezes every trainable parameter")])
 def test_bad_patterns_are_refused(spec, why):
-    with pytest.raises(ConfigError, match=why):
+    with pytest.raises(ConfigError, match=why) as refused:
         dist_fns.tiny_trainer(1, {"train.freeze": spec})
+    # the modules it lists are patterns that would be taken: none without parameters (Decoder's output, attn.core)
+    listed = str(refused.value).partition("its modules: ")[2].partition(";")[0].split(", ")
+    assert "output" not in listed and "core" not in listed, listed
 
 
 def test_an_empty_pattern_is_refused_by_validate():

@@ -77,10 +77,11 @@ def _has(model: nn.Module, name: str) -> bool:
 
 
 def _examples(model: nn.Module) -> str:
-    """The modules' own names (each a pattern matching every module of that name), in the model's order."""
+    """The modules' own names (each a pattern matching every module of that name), in the model's order: those
+    holding parameters (a name without any, as Decoder's `output`, would be refused as a pattern)."""
     seen = []
-    for n, _ in model.named_modules():
+    for n, m in model.named_modules():
         last = n.rpartition(".")[2]
-        if last and not last.isdigit() and last not in seen:
+        if last and not last.isdigit() and last not in seen and next(m.parameters(), None) is not None:
             seen.append(last)
     return ", ".join(seen)
