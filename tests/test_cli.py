@@ -122,6 +122,21 @@ def test_every_rank_refuses_a_bad_layout_before_any_collective(tmp_path):
         assert said in reply["message"] and said in reply["extraInfo"]["py_callstack"]
 
 
+def test_a_rank_started_without_torchrun_prints_its_own_bad_input(tmp_path, monkeypatch, capsys):
+    """Bad input is printed by a node's first rank alone: under torchrun the others' reach its summary through
+    their error files. A rank started by hand, with no such file, printed nothing of what only it may have
+    found (a path missing on its node); it now says it."""
+    from shardlm.cli import main
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    said = "shardlm train: error: parallel.dp (4) x parallel.tp (1) x parallel.pp (1) = 4 != world size 1"
+    assert main(["train", "tiny", "--parallel.dp", "4", "--out", str(tmp_path / "r")]) == 2
+    assert said in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert main(["train", "tiny", "--parallel.dp", "4", "--out", str(tmp_path / "r")]) == 2
+    assert said not in capsys.readouterr().err and said in (tmp_path / "error.json").read_text()
+
+
 def test_a_rank_whose_peers_never_start_says_what_it_waits_for(tmp_path):
     """Rank 0 of a world of 2 started by hand, rank 1 never: it waited in silence until the timeout. A node's
     first rank now says, once the wait is no longer a start-up's, what it waits for; at the timeout the error
