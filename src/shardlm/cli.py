@@ -322,11 +322,9 @@ COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": 
 
 
 def _error(message: str, code: int, every_rank: bool) -> int:
-    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file, so
-    that torchrun's summary names it as the root cause instead of pointing at its docs; bad input (a config,
-    a path), which every rank finds alike, is printed by each node's first rank alone, not once a process (the
-    others' in torchrun's summary; ranks started without torchrun each print their own, which only they may
-    have found)."""
+    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file (its
+    summary names it as the root cause), and bad input, which every rank finds alike, is printed by each node's
+    first rank alone; without torchrun's file every rank prints its own, which only it may have found."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         import json
@@ -337,7 +335,7 @@ def _error(message: str, code: int, every_rank: bool) -> int:
                                                                          "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the summary then points at torchrun's docs, as without this file: the message is printed below
-    if every_rank or not path or os.environ.get("LOCAL_RANK", "0") == "0":  # without torchrun's file, its own
+    if every_rank or not path or os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr)
     return code
 
