@@ -95,8 +95,8 @@ def cmd_train(argv: list[str]) -> int:
         if why is not None:
             # torchrun sends SIGTERM to every worker once one has failed: it must not cut this message short.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if heartbeat is not None:  # first: peers noticing this rank gone must not blame it
-                heartbeat.gave_up()
+            if heartbeat is not None:
+                heartbeat.gave_up()  # first: peers noticing this rank gone must not blame it
             failed = heartbeat.failed() if heartbeat is not None else []
             if failed:  # not a death: a peer's own error, which its message names
                 print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error (its message says "
@@ -322,9 +322,8 @@ COMMANDS = {"plan": cmd_plan, "train": cmd_train, "eval": cmd_eval, "generate": 
 
 
 def _error(message: str, code: int, every_rank: bool) -> int:
-    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file (its
-    summary names it as the root cause), and bad input, which every rank finds alike, is printed by each node's
-    first rank alone; without torchrun's file every rank prints its own, which only it may have found."""
+    """Say why the command stops; `code`. Under torchrun the message also goes to the worker's error file (its summary's
+    root cause), and bad input, alike on every rank, is printed by a node's first rank alone (else by each rank)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         import json

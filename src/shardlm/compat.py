@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .config import Config, ConfigError, TrainConfig, lora_targets
 from .mesh import every_rank
 from .optim import lr_at
@@ -301,3 +303,18 @@ def schedule_note(saved: TrainConfig, saved_step: int, now: TrainConfig, step: i
         return None
     return (f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {step + 1} runs at lr "
             f"{lr_at(step, now):.2e}, where the checkpoint's schedule continued at {lr_at(saved_step, saved):.2e}")
+
+
+def train_data_dir(cfg: Config, mesh) -> Path:
+    """The prepared data a run trains on: data.path (refused where it is not prepared), else the embedded default
+    corpus, which the main rank prepares (with progress) while the others wait."""
+    if cfg.data.path:
+        if not (Path(cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
+            raise ConfigError(not_prepared(cfg.data.path))
+        return Path(cfg.data.path)
+    from .data.default import default_corpus
+    if mesh.is_main:
+        path = default_corpus(progress=True)
+    if mesh.world > 1:
+        dist.barrier()
+    return default_corpus() if not mesh.is_main else path

@@ -87,7 +87,7 @@ class Trainer:
             if self._any_rank(failed is not None):
                 raise ConfigError(failed or f"rank 0 could not prepare --out {self.out} (its message says why)")
 
-        self.data_dir = data_dir = self._data_dir()
+        self.data_dir = data_dir = compat.train_data_dir(self.cfg, self.mesh)
         self.tokenizer = load_tokenizer(data_dir)
         if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
             cfg.model.vocab_size = self.tokenizer.vocab_size
@@ -147,18 +147,6 @@ class Trainer:
             (self.out / "config.toml").write_text(cfg.to_toml())
 
     # ---- setup ------------------------------------------------------------------------------------
-    def _data_dir(self) -> Path:
-        if self.cfg.data.path:
-            if not (Path(self.cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
-                raise ConfigError(compat.not_prepared(self.cfg.data.path))
-            return Path(self.cfg.data.path)
-        from .data.default import default_corpus
-        if self.mesh.is_main:
-            path = default_corpus(progress=True)
-        if self.mesh.world > 1:
-            dist.barrier()
-        return default_corpus() if not self.mesh.is_main else path
-
     def _any_rank(self, failed: bool) -> bool:
         return self.mesh.any_rank(failed, self.device)
 
@@ -197,11 +185,10 @@ class Trainer:
         set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
-        if self.step < self.cfg.train.steps and self.mesh.is_main:
-            note = compat.schedule_note(config_from_dict(ckpt["state"]["config"]).train, ckpt["state"]["step"],
-                                        self.cfg.train, self.step)
-            if note:
-                self.log(note)
+        saved = config_from_dict(ckpt["state"]["config"]).train
+        if self.step < self.cfg.train.steps and self.mesh.is_main and (
+                note := compat.schedule_note(saved, ckpt["state"]["step"], self.cfg.train, self.step)):
+            self.log(note)
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
                      f"nothing to do (raise train.steps above {self.step} to continue)")

@@ -150,8 +150,7 @@ def _tensor_parallel(a):
     if not dist.is_initialized():
         check_rendezvous_env(world)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    # Every rank decodes the same requests: one given another prompt or length aborted in gloo's C++ at a
-    # collective of another shape, or decoded on silently with other tokens in its slice of the model.
+    # Every rank decodes the same requests (others aborted in gloo's C++, or decoded on with other tokens).
     check_same_settings({f"--{key.replace('_', '-')}": value for key, value in vars(a).items()})
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
