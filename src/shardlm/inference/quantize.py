@@ -1,7 +1,9 @@
 """Weight-only quantisation for inference (gpt-fast's int8 and int4): the blocks' linear layers' weights stored
 in 8 or 4 bits with per-channel (int8) or per-group (int4) scales, dequantised inside the matrix product, so
-that batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes. Activations,
-embeddings, norms and the output head stay in the model's dtype.
+that batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes. The output head is stored in int8 for
+both kinds (QuantizedHead), as gpt-fast quantises its output layer too: its logits pick the tokens, and int8
+per channel barely moves them where int4's groups would; at batch 1 it is the largest single product (llama2-7b's
+262 MB in bf16). Activations, embeddings and norms stay in the model's dtype.
 
 int8 is int8.py's (torchao's symmetric per-channel scheme), int4 int4.py's (a scale and a minimum per group of
 inputs); each reads its packed weights in Triton products when a step has few rows on a GPU, and elsewhere
@@ -9,22 +11,58 @@ inputs); each reads its packed weights in Triton products when a step has few ro
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
+from ..config import IGNORE, ConfigError
+from ..model.decoder import LMOutput
+from ..model.loss import trained_count
 from .int4 import GROUPS, to_int4
-from .int8 import to_int8
+from .int8 import Int8Linear, to_int8
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUPS = GROUPS  # the largest of these that divides a layer's input size is its int4 group
 
 
 def quantize(model: nn.Module, kind: str) -> int:
-    """Quantise the blocks' linear layers of `model` in place to `kind` (none, int8, int4); returns how many.
-    int4 leaves a layer whose input size no group of INT4_GROUPS divides as it is (ConfigError where that is
-    every layer)."""
+    """Quantise the blocks' linear layers of `model` in place to `kind` (none, int8, int4), and its output head
+    to int8 (quantize_head); returns how many of the blocks' layers. int4 leaves a layer whose input size no
+    group of INT4_GROUPS divides as it is (ConfigError where that is every layer)."""
     if kind not in KINDS:
         raise ConfigError(f"--quantize {kind!r} is not one of {', '.join(KINDS)}")
     if kind == "none":
         return 0
-    return to_int8(model) if kind == "int8" else to_int4(model)
+    swapped = to_int8(model) if kind == "int8" else to_int4(model)
+    quantize_head(model)
+    return swapped
+
+
+class QuantizedHead(nn.Module):
+    """The output head with its weight in int8 (int8.py's per-channel scheme), in LMOutput's place: it takes
+    the same arguments and ignores the 16-bit weight passed in (the tied embedding's, which the embedding
+    keeps for its lookups)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        n, k = weight.shape
+        self.linear = Int8Linear(SimpleNamespace(weight=weight, bias=None, in_features=k, out_features=n))
+
+    def forward(self, h, weight=None, targets=None, chunk: int = 2048, compiled: bool = False):
+        logits = self.linear(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), reduction="sum",
+                               ignore_index=IGNORE) / trained_count(targets)
+
+
+def quantize_head(model: nn.Module) -> bool:
+    """`model`'s output head in int8 (QuantizedHead), its 16-bit lm_head dropped; whether it was. A tensor-
+    parallel model's vocab-parallel head stays as it is."""
+    if type(getattr(model, "output", None)) is not LMOutput:
+        return False
+    model.output = QuantizedHead(model.head_weight)
+    if model.lm_head is not None:
+        model.lm_head = None  # head_weight is then the embedding's, passed to QuantizedHead and not read
+    return True

@@ -46,7 +46,7 @@ class InferencePlan:
 
 def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
     """(inputs, outputs, how many, where) of the model's nn.Linear layers, where is "block", "router" (an MoE's,
-    which --quantize leaves as it is) or "head" (an untied output head, which --quantize leaves too).
+    which --quantize leaves as it is) or "head" (an untied output head, which --quantize stores in int8).
     The routed experts are stacked weights, not linear layers: no --quantize touches them."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
@@ -67,10 +67,13 @@ def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float
     """The model's weights in `itemsize`-byte numbers, the linear layers that `quantize` (none, int8, int4)
     reaches (the blocks') stored as inference/quantize.py stores them: int8, one byte a weight and one scale per
     output; int4, half a byte a weight and a scale and minimum per group of inputs (a layer whose input no
-    group divides stays as it was). Scales, biases, norms, embeddings and the output head keep `itemsize`."""
+    group divides stays as it was); the output head in int8 for either (an untied head's 16-bit weight replaced, a
+    tied one's int8 copy beside the embedding). Scales, biases, norms and embeddings keep `itemsize`."""
     total = m.num_params() * itemsize
     if quantize == "none":
         return total
+    v, h = m.vocab_size, m.hidden_size
+    total += v * (h + itemsize) - (0 if m.tie_embeddings else v * h * itemsize)
     for fan_in, fan_out, count, where in linears(m):
         if quantize == "int8" and where == "block":
             total -= count * fan_out * (fan_in * (itemsize - 1) - itemsize)
