@@ -28,10 +28,10 @@ BM = 16
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
-# The one-row kernel's (BN, BK, warps, stages), narrow and wide: chosen by the instructions issued a byte
-# compiled for sm_90 (5.1 and 4.8, against 6.9 at 8 rows and 8 warps and the old kernel's 5.8), not yet timed.
-GEMV_NARROW_LAUNCH = (16, 512, 4, 3)
-GEMV_WIDE_LAUNCH = (32, 512, 4, 3)
+# The one-row kernel's (BN, BK, warps, stages), narrow and wide: llama2-7b's products on an H200 took 557 us at
+# (16, 1024, 4, 2) against 618-827 at BN 8-64 and BK 256-512 (bench/quantized_gemv.py --int8-launches).
+GEMV_NARROW_LAUNCH = (16, 1024, 4, 2)
+GEMV_WIDE_LAUNCH = (16, 1024, 4, 2)
 MAGIC = 0x4B000000  # 2^23's bits
 
 if triton is not None and hasattr(torch.library, "custom_op"):
