@@ -233,9 +233,12 @@ def make_system(name: str):
     if name == "bf16":
         return (lambda w: w), (lambda x, w, _: F.linear(x, w)), (lambda w: w.float())
     if name == "int8":
-        from shardlm.inference.int8 import Int8Linear, int8_linear
-        return ((lambda w: Int8Linear(_linear(w))), (lambda x, q, _: int8_linear(x, q.weight, q.scale)),
-                (lambda q: q.weight.float() * q.scale.float()[:, None]))
+        from shardlm.inference.int8 import Int8Linear, int8_gemv, int8_linear
+
+        def run(x, q, launch):
+            return int8_linear(x, q.weight, q.scale) if launch is None else int8_gemv(x, q.weight, q.scale,
+                                                                                      launch=launch)
+        return ((lambda w: Int8Linear(_linear(w))), run, (lambda q: q.weight.float() * q.scale.float()[:, None]))
     if name in ("int4", "int4-mm"):
         from shardlm.inference import int4
 
@@ -308,8 +311,10 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
             # (form, bm, bn, warps); dequant has no bm (0)
             launches = [(f, bm, bn, w) for f in args.mm_forms for bm in ([0] if f == "dequant" else args.bm)
                         if bm <= max(16, m) for bn in args.mm_bn for w in args.mm_warps]
+        if name == "int8":  # the one-row kernel's (BN, BK, warps, stages); else int8_linear's own choice
+            launches = args.int8_launches if m == 1 and args.int8_launches else [None]
         refs = [xs[k].float() @ dequantised(op).t() for op, (_, _, k) in zip(ops, layers)]  # the first copies
-        for launch in launches if name in (*SPLITK, "int4-mm") or (name == "int4" and m == 1) else [None]:
+        for launch in launches if name in (*SPLITK, "int4-mm", "int8") or (name == "int4" and m == 1) else [None]:
             def products(which=range(len(ops))):
                 return [run(xs[layers[i % len(layers)][2]], ops[i], launch) for i in which]
             try:  # a launch whose kernel does not build fails in the warm-up call, before any capture
@@ -337,6 +342,8 @@ def measure(name: str, args, layers, xs_by_rows, rows: list[dict]) -> None:
                            "warps": launch[3]}
             if name == "int4-splitk":
                 setting["sum_rows"] = launch[2]
+            if name == "int8" and launch is not None:
+                setting = {"bn": launch[0], "bk": launch[1], "warps": launch[2], "stages": launch[3]}
             rows.append({"system": name, "micro_batch": m, **setting, "us": round(seconds * 1e6, 1),
                          "us_by_shape": by_shape, "error": max(errors.values()), "error_by_shape": errors,
                          "same_bits": same, "peak_mem_gib": round(peak, 3)})
@@ -383,6 +390,8 @@ def bench(args, device="cuda", dtype=torch.bfloat16) -> None:
         if "form" in r:
             launch = (f"{r['form']} {r['bm']}x{r['bn']} w{r['warps']}" if "bm" in r
                       else f"{r['form']} r{r['bn']} w{r['warps']}")
+        if "bk" in r:
+            launch = f"{r['bn']}/{r['bk']} w{r['warps']} s{r['stages']}"
         ratio = f"{r['x_bf16']:.2f}" if r["x_bf16"] else "-"
         print(f"{r['system']:<20}{r['micro_batch']:>5}  {launch:<18}{r['us']:>8.1f}"
               + "".join(f"{r['us_by_shape'][s]:>9.1f}" for s in names)
@@ -457,6 +466,9 @@ def main():
     p.add_argument("--mm-bn", type=_ints, default=[32, 64, 128], help="int4-mm: outputs a tile, powers of two "
                    "(dequant: rows of words a program), comma-separated")
     p.add_argument("--mm-warps", type=_ints, default=[4], help="int4-mm: warps a program, comma-separated")
+    p.add_argument("--int8-launches", type=lambda v: [tuple(map(int, x.split("/"))) for x in v.split(",")],
+                   default=[], help="int8 at one row: its GEMV's launches, BN/BK/warps/stages comma-separated "
+                   "(e.g. 16/512/4/3,32/512/4/3); none: int8_linear's own")
     p.add_argument("--sum-rows", type=_ints, default=[SUM_ROWS],
                    help="int4-splitk: groups a tile of the last arriver's sum, powers of two (0: all, one tile)")
     p.add_argument("--warm", type=int, default=10, help="graph replays before timing")

@@ -176,3 +176,28 @@ def tiny_decoder(overrides: dict):
     model.to_empty(device="cpu")
     model.init_weights(0)
     return model, cfg
+
+
+def run_in_tritons_interpreter(module: str, function: str, timeout: int = 220) -> str:
+    """`module.function()` (a test module's) in a subprocess under TRITON_INTERPRET=1, which triton reads when it
+    is imported: Triton's kernels run on the CPU. pytest.skip where triton is not installed (a CPU build of
+    torch) or its interpreter does not run a kernel with this torch; the function's output, else a failure."""
+    import importlib.util
+    import os
+
+    import pytest
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (a CPU build of torch): its interpreter runs the kernels here")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])}
+    probe = ("import torch, triton, triton.language as tl\n"
+             "@triton.jit\ndef k(p):\n    tl.store(p + tl.arange(0, 4), tl.arange(0, 4))\n"
+             "t = torch.zeros(4, dtype=torch.int32)\nk[(1,)](t)\nassert t.tolist() == [0, 1, 2, 3]\n")
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode:
+        pytest.skip("triton's interpreter does not run a kernel with this torch")
+    done = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=here)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+

@@ -2,11 +2,6 @@
 dequantised whole), which layers --quantize int4 takes, and both Triton kernels run by Triton's interpreter on
 the CPU where triton is installed (tests/test_gpu.py runs them on a GPU)."""
 import dataclasses
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +11,6 @@ from shardlm.config import ConfigError, load_config
 from shardlm.inference.int4 import (BLOCK, GROUPS, Int4Linear, blocked, dequantize, group_size, pack,
                                     quantize_weight, to_int4, unblocked, unpack)
 from shardlm.model import build_model
-
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.mark.timeout(60)
 def test_pack_holds_each_input_in_its_nibble_and_unpack_reads_it_back():
@@ -223,28 +215,10 @@ def check_kernels_interpreted() -> None:
     print("max abs error against the fp64 product, by rows (the op) and by form:", worst)
 
 
-def _interpreter_usable() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (a CPU build of torch): its interpreter runs the kernels here"
-    return None
-
-
 @pytest.mark.timeout(240)
 def test_int4_kernels_in_tritons_interpreter():
-    reason = _interpreter_usable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    probe = ("import torch, triton, triton.language as tl\n"
-             "@triton.jit\ndef k(p):\n    tl.store(p + tl.arange(0, 4), tl.arange(0, 4))\n"
-             "t = torch.zeros(4, dtype=torch.int32)\nk[(1,)](t)\nassert t.tolist() == [0, 1, 2, 3]\n")
-    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode:
-        pytest.skip("triton's interpreter does not run a kernel with this torch")
-    done = subprocess.run([sys.executable, "-c", "import test_int4; test_int4.check_kernels_interpreted()"],
-                          env=env, capture_output=True, text=True, timeout=220, cwd=HERE)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    print(done.stdout)
+    from helpers import run_in_tritons_interpreter
+    print(run_in_tritons_interpreter("test_int4", "check_kernels_interpreted"))
 
 
 @pytest.mark.timeout(240)

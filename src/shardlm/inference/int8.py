@@ -6,9 +6,10 @@ The product must read them as int8 for that to pay: `mm(x, w.to(bf16)) * scale` 
 Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 TB/s (bench/README.md). Here,
 for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
 multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; for one row (batch-1
-decode) a matrix-vector kernel on the CUDA cores instead, which converts each byte with one bitwise operation
-(the byte as the mantissa of a float by its bits, as FasterTransformer's and Marlin's fast int-to-float
-conversions do) and leaves the tensor cores' operand shuffles out. Elsewhere (prefill's many rows, the CPU)
+decode) a matrix-vector kernel on the CUDA cores instead, which reads the weight as words of four bytes,
+converts each byte with one bitwise operation (the byte as the mantissa of a float by its bits, as
+FasterTransformer's and Marlin's fast int-to-float conversions do) and holds several rows a thread, so that
+an input's load and conversion serve all of them: that kernel is bound by the instructions it issues a byte. Elsewhere (prefill's many rows, the CPU)
 the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ BM = 16
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
-# The one-row kernel's (BN, BK, warps, stages), narrow and wide, from an H200 sweep of BN 4-128, BK 64-2048
-# and 4-16 warps over the same layers (bench/README.md).
-GEMV_NARROW_LAUNCH = (8, 512, 8, 3)
-GEMV_WIDE_LAUNCH = (16, 512, 8, 3)
+# The one-row kernel's (BN, BK, warps, stages), narrow and wide: llama2-7b's products on an H200 took 557 us at
+# (16, 1024, 4, 2) against 618-827 at BN 8-64 and BK 256-512 (bench/quantized_gemv.py --int8-launches).
+GEMV_NARROW_LAUNCH = (16, 1024, 4, 2)
+GEMV_WIDE_LAUNCH = (16, 1024, 4, 2)
+MAGIC = 0x4B000000  # 2^23's bits
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
@@ -52,31 +54,60 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
     @triton.jit
-    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _byte(words, mask: tl.constexpr, magic, offset: tl.constexpr):
+        # The byte under `mask` (its sign bit flipped: w + 128) OR-ed into the mantissa of 2^23, less `offset`
+        # (2^23 and the 128 at the byte's place): w 256^i exactly. `magic` (2^23's bits) is a runtime value, so
+        # that the AND and the OR are one instruction: with both constants immediate the compiler emits two.
+        return ((words & mask) | magic).to(tl.float32, bitcast=True) - offset
+
+    @triton.jit
+    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, magic, K: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+        # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
+        # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
+        # converted once for all of them: the kernel is bound by the instructions it issues a byte (3.5 at the
+        # least: a quarter of a sign flip and of a shift, an AND-OR, a subtraction, an FMA), not by the memory.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros([BN, BK], tl.float32)
+        c = tl.arange(0, BK // 4)
+        j = tl.arange(0, 4)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        acc = tl.zeros([BN, BK // 4], tl.float32)
         for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            # The byte's two's complement with its sign bit flipped is w + 128, laid into the mantissa of 2^23:
-            # the float 2^23 + 128 + w exactly, less that offset the weight, without an int-to-float conversion.
-            bits = ((w.to(tl.int32) & 0xFF) ^ 0x80) | 0x4B000000
-            acc += (bits.to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
+            kw = k0 // 4 + c
+            ok = kw < K // 4
+            words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
+                            mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+            words ^= -2139062144  # 0x80808080: each byte's sign bit flipped, w + 128 in 0..255
+            xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
+            x0, x2 = tl.split(even)
+            x1, x3 = tl.split(odd)
+            high = words >> 16  # bytes 2 and 3 at bits 0-15: each below 2^23 once OR-ed
+            acc += _byte(words, 0xFF, magic, 8388736.0) * x0[None, :]
+            acc += _byte(words, 0xFF00, magic, 8421376.0) * (x1 * 2.0 ** -8)[None, :]
+            acc += _byte(high, 0xFF, magic, 8388736.0) * x2[None, :]
+            acc += _byte(high, 0xFF00, magic, 8421376.0) * (x3 * 2.0 ** -8)[None, :]
         scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + n, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
+
+    def int8_gemv(x, w, scale, y=None, launch: tuple | None = None) -> torch.Tensor:
+        """The one-row kernel, x [1, K] (K, w's row stride and address multiples of 4): y [1, N] (new, or given);
+        `launch` (BN, BK, warps, stages), else GEMV_WIDE_LAUNCH or GEMV_NARROW_LAUNCH by the layer's outputs
+        (bench/quantized_gemv.py's sweep passes its own)."""
+        (_, k), n = x.shape, w.shape[0]
+        y = x.new_empty(1, n) if y is None else y
+        bn, bk, warps, stages = launch or (GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH)
+        _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), MAGIC, K=k, BN=bn, BK=bk,
+                                                 num_warps=warps, num_stages=stages)
+        return y
 
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int8_mm", mutates_args=())
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = x.new_empty(m, n)
-        if m == 1:
-            bn, bk, warps, stages = GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH
-            _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), K=k, BN=bn, BK=bk,
-                                                     num_warps=warps, num_stages=stages)
-            return y
+        if m == 1 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0:
+            return int8_gemv(x, w, scale, y)
         bn, bk, warps, stages = WIDE_LAUNCH if n >= WIDE else NARROW_LAUNCH
         _int8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, BM))](
             x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=bn, BK=bk,
