@@ -181,39 +181,6 @@ def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(d
 
 
 @cuda
-def test_rope_append_kernel_rotates_and_writes_the_cache_as_the_model_does():
-    from test_decode_rope import check_rope_append
-    check_rope_append("cuda", (torch.bfloat16, torch.float32))
-
-
-@cuda
-@pytest.mark.parametrize("window", [0, 5])
-def test_engine_decodes_the_reference_decoders_tokens_through_the_fused_append(window):
-    """fp32 Llama with GQA (and a sliding window): the engine's compiled decode step (the rotations and the
-    cache's append in one kernel, in CUDA graphs, none skipped) and its eager one give the reference decoder's
-    greedy tokens, at one row and at three."""
-    import dataclasses
-
-    from torch._dynamo.utils import counters
-
-    from shardlm.config import load_config
-    from shardlm.inference import Engine, Request
-    from shardlm.inference.reference import generate_ids
-    from shardlm.model import build_model
-    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2, num_kv_heads=2, sliding_window=window)
-    model = build_model(cfg, device="cuda", seed=5).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 2, 15)]
-    want = [generate_ids(model, torch.tensor([p], device="cuda"), 10)[0].tolist() for p in prompts]
-    skips = counters["inductor"]["cudagraph_skips"]
-    for batch in (1, 3):
-        for compiled in (False, True):
-            got = [r.tokens for r in Engine(model, batch, 48, compile=compiled).run([Request(p, 10) for p in prompts])]
-            assert got == want, (batch, compiled)
-    assert counters["inductor"]["cudagraph_skips"] == skips
-
-
-@cuda
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_int8_kernel_equals_the_dequantised_product(rows):
     """The int8 weight-only product of decode (Triton) against the weight dequantised and multiplied in fp32:

@@ -21,8 +21,6 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..model import Decoder
 from .decode_attention import decode_attention, kernel_ok
-from .decode_rope import kernel_ok as rope_kernel_ok
-from .decode_rope import rope_append
 
 
 class StaticKVCache:
@@ -201,15 +199,6 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
     return model.output(h, model.head_weight)
 
 
-def _decode_attention(attn, h, angles, rows, positions, k_cache, v_cache, mask: CachedMask, keys: int):
-    """decoder_layer's attention for a decode step on a GPU (one token a row, RoPE): the rotations and the
-    cache's append in one kernel (decode_rope.py), then decode_attention.py's kernel over the cache."""
-    n = h.shape[0]
-    cos, sin = (a.reshape(n, -1) for a in angles)
-    q = rope_append(attn.qkv(h).view(n, -1), cos, sin, rows, positions.view(n), k_cache, v_cache, attn.n_heads)
-    return decode_attention(q[:, :, None], k_cache[:, :, :keys], v_cache[:, :, :keys], mask.mask, mask.bounds)
-
-
 def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor, angles, rows: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor | None, mask, fresh: bool, keys: int) -> torch.Tensor:
     """One block of forward_tokens over its layer's cache (`mask`: a prompt's window mask where `fresh`, else
@@ -218,18 +207,14 @@ def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.
     each prompt, which rules out one CUDA graph per shape, and eager, a 7B model's prefill spends most of its
     time launching a few hundred small operators per layer."""
     attn = block.attn
-    h = block.attn_norm(x)
-    if not fresh and slots is None and angles is not None and x.shape[1] == 1 and rope_kernel_ok(h, k_cache, angles[0]):
-        y = _decode_attention(attn, h, angles, rows, positions, k_cache, v_cache, mask, keys)
+    q, k, v = attn.project(block.attn_norm(x), angles)
+    k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+    v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+    if fresh:
+        y = attend_fresh(q, k, v, mask)
+    elif slots is None:
+        y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
     else:
-        q, k, v = attn.project(h, angles)
-        k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
-        v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
-        if fresh:
-            y = attend_fresh(q, k, v, mask)
-        elif slots is None:
-            y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
-        else:
-            y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
+        y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
     x = x + attn.out(y)
     return x + block.mlp(block.mlp_norm(x))
