@@ -55,7 +55,8 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="compile the decode step (auto: on a GPU, as CUDA graphs)")
     p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
-                   help="weight-only quantisation of the blocks' linear layers: int8 per channel, int4 per group")
+                   help="weight-only quantisation of the blocks' linear layers: int8 per channel, int4 per group "
+                   "(the output head in int8 per channel for both)")
 
 
 

@@ -376,7 +376,7 @@ class Int4Linear(nn.Module):
 
 def to_int4(model: nn.Module) -> int:
     """Every nn.Linear of `model`'s blocks that int4 can take (eligible) as an Int4Linear, in place; how many
-    (ConfigError where none). The output head stays in 16 bits, as int8's (to_int8)."""
+    (ConfigError where none). The output head is not one of them: quantize.quantize_head stores it in int8."""
     kept = unquantised(model)
     swapped = 0
     for block in model.blocks():

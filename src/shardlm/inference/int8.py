@@ -162,8 +162,8 @@ def unquantised(model: nn.Module) -> set[int]:
 
 
 def to_int8(model: nn.Module) -> int:
-    """Every nn.Linear of `model`'s blocks as an Int8Linear, in place; how many. The output head stays in
-    16 bits: it is the model's own product with the (often tied) embedding, not a linear layer's."""
+    """Every nn.Linear of `model`'s blocks as an Int8Linear, in place; how many. The output head is not one
+    of them: quantize.quantize_head stores it in int8 (QuantizedHead) for both --quantize kinds."""
     kept = unquantised(model)
     swapped = 0
     for block in model.blocks():
