@@ -494,6 +494,23 @@ def test_quantised_perplexity_stays_within_its_bound():
         assert Engine(q, 1, 40).run([Request(held[:16], 6)])[0].tokens == want, kind
 
 
+def test_the_int8_head_over_many_rows_multiplies_a_slab_of_the_vocabulary_at_a_time():
+    """More rows than the kernels take (eval's windows) go through the int8 head slab by slab (no whole 16-bit
+    copy of the weight): the logits those give, a last slab shorter than the others among them, are the
+    few-row path's, and within int8's rounding of the 16-bit head's."""
+    from shardlm.inference.int8 import MAX_ROWS
+    from shardlm.inference.quantize import QuantizedHead
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(350, 32, generator=g)
+    h = torch.randn(2, MAX_ROWS, 32, generator=g)
+    head = QuantizedHead(weight, slab=100)
+    many = head(h)
+    assert many.shape == (2, MAX_ROWS, 350)
+    torch.testing.assert_close(many, torch.cat([head(h[:, i:i + 1]) for i in range(MAX_ROWS)], 1))
+    exact = h @ weight.t()
+    assert (many - exact).abs().max() < 0.02 * exact.abs().max()
+
+
 @pytest.mark.parametrize("window", [0, 5, 40])
 def test_the_decode_steps_bounds_are_the_masks(window):
     """visible_bounds, which every layer's decode kernel reads, are the first visible cached position and one past

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,7 +21,7 @@ from ..config import IGNORE, ConfigError
 from ..model.decoder import LMOutput
 from ..model.loss import trained_count
 from .int4 import GROUPS, to_int4
-from .int8 import Int8Linear, to_int8
+from .int8 import MAX_ROWS, Int8Linear, int8_linear, to_int8
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUPS = GROUPS  # the largest of these that divides a layer's input size is its int4 group
@@ -44,13 +45,21 @@ class QuantizedHead(nn.Module):
     the same arguments and ignores the 16-bit weight passed in (the tied embedding's, which the embedding
     keeps for its lookups)."""
 
-    def __init__(self, weight):
+    def __init__(self, weight, slab: int = 4096):
         super().__init__()
         n, k = weight.shape
         self.linear = Int8Linear(SimpleNamespace(weight=weight, bias=None, in_features=k, out_features=n))
+        self.slab = slab
 
     def forward(self, h, weight=None, targets=None, chunk: int = 2048, compiled: bool = False):
-        logits = self.linear(h)
+        if h.numel() // h.shape[-1] <= MAX_ROWS:
+            logits = self.linear(h)
+        else:
+            # Beyond the kernels' rows (a prefill pass of many prompts, eval's windows) int8_linear multiplies by
+            # a 16-bit copy of the weight: `slab` outputs at a time, as a whole vocabulary's can be gigabytes.
+            w, s = self.linear.weight, self.linear.scale
+            logits = torch.cat([int8_linear(h, w[i:i + self.slab], s[i:i + self.slab])
+                                for i in range(0, w.shape[0], self.slab)], -1)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), reduction="sum",
