@@ -1,0 +1,47 @@
+"""Instruction data's loss mask and the held-out split: what a run trains on and evaluates on is what the user
+asked for, or the run says why not."""
+import json
+
+import numpy as np
+import pytest
+
+from shardlm.data.loader import TokenShards
+from shardlm.data.prepare import prepare
+from shardlm.tokenizer import load_tokenizer
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def masked_text(out):
+    """The prepared byte-tokenizer dataset as text, end-of-text as '#' and untrained tokens as '.'."""
+    shards = TokenShards(out)
+    ids = np.concatenate([np.asarray(t) for t in shards.tokens]).astype(np.int64)
+    mask = np.concatenate([np.asarray(m) for m in shards.masks]).astype(bool)
+    return "".join(("#" if i == 256 else chr(i)) if m else "." for i, m in zip(ids, mask))
+
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "bye"}]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("template", [False, True], ids=["plain", "template"])
+def test_a_conversation_ending_in_a_users_turn_trains_no_end_of_text_after_it(tmp_path, template):
+    """A chat whose last turn is the user's: the end-of-text closing the example only separates it from the
+    next; trained, the model learned to end a text right after a user's message. The answer before it is
+    still trained, and an example ending in an answer still trains the end-of-text that closes it."""
+    tok = "byte"
+    if template:
+        tok = tmp_path / "tok"
+        load_tokenizer("byte").save(tok)
+        (tok / "tokenizer_config.json").write_text(json.dumps({
+            "eos_token": "<|endoftext|>",
+            "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                             "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
+    prepare([data], str(tok), tmp_path / "out", pad_to=40 if template else None, progress=False)
+    trained = [run for run in masked_text(tmp_path / "out").split(".") if run]
+    # the first chat's answer alone (no end-of-text after 'bye'), then the second's answer and its end
+    assert trained == (["yo#", "yo#"] if template else ["yo\n", "yo\n#"])
