@@ -45,3 +45,24 @@ def test_a_conversation_ending_in_a_users_turn_trains_no_end_of_text_after_it(tm
     trained = [run for run in masked_text(tmp_path / "out").split(".") if run]
     # the first chat's answer alone (no end-of-text after 'bye'), then the second's answer and its end
     assert trained == (["yo#", "yo#"] if template else ["yo\n", "yo\n#"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("eval_is", ["same", "copy"])
+def test_an_eval_path_holding_the_training_data_is_refused(tmp_path, eval_is):
+    """data.eval_path naming data.path (or a copy of it) made the 'held-out' eval loss the loss on the very
+    windows trained on, reported as eval with no word; refused naming both, while other text is taken."""
+    import shutil
+
+    from shardlm.data.loader import DataError, open_train_data
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "b.txt").write_text("pack my box with five dozen liquor jugs! " * 40)
+    prepare([tmp_path / "a.txt"], "byte", tmp_path / "train", progress=False)
+    prepare([tmp_path / "b.txt"], "byte", tmp_path / "held", progress=False)
+    if eval_is == "copy":
+        shutil.copytree(tmp_path / "train", tmp_path / "copy")
+    args = dict(eval_windows=4, seq_len=16, model_vocab=257, seed=0, global_batch=4, micro_batch=4)
+    with pytest.raises(DataError, match=r"data.eval_path .* holds the training data's tokens.*data.path"):
+        open_train_data(tmp_path / "train", tmp_path / ("train" if eval_is == "same" else "copy"), **args)
+    data = open_train_data(tmp_path / "train", tmp_path / "held", **args)
+    assert len(data.eval_range) == len(data.eval) > 0
