@@ -66,3 +66,22 @@ def test_an_eval_path_holding_the_training_data_is_refused(tmp_path, eval_is):
         open_train_data(tmp_path / "train", tmp_path / ("train" if eval_is == "same" else "copy"), **args)
     data = open_train_data(tmp_path / "train", tmp_path / "held", **args)
     assert len(data.eval_range) == len(data.eval) > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_run_longer_than_one_pass_over_its_data_is_said(tmp_path, capsys):
+    """20 steps of 8 windows over 10 windows read each about 16 times, with no word (only a batch larger than
+    the data was said). Said with the step count of one pass; a run within one pass says nothing of it."""
+    from shardlm.cli import main
+    (tmp_path / "a.txt").write_text("hello world " * 30)  # 361 tokens: 11 windows of 32, one held out
+    assert main(["data", "prepare", "--input", str(tmp_path / "a.txt"), "--tokenizer", "byte",
+                 "--out", str(tmp_path / "d")]) == 0
+    for steps, said in ((3, True), (1, False)):
+        capsys.readouterr()
+        assert main(["train", "tiny", "--data.path", str(tmp_path / "d"), "--train.steps", str(steps),
+                     "--train.warmup_steps", "0", "--train.save_every", "0", "--out", str(tmp_path / "run"),
+                     "--overwrite"]) == 0
+        out = capsys.readouterr().out
+        assert (f"note: {steps} steps of 8 windows read 24, 2.4 passes over {tmp_path / 'd'}'s 10 training windows "
+                "(reshuffled each pass): train.steps = 1 is one pass" in out) == said, out
+        assert said or "passes over" not in out
