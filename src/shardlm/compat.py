@@ -239,8 +239,8 @@ def untrained_step(step: int, data_dir: Path) -> str:
 
 def data_notes(t, data_dir: Path, data) -> list[str]:
     """What a run on this data would do that a user does not see (`t`: the train section, `data`: TrainData): no
-    eval, a batch larger than the data, or examples never trained on. A tiny instruction set trained 16 copies of
-    its one window a step and silently left out the examples past it."""
+    eval, a batch larger than the data, more than one pass over it, or examples never trained on. A tiny
+    instruction set trained 16 copies of its one window a step and silently left out the examples past it."""
     notes = []
     if t.eval_every and not len(data.eval_range):  # else eval_loss is null, unexplained
         notes.append(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under "
@@ -260,6 +260,11 @@ def data_notes(t, data_dir: Path, data) -> list[str]:
                      f"train.global_batch_size = {t.global_batch_size}: every step's batch repeats "
                      f"{'them' if n > 1 else 'it'} ({t.global_batch_size / n:.1f} times over); lower "
                      "train.global_batch_size (and train.micro_batch_size) to see each once a step")
+    elif t.steps * t.global_batch_size > data.train_windows:  # a small set trained over and over, unsaid
+        n, samples = data.train_windows, t.steps * t.global_batch_size
+        notes.append(f"note: {t.steps:,} steps of {t.global_batch_size} windows read {samples:,}, {samples / n:.1f} "
+                     f"passes over {data_dir}'s {n:,} training windows (reshuffled each pass): train.steps = "
+                     f"{n // t.global_batch_size} is one pass")
     return notes
 
 

@@ -177,7 +177,8 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 def examples(path: Path, tok: Tokenizer):
     """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template) of
     every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
-    them itself) and closed by the end-of-text token (trained on: the model learns to stop)."""
+    them itself) and closed by the end-of-text token (trained on where it closes an answer: the model learns to
+    stop; not after a conversation's last turn that is not the assistant's)."""
     if tok.eos_id is None:
         where = getattr(tok, "source", None) or "the tokenizer"
         raise InstructError(f"instruction data needs a tokenizer with an end-of-text token, which closes each answer "
@@ -191,9 +192,13 @@ def examples(path: Path, tok: Tokenizer):
         for piece, trained in _encode(tok, _pieces(record, where, template, eos, tok.bos_token)):
             ids += piece
             mask += [trained] * len(piece)
-        if not (ids and ids[-1] == tok.eos_id and mask[-1]):  # a template may close the answer itself
+        # The end-of-text closing an answer is trained (the model learns to stop); one closing a conversation that
+        # ends in another turn (a user's follow-up) only separates examples: trained, it taught the model to end
+        # a text after a user's turn.
+        answered = "messages" not in record or record["messages"][-1]["role"] == "assistant"
+        if not (ids and ids[-1] == tok.eos_id and (mask[-1] or not answered)):  # a template may close it itself
             ids.append(tok.eos_id)
-            mask.append(True)
+            mask.append(answered)
         yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
                template is None and "messages" in record)
 

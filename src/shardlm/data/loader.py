@@ -211,7 +211,23 @@ def open_train_data(path: str | Path, eval_path: str | Path | None, eval_windows
     train = WindowDataset(TokenShards(path, model_vocab), seq_len)
     if eval_path:
         ev = WindowDataset(TokenShards(eval_path, model_vocab), seq_len)
+        _refuse_shared_shards(train.shards, ev.shards)
         return TrainData(train, ev, range(len(ev)), len(train), seed, global_batch, micro_batch, dp, dp_rank)
     held = min(eval_windows, len(train) // 10)  # never hold out more than a tenth of the data
     n = len(train) - held
     return TrainData(train, train, range(n, len(train)), n, seed, global_batch, micro_batch, dp, dp_rank)
+
+
+def _refuse_shared_shards(train: TokenShards, eval_: TokenShards) -> None:
+    """data.eval_path holding the training tokens (the same directory, a copy of it, or one of its shards): the
+    eval loss was the loss on data trained on, reported as held-out. Shards are compared by token count and
+    CRC32, which their index lists."""
+    def key(s):
+        return s["tokens"], s["crc32"]
+    trained = {key(s): s["file"] for s in train.index["shards"]}
+    shared = next((s for s in eval_.index["shards"] if key(s) in trained), None)
+    if shared is not None:
+        raise DataError(f"data.eval_path {str(eval_.dir)!r} holds the training data's tokens (its {shared['file']} is "
+                        f"{trained[key(shared)]} of data.path {str(train.dir)!r}): the eval loss would be measured on "
+                        "text trained on; prepare held-out text into another directory, or leave data.eval_path "
+                        "empty to hold out the last data.eval_windows windows of data.path")
