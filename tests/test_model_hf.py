@@ -284,3 +284,50 @@ def test_tensors_read_one_at_a_time_from_a_sharded_checkpoint(kind, tmp_path):
     for name in ("layers.1.attn.qkv.weight", "layers.0.mlp.up.weight", "norm.weight"):
         assert torch.equal(tensors(name), whole[name]), name
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "linear"}, "lacks factor"),
+    ({"rope_type": "llama3", "factor": 8.0}, "lacks low_freq_factor"),
+    ({"rope_type": "linear", "factor": "2"}, "factor = '2' must be a positive number"),
+    ({"rope_type": "linear", "factor": 0.0}, "factor = 0.0 must be a positive number"),
+], ids=["linear-no-factor", "llama3-partial", "factor-str", "factor-0"])
+def test_an_incomplete_rope_scaling_in_config_json_is_refused_on_load(rope, message, tmp_path):
+    """A config.json whose RoPE scaling lacks a key its type needs, or holds a non-number, is refused naming it
+    when the directory is opened (`generate --model`, `train.init_from`), not met as a KeyError or TypeError
+    traceback in the first forward pass (training's validate caught it; loading for inference did not)."""
+    import json
+    from helpers import save_hf
+    save_hf("llama", tmp_path, with_tokenizer=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {**rope, "rope_theta": 1e4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_hf_dir(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_the_weight_files_read_are_those_transformers_reads(tmp_path):
+    """A directory holding safetensors files beside the ones its index lists (shards of an earlier download
+    left by `huggingface-cli download --local-dir`, another tool's consolidated file) loads the index's files,
+    as from_pretrained does: every *.safetensors was read and a stale shard sorting last silently replaced
+    the model's tensors. Logits equal transformers' on the same directory."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    hf_model("llama", seed=1).save_pretrained(tmp_path / "old", max_shard_size="60KB")
+    hf_model("llama", seed=2).save_pretrained(tmp_path / "new", max_shard_size="100KB")
+    old = sorted(p.name for p in (tmp_path / "old").glob("model-*.safetensors"))
+    new = sorted(p.name for p in (tmp_path / "new").glob("model-*.safetensors"))
+    assert len(old) > len(new) > 1 and not set(old) & set(new)  # e.g. -of-00004 after -of-00002
+    for name in old:
+        shutil.copy(tmp_path / "old" / name, tmp_path / "new" / name)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "new").eval()
+    cfg, state = read_hf_dir(tmp_path / "new")
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)

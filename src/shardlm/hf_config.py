@@ -6,6 +6,7 @@ or refused with its name and value: a checkpoint never loads into a model that c
 from __future__ import annotations
 
 from .config import Config, ConfigError, ModelConfig, apply_overrides
+from .config.checks import check_rope_scaling
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
@@ -84,6 +85,11 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{e} (shardlm's name for the config.json key): fix config.json, or download or save "
                           "the model again") from None
+    try:  # what training's validate refuses, refused for inference too (not a traceback in the first forward)
+        check_rope_scaling(typed.model.rope_scaling)
+    except ConfigError as e:
+        raise ConfigError(f"{e}: fix config.json's rope_scaling (or rope_parameters), or download or save the model "
+                          "again") from None
     return typed.model
 
 

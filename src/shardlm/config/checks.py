@@ -68,6 +68,25 @@ UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
 MAX_ACCUM = 1 << 16  # micro-batches per rank a step: global_batch_size 1e30 ran on, deaf to SIGTERM (heard between)
 
 
+def check_rope_scaling(scaling: dict) -> None:
+    """RoPE scaling of a supported type with every key it reads, each a positive number: a config.json read for
+    inference (no `validate`) once met a missing key as a KeyError, and a string as a TypeError, in the first
+    forward pass."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
+    missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
+    if missing:
+        raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "
+                          f"{', '.join(sorted(scaling)) or 'nothing'})")
+    for k in ROPE_KEYS[kind]:
+        v = scaling[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"model.rope_scaling.{k} = {v!r} must be a positive number")
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Fail before any work with a message naming the key and the value."""
     def get(key):
@@ -83,15 +102,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for key in UNIT_INTERVAL:
         if not 0 <= get(key) < 1:
             raise ConfigError(f"{key} = {get(key)!r} must be in [0, 1)")
-    scaling = cfg.model.rope_scaling
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in ROPE_KEYS:
-            raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
-        missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
-        if missing:
-            raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "
-                              f"{', '.join(sorted(scaling)) or 'nothing'})")
+    check_rope_scaling(cfg.model.rope_scaling)
 
     for key, allowed in CHOICES.items():
         if get(key) not in allowed:

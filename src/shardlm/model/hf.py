@@ -256,7 +256,7 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
                "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
                if pickled else ": download or export the weights into it")
         raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
-    _check_index(path)
+    files = _weight_files(path, files)
     try:
         return cfg, HFTensors(files, cfg)
     except ConfigError:
@@ -265,21 +265,28 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def _check_index(path: Path) -> None:
-    """A shard that the index lists and the directory lacks (a download cut short) is named, rather than the
-    first tensor it held, as missing from the model."""
+def _weight_files(path: Path, found: list[Path]) -> list[Path]:
+    """The files transformers' from_pretrained reads: model.safetensors, else those its index lists (a shard
+    listed and missing, a download cut short, is named rather than the first tensor it held), else every
+    *.safetensors. Other files beside them (an earlier download's shards, a consolidated.safetensors) are not
+    read: a stale shard once replaced the model's tensors silently."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if not index.is_file():
-        return
+        return found
     try:
         listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # not the index transformers writes: the tensors found are checked one by one instead
+        return found  # not the index transformers writes: the tensors found are checked one by one instead
+    if not listed or not all(isinstance(f, str) for f in listed):
+        return found
     missing = [f for f in listed if not (path / f).is_file()]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConfigError(f"{path / missing[0]}{more}, which {index.name} lists, is missing: the download or copy "
                           "is incomplete; fetch the model's files again")
+    return [path / f for f in listed]
 
 
 class SafetensorsShards:
