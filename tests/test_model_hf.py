@@ -331,3 +331,28 @@ def test_the_weight_files_read_are_those_transformers_reads(tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_an_index_naming_shards_in_a_subdirectory_loads_as_transformers_loads_it(tmp_path):
+    """model.safetensors.index.json's weight_map names files relative to the directory, as transformers joins
+    them: shards under a subdirectory (none at the top) load, equal to transformers' logits, rather than the
+    directory being refused as holding no *.safetensors weights."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    hf_model("llama", seed=3).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    (tmp_path / "weights").mkdir()
+    for name in set(index["weight_map"].values()):
+        shutil.move(tmp_path / name, tmp_path / "weights" / name)
+    index["weight_map"] = {k: f"weights/{v}" for k, v in index["weight_map"].items()}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg, state = read_hf_dir(tmp_path)
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)

@@ -189,7 +189,7 @@ def is_hf_dir(path: str | Path) -> bool:
 
 
 def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json and every *.safetensors shard (an index file, if any, just lists the same shards)."""
+    """config.json and the tensors of the weight files transformers reads (open_hf_dir, _weight_files)."""
     cfg, tensors = open_hf_dir(path)
     return cfg, {name: tensors(name) for name in tensors.names}
 
@@ -247,7 +247,7 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
         cfg = model_config_from_hf(hf)
     except ConfigError as e:  # say which directory's config (--model's, train.init_from's) is refused
         raise ConfigError(f"{path / 'config.json'}: {e}") from None
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path, sorted(path.glob("*.safetensors")))  # the index's, which may lie in subdirectories
     if not files:
         # PyTorch's pickled weights are what older save_pretrained wrote: say how to get the safetensors.
         pickled = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.pt"))
@@ -256,7 +256,6 @@ def open_hf_dir(path: str | Path) -> tuple[ModelConfig, HFTensors]:
                "from_pretrained(DIR).save_pretrained(NEW_DIR)`) or download its *.safetensors files"
                if pickled else ": download or export the weights into it")
         raise FileNotFoundError(f"{path} has no *.safetensors weights{fix}")
-    files = _weight_files(path, files)
     try:
         return cfg, HFTensors(files, cfg)
     except ConfigError:
