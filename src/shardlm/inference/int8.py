@@ -21,6 +21,7 @@ from torch import nn
 from ..kernels import triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
+CHUNK = 2048  # outputs quantised at a time
 BM = 16
 # Launch blocks (BN, BK, warps, stages) for layers of fewer than WIDE outputs (whose 32-row tiles give about one
 # program an SM) and for the others: each the best for llama2-7b's layers of its kind in an H200 sweep over
@@ -140,10 +141,15 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(1).clamp_min(1e-12) / 127.5
-        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        w = linear.weight.detach()
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for i in range(0, w.shape[0], CHUNK):  # a vocabulary head's fp32 temporaries whole would be gigabytes
+            rows = w[i:i + CHUNK].float()
+            scale[i:i + CHUNK] = rows.abs().amax(1).clamp_min(1e-12) / 127.5
+            q[i:i + CHUNK] = (rows / scale[i:i + CHUNK, None]).round().clamp(-128, 127)
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale.to(w.dtype))
         self.bias = linear.bias
         self.lora = getattr(linear, "lora", None)
         self.in_features, self.out_features = linear.in_features, linear.out_features

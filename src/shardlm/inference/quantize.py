@@ -37,6 +37,8 @@ def quantize(model: nn.Module, kind: str) -> int:
         return 0
     swapped = to_int8(model) if kind == "int8" else to_int4(model)
     quantize_head(model)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the 16-bit weights replaced: memory the engine's slots are counted from
     return swapped
 
 
