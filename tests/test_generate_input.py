@@ -40,3 +40,48 @@ def test_token_ids_beyond_the_models_vocabulary_are_named(foreign_tokenizer, how
     where = {"generate": "--prompt", "generate-input": "prompts.jsonl:1", "eval-loss": "text.txt",
              "eval-bleu": "prompts.jsonl: example 1"}[how]
     assert where in r.stderr.splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny HF Llama with its own tokenizer."""
+    d = tmp_path_factory.mktemp("model")
+    hf_model("llama").save_pretrained(d)
+    make_tokenizer(d)
+    return d
+
+
+def _lines(path, *objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("line, flags, said", [
+    ({"prompt": "a", "top_k": 5}, [], "in.jsonl:1: top_k = 5 has no effect at temperature 0"),
+    ({"prompt": "a", "temperature": 0, "top_p": 0.5}, ["--temperature", "1"],
+     "in.jsonl:1: top_p = 0.5 has no effect at temperature 0"),
+    ({"prompt": "a"}, ["--top-p", "0.9"], "--top-p 0.9 has no effect: every --input line decodes greedily"),
+    ({"prompt": "a"}, ["--top-k", "3"], "--top-k 3 has no effect: every --input line decodes greedily"),
+])
+def test_nucleus_and_top_k_where_every_token_is_greedy_are_refused(model_dir, tmp_path, capsys, line, flags, said):
+    """An --input line (or the flags, for lines that set no temperature) asking for top-k/top-p sampling at
+    temperature 0 was decoded greedily without a word, as --prompt refuses; it is refused naming the line or
+    flag."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "b"}, line) if flags == [] else _lines(tmp_path / "in.jsonl", line)
+    said = said.replace("in.jsonl:1", "in.jsonl:2") if flags == [] else said
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", tmp_path / "out.jsonl",
+                 "--max-new-tokens", "2", *flags)
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_flags_shaping_the_lines_that_sample_are_taken(model_dir, tmp_path, capsys):
+    """--top-p applies to the lines that set a temperature: not refused where one line samples."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"prompt": "b", "temperature": 0.8},
+                 {"prompt": "c", "temperature": 0, "top_k": 0})
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", tmp_path / "out.jsonl",
+                 "--max-new-tokens", "2", "--top-p", "0.9")
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3

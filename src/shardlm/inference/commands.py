@@ -338,6 +338,12 @@ def cmd_generate(argv: list[str]) -> int:
             raise ConfigError("--json goes with --prompt: --input's completions are written to --output as jsonl; "
                               "leave it out")
         rows = read_requests(Path(a.input), a)
+        if all(r["sampling"].greedy for r in rows):  # no line samples: --top-k/--top-p would shape nothing
+            for flag, key in (("--top-k", "top_k"), ("--top-p", "top_p")):
+                if (value := getattr(a, key)) != SAMPLING[key]:
+                    raise ConfigError(f"{flag} {value} has no effect: every --input line decodes greedily "
+                                      "(temperature 0, its own or --temperature's); give --temperature above 0 "
+                                      "(or a line's temperature) to sample, or leave it out")
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
