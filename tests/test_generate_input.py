@@ -85,3 +85,24 @@ def test_flags_shaping_the_lines_that_sample_are_taken(model_dir, tmp_path, caps
                  "--max-new-tokens", "2", "--top-p", "0.9")
     assert r.returncode == 0, r.stderr
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_seed_that_overflows_for_a_later_line_is_named_before_the_model(model_dir, tmp_path, capsys, command):
+    """Line i samples with --seed + i: the largest 64-bit --seed made line 2's seed overflow, reported as
+    torch's 'Overflow when unpacking long long' after the model had loaded; now named with its line."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"})
+    seed = str(2**63 - 1)
+    if command == "generate":
+        args = ["--input", src, "--output", tmp_path / "out.jsonl", "--seed", seed]
+        said = "in.jsonl:2: its seed, --seed 9223372036854775807 + 1, does not fit in 64 bits"
+    else:
+        pytest.importorskip("sacrebleu")
+        args = ["--tasks", "bleu", "--data", src, "--seed", seed]
+        said = "--seed 9223372036854775807: prompt i samples with --seed + i"
+    r = cli_proc(capsys, command, "--model", model_dir, *args, "--max-new-tokens", "2")
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    ok = cli_proc(capsys, command, "--model", model_dir, *args[:-1], str(2**63 - 2), "--max-new-tokens", "2",
+                  *(["--overwrite"] if command == "generate" else []))
+    assert ok.returncode == 0, ok.stderr

@@ -212,6 +212,9 @@ def cmd_eval(argv: list[str]) -> int:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
         prompts, refs = read_examples(a.data, tasks)  # before loading the model: a bad file fails fast
+        if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
+            raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
+                              f"{len(prompts) - 1} does not fit in 64 bits; give a lower --seed")
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids

@@ -104,6 +104,9 @@ def read_requests(path: Path, a) -> list[dict]:
                     raise ConfigError(f"{where}: {key} = {json.dumps(obj[key])} has no effect at temperature 0 "
                                       "(the line's or --temperature's), which decodes greedily: give the line a "
                                       "temperature above 0 to sample, or leave it out")
+        if obj.get("seed") is None and a.seed + len(rows) >= INT64:  # line i's seed is --seed + i
+            raise ConfigError(f"{where}: its seed, --seed {a.seed} + {len(rows)}, does not fit in 64 bits: give a "
+                              "lower --seed, or the line a seed")
         sampling = SamplingParams(temperature, top_k, top_p,
                                   _line_integer(where, obj, "seed", a.seed + len(rows), low=-INT64))
         # where a prompt too long for the model is named: the line, and the line's key or the flag it took
