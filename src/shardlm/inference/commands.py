@@ -165,6 +165,16 @@ def _load(a):
     return model, tok, cfg
 
 
+def _check_vocab(ids: list[int], vocab: int, where: str) -> None:
+    """Token ids the model has no embedding for (a tokenizer not the model's: a larger vocabulary) refused naming
+    where they came from; the embedding raised IndexError (a device-side assert on a GPU) mid-forward."""
+    top = max(ids, default=-1)
+    if top >= vocab:
+        raise ConfigError(f"{where}: token id {top} is beyond the model's vocabulary of {vocab}: the tokenizer "
+                          "is not the model's (its vocabulary is larger); give --model a directory with the "
+                          "tokenizer it was trained with")
+
+
 def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
@@ -202,10 +212,14 @@ def cmd_eval(argv: list[str]) -> int:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
         prompts, refs = read_examples(a.data, tasks)  # before loading the model: a bad file fails fast
+        if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
+            raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
+                              f"{len(prompts) - 1} does not fit in 64 bits; give a lower --seed")
     model, tok, _ = _load(a)
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
+        _check_vocab(ids, model.cfg.vocab_size, f"--data {a.data}")
         bar = None
         def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
             nonlocal bar
@@ -224,6 +238,8 @@ def cmd_eval(argv: list[str]) -> int:
     from ..text_metrics import score
     from . import generate_many, prompt_ids
     ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
+    for i, q in enumerate(ids):
+        _check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
     update, close = _progress(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
@@ -325,6 +341,12 @@ def cmd_generate(argv: list[str]) -> int:
             raise ConfigError("--json goes with --prompt: --input's completions are written to --output as jsonl; "
                               "leave it out")
         rows = read_requests(Path(a.input), a)
+        if all(r["sampling"].greedy for r in rows):  # no line samples: --top-k/--top-p would shape nothing
+            for flag, key in (("--top-k", "top_k"), ("--top-p", "top_p")):
+                if (value := getattr(a, key)) != SAMPLING[key]:
+                    raise ConfigError(f"{flag} {value} has no effect: every --input line decodes greedily "
+                                      "(temperature 0, its own or --temperature's); give --temperature above 0 "
+                                      "(or a line's temperature) to sample, or leave it out")
         _check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
@@ -350,6 +372,7 @@ def cmd_generate(argv: list[str]) -> int:
     requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):
+        _check_vocab(r.prompt, cfg.vocab_size, row["where"])
         room = cfg.max_seq_len - len(r.prompt)
         if r.max_new_tokens > room:
             fix = (f"lower {row['max_new_from']} to {room} at most, or shorten the prompt" if room > 0 else

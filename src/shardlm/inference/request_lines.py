@@ -97,7 +97,17 @@ def read_requests(path: Path, a) -> list[dict]:
             raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
         if not 0 < top_p <= 1:
             raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
-        sampling = SamplingParams(temperature, _line_integer(where, obj, "top_k", a.top_k), top_p,
+        top_k = _line_integer(where, obj, "top_k", a.top_k)
+        if temperature == 0:  # greedy: a line's own top_k/top_p would be ignored without a word
+            for key, default in (("top_k", 0), ("top_p", 1.0)):
+                if obj.get(key) is not None and obj[key] != default:
+                    raise ConfigError(f"{where}: {key} = {json.dumps(obj[key])} has no effect at temperature 0 "
+                                      "(the line's or --temperature's), which decodes greedily: give the line a "
+                                      "temperature above 0 to sample, or leave it out")
+        if obj.get("seed") is None and a.seed + len(rows) >= INT64:  # line i's seed is --seed + i
+            raise ConfigError(f"{where}: its seed, --seed {a.seed} + {len(rows)}, does not fit in 64 bits: give a "
+                              "lower --seed, or the line a seed")
+        sampling = SamplingParams(temperature, top_k, top_p,
                                   _line_integer(where, obj, "seed", a.seed + len(rows), low=-INT64))
         # where a prompt too long for the model is named: the line, and the line's key or the flag it took
         source = "max_new_tokens" if obj.get("max_new_tokens") is not None else "--max-new-tokens"

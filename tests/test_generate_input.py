@@ -1,0 +1,108 @@
+"""`generate` and `eval` given input the model cannot take as asked: each refused in one line naming where, before
+any decoding, rather than a traceback or an answer other than the one asked for."""
+import json
+
+import pytest
+
+from helpers import TEXT, cli_proc, hf_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def foreign_tokenizer(tmp_path_factory):
+    """An HF directory whose model has 100 ids and whose tokenizer has 300 (one not the model's), a text file
+    and a jsonl of prompts with references."""
+    d = tmp_path_factory.mktemp("foreign")
+    hf_model("llama", vocab=100).save_pretrained(d / "hf")
+    make_tokenizer(d / "hf")
+    (d / "text.txt").write_text(TEXT[:2000])
+    (d / "prompts.jsonl").write_text(json.dumps({"prompt": "To be, or not to be", "completion": "that is"}) + "\n")
+    return d
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["generate", "generate-input", "eval-loss", "eval-bleu"])
+def test_token_ids_beyond_the_models_vocabulary_are_named(foreign_tokenizer, how, capsys):
+    """A prompt or text whose tokens the model has no embedding for: exit 2 naming the source and the id, not
+    the embedding's IndexError (on a GPU, a device-side assert)."""
+    d = foreign_tokenizer
+    model = ["--model", d / "hf"]
+    args = {"generate": ["generate", *model, "--prompt", "To be, or not to be", "--max-new-tokens", "2"],
+            "generate-input": ["generate", *model, "--input", d / "prompts.jsonl", "--output", d / f"{how}.jsonl",
+                               "--max-new-tokens", "2"],
+            "eval-loss": ["eval", *model, "--data", d / "text.txt", "--seq-len", "32"],
+            "eval-bleu": ["eval", *model, "--tasks", "bleu", "--data", d / "prompts.jsonl", "--max-new-tokens", "2"],
+            }[how]
+    if how == "eval-bleu":
+        pytest.importorskip("sacrebleu")
+    r = cli_proc(capsys, *args)
+    assert r.returncode == 2, r.stderr
+    assert "is beyond the model's vocabulary of 100: the tokenizer is not the model's" in r.stderr
+    where = {"generate": "--prompt", "generate-input": "prompts.jsonl:1", "eval-loss": "text.txt",
+             "eval-bleu": "prompts.jsonl: example 1"}[how]
+    assert where in r.stderr.splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny HF Llama with its own tokenizer."""
+    d = tmp_path_factory.mktemp("model")
+    hf_model("llama").save_pretrained(d)
+    make_tokenizer(d)
+    return d
+
+
+def _lines(path, *objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("line, flags, said", [
+    ({"prompt": "a", "top_k": 5}, [], "in.jsonl:1: top_k = 5 has no effect at temperature 0"),
+    ({"prompt": "a", "temperature": 0, "top_p": 0.5}, ["--temperature", "1"],
+     "in.jsonl:1: top_p = 0.5 has no effect at temperature 0"),
+    ({"prompt": "a"}, ["--top-p", "0.9"], "--top-p 0.9 has no effect: every --input line decodes greedily"),
+    ({"prompt": "a"}, ["--top-k", "3"], "--top-k 3 has no effect: every --input line decodes greedily"),
+])
+def test_nucleus_and_top_k_where_every_token_is_greedy_are_refused(model_dir, tmp_path, capsys, line, flags, said):
+    """An --input line (or the flags, for lines that set no temperature) asking for top-k/top-p sampling at
+    temperature 0 was decoded greedily without a word, as --prompt refuses; it is refused naming the line or
+    flag."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "b"}, line) if flags == [] else _lines(tmp_path / "in.jsonl", line)
+    said = said.replace("in.jsonl:1", "in.jsonl:2") if flags == [] else said
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", tmp_path / "out.jsonl",
+                 "--max-new-tokens", "2", *flags)
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_flags_shaping_the_lines_that_sample_are_taken(model_dir, tmp_path, capsys):
+    """--top-p applies to the lines that set a temperature: not refused where one line samples."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"prompt": "b", "temperature": 0.8},
+                 {"prompt": "c", "temperature": 0, "top_k": 0})
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", tmp_path / "out.jsonl",
+                 "--max-new-tokens", "2", "--top-p", "0.9")
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_seed_that_overflows_for_a_later_line_is_named_before_the_model(model_dir, tmp_path, capsys, command):
+    """Line i samples with --seed + i: the largest 64-bit --seed made line 2's seed overflow, reported as
+    torch's 'Overflow when unpacking long long' after the model had loaded; now named with its line."""
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"})
+    seed = str(2**63 - 1)
+    if command == "generate":
+        args = ["--input", src, "--output", tmp_path / "out.jsonl", "--seed", seed]
+        said = "in.jsonl:2: its seed, --seed 9223372036854775807 + 1, does not fit in 64 bits"
+    else:
+        pytest.importorskip("sacrebleu")
+        args = ["--tasks", "bleu", "--data", src, "--seed", seed]
+        said = "--seed 9223372036854775807: prompt i samples with --seed + i"
+    r = cli_proc(capsys, command, "--model", model_dir, *args, "--max-new-tokens", "2")
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    ok = cli_proc(capsys, command, "--model", model_dir, *args[:-1], str(2**63 - 2), "--max-new-tokens", "2",
+                  *(["--overwrite"] if command == "generate" else []))
+    assert ok.returncode == 0, ok.stderr
