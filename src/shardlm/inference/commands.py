@@ -7,12 +7,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
 from ..config.load import refuse_non_utf8
-from .request_lines import INT64, input_file, read_requests
+from .request_lines import INT64, check_output, check_vocab, input_file, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 
@@ -165,16 +164,6 @@ def _load(a):
     return model, tok, cfg
 
 
-def _check_vocab(ids: list[int], vocab: int, where: str) -> None:
-    """Token ids the model has no embedding for (a tokenizer not the model's: a larger vocabulary) refused naming
-    where they came from; the embedding raised IndexError (a device-side assert on a GPU) mid-forward."""
-    top = max(ids, default=-1)
-    if top >= vocab:
-        raise ConfigError(f"{where}: token id {top} is beyond the model's vocabulary of {vocab}: the tokenizer "
-                          "is not the model's (its vocabulary is larger); give --model a directory with the "
-                          "tokenizer it was trained with")
-
-
 def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
@@ -219,7 +208,7 @@ def cmd_eval(argv: list[str]) -> int:
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
-        _check_vocab(ids, model.cfg.vocab_size, f"--data {a.data}")
+        check_vocab(ids, model.cfg.vocab_size, f"--data {a.data}")
         bar = None
         def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
             nonlocal bar
@@ -239,7 +228,7 @@ def cmd_eval(argv: list[str]) -> int:
     from . import generate_many, prompt_ids
     ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
     for i, q in enumerate(ids):
-        _check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
+        check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
     update, close = _progress(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
@@ -285,32 +274,6 @@ def _loss_text(path: Path) -> str:
                           "UTF-8 text file") from None
 
 
-def _check_output(out: Path, src: Path, overwrite: bool) -> None:
-    """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
-    if out.is_dir():
-        raise ConfigError(f"--output {out} is a directory: name a file (in it or elsewhere)")
-    if out.exists() and out.samefile(src):
-        raise ConfigError(f"--output {out} is the --input file: the completions would replace the prompts; name "
-                          "another file")
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise ConfigError(f"--output {out}: its directory {parent} "
-                          f"{'is not a directory' if parent.exists() else 'does not exist'}")
-    if out.exists() and out.stat().st_size and not overwrite:
-        raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
-    # A read-only directory or file fails here, not when the first completion is written, after the model has
-    # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
-    # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
-    try:
-        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
-    if out.exists() and not os.access(out, os.W_OK):
-        raise ConfigError(f"--output {out} cannot be written: permission denied")
-
-
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="shardlm generate", description="Continue a prompt, or every prompt of a "
                                 "jsonl file, with a static KV cache and continuous batching.",
@@ -347,7 +310,7 @@ def cmd_generate(argv: list[str]) -> int:
                     raise ConfigError(f"{flag} {value} has no effect: every --input line decodes greedily "
                                       "(temperature 0, its own or --temperature's); give --temperature above 0 "
                                       "(or a line's temperature) to sample, or leave it out")
-        _check_output(Path(a.output), Path(a.input), a.overwrite)
+        check_output(Path(a.output), Path(a.input), a.overwrite)
     else:
         if a.output is not None:
             raise ConfigError("--output goes with --input (a jsonl file of prompts); a --prompt's completion is "
@@ -372,7 +335,7 @@ def cmd_generate(argv: list[str]) -> int:
     requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):
-        _check_vocab(r.prompt, cfg.vocab_size, row["where"])
+        check_vocab(r.prompt, cfg.vocab_size, row["where"])
         room = cfg.max_seq_len - len(r.prompt)
         if r.max_new_tokens > room:
             fix = (f"lower {row['max_new_from']} to {room} at most, or shorten the prompt" if room > 0 else

@@ -1,9 +1,12 @@
 """`generate --input`'s file: one JSON object a line, a prompt and the settings that override the flags for it
-(max_new_tokens, sampling, seed, stop strings), each line checked and named by its number before a model loads."""
+(max_new_tokens, sampling, seed, stop strings), each line checked and named by its number before a model loads;
+and the checks of what generate and eval read and write around it (prompts' token ids, --output)."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
@@ -117,3 +120,39 @@ def read_requests(path: Path, a) -> list[dict]:
     if not rows:
         raise ConfigError(f"--input {path}: no prompts (expected one JSON object per line)")
     return rows
+
+
+def check_vocab(ids: list[int], vocab: int, where: str) -> None:
+    """Token ids the model has no embedding for (a tokenizer not the model's: a larger vocabulary) refused naming
+    where they came from; the embedding raised IndexError (a device-side assert on a GPU) mid-forward."""
+    top = max(ids, default=-1)
+    if top >= vocab:
+        raise ConfigError(f"{where}: token id {top} is beyond the model's vocabulary of {vocab}: the tokenizer "
+                          "is not the model's (its vocabulary is larger); give --model a directory with the "
+                          "tokenizer it was trained with")
+
+
+def check_output(out: Path, src: Path, overwrite: bool) -> None:
+    """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
+    if out.is_dir():
+        raise ConfigError(f"--output {out} is a directory: name a file (in it or elsewhere)")
+    if out.exists() and out.samefile(src):
+        raise ConfigError(f"--output {out} is the --input file: the completions would replace the prompts; name "
+                          "another file")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {out}: its directory {parent} "
+                          f"{'is not a directory' if parent.exists() else 'does not exist'}")
+    if out.exists() and out.stat().st_size and not overwrite:
+        raise ConfigError(f"--output {out} exists: pass --overwrite to replace it, or name another file")
+    # A read-only directory or file fails here, not when the first completion is written, after the model has
+    # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
+    # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
+    try:
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"--output {out} cannot be written: permission denied")
