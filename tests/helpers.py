@@ -201,3 +201,20 @@ def run_in_tritons_interpreter(module: str, function: str, timeout: int = 220) -
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
+
+def write_jsonl(path: Path, records) -> Path:
+    """Each record a JSON line (a str written as it is: a deliberately bad line)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def bracket_chat_tokenizer(directory: Path) -> Path:
+    """The byte tokenizer saved in `directory` with a chat template that renders each turn as [role]content and
+    closes it with the end-of-text token."""
+    from shardlm.tokenizer import load_tokenizer
+    load_tokenizer("byte").save(directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    return directory

@@ -1,18 +1,12 @@
 """Instruction data's loss mask and the held-out split: what a run trains on and evaluates on is what the user
 asked for, or the run says why not."""
-import json
 
 import numpy as np
 import pytest
 
+from helpers import bracket_chat_tokenizer, write_jsonl
 from shardlm.data.loader import TokenShards
 from shardlm.data.prepare import prepare
-from shardlm.tokenizer import load_tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def masked_text(out):
@@ -32,14 +26,7 @@ def test_a_conversation_ending_in_a_users_turn_trains_no_end_of_text_after_it(tm
     """A chat whose last turn is the user's: the end-of-text closing the example only separates it from the
     next; trained, the model learned to end a text right after a user's message. The answer before it is
     still trained, and an example ending in an answer still trains the end-of-text that closes it."""
-    tok = "byte"
-    if template:
-        tok = tmp_path / "tok"
-        load_tokenizer("byte").save(tok)
-        (tok / "tokenizer_config.json").write_text(json.dumps({
-            "eos_token": "<|endoftext|>",
-            "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                             "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    tok = bracket_chat_tokenizer(tmp_path / "tok") if template else "byte"
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
     prepare([data], str(tok), tmp_path / "out", pad_to=40 if template else None, progress=False)
     trained = [run for run in masked_text(tmp_path / "out").split(".") if run]

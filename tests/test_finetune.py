@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dist_fns
-from helpers import cli_here
+from helpers import bracket_chat_tokenizer, cli_here, write_jsonl
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import with_init_from
 from shardlm.model import Decoder
@@ -70,11 +70,6 @@ def test_a_missing_checkpoint_fails_naming_it(tmp_path):
 
 # ---- instruction data ----------------------------------------------------------------------------------
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 def trained_text(out, pad_to=None):
     """(trained, untrained) bytes of a prepared byte-tokenizer dataset, end-of-text as '#'."""
     from shardlm.data.loader import TokenShards
@@ -130,13 +125,7 @@ def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_cha
 
 def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     from shardlm.data.prepare import prepare
-    from shardlm.tokenizer import load_tokenizer
-    tok_dir = tmp_path / "tok"
-    load_tokenizer("byte").save(tok_dir)
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>",
-        "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    tok_dir = bracket_chat_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                             {"role": "assistant", "content": "yo"}]}])
     index = prepare([data], str(tok_dir), tmp_path / "out", progress=False)

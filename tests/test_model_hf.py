@@ -12,6 +12,18 @@ from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
 from shardlm.model.hf import open_hf_dir, read_hf_dir, write_hf_dir
 
+
+def reads_as_transformers(directory, t: int) -> None:
+    """shardlm's read of the HF `directory` gives transformers' logits for it (fp32, atol 1e-5), `t` tokens."""
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(directory).eval()
+    cfg, state = read_hf_dir(directory)
+    ours = build_model(cfg, init=False)
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, t), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+
 KINDS = ["llama", "llama3", "llama_tied", "qwen2", "qwen2_window", "mistral", "mistral_window", "gpt2"]
 
 
@@ -141,17 +153,10 @@ def test_window_rules_of_configs_without_or_with_layer_types_match_automodel(kin
     Qwen2-MoE rule picks (here none); a Mistral one with layer_types, those AutoModel reads from them."""
     import json
 
-    from transformers import AutoModelForCausalLM
     hf_model(kind).save_pretrained(tmp_path)
     config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "layer_types"}
     (tmp_path / "config.json").write_text(json.dumps(edit(config)))
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    cfg, state = read_hf_dir(tmp_path)
-    ours = build_model(cfg, init=False)
-    ours.load_state_dict(state)
-    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+    reads_as_transformers(tmp_path, 24)
 
 
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
@@ -316,7 +321,6 @@ def test_the_weight_files_read_are_those_transformers_reads(tmp_path):
     the model's tensors. Logits equal transformers' on the same directory."""
     import shutil
 
-    from transformers import AutoModelForCausalLM
     hf_model("llama", seed=1).save_pretrained(tmp_path / "old", max_shard_size="60KB")
     hf_model("llama", seed=2).save_pretrained(tmp_path / "new", max_shard_size="100KB")
     old = sorted(p.name for p in (tmp_path / "old").glob("model-*.safetensors"))
@@ -324,13 +328,7 @@ def test_the_weight_files_read_are_those_transformers_reads(tmp_path):
     assert len(old) > len(new) > 1 and not set(old) & set(new)  # e.g. -of-00004 after -of-00002
     for name in old:
         shutil.copy(tmp_path / "old" / name, tmp_path / "new" / name)
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "new").eval()
-    cfg, state = read_hf_dir(tmp_path / "new")
-    ours = build_model(cfg, init=False)
-    ours.load_state_dict(state)
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+    reads_as_transformers(tmp_path / "new", 16)
 
 
 @pytest.mark.timeout(120)
@@ -341,7 +339,6 @@ def test_an_index_naming_shards_in_a_subdirectory_loads_as_transformers_loads_it
     import json
     import shutil
 
-    from transformers import AutoModelForCausalLM
     hf_model("llama", seed=3).save_pretrained(tmp_path, max_shard_size="100KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     (tmp_path / "weights").mkdir()
@@ -349,10 +346,4 @@ def test_an_index_naming_shards_in_a_subdirectory_loads_as_transformers_loads_it
         shutil.move(tmp_path / name, tmp_path / "weights" / name)
     index["weight_map"] = {k: f"weights/{v}" for k, v in index["weight_map"].items()}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    cfg, state = read_hf_dir(tmp_path)
-    ours = build_model(cfg, init=False)
-    ours.load_state_dict(state)
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(ids), ref(ids).logits, rtol=0, atol=1e-5)
+    reads_as_transformers(tmp_path, 16)
