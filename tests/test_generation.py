@@ -338,6 +338,11 @@ def test_stop_tokens_and_strings():
     assert plain.tokens == alone and plain.finish_reason == "length" and plain.text == text(alone)
     with pytest.raises(ValueError, match="exceeds the 32 positions"):
         engine.submit(Request(prompt, 28))
+    vocab = model.cfg.vocab_size
+    for outside in (vocab, -1):  # a larger tokenizer's id: refused, not an IndexError that ends every row
+        with pytest.raises(ValueError, match=rf"must be in \[0, {vocab}\)"):
+            engine.submit(Request([*prompt, outside], 4))
+    assert not engine.busy
 
 
 def test_generate_a_jsonl_file(tmp_path, capsys):

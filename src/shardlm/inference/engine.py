@@ -144,6 +144,10 @@ class Engine:
         """ValueError where this engine cannot run `request`; nothing changes."""
         if not request.prompt:
             raise ValueError("a request needs at least one prompt token")
+        vocab = self.model.cfg.vocab_size
+        if not 0 <= min(request.prompt) <= max(request.prompt) < vocab:  # else an IndexError mid-step, every row lost
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), the model's vocabulary (a tokenizer with a "
+                             f"larger vocabulary than the model's?): got {min(request.prompt)}..{max(request.prompt)}")
         if request.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens ({request.max_new_tokens}) must not be negative")
         if len(request.prompt) + request.max_new_tokens > self.max_len:
