@@ -31,3 +31,30 @@ def test_a_loss_past_exps_range_has_an_infinite_perplexity_not_a_traceback():
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1)).item()
     assert r["loss"] > 710 and r["loss"] == pytest.approx(want, rel=1e-5)
     assert r["perplexity"] == math.inf and r["tokens"] == 18 * 15
+
+
+@pytest.fixture(scope="module")
+def byte_model_dir(tmp_path_factory):
+    """A tiny llama with the byte tokenizer, as an HF directory: one token per byte of the text."""
+    from shardlm.config import load_config
+    from shardlm.model.hf import write_hf_dir
+    from shardlm.tokenizer import load_tokenizer
+    out = tmp_path_factory.mktemp("eval_loss") / "hf"
+    write_hf_dir(tiny_model().state_dict(), load_config("tiny").model, out, load_tokenizer("byte"))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_loss_task_scores_a_crlf_files_bytes_as_they_are(byte_model_dir, tmp_path, capsys):
+    """The loss task read the file in Python's universal-newline mode (Path.read_text), so a Windows text's
+    "\\r\\n" became "\\n" before tokenising: 480 bytes scored as 460 tokens, the same loss as the LF file, where
+    `data prepare` (which reads bytes) trains on the "\\r". The file's characters are scored as they are."""
+    from shardlm.inference import evaluate_ids, load_pretrained
+    raw = b"the cat sat on the mat\r\n" * 20  # 480 bytes: 30 windows of 16
+    (tmp_path / "crlf.txt").write_bytes(raw)
+    r = json.loads(cli_here(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / "crlf.txt",
+                            "--seq-len", 16, "--json"))
+    model, tok, _ = load_pretrained(byte_model_dir)
+    want = evaluate_ids(model, tok.encode_document(raw.decode("utf-8")), 16)
+    assert r["tokens"] == 30 * 15 == want["tokens"]
+    assert r["loss"] == pytest.approx(want["loss"], rel=1e-6)

@@ -267,8 +267,10 @@ def _loss_text(path: Path) -> str:
         raise ConfigError(f"--data {path}: the loss task reads a plain UTF-8 text file, not {path.suffix} (its "
                           "syntax would be scored too); give a .txt file, or --tasks bleu,rouge for prompts "
                           "with completions")
+    # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
+    # text other than the file's (data prepare reads bytes, and trains on the "\r").
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None
