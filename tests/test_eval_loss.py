@@ -58,3 +58,14 @@ def test_the_loss_task_scores_a_crlf_files_bytes_as_they_are(byte_model_dir, tmp
     want = evaluate_ids(model, tok.encode_document(raw.decode("utf-8")), 16)
     assert r["tokens"] == 30 * 15 == want["tokens"]
     assert r["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_the_help_says_the_tail_shorter_than_a_window_is_not_scored(byte_model_dir, tmp_path, capsys):
+    """A text of 250 tokens at --seq-len 128 is scored on its first window alone (127 predictions, 122 tokens
+    never seen), which neither `eval --help` nor the README said: the help now says so."""
+    (tmp_path / "t.txt").write_bytes(b"x" * 250)
+    r = json.loads(cli_here(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / "t.txt",
+                            "--seq-len", 128, "--json"))
+    assert r["tokens"] == 127
+    assert "fewer than a window, are not scored" in " ".join(cli_here(capsys, "eval", "--help").split())

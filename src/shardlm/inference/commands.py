@@ -18,7 +18,8 @@ COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compil
 EVAL_EPILOG = """\
 tasks:
   loss   (default) mean next-token loss and perplexity over a UTF-8 text file, in non-overlapping
-         windows of --seq-len tokens, every position but the last predicting the next token
+         windows of --seq-len tokens, every position but the last predicting the next token (the text's
+         last tokens, fewer than a window, are not scored; "tokens" counts the predictions scored)
   bleu   corpus BLEU and chrF (sacrebleu) of completions generated for a jsonl file of
          {"prompt": ..., "completion": ...} lines ("reference" is accepted for "completion")
   rouge  mean ROUGE-1/2/L F1 (rouge-score, stemmed) of the same completions

@@ -1,5 +1,5 @@
 """Perplexity: the text cut into non-overlapping windows of N tokens, the mean cross-entropy of every
-next-token prediction inside them."""
+next-token prediction inside them. The last len(ids) % N tokens, fewer than a window, are not scored."""
 from __future__ import annotations
 
 import math
