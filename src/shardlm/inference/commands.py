@@ -18,7 +18,8 @@ COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compil
 EVAL_EPILOG = """\
 tasks:
   loss   (default) mean next-token loss and perplexity over a UTF-8 text file, in non-overlapping
-         windows of --seq-len tokens, every position but the last predicting the next token
+         windows of --seq-len tokens, every position but the last predicting the next token (the text's
+         last tokens, fewer than a window, are not scored; "tokens" counts the predictions scored)
   bleu   corpus BLEU and chrF (sacrebleu) of completions generated for a jsonl file of
          {"prompt": ..., "completion": ...} lines ("reference" is accepted for "completion")
   rouge  mean ROUGE-1/2/L F1 (rouge-score, stemmed) of the same completions
@@ -267,8 +268,10 @@ def _loss_text(path: Path) -> str:
         raise ConfigError(f"--data {path}: the loss task reads a plain UTF-8 text file, not {path.suffix} (its "
                           "syntax would be scored too); give a .txt file, or --tasks bleu,rouge for prompts "
                           "with completions")
+    # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
+    # text other than the file's (data prepare reads bytes, and trains on the "\r").
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None

@@ -1,5 +1,5 @@
 """Perplexity: the text cut into non-overlapping windows of N tokens, the mean cross-entropy of every
-next-token prediction inside them."""
+next-token prediction inside them. The last len(ids) % N tokens, fewer than a window, are not scored."""
 from __future__ import annotations
 
 import math
@@ -34,4 +34,9 @@ def evaluate_ids(model: Decoder, ids: list[int], seq_len: int, batch_size: int =
         if progress is not None:
             progress(len(w))
     loss = total / count
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
+    # exp overflows a float past 709.78 nats a token (a diverged model): an infinite perplexity, not a traceback
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = math.inf
+    return {"loss": loss, "perplexity": perplexity, "tokens": count}
