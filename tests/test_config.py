@@ -207,3 +207,12 @@ def test_a_near_miss_in_a_toml_file_is_named(tmp_path, toml, message):
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     assert message.format(path=path) in str(e.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text, value", [("9007199254740993", 9007199254740993),
+                                         ("18446744073709551615", 2**64 - 1), ("1e23", 10**23), ("1.5e3", 1500)])
+def test_an_integer_override_is_read_exactly(text, value):
+    """--train.seed 9007199254740993 was read through a float, as ...992 (and 2^64 - 1 as 2^64): an integer key
+    takes the value given, in plain or scientific notation, exactly."""
+    assert load_config("tiny", parse_overrides(["--train.seed", text])).train.seed == value
