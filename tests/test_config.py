@@ -216,3 +216,13 @@ def test_an_integer_override_is_read_exactly(text, value):
     """--train.seed 9007199254740993 was read through a float, as ...992 (and 2^64 - 1 as 2^64): an integer key
     takes the value given, in plain or scientific notation, exactly."""
     assert load_config("tiny", parse_overrides(["--train.seed", text])).train.seed == value
+
+
+@pytest.mark.timeout(30)
+def test_a_seed_beyond_64_bits_is_named():
+    """train.seed 2^64 passed validation and stopped the run at torch.manual_seed with 'Overflow when unpacking long
+    long', naming no key; 2^64 - 1, the largest torch takes, passes."""
+    validate(load_config("tiny", {"train.seed": 2**64 - 1}))
+    with pytest.raises(ConfigError, match=r"train.seed = 18446744073709551616 does not fit in 64 bits: give a seed "
+                                          r"from 0 to 18446744073709551615"):
+        validate(load_config("tiny", {"train.seed": str(2**64)}))
