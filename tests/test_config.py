@@ -226,3 +226,15 @@ def test_a_seed_beyond_64_bits_is_named():
     with pytest.raises(ConfigError, match=r"train.seed = 18446744073709551616 does not fit in 64 bits: give a seed "
                                           r"from 0 to 18446744073709551615"):
         validate(load_config("tiny", {"train.seed": str(2**64)}))
+
+
+@pytest.mark.timeout(30)
+def test_a_control_character_in_a_string_survives_config_toml(tmp_path):
+    """A string with a control character (--train.sample_prompt $'def\\r') was written into config.toml raw, which
+    TOML forbids: the run's own config.toml then read as no run's, and `--resume` into its directory was refused."""
+    import tomllib
+    from shardlm.config import config_from_dict
+    from shardlm.rundir import _run_config
+    cfg = load_config("tiny", {"train.sample_prompt": 'def\r"\\\n\t\x1b\x7f'})
+    (tmp_path / "config.toml").write_text(cfg.to_toml())
+    assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg and _run_config(tmp_path / "config.toml")
