@@ -203,3 +203,12 @@ def test_the_header_says_one_step_and_lora_keys_that_rank_0_leaves_unused(tmp_pa
     out = cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.alpha", "32", "--out", tmp_path / "run")
     header = next(line for line in out.splitlines() if line.startswith("shardlm:"))
     assert " 1 step of " in header and "lora.rank 0: no adapters, every weight trains" in header
+
+
+@pytest.mark.timeout(60)
+def test_train_help_names_every_config_section(capsys):
+    """`shardlm train --help` listed the sections as model, data, train, parallel: [lora] (lora.rank, ...) was
+    left out, though --lora.* overrides and a TOML file's [lora] work."""
+    from shardlm.config import SECTIONS
+    out = cli_proc(capsys, "train", "--help").stdout
+    assert f"(sections: {', '.join(SECTIONS)})" in " ".join(out.split()) and "lora" in SECTIONS

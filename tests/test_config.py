@@ -207,3 +207,34 @@ def test_a_near_miss_in_a_toml_file_is_named(tmp_path, toml, message):
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     assert message.format(path=path) in str(e.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text, value", [("9007199254740993", 9007199254740993),
+                                         ("18446744073709551615", 2**64 - 1), ("1e23", 10**23), ("1.5e3", 1500)])
+def test_an_integer_override_is_read_exactly(text, value):
+    """--train.seed 9007199254740993 was read through a float, as ...992 (and 2^64 - 1 as 2^64): an integer key
+    takes the value given, in plain or scientific notation, exactly."""
+    assert load_config("tiny", parse_overrides(["--train.seed", text])).train.seed == value
+
+
+@pytest.mark.timeout(30)
+def test_a_seed_beyond_64_bits_is_named():
+    """train.seed 2^64 passed validation and stopped the run at torch.manual_seed with 'Overflow when unpacking long
+    long', naming no key; 2^64 - 1, the largest torch takes, passes."""
+    validate(load_config("tiny", {"train.seed": 2**64 - 1}))
+    with pytest.raises(ConfigError, match=r"train.seed = 18446744073709551616 does not fit in 64 bits: give a seed "
+                                          r"from 0 to 18446744073709551615"):
+        validate(load_config("tiny", {"train.seed": str(2**64)}))
+
+
+@pytest.mark.timeout(30)
+def test_a_control_character_in_a_string_survives_config_toml(tmp_path):
+    """A string with a control character (--train.sample_prompt $'def\\r') was written into config.toml raw, which
+    TOML forbids: the run's own config.toml then read as no run's, and `--resume` into its directory was refused."""
+    import tomllib
+    from shardlm.config import config_from_dict
+    from shardlm.rundir import _run_config
+    cfg = load_config("tiny", {"train.sample_prompt": 'def\r"\\\n\t\x1b\x7f'})
+    (tmp_path / "config.toml").write_text(cfg.to_toml())
+    assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg and _run_config(tmp_path / "config.toml")

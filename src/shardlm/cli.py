@@ -13,12 +13,12 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
-from .config import ConfigError, RunError, load_config, parse_overrides, preset_names, validate
+from .config import SECTIONS, ConfigError, RunError, load_config, parse_overrides, preset_names, validate
 from .config.load import refuse_empty_paths, refuse_misplaced_train_args
 from .runtime.console import silence_stdout
 
-TRAIN_EPILOG = """\
-Any config key can be overridden as --section.key value (sections: model, data, train, parallel),
+TRAIN_EPILOG = f"""\
+Any config key can be overridden as --section.key value (sections: {', '.join(SECTIONS)}),
 for example --train.steps 100 --train.precision bf16. Use --print-config to see them all.
 """
 

@@ -114,6 +114,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         if get(key) < 0:
             raise ConfigError(f"{key} = {get(key)!r} must not be negative")
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if t.seed >= 2**64:  # torch's generators take 64 bits: 2^64 stopped the run with 'Overflow when unpacking long long'
+        raise ConfigError(f"train.seed = {t.seed} does not fit in 64 bits: give a seed from 0 to {2**64 - 1}")
     if m.head_dim == 0 and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}")
     if m.num_heads % m.kv_heads:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+from decimal import Decimal, InvalidOperation
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -61,10 +62,7 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             if isinstance(value, str):
-                f = float(value)  # accepts 1e5 as well as 100000
-                if not f.is_integer():
-                    raise ValueError
-                return int(f)
+                return _integer(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
@@ -96,6 +94,22 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         quoted = f"{key.split('.')[1]} = \"{value}\""
         how = f": one of {', '.join(allowed)}, in quotes" if allowed else f": give it in quotes ({quoted})"
     raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}{how}")
+
+
+def _integer(text: str) -> int:
+    """A command-line integer, exactly: 100000, 1e5 or 1.5e3 (an integral value in any notation). Through a float,
+    --train.seed 9007199254740993 became ...992 and 18446744073709551615 (2^64 - 1) 2^64, which torch refused."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        d = Decimal(text.strip())
+    except InvalidOperation:
+        raise ValueError from None
+    if not d.is_finite() or d.adjusted() > 308 or d != d.to_integral_value():  # 1e999999999: no int of a GB
+        raise ValueError
+    return int(d)
 
 
 def refuse_non_utf8(name: str, value: str, fix: str = "") -> None:

@@ -193,6 +193,9 @@ class Config:
 SECTIONS = ("model", "data", "train", "parallel", "lora")
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\t"}
+
+
 # Writing lives beside the schema, for Config.to_toml; reading, which converts and checks types, is load.py's.
 def dump_toml(d: dict) -> str:
     """A minimal TOML writer for our flat two-level config (tomllib only reads)."""
@@ -201,8 +204,9 @@ def dump_toml(d: dict) -> str:
             return "true" if v else "false"
         if isinstance(v, (int, float)):
             return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        if isinstance(v, str):  # TOML's basic strings take no control character but tab: \r, ESC, DEL escaped
+            return '"' + "".join(_ESCAPES.get(c, f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c)
+                                 for c in v) + '"'
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
