@@ -1,0 +1,16 @@
+"""`shardlm plan` faults found in an audit: each test is the repro of one, and the behaviour now expected."""
+import json
+
+import pytest
+
+from helpers import cli_here, cli_proc
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--hbm-bw", "--nvlink-bw", "--network-bw"])
+@pytest.mark.parametrize("value", ["inf", "1e400"])
+def test_an_infinite_gpu_figure_is_refused(capsys, flag, value):
+    """--gpu-memory inf with --inference stopped on 'cannot convert float NaN to integer', and --hbm-bw inf
+    printed tokens/s Infinity into --json (not JSON): parse_bytes took inf as a positive size."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--inference", flag, value, "--json")
+    assert got.returncode == 2 and f"{flag} '{value}' is not a positive, finite size" in got.stderr
