@@ -14,3 +14,15 @@ def test_an_infinite_gpu_figure_is_refused(capsys, flag, value):
     printed tokens/s Infinity into --json (not JSON): parse_bytes took inf as a positive size."""
     got = cli_proc(capsys, "plan", "--model", "tiny", "--inference", flag, value, "--json")
     assert got.returncode == 2 and f"{flag} '{value}' is not a positive, finite size" in got.stderr
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--hbm-bw", "1e-300", "--tokens", "1e10"),
+                                  ("--tokens", "1e300", "--price-per-gpu-hour", "1e300")])
+def test_json_never_holds_infinity_or_nan(capsys, args):
+    """Out-of-range figures overflowed into train_days Infinity and cost NaN, which json.dumps writes as bare
+    Infinity / NaN: no JSON parser takes them. The plan is refused, naming why, instead."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", *args, "--json")
+    assert got.returncode == 2 and "not a finite number" in got.stderr, got.stdout
+    json.loads(got.stdout or "null")  # nothing, or valid JSON
