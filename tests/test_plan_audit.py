@@ -26,3 +26,14 @@ def test_json_never_holds_infinity_or_nan(capsys, args):
     got = cli_proc(capsys, "plan", "--model", "tiny", *args, "--json")
     assert got.returncode == 2 and "not a finite number" in got.stderr, got.stdout
     json.loads(got.stdout or "null")  # nothing, or valid JSON
+
+
+
+@pytest.mark.timeout(60)
+def test_search_names_an_interleaved_layouts_virtual_stages(capsys):
+    """--search ranked interleaved layouts at 2 virtual stages but printed them as "pp 8 interleaved": planned or
+    trained with --pp-schedule interleaved alone (1 virtual stage) the same layout's bubble doubled (11% -> 22%)."""
+    text = cli_here(capsys, "plan", "--model", "llama2-7b", "--gpu", "h100", "--gpus", 64, "--seq", 4096,
+                    "--global-batch", 256, "--search", "--top", 12)
+    lines = [line for line in text.splitlines() if "interleaved" in line]
+    assert lines and all("interleaved v2" in line for line in lines), lines
