@@ -37,3 +37,13 @@ def test_search_names_an_interleaved_layouts_virtual_stages(capsys):
                     "--global-batch", 256, "--search", "--top", 12)
     lines = [line for line in text.splitlines() if "interleaved" in line]
     assert lines and all("interleaved v2" in line for line in lines), lines
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [("--tp", 2), ("--pp", 2), ("--search",), ("--largest",)])
+def test_params_refuses_what_it_does_not_plan(capsys, extra):
+    """--params 7e9 --gpus 8 --tp 2 printed each GPU's model states as if it held the whole model (112 GB at ZeRO 0,
+    not 56), and --search / --largest beside --params planned dp 1 without a word."""
+    got = cli_proc(capsys, "plan", "--params", "7e9", "--gpus", 8, *map(str, extra))
+    assert got.returncode == 2 and "--params" in got.stderr and extra[0] in got.stderr, got.stdout
