@@ -327,7 +327,7 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     if a.json:
         print(dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
         if not best:  # a bare [] said nothing of why
-            print(nothing_fits(a, scored), file=sys.stderr)
+            print(nothing_fits(a, scored, gpus), file=sys.stderr)
         return 0
     if a.gpus is None:
         print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")
@@ -339,13 +339,19 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
                 f"{' ' + L.pp_schedule if L.pp > 1 else ''}{f' v{L.virtual_stages}' if L.virtual_stages > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
-        print(nothing_fits(a, scored))
+        print(nothing_fits(a, scored, gpus))
     return 0
 
 
-def nothing_fits(a, scored: int) -> str:
+def nothing_fits(a, scored: int, gpus: int) -> str:
     """What is left to try when no searched layout fits: the search has tried every ZeRO stage, recomputation and
-    micro-batch itself (and refuses --zero), so naming those sent users round in a circle."""
+    micro-batch itself (and refuses --zero), so naming those sent users round in a circle. None scored: no layout
+    was valid at all, which more GPUs (the advice for memory) only makes worse."""
+    if not scored:
+        return (f"no layout of {gpus} GPUs is valid for this model and batch: dp x tp x pp{' x cp' if a.cp > 1 else ''} "
+                f"must be {gpus}, tp divide the attention and key/value heads within a node, pp the layers, "
+                "--global-batch must be a multiple of dp, and a pipeline needs at least pp micro-batches a step: try a "
+                "larger --global-batch or fewer --gpus")
     fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
         (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
     tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
