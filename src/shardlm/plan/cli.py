@@ -168,6 +168,20 @@ def lora_from_args(a) -> LoRAConfig:
     return LoRAConfig(rank=a.lora_rank or 0, targets=a.lora_targets, quantize=a.quantize)
 
 
+def dumps(obj) -> str:
+    """obj as JSON, refused where a figure is not finite: json.dumps writes inf and nan as bare Infinity and NaN,
+    which no JSON parser takes (out-of-range inputs, e.g. --hbm-bw 1e-300 --tokens 1e10, overflowed train_days)."""
+    def bad(x, path):
+        if isinstance(x, float) and not math.isfinite(x):
+            return path, x
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        return next((found for k, v in items if (found := bad(v, f"{path}.{k}" if path else str(k)))), None)
+    if found := bad(obj, ""):
+        raise PlanError(f"{found[0]} = {found[1]} is not a finite number: the inputs' figures are out of range "
+                        "(a bandwidth, peak, --tokens or price many orders of magnitude off)")
+    return json.dumps(obj)
+
+
 def fmt(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
 
@@ -246,7 +260,7 @@ def run(argv: list[str]) -> int:
             print(unplanned, file=sys.stderr)
     e = estimate(model, work, layout, g, a.gpus_per_node, a.gpus, price_per_gpu_hour=a.price_per_gpu_hour)
     if a.json:
-        print(json.dumps({**e.to_dict(), "layout": asdict(layout)}))
+        print(dumps({**e.to_dict(), "layout": asdict(layout)}))
         return 0
     if note:
         print(note)
@@ -262,7 +276,7 @@ def inference(a, model: ModelConfig, g) -> int:
     e = plan_inference(model, g, a.batch, context, 4 if a.precision == "fp32" else 2, HEADROOM, CUDA_CONTEXT,
                        a.quantize)
     if a.json:
-        print(json.dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context,
+        print(dumps({**asdict(e), "total": e.total, "batch": a.batch, "context": context,
                           "quantize": a.quantize}))
         return 0
     stored = f", {a.quantize} weights" if a.quantize != "none" else ""
@@ -290,7 +304,7 @@ def model_states(a, g, dp: int, note: str) -> int:
     out = {f"zero{s}": paper_model_states(a.params, s, replicas) for s in range(4)}
     train_flops = 6 * a.params * a.tokens
     if a.json:
-        print(json.dumps({"model_states_bytes": out, "dp": dp, "train_flops": train_flops}))
+        print(dumps({"model_states_bytes": out, "dp": dp, "train_flops": train_flops}))
         return 0
     if note:
         print(note)
@@ -311,9 +325,9 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     best, scored, rejected, headroom = search(model, Workload(a.seq, a.micro_batch, batch, a.tokens), g, gpus,
                                               a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
     if a.json:
-        print(json.dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
+        print(dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
         if not best:  # a bare [] said nothing of why
-            print(nothing_fits(a, scored), file=sys.stderr)
+            print(nothing_fits(a, scored, gpus), file=sys.stderr)
         return 0
     if a.gpus is None:
         print(f"searched layouts for {gpus} GPU{'s' if gpus > 1 else ''} (give --gpus N to search a cluster)")
@@ -322,16 +336,22 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     for rank, (e, w, L) in enumerate(best, 1):
         ep = f" ep {L.ep}" if model.num_experts else ""
         desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''}{ep} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
-                f"{' ' + L.pp_schedule if L.pp > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
+                f"{' ' + L.pp_schedule if L.pp > 1 else ''}{f' v{L.virtual_stages}' if L.virtual_stages > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
-        print(nothing_fits(a, scored))
+        print(nothing_fits(a, scored, gpus))
     return 0
 
 
-def nothing_fits(a, scored: int) -> str:
+def nothing_fits(a, scored: int, gpus: int) -> str:
     """What is left to try when no searched layout fits: the search has tried every ZeRO stage, recomputation and
-    micro-batch itself (and refuses --zero), so naming those sent users round in a circle."""
+    micro-batch itself (and refuses --zero), so naming those sent users round in a circle. None scored: no layout
+    was valid at all, which more GPUs (the advice for memory) only makes worse."""
+    if not scored:
+        return (f"no layout of {gpus} GPUs is valid for this model and batch: dp x tp x pp{' x cp' if a.cp > 1 else ''} "
+                f"must be {gpus}, tp divide the attention and key/value heads within a node, pp the layers, "
+                "--global-batch must be a multiple of dp, and a pipeline needs at least pp micro-batches a step: try a "
+                "larger --global-batch or fewer --gpus")
     fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
         (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
     tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
@@ -349,7 +369,7 @@ def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
         return 1
     m, e = found
     if a.json:
-        print(json.dumps({"params": m.num_params(), "model": asdict(m), **e.to_dict()}))
+        print(dumps({"params": m.num_params(), "model": asdict(m), **e.to_dict()}))
         return 0
     where = f", {fmt(e.host_memory)} of host memory per rank" if e.host_memory else ""
     print(f"largest of this shape on {g.name}{' with ' + fmt(host) + ' of host memory' if host else ''}: "

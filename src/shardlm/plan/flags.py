@@ -72,6 +72,13 @@ def check_flags(a) -> None:
         raise PlanError(f"{' and '.join(ways)} each give the model, and only one is read: give --model, or --arch "
                         "with --layers --hidden --heads --vocab, or --params (to change a preset's shape, copy it "
                         "into a TOML file for --model)")
+    if a.params:  # each was read as nothing: --tp 2 printed the whole model's states on each GPU, --search dp 1
+        unread = [f for f, on in (("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--ep", a.ep > 1), ("--search", a.search),
+                                  ("--largest", a.largest)) if on]
+        if unread:
+            raise PlanError(f"--params gives the ZeRO paper's model states over --dp (x --cp) replicas of the whole "
+                            f"model, and {', '.join(unread)} need{'s' if len(unread) == 1 else ''} the model's shape: "
+                            "give --model or --arch instead")
     if a.host_memory and not a.largest:
         raise PlanError("--host-memory bounds --largest's search: give --largest too")
     if a.largest and a.search:

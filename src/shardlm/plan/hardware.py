@@ -8,6 +8,7 @@ Ampere and the L40S, 100 Gb/s for Volta). Every figure can be overridden.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 GiB = 2**30
@@ -57,8 +58,9 @@ def parse_bytes(text: str, flag: str = "") -> float:
         value = float(number) * mult
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{flag + ' ' if flag else ''}{text!r} is not a positive size (e.g. 80GiB, 3.35TB/s, 1e12)")
+    if not (value > 0 and math.isfinite(value)):  # inf (or 1e400) planned NaN requests and Infinity tokens/s
+        raise ValueError(f"{flag + ' ' if flag else ''}{text!r} is not a positive, finite size (e.g. 80GiB, 3.35TB/s, "
+                         "1e12)")
     return value
 
 

@@ -1,0 +1,59 @@
+"""`shardlm plan` faults found in an audit: each test is the repro of one, and the behaviour now expected."""
+import json
+
+import pytest
+
+from helpers import cli_here, cli_proc
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--hbm-bw", "--nvlink-bw", "--network-bw"])
+@pytest.mark.parametrize("value", ["inf", "1e400"])
+def test_an_infinite_gpu_figure_is_refused(capsys, flag, value):
+    """--gpu-memory inf with --inference stopped on 'cannot convert float NaN to integer', and --hbm-bw inf
+    printed tokens/s Infinity into --json (not JSON): parse_bytes took inf as a positive size."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--inference", flag, value, "--json")
+    assert got.returncode == 2 and f"{flag} '{value}' is not a positive, finite size" in got.stderr
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--hbm-bw", "1e-300", "--tokens", "1e10"),
+                                  ("--tokens", "1e300", "--price-per-gpu-hour", "1e300")])
+def test_json_never_holds_infinity_or_nan(capsys, args):
+    """Out-of-range figures overflowed into train_days Infinity and cost NaN, which json.dumps writes as bare
+    Infinity / NaN: no JSON parser takes them. The plan is refused, naming why, instead."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", *args, "--json")
+    assert got.returncode == 2 and "not a finite number" in got.stderr, got.stdout
+    json.loads(got.stdout or "null")  # nothing, or valid JSON
+
+
+
+@pytest.mark.timeout(60)
+def test_search_names_an_interleaved_layouts_virtual_stages(capsys):
+    """--search ranked interleaved layouts at 2 virtual stages but printed them as "pp 8 interleaved": planned or
+    trained with --pp-schedule interleaved alone (1 virtual stage) the same layout's bubble doubled (11% -> 22%)."""
+    text = cli_here(capsys, "plan", "--model", "llama2-7b", "--gpu", "h100", "--gpus", 64, "--seq", 4096,
+                    "--global-batch", 256, "--search", "--top", 12)
+    lines = [line for line in text.splitlines() if "interleaved" in line]
+    assert lines and all("interleaved v2" in line for line in lines), lines
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [("--tp", 2), ("--pp", 2), ("--search",), ("--largest",)])
+def test_params_refuses_what_it_does_not_plan(capsys, extra):
+    """--params 7e9 --gpus 8 --tp 2 printed each GPU's model states as if it held the whole model (112 GB at ZeRO 0,
+    not 56), and --search / --largest beside --params planned dp 1 without a word."""
+    got = cli_proc(capsys, "plan", "--params", "7e9", "--gpus", 8, *map(str, extra))
+    assert got.returncode == 2 and "--params" in got.stderr and extra[0] in got.stderr, got.stdout
+
+
+
+@pytest.mark.timeout(60)
+def test_a_search_with_no_valid_layout_does_not_say_nothing_fits(capsys):
+    """--search --gpus 16 --global-batch 4 of tiny scored no layout at all (every one too few micro-batches for its
+    pipeline or a dp the batch does not divide), and said "nothing fits ... try more --gpus", which made it worse."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--search", "--gpus", 16, "--global-batch", 4)
+    assert "more --gpus" not in got.stdout and "nothing fits" not in got.stdout
+    assert "no layout of 16 GPUs is valid" in got.stdout and "--global-batch" in got.stdout
