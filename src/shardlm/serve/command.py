@@ -6,7 +6,9 @@ expect); a second signal ends it at once, with that signal's status.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..config import ConfigError
@@ -198,9 +200,12 @@ def _replica_devices(replicas: int, tp: int, device) -> list:
                           "supported yet)")
     if device.type != "cuda" or replicas == 1:
         return [device] * replicas
-    if torch.cuda.device_count() < replicas:
-        raise ConfigError(f"--replicas {replicas} needs one GPU each; {torch.cuda.device_count()} are visible")
-    return [torch.device("cuda", i) for i in range(replicas)]
+    first = device.index or 0  # --device cuda:K: the replicas on cuda:K on (from cuda:0, the first had shared K)
+    if torch.cuda.device_count() < first + replicas:
+        raise ConfigError(f"--replicas {replicas} needs one GPU each from cuda:{first} on (cuda:{first} to "
+                          f"cuda:{first + replicas - 1}); {torch.cuda.device_count()} are visible: give fewer "
+                          "--replicas or an earlier --device")
+    return [torch.device("cuda", first + i) for i in range(replicas)]
 
 
 def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, log_level: str = "info",
@@ -240,7 +245,15 @@ def _draining_server(uvicorn):
                 print(f"shardlm serve: signal {sig}: draining {self.serve_state.in_flight} request(s), then "
                       "exiting; new requests get 503", file=sys.stderr, flush=True)
                 return
-            super().handle_exit(sig, frame)  # the second: leave now, as that signal ends a process
+            if threading.current_thread() is threading.main_thread():
+                # The second: leave now, as that signal ends a process. uvicorn's own exit re-raised it only
+                # after restoring asyncio's SIGINT handler, which cancelled every task: a Ctrl-C printed the
+                # lifespan's and each running request's CancelledError tracebacks, a hundred lines.
+                print(f"shardlm serve: signal {sig} again: exiting now, {self.serve_state.in_flight} request(s) "
+                      "cut off", file=sys.stderr, flush=True)
+                signal.signal(sig, signal.SIG_DFL)
+                signal.raise_signal(sig)
+            super().handle_exit(sig, frame)
             self.force_exit = True
 
         async def on_tick(self, counter: int) -> bool:
