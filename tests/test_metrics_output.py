@@ -1,0 +1,27 @@
+"""What a training run reports (trainer.py's records, metrics.jsonl): numbers that describe the work done."""
+import json
+
+import pytest
+
+from shardlm.config import load_config
+from shardlm.trainer import Trainer
+
+
+@pytest.mark.timeout(120)
+def test_a_step_skipped_as_untrained_adds_no_tokens_to_tokens_per_s(tmp_path):
+    """data.skip_untrained: a step whose global batch held no trained token runs no forward, backward or update,
+    yet tokens/s (and MFU from it) counted its global_batch x seq_len tokens as trained: the record of a step
+    that trained nothing since the last one showed the same throughput as a real step."""
+    cfg = load_config("tiny", {"train.steps": "3", "train.log_every": "1", "train.tensorboard": "false",
+                               "train.peak_tflops": "1", "data.skip_untrained": "true"})
+    trainer = Trainer(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
+    real = trainer.data.trained_tokens
+    trainer.data.trained_tokens = lambda step: 0 if step == 1 else real(step)  # step 2 (0-based 1) untrained
+    records = trainer.run()
+    trainer.close()
+    assert [r["loss"] is None for r in records] == [False, True, False]
+    skipped = records[1]
+    assert skipped["tokens_per_s"] == 0 and skipped["mfu"] == 0, skipped
+    assert records[0]["tokens_per_s"] > 0 and records[2]["tokens_per_s"] > 0
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert written[1]["tokens_per_s"] == 0
