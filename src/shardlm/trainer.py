@@ -290,12 +290,13 @@ class Trainer:
                    disable=not self.mesh.is_main or not sys.stderr.isatty())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        since, steps_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
+        # Tokens of the steps run since the last record: a step skipped as untrained ran no forward (none counted).
+        since, tokens_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
                 loss = self.train_step()
                 self.step += 1
-                steps_since += 1
+                tokens_since += tokens_per_step if loss is not None else 0
                 collector.step(self.step)
                 bar.update(1)
                 if self.console.lost:
@@ -313,7 +314,7 @@ class Trainer:
                             raise diagnose(e, self.cfg, self.resumed_from is None, self.out) from None
                         loss = self.global_mean(loss) if loss is not None else None
                     elapsed = time.perf_counter() - since
-                    tok_s = steps_since * tokens_per_step / elapsed
+                    tok_s = tokens_since / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
                            "tokens_per_s": tok_s,
                            "mfu": tok_s * self.flops_per_token / (self.peak * self.mesh.world) if self.peak else None,
@@ -334,7 +335,7 @@ class Trainer:
                             + eta(self.step)
                         with bar.external_write_mode() if not bar.disable else nullcontext():
                             self.log(line)
-                    since, steps_since = time.perf_counter(), 0
+                    since, tokens_since = time.perf_counter(), 0
                 if self.stopped_by:
                     break
                 with self._guard(f"the save before step {self.step}"):

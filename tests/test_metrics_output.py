@@ -1,0 +1,42 @@
+"""What a training run reports (trainer.py's records, metrics.jsonl): numbers that describe the work done."""
+import json
+
+import pytest
+
+from shardlm.config import load_config
+from shardlm.trainer import Trainer
+
+
+@pytest.mark.timeout(120)
+def test_a_step_skipped_as_untrained_adds_no_tokens_to_tokens_per_s(tmp_path):
+    """data.skip_untrained: a step whose global batch held no trained token runs no forward, backward or update,
+    yet tokens/s (and MFU from it) counted its global_batch x seq_len tokens as trained: the record of a step
+    that trained nothing since the last one showed the same throughput as a real step."""
+    cfg = load_config("tiny", {"train.steps": "3", "train.log_every": "1", "train.tensorboard": "false",
+                               "train.peak_tflops": "1", "data.skip_untrained": "true"})
+    trainer = Trainer(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
+    real = trainer.data.trained_tokens
+    trainer.data.trained_tokens = lambda step: 0 if step == 1 else real(step)  # step 2 (0-based 1) untrained
+    records = trainer.run()
+    trainer.close()
+    assert [r["loss"] is None for r in records] == [False, True, False]
+    skipped = records[1]
+    assert skipped["tokens_per_s"] == 0 and skipped["mfu"] == 0, skipped
+    assert records[0]["tokens_per_s"] > 0 and records[2]["tokens_per_s"] > 0
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert written[1]["tokens_per_s"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_states_the_flops_per_token_that_lora_runs_report_mfu_with():
+    """README's Metrics section gave MFU's FLOPs per token as 6 x the matmul parameters + attention for every run,
+    but a LoRA run's MFU uses LoRAConfig.flops_per_token: 4 x the frozen ones + 6 x the adapters' + attention."""
+    from pathlib import Path
+    cfg = load_config("tiny", {"lora.rank": "4", "lora.alpha": "8"})
+    m, seq = cfg.model, cfg.train.seq_len
+    attention = 12 * m.num_layers * m.num_heads * m.head_size * seq
+    frozen = (m.flops_per_token(seq) - attention) // 6
+    assert cfg.lora.flops_per_token(m, seq) == 4 * frozen + 6 * cfg.lora.adapter_count(m) + attention
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    metrics = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+    assert "LoRA" in metrics and "4 x" in metrics, metrics
