@@ -1,0 +1,25 @@
+"""`shardlm export`'s refusals found in an audit: what an --overwrite must never replace."""
+import pytest
+
+from helpers import cli_here, cli_proc
+
+
+@pytest.mark.timeout(120)
+def test_adapter_export_never_replaces_its_own_base(tmp_path, capsys):
+    """A LoRA run's adapter exported with `--out BASE --overwrite`, BASE being the run's train.init_from (an
+    HF directory, so it looked like a previous export), deleted the base model and wrote an adapter whose
+    adapter_config.json names that deleted base: the adapter could never be loaded again. It is refused, BASE
+    left as it was."""
+    base = tmp_path / "base"
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "pre")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "pre", "--out", base)
+    cli_here(capsys, "train", "tiny", "--train.init_from", base, "--train.steps", "1", "--lora.rank", "4",
+             "--lora.targets", "q_proj", "--out", tmp_path / "run")
+    before = sorted(p.name for p in base.iterdir())
+    proc = cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", base, "--overwrite")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "train.init_from" in proc.stderr and "--merge" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in base.iterdir()) == before and (base / "config.json").is_file()
+    # the merged model stands alone: replacing the base with it stays the user's choice
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
