@@ -23,3 +23,22 @@ def test_adapter_export_never_replaces_its_own_base(tmp_path, capsys):
     # the merged model stands alone: replacing the base with it stays the user's choice
     cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_exported_files_are_readable_as_the_umask_allows(tmp_path, capsys):
+    """safetensors' save_file makes its file 0600: an export's model.safetensors (and a PEFT adapter's
+    adapter_model.safetensors) could be read by its owner alone, while config.json and the tokenizer beside
+    it were 0644: a server or a colleague reading a shared export got "Permission denied" on the weights.
+    Every file of an export has the mode the umask gives a new file, as save_pretrained's have."""
+    import os
+    umask = os.umask(0o022)
+    try:
+        cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--lora.targets", "q_proj",
+                 "--out", tmp_path / "run")
+        for out, extra in (("merged", ["--merge"]), ("adapter", [])):
+            cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / out, *extra)
+            modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / out).iterdir()}
+            assert set(modes.values()) == {"0o644"}, modes
+    finally:
+        os.umask(umask)

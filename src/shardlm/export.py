@@ -83,3 +83,9 @@ def writing(out: str | Path, overwrite: bool):
     final = check_out(out, overwrite)
     with building(final) as scratch:
         yield scratch
+        # safetensors' save_file makes its file 0600: the weights of a shared export were its owner's alone
+        mask = os.umask(0)
+        os.umask(mask)
+        for path in scratch.iterdir():
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)
