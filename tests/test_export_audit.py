@@ -42,3 +42,29 @@ def test_exported_files_are_readable_as_the_umask_allows(tmp_path, capsys):
             assert set(modes.values()) == {"0o644"}, modes
     finally:
         os.umask(umask)
+
+
+@pytest.mark.timeout(120)
+def test_export_into_an_empty_directory_keeps_that_directory(tmp_path, capsys):
+    """An existing empty --out was swapped out for the scratch directory (renameat2 RENAME_EXCHANGE) and
+    deleted: on a mount point (a container's empty volume, `docker -v ...:/out`) the swap failed with
+    "Device or resource busy", and `--out .` left the shell in a deleted directory, where `ls` showed nothing.
+    The files now go into the directory itself, whose inode is the same after the export."""
+    import os
+    import shardlm.model.hf as hf
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    inode = os.stat(out).st_ino
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    with pytest.MonkeyPatch.context() as m:  # a failed export leaves the empty directory empty, no scratch in it
+        m.setattr(hf, "save_file", full_disk)
+        assert cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", out).returncode == 1
+    assert list(out.iterdir()) == [] and os.stat(out).st_ino == inode
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", out)
+    assert os.stat(out).st_ino == inode and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out"]  # no scratch left
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out)
