@@ -68,3 +68,32 @@ def test_export_into_an_empty_directory_keeps_that_directory(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out"]  # no scratch left
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_export_in_fp16_checks_the_adapter_not_the_base(tmp_path, monkeypatch, capsys):
+    """`--dtype fp16` refuses weights beyond fp16's range; for a LoRA run's adapter export it checked the whole
+    state, frozen base included, which is not written: a base weight beyond 65504 (a bf16 model's) refused an
+    adapter that fits, naming a base weight (and read the whole base, minutes for a 7B checkpoint)."""
+    import shardlm.checkpoint as ckpt_mod
+    from safetensors.torch import load_file
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--lora.targets", "q_proj",
+             "--out", tmp_path / "run")
+    load = ckpt_mod.load_checkpoint
+
+    def with_a_large_base_weight(*args, **kwargs):
+        out = load(*args, **kwargs)
+        model = dict(out["model"].items())
+        model["norm.weight"] = model["norm.weight"] * 0 + 1e5
+        return {**out, "model": model}
+    monkeypatch.setattr(ckpt_mod, "load_checkpoint", with_a_large_base_weight)
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter", "--dtype", "fp16")
+    assert all(t.dtype == torch_fp16() for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
+    proc = cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "m", "--dtype", "fp16",
+                    "--merge")
+    assert proc.returncode == 2 and "norm.weight" in proc.stderr  # the merged model writes it: still refused
+
+
+def torch_fp16():
+    import torch
+    return torch.float16

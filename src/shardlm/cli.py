@@ -255,7 +255,7 @@ def cmd_export(argv: list[str]) -> int:
     from .export import check_out, writing
     from .generation_config import own_generation_config
     from .model.hf import write_hf_dir
-    from .parallel.lora import merged, write_peft_dir
+    from .parallel.lora import merged, peft_state, write_peft_dir
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
     check_out(a.out, a.overwrite)  # before reading a large checkpoint
@@ -277,8 +277,8 @@ def cmd_export(argv: list[str]) -> int:
         if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
             mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
         state = merged(state, cfg, lora) if a.merge else state
-        if a.dtype == "fp16":
-            _refuse_beyond_fp16(state, a.out)
+        if a.dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
+            _refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
         try:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
