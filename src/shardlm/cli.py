@@ -255,7 +255,7 @@ def cmd_export(argv: list[str]) -> int:
     from .export import check_out, writing
     from .generation_config import own_generation_config
     from .model.hf import write_hf_dir
-    from .parallel.lora import merged, write_peft_dir
+    from .parallel.lora import merged, peft_state, write_peft_dir
     from .precision import DTYPES
     from .tokenizer import load_tokenizer
     check_out(a.out, a.overwrite)  # before reading a large checkpoint
@@ -267,17 +267,23 @@ def cmd_export(argv: list[str]) -> int:
         if a.merge and not lora.rank:
             raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to "
                               "merge")
+        base = full.train.init_from or None
+        if lora.rank and not a.merge and base and os.path.realpath(a.out) == os.path.realpath(base):
+            # An HF directory looks like a previous export: --overwrite deleted the base the adapter names.
+            raise ConfigError(f"--out {a.out} is this run's train.init_from, the base model its adapter applies to: "
+                              "an adapter export never replaces it; give another --out (or --merge for a model "
+                              "that stands alone)")
         state, mark = ckpt["model"], {}
         if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
             mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
         state = merged(state, cfg, lora) if a.merge else state
-        if a.dtype == "fp16":
-            _refuse_beyond_fp16(state, a.out)
+        if a.dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
+            _refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
         try:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
                     write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype],
-                                   base=full.train.init_from or None, metadata=mark)
+                                   base=base, metadata=mark)
                 else:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
                     write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],

@@ -19,7 +19,7 @@ from pathlib import Path
 from .checkpoint import CKPT_DIR, STATE
 from .config import ConfigError
 from .data.prepare import INDEX
-from .data.swap import building
+from .data.swap import building, remove_leftovers
 from .runlock import LOCK_FILE
 
 
@@ -49,6 +49,7 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
     blocked = next((p for p in final.parents if os.path.lexists(p) and not p.is_dir()), None)
     if blocked is not None:
         raise ConfigError(f"--out {out}: {blocked} is a file, so no directory can be made under it; give another --out")
+    remove_leftovers(final)  # a killed export's scratch directory inside an empty --out
     what = _what(final) if final.is_dir() else None
     if what is not None:
         raise ConfigError(f"--out {out} is {what}: an export never replaces one (even with --overwrite); give a "
@@ -83,3 +84,9 @@ def writing(out: str | Path, overwrite: bool):
     final = check_out(out, overwrite)
     with building(final) as scratch:
         yield scratch
+        # safetensors' save_file makes its file 0600: the weights of a shared export were its owner's alone
+        mask = os.umask(0)
+        os.umask(mask)
+        for path in scratch.iterdir():
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)

@@ -66,8 +66,9 @@ def remove_leftovers(final: Path) -> None:
     if fcntl is None:
         return
     stem = glob.escape(final.name)
+    inside = sorted(final.glob(SCRATCH + "*")) if final.is_dir() and not final.is_symlink() else []
     for kind in (BACKUP, SCRATCH):  # backups first: a restore must not wait for a scratch sweep
-        for path in sorted(final.parent.glob(stem + kind + "*")):
+        for path in sorted(final.parent.glob(stem + kind + "*")) + (inside if kind == SCRATCH else []):
             if path.is_symlink() or not path.is_dir():
                 continue
             fd = _lock(path, wait=False)
@@ -107,6 +108,9 @@ def _swap_in(scratch: Path, final: Path) -> None:
         os.rename(scratch, final)
         _fsync(final.parent)
         return
+    if scratch.parent == final:  # built inside the empty directory: it is kept, its entries moved up
+        _move_into(scratch, final)
+        return
     os.chmod(scratch, stat.S_IMODE(os.stat(final).st_mode))  # a shared directory stays shared
     if _exchange(scratch, final):
         shutil.rmtree(scratch, ignore_errors=True)  # now the old directory
@@ -129,14 +133,39 @@ def _swap_in(scratch: Path, final: Path) -> None:
     _fsync(final.parent)
 
 
+def _move_into(scratch: Path, final: Path) -> None:
+    """Fill the empty directory `final` with scratch's entries, keeping the directory itself: swapping it out
+    failed on a mount point (a container's empty volume: EBUSY) and left a shell inside it (`--out .`) in a
+    deleted directory. The scratch directory is inside `final` (one filesystem); an error moves back what was
+    moved, so `final` holds only the scratch directory, which is removed."""
+    moved = []
+    try:
+        for entry in sorted(scratch.iterdir()):
+            os.rename(entry, final / entry.name)
+            moved.append(entry.name)
+    except BaseException:
+        for name in moved:
+            try:
+                os.rename(final / name, scratch / name)
+            except OSError:
+                pass
+        raise
+    shutil.rmtree(scratch, ignore_errors=True)
+    _fsync(final)
+
+
 @contextmanager
 def building(final: Path) -> Iterator[Path]:
     """A fresh, locked scratch directory beside `final`; on a clean exit it replaces `final`, on an
     exception it is removed and `final` is left as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(final)
+    # An existing empty directory is kept (it may be a mount point, or a shell's working directory): the
+    # scratch directory goes inside it, on its filesystem.
+    inside = final.is_dir() and not final.is_symlink() and not any(final.iterdir())
     for _ in range(8):
-        scratch = final.with_name(final.name + SCRATCH + f"{os.getpid()}-{secrets.token_hex(4)}")
+        name = SCRATCH + f"{os.getpid()}-{secrets.token_hex(4)}"
+        scratch = final / name if inside else final.with_name(final.name + name)
         scratch.mkdir()
         # A concurrent remove_leftovers may take the lock between mkdir and flock and remove the
         # directory: waiting for the lock and checking that the directory is still there covers it.

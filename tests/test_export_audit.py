@@ -1,0 +1,99 @@
+"""`shardlm export`'s refusals found in an audit: what an --overwrite must never replace."""
+import pytest
+
+from helpers import cli_here, cli_proc
+
+
+@pytest.mark.timeout(120)
+def test_adapter_export_never_replaces_its_own_base(tmp_path, capsys):
+    """A LoRA run's adapter exported with `--out BASE --overwrite`, BASE being the run's train.init_from (an
+    HF directory, so it looked like a previous export), deleted the base model and wrote an adapter whose
+    adapter_config.json names that deleted base: the adapter could never be loaded again. It is refused, BASE
+    left as it was."""
+    base = tmp_path / "base"
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "pre")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "pre", "--out", base)
+    cli_here(capsys, "train", "tiny", "--train.init_from", base, "--train.steps", "1", "--lora.rank", "4",
+             "--lora.targets", "q_proj", "--out", tmp_path / "run")
+    before = sorted(p.name for p in base.iterdir())
+    proc = cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", base, "--overwrite")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "train.init_from" in proc.stderr and "--merge" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in base.iterdir()) == before and (base / "config.json").is_file()
+    # the merged model stands alone: replacing the base with it stays the user's choice
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_exported_files_are_readable_as_the_umask_allows(tmp_path, capsys):
+    """safetensors' save_file makes its file 0600: an export's model.safetensors (and a PEFT adapter's
+    adapter_model.safetensors) could be read by its owner alone, while config.json and the tokenizer beside
+    it were 0644: a server or a colleague reading a shared export got "Permission denied" on the weights.
+    Every file of an export has the mode the umask gives a new file, as save_pretrained's have."""
+    import os
+    umask = os.umask(0o022)
+    try:
+        cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--lora.targets", "q_proj",
+                 "--out", tmp_path / "run")
+        for out, extra in (("merged", ["--merge"]), ("adapter", [])):
+            cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / out, *extra)
+            modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / out).iterdir()}
+            assert set(modes.values()) == {"0o644"}, modes
+    finally:
+        os.umask(umask)
+
+
+@pytest.mark.timeout(120)
+def test_export_into_an_empty_directory_keeps_that_directory(tmp_path, capsys):
+    """An existing empty --out was swapped out for the scratch directory (renameat2 RENAME_EXCHANGE) and
+    deleted: on a mount point (a container's empty volume, `docker -v ...:/out`) the swap failed with
+    "Device or resource busy", and `--out .` left the shell in a deleted directory, where `ls` showed nothing.
+    The files now go into the directory itself, whose inode is the same after the export."""
+    import os
+    import shardlm.model.hf as hf
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--out", tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    inode = os.stat(out).st_ino
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    with pytest.MonkeyPatch.context() as m:  # a failed export leaves the empty directory empty, no scratch in it
+        m.setattr(hf, "save_file", full_disk)
+        assert cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", out).returncode == 1
+    assert list(out.iterdir()) == [] and os.stat(out).st_ino == inode
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", out)
+    assert os.stat(out).st_ino == inode and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out"]  # no scratch left
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_export_in_fp16_checks_the_adapter_not_the_base(tmp_path, monkeypatch, capsys):
+    """`--dtype fp16` refuses weights beyond fp16's range; for a LoRA run's adapter export it checked the whole
+    state, frozen base included, which is not written: a base weight beyond 65504 (a bf16 model's) refused an
+    adapter that fits, naming a base weight (and read the whole base, minutes for a 7B checkpoint)."""
+    import shardlm.checkpoint as ckpt_mod
+    from safetensors.torch import load_file
+    cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--lora.targets", "q_proj",
+             "--out", tmp_path / "run")
+    load = ckpt_mod.load_checkpoint
+
+    def with_a_large_base_weight(*args, **kwargs):
+        out = load(*args, **kwargs)
+        model = dict(out["model"].items())
+        model["norm.weight"] = model["norm.weight"] * 0 + 1e5
+        return {**out, "model": model}
+    monkeypatch.setattr(ckpt_mod, "load_checkpoint", with_a_large_base_weight)
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter", "--dtype", "fp16")
+    assert all(t.dtype == torch_fp16() for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
+    proc = cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "m", "--dtype", "fp16",
+                    "--merge")
+    assert proc.returncode == 2 and "norm.weight" in proc.stderr  # the merged model writes it: still refused
+
+
+def torch_fp16():
+    import torch
+    return torch.float16
