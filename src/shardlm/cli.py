@@ -252,7 +252,7 @@ def cmd_export(argv: list[str]) -> int:
     from .adapter_check import ADAPTER_KEY, MERGED_KEY, adapter_fingerprint
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
-    from .export import check_out, writing
+    from .export import check_out, refuse_beyond_fp16, refuse_replacing_base, writing
     from .generation_config import own_generation_config
     from .model.hf import write_hf_dir
     from .parallel.lora import merged, peft_state, write_peft_dir
@@ -268,17 +268,14 @@ def cmd_export(argv: list[str]) -> int:
             raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to "
                               "merge")
         base = full.train.init_from or None
-        if lora.rank and not a.merge and base and os.path.realpath(a.out) == os.path.realpath(base):
-            # An HF directory looks like a previous export: --overwrite deleted the base the adapter names.
-            raise ConfigError(f"--out {a.out} is this run's train.init_from, the base model its adapter applies to: "
-                              "an adapter export never replaces it; give another --out (or --merge for a model "
-                              "that stands alone)")
+        if lora.rank and not a.merge:
+            refuse_replacing_base(a.out, base)
         state, mark = ckpt["model"], {}
         if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
             mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
         state = merged(state, cfg, lora) if a.merge else state
         if a.dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
-            _refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
+            refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
         try:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
@@ -306,16 +303,6 @@ def _bar(bars: ExitStack, what: str, unit: str):
         return bars.enter_context(tqdm(total=total, desc=what, unit=unit, unit_scale=True, disable=None,
                                        file=sys.stderr)).update
     return start
-
-
-def _refuse_beyond_fp16(state: dict, out: str) -> None:
-    """fp16 holds up to 65504: a weight beyond it would be written as inf."""
-    import torch
-    limit = torch.finfo(torch.float16).max
-    bad = next((n for n, w in state.items() if bool(w.abs().gt(limit).any())), None)
-    if bad is not None:
-        raise ConfigError(f"--dtype fp16: {bad} holds values beyond fp16's range (65504), which would be written to "
-                          f"{out} as inf: export as bf16 or fp32")
 
 
 def cmd_plan(argv: list[str]) -> int:

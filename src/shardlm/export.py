@@ -90,3 +90,22 @@ def writing(out: str | Path, overwrite: bool):
         for path in scratch.iterdir():
             if path.is_file() and not path.is_symlink():
                 os.chmod(path, 0o666 & ~mask)
+
+
+def refuse_replacing_base(out: str | Path, base: str | None) -> None:
+    """An adapter export into its run's train.init_from: that HF directory looks like a previous export, and
+    --overwrite deleted the base model the adapter names."""
+    if base and os.path.realpath(out) == os.path.realpath(base):
+        raise ConfigError(f"--out {out} is this run's train.init_from, the base model its adapter applies to: an "
+                          "adapter export never replaces it; give another --out (or --merge for a model that stands "
+                          "alone)")
+
+
+def refuse_beyond_fp16(state: dict, out: str) -> None:
+    """fp16 holds up to 65504: a weight beyond it would be written as inf."""
+    import torch
+    limit = torch.finfo(torch.float16).max
+    bad = next((n for n, w in state.items() if bool(w.abs().gt(limit).any())), None)
+    if bad is not None:
+        raise ConfigError(f"--dtype fp16: {bad} holds values beyond fp16's range (65504), which would be written to "
+                          f"{out} as inf: export as bf16 or fp32")
