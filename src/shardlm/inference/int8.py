@@ -9,8 +9,8 @@ multiplies on the tensor cores (tl.dot), each program 32 output channels over al
 decode) a matrix-vector kernel on the CUDA cores instead, which reads the weight as words of four bytes,
 converts each byte with one bitwise operation (the byte as the mantissa of a float by its bits, as
 FasterTransformer's and Marlin's fast int-to-float conversions do) and holds several rows a thread, so that
-an input's load and conversion serve all of them: that kernel is bound by the instructions it issues a byte. Elsewhere (prefill's many rows, the CPU)
-the weight is dequantised whole and multiplied as usual.
+an input's load and conversion serve all of them: that kernel is bound by the instructions it issues a byte.
+Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Weight-only quantisation for inference (gpt-fast's int8 and int4): the blocks' linear layers' weights stored
 in 8 or 4 bits with per-channel (int8) or per-group (int4) scales, dequantised inside the matrix product, so
-that batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes. The output head is stored in int8 for
-both kinds (QuantizedHead), as gpt-fast quantises its output layer too: its logits pick the tokens, and int8
-per channel barely moves them where int4's groups would; at batch 1 it is the largest single product (llama2-7b's
-262 MB in bf16). Activations, embeddings and norms stay in the model's dtype.
+that batch-1 decode, bound by reading the weights, reads half or a quarter of the bytes. The output head is
+stored in int8 for both kinds (QuantizedHead), as gpt-fast quantises its output layer too: its logits pick the
+tokens, and int8 per channel barely moves them where int4's groups would; at batch 1 it is the largest single
+product (llama2-7b's 262 MB in bf16). Activations, embeddings and norms stay in the model's dtype.
 
 int8 is int8.py's (torchao's symmetric per-channel scheme), int4 int4.py's (a scale and a minimum per group of
 inputs); each reads its packed weights in Triton products when a step has few rows on a GPU, and elsewhere

@@ -270,8 +270,10 @@ def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
           f"of {fmt(g.memory)}")
     for rank, (e, w, L) in enumerate(best, 1):
         ep = f" ep {L.ep}" if model.num_experts else ""
+        stages = f" v{L.virtual_stages}" if L.virtual_stages > 1 else ""
         desc = (f"dp {L.dp}{f' cp {L.cp}' if L.cp > 1 else ''}{ep} tp {L.tp}{' sp' if L.sp else ''} pp {L.pp}"
-                f"{' ' + L.pp_schedule if L.pp > 1 else ''}{f' v{L.virtual_stages}' if L.virtual_stages > 1 else ''} zero {L.zero_stage} mb {w.micro_batch} recompute {L.recompute}")
+                f"{' ' + L.pp_schedule if L.pp > 1 else ''}{stages} zero {L.zero_stage} mb {w.micro_batch} "
+                f"recompute {L.recompute}")
         print(f"{rank}. {desc}: {e.tokens_per_s:,.0f} tok/s{training(a, e)} ({why(e, L, best[0][0])})")
     if not best:
         print(nothing_fits(a, scored, gpus))
