@@ -128,9 +128,10 @@ def test_a_lora_run_on_experts_exports_an_adapter_peft_loads_and_a_merged_model(
         with adapted.disable_adapter():
             assert not torch.allclose(adapted(input_ids=ids).logits, want, atol=1e-4)  # the adapter matters
         # fp32 logits of about 1: the merged weight, our (A x) then (scale B) and PEFT's scale (B (A x)) round
-        # differently; 2e-5 apart seen after a few layers and a router's softmax.
+        # differently; 2e-5 apart seen after a few layers and a router's softmax, one logit of 20,480 7.7e-5
+        # apart with transformers 5.24.
         for got in (merged(input_ids=ids).logits, on_base(ids)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-4)
     from shardlm.inference import Engine, Request  # served per row over the base, beside a row without it
     engine = Engine(load_pretrained(tmp_path / "base")[0], max_batch=2, max_len=32, compile=False)
     engine.add_adapter("tuned", tmp_path / "adapter")
