@@ -187,6 +187,20 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
 
 
+def test_a_damaged_checkpoint_skipped_on_resume_does_not_take_a_good_ones_place_in_rotation(tmp_path, capsys):
+    """Resuming past a damaged newest checkpoint kept it: it counted towards train.keep_checkpoints, so the
+    next save deleted the good checkpoint the run had resumed from and left the damaged one, one good
+    checkpoint where two were asked for (and none to fall back on)."""
+    run = tmp_path / "run"
+    train_here(capsys, "--train.steps", 6, "--train.save_every", 2, "--out", run, check=True)
+    damage(run / "checkpoints" / "step_00000006" / "rank00000-0000.safetensors", "truncated")
+    proc = train_here(capsys, "--train.steps", 7, "--out", run, "--resume", run, check=True)
+    assert "step_00000006" in proc.stdout + proc.stderr  # said to be skipped, and deleted
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000004", "step_00000007"]
+    for p in complete_checkpoints(run):
+        load_checkpoint(p)
+
+
 def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_say_which_they_use(tmp_path, capsys):
     """They take the newest checkpoint that verifies, as a resume does: that was an older step without a word."""
     run = tmp_path / "run"

@@ -138,8 +138,8 @@ class Trainer:
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
-        if self.out is not None and overwrite and self.mesh.is_main:
-            rundir.overwrite_run(self.out, checkpoint, log)
+        if self.out is not None and self.mesh.is_main and (overwrite or same_dir):
+            (rundir.overwrite_run if overwrite else rundir.drop_damaged_after)(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None, warn=self.log)
         if self.out is not None and self.mesh.is_main:
