@@ -520,6 +520,30 @@ def test_a_console_that_goes_away_with_stderr_stops_the_run_saved(tmp_path):
     assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
 
 
+@pytest.mark.timeout(120)
+def test_a_terminal_that_hangs_up_stops_the_run_saved(tmp_path):
+    """An ssh session that drops hangs up the run's terminal: SIGHUP killed the run, every step since its last save
+    lost (all of them at the default train.save_every 0). It now stops after the step as SIGTERM does, saved; the
+    writes to the hung-up terminal (EIO) go nowhere, as a closed pipe's do."""
+    pty = pytest.importorskip("pty")
+    import select
+    import time
+    run = tmp_path / "run"
+    pid, fd = pty.fork()
+    if pid == 0:  # a session of its own, with the pty as its controlling terminal
+        os.execvp(sys.executable, [sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
+                                   "--out", str(run)])
+    seen, start = b"", time.time()
+    while b"step      2 |" not in seen and time.time() - start < 90:
+        if select.select([fd], [], [], 1)[0]:
+            seen += os.read(fd, 4096)
+    os.close(fd)  # the terminal goes away: the kernel sends its session SIGHUP
+    status = os.waitpid(pid, 0)[1]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGHUP, (status, seen[-2000:])
+    step = steps_of(run)[-1]
+    assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+
+
 def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):
     """SIGTERM while the last step runs: the run said `stopped by SIGTERM after step 3 of 3; to continue: ...`
     and exited 143, though every step was done. It is complete: saved, status 0, no advice to continue, and

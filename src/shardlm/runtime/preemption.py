@@ -1,4 +1,4 @@
-"""A graceful stop on SIGTERM or SIGINT: finish the step, agree across ranks, save, exit (the scheme of
+"""A graceful stop on SIGTERM, SIGINT or SIGHUP: finish the step, agree across ranks, save, exit (the scheme of
 Megatron-LM's `--exit-signal-handler`).
 
 Schedulers preempting a job (Slurm, Kubernetes), torchrun shutting its workers down and Ctrl-C send
@@ -19,7 +19,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: the terminal went away (an ssh session dropped), which killed the run with every step since its last save.
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 class StopSignals:
