@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -527,7 +528,6 @@ def test_a_terminal_that_hangs_up_stops_the_run_saved(tmp_path):
     writes to the hung-up terminal (EIO) go nowhere, as a closed pipe's do."""
     pty = pytest.importorskip("pty")
     import select
-    import time
     run = tmp_path / "run"
     pid, fd = pty.fork()
     if pid == 0:  # a session of its own, with the pty as its controlling terminal
@@ -542,6 +542,25 @@ def test_a_terminal_that_hangs_up_stops_the_run_saved(tmp_path):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGHUP, (status, seen[-2000:])
     step = steps_of(run)[-1]
     assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+
+
+def test_a_run_under_nohup_outlives_its_terminal():
+    """SIGHUP stops a run saved, except where it was ignored when the run started (nohup): there the run trains on."""
+    from shardlm.runtime.preemption import StopSignals
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)  # Python runs handlers between bytecodes
+            assert stop.agreed() == 0
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert stop.agreed() == signal.SIGHUP
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):

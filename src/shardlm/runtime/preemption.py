@@ -37,7 +37,9 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            # nohup's ignored SIGHUP stays ignored: that run is meant to outlive its terminal.
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS
+                              if s in (signal.SIGTERM, signal.SIGINT) or signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
