@@ -196,8 +196,9 @@ def test_a_damaged_checkpoint_skipped_on_resume_does_not_take_a_good_ones_place_
     train_here(capsys, "--train.steps", 6, "--train.save_every", 2, "--out", run, check=True)
     damage(run / "checkpoints" / "step_00000006" / "rank00000-0000.safetensors", "truncated")
     proc = train_here(capsys, "--train.steps", 7, "--out", run, "--resume", run, check=True)
-    assert "step_00000006" in proc.stdout + proc.stderr  # said to be skipped, and deleted
+    assert f"moved the damaged step_00000006 aside to {run}/checkpoints/damaged-step_00000006" in proc.stdout
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000004", "step_00000007"]
+    assert (run / "checkpoints" / "damaged-step_00000006" / "state.json").is_file()  # for the user to look at
     for p in complete_checkpoints(run):
         load_checkpoint(p)
 
