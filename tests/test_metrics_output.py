@@ -68,3 +68,19 @@ def test_a_new_run_does_not_show_an_earlier_runs_tensorboard_steps_as_its_own(tm
     trainer.close()
     assert _tensorboard_steps(run) == [1, 2]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_reports_its_first_step_at_once(tmp_path):
+    """A new run logs its step 1 whatever train.log_every is, so that a long run says it is alive within seconds; a
+    resumed one (a requeued job) said nothing until the next multiple of log_every, its console and metrics
+    silent for up to log_every steps after the loading."""
+    run = tmp_path / "run"
+    overrides = {"train.log_every": "5", "train.sample_tokens": "0", "train.tensorboard": "false"}
+    trainer = Trainer(load_config("tiny", {**overrides, "train.steps": "3"}), out_dir=run, log=lambda *a: None)
+    assert [r["step"] for r in trainer.run()] == [1, 3]
+    trainer.close()
+    trainer = Trainer(load_config("tiny", {**overrides, "train.steps": "8"}), out_dir=run, resume=run,
+                      log=lambda *a: None)
+    assert [r["step"] for r in trainer.run()] == [4, 5, 8]
+    trainer.close()

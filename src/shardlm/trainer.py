@@ -304,7 +304,7 @@ class Trainer:
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
-                first = self.step == 1  # the initial loss: a long run says it is alive within seconds
+                first = not records  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         try:
