@@ -26,6 +26,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"optim.lr": "1"}, "unknown config key 'optim.lr'"),
     ({"lora.r": "8"}, "unknown config key 'lora.r'; PEFT's r is lora.rank here"),  # other tools' names, said
     ({"train.learning_rate": "1e-4"}, "TrainingArguments's learning_rate is train.lr here"),
+    ({"train.save_total_limit": "3"}, "TrainingArguments's save_total_limit is train.keep_checkpoints here"),
+    ({"train.report_to": "tensorboard"}, "TrainingArguments's report_to is train.tensorboard"),
     ({"train.steps": "ten"}, "train.steps = 'ten' is not a valid int"),
     ({"train.steps": "0"}, "train.steps = 0 must be positive"),
     ({"model.hidden_size": "-8"}, "model.hidden_size = -8 must be positive"),

@@ -1,5 +1,6 @@
 """What a training run reports (trainer.py's records, metrics.jsonl): numbers that describe the work done."""
 import json
+import shutil
 
 import pytest
 
@@ -40,3 +41,46 @@ def test_the_readme_states_the_flops_per_token_that_lora_runs_report_mfu_with():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     metrics = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
     assert "LoRA" in metrics and "4 x" in metrics, metrics
+
+
+def _tensorboard_steps(run, tag="train/loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_run_does_not_show_an_earlier_runs_tensorboard_steps_as_its_own(tmp_path):
+    """A run that left no checkpoint (killed before its first save, save_every 0) leaves metrics.jsonl and
+    TensorBoard events; a new run into that --out replaced metrics.jsonl but kept the old events beside its
+    own: TensorBoard showed steps 1-2 twice and the old run's steps 3-4 as this run's."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.sample_tokens": "0"})
+    trainer = Trainer(cfg, out_dir=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    shutil.rmtree(run / "checkpoints")  # as a run killed before it saved leaves its directory
+    cfg = load_config("tiny", {"train.steps": "2", "train.sample_tokens": "0", "train.seed": "5"})
+    trainer = Trainer(cfg, out_dir=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    assert _tensorboard_steps(run) == [1, 2]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_reports_its_first_step_at_once(tmp_path):
+    """A new run logs its step 1 whatever train.log_every is, so that a long run says it is alive within seconds; a
+    resumed one (a requeued job) said nothing until the next multiple of log_every, its console and metrics
+    silent for up to log_every steps after the loading."""
+    run = tmp_path / "run"
+    overrides = {"train.log_every": "5", "train.sample_tokens": "0", "train.tensorboard": "false"}
+    trainer = Trainer(load_config("tiny", {**overrides, "train.steps": "3"}), out_dir=run, log=lambda *a: None)
+    assert [r["step"] for r in trainer.run()] == [1, 3]
+    trainer.close()
+    trainer = Trainer(load_config("tiny", {**overrides, "train.steps": "8"}), out_dir=run, resume=run,
+                      log=lambda *a: None)
+    assert [r["step"] for r in trainer.run()] == [4, 5, 8]
+    trainer.close()

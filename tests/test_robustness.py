@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -185,6 +186,21 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     resumed = Trainer(cfg, out_dir=run, resume=run, log=said.append)
     assert resumed.step == 2 and resumed.resumed_from.name == "step_00000002"
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
+
+
+def test_a_damaged_checkpoint_skipped_on_resume_does_not_take_a_good_ones_place_in_rotation(tmp_path, capsys):
+    """Resuming past a damaged newest checkpoint kept it: it counted towards train.keep_checkpoints, so the
+    next save deleted the good checkpoint the run had resumed from and left the damaged one, one good
+    checkpoint where two were asked for (and none to fall back on)."""
+    run = tmp_path / "run"
+    train_here(capsys, "--train.steps", 6, "--train.save_every", 2, "--out", run, check=True)
+    damage(run / "checkpoints" / "step_00000006" / "rank00000-0000.safetensors", "truncated")
+    proc = train_here(capsys, "--train.steps", 7, "--out", run, "--resume", run, check=True)
+    assert f"moved the damaged step_00000006 aside to {run}/checkpoints/damaged-step_00000006" in proc.stdout
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000004", "step_00000007"]
+    assert (run / "checkpoints" / "damaged-step_00000006" / "state.json").is_file()  # for the user to look at
+    for p in complete_checkpoints(run):
+        load_checkpoint(p)
 
 
 def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_say_which_they_use(tmp_path, capsys):
@@ -504,6 +520,48 @@ def test_a_console_that_goes_away_with_stderr_stops_the_run_saved(tmp_path):
     assert proc.returncode == 128 + signal.SIGPIPE
     step = steps_of(run)[-1]
     assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+
+
+@pytest.mark.timeout(120)
+def test_a_terminal_that_hangs_up_stops_the_run_saved(tmp_path):
+    """An ssh session that drops hangs up the run's terminal: SIGHUP killed the run, every step since its last save
+    lost (all of them at the default train.save_every 0). It now stops after the step as SIGTERM does, saved; the
+    writes to the hung-up terminal (EIO) go nowhere, as a closed pipe's do."""
+    pty = pytest.importorskip("pty")
+    import select
+    run = tmp_path / "run"
+    pid, fd = pty.fork()
+    if pid == 0:  # a session of its own, with the pty as its controlling terminal
+        os.execvp(sys.executable, [sys.executable, "-m", "shardlm", "train", "tiny", *QUIET, "--train.steps", "100000",
+                                   "--out", str(run)])
+    seen, start = b"", time.time()
+    while b"step      2 |" not in seen and time.time() - start < 90:
+        if select.select([fd], [], [], 1)[0]:
+            seen += os.read(fd, 4096)
+    os.close(fd)  # the terminal goes away: the kernel sends its session SIGHUP
+    status = os.waitpid(pid, 0)[1]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGHUP, (status, seen[-2000:])
+    step = steps_of(run)[-1]
+    assert step >= 2 and [p.name for p in complete_checkpoints(run)] == [f"step_{step:08d}"]
+
+
+def test_a_run_under_nohup_outlives_its_terminal():
+    """SIGHUP stops a run saved, except where it was ignored when the run started (nohup): there the run trains on."""
+    from shardlm.runtime.preemption import StopSignals
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)  # Python runs handlers between bytecodes
+            assert stop.agreed() == 0
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert stop.agreed() == signal.SIGHUP
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, monkeypatch, capsys):

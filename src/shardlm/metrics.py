@@ -73,8 +73,11 @@ class MetricsLogger:
             kept = [line for line in self.path.read_text().splitlines()
                     if (step := _step_of(line)) is not None and step <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.is_file():
-            self.path.unlink()
+        elif resume_step is None:
+            self.path.unlink(missing_ok=True)
+            # An earlier run's events (it left no checkpoint to resume) would show as this run's steps.
+            for old in (out_dir / "tensorboard").glob("events.out.tfevents.*"):
+                old.unlink()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -7,7 +7,7 @@ rules that keep two runs from mixing in one directory or a run from losing its o
   checkpoint in favour of the old run's higher step numbers.
 - A run resumed into its own directory from an explicitly chosen earlier checkpoint would continue next
   to checkpoints of the future it abandons: refused unless `--overwrite` deletes them. (Resuming a run
-  directory picks its newest checkpoint that verifies; later ones are then damaged, and replaced.)
+  directory picks its newest checkpoint that verifies; later ones are then damaged, and moved aside.)
 - Temporary directories of saves cut short are removed.
 - One process group owns the directory for the run's life (`claim`, runlock.py): a second run into it, or a
   resume of a run still going, is refused before either writes anything.
@@ -133,6 +133,20 @@ def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
         shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         (out / METRICS).unlink(missing_ok=True)
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")
+
+
+def drop_damaged_after(out: Path, checkpoint: Path, log=print) -> None:
+    """Resuming its own run directory (not --overwrite, which deletes them anyway): the checkpoints after
+    `checkpoint`, the newest that verified, are damaged. Kept, they counted towards train.keep_checkpoints,
+    and rotation deleted good checkpoints in their place. Moved aside rather than deleted: one that only
+    could not be read just then (a flaky network filesystem) is still there (main rank; once the run has
+    passed its checks)."""
+    for p in (p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)):
+        aside = p.with_name(f"damaged-{p.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        p.rename(aside)
+        log(f"moved the damaged {p.name} aside to {aside} (delete it once it is of no use): the run continues "
+            f"from {checkpoint.name}")
 
 
 def check_resume_into(out: Path, resume: Path, checkpoint: Path, overwrite: bool, saved_batch: int,

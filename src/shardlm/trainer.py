@@ -138,8 +138,8 @@ class Trainer:
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(self.device, t.peak_tflops)
-        if self.out is not None and overwrite and self.mesh.is_main:
-            rundir.overwrite_run(self.out, checkpoint, log)
+        if self.out is not None and self.mesh.is_main and (overwrite or same_dir):
+            (rundir.overwrite_run if overwrite else rundir.drop_damaged_after)(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None, warn=self.log)
         if self.out is not None and self.mesh.is_main:
@@ -304,7 +304,7 @@ class Trainer:
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
-                first = self.step == 1  # the initial loss: a long run says it is alive within seconds
+                first = not records  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         try:

@@ -138,6 +138,8 @@ HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "
             "train.max_grad_norm": ("train.grad_clip", "TrainingArguments"),
             "train.max_seq_length": ("train.seq_len", "TRL"), "train.max_length": ("train.seq_len", "TRL"),
             "train.save_steps": ("train.save_every", "TrainingArguments"),
+            "train.save_total_limit": ("train.keep_checkpoints", "TrainingArguments"),
+            "train.report_to": ("train.tensorboard (true or false)", "TrainingArguments"),
             "train.eval_steps": ("train.eval_every", "TrainingArguments"),
             "train.logging_steps": ("train.log_every", "TrainingArguments")}
 

@@ -3,6 +3,7 @@ say goes to stderr, and the caller learns it (`lost`) to stop as a signal would,
 BrokenPipeError with the steps since the last checkpoint."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -23,10 +24,14 @@ class Console:
         if not self.lost:
             try:
                 return self.log(*args)
-            except BrokenPipeError:
+            except OSError as e:
+                if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:  # EIO: a terminal hung up
+                    raise
                 silence_stdout()
                 self.lost = True
         try:
             print(*args, file=sys.stderr, flush=True)
-        except BrokenPipeError:  # `shardlm train 2>&1 | head`: stderr left with stdout; the run still stops saved
+        except OSError as e:  # `shardlm train 2>&1 | head`, or the terminal: stderr left with stdout; still saved
+            if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:
+                raise
             silence_stdout(sys.stderr)

@@ -1,4 +1,4 @@
-"""A graceful stop on SIGTERM or SIGINT: finish the step, agree across ranks, save, exit (the scheme of
+"""A graceful stop on SIGTERM, SIGINT or SIGHUP: finish the step, agree across ranks, save, exit (the scheme of
 Megatron-LM's `--exit-signal-handler`).
 
 Schedulers preempting a job (Slurm, Kubernetes), torchrun shutting its workers down and Ctrl-C send
@@ -19,7 +19,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: the terminal went away (an ssh session dropped), which killed the run with every step since its last save.
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 class StopSignals:
@@ -36,7 +37,9 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            # nohup's ignored SIGHUP stays ignored: that run is meant to outlive its terminal.
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS
+                              if s in (signal.SIGTERM, signal.SIGINT) or signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
