@@ -159,6 +159,20 @@ def test_window_rules_of_configs_without_or_with_layer_types_match_automodel(kin
     reads_as_transformers(tmp_path, 24)
 
 
+def test_qwen2_moe_dense_layers_that_decoder_sparse_step_leaves_dense_anyway_are_read(tmp_path):
+    """mlp_only_layers = [0] with decoder_sparse_step 2 makes layer 1 alone sparse, as shardlm's first dense layer
+    and moe_every 2 do: read (it was refused as dense layers other than the first); [1] alone at step 1 is not."""
+    import json
+
+    hf_model("qwen2_moe").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "decoder_sparse_step": 2}))
+    reads_as_transformers(tmp_path, 24)
+    assert [read_hf_dir(tmp_path)[0].is_moe_layer(i) for i in range(2)] == [False, True]
+    with pytest.raises(ConfigError, match=re.escape("mlp_only_layers = [1] is not supported")):
+        model_config_from_hf({**config, "mlp_only_layers": [1]})
+
+
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
     """Every layer of the export slides in transformers too (its Qwen2-MoE rule from max_window_layers alone
     slides every other layer or none)."""

@@ -166,13 +166,21 @@ def _experts_from_hf(arch: str, hf: dict) -> dict:
     if arch != "Qwen2MoeForCausalLM":
         return {}
     step, dense = hf.get("decoder_sparse_step", 1), sorted(hf.get("mlp_only_layers") or [])
-    if dense and (dense != list(range(len(dense))) or step != 1):
-        # shardlm's rule is the first layers dense, then every moe_every-th layer a mixture of experts
-        _refuse("mlp_only_layers", dense, "dense layers other than the first ones (with decoder_sparse_step 1)")
+    first = len(dense)
+    if dense and isinstance(step, int) and step >= 1:  # else refused below as model.moe_every, by value or type
+        # shardlm's rule is the first layers dense, then every moe_every-th layer a mixture of experts; what counts
+        # is which layers transformers makes sparse (mlp_only_layers = [0] with decoder_sparse_step 2 changes none)
+        n = hf["num_hidden_layers"]
+        sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+        first = next((k for k in [first, *range(n + 1)]
+                      if [i for i in range(k, n) if (i + 1) % step == 0] == sparse), None)
+        if first is None:
+            _refuse("mlp_only_layers", dense, f"with decoder_sparse_step = {step} it leaves layers {sparse} sparse, "
+                    "and shardlm's dense layers are the first ones only (then every decoder_sparse_step-th sparse)")
     return dict(num_experts=hf.get("num_experts", 60), top_k=hf.get("num_experts_per_tok", 4),
                 moe_ffn_hidden_size=hf.get("moe_intermediate_size", 1408),
                 shared_expert_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 5632),
-                moe_every=step, moe_first_dense=len(dense), router_renormalize=bool(hf.get("norm_topk_prob", False)))
+                moe_every=step, moe_first_dense=first, router_renormalize=bool(hf.get("norm_topk_prob", False)))
 
 
 READ_THE_RUN = "; shardlm generate, eval and serve read the run itself (--model RUN)"
