@@ -173,6 +173,23 @@ def test_qwen2_moe_dense_layers_that_decoder_sparse_step_leaves_dense_anyway_are
         model_config_from_hf({**config, "mlp_only_layers": [1]})
 
 
+def test_a_qwen2_moe_without_a_shared_expert_exports_as_qwen2_moe(tmp_path):
+    """shared_expert_intermediate_size 0 (its shared expert adds 0): read, and exported back to the class it came
+    from (it was refused as neither Mixtral's nor Qwen2-MoE's)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    ref = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=300, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=0))
+    ref.save_pretrained(tmp_path / "hf")
+    reads_as_transformers(tmp_path / "hf", 24)
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    write_hf_dir(state, cfg, tmp_path / "export")
+    assert read_hf_dir(tmp_path / "export")[0] == cfg
+    reads_as_transformers(tmp_path / "export", 24)
+
+
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):
     """Every layer of the export slides in transformers too (its Qwen2-MoE rule from max_window_layers alone
     slides every other layer or none)."""

@@ -204,11 +204,11 @@ def _hf_moe_class(cfg: ModelConfig) -> str:
         ("moe_ffn_hidden_size", cfg.moe_ffn_size, cfg.ffn_size)) if v != mixtral]
     if not unlike:
         return "MixtralForCausalLM"
-    if cfg.shared_expert_ffn_hidden_size and cfg.qkv_bias:
+    if cfg.qkv_bias:  # without a shared expert too: Qwen2-MoE's of 0 features adds 0 (model/hf.py writes it so)
         return "Qwen2MoeForCausalLM"
     raise ConfigError(f"this mixture of experts ({', '.join(unlike)}) is neither Mixtral's (every layer, experts of "
-                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared "
-                      f"expert and qkv biases): Hugging Face has no class here that computes it{READ_THE_RUN}")
+                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (qkv biases, "
+                      f"any shared expert): Hugging Face has no class here that computes it{READ_THE_RUN}")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,
