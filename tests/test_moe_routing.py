@@ -86,11 +86,12 @@ def test_capacity_is_per_sequence_whatever_the_batch():
     torch.testing.assert_close(stats, m.stats)
 
 
-def test_a_capacity_that_drops_nothing_equals_dropless():
+@pytest.mark.parametrize("big", [2.0, 1e30])
+def test_a_capacity_that_drops_nothing_equals_dropless(big):
     """capacity_factor = E / k: each expert may take every token of a sequence, so nothing is dropped and the
-    outputs and every gradient are dropless routing's."""
+    outputs and every gradient are dropless routing's; so too a factor far beyond it (1e30 once overflowed)."""
     runs = []
-    for factor in (0.0, 2.0):
+    for factor in (0.0, big):
         m = layer(capacity_factor=factor)
         x = torch.randn(2, 16, m.router.weight.shape[1], generator=torch.Generator().manual_seed(1),
                         requires_grad=True)
