@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from helpers import hf_model, matched_to_transformers
+from helpers import cli_proc, hf_model, matched_to_transformers, save_hf
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
@@ -188,6 +188,20 @@ def test_a_qwen2_moe_without_a_shared_expert_exports_as_qwen2_moe(tmp_path):
     write_hf_dir(state, cfg, tmp_path / "export")
     assert read_hf_dir(tmp_path / "export")[0] == cfg
     reads_as_transformers(tmp_path / "export", 24)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_generate_on_a_checkpoint_routing_to_more_experts_than_it_has_is_refused(top_k, tmp_path, capsys):
+    """num_experts_per_tok beyond 1..num_local_experts: one line naming the key (it was a traceback from the
+    router's top-k, or a reshape of nothing, in the first forward)."""
+    import json
+
+    save_hf("mixtral", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": top_k}))
+    proc = cli_proc(capsys, "generate", "--model", tmp_path, "--prompt", "hi", "--max-new-tokens", "2")
+    assert proc.returncode == 2
+    assert f"num_experts_per_tok = {top_k} must be between 1 and its 4 experts" in proc.stderr
 
 
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):

@@ -90,6 +90,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{e}: fix config.json's rope_scaling (or rope_parameters), or download or save the model "
                           "again") from None
+    m = typed.model  # as validate refuses it: generate and eval once ended in torch.topk's "index k out of range"
+    if m.num_experts and not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError(f"the Hugging Face config's num_experts_per_tok = {m.top_k} must be between 1 and its "
+                          f"{m.num_experts} experts: fix config.json, or download or save the model again")
     return typed.model
 
 
