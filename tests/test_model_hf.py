@@ -190,18 +190,22 @@ def test_a_qwen2_moe_without_a_shared_expert_exports_as_qwen2_moe(tmp_path):
     reads_as_transformers(tmp_path / "export", 24)
 
 
-@pytest.mark.parametrize("top_k", [0, 5])
-def test_generate_on_a_checkpoint_routing_to_more_experts_than_it_has_is_refused(top_k, tmp_path, capsys):
-    """num_experts_per_tok beyond 1..num_local_experts: one line naming the key (it was a traceback from the
-    router's top-k, or a reshape of nothing, in the first forward)."""
+@pytest.mark.parametrize("kind, key, value, message", [
+    ("mixtral", "num_experts_per_tok", 0, "num_experts_per_tok = 0 must be between 1 and its 4 experts"),
+    ("mixtral", "num_experts_per_tok", 5, "num_experts_per_tok = 5 must be between 1 and its 4 experts"),
+    ("qwen2_moe", "decoder_sparse_step", 0, "model.moe_every = 0 (shardlm's name for the config.json key), below 1"),
+    ("qwen2_moe", "shared_expert_intermediate_size", -1, "model.shared_expert_ffn_hidden_size = -1"),
+])
+def test_generate_on_a_checkpoint_of_impossible_experts_is_refused(kind, key, value, message, tmp_path, capsys):
+    """A config.json routing to more experts than it has, or none, or sizing them below 0: one line naming the
+    key (it was a traceback from the router's top-k, a modulo by zero or a negative dimension)."""
     import json
 
-    save_hf("mixtral", tmp_path)
+    save_hf(kind, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": top_k}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
     proc = cli_proc(capsys, "generate", "--model", tmp_path, "--prompt", "hi", "--max-new-tokens", "2")
-    assert proc.returncode == 2
-    assert f"num_experts_per_tok = {top_k} must be between 1 and its 4 experts" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):

@@ -6,7 +6,7 @@ or refused with its name and value: a checkpoint never loads into a model that c
 from __future__ import annotations
 
 from .config import Config, ConfigError, ModelConfig, apply_overrides
-from .config.checks import check_rope_scaling
+from .config.checks import NON_NEGATIVE, POSITIVE, check_rope_scaling
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
@@ -90,7 +90,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{e}: fix config.json's rope_scaling (or rope_parameters), or download or save the model "
                           "again") from None
-    m = typed.model  # as validate refuses it: generate and eval once ended in torch.topk's "index k out of range"
+    m = typed.model  # as validate refuses them: generate and eval once ended in a traceback building or routing
+    for key in (k for k in POSITIVE + NON_NEGATIVE if k.startswith("model.") and ("expert" in k or "moe" in k)):
+        value, least = getattr(m, key[len("model."):]), 1 if key in POSITIVE else 0
+        if value < least:  # decoder_sparse_step 0: a modulo by zero; shared_expert_intermediate_size -1
+            raise ConfigError(f"the Hugging Face config gives {key} = {value} (shardlm's name for the config.json "
+                              f"key), below {least}: fix config.json, or download or save the model again")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"the Hugging Face config's num_experts_per_tok = {m.top_k} must be between 1 and its "
                           f"{m.num_experts} experts: fix config.json, or download or save the model again")
