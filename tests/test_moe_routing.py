@@ -263,3 +263,11 @@ def test_generate_and_eval_route_with_the_trained_bias_and_export_is_refused(tmp
     assert any(m.router_bias.any() for m in layers)
     with pytest.raises(ConfigError, match="router_bias_update_rate"):
         hf_config_from_model(cfg)
+
+
+def test_a_resume_may_start_or_stop_dropping_tokens(tmp_path):
+    """model.capacity_factor chooses the copies training drops (no weight, no state; eval, generate and export
+    route dropless): a dropless run resumed with a capacity was refused as 'it changes the model'."""
+    dist_fns.train_and_capture(0, 1, {**MOE, "train.steps": "1"}, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, {**CAPACITY, "train.steps": "2"}, str(tmp_path / "b"), str(tmp_path / "a"))
+    assert len(resumed["losses"]) == 1 and sum(v for k, v in resumed["moe"][0].items() if k.endswith("dropped")) > 0
