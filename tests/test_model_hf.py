@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from helpers import hf_model, matched_to_transformers
+from helpers import cli_proc, hf_model, matched_to_transformers, save_hf
 from shardlm.config import ConfigError, load_config
 from shardlm.hf_config import model_config_from_hf
 from shardlm.model import build_model
@@ -157,6 +157,55 @@ def test_window_rules_of_configs_without_or_with_layer_types_match_automodel(kin
     config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "layer_types"}
     (tmp_path / "config.json").write_text(json.dumps(edit(config)))
     reads_as_transformers(tmp_path, 24)
+
+
+def test_qwen2_moe_dense_layers_that_decoder_sparse_step_leaves_dense_anyway_are_read(tmp_path):
+    """mlp_only_layers = [0] with decoder_sparse_step 2 makes layer 1 alone sparse, as shardlm's first dense layer
+    and moe_every 2 do: read (it was refused as dense layers other than the first); [1] alone at step 1 is not."""
+    import json
+
+    hf_model("qwen2_moe").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "decoder_sparse_step": 2}))
+    reads_as_transformers(tmp_path, 24)
+    assert [read_hf_dir(tmp_path)[0].is_moe_layer(i) for i in range(2)] == [False, True]
+    with pytest.raises(ConfigError, match=re.escape("mlp_only_layers = [1] is not supported")):
+        model_config_from_hf({**config, "mlp_only_layers": [1]})
+
+
+def test_a_qwen2_moe_without_a_shared_expert_exports_as_qwen2_moe(tmp_path):
+    """shared_expert_intermediate_size 0 (its shared expert adds 0): read, and exported back to the class it came
+    from (it was refused as neither Mixtral's nor Qwen2-MoE's)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    ref = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=300, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=0))
+    ref.save_pretrained(tmp_path / "hf")
+    reads_as_transformers(tmp_path / "hf", 24)
+    cfg, state = read_hf_dir(tmp_path / "hf")
+    write_hf_dir(state, cfg, tmp_path / "export")
+    assert read_hf_dir(tmp_path / "export")[0] == cfg
+    reads_as_transformers(tmp_path / "export", 24)
+
+
+@pytest.mark.parametrize("kind, key, value, message", [
+    ("mixtral", "num_experts_per_tok", 0, "num_experts_per_tok = 0 must be between 1 and its 4 experts"),
+    ("mixtral", "num_experts_per_tok", 5, "num_experts_per_tok = 5 must be between 1 and its 4 experts"),
+    ("qwen2_moe", "decoder_sparse_step", 0, "model.moe_every = 0 (shardlm's name for the config.json key), below 1"),
+    ("qwen2_moe", "shared_expert_intermediate_size", -1, "model.shared_expert_ffn_hidden_size = -1"),
+])
+def test_generate_on_a_checkpoint_of_impossible_experts_is_refused(kind, key, value, message, tmp_path, capsys):
+    """A config.json routing to more experts than it has, or none, or sizing them below 0: one line naming the
+    key (it was a traceback from the router's top-k, a modulo by zero or a negative dimension)."""
+    import json
+
+    save_hf(kind, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    proc = cli_proc(capsys, "generate", "--model", tmp_path, "--prompt", "hi", "--max-new-tokens", "2")
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_a_windowed_qwen2_moe_exports_with_its_window(tmp_path):

@@ -272,6 +272,10 @@ def test_top_1_renormalised_routing_that_the_loss_cannot_train_is_noted(scoring)
     for fine in ({"model.router_renormalize": "false"}, {"train.freeze": "router"}, {"train.freeze": "router.weight"},
                  {"train.freeze": "layers.*.mlp.router.weight"}, {"lora.rank": "4"}, {"model.top_k": "2"}):
         assert untrained_router_note(load_config("tiny", {**over, **fine})) is None, fine
+    # One expert: neither renormalising less (a softmax of one logit is 1) nor the balance loss trains it
+    for one in ({}, {"model.router_renormalize": "false", "model.router_scoring": "softmax"}):
+        note = untrained_router_note(load_config("tiny", {**over, "model.num_experts": "1", **one}))
+        assert "model.num_experts = 1" in note and "router_renormalize = False" not in note
 
 
 def test_config_checks_and_counts():

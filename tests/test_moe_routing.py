@@ -86,11 +86,12 @@ def test_capacity_is_per_sequence_whatever_the_batch():
     torch.testing.assert_close(stats, m.stats)
 
 
-def test_a_capacity_that_drops_nothing_equals_dropless():
+@pytest.mark.parametrize("big", [2.0, 1e30])
+def test_a_capacity_that_drops_nothing_equals_dropless(big):
     """capacity_factor = E / k: each expert may take every token of a sequence, so nothing is dropped and the
-    outputs and every gradient are dropless routing's."""
+    outputs and every gradient are dropless routing's; so too a factor far beyond it (1e30 once overflowed)."""
     runs = []
-    for factor in (0.0, 2.0):
+    for factor in (0.0, big):
         m = layer(capacity_factor=factor)
         x = torch.randn(2, 16, m.router.weight.shape[1], generator=torch.Generator().manual_seed(1),
                         requires_grad=True)
@@ -262,3 +263,11 @@ def test_generate_and_eval_route_with_the_trained_bias_and_export_is_refused(tmp
     assert any(m.router_bias.any() for m in layers)
     with pytest.raises(ConfigError, match="router_bias_update_rate"):
         hf_config_from_model(cfg)
+
+
+def test_a_resume_may_start_or_stop_dropping_tokens(tmp_path):
+    """model.capacity_factor chooses the copies training drops (no weight, no state; eval, generate and export
+    route dropless): a dropless run resumed with a capacity was refused as 'it changes the model'."""
+    dist_fns.train_and_capture(0, 1, {**MOE, "train.steps": "1"}, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, {**CAPACITY, "train.steps": "2"}, str(tmp_path / "b"), str(tmp_path / "a"))
+    assert len(resumed["losses"]) == 1 and sum(v for k, v in resumed["moe"][0].items() if k.endswith("dropped")) > 0

@@ -57,3 +57,17 @@ def test_a_search_with_no_valid_layout_does_not_say_nothing_fits(capsys):
     got = cli_proc(capsys, "plan", "--model", "tiny", "--search", "--gpus", 16, "--global-batch", 4)
     assert "more --gpus" not in got.stdout and "nothing fits" not in got.stdout
     assert "no layout of 16 GPUs is valid" in got.stdout and "--global-batch" in got.stdout
+
+
+@pytest.mark.timeout(60)
+def test_experts_and_top_k_flags_change_a_presets_mixture_of_experts_each_alone(capsys):
+    """--top-k alone on a preset was ignored, --experts reset qwen2-moe-a2.7b's top-4 to 2, and --experts 0 (which
+    --help and the refusal of -1 call a dense MLP) planned the preset's experts: each planned without a word."""
+    def flops(*flags):
+        return json.loads(cli_here(capsys, "plan", "--model", *flags, "--json"))["flops_per_step"]
+
+    assert flops("qwen2-moe-a2.7b", "--experts", "60") == flops("qwen2-moe-a2.7b")
+    assert flops("mixtral-tiny", "--top-k", "3") > flops("mixtral-tiny") > flops("mixtral-tiny", "--experts", "0")
+    assert flops("mixtral-tiny", "--experts", "0") == flops("tiny")  # its shape, dense
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--top-k", "1")
+    assert got.returncode == 2 and "--top-k 1 applies to a mixture of experts, and this model is dense" in got.stderr

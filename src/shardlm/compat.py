@@ -60,6 +60,8 @@ def check_resume(path: Path, saved: Config, now: Config) -> None:
                              f"{what}")
 
     for f in dataclasses.fields(saved.model):
+        if f.name == "capacity_factor":  # which copies training drops, no weight or state: eval and export are dropless
+            continue
         old, new = getattr(saved.model, f.name), getattr(now.model, f.name)
         if old != new:
             refuse(f"model.{f.name}", old, new, "it changes the model; " + KEEP.format(old=old))

@@ -6,7 +6,7 @@ or refused with its name and value: a checkpoint never loads into a model that c
 from __future__ import annotations
 
 from .config import Config, ConfigError, ModelConfig, apply_overrides
-from .config.checks import check_rope_scaling
+from .config.checks import NON_NEGATIVE, POSITIVE, check_rope_scaling
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
@@ -90,6 +90,15 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{e}: fix config.json's rope_scaling (or rope_parameters), or download or save the model "
                           "again") from None
+    m = typed.model  # as validate refuses them: generate and eval once ended in a traceback building or routing
+    for key in (k for k in POSITIVE + NON_NEGATIVE if k.startswith("model.") and ("expert" in k or "moe" in k)):
+        value, least = getattr(m, key[len("model."):]), 1 if key in POSITIVE else 0
+        if value < least:  # decoder_sparse_step 0: a modulo by zero; shared_expert_intermediate_size -1
+            raise ConfigError(f"the Hugging Face config gives {key} = {value} (shardlm's name for the config.json "
+                              f"key), below {least}: fix config.json, or download or save the model again")
+    if m.num_experts and not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError(f"the Hugging Face config's num_experts_per_tok = {m.top_k} must be between 1 and its "
+                          f"{m.num_experts} experts: fix config.json, or download or save the model again")
     return typed.model
 
 
@@ -166,13 +175,21 @@ def _experts_from_hf(arch: str, hf: dict) -> dict:
     if arch != "Qwen2MoeForCausalLM":
         return {}
     step, dense = hf.get("decoder_sparse_step", 1), sorted(hf.get("mlp_only_layers") or [])
-    if dense and (dense != list(range(len(dense))) or step != 1):
-        # shardlm's rule is the first layers dense, then every moe_every-th layer a mixture of experts
-        _refuse("mlp_only_layers", dense, "dense layers other than the first ones (with decoder_sparse_step 1)")
+    first = len(dense)
+    if dense and isinstance(step, int) and step >= 1:  # else refused below as model.moe_every, by value or type
+        # shardlm's rule is the first layers dense, then every moe_every-th layer a mixture of experts; what counts
+        # is which layers transformers makes sparse (mlp_only_layers = [0] with decoder_sparse_step 2 changes none)
+        n = hf["num_hidden_layers"]
+        sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+        first = next((k for k in [first, *range(n + 1)]
+                      if [i for i in range(k, n) if (i + 1) % step == 0] == sparse), None)
+        if first is None:
+            _refuse("mlp_only_layers", dense, f"with decoder_sparse_step = {step} it leaves layers {sparse} sparse, "
+                    "and shardlm's dense layers are the first ones only (then every decoder_sparse_step-th sparse)")
     return dict(num_experts=hf.get("num_experts", 60), top_k=hf.get("num_experts_per_tok", 4),
                 moe_ffn_hidden_size=hf.get("moe_intermediate_size", 1408),
                 shared_expert_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 5632),
-                moe_every=step, moe_first_dense=len(dense), router_renormalize=bool(hf.get("norm_topk_prob", False)))
+                moe_every=step, moe_first_dense=first, router_renormalize=bool(hf.get("norm_topk_prob", False)))
 
 
 READ_THE_RUN = "; shardlm generate, eval and serve read the run itself (--model RUN)"
@@ -196,11 +213,11 @@ def _hf_moe_class(cfg: ModelConfig) -> str:
         ("moe_ffn_hidden_size", cfg.moe_ffn_size, cfg.ffn_size)) if v != mixtral]
     if not unlike:
         return "MixtralForCausalLM"
-    if cfg.shared_expert_ffn_hidden_size and cfg.qkv_bias:
+    if cfg.qkv_bias:  # without a shared expert too: Qwen2-MoE's of 0 features adds 0 (model/hf.py writes it so)
         return "Qwen2MoeForCausalLM"
     raise ConfigError(f"this mixture of experts ({', '.join(unlike)}) is neither Mixtral's (every layer, experts of "
-                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (a shared "
-                      f"expert and qkv biases): Hugging Face has no class here that computes it{READ_THE_RUN}")
+                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (qkv biases, "
+                      f"any shared expert): Hugging Face has no class here that computes it{READ_THE_RUN}")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,

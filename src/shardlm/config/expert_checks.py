@@ -66,7 +66,14 @@ def untrained_router_note(cfg: Config) -> str | None:
     transformers for such a config). A note, not a refusal: a pretrained model may be so configured, and a run
     already started must resume."""
     m = cfg.model
-    if not (m.num_experts and m.top_k == 1 and m.router_renormalize) or cfg.lora.rank or _router_frozen(cfg):
+    if cfg.lora.rank or _router_frozen(cfg):
+        return None
+    if m.num_experts == 1 and (m.router_renormalize or m.router_scoring == "softmax"):
+        # the advice below would not help: a softmax over one expert is 1 too, and a balance loss over one is 1
+        return ("note: model.num_experts = 1 weighs every token's one expert by 1, so nothing trains the router "
+                "(its balance loss is 1 whatever it says): the layer computes a dense MLP, which model.num_experts "
+                "= 0 builds without the router")
+    if not (m.num_experts and m.top_k == 1 and m.router_renormalize):
         return None
     fixes = "freeze the router (train.freeze = 'router') or route to top_k 2 or more"
     if not cfg.train.init_from:  # a pretrained model's router_renormalize is part of what it computes

@@ -137,6 +137,11 @@ def _experts_to_hf(state: dict, cfg: ModelConfig, i: int, out: dict) -> None:
         out[n["shared"].format("gate")], out[n["shared"].format("up")] = gate.contiguous(), up.contiguous()
         out[n["shared"].format("down")] = state[p + "shared.down.weight"]
         out[n["shared_gate"]] = state[p + "shared_gate.weight"]
+    elif "shared" in n:  # Qwen2-MoE builds its shared expert whatever its size: one of 0 features, as it saves one
+        w = state[p + "router.weight"]
+        out[n["shared"].format("gate")] = out[n["shared"].format("up")] = w.new_zeros(0, cfg.hidden_size)
+        out[n["shared"].format("down")] = w.new_zeros(cfg.hidden_size, 0)
+        out[n["shared_gate"]] = w.new_zeros(1, cfg.hidden_size)
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

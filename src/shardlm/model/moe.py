@@ -162,7 +162,9 @@ class MoE(nn.Module):
         if self.capacity_factor > 0 and self.training:  # Switch/GShard: at most `capacity` copies per sequence
             seq_len = shape[-2] if len(shape) > 2 else x.shape[0]  # this rank's slice of each sequence
             whole = seq_len * self.sequences.parts
-            capacity = math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts)
+            # at most a copy of each token reaches an expert: a factor of 1e30 ("never drop") keeps all, not an
+            # integer too large for a tensor comparison
+            capacity = min(math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts), whole)
             per_seq, taken = seq_len * self.top_k, None
             if self.sequences.parts > 1:  # the queues start where the earlier slices of each sequence left them
                 taken = self.sequences.earlier(sequence_counts(flat, per_seq, self.num_experts))

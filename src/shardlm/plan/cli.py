@@ -27,8 +27,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--arch", choices=("gpt", "llama"))
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         m.add_argument(f"--{name}", type=int)
-    m.add_argument("--experts", type=int, default=0, help="mixture-of-experts MLP with this many experts")
-    m.add_argument("--top-k", type=int, default=2, help="experts per token")
+    m.add_argument("--experts", type=int, help="mixture-of-experts MLP with this many experts; 0: a dense MLP "
+                   "(default: --model's)")
+    m.add_argument("--top-k", type=int, help="experts per token (default: --model's, else 2)")
     m.add_argument("--params", type=float,
                    help="a bare parameter count: model states (with --tokens, train FLOPs) only")
     w = p.add_argument_group("work")

@@ -23,7 +23,7 @@ def check_numbers(a) -> None:
         value = getattr(a, name, None)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} {value} must be at least 1")
-    if getattr(a, "experts", 0) < 0:
+    if (getattr(a, "experts", None) or 0) < 0:
         raise PlanError(f"--experts {a.experts} must not be negative (0: a dense MLP)")
     for name in FINITE:
         value = getattr(a, name, None)

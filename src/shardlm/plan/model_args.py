@@ -42,16 +42,26 @@ def model_from_args(a) -> ModelConfig:
         else:
             full = load_config(a.model)
             cfg = full.model if full.model.vocab_size else replace(full.model, vocab_size=data_vocab(a.model, full))
-        return replace(cfg, num_experts=a.experts, top_k=a.top_k) if a.experts else cfg
+        return with_experts(cfg, a)
     need = ("layers", "hidden", "heads", "vocab")
     missing = [n for n in need if getattr(a, n) is None]
     if a.arch is None or missing:
         raise PlanError("give --model, or --arch with --layers --hidden --heads --vocab (and optionally --kv-heads "
                         f"--ffn), or --params{'; missing ' + ', '.join('--' + n for n in missing) if a.arch else ''}")
-    return ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers, hidden_size=a.hidden,
-                       num_heads=a.heads, num_kv_heads=a.kv_heads or 0, ffn_hidden_size=a.ffn or 0,
-                       vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ), tie_embeddings=a.arch == "gpt",
-                       num_experts=a.experts, top_k=a.top_k)
+    return with_experts(ModelConfig(arch="gpt2" if a.arch == "gpt" else "llama", num_layers=a.layers,
+                                    hidden_size=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads or 0,
+                                    ffn_hidden_size=a.ffn or 0, vocab_size=a.vocab, max_seq_len=max(a.seq or SEQ, SEQ),
+                                    tie_embeddings=a.arch == "gpt"), a)
+
+
+def with_experts(cfg: ModelConfig, a) -> ModelConfig:
+    """The model with --experts and --top-k where given, each alone: --top-k alone was ignored, --experts reset a
+    preset's top-k to 2, and --experts 0 left a preset's experts in place (0 read as not given)."""
+    experts = cfg.num_experts if a.experts is None else a.experts
+    if not experts and a.top_k is not None:
+        raise PlanError(f"--top-k {a.top_k} applies to a mixture of experts, and this model is dense: give --experts "
+                        "too")
+    return replace(cfg, num_experts=experts, top_k=cfg.top_k if a.top_k is None else a.top_k)
 
 
 def data_vocab(source: str, cfg) -> int:
