@@ -247,8 +247,11 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.
-    unsupported = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform")
-                   if conf.get(k)]
+    # alora_invocation_tokens (activated LoRA) applies the update only after those tokens: loaded as plain
+    # LoRA it was applied everywhere, other logits without a word; lora_bias and layer_replication were
+    # refused naming a tensor or a layer, not the setting.
+    unsupported = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform",
+                               "alora_invocation_tokens", "lora_bias", "layer_replication") if conf.get(k)]
     if unsupported or conf.get("bias", "none") != "none":
         raise ConfigError(f"{path}: adapter_config.json sets {', '.join(unsupported) or 'bias = ' + repr(conf['bias'])}, "
                           "which this version does not load (plain LoRA: one r and lora_alpha for every module)")
