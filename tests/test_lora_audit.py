@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers import make_tokenizer
 from shardlm.config import ConfigError
 from shardlm.model.hf import write_hf_dir
 from shardlm.parallel.lora import is_adapter_key
@@ -28,3 +29,35 @@ def test_an_activated_lora_adapter_from_peft_is_refused_not_applied_as_plain_lor
         base = peft_model.unload()
         with pytest.raises(ConfigError, match=f"sets {words}, which this version does not load"):
             read_peft_dir(tmp_path / words, cfg.model)
+
+
+def test_a_pissa_adapter_is_refused_and_its_converted_save_loads_equal_to_peft(tmp_path):
+    """PiSSA (and OLoRA, CorDA, LoftQ, LoRA-GA) subtract the initial B A from the base, which PeftModel
+    recomputes on loading: applied to the base as plain LoRA, logits 0.14 off PeftModel's without a word."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.inference.load import load_pretrained
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    write_hf_dir({k: v.detach() for k, v in model.state_dict().items() if not is_adapter_key(k)}, cfg.model,
+                 tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                 init_lora_weights="pissa"))
+    peft_model.save_pretrained(tmp_path / "initial")
+    with torch.no_grad():  # "training"
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    peft_model.save_pretrained(tmp_path / "pissa")
+    with pytest.raises(ConfigError, match="sets init_lora_weights = 'pissa'.*path_initial_model_for_weight_conversion"):
+        read_peft_dir(tmp_path / "pissa", cfg.model)
+    peft_model.save_pretrained(tmp_path / "plain", path_initial_model_for_weight_conversion=tmp_path / "initial")
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(fresh, tmp_path / "pissa").eval()(input_ids=ids).logits
+        make_tokenizer(tmp_path / "base", cfg.model.vocab_size)  # the loader wants one; the logits do not
+        ours = load_pretrained(tmp_path / "base", dtype="fp32", adapter=tmp_path / "plain")[0](ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -255,6 +255,14 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     if unsupported or conf.get("bias", "none") != "none":
         raise ConfigError(f"{path}: adapter_config.json sets {', '.join(unsupported) or 'bias = ' + repr(conf['bias'])}, "
                           "which this version does not load (plain LoRA: one r and lora_alpha for every module)")
+    # These initialisations subtract the initial B A from the base weights, which PEFT recomputes from the base
+    # on loading: the adapter is an update of that residual base, and on the base itself gave other logits.
+    init = conf.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(("pissa", "corda", "olora", "loftq", "lora_ga")):
+        raise ConfigError(f"{path}: adapter_config.json sets init_lora_weights = {init!r}, whose adapter updates a "
+                          "base PEFT rewrites on loading, which this version does not do: save it with PEFT's "
+                          "save_pretrained(..., path_initial_model_for_weight_conversion=DIR) for a plain LoRA "
+                          "adapter of the original base, or merge it in PEFT (merge_and_unload) and give that as --model")
     if not isinstance(conf.get("r"), int) or "lora_alpha" not in conf:
         raise ConfigError(f"{path}: adapter_config.json lacks r or lora_alpha")
     lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
