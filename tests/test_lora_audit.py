@@ -61,3 +61,20 @@ def test_a_pissa_adapter_is_refused_and_its_converted_save_loads_equal_to_peft(t
         make_tokenizer(tmp_path / "base", cfg.model.vocab_size)  # the loader wants one; the logits do not
         ours = load_pretrained(tmp_path / "base", dtype="fp32", adapter=tmp_path / "plain")[0](ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lost", ["lora_A", "lora_B"])
+def test_an_adapter_file_missing_half_of_a_pair_is_refused_naming_it(tmp_path, lost):
+    """A lone lora_A ended in KeyError('layers.0.attn.qkv.lora.B.q_proj'); a lone lora_B was dropped, the
+    adapter applied without it."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    del tensors[f"base_model.model.model.layers.1.self_attn.q_proj.{lost}.weight"]
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    have = {"lora_A": "lora_B", "lora_B": "lora_A"}[lost]
+    with pytest.raises(ConfigError, match=rf"layers.1.self_attn.q_proj has its {have} but no {lost}"):
+        read_peft_dir(tmp_path, cfg.model)

@@ -268,7 +268,7 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
                       rslora=bool(conf.get("use_rslora", False)))
     where = {m: path_ for path_, modules in LORA_MODULES[cfg.arch].items() for m in modules}
-    state = {}
+    state, names = {}, {}
     for key, t in tensors.items():
         head, _, kind = key.rpartition(".lora_")  # ...layers.3.self_attn.q_proj, A.weight
         parts = head.split(".")
@@ -285,6 +285,13 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         if module not in where or kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
         state[f"layers.{layer}.{where[module]}.lora.{kind[0]}.{module.rsplit('.', 1)[1]}"] = t
+        names[f"{layer}.{module}"] = names.get(f"{layer}.{module}", "") + kind[0]
+    # A file missing one of a pair (a copy cut down by hand): a lone A was a KeyError, a lone B dropped unsaid.
+    for linear, kinds in names.items():
+        if len(set(kinds)) < 2:
+            have, lack = (("lora_A", "lora_B") if kinds[0] == "A" else ("lora_B", "lora_A"))
+            raise ConfigError(f"{path}: the adapter of layers.{linear} has its {have} but no {lack} in "
+                              "adapter_model.safetensors: the file is incomplete; save or export the adapter again")
     _check_shapes(path, state, cfg, lora.rank)
     return lora, state
 
