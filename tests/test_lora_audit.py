@@ -78,3 +78,15 @@ def test_an_adapter_file_missing_half_of_a_pair_is_refused_naming_it(tmp_path, l
     have = {"lora_A": "lora_B", "lora_B": "lora_A"}[lost]
     with pytest.raises(ConfigError, match=rf"layers.1.self_attn.q_proj has its {have} but no {lost}"):
         read_peft_dir(tmp_path, cfg.model)
+
+
+def test_lora_without_init_from_says_the_base_is_random_when_training_and_exporting(tmp_path, capsys):
+    """`train --lora.rank 8` without train.init_from trained adapters over a frozen random base unsaid, and its
+    export wrote an adapter of a base no command writes (base_model_name_or_path null) as any other."""
+    from helpers import cli_here
+    run = tmp_path / "run"
+    out = cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--train.sample_tokens", "0",
+                   "--out", run)
+    assert "LoRA rank 4 over a random base, frozen (no train.init_from to fine-tune)" in out
+    out = cli_here(capsys, "export", "--checkpoint", run, "--out", tmp_path / "adapter")
+    assert "of this run's random base, no train.init_from: only --merge writes that" in out
