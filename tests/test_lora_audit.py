@@ -90,3 +90,18 @@ def test_lora_without_init_from_says_the_base_is_random_when_training_and_export
     assert "LoRA rank 4 over a random base, frozen (no train.init_from to fine-tune)" in out
     out = cli_here(capsys, "export", "--checkpoint", run, "--out", tmp_path / "adapter")
     assert "of this run's random base, no train.init_from: only --merge writes that" in out
+
+
+def test_an_adapter_whose_r_is_not_its_tensors_rank_is_named_as_such_not_as_another_models(tmp_path):
+    """r = 8 in adapter_config.json over rank-4 tensors was reported as an adapter of another model
+    ("use the adapter trained on this --model's base"), which it is not."""
+    import json
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, "r": 8}))
+    with pytest.raises(ConfigError, match=r"gives r = 8, but its \w+ adapter of layer \d has rank 4") as e:
+        read_peft_dir(tmp_path, cfg.model)
+    assert "this --model's base" not in str(e.value)

@@ -311,6 +311,10 @@ def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
         if linear not in block_linears(cfg, layer):
             raise ConfigError(f"{path} adapts the MLP of layer {layer} ({name}), which in this model is a mixture "
                               "of experts: its experts take no adapters; use the adapter trained on this --model's base")
+        if a.shape[0] != rank or b.shape[-1] != rank:  # the adapter disagrees with itself, whatever the model
+            raise ConfigError(f"{path}: adapter_config.json gives r = {rank}, but its {name} adapter of layer {layer} "
+                              f"has rank {a.shape[0]} (A {tuple(a.shape)}, B {tuple(b.shape)}): the config is not the "
+                              "tensors' (a per-module rank_pattern left out?): save the adapter again with PEFT")
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ConfigError(f"{path} does not fit this model: its {name} adapter of layer {layer} has A "
                               f"{tuple(a.shape)}, B {tuple(b.shape)}, the model (hidden {cfg.hidden_size}, r {rank}) "
