@@ -105,3 +105,12 @@ def test_an_adapter_whose_r_is_not_its_tensors_rank_is_named_as_such_not_as_anot
     with pytest.raises(ConfigError, match=r"gives r = 8, but its \w+ adapter of layer \d has rank 4") as e:
         read_peft_dir(tmp_path, cfg.model)
     assert "this --model's base" not in str(e.value)
+
+
+def test_an_adapter_config_that_is_not_a_json_object_is_refused_naming_it(tmp_path):
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="adapter_config.json holds list, not a JSON object"):
+        read_peft_dir(tmp_path, cfg.model)

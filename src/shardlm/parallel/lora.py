@@ -244,6 +244,9 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
                f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
                           f"adapter_model.safetensors): {e}{fix}") from None
+    if not isinstance(conf, dict):  # `[]` ended in an AttributeError's traceback
+        raise ConfigError(f"{path}: adapter_config.json holds {type(conf).__name__}, not a JSON object: save the "
+                          "adapter again")
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.
@@ -262,7 +265,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         raise ConfigError(f"{path}: adapter_config.json sets init_lora_weights = {init!r}, whose adapter updates a "
                           "base PEFT rewrites on loading, which this version does not do: save it with PEFT's "
                           "save_pretrained(..., path_initial_model_for_weight_conversion=DIR) for a plain LoRA "
-                          "adapter of the original base, or merge it in PEFT (merge_and_unload) and give that as --model")
+                          "adapter of the original base, or merge it in PEFT (merge_and_unload) and give that as "
+                          "--model")
     if not isinstance(conf.get("r"), int) or "lora_alpha" not in conf:
         raise ConfigError(f"{path}: adapter_config.json lacks r or lora_alpha")
     lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
