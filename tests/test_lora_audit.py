@@ -114,3 +114,14 @@ def test_an_adapter_config_that_is_not_a_json_object_is_refused_naming_it(tmp_pa
     (tmp_path / "adapter_config.json").write_text("[]")
     with pytest.raises(ConfigError, match="adapter_config.json holds list, not a JSON object"):
         read_peft_dir(tmp_path, cfg.model)
+
+
+def test_an_adapter_file_with_no_tensors_is_refused_not_served_as_the_base(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    save_file({}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="holds no adapter tensors"):
+        read_peft_dir(tmp_path, cfg.model)

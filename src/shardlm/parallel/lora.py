@@ -290,6 +290,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
         state[f"layers.{layer}.{where[module]}.lora.{kind[0]}.{module.rsplit('.', 1)[1]}"] = t
         names[f"{layer}.{module}"] = names.get(f"{layer}.{module}", "") + kind[0]
+    if not state:  # an empty file (a save that failed midway) served the base's answers as the adapter's
+        raise ConfigError(f"{path}: adapter_model.safetensors holds no adapter tensors: save or export it again")
     # A file missing one of a pair (a copy cut down by hand): a lone A was a KeyError, a lone B dropped unsaid.
     for linear, kinds in names.items():
         if len(set(kinds)) < 2:
