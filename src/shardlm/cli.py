@@ -164,6 +164,7 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
         if cfg.lora.rank:  # the engine holds the trainable parameters, summed over this rank's stage only
             adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
             base = f" over an {cfg.lora.quantize.upper()} base (QLoRA)" if cfg.lora.quantize != "none" else ""
+            base += "" if cfg.train.init_from else " over a random base, frozen (no train.init_from to fine-tune)"
             layout += f", LoRA rank {cfg.lora.rank}{base} ({adapters / 1e6:.3f}M trainable on this rank)"
         elif cfg.lora != type(cfg.lora)():  # [lora] keys given beside rank 0, which switches adapters off
             layout += ", lora.rank 0: no adapters, every weight trains (the other [lora] keys unused)"
@@ -289,7 +290,10 @@ def cmd_export(argv: list[str]) -> int:
         except OSError as e:
             raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
     what = "the LoRA adapter of " if lora.rank and not a.merge else ""
-    print(f"exported {what}{ckpt['path']} -> {a.out}" + (" (PEFT format; --merge for the merged model)" if what else ""))
+    # Without train.init_from the adapter's base is the run's random start, which no other export writes.
+    how = " (PEFT format; --merge for the merged model)" if base else (" (PEFT format, of this run's random base, "
+                                                                       "no train.init_from: only --merge writes that)")
+    print(f"exported {what}{ckpt['path']} -> {a.out}" + (how if what else ""))
     return 0
 
 

@@ -244,20 +244,35 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
                f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
                           f"adapter_model.safetensors): {e}{fix}") from None
+    if not isinstance(conf, dict):  # `[]` ended in an AttributeError's traceback
+        raise ConfigError(f"{path}: adapter_config.json holds {type(conf).__name__}, not a JSON object: save the "
+                          "adapter again")
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.
-    unsupported = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform")
-                   if conf.get(k)]
+    # alora_invocation_tokens (activated LoRA) applies the update only after those tokens: loaded as plain
+    # LoRA it was applied everywhere, other logits without a word; lora_bias and layer_replication were
+    # refused naming a tensor or a layer, not the setting.
+    unsupported = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform",
+                               "alora_invocation_tokens", "lora_bias", "layer_replication") if conf.get(k)]
     if unsupported or conf.get("bias", "none") != "none":
         raise ConfigError(f"{path}: adapter_config.json sets {', '.join(unsupported) or 'bias = ' + repr(conf['bias'])}, "
                           "which this version does not load (plain LoRA: one r and lora_alpha for every module)")
+    # These initialisations subtract the initial B A from the base weights, which PEFT recomputes from the base
+    # on loading: the adapter is an update of that residual base, and on the base itself gave other logits.
+    init = conf.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(("pissa", "corda", "olora", "loftq", "lora_ga")):
+        raise ConfigError(f"{path}: adapter_config.json sets init_lora_weights = {init!r}, whose adapter updates a "
+                          "base PEFT rewrites on loading, which this version does not do: save it with PEFT's "
+                          "save_pretrained(..., path_initial_model_for_weight_conversion=DIR) for a plain LoRA "
+                          "adapter of the original base, or merge it in PEFT (merge_and_unload) and give that as "
+                          "--model")
     if not isinstance(conf.get("r"), int) or "lora_alpha" not in conf:
         raise ConfigError(f"{path}: adapter_config.json lacks r or lora_alpha")
     lora = LoRAConfig(rank=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
                       rslora=bool(conf.get("use_rslora", False)))
     where = {m: path_ for path_, modules in LORA_MODULES[cfg.arch].items() for m in modules}
-    state = {}
+    state, names = {}, {}
     for key, t in tensors.items():
         head, _, kind = key.rpartition(".lora_")  # ...layers.3.self_attn.q_proj, A.weight
         parts = head.split(".")
@@ -274,6 +289,15 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         if module not in where or kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{path}: {key} is no adapter of a {cfg.arch} block linear this version loads")
         state[f"layers.{layer}.{where[module]}.lora.{kind[0]}.{module.rsplit('.', 1)[1]}"] = t
+        names[f"{layer}.{module}"] = names.get(f"{layer}.{module}", "") + kind[0]
+    if not state:  # an empty file (a save that failed midway) served the base's answers as the adapter's
+        raise ConfigError(f"{path}: adapter_model.safetensors holds no adapter tensors: save or export it again")
+    # A file missing one of a pair (a copy cut down by hand): a lone A was a KeyError, a lone B dropped unsaid.
+    for linear, kinds in names.items():
+        if len(set(kinds)) < 2:
+            have, lack = (("lora_A", "lora_B") if kinds[0] == "A" else ("lora_B", "lora_A"))
+            raise ConfigError(f"{path}: the adapter of layers.{linear} has its {have} but no {lack} in "
+                              "adapter_model.safetensors: the file is incomplete; save or export the adapter again")
     _check_shapes(path, state, cfg, lora.rank)
     return lora, state
 
@@ -293,6 +317,10 @@ def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
         if linear not in block_linears(cfg, layer):
             raise ConfigError(f"{path} adapts the MLP of layer {layer} ({name}), which in this model is a mixture "
                               "of experts: its experts take no adapters; use the adapter trained on this --model's base")
+        if a.shape[0] != rank or b.shape[-1] != rank:  # the adapter disagrees with itself, whatever the model
+            raise ConfigError(f"{path}: adapter_config.json gives r = {rank}, but its {name} adapter of layer {layer} "
+                              f"has rank {a.shape[0]} (A {tuple(a.shape)}, B {tuple(b.shape)}): the config is not the "
+                              "tensors' (a per-module rank_pattern left out?): save the adapter again with PEFT")
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ConfigError(f"{path} does not fit this model: its {name} adapter of layer {layer} has A "
                               f"{tuple(a.shape)}, B {tuple(b.shape)}, the model (hidden {cfg.hidden_size}, r {rank}) "

@@ -1,0 +1,127 @@
+"""First-use faults of LoRA adapters: PEFT adapters this version must refuse, configs, exports."""
+import pytest
+import torch
+
+from helpers import make_tokenizer
+from shardlm.config import ConfigError
+from shardlm.model.hf import write_hf_dir
+from shardlm.parallel.lora import is_adapter_key
+from test_lora import lora_model
+
+peft = pytest.importorskip("peft")
+
+
+def test_an_activated_lora_adapter_from_peft_is_refused_not_applied_as_plain_lora(tmp_path):
+    """PEFT's aLoRA (alora_invocation_tokens) adapts only the tokens after its invocation sequence: loaded as
+    plain LoRA every token was adapted, logits 0.7 off PeftModel's without a word."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    write_hf_dir({k: v.detach() for k, v in model.state_dict().items() if not is_adapter_key(k)}, cfg.model,
+                 tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    for extra, words in [({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+                         ({"lora_bias": True}, "lora_bias")]:
+        peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **extra))
+        peft_model.save_pretrained(tmp_path / words)
+        base = peft_model.unload()
+        with pytest.raises(ConfigError, match=f"sets {words}, which this version does not load"):
+            read_peft_dir(tmp_path / words, cfg.model)
+
+
+def test_a_pissa_adapter_is_refused_and_its_converted_save_loads_equal_to_peft(tmp_path):
+    """PiSSA (and OLoRA, CorDA, LoftQ, LoRA-GA) subtract the initial B A from the base, which PeftModel
+    recomputes on loading: applied to the base as plain LoRA, logits 0.14 off PeftModel's without a word."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.inference.load import load_pretrained
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    write_hf_dir({k: v.detach() for k, v in model.state_dict().items() if not is_adapter_key(k)}, cfg.model,
+                 tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                 init_lora_weights="pissa"))
+    peft_model.save_pretrained(tmp_path / "initial")
+    with torch.no_grad():  # "training"
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    peft_model.save_pretrained(tmp_path / "pissa")
+    with pytest.raises(ConfigError, match="sets init_lora_weights = 'pissa'.*path_initial_model_for_weight_conversion"):
+        read_peft_dir(tmp_path / "pissa", cfg.model)
+    peft_model.save_pretrained(tmp_path / "plain", path_initial_model_for_weight_conversion=tmp_path / "initial")
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(fresh, tmp_path / "pissa").eval()(input_ids=ids).logits
+        make_tokenizer(tmp_path / "base", cfg.model.vocab_size)  # the loader wants one; the logits do not
+        ours = load_pretrained(tmp_path / "base", dtype="fp32", adapter=tmp_path / "plain")[0](ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lost", ["lora_A", "lora_B"])
+def test_an_adapter_file_missing_half_of_a_pair_is_refused_naming_it(tmp_path, lost):
+    """A lone lora_A ended in KeyError('layers.0.attn.qkv.lora.B.q_proj'); a lone lora_B was dropped, the
+    adapter applied without it."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    del tensors[f"base_model.model.model.layers.1.self_attn.q_proj.{lost}.weight"]
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    have = {"lora_A": "lora_B", "lora_B": "lora_A"}[lost]
+    with pytest.raises(ConfigError, match=rf"layers.1.self_attn.q_proj has its {have} but no {lost}"):
+        read_peft_dir(tmp_path, cfg.model)
+
+
+def test_lora_without_init_from_says_the_base_is_random_when_training_and_exporting(tmp_path, capsys):
+    """`train --lora.rank 8` without train.init_from trained adapters over a frozen random base unsaid, and its
+    export wrote an adapter of a base no command writes (base_model_name_or_path null) as any other."""
+    from helpers import cli_here
+    run = tmp_path / "run"
+    out = cli_here(capsys, "train", "tiny", "--train.steps", "1", "--lora.rank", "4", "--train.sample_tokens", "0",
+                   "--out", run)
+    assert "LoRA rank 4 over a random base, frozen (no train.init_from to fine-tune)" in out
+    out = cli_here(capsys, "export", "--checkpoint", run, "--out", tmp_path / "adapter")
+    assert "of this run's random base, no train.init_from: only --merge writes that" in out
+
+
+def test_an_adapter_whose_r_is_not_its_tensors_rank_is_named_as_such_not_as_another_models(tmp_path):
+    """r = 8 in adapter_config.json over rank-4 tensors was reported as an adapter of another model
+    ("use the adapter trained on this --model's base"), which it is not."""
+    import json
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, "r": 8}))
+    with pytest.raises(ConfigError, match=r"gives r = 8, but its \w+ adapter of layer \d has rank 4") as e:
+        read_peft_dir(tmp_path, cfg.model)
+    assert "this --model's base" not in str(e.value)
+
+
+def test_an_adapter_config_that_is_not_a_json_object_is_refused_naming_it(tmp_path):
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="adapter_config.json holds list, not a JSON object"):
+        read_peft_dir(tmp_path, cfg.model)
+
+
+def test_an_adapter_file_with_no_tensors_is_refused_not_served_as_the_base(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardlm.parallel.lora import read_peft_dir, write_peft_dir
+    cfg, model = lora_model("llama")
+    write_peft_dir(model.state_dict(), cfg.model, cfg.lora, tmp_path)
+    save_file({}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="holds no adapter tensors"):
+        read_peft_dir(tmp_path, cfg.model)
