@@ -523,3 +523,44 @@ def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
                                       timeout=300, device="cuda") for flag in (True, False))
     assert one_shot[0][0] == one_shot[1][0] == nccl[0][0] == nccl[1][0]
     assert [r[1] for r in one_shot] == [True, True] and [r[1] for r in nccl] == [False, False]
+
+
+@cuda
+def test_one_row_gemv_is_the_product_to_rounding_in_and_out_of_cuda_graphs():
+    """model/gemv.py on llama2-7b's one-row shapes against cuBLAS's bf16 product (within bf16's rounding of the
+    output), the same bits every call; a tiny bf16 Llama's compiled engine (the kernel inside its CUDA graphs,
+    no skip) gives the eager engine's tokens at one row and at three; a one-token forward's logits equal
+    cuBLAS's within bf16's rounding through the layers (greedy tokens of random weights may differ at a near
+    tie)."""
+    import dataclasses
+    from unittest import mock
+
+    from torch._dynamo.utils import counters
+
+    from shardlm.config import load_config
+    from shardlm.inference import Engine, Request
+    from shardlm.model import build_model, gemv
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((12288, 4096), (4096, 11008), (16000, 4096), (100, 72)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            y = gemv.linear(x, w)
+            want = x.double() @ w.double().t()
+            assert y.shape == (1, 1, n) and torch.equal(gemv.linear(x, w), y)
+        assert ((y.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k)
+    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, seed=3).eval()
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)).tolist() for n in (9, 2, 15)]
+    skips = counters["inductor"]["cudagraph_skips"]
+    for batch in (1, 3):
+        runs = [[r.tokens for r in Engine(model, batch, 48, compile=c).run([Request(p, 8) for p in prompts])]
+                for c in (False, True)]
+        assert runs[0] == runs[1], batch
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    ids = torch.tensor([prompts[0][:1]], device="cuda")  # one row of one token: every product by the kernel
+    with torch.no_grad():
+        kernel = model(ids).float()
+        with mock.patch.object(gemv, "one_row", lambda x, w: False):
+            plain = model(ids).float()
+    torch.testing.assert_close(kernel, plain, rtol=0, atol=0.05 * plain.abs().max().item())

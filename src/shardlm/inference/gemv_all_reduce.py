@@ -31,6 +31,8 @@ LAUNCH = (8, 512, 8)
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
+    from ..model.gemv import gemv_tile
+
     @triton.jit
     def _barrier(pads_ptr, RANK: tl.constexpr, WORLD: tl.constexpr):
         """Every rank's stores so far (released at system scope) seen by this program (acquired) once all have
@@ -65,14 +67,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                                 K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
                                 BK: tl.constexpr, BR: tl.constexpr, REDUCE: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        part = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)  # rounded as the unfused product's output is
+        # rounded as the unfused product's output is
+        part = gemv_tile(x_ptr, w_ptr, n, sw, N, K, BN, BK).to(y_ptr.dtype.element_ty)
         if not REDUCE:  # the product alone (bench/gemv_all_reduce.py: what the reading costs)
             tl.store(y_ptr + n, part, mask=n < N)
             return

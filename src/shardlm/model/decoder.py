@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import IGNORE, ModelConfig
+from . import gemv
 from .activation_offload import ActivationOffload
 from .attention import SDPA, WHOLE, WholeSequence
 from .kv_cache import KVCache
@@ -128,7 +129,7 @@ class LMOutput(nn.Module):
 
     def forward(self, h, weight, targets=None, chunk: int = 2048, compiled: bool = False):
         if targets is None:
-            return F.linear(h, weight)
+            return gemv.linear(h, weight)
         if not chunk:
             logits = F.linear(h, weight)
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),

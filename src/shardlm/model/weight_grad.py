@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from . import gemv
 from .lora_linear import lora_linear
 
 
@@ -51,7 +52,9 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None):
     """F.linear, with the weight's (and bias's) gradient deferred while `store` defers."""
     if type(weight).__name__ == "NF4Tensor" and torch.compiler.is_compiling():  # QLoRA's frozen base
         return F.linear(x, _dequantised(weight, x.dtype), bias)
-    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
+    if not torch.is_grad_enabled():
+        return gemv.linear(x, weight, bias)  # a decode step's one row by a GEMV kernel
+    if store is None or not weight.requires_grad:
         return F.linear(x, weight, bias)
     return _deferrable_linear(x, weight, bias, store)
 

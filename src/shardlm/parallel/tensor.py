@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..model import gemv
 from ..model.moe import MoE
 from ..model.weight_grad import WeightGradStore, adapted_linear
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -307,7 +308,7 @@ class VocabParallelOutput(nn.Module):
         h = gather_from_sp(h, self.group) if self.sequence_parallel and self.training else copy_to_tp(h, self.group)
         if targets is None:
             if self.small_all_gather is not None and not torch.is_grad_enabled():
-                return self.small_all_gather(F.linear(h, weight))[..., :self.vocab_size]
+                return self.small_all_gather(gemv.linear(h, weight))[..., :self.vocab_size]
             return _GatherLastDim.apply(F.linear(h, weight), self.group)[..., :self.vocab_size]
         return vocab_parallel_cross_entropy(h, weight, targets, self.group, self.vocab_start, self.vocab_size,
                                             chunk or targets.numel(), compiled)
