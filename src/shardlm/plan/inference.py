@@ -4,8 +4,9 @@ of requests and the engine's workspace, how many requests fit, and the decode sp
 A decode step reads every weight but the input embedding once, and each row's cached keys and values up to
 the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
 that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
-engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16: 204 tok/s at
-batch 1, 56%; 2,468 at batch 16 with a 385-position cache, 53%; bench/generate.py).
+engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16: 2,468 tok/s at
+batch 16 with a 385-position cache, 53%; 204 at batch 1, 56%, bench/generate.py), and ONE_ROW_EFFICIENCY at
+batch 1 since its one-row products run as a Triton GEMV (model/gemv.py: 228-232 tok/s, 63-64%).
 
 `generate --quantize int8|int4` (inference/quantize.py) stores linear layers' weights in fewer bytes, which
 shrinks the weights and the bytes a decode step reads; its kernels reach a share of the bound of their own.
@@ -18,6 +19,7 @@ from ..config import ModelConfig
 from .hardware import GPU
 
 DECODE_EFFICIENCY = 0.55
+ONE_ROW_EFFICIENCY = 0.63
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
 # (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 347.6 tok/s through
 # inference/int4.py's (bench/README.md, thirty-first lease), whose one-row kernel is bound by the instructions
@@ -102,9 +104,8 @@ def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: i
     read = weights - m.param_counts()["embedding"] * itemsize
     cache = context * m.kv_bytes_per_token(itemsize)  # a row's at `context` positions: the batch's slowest step
     # The quantised products reach their own share of the bound; attention over the cache stays bf16's.
-    share = QUANTIZED_EFFICIENCY.get(quantize, DECODE_EFFICIENCY)
-
     def tokens_per_s(rows: int) -> float:
+        share = QUANTIZED_EFFICIENCY.get(quantize, ONE_ROW_EFFICIENCY if rows == 1 else DECODE_EFFICIENCY)
         return rows * g.hbm_bw / (read / share + rows * cache / DECODE_EFFICIENCY)
 
     return InferencePlan(weights, batch * per_slot, workspace, weights + batch * per_slot + workspace <= usable,
