@@ -12,6 +12,14 @@ def test_presets_exist_and_validate():
     assert (t.hidden_size, t.num_layers, t.num_heads, t.kv_heads, t.ffn_size, t.vocab_size) == (2048, 22, 32, 4, 5632, 32000)
 
 
+def test_the_readmes_config_section_names_every_preset():
+    """The four mixtures of experts' presets were missing from the list a user reads to choose one."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Config\n", 1)[1].split("\n### ", 1)[0]
+    assert [name for name in preset_names() if f"`{name}`" not in section] == []
+
+
 def test_toml_file_and_overrides(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text('[model]\nhidden_size = 32\nnum_heads = 2\n[train]\nsteps = 7\nprecision = "bf16"\n')
