@@ -12,6 +12,14 @@ def test_presets_exist_and_validate():
     assert (t.hidden_size, t.num_layers, t.num_heads, t.kv_heads, t.ffn_size, t.vocab_size) == (2048, 22, 32, 4, 5632, 32000)
 
 
+def test_the_readmes_config_section_names_every_preset():
+    """The four mixtures of experts' presets were missing from the list a user reads to choose one."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Config\n", 1)[1].split("\n### ", 1)[0]
+    assert [name for name in preset_names() if f"`{name}`" not in section] == []
+
+
 def test_toml_file_and_overrides(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text('[model]\nhidden_size = 32\nnum_heads = 2\n[train]\nsteps = 7\nprecision = "bf16"\n')
@@ -83,6 +91,10 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.num_experts": "4", "parallel.ep_dispatch": "padded"}, "parallel.ep_dispatch = 'padded' applies to "
      "expert parallelism, and parallel.ep = 1 (every expert on every rank): set parallel.ep above 1, or leave "
      "parallel.ep_dispatch at 'auto'"),
+    # ep_load_budget, which only expert parallelism reads, once accepted at ep 1 without a word.
+    ({"model.num_experts": "4", "parallel.ep_load_budget": "4"}, "parallel.ep_load_budget = 4.0 applies to expert "
+     "parallelism's exact dispatch, and parallel.ep = 1 (every expert on every rank, each taking its own token "
+     "copies): set parallel.ep above 1, or leave parallel.ep_load_budget at 2"),
     # Keys another optimizer or schedule reads, once ignored without a word.
     ({"train.momentum": "0.5"}, "train.momentum = 0.5 applies to train.optimizer = 'sgd', and train.optimizer is "
      "'adamw': set train.optimizer = 'sgd', or leave train.momentum at 0.9"),
@@ -133,7 +145,9 @@ def test_a_global_batch_of_65536_micro_batches_a_rank_passes():
 
 def test_the_expert_load_budget_takes_0_or_at_least_one_balanced_load():
     for budget in ("0", "1", "3.5"):
-        validate(load_config("mixtral-tiny", {"parallel.ep_load_budget": budget}))
+        validate(load_config("mixtral-tiny", {"parallel.ep_load_budget": budget, "parallel.dp": "2",
+                                              "parallel.ep": "2"}), world_size=2)
+    validate(load_config("mixtral-tiny", {"parallel.ep_load_budget": "2"}))  # its default, said at ep 1: nothing set
 
 
 def test_training_beyond_the_sliding_window_validates():

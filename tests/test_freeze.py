@@ -145,6 +145,32 @@ def test_a_frozen_routers_bias_stops_updating(spec, moves):
     assert bias and all((any(v != 0 for v in values)) == moves for values in bias.values())
 
 
+def test_a_frozen_routers_bias_is_said_and_saved_as_it_started(tmp_path, capsys):
+    """`shardlm train mixtral-tiny` with the bias's rate: frozen, the routers' bias is saved as it started (zero)
+    and the startup line says it is held with them; trained, it moves."""
+    from helpers import cli_here
+    from shardlm.checkpoint import read_state
+    args = ["train", "mixtral-tiny", "--model.router_bias_update_rate", "0.01", "--train.steps", "3"]
+    said = cli_here(capsys, *args, "--train.freeze", "router", "--out", tmp_path / "frozen")
+    assert "'router' frozen (0.001M parameters on this rank, and the routing bias of 2 MoE layers)" in said, said
+    assert "routing bias" not in cli_here(capsys, *args, "--train.freeze", "embed", "--out", tmp_path / "trained")
+    for run, moves in (("frozen", False), ("trained", True)):
+        bias = read_state(tmp_path / run)["router_bias"]
+        assert len(bias) == 2 and all(any(v != 0 for v in values) == moves for values in bias.values()), (run, bias)
+
+
+@pytest.mark.parametrize("layout", [{"parallel.dp": "2"}, {"parallel.dp": "2", "parallel.ep": "2"},
+                                    {"parallel.dp": "1", "parallel.pp": "2"}], ids=["dp2", "ep2", "pp2"])
+def test_a_frozen_routers_bias_stays_at_every_layout(layout):
+    """The bias's update reduces the loads over dp x cp x tp and each pipeline stage updates its own layers: a
+    frozen router's stays zero at each layout the update runs at, a trained one's moves."""
+    for spec, moves in (("router", False), ("experts", True)):
+        over = {**MOE, "model.router_bias_update_rate": "0.01", "train.freeze": spec, "train.steps": "3", **layout}
+        for r in run_distributed(dist_fns.train_and_capture, 2, over, timeout=300):
+            bias = r["router_bias"]
+            assert len(bias) == 2 and all(any(v != 0 for v in values) == moves for values in bias.values()), spec
+
+
 def test_a_resume_that_changes_the_freeze_is_refused(tmp_path):
     """Parameters would enter or leave the optimizer mid-run: refused naming train.freeze, before the model."""
     over = {"train.freeze": "embed", "train.steps": "2"}

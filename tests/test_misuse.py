@@ -287,6 +287,8 @@ CASES = [
      "--delayed-update with --ep 2: the delayed update of two parameter groups", 2),
     ("plan-ep-dispatch-at-ep-1", ["plan", "--model", "mixtral-tiny", "--ep-dispatch", "exact", "--seq", "64",
                                   "--global-batch", "2"], "--ep-dispatch exact applies to expert parallelism, and --ep 1", 2),
+    ("plan-ep-load-budget-at-ep-1", ["plan", "--model", "mixtral-tiny", "--ep-load-budget", "4", "--seq", "64",
+                                    "--global-batch", "2"], "--ep-load-budget 4.0 applies to expert parallelism", 2),
     ("plan-ep-load-budget-inf", ["plan", "--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--ep-load-budget", "inf",
                                  "--seq", "64", "--global-batch", "2"], "--ep-load-budget inf: a rank's experts", 2),
     ("plan-search-and-largest", ["plan", "--model", "tiny", "--search", "--largest"], "give one", 2),

@@ -339,6 +339,29 @@ def test_logits_and_greedy_generation_match_transformers_and_export_roundtrips(k
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
 
 
+def test_mixtrals_router_jitter_noise_is_read_for_inference_and_refused_for_training(tmp_path, capsys):
+    """transformers jitters a Mixtral layer's input in training only: a config.json with router_jitter_noise
+    once refused generate and eval too. They now compute what they compute without it; fine-tuning from it,
+    which would train without the jitter, is refused naming the key."""
+    import json
+
+    from helpers import cli_here, hf_model, make_tokenizer
+    from shardlm.hf_config import with_init_from
+    d = tmp_path / "hf"
+    hf_model("mixtral").save_pretrained(d)
+    make_tokenizer(d)
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 8)
+    commands = (["generate", "--model", d, "--prompt", "To be", "--max-new-tokens", "6", "--json"],
+                ["eval", "--model", d, "--data", tmp_path / "text.txt", "--seq-len", "16", "--json"])
+    plain = [cli_here(capsys, *c) for c in commands]
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.1}))
+    assert [cli_here(capsys, *c) for c in commands] == plain
+    with pytest.raises(ConfigError, match="router_jitter_noise = 0.1 multiplies each expert layer's input by noise "
+                                          "in training"):
+        with_init_from(load_config("tiny", {"train.init_from": str(d)}))
+
+
 def test_the_compiled_decode_step_of_experts_without_grouped_kernels_runs_eagerly(monkeypatch):
     """Where the experts' GEMMs loop over experts (no grouped kernel for the device and dtype: fp32 on a
     GPU), the loop's group sizes are data the compiler cannot branch on: the engine's compiled decode step

@@ -170,7 +170,10 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
             layout += ", lora.rank 0: no adapters, every weight trains (the other [lora] keys unused)"
         if cfg.train.freeze:  # train.freeze: what it holds fixed on this rank
             frozen = sum(q.numel() for q in trainer.model.parameters() if not q.requires_grad)
-            layout += f", {cfg.train.freeze!r} frozen ({frozen / 1e6:.3f}M parameters on this rank)"
+            # the routing bias (model.router_bias_update_rate) is no parameter: said, as a frozen router stops it too
+            held = sum(not m.router.weight.requires_grad for m in trainer.moe.layers) if trainer.moe.rate > 0 else 0
+            bias = f", and the routing bias of {held} MoE layer{'s' if held > 1 else ''}" if held else ""
+            layout += f", {cfg.train.freeze!r} frozen ({frozen / 1e6:.3f}M parameters on this rank{bias})"
         if p.replicas > 1:  # what auto resolved to is worth seeing: it decides the speed
             kind = "classic DP" if p.dp_mode == "classic" else (f"ZeRO-{p.zero_stage}" if p.zero_stage else "DDP")
             algo = getattr(trainer.engine, "algo", None)

@@ -168,9 +168,7 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
 
 def _experts_from_hf(arch: str, hf: dict) -> dict:
     """The mixture-of-experts keys of Mixtral's and Qwen2-MoE's configs."""
-    if arch == "MixtralForCausalLM":
-        if hf.get("router_jitter_noise"):
-            _refuse("router_jitter_noise", hf["router_jitter_noise"], "the router's input is not jittered here")
+    if arch == "MixtralForCausalLM":  # router_jitter_noise: transformers jitters in training only (with_init_from)
         return dict(num_experts=hf.get("num_local_experts", 8), top_k=hf.get("num_experts_per_tok", 2))
     if arch != "Qwen2MoeForCausalLM":
         return {}
@@ -299,6 +297,12 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
         cfg.model, theirs = model_config_from_hf(hf), model_config_from_hf(hf)
     except ConfigError as e:
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: {e}") from None
+    mixtral = (hf.get("architectures") or [None])[0] == "MixtralForCausalLM" or hf.get("model_type") == "mixtral"
+    if mixtral and hf.get("router_jitter_noise"):
+        # transformers jitters in training only: generate, eval and serve read such a checkpoint as it does
+        raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: Hugging Face config router_jitter_noise = "
+                          f"{hf['router_jitter_noise']!r} multiplies each expert layer's input by noise in training "
+                          f"(Mixtral's), which shardlm does not: set it to 0 in {path} to fine-tune without it")
     apply_overrides(cfg, {k: v for k, v in (overrides or {}).items() if k.startswith("model.")})
     _refuse_other_weights(cfg.model, theirs, path)
     return cfg

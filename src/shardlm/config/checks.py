@@ -350,6 +350,12 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         raise ConfigError(f"{show('ep_dispatch', p.ep_dispatch)} applies to expert parallelism, and {show('ep', 1)} "
                           f"(every expert on every rank): set {key('ep')} above 1, or leave {key('ep_dispatch')} at "
                           "'auto'")
+    if m.num_experts and p.ep == 1 and p.ep_load_budget != ParallelConfig.ep_load_budget:
+        # nothing reads it at ep 1 (a rank's experts take its own copies, one balanced load): a value given there
+        # would be ignored without a word, so refused as ep_dispatch is
+        raise ConfigError(f"{show('ep_load_budget', p.ep_load_budget)} applies to expert parallelism's exact dispatch, "
+                          f"and {show('ep', 1)} (every expert on every rank, each taking its own token copies): set "
+                          f"{key('ep')} above 1, or leave {key('ep_load_budget')} at {ParallelConfig.ep_load_budget:g}")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
     bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))
