@@ -84,3 +84,25 @@ def test_a_resumed_run_reports_its_first_step_at_once(tmp_path):
                       log=lambda *a: None)
     assert [r["step"] for r in trainer.run()] == [4, 5, 8]
     trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rewrite_of_metrics_jsonl_on_resume_keeps_its_history(tmp_path):
+    """A resume rewrites metrics.jsonl without the steps after its checkpoint; it truncated the file in place,
+    so a kill or a full disk during the write lost the run's history. A file-size limit stops the write here."""
+    resource = pytest.importorskip("resource")
+    from shardlm.config import RunError
+    from shardlm.metrics import MetricsLogger
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "lr": 3e-4}) + "\n" for s in range(1, 301)))
+    before = path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 4, hard))  # Python ignores SIGXFSZ: writes fail
+    try:
+        with pytest.raises(RunError, match="it is as it was"):
+            MetricsLogger(tmp_path, True, False, resume_step=200)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    MetricsLogger(tmp_path, True, False, resume_step=200).close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 201))
