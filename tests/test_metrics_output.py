@@ -106,3 +106,24 @@ def test_a_failed_rewrite_of_metrics_jsonl_on_resume_keeps_its_history(tmp_path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     MetricsLogger(tmp_path, True, False, resume_step=200).close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 201))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_the_tensorboard_package_says_so_once_at_its_start(tmp_path, monkeypatch):
+    """train.tensorboard is on by default, and without the tensorboard package a run wrote no events and said
+    nothing: a user expecting TensorBoard found an empty directory and no word why."""
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails, as without the package
+    said = []
+    trainer = Trainer(load_config("tiny", {"train.steps": "2", "train.sample_tokens": "0"}), out_dir=tmp_path / "on",
+                      log=said.append)
+    trainer.run()
+    trainer.close()
+    missing = [s for s in said if "tensorboard package is not installed" in s]
+    assert len(missing) == 1, said
+    assert "pip install tensorboard" in missing[0] and "train.tensorboard false" in missing[0], missing
+    assert not list((tmp_path / "on").glob("tensorboard/events.*"))
+    said.clear()
+    off = load_config("tiny", {"train.steps": "1", "train.sample_tokens": "0", "train.tensorboard": "false"})
+    Trainer(off, out_dir=tmp_path / "off", log=said.append).close()
+    assert not [s for s in said if "tensorboard" in s.lower()], said

@@ -81,10 +81,13 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
-            except ImportError:
-                self.tb = None
+            except ImportError:  # on by default: a user expecting TensorBoard would find no events and no word why
+                warn("warning: no TensorBoard events will be written: the tensorboard package is not installed "
+                     "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
+                     "false to silence this")
+                return
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
 
     def _keep_up_to(self, step: int) -> None:
         """Written beside and renamed over metrics.jsonl: a kill or a full disk mid-write once left it empty or
