@@ -1,6 +1,7 @@
 """What a training run reports (trainer.py's records, metrics.jsonl): numbers that describe the work done."""
 import json
 import shutil
+import time
 
 import pytest
 
@@ -127,3 +128,31 @@ def test_a_run_without_the_tensorboard_package_says_so_once_at_its_start(tmp_pat
     off = load_config("tiny", {"train.steps": "1", "train.sample_tokens": "0", "train.tensorboard": "false"})
     Trainer(off, out_dir=tmp_path / "off", log=said.append).close()
     assert not [s for s in said if "tensorboard" in s.lower()], said
+
+
+@pytest.mark.timeout(180)
+def test_tensorboard_drops_an_abandoned_futures_steps_when_a_resumed_stretch_ran_without_it(tmp_path):
+    """A run killed after step 4 and resumed from its step 2 checkpoint with train.tensorboard false dropped steps
+    3-4 from metrics.jsonl but not from TensorBoard: with TensorBoard on again, its steps 3-4 showed the
+    abandoned future's losses, which metrics.jsonl's steps 3-4 contradict."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    quiet = {"train.sample_tokens": "0", "train.save_every": "2"}
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "4"}), out_dir=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    shutil.rmtree(run / "checkpoints" / "step_00000004")  # killed after step 4, before its save
+    # TensorBoard reads event files in name order, their first key whole seconds: a later second for each stretch
+    time.sleep(1)
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "4", "train.tensorboard": "false"}),
+                      out_dir=run, resume=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    assert _tensorboard_steps(run) == [1, 2]
+    time.sleep(1)
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "6"}), out_dir=run, resume=run,
+                      log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    assert _tensorboard_steps(run) == [1, 2, 5, 6]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

@@ -69,6 +69,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        events = list((out_dir / "tensorboard").glob("events.out.tfevents.*"))
         if resume_step is not None and self.path.is_file():
             # A run resumed into its own directory: its history up to the checkpoint stays, and what the
             # abandoned future logged after it goes (here and, by purge_step, in TensorBoard).
@@ -76,18 +77,23 @@ class MetricsLogger:
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
             # An earlier run's events (it left no checkpoint to resume) would show as this run's steps.
-            for old in (out_dir / "tensorboard").glob("events.out.tfevents.*"):
+            for old in events:
                 old.unlink()
-        if tensorboard:
+        # A resume with TensorBoard off still marks the purge in the events an earlier stretch left: else the
+        # abandoned future's steps show again beside this stretch's once a later one turns TensorBoard back on.
+        if tensorboard or (resume_step is not None and events):
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # on by default: a user expecting TensorBoard would find no events and no word why
-                warn("warning: no TensorBoard events will be written: the tensorboard package is not installed "
-                     "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
-                     "false to silence this")
+            except ImportError:
+                if tensorboard:  # on by default: a user expecting TensorBoard would find no events and no word why
+                    warn("warning: no TensorBoard events will be written: the tensorboard package is not installed "
+                         "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
+                         "false to silence this")
                 return
             purge = None if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+            if not tensorboard:
+                self._drop_tensorboard()  # the purge it wrote is all this stretch adds
 
     def _keep_up_to(self, step: int) -> None:
         """Written beside and renamed over metrics.jsonl: a kill or a full disk mid-write once left it empty or
