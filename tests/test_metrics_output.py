@@ -1,6 +1,7 @@
 """What a training run reports (trainer.py's records, metrics.jsonl): numbers that describe the work done."""
 import json
 import shutil
+import time
 
 import pytest
 
@@ -84,3 +85,74 @@ def test_a_resumed_run_reports_its_first_step_at_once(tmp_path):
                       log=lambda *a: None)
     assert [r["step"] for r in trainer.run()] == [4, 5, 8]
     trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rewrite_of_metrics_jsonl_on_resume_keeps_its_history(tmp_path):
+    """A resume rewrites metrics.jsonl without the steps after its checkpoint; it truncated the file in place,
+    so a kill or a full disk during the write lost the run's history. A file-size limit stops the write here."""
+    resource = pytest.importorskip("resource")
+    from shardlm.config import RunError
+    from shardlm.metrics import MetricsLogger
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "lr": 3e-4}) + "\n" for s in range(1, 301)))
+    before = path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 4, hard))  # Python ignores SIGXFSZ: writes fail
+    try:
+        with pytest.raises(RunError, match="it is as it was"):
+            MetricsLogger(tmp_path, True, False, resume_step=200)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    MetricsLogger(tmp_path, True, False, resume_step=200).close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 201))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_the_tensorboard_package_says_so_once_at_its_start(tmp_path, monkeypatch):
+    """train.tensorboard is on by default, and without the tensorboard package a run wrote no events and said
+    nothing: a user expecting TensorBoard found an empty directory and no word why."""
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails, as without the package
+    said = []
+    trainer = Trainer(load_config("tiny", {"train.steps": "2", "train.sample_tokens": "0"}), out_dir=tmp_path / "on",
+                      log=said.append)
+    trainer.run()
+    trainer.close()
+    missing = [s for s in said if "tensorboard package is not installed" in s]
+    assert len(missing) == 1, said
+    assert "pip install tensorboard" in missing[0] and "train.tensorboard false" in missing[0], missing
+    assert not list((tmp_path / "on").glob("tensorboard/events.*"))
+    said.clear()
+    off = load_config("tiny", {"train.steps": "1", "train.sample_tokens": "0", "train.tensorboard": "false"})
+    Trainer(off, out_dir=tmp_path / "off", log=said.append).close()
+    assert not [s for s in said if "tensorboard" in s.lower()], said
+
+
+@pytest.mark.timeout(180)
+def test_tensorboard_drops_an_abandoned_futures_steps_when_a_resumed_stretch_ran_without_it(tmp_path):
+    """A run killed after step 4 and resumed from its step 2 checkpoint with train.tensorboard false dropped steps
+    3-4 from metrics.jsonl but not from TensorBoard: with TensorBoard on again, its steps 3-4 showed the
+    abandoned future's losses, which metrics.jsonl's steps 3-4 contradict."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    quiet = {"train.sample_tokens": "0", "train.save_every": "2"}
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "4"}), out_dir=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    shutil.rmtree(run / "checkpoints" / "step_00000004")  # killed after step 4, before its save
+    # TensorBoard reads event files in name order, their first key whole seconds: a later second for each stretch
+    time.sleep(1)
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "4", "train.tensorboard": "false"}),
+                      out_dir=run, resume=run, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    assert _tensorboard_steps(run) == [1, 2]
+    time.sleep(1)
+    trainer = Trainer(load_config("tiny", {**quiet, "train.steps": "6"}), out_dir=run, resume=run,
+                      log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    assert _tensorboard_steps(run) == [1, 2, 5, 6]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

@@ -4,6 +4,7 @@ Each ends in one clear line and a non-zero status, or in the right outcome."""
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,26 @@ def test_a_damaged_checkpoint_file_is_named_and_the_run_resumes_from_the_previou
     resumed = Trainer(cfg, out_dir=run, resume=run, log=said.append)
     assert resumed.step == 2 and resumed.resumed_from.name == "step_00000002"
     assert any("skipping damaged checkpoints" in s and name in s for s in said), said
+
+
+def test_a_damaged_checkpoint_named_explicitly_points_at_its_run_directory(tmp_path, capsys):
+    """--resume RUN/checkpoints/step_N of a damaged checkpoint named the bad file only: that --resume RUN falls
+    back on the newest checkpoint that verifies went unsaid."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    newest = run / "checkpoints" / "step_00000004"
+    damage(newest / "rank00000-0000.safetensors", "truncated")
+    proc = train_here(capsys, "--train.steps", 5, "--out", run, "--resume", newest)
+    line = no_traceback(proc, 1)
+    assert f"{newest}/rank00000-0000.safetensors has " in line, line
+    assert f"--resume {run} instead takes the newest of its checkpoints that verifies" in line, line
+    with pytest.raises(CheckpointError, match=f"the run directory {run} instead"):  # export's, generate's: no --resume
+        load_checkpoint(newest)
+    shutil.rmtree(run / "checkpoints" / "step_00000002")  # nothing to fall back on: no hint
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(newest)
+    assert "instead" not in str(e.value)
 
 
 def test_a_damaged_checkpoint_skipped_on_resume_does_not_take_a_good_ones_place_in_rotation(tmp_path, capsys):

@@ -310,17 +310,20 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
     return state
 
 
-def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None) -> Path:
+def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress=None, option: str = "") -> Path:
     """A checkpoint directory itself (verified), or the newest checkpoint of a run directory that verifies;
     a damaged one is skipped with a message through `log` (None: a note on stderr, as export, generate and
     eval once took an older step without a word). `verify` False: trust a path another rank resolved and
-    verified already."""
+    verified already. `option`: the command's option that named `path`, for the message of a damaged one."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: name a run directory or one of its checkpoints")
     if (path / STATE).is_file() or path.name.startswith("step_"):
         if verify:
-            verify_checkpoint(path, progress)
+            try:
+                verify_checkpoint(path, progress)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}{_run_hint(path, option)}") from None
         return path
     found = complete_checkpoints(path)
     if not found:
@@ -337,6 +340,16 @@ def resolve_checkpoint(path: str | Path, log=None, verify: bool = True, progress
             log(note) if log is not None else print(f"note: {note}", file=sys.stderr)
         return ckpt
     raise CheckpointError(f"no checkpoint of {path} verifies: {'; '.join(problems)}")
+
+
+def _run_hint(ckpt: Path, option: str) -> str:
+    """A damaged checkpoint named explicitly ends the command, where its run directory named instead would fall
+    take the newest one that verifies: say so where the run has another."""
+    run = ckpt.parent.parent
+    if ckpt.parent.name != CKPT_DIR or not any(p.name != ckpt.name for p in complete_checkpoints(run)):
+        return ""
+    named = f"{option} {run}" if option else f"the run directory {run}"
+    return f"; {named} instead takes the newest of its checkpoints that verifies"
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .config import RunError
+
 PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks from the vendors' datasheets
     "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
     "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
@@ -67,24 +69,47 @@ class MetricsLogger:
         if not self.enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        events = list((out_dir / "tensorboard").glob("events.out.tfevents.*"))
         if resume_step is not None and self.path.is_file():
             # A run resumed into its own directory: its history up to the checkpoint stays, and what the
             # abandoned future logged after it goes (here and, by purge_step, in TensorBoard).
-            kept = [line for line in self.path.read_text().splitlines()
-                    if (step := _step_of(line)) is not None and step <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            self._keep_up_to(resume_step)
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
             # An earlier run's events (it left no checkpoint to resume) would show as this run's steps.
-            for old in (out_dir / "tensorboard").glob("events.out.tfevents.*"):
+            for old in events:
                 old.unlink()
-        if tensorboard:
+        # A resume with TensorBoard off still marks the purge in the events an earlier stretch left: else the
+        # abandoned future's steps show again beside this stretch's once a later one turns TensorBoard back on.
+        if tensorboard or (resume_step is not None and events):
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError:
-                self.tb = None
+                if tensorboard:  # on by default: a user expecting TensorBoard would find no events and no word why
+                    warn("warning: no TensorBoard events will be written: the tensorboard package is not installed "
+                         "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
+                         "false to silence this")
+                return
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+            if not tensorboard:
+                self._drop_tensorboard()  # the purge it wrote is all this stretch adds
+
+    def _keep_up_to(self, step: int) -> None:
+        """Written beside and renamed over metrics.jsonl: a kill or a full disk mid-write once left it empty or
+        cut short, the run's whole history lost."""
+        kept = [line for line in self.path.read_text().splitlines() if (s := _step_of(line)) is not None and s <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write("".join(line + "\n" for line in kept))
+                f.flush()
+                os.fsync(f.fileno())  # renamed over the old file before its data reach the disk, a crash empties it
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise RunError(f"dropping the steps after step {step} from {self.path} failed ({e.strerror or e}); it is "
+                           "as it was: free space (or fix its directory) and resume again") from None
 
     def log(self, record: dict) -> None:
         if not self.enabled:

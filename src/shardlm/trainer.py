@@ -157,7 +157,7 @@ class Trainer:
         chosen = None
         if self.mesh.is_main:
             try:
-                chosen = str(resolve_checkpoint(resume, self.log))
+                chosen = str(resolve_checkpoint(resume, self.log, option="--resume"))
             except (CheckpointError, FileNotFoundError) as e:
                 chosen = e
         chosen = self.mesh.from_main(chosen)
