@@ -125,3 +125,22 @@ def test_an_adapter_file_with_no_tensors_is_refused_not_served_as_the_base(tmp_p
     save_file({}, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ConfigError, match="holds no adapter tensors"):
         read_peft_dir(tmp_path, cfg.model)
+
+
+@pytest.mark.parametrize("arch, sp", [("llama", False), ("llama", True), ("gpt2", True)],
+                         ids=["llama-tp2", "llama-tp2-sp", "gpt2-tp2-sp"])
+def test_lora_dropout_under_tensor_parallelism_draws_one_process_masks(arch, sp):
+    """lora.dropout > 0 at tp 2: each rank drew the mask of its slice of a row-parallel layer's input (o_proj,
+    down_proj, GPT-2's c_proj) over the slice alone, no slice of one process's mask, and its generator fell out
+    of step with one process's, so the column-parallel layers' masks differed from there on too."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    from test_lora import LORA, TARGETS
+    from test_tensor_parallel import MODELS, check_equal
+    over = {**MODELS[arch], **LORA, "lora.targets": TARGETS[arch], "lora.dropout": "0.3", "parallel.tp": "2",
+            "parallel.dp": "1", "parallel.sp": str(sp).lower()}
+    one = {**over, "train.device": "cpu", "parallel.tp": "1", "parallel.sp": "false"}
+    ref = dist_fns.train_and_capture(0, 1, one)
+    assert ref["grad_norms"] != dist_fns.train_and_capture(0, 1, {**one, "lora.dropout": "0"})["grad_norms"]
+    check_equal(run_distributed(dist_fns.train_and_capture, 2, over, timeout=240), ref)
+

@@ -15,6 +15,11 @@ base, A's columns are split with the base's input and B is whole, and the rank's
 partial sums before the base's all-reduce (or reduce-scatter), so the adapter needs no collective of its
 own. The gradients each rank computes only part of (A on column-parallel bases, B on row-parallel ones)
 are summed over the group like the norms' (tensor.sum_partial_gradients).
+
+Dropout on the adapters' input draws one process's masks under tensor parallelism: a column-parallel base's
+input is whole on every rank, and the ranks' generators, seeded alike, draw the same mask; a row-parallel
+base's input is split, and each rank draws the mask of the whole input and keeps its slice (as Megatron-LM
+does for its sharded tensors), so the generators stay in step with one another and with one process's.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class LoRA(nn.Module):
         self.A.init_std = 1.0 / rank  # read by Decoder.init_parameter
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.input_shard: tuple[int, int] | None = None  # (rank, degree): x is that slice of the input's features
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A [rank x adapters, in] and B [out, rank x adapters]: the update of x is x A^T B^T.
@@ -72,7 +78,18 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.factors()
-        return F.linear(F.linear(self.dropout(x), a), b)
+        return F.linear(F.linear(self._dropped(x), a), b)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_shard is None or not self.drops():
+            return self.dropout(x)
+        # A mask drawn over the slice alone was no slice of one process's mask, and took fewer numbers from the
+        # generator, so every later mask (the column-parallel layers' too) differed from one process's.
+        # Dropout of ones is the mask itself, drawn as F.dropout draws it on the whole input.
+        rank, ranks = self.input_shard
+        width = x.shape[-1]
+        mask = F.dropout(x.new_ones(()).expand(*x.shape[:-1], width * ranks), self.dropout.p)
+        return x * mask[..., rank * width:(rank + 1) * width].contiguous()  # kept for backward: the slice alone
 
     def drops(self) -> bool:
         """Whether dropout changes the adapters' input now (training with lora.dropout > 0)."""
@@ -100,6 +117,8 @@ def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lor
         tag(adapter.A, {n: TPSharding(rank_in(group), degree(group), 1, (full_in,), (True,)) for n, _, _ in spans})
         tag(adapter.B, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
              {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
+        if degree(group) > 1:
+            adapter.input_shard = (rank_in(group), degree(group))
     elif column:
         group = base.group
         tag(adapter.A, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
