@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +232,6 @@ def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=N
     """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) from a full state dict, which
     `peft.PeftModel.from_pretrained` loads onto the Hugging Face base model."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
     out = Path(out)
@@ -245,7 +245,6 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     """A PEFT LoRA adapter directory: its settings and its tensors under this model's names (the inverse of
     `write_peft_dir`), for `merged`."""
     import json
-    from pathlib import Path
 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -255,14 +254,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         conf = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:
-        # What was given instead, where it is plain: a run or a model, which --adapter users often pass.
-        run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
-        fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
-               "writes its adapter (or give it as --model, its adapters merged)" if run else
-               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else
-               f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
-                          f"adapter_model.safetensors): {e}{fix}") from None
+                          f"adapter_model.safetensors): {e}{_given_instead(path)}") from None
     if not isinstance(conf, dict):  # `[]` ended in an AttributeError's traceback
         raise ConfigError(f"{path}: adapter_config.json holds {type(conf).__name__}, not a JSON object: save the "
                           "adapter again")
@@ -319,6 +312,30 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
                               "adapter_model.safetensors: the file is incomplete; save or export the adapter again")
     _check_shapes(path, state, cfg, lora.rank)
     return lora, state
+
+
+def _given_instead(path: Path) -> str:
+    """What a directory that is no adapter holds instead, where it is plain, and the fix ('; ...'), or ''."""
+    # Runs and models, which --adapter users often pass, and what PEFT itself writes in other forms.
+    if (path / "adapter_model.bin").is_file() and not (path / "adapter_model.safetensors").exists():
+        return ("; it holds adapter_model.bin, PEFT's older pickle format, and shardlm reads safetensors only: "
+                "convert it with PEFT, PeftModel.from_pretrained(base, DIR).save_pretrained(OUT, "
+                "safe_serialization=True), and give OUT")
+    if (path / "checkpoints").is_dir() or (path / "state.json").is_file():
+        return (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
+                "writes its adapter (or give it as --model, its adapters merged)")
+    if (path / "config.json").is_file():
+        return "; it is a model, not an adapter: give it as --model"
+    if path.is_file():
+        return f"; it is a file: give the directory holding it ({path.parent})"
+    try:
+        named = sorted(d.name for d in path.iterdir() if (d / "adapter_config.json").is_file())
+    except OSError:  # missing or unreadable: the error says so
+        named = []
+    if named:  # PEFT saves each adapter of a model but the default one under DIR/NAME
+        return (f"; it holds no adapter itself, its subfolder{'s' if len(named) > 1 else ''} "
+                f"{', '.join(named)} {'do' if len(named) > 1 else 'does'}: give that folder, e.g. {path / named[0]}")
+    return ""
 
 
 def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
