@@ -125,3 +125,68 @@ def test_an_adapter_file_with_no_tensors_is_refused_not_served_as_the_base(tmp_p
     save_file({}, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ConfigError, match="holds no adapter tensors"):
         read_peft_dir(tmp_path, cfg.model)
+
+
+@pytest.mark.parametrize("arch, sp", [("llama", False), ("llama", True), ("gpt2", True)],
+                         ids=["llama-tp2", "llama-tp2-sp", "gpt2-tp2-sp"])
+def test_lora_dropout_under_tensor_parallelism_draws_one_process_masks(arch, sp):
+    """lora.dropout > 0 at tp 2: each rank drew the mask of its slice of a row-parallel layer's input (o_proj,
+    down_proj, GPT-2's c_proj) over the slice alone, no slice of one process's mask, and its generator fell out
+    of step with one process's, so the column-parallel layers' masks differed from there on too."""
+    import dist_fns
+    from shardlm.testing.distributed import run_distributed
+    from test_lora import LORA, TARGETS
+    from test_tensor_parallel import MODELS, check_equal
+    over = {**MODELS[arch], **LORA, "lora.targets": TARGETS[arch], "lora.dropout": "0.3", "parallel.tp": "2",
+            "parallel.dp": "1", "parallel.sp": str(sp).lower()}
+    one = {**over, "train.device": "cpu", "parallel.tp": "1", "parallel.sp": "false"}
+    ref = dist_fns.train_and_capture(0, 1, one)
+    assert ref["grad_norms"] != dist_fns.train_and_capture(0, 1, {**one, "lora.dropout": "0"})["grad_norms"]
+    check_equal(run_distributed(dist_fns.train_and_capture, 2, over, timeout=240), ref)
+
+
+def _peft_model(cfg, model, tmp_path, **config):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    if not (tmp_path / "base").exists():
+        write_hf_dir({k: v.detach() for k, v in model.state_dict().items() if not is_adapter_key(k)}, cfg.model,
+                     tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), **config)
+
+
+def test_a_pickled_peft_adapter_is_refused_saying_how_to_convert_it(tmp_path):
+    """PEFT's adapter_model.bin (save_pretrained(..., safe_serialization=False), older PEFT's default) was
+    refused with "No such file or directory" of the adapter_model.safetensors it lacks, and no more."""
+    from peft import PeftModel
+
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    _peft_model(cfg, model, tmp_path).save_pretrained(tmp_path / "old", safe_serialization=False)
+    assert (tmp_path / "old" / "adapter_model.bin").is_file()
+    with pytest.raises(ConfigError, match=r"it holds adapter_model.bin, PEFT's older pickle format, and shardlm reads "
+                                          r"safetensors only: .*save_pretrained\(OUT, safe_serialization=True\)"):
+        read_peft_dir(tmp_path / "old", cfg.model)
+    base = _peft_model(cfg, model, tmp_path).unload()
+    PeftModel.from_pretrained(base, tmp_path / "old").save_pretrained(tmp_path / "new", safe_serialization=True)
+    read_peft_dir(tmp_path / "new", cfg.model)  # the conversion named
+
+
+def test_a_folder_of_named_peft_adapters_is_refused_naming_the_subfolders_that_hold_one(tmp_path):
+    """PEFT saves each adapter of a model but the "default" one under DIR/NAME: DIR was refused with "No such
+    file or directory" of DIR/adapter_config.json, not naming where the adapters are."""
+    from peft import LoraConfig
+
+    from shardlm.parallel.lora import read_peft_dir
+    cfg, model = lora_model("llama")
+    peft_model = _peft_model(cfg, model, tmp_path, adapter_name="math")
+    peft_model.add_adapter("code", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    peft_model.save_pretrained(tmp_path / "both")
+    (tmp_path / "both" / "logs").mkdir()
+    with pytest.raises(ConfigError, match=r"it holds no adapter itself, its subfolders code, math do: give that "
+                                          r"folder, e.g. .*both/code$"):
+        read_peft_dir(tmp_path / "both", cfg.model)
+    peft_model.save_pretrained(tmp_path / "one", selected_adapters=["code"])
+    with pytest.raises(ConfigError, match=r"its subfolder code does: give that folder, e.g. .*one/code$"):
+        read_peft_dir(tmp_path / "one", cfg.model)
+    read_peft_dir(tmp_path / "both" / "code", cfg.model)

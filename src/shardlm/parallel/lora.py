@@ -15,11 +15,17 @@ base, A's columns are split with the base's input and B is whole, and the rank's
 partial sums before the base's all-reduce (or reduce-scatter), so the adapter needs no collective of its
 own. The gradients each rank computes only part of (A on column-parallel bases, B on row-parallel ones)
 are summed over the group like the norms' (tensor.sum_partial_gradients).
+
+Dropout on the adapters' input draws one process's masks under tensor parallelism: a column-parallel base's
+input is whole on every rank, and the ranks' generators, seeded alike, draw the same mask; a row-parallel
+base's input is split, and each rank draws the mask of the whole input and keeps its slice (as Megatron-LM
+does for its sharded tensors), so the generators stay in step with one another and with one process's.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,7 @@ class LoRA(nn.Module):
         self.A.init_std = 1.0 / rank  # read by Decoder.init_parameter
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.input_shard: tuple[int, int] | None = None  # (rank, degree): x is that slice of the input's features
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A [rank x adapters, in] and B [out, rank x adapters]: the update of x is x A^T B^T.
@@ -72,7 +79,18 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.factors()
-        return F.linear(F.linear(self.dropout(x), a), b)
+        return F.linear(F.linear(self._dropped(x), a), b)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_shard is None or not self.drops():
+            return self.dropout(x)
+        # A mask drawn over the slice alone was no slice of one process's mask, and took fewer numbers from the
+        # generator, so every later mask (the column-parallel layers' too) differed from one process's.
+        # Dropout of ones is the mask itself, drawn as F.dropout draws it on the whole input.
+        rank, ranks = self.input_shard
+        width = x.shape[-1]
+        mask = F.dropout(x.new_ones(()).expand(*x.shape[:-1], width * ranks), self.dropout.p)
+        return x * mask[..., rank * width:(rank + 1) * width].contiguous()  # kept for backward: the slice alone
 
     def drops(self) -> bool:
         """Whether dropout changes the adapters' input now (training with lora.dropout > 0)."""
@@ -100,6 +118,8 @@ def _adapter(base: nn.Module, cfg: ModelConfig, path: str, chosen: set[str], lor
         tag(adapter.A, {n: TPSharding(rank_in(group), degree(group), 1, (full_in,), (True,)) for n, _, _ in spans})
         tag(adapter.B, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
              {n: 0 for n, _, _ in spans} if degree(group) > 1 else {})
+        if degree(group) > 1:
+            adapter.input_shard = (rank_in(group), degree(group))
     elif column:
         group = base.group
         tag(adapter.A, {n: TPSharding(rank_in(group), degree(group)) for n, _, _ in spans},
@@ -212,7 +232,6 @@ def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=N
     """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) from a full state dict, which
     `peft.PeftModel.from_pretrained` loads onto the Hugging Face base model."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
     out = Path(out)
@@ -226,7 +245,6 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     """A PEFT LoRA adapter directory: its settings and its tensors under this model's names (the inverse of
     `write_peft_dir`), for `merged`."""
     import json
-    from pathlib import Path
 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -236,14 +254,8 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
         conf = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:
-        # What was given instead, where it is plain: a run or a model, which --adapter users often pass.
-        run = (path / "checkpoints").is_dir() or (path / "state.json").is_file()
-        fix = (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
-               "writes its adapter (or give it as --model, its adapters merged)" if run else
-               "; it is a model, not an adapter: give it as --model" if (path / "config.json").is_file() else
-               f"; it is a file: give the directory holding it ({path.parent})" if path.is_file() else "")
         raise ConfigError(f"{path} is not a readable PEFT adapter directory (adapter_config.json, "
-                          f"adapter_model.safetensors): {e}{fix}") from None
+                          f"adapter_model.safetensors): {e}{_given_instead(path)}") from None
     if not isinstance(conf, dict):  # `[]` ended in an AttributeError's traceback
         raise ConfigError(f"{path}: adapter_config.json holds {type(conf).__name__}, not a JSON object: save the "
                           "adapter again")
@@ -300,6 +312,30 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
                               "adapter_model.safetensors: the file is incomplete; save or export the adapter again")
     _check_shapes(path, state, cfg, lora.rank)
     return lora, state
+
+
+def _given_instead(path: Path) -> str:
+    """What a directory that is no adapter holds instead, where it is plain, and the fix ('; ...'), or ''."""
+    # Runs and models, which --adapter users often pass, and what PEFT itself writes in other forms.
+    if (path / "adapter_model.bin").is_file() and not (path / "adapter_model.safetensors").exists():
+        return ("; it holds adapter_model.bin, PEFT's older pickle format, and shardlm reads safetensors only: "
+                "convert it with PEFT, PeftModel.from_pretrained(base, DIR).save_pretrained(OUT, "
+                "safe_serialization=True), and give OUT")
+    if (path / "checkpoints").is_dir() or (path / "state.json").is_file():
+        return (f"; it is a shardlm run or checkpoint: `shardlm export --checkpoint {path} --out ADAPTER_DIR` "
+                "writes its adapter (or give it as --model, its adapters merged)")
+    if (path / "config.json").is_file():
+        return "; it is a model, not an adapter: give it as --model"
+    if path.is_file():
+        return f"; it is a file: give the directory holding it ({path.parent})"
+    try:
+        named = sorted(d.name for d in path.iterdir() if (d / "adapter_config.json").is_file())
+    except OSError:  # missing or unreadable: the error says so
+        named = []
+    if named:  # PEFT saves each adapter of a model but the default one under DIR/NAME
+        return (f"; it holds no adapter itself, its subfolder{'s' if len(named) > 1 else ''} "
+                f"{', '.join(named)} {'do' if len(named) > 1 else 'does'}: give that folder, e.g. {path / named[0]}")
+    return ""
 
 
 def _check_shapes(path, state: dict, cfg: ModelConfig, rank: int) -> None:
