@@ -561,3 +561,30 @@ def test_one_row_gemv_is_the_product_to_rounding_in_and_out_of_cuda_graphs():
         with mock.patch.object(gemv, "one_row", lambda x, w: False):
             plain = model(ids).float()
     torch.testing.assert_close(kernel, plain, rtol=0, atol=0.05 * plain.abs().max().item())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
+    """With cuda:0 current, the one-row GEMV, int8's and int4's products and decode attention on cuda:1's
+    tensors give what they give on cuda:0 (Triton launches on the current device unless told)."""
+    from shardlm.inference.decode_attention import decode_attention
+    from shardlm.inference.int4 import Int4Linear
+    from shardlm.inference.int8 import Int8Linear
+    from shardlm.model import gemv
+
+    def outputs(device):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(256, 64, bias=False).to(device, torch.bfloat16)
+        x = torch.randn(1, 1, 256, device=device, dtype=torch.bfloat16)
+        q = torch.randn(1, 4, 1, 64, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 4, 40, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+        bounds = (torch.zeros(1, dtype=torch.int32, device=device), torch.full((1,), 40, dtype=torch.int32,
+                                                                                device=device))
+        with torch.no_grad():
+            return [gemv.linear(x, lin.weight), Int8Linear(lin)(x), Int4Linear(lin)(x),
+                    decode_attention(q, k, v, None, bounds)]
+
+    torch.cuda.set_device(0)
+    for got, want in zip(outputs("cuda:1"), outputs("cuda:0")):
+        assert got.device == torch.device("cuda:1")
+        assert torch.equal(got.cpu(), want.cpu())

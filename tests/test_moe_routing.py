@@ -86,10 +86,10 @@ def test_capacity_is_per_sequence_whatever_the_batch():
     torch.testing.assert_close(stats, m.stats)
 
 
-@pytest.mark.parametrize("big", [2.0, 1e30])
+@pytest.mark.parametrize("big", [2.0, 1e30, 1e308])
 def test_a_capacity_that_drops_nothing_equals_dropless(big):
     """capacity_factor = E / k: each expert may take every token of a sequence, so nothing is dropped and the
-    outputs and every gradient are dropless routing's; so too a factor far beyond it (1e30 once overflowed)."""
+    outputs and every gradient are dropless routing's; so too a factor far beyond it (1e30 once overflowed, 1e308 after)."""
     runs = []
     for factor in (0.0, big):
         m = layer(capacity_factor=factor)

@@ -725,6 +725,18 @@ def test_plan_inference_tokens_per_s_at_batch_one_is_one_figure():
     assert "at this batch" in _plan_inference("--batch", 16).stdout
 
 
+def test_plan_inference_takes_the_one_row_gemvs_share_only_where_it_runs():
+    """Batch-1 16-bit weights of a dense model decode at ONE_ROW_EFFICIENCY of the bound (model/gemv.py); fp32
+    weights and a mixture's grouped experts at DECODE_EFFICIENCY, as larger batches."""
+    from shardlm.plan.inference import DECODE_EFFICIENCY, ONE_ROW_EFFICIENCY, plan_inference
+    m, g = load_config("llama2-7b").model, gpu("h200")
+    bf16, fp32 = (plan_inference(m, g, 1, 384, size).tokens_per_s for size in (2, 4))
+    assert bf16 / fp32 == pytest.approx(2 * ONE_ROW_EFFICIENCY / DECODE_EFFICIENCY, rel=0.02)
+    moe = load_config("moe-1b").model
+    assert plan_inference(moe, g, 1, 384, 2).tokens_per_s == pytest.approx(
+        plan_inference(moe, g, 1, 384, 4).tokens_per_s * 2, rel=0.02)
+
+
 def test_readme_plan_inference_line_shows_the_default_gpu():
     from shardlm.plan.cli import parser
     readme = (Path(__file__).parents[1] / "README.md").read_text()

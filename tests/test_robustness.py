@@ -16,6 +16,7 @@ import torch
 from helpers import cli_proc, run_cli
 from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from shardlm.config import ConfigError, load_config, validate
+from shardlm.rundir import drop_damaged_after
 from shardlm.trainer import Trainer, TrainingError
 
 QUIET = ["--train.tensorboard", "false", "--train.log_every", "1"]
@@ -222,6 +223,13 @@ def test_a_damaged_checkpoint_skipped_on_resume_does_not_take_a_good_ones_place_
     assert (run / "checkpoints" / "damaged-step_00000006" / "state.json").is_file()  # for the user to look at
     for p in complete_checkpoints(run):
         load_checkpoint(p)
+    # the same step saved again and found damaged again: the earlier copy set aside stays beside the new one
+    shutil.rmtree(run / "checkpoints" / "step_00000007")
+    (run / "checkpoints" / "step_00000006").mkdir()
+    (run / "checkpoints" / "step_00000006" / "state.json").write_text("{")
+    drop_damaged_after(run, run / "checkpoints" / "step_00000004", log=lambda *a: None)
+    assert {p.name for p in (run / "checkpoints").glob("damaged-*")} == {"damaged-step_00000006",
+                                                                         "damaged-step_00000006.1"}
 
 
 def test_export_generate_and_eval_of_a_run_whose_newest_checkpoint_is_damaged_say_which_they_use(tmp_path, capsys):

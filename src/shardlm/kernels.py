@@ -9,6 +9,7 @@ ops, which is what CPU runs and what the GPU test compares the kernel against.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -23,6 +24,13 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 BLOCK = 4096
+
+
+def on_device(t: torch.Tensor):
+    """A context in which Triton's launches for `t` go to its GPU: Triton launches on the thread's current
+    device, which need not be the tensors' (`generate --device cuda:1`, a second serving replica's thread: its
+    kernels ran on cuda:0 with cuda:1's addresses). Nothing on the CPU (Triton's interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def triton_ok(t: torch.Tensor) -> bool:

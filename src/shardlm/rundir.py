@@ -14,6 +14,7 @@ rules that keep two runs from mixing in one directory or a run from losing its o
 """
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
@@ -143,7 +144,10 @@ def drop_damaged_after(out: Path, checkpoint: Path, log=print) -> None:
     passed its checks)."""
     for p in (p for p in complete_checkpoints(out) if checkpoint_step(p) > checkpoint_step(checkpoint)):
         aside = p.with_name(f"damaged-{p.name}")
-        shutil.rmtree(aside, ignore_errors=True)
+        for i in itertools.count(1):  # an earlier damaged copy of the same step stays too (it may read later)
+            if not aside.exists():
+                break
+            aside = p.with_name(f"damaged-{p.name}.{i}")
         p.rename(aside)
         log(f"moved the damaged {p.name} aside to {aside} (delete it once it is of no use): the run continues "
             f"from {checkpoint.name}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import triton, triton_ok
+from ..kernels import on_device, triton, triton_ok
 
 
 # Keys a loop iteration loads, keys a program reads at most, warps a program: an H200's best over 32-256,
@@ -86,16 +86,17 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op("shardlm::decode_attention", mutates_args=())
     def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor) -> torch.Tensor:
-        acc, best, total = _split_outputs(q, k)
-        n, heads, d = q.shape
-        splits = acc.shape[2]
-        _split_kernel[(n, heads, splits)](
-            q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
-            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS)
-        y = q.new_empty(n, heads, d)
-        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
-        return y
+        with on_device(q):
+            acc, best, total = _split_outputs(q, k)
+            n, heads, d = q.shape
+            splits = acc.shape[2]
+            _split_kernel[(n, heads, splits)](
+                q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
+                HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS)
+            y = q.new_empty(n, heads, d)
+            _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
+            return y
 
     @_attention.register_fake
     def _(q, k, v, lo, hi):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import triton
+from ..kernels import on_device, triton
 
 # (BN outputs a program, BK inputs a step, warps): from an H200 sweep over llama2-7b's row-parallel shapes
 # at tp 2 (bench/README.md).
@@ -89,12 +89,13 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
                          count: torch.Tensor, rank: int, world: int, bn: int, bk: int, warps: int,
                          reduce: bool = True) -> torch.Tensor:
-        n, k = w.shape
-        y = x.new_empty(n)
-        _gemv_all_reduce_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, pads, count, w.stride(0), N=n, K=k,
-                                                        RANK=rank, WORLD=world, BN=bn, BK=bk, BR=1024,
-                                                        REDUCE=reduce, num_warps=warps)
-        return y
+        with on_device(x):
+            n, k = w.shape
+            y = x.new_empty(n)
+            _gemv_all_reduce_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, pads, count, w.stride(0), N=n, K=k,
+                                                            RANK=rank, WORLD=world, BN=bn, BK=bk, BR=1024,
+                                                            REDUCE=reduce, num_warps=warps)
+            return y
 
     @_gemv_all_reduce.register_fake
     def _(x, w, buffers, pads, count, rank, world, bn, bk, warps, reduce=True):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..kernels import triton, triton_ok
+from ..kernels import on_device, triton, triton_ok
 from .int8 import unquantised
 
 GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
@@ -319,7 +319,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     # An opaque custom op (as int8.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int4_mm", mutates_args=())
     def _int4_mm(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        return int4_gemv(x, words, scale, low) if x.shape[0] == 1 else int4_mm(x, words, scale, low)
+        with on_device(x):
+            return int4_gemv(x, words, scale, low) if x.shape[0] == 1 else int4_mm(x, words, scale, low)
 
     @_int4_mm.register_fake
     def _(x, words, scale, low):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import triton, triton_ok
+from ..kernels import on_device, triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 CHUNK = 2048  # outputs quantised at a time
@@ -105,15 +105,16 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
     @torch.library.custom_op("shardlm::int8_mm", mutates_args=())
     def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        (m, k), n = x.shape, w.shape[0]
-        y = x.new_empty(m, n)
-        if m == 1 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0:
-            return int8_gemv(x, w, scale, y)
-        bn, bk, warps, stages = WIDE_LAUNCH if n >= WIDE else NARROW_LAUNCH
-        _int8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, BM))](
-            x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=bn, BK=bk,
-            num_warps=warps, num_stages=stages)
-        return y
+        with on_device(x):
+            (m, k), n = x.shape, w.shape[0]
+            y = x.new_empty(m, n)
+            if m == 1 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0:
+                return int8_gemv(x, w, scale, y)
+            bn, bk, warps, stages = WIDE_LAUNCH if n >= WIDE else NARROW_LAUNCH
+            _int8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, BM))](
+                x, w, scale, y, m, n, x.stride(0), w.stride(0), y.stride(0), K=k, BM=BM, BN=bn, BK=bk,
+                num_warps=warps, num_stages=stages)
+            return y
 
     @_int8_mm.register_fake
     def _(x, w, scale):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import triton, triton_ok
+from ..kernels import on_device, triton, triton_ok
 
 
 def launch(n: int, k: int) -> tuple[int, int, int]:
@@ -47,10 +47,11 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op("shardlm::gemv", mutates_args=())
     def gemv(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, warps: int) -> torch.Tensor:
         """x [K] times w [N, K] (rows contiguous) transposed: [N]."""
-        n, k = w.shape
-        y = x.new_empty(n)
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, w.stride(0), N=n, K=k, BN=bn, BK=bk, num_warps=warps)
-        return y
+        with on_device(x):
+            n, k = w.shape
+            y = x.new_empty(n)
+            _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, w.stride(0), N=n, K=k, BN=bn, BK=bk, num_warps=warps)
+            return y
 
     @gemv.register_fake
     def _(x, w, bn, bk, warps):

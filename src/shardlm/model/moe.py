@@ -164,7 +164,8 @@ class MoE(nn.Module):
             whole = seq_len * self.sequences.parts
             # at most a copy of each token reaches an expert: a factor of 1e30 ("never drop") keeps all, not an
             # integer too large for a tensor comparison
-            capacity = min(math.ceil(self.capacity_factor * whole * self.top_k / self.num_experts), whole)
+            factor = min(self.capacity_factor, self.num_experts / self.top_k)  # 1e308 times the copies is inf
+            capacity = min(math.ceil(factor * whole * self.top_k / self.num_experts), whole)
             per_seq, taken = seq_len * self.top_k, None
             if self.sequences.parts > 1:  # the queues start where the earlier slices of each sequence left them
                 taken = self.sequences.earlier(sequence_counts(flat, per_seq, self.num_experts))

@@ -89,7 +89,8 @@ class LoRA(nn.Module):
         # Dropout of ones is the mask itself, drawn as F.dropout draws it on the whole input.
         rank, ranks = self.input_shard
         width = x.shape[-1]
-        mask = F.dropout(x.new_ones(()).expand(*x.shape[:-1], width * ranks), self.dropout.p)
+        # (contiguous: on a GPU an expanded input takes another kernel, which maps the draws to elements otherwise)
+        mask = F.dropout(x.new_ones(*x.shape[:-1], width * ranks), self.dropout.p)
         return x * mask[..., rank * width:(rank + 1) * width].contiguous()  # kept for backward: the slice alone
 
     def drops(self) -> bool:

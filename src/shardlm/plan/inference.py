@@ -104,8 +104,11 @@ def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: i
     read = weights - m.param_counts()["embedding"] * itemsize
     cache = context * m.kv_bytes_per_token(itemsize)  # a row's at `context` positions: the batch's slowest step
     # The quantised products reach their own share of the bound; attention over the cache stays bf16's.
+    # The one-row GEMV takes 16-bit weights, and not a mixture's experts (grouped GEMMs).
+    gemv = itemsize == 2 and not m.num_experts
+
     def tokens_per_s(rows: int) -> float:
-        share = QUANTIZED_EFFICIENCY.get(quantize, ONE_ROW_EFFICIENCY if rows == 1 else DECODE_EFFICIENCY)
+        share = QUANTIZED_EFFICIENCY.get(quantize, ONE_ROW_EFFICIENCY if rows == 1 and gemv else DECODE_EFFICIENCY)
         return rows * g.hbm_bw / (read / share + rows * cache / DECODE_EFFICIENCY)
 
     return InferencePlan(weights, batch * per_slot, workspace, weights + batch * per_slot + workspace <= usable,
