@@ -182,6 +182,18 @@ def test_a_layout_hint_sets_every_axis_that_would_refuse_the_next_try():
     validate(load_config("mixtral-tiny", {"parallel.dp": "2", "parallel.ep": "2"}), world_size=2)
 
 
+def test_a_pipeline_runs_layer_split_is_named_in_the_way_to_another_layout():
+    """A pp run saved with parallel.pp_layers resumes elsewhere: the hint's flags validate, and the split's own
+    refusal at another pp says how to drop it (it reads as a malformed value otherwise)."""
+    run = {"parallel.pp": "2", "parallel.pp_layers": "1,1"}
+    with pytest.raises(ConfigError, match=r"\(--parallel.dp 1 --parallel.tp 1 --parallel.pp 1 --parallel.pp_layers ''; "):
+        validate(load_config("tiny", run), world_size=1)
+    validate(load_config("tiny", {**run, "parallel.pp": "1", "parallel.pp_layers": ""}), world_size=1)
+    with pytest.raises(ConfigError, match=r"summing to the model's 2 layers, or parallel.pp_layers '' for a split "
+                                          r"balanced by compute$"):
+        validate(load_config("tiny", {**run, "parallel.pp": "1", "parallel.tp": "2"}), world_size=2)
+
+
 def test_unknown_preset_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="neither a TOML file nor a preset"):
         load_config("no-such-preset")

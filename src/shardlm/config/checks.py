@@ -238,7 +238,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
             hint = ""
         elif world == 1:  # every axis above 1 named: pp, cp or ep left as they were would refuse the next try
             ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp")
-                            or getattr(p, a) > 1)
+                            or getattr(p, a) > 1) + (" --parallel.pp_layers ''" if p.pp_layers else "")
             hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
                     f"or set the layout for one ({ones}; checkpoints resume under any layout)")
         else:  # ep must divide the new dp x cp, which carries the experts
@@ -283,8 +283,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         except ValueError:
             counts = []
         if len(counts) != stages or min(counts, default=0) < 1 or sum(counts) != m.num_layers:
+            # a run resumed at another pp or virtual_stages carries the split it was saved with
+            other = f", or {key('pp_layers')} '' for a split balanced by compute" if len(counts) != stages else ""
             raise ConfigError(f"{show('pp_layers', p.pp_layers)} must give {stages} positive layer counts, one per "
-                              f"stage, summing to the model's {m.num_layers} layers")
+                              f"stage, summing to the model's {m.num_layers} layers{other}")
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
     if p.pp > 1:
