@@ -43,6 +43,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.num_kv_heads": "3"}, "model.num_heads = 4 is not divisible by model.num_kv_heads = 3"),
     ({"train.seq_len": "4096"}, "train.seq_len = 4096 exceeds model.max_seq_len = 128"),
     ({"train.precision": "fp8"}, "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
+    ({"train.precision": "BF16"}, "is not one of fp32, bf16, fp16 (did you mean 'bf16'? choices are lowercase)"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "1F1B"}, "(did you mean '1f1b'? choices are lowercase)"),
     ({"train.recompute": "some"}, "train.recompute = 'some' is not one of none, selective, full"),
     ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
     ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),

@@ -106,7 +106,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
     for key, allowed in CHOICES.items():
         if get(key) not in allowed:
-            raise ConfigError(f"{key} = {get(key)!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{key} = {get(key)!r} is not one of {', '.join(allowed)}{_spelled(get(key), allowed)}")
     for key in POSITIVE:
         if not get(key) > 0:
             raise ConfigError(f"{key} = {get(key)!r} must be positive")
@@ -212,6 +212,12 @@ def check_bf16_optimizer(cfg: Config) -> None:
 
 # ---- the one check of a layout, shared by the runtime (`validate`) and the planner (plan/layout.py) ------
 
+def _spelled(value, allowed) -> str:
+    """The choice `value` spells in other case (the README writes schedules as papers do: 1F1B, ZB-H1, GPipe)."""
+    same = [c for c in allowed if isinstance(value, str) and c.lower() == value.lower()]
+    return f" (did you mean {same[0]!r}? choices are lowercase)" if same else ""
+
+
 def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
                  world: int | None = None, naming: Naming = Naming()) -> None:
     """A layout against the model, the batch and (when given) the world size; raises ConfigError naming the
@@ -229,7 +235,8 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     for name, allowed in (("offload", ("none", "optimizer", "params")), ("pp_schedule", CHOICES["parallel.pp_schedule"]),
                           ("cp_comm", CHOICES["parallel.cp_comm"]), ("ep_dispatch", CHOICES["parallel.ep_dispatch"])):
         if getattr(p, name) not in allowed:
-            raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{show(name, getattr(p, name))} is not one of {', '.join(allowed)}"
+                              f"{_spelled(getattr(p, name), allowed)}")
     if world is not None and p.world != world:
         axes = [a for a in ("dp", "tp", "pp", "cp") if a != "cp" or p.cp != 1]
         got = " x ".join(f"{key(a)} ({getattr(p, a)})" for a in axes)
