@@ -310,3 +310,17 @@ def test_offloads_that_need_zero_2_or_3_are_refused_under_pipelines_naming_why(e
     assert cause in str(e.value) and "parallel.zero_stage = 1 and parallel.offload = 'optimizer'" in str(e.value)
     validate(load_config("tiny", {**over, "parallel.zero_stage": "1", "parallel.offload": "optimizer",
                                   "parallel.delayed_update": "false"}), world_size=4)
+
+
+def test_the_run_header_says_interleaved_at_one_virtual_stage_is_1f1bs_order():
+    """`interleaved` at parallel.virtual_stages 1 runs 1F1B's order: the opening line says so, not just its name."""
+    from types import SimpleNamespace
+
+    from shardlm.config import load_config
+    from shardlm.runtime.run_header import run_header
+    trainer = SimpleNamespace(step=0, device="cpu")
+    for stages, said in ((1, "(interleaved with one virtual stage a rank, 1F1B's order: parallel.virtual_stages 2 "
+                              "interleaves)"), (2, "2 pipeline stages (interleaved)")):
+        cfg = load_config("tiny", {"parallel.pp": "2", "parallel.pp_schedule": "interleaved",
+                                   "parallel.virtual_stages": str(stages)})
+        assert said in run_header(cfg, trainer, "runs/x")

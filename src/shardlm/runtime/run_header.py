@@ -10,7 +10,11 @@ def run_header(cfg, trainer, out) -> str:
     if p.tp > 1:
         layout += f", tensor parallel over {p.tp} ranks" + (" with sequence parallelism" if p.sp else "")
     if p.pp > 1:
-        layout += f", {p.pp} pipeline stages ({p.pp_schedule})"
+        # interleaved with one virtual stage a rank is 1F1B's order: the label alone would promise a smaller bubble
+        flat = p.pp_schedule == "interleaved" and p.virtual_stages == 1
+        how = "interleaved with one virtual stage a rank, 1F1B's order: parallel.virtual_stages 2 interleaves" \
+            if flat else p.pp_schedule
+        layout += f", {p.pp} pipeline stages ({how})"
     if p.cp > 1:
         how = "ring attention" if p.cp_comm == "p2p" else "Ulysses"
         layout += f", each sequence split over {p.cp} ranks (context parallel, {how})"
