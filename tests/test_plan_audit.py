@@ -71,3 +71,23 @@ def test_experts_and_top_k_flags_change_a_presets_mixture_of_experts_each_alone(
     assert flops("mixtral-tiny", "--experts", "0") == flops("tiny")  # its shape, dense
     got = cli_proc(capsys, "plan", "--model", "tiny", "--top-k", "1")
     assert got.returncode == 2 and "--top-k 1 applies to a mixture of experts, and this model is dense" in got.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_search_with_ring_attention_takes_heads_cp_does_not_divide(capsys):
+    """--search --cp 8 --cp-comm p2p of gpt2-124m (12 heads) said "no layout of 8 GPUs is valid": the search
+    asked cp to divide the heads as Ulysses does, though the same layout planned without --search was fine."""
+    got = cli_proc(capsys, "plan", "--model", "gpt2-124m", "--gpus", 8, "--cp", 8, "--cp-comm", "p2p",
+                   "--seq", 1024, "--search")
+    assert got.returncode == 0 and "dp 1 cp 8 tp 1 pp 1" in got.stdout, got.stdout + got.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, says", [(("--seq", 31), "--seq 31 must divide by --cp 2"),
+                                        (("--seq", 30, "--cp-comm", "p2p"), "--seq 30 must divide by 2 x --cp (2) = 4"),
+                                        (("--model", "gpt2-124m", "--gpus", 8, "--cp", 8), "--cp 8 must divide the 12")])
+def test_a_search_names_what_cp_asks_of_the_sequence_and_heads(capsys, args, says):
+    """--search --cp 2 --seq 31 said only "no layout of 2 GPUs is valid ... try a larger --global-batch or fewer
+    --gpus", where the same plan without --search names the sequence length cp must divide."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--gpus", 2, "--cp", 2, "--search", *map(str, args))
+    assert got.returncode == 2 and says in got.stderr, got.stdout + got.stderr

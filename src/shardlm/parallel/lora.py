@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sharded_read import LazyMap
+from ..model.attention import WHOLE
 from ..config import LORA_MODULES, ConfigError, LoRAConfig, ModelConfig, block_linears, fused_parts, lora_targets
 from .placement import TPSharding, degree, rank_in, tag
 from .tensor import ColumnParallelLinear, RowParallelLinear
@@ -55,6 +56,7 @@ class LoRA(nn.Module):
         self.B.zero_init = True
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.input_shard: tuple[int, int] | None = None  # (rank, degree): x is that slice of the input's features
+        self.sequence = None  # context parallelism's ContextParallel: x holds this rank's part of each sequence
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A [rank x adapters, in] and B [out, rank x adapters]: the update of x is x A^T B^T.
@@ -82,15 +84,18 @@ class LoRA(nn.Module):
         return F.linear(F.linear(self._dropped(x), a), b)
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_shard is None or not self.drops():
+        if (self.input_shard is None and self.sequence is None) or not self.drops():
             return self.dropout(x)
         # A mask drawn over the slice alone was no slice of one process's mask, and took fewer numbers from the
-        # generator, so every later mask (the column-parallel layers' too) differed from one process's.
+        # generator, so every later mask (the column-parallel layers' too) differed from one process's; the cp
+        # ranks' slices of a sequence each drew the same mask, so its positions i and i + T / cp dropped alike.
         # Dropout of ones is the mask itself, drawn as F.dropout draws it on the whole input.
-        rank, ranks = self.input_shard
-        width = x.shape[-1]
+        rank, ranks = self.input_shard or (0, 1)
+        width, parts = x.shape[-1], self.sequence.size if self.sequence is not None else 1
         # (contiguous: on a GPU an expanded input takes another kernel, which maps the draws to elements otherwise)
-        mask = F.dropout(x.new_ones(*x.shape[:-1], width * ranks), self.dropout.p)
+        mask = F.dropout(x.new_ones(*x.shape[:-2], x.shape[-2] * parts, width * ranks), self.dropout.p)
+        if self.sequence is not None:
+            mask = self.sequence.local(mask.transpose(-2, -1)).transpose(-2, -1)
         return x * mask[..., rank * width:(rank + 1) * width].contiguous()  # kept for backward: the slice alone
 
     def drops(self) -> bool:
@@ -147,6 +152,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
             adapter = _adapter(base, cfg, path, chosen, lora)
             if adapter is not None:
                 base.lora = adapter
+                adapter.sequence = None if getattr(model, "sequence", WHOLE) is WHOLE else model.sequence
     adapters = adapter_names(model)
     if not adapters:  # the config's check saw adapters somewhere: this slice's MLPs are all experts
         layers = [block.attn.layer for block in model.parts().layers]

@@ -16,7 +16,7 @@ from itertools import product
 from ..config import BLOCK_RECOMPUTE, ModelConfig
 from . import Estimate, HEADROOM, estimate
 from .hardware import GPU
-from .layout import Layout, PlanError, Workload
+from .layout import Layout, PlanError, Workload, check
 
 
 def divisors(n: int) -> list[int]:
@@ -33,7 +33,8 @@ def expert_degrees(m: ModelConfig, dp: int, cp: int) -> list[int]:
 def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout):
     cp = base.cp  # context parallelism is searched over only where asked for (--cp): it pays for long sequences
     for tp in divisors(min(gpus // cp, gpus_per_node)):
-        if m.num_heads % tp or m.kv_heads % tp or gpus % (tp * cp) or (m.num_heads // tp) % cp:
+        # ring attention (p2p) keeps the heads whole: only Ulysses needs cp to divide them
+        if m.num_heads % tp or m.kv_heads % tp or gpus % (tp * cp) or base.cp_comm == "a2a" and (m.num_heads // tp) % cp:
             continue
         for pp in divisors(gpus // (tp * cp)):
             if m.num_layers % pp:
@@ -73,6 +74,9 @@ def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, b
     if gpus % base.cp:
         raise PlanError(f"--gpus {gpus} is not a multiple of --cp {base.cp}: the search spreads dp x tp x pp over "
                         "the GPUs cp leaves")
+    # What cp asks of the sequence and the heads holds at every tp and pp searched: named, as a plan without
+    # --search names it, not left to read as no valid layout at all.
+    check(m, Workload(w.seq, 1, 1), Layout(cp=base.cp, cp_comm=base.cp_comm))
     fitting, scored, rejected = [], 0, 0
     for work, layout in layouts(m, w, gpus, gpus_per_node, base):
         try:
