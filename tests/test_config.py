@@ -48,6 +48,7 @@ def test_toml_file_and_overrides(tmp_path):
     ({"train.recompute": "some"}, "train.recompute = 'some' is not one of none, selective, full"),
     ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
     ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),
+    ({"parallel.offload": "params"}, "parallel.offload = 'params' needs parallel.zero_stage = 3 (it is 0)"),
     ({"parallel.offload_dir": "/tmp/nvme"}, "parallel.offload_dir = '/tmp/nvme' needs parallel.offload optimizer or params"),
     ({"parallel.delayed_update": "true", "parallel.zero_stage": "3", "parallel.offload": "params"},
      "parallel.delayed_update = True is ZeRO-Offload's: it needs parallel.zero_stage = 2 with parallel.offload = 'optimizer'"),
