@@ -472,6 +472,13 @@ def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
     assert "parallel.offload_dir" in no_traceback(proc, 2)
 
 
+def test_an_offload_dir_that_is_a_file_says_so(tmp_path, capsys):
+    (tmp_path / "nvme").write_text("")
+    proc = train_here(capsys, "--parallel.zero_stage", 1, "--parallel.offload", "optimizer", "--parallel.offload_dir",
+                      tmp_path / "nvme", "--out", tmp_path / "run")
+    assert "a file, not a directory" in no_traceback(proc, 2)
+
+
 def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path, capsys):
     run = tmp_path / "run"
     train_here(capsys, "--train.steps", 2, "--out", run, check=True)

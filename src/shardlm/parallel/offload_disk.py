@@ -32,7 +32,9 @@ class MappedFiles:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
+            # mkdir says "File exists" of a file, which reads as if the directory were fine
+            why = "a file, not a directory" if self.directory.is_file() else e.strerror
+            raise ConfigError(f"parallel.offload_dir = {directory!r}: {why}") from None
         self.fds: dict[str, int] = {}
         self.mapped: dict[str, torch.Tensor] = {}
         weakref.finalize(self, _close_all, self.fds)
