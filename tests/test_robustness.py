@@ -479,6 +479,16 @@ def test_an_offload_dir_that_is_a_file_says_so(tmp_path, capsys):
     assert "a file, not a directory" in no_traceback(proc, 2)
 
 
+def test_an_offload_dir_under_home_from_a_config_file_is_there(tmp_path, capsys, monkeypatch):
+    """A TOML file's "~/nvme" has no shell to expand it: the state went to a directory named "~" in the
+    working directory (another disk than the one named) without a word."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    train_here(capsys, "--train.steps", 1, "--parallel.zero_stage", 1, "--parallel.offload", "optimizer",
+               "--parallel.offload_dir", "~/nvme", "--out", tmp_path / "run", check=True)
+    assert (tmp_path / "home" / "nvme").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path, capsys):
     run = tmp_path / "run"
     train_here(capsys, "--train.steps", 2, "--out", run, check=True)

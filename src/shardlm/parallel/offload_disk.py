@@ -28,7 +28,8 @@ class MappedFiles:
     when the process ends; the descriptors close, and the space is freed, when this object goes."""
 
     def __init__(self, directory: str):
-        self.directory = Path(directory)
+        # "~/nvme" in a TOML file (no shell to expand it) made a directory named "~" here, on another disk, unsaid
+        self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
