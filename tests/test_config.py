@@ -49,6 +49,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"train.lr_schedule": "step"}, "train.lr_schedule = 'step'"),
     ({"parallel.offload": "optimizer"}, "parallel.offload = 'optimizer' needs parallel.zero_stage >= 1"),
     ({"parallel.offload": "params"}, "parallel.offload = 'params' needs parallel.zero_stage = 3 (it is 0)"),
+    ({"parallel.offload": "optimizer", "parallel.dp_mode": "classic"},
+     "needs parallel.zero_stage >= 1 (it is 0) and parallel.dp_mode = 'ddp' (classic DP runs no ZeRO)"),
     ({"parallel.offload_dir": "/tmp/nvme"}, "parallel.offload_dir = '/tmp/nvme' needs parallel.offload optimizer or params"),
     ({"parallel.delayed_update": "true", "parallel.zero_stage": "3", "parallel.offload": "params"},
      "parallel.delayed_update = True is ZeRO-Offload's: it needs parallel.zero_stage = 2 with parallel.offload = 'optimizer'"),
