@@ -81,6 +81,17 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_a_delayed_update_run_that_ended_resumes_on_its_trajectory(tmp_path):
+    """The save at a run's end (or at Ctrl-C) is a checkpoint like the others: landing the update first made
+    the run continued with more steps take its first step on other weights than the run it continues."""
+    sgd = {k: v for k, v in SGD.items() if k != "train.momentum"}
+    over = {**sgd, **DELAYED, "train.optimizer": "adamw", "train.steps": "5", "train.save_every": "3"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    dist_fns.train_and_capture(0, 1, {**over, "train.steps": "3"}, str(tmp_path / "b"))
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(tmp_path / "b"))
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+
+
 
 def slowed_update(monkeypatch, seconds: float, forward_waits: bool = True) -> None:
     """Each bucket's overlapped update takes `seconds` longer (and on a GPU its copy up waits behind a sleeping
