@@ -463,6 +463,7 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
                      "--parallel.offload", "optimizer", "--train.device", "cpu", "--out", tmp_path / "run")
     line = no_traceback(proc, 2)
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
+    assert line.endswith("or keep the optimizer state on a local disk (parallel.offload_dir)")
 
 
 def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
