@@ -1,6 +1,7 @@
 """ZeRO-Offload's one-step delayed parameter update (`parallel.delayed_update`) against its definition, and its
 checkpoints. (Offload's equality with the runs that keep everything on the device is in test_dp_equality.py.)"""
 import gc
+import os
 import subprocess
 import sys
 import time
@@ -78,6 +79,17 @@ def test_saving_a_delayed_update_run_changes_nothing_and_it_resumes_on_its_traje
     for name, value in full["masters"].items():
         assert torch.equal(plain["masters"][name], value), name
         torch.testing.assert_close(resumed["masters"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_delayed_update_run_that_ended_resumes_on_its_trajectory(tmp_path):
+    """The save at a run's end (or at Ctrl-C) is a checkpoint like the others: landing the update first made
+    the run continued with more steps take its first step on other weights than the run it continues."""
+    sgd = {k: v for k, v in SGD.items() if k != "train.momentum"}
+    over = {**sgd, **DELAYED, "train.optimizer": "adamw", "train.steps": "5", "train.save_every": "3"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    dist_fns.train_and_capture(0, 1, {**over, "train.steps": "3"}, str(tmp_path / "b"))
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(tmp_path / "b"))
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
 
 
 
@@ -350,3 +362,22 @@ def test_the_offload_benchmark_runs_on_the_cpu(tmp_path):
     for system in systems:
         assert any(line.startswith(system + " ") for line in proc.stdout.splitlines()), proc.stdout
     assert not (tmp_path / "rows.jsonl").exists()  # a CPU smoke run is not a measurement
+
+
+def test_two_runs_of_one_pid_share_an_offload_dir(tmp_path, monkeypatch):
+    """Runs in two containers on one host's disk can have the same pid: the other run's file of the same
+    name, made while this one's was being reserved, must neither clobber it nor refuse it."""
+    from shardlm.parallel.offload_disk import MappedFiles
+    reserve, theirs = os.posix_fallocate, []
+
+    def other_run_meanwhile(fd, offset, size):
+        reserve(fd, offset, size)
+        monkeypatch.setattr(os, "posix_fallocate", reserve)  # the other run's own reservation as usual
+        theirs.append(MappedFiles(tmp_path).tensor("master", 1024, torch.float32).fill_(2.0))
+    monkeypatch.setattr(os, "posix_fallocate", other_run_meanwhile)
+    files = MappedFiles(tmp_path)
+    mine = files.tensor("master", 1024, torch.float32).fill_(1.0)
+    assert bool((mine == 1.0).all()) and bool((theirs[0] == 2.0).all())
+    # the step streams the state through the descriptor: it must be the mapping's file, not the other run's
+    assert os.pread(files.fds["master"], 4096, 0) == mine.numpy().tobytes()
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

@@ -463,6 +463,7 @@ def test_offload_beyond_the_hosts_memory_is_refused_before_allocating(tmp_path):
                      "--parallel.offload", "optimizer", "--train.device", "cpu", "--out", tmp_path / "run")
     line = no_traceback(proc, 2)
     assert "keeps" in line and "GiB per rank in host memory" in line and "GiB available" in line
+    assert line.endswith("or keep the optimizer state on a local disk (parallel.offload_dir)")
 
 
 def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
@@ -470,6 +471,23 @@ def test_an_unusable_offload_dir_is_named(tmp_path, capsys):
     proc = train_here(capsys, "--parallel.zero_stage", 2, "--parallel.offload", "optimizer", "--parallel.offload_dir",
                       tmp_path / "file" / "x", "--out", tmp_path / "run")
     assert "parallel.offload_dir" in no_traceback(proc, 2)
+
+
+def test_an_offload_dir_that_is_a_file_says_so(tmp_path, capsys):
+    (tmp_path / "nvme").write_text("")
+    proc = train_here(capsys, "--parallel.zero_stage", 1, "--parallel.offload", "optimizer", "--parallel.offload_dir",
+                      tmp_path / "nvme", "--out", tmp_path / "run")
+    assert "a file, not a directory" in no_traceback(proc, 2)
+
+
+def test_an_offload_dir_under_home_from_a_config_file_is_there(tmp_path, capsys, monkeypatch):
+    """A TOML file's "~/nvme" has no shell to expand it: the state went to a directory named "~" in the
+    working directory (another disk than the one named) without a word."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    train_here(capsys, "--train.steps", 1, "--parallel.zero_stage", 1, "--parallel.offload", "optimizer",
+               "--parallel.offload_dir", "~/nvme", "--out", tmp_path / "run", check=True)
+    assert (tmp_path / "home" / "nvme").is_dir() and not (tmp_path / "~").exists()
 
 
 def test_a_data_parallel_checkpoint_resumed_in_one_process_says_how(tmp_path, capsys):

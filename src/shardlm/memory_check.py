@@ -37,10 +37,13 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
         where = f"this host has {avail / 2**30:.1f} GiB available" if short else "another rank's host has less"
         what = f"parallel.offload = {cfg.parallel.offload!r}" if cfg.parallel.offload != "none" \
             else "parallel.offload_activations = True"
+        # the disk tier exists for exactly this; the refusal named every remedy but it
+        disk = ", or keep the optimizer state on a local disk (parallel.offload_dir)" \
+            if cfg.parallel.offload != "none" and not cfg.parallel.offload_dir else ""
         raise ConfigError(f"{what} keeps {host / 2**30:.1f} GiB per rank "
                           f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                           f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
-                          f"(parallel.dp, parallel.cp), or use a host with more memory")
+                          f"(parallel.dp, parallel.cp), or use a host with more memory{disk}")
 
 
 def _check_activations(cfg, device: torch.device, any_rank, mem, free: int | None) -> None:

@@ -342,11 +342,11 @@ class Trainer:
                     self.saver.poll()
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save(wait=False)
-        self.engine.wait_for_weights()
         if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()
             if path:
                 self.log(f"saved {path}")
+        self.engine.wait_for_weights()  # after the save: landing a delayed update first moved the resumed run
         self.metrics.close()
         if self.stopped_by:
             complete = self.step >= t.steps  # the signal came during the last step: nothing is left to continue

@@ -314,7 +314,12 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                           "reduce-scatter every micro-batch's gradients (m times ZeRO-1's traffic) and ZeRO-3 gather "
                           f"the parameters for every micro-batch of every stage; use {show('zero_stage', 1)}")
     if p.offload != "none" and p.zero_stage < 1:
-        raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} >= 1 (it is {p.zero_stage})")
+        # params' own need: ">= 1" would send the user to zero_stage 1, which is refused in turn
+        least = "= 3" if p.offload == "params" else ">= 1"
+        # classic DP refuses every ZeRO stage: the fix this names would be refused in turn without the other half
+        ddp = f" and {show('dp_mode', 'ddp')} (classic DP runs no ZeRO)" if p.dp_mode == "classic" else ""
+        raise ConfigError(f"{show('offload', p.offload)} needs {key('zero_stage')} {least} (it is {p.zero_stage})"
+                          f"{ddp}")
     if p.offload_dir and p.offload == "none":
         raise ConfigError(f"{show('offload_dir', p.offload_dir)} needs {key('offload')} optimizer or params")
     if p.delayed_update and not (p.zero_stage == 2 and p.offload == "optimizer" and not p.offload_dir):

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import tempfile
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -28,24 +29,28 @@ class MappedFiles:
     when the process ends; the descriptors close, and the space is freed, when this object goes."""
 
     def __init__(self, directory: str):
-        self.directory = Path(directory)
+        # "~/nvme" in a TOML file (no shell to expand it) made a directory named "~" here, on another disk, unsaid
+        self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"parallel.offload_dir = {directory!r}: {e.strerror}") from None
+            # mkdir says "File exists" of a file, which reads as if the directory were fine
+            why = "a file, not a directory" if self.directory.is_file() else e.strerror
+            raise ConfigError(f"parallel.offload_dir = {directory!r}: {why}") from None
         self.fds: dict[str, int] = {}
         self.mapped: dict[str, torch.Tensor] = {}
         weakref.finalize(self, _close_all, self.fds)
 
     def tensor(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        path = self.directory / f"shardlm-{os.getpid()}-{name}.bin"
         size = n * torch.empty((), dtype=dtype).element_size()
-        fd = None
+        fd = path = None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            # A name of its own (O_EXCL): runs in other containers on one host's disk share pids, and a pid-named
+            # file was truncated and unlinked by the other run between its creation and its mapping.
+            fd, path = tempfile.mkstemp(prefix=f"shardlm-{name}-", suffix=".bin", dir=self.directory)
             if size:
                 os.posix_fallocate(fd, 0, size)
-            mapped = torch.from_file(str(path), shared=True, size=n, dtype=dtype)
+            mapped = torch.from_file(path, shared=True, size=n, dtype=dtype)
         except (OSError, RuntimeError) as e:
             if fd is not None:
                 os.close(fd)
@@ -53,7 +58,8 @@ class MappedFiles:
             raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {why} ({size / 2**30:.2f} GiB "
                               f"for {name})") from None
         finally:
-            path.unlink(missing_ok=True)  # the open descriptor and the mapping keep the data
+            if path is not None:
+                os.unlink(path)  # the open descriptor and the mapping keep the data
         self.fds[name] = fd
         self.mapped[name] = mapped
         return mapped
