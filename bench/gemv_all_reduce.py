@@ -12,9 +12,10 @@ Systems:
 - `fused BN/BK/WARPS`: shardlm.inference.gemv_all_reduce's one kernel per product and sum, a row per launch.
 - `gemv-only BN/BK/WARPS`: that kernel's product alone, no sum (its reading against cuBLAS's).
 - `cublas column`, `gemv-only column ...`: the column-parallel products (qkv, gate-up), which need no sum.
-Two forms measured at 7c9d726 and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a
-one-barrier Triton sum reading the peers' ("pull"), and the fused kernel's outputs sent to the peers by its last
-program ("fused-late").
+Forms measured and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a one-barrier
+Triton sum reading the peers' ("pull", 7c9d726), the fused kernel's outputs sent to the peers by its last program
+("fused-late", 7c9d726), and the fused kernel whose last program met the peers at a barrier on the signal pad
+and summed all the slots ("fused-barrier", 3fb7520: 1,097 us against the LL protocol's 706 in one call).
 
 Each fused row's error is the largest |y - ref| over the largest |ref|, ref the one-shot path's output;
 `same_bits`: every replay gave the first replay's bits (a race would show as a changed bit). Rows with bench
@@ -94,7 +95,7 @@ def worker(args) -> None:
     scale = max(r.abs().max().item() for r in ref)
     for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), ("fused", "gemv-only")):
         name = f"{mode} {'/'.join(map(str, launch))}"
-        fused = GemvAllReduce(symmetric_buffers([world * h] * 2, ws[0][0], group), h, group, launch=launch,
+        fused = GemvAllReduce(symmetric_buffers([2 * world * h] * 2, ws[0][0], group), h, group, launch=launch,
                               reduce=mode == "fused")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
@@ -114,7 +115,7 @@ def worker(args) -> None:
     us, _, _ = graph_us(col_run(F.linear), args.replays)
     rows.append({"system": "cublas column", "us": us})
     for launch in itertools.product(args.bn, args.bk, args.warps):
-        alone = GemvAllReduce(symmetric_buffers([2 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
+        alone = GemvAllReduce(symmetric_buffers([4 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
                               reduce=False)
         us, _, _ = graph_us(col_run(lambda x, w: alone(x, w, 0)), args.replays)
         rows.append({"system": f"gemv-only column {'/'.join(map(str, launch))}", "us": us})

@@ -173,7 +173,7 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
         vocab = 0
     rows_parallel = [m for m in layers if isinstance(m, RowParallelLinear)]
     max_n = max(m.weight.shape[0] for m in rows_parallel)
-    buffers = symmetric_buffers([numel] * 3 + ([vocab] if vocab else []) + [world * max_n] * 2, weight, group)
+    buffers = symmetric_buffers([numel] * 3 + ([vocab] if vocab else []) + [2 * world * max_n] * 2, weight, group)
     if buffers is None:
         if one_shot:
             raise RuntimeError("one-shot all-reduces asked for, but a rank could not allocate symmetric memory")

@@ -1,0 +1,51 @@
+"""The fused one-row product and all-reduce (inference/gemv_all_reduce.py): its kernel run by Triton's interpreter
+on the CPU where triton is installed, two ranks as two threads over plain buffers (tests/test_gpu.py runs it over
+NVLink in the engine at tp 2)."""
+import threading
+
+import pytest
+import torch
+
+
+def check_kernel_interpreted() -> None:
+    """Run under TRITON_INTERPRET=1. Each rank's output is the rank-order sum of the ranks' partial products, each
+    rounded to the output's type (fp16: the interpreter's bf16 is broken; fp32), the same bits on both ranks; on
+    three calls in turn (each program's count, the flag the peers wait for, advances), with an output count no tile
+    divides; and the product alone without the sum."""
+    from shardlm.inference import gemv_all_reduce  # noqa: F401 (registers the op)
+    g = torch.Generator().manual_seed(0)
+    world = 2
+    for dtype in (torch.float16, torch.float32):
+        for n, k, bn in ((64, 96, 8), (40, 130, 8), (24, 64, 4)):
+            ws = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for _ in range(world)]
+            buffers = [torch.zeros(2 * world * n, dtype=dtype) for _ in range(world)]
+            ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+            epochs = [torch.zeros(-(-n // bn), dtype=torch.int32) for _ in range(world)]
+            for call in range(3):
+                xs = [torch.randn(k, generator=g).to(dtype) for _ in range(world)]
+                outs = [None] * world
+
+                def rank(r):
+                    outs[r] = torch.ops.shardlm.gemv_all_reduce(xs[r], ws[r], ptrs, epochs[r], r, world, bn, 32, 2)
+
+                threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=120)
+                assert not any(t.is_alive() for t in threads), "a rank still waits for its peer's values"
+                parts = [(w.double() @ x.double()).to(dtype).float() for w, x in zip(ws, xs)]
+                want = (parts[0] + parts[1]).to(dtype)
+                err = (outs[0].double() - want.double()).abs()
+                assert (err <= want.double().abs() * 2**-10 + 1e-3).all(), (dtype, n, k, call, err.max().item())
+                assert torch.equal(outs[0], outs[1]), (dtype, n, k, call)
+                assert epochs[0].tolist() == [call + 1] * len(epochs[0])
+        alone = torch.ops.shardlm.gemv_all_reduce(xs[0], ws[0], ptrs, epochs[0], 0, world, bn, 32, 2, False)
+        assert ((alone.double() - parts[0].double()).abs() <= parts[0].double().abs() * 2**-10 + 1e-3).all()
+        assert epochs[0].tolist() == [3] * len(epochs[0])  # no call counted without the sum
+
+
+@pytest.mark.timeout(240)
+def test_fused_all_reduce_kernel_in_tritons_interpreter():
+    from helpers import run_in_tritons_interpreter
+    run_in_tritons_interpreter("test_gemv_all_reduce", "check_kernel_interpreted")
