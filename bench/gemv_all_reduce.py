@@ -10,12 +10,12 @@ Systems:
 - `cublas+one-shot`: the products, each then summed over the ranks by shardlm's one-shot all-reduce (a copy into
   symmetric memory, then `symm_mem.one_shot_all_reduce`): the decode step's path before the fused kernel.
 - `fused BN/BK/WARPS`: shardlm.inference.gemv_all_reduce's one kernel per product and sum, a row per launch.
+- `fused-ll BN/BK/WARPS`: the same by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in).
 - `gemv-only BN/BK/WARPS`: that kernel's product alone, no sum (its reading against cuBLAS's).
 - `cublas column`, `gemv-only column ...`: the column-parallel products (qkv, gate-up), which need no sum.
-Forms measured and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a one-barrier
-Triton sum reading the peers' ("pull", 7c9d726), the fused kernel's outputs sent to the peers by its last program
-("fused-late", 7c9d726), and the fused kernel whose last program met the peers at a barrier on the signal pad
-and summed all the slots ("fused-barrier", 3fb7520: 1,097 us against the LL protocol's 706 in one call).
+Two forms measured at 7c9d726 and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a
+one-barrier Triton sum reading the peers' ("pull"), and the fused kernel's outputs sent to the peers by its last
+program ("fused-late").
 
 Each fused row's error is the largest |y - ref| over the largest |ref|, ref the one-shot path's output;
 `same_bits`: every replay gave the first replay's bits (a race would show as a changed bit). Rows with bench
@@ -93,10 +93,11 @@ def worker(args) -> None:
     us, ref, _ = graph_us(run(lambda i, x, w: plain[i](F.linear(x, w))), args.replays)
     rows.append({"system": "cublas+one-shot", "us": us})
     scale = max(r.abs().max().item() for r in ref)
-    for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), ("fused", "gemv-only")):
+    modes = ("fused", "fused-ll", "gemv-only")
+    for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), modes):
         name = f"{mode} {'/'.join(map(str, launch))}"
         fused = GemvAllReduce(symmetric_buffers([2 * world * h] * 2, ws[0][0], group), h, group, launch=launch,
-                              reduce=mode == "fused")
+                              reduce=mode != "gemv-only", protocol="ll" if mode == "fused-ll" else "barrier")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
         except Exception as e:  # noqa: BLE001 (a launch that does not compile; the others run)
@@ -115,7 +116,7 @@ def worker(args) -> None:
     us, _, _ = graph_us(col_run(F.linear), args.replays)
     rows.append({"system": "cublas column", "us": us})
     for launch in itertools.product(args.bn, args.bk, args.warps):
-        alone = GemvAllReduce(symmetric_buffers([4 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
+        alone = GemvAllReduce(symmetric_buffers([2 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
                               reduce=False)
         us, _, _ = graph_us(col_run(lambda x, w: alone(x, w, 0)), args.replays)
         rows.append({"system": f"gemv-only column {'/'.join(map(str, launch))}", "us": us})

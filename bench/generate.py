@@ -43,16 +43,20 @@ def tp_of(system: str) -> int:
 
 
 # shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each one-row row-parallel product apart from
-# its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py.
-TP_VARIANTS = ("-nccl", "-unfused")
+# its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py; the fused kernel
+# by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in).
+TP_VARIANTS = ("-nccl", "-unfused", "-ll")
 
 
 def tp_variant(engine_model, variant: str) -> None:
     """Take the fused one-row row-parallel products (inference/gemv_all_reduce.py) out of a model that an Engine
-    set up, for "-unfused", before its first run compiles them."""
+    set up, for "-unfused", or give them the LL protocol, for "-ll", before its first run compiles them."""
     for m in engine_model.modules():
         if variant == "-unfused" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
             m.small_all_reduce.fused = None
+        if variant == "-ll" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
+            if m.small_all_reduce.fused.protocol != "ll":  # one object, shared by every row-parallel linear
+                m.small_all_reduce.fused.use_ll()
 
 
 def build(args, device, group=None):

@@ -1,6 +1,6 @@
-"""The fused one-row product and all-reduce (inference/gemv_all_reduce.py): its kernel run by Triton's interpreter
-on the CPU where triton is installed, two ranks as two threads over plain buffers (tests/test_gpu.py runs it over
-NVLink in the engine at tp 2)."""
+"""The fused one-row product and all-reduce by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in): its
+kernel run by Triton's interpreter on the CPU where triton is installed, two ranks as two threads over plain
+buffers (on GPUs: bench/gemv_all_reduce.py's fused-ll, bench/generate.py's -ll variant)."""
 import threading
 
 import pytest
@@ -12,7 +12,7 @@ def check_kernel_interpreted() -> None:
     rounded to the output's type (fp16: the interpreter's bf16 is broken; fp32), the same bits on both ranks; on
     three calls in turn (each program's count, the flag the peers wait for, advances), with an output count no tile
     divides; and the product alone without the sum."""
-    from shardlm.inference import gemv_all_reduce  # noqa: F401 (registers the op)
+    from shardlm.inference import gemv_all_reduce_ll  # noqa: F401 (registers the op)
     g = torch.Generator().manual_seed(0)
     world = 2
     for dtype in (torch.float16, torch.float32):
@@ -26,7 +26,7 @@ def check_kernel_interpreted() -> None:
                 outs = [None] * world
 
                 def rank(r):
-                    outs[r] = torch.ops.shardlm.gemv_all_reduce(xs[r], ws[r], ptrs, epochs[r], r, world, bn, 32, 2)
+                    outs[r] = torch.ops.shardlm.gemv_all_reduce_ll(xs[r], ws[r], ptrs, epochs[r], r, world, bn, 32, 2)
 
                 threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
                 for t in threads:
@@ -40,7 +40,7 @@ def check_kernel_interpreted() -> None:
                 assert (err <= want.double().abs() * 2**-10 + 1e-3).all(), (dtype, n, k, call, err.max().item())
                 assert torch.equal(outs[0], outs[1]), (dtype, n, k, call)
                 assert epochs[0].tolist() == [call + 1] * len(epochs[0])
-        alone = torch.ops.shardlm.gemv_all_reduce(xs[0], ws[0], ptrs, epochs[0], 0, world, bn, 32, 2, False)
+        alone = torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], 0, world, bn, 32, 2, False)
         assert ((alone.double() - parts[0].double()).abs() <= parts[0].double().abs() * 2**-10 + 1e-3).all()
         assert epochs[0].tolist() == [3] * len(epochs[0])  # no call counted without the sum
 
@@ -48,4 +48,4 @@ def check_kernel_interpreted() -> None:
 @pytest.mark.timeout(240)
 def test_fused_all_reduce_kernel_in_tritons_interpreter():
     from helpers import run_in_tritons_interpreter
-    run_in_tritons_interpreter("test_gemv_all_reduce", "check_kernel_interpreted")
+    run_in_tritons_interpreter("test_gemv_all_reduce_ll", "check_kernel_interpreted")

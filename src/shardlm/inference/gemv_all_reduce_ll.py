@@ -1,0 +1,99 @@
+"""The fused one-row product and all-reduce of gemv_all_reduce.py by the low-latency (LL) protocol: opt-in, not
+the default (bench/gemv_all_reduce.py's `fused-ll`, bench/generate.py's `shardlm-tpN-ll`).
+
+No barrier and no fence: the values travel as in NCCL's LL protocol. Each 8-byte word carries 4 bytes of data
+(two 16-bit values or one fp32) beside a 4-byte flag, and a GPU stores an aligned 8-byte word whole, so a reader
+that sees this call's flag in a word holds that word's data. The flag is the program's count of calls on that
+buffer (a device counter per program: the same on every rank, nothing to reset, so a CUDA graph replays it as
+it is); zeroed buffers hold flag 0, below every count. Each program stores its outputs into every peer's buffer
+(slot `rank`), then waits only for the same program's values from the peers and sums them in rank order (the
+same bits on every rank). A rank refills a buffer's slots two calls later, which it starts only after every
+peer has started the call in between, that is, finished this one: two buffers taken in turn are never
+overwritten while read.
+
+Why not the default: on 2x H200 its 64 products and sums took 706-708 us a token against the barrier kernel's
+1,097 (tp 2 decoding 1.44x one GPU against 1.25x in the same call), but two of four runs on llama2-7b's shapes
+never finished (bench/README.md, thirty-fourth lease); the cause is not yet found.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import on_device, triton
+
+if triton is not None and hasattr(torch.library, "custom_op"):
+    import triton.language as tl
+
+    from ..model.gemv import gemv_tile
+
+    @triton.jit
+    def _pack(part, flag, BN: tl.constexpr, PER: tl.constexpr):
+        """BN values as BN // PER words of 8 bytes: PER values' bits low (2 of 16 bits or one of 32), `flag` high."""
+        if PER == 2:
+            lo, hi = tl.split(tl.reshape(part.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, [BN // 2, 2]))
+            data = lo | (hi << 16)
+        else:
+            data = part.to(tl.int32, bitcast=True)
+        return data.to(tl.uint32, bitcast=True).to(tl.int64) | (flag.to(tl.int64) << 32)
+
+    @triton.jit
+    def _unpack(words, dtype: tl.constexpr, BN: tl.constexpr, PER: tl.constexpr):
+        data = words.to(tl.uint32)  # the low half
+        if PER == 2:
+            lo = (data & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True)
+            hi = (data >> 16).to(tl.uint16).to(dtype, bitcast=True)
+            values = tl.reshape(tl.join(lo, hi), [BN])
+        else:
+            values = data.to(dtype, bitcast=True)
+        return values
+
+    @triton.jit
+    def _gemv_all_reduce_ll_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, epochs_ptr, sw, N: tl.constexpr,
+                                K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, PER: tl.constexpr, REDUCE: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BN + tl.arange(0, BN)
+        # rounded as the unfused product's output is
+        part = gemv_tile(x_ptr, w_ptr, n, sw, N, K, BN, BK).to(y_ptr.dtype.element_ty)
+        if not REDUCE:  # the product alone (bench/gemv_all_reduce.py: what the reading costs)
+            tl.store(y_ptr + n, part, mask=n < N)
+            return
+        epoch = tl.load(epochs_ptr + pid) + 1
+        tl.store(epochs_ptr + pid, epoch)
+        NW: tl.constexpr = N // PER  # words a slot
+        words = _pack(part, epoch, BN, PER)
+        i = pid * (BN // PER) + tl.arange(0, BN // PER)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                dst = tl.load(buffers_ptr + r).to(tl.pointer_type(tl.int64))
+                tl.store(dst + RANK * NW + i, words, mask=i < NW)
+        local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
+        total = tl.zeros([BN], tl.float32)
+        for r in tl.static_range(WORLD):  # in rank order: the same bits on every rank
+            if r == RANK:
+                total += part.to(tl.float32)
+            else:
+                # volatile: read again from memory until every word holds this call's flag
+                got = tl.load(local + r * NW + i, mask=i < NW, volatile=True)
+                while tl.min((((got >> 32).to(tl.int32) == epoch) | (i >= NW)).to(tl.int32), 0) == 0:
+                    got = tl.load(local + r * NW + i, mask=i < NW, volatile=True)
+                total += _unpack(got, y_ptr.dtype.element_ty, BN, PER).to(tl.float32)
+        tl.store(y_ptr + n, total.to(y_ptr.dtype.element_ty), mask=n < N)
+
+    # An opaque custom op (as one_shot.py's): the compiler calls it as it is, inside the CUDA graph. The buffers
+    # are reached through their addresses; `epochs` counts this call.
+    @torch.library.custom_op("shardlm::gemv_all_reduce_ll", mutates_args=("epochs",))
+    def _gemv_all_reduce_ll(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, epochs: torch.Tensor, rank: int,
+                         world: int, bn: int, bk: int, warps: int, reduce: bool = True) -> torch.Tensor:
+        with on_device(x):
+            n, k = w.shape
+            y = x.new_empty(n)
+            _gemv_all_reduce_ll_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, epochs, w.stride(0), N=n, K=k,
+                                                               RANK=rank, WORLD=world, BN=bn, BK=bk,
+                                                               PER=4 // x.element_size(), REDUCE=reduce,
+                                                               num_warps=warps)
+            return y
+
+    @_gemv_all_reduce_ll.register_fake
+    def _(x, w, buffers, epochs, rank, world, bn, bk, warps, reduce=True):
+        return x.new_empty(w.shape[0])
