@@ -100,6 +100,7 @@ def worker(args) -> None:
                               reduce=mode != "gemv-only", protocol="ll" if mode == "fused-ll" else "barrier")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
+            fused.check()
         except Exception as e:  # noqa: BLE001 (a launch that does not compile; the others run)
             rows.append({"system": name, "error": str(e).splitlines()[0][:120]})
             continue

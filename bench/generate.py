@@ -152,6 +152,9 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         t = time.perf_counter()
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
+        if variant == "-ll":
+            next(m.small_all_reduce.fused for m in model.modules()
+                 if getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None).check()
         rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
                         first=done[0].tokens[:8], tp=tp))
         if tp > 1 and torch.distributed.get_rank() == 0:  # now: the job's teardown may not end (below)

@@ -11,7 +11,7 @@ def check_kernel_interpreted() -> None:
     """Run under TRITON_INTERPRET=1. Each rank's output is the rank-order sum of the ranks' partial products, each
     rounded to the output's type (fp16: the interpreter's bf16 is broken; fp32), the same bits on both ranks; on
     three calls in turn (each program's count, the flag the peers wait for, advances), with an output count no tile
-    divides; and the product alone without the sum."""
+    divides; the product alone without the sum; a rank whose peer never comes."""
     from shardlm.inference import gemv_all_reduce_ll  # noqa: F401 (registers the op)
     g = torch.Generator().manual_seed(0)
     world = 2
@@ -21,12 +21,14 @@ def check_kernel_interpreted() -> None:
             buffers = [torch.zeros(2 * world * n, dtype=dtype) for _ in range(world)]
             ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
             epochs = [torch.zeros(-(-n // bn), dtype=torch.int32) for _ in range(world)]
+            status = torch.zeros(4, dtype=torch.int32)
             for call in range(3):
                 xs = [torch.randn(k, generator=g).to(dtype) for _ in range(world)]
                 outs = [None] * world
 
                 def rank(r):
-                    outs[r] = torch.ops.shardlm.gemv_all_reduce_ll(xs[r], ws[r], ptrs, epochs[r], r, world, bn, 32, 2)
+                    outs[r] = torch.ops.shardlm.gemv_all_reduce_ll(xs[r], ws[r], ptrs, epochs[r], status, r, world, bn,
+                                                                   32, 2)
 
                 threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
                 for t in threads:
@@ -40,9 +42,17 @@ def check_kernel_interpreted() -> None:
                 assert (err <= want.double().abs() * 2**-10 + 1e-3).all(), (dtype, n, k, call, err.max().item())
                 assert torch.equal(outs[0], outs[1]), (dtype, n, k, call)
                 assert epochs[0].tolist() == [call + 1] * len(epochs[0])
-        alone = torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], 0, world, bn, 32, 2, False)
+        alone = torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], status, 0, world, bn, 32, 2,
+                                                     False)
         assert ((alone.double() - parts[0].double()).abs() <= parts[0].double().abs() * 2**-10 + 1e-3).all()
         assert epochs[0].tolist() == [3] * len(epochs[0])  # no call counted without the sum
+        gemv_all_reduce_ll.check(status)
+    # A rank whose peer never comes gives up after max_spins reads, says what it awaited, and check raises.
+    got = torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], status, 0, world, bn, 32, 2, True, 50)
+    gave_up, program, awaited, seen = status.tolist()
+    assert got.shape == (n,) and (gave_up, awaited, seen) == (1, 4, 3) and 0 <= program < len(epochs[0])
+    with pytest.raises(RuntimeError, match="awaited its peer's call 4, the peer's flag said 3"):
+        gemv_all_reduce_ll.check(status)
 
 
 @pytest.mark.timeout(240)

@@ -134,11 +134,18 @@ class GemvAllReduce:
         device = self.buffers[0].device
         self.epochs = [_static(torch.zeros(-(-self.max_n // self.launch[0]), dtype=torch.int32, device=device))
                        for _ in self.buffers]
+        self.status = _static(torch.zeros(4, dtype=torch.int32, device=device))
         for buf in self.buffers:
             buf.zero_()  # every flag 0, below every call's
         torch.cuda.synchronize(device)
         dist.barrier(self.group)  # no peer's first values before this rank's zeros
         self.protocol = "ll"
+
+    def check(self) -> None:
+        """Raise where the LL protocol's kernel gave up waiting for a peer (after the calls: it cannot stop them)."""
+        if self.protocol == "ll":
+            from .gemv_all_reduce_ll import check
+            check(self.status)
 
     def fits(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         # static shapes only: a decode step's (a prefill pass compiled for any length would be guarded on it),
@@ -150,7 +157,7 @@ class GemvAllReduce:
         bn, bk, warps = self.launch
         if self.protocol == "ll":
             y = torch.ops.shardlm.gemv_all_reduce_ll(x.reshape(-1).contiguous(), w, self.ptrs[turn], self.epochs[turn],
-                                                     self.rank, self.world, bn, bk, warps, self.reduce)
+                                                     self.status, self.rank, self.world, bn, bk, warps, self.reduce)
             return y.view(*x.shape[:-1], w.shape[0])
         y = torch.ops.shardlm.gemv_all_reduce(x.reshape(-1).contiguous(), w, self.ptrs[turn], self.pads[turn],
                                               self.counts[turn], self.rank, self.world, bn, bk, warps, self.reduce)

@@ -21,6 +21,11 @@ import torch
 
 from ..kernels import on_device, triton
 
+# Reads of a peer's flag before a program gives up (its output wrong, `status` set for `check`): about a minute
+# at a microsecond a read, far beyond the ranks' skew within a decode step; a rank that waits in its first call
+# while its peer still compiles could see it.
+MAX_SPINS = 1 << 26
+
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
@@ -48,9 +53,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         return values
 
     @triton.jit
-    def _gemv_all_reduce_ll_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, epochs_ptr, sw, N: tl.constexpr,
-                                K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
-                                BK: tl.constexpr, PER: tl.constexpr, REDUCE: tl.constexpr):
+    def _gemv_all_reduce_ll_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, epochs_ptr, status_ptr, sw, N: tl.constexpr,
+                                   K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
+                                   BK: tl.constexpr, PER: tl.constexpr, REDUCE: tl.constexpr,
+                                   MAX_SPINS: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BN + tl.arange(0, BN)
         # rounded as the unfused product's output is
@@ -75,25 +81,43 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             else:
                 # volatile: read again from memory until every word holds this call's flag
                 got = tl.load(local + r * NW + i, mask=i < NW, volatile=True)
-                while tl.min((((got >> 32).to(tl.int32) == epoch) | (i >= NW)).to(tl.int32), 0) == 0:
+                ready = tl.min((((got >> 32).to(tl.int32) == epoch) | (i >= NW)).to(tl.int32), 0)
+                spins = tl.full([], 0, tl.int32)
+                while (ready == 0) & (spins < MAX_SPINS):
                     got = tl.load(local + r * NW + i, mask=i < NW, volatile=True)
+                    ready = tl.min((((got >> 32).to(tl.int32) == epoch) | (i >= NW)).to(tl.int32), 0)
+                    spins += 1
+                if ready == 0:  # given up (GemvAllReduce.check says so): what was awaited, and what came
+                    tl.store(status_ptr, 1)
+                    tl.store(status_ptr + 1, pid)
+                    tl.store(status_ptr + 2, epoch)
+                    tl.store(status_ptr + 3, tl.min(tl.where(i < NW, (got >> 32).to(tl.int32), epoch), 0))
                 total += _unpack(got, y_ptr.dtype.element_ty, BN, PER).to(tl.float32)
         tl.store(y_ptr + n, total.to(y_ptr.dtype.element_ty), mask=n < N)
 
     # An opaque custom op (as one_shot.py's): the compiler calls it as it is, inside the CUDA graph. The buffers
     # are reached through their addresses; `epochs` counts this call.
-    @torch.library.custom_op("shardlm::gemv_all_reduce_ll", mutates_args=("epochs",))
-    def _gemv_all_reduce_ll(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, epochs: torch.Tensor, rank: int,
-                         world: int, bn: int, bk: int, warps: int, reduce: bool = True) -> torch.Tensor:
+    @torch.library.custom_op("shardlm::gemv_all_reduce_ll", mutates_args=("epochs", "status"))
+    def _gemv_all_reduce_ll(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, epochs: torch.Tensor,
+                            status: torch.Tensor, rank: int, world: int, bn: int, bk: int, warps: int,
+                            reduce: bool = True, max_spins: int = MAX_SPINS) -> torch.Tensor:
         with on_device(x):
             n, k = w.shape
             y = x.new_empty(n)
-            _gemv_all_reduce_ll_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, epochs, w.stride(0), N=n, K=k,
-                                                               RANK=rank, WORLD=world, BN=bn, BK=bk,
+            _gemv_all_reduce_ll_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, epochs, status, w.stride(0), N=n,
+                                                               K=k, RANK=rank, WORLD=world, BN=bn, BK=bk,
                                                                PER=4 // x.element_size(), REDUCE=reduce,
-                                                               num_warps=warps)
+                                                               MAX_SPINS=max_spins, num_warps=warps)
             return y
 
     @_gemv_all_reduce_ll.register_fake
-    def _(x, w, buffers, epochs, rank, world, bn, bk, warps, reduce=True):
+    def _(x, w, buffers, epochs, status, rank, world, bn, bk, warps, reduce=True, max_spins=MAX_SPINS):
         return x.new_empty(w.shape[0])
+
+
+def check(status: torch.Tensor) -> None:
+    """Raise where a program gave up waiting for a peer's values (the kernel's `status`: 0 while none has)."""
+    gave_up, program, awaited, seen = status.tolist()
+    if gave_up:
+        raise RuntimeError(f"the LL all-reduce gave up waiting: program {program} awaited its peer's call {awaited}, "
+                           f"the peer's flag said {seen} (0: never written; below: the peer behind; above: ahead)")
