@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from test_serve import CHAT_TEMPLATE, TIMEOUT, serving, sse
 from helpers import save_hf
@@ -44,3 +45,50 @@ def test_templates_with_loop_controls_and_generation_blocks_are_served_as_transf
         r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(s.tok.encode(want))
+
+
+@pytest.fixture(scope="module")
+def sp_dir(hf_dir, tmp_path_factory):
+    """The tiny Llama under a tokenizer built as Llama 2's and Mistral's are: Metaspace pieces, byte fallback (a
+    character outside the vocabulary as its UTF-8 bytes, one id each), and a decoder that drops the space
+    opening a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from helpers import TEXT
+    d = tmp_path_factory.mktemp("serve_sp") / "llama"
+    shutil.copytree(hf_dir, d)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
+        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                                         "eos_token": "</s>", "unk_token": "<unk>"}))
+    return d
+
+
+def completion(c, body):
+    """The whole answer's text, and the streamed one's deltas joined."""
+    whole = c.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    events, done = sse(c.post("/v1/completions", json={**body, "stream": True}).text.splitlines())
+    assert done
+    return whole.json()["choices"][0]["text"], "".join(e["choices"][0]["text"] for e in events)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_sends_the_whole_answers_text_where_byte_fallback_ids_go_wrong(sp_dir):
+    """A run of byte ids whose UTF-8 is invalid decodes (byte fallback, Llama 2's) to replacement characters all,
+    the valid bytes before included: a stream had sent those as text, which was then no prefix of the final
+    text, and it sent nothing more (2 characters of a whole answer's 6)."""
+    with serving(sp_dir, max_batch=4) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        wrong = 0
+        for seed in range(12):
+            whole, streamed = completion(c, {"prompt": "To be or not to be", "max_tokens": 6, "seed": seed})
+            assert streamed == whole, seed
+            wrong += "\ufffd" in whole
+        assert wrong  # the case at hand: the sampled ids hold invalid UTF-8
+

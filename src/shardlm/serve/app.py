@@ -186,6 +186,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return APIError(500, f"The engine failed on this request ({type(error).__name__}: {error}); the "
                              "server is still up: retry it.")
 
+    def text_of(params: Params) -> TextStream:
+        return TextStream(tok.decode, stop_ids, params.stop)
+
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params)
         answer = Answer(chat, params)
@@ -202,10 +205,13 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
             if kind == "done":
                 if value is not None:
                     raise failure(value)
-                return answer.whole(request.text or "", request.finish_reason, len(request.tokens))
+                # the text a stream of this request would send: the same decoder, so the same text
+                text = text_of(params)
+                return answer.whole(text.push(request.tokens) + text.finish(), request.finish_reason,
+                                    len(request.tokens))
 
     async def stream(request: Request, queue: asyncio.Queue, answer: Answer):
-        text = TextStream(tok.decode, stop_ids, answer.params.stop)
+        text = text_of(answer.params)
         if answer.chat:
             yield answer.chunk(None, role=True)
         while True:
@@ -218,7 +224,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
             if value is not None:
                 yield error_event(failure(value))
                 break
-            delta = text.finish(request.text)
+            delta = text.finish()
             if delta:
                 yield answer.chunk(delta)
             yield answer.chunk(None, request.finish_reason)
