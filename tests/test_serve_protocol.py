@@ -92,3 +92,23 @@ def test_a_stream_sends_the_whole_answers_text_where_byte_fallback_ids_go_wrong(
             wrong += "\ufffd" in whole
         assert wrong  # the case at hand: the sampled ids hold invalid UTF-8
 
+
+@pytest.mark.timeout(120)
+def test_a_completion_keeps_the_space_that_opens_it_under_a_sentencepiece_tokenizer(sp_dir):
+    """Such a decoder drops the space opening a text: decoded alone, a completion's first word ran into the
+    prompt's last ("isParis"), and a stop string opening with that space went unseen."""
+    from shardlm.inference import generate_ids
+    with serving(sp_dir, max_batch=4) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        def greedy(prompt, n):
+            ids = s.tok.encode_document(prompt)
+            return ids, generate_ids(s.model, torch.tensor([ids]), n)[0].tolist()
+        prompt = next(p for p in (f"To be {w}" for w in ("or", "the", "not", "that", "is", "be", "a", "to", "and"))
+                      if s.tok.tok.id_to_token(greedy(p, 1)[1][0]).startswith("\u2581"))
+        ids, new = greedy(prompt, 4)
+        want = s.tok.decode(ids + new)[len(s.tok.decode(ids)):]
+        assert want.startswith(" ")
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+        assert completion(c, body) == (want, want)
+        first = want.split()[0]
+        r = c.post("/v1/completions", json={**body, "stop": " " + first}).json()
+        assert r["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}

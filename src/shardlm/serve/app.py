@@ -187,7 +187,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                              "server is still up: retry it.")
 
     def text_of(params: Params) -> TextStream:
-        return TextStream(tok.decode, stop_ids, params.stop)
+        return TextStream(tok.decode, stop_ids, params.stop, context=params.prompt[-1:])
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params)

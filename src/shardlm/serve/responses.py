@@ -22,13 +22,14 @@ class TextStream:
     were batched (a whole answer is this text too). Held back until more ids arrive: a window whose text
     ends in a replacement character (a character whose UTF-8 bytes are still arriving) and a trailing piece
     that could begin a stop string (the text ends before a stop string, so that piece may never be part of
-    the answer)."""
+    the answer). `context`: the prompt's last id, the first window's context: SentencePiece-style decoders
+    (Llama 2's, Mistral's) drop the space that opens a text, which opens the completion after the prompt."""
 
-    def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...]):
+    def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...], context=()):
         self.decode, self.stop_ids, self.stop = decode, stop_ids, stop
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] were decoded already, as the window's context
-        self.text = ""               # the text of ids[:read]
+        self.ids: list[int] = list(context)
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] were decoded already, as the window's context
+        self.text = ""               # the text of ids[:read] after the context
         self.sent = ""
 
     def push(self, ids: list[int]) -> str:
