@@ -186,8 +186,11 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return APIError(500, f"The engine failed on this request ({type(error).__name__}: {error}); the "
                              "server is still up: retry it.")
 
-    def text_of(params: Params) -> TextStream:
-        return TextStream(tok.decode, stop_ids, params.stop, context=params.prompt[-1:])
+    def text_of(answer: Answer) -> TextStream:
+        # A completion continues its prompt's text, the space that opens it included; a chat template places
+        # the space between turns itself (Llama 2's "[/INST] " + content), so a message's content has none.
+        context = () if answer.chat else answer.params.prompt[-1:]
+        return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params)
@@ -206,12 +209,12 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                 if value is not None:
                     raise failure(value)
                 # the text a stream of this request would send: the same decoder, so the same text
-                text = text_of(params)
+                text = text_of(answer)
                 return answer.whole(text.push(request.tokens) + text.finish(), request.finish_reason,
                                     len(request.tokens))
 
     async def stream(request: Request, queue: asyncio.Queue, answer: Answer):
-        text = text_of(answer.params)
+        text = text_of(answer)
         if answer.chat:
             yield answer.chunk(None, role=True)
         while True:
