@@ -112,3 +112,25 @@ def test_a_completion_keeps_the_space_that_opens_it_under_a_sentencepiece_tokeni
         first = want.split()[0]
         r = c.post("/v1/completions", json={**body, "stop": " " + first}).json()
         assert r["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+
+
+@pytest.fixture(scope="module")
+def srv(hf_dir):
+    with serving(hf_dir, max_batch=2) as s:
+        yield s
+
+
+@pytest.mark.timeout(60)
+def test_a_model_is_retrieved_by_its_id_and_a_wrong_method_is_told_the_right_one(srv):
+    """OpenAI's GET /v1/models/{model} (the client's models.retrieve) was a 404 for every id; a 405 left out the
+    Allow header that HTTP asks of it."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="any", timeout=TIMEOUT, max_retries=0)
+    model = client.models.retrieve("base")
+    assert model.id == "base" and model.object == "model" and model.owned_by == "shardlm"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        r = c.get("/v1/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]

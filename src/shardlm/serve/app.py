@@ -140,7 +140,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        # its headers too: a 405 names the methods the path takes (Allow), as HTTP asks of it
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_, e: Exception):
@@ -244,13 +246,23 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     async def chat_completions(http: HTTPRequest):
         return await generate(http, chat_params(await body_of(http), models), chat=True)
 
-    @app.get("/v1/models")
-    async def list_models():
+    def cards() -> list[dict]:
         def card(model_id, parent, root):
             return {"id": model_id, "object": "model", "created": started, "owned_by": "shardlm", "root": root,
                     "parent": parent, "max_model_len": models.max_len}
-        return {"object": "list", "data": [card(models.base, None, models.base)] +
-                [card(name, models.base, str(path)) for name, path in sorted(models.adapters.items())]}
+        return [card(models.base, None, models.base)] + [card(name, models.base, str(path))
+                                                           for name, path in sorted(models.adapters.items())]
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); an id may hold slashes
+    async def retrieve_model(model: str):
+        found = [c for c in cards() if c["id"] == model]
+        if not found:
+            models.adapter_of({"model": model})  # the 404 a request naming it gets
+        return found[0]
 
     @app.get("/health")
     async def health():
