@@ -134,3 +134,25 @@ def test_a_model_is_retrieved_by_its_id_and_a_wrong_method_is_told_the_right_one
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
         r = c.get("/v1/completions")
         assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+
+
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+                     "text/plain;version=0.0.4;q=0.3,*/*;q=0.2")  # what Prometheus 3 scrapes with
+
+
+@pytest.mark.timeout(60)
+def test_metrics_are_prometheus_text_to_a_prometheus_scraper_and_json_to_everyone_else(srv):
+    """/metrics answered JSON to Prometheus too, whose scrape failed on it."""
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2}).status_code == 200
+        scraped = c.get("/metrics", headers={"accept": PROMETHEUS_ACCEPT})
+        as_json = c.get("/metrics").json()
+    assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = scraped.text.splitlines()
+    samples = dict(line.split(" ") for line in lines if not line.startswith("#"))
+    types = {line.split()[2]: line.split()[3] for line in lines if line.startswith("# TYPE ")}
+    assert set(samples) == set(types) and len(samples) == len(as_json)
+    assert types["shardlm_requests_total"] == "counter" and types["shardlm_tokens_generated_total"] == "counter"
+    assert types["shardlm_slots_in_use"] == "gauge" and samples["shardlm_draining"] == "0"
+    assert float(samples["shardlm_requests_finished_total"]) == as_json["requests_finished"] >= 1
+    assert all(float(v) >= 0 for v in samples.values())

@@ -1,7 +1,8 @@
 """The HTTP routes (FastAPI): /v1/completions, /v1/chat/completions (whole or streamed by server-sent
-events), /v1/models, /health and /metrics, after OpenAI's API reference and vLLM's OpenAI-compatible
-server. Each handler checks its body (protocol.py), submits one engine request through the worker, and
-waits on an asyncio queue that the engine's thread feeds with `loop.call_soon_threadsafe`.
+events), /v1/models, /health and /metrics (JSON, or Prometheus' text format), after OpenAI's API reference
+and vLLM's OpenAI-compatible server. Each handler checks its body (protocol.py), submits one engine request
+through the worker, and waits on an asyncio queue that the engine's thread feeds with
+`loop.call_soon_threadsafe`.
 
 Every HTTP request passes through `Lifecycle`: it counts the requests in flight (a draining server exits
 once none is left), refuses new generation with 503 while draining, and cancels the engine requests of
@@ -15,13 +16,13 @@ import threading
 import time
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..data.jsonl import unpaired_surrogate
 from ..inference import Request
 from .protocol import APIError, Models, Params, chat_params, completion_params
-from .responses import DONE, Answer, TextStream, error_event
+from .responses import DONE, Answer, TextStream, error_event, prometheus
 from .worker import Closed, EngineWorker
 
 _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists its engine requests
@@ -271,9 +272,14 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        """JSON (not Prometheus' text format): counts since start, and tokens/s over the last window_s."""
-        return {**worker.metrics(), "requests_rejected": state.rejected, "requests_in_flight": state.in_flight,
-                "draining": state.draining}
+    async def metrics(http: HTTPRequest):
+        """JSON: counts since start, and tokens/s over the last window_s; Prometheus' text format to a client that
+        asks for it rather than JSON, as Prometheus' scraper does (it took the JSON for a failed scrape)."""
+        values = {**worker.metrics(), "requests_rejected": state.rejected, "requests_in_flight": state.in_flight,
+                  "draining": state.draining}
+        accept = http.headers.get("accept", "")
+        if "application/json" not in accept and ("text/plain" in accept or "openmetrics" in accept):
+            return Response(prometheus(values), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return values
 
     return app

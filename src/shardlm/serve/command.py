@@ -26,6 +26,7 @@ endpoints (OpenAI's API; see the README's Serving section):
   GET  /health                {"status": "ok"}, 503 {"status": "draining"} while shutting down
   GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed/rejected, tokens
                               generated, tokens_per_s over the last window_s seconds, slots_in_use / slots
+                              (Prometheus' text format to a client that asks for it: Accept text/plain)
 """
 
 

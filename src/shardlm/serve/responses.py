@@ -127,3 +127,18 @@ def error_event(error: APIError) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+COUNTERS = ("requests_total", "requests_finished", "requests_cancelled", "requests_failed", "requests_rejected",
+            "tokens_generated")
+
+
+def prometheus(metrics: dict) -> str:
+    """/metrics in Prometheus' text exposition format (0.0.4), each under the prefix shardlm_: the counts since
+    start as counters (named *_total), the rest as gauges, a flag as 0 or 1."""
+    lines = []
+    for key, value in metrics.items():
+        counter = key in COUNTERS
+        name = f"shardlm_{key}" + ("_total" if counter and not key.endswith("_total") else "")
+        lines += [f"# TYPE {name} {'counter' if counter else 'gauge'}",
+                  f"{name} {value if isinstance(value, float) else int(value)}"]
+    return "\n".join(lines) + "\n"
