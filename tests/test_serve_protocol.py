@@ -47,6 +47,22 @@ def test_templates_with_loop_controls_and_generation_blocks_are_served_as_transf
         assert r.json()["usage"]["prompt_tokens"] == len(s.tok.encode(want))
 
 
+@pytest.mark.timeout(120)
+def test_templates_read_tojson_and_todays_date_as_transformers_renders_them(hf_dir, tmp_path):
+    """jinja's own tojson escapes <, >, & and ' for HTML and every non-ASCII character, which transformers' does
+    not; strftime_now (Llama 3.2's template dates its system turn with it) was undefined."""
+    from transformers import PreTrainedTokenizerFast
+    template = ("{% if strftime_now is defined %}{{ strftime_now('%d %b %Y') }}{% else %}26 Jul 2024{% endif %}\n"
+                "{% for m in messages %}{{ m | tojson }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    where = with_template(hf_dir, tmp_path / "t", template)
+    messages = [{"role": "user", "content": "<b>caf\u00e9</b> & 'tea'"}]
+    want = PreTrainedTokenizerFast.from_pretrained(str(where)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    with serving(where, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(s.tok.encode(want)), r.text
+
+
 @pytest.fixture(scope="module")
 def sp_dir(hf_dir, tmp_path_factory):
     """The tiny Llama under a tokenizer built as Llama 2's and Mistral's are: Metaspace pieces, byte fallback (a

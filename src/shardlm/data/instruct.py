@@ -17,6 +17,7 @@ the start of the next.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,11 @@ def _chat_template(tok: Tokenizer):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", _generation_tag()])
     env.globals["raise_exception"] = raise_exception
+    # and its tojson (JSON as written: jinja's own escapes <, >, & and ' for HTML, and any non-ASCII character) and
+    # strftime_now (Llama 3.2's template dates its system turn today with it, else "26 Jul 2024")
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:  # once a traceback (serve's start, data prepare)
