@@ -363,9 +363,11 @@ class Engine:
     def _decode_new(self, r: Request, ids: list[int]) -> str:
         """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
         2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
-        last (a stop string opening with that space went unseen)."""
-        head = self.decode(r.prompt[-1:])
-        text = self.decode(r.prompt[-1:] + list(ids))
+        last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
+        beginning-of-sequence token of an empty prompt), whose first word has no space before it."""
+        before = r.prompt[-1:] if len(r.prompt) > 1 else []
+        head = self.decode(before)
+        text = self.decode(before + list(ids))
         return text[len(head):] if text.startswith(head) else self.decode(ids)
 
     def _stopped_by_string(self, r: Request) -> bool:
