@@ -81,8 +81,8 @@ def sp_dir(hf_dir, tmp_path_factory):
         f"<0x{b:02X}>" for b in range(256)], show_progress=False))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-                                                         "eos_token": "</s>", "unk_token": "<unk>"}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
     return d
 
 

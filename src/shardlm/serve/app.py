@@ -190,9 +190,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                              "server is still up: retry it.")
 
     def text_of(answer: Answer) -> TextStream:
-        # A completion continues its prompt's text, the space that opens it included (as Engine._decode_new decodes it); a
-        # chat template places the space between turns itself (Llama 2's "[/INST] " + content), so a message's
-        # content has none.
+        # A completion continues its prompt's text, the space that opens it included (as Engine._decode_new
+        # decodes it); a chat template places the space between turns itself (Llama 2's "[/INST] " + content),
+        # so a message's content has none.
         prompt = answer.params.prompt
         context = prompt[-1:] if not answer.chat and len(prompt) > 1 else ()
         return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)

@@ -28,8 +28,8 @@ class TextStream:
     def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...], context=()):
         self.decode, self.stop_ids, self.stop = decode, stop_ids, stop
         self.ids: list[int] = list(context)
-        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] were decoded already, as the window's context
-        self.text = ""               # the text of ids[:read] after the context
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read]: decoded already, the window's context
+        self.text = ""  # the text of ids[:read] after the context
         self.sent = ""
 
     def push(self, ids: list[int]) -> str:
@@ -38,10 +38,10 @@ class TextStream:
                 continue
             self.ids.append(t)
             new = self._window()
-            # Not taken apart from the character it ends: a byte-fallback decoder (Llama 2's) turns a run of
-            # byte ids whose UTF-8 is invalid into replacement characters all, the valid ones before included,
-            # so text sent from a run that later went wrong was no prefix of the whole answer's, and the
-            # stream then sent nothing more.
+            # One id at a time, whatever the bursts: a byte-fallback decoder (Llama 2's) turns a whole run of
+            # byte ids whose UTF-8 is invalid into replacement characters, the valid bytes before included, so
+            # text that a burst's window had sent was then no prefix of the whole answer's, and the stream sent
+            # nothing more.
             if not new.endswith("\ufffd"):
                 self.text += new
                 self.prefix, self.read = self.read, len(self.ids)
