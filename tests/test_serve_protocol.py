@@ -148,6 +148,7 @@ def test_a_model_is_retrieved_by_its_id_and_a_wrong_method_is_told_the_right_one
         client.models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found"
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.get("/v1/models/", follow_redirects=True).json()["data"][0]["id"] == "base"
         r = c.get("/v1/completions")
         assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
 

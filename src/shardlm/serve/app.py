@@ -262,6 +262,8 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); an id may hold slashes
     async def retrieve_model(model: str):
+        if not model:  # "/v1/models/", which this route would take from the list's (a redirect to it before)
+            return await list_models()
         found = [c for c in cards() if c["id"] == model]
         if not found:
             models.adapter_of({"model": model})  # the 404 a request naming it gets
