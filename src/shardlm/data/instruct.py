@@ -17,6 +17,7 @@ the start of the next.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -72,13 +73,40 @@ def _chat_template(tok: Tokenizer):
 
     def raise_exception(message):  # the helper transformers gives templates, for their own checks
         raise InstructError(message)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # transformers' environment has {% break %} / {% continue %} and the {% generation %} block (which marks the
+    # assistant's tokens for its masks): templates on the Hub use both, and without them did not parse, so
+    # serve refused to start and data prepare to run on a model transformers and vLLM render.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _generation_tag()])
     env.globals["raise_exception"] = raise_exception
+    # and its tojson (JSON as written: jinja's own escapes <, >, & and ' for HTML, and any non-ASCII character) and
+    # strftime_now (Llama 3.2's template dates its system turn today with it, else "26 Jul 2024")
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:  # once a traceback (serve's start, data prepare)
         raise InstructError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}): fix it, or "
                             "remove it") from None
+
+
+def _generation_tag():
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %}: its body, as rendered."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+    return Generation
 
 
 def chat_prompter(tok: Tokenizer):

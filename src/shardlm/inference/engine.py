@@ -236,7 +236,7 @@ class Engine:
     def _end_cancelled(self, r: Request, finished: list[Request]) -> None:
         r.finish_reason = "cancelled"
         if self.decode is not None and r.text is None:
-            r.text = self.decode(r.completion)
+            r.text = self._decode_new(r, r.completion)
         finished.append(r)
 
     # ---- prefill ------------------------------------------------------------------------------------
@@ -357,17 +357,28 @@ class Engine:
         if r.on_tokens is not None and taken:
             r.on_tokens(r, taken)
         if r.done and self.decode is not None and r.text is None:
-            r.text = self.decode(r.completion)
+            r.text = self._decode_new(r, r.completion)
         return r.done
+
+    def _decode_new(self, r: Request, ids: list[int]) -> str:
+        """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
+        2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
+        last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
+        beginning-of-sequence token of an empty prompt), whose first word has no space before it."""
+        before = r.prompt[-1:] if len(r.prompt) > 1 else []
+        head = self.decode(before)
+        text = self.decode(before + list(ids))
+        return text[len(head):] if text.startswith(head) else self.decode(ids)
 
     def _stopped_by_string(self, r: Request) -> bool:
         """Whether the newest token completed one of r's stop strings. Only the tokens that can hold one are
         decoded (a character takes at most 4 byte-level tokens), not the whole completion each token."""
         if not r.stop or self.decode is None:
             return False
-        tail = self.decode(r.tokens[-(4 * max(map(len, r.stop)) + 1):])
+        n = 4 * max(map(len, r.stop)) + 1
+        tail = self.decode(r.tokens[-n:]) if len(r.tokens) > n else self._decode_new(r, r.tokens)
         if not any(s in tail for s in r.stop):
             return False
-        text = self.decode(r.tokens)
+        text = self._decode_new(r, r.tokens)
         r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
         return True

@@ -1,7 +1,8 @@
 """The HTTP routes (FastAPI): /v1/completions, /v1/chat/completions (whole or streamed by server-sent
-events), /v1/models, /health and /metrics, after OpenAI's API reference and vLLM's OpenAI-compatible
-server. Each handler checks its body (protocol.py), submits one engine request through the worker, and
-waits on an asyncio queue that the engine's thread feeds with `loop.call_soon_threadsafe`.
+events), /v1/models, /health and /metrics (JSON, or Prometheus' text format), after OpenAI's API reference
+and vLLM's OpenAI-compatible server. Each handler checks its body (protocol.py), submits one engine request
+through the worker, and waits on an asyncio queue that the engine's thread feeds with
+`loop.call_soon_threadsafe`.
 
 Every HTTP request passes through `Lifecycle`: it counts the requests in flight (a draining server exits
 once none is left), refuses new generation with 503 while draining, and cancels the engine requests of
@@ -15,13 +16,13 @@ import threading
 import time
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..data.jsonl import unpaired_surrogate
 from ..inference import Request
 from .protocol import APIError, Models, Params, chat_params, completion_params
-from .responses import DONE, Answer, TextStream, error_event
+from .responses import DONE, Answer, TextStream, error_event, prometheus
 from .worker import Closed, EngineWorker
 
 _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists its engine requests
@@ -140,7 +141,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        # its headers too: a 405 names the methods the path takes (Allow), as HTTP asks of it
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_, e: Exception):
@@ -186,6 +189,14 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return APIError(500, f"The engine failed on this request ({type(error).__name__}: {error}); the "
                              "server is still up: retry it.")
 
+    def text_of(answer: Answer) -> TextStream:
+        # A completion continues its prompt's text, the space that opens it included (as Engine._decode_new
+        # decodes it); a chat template places the space between turns itself (Llama 2's "[/INST] " + content),
+        # so a message's content has none.
+        prompt = answer.params.prompt
+        context = prompt[-1:] if not answer.chat and len(prompt) > 1 else ()
+        return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)
+
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params)
         answer = Answer(chat, params)
@@ -202,10 +213,13 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
             if kind == "done":
                 if value is not None:
                     raise failure(value)
-                return answer.whole(request.text or "", request.finish_reason, len(request.tokens))
+                # the text a stream of this request would send: the same decoder, so the same text
+                text = text_of(answer)
+                return answer.whole(text.push(request.tokens) + text.finish(), request.finish_reason,
+                                    len(request.tokens))
 
     async def stream(request: Request, queue: asyncio.Queue, answer: Answer):
-        text = TextStream(tok.decode, stop_ids, answer.params.stop)
+        text = text_of(answer)
         if answer.chat:
             yield answer.chunk(None, role=True)
         while True:
@@ -218,7 +232,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
             if value is not None:
                 yield error_event(failure(value))
                 break
-            delta = text.finish(request.text)
+            delta = text.finish()
             if delta:
                 yield answer.chunk(delta)
             yield answer.chunk(None, request.finish_reason)
@@ -235,13 +249,25 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     async def chat_completions(http: HTTPRequest):
         return await generate(http, chat_params(await body_of(http), models), chat=True)
 
-    @app.get("/v1/models")
-    async def list_models():
+    def cards() -> list[dict]:
         def card(model_id, parent, root):
             return {"id": model_id, "object": "model", "created": started, "owned_by": "shardlm", "root": root,
                     "parent": parent, "max_model_len": models.max_len}
-        return {"object": "list", "data": [card(models.base, None, models.base)] +
-                [card(name, models.base, str(path)) for name, path in sorted(models.adapters.items())]}
+        return [card(models.base, None, models.base)] + [card(name, models.base, str(path))
+                                                           for name, path in sorted(models.adapters.items())]
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); an id may hold slashes
+    async def retrieve_model(model: str):
+        if not model:  # "/v1/models/", which this route would take from the list's (a redirect to it before)
+            return await list_models()
+        found = [c for c in cards() if c["id"] == model]
+        if not found:
+            models.adapter_of({"model": model})  # the 404 a request naming it gets
+        return found[0]
 
     @app.get("/health")
     async def health():
@@ -250,9 +276,14 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        """JSON (not Prometheus' text format): counts since start, and tokens/s over the last window_s."""
-        return {**worker.metrics(), "requests_rejected": state.rejected, "requests_in_flight": state.in_flight,
-                "draining": state.draining}
+    async def metrics(http: HTTPRequest):
+        """JSON: counts since start, and tokens/s over the last window_s; Prometheus' text format to a client that
+        asks for it rather than JSON, as Prometheus' scraper does (it took the JSON for a failed scrape)."""
+        values = {**worker.metrics(), "requests_rejected": state.rejected, "requests_in_flight": state.in_flight,
+                  "draining": state.draining}
+        accept = http.headers.get("accept", "")
+        if "application/json" not in accept and ("text/plain" in accept or "openmetrics" in accept):
+            return Response(prometheus(values), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return values
 
     return app

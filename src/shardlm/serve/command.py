@@ -22,9 +22,11 @@ endpoints (OpenAI's API; see the README's Serving section):
                               the rest of the context) or max_completion_tokens; the same sampling fields
   GET  /v1/models             the base model (its id: --served-model-name, default the --model argument)
                               and each --adapter, whose id is its NAME: a request's "model" picks one
+  GET  /v1/models/ID          one of them
   GET  /health                {"status": "ok"}, 503 {"status": "draining"} while shutting down
   GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed/rejected, tokens
                               generated, tokens_per_s over the last window_s seconds, slots_in_use / slots
+                              (Prometheus' text format to a client that asks for it: Accept text/plain)
 """
 
 

@@ -14,43 +14,53 @@ from .protocol import APIError, Params
 
 
 class TextStream:
-    """The text of a growing completion, in deltas whose concatenation is the engine's final text.
+    """The text of a growing completion, in deltas whose concatenation is the whole answer's text.
 
-    Each burst decodes only a window of ids (vLLM's prefix and read offsets): the previous burst's ids as
-    context and the new ones, the new text being what they add, so a long stream costs no more per burst
-    than a short one, and tokenizers that drop a leading space at the start of a decode still join right.
-    Held back until more ids arrive: a trailing replacement character (a character whose UTF-8 bytes are
-    still arriving) and a trailing piece that could begin a stop string (the engine cuts the text before
-    a stop string, so that piece may never be part of the answer)."""
+    Ids are decoded one at a time, each in a window of ids (vLLM's prefix and read offsets): the ids that
+    completed the previous character as context and those since, the new text being what they add, so a long
+    stream costs no more per id than a short one, and the text of a completion does not depend on how its ids
+    were batched (a whole answer is this text too). Held back until more ids arrive: a window whose text
+    ends in a replacement character (a character whose UTF-8 bytes are still arriving) and a trailing piece
+    that could begin a stop string (the text ends before a stop string, so that piece may never be part of
+    the answer). `context`: the prompt's last id, the first window's context: SentencePiece-style decoders
+    (Llama 2's, Mistral's) drop the space that opens a text, which opens the completion after the prompt."""
 
-    def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...]):
+    def __init__(self, decode: Callable, stop_ids: tuple[int, ...], stop: tuple[str, ...], context=()):
         self.decode, self.stop_ids, self.stop = decode, stop_ids, stop
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] were decoded already, as the window's context
-        self.text = ""               # the text of ids[:read]
+        self.ids: list[int] = list(context)
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read]: decoded already, the window's context
+        self.text = ""  # the text of ids[:read] after the context
         self.sent = ""
 
     def push(self, ids: list[int]) -> str:
-        # A stop id only ever ends the stream, and is no part of the text.
-        self.ids += [t for t in ids if t not in self.stop_ids]
-        context = self.decode(self.ids[self.prefix:self.read])
-        new = self.decode(self.ids[self.prefix:])[len(context):]
-        if new.endswith("\ufffd"):
-            text = self.text + new.rstrip("\ufffd")
-        else:
-            self.text = text = self.text + new
-            self.prefix, self.read = self.read, len(self.ids)
-        tail = max((len(s) for s in self.stop), default=0)
-        for s in self.stop:  # only the tail can hold a stop string that the last burst completed
-            at = text.find(s, max(0, len(self.sent) - tail))
-            if at >= 0:
-                text = text[:at]
+        for t in ids:
+            if t in self.stop_ids:  # a stop id only ever ends the stream, and is no part of the text
+                continue
+            self.ids.append(t)
+            new = self._window()
+            # One id at a time, whatever the bursts: a byte-fallback decoder (Llama 2's) turns a whole run of
+            # byte ids whose UTF-8 is invalid into replacement characters, the valid bytes before included, so
+            # text that a burst's window had sent was then no prefix of the whole answer's, and the stream sent
+            # nothing more.
+            if not new.endswith("\ufffd"):
+                self.text += new
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self._cut(self.text)
         hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return self._advance(text[:len(text) - hold])
 
-    def finish(self, text: str | None) -> str:
-        """The rest, given the engine's final text."""
-        return self._advance(text if text is not None else self.text)
+    def finish(self) -> str:
+        """The rest, an unfinished character as the tokenizer decodes it (replacement characters)."""
+        return self._advance(self._cut(self.text + self._window()))
+
+    def _window(self) -> str:
+        context = self.decode(self.ids[self.prefix:self.read])
+        return self.decode(self.ids[self.prefix:])[len(context):]
+
+    def _cut(self, text: str) -> str:
+        """`text` up to its first stop string; only what follows the text sent can hold one."""
+        start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
+        return text[:min((at for at in (text.find(s, start) for s in self.stop) if at >= 0), default=len(text))]
 
     def _advance(self, text: str) -> str:
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
@@ -117,3 +127,18 @@ def error_event(error: APIError) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+COUNTERS = ("requests_total", "requests_finished", "requests_cancelled", "requests_failed", "requests_rejected",
+            "tokens_generated")
+
+
+def prometheus(metrics: dict) -> str:
+    """/metrics in Prometheus' text exposition format (0.0.4), each under the prefix shardlm_: the counts since
+    start as counters (named *_total), the rest as gauges, a flag as 0 or 1."""
+    lines = []
+    for key, value in metrics.items():
+        counter = key in COUNTERS
+        name = f"shardlm_{key}" + ("_total" if counter and not key.endswith("_total") else "")
+        lines += [f"# TYPE {name} {'counter' if counter else 'gauge'}",
+                  f"{name} {value if isinstance(value, float) else int(value)}"]
+    return "\n".join(lines) + "\n"

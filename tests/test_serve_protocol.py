@@ -1,0 +1,175 @@
+"""`shardlm serve` against what OpenAI-compatible clients send and read: chat templates as transformers renders
+them, streamed text against the whole answer, and the API's smaller routes and headers. Over real HTTP on
+127.0.0.1, against a server in this process (test_serve.serving)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from test_serve import CHAT_TEMPLATE, TIMEOUT, serving, sse
+from helpers import save_hf
+
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_protocol") / "llama"
+    save_hf("llama", d)
+    return d
+
+
+def with_template(hf_dir, where, template):
+    shutil.copytree(hf_dir, where)
+    cfg = json.loads((where / "tokenizer_config.json").read_text())
+    (where / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return where
+
+
+@pytest.mark.timeout(120)
+def test_templates_with_loop_controls_and_generation_blocks_are_served_as_transformers_renders_them(hf_dir, tmp_path):
+    """{% break %} / {% continue %} and {% generation %} (transformers' environment has them; templates on the Hub
+    use them): the template did not parse, and serve refused to start."""
+    from transformers import PreTrainedTokenizerFast
+    template = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}<|{{ m.role }}|>"
+                "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}"
+                "{{ m.content }}{% endif %}\n{% if loop.index > 3 %}{% break %}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    where = with_template(hf_dir, tmp_path / "t", template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"},
+                {"role": "assistant", "content": "Or not."}, {"role": "user", "content": "Which?"}]
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(where))
+    want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with serving(where, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(s.tok.encode(want))
+
+
+@pytest.mark.timeout(120)
+def test_templates_read_tojson_and_todays_date_as_transformers_renders_them(hf_dir, tmp_path):
+    """jinja's own tojson escapes <, >, & and ' for HTML and every non-ASCII character, which transformers' does
+    not; strftime_now (Llama 3.2's template dates its system turn with it) was undefined."""
+    from transformers import PreTrainedTokenizerFast
+    template = ("{% if strftime_now is defined %}{{ strftime_now('%d %b %Y') }}{% else %}26 Jul 2024{% endif %}\n"
+                "{% for m in messages %}{{ m | tojson }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    where = with_template(hf_dir, tmp_path / "t", template)
+    messages = [{"role": "user", "content": "<b>caf\u00e9</b> & 'tea'"}]
+    want = PreTrainedTokenizerFast.from_pretrained(str(where)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    with serving(where, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(s.tok.encode(want)), r.text
+
+
+@pytest.fixture(scope="module")
+def sp_dir(hf_dir, tmp_path_factory):
+    """The tiny Llama under a tokenizer built as Llama 2's and Mistral's are: Metaspace pieces, byte fallback (a
+    character outside the vocabulary as its UTF-8 bytes, one id each), and a decoder that drops the space
+    opening a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from helpers import TEXT
+    d = tmp_path_factory.mktemp("serve_sp") / "llama"
+    shutil.copytree(hf_dir, d)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
+        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return d
+
+
+def completion(c, body):
+    """The whole answer's text, and the streamed one's deltas joined."""
+    whole = c.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    events, done = sse(c.post("/v1/completions", json={**body, "stream": True}).text.splitlines())
+    assert done
+    return whole.json()["choices"][0]["text"], "".join(e["choices"][0]["text"] for e in events)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_sends_the_whole_answers_text_where_byte_fallback_ids_go_wrong(sp_dir):
+    """A run of byte ids whose UTF-8 is invalid decodes (byte fallback, Llama 2's) to replacement characters all,
+    the valid bytes before included: a stream had sent those as text, which was then no prefix of the final
+    text, and it sent nothing more (2 characters of a whole answer's 6)."""
+    with serving(sp_dir, max_batch=4) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        wrong = 0
+        for seed in range(12):
+            whole, streamed = completion(c, {"prompt": "To be or not to be", "max_tokens": 6, "seed": seed})
+            assert streamed == whole, seed
+            wrong += "\ufffd" in whole
+        assert wrong  # the case at hand: the sampled ids hold invalid UTF-8
+
+
+@pytest.mark.timeout(120)
+def test_a_completion_keeps_the_space_that_opens_it_under_a_sentencepiece_tokenizer(sp_dir):
+    """Such a decoder drops the space opening a text: decoded alone, a completion's first word ran into the
+    prompt's last ("isParis"), and a stop string opening with that space went unseen."""
+    from shardlm.inference import generate_ids
+    with serving(sp_dir, max_batch=4) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        def greedy(prompt, n):
+            ids = s.tok.encode_document(prompt)
+            return ids, generate_ids(s.model, torch.tensor([ids]), n)[0].tolist()
+        prompt = next(p for p in (f"To be {w}" for w in ("or", "the", "not", "that", "is", "be", "a", "to", "and"))
+                      if s.tok.tok.id_to_token(greedy(p, 1)[1][0]).startswith("\u2581"))
+        ids, new = greedy(prompt, 4)
+        want = s.tok.decode(ids + new)[len(s.tok.decode(ids)):]
+        assert want.startswith(" ")
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+        assert completion(c, body) == (want, want)
+        first = want.split()[0]
+        r = c.post("/v1/completions", json={**body, "stop": " " + first}).json()
+        assert r["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+
+
+@pytest.fixture(scope="module")
+def srv(hf_dir):
+    with serving(hf_dir, max_batch=2) as s:
+        yield s
+
+
+@pytest.mark.timeout(60)
+def test_a_model_is_retrieved_by_its_id_and_a_wrong_method_is_told_the_right_one(srv):
+    """OpenAI's GET /v1/models/{model} (the client's models.retrieve) was a 404 for every id; a 405 left out the
+    Allow header that HTTP asks of it."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="any", timeout=TIMEOUT, max_retries=0)
+    model = client.models.retrieve("base")
+    assert model.id == "base" and model.object == "model" and model.owned_by == "shardlm"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.get("/v1/models/", follow_redirects=True).json()["data"][0]["id"] == "base"
+        r = c.get("/v1/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+
+
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+                     "text/plain;version=0.0.4;q=0.3,*/*;q=0.2")  # what Prometheus 3 scrapes with
+
+
+@pytest.mark.timeout(60)
+def test_metrics_are_prometheus_text_to_a_prometheus_scraper_and_json_to_everyone_else(srv):
+    """/metrics answered JSON to Prometheus too, whose scrape failed on it."""
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2}).status_code == 200
+        scraped = c.get("/metrics", headers={"accept": PROMETHEUS_ACCEPT})
+        as_json = c.get("/metrics").json()
+    assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = scraped.text.splitlines()
+    samples = dict(line.split(" ") for line in lines if not line.startswith("#"))
+    types = {line.split()[2]: line.split()[3] for line in lines if line.startswith("# TYPE ")}
+    assert set(samples) == set(types) and len(samples) == len(as_json)
+    assert types["shardlm_requests_total"] == "counter" and types["shardlm_tokens_generated_total"] == "counter"
+    assert types["shardlm_slots_in_use"] == "gauge" and samples["shardlm_draining"] == "0"
+    assert float(samples["shardlm_requests_finished_total"]) == as_json["requests_finished"] >= 1
+    assert all(float(v) >= 0 for v in samples.values())
