@@ -159,6 +159,13 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
             if not first:
                 skip = tok.encode(ctx)
                 ids = ids[len(skip):] if ids[:len(skip)] == skip else tok.encode(text)
+            if starts and documents and not len(eos):
+                # Nothing would mark where one document ends and the next begins: training would read them as
+                # one text, and the index would still count them apart.
+                where = getattr(tok, "source", None) or "the tokenizer"
+                raise PrepareError(f"{where} has no end-of-text token to separate the documents with: set "
+                                   "tokenizer_config.json's eos_token to the token that ends a text (one of "
+                                   "tokenizer.json's), or give a tokenizer that has one")
             if starts:
                 writer.write(bos)
             writer.write(np.asarray(ids, dtype=np.int64))
