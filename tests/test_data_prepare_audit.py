@@ -49,3 +49,31 @@ def test_documents_are_not_run_together_by_a_tokenizer_without_end_of_text(tmp_p
     ids = np.concatenate([np.asarray(t) for t in shards.tokens])
     end = shards.index["eos_id"]
     assert shards.index["documents"] == 3 and int((ids == end).sum()) == 3 and ids[-1] == end
+
+
+@pytest.mark.timeout(120)
+def test_a_run_killed_inside_an_empty_out_does_not_block_the_next(tmp_path, capsys):
+    """`mkdir out` then a prepare killed outright (the OOM killer, kill -9, a lost node): its scratch directory was
+    left inside out, and every later prepare into out was refused, the leftover named as a foreign file ('give a
+    new or empty one'). The leftover is removed as those beside --out are, and the run goes on."""
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog\n" * 400_000)  # seconds to tokenize
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "data", "prepare", "--input", big, "--tokenizer", "byte",
+                             "--out", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any(out.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("prepare finished before the signal")
+    assert any(out.iterdir())  # what the killed run left
+
+    small = tmp_path / "small.txt"
+    small.write_text(TEXT[:500])
+    r = cli_proc(capsys, "data", "prepare", "--input", small, "--tokenizer", "byte", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard_00000.bin", "tokenizer.json"]
+    assert TokenShards(out).index["total_tokens"] == 501  # the text and its end-of-text

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
 from .documents import PrepareError, iter_pieces
-from .swap import SCRATCH, building
+from .swap import SCRATCH, building, remove_leftovers
 
 MAGIC = b"SHLMTOK1"
 HEADER_BYTES = 16
@@ -119,6 +119,8 @@ def _output_dir(out: Path) -> Path:
     if os.path.lexists(final) and not final.is_dir():
         raise PrepareError(f"{out} exists and is not a directory")
     if final.is_dir():
+        # A killed run's scratch directory inside an empty --out is this command's own leftover, not a foreign file.
+        remove_leftovers(final)
         foreign = sorted(n for n in os.listdir(final) if n not in OWN_FILES and not re.fullmatch(r"(shard|mask)_\d+\.bin", n))
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
