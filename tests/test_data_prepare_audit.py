@@ -77,3 +77,19 @@ def test_a_run_killed_inside_an_empty_out_does_not_block_the_next(tmp_path, caps
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard_00000.bin", "tokenizer.json"]
     assert TokenShards(out).index["total_tokens"] == 501  # the text and its end-of-text
+
+
+def test_empty_rows_are_skipped_not_written_as_a_lone_end_of_text(tmp_path, capsys):
+    """wikitext exported to jsonl has a third of its rows "": each was written as an end-of-text alone (the
+    dataset opened with one, and runs of them were trained on) and counted as a document. They are skipped, and
+    the summary says how many."""
+    rows = ["", " = Valkyria Chronicles = \n", "", " Senjo no Valkyria 3 .\n", ""]
+    docs = tmp_path / "wiki.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    r = cli_proc(capsys, "data", "prepare", "--input", docs, "--tokenizer", "byte", "--out", tmp_path / "out")
+    assert r.returncode == 0 and "from 2 documents (3 empty skipped)" in r.stdout, r.stdout + r.stderr
+    shards = TokenShards(tmp_path / "out")
+    ids = np.concatenate([np.asarray(t) for t in shards.tokens]).tolist()
+    eos = shards.index["eos_id"]
+    want = [*rows[1].encode(), eos, *rows[3].encode(), eos]  # the byte tokenizer: one id per byte
+    assert ids == want and shards.index["documents"] == 2

@@ -141,7 +141,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
     bos = np.asarray(tok.bos_ids, dtype=np.int64)  # each document opens as the tokenizer opens a text
-    documents = 0
+    documents = empty = 0
     pending: list[tuple[str, bool]] = []
     pending_chars = 0
     starts = True  # the next piece opens a document
@@ -184,6 +184,13 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
         try:
             for path in inputs:
                 for text, ends, nbytes in iter_pieces(path, text_field, CHUNK_CHARS):
+                    if not text and ends and (pending[-1][1] if pending else starts):
+                        # An empty jsonl line's or parquet row's text (a third of wikitext's rows) was written as an
+                        # end-of-text alone, runs of them trained on and counted as documents; as Megatron does,
+                        # it is no document.
+                        empty += 1
+                        bar.update(nbytes)
+                        continue
                     pending.append((text, ends))
                     pending_chars += len(text)
                     if pending_chars >= CHUNK_CHARS:
@@ -200,7 +207,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
                            "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
-             "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
+             "documents": documents, "empty_documents": empty, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
