@@ -1,4 +1,4 @@
-"""`shardlm data prepare`: document separators and what a killed run leaves behind."""
+"""`shardlm data prepare`: document separators, what a killed run leaves behind, and inputs that are pipes."""
 import json
 import signal
 import subprocess
@@ -93,3 +93,17 @@ def test_empty_rows_are_skipped_not_written_as_a_lone_end_of_text(tmp_path, caps
     eos = shards.index["eos_id"]
     want = [*rows[1].encode(), eos, *rows[3].encode(), eos]  # the byte tokenizer: one id per byte
     assert ids == want and shards.index["documents"] == 2
+
+
+def test_a_pipe_is_named_as_one_not_as_missing(tmp_path, capsys):
+    """`--input <(zcat data.txt.gz)` (and eval's --data, generate's --input) said the pipe "does not exist"
+    (no such file), sending the user to look for a path that is there."""
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: nothing may open it, or the command would hang
+    for args in (("data", "prepare", "--input", fifo, "--tokenizer", "byte", "--out", tmp_path / "out"),
+                 ("eval", "--model", tmp_path, "--data", fifo, "--seq-len", 8),
+                 ("eval", "--model", tmp_path, "--tasks", "bleu", "--data", fifo)):
+        r = cli_proc(capsys, *args)
+        assert r.returncode == 2 and "not a regular file (a pipe" in r.stderr, (args, r.stderr)
+        assert "does not exist" not in r.stderr and "no such file" not in r.stderr

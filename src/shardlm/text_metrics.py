@@ -43,7 +43,8 @@ def read_examples(path: str | Path, tasks=()) -> tuple[list, list[str]]:
     if path.is_dir():
         raise ConfigError(f"--data {path} is a directory, not a file")
     if not path.is_file():
-        raise ConfigError(f"--data {path}: no such file")
+        from .inference.request_lines import not_a_file
+        raise ConfigError(f"--data {path}: {not_a_file(path)}")
     prompts, refs = [], []
     for where, obj, _ in objects(path, ConfigError, " with prompt and completion"):
         if "messages" in obj and "prompt" not in obj:  # held-out chats of the data a run trained on

@@ -321,6 +321,9 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
             if p.is_dir():
                 raise PrepareError(f"input {p} is a directory, not a file: give its files ({p / '*'})")
             if not p.is_file():  # a shell leaves a pattern that matched nothing as it was written
+                if p.exists():  # the shell's <(...): read once, and of no size to stream or check for repeats
+                    raise PrepareError(f"input {p} is not a regular file (a pipe, as the shell's <(...) gives, or a "
+                                       "device): write it to a file and give that")
                 glob = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
                 raise FileNotFoundError(f"input {p} does not exist{glob}")
         _refuse_repeats(inputs)
