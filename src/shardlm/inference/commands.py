@@ -271,7 +271,9 @@ def _loss_text(path: Path) -> str:
     # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
     # text other than the file's (data prepare reads bytes, and trains on the "\r").
     try:
-        return path.read_bytes().decode("utf-8")
+        # A byte-order mark (Windows editors write one) is no text: data prepare drops it, and scored here it
+        # shifted every window.
+        return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None
