@@ -107,3 +107,25 @@ def test_a_pipe_is_named_as_one_not_as_missing(tmp_path, capsys):
         r = cli_proc(capsys, *args)
         assert r.returncode == 2 and "not a regular file (a pipe" in r.stderr, (args, r.stderr)
         assert "does not exist" not in r.stderr and "no such file" not in r.stderr
+
+
+def test_an_index_json_of_another_tool_or_a_damaged_one_is_one_line(tmp_path, capsys):
+    """LitData's optimize() writes an index.json too: training on its directory asked for a tokenizer.json to be
+    copied into it (and, with one, called the index corrupt). A shard's entry edited by hand ended in a
+    KeyError's traceback."""
+    lit = tmp_path / "lit"
+    lit.mkdir()
+    (lit / "index.json").write_text(json.dumps({"chunks": [{"chunk_bytes": 100, "filename": "chunk-0-0.bin"}],
+                                                "config": {"data_format": ["int"]}}))
+    r = cli_proc(capsys, "train", "tiny", "--data.path", lit, "--train.steps", 1, "--out", tmp_path / "run")
+    assert r.returncode == 2 and "not the index of a dataset `shardlm data prepare` wrote" in r.stderr, r.stderr
+
+    (tmp_path / "t.txt").write_text(TEXT[:2000])
+    data = tmp_path / "data"
+    assert cli_proc(capsys, "data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte",
+                    "--out", data).returncode == 0
+    index = json.loads((data / "index.json").read_text())
+    del index["shards"][0]["crc32"]
+    (data / "index.json").write_text(json.dumps(index))
+    r = cli_proc(capsys, "train", "tiny", "--data.path", data, "--train.steps", 1, "--out", tmp_path / "run2")
+    assert r.returncode == 2 and "index.json is corrupt" in r.stderr and "crc32" in r.stderr, r.stderr
