@@ -29,3 +29,19 @@ def test_a_byte_order_mark_is_not_scored(byte_model_dir, tmp_path, capsys):
     plain, bom = (json.loads(cli_here(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / name,
                                       "--seq-len", 32, "--json")) for name in ("plain.txt", "bom.txt"))
     assert bom == plain
+
+
+@pytest.mark.timeout(60)
+def test_a_binary_file_is_refused_not_scored(byte_model_dir, tmp_path, capsys):
+    """NUL is valid UTF-8: a prepared dataset's token shard of ASCII text (uint16 ids, every other byte 0) decoded
+    whole, and the loss task reported a perplexity of its bytes without a word. It is refused as data prepare
+    refuses binary input."""
+    from helpers import cli_proc
+    (tmp_path / "t.txt").write_text(TEXT[:600])
+    cli_here(capsys, "data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte", "--out", tmp_path / "d")
+    r = cli_proc(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / "d" / "shard_00000.bin",
+                 "--seq-len", 32)
+    assert r.returncode == 2 and "a prepared dataset's token shard, not text" in r.stderr, r.stderr
+    (tmp_path / "nul.txt").write_bytes(b"abc\0def")
+    r = cli_proc(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / "nul.txt", "--seq-len", 2)
+    assert r.returncode == 2 and "binary data, not text (a NUL byte at byte offset 3)" in r.stderr, r.stderr

@@ -270,10 +270,18 @@ def _loss_text(path: Path) -> str:
                           "with completions")
     # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
     # text other than the file's (data prepare reads bytes, and trains on the "\r").
+    data = path.read_bytes()
+    # NUL is valid UTF-8, so a binary file (a prepared dataset's token shard of ASCII text is one, whole) was
+    # scored as text, a perplexity of nothing; data prepare refuses it alike.
+    if (nul := data.find(b"\0")) >= 0:
+        from ..data.prepare import MAGIC
+        what = "a prepared dataset's token shard" if data.startswith(MAGIC) else "binary data"
+        raise ConfigError(f"--data {path}: {what}, not text (a NUL byte at byte offset {nul}); the loss task reads "
+                          "a plain UTF-8 text file")
     try:
         # A byte-order mark (Windows editors write one) is no text: data prepare drops it, and scored here it
         # shifted every window.
-        return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None
