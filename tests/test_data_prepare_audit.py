@@ -129,3 +129,24 @@ def test_an_index_json_of_another_tool_or_a_damaged_one_is_one_line(tmp_path, ca
     (data / "index.json").write_text(json.dumps(index))
     r = cli_proc(capsys, "train", "tiny", "--data.path", data, "--train.steps", 1, "--out", tmp_path / "run2")
     assert r.returncode == 2 and "index.json is corrupt" in r.stderr and "crc32" in r.stderr, r.stderr
+
+
+def test_a_mount_point_holding_a_dataset_is_refused_before_tokenizing(tmp_path, capsys, monkeypatch):
+    """`--out` a container's volume: the first prepare fills it in place, but the next tokenized its whole input
+    and then failed ("Device or resource busy": a mount point cannot be renamed). Refused before any work, the
+    old dataset kept; emptied, the volume is filled again."""
+    import os
+    out = tmp_path / "volume"
+    is_mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == str(out) or is_mount(p))
+    (tmp_path / "t.txt").write_text(TEXT[:500])
+    args = ("data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte", "--out", out)
+    out.mkdir()
+    assert cli_proc(capsys, *args).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = cli_proc(capsys, *args)
+    assert r.returncode == 2 and "is a mount point holding a dataset" in r.stderr and "tokenize" not in r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    for p in out.iterdir():
+        p.unlink()
+    assert cli_proc(capsys, *args).returncode == 0 and TokenShards(out).index["total_tokens"] == 501

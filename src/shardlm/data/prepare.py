@@ -126,6 +126,11 @@ def _output_dir(out: Path) -> Path:
             more = ", ..." if len(foreign) > 3 else ""
             raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
                                f"{more}): the output directory is replaced whole, so give a new or empty one")
+        if os.path.ismount(final) and os.listdir(final):
+            # A rename cannot swap a mount point (a container's volume) for another directory: it failed with EBUSY
+            # once the whole input was tokenized. Only an empty one is filled in place.
+            raise PrepareError(f"{out} is a mount point holding a dataset, which a rename cannot replace whole: "
+                               "empty it first (the new dataset is then written into it), or give another --out")
     # Inside another dataset it would be a foreign file of that one, which its next preparation refuses.
     above = next((d for d in final.parents if (d / INDEX).is_file()), None)
     if above is not None:
