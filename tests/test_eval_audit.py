@@ -45,3 +45,31 @@ def test_a_binary_file_is_refused_not_scored(byte_model_dir, tmp_path, capsys):
     (tmp_path / "nul.txt").write_bytes(b"abc\0def")
     r = cli_proc(capsys, "eval", "--model", byte_model_dir, "--data", tmp_path / "nul.txt", "--seq-len", 2)
     assert r.returncode == 2 and "binary data, not text (a NUL byte at byte offset 3)" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_chat_template_failing_on_a_held_out_chat_is_one_line(byte_model_dir, tmp_path, capsys):
+    """A chat template that fails at render time on a conversation (here: it reads a turn the chat does not have)
+    ended eval and generate in a jinja2 UndefinedError's traceback; data prepare names such a line. Now one
+    line naming the file."""
+    import shutil
+
+    from helpers import cli_proc
+    model = tmp_path / "model"
+    shutil.copytree(byte_model_dir, model)
+    settings = tmp_path / "model" / "tokenizer_config.json"
+    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    config["chat_template"] = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}" \
+                              "{{ messages[2]['content'] }}"
+    settings.write_text(json.dumps(config))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello there"}]}) + "\n")
+    r = cli_proc(capsys, "eval", "--model", model, "--tasks", "bleu", "--data", chats, "--max-new-tokens", 2)
+    assert r.returncode == 2 and "chats.jsonl: example 1: the model's chat template fails on a conversation" \
+        in r.stderr, r.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    r = cli_proc(capsys, "generate", "--model", model, "--input", prompts, "--output", tmp_path / "out.jsonl",
+                 "--max-new-tokens", 2)
+    assert r.returncode == 2 and "the model's chat template fails on a conversation" in r.stderr, r.stderr

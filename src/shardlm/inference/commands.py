@@ -59,8 +59,6 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
                    "(the output head in int8 per channel for both)")
 
 
-
-
 SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the flags' defaults
 
 
@@ -227,7 +225,8 @@ def cmd_eval(argv: list[str]) -> int:
     from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
-    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
+    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}: example {i + 1}")
+           for i, q in enumerate(prompts)]
     for i, q in enumerate(ids):
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
     update, close = _progress(len(prompts), "eval", a.main)
@@ -258,7 +257,11 @@ def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
     if chat is None:
         raise ConfigError(f"{source} holds chats (messages) and the model's tokenizer has no chat template to "
                           "render them (chat_template.jinja or tokenizer_config.json's chat_template): give prompts")
-    return prompt_ids(tok, chat(turns), opened=True)
+    import jinja2
+    try:
+        return prompt_ids(tok, chat(turns), opened=True)
+    except jinja2.TemplateError as e:  # a traceback, where data prepare names the line of a chat it fails on
+        raise ConfigError(f"{source}: the model's chat template fails on a conversation: {e}") from None
 
 
 def _loss_text(path: Path) -> str:
