@@ -73,3 +73,29 @@ def test_a_chat_template_failing_on_a_held_out_chat_is_one_line(byte_model_dir, 
     r = cli_proc(capsys, "generate", "--model", model, "--input", prompts, "--output", tmp_path / "out.jsonl",
                  "--max-new-tokens", 2)
     assert r.returncode == 2 and "the model's chat template fails on a conversation" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_unreadable_data_file_is_one_line_before_the_model_loads(byte_model_dir, tmp_path):
+    """A --data file the user may not read (another user's, on a shared machine) ended eval in a PermissionError's
+    traceback once the model had loaded (generate's --input alike). Said in one line, first."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    prefix = []
+    if os.geteuid() == 0:  # root reads any file: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: every file is readable")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    (tmp_path / "t.txt").write_text(TEXT[:600])
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    for path in (tmp_path / "t.txt", tmp_path / "p.jsonl"):
+        path.chmod(0)
+    for args, flag in ((["eval", "--data", tmp_path / "t.txt", "--seq-len", 32], "--data"),
+                       (["eval", "--tasks", "bleu", "--data", tmp_path / "p.jsonl"], "--data"),
+                       (["generate", "--input", tmp_path / "p.jsonl", "--output", tmp_path / "o.jsonl"], "--input")):
+        r = subprocess.run([*prefix, sys.executable, "-m", "shardlm", *map(str, args), "--model", str(byte_model_dir)],
+                           capture_output=True, text=True, timeout=100)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{flag} {args[args.index(flag) + 1]} cannot be read: Permission denied" in r.stderr, r.stderr

@@ -22,6 +22,11 @@ def input_file(path: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {path} is a directory, not a file{prepared}")
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: {not_a_file(path)}")
+    try:  # before the model loads; unread, a PermissionError's traceback came after it
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be read: {e.strerror or e}") from None
 
 
 def not_a_file(path: Path) -> str:
