@@ -99,3 +99,31 @@ def test_an_unreadable_data_file_is_one_line_before_the_model_loads(byte_model_d
                            capture_output=True, text=True, timeout=100)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"{flag} {args[args.index(flag) + 1]} cannot be read: Permission denied" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_model_files_the_user_may_not_read_are_named_as_such(byte_model_dir, tmp_path, capsys):
+    """Weights the user may not read (another user's run or download): an HF directory's model.safetensors was
+    called "truncated, empty or damaged; download or export it again" (safetensors says "No such file" of it),
+    and a run's checkpoint ended eval in a PermissionError's traceback."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: every file is readable")
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+    (tmp_path / "t.txt").write_text(TEXT[:3000])
+    cli_here(capsys, "data", "prepare", "--input", tmp_path / "t.txt", "--tokenizer", "byte", "--out", tmp_path / "d")
+    cli_here(capsys, "train", "tiny", "--data.path", tmp_path / "d", "--train.steps", 1, "--train.device", "cpu",
+             "--train.tensorboard", "false", "--data.eval_windows", 0, "--train.eval_every", 0, "--out", tmp_path / "run")
+    hf = tmp_path / "hf"
+    shutil.copytree(byte_model_dir, hf)
+    locked = [hf / "model.safetensors", *(tmp_path / "run" / "checkpoints").glob("step_*/*.safetensors")]
+    for f in locked:
+        f.chmod(0)
+    for model in (hf, tmp_path / "run"):
+        r = subprocess.run([*prefix, sys.executable, "-m", "shardlm", "eval", "--model", str(model), "--data",
+                            str(tmp_path / "t.txt"), "--seq-len", "32"], capture_output=True, text=True, timeout=100)
+        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+        assert "cannot be read: Permission denied" in r.stderr and "damaged" not in r.stderr, r.stderr
