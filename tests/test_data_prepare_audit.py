@@ -150,3 +150,29 @@ def test_a_mount_point_holding_a_dataset_is_refused_before_tokenizing(tmp_path, 
     for p in out.iterdir():
         p.unlink()
     assert cli_proc(capsys, *args).returncode == 0 and TokenShards(out).index["total_tokens"] == 501
+
+
+def test_permission_errors_name_the_input_or_the_out_the_user_gave(tmp_path):
+    """An input the user may not read printed the tokenizing bar, then errno's "[Errno 13] Permission denied:
+    't.txt'"; an empty --out the user may not write into named the scratch directory made inside it
+    ("'.../out/.prepare-tmp-1234-abcd'") where --out beside it is named."""
+    import os
+    import shutil
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: every file is readable")
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+
+    def prepare(source, out):
+        return subprocess.run([*prefix, sys.executable, "-m", "shardlm", "data", "prepare", "--input", str(source),
+                               "--tokenizer", "byte", "--out", str(out)], capture_output=True, text=True, timeout=100)
+    (tmp_path / "t.txt").write_text(TEXT[:500])
+    (tmp_path / "locked.txt").write_text(TEXT[:500])
+    (tmp_path / "locked.txt").chmod(0)
+    r = prepare(tmp_path / "locked.txt", tmp_path / "a")
+    assert r.returncode == 2 and r.stderr.strip() == f"shardlm data: error: input {tmp_path / 'locked.txt'} cannot " \
+                                                     "be read: Permission denied", r.stderr
+    (tmp_path / "readonly").mkdir()
+    (tmp_path / "readonly").chmod(0o555)
+    r = prepare(tmp_path / "t.txt", tmp_path / "readonly")
+    assert r.returncode == 2 and "prepare-tmp" not in r.stderr, r.stderr
+    assert f"--out {tmp_path / 'readonly'} cannot be written: Permission denied" in r.stderr, r.stderr

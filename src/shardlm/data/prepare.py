@@ -331,6 +331,10 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                                        "device): write it to a file and give that")
                 glob = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
                 raise FileNotFoundError(f"input {p} does not exist{glob}")
+            try:  # before any work: the tokenizing bar and then errno's "[Errno 13] Permission denied: 'x'" came first
+                open(p, "rb").close()
+            except OSError as e:
+                raise PrepareError(f"input {p} cannot be read: {e.strerror or e}") from None
         _refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p, text_field or "text") for p in inputs]
@@ -361,6 +365,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
         # A failed write names the scratch directory beside --out (or a parent of it), not what the user gave.
         what, written = str(e), getattr(e, "filename", None)
         if isinstance(e, OSError) and e.strerror and written is not None and \
-                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)):
+                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)
+                 or str(written).startswith(str(final / SCRATCH))):  # built inside an empty --out
             what = f"--out {out} cannot be written: {e.strerror}"
         raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{what}{note}") from e
