@@ -176,3 +176,19 @@ def test_permission_errors_name_the_input_or_the_out_the_user_gave(tmp_path):
     r = prepare(tmp_path / "t.txt", tmp_path / "readonly")
     assert r.returncode == 2 and "prepare-tmp" not in r.stderr, r.stderr
     assert f"--out {tmp_path / 'readonly'} cannot be written: Permission denied" in r.stderr, r.stderr
+
+
+def test_a_quoted_pattern_is_expanded_not_called_unmatched(tmp_path, capsys):
+    """`--input 'shards/*.txt'` (quoted, or from a script that runs no shell) reached prepare as written and was
+    refused as "a pattern that matched no file" while it matched two. It is expanded, sorted."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "b.txt").write_text("second")
+    (tmp_path / "in" / "a.txt").write_text("first")
+    r = cli_proc(capsys, "data", "prepare", "--input", tmp_path / "in" / "*.txt", "--tokenizer", "byte",
+                 "--out", tmp_path / "out")
+    assert r.returncode == 0 and "from 2 documents" in r.stdout, r.stderr
+    ids = np.concatenate([np.asarray(t) for t in TokenShards(tmp_path / "out").tokens]).tolist()
+    assert ids == [*b"first", 256, *b"second", 256]
+    r = cli_proc(capsys, "data", "prepare", "--input", tmp_path / "in" / "*.md", "--tokenizer", "byte",
+                 "--out", tmp_path / "out2")
+    assert r.returncode == 2 and "a pattern that matched no file" in r.stderr

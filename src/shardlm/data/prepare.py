@@ -13,6 +13,7 @@ tokenizer's type error.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -295,6 +296,14 @@ def _load_tokenizer(spec: str | Path) -> Tokenizer:
                             "directory and give that)")
 
 
+def _expanded(pattern: str) -> list[str]:
+    """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
+    it was refused as "a pattern that matched no file" while it matched some."""
+    if os.path.lexists(pattern) or not any(c in pattern for c in "*?["):
+        return [pattern]
+    return sorted(glob.glob(pattern, recursive=True)) or [pattern]
+
+
 def _refuse_repeats(inputs: list[Path]) -> None:
     """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
     seen = {}
@@ -321,7 +330,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
     final = None
     try:
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else _load_tokenizer(tokenizer)
-        inputs = [Path(p) for p in inputs]
+        inputs = [Path(q) for p in inputs for q in _expanded(str(p))]
         for p in inputs:
             if p.is_dir():
                 raise PrepareError(f"input {p} is a directory, not a file: give its files ({p / '*'})")
