@@ -68,7 +68,11 @@ class CheckpointError(RunError):
 
 def _crc32(path: Path, done=None) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except PermissionError as e:  # not a damaged checkpoint (which a run's newest is skipped for): the reader's
+        raise RunError(f"{path} cannot be read: {e.strerror}") from None
+    with f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
             if done is not None:

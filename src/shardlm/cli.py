@@ -205,8 +205,9 @@ def cmd_data(argv: list[str]) -> int:
                   "template in the tokenizer's tokenizer_config.json and prepare again", file=sys.stderr)
         return 0
     docs = index["documents"]
-    print(f"{index['total_tokens']:,} tokens from {docs:,} document{'' if docs == 1 else 's'} in {len(index['shards'])} "
-          f"shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
+    empty = f" ({index['empty_documents']:,} empty skipped)" if index["empty_documents"] else ""
+    print(f"{index['total_tokens']:,} tokens from {docs:,} document{'' if docs == 1 else 's'}{empty} in "
+          f"{len(index['shards'])} shard(s) ({index['dtype']}, vocab {index['vocab_size']}) -> {a.out}")
     return 0
 
 

@@ -318,6 +318,8 @@ def train_data_dir(cfg: Config, mesh) -> Path:
     if cfg.data.path:
         if not (Path(cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
             raise ConfigError(not_prepared(cfg.data.path))
+        from .data.loader import read_index
+        read_index(Path(cfg.data.path))  # another tool's index.json: said so before its tokenizer is looked for
         return Path(cfg.data.path)
     from .data.default import default_corpus
     if mesh.is_main:

@@ -39,11 +39,9 @@ def read_examples(path: str | Path, tasks=()) -> tuple[list, list[str]]:
     is the reference and the turns before it the prompt (a list, for the model's chat template). Blank lines
     are skipped. A reference no completion could score against is refused naming its line: an empty one, or,
     for `tasks` with rouge, one in which rouge-score's tokeniser finds no word."""
+    from .inference.request_lines import input_file
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"--data {path} is a directory, not a file")
-    if not path.is_file():
-        raise ConfigError(f"--data {path}: no such file")
+    input_file(path, "--data")
     prompts, refs = [], []
     for where, obj, _ in objects(path, ConfigError, " with prompt and completion"):
         if "messages" in obj and "prompt" not in obj:  # held-out chats of the data a run trained on

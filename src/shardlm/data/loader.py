@@ -32,28 +32,39 @@ class DataError(ValueError):
     """A prepared data directory is missing, truncated, corrupt or does not fit the model."""
 
 
+def read_index(directory: Path) -> dict:
+    """`directory`'s index.json, refused where it is missing, unreadable, or not one `data prepare` wrote."""
+    index_path = directory / INDEX
+    if not index_path.is_file():
+        raise DataError(f"{directory} is not a prepared data directory (no {INDEX}; run `shardlm data prepare`)")
+    try:
+        index = json.loads(index_path.read_text())
+    except ValueError as e:
+        raise DataError(f"{index_path} is corrupt ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != "shardlm-tokens":
+        # LitData's optimize() writes an index.json too: its directory was called corrupt, or asked for a tokenizer.
+        raise DataError(f"{index_path} is not the index of a dataset `shardlm data prepare` wrote (another tool's, "
+                        "such as LitData's): prepare the text with `shardlm data prepare` and give its --out")
+    return index
+
+
 class TokenShards:
     """The memory-mapped shards of one prepared directory, checked against its index and the model."""
 
     def __init__(self, directory: str | Path, model_vocab: int | None = None, verify: bool = True):
         self.dir = Path(directory)
         index_path = self.dir / INDEX
-        if not index_path.is_file():
-            raise DataError(f"{self.dir} is not a prepared data directory (no {INDEX}; run `shardlm data prepare`)")
+        self.index = read_index(self.dir)
         try:
-            self.index = json.loads(index_path.read_text())
             self.dtype = np.dtype(self.index["dtype"])
             shards = self.index["shards"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"{index_path} is corrupt ({e})") from None
-        self.tokens: list[np.memmap] = []
-        for s in shards:
-            path = self.dir / s["file"]
-            self.tokens.append(self._open(path, s, model_vocab, verify))
-        # Loss masks of instruction data, one per token shard and of its length (None: every token trains).
-        masks = self.index.get("loss_mask")
-        self.masks = None if masks is None else [self._open(self.dir / m["file"], m, None, verify, np.dtype(np.uint8))
-                                                  for m in masks]
+            self.tokens: list[np.memmap] = [self._open(self.dir / s["file"], s, model_vocab, verify) for s in shards]
+            # Loss masks of instruction data, one per token shard and of its length (None: every token trains).
+            masks = self.index.get("loss_mask")
+            self.masks = None if masks is None else [
+                self._open(self.dir / m["file"], m, None, verify, np.dtype(np.uint8)) for m in masks]
+        except (KeyError, TypeError) as e:  # a shard's entry edited by hand: a KeyError's traceback
+            raise DataError(f"{index_path} is corrupt ({type(e).__name__}: {e})") from None
         if self.masks is not None and [len(m) for m in self.masks] != [len(t) for t in self.tokens]:
             raise DataError(f"{index_path}: the loss masks do not match the token shards")
         self.pad_to = self.index.get("pad_to")

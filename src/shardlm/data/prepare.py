@@ -13,6 +13,7 @@ tokenizer's type error.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
 from .documents import PrepareError, iter_pieces
-from .swap import SCRATCH, building
+from .swap import SCRATCH, building, remove_leftovers
 
 MAGIC = b"SHLMTOK1"
 HEADER_BYTES = 16
@@ -119,11 +120,18 @@ def _output_dir(out: Path) -> Path:
     if os.path.lexists(final) and not final.is_dir():
         raise PrepareError(f"{out} exists and is not a directory")
     if final.is_dir():
+        # A killed run's scratch directory inside an empty --out is this command's own leftover, not a foreign file.
+        remove_leftovers(final)
         foreign = sorted(n for n in os.listdir(final) if n not in OWN_FILES and not re.fullmatch(r"(shard|mask)_\d+\.bin", n))
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise PrepareError(f"{out} holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
                                f"{more}): the output directory is replaced whole, so give a new or empty one")
+        if os.path.ismount(final) and os.listdir(final):
+            # A rename cannot swap a mount point (a container's volume) for another directory: it failed with EBUSY
+            # once the whole input was tokenized. Only an empty one is filled in place.
+            raise PrepareError(f"{out} is a mount point holding a dataset, which a rename cannot replace whole: "
+                               "empty it first (the new dataset is then written into it), or give another --out")
     # Inside another dataset it would be a foreign file of that one, which its next preparation refuses.
     above = next((d for d in final.parents if (d / INDEX).is_file()), None)
     if above is not None:
@@ -139,7 +147,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
     bos = np.asarray(tok.bos_ids, dtype=np.int64)  # each document opens as the tokenizer opens a text
-    documents = 0
+    documents = empty = 0
     pending: list[tuple[str, bool]] = []
     pending_chars = 0
     starts = True  # the next piece opens a document
@@ -159,6 +167,13 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
             if not first:
                 skip = tok.encode(ctx)
                 ids = ids[len(skip):] if ids[:len(skip)] == skip else tok.encode(text)
+            if starts and documents and not len(eos):
+                # Nothing would mark where one document ends and the next begins: training would read them as
+                # one text, and the index would still count them apart.
+                where = getattr(tok, "source", None) or "the tokenizer"
+                raise PrepareError(f"{where} has no end-of-text token to separate the documents with: set "
+                                   "tokenizer_config.json's eos_token to the token that ends a text (one of "
+                                   "tokenizer.json's), or give a tokenizer that has one")
             if starts:
                 writer.write(bos)
             writer.write(np.asarray(ids, dtype=np.int64))
@@ -175,6 +190,13 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
         try:
             for path in inputs:
                 for text, ends, nbytes in iter_pieces(path, text_field, CHUNK_CHARS):
+                    if not text and ends and (pending[-1][1] if pending else starts):
+                        # An empty jsonl line's or parquet row's text (a third of wikitext's rows) was written as an
+                        # end-of-text alone, runs of them trained on and counted as documents; as Megatron does,
+                        # it is no document.
+                        empty += 1
+                        bar.update(nbytes)
+                        continue
                     pending.append((text, ends))
                     pending_chars += len(text)
                     if pending_chars >= CHUNK_CHARS:
@@ -191,7 +213,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
                            "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
-             "documents": documents, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
+             "documents": documents, "empty_documents": empty, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
@@ -274,6 +296,14 @@ def _load_tokenizer(spec: str | Path) -> Tokenizer:
                             "directory and give that)")
 
 
+def _expanded(pattern: str) -> list[str]:
+    """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
+    it was refused as "a pattern that matched no file" while it matched some."""
+    if os.path.lexists(pattern) or not any(c in pattern for c in "*?["):
+        return [pattern]
+    return sorted(glob.glob(pattern, recursive=True)) or [pattern]
+
+
 def _refuse_repeats(inputs: list[Path]) -> None:
     """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
     seen = {}
@@ -300,13 +330,20 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
     final = None
     try:
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else _load_tokenizer(tokenizer)
-        inputs = [Path(p) for p in inputs]
+        inputs = [Path(q) for p in inputs for q in _expanded(str(p))]
         for p in inputs:
             if p.is_dir():
                 raise PrepareError(f"input {p} is a directory, not a file: give its files ({p / '*'})")
             if not p.is_file():  # a shell leaves a pattern that matched nothing as it was written
+                if p.exists():  # the shell's <(...): read once, and of no size to stream or check for repeats
+                    raise PrepareError(f"input {p} is not a regular file (a pipe, as the shell's <(...) gives, or a "
+                                       "device): write it to a file and give that")
                 glob = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
                 raise FileNotFoundError(f"input {p} does not exist{glob}")
+            try:  # before any work: the tokenizing bar and then errno's "[Errno 13] Permission denied: 'x'" came first
+                open(p, "rb").close()
+            except OSError as e:
+                raise PrepareError(f"input {p} cannot be read: {e.strerror or e}") from None
         _refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p, text_field or "text") for p in inputs]
@@ -337,6 +374,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
         # A failed write names the scratch directory beside --out (or a parent of it), not what the user gave.
         what, written = str(e), getattr(e, "filename", None)
         if isinstance(e, OSError) and e.strerror and written is not None and \
-                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)):
+                (Path(written) in (final, *final.parents) or str(written).startswith(str(final) + SCRATCH)
+                 or str(written).startswith(str(final / SCRATCH))):  # built inside an empty --out
             what = f"--out {out} cannot be written: {e.strerror}"
         raise (FileNotFoundError if isinstance(e, FileNotFoundError) else PrepareError)(f"{what}{note}") from e

@@ -59,8 +59,6 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
                    "(the output head in int8 per channel for both)")
 
 
-
-
 SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the flags' defaults
 
 
@@ -227,7 +225,8 @@ def cmd_eval(argv: list[str]) -> int:
     from ..generation_config import stop_ids_of
     from ..text_metrics import score
     from . import generate_many, prompt_ids
-    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}") for q in prompts]
+    ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}: example {i + 1}")
+           for i, q in enumerate(prompts)]
     for i, q in enumerate(ids):
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
     update, close = _progress(len(prompts), "eval", a.main)
@@ -258,7 +257,11 @@ def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
     if chat is None:
         raise ConfigError(f"{source} holds chats (messages) and the model's tokenizer has no chat template to "
                           "render them (chat_template.jinja or tokenizer_config.json's chat_template): give prompts")
-    return prompt_ids(tok, chat(turns), opened=True)
+    import jinja2
+    try:
+        return prompt_ids(tok, chat(turns), opened=True)
+    except jinja2.TemplateError as e:  # a traceback, where data prepare names the line of a chat it fails on
+        raise ConfigError(f"{source}: the model's chat template fails on a conversation: {e}") from None
 
 
 def _loss_text(path: Path) -> str:
@@ -270,8 +273,18 @@ def _loss_text(path: Path) -> str:
                           "with completions")
     # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
     # text other than the file's (data prepare reads bytes, and trains on the "\r").
+    data = path.read_bytes()
+    # NUL is valid UTF-8, so a binary file (a prepared dataset's token shard of ASCII text is one, whole) was
+    # scored as text, a perplexity of nothing; data prepare refuses it alike.
+    if (nul := data.find(b"\0")) >= 0:
+        from ..data.prepare import MAGIC
+        what = "a prepared dataset's token shard" if data.startswith(MAGIC) else "binary data"
+        raise ConfigError(f"--data {path}: {what}, not text (a NUL byte at byte offset {nul}); the loss task reads "
+                          "a plain UTF-8 text file")
     try:
-        return path.read_bytes().decode("utf-8")
+        # A byte-order mark (Windows editors write one) is no text: data prepare drops it, and scored here it
+        # shifted every window.
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
                           "UTF-8 text file") from None

@@ -234,6 +234,10 @@ def _opened(f: Path):
     try:
         st = safe_open(str(f), framework="pt")
     except Exception as e:
+        try:  # safetensors says "No such file or directory" of a file this user may not read
+            open(f, "rb").close()
+        except OSError as denied:
+            raise ConfigError(f"{f} cannot be read: {denied.strerror or denied}") from None
         raise _unreadable(f, e) from None
     with st:
         yield st
