@@ -213,7 +213,8 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
                            "text")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
-             "documents": documents, "empty_documents": empty, "total_tokens": sum(s["tokens"] for s in shards), "shards": shards}
+             "documents": documents, "empty_documents": empty, "total_tokens": sum(s["tokens"] for s in shards),
+             "shards": shards}
     tok.save(out)
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
@@ -338,8 +339,8 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 if p.exists():  # the shell's <(...): read once, and of no size to stream or check for repeats
                     raise PrepareError(f"input {p} is not a regular file (a pipe, as the shell's <(...) gives, or a "
                                        "device): write it to a file and give that")
-                glob = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
-                raise FileNotFoundError(f"input {p} does not exist{glob}")
+                hint = " (a pattern that matched no file)" if any(c in str(p) for c in "*?[") else ""
+                raise FileNotFoundError(f"input {p} does not exist{hint}")
             try:  # before any work: the tokenizing bar and then errno's "[Errno 13] Permission denied: 'x'" came first
                 open(p, "rb").close()
             except OSError as e:
