@@ -10,7 +10,8 @@ Systems:
 - `cublas+one-shot`: the products, each then summed over the ranks by shardlm's one-shot all-reduce (a copy into
   symmetric memory, then `symm_mem.one_shot_all_reduce`): the decode step's path before the fused kernel.
 - `fused BN/BK/WARPS`: shardlm.inference.gemv_all_reduce's one kernel per product and sum, a row per launch.
-- `fused-ll BN/BK/WARPS`: the same by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in).
+- `fused-ll BN/BK/WARPS`, `fused-ll-strong ...`: the same by the LL protocol (inference/gemv_all_reduce_ll.py,
+  opt-in), its stores to the peers weak or relaxed at system scope.
 - `gemv-only BN/BK/WARPS`: that kernel's product alone, no sum (its reading against cuBLAS's).
 - `cublas column`, `gemv-only column ...`: the column-parallel products (qkv, gate-up), which need no sum.
 Two forms measured at 7c9d726 and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a
@@ -93,11 +94,12 @@ def worker(args) -> None:
     us, ref, _ = graph_us(run(lambda i, x, w: plain[i](F.linear(x, w))), args.replays)
     rows.append({"system": "cublas+one-shot", "us": us})
     scale = max(r.abs().max().item() for r in ref)
-    modes = ("fused", "fused-ll", "gemv-only")
+    modes = ("fused", "fused-ll", "fused-ll-strong", "gemv-only")
     for launch, mode in itertools.product(itertools.product(args.bn, args.bk, args.warps), modes):
         name = f"{mode} {'/'.join(map(str, launch))}"
         fused = GemvAllReduce(symmetric_buffers([2 * world * h] * 2, ws[0][0], group), h, group, launch=launch,
-                              reduce=mode != "gemv-only", protocol="ll" if mode == "fused-ll" else "barrier")
+                              reduce=mode != "gemv-only",
+                              protocol=mode.removeprefix("fused-") if mode.startswith("fused-") else "barrier")
         try:
             us, out, same = graph_us(run(lambda i, x, w: fused(x, w, i)), args.replays)
             fused.check()

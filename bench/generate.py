@@ -44,8 +44,8 @@ def tp_of(system: str) -> int:
 
 # shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each one-row row-parallel product apart from
 # its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py; the fused kernel
-# by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in).
-TP_VARIANTS = ("-nccl", "-unfused", "-ll")
+# by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in), its stores weak or relaxed at system scope.
+TP_VARIANTS = ("-nccl", "-unfused", "-ll", "-ll-strong")
 
 
 def tp_variant(engine_model, variant: str) -> None:
@@ -54,9 +54,9 @@ def tp_variant(engine_model, variant: str) -> None:
     for m in engine_model.modules():
         if variant == "-unfused" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
             m.small_all_reduce.fused = None
-        if variant == "-ll" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
+        if variant.startswith("-ll") and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
             if m.small_all_reduce.fused.protocol != "ll":  # one object, shared by every row-parallel linear
-                m.small_all_reduce.fused.use_ll()
+                m.small_all_reduce.fused.use_ll(strong=variant == "-ll-strong")
 
 
 def build(args, device, group=None):
@@ -152,7 +152,7 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         t = time.perf_counter()
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
-        if variant == "-ll":
+        if variant.startswith("-ll"):
             next(m.small_all_reduce.fused for m in model.modules()
                  if getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None).check()
         rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,

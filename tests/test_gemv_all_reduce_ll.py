@@ -11,11 +11,12 @@ def check_kernel_interpreted() -> None:
     """Run under TRITON_INTERPRET=1. Each rank's output is the rank-order sum of the ranks' partial products, each
     rounded to the output's type (fp16: the interpreter's bf16 is broken; fp32), the same bits on both ranks; on
     three calls in turn (each program's count, the flag the peers wait for, advances), with an output count no tile
-    divides; the product alone without the sum; a rank whose peer never comes."""
+    divides; the stores to the peer weak or atomic; the product alone without the sum; a rank whose peer never
+    comes."""
     from shardlm.inference import gemv_all_reduce_ll  # noqa: F401 (registers the op)
     g = torch.Generator().manual_seed(0)
     world = 2
-    for dtype in (torch.float16, torch.float32):
+    for dtype, strong in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
         for n, k, bn in ((64, 96, 8), (40, 130, 8), (24, 64, 4)):
             ws = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for _ in range(world)]
             buffers = [torch.zeros(2 * world * n, dtype=dtype) for _ in range(world)]
@@ -28,7 +29,7 @@ def check_kernel_interpreted() -> None:
 
                 def rank(r):
                     outs[r] = torch.ops.shardlm.gemv_all_reduce_ll(xs[r], ws[r], ptrs, epochs[r], status, r, world, bn,
-                                                                   32, 2)
+                                                                   32, 2, strong=strong)
 
                 threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
                 for t in threads:

@@ -107,8 +107,8 @@ class GemvAllReduce:
     through one of two symmetric `buffers` of at least `world` x `max_n` elements (one_shot.symmetric_buffers:
     allocated and exchanged by every rank, outside any CUDA graph), `turn` 0 or 1 taken in turn by consecutive
     linears. Every rank must agree to use it (one_shot.use_one_shot decides once): a rank that took another
-    path would leave its peers waiting at the barrier. `protocol` "ll": gemv_all_reduce_ll.py's kernel instead
-    (buffers of 2 x `world` x `max_n`; opt-in, see there)."""
+    path would leave its peers waiting at the barrier. `protocol` "ll" or "ll-strong": gemv_all_reduce_ll.py's
+    kernel instead (buffers of 2 x `world` x `max_n`; opt-in, see there)."""
 
     def __init__(self, buffers: list[torch.Tensor], max_n: int, group, launch=LAUNCH, reduce: bool = True,
                  protocol: str = "barrier"):
@@ -123,12 +123,13 @@ class GemvAllReduce:
             self.pads.append(_static(torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)))
             self.counts.append(_static(torch.zeros(1, dtype=torch.int32, device=device)))
         self.buffers = buffers  # kept alive: the kernel reaches them by their addresses only
-        self.protocol = None
-        if protocol == "ll":
-            self.use_ll()
+        self.protocol, self.strong = None, False
+        if protocol.startswith("ll"):
+            self.use_ll(strong=protocol == "ll-strong")
 
-    def use_ll(self) -> None:
-        """Take the LL protocol from now on: before the first call, on every rank (a collective)."""
+    def use_ll(self, strong: bool = False) -> None:
+        """Take the LL protocol from now on (`strong`: its stores to the peers relaxed at system scope, not weak):
+        before the first call, on every rank (a collective)."""
         from . import gemv_all_reduce_ll  # noqa: F401 (registers its op)
         assert self.launch[0] % 2 == 0 and all(b.numel() >= 2 * self.world * self.max_n for b in self.buffers)
         device = self.buffers[0].device
@@ -139,7 +140,7 @@ class GemvAllReduce:
             buf.zero_()  # every flag 0, below every call's
         torch.cuda.synchronize(device)
         dist.barrier(self.group)  # no peer's first values before this rank's zeros
-        self.protocol = "ll"
+        self.protocol, self.strong = "ll", strong
 
     def check(self) -> None:
         """Raise where the LL protocol's kernel gave up waiting for a peer (after the calls: it cannot stop them)."""
@@ -157,7 +158,8 @@ class GemvAllReduce:
         bn, bk, warps = self.launch
         if self.protocol == "ll":
             y = torch.ops.shardlm.gemv_all_reduce_ll(x.reshape(-1).contiguous(), w, self.ptrs[turn], self.epochs[turn],
-                                                     self.status, self.rank, self.world, bn, bk, warps, self.reduce)
+                                                     self.status, self.rank, self.world, bn, bk, warps, self.reduce,
+                                                     strong=self.strong)
             return y.view(*x.shape[:-1], w.shape[0])
         y = torch.ops.shardlm.gemv_all_reduce(x.reshape(-1).contiguous(), w, self.ptrs[turn], self.pads[turn],
                                               self.counts[turn], self.rank, self.world, bn, bk, warps, self.reduce)

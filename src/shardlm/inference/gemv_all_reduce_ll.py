@@ -56,7 +56,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _gemv_all_reduce_ll_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, epochs_ptr, status_ptr, sw, N: tl.constexpr,
                                    K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
                                    BK: tl.constexpr, PER: tl.constexpr, REDUCE: tl.constexpr,
-                                   MAX_SPINS: tl.constexpr):
+                                   MAX_SPINS: tl.constexpr, STRONG: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BN + tl.arange(0, BN)
         # rounded as the unfused product's output is
@@ -72,7 +72,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         for r in tl.static_range(WORLD):
             if r != RANK:
                 dst = tl.load(buffers_ptr + r).to(tl.pointer_type(tl.int64))
-                tl.store(dst + RANK * NW + i, words, mask=i < NW)
+                if STRONG:  # relaxed at system scope, as NCCL's volatile LL stores: a weak store has no promise
+                    tl.atomic_xchg(dst + RANK * NW + i, words, mask=i < NW, sem="relaxed", scope="sys")
+                else:
+                    tl.store(dst + RANK * NW + i, words, mask=i < NW)
         local = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
         total = tl.zeros([BN], tl.float32)
         for r in tl.static_range(WORLD):  # in rank order: the same bits on every rank
@@ -100,18 +103,18 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op("shardlm::gemv_all_reduce_ll", mutates_args=("epochs", "status"))
     def _gemv_all_reduce_ll(x: torch.Tensor, w: torch.Tensor, buffers: torch.Tensor, epochs: torch.Tensor,
                             status: torch.Tensor, rank: int, world: int, bn: int, bk: int, warps: int,
-                            reduce: bool = True, max_spins: int = MAX_SPINS) -> torch.Tensor:
+                            reduce: bool = True, max_spins: int = MAX_SPINS, strong: bool = False) -> torch.Tensor:
         with on_device(x):
             n, k = w.shape
             y = x.new_empty(n)
             _gemv_all_reduce_ll_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, epochs, status, w.stride(0), N=n,
                                                                K=k, RANK=rank, WORLD=world, BN=bn, BK=bk,
                                                                PER=4 // x.element_size(), REDUCE=reduce,
-                                                               MAX_SPINS=max_spins, num_warps=warps)
+                                                               MAX_SPINS=max_spins, STRONG=strong, num_warps=warps)
             return y
 
     @_gemv_all_reduce_ll.register_fake
-    def _(x, w, buffers, epochs, status, rank, world, bn, bk, warps, reduce=True, max_spins=MAX_SPINS):
+    def _(x, w, buffers, epochs, status, rank, world, bn, bk, warps, reduce=True, max_spins=MAX_SPINS, strong=False):
         return x.new_empty(w.shape[0])
 
 
