@@ -27,6 +27,20 @@ def make_tokenizer(directory: Path, vocab_size: int = 300) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
 
 
+def sentencepiece_style_tokenizer():
+    """A byte-fallback BPE that marks word starts as Llama 2's and Mistral's tokenizers do (Metaspace, "<s>" opening
+    each text), trained on TEXT: a tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
+        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
 def hf_model(kind: str, vocab: int = 300, seed: int = 0):
     """A tiny random transformers model of `kind` (llama, llama3, llama_linear, llama_tied, qwen2, qwen2_window, mistral,
     mistral_window, gpt2, and the mixtures of experts mixtral and qwen2_moe); the _window kinds attend over the

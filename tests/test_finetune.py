@@ -547,22 +547,15 @@ def test_instruction_examples_tokenize_as_one_text_as_transformers_does_with_a_s
     given alone: an answer encoded apart from its prompt trained a space before it that the model, served the
     prompt, must not produce. Prepared examples are transformers' tokenizer(prompt + completion) and
     apply_chat_template ids, the chat prompt served (/v1/chat/completions) their untrained start."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from helpers import TEXT
+    from helpers import sentencepiece_style_tokenizer
     from shardlm.data.instruct import chat_prompter
     from shardlm.data.loader import TokenShards
     from shardlm.data.prepare import prepare
     from shardlm.inference import prompt_ids
     from shardlm.tokenizer import load_tokenizer
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
-        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = sentencepiece_style_tokenizer()
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from test_serve import CHAT_TEMPLATE, TIMEOUT, serving, sse
+from test_serve import TIMEOUT, serving, sse
 from helpers import save_hf
 
 httpx = pytest.importorskip("httpx")
@@ -68,18 +68,10 @@ def sp_dir(hf_dir, tmp_path_factory):
     """The tiny Llama under a tokenizer built as Llama 2's and Mistral's are: Metaspace pieces, byte fallback (a
     character outside the vocabulary as its UTF-8 bytes, one id each), and a decoder that drops the space
     opening a text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    from helpers import TEXT
+    from helpers import sentencepiece_style_tokenizer
     d = tmp_path_factory.mktemp("serve_sp") / "llama"
     shutil.copytree(hf_dir, d)
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"] + [
-        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = sentencepiece_style_tokenizer()
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                          "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
