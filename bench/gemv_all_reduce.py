@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -144,15 +143,17 @@ def main() -> None:
     p.add_argument("--warps", type=ints, default=[4, 8])
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--record", help="append rows (bench 'gemv_all_reduce') to this JSONL file")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the job's ranks are stopped")
     args = p.parse_args()
     if "RANK" in os.environ:
         return worker(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.gpus}", __file__, *sys.argv[1:]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    from common import job_env, run_job
+    # every rank killed past the limit, its stack in the report: a rank left spinning would hold the GPUs
+    code, stdout, stderr = run_job(cmd, job_env(ROOT), args.timeout)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        sys.exit(f"no result (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        sys.exit(f"no result ({'timed out' if code is None else f'exit {code}'}):\n{stderr[-6000:]}")
     rows = json.loads(lines[-1][7:])
     base = next(r["us"] for r in rows if r["system"] == "cublas+one-shot")
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "?"

@@ -366,7 +366,7 @@ def main():
         return worker(args)
     if args.gpus != max(map(tp_of, args.systems.split(","))):
         sys.exit("--gpus: the most GPUs one system uses (1, or N for shardlm-tpN)")
-    from common import job_env, record
+    from common import job_env, record, run_job
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for system in args.systems.split(","):
@@ -378,18 +378,14 @@ def main():
         cmd = launch + [__file__, "--system", system, "--tokens-out", tokens, f"--batches={batches}"] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKLOAD and v is not None]
         t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=job_env(ROOT))
-        except subprocess.TimeoutExpired as e:
-            print(f"{system}: timed out after {args.timeout:.0f} s", file=sys.stderr, flush=True)
-            text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
-            (Path(args.out) / f"generate-{system}.log").write_text("".join(text))
-            rows += [json.loads(x[7:]) for x in text[0].splitlines() if x.startswith("RESULT ")]  # what it measured
-            continue
-        (Path(args.out) / f"generate-{system}.log").write_text(proc.stdout + proc.stderr)
-        got = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not got:
-            print(f"{system}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        # every process of the job killed past the limit (a tp job's ranks too), each rank's stack in the log
+        code, stdout, stderr = run_job(cmd, job_env(ROOT), args.timeout)
+        (Path(args.out) / f"generate-{system}.log").write_text(stdout + stderr)
+        got = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]  # what it measured
+        if code is None:
+            print(f"{system}: timed out after {args.timeout:.0f} s\n{stderr[-3000:]}", file=sys.stderr, flush=True)
+        elif code or not got:
+            print(f"{system}: failed ({code})\n{stderr[-3000:]}", file=sys.stderr, flush=True)
         for r in got:
             r["wall_s"] = time.perf_counter() - t
             print(json.dumps(r), flush=True)

@@ -12,7 +12,7 @@ def check_kernel_interpreted() -> None:
     rounded to the output's type (fp16: the interpreter's bf16 is broken; fp32), the same bits on both ranks; on
     three calls in turn (each program's count, the flag the peers wait for, advances), with an output count no tile
     divides; the stores to the peer weak or atomic; the product alone without the sum; a rank whose peer never
-    comes."""
+    comes, and that peer come late."""
     from shardlm.inference import gemv_all_reduce_ll  # noqa: F401 (registers the op)
     g = torch.Generator().manual_seed(0)
     world = 2
@@ -48,12 +48,19 @@ def check_kernel_interpreted() -> None:
         assert ((alone.double() - parts[0].double()).abs() <= parts[0].double().abs() * 2**-10 + 1e-3).all()
         assert epochs[0].tolist() == [3] * len(epochs[0])  # no call counted without the sum
         gemv_all_reduce_ll.check(status)
-    # A rank whose peer never comes gives up after max_spins reads, says what it awaited, and check raises.
-    got = torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], status, 0, world, bn, 32, 2, True, 50)
-    gave_up, program, awaited, seen = status.tolist()
-    assert got.shape == (n,) and (gave_up, awaited, seen) == (1, 4, 3) and 0 <= program < len(epochs[0])
-    with pytest.raises(RuntimeError, match="awaited its peer's call 4, the peer's flag said 3"):
-        gemv_all_reduce_ll.check(status)
+    # A rank whose peer never comes gives up after max_spins reads, says what it awaited, and check raises; its
+    # peer, come later, finds that rank a call ahead and says so rather than wait for a count never written.
+    statuses = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+    torch.ops.shardlm.gemv_all_reduce_ll(xs[1], ws[1], ptrs, epochs[1], statuses[1], 1, world, bn, 32, 2, True, 50)
+    wrong, program, awaited, seen = statuses[1].tolist()
+    assert (wrong, awaited, seen) == (1, 4, 3) and 0 <= program < len(epochs[1])
+    with pytest.raises(RuntimeError, match="gave up waiting: program .* awaited its peer's call 4, .* said 3"):
+        gemv_all_reduce_ll.check(statuses[1])
+    torch.ops.shardlm.gemv_all_reduce_ll(xs[1], ws[1], ptrs, epochs[1], statuses[1], 1, world, bn, 32, 2, True, 50)
+    torch.ops.shardlm.gemv_all_reduce_ll(xs[0], ws[0], ptrs, epochs[0], statuses[0], 0, world, bn, 32, 2, True, 50)
+    assert [statuses[0][0].item(), *statuses[0][2:].tolist()] == [2, 4, 5]
+    with pytest.raises(RuntimeError, match="found a peer ahead: program .* awaited its peer's call 4, .* said 5"):
+        gemv_all_reduce_ll.check(statuses[0])
 
 
 @pytest.mark.timeout(240)
