@@ -106,12 +106,17 @@ class CheckpointSaver:
         return path
 
     # ---- the parts of a save ----------------------------------------------------------------------
+    def _on_main(self, mine):
+        """Every rank's `mine` in rank order on the main rank (a collective), None on the others."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [mine]
+        everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
+        dist.gather_object(mine, everyone, dst=0)
+        return everyone
+
     def _save_gathered(self, step: int, state: dict) -> Path | None:
         masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
-        everyone = [mine := rng_state()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
-            dist.gather_object(mine, everyone, dst=0)
+        everyone = self._on_main(rng_state())
         path, error = None, None
         if self.parallel.mesh.is_main:
             try:
@@ -166,10 +171,7 @@ class CheckpointSaver:
 
     def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict) -> Path | None:
         """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
-        everyone = [mine := {**mine, "rng": rng}]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size() if self.parallel.mesh.is_main else None
-            dist.gather_object(mine, everyone, dst=0)
+        everyone = self._on_main({**mine, "rng": rng})
         path, error = None, None
         if self.parallel.mesh.is_main:
             try:
