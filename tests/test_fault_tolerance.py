@@ -122,8 +122,8 @@ def test_the_watchdog_names_the_stalled_peer_and_where_it_is(tmp_path):
         f"beat = Heartbeat(1, 2, '127.0.0.1', {port}, interval=0.2)\nis_instruct(Path({str(fifo)!r}))\n")])
     try:
         deadline = time.monotonic() + 60
-        while "is_instruct" not in (store.get("shardlm/heartbeat/1").decode() if store.check(["shardlm/heartbeat/1"])
-                                    else "") and time.monotonic() < deadline:
+        key = "shardlm/heartbeat/0/1"  # attempt 0 (no torchrun restart), rank 1
+        while "is_instruct" not in (store.get(key).decode() if store.check([key]) else "") and time.monotonic() < deadline:
             time.sleep(0.1)
         code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\nw = Watchdog(0.3)\n"
                 "with w.guard('training step 7'):\n    time.sleep(30)\n")
