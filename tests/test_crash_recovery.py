@@ -57,3 +57,47 @@ def test_a_group_torchrun_restarts_joins_again_and_trains(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "connectFullMesh" not in done.stderr and "Connection refused" not in done.stderr, done.stderr[-3000:]
     assert sorted(_losses(tmp_path / "r")) == [1, 2, 3, 4]  # started over: nothing was saved to resume
+
+
+@pytest.mark.timeout(300)
+def test_a_group_torchrun_restarts_resumes_the_checkpoint_its_failed_attempt_saved(tmp_path):
+    """torchrun --max-restarts runs the same command again: it was refused beside the checkpoints its failed attempt
+    had saved ("already holds a run's checkpoints"), so every restart was spent on that refusal. It now resumes the
+    newest of them, and the run ends as the uninterrupted one does."""
+    common = ["--train.steps", "8", "--train.save_every", "2"]
+    done = _torchrun(tmp_path, "r", _killing_rank_1_at(5), ["--max-restarts", "1"], *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"torchrun restart 1: resuming the newest checkpoint in {tmp_path / 'r'}, saved by the attempt that " \
+           "failed" in done.stdout + done.stderr, done.stderr[-3000:]
+    assert "already holds" not in done.stderr
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
+    reference = _torchrun(tmp_path, "reference", "", [], *common)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert _losses(tmp_path / "r") == _losses(tmp_path / "reference")
+
+
+def test_a_restart_resumes_only_what_its_failed_attempt_saved(tmp_path, monkeypatch):
+    """Checkpoints older than the failed attempt (another run's, which it was refused beside or was to
+    --overwrite) are not the restart's to resume; one that attempt saved is. No other agent's restart takes them."""
+    import os
+    import time
+
+    from shardlm import rundir
+    from shardlm.runlock import acquire
+    state = tmp_path / "r" / "checkpoints" / "step_00000002" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{}")
+    os.utime(state, (time.time() - 60, time.time() - 60))  # saved before the attempt below started
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    acquire(tmp_path / "r").release()  # the attempt that failed
+
+    def restarted(run_id="job") -> bool:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        lock, again = rundir.claim(tmp_path / "r", True, lambda value: value)
+        lock.release(undo=True)  # its record back: the failed attempt's, for the next call
+        return again
+    assert not restarted()
+    state.touch()  # now saved by that attempt
+    assert restarted() and not restarted("another job")
