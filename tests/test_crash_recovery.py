@@ -101,3 +101,17 @@ def test_a_restart_resumes_only_what_its_failed_attempt_saved(tmp_path, monkeypa
     assert not restarted()
     state.touch()  # now saved by that attempt
     assert restarted() and not restarted("another job")
+
+
+@pytest.mark.timeout(200)
+def test_the_error_that_ended_an_attempt_is_said_when_its_restart_trains(tmp_path):
+    """Bad input that one rank alone met (here its node's dataset missing until the restart) was printed by no rank:
+    under torchrun a node's first rank alone prints bad input, which is alike on every rank, and the others leave it
+    to torchrun's summary, which a restart that then trains never prints. Its peer said only 'rank 1 stopped on an
+    error (its message says why)'. That peer now prints the message."""
+    missing = "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n" \
+              "    sys.argv[sys.argv.index('--data.path') + 1] += '-not-here'\n"
+    done = _torchrun(tmp_path, "r", missing, ["--max-restarts", "1"], "--train.steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"shardlm train: error: stopping: rank 1 stopped on an error: data.path = '{_data(tmp_path)}-not-here' "
+            "does not exist") in done.stderr, done.stderr[-3000:]

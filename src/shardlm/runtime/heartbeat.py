@@ -59,6 +59,14 @@ class Peers:
         except Exception:  # noqa: BLE001
             return []
 
+    def unprinted(self, ranks: list[int]) -> list[str]:
+        """The messages that those of `ranks` that failed left with their farewell, not having printed them."""
+        try:
+            store = self._client()
+            return [m for m in (store.get(f"{FAILED}{self.attempt}/{r}").decode() for r in ranks) if m != "1"]
+        except Exception:  # noqa: BLE001
+            return []
+
     def _peers(self) -> list[tuple[int, str | None, tuple[float, str] | None]]:
         """(rank, how it fell silent or None, (since when, where) its training thread is or None) of each
         peer; empty when the store cannot be read (its host, rank 0's process or torchrun's agent, is gone)."""
@@ -172,10 +180,11 @@ class Heartbeat(Peers):
                 store = None
             self.stop.wait(self.interval)
 
-    def farewell(self) -> None:
-        """Tell the peers this rank is stopping on an error of its own (its message is printed)."""
-        try:
-            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", "1")  # briefly: this rank is on its way out
+    def farewell(self, unprinted: str = "") -> None:
+        """Tell the peers this rank is stopping on an error of its own: its message is printed, or is `unprinted`,
+        which a peer reporting the failure then prints."""
+        try:  # briefly: this rank is on its way out
+            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", unprinted[:1000] or "1")
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
             pass
 
