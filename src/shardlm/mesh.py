@@ -331,8 +331,8 @@ def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None
 def _attempt_store(timeout: timedelta) -> dict:
     """init_process_group's store for an attempt that torchrun restarted (--max-restarts): a prefix of its own in
     the agent's store. torch's rendezvous reuses that store across attempts with the same keys, so a restarted
-    rank read the failed attempt's peer addresses and gave up connecting to a dead process (gloo's 'Connection
-    refused'): no restart ever trained."""
+    rank could read the failed attempt's peer addresses and give up connecting to a dead process (gloo's
+    'Connection refused'), or the group wait at the rendezvous until its timeout: about half the restarts failed."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
         return {}

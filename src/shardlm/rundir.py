@@ -61,7 +61,7 @@ def claim(out: Path, main: bool, from_main, log=print) -> tuple[RunLock | None, 
 def restarted(out: Path, lock: RunLock) -> bool:
     """Whether this is an attempt torchrun restarted after a failure, whose previous attempt (the same agent) held
     `out` and saved a checkpoint there. Run again unchanged, its command was refused beside that attempt's own
-    checkpoints (or, given --resume, took the same old checkpoint again), and the restart was wasted."""
+    checkpoints (given --resume of an earlier checkpoint, beside the later ones), and the restart was wasted."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         return False
     before, newest = lock.previous_owner(), complete_checkpoints(out)
