@@ -115,3 +115,21 @@ def test_the_error_that_ended_an_attempt_is_said_when_its_restart_trains(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert (f"shardlm train: error: stopping: rank 1 stopped on an error: data.path = '{_data(tmp_path)}-not-here' "
             "does not exist") in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_torchruns_summary_names_why_when_one_rank_runs_out_of_memory(tmp_path):
+    """Rank 1 runs out of memory mid-run: it printed why, and rank 0, out first, pointed at it, but neither left
+    torchrun an error file, so torchrun's summary, the last lines on screen, named rank 0 as the root cause with only
+    'To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html'. Both messages are in it now."""
+    oom = "step = Trainer.train_step\ndef oom(self):\n" \
+          "    if os.environ['RANK'] == '1' and self.step == 2:\n" \
+          "        raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')\n" \
+          "    return step(self)\nTrainer.train_step = oom\n"
+    done = _torchrun(tmp_path, "r", oom, [], "--train.steps", "4")
+    assert done.returncode != 0
+    summary = done.stderr[done.stderr.index("Root Cause"):]
+    assert "To enable traceback" not in done.stderr, done.stderr[-3000:]
+    assert "traceback : shardlm train: error: out of memory (CUDA out of memory" in done.stderr, done.stderr[-3000:]
+    assert "traceback : shardlm train: error: stopping: rank 1 stopped on an error" in done.stderr, done.stderr[-3000:]
+    assert "traceback : shardlm train: error:" in summary, summary

@@ -98,18 +98,18 @@ def cmd_train(argv: list[str]) -> int:
             if heartbeat is not None:
                 heartbeat.gave_up()  # first: peers noticing this rank gone must not blame it
             failed = heartbeat.failed() if heartbeat is not None else []
+            # Through the error file too: this rank, out first, is often what torchrun's summary calls the root cause.
             if failed:  # not a death: a peer's own error, which its message names
                 said = heartbeat.unprinted(failed)
                 why = f": {said[0]}" if said else " (its message says why)"
-                print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error{why}", file=sys.stderr)
+                _error(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error{why}", 1, True)
             else:
                 who = heartbeat.report() if heartbeat is not None else "which one could not be told"
                 timeout = f"parallel.timeout_s = {cfg.parallel.timeout_s:g} s"
                 if who.startswith("no rank died"):  # every peer beats on: where each one was, last
-                    print(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", file=sys.stderr)
+                    _error(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", 1, True)
                 else:
-                    print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})",
-                          file=sys.stderr)
+                    _error(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})", 1, True)
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
@@ -120,11 +120,10 @@ def cmd_train(argv: list[str]) -> int:
         _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             t = cfg.train  # a step's activations grow with both: either may be what does not fit
-            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
-                  f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
-                  "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
-                  "parallel.cp)", file=sys.stderr)
-            return 1
+            return _error(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
+                          f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
+                          "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
+                          "parallel.cp)", 1, every_rank=True)
         raise
     except Exception as e:
         # Bad input is printed by a node's first rank alone (main): one rank's alone would go unsaid.
