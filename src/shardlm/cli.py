@@ -98,17 +98,18 @@ def cmd_train(argv: list[str]) -> int:
             if heartbeat is not None:
                 heartbeat.gave_up()  # first: peers noticing this rank gone must not blame it
             failed = heartbeat.failed() if heartbeat is not None else []
+            # Through the error file too: this rank, out first, is often what torchrun's summary calls the root cause.
             if failed:  # not a death: a peer's own error, which its message names
-                print(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error (its message says "
-                      f"why)", file=sys.stderr)
+                said = heartbeat.unprinted(failed)
+                why = f": {said[0]}" if said else " (its message says why)"
+                _error(f"shardlm train: error: stopping: {ranks_named(failed)} stopped on an error{why}", 1, True)
             else:
                 who = heartbeat.report() if heartbeat is not None else "which one could not be told"
                 timeout = f"parallel.timeout_s = {cfg.parallel.timeout_s:g} s"
                 if who.startswith("no rank died"):  # every peer beats on: where each one was, last
-                    print(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", file=sys.stderr)
+                    _error(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", 1, True)
                 else:
-                    print(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})",
-                          file=sys.stderr)
+                    _error(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})", 1, True)
             # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
             # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
@@ -119,24 +120,25 @@ def cmd_train(argv: list[str]) -> int:
         _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             t = cfg.train  # a step's activations grow with both: either may be what does not fit
-            print(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
-                  f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
-                  "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
-                  "parallel.cp)", file=sys.stderr)
-            return 1
+            return _error(f"shardlm train: error: out of memory ({str(e).strip().splitlines()[0][:300]}): lower "
+                          f"train.seq_len ({t.seq_len:,}) or train.micro_batch_size ({t.micro_batch_size}), recompute "
+                          "(train.recompute full), or shrink or shard the model (parallel.zero_stage, parallel.tp, "
+                          "parallel.cp)", 1, every_rank=True)
         raise
-    except Exception:
-        _farewell(heartbeat)
+    except Exception as e:
+        # Bad input is printed by a node's first rank alone (main): one rank's alone would go unsaid.
+        _farewell(heartbeat, str(e) if isinstance(e, QUIET) and not _prints_bad_input() else "")
         raise
     finally:
         if heartbeat is not None:
             heartbeat.close()
 
 
-def _farewell(heartbeat) -> None:
-    """This rank stops on its own error: its peers, whose next collective fails, say so instead of a death."""
+def _farewell(heartbeat, unprinted: str = "") -> None:
+    """This rank stops on its own error: its peers, whose next collective fails, say so instead of a death (and
+    print its message where this rank does not: `unprinted`)."""
     if heartbeat is not None:
-        heartbeat.farewell()
+        heartbeat.farewell(unprinted)
 
 
 def _run_dir_of(resume: str | None) -> str | None:
@@ -304,9 +306,17 @@ def _error(message: str, code: int, every_rank: bool) -> int:
                                                                          "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the summary then points at torchrun's docs, as without this file: the message is printed below
-    if every_rank or not path or os.environ.get("LOCAL_RANK", "0") == "0":
+    if every_rank or _prints_bad_input():
         print(message, file=sys.stderr)
     return code
+
+
+QUIET = (ConfigError, FileNotFoundError, ValueError)  # bad input: main prints it on a node's first rank alone
+
+
+def _prints_bad_input() -> bool:
+    """Whether this rank prints bad input (QUIET): a node's first rank under torchrun, whose error file carries it."""
+    return not os.environ.get("TORCHELASTIC_ERROR_FILE") or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         refuse_empty_paths(rest)
         return COMMANDS[cmd](rest)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except QUIET as e:
         return _error(f"shardlm {cmd}: error: {e}", 2, every_rank=False)
     except RunError as e:
         return _error(f"shardlm {cmd}: error: {e}", 1, every_rank=True)

@@ -323,6 +323,20 @@ def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None
     if say:
         threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
     try:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     finally:
         done.set()
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """init_process_group's store for an attempt that torchrun restarted (--max-restarts): a prefix of its own in
+    the agent's store. torch's rendezvous reuses that store across attempts with the same keys, so a restarted
+    rank could read the failed attempt's peer addresses and give up connecting to a dead process (gloo's
+    'Connection refused'), or the group wait at the rendezvous until its timeout: about half the restarts failed."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardlm/attempt_{attempt}/", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}

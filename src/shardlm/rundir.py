@@ -11,16 +11,19 @@ rules that keep two runs from mixing in one directory or a run from losing its o
 - Temporary directories of saves cut short are removed.
 - One process group owns the directory for the run's life (`claim`, runlock.py): a second run into it, or a
   resume of a run still going, is refused before either writes anything.
+- A group that torchrun restarts (`--max-restarts`) runs the failed attempt's command again: it continues from
+  the checkpoints that attempt saved rather than being refused beside them (`claim`).
 """
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 from pathlib import Path
 
 from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial
 from .config import ConfigError
-from .runlock import RunLock, acquire
+from .runlock import RunLock, acquire, launcher
 
 METRICS, TENSORBOARD, CONFIG = "metrics.jsonl", "tensorboard", "config.toml"
 
@@ -30,24 +33,42 @@ def contains(directory: Path, path: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def claim(out: Path, main: bool, from_main, log=print) -> RunLock | None:
+def claim(out: Path, main: bool, from_main, log=print) -> tuple[RunLock | None, bool]:
     """The main rank takes `out`'s lock before anything is written into it; `from_main(value)` hands the main
-    rank's value to every rank, so all refuse alike (with its message) when it could not."""
-    lock, failure = None, None
+    rank's value to every rank, so all refuse alike (with its message) when it could not. Also returns whether
+    this group is torchrun's restart of the run that last held `out`, which saved checkpoints there (`restarted`):
+    the caller resumes them."""
+    lock, failure, again = None, None, False
     if main:
         try:
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} is a file, not a directory")
             _refuse_foreign(out)
             lock = acquire(out, log)
+            if again := restarted(out, lock):
+                log(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming the newest checkpoint in "
+                    f"{out}, saved by the attempt that failed")
         except ConfigError as e:
             failure = str(e)
         except OSError as e:
             failure = f"--out {out} cannot be written: {e.strerror or e}"
-    failure = from_main(failure)
+    failure, again = from_main((failure, again))
     if failure:
         raise ConfigError(failure)
-    return lock
+    return lock, again
+
+
+def restarted(out: Path, lock: RunLock) -> bool:
+    """Whether this is an attempt torchrun restarted after a failure, whose previous attempt (the same agent) held
+    `out` and saved a checkpoint there. Run again unchanged, its command was refused beside that attempt's own
+    checkpoints (given --resume of an earlier checkpoint, beside the later ones), and the restart was wasted."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return False
+    before, newest = lock.previous_owner(), complete_checkpoints(out)
+    if not before or before.get("launcher") != launcher() or not newest:
+        return False
+    # Saved by that attempt: not an older run's that it was to --overwrite when it died.
+    return (newest[-1] / STATE).stat().st_mtime >= before.get("started", float("inf"))
 
 
 def _refuse_foreign(out: Path) -> None:

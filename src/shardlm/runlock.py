@@ -6,6 +6,8 @@ takes an exclusive flock on the lock file before it writes anything into the dir
 the run's life; the second run fails at once, naming the owner's pid, host and start time, which the owner
 writes into the file. flock belongs to the open file, so the kernel releases it on any death, SIGKILL
 included: a killed run never leaves its directory locked, and the stale pid in the file is only a record.
+Under torchrun the record also names the launching agent, which an attempt that torchrun's --max-restarts
+starts shares with the one that failed: the restart resumes the run instead of being refused beside it.
 
 flock is per open file, not per process: a second Trainer in the same process (tests, notebooks) would
 refuse the first one's directory although nothing runs concurrently. Locks this process holds are therefore
@@ -50,6 +52,14 @@ class RunLock:
         self._lock = lock
         lock.refs += 1
 
+    def previous_owner(self) -> dict | None:
+        """What the lock file said of the run that held the directory before this one, None if nothing readable."""
+        try:
+            info = json.loads(self._lock.previous) if self._lock is not None and self._lock.previous else None
+        except ValueError:
+            return None
+        return info if isinstance(info, dict) else None
+
     def release(self, undo: bool = False) -> None:
         """`undo`: the run was refused before it began, so the directory is left as it was found: removed if
         taking the lock made it, else with its previous owner's record back in the lock file."""
@@ -91,6 +101,13 @@ def describe(info: dict | None) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} (started {started}: {info.get('command', '?')})"
 
 
+def launcher() -> str | None:
+    """The torchrun agent that started this process (its run id, host and pid), None outside torchrun: the same
+    for every attempt that torchrun's --max-restarts makes of one job, so a restart knows the run it continues."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id is None else f"{run_id} {socket.gethostname()} {os.getppid()}"
+
+
 def acquire(run_dir: str | Path, log=print) -> RunLock:
     """Take the run directory's lock (creating the directory), or raise RunLocked naming its owner."""
     run_dir = Path(run_dir)
@@ -112,6 +129,8 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
             "into it at the same time")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join(["shardlm", *sys.argv[1:]])[:300]}
+    if (who := launcher()) is not None:
+        info["launcher"] = who
     previous = os.pread(fd, 1 << 16, 0)
     lock = _held[path] = _Lock(path, fd, created, previous)
     handle = RunLock(lock)

@@ -69,9 +69,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.run_lock = None
         if self.out is not None:
-            self.run_lock = rundir.claim(self.out, self.mesh.is_main, self.mesh.from_main, log)
+            self.run_lock, restart = rundir.claim(self.out, self.mesh.is_main, self.mesh.from_main, log)
             if self.run_lock is not None:  # a Trainer never closed lets go of the directory when collected
                 weakref.finalize(self, self.run_lock.release)
+            resume = self.out if restart else resume  # torchrun's restart continues its failed attempt's saves
         try:
             self._setup(cfg, resume, overwrite, log)
         except BaseException:

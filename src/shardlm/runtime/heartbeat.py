@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-PREFIX = "shardlm/heartbeat/"
+PREFIX = "shardlm/heartbeat/"  # then torchrun's restart count (an attempt's beats are not its restart's) and the rank
 BEAT_TIMEOUT_S = 2.0  # a beat's wait for the store: what closing may wait for where the store is unreachable
 FAILED = "shardlm/failed/"  # then torchrun's restart count (a key outlives the attempt that set it) and the rank
 GAVE_UP = "shardlm/gave-up/"  # likewise: a rank that left because a peer had failed (Peers.gave_up)
@@ -59,6 +59,14 @@ class Peers:
         except Exception:  # noqa: BLE001
             return []
 
+    def unprinted(self, ranks: list[int]) -> list[str]:
+        """The messages that those of `ranks` that failed left with their farewell, not having printed them."""
+        try:
+            store = self._client()
+            return [m for m in (store.get(f"{FAILED}{self.attempt}/{r}").decode() for r in ranks) if m != "1"]
+        except Exception:  # noqa: BLE001
+            return []
+
     def _peers(self) -> list[tuple[int, str | None, tuple[float, str] | None]]:
         """(rank, how it fell silent or None, (since when, where) its training thread is or None) of each
         peer; empty when the store cannot be read (its host, rank 0's process or torchrun's agent, is gone)."""
@@ -68,10 +76,10 @@ class Peers:
             for r in range(self.world):
                 if r == self.rank:
                     continue
-                if not store.check([f"{PREFIX}{r}"]):
+                if not store.check([f"{PREFIX}{self.attempt}/{r}"]):
                     out.append((r, "never heard from", None))
                     continue
-                beat, _, at = store.get(f"{PREFIX}{r}").decode().partition("\t")
+                beat, _, at = store.get(f"{PREFIX}{self.attempt}/{r}").decode().partition("\t")
                 beat = beat.split(" ", 2)
                 age, how = now - float(beat[0]), None
                 if len(beat) == 3 and beat[2] == socket.gethostname() and _ended(int(beat[1])):
@@ -167,15 +175,16 @@ class Heartbeat(Peers):
                 store = store or self._client(BEAT_TIMEOUT_S)
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
-                store.set(f"{PREFIX}{self.rank}", f"{time.time()!r} {self.me}{at}")
+                store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
             except Exception:  # noqa: BLE001
                 store = None
             self.stop.wait(self.interval)
 
-    def farewell(self) -> None:
-        """Tell the peers this rank is stopping on an error of its own (its message is printed)."""
-        try:
-            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", "1")  # briefly: this rank is on its way out
+    def farewell(self, unprinted: str = "") -> None:
+        """Tell the peers this rank is stopping on an error of its own: its message is printed, or is `unprinted`,
+        which a peer reporting the failure then prints."""
+        try:  # briefly: this rank is on its way out
+            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", unprinted[:1000] or "1")
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
             pass
 
