@@ -39,7 +39,7 @@ def read_examples(path: str | Path, tasks=()) -> tuple[list, list[str]]:
     is the reference and the turns before it the prompt (a list, for the model's chat template). Blank lines
     are skipped. A reference no completion could score against is refused naming its line: an empty one, or,
     for `tasks` with rouge, one in which rouge-score's tokeniser finds no word."""
-    from .inference.request_lines import input_file
+    from .config.input_files import input_file
     path = Path(path)
     input_file(path, "--data")
     prompts, refs = [], []

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
-from .request_lines import INT64, check_output, check_vocab, input_file, read_requests
+from .request_lines import INT64, check_output, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 
