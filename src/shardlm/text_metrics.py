@@ -1,4 +1,5 @@
-"""Scores of generated text against references, and the prompt/reference files they come from.
+"""Scores of generated text against references, and the files they come from: prompts with references, and the
+loss task's plain text.
 
 BLEU (Papineni et al. 2002) and chrF (Popović 2015) are corpus scores computed by sacrebleu (Post 2018)
 with its default tokenisation, so they compare with published sacrebleu numbers. ROUGE-1, ROUGE-2 and
@@ -119,3 +120,30 @@ def score(hyps: list[str], refs: list[str], tasks: list[str]) -> dict[str, float
     if "rouge" in tasks:
         out.update(rouge_scores(hyps, refs))
     return out
+
+
+def loss_text(path: Path) -> str:
+    """The text the loss task (perplexity) scores: the file's characters as they are, refused where not text."""
+    # The loss task scores the file's characters as they are: a jsonl's or parquet's syntax would be scored
+    # with its text, a perplexity that looks plausible and means nothing.
+    if path.suffix.lower() in (".jsonl", ".parquet"):
+        raise ConfigError(f"--data {path}: the loss task reads a plain UTF-8 text file, not {path.suffix} (its "
+                          "syntax would be scored too); give a .txt file, or --tasks bleu,rouge for prompts "
+                          "with completions")
+    # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
+    # text other than the file's (data prepare reads bytes, and trains on the "\r").
+    data = path.read_bytes()
+    # NUL is valid UTF-8, so a binary file (a prepared dataset's token shard of ASCII text is one, whole) was
+    # scored as text, a perplexity of nothing; data prepare refuses it alike.
+    if (nul := data.find(b"\0")) >= 0:
+        from .data.prepare import MAGIC
+        what = "a prepared dataset's token shard" if data.startswith(MAGIC) else "binary data"
+        raise ConfigError(f"--data {path}: {what}, not text (a NUL byte at byte offset {nul}); the loss task reads "
+                          "a plain UTF-8 text file")
+    try:
+        # A byte-order mark (Windows editors write one) is no text: data prepare drops it, and scored here it
+        # shifted every window.
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
+                          "UTF-8 text file") from None

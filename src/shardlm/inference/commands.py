@@ -186,7 +186,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
-    from ..text_metrics import parse_tasks, read_examples
+    from ..text_metrics import loss_text, parse_tasks, read_examples
     tasks = parse_tasks(a.tasks)
     _refuse_unused(a, tasks)
     if a.batch_size < 1:
@@ -196,7 +196,7 @@ def cmd_eval(argv: list[str]) -> int:
             raise ConfigError("the loss task needs --seq-len N, the length of the windows it scores (the run's "
                               "train.seq_len, or any up to the model's max_seq_len)")
         input_file(Path(a.data), "--data")
-        text = _loss_text(Path(a.data))  # before loading the model: a bad file fails fast
+        text = loss_text(Path(a.data))  # before loading the model: a bad file fails fast
     else:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
@@ -263,32 +263,6 @@ def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
         return prompt_ids(tok, chat(turns), opened=True)
     except jinja2.TemplateError as e:  # a traceback, where data prepare names the line of a chat it fails on
         raise ConfigError(f"{source}: the model's chat template fails on a conversation: {e}") from None
-
-
-def _loss_text(path: Path) -> str:
-    # The loss task scores the file's characters as they are: a jsonl's or parquet's syntax would be scored
-    # with its text, a perplexity that looks plausible and means nothing.
-    if path.suffix.lower() in (".jsonl", ".parquet"):
-        raise ConfigError(f"--data {path}: the loss task reads a plain UTF-8 text file, not {path.suffix} (its "
-                          "syntax would be scored too); give a .txt file, or --tasks bleu,rouge for prompts "
-                          "with completions")
-    # Bytes decoded as they are: read_text's universal newlines turned a Windows text's "\r\n" into "\n", a
-    # text other than the file's (data prepare reads bytes, and trains on the "\r").
-    data = path.read_bytes()
-    # NUL is valid UTF-8, so a binary file (a prepared dataset's token shard of ASCII text is one, whole) was
-    # scored as text, a perplexity of nothing; data prepare refuses it alike.
-    if (nul := data.find(b"\0")) >= 0:
-        from ..data.prepare import MAGIC
-        what = "a prepared dataset's token shard" if data.startswith(MAGIC) else "binary data"
-        raise ConfigError(f"--data {path}: {what}, not text (a NUL byte at byte offset {nul}); the loss task reads "
-                          "a plain UTF-8 text file")
-    try:
-        # A byte-order mark (Windows editors write one) is no text: data prepare drops it, and scored here it
-        # shifted every window.
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {path}: not UTF-8 text (byte offset {e.start}); the loss task reads a plain "
-                          "UTF-8 text file") from None
 
 
 def cmd_generate(argv: list[str]) -> int:
