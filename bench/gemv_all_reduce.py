@@ -11,7 +11,7 @@ Systems:
   symmetric memory, then `symm_mem.one_shot_all_reduce`): the decode step's path before the fused kernel.
 - `fused BN/BK/WARPS`: shardlm.inference.gemv_all_reduce's one kernel per product and sum, a row per launch.
 - `fused-ll BN/BK/WARPS`, `fused-ll-strong ...`: the same by the LL protocol (inference/gemv_all_reduce_ll.py,
-  opt-in), its stores to the peers weak or relaxed at system scope.
+  the engine's default), its stores to the peers weak or relaxed at system scope.
 - `gemv-only BN/BK/WARPS`: that kernel's product alone, no sum (its reading against cuBLAS's).
 - `cublas column`, `gemv-only column ...`: the column-parallel products (qkv, gate-up), which need no sum.
 Two forms measured at 7c9d726 and dropped since (bench/README.md): cuBLAS's product into symmetric memory and a
@@ -119,7 +119,7 @@ def worker(args) -> None:
     rows.append({"system": "cublas column", "us": us})
     for launch in itertools.product(args.bn, args.bk, args.warps):
         alone = GemvAllReduce(symmetric_buffers([2 * f] * 2, ws[0][0], group), 2 * f // world, group, launch=launch,
-                              reduce=False)
+                              reduce=False, protocol="barrier")
         us, _, _ = graph_us(col_run(lambda x, w: alone(x, w, 0)), args.replays)
         rows.append({"system": f"gemv-only column {'/'.join(map(str, launch))}", "us": us})
     everyone = [None] * world

@@ -44,19 +44,27 @@ def tp_of(system: str) -> int:
 
 # shardlm-tpN's variants: its all-reduces by NCCL; one-shot but each one-row row-parallel product apart from
 # its sum (cuBLAS, a copy, torch's one-shot kernel), as before inference/gemv_all_reduce.py; the fused kernel
-# by the LL protocol (inference/gemv_all_reduce_ll.py, opt-in), its stores weak or relaxed at system scope.
-TP_VARIANTS = ("-nccl", "-unfused", "-ll", "-ll-strong")
+# meeting its peers at a barrier (gemv_all_reduce.py) rather than by the LL protocol (gemv_all_reduce_ll.py),
+# or by the LL protocol with its stores to the peers relaxed at system scope rather than weak.
+TP_VARIANTS = ("-nccl", "-unfused", "-barrier", "-ll-strong")
 
 
 def tp_variant(engine_model, variant: str) -> None:
     """Take the fused one-row row-parallel products (inference/gemv_all_reduce.py) out of a model that an Engine
-    set up, for "-unfused", or give them the LL protocol, for "-ll", before its first run compiles them."""
-    for m in engine_model.modules():
-        if variant == "-unfused" and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
-            m.small_all_reduce.fused = None
-        if variant.startswith("-ll") and getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None:
-            if m.small_all_reduce.fused.protocol != "ll":  # one object, shared by every row-parallel linear
-                m.small_all_reduce.fused.use_ll(strong=variant == "-ll-strong")
+    set up, for "-unfused", or give them another protocol, before its first run compiles them."""
+    from shardlm.inference.gemv_all_reduce import GemvAllReduce
+    linears = [m.small_all_reduce for m in engine_model.modules()
+               if getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None]
+    if not linears or variant not in ("-unfused", "-barrier", "-ll-strong"):
+        return
+    fused = linears[0].fused  # one object, shared by every row-parallel linear
+    if variant == "-ll-strong":
+        fused.use_ll(strong=True)
+        return
+    other = None if variant == "-unfused" else GemvAllReduce(fused.buffers, fused.max_n, fused.group,
+                                                              launch=fused.launch, protocol="barrier")
+    for linear in linears:
+        linear.fused = other
 
 
 def build(args, device, group=None):
@@ -152,9 +160,6 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         t = time.perf_counter()
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
-        if variant.startswith("-ll"):
-            next(m.small_all_reduce.fused for m in model.modules()
-                 if getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None).check()
         rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
                         first=done[0].tokens[:8], tp=tp))
         if tp > 1 and torch.distributed.get_rank() == 0:  # now: the job's teardown may not end (below)

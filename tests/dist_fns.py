@@ -837,7 +837,11 @@ def save_memory(rank, world, overrides: dict, out_dir):
     optimizer state this rank holds, the save's seconds)."""
     import re
     import time
+    import ctypes
     from pathlib import Path
+    # Blocks of 128 KiB and more mapped fresh and unmapped when freed (glibc's M_MMAP_THRESHOLD, fixed): else
+    # a save's buffers could reuse pages that training freed but kept, and never raise the mark.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
     trainer = tiny_trainer(world, {"train.steps": "1", **overrides}, out_dir=out_dir)
     trainer.run()
     held = trainer.engine.memory()["optimizer"]
@@ -983,3 +987,46 @@ def tp_decode_on_gpus(rank, world, model_dir, prompts, new, one_shot, dtype="fp3
     kernels = " ".join(e.key for e in prof.key_averages())
     ran = [[r.tokens for r in done], "one_shot" in kernels]
     return ran + ["gemv_all_reduce" in kernels] if fused else ran
+
+
+def fused_all_reduce_replays(rank, world, protocol, replays):
+    """64 one-row row-parallel products and their sums (llama2-7b's shapes at tp `world`, random weights) by
+    GemvAllReduce's `protocol` in one CUDA graph, replayed `replays` times: each sum's largest error against
+    cuBLAS's products summed by NCCL over their largest value, whether every replay gave the first's bits,
+    and the kernel's fault report (None: none)."""
+    from shardlm.inference.gemv_all_reduce import GemvAllReduce
+    from shardlm.inference.one_shot import symmetric_buffers
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    h, dt = 4096, torch.bfloat16
+    ws = [torch.randn(h, k // world, device="cuda", dtype=dt, generator=g) * 0.02 for k in (4096, 11008) * 32]
+    xs = [torch.randn(w.shape[1], device="cuda", dtype=dt, generator=g) for w in ws[:2]]
+    want = []
+    for i, w in enumerate(ws):
+        y = torch.nn.functional.linear(xs[i % 2], w)
+        dist.all_reduce(y, group=group)
+        want.append(y)
+    fused = GemvAllReduce(symmetric_buffers([2 * world * h] * 2, ws[0], group), h, group, protocol=protocol)
+    run = lambda: [fused(xs[i % 2], w, i % 2) for i, w in enumerate(ws)]  # noqa: E731
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    graph.replay()
+    first = [o.clone() for o in outs]
+    same = True
+    for _ in range(replays):
+        graph.replay()
+        same &= all(torch.equal(o, f) for o, f in zip(outs, first))
+    torch.cuda.synchronize()
+    try:
+        fused.check()
+        fault = None
+    except RuntimeError as e:
+        fault = str(e)
+    scale = max(y.abs().max().item() for y in want)
+    err = max((o.float() - y.float()).abs().max().item() for o, y in zip(first, want)) / scale
+    return err, same, fault

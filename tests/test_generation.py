@@ -211,6 +211,27 @@ def test_a_cancelled_request_frees_its_slot():
         engine.submit(Request(prompts[0], 4, adapter="x"))
 
 
+def test_a_fault_of_the_fused_all_reduce_stops_the_engine_at_its_next_burst():
+    """The one-row product and all-reduce kernel of a tensor-parallel model (inference/one_shot.py gives its
+    row-parallel linears one) records a program that gave up waiting for its peer, whose sum is then wrong:
+    the engine checks it after each burst's tokens reach the host and raises its report, never passing on
+    tokens from a wrong sum. Here a stand-in for the kernel's object reports a fault at the second check."""
+    from types import SimpleNamespace
+    checks = []
+
+    def check():
+        checks.append(1)
+        if len(checks) == 2:
+            raise RuntimeError("the LL all-reduce gave up waiting: program 3 awaited its peer's call 9")
+
+    model = tiny()
+    model.norm.small_all_reduce = SimpleNamespace(fused=SimpleNamespace(check=check))
+    engine = Engine(model, max_batch=1, max_len=32, sync_every=2)
+    with pytest.raises(RuntimeError, match="gave up waiting: program 3"):
+        engine.run([Request(prompts_of((5,))[0], 12)])
+    assert len(checks) == 2
+
+
 def random_adapter(base, out, rank, targets, seed):
     """A PEFT adapter directory for the HF model in `base`, every A and B drawn at random (B is zero at init)."""
     from shardlm.config import LoRAConfig

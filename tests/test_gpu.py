@@ -351,8 +351,10 @@ def test_int4_engine_decodes_in_cuda_graphs_as_it_does_eagerly():
 
 
 def decodes_in_cuda_graphs_as_eagerly(model) -> None:
-    """The compiled engine (CUDA graph trees, no skip: every product inside the graphs) gives the eager engine's
-    tokens at one row and at three."""
+    """The compiled engine (CUDA graph trees, no skip: every product inside the graphs) at one row and at three
+    gives greedy tokens that the eager model's forward over prompt + tokens scores within bf16's rounding of its
+    best at every step. Not token for token against the eager engine: the compiled norms and attention round
+    otherwise, and random weights meet near-ties (a run of 8 tokens once parted at the fourth)."""
     from torch._dynamo.utils import counters
 
     from shardlm.inference import Engine, Request
@@ -360,9 +362,13 @@ def decodes_in_cuda_graphs_as_eagerly(model) -> None:
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 2, 15)]
     skips = counters["inductor"]["cudagraph_skips"]
     for batch in (1, 3):
-        runs = [[r.tokens for r in Engine(model, batch, 48, compile=c).run([Request(p, 8) for p in prompts])]
-                for c in (False, True)]
-        assert runs[0] == runs[1], batch
+        done = Engine(model, batch, 48, compile=True).run([Request(p, 8) for p in prompts])
+        for p, r in zip(prompts, done):
+            with torch.no_grad():
+                logits = model(torch.tensor([p + r.tokens[:-1]], device="cuda"))[0, len(p) - 1:].float()
+            best = logits.max(-1).values
+            chosen = logits.gather(-1, torch.tensor(r.tokens, device="cuda")[:, None])[:, 0]
+            assert (chosen >= best - 2**-5 * logits.abs().amax(-1)).all(), (batch, r.tokens, best - chosen)
     assert counters["inductor"]["cudagraph_skips"] == skips
 
 
@@ -382,8 +388,9 @@ def test_int4_prefill_product_is_the_dequantised_product_compiled():
 def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
     """train.optimizer_dtype bf16 through the Triton AdamW (one launch over all buckets, weight decay by its
     table) on a bf16 model against torch's fused AdamW on bf16 parameters and states: the same losses to
-    rounding, every weight within one bf16 ulp (the two kernels' fp32 operations in different orders can
-    round a result the other way), and no fp32 master kept."""
+    rounding, every weight within one bf16 ulp after the first step (the two kernels' fp32 operations in
+    different orders can round a result the other way), all but a few elements close after three, and no fp32
+    master kept."""
     from shardlm.config import load_config
     from shardlm.model import build_model
     from shardlm.parallel.engine import LocalEngine
@@ -398,7 +405,16 @@ def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
               {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     ref_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
     ids = torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(0)).cuda()
-    for _ in range(3):
+    ulp = torch.finfo(torch.bfloat16).eps
+
+    def ulps_apart():
+        # in ulps of the weight or of the step (lr): where a step all but cancels a weight, the moments'
+        # rounding to bf16 (their unrounded or rounded values used by one kernel or the other) outweighs the
+        # weight's own ulp
+        return {name: (p.float() - q.float()).abs() / (ulp * q.float().abs().clamp(min=1e-2))
+                for (name, p), q in zip(model.named_parameters(), ref.parameters())}
+
+    for step in range(3):
         loss, ref_loss = model(ids[:, :-1], ids[:, 1:]), ref(ids[:, :-1], ids[:, 1:])
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-3)
         loss.backward()
@@ -408,10 +424,14 @@ def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
         ref_opt.step()
         ref_opt.zero_grad()
         engine.optimizer_step(1e-2, 1)
-    ulp = torch.finfo(torch.bfloat16).eps
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert p.dtype == torch.bfloat16
-        assert ((p.float() - q.float()).abs() <= ulp * q.float().abs() + 1e-30).all(), name
+        if step == 0:  # the same gradients: the two kernels' arithmetic alone
+            for name, apart in ulps_apart().items():
+                assert apart.max() <= 1, (name, apart.max().item())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # Later steps' gradients differ by those ulps, and Adam's normalised update turns a near-zero gradient of
+    # the other sign into a step of lr the other way: all but a few of each weight's elements stay close.
+    for name, apart in ulps_apart().items():
+        assert (apart > 3).float().mean() < 1e-3, (name, (apart > 3).float().mean().item())
 
 
 @cuda
@@ -529,6 +549,21 @@ def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
                                       timeout=300, device="cuda") for flag in (True, False))
     assert one_shot[0][0] == one_shot[1][0] == nccl[0][0] == nccl[1][0]
     assert [r[1] for r in one_shot] == [True, True] and [r[1] for r in nccl] == [False, False]
+
+
+@two_gpus
+@pytest.mark.parametrize("protocol", ["ll", "ll-strong", "barrier"])
+def test_fused_product_and_all_reduce_sums_every_call_of_many_replays(protocol):
+    """The one-row product and all-reduce kernel, 64 of llama2-7b's products at tp 2 in a CUDA graph replayed
+    300 times (19,264 calls): every sum within bf16's rounding of NCCL's, the same bits every replay, no
+    program given up or finding its peer ahead. The LL protocol's kernel once let a warp take the next call's
+    count and hung both ranks a few thousand calls in."""
+    import dist_fns
+
+    from shardlm.testing.distributed import run_distributed
+    got = run_distributed(dist_fns.fused_all_reduce_replays, 2, protocol, 300, timeout=240, device="cuda")
+    for err, same, fault in got:
+        assert fault is None and same and err < 2**-7, (err, same, fault)
 
 
 @cuda

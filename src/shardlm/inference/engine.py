@@ -20,7 +20,7 @@ import torch
 from ..model import Decoder
 from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
-from .one_shot import use_one_shot
+from .one_shot import fused_check, use_one_shot
 from .prefill_graphs import PrefillGraphs
 from .request import Request, Slot
 from .sampler import greedy, sample
@@ -83,6 +83,7 @@ class Engine:
             prefill_graphs = 2048 if self.compile_prefill and dev.type == "cuda" else 0
         self.prefill_graphs, self.prefill_split = prefill_graphs, prefill_split
         self.one_shot = use_one_shot(model, n, one_shot)
+        self._check_sums = fused_check(model)
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -330,6 +331,8 @@ class Engine:
             self.tokens.copy_(nxt)
             self.pos.add_(self.active)
         new = self.out[:, :steps].tolist()  # the one host sync of the burst
+        if self._check_sums is not None:
+            self._check_sums()
         for i in live:
             if self._accept(self.slots[i].request, new[i]):
                 self._release(i, finished)

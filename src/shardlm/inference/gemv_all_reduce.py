@@ -107,11 +107,12 @@ class GemvAllReduce:
     through one of two symmetric `buffers` of at least `world` x `max_n` elements (one_shot.symmetric_buffers:
     allocated and exchanged by every rank, outside any CUDA graph), `turn` 0 or 1 taken in turn by consecutive
     linears. Every rank must agree to use it (one_shot.use_one_shot decides once): a rank that took another
-    path would leave its peers waiting at the barrier. `protocol` "ll" or "ll-strong": gemv_all_reduce_ll.py's
-    kernel instead (buffers of 2 x `world` x `max_n`; opt-in, see there)."""
+    path would leave its peers waiting at the barrier. `protocol` "ll" (the default) or "ll-strong":
+    gemv_all_reduce_ll.py's kernel, which needs no barrier (buffers of 2 x `world` x `max_n`); "barrier": this
+    module's kernel."""
 
     def __init__(self, buffers: list[torch.Tensor], max_n: int, group, launch=LAUNCH, reduce: bool = True,
-                 protocol: str = "barrier"):
+                 protocol: str = "ll"):
         from torch.distributed import _symmetric_memory as symm_mem
         self.launch, self.max_n, self.reduce, self.dtype = launch, max_n, reduce, buffers[0].dtype
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
@@ -123,7 +124,7 @@ class GemvAllReduce:
             self.pads.append(_static(torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)))
             self.counts.append(_static(torch.zeros(1, dtype=torch.int32, device=device)))
         self.buffers = buffers  # kept alive: the kernel reaches them by their addresses only
-        self.protocol, self.strong = None, False
+        self.protocol, self.strong = "barrier", False
         if protocol.startswith("ll"):
             self.use_ll(strong=protocol == "ll-strong")
 

@@ -1,5 +1,5 @@
-"""The fused one-row product and all-reduce of gemv_all_reduce.py by the low-latency (LL) protocol: opt-in, not
-the default (bench/gemv_all_reduce.py's `fused-ll`, bench/generate.py's `shardlm-tpN-ll`).
+"""The fused one-row product and all-reduce of gemv_all_reduce.py by the low-latency (LL) protocol, the
+default (GemvAllReduce(protocol="ll")); gemv_all_reduce.py's barrier kernel stays for comparison.
 
 No barrier and no fence: the values travel as in NCCL's LL protocol. Each 8-byte word carries 4 bytes of data
 (two 16-bit values or one fp32) beside a 4-byte flag, and a GPU stores an aligned 8-byte word whole, so a reader
@@ -12,9 +12,9 @@ peer has started the call in between, that is, finished this one: two buffers ta
 overwritten while read. A flag beyond the awaited count (ranks whose calls were miscounted) and a wait past
 MAX_SPINS reads are recorded in `status` for `check` rather than waited on forever.
 
-Why not the default: on 2x H200 its 64 products and sums took 706-708 us a token against the barrier kernel's
-1,097 (tp 2 decoding 1.44x one GPU against 1.25x in the same call), but two of four runs on llama2-7b's shapes
-never finished (bench/README.md, thirty-fourth lease); the cause is not yet found.
+On 2x H200 its 64 products and sums took 701-712 us a token against the barrier kernel's 1,014-1,097 and
+the products alone 601-616; tp 2 decoding of llama2-7b ran 1.43-1.47x one GPU against the barrier's 1.30x
+(bench/README.md, thirty-fifth lease).
 """
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             tl.store(y_ptr + n, part, mask=n < N)
             return
         epoch = tl.load(epochs_ptr + pid) + 1
+        # Every thread loads the count and one stores it: without the barrier a warp that loads after that store
+        # takes the next call's count, waits for a flag its peer writes only a call later, and both ranks hang.
+        tl.debug_barrier()
         tl.store(epochs_ptr + pid, epoch)
         NW: tl.constexpr = N // PER  # words a slot
         words = _pack(part, epoch, BN, PER)

@@ -190,6 +190,14 @@ def use_one_shot(model: torch.nn.Module, rows: int, one_shot: bool | None = None
     return True
 
 
+def fused_check(model: torch.nn.Module):
+    """The check (GemvAllReduce.check) of the one-row product and all-reduce kernel that use_one_shot gave
+    `model`'s row-parallel linears, else None: to run after a decode step's tokens reach the host, so that a
+    sum its kernel gave up on raises rather than passing on wrong tokens."""
+    return next((m.small_all_reduce.fused.check for m in model.modules()
+                 if getattr(getattr(m, "small_all_reduce", None), "fused", None) is not None), None)
+
+
 def symmetric_buffers(sizes: list[int], like: torch.Tensor, group) -> list[torch.Tensor] | None:
     """Symmetric buffers of at least `sizes` elements of `like`'s dtype on its device (rounded up to 8: whole
     16-byte vectors), exchanged over `group` and each used once, outside any CUDA graph (the op's first call
