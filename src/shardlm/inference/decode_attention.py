@@ -19,7 +19,7 @@ from ..kernels import on_device, triton, triton_ok
 # Keys a loop iteration loads, keys a program reads at most, warps a program: an H200's best over 32-256,
 # 32-128 and 2-8 for one and for 16 rows of 16 slots, 512 and 2048 keys (bench/README.md). Small splits keep
 # the SMs busy when few rows hold keys; a split that holds none of its row's keys skips its loop.
-BLOCK, SPLIT, WARPS = 32, 64, 2
+BLOCK, SPLIT, WARPS = 32, 64, 4
 
 
 if triton is not None and hasattr(torch.library, "custom_op"):
@@ -44,12 +44,14 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
                 t = split * SPLIT + i * BLOCK + tl.arange(0, BLOCK)
                 ok = (t >= start) & (t < end)
+                # the values loaded beside the keys, before the scores' reductions (whose barriers no load
+                # crosses): one memory latency a tile, not two
                 k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
                 x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
                 new = tl.maximum(best, tl.max(x, 0))
                 fade = tl.exp(best - new)
                 p = tl.where(ok, tl.exp(x - new), 0.0)
-                v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
                 acc = acc * fade + tl.sum(p[:, None] * v, 0)
                 total = total * fade + tl.sum(p, 0)
                 best = new
