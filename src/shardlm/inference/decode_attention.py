@@ -17,8 +17,9 @@ from ..kernels import on_device, triton, triton_ok
 
 
 # Keys a loop iteration loads, keys a program reads at most, warps a program: an H200's best over 32-256,
-# 32-128 and 2-8 for one and for 16 rows of 16 slots, 512 and 2048 keys (bench/README.md). Small splits keep
-# the SMs busy when few rows hold keys; a split that holds none of its row's keys skips its loop.
+# 32-128 and 2-8 for one and for 16 rows of 16 slots, 512 and 2048 keys (bench/README.md), then 4 warps, not 2:
+# with the values loaded beside the keys 2 warps spill registers. Small splits keep the SMs busy when few rows
+# hold keys; a split that holds none of its row's keys skips its loop.
 BLOCK, SPLIT, WARPS = 32, 64, 4
 
 
