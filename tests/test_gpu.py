@@ -555,9 +555,9 @@ def test_one_shot_and_nccl_collectives_give_the_same_bf16_tokens(tmp_path):
 @pytest.mark.parametrize("protocol", ["ll", "ll-strong", "barrier"])
 def test_fused_product_and_all_reduce_sums_every_call_of_many_replays(protocol):
     """The one-row product and all-reduce kernel, 64 of llama2-7b's products at tp 2 in a CUDA graph replayed
-    300 times (19,264 calls): every sum within bf16's rounding of NCCL's, the same bits every replay, no
-    program given up or finding its peer ahead. The LL protocol's kernel once let a warp take the next call's
-    count and hung both ranks a few thousand calls in."""
+    300 times (19,456 calls with the warm-up): every sum within bf16's rounding of NCCL's, the same bits every
+    replay, no program given up or finding its peer ahead. The LL protocol's kernel once let a warp take the
+    next call's count and hung both ranks a few thousand calls in."""
     import dist_fns
 
     from shardlm.testing.distributed import run_distributed
