@@ -22,10 +22,11 @@ import torch
 
 from ..kernels import on_device, triton
 
-# Reads of a peer's flag before a program gives up (its output wrong, `status` set for `check`): about a minute
-# at a microsecond a read, far beyond the ranks' skew within a decode step; a rank that waits in its first call
-# while its peer still compiles could see it.
-MAX_SPINS = 1 << 26
+# Reads of a peer's flag before a program gives up (its output wrong, `status` set for `check`, which the engine
+# raises): about ten minutes at half a microsecond a read (a load from L2 and a block-wide minimum), beyond
+# any skew between ranks that still agree, such as one rank compiling a new decode graph longer than its
+# peer; a give-up is then a rank gone, not a slow one.
+MAX_SPINS = 1 << 30
 
 if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
