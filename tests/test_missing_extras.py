@@ -1,0 +1,32 @@
+"""A first run on a machine that lacks an optional package (pyproject.toml's extras) or a piece of the environment:
+the command ends with one line naming what is missing and how to get it, a non-zero status, no traceback, and
+before the work it would otherwise waste (a tokenized corpus, a loaded model, a whole generation).
+
+A package is made missing as a user's install lacks it: None in sys.modules for it and each of its submodules
+already imported, so that importing any of them raises ImportError."""
+import sys
+
+from shardlm.cli import main
+
+
+def _without(monkeypatch, package: str) -> None:
+    for name in [package, *(n for n in sys.modules if n.startswith(package + "."))]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    status = main([str(a) for a in argv])
+    return status, capsys.readouterr().err.strip()
+
+
+def test_parquet_without_pyarrow_is_named_before_any_input_is_tokenized(tmp_path, monkeypatch, capsys):
+    """The ImportError escaped as a traceback, after the inputs before the parquet one had been tokenized."""
+    (tmp_path / "a.txt").write_text("some text to tokenize\n")
+    (tmp_path / "b.parquet").write_bytes(b"PAR1")  # never read: pyarrow is looked for first
+    _without(monkeypatch, "pyarrow")
+    out = tmp_path / "out"
+    status, err = _cli(["data", "prepare", "--input", tmp_path / "a.txt", tmp_path / "b.parquet", "--tokenizer",
+                        "byte", "--out", out], capsys)
+    assert status == 2 and "\n" not in err, err
+    assert err.startswith("shardlm data: error: ") and "b.parquet" in err and "pip install 'shardlm[parquet]'" in err
+    assert not out.exists()
