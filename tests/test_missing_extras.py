@@ -4,7 +4,10 @@ before the work it would otherwise waste (a tokenized corpus, a loaded model, a 
 
 A package is made missing as a user's install lacks it: None in sys.modules for it and each of its submodules
 already imported, so that importing any of them raises ImportError."""
+import json
 import sys
+
+import pytest
 
 from shardlm.cli import main
 
@@ -30,3 +33,16 @@ def test_parquet_without_pyarrow_is_named_before_any_input_is_tokenized(tmp_path
     assert status == 2 and "\n" not in err, err
     assert err.startswith("shardlm data: error: ") and "b.parquet" in err and "pip install 'shardlm[parquet]'" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tasks, package, name", [("bleu", "sacrebleu", "sacrebleu"),
+                                                  ("bleu,rouge", "rouge_score", "rouge-score")])
+def test_eval_without_its_scorer_is_named_before_the_model_loads(tasks, package, name, tmp_path, monkeypatch, capsys):
+    """The scorer was imported only once every completion had been generated (minutes to hours on a large file),
+    all of it thrown away; now before --model is read (it does not exist here)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "the cat ", "completion": "sat on the mat"}) + "\n")
+    _without(monkeypatch, package)
+    status, err = _cli(["eval", "--model", tmp_path / "no_model", "--tasks", tasks, "--data", data], capsys)
+    assert status == 2 and "\n" not in err, err
+    assert f"the {name} package" in err and "pip install 'shardlm[eval]'" in err, err

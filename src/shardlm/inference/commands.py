@@ -186,7 +186,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
-    from ..text_metrics import loss_text, parse_tasks, read_examples
+    from ..text_metrics import loss_text, parse_tasks, read_examples, require_scorers
     tasks = parse_tasks(a.tasks)
     _refuse_unused(a, tasks)
     if a.batch_size < 1:
@@ -200,6 +200,7 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
+        require_scorers(tasks)
         prompts, refs = read_examples(a.data, tasks)  # before loading the model: a bad file fails fast
         if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
             raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
