@@ -46,3 +46,14 @@ def test_eval_without_its_scorer_is_named_before_the_model_loads(tasks, package,
     status, err = _cli(["eval", "--model", tmp_path / "no_model", "--tasks", tasks, "--data", data], capsys)
     assert status == 2 and "\n" not in err, err
     assert f"the {name} package" in err and "pip install 'shardlm[eval]'" in err, err
+
+
+def test_qlora_without_torchao_names_the_extra(tmp_path, monkeypatch, capsys):
+    """It said `pip install torchao`, not the extra the README names ('shardlm[qlora]')."""
+    _without(monkeypatch, "torchao")
+    out = tmp_path / "run"
+    status, err = _cli(["train", "tiny", "--lora.rank", "4", "--lora.quantize", "nf4", "--train.steps", "1",
+                        "--train.tensorboard", "false", "--out", out], capsys)
+    assert status == 2 and err.splitlines()[-1].startswith("shardlm train: error: "), err
+    assert "lora.quantize = 'nf4' needs torchao: pip install 'shardlm[qlora]'" in err.splitlines()[-1], err
+    assert not out.exists()
