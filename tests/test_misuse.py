@@ -844,7 +844,13 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
     # It joined as a client of a store no rank serves: C++ frames, then 'a peer rank died or stalled'.
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "the environment variable RANK = '2' is not a whole number 0 to 1: the ranks of WORLD_SIZE = 2 are numbered"),
-], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world"])
+    # Half of a job script's variables: a rank 1 trained alone, unsaid; every rank took rank 0 (C++ frames first).
+    ({"RANK": "1"}, "RANK = '1' but WORLD_SIZE is not set: unset RANK to run one process, or start the ranks with "
+     "torchrun"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "WORLD_SIZE = 2 but RANK is not set: start the ranks with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world",
+        "rank-without-world", "world-without-rank"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -138,9 +138,18 @@ def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
 
 def world_from_env() -> tuple[int, int, int]:
     world = _env_int("WORLD_SIZE", 1, low=1)
+    # Half of a job script's variables: without RANK every process took rank 0 (C++ frames of the heartbeat's
+    # store, then torch's 'environment variable RANK expected'); without WORLD_SIZE a RANK 1 ran alone, unsaid.
+    if world > 1 and "RANK" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE = {world} but RANK is not set: start the ranks with torchrun (torchrun "
+                          f"--nproc-per-node {world} -m shardlm ...), which numbers them, or set RANK to this "
+                          f"process's number (0 to {world - 1})")
+    if "WORLD_SIZE" not in os.environ and os.environ.get("RANK", "0") != "0":
+        raise ConfigError(f"RANK = {os.environ['RANK']!r} but WORLD_SIZE is not set: unset RANK to run one process, or "
+                          "start the ranks with torchrun, which sets WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT")
     # A RANK past the world (a job script's RANK=$SLURM_PROCID under WORLD_SIZE=$SLURM_NNODES) joined the
     # rendezvous as a client of a store no rank serves: screens of C++ frames, then 'a peer rank died'.
-    rank = _env_int("RANK", 0, high=world - 1 if world > 1 else None,
+    rank = _env_int("RANK", 0, high=world - 1,
                     fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
                         "torchrun, which numbers them, or set RANK to this process's number")
     return world, rank, _env_int("LOCAL_RANK", 0)
