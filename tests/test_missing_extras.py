@@ -57,3 +57,22 @@ def test_qlora_without_torchao_names_the_extra(tmp_path, monkeypatch, capsys):
     assert status == 2 and err.splitlines()[-1].startswith("shardlm train: error: "), err
     assert "lora.quantize = 'nf4' needs torchao: pip install 'shardlm[qlora]'" in err.splitlines()[-1], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "x"], ["serve", "--port", "0"]])
+def test_a_model_directory_without_its_tokenizer_is_named_before_the_model_loads(cmd, tmp_path, monkeypatch, capsys):
+    """A Hugging Face directory copied without tokenizer.json: the weights were loaded (minutes for a 7B model, the
+    server's port held meanwhile) before the tokenizer was looked for."""
+    import shardlm.inference.load as load
+    from shardlm.config import load_config
+    from shardlm.model import build_model
+    from shardlm.model.hf import write_hf_dir
+    from shardlm.tokenizer import load_tokenizer
+    cfg = load_config("tiny").model
+    write_hf_dir(build_model(cfg, seed=0).state_dict(), cfg, tmp_path / "hf", load_tokenizer("byte"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
+    monkeypatch.setattr(load, "Decoder", lambda *a, **k: pytest.fail("the model was built"))
+    status, err = _cli([cmd[0], "--model", tmp_path / "hf", *cmd[1:]], capsys)
+    assert status == 2 and "\n" not in err, err
+    assert f"no tokenizer.json at {tmp_path / 'hf'}; copy the tokenizer's files" in err, err
