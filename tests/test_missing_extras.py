@@ -76,3 +76,25 @@ def test_a_model_directory_without_its_tokenizer_is_named_before_the_model_loads
     status, err = _cli([cmd[0], "--model", tmp_path / "hf", *cmd[1:]], capsys)
     assert status == 2 and "\n" not in err, err
     assert f"no tokenizer.json at {tmp_path / 'hf'}; copy the tokenizer's files" in err, err
+
+
+def test_an_export_that_cannot_be_written_is_named_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
+    """--out in a read-only place: the checkpoint was read and verified whole (minutes for a 7B run's) before the
+    write failed."""
+    import os
+
+    import shardlm.checkpoint as checkpoint
+    if os.geteuid() != 0:  # permissions hold
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        out = ro / "export"
+    elif os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
+        out = "/sys/kernel/shardlm-export"
+    else:
+        pytest.skip("no directory this user cannot write")
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    status, err = _cli(["export", "--checkpoint", tmp_path / "run", "--out", out], capsys)
+    assert status == 2 and "\n" not in err, err
+    assert err.startswith(f"shardlm export: error: --out {out} cannot be written: "), err
+    assert not os.path.exists(out)
