@@ -98,3 +98,18 @@ def test_an_export_that_cannot_be_written_is_named_before_the_checkpoint_is_read
     assert status == 2 and "\n" not in err, err
     assert err.startswith(f"shardlm export: error: --out {out} cannot be written: "), err
     assert not os.path.exists(out)
+
+
+def test_compiled_training_on_a_cpu_without_a_cxx_compiler_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    """train.compile (the gpt2-124m and llama presets set it) on a CPU with no C++ compiler, as in a slim container:
+    the first step ended in Inductor's InvalidCxxCompiler traceback, after the run had claimed its --out."""
+    pytest.importorskip("torch._inductor.cpp_builder")
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    out = tmp_path / "run"
+    status, err = _cli(["train", "tiny", "--train.device", "cpu", "--train.compile", "true", "--train.steps", "1",
+                        "--train.tensorboard", "false", "--out", out], capsys)
+    assert status == 2 and "\n" not in err, err
+    assert err.startswith("shardlm train: error: train.compile = true on the CPU needs a C++ compiler") and \
+        "or set train.compile false" in err, err
+    assert not out.exists()
