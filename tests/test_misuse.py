@@ -887,6 +887,30 @@ def test_a_master_port_in_use_is_named_by_rank_0_started_by_hand(tmp_path, monke
 
 
 @pytest.mark.timeout(60)
+def test_a_master_addr_that_names_no_host_is_named_at_once(tmp_path, monkeypatch, capsys):
+    """A MASTER_ADDR typo: rank 1's store client retried it for all of parallel.timeout_s (600 s by default), through
+    screens of C++ warnings, then blamed 'a peer rank died or stalled'."""
+    import socket
+    host = "no-such-host.invalid"  # RFC 2606: a name that never resolves
+    try:
+        socket.getaddrinfo(host, 29500)
+        pytest.skip(f"{host} resolves here")
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:
+            pytest.skip(f"this machine's resolver cannot tell ({e})")
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": host, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--parallel.timeout_s", "5", "--out", tmp_path / "new"],
+                 ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+        status, lines = _cli(argv, capsys)
+        assert status == 2 and len(lines) == 1, lines
+        assert f"MASTER_ADDR = '{host}' does not resolve to an address" in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval", "--data", "{text}", "--seq-len", "8"],
                                      ["serve", "--port", "0"]], ids=["generate", "eval", "serve"])
 def test_inference_under_torchrun_without_tp_is_refused_before_the_model(command, world, monkeypatch, capsys):

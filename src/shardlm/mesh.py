@@ -165,8 +165,24 @@ def check_rendezvous_env(world: int) -> None:
                           f"set: start the ranks with torchrun (torchrun --nproc-per-node {world} -m shardlm ...), "
                           "which sets them, or set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port")
     port = _env_int("MASTER_PORT", 0, low=1, high=65535, fix="set it to a free port on rank 0's host (MASTER_ADDR)")
+    _check_master_addr(os.environ["MASTER_ADDR"], port)
     if _env_int("RANK", 0) == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         _check_store_port(port)
+
+
+def _check_master_addr(host: str, port: int) -> None:
+    """A MASTER_ADDR that names no host (a typo, a name only another network resolves): TCPStore's clients retried it
+    for all of parallel.timeout_s (600 s), printing screens of C++ warnings, then blamed 'a peer rank died or
+    stalled'. Only a name the resolver says does not exist is refused: a resolver that fails for now (EAI_AGAIN) is
+    left to the rendezvous, which retries."""
+    import socket
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return
+        raise ConfigError(f"MASTER_ADDR = {host!r} does not resolve to an address ({e.strerror}): set it to rank 0's "
+                          "host name or IP address, the same on every rank") from None
 
 
 def _check_store_port(port: int) -> None:
