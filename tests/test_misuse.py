@@ -911,6 +911,30 @@ def test_a_master_addr_that_names_no_host_is_named_at_once(tmp_path, monkeypatch
 
 
 @pytest.mark.timeout(60)
+def test_generate_tp_whose_peer_never_starts_says_what_it_waits_for(monkeypatch, capsys):
+    """Rank 0 of `generate --tp 2` started by hand, rank 1 never (or with another MASTER_PORT): it waited in silence
+    for torch's 30 minutes, then ended in a DistStoreError traceback. Now, as train's rendezvous does, it says what
+    it waits for, and at the timeout stops with one line."""
+    from datetime import timedelta
+
+    import shardlm.inference.commands as commands
+    from shardlm.testing.distributed import free_port
+    monkeypatch.setattr(commands, "_default_timeout", lambda nccl: timedelta(seconds=4))
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    port = free_port()
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    status, lines = _cli(["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"], capsys)
+    assert status == 1 and len(lines) == 2, lines
+    assert lines[0] == (f"shardlm: waiting for all 2 ranks to join at 127.0.0.1:{port} (for up to 4 s): each must be "
+                        "started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"), lines
+    assert lines[1].startswith(f"shardlm generate: error: the 2 ranks of --tp 2 did not all join at 127.0.0.1:{port} "
+                               "within 4 s ("), lines
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval", "--data", "{text}", "--seq-len", "8"],
                                      ["serve", "--port", "0"]], ids=["generate", "eval", "serve"])
 def test_inference_under_torchrun_without_tp_is_refused_before_the_model(command, world, monkeypatch, capsys):

@@ -295,7 +295,7 @@ def init_distributed(cfg: Config, also: dict | None = None) -> DeviceMesh:
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        _rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
+        rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
     # Before the mesh: ranks given other layouts would create other groups and wait in each other's.
     check_same_settings({**_settings(cfg), **(also or {})})
     return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
@@ -334,7 +334,7 @@ def check_same_settings(mine: dict) -> None:
                               "start every rank with the same config and arguments")
 
 
-def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
+def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
     """init_process_group, which waits for every rank of the job up to `timeout`: a rank started by hand whose
     peers never start, or a node of the job slow to come up, waited in silence. Where `say` (a node's first
     rank), a line tells what it waits for once the wait is no longer a start-up's."""
