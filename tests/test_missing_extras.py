@@ -59,17 +59,23 @@ def test_qlora_without_torchao_names_the_extra(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("cmd", [["generate", "--prompt", "x"], ["serve", "--port", "0"]])
-def test_a_model_directory_without_its_tokenizer_is_named_before_the_model_loads(cmd, tmp_path, monkeypatch, capsys):
-    """A Hugging Face directory copied without tokenizer.json: the weights were loaded (minutes for a 7B model, the
-    server's port held meanwhile) before the tokenizer was looked for."""
-    import shardlm.inference.load as load
+def _hf_dir(directory):
+    """A tiny random model as a Hugging Face directory (byte tokenizer)."""
     from shardlm.config import load_config
     from shardlm.model import build_model
     from shardlm.model.hf import write_hf_dir
     from shardlm.tokenizer import load_tokenizer
     cfg = load_config("tiny").model
-    write_hf_dir(build_model(cfg, seed=0).state_dict(), cfg, tmp_path / "hf", load_tokenizer("byte"))
+    write_hf_dir(build_model(cfg, seed=0).state_dict(), cfg, directory, load_tokenizer("byte"))
+    return directory
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "x"], ["serve", "--port", "0"]])
+def test_a_model_directory_without_its_tokenizer_is_named_before_the_model_loads(cmd, tmp_path, monkeypatch, capsys):
+    """A Hugging Face directory copied without tokenizer.json: the weights were loaded (minutes for a 7B model, the
+    server's port held meanwhile) before the tokenizer was looked for."""
+    import shardlm.inference.load as load
+    _hf_dir(tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "hf" / name).unlink()
     monkeypatch.setattr(load, "Decoder", lambda *a, **k: pytest.fail("the model was built"))
@@ -113,3 +119,19 @@ def test_compiled_training_on_a_cpu_without_a_cxx_compiler_is_refused_before_the
     assert err.startswith("shardlm train: error: train.compile = true on the CPU needs a C++ compiler") and \
         "or set train.compile false" in err, err
     assert not out.exists()
+
+
+def test_serve_names_an_adapter_directory_missing_its_files_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """`serve --adapter NAME=DIR` with DIR lacking adapter_model.safetensors (a copy of adapter_config.json alone):
+    the base model was loaded, minutes for a large one, before the adapter was read."""
+    import shardlm.inference.load as load
+    _hf_dir(tmp_path / "hf")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
+                                                                          "lora_alpha": 8}))
+    monkeypatch.setattr(load, "Decoder", lambda *a, **k: pytest.fail("the model was built"))
+    status, err = _cli(["serve", "--model", tmp_path / "hf", "--adapter", f"a={tmp_path / 'adapter'}", "--port", "0"],
+                       capsys)
+    assert status == 2 and "\n" not in err, err
+    assert f"{tmp_path / 'adapter'} is not a readable PEFT adapter directory" in err and \
+        "adapter_model.safetensors" in err, err
