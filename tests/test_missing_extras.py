@@ -135,3 +135,19 @@ def test_serve_names_an_adapter_directory_missing_its_files_before_the_model_loa
     assert status == 2 and "\n" not in err, err
     assert f"{tmp_path / 'adapter'} is not a readable PEFT adapter directory" in err and \
         "adapter_model.safetensors" in err, err
+
+
+def test_a_hugging_face_hub_name_says_how_to_get_the_model(tmp_path, monkeypatch, capsys):
+    """shardlm fetches nothing, offline (HF_HUB_OFFLINE=1) or not: a Hub name where a directory belongs said only
+    'no such directory' (--model) or named a missing gpt2/config.json (train.init_from), not how to get one, as
+    `data prepare --tokenizer gpt2` does."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for argv in (["generate", "--model", "meta-llama/Llama-2-7b-hf", "--prompt", "x"],
+                 ["serve", "--model", "gpt2", "--port", "0"],
+                 ["train", "tiny", "--train.init_from", "gpt2", "--out", tmp_path / "run"]):
+        status, err = _cli(argv, capsys)
+        assert status == 2 and "\n" not in err, err
+        assert "for a Hugging Face Hub model, download its config.json, *.safetensors, tokenizer.json and " \
+               "tokenizer_config.json into a directory and give that" in err, err
+    assert not (tmp_path / "run").exists()

@@ -83,8 +83,10 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
     its slice of each sharded weight."""
     path, device = Path(path), torch.device(device)
-    if not path.exists():
-        raise FileNotFoundError(f"--model {path}: no such directory")
+    if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
+        raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
+                                "config.json, *.safetensors, tokenizer.json and tokenizer_config.json into a "
+                                "directory and give that)")
     # Every tensor-parallel rank resolves the checkpoint; one note of a damaged one skipped is enough.
     quiet = tp_group is not None and torch.distributed.get_rank(tp_group) != 0
     src = _Source(path, (lambda note: None) if quiet else None)
