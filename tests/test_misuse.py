@@ -849,11 +849,12 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
      "torchrun"),
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "WORLD_SIZE = 2 but RANK is not set: start the ranks with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+    ({"LOCAL_WORLD_SIZE": "two"}, "the environment variable LOCAL_WORLD_SIZE = 'two' is not a whole number 1 or more"),
 ], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world",
-        "rank-without-world", "world-without-rank"])
+        "rank-without-world", "world-without-rank", "local-world-not-a-number"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

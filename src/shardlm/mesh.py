@@ -152,6 +152,7 @@ def world_from_env() -> tuple[int, int, int]:
     rank = _env_int("RANK", 0, high=world - 1,
                     fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
                         "torchrun, which numbers them, or set RANK to this process's number")
+    _env_int("LOCAL_WORLD_SIZE", 1, low=1)  # int() of it elsewhere (memory_check, offload, ...) named no variable
     return world, rank, _env_int("LOCAL_RANK", 0)
 
 
