@@ -151,3 +151,25 @@ def test_a_hugging_face_hub_name_says_how_to_get_the_model(tmp_path, monkeypatch
         assert "for a Hugging Face Hub model, download its config.json, *.safetensors, tokenizer.json and " \
                "tokenizer_config.json into a directory and give that" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_broken_tensorboard_is_warned_of_and_the_run_goes_on(tmp_path, monkeypatch):
+    """train.tensorboard is on by default and optional: an installed tensorboard whose import fails otherwise than
+    ImportError (a protobuf its generated code predates raises TypeError) stopped every run with a traceback."""
+    import types
+
+    from shardlm.metrics import MetricsLogger
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise TypeError("Descriptors cannot be created directly.\nIf this call came from a _pb2.py file, ...")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", Broken("torch.utils.tensorboard"))
+    said = []
+    logger = MetricsLogger(tmp_path, True, True, warn=said.append)
+    logger.close()
+    assert len(said) == 1 and "importing the tensorboard package failed (TypeError: Descriptors cannot be created " \
+        "directly.)" in said[0] and "train.tensorboard false" in said[0], said
+    assert not list(tmp_path.glob("tensorboard/events.*"))
+    said.clear()
+    MetricsLogger(tmp_path, True, False, warn=said.append).close()
+    assert not said
