@@ -844,10 +844,17 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
     # It joined as a client of a store no rank serves: C++ frames, then 'a peer rank died or stalled'.
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "the environment variable RANK = '2' is not a whole number 0 to 1: the ranks of WORLD_SIZE = 2 are numbered"),
-], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world"])
+    # Half of a job script's variables: a rank 1 trained alone, unsaid; every rank took rank 0 (C++ frames first).
+    ({"RANK": "1"}, "RANK = '1' but WORLD_SIZE is not set: unset RANK to run one process, or start the ranks with "
+     "torchrun"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "WORLD_SIZE = 2 but RANK is not set: start the ranks with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
+    ({"LOCAL_WORLD_SIZE": "two"}, "the environment variable LOCAL_WORLD_SIZE = 'two' is not a whole number 1 or more"),
+], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world",
+        "rank-without-world", "world-without-rank", "local-world-not-a-number"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -878,6 +885,54 @@ def test_a_master_port_in_use_is_named_by_rank_0_started_by_hand(tmp_path, monke
             assert (f"MASTER_PORT = {port} is in use on this host (another job, or a server, listens there), and rank 0 "
                     "listens on it for the others: set MASTER_PORT to a free port") in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_master_addr_that_names_no_host_is_named_at_once(tmp_path, monkeypatch, capsys):
+    """A MASTER_ADDR typo: rank 1's store client retried it for all of parallel.timeout_s (600 s by default), through
+    screens of C++ warnings, then blamed 'a peer rank died or stalled'."""
+    import socket
+    host = "no-such-host.invalid"  # RFC 2606: a name that never resolves
+    try:
+        socket.getaddrinfo(host, 29500)
+        pytest.skip(f"{host} resolves here")
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:
+            pytest.skip(f"this machine's resolver cannot tell ({e})")
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": host, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["train", "tiny", *QUIET, "--parallel.dp", "2", "--parallel.timeout_s", "5", "--out", tmp_path / "new"],
+                 ["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"]):
+        status, lines = _cli(argv, capsys)
+        assert status == 2 and len(lines) == 1, lines
+        assert f"MASTER_ADDR = '{host}' does not resolve to an address" in lines[0], lines
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(60)
+def test_generate_tp_whose_peer_never_starts_says_what_it_waits_for(monkeypatch, capsys):
+    """Rank 0 of `generate --tp 2` started by hand, rank 1 never (or with another MASTER_PORT): it waited in silence
+    for torch's 30 minutes, then ended in a DistStoreError traceback. Now, as train's rendezvous does, it says what
+    it waits for, and at the timeout stops with one line."""
+    from datetime import timedelta
+
+    import shardlm.inference.commands as commands
+    from shardlm.testing.distributed import free_port
+    monkeypatch.setattr(commands, "_default_timeout", lambda nccl: timedelta(seconds=4))
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    port = free_port()
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    status, lines = _cli(["generate", "--model", "tiny", "--prompt", "x", "--tp", "2"], capsys)
+    assert status == 1 and len(lines) == 2, lines
+    assert lines[0] == (f"shardlm: waiting for all 2 ranks to join at 127.0.0.1:{port} (for up to 4 s): each must be "
+                        "started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"), lines
+    assert lines[1].startswith(f"shardlm generate: error: the 2 ranks of --tp 2 did not all join at 127.0.0.1:{port} "
+                               "within 4 s ("), lines
 
 
 @pytest.mark.timeout(60)

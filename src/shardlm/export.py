@@ -13,6 +13,7 @@ project, and the run being exported, with it.
 from __future__ import annotations
 
 import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,7 +60,19 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
             raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it (a previous "
                               "export), or give a new --out")
         _refuse_non_export(out, final)
+    _check_writable(out, final)
     return final
+
+
+def _check_writable(out: str | Path, final: Path) -> None:
+    """Where the export is built (swap.building: inside an empty --out, else beside it, making its parents) can be
+    written: a read-only one failed only once the whole checkpoint had been read and verified."""
+    empty = final.is_dir() and not any(final.iterdir())
+    where = final if empty else next(p for p in final.parents if p.is_dir())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=where, prefix=".shardlm-write-test-"))
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
 
 
 EXPORT_MARKS = ("config.json", "adapter_config.json")  # what write_hf_dir and write_peft_dir always write

@@ -269,6 +269,11 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
     return out
 
 
+# A name as from_pretrained takes it (gpt2, meta-llama/...) is no directory here: nothing is fetched.
+HUB_HINT = ("; for a Hugging Face Hub model, download its config.json, *.safetensors, tokenizer.json and "
+            "tokenizer_config.json into a directory and give that")
+
+
 def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
     """`cfg` with the model section of `train.init_from`'s config.json (the `model.*` overrides still win):
     fine-tuning starts from that checkpoint's model, whatever the preset said."""
@@ -290,7 +295,7 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
                if adapter.is_file() else
                # A file (model.safetensors, config.json) where transformers' from_pretrained takes its directory.
                f": it is a file; give the directory holding it ({path.parent.parent})" if path.parent.is_file()
-               else "")
+               else HUB_HINT if not path.parent.exists() else "")
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r}: no readable Hugging Face config.json "
                           f"({e}){fix}") from None
     try:  # the error names the directory: a preset's or a config's own model keys are not what is refused

@@ -138,11 +138,21 @@ def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
 
 def world_from_env() -> tuple[int, int, int]:
     world = _env_int("WORLD_SIZE", 1, low=1)
+    # Half of a job script's variables: without RANK every process took rank 0 (C++ frames of the heartbeat's
+    # store, then torch's 'environment variable RANK expected'); without WORLD_SIZE a RANK 1 ran alone, unsaid.
+    if world > 1 and "RANK" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE = {world} but RANK is not set: start the ranks with torchrun (torchrun "
+                          f"--nproc-per-node {world} -m shardlm ...), which numbers them, or set RANK to this "
+                          f"process's number (0 to {world - 1})")
+    if "WORLD_SIZE" not in os.environ and os.environ.get("RANK", "0") != "0":
+        raise ConfigError(f"RANK = {os.environ['RANK']!r} but WORLD_SIZE is not set: unset RANK to run one process, or "
+                          "start the ranks with torchrun, which sets WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT")
     # A RANK past the world (a job script's RANK=$SLURM_PROCID under WORLD_SIZE=$SLURM_NNODES) joined the
     # rendezvous as a client of a store no rank serves: screens of C++ frames, then 'a peer rank died'.
-    rank = _env_int("RANK", 0, high=world - 1 if world > 1 else None,
+    rank = _env_int("RANK", 0, high=world - 1,
                     fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
                         "torchrun, which numbers them, or set RANK to this process's number")
+    _env_int("LOCAL_WORLD_SIZE", 1, low=1)  # int() of it elsewhere (memory_check, offload, ...) named no variable
     return world, rank, _env_int("LOCAL_RANK", 0)
 
 
@@ -156,8 +166,24 @@ def check_rendezvous_env(world: int) -> None:
                           f"set: start the ranks with torchrun (torchrun --nproc-per-node {world} -m shardlm ...), "
                           "which sets them, or set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port")
     port = _env_int("MASTER_PORT", 0, low=1, high=65535, fix="set it to a free port on rank 0's host (MASTER_ADDR)")
+    _check_master_addr(os.environ["MASTER_ADDR"], port)
     if _env_int("RANK", 0) == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         _check_store_port(port)
+
+
+def _check_master_addr(host: str, port: int) -> None:
+    """A MASTER_ADDR that names no host (a typo, a name only another network resolves): TCPStore's clients retried it
+    for all of parallel.timeout_s (600 s), printing screens of C++ warnings, then blamed 'a peer rank died or
+    stalled'. Only a name the resolver says does not exist is refused: a resolver that fails for now (EAI_AGAIN) is
+    left to the rendezvous, which retries."""
+    import socket
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return
+        raise ConfigError(f"MASTER_ADDR = {host!r} does not resolve to an address ({e.strerror}): set it to rank 0's "
+                          "host name or IP address, the same on every rank") from None
 
 
 def _check_store_port(port: int) -> None:
@@ -270,7 +296,7 @@ def init_distributed(cfg: Config, also: dict | None = None) -> DeviceMesh:
     timeout = timedelta(seconds=p.timeout_s * (2 if use_cuda else 1))
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        _rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
+        rendezvous("nccl" if use_cuda else "gloo", timeout, world, local_rank == 0)
     # Before the mesh: ranks given other layouts would create other groups and wait in each other's.
     check_same_settings({**_settings(cfg), **(also or {})})
     return build_mesh(p.pp, p.dp, p.cp, p.tp, timeout, ep=p.ep)
@@ -309,7 +335,7 @@ def check_same_settings(mine: dict) -> None:
                               "start every rank with the same config and arguments")
 
 
-def _rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
+def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
     """init_process_group, which waits for every rank of the job up to `timeout`: a rank started by hand whose
     peers never start, or a node of the job slow to come up, waited in silence. Where `say` (a node's first
     rank), a line tells what it waits for once the wait is no longer a start-up's."""

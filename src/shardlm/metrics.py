@@ -90,6 +90,13 @@ class MetricsLogger:
                          "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
                          "false to silence this")
                 return
+            except Exception as e:  # noqa: BLE001 - installed but broken (a protobuf its generated code predates)
+                if tensorboard:  # an optional log, on by default: it stopped every run before its first step
+                    why = (str(e).strip().splitlines() or [""])[0][:200]
+                    warn(f"warning: no TensorBoard events will be written: importing the tensorboard package failed "
+                         f"({type(e).__name__}: {why}); reinstall it (pip install --upgrade 'shardlm[tensorboard]'), "
+                         "or set train.tensorboard false to silence this")
+                return
             purge = None if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
             if not tensorboard:

@@ -92,6 +92,15 @@ def _require(module: str, package: str):
                           f"(or pip install 'shardlm[eval]')") from None
 
 
+def require_scorers(tasks: list[str]) -> None:
+    """The packages that score `tasks`, looked for before a model loads: they were imported only once every
+    completion had been generated, which a missing one then threw away."""
+    if "bleu" in tasks:
+        _require("sacrebleu", "sacrebleu")
+    if "rouge" in tasks:
+        _require("rouge_score.rouge_scorer", "rouge-score")
+
+
 def bleu_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
     """Corpus BLEU and chrF of the hypotheses, one reference each."""
     sacrebleu = _require("sacrebleu", "sacrebleu")

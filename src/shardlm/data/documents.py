@@ -109,12 +109,19 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         yield text, nbytes
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+def pyarrow_modules(path: Path):
+    """pyarrow and pyarrow.parquet, to read the parquet input `path`; refused naming the extra where they are not
+    installed (an ImportError was a traceback, after the inputs before it had been tokenized)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
+        raise PrepareError(f"{path}: reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
+    return pa, pq
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    pa, pq = pyarrow_modules(path)
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:

@@ -25,7 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
-from .documents import PrepareError, iter_pieces
+from .documents import PrepareError, iter_pieces, pyarrow_modules
 from .swap import SCRATCH, building, remove_leftovers
 
 MAGIC = b"SHLMTOK1"
@@ -345,6 +345,8 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 open(p, "rb").close()
             except OSError as e:
                 raise PrepareError(f"input {p} cannot be read: {e.strerror or e}") from None
+            if p.suffix.lower() == ".parquet":
+                pyarrow_modules(p)
         _refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p, text_field or "text") for p in inputs]

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, RunError
 from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
 from .request_lines import INT64, check_output, check_vocab, read_requests
@@ -141,7 +141,7 @@ def _tensor_parallel(a):
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, check_rendezvous_env, check_same_settings
+    from ..mesh import build_mesh, check_rendezvous_env, check_same_settings, rendezvous
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
@@ -149,10 +149,25 @@ def _tensor_parallel(a):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), _default_timeout(device.type == "cuda")
+        # A peer never started (or given another MASTER_PORT) was waited for in silence, then a traceback.
+        try:
+            rendezvous(backend, timeout, world, local == 0)
+        except dist.DistError as e:
+            raise RunError(f"the {world} ranks of --tp {a.tp} did not all join at {os.environ['MASTER_ADDR']}:"
+                           f"{os.environ['MASTER_PORT']} within {timeout.total_seconds():g} s "
+                           f"({(str(e).strip().splitlines() or [type(e).__name__])[0]}): start each, with the same "
+                           f"MASTER_ADDR, MASTER_PORT and WORLD_SIZE (torchrun --nproc-per-node {a.tp} does)") from None
     # Every rank decodes the same requests (others aborted in gloo's C++, or decoded on with other tokens).
     check_same_settings({f"--{key.replace('_', '-')}": value for key, value in vars(a).items()})
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
+
+
+def _default_timeout(nccl: bool):
+    """torch's own timeout for the backend's collectives (NCCL's, gloo's 30 minutes)."""
+    from torch.distributed import constants
+    ours = getattr(constants, "default_pg_nccl_timeout", None) if nccl else None
+    return ours or constants.default_pg_timeout
 
 
 def _load(a):
@@ -186,7 +201,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
                    'tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
-    from ..text_metrics import loss_text, parse_tasks, read_examples
+    from ..text_metrics import loss_text, parse_tasks, read_examples, require_scorers
     tasks = parse_tasks(a.tasks)
     _refuse_unused(a, tasks)
     if a.batch_size < 1:
@@ -200,6 +215,7 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         _check_sampling(a)
         _refuse_sampling_when_greedy(a)
+        require_scorers(tasks)
         prompts, refs = read_examples(a.data, tasks)  # before loading the model: a bad file fails fast
         if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
             raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "

@@ -83,11 +83,14 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
     its slice of each sharded weight."""
     path, device = Path(path), torch.device(device)
-    if not path.exists():
-        raise FileNotFoundError(f"--model {path}: no such directory")
+    if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
+        raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
+                                "config.json, *.safetensors, tokenizer.json and tokenizer_config.json into a "
+                                "directory and give that)")
     # Every tensor-parallel rank resolves the checkpoint; one note of a damaged one skipped is enough.
     quiet = tp_group is not None and torch.distributed.get_rank(tp_group) != 0
     src = _Source(path, (lambda note: None) if quiet else None)
+    tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
     cfg = src.cfg
     dtype = inference_dtype(dtype, device, src.dtype)
     lora, adapters = None, {}
@@ -138,4 +141,4 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     for m in moe_layers(model) if src.router_bias else ():  # routed as in training (parallel/moe_balance.py)
         m.router_bias = torch.tensor(src.router_bias[str(m.layer)], dtype=torch.float32, device=device)
     model.eval()
-    return model, load_tokenizer(src.tok_dir), cfg
+    return model, tok, cfg

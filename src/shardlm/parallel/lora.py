@@ -248,9 +248,9 @@ def write_peft_dir(state: dict, cfg: ModelConfig, lora: LoRAConfig, out, dtype=N
     (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, lora, base), indent=1) + "\n")
 
 
-def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
-    """A PEFT LoRA adapter directory: its settings and its tensors under this model's names (the inverse of
-    `write_peft_dir`), for `merged`."""
+def read_peft_files(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT adapter directory's adapter_config.json and tensors as they are stored, refused (ConfigError) where
+    either cannot be read: what a server checks of its adapters before it loads the base model."""
     import json
 
     from safetensors import SafetensorError
@@ -266,6 +266,14 @@ def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.T
     if not isinstance(conf, dict):  # `[]` ended in an AttributeError's traceback
         raise ConfigError(f"{path}: adapter_config.json holds {type(conf).__name__}, not a JSON object: save the "
                           "adapter again")
+    return conf, tensors
+
+
+def read_peft_dir(path, cfg: ModelConfig) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory: its settings and its tensors under this model's names (the inverse of
+    `write_peft_dir`), for `merged`."""
+    path = Path(path)
+    conf, tensors = read_peft_files(path)
     if conf.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
     # Settings that would change the update and that this version does not apply: refused, not ignored.

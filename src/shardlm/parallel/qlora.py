@@ -35,7 +35,8 @@ def _torchao():
             except ImportError:
                 from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4  # torchao before 0.15
     except ImportError:
-        raise ConfigError("lora.quantize = 'nf4' needs torchao (pip install torchao)") from None
+        raise ConfigError("lora.quantize = 'nf4' needs torchao: pip install 'shardlm[qlora]' (or pip install "
+                          "torchao)") from None
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

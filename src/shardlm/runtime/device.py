@@ -31,11 +31,11 @@ def pick_device(name: str = "auto", option: str = "train.device") -> torch.devic
 
 
 
-def training_device(name: str, parallel, mesh) -> torch.device:
+def training_device(name: str, parallel, mesh, compile: bool = False) -> torch.device:
     """The device of this training rank (`train.device`; under torchrun each rank its local GPU), with the
     parallel settings only GPUs can run refused elsewhere before a run claims its directory: on the CPU they
     would fail once the engine is built, as a traceback on every rank (and a single process, which never
-    reduces, would not say it ignored them)."""
+    reduces, would not say it ignored them). So is `compile` (train.compile) on a CPU without a C++ compiler."""
     device = pick_device(name)
     if device.type == "cuda" and mesh.world > 1:
         device = torch.device("cuda", mesh.local_rank)
@@ -43,7 +43,26 @@ def training_device(name: str, parallel, mesh) -> torch.device:
         if getattr(parallel, key) == "copy_engine" and device.type != "cuda":
             raise ConfigError(f"parallel.{key} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
                               f"run is on {device.type}: use parallel.{key} auto")
+    if compile and device.type == "cpu":
+        _check_cpp_compiler()
     return device
+
+
+def _check_cpp_compiler() -> None:
+    """Inductor builds compiled blocks' CPU kernels with the system's C++ compiler ($CXX, else g++): without one
+    (a slim container image) the first step ended in InductorError's traceback, the run's directory claimed. The
+    presets that compile (gpt2-124m, llama2-7b, ...) train on the CPU where there is no GPU."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another PyTorch's layout: its own error, at the first step, says it
+        return
+    try:
+        get_cpp_compiler()
+    except (RuntimeError, OSError) as e:  # torch's InvalidCxxCompiler
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"train.compile = true on the CPU needs a C++ compiler to build its kernels, and none was "
+                          f"found ({why}): install one (g++, e.g. apt-get install g++, or name it in CXX), or set "
+                          "train.compile false") from None
 
 # torch's pinned allocator rounds every block up to a power of two bytes, so a 52 GB buffer (a 13B
 # model's fp32 gradients) would hold 64 GiB; from this size on a buffer is page-locked in place instead,

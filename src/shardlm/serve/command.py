@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _adapters(specs: list[str], base: str, model: str) -> dict[str, Path]:
     from ..adapter_check import check_adapter_target
+    from ..parallel.lora import read_peft_files
     out: dict[str, Path] = {}
     for spec in specs:
         name, sep, directory = spec.partition("=")
@@ -68,6 +69,7 @@ def _adapters(specs: list[str], base: str, model: str) -> dict[str, Path]:
         if not Path(directory).is_dir():
             raise ConfigError(f"--adapter {spec!r}: {directory} is no directory")
         check_adapter_target(model, directory)  # a LoRA run or a merged export would get it twice
+        read_peft_files(directory)  # a directory missing its files was named only once the base model had loaded
         out[name] = Path(directory)
     return out
 
