@@ -2,7 +2,6 @@
 text tasks) and `serve` (over HTTP) on a tiny Llama trained on a text, each answer checked against the library
 path on the same quantised model, and eval's perplexity against the README's bounds (int8 within 1% of the
 unquantised model's, int4 within 5%)."""
-import importlib.util
 import json
 import threading
 import time
@@ -15,8 +14,7 @@ from shardlm.generation_config import stop_ids_of
 from shardlm.inference import Engine, Request, evaluate_ids, generate_many, load_pretrained, prompt_ids
 from shardlm.inference.quantize import quantize
 
-KINDS = ["int8", pytest.param("int4", marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                                              reason="int4 needs torchao"))]
+KINDS = ["int8", "int4"]  # both shardlm's own kernels and layouts (inference/int8.py, int4.py)
 BOUND = {"int8": 0.01, "int4": 0.05}  # README: held-out perplexity within 1% (int8) and 5% (int4)
 LINEARS = {"int8": 8, "int4": 8}  # 4 linears in each of 2 blocks (the output head, in int8 for both, not counted)
 PROMPTS = ["To be, or not", "whether 'tis nobler", "the slings and arrows of"]
