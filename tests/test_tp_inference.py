@@ -1,12 +1,18 @@
 """Tensor-parallel inference misused or interrupted (`torchrun ... -m shardlm generate|eval|serve --tp N`): a
 degree the model does not fit, ranks that never meet, a peer that dies: each rank stops with one line, never a
 shape error blamed on the checkpoint, a silent wait or a traceback."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import dist_fns
-from helpers import make_tokenizer
+from helpers import make_tokenizer, save_hf
 
 
 def save_llama(directory: Path, **shape) -> Path:
@@ -45,3 +51,58 @@ def test_a_tp_degree_that_does_not_divide_the_heads_names_the_degrees_that_do(tm
         check_tp_degree(cfg, 3)
     moe = load_config("mixtral-tiny").model  # every MLP a mixture of experts, whole on each rank: no MLP to split
     check_tp_degree(dataclasses.replace(moe, ffn_hidden_size=97), 2)
+
+
+
+def start_ranks(argv: list, log_dir: Path, world: int = 2, ranks=None, prelude: str = "") -> list:
+    """`shardlm ...argv` on the ranks `ranks` (default all) of `world`, started by hand as torchrun would start
+    them (its variables, but no agent to stop the others when one fails): each one's Popen, its stdout and
+    stderr together in log_dir/rank{r}.log. `prelude`: Python each runs first (a module's setting changed)."""
+    from shardlm.testing.distributed import free_port
+    port, procs = free_port(), []
+    code = f"import sys\n{prelude}\nfrom shardlm.cli import main\nsys.exit(main({[str(a) for a in argv]!r}))"
+    for rank in range(world) if ranks is None else ranks:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        with open(log_dir / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env))
+    return procs
+
+
+def stopped(procs, timeout: float) -> list:
+    """Each process's exit status, or None for one still running after `timeout` seconds (then killed)."""
+    end, codes = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_generation_stops_the_other_with_one_line(tmp_path):
+    """Rank 1 of `generate --tp 2` killed while it decodes: rank 0 printed gloo's traceback of the engine's step
+    (every surviving rank did, at higher degrees). It now stops at once with one line and status 1."""
+    save_hf("llama", tmp_path / "hf")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"To be {i}"}) + "\n" for i in range(100)))
+    out = tmp_path / "out.jsonl"
+    procs = start_ranks(["generate", "--model", tmp_path / "hf", "--input", src, "--output", out,
+                         "--max-new-tokens", 100, "--max-batch", 1, "--tp", 2], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text()) and time.monotonic() < deadline:  # decoding, past the load
+            assert all(p.poll() is None for p in procs), [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        assert stopped(procs, 30) == [1, -signal.SIGKILL]
+    finally:
+        stopped(procs, 0)
+    said = (tmp_path / "rank0.log").read_text()
+    assert said.strip().splitlines()[-1].startswith("shardlm generate: error: a peer rank died or stalled "
+                                                    "(communication failed: "), said
+    assert "Traceback" not in said, said

@@ -164,17 +164,38 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     from .inference.commands import cmd_eval as run
-    return run(argv)
+    return _unless_peers_fail("eval", run, argv)
 
 
 def cmd_generate(argv: list[str]) -> int:
     from .inference.commands import cmd_generate as run
-    return run(argv)
+    return _unless_peers_fail("generate", run, argv)
 
 
 def cmd_serve(argv: list[str]) -> int:
     from .serve.command import cmd_serve as run
-    return run(argv)
+    return _unless_peers_fail("serve", run, argv)
+
+
+def _unless_peers_fail(cmd: str, run, argv: list[str]) -> int:
+    """`run(argv)`; under --tp, a collective (or the rendezvous) that failed because a peer rank died or stalled
+    stops this rank with one line and status 1: every surviving rank printed gloo's traceback of the engine's
+    step, which named neither the cause nor the rank to read."""
+    from .runtime.watchdog import peer_failure
+    try:
+        return run(argv)
+    except RuntimeError as e:
+        why = peer_failure(e)
+        if why is None:
+            raise
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stops the survivors: not before this line is out
+        _error(f"shardlm {cmd}: error: a peer rank died or stalled ({why}): the first rank to stop says why (torchrun's "
+               "summary names it)", 1, every_rank=True)
+        # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort the
+        # process (pytorch#190489), as in train.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def cmd_data(argv: list[str]) -> int:
