@@ -84,6 +84,22 @@ def stopped(procs, timeout: float) -> list:
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_whose_peer_never_joins_says_what_it_waits_for_and_stops_at_the_timeout(tmp_path):
+    """Rank 0 of `generate --tp 2` whose peer had stopped before the rendezvous (its own flags refused, in ranks
+    started by hand or on other nodes) waited in silence for torch's default of 30 minutes. It now says what it
+    waits for, and at the timeout (here 3 s) stops with one line and status 1, no traceback."""
+    save_hf("llama", tmp_path / "hf")
+    procs = start_ranks(["generate", "--model", tmp_path / "hf", "--prompt", "To be", "--tp", 2], tmp_path, ranks=[0],
+                        prelude="import shardlm.inference.commands as c\nc.TIMEOUT_S = 3.0")
+    assert stopped(procs, 40) == [1]
+    said = (tmp_path / "rank0.log").read_text()
+    assert "shardlm: waiting for all 2 ranks to join at 127.0.0.1:" in said, said
+    assert said.strip().splitlines()[-1].startswith("shardlm generate: error: a peer rank died or stalled "
+                                                    "(communication failed: Timed out after"), said
+    assert "Traceback" not in said, said
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_mid_generation_stops_the_other_with_one_line(tmp_path):
     """Rank 1 of `generate --tp 2` killed while it decodes: rank 0 printed gloo's traceback of the engine's step
     (every surviving rank did, at higher degrees). It now stops at once with one line and status 1."""

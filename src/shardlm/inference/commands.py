@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from ..config import ConfigError
@@ -15,6 +16,7 @@ from ..config.load import refuse_non_utf8
 from .request_lines import INT64, check_output, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
+TIMEOUT_S = 600.0  # --tp: the longest a rank waits for its peers, at the rendezvous and in any collective
 
 EVAL_EPILOG = """\
 tasks:
@@ -141,7 +143,7 @@ def _tensor_parallel(a):
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, check_rendezvous_env, check_same_settings
+    from ..mesh import _rendezvous, build_mesh, check_rendezvous_env, check_same_settings
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
@@ -149,7 +151,9 @@ def _tensor_parallel(a):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # torch's default waited 30 minutes in silence for a peer that had stopped before it (its own flags
+        # refused, a rank started by hand with others): said after 10 s, and refused at TIMEOUT_S.
+        _rendezvous("nccl" if device.type == "cuda" else "gloo", timedelta(seconds=TIMEOUT_S), world, local == 0)
     # Every rank decodes the same requests (others aborted in gloo's C++, or decoded on with other tokens).
     check_same_settings({f"--{key.replace('_', '-')}": value for key, value in vars(a).items()})
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
