@@ -122,3 +122,46 @@ def test_a_rank_killed_mid_generation_stops_the_other_with_one_line(tmp_path):
     assert said.strip().splitlines()[-1].startswith("shardlm generate: error: a peer rank died or stalled "
                                                     "(communication failed: "), said
     assert "Traceback" not in said, said
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_rank_killed_mid_request_stops_the_tensor_parallel_server_with_one_line(killed, tmp_path):
+    """`serve --tp 2` with a request decoding, one rank killed: the other logged gloo's traceback of the failed
+    step, then rank 0 another before it exited and rank 1 a third, its own 'heard no plan' error raised as
+    one. The survivor now stops at once with one line and status 1."""
+    import contextlib
+    import threading
+
+    import httpx
+
+    from shardlm.testing.distributed import free_port
+    save_hf("llama", tmp_path / "hf")
+    port = free_port()
+    procs = start_ranks(["serve", "--model", tmp_path / "hf", "--tp", 2, "--port", port, "--max-batch", 2,
+                         "--compile", "off", "--log-level", "warning"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        def ask():  # its answer is cut off with the server
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{url}/v1/completions", json={"prompt": "To be", "max_tokens": 120, "temperature": 0},
+                           timeout=60)
+        threading.Thread(target=ask, daemon=True).start()
+        while httpx.get(f"{url}/metrics", timeout=5).json()["requests_active"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[killed].send_signal(signal.SIGKILL)
+        survivor = 1 - killed
+        assert stopped([procs[survivor]], 30) == [1]
+    finally:
+        stopped(procs, 0)
+    said = (tmp_path / f"rank{survivor}.log").read_text()
+    assert said.strip().splitlines()[-1].startswith(f"shardlm serve: error: rank {survivor} "), said
+    assert "Traceback" not in said, said
