@@ -165,3 +165,15 @@ def test_a_rank_killed_mid_request_stops_the_tensor_parallel_server_with_one_lin
     said = (tmp_path / f"rank{survivor}.log").read_text()
     assert said.strip().splitlines()[-1].startswith(f"shardlm serve: error: rank {survivor} "), said
     assert "Traceback" not in said, said
+
+
+@pytest.mark.timeout(120)
+def test_eval_tasks_at_tp_agree_the_slots_over_the_ranks(tmp_path):
+    """`eval --tasks bleu --tp 2` took each rank's own count of slots from its own free memory (generate and serve
+    take the fewest of any rank): ranks short of memory unequally batched the prompts differently, and their
+    steps' collectives no longer met. Every rank now agrees the count over the tensor-parallel group."""
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    data = tmp_path / "ex.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": "or not"}) + "\n" for p in ("To be", "whether")))
+    assert run_distributed(dist_fns.slot_groups_of_eval_tasks, 2, tmp_path / "hf", data, timeout=90) == [[True]] * 2
