@@ -177,3 +177,23 @@ def test_eval_tasks_at_tp_agree_the_slots_over_the_ranks(tmp_path):
     data = tmp_path / "ex.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completion": "or not"}) + "\n" for p in ("To be", "whether")))
     assert run_distributed(dist_fns.slot_groups_of_eval_tasks, 2, tmp_path / "hf", data, timeout=90) == [[True]] * 2
+
+
+def test_more_tensor_parallel_ranks_than_gpus_are_refused_on_every_rank(tmp_path, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 ... --tp 2` on a node with one GPU: rank 1 stopped on CUDA's 'invalid device
+    ordinal' traceback (torch.cuda.set_device) while rank 0 went on to the rendezvous. Every rank now
+    refuses the launch first, naming the count to start (here rank 0, whose own GPU exists)."""
+    import torch
+
+    from helpers import cli_proc
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    save_hf("llama", tmp_path / "hf")
+    done = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--prompt", "To be", "--tp", 2, "--device", "cuda")
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == ("shardlm generate: error: 2 processes on this node need one GPU each, but 1 is visible: "
+                                   "start at most 1 per node (torchrun --nproc-per-node 1, --tp to match), or run on "
+                                   "the CPU (--device cpu)"), done

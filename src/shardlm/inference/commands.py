@@ -147,6 +147,13 @@ def _tensor_parallel(a):
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
+        # Every rank checks the node's count, as train does: a rank without a GPU stopped on CUDA's 'invalid device
+        # ordinal' traceback, and the others waited at the rendezvous for it.
+        local_world, gpus = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local + 1), torch.cuda.device_count()
+        if local_world > gpus:
+            raise ConfigError(f"{local_world} processes on this node need one GPU each, but {gpus} "
+                              f"{'is' if gpus == 1 else 'are'} visible: start at most {gpus} per node (torchrun "
+                              f"--nproc-per-node {gpus}, --tp to match), or run on the CPU (--device cpu)")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
