@@ -1046,3 +1046,21 @@ def slot_groups_of_eval_tasks(rank, world, model_dir, data):
     assert main(["eval", "--model", str(model_dir), "--data", str(data), "--tasks", "bleu", "--max-new-tokens", "2",
                  "--tp", str(world)]) == 0
     return agreed
+
+
+def cli_with_rank_one_reading(rank, world, argv, other):
+    """`shardlm ...argv` on every rank, rank 1 reading its --input from the file `other` at the path argv names
+    (a node's own copy of the file, another version of it): its exit status and what it printed."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    import shardlm.inference.commands as commands
+    from shardlm.cli import main
+    if rank == 1:
+        read = commands.read_requests
+        commands.read_requests = lambda path, a: read(Path(other), a)  # this worker's own module
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main([str(a) for a in argv])
+    return status, err.getvalue()

@@ -197,3 +197,21 @@ def test_more_tensor_parallel_ranks_than_gpus_are_refused_on_every_rank(tmp_path
     assert done.stderr.strip() == ("shardlm generate: error: 2 processes on this node need one GPU each, but 1 is visible: "
                                    "start at most 1 per node (torchrun --nproc-per-node 1, --tp to match), or run on "
                                    "the CPU (--device cpu)"), done
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_read_other_prompts_at_the_same_path_are_refused(tmp_path):
+    """`generate --tp 2 --input F` where rank 1's F held another prompt (a node's own copy of the file): the
+    arguments agreed, each rank decoded its own prompt with its slices summed with the other's, and rank 0 wrote
+    a completion of neither without a word. Every rank now stops once the files are read, naming the flag."""
+    from shardlm.testing.distributed import run_distributed
+    save_hf("llama", tmp_path / "hf")
+    src, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+    src.write_text(json.dumps({"prompt": "To be"}) + "\n")
+    other.write_text(json.dumps({"prompt": "To do"}) + "\n")
+    args = ["generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "out.jsonl",
+            "--max-new-tokens", 4, "--tp", 2]
+    got = run_distributed(dist_fns.cli_with_rank_one_reading, 2, args, other, timeout=90)
+    assert [status for status, _ in got] == [2, 2], got
+    said = f"shardlm generate: error: rank 1 read other contents than rank 0 from --input {src}: every rank must read"
+    assert all(said in err for _, err in got), got

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
-from .request_lines import INT64, check_output, check_vocab, read_requests
+from .request_lines import INT64, check_output, check_same_read, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 TIMEOUT_S = 600.0  # --tp: the longest a rank waits for its peers, at the rendezvous and in any collective
@@ -166,10 +166,14 @@ def _tensor_parallel(a):
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
 
-def _load(a):
+def _load(a, read=None, source: str = ""):
+    """The model, tokenizer and config `a` asks for; under --tp, after refusing ranks whose file `source` held
+    other contents (`read`: what this rank read from it)."""
     from .load import load_pretrained
     from .quantize import quantize
     device, group, a.main = _tensor_parallel(a)
+    if group is not None and read is not None:
+        check_same_read(read, source)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group)
     quantize(model, a.quantize)
     return model, tok, cfg
@@ -215,7 +219,7 @@ def cmd_eval(argv: list[str]) -> int:
         if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
             raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
                               f"{len(prompts) - 1} does not fit in 64 bits; give a lower --seed")
-    model, tok, _ = _load(a)
+    model, tok, _ = _load(a, text if tasks == ["loss"] else (prompts, refs), f"--data {a.data}")
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
@@ -327,7 +331,7 @@ def cmd_generate(argv: list[str]) -> int:
                  "max_new_from": "--max-new-tokens"}]
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
-    model, tok, cfg = _load(a)
+    model, tok, cfg = _load(a, rows if a.input is not None else None, f"--input {a.input}")
     from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
     from ..parallel.tensor import tensor_parallel_group
