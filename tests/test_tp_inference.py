@@ -215,3 +215,25 @@ def test_ranks_that_read_other_prompts_at_the_same_path_are_refused(tmp_path):
     assert [status for status, _ in got] == [2, 2], got
     said = f"shardlm generate: error: rank 1 read other contents than rank 0 from --input {src}: every rank must read"
     assert all(said in err for _, err in got), got
+
+
+def test_a_max_len_beyond_the_context_is_noted_by_rank_0_alone(tmp_path, monkeypatch, capsys):
+    """`serve --tp 2 --max-len 1000` on a model of 128 positions printed its note once per rank."""
+    import torch
+
+    import shardlm.inference.commands as commands
+    import shardlm.serve.command as command
+    from helpers import cli_proc
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    # rank 1 of two as far as the note goes (no group: the model whole, no plans), stopped before it serves
+    monkeypatch.setattr(commands, "_tensor_parallel", lambda a: (torch.device("cpu"), None, False))
+
+    def built(*args, **kwargs):
+        raise ValueError("built")
+    monkeypatch.setattr(command, "build_server", built)
+    save_hf("llama", tmp_path / "hf")
+    done = cli_proc(capsys, "serve", "--model", tmp_path / "hf", "--tp", 2, "--max-len", 1000, "--compile", "off")
+    assert done.returncode == 2 and "built" in done.stderr, done
+    assert "is beyond the model's context" not in done.stderr, done

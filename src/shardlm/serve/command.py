@@ -150,7 +150,7 @@ def cmd_serve(argv: list[str]) -> int:
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
-    if a.max_len and a.max_len > max_len:
+    if a.max_len and a.max_len > max_len and main:  # once, not once per --tp rank
         print(f"shardlm serve: --max-len {a.max_len} is beyond the model's context: {max_len}", file=sys.stderr)
     slots = slots_that_fit(model, max_len, a.max_batch)
     plans = None
