@@ -237,3 +237,21 @@ def test_a_max_len_beyond_the_context_is_noted_by_rank_0_alone(tmp_path, monkeyp
     done = cli_proc(capsys, "serve", "--model", tmp_path / "hf", "--tp", 2, "--max-len", 1000, "--compile", "off")
     assert done.returncode == 2 and "built" in done.stderr, done
     assert "is beyond the model's context" not in done.stderr, done
+
+
+def test_serve_tp_with_an_adapter_is_refused_with_advice_that_works(tmp_path, monkeypatch, capsys):
+    """`serve --tp 2 --adapter a=DIR` said to serve the merged model '(shardlm export --merge)', which merges a
+    LoRA run's own adapters and refuses a PEFT directory, the only kind --adapter takes. It names PEFT's merge."""
+    from helpers import cli_proc
+    from test_generation import random_adapter
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    save_hf("llama", tmp_path / "hf")
+    random_adapter(tmp_path / "hf", tmp_path / "ad", 2, "all-linear", 0)
+    done = cli_proc(capsys, "serve", "--model", tmp_path / "hf", "--tp", 2, "--adapter", f"a={tmp_path / 'ad'}")
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == ("shardlm serve: error: --adapter with --tp: adapters are not sliced for tensor "
+                                   "parallelism yet; serve the base with the adapter merged into it instead (PEFT's "
+                                   "merge_and_unload and save_pretrained; a shardlm LoRA run's own: shardlm export "
+                                   "--merge)"), done
