@@ -1049,17 +1049,20 @@ def slot_groups_of_eval_tasks(rank, world, model_dir, data):
 
 
 def cli_with_rank_one_reading(rank, world, argv, other):
-    """`shardlm ...argv` on every rank, rank 1 reading its --input from the file `other` at the path argv names
-    (a node's own copy of the file, another version of it): its exit status and what it printed."""
+    """`shardlm ...argv` on every rank, rank 1 reading generate's --input or eval's --data text from the file
+    `other` at the path argv names (a node's own copy of the file, another version of it): its exit status and
+    what it printed."""
     import contextlib
     import io
     from pathlib import Path
 
     import shardlm.inference.commands as commands
+    import shardlm.text_metrics as text_metrics
     from shardlm.cli import main
-    if rank == 1:
-        read = commands.read_requests
-        commands.read_requests = lambda path, a: read(Path(other), a)  # this worker's own module
+    if rank == 1:  # this worker's own modules
+        requests, text = commands.read_requests, text_metrics.loss_text
+        commands.read_requests = lambda path, a: requests(Path(other), a)
+        text_metrics.loss_text = lambda path: text(Path(other))
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         status = main([str(a) for a in argv])

@@ -200,20 +200,29 @@ def test_more_tensor_parallel_ranks_than_gpus_are_refused_on_every_rank(tmp_path
 
 
 @pytest.mark.timeout(120)
-def test_ranks_that_read_other_prompts_at_the_same_path_are_refused(tmp_path):
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_ranks_that_read_other_contents_at_the_same_path_are_refused(command, tmp_path):
     """`generate --tp 2 --input F` where rank 1's F held another prompt (a node's own copy of the file): the
     arguments agreed, each rank decoded its own prompt with its slices summed with the other's, and rank 0 wrote
-    a completion of neither without a word. Every rank now stops once the files are read, naming the flag."""
+    a completion of neither without a word (eval's --data text likewise). Every rank now stops once the files
+    are read, naming the flag."""
     from shardlm.testing.distributed import run_distributed
     save_hf("llama", tmp_path / "hf")
-    src, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
-    src.write_text(json.dumps({"prompt": "To be"}) + "\n")
-    other.write_text(json.dumps({"prompt": "To do"}) + "\n")
-    args = ["generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "out.jsonl",
-            "--max-new-tokens", 4, "--tp", 2]
-    got = run_distributed(dist_fns.cli_with_rank_one_reading, 2, args, other, timeout=90)
+    if command == "generate":
+        src, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+        src.write_text(json.dumps({"prompt": "To be"}) + "\n")
+        other.write_text(json.dumps({"prompt": "To do"}) + "\n")
+        args = ["generate", "--input", src, "--output", tmp_path / "out.jsonl", "--max-new-tokens", 4]
+    else:
+        src, other = tmp_path / "text.txt", tmp_path / "other.txt"
+        src.write_text("To be, or not to be, that is the question. " * 4)
+        other.write_text("To do, or not to do, that is the question. " * 4)
+        args = ["eval", "--data", src, "--seq-len", 16]
+    got = run_distributed(dist_fns.cli_with_rank_one_reading, 2, [*args, "--model", tmp_path / "hf", "--tp", 2], other,
+                          timeout=90)
     assert [status for status, _ in got] == [2, 2], got
-    said = f"shardlm generate: error: rank 1 read other contents than rank 0 from --input {src}: every rank must read"
+    flag = "--input" if command == "generate" else "--data"
+    said = f"shardlm {command}: error: rank 1 read other contents than rank 0 from {flag} {src}: every rank must read"
     assert all(said in err for _, err in got), got
 
 

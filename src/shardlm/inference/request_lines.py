@@ -157,7 +157,9 @@ def check_same_read(read, source: str) -> None:
     differed). The arguments are compared at the rendezvous; what they name, here, once read (as train
     compares its data's index)."""
     from ..mesh import every_rank
-    every = every_rank(hashlib.sha256(json.dumps(read, sort_keys=True, default=repr).encode()).hexdigest())
+    # eval's text hashed as it is: as JSON, escaped, a large file's copy would take up to 6x its size
+    data = read if isinstance(read, str) else json.dumps(read, sort_keys=True, default=repr)
+    every = every_rank(hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest())
     other = next((rank for rank, theirs in enumerate(every) if theirs != every[0]), None)
     if other is not None:
         raise ConfigError(f"rank {other} read other contents than rank 0 from {source}: every rank must read the same "
