@@ -1030,3 +1030,40 @@ def fused_all_reduce_replays(rank, world, protocol, replays):
     scale = max(y.abs().max().item() for y in want)
     err = max((o.float() - y.float()).abs().max().item() for o, y in zip(first, want)) / scale
     return err, same, fault
+
+
+def slot_groups_of_eval_tasks(rank, world, model_dir, data):
+    """`shardlm eval --tasks bleu --tp world` on this rank: whether each count of slots it took was agreed over
+    a tensor-parallel group (slots_that_fit's `group`)."""
+    import shardlm.inference as inference
+    from shardlm.cli import main
+    real, agreed = inference.slots_that_fit, []
+
+    def spied(*args, **kwargs):
+        agreed.append(kwargs.get("group") is not None)
+        return real(*args, **kwargs)
+    inference.slots_that_fit = spied  # this worker's own module: forked for this call alone
+    assert main(["eval", "--model", str(model_dir), "--data", str(data), "--tasks", "bleu", "--max-new-tokens", "2",
+                 "--tp", str(world)]) == 0
+    return agreed
+
+
+def cli_with_rank_one_reading(rank, world, argv, other):
+    """`shardlm ...argv` on every rank, rank 1 reading generate's --input or eval's --data text from the file
+    `other` at the path argv names (a node's own copy of the file, another version of it): its exit status and
+    what it printed."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    import shardlm.inference.commands as commands
+    import shardlm.text_metrics as text_metrics
+    from shardlm.cli import main
+    if rank == 1:  # this worker's own modules
+        requests, text = commands.read_requests, text_metrics.loss_text
+        commands.read_requests = lambda path, a: requests(Path(other), a)
+        text_metrics.loss_text = lambda path: text(Path(other))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main([str(a) for a in argv])
+    return status, err.getvalue()

@@ -110,13 +110,9 @@ def cmd_train(argv: list[str]) -> int:
                     _error(f"shardlm train: error: a peer rank stalled ({why}; {timeout}): {who}", 1, True)
                 else:
                     _error(f"shardlm train: error: a peer rank died or stalled: {who} ({why}; {timeout})", 1, True)
-            # The broken group cannot be torn down, and left to interpreter shutdown its gloo threads abort
-            # the process (pytorch#190489): leave now, with the status the message promises.
             if heartbeat is not None:
                 heartbeat.close(wait=False)  # os._exit runs no interpreter shutdown for its thread to outlive
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            _exit_now(1)
         _farewell(heartbeat)
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
             t = cfg.train  # a step's activations grow with both: either may be what does not fit
@@ -164,17 +160,42 @@ def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     from .inference.commands import cmd_eval as run
-    return run(argv)
+    return _unless_peers_fail("eval", run, argv)
 
 
 def cmd_generate(argv: list[str]) -> int:
     from .inference.commands import cmd_generate as run
-    return run(argv)
+    return _unless_peers_fail("generate", run, argv)
 
 
 def cmd_serve(argv: list[str]) -> int:
     from .serve.command import cmd_serve as run
-    return run(argv)
+    return _unless_peers_fail("serve", run, argv)
+
+
+def _unless_peers_fail(cmd: str, run, argv: list[str]) -> int:
+    """`run(argv)`; under --tp, a collective (or the rendezvous) that failed because a peer rank died or stalled
+    stops this rank with one line and status 1: every surviving rank printed gloo's traceback of the engine's
+    step, which named neither the cause nor the rank to read."""
+    from .runtime.watchdog import peer_failure
+    try:
+        return run(argv)
+    except RuntimeError as e:
+        why = peer_failure(e)
+        if why is None:
+            raise
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stops the survivors: not before this line is out
+        _error(f"shardlm {cmd}: error: a peer rank died or stalled ({why}): the first rank to stop says why (torchrun's "
+               "summary names it)", 1, every_rank=True)
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Leave with `code`, what was printed flushed: a broken process group cannot be torn down, and left to
+    interpreter shutdown its gloo threads abort the process (pytorch#190489)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_data(argv: list[str]) -> int:

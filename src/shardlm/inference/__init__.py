@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..model import Decoder
+from ..parallel.tensor import tensor_parallel_group
 from .engine import Engine, Request
 from .load import inference_dtype, load_pretrained
 from .perplexity import evaluate_ids
@@ -37,7 +38,10 @@ def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
     if not prompts:
         return []
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(model, slots_that_fit(model, max_len, min(batch_size, len(prompts))), max_len, compile=compile)
+    # Under tensor parallelism the fewest slots any rank's memory holds: ranks that each took their own count
+    # batched the prompts differently, and their steps' collectives no longer met.
+    slots = slots_that_fit(model, max_len, min(batch_size, len(prompts)), group=tensor_parallel_group(model))
+    engine = Engine(model, slots, max_len, compile=compile)
     stops = tuple(stop_ids)
     requests = [Request(list(p), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), stops)
                 for i, p in enumerate(prompts)]

@@ -7,14 +7,16 @@ import json
 import math
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from ..config import ConfigError, RunError
 from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
-from .request_lines import INT64, check_output, check_vocab, read_requests
+from .request_lines import INT64, check_output, check_same_read, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
+TIMEOUT_S = 600.0  # --tp: the longest a rank waits for its peers, at the rendezvous and in any collective
 
 EVAL_EPILOG = """\
 tasks:
@@ -145,14 +147,22 @@ def _tensor_parallel(a):
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
+        # Every rank checks the node's count, as train does: a rank without a GPU stopped on CUDA's 'invalid device
+        # ordinal' traceback, and the others waited at the rendezvous for it.
+        local_world, gpus = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local + 1), torch.cuda.device_count()
+        if local_world > gpus:
+            raise ConfigError(f"{local_world} processes on this node need one GPU each, but {gpus} "
+                              f"{'is' if gpus == 1 else 'are'} visible: start at most {gpus} per node (torchrun "
+                              f"--nproc-per-node {gpus}, --tp to match), or run on the CPU (--device cpu)")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         check_rendezvous_env(world)
-        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), _default_timeout(device.type == "cuda")
-        # A peer never started (or given another MASTER_PORT) was waited for in silence, then a traceback.
+        # torch's default waited 30 minutes in silence for a peer never started, or stopped before it (its own
+        # flags refused, a rank started by hand with others): said after 10 s, and refused at TIMEOUT_S.
+        timeout = timedelta(seconds=TIMEOUT_S)
         try:
-            rendezvous(backend, timeout, world, local == 0)
+            rendezvous("nccl" if device.type == "cuda" else "gloo", timeout, world, local == 0)
         except dist.DistError as e:
             raise RunError(f"the {world} ranks of --tp {a.tp} did not all join at {os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']} within {timeout.total_seconds():g} s "
@@ -163,17 +173,14 @@ def _tensor_parallel(a):
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
 
-def _default_timeout(nccl: bool):
-    """torch's own timeout for the backend's collectives (NCCL's, gloo's 30 minutes)."""
-    from torch.distributed import constants
-    ours = getattr(constants, "default_pg_nccl_timeout", None) if nccl else None
-    return ours or constants.default_pg_timeout
-
-
-def _load(a):
+def _load(a, read=None, source: str = ""):
+    """The model, tokenizer and config `a` asks for; under --tp, after refusing ranks whose file `source` held
+    other contents (`read`: what this rank read from it)."""
     from .load import load_pretrained
     from .quantize import quantize
     device, group, a.main = _tensor_parallel(a)
+    if group is not None and read is not None:
+        check_same_read(read, source)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group)
     quantize(model, a.quantize)
     return model, tok, cfg
@@ -220,7 +227,7 @@ def cmd_eval(argv: list[str]) -> int:
         if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
             raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
                               f"{len(prompts) - 1} does not fit in 64 bits; give a lower --seed")
-    model, tok, _ = _load(a)
+    model, tok, _ = _load(a, text if tasks == ["loss"] else (prompts, refs), f"--data {a.data}")
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
@@ -332,7 +339,7 @@ def cmd_generate(argv: list[str]) -> int:
                  "max_new_from": "--max-new-tokens"}]
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
-    model, tok, cfg = _load(a)
+    model, tok, cfg = _load(a, rows if a.input is not None else None, f"--input {a.input}")
     from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
     from ..parallel.tensor import tensor_parallel_group

@@ -6,6 +6,7 @@ directory's) are folded into each base weight as it is read.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -35,6 +36,23 @@ def inference_dtype(name: str | torch.dtype | None, device: torch.device, stored
     if name not in DTYPES:
         raise ConfigError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def check_tp_degree(cfg: ModelConfig, tp: int) -> None:
+    """--tp against the shapes it splits, on every rank alike before a weight is read: the attention heads and
+    a dense MLP's hidden features (a mixture of experts' MLPs stay whole on each rank). A degree that did not
+    divide the hidden features sliced them unevenly, and the rank whose slice came out a row longer stopped
+    on a shape mismatch blamed on the checkpoint, naming no flag, while the others went on without it."""
+    sizes = {"attention heads": cfg.num_heads}
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        sizes["MLP hidden features"] = cfg.ffn_size
+    both = math.gcd(*sizes.values())
+    fits = [str(d) for d in range(2, both + 1) if both % d == 0]
+    fix = (f"give --tp {', '.join(fits[:-1])}{' or ' if len(fits) > 1 else ''}{fits[-1]}" if fits else
+           "no --tp above 1 fits it: run one process, without --tp")
+    for what, n in sizes.items():
+        if n % tp:
+            raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}: {fix}")
 
 
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -106,8 +124,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     if tp_group is not None:
         from ..parallel.placement import degree, shardings
         from ..parallel.tensor import tensor_parallel
-        if cfg.num_heads % degree(tp_group):
-            raise ConfigError(f"--tp {degree(tp_group)} does not divide the model's {cfg.num_heads} attention heads")
+        check_tp_degree(cfg, degree(tp_group))
         tensor_parallel(model, tp_group)
         model.to(dtype)  # the parallel layers it put in are made in the default dtype (fp32)
         specs = shardings(model)

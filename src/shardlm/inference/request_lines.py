@@ -3,6 +3,7 @@
 and the checks of what generate and eval read and write around it (prompts' token ids, --output)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -147,3 +148,19 @@ def check_output(out: Path, src: Path, overwrite: bool) -> None:
         raise ConfigError(f"--output {out} cannot be written: {e.strerror or e}") from None
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"--output {out} cannot be written: permission denied")
+
+
+def check_same_read(read, source: str) -> None:
+    """Refuse tensor-parallel ranks that read other contents from `source` (a node's own copy of the file at the
+    same path, another version of it): each decoded its own prompts, its slices summed with the others' over
+    other tokens, and rank 0 wrote wrong completions without a word (or gloo aborted where the lengths
+    differed). The arguments are compared at the rendezvous; what they name, here, once read (as train
+    compares its data's index)."""
+    from ..mesh import every_rank
+    # eval's text hashed as it is: as JSON, escaped, a large file's copy would take up to 6x its size
+    data = read if isinstance(read, str) else json.dumps(read, sort_keys=True, default=repr)
+    every = every_rank(hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest())
+    other = next((rank for rank, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is not None:
+        raise ConfigError(f"rank {other} read other contents than rank 0 from {source}: every rank must read the same "
+                          "file (a node's own copy of it differs?)")

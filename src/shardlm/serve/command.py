@@ -145,14 +145,16 @@ def cmd_serve(argv: list[str]) -> int:
     from ..inference.quantize import quantize
     from .worker import warm_up_batches
     if adapters and a.tp > 1:
-        raise ConfigError("--adapter with --tp: adapters are not sliced for tensor parallelism yet; serve the "
-                          "merged model (shardlm export --merge) instead")
+        # export --merge merges a LoRA run's own adapters, not a PEFT directory's: the advice once sent there
+        raise ConfigError("--adapter with --tp: adapters are not sliced for tensor parallelism yet; serve the base "
+                          "with the adapter merged into it instead (PEFT's merge_and_unload and save_pretrained; "
+                          "a shardlm LoRA run's own: shardlm export --merge)")
     device, group, main = _tensor_parallel(a)
     devices = _replica_devices(a.replicas, a.tp, device)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
-    if a.max_len and a.max_len > max_len:
+    if a.max_len and a.max_len > max_len and main:  # once, not once per --tp rank
         print(f"shardlm serve: --max-len {a.max_len} is beyond the model's context: {max_len}", file=sys.stderr)
     slots = slots_that_fit(model, max_len, a.max_batch)
     plans = None

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..inference import Engine, Request
+from ..runtime.watchdog import peer_failure
 
 log = logging.getLogger("shardlm.serve")
 PLAN_TIMEOUT_S = 600.0  # the longest a follower waits for the next plan (a step's compile included)
@@ -112,7 +113,12 @@ class Leader:
             self.engine.submit(r)
         for r in cancel:
             r.cancel()
-        finished = self.engine.step()
+        try:
+            finished = self.engine.step()
+        except RuntimeError as e:  # a step's collective with a follower gone: none can step again
+            if peer_failure(e) is not None:
+                _stop(e, "lost a follower mid-step")
+            raise
         for r in finished:
             self._seq.pop(id(r), None)
         return finished
@@ -141,10 +147,17 @@ class Leader:
     def _send(self, plan: Plan) -> None:
         try:
             dist.broadcast_object_list([plan], src=0, group=self.group)
-        except Exception:  # a follower is gone: this server cannot step again, and must not hang
-            print(f"shardlm serve --tp: rank 0 could not send the next step's plan to the other ranks (one "
-                  f"exited?); stopping.\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            os._exit(1)
+        except Exception as e:  # a follower is gone: this server cannot step again, and must not hang
+            _stop(e, "could not send the next step's plan to the other ranks (one exited?)")
+
+
+def _stop(error: Exception, what: str) -> None:
+    """Exit 1 with one line: a rank whose peers are gone can never step again. Each surviving rank printed a
+    traceback or two of gloo's error first. os._exit: the broken group cannot be torn down, and left to
+    interpreter shutdown its gloo threads abort the process (pytorch#190489)."""
+    print(f"shardlm serve: error: rank {dist.get_rank()} {what}: {peer_failure(error) or error}; stopping",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def follow(engine: Engine, group) -> int:
@@ -162,8 +175,7 @@ def follow(engine: Engine, group) -> int:
         try:
             dist.broadcast_object_list(box, src=0, group=group)
         except Exception as e:
-            raise RuntimeError(f"shardlm serve --tp: rank {rank} heard no plan from rank 0 within "
-                               f"{PLAN_TIMEOUT_S:.0f} s, or lost it (rank 0 exited or hangs): {e}") from None
+            _stop(e, f"heard no plan from rank 0 within {PLAN_TIMEOUT_S:.0f} s, or lost it (rank 0 exited or hangs)")
         plan: Plan = box[0]
         if plan.exit:
             return 0
@@ -179,7 +191,9 @@ def follow(engine: Engine, group) -> int:
             continue
         try:
             finished = engine.step()
-        except Exception:  # rank 0's step failed the same way: its next plan says abort
+        except Exception as e:  # rank 0's step failed the same way: its next plan says abort
+            if peer_failure(e) is not None:  # no plan will come: rank 0 is gone
+                _stop(e, "lost rank 0 mid-step")
             log.error("rank %d: engine step failed:\n%s", rank, traceback.format_exc())
             engine.abort_all()
             held.clear()
