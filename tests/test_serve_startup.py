@@ -34,6 +34,9 @@ def test_replicas_start_at_the_device_given(monkeypatch):
     with pytest.raises(ConfigError, match=r"--replicas 3 needs one GPU each from cuda:1 on \(cuda:1 to cuda:3\); "
                                           r"3 are visible"):
         _replica_devices(3, 1, torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"; 1 is visible: "):
+        _replica_devices(2, 1, torch.device("cuda"))
 
 
 SLOWED = """import sys, time

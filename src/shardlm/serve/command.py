@@ -207,9 +207,9 @@ def _replica_devices(replicas: int, tp: int, device) -> list:
     if device.type != "cuda" or replicas == 1:
         return [device] * replicas
     first = device.index or 0  # --device cuda:K: the replicas on cuda:K on (from cuda:0, the first had shared K)
-    if torch.cuda.device_count() < first + replicas:
+    if (gpus := torch.cuda.device_count()) < first + replicas:
         raise ConfigError(f"--replicas {replicas} needs one GPU each from cuda:{first} on (cuda:{first} to "
-                          f"cuda:{first + replicas - 1}); {torch.cuda.device_count()} are visible: give fewer "
+                          f"cuda:{first + replicas - 1}); {gpus} {'is' if gpus == 1 else 'are'} visible: give fewer "
                           "--replicas or an earlier --device")
     return [torch.device("cuda", first + i) for i in range(replicas)]
 
