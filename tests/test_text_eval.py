@@ -203,4 +203,5 @@ def test_a_reference_no_completion_can_score_against_is_named_before_the_model(t
 def test_a_prompt_too_long_for_the_model_is_named(model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "long.jsonl", [EXAMPLES[0], {"prompt": "x" * 125, "completion": "y"}])
     assert main(["eval", "--model", str(model_dir), "--tasks", "bleu", "--data", str(data), "--max-new-tokens", "8"]) == 2
-    assert "prompt 2 (125 tokens) + max_new_tokens (8) exceeds the model's max_seq_len 128" in capsys.readouterr().err
+    assert ("long.jsonl: example 2: a prompt of 125 tokens + --max-new-tokens 8 exceeds the model's max_seq_len 128: "
+            "lower --max-new-tokens to 3 at most, or shorten the prompt") in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import ConfigError, RunError
 from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
-from .request_lines import INT64, check_output, check_same_read, check_vocab, read_requests
+from .request_lines import INT64, check_output, check_room, check_same_read, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
 TIMEOUT_S = 600.0  # --tp: the longest a rank waits for its peers, at the rendezvous and in any collective
@@ -251,8 +251,9 @@ def cmd_eval(argv: list[str]) -> int:
     from . import generate_many, prompt_ids
     ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}: example {i + 1}")
            for i, q in enumerate(prompts)]
-    for i, q in enumerate(ids):
+    for i, q in enumerate(ids):  # named with what to do, not as the engine's 'prompt i' once it has been built
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
+        check_room(q, a.max_new_tokens, "--max-new-tokens", model.cfg.max_seq_len, f"--data {a.data}: example {i + 1}")
     update, close = _progress(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
@@ -350,13 +351,7 @@ def cmd_generate(argv: list[str]) -> int:
                 for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):
         check_vocab(r.prompt, cfg.vocab_size, row["where"])
-        room = cfg.max_seq_len - len(r.prompt)
-        if r.max_new_tokens > room:
-            fix = (f"lower {row['max_new_from']} to {room} at most, or shorten the prompt" if room > 0 else
-                   f"shorten the prompt to fewer than {cfg.max_seq_len} tokens, leaving room for the new ones")
-            n = len(r.prompt)
-            raise ConfigError(f"{row['where']}: a prompt of {n} token{'s' if n != 1 else ''} + {row['max_new_from']} "
-                              f"{r.max_new_tokens} exceeds the model's max_seq_len {cfg.max_seq_len}: {fix}")
+        check_room(r.prompt, r.max_new_tokens, row["max_new_from"], cfg.max_seq_len, row["where"])
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model))
     engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.decode)

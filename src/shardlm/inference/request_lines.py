@@ -124,6 +124,18 @@ def check_vocab(ids: list[int], vocab: int, where: str) -> None:
                           "tokenizer it was trained with")
 
 
+def check_room(prompt: list[int], new: int, new_from: str, limit: int, where: str) -> None:
+    """Refuse a prompt whose `new` tokens (`new_from`: the flag or key that asked for them) would run past the
+    model's `limit` positions, saying what to lower."""
+    room = limit - len(prompt)
+    if new > room:
+        fix = (f"lower {new_from} to {room} at most, or shorten the prompt" if room > 0 else
+               f"shorten the prompt to fewer than {limit} tokens, leaving room for the new ones")
+        n = len(prompt)
+        raise ConfigError(f"{where}: a prompt of {n} token{'s' if n != 1 else ''} + {new_from} {new} exceeds the "
+                          f"model's max_seq_len {limit}: {fix}")
+
+
 def check_output(out: Path, src: Path, overwrite: bool) -> None:
     """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
     if out.is_dir():
