@@ -232,3 +232,19 @@ def bracket_chat_tokenizer(directory: Path) -> Path:
         "chat_template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
                          "{% if add_generation_prompt %}[assistant]{% endif %}"}))
     return directory
+
+
+def unwritable(tmp_path: Path, name: str) -> Path:
+    """A path under a directory this user cannot write (read-only, or for root a kernel filesystem); the test
+    skipped where there is none."""
+    import os
+
+    import pytest
+    if os.geteuid() != 0:  # permissions hold
+        ro = tmp_path / "ro"
+        ro.mkdir(exist_ok=True)
+        ro.chmod(0o555)
+        return ro / name
+    if os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
+        return Path("/sys/kernel") / name
+    pytest.skip("no directory this user cannot write")

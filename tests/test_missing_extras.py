@@ -87,23 +87,14 @@ def test_a_model_directory_without_its_tokenizer_is_named_before_the_model_loads
 def test_an_export_that_cannot_be_written_is_named_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
     """--out in a read-only place: the checkpoint was read and verified whole (minutes for a 7B run's) before the
     write failed."""
-    import os
-
     import shardlm.checkpoint as checkpoint
-    if os.geteuid() != 0:  # permissions hold
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        ro.chmod(0o555)
-        out = ro / "export"
-    elif os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
-        out = "/sys/kernel/shardlm-export"
-    else:
-        pytest.skip("no directory this user cannot write")
+    from helpers import unwritable
+    out = unwritable(tmp_path, "shardlm-export")
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("the checkpoint was read"))
     status, err = _cli(["export", "--checkpoint", tmp_path / "run", "--out", out], capsys)
     assert status == 2 and "\n" not in err, err
     assert err.startswith(f"shardlm export: error: --out {out} cannot be written: "), err
-    assert not os.path.exists(out)
+    assert not out.exists()
 
 
 def test_compiled_training_on_a_cpu_without_a_cxx_compiler_is_refused_before_the_run(tmp_path, monkeypatch, capsys):

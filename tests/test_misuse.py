@@ -671,17 +671,11 @@ def test_a_gpu_that_is_not_there_is_named_by_the_commands_flag(world, monkeypatc
 def test_an_output_that_cannot_be_written_is_named_before_the_model_loads(world, tmp_path, monkeypatch, capsys):
     """generate --output in a read-only directory: a traceback from open(), after the model had loaded."""
     import os
+
     import shardlm.inference.load as load
+    from helpers import unwritable
     _, paths = world
-    if os.geteuid() != 0:  # permissions hold
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        ro.chmod(0o555)
-        out = ro / "out.jsonl"
-    elif os.path.isdir("/sys/kernel"):  # root writes anywhere but a kernel filesystem
-        out = "/sys/shardlm-out.jsonl"
-    else:
-        pytest.skip("no directory this user cannot write")
+    out = unwritable(tmp_path, "shardlm-out.jsonl")
     monkeypatch.setattr(load, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
     status, lines = _cli(["generate", "--model", paths["exp"], "--input", paths["longprompts"], "--output", out],
                          capsys)
