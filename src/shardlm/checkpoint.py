@@ -271,7 +271,7 @@ def read_state(path: str | Path) -> dict:
         except (OSError, ValueError) as e:
             problems.append(f"{ckpt / STATE} is not readable JSON ({e})")
             continue
-        if isinstance(state, dict) and "config" in state:
+        if isinstance(state, dict) and isinstance(state.get("config"), dict):  # null: config_from_dict's traceback
             return state
         problems.append(f"{ckpt / STATE} holds no config")
     raise CheckpointError(f"no checkpoint of {path} has a readable {STATE}: {'; '.join(problems)}")
@@ -288,7 +288,10 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
     if not isinstance(state, dict) or not {"step", "config", "data"} <= state.keys():
         raise CheckpointError(f"{path / STATE} lacks the step, config or data of the checkpoint")
     files = state.get("files", {})  # checkpoints written before checksums have none
-    for name, want in files.items():
+    for name, want in (files if isinstance(files, dict) else {"its files": files}).items():
+        if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and isinstance(want.get("crc32"), int)):
+            raise CheckpointError(f"{path / STATE} records {name} as {want!r}, not its size and CRC32 (edited by "
+                                  "hand?): put back the state.json the run saved, or resume another checkpoint")
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")

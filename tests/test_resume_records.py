@@ -1,0 +1,53 @@
+"""Resumes from checkpoint records a user changed or named by mistake: a state.json edited by hand (a record
+missing, or of another type) and a save's unfinished temporary directory given to --resume. Each ends before
+training in one line naming the file and what to do, never in a traceback."""
+import json
+
+import pytest
+
+from helpers import cli_proc
+from shardlm.config import load_config
+from shardlm.trainer import Trainer
+
+
+def _run(path, steps=1, save_every=0):
+    cfg = load_config("tiny", {"train.steps": str(steps), "train.save_every": str(save_every),
+                               "train.tensorboard": "false", "train.sample_tokens": "0"})
+    Trainer(cfg, out_dir=path, log=lambda *a: None).run()
+    return path
+
+
+def _drop(key):
+    def edit(state):
+        section, _, name = key.rpartition(".")
+        del (state[section] if section else state)[name]
+    return edit
+
+
+def _set(key, value):
+    def edit(state):
+        section, _, name = key.rpartition(".")
+        (state[section] if section else state)[name] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, said", [
+    (_drop("data.consumed_samples"), "state.json lacks data.consumed_samples"),
+    (_drop("data.train_windows"), "state.json lacks data.train_windows"),
+    (_set("data.consumed_samples", "1"), "state.json holds data.consumed_samples as '1'"),
+    (_drop("loss_scaler"), "state.json lacks loss_scaler"),
+    (_set("config", None), "state.json holds no config"),
+    (_set("files", {"rng.pt": 5}), "state.json records rng.pt as 5"),
+], ids=["no-consumed", "no-windows", "consumed-a-string", "no-scaler", "config-null", "files-bad"])
+def test_a_hand_edited_state_json_is_refused_in_one_line(tmp_path, capsys, edit, said):
+    """Each once ended the resume in a KeyError's, TypeError's or AttributeError's traceback."""
+    run = _run(tmp_path / "run")
+    ckpt = run / "checkpoints" / "step_00000001"
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    proc = cli_proc(capsys, "train", "--resume", ckpt, "--train.steps", "2", "--out", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode in (1, 2) and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("shardlm train: error: ") and said in lines[0], lines[0]
+    assert not (tmp_path / "out" / "checkpoints").exists()
