@@ -2,6 +2,7 @@
 missing, or of another type) and a save's unfinished temporary directory given to --resume. Each ends before
 training in one line naming the file and what to do, never in a traceback."""
 import json
+import os
 
 import pytest
 
@@ -51,3 +52,26 @@ def test_a_hand_edited_state_json_is_refused_in_one_line(tmp_path, capsys, edit,
     assert proc.returncode in (1, 2) and len(lines) == 1, proc.stderr
     assert lines[0].startswith("shardlm train: error: ") and said in lines[0], lines[0]
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("how", ["saved-config", "named-config", "other-out"])
+def test_an_unfinished_save_named_as_resume_is_refused_naming_the_run(tmp_path, capsys, how):
+    """A save cut short (its .tmp-step_N directory) named as --resume: once 'holds no complete checkpoint (looked
+    for .tmp-step_N/checkpoints/step_*/state.json)', its own directory taken as --out, and nothing said of the
+    run's complete checkpoints beside it; with a config named, the run removed it as unfinished first and then
+    said it did not exist."""
+    run = _run(tmp_path / "run", steps=2, save_every=1)
+    partial = run / "checkpoints" / ".tmp-step_00000003"
+    partial.mkdir()
+    (partial / "rank00000-0000.safetensors").write_bytes(b"half")
+    extra = {"saved-config": [], "named-config": ["tiny", "--train.tensorboard", "false"],
+             "other-out": ["tiny", "--out", tmp_path / "other"]}[how]
+    proc = cli_proc(capsys, "train", *extra, "--resume", partial, "--train.steps", "4")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode in (1, 2) and len(lines) == 1, proc.stderr
+    assert lines[0] == (f"shardlm train: error: {partial} is the unfinished save of step 3 (cut short by a crash or "
+                        f"kill, or still being written), not a checkpoint: name its run {run} instead (its newest "
+                        "complete checkpoint: step_00000002)"), lines[0]
+    assert sorted(os.listdir(partial)) == ["rank00000-0000.safetensors"]  # left as it was, for the user to see
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [".tmp-step_00000003", "step_00000001",
+                                                                         "step_00000002"]

@@ -41,6 +41,7 @@ VERIFY_THREADS = 8
 # What saves name their checkpoints: a copy beside them (`cp -r step_00000004 step_00000004.bak`) is the user's, not
 # a step of the run; taken for the newest one, its name failed as "invalid literal for int()".
 STEP_NAME = re.compile(r"step_(\d+)")
+UNFINISHED = re.compile(r"\.(?:tmp|old)-step_(\d+)(?:-\d+)?")  # a save's temporary directory, a deletion's leftover
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,7 +231,20 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and (p / STATE).is_file())
 
 
+def unfinished_save(path: Path) -> FileNotFoundError | None:
+    """A save's temporary directory named as a checkpoint: once "holds no complete checkpoint (looked for
+    .tmp-step_N/checkpoints/...)", taken as --resume's own --out, or removed as unfinished before it was read."""
+    if (named := UNFINISHED.fullmatch(path.name)) is None:
+        return None
+    newest = [p.name for p in complete_checkpoints(path.parent.parent)] or ["none yet"]
+    return FileNotFoundError(f"{path} is the unfinished save of step {int(named.group(1))} (cut short by a crash or "
+                             f"kill, or still being written), not a checkpoint: name its run {path.parent.parent} "
+                             f"instead (its newest complete checkpoint: {newest[-1]})")
+
+
 def _no_checkpoint(path: Path) -> FileNotFoundError:
+    if (unfinished := unfinished_save(path)) is not None:
+        return unfinished
     if path.is_file():
         return FileNotFoundError(f"{path} is a file; a run, a checkpoint or a Hugging Face model is a directory")
     hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume

@@ -142,7 +142,7 @@ def _run_dir_of(resume: str | None) -> str | None:
     if resume is None:
         return None
     path = Path(resume)
-    return str(path.parent.parent) if path.parent.name == "checkpoints" and path.name.startswith("step_") else resume
+    return str(path.parent.parent) if path.parent.name == "checkpoints" and "step_" in path.name else resume
 
 
 def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:

@@ -21,7 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial
+from .checkpoint import (CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial,
+                         unfinished_save)
 from .config import ConfigError
 from .runlock import RunLock, acquire, launcher
 
@@ -116,6 +117,8 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     rank stop on it, not the main rank alone), or None."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
+    if resume is not None and (unfinished := unfinished_save(resume)) is not None:  # before it is removed as one
+        raise unfinished
     existing = complete_checkpoints(out)
     own = resume is not None and contains(out, Path(resume))
     if existing and not own and not overwrite:
