@@ -75,3 +75,16 @@ def test_an_unfinished_save_named_as_resume_is_refused_naming_the_run(tmp_path, 
     assert sorted(os.listdir(partial)) == ["rank00000-0000.safetensors"]  # left as it was, for the user to see
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [".tmp-step_00000003", "step_00000001",
                                                                          "step_00000002"]
+
+
+def test_a_resume_with_nothing_to_do_writes_no_config_into_another_out(tmp_path, capsys):
+    """A run at step 2 resumed with train.steps 1 into another --out: 'nothing to do', and that --out held the
+    config.toml of a run that never trained (train.steps 1), which `--resume` of it then called a run that had
+    saved no checkpoint yet: 'wait for its first', which never came."""
+    run, other = _run(tmp_path / "run", steps=2), tmp_path / "other"
+    proc = cli_proc(capsys, "train", "--resume", run, "--train.steps", "1", "--out", other,
+                    "--train.tensorboard", "false")
+    assert proc.returncode == 0 and "nothing to do" in proc.stdout, proc.stderr
+    assert not (other / "config.toml").exists()
+    proc = cli_proc(capsys, "train", "--resume", other)
+    assert proc.returncode == 2 and "wait for its first" not in proc.stderr, proc.stderr
