@@ -88,3 +88,20 @@ def test_a_resume_with_nothing_to_do_writes_no_config_into_another_out(tmp_path,
     assert not (other / "config.toml").exists()
     proc = cli_proc(capsys, "train", "--resume", other)
     assert proc.returncode == 2 and "wait for its first" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["saved-config", "named-config"])
+def test_a_saved_config_this_version_cannot_read_is_named_as_the_checkpoints(tmp_path, capsys, named):
+    """A key in the checkpoint's config that this version does not know (a newer version's, or an edit): once
+    "unknown config key 'train.bogus'", as if the user had passed it."""
+    run = _run(tmp_path / "run")
+    state_json = run / "checkpoints" / "step_00000001" / "state.json"
+    state = json.loads(state_json.read_text())
+    state["config"]["train"]["bogus"] = 1
+    state_json.write_text(json.dumps(state))
+    proc = cli_proc(capsys, "train", *(["tiny"] if named else []), "--resume", run, "--train.steps", "2",
+                    "--out", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("shardlm train: error: the config saved in ") and str(run) in lines[0], lines[0]
+    assert "unknown config key 'train.bogus'" in lines[0] and "another version of shardlm" in lines[0], lines[0]

@@ -165,7 +165,7 @@ class Trainer:
         if isinstance(chosen, Exception):
             raise chosen
         path, state = Path(chosen), read_state(chosen)
-        saved = config_from_dict(state["config"])
+        saved = config_from_dict(state["config"], f"the config saved in {path}")
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
