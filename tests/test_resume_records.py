@@ -105,3 +105,18 @@ def test_a_saved_config_this_version_cannot_read_is_named_as_the_checkpoints(tmp
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("shardlm train: error: the config saved in ") and str(run) in lines[0], lines[0]
     assert "unknown config key 'train.bogus'" in lines[0] and "another version of shardlm" in lines[0], lines[0]
+
+
+def test_a_damaged_checkpoint_moved_aside_named_as_resume_points_to_its_run(tmp_path, capsys):
+    """--resume RUN/checkpoints/damaged-step_N (one a resume moved aside): once '--out ... is a checkpoint, not a
+    run directory: train into another --out', the checkpoint taken as the run's default --out."""
+    run = _run(tmp_path / "run", steps=2, save_every=1)
+    aside = run / "checkpoints" / "damaged-step_00000002"
+    (run / "checkpoints" / "step_00000002").rename(aside)
+    with open(aside / "rank00000-0000.safetensors", "r+b") as f:
+        f.truncate(100)
+    proc = cli_proc(capsys, "train", "--resume", aside, "--train.steps", "4")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"shardlm train: error: {aside}/rank00000-0000.safetensors has 100 bytes"), lines[0]
+    assert lines[0].endswith(f"; --resume {run} instead takes the newest of its checkpoints that verifies"), lines[0]
