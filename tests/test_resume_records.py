@@ -120,3 +120,21 @@ def test_a_damaged_checkpoint_moved_aside_named_as_resume_points_to_its_run(tmp_
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"shardlm train: error: {aside}/rank00000-0000.safetensors has 100 bytes"), lines[0]
     assert lines[0].endswith(f"; --resume {run} instead takes the newest of its checkpoints that verifies"), lines[0]
+
+
+def test_a_checkpoint_outside_a_run_resumed_without_out_says_why_it_is_the_out(tmp_path, capsys):
+    """A checkpoint copied out of its run, resumed without --out: once only '--out CKPT is a checkpoint, not a run
+    directory', naming an --out the user never gave."""
+    import shutil
+    run = _run(tmp_path / "run")
+    copy = tmp_path / "saved"
+    shutil.copytree(run / "checkpoints" / "step_00000001", copy)
+    proc = cli_proc(capsys, "train", "--resume", copy, "--train.steps", "2")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == (f"shardlm train: error: --out {copy} is a checkpoint, not a run directory: train into another "
+                        "--out (without one, --resume of a checkpoint outside a run's checkpoints folder takes the "
+                        "checkpoint as --out)"), lines[0]
+    proc = cli_proc(capsys, "train", "--resume", copy, "--train.steps", "2", "--out", tmp_path / "new",
+                    "--train.tensorboard", "false")
+    assert proc.returncode == 0, proc.stderr

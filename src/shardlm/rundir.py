@@ -80,7 +80,10 @@ def _refuse_foreign(out: Path) -> None:
         found = next((kind for name, kind in what.items() if (above / name).is_file()), None)
         if found is not None and (above == out or found == "a checkpoint"):
             where = "is" if above == out else f"is inside {above}, which is"
-            raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out")
+            # --out left out: a resumed checkpoint that is not in a run's checkpoints folder is its own default
+            default = " (without one, --resume of a checkpoint outside a run's checkpoints folder takes the " \
+                "checkpoint as --out)" if above == out and found == "a checkpoint" else ""
+            raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out{default}")
     # A project's own config.toml or metrics.jsonl (`--out .`) was replaced by the run's without a word.
     for name, ours in ((CONFIG, _run_config), (METRICS, _run_metrics)):
         if (out / name).is_file() and not ours(out / name):
