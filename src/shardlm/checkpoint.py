@@ -41,7 +41,7 @@ VERIFY_THREADS = 8
 # What saves name their checkpoints: a copy beside them (`cp -r step_00000004 step_00000004.bak`) is the user's, not
 # a step of the run; taken for the newest one, its name failed as "invalid literal for int()".
 STEP_NAME = re.compile(r"step_(\d+)")
-UNFINISHED = re.compile(r"\.(?:tmp|old)-step_(\d+)(?:-\d+)?")  # a save's temporary directory, a deletion's leftover
+UNFINISHED = re.compile(r"\.tmp-step_(\d+)(?:-\d+)?")  # a save's temporary directory (begin_checkpoint)
 
 
 def _fsync_dir(path: Path) -> None:
