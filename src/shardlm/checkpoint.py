@@ -41,6 +41,7 @@ VERIFY_THREADS = 8
 # What saves name their checkpoints: a copy beside them (`cp -r step_00000004 step_00000004.bak`) is the user's, not
 # a step of the run; taken for the newest one, its name failed as "invalid literal for int()".
 STEP_NAME = re.compile(r"step_(\d+)")
+UNFINISHED = re.compile(r"\.tmp-step_(\d+)(?:-\d+)?")  # a save's temporary directory (begin_checkpoint)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,7 +231,20 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and (p / STATE).is_file())
 
 
+def unfinished_save(path: Path) -> FileNotFoundError | None:
+    """A save's temporary directory named as a checkpoint: once "holds no complete checkpoint (looked for
+    .tmp-step_N/checkpoints/...)", taken as --resume's own --out, or removed as unfinished before it was read."""
+    if (named := UNFINISHED.fullmatch(path.name)) is None:
+        return None
+    newest = [p.name for p in complete_checkpoints(path.parent.parent)] or ["none yet"]
+    return FileNotFoundError(f"{path} is the unfinished save of step {int(named.group(1))} (cut short by a crash or "
+                             f"kill, or still being written), not a checkpoint: name its run {path.parent.parent} "
+                             f"instead (its newest complete checkpoint: {newest[-1]})")
+
+
 def _no_checkpoint(path: Path) -> FileNotFoundError:
+    if (unfinished := unfinished_save(path)) is not None:
+        return unfinished
     if path.is_file():
         return FileNotFoundError(f"{path} is a file; a run, a checkpoint or a Hugging Face model is a directory")
     hf = (path / "config.json").is_file()  # an HF directory (an export) is where a new run starts, not a resume
@@ -271,7 +285,7 @@ def read_state(path: str | Path) -> dict:
         except (OSError, ValueError) as e:
             problems.append(f"{ckpt / STATE} is not readable JSON ({e})")
             continue
-        if isinstance(state, dict) and "config" in state:
+        if isinstance(state, dict) and isinstance(state.get("config"), dict):  # null: config_from_dict's traceback
             return state
         problems.append(f"{ckpt / STATE} holds no config")
     raise CheckpointError(f"no checkpoint of {path} has a readable {STATE}: {'; '.join(problems)}")
@@ -288,7 +302,10 @@ def verify_checkpoint(path: Path, progress=None) -> dict:
     if not isinstance(state, dict) or not {"step", "config", "data"} <= state.keys():
         raise CheckpointError(f"{path / STATE} lacks the step, config or data of the checkpoint")
     files = state.get("files", {})  # checkpoints written before checksums have none
-    for name, want in files.items():
+    for name, want in (files if isinstance(files, dict) else {"its files": files}).items():
+        if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and isinstance(want.get("crc32"), int)):
+            raise CheckpointError(f"{path / STATE} records {name} as {want!r}, not its size and CRC32 (edited by "
+                                  "hand?): put back the state.json the run saved, or resume another checkpoint")
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")

@@ -69,7 +69,7 @@ def cmd_train(argv: list[str]) -> int:
         # Resuming a run without naming its config continues with the config it was saved with.
         from .checkpoint import read_state
         from .config import apply_overrides, config_from_dict
-        cfg = config_from_dict(read_state(args.resume)["config"])
+        cfg = config_from_dict(read_state(args.resume)["config"], f"the config saved in {args.resume}")
         apply_overrides(cfg, overrides)
     else:
         from .hf_config import with_init_from
@@ -142,7 +142,7 @@ def _run_dir_of(resume: str | None) -> str | None:
     if resume is None:
         return None
     path = Path(resume)
-    return str(path.parent.parent) if path.parent.name == "checkpoints" and path.name.startswith("step_") else resume
+    return str(path.parent.parent) if path.parent.name == "checkpoints" and "step_" in path.name else resume
 
 
 def _train(cfg, out: str, resume: str | None, overwrite: bool) -> int:

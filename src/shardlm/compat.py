@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError, TrainConfig, lora_targets
 from .mesh import every_rank
 from .optim import lr_at
@@ -130,9 +131,32 @@ def check_resume_shapes(path: Path, cfg: Config) -> None:
                                  f"describe the saved tensors; put back the one they were saved with")
 
 
+# What a resume reads from state.json besides the config: edited by hand, a missing or mistyped one ended the
+# resume in a KeyError's or TypeError's traceback.
+RECORDS = (("step", int, "an integer"), ("data", dict, "an object"), ("data.consumed_samples", int, "an integer"),
+           ("data.train_windows", int, "an integer"), ("data.seed", int, "an integer"),
+           ("loss_scaler", dict, "an object"))
+
+
+def check_state_records(path: Path, state: dict) -> None:
+    """Refuse a state.json of checkpoint `path` without a record a resume reads, or with one of another type."""
+    for key, kind, what in RECORDS:
+        section, _, name = key.rpartition(".")
+        holder = state[section] if section else state
+        if name not in holder:
+            why = f"lacks {key}"
+        elif not isinstance(holder[name], kind):
+            why = f"holds {key} as {holder[name]!r}, not {what}"
+        else:
+            continue
+        raise CheckpointError(f"cannot resume {path}: its state.json {why} (edited by hand?): put back the "
+                              "state.json the run saved, or resume another checkpoint")
+
+
 def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
                       seq_len: int) -> None:
     """The sample order continues only over the same windows, seed and whole global batches."""
+    check_state_records(path, state)
     data = state["data"]
     if data["train_windows"] != train_windows or data["seed"] != seed:
         # The windows are the data cut at train.seq_len: a changed seq_len alone was blamed on data.path.

@@ -21,7 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial
+from .checkpoint import (CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial,
+                         unfinished_save)
 from .config import ConfigError
 from .runlock import RunLock, acquire, launcher
 
@@ -79,7 +80,10 @@ def _refuse_foreign(out: Path) -> None:
         found = next((kind for name, kind in what.items() if (above / name).is_file()), None)
         if found is not None and (above == out or found == "a checkpoint"):
             where = "is" if above == out else f"is inside {above}, which is"
-            raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out")
+            # --out left out: a resumed checkpoint that is not in a run's checkpoints folder is its own default
+            default = " (without one, --resume of a checkpoint outside a run's checkpoints folder takes the " \
+                "checkpoint as --out)" if above == out and found == "a checkpoint" else ""
+            raise ConfigError(f"--out {out} {where} {found}, not a run directory: train into another --out{default}")
     # A project's own config.toml or metrics.jsonl (`--out .`) was replaced by the run's without a word.
     for name, ours in ((CONFIG, _run_config), (METRICS, _run_metrics)):
         if (out / name).is_file() and not ours(out / name):
@@ -116,6 +120,8 @@ def prepare(out: Path, resume: Path | None, overwrite: bool, main: bool, log=pri
     rank stop on it, not the main rank alone), or None."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
+    if resume is not None and (unfinished := unfinished_save(resume)) is not None:  # before it is removed as one
+        raise unfinished
     existing = complete_checkpoints(out)
     own = resume is not None and contains(out, Path(resume))
     if existing and not own and not overwrite:

@@ -143,7 +143,7 @@ class Trainer:
             (rundir.overwrite_run if overwrite else rundir.drop_damaged_after)(self.out, checkpoint, log)
         self.metrics = MetricsLogger(self.out, self.mesh.is_main, t.tensorboard,
                                      resume_step=self.step if same_dir else None, warn=self.log)
-        if self.out is not None and self.mesh.is_main:
+        if self.out is not None and self.mesh.is_main and self.step < t.steps:  # else no run: none in --out
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(cfg.to_toml())
 
@@ -165,7 +165,7 @@ class Trainer:
         if isinstance(chosen, Exception):
             raise chosen
         path, state = Path(chosen), read_state(chosen)
-        saved = config_from_dict(state["config"])
+        saved = config_from_dict(state["config"], f"the config saved in {path}")
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,

@@ -215,9 +215,16 @@ def load_config(source: str | None = None, overrides: dict[str, Any] | None = No
     return cfg
 
 
-def config_from_dict(d: dict) -> Config:
+def config_from_dict(d: dict, where: str = "the saved config") -> Config:
+    """The config a checkpoint saved (`where`: which). A key it holds that this version does not know, or a value
+    of another type, was named as if the user had given it: a checkpoint of another version (or edited by hand)."""
     cfg = Config()
-    apply_overrides(cfg, _flatten(d, "saved config"))
+    try:
+        apply_overrides(cfg, _flatten(d, where))
+    except ConfigError as e:
+        if str(e).startswith(where):  # _flatten's own names it
+            raise
+        raise ConfigError(f"{where}: {e} (saved by another version of shardlm, or edited by hand?)") from None
     return cfg
 
 
