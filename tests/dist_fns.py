@@ -613,9 +613,9 @@ def save_fails_on_rank_zero(rank, world, out_dir):
     """A full disk on rank 0 while it writes step 2's checkpoint: what each rank raises (none may hang)."""
     import errno
 
-    import shardlm.checkpoint as ckpt
+    import shardlm.checkpoint_write as ckpt
 
-    def full_disk(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint.py
+    def full_disk(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint_write.py
         if rank == 0 and "step_00000002" in str(file) and "w" in mode:
             raise OSError(errno.ENOSPC, "No space left on device")
         return open(file, mode, *args, **kwargs)

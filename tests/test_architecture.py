@@ -15,7 +15,7 @@ LAYERS = [
     ["config", "cpu_adam", "sharding", "generation_config", "rng_state"],                         # no shardlm imports
     ["sharded_read"],
     ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
-    ["plan", "grad_norm", "data", "model", "mesh", "rundir"],                            # plan: no torch
+    ["plan", "grad_norm", "data", "model", "mesh", "rundir", "checkpoint_write"],        # plan: no torch
     ["comm"],
     ["optim"],
     ["parallel"],

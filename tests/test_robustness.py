@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import cli_proc, run_cli
-from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
+from shardlm.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint
+from shardlm.checkpoint_write import save_checkpoint
 from shardlm.config import ConfigError, load_config, validate
 from shardlm.rundir import drop_damaged_after
 from shardlm.trainer import Trainer, TrainingError
@@ -326,10 +327,10 @@ def test_a_save_cut_short_is_named_with_the_checkpoint_the_resume_continues_from
 def test_a_failed_save_says_so_in_one_line_keeps_the_previous_checkpoint_and_fails(tmp_path, monkeypatch, capsys, fmt):
     """A full disk (ENOSPC) while step 4 is written, in either checkpoint format: the run ends with status 1
     and one line; step 2's checkpoint is there and verifies; no partial directory is left."""
-    import shardlm.checkpoint as ckpt
+    import shardlm.checkpoint_write as ckpt
     from shardlm.cli import main
 
-    def full_disk(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint.py
+    def full_disk(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint_write.py
         if "step_00000004" in str(file) and "w" in mode:
             raise OSError(errno.ENOSPC, "No space left on device")
         return open(file, mode, *args, **kwargs)

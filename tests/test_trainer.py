@@ -205,10 +205,10 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_directory(tmp_path, 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train(tmp_path, "a", train__steps=4, train__save_every=2, train__keep_checkpoints=5)
-    import shardlm.checkpoint as ck
+    import shardlm.checkpoint_write as ck
     calls = []
 
-    def dying_open(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint.py
+    def dying_open(file, mode="r", *args, **kwargs):  # the files a save writes, opened in checkpoint_write.py
         if "w" in mode:
             calls.append(str(file))
             if "step_00000006" in str(file):  # step 6's first file

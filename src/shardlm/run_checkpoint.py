@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CKPT_DIR, MANIFEST, CheckpointError, begin_checkpoint, commit_checkpoint, failed_save,
-                         fsync_files, save_checkpoint, write_tensors)
+from .checkpoint import CKPT_DIR, MANIFEST, CheckpointError, fsync_files
+from .checkpoint_write import begin_checkpoint, commit_checkpoint, failed_save, save_checkpoint, write_tensors
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
