@@ -1,8 +1,7 @@
 """The `shardlm` command: train, eval, generate, data prepare, export.
 
-`shardlm train [CONFIG] [--section.key value ...] [--out DIR] [--resume DIR] [--print-config]` runs
-under plain Python or torchrun (`torchrun --nproc-per-node N -m shardlm train ...`).
-"""
+`shardlm train [CONFIG] [--section.key value ...] [--out DIR] [--resume DIR] [--print-config]` runs under plain
+Python or torchrun (`torchrun --nproc-per-node N -m shardlm train ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -276,8 +275,7 @@ def cmd_export(argv: list[str]) -> int:
         try:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
-                    write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype],
-                                   base=base, metadata=mark)
+                    write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=base, metadata=mark)
                 else:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
                     write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],

@@ -3,10 +3,9 @@
 One step consumes global_batch_size samples: each data-parallel rank runs global / (micro x dp)
 micro-batches of micro_batch_size, scaling each micro-batch loss by 1 / accumulation so the summed
 gradient is the gradient of the mean loss over the global batch (every sample has the same number of
-tokens, so the mean of micro-batch means is the global mean). Everything a step depends on is a
-function of the step number and the checkpointed state, which is what makes a resumed run reproduce
-the uninterrupted one exactly.
-"""
+tokens, so the mean of micro-batch means is the global mean). Everything a step depends on is a function of
+the step number and the checkpointed state, which is what makes a resumed run reproduce the uninterrupted
+one exactly."""
 from __future__ import annotations
 
 import gc
