@@ -408,9 +408,8 @@ def test_bf16_optimizer_state_on_the_gpu_matches_torch_fused_adamw():
     ulp = torch.finfo(torch.bfloat16).eps
 
     def ulps_apart():
-        # in ulps of the weight or of the step (lr): where a step all but cancels a weight, the moments'
-        # rounding to bf16 (their unrounded or rounded values used by one kernel or the other) outweighs the
-        # weight's own ulp
+        # in ulps of the weight or of the step (lr): where a step all but cancels a weight, a rounding of the
+        # step (of its bf16 moments, in either kernel) can outweigh the weight's own ulp
         return {name: (p.float() - q.float()).abs() / (ulp * q.float().abs().clamp(min=1e-2))
                 for (name, p), q in zip(model.named_parameters(), ref.parameters())}
 
