@@ -116,11 +116,10 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 def cmd_serve(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    try:  # before the model loads: a missing extra fails at once
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
+    from ..extras import import_optional
+    for package in ("fastapi", "uvicorn"):  # before the model loads: a missing or broken extra fails at once
+        import_optional(package, package, "serve", f"serve needs fastapi and uvicorn ({package} is not "
+                        "installed): pip install 'shardlm[serve]'", ConfigError)
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
     if a.max_len is not None and a.max_len < 2:  # a prompt is one token at least, its completion another
