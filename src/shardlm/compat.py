@@ -177,10 +177,9 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
 def warn_changed_data(path: Path, state: dict, shards, log) -> None:
     """Warn (through `log`; None: say nothing) where the data's identity (TokenShards.identity) is not the one
     checkpoint `path` recorded: as many windows, the same tokenizer and seed, other tokens. Not refused: a corpus
-    corrected or grown on purpose may go on, but not as a reproduction of the run. A checkpoint saved before the
+    corrected on purpose (as many windows) may go on, but not as a reproduction of the run. A checkpoint saved before the
     identity was recorded says nothing."""
-    saved, now = state["data"].get("digest"), shards.identity()
-    if log is None or saved is None or saved == now["digest"]:
+    if log is None or (saved := state["data"].get("digest")) is None or saved == (now := shards.identity())["digest"]:
         return
     tokens = state["data"].get("tokens")
     n = now["tokens"]
