@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["naming"],                                                                                    # no imports
     ["schedules"],                                                                                 # no torch
-    ["config", "cpu_adam", "sharding", "generation_config", "rng_state"],                         # no shardlm imports
+    ["config", "cpu_adam", "sharding", "generation_config", "rng_state", "extras"],               # no shardlm imports
     ["sharded_read"],
     ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir", "checkpoint_write"],        # plan: no torch

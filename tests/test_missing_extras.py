@@ -158,9 +158,79 @@ def test_a_broken_tensorboard_is_warned_of_and_the_run_goes_on(tmp_path, monkeyp
     said = []
     logger = MetricsLogger(tmp_path, True, True, warn=said.append)
     logger.close()
-    assert len(said) == 1 and "importing the tensorboard package failed (TypeError: Descriptors cannot be created " \
-        "directly.)" in said[0] and "train.tensorboard false" in said[0], said
+    assert len(said) == 1 and "needs tensorboard, which is installed but fails to import (TypeError: Descriptors " \
+        "cannot be created directly.)" in said[0] and "train.tensorboard false" in said[0], said
     assert not list(tmp_path.glob("tensorboard/events.*"))
     said.clear()
     MetricsLogger(tmp_path, True, False, warn=said.append).close()
     assert not said
+
+
+# (the package as imported, what its import raises, the command that needs it, pip's name for it)
+BROKEN = [
+    ("sacrebleu", "ImportError('libsacre.so: cannot open shared object file\\nmore')",
+     ["eval", "--model", "{tmp}/no_model", "--tasks", "bleu", "--data", "{jsonl}"], "sacrebleu"),
+    ("rouge_score", "AttributeError(\"module 'numpy' has no attribute 'float'\")",
+     ["eval", "--model", "{tmp}/no_model", "--tasks", "rouge", "--data", "{jsonl}"], "rouge-score"),
+    ("pyarrow", "ImportError('libarrow.so.1700: cannot open shared object file')",
+     ["data", "prepare", "--input", "{parquet}", "--tokenizer", "byte", "--out", "{tmp}/out"], "pyarrow"),
+    ("torchao", "OSError('libtorchao.so: undefined symbol: _ZN3c10')",
+     ["train", "tiny", "--lora.rank", "4", "--lora.quantize", "nf4", "--train.steps", "1", "--train.tensorboard",
+      "false", "--data.path", "{data}", "--out", "{tmp}/run"], "torchao"),
+    ("fastapi", "ModuleNotFoundError(\"No module named 'starlette'\", name='starlette')",
+     ["serve", "--model", "{tmp}/no_model", "--port", "0"], "fastapi"),
+]
+
+
+def _broken(root, package: str, raised: str) -> dict:
+    """An environment whose `package` is installed but raises `raised` when imported (a missing shared library, a
+    dependency of another version): a directory holding it, first on PYTHONPATH."""
+    import os
+    (root / "site" / package).mkdir(parents=True)
+    (root / "site" / package / "__init__.py").write_text(f"raise {raised}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "site"), *sys.path])}
+
+
+def _prepared(root):
+    from helpers import TEXT
+    (root / "text.txt").write_text(TEXT * 4)
+    assert main(["data", "prepare", "--input", str(root / "text.txt"), "--tokenizer", "byte", "--out",
+                 str(root / "data")]) == 0
+    return root / "data"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("package, raised, argv, pip", BROKEN, ids=[b[0] for b in BROKEN])
+def test_a_broken_optional_package_is_named_as_broken_in_one_line(package, raised, argv, pip, tmp_path):
+    """An optional package installed but failing to import was called not installed (where its error was an
+    ImportError: pip install then did nothing) or ended in a traceback (any other error)."""
+    from helpers import run_cli
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "the cat ", "completion": "sat on the mat"}) + "\n")
+    (tmp_path / "b.parquet").write_bytes(b"PAR1")
+    names = {"tmp": tmp_path, "jsonl": tmp_path / "d.jsonl", "parquet": tmp_path / "b.parquet",
+             "data": _prepared(tmp_path) if package == "torchao" else ""}
+    proc = run_cli(*[a.format(**names) for a in argv], check=False, env=_broken(tmp_path, package, raised), timeout=50)
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith(("tokenize:", "W1", "WARNING"))]
+    assert proc.returncode == 2 and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    kind, _, why = raised.partition("(")
+    first = eval(raised).args[0].splitlines()[0]
+    assert err[0].startswith(f"shardlm {argv[0]}: error: ") and f"needs {pip}, which is installed but fails to import " \
+        f"({kind}: {first}); reinstall it: pip install --force-reinstall {pip}" in err[0], err[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_broken_tensorboard_is_named_as_broken_and_the_run_goes_on(tmp_path):
+    """tensorboard installed but raising ImportError at import (a missing shared library) was called not installed,
+    and `pip install tensorboard`, what that warning said to do, does nothing where it is installed."""
+    from helpers import run_cli
+    env = _broken(tmp_path, "tensorboard", "ImportError('_pywrap_tensorflow.so: cannot open shared object file')")
+    proc = run_cli("train", "tiny", "--train.steps", "1", "--train.sample_tokens", "0", "--data.path",
+                   _prepared(tmp_path), "--out", tmp_path / "run", env=env, timeout=50)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "TensorBoard" in line]
+    assert len(said) == 1 and said[0].startswith("warning: no TensorBoard events will be written: train.tensorboard "
+                                                 "needs tensorboard, which is installed but fails to import "
+                                                 "(ImportError: _pywrap_tensorflow.so: cannot open shared object "
+                                                 "file); reinstall it: pip install --force-reinstall tensorboard, "
+                                                 "or set train.tensorboard false"), proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()

@@ -3,10 +3,11 @@ missing, or of another type) and a save's unfinished temporary directory given t
 training in one line naming the file and what to do, never in a traceback."""
 import json
 import os
+import shutil
 
 import pytest
 
-from helpers import cli_proc
+from helpers import TEXT, cli_proc
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
@@ -138,3 +139,54 @@ def test_a_checkpoint_outside_a_run_resumed_without_out_says_why_it_is_the_out(t
     proc = cli_proc(capsys, "train", "--resume", copy, "--train.steps", "2", "--out", tmp_path / "new",
                     "--train.tensorboard", "false")
     assert proc.returncode == 0, proc.stderr
+
+
+QUIET = ["--train.tensorboard", "false", "--train.sample_tokens", "0"]
+
+
+def _prepare(data, text):
+    (data.parent / f"{data.name}.txt").write_text(text)
+    from shardlm.cli import main
+    assert main(["data", "prepare", "--input", str(data.parent / f"{data.name}.txt"), "--tokenizer", "byte", "--out",
+                 str(data)]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_over_data_prepared_again_from_other_text_warns_once(tmp_path, capsys):
+    """data.path prepared again from other text that gives as many windows (the same tokenizer and seed): the
+    resume went on over other tokens without a word, its trajectory no longer the interrupted run's."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    _prepare(data, TEXT * 4)
+    assert cli_proc(capsys, "train", "tiny", *QUIET, "--train.steps", "1", "--data.path", data, "--out",
+                    run).returncode == 0
+    shutil.rmtree(data)
+    _prepare(data, (TEXT * 4).swapcase())  # as many bytes: as many tokens and windows
+    proc = cli_proc(capsys, "train", "--resume", run, "--train.steps", "2")
+    said = [line for line in proc.stdout.splitlines() if "will not reproduce" in line]
+    assert proc.returncode == 0 and len(said) == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert said[0].startswith(f"warning: the training data in {data} is not the data checkpoint {run}/checkpoints/"
+                              "step_00000001 was trained on (as many tokens, 15,841, but other ones; digest "), said[0]
+    assert (run / "checkpoints" / "step_00000002").is_dir()
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_over_the_same_data_or_of_an_older_checkpoint_says_nothing(tmp_path, capsys):
+    """The embedded default corpus's run resumes as before, without a word; so does a checkpoint saved before the
+    data's identity was recorded, whatever its data holds now."""
+    run = _run(tmp_path / "run")
+    assert "digest" in json.loads((run / "checkpoints" / "step_00000001" / "state.json").read_text())["data"]
+    proc = cli_proc(capsys, "train", "--resume", run, "--train.steps", "2")
+    assert proc.returncode == 0 and "will not reproduce" not in proc.stdout, proc.stdout + proc.stderr
+    data, old = tmp_path / "data", tmp_path / "old"
+    _prepare(data, TEXT * 4)
+    assert cli_proc(capsys, "train", "tiny", *QUIET, "--train.steps", "1", "--data.path", data, "--out",
+                    old).returncode == 0
+    state_json = old / "checkpoints" / "step_00000001" / "state.json"
+    state = json.loads(state_json.read_text())
+    for key in ("tokens", "digest"):
+        del state["data"][key]
+    state_json.write_text(json.dumps(state))
+    shutil.rmtree(data)
+    _prepare(data, (TEXT * 4).swapcase())
+    proc = cli_proc(capsys, "train", "--resume", old, "--train.steps", "2")
+    assert proc.returncode == 0 and "will not reproduce" not in proc.stdout, proc.stdout + proc.stderr

@@ -39,6 +39,27 @@ def test_replicas_start_at_the_device_given(monkeypatch):
         _replica_devices(2, 1, torch.device("cuda"))
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device, said", [("auto", "no GPU is visible to this process"),
+                                          ("cpu", "this server runs on the CPU (--device cpu)")])
+def test_replicas_without_a_gpu_are_refused_before_the_model_loads(device, said, tmp_path, monkeypatch, capsys):
+    """--replicas 2 on a host without GPUs (or with --device cpu) loaded two copies of the model on the CPU,
+    where they share its cores and serve no faster, without a word; a user expects one replica per GPU."""
+    import shardlm.inference as inference
+    from shardlm.cli import main
+    save_hf("llama", tmp_path / "llama")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(inference, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    capsys.readouterr()
+    status = main(["serve", "--model", str(tmp_path / "llama"), "--port", "0", "--replicas", "2",
+                   "--device", device])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err, err
+    assert err.startswith("shardlm serve: error: --replicas 2 puts one copy of the model on each GPU, but ") and \
+        said in err and "leave --replicas out" in err, err
+
+
 SLOWED = """import sys, time
 import shardlm.inference as inf
 step = inf.Engine.step

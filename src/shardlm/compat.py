@@ -174,6 +174,22 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
                              f"{data['consumed_samples']}")
 
 
+def warn_changed_data(path: Path, state: dict, shards, log) -> None:
+    """Warn (through `log`; None: say nothing) where the data's identity (TokenShards.identity) is not the one
+    checkpoint `path` recorded: as many windows, the same tokenizer and seed, other tokens. Not refused: a corpus
+    corrected on purpose (as many windows) may go on, but not as a reproduction of the run. A checkpoint saved before the
+    identity was recorded says nothing."""
+    if log is None or (saved := state["data"].get("digest")) is None or saved == (now := shards.identity())["digest"]:
+        return
+    tokens = state["data"].get("tokens")
+    n = now["tokens"]
+    what = (f"as many tokens, {n:,}, but other ones" if tokens == n else
+            f"{n:,} tokens now, {tokens:,} then" if isinstance(tokens, int) else f"{n:,} tokens, other ones")
+    log(f"warning: the training data in {shards.dir} is not the data checkpoint {path} was trained on ({what}; "
+        f"digest {now['digest']} now, {saved} then): the run goes on over this data, but its trajectory will not "
+        "reproduce the one it resumes")
+
+
 def data_fingerprint(data_dir: Path, index: dict, tokenizer) -> str:
     """The fingerprint of the tokenizer `data_dir` was prepared with: the one its index records (datasets of
     earlier versions record none: their copy of the tokenizer's), which its copy must still match."""

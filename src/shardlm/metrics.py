@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import RunError
+from .extras import broken_line, is_missing
 
 PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks from the vendors' datasheets
     "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
@@ -84,18 +85,16 @@ class MetricsLogger:
         if tensorboard or (resume_step is not None and events):
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                if tensorboard:  # on by default: a user expecting TensorBoard would find no events and no word why
+            except Exception as e:  # noqa: BLE001 - installed but broken (a protobuf its generated code predates)
+                # On by default: a user expecting TensorBoard would find no events and no word why; and an optional
+                # log whose import raised otherwise than ImportError stopped every run before its first step.
+                if tensorboard and is_missing(e, "tensorboard", "torch.utils.tensorboard"):
                     warn("warning: no TensorBoard events will be written: the tensorboard package is not installed "
                          "(pip install tensorboard, or pip install 'shardlm[tensorboard]'); set train.tensorboard "
                          "false to silence this")
-                return
-            except Exception as e:  # noqa: BLE001 - installed but broken (a protobuf its generated code predates)
-                if tensorboard:  # an optional log, on by default: it stopped every run before its first step
-                    why = (str(e).strip().splitlines() or [""])[0][:200]
-                    warn(f"warning: no TensorBoard events will be written: importing the tensorboard package failed "
-                         f"({type(e).__name__}: {why}); reinstall it (pip install --upgrade 'shardlm[tensorboard]'), "
-                         "or set train.tensorboard false to silence this")
+                elif tensorboard:
+                    warn("warning: no TensorBoard events will be written: " + broken_line(
+                        "train.tensorboard", "tensorboard", e) + ", or set train.tensorboard false to silence this")
                 return
             purge = None if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from .config import ConfigError
+from .extras import import_optional
 from .data.jsonl import objects
 
 # A task and the scores it reports.
@@ -84,12 +85,8 @@ _ROUGE_WORDS = re.compile(r"[a-z0-9]+")
 
 
 def _require(module: str, package: str):
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"scoring needs the {package} package: pip install {package} "
-                          f"(or pip install 'shardlm[eval]')") from None
+    return import_optional(module, package, "scoring", f"scoring needs the {package} package: pip install "
+                           f"{package} (or pip install 'shardlm[eval]')", ConfigError)
 
 
 def require_scorers(tasks: list[str]) -> None:

@@ -169,9 +169,9 @@ class Trainer:
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
                                  self.cfg.train.global_batch_size, self.cfg.train.seq_len)
-        own = self.out is not None and rundir.check_resume_into(self.out, Path(resume), path, self.overwrite,
-                                                                saved.train.global_batch_size,
-                                                                self.cfg.train.global_batch_size)
+        own = self.out is not None and rundir.check_resume_into(
+            self.out, Path(resume), path, self.overwrite, saved.train.global_batch_size, self.cfg.train.global_batch_size)
+        compat.warn_changed_data(path, state, self.data.train.shards, self.log if self.mesh.is_main else None)
         return path, own
 
     def _resume(self, path: Path) -> None:

@@ -111,13 +111,12 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
 
 def pyarrow_modules(path: Path):
     """pyarrow and pyarrow.parquet, to read the parquet input `path`; refused naming the extra where they are not
-    installed (an ImportError was a traceback, after the inputs before it had been tokenized)."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise PrepareError(f"{path}: reading .parquet needs pyarrow: pip install 'shardlm[parquet]'") from None
-    return pa, pq
+    installed (an ImportError was a traceback, after the inputs before it had been tokenized), or naming it broken
+    where it is installed but fails to import."""
+    from ..extras import import_optional
+    missing = f"{path}: reading .parquet needs pyarrow: pip install 'shardlm[parquet]'"
+    return tuple(import_optional(m, "pyarrow", f"{path}: reading .parquet", missing, PrepareError)
+                 for m in ("pyarrow", "pyarrow.parquet"))
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:

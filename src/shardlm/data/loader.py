@@ -14,6 +14,7 @@ each other without overlap.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zlib
@@ -68,6 +69,18 @@ class TokenShards:
         if self.masks is not None and [len(m) for m in self.masks] != [len(t) for t in self.tokens]:
             raise DataError(f"{index_path}: the loss masks do not match the token shards")
         self.pad_to = self.index.get("pad_to")
+
+    def identity(self) -> dict:
+        """The data's size in tokens and a digest of its tokens and loss masks, which a checkpoint keeps so that a
+        resume over other tokens (the directory prepared again from other text) is noticed.
+
+        The digest is taken over the CRC32 of every shard (and mask) that the index lists, not over the tokens: the
+        CRCs cover every token, and _open checked each against its file when the data was opened, so the digest
+        costs no second pass over the data. Hashing the tokens themselves would read a 1 GB dataset once more on
+        every rank at every start; a sample of them would miss an edit between the samples."""
+        entries = [[s["tokens"], s["crc32"]] for s in [*self.index["shards"], *(self.index.get("loss_mask") or [])]]
+        digest = hashlib.sha256(json.dumps([entries, self.pad_to]).encode()).hexdigest()[:16]
+        return {"tokens": sum(len(t) for t in self.tokens), "digest": digest}
 
     def _open(self, path: Path, entry: dict, model_vocab: int | None, verify: bool, dtype=None) -> np.memmap:
         n = entry["tokens"]
@@ -213,7 +226,7 @@ class TrainData:
 
     def state(self, step: int) -> dict:
         return {"consumed_samples": step * self.global_batch, "seed": self.sampler.seed,
-                "train_windows": self.train_windows}
+                "train_windows": self.train_windows, **self.train.shards.identity()}
 
 
 def open_train_data(path: str | Path, eval_path: str | Path | None, eval_windows: int, seq_len: int,

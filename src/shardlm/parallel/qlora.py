@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import LORA_MODULES, NF4_BLOCK, ConfigError
+from ..extras import broken_line, import_optional
 from ..flat import materialise
 
 
@@ -27,16 +28,19 @@ def _torchao():
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+    needs = "lora.quantize = 'nf4'"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            import_optional("torchao", "torchao", needs, "lora.quantize = 'nf4' needs torchao: pip install "
+                            "'shardlm[qlora]' (or pip install torchao)", ConfigError)
             try:
                 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
-            except ImportError:
-                from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4  # torchao before 0.15
-    except ImportError:
-        raise ConfigError("lora.quantize = 'nf4' needs torchao: pip install 'shardlm[qlora]' (or pip install "
-                          "torchao)") from None
+            except Exception as first:  # noqa: BLE001 - said below if the older place fails too
+                try:
+                    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4  # torchao before 0.15
+                except Exception:  # noqa: BLE001 - torchao imports, its NF4 module does not
+                    raise ConfigError(broken_line(needs, "torchao", first)) from None
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                    "serve ... --tp N): each holds its slice of the weights and runs the same steps; rank 0 serves "
                    "HTTP")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the model, one per GPU, behind "
-                   "this one server (each request goes to the one with the fewest in flight)")
+                   "this one server (each request goes to the one with the fewest in flight); refused without GPUs")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -116,11 +116,10 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 def cmd_serve(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    try:  # before the model loads: a missing extra fails at once
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"serve needs fastapi and uvicorn ({e}): pip install 'shardlm[serve]'") from None
+    from ..extras import import_optional
+    for package in ("fastapi", "uvicorn"):  # before the model loads: a missing or broken extra fails at once
+        import_optional(package, package, "serve", f"serve needs fastapi and uvicorn ({package} is not "
+                        "installed): pip install 'shardlm[serve]'", ConfigError)
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch {a.max_batch} must be at least 1")
     if a.max_len is not None and a.max_len < 2:  # a prompt is one token at least, its completion another
@@ -150,7 +149,7 @@ def cmd_serve(argv: list[str]) -> int:
                           "with the adapter merged into it instead (PEFT's merge_and_unload and save_pretrained; "
                           "a shardlm LoRA run's own: shardlm export --merge)")
     device, group, main = _tensor_parallel(a)
-    devices = _replica_devices(a.replicas, a.tp, device)
+    devices = _replica_devices(a.replicas, a.tp, device, a.device)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -196,16 +195,24 @@ def cmd_serve(argv: list[str]) -> int:
     return 0
 
 
-def _replica_devices(replicas: int, tp: int, device) -> list:
-    """The device of each data-parallel replica: one GPU each from `device` on; on the CPU, the CPU."""
+def _replica_devices(replicas: int, tp: int, device, asked: str = "auto") -> list:
+    """The device of each data-parallel replica: one GPU each from `device` on (`asked`: --device as given)."""
     import torch
     if replicas < 1:
         raise ConfigError(f"--replicas {replicas} must be at least 1")
     if replicas > 1 and tp > 1:
         raise ConfigError("--replicas with --tp: give one of them (replicas of a tensor-parallel model are not "
                           "supported yet)")
-    if device.type != "cuda" or replicas == 1:
-        return [device] * replicas
+    if replicas == 1:
+        return [device]
+    if device.type != "cuda":
+        # Copies on the CPU were loaded silently: they share its cores (each engine's products already use them
+        # all), so they cost N times the memory and serve no faster than one engine batching the same requests.
+        where = f"this server runs on the {device.type.upper()} (--device {asked})" if asked != "auto" else \
+            "no GPU is visible to this process"
+        raise ConfigError(f"--replicas {replicas} puts one copy of the model on each GPU, but {where}: copies on one "
+                          "CPU would share its cores and serve no faster; leave --replicas out (one engine "
+                          "batches up to --max-batch requests at once), or run on a host with a GPU per replica")
     first = device.index or 0  # --device cuda:K: the replicas on cuda:K on (from cuda:0, the first had shared K)
     if (gpus := torch.cuda.device_count()) < first + replicas:
         raise ConfigError(f"--replicas {replicas} needs one GPU each from cuda:{first} on (cuda:{first} to "
