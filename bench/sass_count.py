@@ -62,12 +62,14 @@ def main():
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--rows", type=int, default=None, help="rows of words a step (default: int4.GEMV_ROWS)")
     p.add_argument("--warps", type=int, default=None, help="default: int4.GEMV_WARPS")
+    p.add_argument("--fp32", action="store_true", help="the fp32 path (fp16 inputs, Triton's interpreter)")
     args = p.parse_args()
     from shardlm.inference import int4
     rows, warps = args.rows or int4.GEMV_ROWS, args.warps or int4.GEMV_WARPS
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "lo_ptr": "*bf16", "y_ptr": "*bf16", "magic": "i32",
-           "K": "constexpr", "G": "constexpr", "ROWS": "constexpr"}
-    ops = loop_opcodes(compile_sass(int4._int4_gemv_kernel, sig, {"K": args.k, "G": args.group, "ROWS": rows}, warps))
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "magic": "i32",
+           "K": "constexpr", "G": "constexpr", "ROWS": "constexpr", "BF16X2": "constexpr"}
+    ops = loop_opcodes(compile_sass(int4._int4_gemv_kernel, sig, {"K": args.k, "G": args.group, "ROWS": rows,
+                                                                  "BF16X2": not args.fp32}, warps))
     total = sum(ops.values())
     nibbles = rows * 64 // (32 * warps)  # a thread's share of a step's nibbles
     print(f"int4 one-row GEMV, K {args.k}, {rows} rows of words a step, {warps} warps: {total} instructions an "

@@ -68,7 +68,7 @@ def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
 def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float:
     """The model's weights in `itemsize`-byte numbers, the linear layers that `quantize` (none, int8, int4)
     reaches (the blocks') stored as inference/quantize.py stores them: int8, one byte a weight and one scale per
-    output; int4, half a byte a weight and a scale and minimum per group of inputs (a layer whose input no
+    output; int4, half a byte a weight and a scale and a zero point (a byte) per group of inputs (a layer whose input no
     group divides stays as it was); the output head in int8 for either (an untied head's 16-bit weight replaced, a
     tied one's int8 copy beside the embedding). Scales, biases, norms and embeddings keep `itemsize`."""
     total = m.num_params() * itemsize
@@ -82,7 +82,7 @@ def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float
         elif quantize == "int4" and where == "block":
             group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
             if group and fan_out % 8 == 0:  # int4.py's blocks of 8 outputs
-                total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * itemsize * (fan_in // group))
+                total -= count * fan_out * (fan_in * (itemsize - 0.5) - (itemsize + 1) * (fan_in // group))
     return total
 
 
