@@ -38,9 +38,9 @@ from .int8 import unquantised
 GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
 BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row kernel)
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
-# The one-row kernel's word rows a step and warps: on an H200, 4 warps ran its products 4% faster than 8 in
-# three sweeps (bench/quantized_gemv.py) and decoded llama2-7b at 1.71x bf16 (8 warps: 1.64x on the call's other GPU).
-GEMV_ROWS, GEMV_WARPS = 256, 4
+# The one-row kernel's word rows a step and warps: on an H200 (bf16, bf16x2 dots) llama2-7b's products took 362
+# us at 128 rows and 4 warps against 364-445 at 128-512 rows and 2-8 warps (bench/quantized_gemv.py --gemv-rows).
+GEMV_ROWS, GEMV_WARPS = 128, 4
 MAGIC = 0x4B000000  # 2^23's bits, a float's mantissa that an OR-ed integer below 2^23 adds to exactly
 # The few-row product's form (int4_mm: tiles, planes or dequant), tile (rows, outputs) and warps; its system
 # int4-mm in bench/quantized_gemv.py sweeps them. Up to MM_PLANES_ROWS rows "planes" (llama2-7b's products at 2

@@ -62,12 +62,12 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         return ((words & mask) | magic).to(tl.float32, bitcast=True) - offset
 
     @triton.jit
-    def _dot8_f16x2(w0, w1, x02, x13, x46, x57):
-        # Two words' 8 bytes times their inputs, two at a time in f16x2 registers (FasterTransformer's
+    def _dot4_f16x2(words, x02, x13):
+        # A word's 4 bytes times their inputs, two at a time in f16x2 registers (FasterTransformer's
         # conversion): each byte's sign flipped (w + 128) and set by one PRMT as the low byte of a half whose
         # high byte is 0x64 (1024 + w + 128, exact in fp16's 10-bit mantissa), less 1152 (one HADD2) the exact
-        # w; then one HFMA2 of the pair of inputs (x_j, x_j+2, pre-scaled by 2^-10 so that the four-term sums
-        # stay far inside fp16's range: below half the largest |x|). The halves' sum to fp32 once per 8 bytes.
+        # w; then one HFMA2 of the pair of inputs (x_j, x_j+2, pre-scaled by 2^-10 so that the two-term sums
+        # stay far inside fp16's range). The halves' sum to fp32 once per word.
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 u, h0, h1, a, c, m;
@@ -80,32 +80,20 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             prmt.b32 h1, u, c, 0x4341;
             add.rn.f16x2 h0, h0, m;
             add.rn.f16x2 h1, h1, m;
-            mul.rn.f16x2 a, h0, $3;
-            fma.rn.f16x2 a, h1, $4, a;
-            xor.b32 u, $2, 0x80808080;
-            prmt.b32 h0, u, c, 0x4240;
-            prmt.b32 h1, u, c, 0x4341;
-            add.rn.f16x2 h0, h0, m;
-            add.rn.f16x2 h1, h1, m;
-            fma.rn.f16x2 a, h0, $5, a;
-            fma.rn.f16x2 a, h1, $6, a;
+            mul.rn.f16x2 a, h0, $2;
+            fma.rn.f16x2 a, h1, $3, a;
             mov.b32 {lo, hi}, a;
             cvt.f32.f16 f0, lo;
             cvt.f32.f16 f1, hi;
             add.rn.f32 f0, f0, f1;
             mov.b32 $0, f0;
             }""",
-            constraints="=r,r,r,r,r,r,r", args=[w0, w1, x02, x13, x46, x57], dtype=tl.int32, is_pure=True,
+            constraints="=r,r,r,r", args=[words, x02, x13], dtype=tl.int32, is_pure=True,
             pack=1).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _half_pair(x_ptr, k, K: tl.constexpr):
-        # inputs k and k + 2 as one f16x2 word, each scaled by 2^-10 (exact); one load an input, in the layout
-        # of the words' columns (a [k]-shaped tile of them would be moved there through shared memory)
-        lo = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * 2.0 ** -10
-        hi = tl.load(x_ptr + k + 2, mask=k + 2 < K, other=0.0).to(tl.float32) * 2.0 ** -10
-        lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16) | lo
+    def _half_bits(x):
+        return (x * 2.0 ** -10).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
 
     @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, magic, K: tl.constexpr, BN: tl.constexpr,
@@ -113,24 +101,27 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
         # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
         # converted once for all of them: the kernel is bound by the instructions it issues a byte, not by the
-        # memory. HALF2 (a GPU): _dot8_f16x2, about 2.3 instructions a byte; otherwise (Triton's interpreter)
+        # memory. HALF2 (a GPU): _dot4_f16x2, about 2.8 instructions a byte; otherwise (Triton's interpreter)
         # each byte to fp32 by its bits, 3.5 at the least: a quarter of a sign flip and of a shift, an AND-OR,
         # a subtraction, an FMA.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
         if HALF2:
-            c = tl.arange(0, BK // 8)  # pairs of words a step
-            t = tl.arange(0, 2)
-            acc = tl.zeros([BN, BK // 8], tl.float32)
+            c = tl.arange(0, BK // 4)
+            j = tl.arange(0, 4)
+            acc = tl.zeros([BN, BK // 4], tl.float32)
             for k0 in range(0, K, BK):
-                kw = k0 // 4 + 2 * c[:, None] + t[None, :]  # [pairs, 2] words
-                words = tl.load(w32 + n[:, None, None].to(tl.int64) * (sw // 4) + kw[None, :, :],
-                                mask=(n[:, None, None] < N) & (kw < K // 4)[None, :, :], other=0,
-                                eviction_policy="evict_first")
-                w0, w1 = tl.split(words)
-                k = k0 + 8 * c
-                acc += _dot8_f16x2(w0, w1, _half_pair(x_ptr, k, K)[None, :], _half_pair(x_ptr, k + 1, K)[None, :],
-                                   _half_pair(x_ptr, k + 4, K)[None, :], _half_pair(x_ptr, k + 5, K)[None, :])
+                kw = k0 // 4 + c
+                ok = kw < K // 4
+                words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
+                                mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+                xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
+                x0, x2 = tl.split(even)
+                x1, x3 = tl.split(odd)
+                x02 = (_half_bits(x2) << 16) | (_half_bits(x0) & 0xFFFF)
+                x13 = (_half_bits(x3) << 16) | (_half_bits(x1) & 0xFFFF)
+                acc += _dot4_f16x2(words, x02[None, :], x13[None, :])
             scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * 1024.0
         else:
             c = tl.arange(0, BK // 4)
