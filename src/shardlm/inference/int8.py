@@ -7,9 +7,12 @@ Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 T
 for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
 multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; for one row (batch-1
 decode) a matrix-vector kernel on the CUDA cores instead, which reads the weight as words of four bytes,
-converts each byte with one bitwise operation (the byte as the mantissa of a float by its bits, as
-FasterTransformer's and Marlin's fast int-to-float conversions do) and holds several rows a thread, so that
-an input's load and conversion serve all of them: that kernel is bound by the instructions it issues a byte.
+converts two bytes at a time with one bitwise operation (each byte the mantissa of a half by its bits, as
+FasterTransformer's and Marlin's fast int-to-float conversions do), multiplies them by their inputs two at a time
+in f16x2 registers and holds several rows a thread, so that an input's load and conversion serve all of them:
+that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 scaled by 2^-10, so each
+word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5) and an input
+rounds to 2^-14 at worst (below 0.06 in magnitude, where fp16 is subnormal): far inside int8's own rounding.
 Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
@@ -29,10 +32,11 @@ BM = 16
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
-# The one-row kernel's (BN, BK, warps, stages), narrow and wide: llama2-7b's products on an H200 took 557 us at
-# (16, 1024, 4, 2) against 618-827 at BN 8-64 and BK 256-512 (bench/quantized_gemv.py --int8-launches).
-GEMV_NARROW_LAUNCH = (16, 1024, 4, 2)
-GEMV_WIDE_LAUNCH = (16, 1024, 4, 2)
+# The one-row kernel's (BN, BK, warps, stages), narrow and wide: with its f16x2 dots llama2-7b's products took
+# 478 us on an H200 at (8, 1024, 4, 2) against 499-624 at BN 8-32, BK 512-2048 and 4-8 warps
+# (bench/quantized_gemv.py --int8-launches; the fp32 dots' best, 557 us, at (16, 1024, 4, 2)).
+GEMV_NARROW_LAUNCH = (8, 1024, 4, 2)
+GEMV_WIDE_LAUNCH = (8, 1024, 4, 2)
 MAGIC = 0x4B000000  # 2^23's bits
 
 if triton is not None and hasattr(torch.library, "custom_op"):
