@@ -96,8 +96,17 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             pack=1).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _half_bits(x):
-        return (x * 2.0 ** -10).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    def _half_pair(lo, hi):
+        # fp32 lo and hi times 2^-10 as one f16x2 word (cvt.rn.f16x2.f32, sm_80+). In asm: as Triton ops the
+        # compiler narrowed x to fp16 before the scaling, and inputs beyond 65504 became inf (a GPU test's).
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .f32 a, b;
+            mul.rn.f32 a, $1, 0f3A800000;
+            mul.rn.f32 b, $2, 0f3A800000;
+            cvt.rn.f16x2.f32 $0, b, a;
+            }""",
+            constraints="=r,r,r", args=[lo, hi], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, magic, K: tl.constexpr, BN: tl.constexpr,
@@ -123,9 +132,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
                 x0, x2 = tl.split(even)
                 x1, x3 = tl.split(odd)
-                x02 = (_half_bits(x2) << 16) | (_half_bits(x0) & 0xFFFF)
-                x13 = (_half_bits(x3) << 16) | (_half_bits(x1) & 0xFFFF)
-                acc += _dot4_f16x2(words, x02[None, :], x13[None, :])
+                acc += _dot4_f16x2(words, _half_pair(x0, x2)[None, :], _half_pair(x1, x3)[None, :])
             scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * 1024.0
         else:
             c = tl.arange(0, BK // 4)
