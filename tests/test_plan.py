@@ -659,14 +659,15 @@ def test_plan_inference_quantized_weights_and_speed():
     text = _plan_inference("--quantize", "int4").stdout
     assert "int4 weights" in text and "weights           3.52 GiB" in text
     rows = [json.loads(x) for x in (Path(__file__).parents[1] / "bench" / "results.jsonl").read_text().splitlines()]
-    superseded = {"int8": ("c0e50d4", "8d4b534"),  # through torchao's product; its prefill through _weight_int8pack_mm
-                  # through torchao's tinygemm, then int4.py's kernels before its one-row GEMV issued fewer instructions
-                  "int4": ("91837e5", "c0e50d4", "8d4b534", "2bc08b3", "0e9a34c", "cf13148", "6bc2474", "33e3999",
-                           "b37a509", "ea2222b")}
+    # rows of the kernels that run now: those from the first row of the commit that brought them on (file order)
+    since = {"int8": "ae0126c",  # int8.py's one-row GEMV in f16x2, its inputs packed in fp32
+             "int4": "888536c"}  # int4.py's integer zero points and bf16x2 one-row GEMV
     for kind, tolerance in (("none", 0.15), ("int8", 0.15), ("int4", 0.15)):
         system = "shardlm" if kind == "none" else f"shardlm-{kind}"
-        measured = [r for r in rows if r["bench"] == "generate" and r["system"] == system and "H200" in r["card"]
-                    and r["batch"] == 1 and r["commit"] not in superseded.get(kind, ())]
+        start = next((i for i, r in enumerate(rows) if r.get("commit") == since[kind]), None) if kind in since else 0
+        assert start is not None, since[kind]
+        measured = [r for r in rows[start:] if r["bench"] == "generate" and r["system"] == system
+                    and "H200" in r["card"] and r["batch"] == 1]
         assert measured
         for r in measured:
             e = plan_inference(m, gpu("h200"), 1, r["seq"], 2, HEADROOM, CUDA_CONTEXT, kind)

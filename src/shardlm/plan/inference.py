@@ -21,10 +21,10 @@ from .hardware import GPU
 DECODE_EFFICIENCY = 0.55
 ONE_ROW_EFFICIENCY = 0.63
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 347.6 tok/s through
-# inference/int4.py's (bench/README.md, thirty-first lease), whose one-row kernel is bound by the instructions
-# it issues a nibble, not by the memory's rate. Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.275}
+# (bench/results.jsonl, thirty-sixth lease): int8 339.6 tok/s through inference/int8.py's one-row kernel (f16x2
+# dots); int4 402.9-415.6 through inference/int4.py's (bf16x2 dots), each bound by the instructions it issues a
+# byte or nibble, not by the memory's rate. Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.48, "int4": 0.31}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
