@@ -1,16 +1,18 @@
 """The instructions a Triton kernel's main loop issues, compiled for a Hopper GPU on a machine without one: a
 kernel bound by what it issues can be tuned on the CPU by counting, then timed on a GPU once. inference/int4.py's
 one-row GEMV was: its time followed its instruction count (5.9 a nibble, 536 us for 8 of llama2-7b's layers;
-4.6, 446-464 us), at about 2 warp-instructions a clock per SM, half the SMs' peak issue rate.
+4.6, 446-464 us), at about 2 warp-instructions a clock per SM, half the SMs' peak issue rate. Not always: a
+count is a guide, not a timing (int8's f16x2 GEMV over pairs of words counted 3.4 a byte and ran 2x slower than
+the 4.8 of the tile it replaced, bench/README.md, thirty-sixth lease).
 
-    python bench/sass_count.py int4-gemv [--k 4096] [--rows 256] [--warps 8]
+    python bench/sass_count.py int4-gemv|int8-gemv [--k 4096] [--rows R] [--warps W] [--fp32]
 
 It needs the triton package only (with a CPU build of torch: `pip install triton` into a virtual environment
 that sees torch), not a GPU or CUDA; written against triton 3.5 (`ASTSource(..., attrs=)`).
 
 Compiles with Triton's own ptxas for sm_90 (pointer arguments 16-byte aligned, as the launcher specialises
 them at run time), disassembles the cubin with its nvdisasm, and prints the opcodes of the longest loop (the
-body between a backward branch and its label): per iteration and per nibble of weight.
+body between a backward branch and its label): per iteration and per nibble (byte) of weight.
 """
 from __future__ import annotations
 
@@ -87,8 +89,8 @@ def int8_gemv(args):
     from shardlm.inference import int8
     bn, bk, warps, stages = int8.GEMV_NARROW_LAUNCH
     bn, warps = args.rows or bn, args.warps or warps
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "sw": "i32", "magic": "i32",
-           "K": "constexpr", "BN": "constexpr", "BK": "constexpr", "HALF2": "constexpr"}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "sw": "i32",
+           "magic": "i32", "K": "constexpr", "BN": "constexpr", "BK": "constexpr", "HALF2": "constexpr"}
     ops = loop_opcodes(compile_sass(int8._int8_gemv_kernel, sig, {"K": args.k, "BN": bn, "BK": bk,
                                                                   "HALF2": not args.fp32}, warps, stages, ("sw",)))
     total = sum(ops.values())

@@ -328,7 +328,8 @@ def test_int4_mm_forms_equal_the_dequantised_product(rows):
                     ref = want if form == "tiles" or q.group == 128 else want_rounded
                     err = (got.double() - ref).abs()
                     assert (err <= ref.abs() * ulp + 1e-3).all(), (form, bm, bn, warps, dtype, k, n, err.max().item())
-                exact = int4_mm(torch.ones_like(x), pack(levels), ones, torch.zeros_like(ones, dtype=torch.uint8), form, bm, bn, warps)
+                zeros = torch.zeros_like(ones, dtype=torch.uint8)
+                exact = int4_mm(torch.ones_like(x), pack(levels), ones, zeros, form, bm, bn, warps)
                 # dequant's integer weight through cuBLAS, whose reductions may round (bf16's split K): its bits
                 total = (F.linear(torch.ones_like(x), levels.to(dtype)) if form == "dequant"
                          else levels.sum(1).to(dtype).expand(rows, n))

@@ -1,29 +1,28 @@
-"""Weight-only int4 linear layers with per-group scales and integer zero points (the asymmetric scheme of GPTQ's
-and AWQ's checkpoints): each output channel's weights in groups of G inputs (128, else 64 or 32), each group
-rounded to 16 levels spanning its range and 0 (a scale in the model's dtype and the level of 0, a byte, per
-group), so that a decode step, bound by reading the weights, reads about a quarter of bf16's bytes.
+"""Weight-only int4 linear layers with per-group scales and integer zero points (the asymmetric scheme of GPTQ's and
+AWQ's checkpoints): each output channel's weights in groups of G inputs (128, else 64 or 32), each group rounded to
+16 levels spanning its range and 0 (a scale in the model's dtype and the level of 0, a byte, per group), so that a
+decode step, bound by reading the weights, reads about a quarter of bf16's bytes.
 
-A one-row product (batch-1 decode) pays only if its reading runs near the memory's rate. A quarter of bf16's
-bytes makes every product short, so what a launch costs besides its reading counts four times as much: a
-split-K GEMV (GemLite's RevSplit-K: a program per group of inputs, partial sums added by atomics or by the last
-program to arrive) pays two more trips through memory per product. So the packed weight is stored as the
-one-row kernel reads it (as Marlin and gpt-fast's tinygemm store theirs, in their own tiles): int32 words
-[N/8, K/8, 8], eight consecutive inputs of one output a word, each block of 8 outputs one contiguous run
-along K, its scales and zero points beside it ([N/8, K/G, 8]). A program streams one block's run with wide
-loads, keeps a partial per row of words and output in fp32, and sums them once at the end: one launch, no
-workspace, the same bits every run. It is bound by the instructions it issues per nibble, not by the memory:
-each nibble becomes a number by its bits (OR-ed into a float's mantissa, one instruction) rather than by a
-conversion instruction, whose throughput is a sixteenth of an FMA's; for bf16, two nibbles at a time in bf16x2
-registers, where the integer zero point makes q - zero exact in one packed instruction and a second multiplies
-and adds the pair (about 2.7 instructions a nibble, 4.6 in fp32), and all else is done once per row. A few rows (2-64) go
-through int4_mm, in one of three forms: tensor-core kernels that unpack the nibbles in registers, K split
-over programs until the launch fills the GPU (a layer of 4,096 outputs has 64 tiles of 16 rows) and the
-splits summed in a fixed order, either a group's [G, BN] tile at a time ("tiles": each word loaded once per
-input it holds, so its nibble is a per-input shift) or 128 inputs' words loaded once as eight nibble planes
-("planes": a shift common to the plane, eight dots of x's columns j::8); or the weight written whole in the
-model's dtype by one Triton pass and multiplied by cuBLAS ("dequant": the tensor cores at their own rate, at
-the cost of writing and reading the bf16 weight). Elsewhere (prefill's many rows, the CPU, fp32) the weight is
-dequantised whole in the model's dtype by torch and multiplied as usual.
+A one-row product (batch-1 decode) pays only if its reading runs near the memory's rate. A quarter of bf16's bytes
+makes every product short, so what a launch costs besides its reading counts four times as much: a split-K GEMV
+(GemLite's RevSplit-K: a program per group of inputs, partial sums added by atomics or by the last program to
+arrive) pays two more trips through memory per product. So the packed weight is stored as the one-row kernel reads
+it (as Marlin and gpt-fast's tinygemm store theirs, in their own tiles): int32 words [N/8, K/8, 8], eight
+consecutive inputs of one output a word, each block of 8 outputs one contiguous run along K, its scales and zero
+points beside it ([N/8, K/G, 8]). A program streams one block's run with wide loads, keeps a partial per row of
+words and output in fp32, and sums them once at the end: one launch, no workspace, the same bits every run. It is
+bound by the instructions it issues per nibble, not by the memory: each nibble becomes a number by its bits (OR-ed
+into a float's mantissa, one instruction) rather than by a conversion instruction, whose throughput is a sixteenth
+of an FMA's; for bf16, two nibbles at a time in bf16x2 registers, where the integer zero point makes q - zero exact
+in one packed instruction and a second multiplies and adds the pair (3.5 instructions a nibble counted in its loop,
+4.8 in fp32), and all else is done once per row. A few rows (2-64) go through int4_mm, in one of three forms:
+tensor-core kernels that unpack the nibbles in registers, K split over programs until the launch fills the GPU (a
+layer of 4,096 outputs has 64 tiles of 16 rows) and the splits summed in a fixed order, either a group's [G, BN]
+tile at a time ("tiles": each word loaded once per input it holds, so its nibble is a per-input shift) or 128
+inputs' words loaded once as eight nibble planes ("planes": a shift common to the plane, eight dots of x's columns
+j::8); or the weight written whole in the model's dtype by one Triton pass and multiplied by cuBLAS ("dequant": the
+tensor cores at their own rate, at the cost of writing and reading the bf16 weight). Elsewhere (prefill's many
+rows, the CPU, fp32) the weight is dequantised whole in the model's dtype by torch and multiplied as usual.
 """
 from __future__ import annotations
 
@@ -257,7 +256,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             scale = tl.load(s_ptr + at, mask=(n < N) & live, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + at, mask=(n < N) & live, other=0).to(tl.float32)
             xs = tl.sum(x.to(tl.float32), 1)
-            acc += (tl.dot(x, q.to(x.dtype)) - xs[:, None] * zero[None, :]) * scale[None, :]  # sum_k x_k (q_k - zero) scale
+            # sum_k x_k (q_k - zero) scale
+            acc += (tl.dot(x, q.to(x.dtype)) - xs[:, None] * zero[None, :]) * scale[None, :]
         tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], acc,
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
