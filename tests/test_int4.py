@@ -34,31 +34,40 @@ def test_pack_holds_each_input_in_its_nibble_and_unpack_reads_it_back():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_dequantised_weight_is_q_times_the_groups_scale_plus_its_minimum(dtype):
-    """quantize_weight's groups, one loop at a time: low the group's minimum and scale its range over 15 (as
-    stored, in the weight's dtype), q the nearest level in 0..15; dequantize gives q * scale + low."""
+def test_the_dequantised_weight_is_q_less_the_groups_zero_times_its_scale(dtype):
+    """quantize_weight's groups, one loop at a time: scale the range of the group and 0 over 15 (as stored, in
+    the weight's dtype), zero the level of 0 (an integer, uint8), q the nearest level in 0..15; dequantize gives
+    (q - zero) * scale, exactly in fp32. A group of one constant keeps it (to its scale's rounding), one of
+    zeros stays zero."""
     g = torch.Generator().manual_seed(1)
     n, k, group = 24, 192, 64
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
-    w[3, 64:128] = 0.25  # a constant group: its scale the dtype's tiniest, every q 0, the weight its minimum
-    words, scale, low = quantize_weight(w, group)
-    assert scale.shape == low.shape == (n // BLOCK, k // group, BLOCK) and scale.dtype == low.dtype == dtype
+    w[3, 64:128] = 0.25  # all positive: the range [0, 0.25], zero 0, every q 15
+    w[5, :64] = -0.5  # all negative: zero 15, every q 0
+    w[6, 128:] = 0  # the dtype's tiniest scale, every q the zero
+    words, scale, zero = quantize_weight(w, group)
+    assert scale.shape == zero.shape == (n // BLOCK, k // group, BLOCK) and scale.dtype == dtype
+    assert zero.dtype == torch.uint8
     q = unpack(words)  # [N, K]
-    scale, low = unblocked(scale), unblocked(low)  # [N, K/G]
-    deq = dequantize(words, blocked(scale), blocked(low), torch.float32)
+    scale, zero = unblocked(scale), unblocked(zero)  # [N, K/G]
+    deq = dequantize(words, blocked(scale), blocked(zero), torch.float32)
     assert deq.shape == (n, k)
     for i in range(n):
         for c in range(k // group):
             cols = slice(c * group, (c + 1) * group)
             wg = w[i, cols].float()
-            s, lo = scale[i, c], low[i, c]
-            assert lo == wg.min().to(dtype)
-            assert s == ((wg.max() - wg.min()) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype)
-            levels = ((wg - lo.float()) / s.float()).round().clamp(0, 15)
+            s, z = scale[i, c], zero[i, c].item()
+            lo, hi = wg.min().clamp(max=0), wg.max().clamp(min=0)
+            assert s == ((hi - lo) / 15).clamp_min(torch.finfo(dtype).tiny).to(dtype)
+            assert z == (-lo / s.float()).round().clamp(0, 15).item()
+            levels = ((wg / s.float()).round() + z).clamp(0, 15)
             assert torch.equal(q[i, cols], levels.int())
-            assert torch.equal(deq[i, cols], q[i, cols] * s.float() + lo.float())
-    assert torch.equal(deq[3, 64:128], torch.full((64,), 0.25))
-    assert torch.equal(dequantize(words, blocked(scale), blocked(low)), deq.to(dtype))
+            assert torch.equal(deq[i, cols], (q[i, cols] - z) * s.float())
+    assert torch.equal(deq[3, 64:128], (15 * scale[3, 1].float()).expand(64))  # 0.25 to the scale's rounding
+    assert torch.equal(deq[5, :64], (-15 * scale[5, 0].float()).expand(64))
+    assert (deq[3, 64:128] - 0.25).abs().max() <= 0.25 * 2**-7 and (deq[5, :64] + 0.5).abs().max() <= 0.5 * 2**-7
+    assert torch.equal(deq[6, 128:], torch.zeros(64))
+    assert torch.equal(dequantize(words, blocked(scale), blocked(zero)), deq.to(dtype))
 
 
 @pytest.mark.timeout(60)
@@ -69,8 +78,8 @@ def test_int4_rounding_error_of_normal_weights(k, group, bound):
     0.084 at 32; the bound a tenth above; and no weight moved by more than half a level."""
     assert group_size(k) == group
     w = torch.randn(256, k, generator=torch.Generator().manual_seed(2))
-    words, scale, low = quantize_weight(w, group)
-    deq = dequantize(words, scale, low)
+    words, scale, zero = quantize_weight(w, group)
+    deq = dequantize(words, scale, zero)
     assert ((deq - w).norm() / w.norm()).item() < bound
     assert ((deq - w).abs() <= unblocked(scale).repeat_interleave(group, 1) / 2 + 1e-6).all()
 
@@ -79,17 +88,17 @@ def test_int4_rounding_error_of_normal_weights(k, group, bound):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_on_the_cpu_is_the_dequantised_product(dtype):
     """On the CPU the layer multiplies by its weight dequantised whole, plus its bias, for any leading
-    dimensions; the state dict holds the packed weight, scales and minima; an input of the wrong size is refused
+    dimensions; the state dict holds the packed weight, scales and zero points; an input of the wrong size is refused
     by name."""
     layer = nn.Linear(256, 200).to(dtype)
     q = Int4Linear(layer)
     assert (q.in_features, q.out_features, q.group) == (256, 200, 128)
-    assert set(q.state_dict()) == {"words", "scale", "low", "bias"}
+    assert set(q.state_dict()) == {"words", "scale", "zero", "bias"}
     with pytest.raises(ValueError, match="an input of 128 features against a weight of 256"):
         q(torch.randn(1, 128).to(dtype))
     x = torch.randn(2, 3, 256).to(dtype)
     with torch.no_grad():
-        want = x @ dequantize(q.words, q.scale, q.low, dtype).t() + layer.bias
+        want = x @ dequantize(q.words, q.scale, q.zero, dtype).t() + layer.bias
         assert torch.equal(q(x), want)
         near = layer(x).float()
         assert ((q(x).float() - near).abs().max() / near.abs().max()).item() < 0.1
@@ -145,7 +154,7 @@ def check_kernels_interpreted() -> None:
     kernels in fp16 (the interpreter's bf16 is broken) against the product in fp64 of the dequantised weight:
     one row (the one-row GEMV, called twice: the same bits; steps of rows that do and do not divide K's), 2, 16
     and 64 rows (the op's default form by rows, and int4_mm's forms at several tiles, K split evenly and not); outputs
-    not a multiple of a tile, groups of 128, 64 and 32; and every nibble read exactly (scale 1, minimum 0, x of
+    not a multiple of a tile, groups of 128, 64 and 32; and every nibble read exactly (scale 1, zero 0, x of
     ones: integer sums, exact in fp32, rounded once to fp16). The forms that dequantise before the product
     ("dequant"; "planes" with groups under 128, whose dot spans several) multiply by the weight rounded to fp16
     as dequantize rounds it, and int4_dequant writes dequantize's bits."""
@@ -157,17 +166,17 @@ def check_kernels_interpreted() -> None:
                 ("planes", 64, 128, 8), ("dequant", 0, 16, 4), ("dequant", 0, 64, 2))
     for k, n in ((256, 200), (384, 200), (320, 72), (96, 136), (128, 128), (1536, 16)):
         group = group_size(k)
-        words, scale, low = quantize_weight(torch.randn(n, k, generator=g).half(), group)
-        w = dequantize(words, scale, low, torch.float64)
-        rounded = dequantize(words, scale, low, torch.float16)
+        words, scale, zero = quantize_weight(torch.randn(n, k, generator=g).half(), group)
+        w = dequantize(words, scale, zero, torch.float64)
+        rounded = dequantize(words, scale, zero, torch.float16)
         for rows in (16, 64):
-            assert torch.equal(int4.int4_dequant(words, scale, low, torch.float16, rows), rounded), (k, n, rows)
+            assert torch.equal(int4.int4_dequant(words, scale, zero, torch.float16, rows), rounded), (k, n, rows)
         for rows in (1, 2, 16, 64):
             x = torch.randn(rows, k, generator=g).half()
             want = x.double() @ w.t()
-            y = torch.ops.shardlm.int4_mm(x, words, scale, low)
+            y = torch.ops.shardlm.int4_mm(x, words, scale, zero)
             assert y.dtype == torch.float16 and y.shape == (rows, n)
-            assert torch.equal(torch.ops.shardlm.int4_mm(x, words, scale, low), y)
+            assert torch.equal(torch.ops.shardlm.int4_mm(x, words, scale, zero), y)
             default = "gemv" if rows == 1 else int4.MM_FORM if rows <= int4.MM_PLANES_ROWS else "dequant"
             exact = default in ("gemv", "tiles") or (default == "planes" and group == 128)
             ref = want if exact else x.double() @ rounded.double().t()
@@ -178,7 +187,7 @@ def check_kernels_interpreted() -> None:
             for form, bm, bn, warps in launches if rows > 1 else ():
                 if bm > max(16, rows):
                     continue
-                y = int4.int4_mm(x, words, scale, low, form, bm, bn, warps)
+                y = int4.int4_mm(x, words, scale, zero, form, bm, bn, warps)
                 exact = form == "tiles" or (form == "planes" and group == 128)
                 ref = want if exact else x.double() @ rounded.double().t()
                 err = (y.double() - ref).abs()
@@ -187,17 +196,18 @@ def check_kernels_interpreted() -> None:
                 worst[form] = max(worst.get(form, 0.0), err.max().item())
             if rows == 1:
                 for step in (16, 128):  # 1536 inputs: 192 rows of words, which steps of 128 do not divide
-                    again = int4.int4_gemv(x, words, scale, low, rows=step, warps=2)
+                    again = int4.int4_gemv(x, words, scale, zero, rows=step, warps=2)
                     assert ((again.double() - want).abs() <= want.abs() * 2**-11 + 1e-3).all(), (k, n, step)
         q = torch.randint(0, 16, (n, k), generator=g)
         ones = blocked(torch.ones(n, k // group, dtype=torch.float16))
+        zeros = torch.zeros_like(ones, dtype=torch.uint8)
         for rows in (1, 16):
-            y = torch.ops.shardlm.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones)
+            y = torch.ops.shardlm.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, zeros)
             # integer sums, exact in fp32, rounded once to fp16
             assert torch.equal(y, q.sum(1).half().expand(rows, n)), (k, rows)
         for form, bm, bn, warps in launches:
             for rows in (2, 64):
-                y = int4.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, 0 * ones, form, bm, bn, warps)
+                y = int4.int4_mm(torch.ones(rows, k, dtype=torch.float16), pack(q), ones, zeros, form, bm, bn, warps)
                 assert torch.equal(y, q.sum(1).half().expand(rows, n)), (form, bm, bn, k, rows)
     # K split: 2 tiles of 200 outputs (MM_BN 128) asked for 8 programs split 10 groups (or chunks of 128 inputs)
     # 3, 3, 3, 1; 320 inputs in groups of 64: 5 groups split 2, 2, 1, or 3 chunks of 128 (the last half full)
@@ -205,12 +215,12 @@ def check_kernels_interpreted() -> None:
     assert int4.MM_BN == 128
     int4.MM_PROGRAMS = 8
     for k, group in ((1280, 128), (320, 64), (1280, 64)):
-        words, scale, low = quantize_weight(torch.randn(200, k, generator=g).half(), group)
+        words, scale, zero = quantize_weight(torch.randn(200, k, generator=g).half(), group)
         x = torch.randn(5, k, generator=g).half()
         for form in ("tiles", "planes"):
             exact = form == "tiles" or group == 128
-            want = x.double() @ dequantize(words, scale, low, torch.float64 if exact else torch.float16).double().t()
-            err = (int4.int4_mm(x, words, scale, low, form).double() - want).abs()
+            want = x.double() @ dequantize(words, scale, zero, torch.float64 if exact else torch.float16).double().t()
+            err = (int4.int4_mm(x, words, scale, zero, form).double() - want).abs()
             assert (err <= want.abs() * 2**-11 + 1e-3).all(), (form, k, err.max().item())
     print("max abs error against the fp64 product, by rows (the op) and by form:", worst)
 

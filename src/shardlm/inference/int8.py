@@ -7,9 +7,12 @@ Inductor) ran at 0.86x bf16 on an H200, its fused reductions reading about 0.9 T
 for the few rows of a decode step on a GPU, a Triton kernel loads int8 tiles, converts them in registers and
 multiplies on the tensor cores (tl.dot), each program 32 output channels over all of K; for one row (batch-1
 decode) a matrix-vector kernel on the CUDA cores instead, which reads the weight as words of four bytes,
-converts each byte with one bitwise operation (the byte as the mantissa of a float by its bits, as
-FasterTransformer's and Marlin's fast int-to-float conversions do) and holds several rows a thread, so that
-an input's load and conversion serve all of them: that kernel is bound by the instructions it issues a byte.
+converts two bytes at a time with one bitwise operation (each byte the mantissa of a half by its bits, as
+FasterTransformer's and Marlin's fast int-to-float conversions do), multiplies them by their inputs two at a time
+in f16x2 registers and holds several rows a thread, so that an input's load and conversion serve all of them:
+that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 scaled by 2^-10, so each
+word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5) and an input
+rounds to 2^-14 at worst (below 0.06 in magnitude, where fp16 is subnormal): far inside int8's own rounding.
 Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
@@ -29,10 +32,11 @@ BM = 16
 WIDE = 8192
 NARROW_LAUNCH = (32, 256, 4, 5)
 WIDE_LAUNCH = (64, 256, 4, 3)
-# The one-row kernel's (BN, BK, warps, stages), narrow and wide: llama2-7b's products on an H200 took 557 us at
-# (16, 1024, 4, 2) against 618-827 at BN 8-64 and BK 256-512 (bench/quantized_gemv.py --int8-launches).
-GEMV_NARROW_LAUNCH = (16, 1024, 4, 2)
-GEMV_WIDE_LAUNCH = (16, 1024, 4, 2)
+# The one-row kernel's (BN, BK, warps, stages), narrow and wide: with its f16x2 dots llama2-7b's products took
+# 478 us on an H200 at (8, 1024, 4, 2) against 499-624 at BN 8-32, BK 512-2048 and 4-8 warps
+# (bench/quantized_gemv.py --int8-launches; the fp32 dots' best, 557 us, at (16, 1024, 4, 2)).
+GEMV_NARROW_LAUNCH = (8, 1024, 4, 2)
+GEMV_WIDE_LAUNCH = (8, 1024, 4, 2)
 MAGIC = 0x4B000000  # 2^23's bits
 
 if triton is not None and hasattr(torch.library, "custom_op"):
@@ -62,33 +66,94 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         return ((words & mask) | magic).to(tl.float32, bitcast=True) - offset
 
     @triton.jit
+    def _dot4_f16x2(words, x02, x13):
+        # A word's 4 bytes times their inputs, two at a time in f16x2 registers (FasterTransformer's
+        # conversion): each byte's sign flipped (w + 128) and set by one PRMT as the low byte of a half whose
+        # high byte is 0x64 (1024 + w + 128, exact in fp16's 10-bit mantissa), less 1152 (one HADD2) the exact
+        # w; then one HFMA2 of the pair of inputs (x_j, x_j+2, pre-scaled by 2^-10 so that the two-term sums
+        # stay far inside fp16's range). The halves' sum to fp32 once per word.
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, h0, h1, a, c, m;
+            .reg .b16 lo, hi;
+            .reg .f32 f0, f1;
+            mov.b32 c, 0x64646464;
+            mov.b32 m, 0xE480E480;
+            xor.b32 u, $1, 0x80808080;
+            prmt.b32 h0, u, c, 0x4240;
+            prmt.b32 h1, u, c, 0x4341;
+            add.rn.f16x2 h0, h0, m;
+            add.rn.f16x2 h1, h1, m;
+            mul.rn.f16x2 a, h0, $2;
+            fma.rn.f16x2 a, h1, $3, a;
+            mov.b32 {lo, hi}, a;
+            cvt.f32.f16 f0, lo;
+            cvt.f32.f16 f1, hi;
+            add.rn.f32 f0, f0, f1;
+            mov.b32 $0, f0;
+            }""",
+            constraints="=r,r,r,r", args=[words, x02, x13], dtype=tl.int32, is_pure=True,
+            pack=1).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _half_pair(lo, hi):
+        # fp32 lo and hi times 2^-10 as one f16x2 word (cvt.rn.f16x2.f32, sm_80+). In asm: as Triton ops the
+        # compiler narrowed x to fp16 before the scaling, and inputs beyond 65504 became inf (a GPU test's).
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .f32 a, b;
+            mul.rn.f32 a, $1, 0f3A800000;
+            mul.rn.f32 b, $2, 0f3A800000;
+            cvt.rn.f16x2.f32 $0, b, a;
+            }""",
+            constraints="=r,r,r", args=[lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, magic, K: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr):
+                          BK: tl.constexpr, HALF2: tl.constexpr):
         # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
         # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
-        # converted once for all of them: the kernel is bound by the instructions it issues a byte (3.5 at the
-        # least: a quarter of a sign flip and of a shift, an AND-OR, a subtraction, an FMA), not by the memory.
+        # converted once for all of them: the kernel is bound by the instructions it issues a byte, not by the
+        # memory. HALF2 (a GPU): _dot4_f16x2, 4.3 instructions a byte counted in its loop; otherwise (Triton's
+        # interpreter) each byte to fp32 by its bits, 5.2 counted, 3.5 at the least: a quarter of a sign flip and
+        # of a shift, an AND-OR, a subtraction, an FMA.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
-        c = tl.arange(0, BK // 4)
-        j = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        acc = tl.zeros([BN, BK // 4], tl.float32)
-        for k0 in range(0, K, BK):
-            kw = k0 // 4 + c
-            ok = kw < K // 4
-            words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
-                            mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
-            words ^= -2139062144  # 0x80808080: each byte's sign bit flipped, w + 128 in 0..255
-            xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
-            x0, x2 = tl.split(even)
-            x1, x3 = tl.split(odd)
-            high = words >> 16  # bytes 2 and 3 at bits 0-15: each below 2^23 once OR-ed
-            acc += _byte(words, 0xFF, magic, 8388736.0) * x0[None, :]
-            acc += _byte(words, 0xFF00, magic, 8421376.0) * (x1 * 2.0 ** -8)[None, :]
-            acc += _byte(high, 0xFF, magic, 8388736.0) * x2[None, :]
-            acc += _byte(high, 0xFF00, magic, 8421376.0) * (x3 * 2.0 ** -8)[None, :]
-        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        if HALF2:
+            c = tl.arange(0, BK // 4)
+            j = tl.arange(0, 4)
+            acc = tl.zeros([BN, BK // 4], tl.float32)
+            for k0 in range(0, K, BK):
+                kw = k0 // 4 + c
+                ok = kw < K // 4
+                words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
+                                mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+                xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
+                x0, x2 = tl.split(even)
+                x1, x3 = tl.split(odd)
+                acc += _dot4_f16x2(words, _half_pair(x0, x2)[None, :], _half_pair(x1, x3)[None, :])
+            scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * 1024.0
+        else:
+            c = tl.arange(0, BK // 4)
+            j = tl.arange(0, 4)
+            acc = tl.zeros([BN, BK // 4], tl.float32)
+            for k0 in range(0, K, BK):
+                kw = k0 // 4 + c
+                ok = kw < K // 4
+                words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
+                                mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+                words ^= -2139062144  # 0x80808080: each byte's sign bit flipped, w + 128 in 0..255
+                xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
+                x0, x2 = tl.split(even)
+                x1, x3 = tl.split(odd)
+                high = words >> 16  # bytes 2 and 3 at bits 0-15: each below 2^23 once OR-ed
+                acc += _byte(words, 0xFF, magic, 8388736.0) * x0[None, :]
+                acc += _byte(words, 0xFF00, magic, 8421376.0) * (x1 * 2.0 ** -8)[None, :]
+                acc += _byte(high, 0xFF, magic, 8388736.0) * x2[None, :]
+                acc += _byte(high, 0xFF00, magic, 8421376.0) * (x3 * 2.0 ** -8)[None, :]
+            scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + n, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
 
     def int8_gemv(x, w, scale, y=None, launch: tuple | None = None) -> torch.Tensor:
@@ -99,7 +164,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         y = x.new_empty(1, n) if y is None else y
         bn, bk, warps, stages = launch or (GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH)
         _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), MAGIC, K=k, BN=bn, BK=bk,
-                                                 num_warps=warps, num_stages=stages)
+                                                 HALF2=x.is_cuda, num_warps=warps, num_stages=stages)
         return y
 
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.

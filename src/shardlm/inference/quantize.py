@@ -5,8 +5,8 @@ stored in int8 for both kinds (QuantizedHead), as gpt-fast quantises its output 
 tokens, and int8 per channel barely moves them where int4's groups would; at batch 1 it is the largest single
 product (llama2-7b's 262 MB in bf16). Activations, embeddings and norms stay in the model's dtype.
 
-int8 is int8.py's (torchao's symmetric per-channel scheme), int4 int4.py's (a scale and a minimum per group of
-inputs); each reads its packed weights in Triton products when a step has few rows on a GPU, and elsewhere
+int8 is int8.py's (torchao's symmetric per-channel scheme), int4 int4.py's (a scale and an integer zero point per
+group of inputs); each reads its packed weights in Triton products when a step has few rows on a GPU, and elsewhere
 (prefill's many rows, the CPU) dequantises the weight whole: the same rounding, none of the speed.
 """
 from __future__ import annotations

@@ -21,10 +21,10 @@ from .hardware import GPU
 DECODE_EFFICIENCY = 0.55
 ONE_ROW_EFFICIENCY = 0.63
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl): int8 282-302 tok/s through inference/int8.py's kernel; int4 347.6 tok/s through
-# inference/int4.py's (bench/README.md, thirty-first lease), whose one-row kernel is bound by the instructions
-# it issues a nibble, not by the memory's rate. Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.40, "int4": 0.275}
+# (bench/results.jsonl, thirty-sixth lease): int8 339.6 tok/s through inference/int8.py's one-row kernel (f16x2
+# dots); int4 402.9-415.6 through inference/int4.py's (bf16x2 dots), each bound by the instructions it issues a
+# byte or nibble, not by the memory's rate. Larger batches are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.48, "int4": 0.31}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
@@ -68,7 +68,7 @@ def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
 def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float:
     """The model's weights in `itemsize`-byte numbers, the linear layers that `quantize` (none, int8, int4)
     reaches (the blocks') stored as inference/quantize.py stores them: int8, one byte a weight and one scale per
-    output; int4, half a byte a weight and a scale and minimum per group of inputs (a layer whose input no
+    output; int4, half a byte a weight and a scale and a zero point (a byte) per group of inputs (a layer whose input no
     group divides stays as it was); the output head in int8 for either (an untied head's 16-bit weight replaced, a
     tied one's int8 copy beside the embedding). Scales, biases, norms and embeddings keep `itemsize`."""
     total = m.num_params() * itemsize
@@ -82,7 +82,7 @@ def weight_bytes(m: ModelConfig, itemsize: int, quantize: str = "none") -> float
         elif quantize == "int4" and where == "block":
             group = next((g for g in INT4_GROUPS if fan_in % g == 0), None)
             if group and fan_out % 8 == 0:  # int4.py's blocks of 8 outputs
-                total -= count * fan_out * (fan_in * (itemsize - 0.5) - 2 * itemsize * (fan_in // group))
+                total -= count * fan_out * (fan_in * (itemsize - 0.5) - (itemsize + 1) * (fan_in // group))
     return total
 
 
