@@ -119,41 +119,28 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         # of a shift, an AND-OR, a subtraction, an FMA.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        if HALF2:
-            c = tl.arange(0, BK // 4)
-            j = tl.arange(0, 4)
-            acc = tl.zeros([BN, BK // 4], tl.float32)
-            for k0 in range(0, K, BK):
-                kw = k0 // 4 + c
-                ok = kw < K // 4
-                words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
-                                mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
-                xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-                even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
-                x0, x2 = tl.split(even)
-                x1, x3 = tl.split(odd)
+        c = tl.arange(0, BK // 4)
+        j = tl.arange(0, 4)
+        acc = tl.zeros([BN, BK // 4], tl.float32)
+        for k0 in range(0, K, BK):
+            kw = k0 // 4 + c
+            ok = kw < K // 4
+            words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
+                            mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+            xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
+            x0, x2 = tl.split(even)
+            x1, x3 = tl.split(odd)
+            if HALF2:
                 acc += _dot4_f16x2(words, _half_pair(x0, x2)[None, :], _half_pair(x1, x3)[None, :])
-            scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * 1024.0
-        else:
-            c = tl.arange(0, BK // 4)
-            j = tl.arange(0, 4)
-            acc = tl.zeros([BN, BK // 4], tl.float32)
-            for k0 in range(0, K, BK):
-                kw = k0 // 4 + c
-                ok = kw < K // 4
-                words = tl.load(w32 + n[:, None].to(tl.int64) * (sw // 4) + kw[None, :],
-                                mask=(n[:, None] < N) & ok[None, :], other=0, eviction_policy="evict_first")
+            else:
                 words ^= -2139062144  # 0x80808080: each byte's sign bit flipped, w + 128 in 0..255
-                xr = tl.load(x_ptr + (4 * kw)[:, None] + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-                even, odd = tl.split(tl.reshape(xr, [BK // 4, 2, 2]))  # inputs 4c + (0, 2) and (1, 3)
-                x0, x2 = tl.split(even)
-                x1, x3 = tl.split(odd)
                 high = words >> 16  # bytes 2 and 3 at bits 0-15: each below 2^23 once OR-ed
                 acc += _byte(words, 0xFF, magic, 8388736.0) * x0[None, :]
                 acc += _byte(words, 0xFF00, magic, 8421376.0) * (x1 * 2.0 ** -8)[None, :]
                 acc += _byte(high, 0xFF, magic, 8388736.0) * x2[None, :]
                 acc += _byte(high, 0xFF00, magic, 8421376.0) * (x3 * 2.0 ** -8)[None, :]
-            scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * (1024.0 if HALF2 else 1.0)
         tl.store(y_ptr + n, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
 
     def int8_gemv(x, w, scale, y=None, launch: tuple | None = None) -> torch.Tensor:
