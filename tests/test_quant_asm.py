@@ -170,3 +170,86 @@ def test_emulator_rounds_to_nearest_even():
             assert encode(got, F16) == int(np.float16(want).view(np.uint16))
     assert round_to(Fraction(1) + Fraction(1, 256), BF16) == 1  # a tie: to the even significand
     assert round_to(Fraction(1) + Fraction(3, 256), BF16) == Fraction(1) + Fraction(1, 64)
+
+
+# ---- which GPUs take the packed asm ---------------------------------------------------------------------------
+
+def test_packed_asm_only_on_sm80_and_later(monkeypatch):
+    """cvt.rn.f16x2.f32 and the bf16x2 FMAs are sm_80's: a T4 (7.5) or a V100 (7.0) takes the GEMVs' fp32 forms,
+    an A100 or H100 the packed ones; a CPU tensor never (Triton's interpreter runs no asm)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardlm import kernels
+    for capability, want in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True)):
+        kernels._capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert kernels.packed_ok(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))) is want, capability
+    kernels._capability.cache_clear()
+    assert not kernels.packed_ok(torch.zeros(1))
+
+
+class Launch:
+    """A kernel's stand-in: records the constexprs a launch passes."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kwargs = kwargs
+        return launch
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_gemvs_take_packed_asm_only_where_packed_ok_says(monkeypatch, packed):
+    """int8_gemv's HALF2 and int4_gemv's BF16X2 follow kernels.packed_ok (int4's also needs bf16 and an x at an
+    address of 4 bytes, read as 32-bit pairs): before, any CUDA tensor took the asm, which a T4 cannot compile."""
+    pytest.importorskip("triton")
+    import torch
+
+    from shardlm.inference import int4, int8
+    from shardlm.inference.int4 import quantize_weight
+    monkeypatch.setattr(int8, "packed_ok", lambda t: packed)
+    monkeypatch.setattr(int4, "packed_ok", lambda t: packed)
+    monkeypatch.setattr(int8, "_int8_gemv_kernel", launch8 := Launch())
+    monkeypatch.setattr(int4, "_int4_gemv_kernel", launch4 := Launch())
+    int8.int8_gemv(torch.zeros(1, 64, dtype=torch.float16), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
+    assert launch8.kwargs["HALF2"] is packed
+    words, scale, zero = quantize_weight(torch.randn(8, 64), 32)
+    for dtype, offset in ((torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 1)):
+        x = torch.zeros(65, dtype=dtype)[offset:offset + 64][None]
+        int4.int4_gemv(x, words, scale.to(dtype), zero)
+        assert launch4.kwargs["BF16X2"] is (packed and dtype == torch.bfloat16 and offset == 0), (dtype, offset)
+
+
+def compiles_for(fn, signature: dict, constexprs: dict, capability: int) -> bool:
+    """Whether Triton's ptxas takes `fn` for sm_<capability> (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    try:
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4, num_stages=2))
+    except Exception as e:  # ptxas's refusal comes as a RuntimeError or triton's PTXASError by version
+        assert "requires .target sm_80" in str(e), str(e)[-2000:]
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_the_packed_asm_needs_sm80_and_the_fp32_forms_do_not():
+    """Compiled on the CPU by Triton's ptxas: for sm_75 the GEMVs' packed forms are refused (why packed_ok
+    exists) and their fp32 forms compile; for sm_80 both do."""
+    pytest.importorskip("triton.backends.nvidia")
+    from shardlm.inference import int4, int8
+    sig8 = {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32", "sw": "i32",
+            "magic": "i32", "K": "constexpr", "BN": "constexpr", "BK": "constexpr", "HALF2": "constexpr"}
+    sig4 = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "magic": "i32",
+            "K": "constexpr", "G": "constexpr", "ROWS": "constexpr", "BF16X2": "constexpr"}
+    for capability, packed_compiles in ((75, False), (80, True)):
+        for packed in (False, True):
+            want = packed_compiles or not packed
+            assert compiles_for(int8._int8_gemv_kernel, sig8, dict(K=256, BN=8, BK=128, HALF2=packed),
+                                capability) is want, ("int8", capability, packed)
+            assert compiles_for(int4._int4_gemv_kernel, sig4, dict(K=256, G=128, ROWS=16, BF16X2=packed),
+                                capability) is want, ("int4", capability, packed)
