@@ -32,7 +32,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..kernels import on_device, packed_ok, triton, triton_ok
-from .int8 import unquantised
+from .int8 import check_finite, unquantised
 
 GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
 BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row kernel)
@@ -103,10 +103,11 @@ def quantize_weight(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"int4 takes groups of {', '.join(map(str, GROUPS))} inputs and blocks of {BLOCK} "
                          f"outputs: a group of {group} over a [{n}, {k}] weight")
     parts = []
-    for rows in w.detach().split(CHUNK):
+    for i, rows in enumerate(w.detach().split(CHUNK)):
         groups = rows.float().reshape(len(rows), k // group, group)
         low, high = groups.amin(-1).clamp_max(0), groups.amax(-1).clamp_min(0)
         scale = ((high - low) / 15).clamp_min(torch.finfo(w.dtype).tiny).to(w.dtype)
+        check_finite(scale, "int4", w.shape, i * CHUNK)
         s = scale.float()[..., None]
         zero = (-low[..., None] / s).round_().clamp_(0, 15)
         q = ((groups / s).round_() + zero).clamp_(0, 15)

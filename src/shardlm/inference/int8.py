@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import RunError
 from ..kernels import on_device, packed_ok, triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
@@ -201,6 +202,18 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, weight.to(x.dtype) * scale[:, None])
 
 
+def check_finite(scale: torch.Tensor, kind: str, shape, first: int = 0) -> None:
+    """Refuses a weight (of `shape`) whose scales, per output `first`.. and group, came out inf or NaN: a weight
+    holding inf or NaN, or a range beyond fp32's. Quantised, their levels and every other weight of the group
+    would be garbage, silently (int4's NaN levels, cast to integers, even set another nibble's top bit)."""
+    bad = ~torch.isfinite(scale.reshape(len(scale), -1))
+    if bad.any():
+        row, group = bad.nonzero()[0].tolist()
+        where = f"output {first + row}" + (f", group {group}" if scale.dim() > 1 else "")
+        raise RunError(f"--quantize {kind}: the weight [{', '.join(map(str, shape))}] holds inf or NaN (or a range "
+                       f"beyond fp32's) at {where}: its scale is {scale.reshape(len(scale), -1)[row, group].item()}")
+
+
 class Int8Linear(nn.Module):
     """`linear` with its weight in int8 (buffers `weight` [out, in] int8 and `scale` [out]); keeps its bias
     and a low-rank adapter set on it (`lora`: inference/adapters.py adds one per request row)."""
@@ -213,6 +226,7 @@ class Int8Linear(nn.Module):
         for i in range(0, w.shape[0], CHUNK):  # a vocabulary head's fp32 temporaries whole would be gigabytes
             rows = w[i:i + CHUNK].float()
             scale[i:i + CHUNK] = rows.abs().amax(1).clamp_min(1e-12) / 127.5
+            check_finite(scale[i:i + CHUNK], "int8", w.shape, i)
             q[i:i + CHUNK] = (rows / scale[i:i + CHUNK, None]).round().clamp(-128, 127)
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale.to(w.dtype))
