@@ -13,9 +13,9 @@ in f16x2 registers and holds several rows a thread, so that an input's load and 
 that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 scaled by 2^-10, so each
 word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5), and an input
 below 0.06 in magnitude (subnormal in fp16 once scaled) rounds to a multiple of 2^-14, below 2^-15 to 0: an
-absolute error, far inside int8's own rounding only while a layer's inputs are not small. Emulated (numpy's
-fp16, K 4096, normal inputs and weights), the output's error is 4% of int8's own at inputs of rms 0.03, 18% at
-0.01, 2x at 1e-3 and 20x at 1e-4, where fp32's products (Triton's interpreter, before) add next to nothing.
+absolute error, far inside int8's own rounding only while a layer's inputs are not small. Emulated (K 4096,
+bench/int8_input_rounding.py), the output's error is 4% of int8's own at inputs of rms 0.03, 18% at 0.01, 2x
+at 1e-3 and 20x at 1e-4, where fp32's products (Triton's interpreter, before) add next to nothing.
 Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
