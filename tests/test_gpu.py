@@ -364,6 +364,19 @@ def test_int4_one_row_product_is_the_same_bits_every_call_and_replay():
 
 
 @cuda
+def test_int4_one_row_product_of_an_x_at_an_odd_elements_address():
+    """bf16x2 reads x as 32-bit pairs: an x one element into its storage (a [1, K] view, contiguous, not copied)
+    takes the fp32 form (a misaligned-address fault before, which ends the process's CUDA context): the same
+    product as an aligned copy's, within bf16x2's rounding."""
+    from shardlm.inference.int4 import Int4Linear
+    q = Int4Linear(torch.nn.Linear(256, 64, bias=False).cuda().bfloat16())
+    x = torch.randn(1, 257, device="cuda").bfloat16()[:, 1:]
+    assert x.is_contiguous() and x.data_ptr() % 4 == 2
+    got, aligned = q(x).float(), q(x.clone()).float()
+    assert (got - aligned).abs().max() <= 2**-6 * aligned.abs().max(), (got - aligned).abs().max().item()
+
+
+@cuda
 def test_int4_engine_decodes_in_cuda_graphs_as_it_does_eagerly():
     """A tiny Llama in bf16 with int4 weights: the compiled decode step (CUDA graph trees) calls the product
     inside its graphs (no skip) and gives the eager engine's tokens at one row and at three."""

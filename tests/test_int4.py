@@ -90,6 +90,7 @@ def test_int4_linear_on_the_cpu_is_the_dequantised_product(dtype):
     """On the CPU the layer multiplies by its weight dequantised whole, plus its bias, for any leading
     dimensions; the state dict holds the packed weight, scales and zero points; an input of the wrong size is refused
     by name."""
+    torch.manual_seed(0)  # the 0.1 bound on the largest error is exceeded by about 1 layer in 700
     layer = nn.Linear(256, 200).to(dtype)
     q = Int4Linear(layer)
     assert (q.in_features, q.out_features, q.group) == (256, 200, 128)

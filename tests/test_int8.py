@@ -39,3 +39,29 @@ def check_kernels_interpreted() -> None:
 def test_int8_kernels_in_tritons_interpreter():
     from helpers import run_in_tritons_interpreter
     print(run_in_tritons_interpreter("test_int8", "check_kernels_interpreted"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_weight_with_inf_or_nan_is_refused_by_name(bad):
+    """int8 and int4 quantisation of a weight holding inf or NaN: one error naming the output (and int4's group)
+    rather than scales of inf or NaN that turn the channel's (int4: the group's) every product to NaN; int4's
+    bf16 weights of finite values whose range exceeds fp32's too. The other rows would have been fine."""
+    from shardlm.config import RunError
+    from shardlm.inference.int4 import quantize_weight
+    from shardlm.inference.int8 import Int8Linear
+    w = torch.randn(16, 256) * 0.02
+    w[11, 200] = bad
+    linear = torch.nn.Linear(256, 16, bias=False)
+    linear.weight.data = w
+    with pytest.raises(RunError, match=r"--quantize int8: the weight \[16, 256\] holds inf or NaN .* output 11:"):
+        Int8Linear(linear)
+    with pytest.raises(RunError, match=r"--quantize int4: the weight \[16, 256\] holds inf or NaN .* output 11, "
+                                       r"group 3:"):
+        quantize_weight(w, 64)
+    huge = torch.zeros(8, 128, dtype=torch.bfloat16)
+    huge[2, :2] = torch.tensor([3e38, -3e38])
+    with pytest.raises(RunError, match="output 2, group 0: its scale is inf"):
+        quantize_weight(huge, 128)
+    w[11, 200] = 0
+    Int8Linear(linear)
+    quantize_weight(w, 64)

@@ -10,6 +10,7 @@ ops, which is what CPU runs and what the GPU test compares the kernel against.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -36,6 +37,20 @@ def on_device(t: torch.Tensor):
 def triton_ok(t: torch.Tensor) -> bool:
     # SHARDLM_DISABLE_TRITON=1 forces the PyTorch fallbacks (for measuring what the kernels are worth).
     return triton is not None and t.is_cuda and os.environ.get("SHARDLM_DISABLE_TRITON", "0") != "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def packed_ok(t: torch.Tensor) -> bool:
+    """Whether `t`'s GPU can run the one-row int8/int4 GEMVs' packed asm: cvt.rn.f16x2.f32 and the bf16x2 FMAs
+    are sm_80's, and ptxas refuses them for a T4 or a V100 (whose fp32 forms of the kernels compile). Cached
+    per device: this is asked on every decode step's every product."""
+    if not t.is_cuda:
+        return False
+    return _capability(torch.cuda.current_device() if t.device.index is None else t.device.index) >= (8, 0)
 
 
 if triton is not None:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..kernels import on_device, triton, triton_ok
-from .int8 import unquantised
+from ..kernels import on_device, packed_ok, triton, triton_ok
+from .int8 import check_finite, unquantised
 
 GROUPS = (128, 64, 32)  # the largest of these that divides a layer's input size is its group
 BLOCK = 8  # outputs a block of the packed weight (and a program of the one-row kernel)
@@ -103,10 +103,11 @@ def quantize_weight(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"int4 takes groups of {', '.join(map(str, GROUPS))} inputs and blocks of {BLOCK} "
                          f"outputs: a group of {group} over a [{n}, {k}] weight")
     parts = []
-    for rows in w.detach().split(CHUNK):
+    for i, rows in enumerate(w.detach().split(CHUNK)):
         groups = rows.float().reshape(len(rows), k // group, group)
         low, high = groups.amin(-1).clamp_max(0), groups.amax(-1).clamp_min(0)
         scale = ((high - low) / 15).clamp_min(torch.finfo(w.dtype).tiny).to(w.dtype)
+        check_finite(scale, "int4", w.shape, i * CHUNK)
         s = scale.float()[..., None]
         zero = (-low[..., None] / s).round_().clamp_(0, 15)
         q = ((groups / s).round_() + zero).clamp_(0, 15)
@@ -172,7 +173,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
         # of words a step, a thread a row: its words (one per output) and its 8 inputs, each read once and
         # taken apart in registers. The kernel is bound by the instructions it issues per nibble, so everything
-        # else is done once per row, not once per nibble. BF16X2 (bf16 on a GPU): _dot8_bf16x2; otherwise (fp16,
+        # else is done once per row, not once per nibble. BF16X2 (bf16 on sm_80+): _dot8_bf16x2; otherwise (fp16,
         # Triton's interpreter) each nibble to fp32 by its bits (an AND-OR, a subtraction, an FMA).
         b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
@@ -329,8 +330,9 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         bench/quantized_gemv.py's sweep."""
         k, n = x.shape[1], words.shape[0] * BLOCK
         y = x.new_empty(1, n) if y is None else y
+        pairs = x.dtype == torch.bfloat16 and packed_ok(x) and x.data_ptr() % 4 == 0  # x read as 32-bit pairs
         _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, zero, y, MAGIC, K=k, G=k // scale.shape[1], ROWS=rows,
-                                         BF16X2=x.is_cuda and x.dtype == torch.bfloat16, num_warps=warps)
+                                         BF16X2=pairs, num_warps=warps)
         return y
 
     def int4_dequant(words, scale, zero, dtype, rows: int = MM_DEQUANT_ROWS, warps: int = MM_WARPS) -> torch.Tensor:

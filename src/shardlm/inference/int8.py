@@ -11,8 +11,11 @@ converts two bytes at a time with one bitwise operation (each byte the mantissa 
 FasterTransformer's and Marlin's fast int-to-float conversions do), multiplies them by their inputs two at a time
 in f16x2 registers and holds several rows a thread, so that an input's load and conversion serve all of them:
 that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 scaled by 2^-10, so each
-word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5) and an input
-rounds to 2^-14 at worst (below 0.06 in magnitude, where fp16 is subnormal): far inside int8's own rounding.
+word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5), and an input
+below 0.06 in magnitude (subnormal in fp16 once scaled) rounds to a multiple of 2^-14, below 2^-15 to 0: an
+absolute error, far inside int8's own rounding only while a layer's inputs are not small. Emulated (K 4096,
+bench/int8_input_rounding.py), the output's error is 4% of int8's own at inputs of rms 0.03, 18% at 0.01, 2x
+at 1e-3 and 20x at 1e-4, where fp32's products (Triton's interpreter, before) add next to nothing.
 Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import on_device, triton, triton_ok
+from ..config import RunError
+from ..kernels import on_device, packed_ok, triton, triton_ok
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 CHUNK = 2048  # outputs quantised at a time
@@ -114,7 +118,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
         # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
         # converted once for all of them: the kernel is bound by the instructions it issues a byte, not by the
-        # memory. HALF2 (a GPU): _dot4_f16x2, 4.3 instructions a byte counted in its loop; otherwise (Triton's
+        # memory. HALF2 (sm_80+): _dot4_f16x2, 4.3 instructions a byte counted in its loop; otherwise (Triton's
         # interpreter) each byte to fp32 by its bits, 5.2 counted, 3.5 at the least: a quarter of a sign flip and
         # of a shift, an AND-OR, a subtraction, an FMA.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -151,7 +155,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         y = x.new_empty(1, n) if y is None else y
         bn, bk, warps, stages = launch or (GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH)
         _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), MAGIC, K=k, BN=bn, BK=bk,
-                                                 HALF2=x.is_cuda, num_warps=warps, num_stages=stages)
+                                                 HALF2=packed_ok(x), num_warps=warps, num_stages=stages)
         return y
 
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.
@@ -188,6 +192,18 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, weight.to(x.dtype) * scale[:, None])
 
 
+def check_finite(scale: torch.Tensor, kind: str, shape, first: int = 0) -> None:
+    """Refuses a weight (of `shape`) whose scales, per output `first`.. and group, came out inf or NaN: a weight
+    holding inf or NaN, or a range beyond fp32's. Quantised, their levels and every other weight of the group
+    would be garbage, silently (int4's NaN levels, cast to integers, even set another nibble's top bit)."""
+    bad = ~torch.isfinite(scale.reshape(len(scale), -1))
+    if bad.any():
+        row, group = bad.nonzero()[0].tolist()
+        where = f"output {first + row}" + (f", group {group}" if scale.dim() > 1 else "")
+        raise RunError(f"--quantize {kind}: the weight [{', '.join(map(str, shape))}] holds inf or NaN (or a range "
+                       f"beyond fp32's) at {where}: its scale is {scale.reshape(len(scale), -1)[row, group].item()}")
+
+
 class Int8Linear(nn.Module):
     """`linear` with its weight in int8 (buffers `weight` [out, in] int8 and `scale` [out]); keeps its bias
     and a low-rank adapter set on it (`lora`: inference/adapters.py adds one per request row)."""
@@ -200,6 +216,7 @@ class Int8Linear(nn.Module):
         for i in range(0, w.shape[0], CHUNK):  # a vocabulary head's fp32 temporaries whole would be gigabytes
             rows = w[i:i + CHUNK].float()
             scale[i:i + CHUNK] = rows.abs().amax(1).clamp_min(1e-12) / 127.5
+            check_finite(scale[i:i + CHUNK], "int8", w.shape, i)
             q[i:i + CHUNK] = (rows / scale[i:i + CHUNK, None]).round().clamp(-128, 127)
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale.to(w.dtype))
