@@ -104,14 +104,15 @@ def int8_dot4(word: int, x: list[float], asms) -> int:
 
 
 def int8_documented(word: int, x: list[float]):
-    """int8.py's stated arithmetic: x' = x 2^-10 rounded to fp16, bytes (0, 2) times (x0', x2') rounded, plus
-    bytes (1, 3) times (x1', x3') rounded, the halves' sum in fp32."""
+    """int8.py's stated arithmetic: x rounded to fp16, bytes (0, 2) over 256 times (x0, x2) rounded, plus bytes
+    (1, 3) over 256 times (x1, x3) rounded, the halves' sum in fp32."""
     w = [(word >> (8 * i) & 0xFF) - (256 if word >> (8 * i) & 0x80 else 0) for i in range(4)]
-    xs = [round_to(Fraction(v) / 1024, F16) for v in x]
+    xs = [round_to(Fraction(v), F16) for v in x]
     halves = []
     for a, b in ((0, 1), (2, 3)):
-        p = round_to(w[a] * xs[a], F16) if not isinstance(xs[a], float) else w[a] * xs[a]
-        s = round_to(w[b] * xs[b] + p, F16) if not any(isinstance(v, float) for v in (xs[b], p)) else w[b] * xs[b] + p
+        p = round_to(Fraction(w[a], 256) * xs[a], F16) if not isinstance(xs[a], float) else w[a] * xs[a]
+        s = (round_to(Fraction(w[b], 256) * xs[b] + p, F16) if not any(isinstance(v, float) for v in (xs[b], p))
+             else w[b] * xs[b] + p)
         halves.append(s)
     if any(isinstance(h, float) for h in halves):
         return float(halves[0]) + float(halves[1])
@@ -120,7 +121,7 @@ def int8_documented(word: int, x: list[float]):
 
 def test_int8_every_byte_at_every_place_is_exact():
     """Each byte value -128..127 at each of a word's 4 places, x one-hot (1, -2.5, 4096: products exact in fp16):
-    the word's sum is exactly w x 2^-10, the other bytes (set) contributing nothing."""
+    the word's sum is exactly w x / 256, the other bytes (set) contributing nothing."""
     asms = int8_asms()
     for i in range(4):
         for w in range(-128, 128):
@@ -129,13 +130,13 @@ def test_int8_every_byte_at_every_place_is_exact():
                 x = [0.0] * 4
                 x[i] = xv
                 got = value(int8_dot4(word, x, asms), F32)
-                assert got == w * xv / 1024, (i, w, xv, got)
+                assert got == w * xv / 256, (i, w, xv, got)
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 3e4, 2.0**-20])
 def test_int8_words_are_the_documented_f16x2_arithmetic(scale):
-    """Random words and inputs of several magnitudes (fp16-subnormal once scaled, and near the stated 2.6e5):
-    the asm's fp32 result, bit for bit, is the stated arithmetic."""
+    """Random words and inputs of several magnitudes (fp16-subnormal, and near fp16's largest): the asm's fp32
+    result, bit for bit, is the stated arithmetic."""
     asms = int8_asms()
     rng = random.Random(int(scale * 1e6) + 7)
     for _ in range(300):
@@ -146,14 +147,14 @@ def test_int8_words_are_the_documented_f16x2_arithmetic(scale):
         assert got == float(want) or (math.isnan(got) and math.isnan(float(want))), (hex(word), x, got, want)
 
 
-def test_int8_inputs_within_the_stated_range_stay_finite():
-    """|x| up to 2.6e5 (int8.py's docstring) with every weight -128: finite; the first power of two past it
-    (2^18, two-term sums of 2^16) overflows fp16."""
+def test_int8_inputs_within_fp16s_range_stay_finite():
+    """|x| up to bf16's largest below fp16's 65504 (65280) with every weight -128 (each product -x / 2, each
+    word's two-term sum -x): finite; past fp16's range (2^16) an input itself is inf in fp16."""
     asms = int8_asms()
     word = 0x80808080
-    assert math.isfinite(value(int8_dot4(word, [2.6e5] * 4, asms), F32))
-    assert math.isfinite(value(int8_dot4(word, [-2.6e5] * 4, asms), F32))
-    assert math.isinf(value(int8_dot4(word, [2.0**18] * 4, asms), F32))
+    assert math.isfinite(value(int8_dot4(word, [65280.0] * 4, asms), F32))
+    assert math.isfinite(value(int8_dot4(word, [-65280.0] * 4, asms), F32))
+    assert math.isinf(value(int8_dot4(word, [2.0**16] * 4, asms), F32))
 
 
 def test_emulator_rounds_to_nearest_even():

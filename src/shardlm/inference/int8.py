@@ -10,12 +10,12 @@ decode) a matrix-vector kernel on the CUDA cores instead, which reads the weight
 converts two bytes at a time with one bitwise operation (each byte the mantissa of a half by its bits, as
 FasterTransformer's and Marlin's fast int-to-float conversions do), multiplies them by their inputs two at a time
 in f16x2 registers and holds several rows a thread, so that an input's load and conversion serve all of them:
-that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 scaled by 2^-10, so each
-word's two-term sums stay below a quarter of the largest |x| (no overflow below |x| = 2.6e5), and an input
-below 0.06 in magnitude (subnormal in fp16 once scaled) rounds to a multiple of 2^-14, below 2^-15 to 0: an
-absolute error, far inside int8's own rounding only while a layer's inputs are not small. Emulated (K 4096,
-bench/int8_input_rounding.py), the output's error is 4% of int8's own at inputs of rms 0.03, 18% at 0.01, 2x
-at 1e-3 and 20x at 1e-4, where fp32's products (Triton's interpreter, before) add next to nothing.
+that kernel is bound by the instructions it issues a byte. Its inputs go into fp16 as they are (exact from
+2^-14 to 65504 in magnitude, a bf16's 8 bits inside fp16's 11; below, to 2^-24), its weights as w / 256 (exact),
+so a product is at most half its input and no sum overflows before its inputs would: fp16's roundings of the
+products and of each word's two-term sums (2^-11 of them) stay far inside int8's own rounding: emulated
+(bench/int8_input_rounding.py, K 4096) 2.4-2.7e-4 of the output at inputs of rms 1 to 1e-3 and 1.3e-3 at 1e-4,
+against int8's 8e-3; with the inputs scaled by 2^-10 instead, as first written, 1.9e-2 at 1e-3.
 Elsewhere (prefill's many rows, the CPU) the weight is dequantised whole and multiplied as usual.
 """
 from __future__ import annotations
@@ -73,21 +73,23 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _dot4_f16x2(words, x02, x13):
         # A word's 4 bytes times their inputs, two at a time in f16x2 registers (FasterTransformer's
         # conversion): each byte's sign flipped (w + 128) and set by one PRMT as the low byte of a half whose
-        # high byte is 0x64 (1024 + w + 128, exact in fp16's 10-bit mantissa), less 1152 (one HADD2) the exact
-        # w; then one HFMA2 of the pair of inputs (x_j, x_j+2, pre-scaled by 2^-10 so that the two-term sums
-        # stay far inside fp16's range). The halves' sum to fp32 once per word.
+        # high byte is 0x64 (1024 + w + 128, exact in fp16's 10-bit mantissa), times 2^-8 less 4.5 (one HFMA2)
+        # the exact w / 256; then one HFMA2 of the pair of inputs (x_j, x_j+2, as they are in fp16): a product
+        # at most half an input, so a word's two-term sums overflow no sooner than the inputs themselves. The
+        # halves' sum to fp32 once per word.
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 u, h0, h1, a, c, m;
+            .reg .b32 u, h0, h1, a, c, s, m;
             .reg .b16 lo, hi;
             .reg .f32 f0, f1;
             mov.b32 c, 0x64646464;
-            mov.b32 m, 0xE480E480;
+            mov.b32 s, 0x1C001C00;
+            mov.b32 m, 0xC480C480;
             xor.b32 u, $1, 0x80808080;
             prmt.b32 h0, u, c, 0x4240;
             prmt.b32 h1, u, c, 0x4341;
-            add.rn.f16x2 h0, h0, m;
-            add.rn.f16x2 h1, h1, m;
+            fma.rn.f16x2 h0, h0, s, m;
+            fma.rn.f16x2 h1, h1, s, m;
             mul.rn.f16x2 a, h0, $2;
             fma.rn.f16x2 a, h1, $3, a;
             mov.b32 {lo, hi}, a;
@@ -101,15 +103,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _half_pair(lo, hi):
-        # fp32 lo and hi times 2^-10 as one f16x2 word (cvt.rn.f16x2.f32, sm_80+). In asm: as Triton ops the
-        # compiler narrowed x to fp16 before the scaling, and inputs beyond 65504 became inf (a GPU test's).
+        # fp32 lo and hi as one f16x2 word (cvt.rn.f16x2.f32, sm_80+): a bf16 input is exact in fp16 from 2^-14
+        # to 65504 in magnitude (fp16's 11 bits hold bf16's 8), below it a multiple of 2^-24.
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .f32 a, b;
-            mul.rn.f32 a, $1, 0f3A800000;
-            mul.rn.f32 b, $2, 0f3A800000;
-            cvt.rn.f16x2.f32 $0, b, a;
-            }""",
+            asm="""{ cvt.rn.f16x2.f32 $0, $2, $1; }""",
             constraints="=r,r,r", args=[lo, hi], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
@@ -118,7 +115,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
         # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
         # converted once for all of them: the kernel is bound by the instructions it issues a byte, not by the
-        # memory. HALF2 (sm_80+): _dot4_f16x2, 4.3 instructions a byte counted in its loop; otherwise (Triton's
+        # memory. HALF2 (sm_80+): _dot4_f16x2, 4.1 instructions a byte counted in its loop; otherwise (Triton's
         # interpreter) each byte to fp32 by its bits, 5.2 counted, 3.5 at the least: a quarter of a sign flip and
         # of a shift, an AND-OR, a subtraction, an FMA.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -144,7 +141,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 acc += _byte(words, 0xFF00, magic, 8421376.0) * (x1 * 2.0 ** -8)[None, :]
                 acc += _byte(high, 0xFF, magic, 8388736.0) * x2[None, :]
                 acc += _byte(high, 0xFF00, magic, 8421376.0) * (x3 * 2.0 ** -8)[None, :]
-        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * (1024.0 if HALF2 else 1.0)
+        scale = tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32) * (256.0 if HALF2 else 1.0)
         tl.store(y_ptr + n, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=n < N)
 
     def int8_gemv(x, w, scale, y=None, launch: tuple | None = None) -> torch.Tensor:
