@@ -255,14 +255,14 @@ def test_int8_prefill_product_is_not_rewritten_to_aten_int8pack():
 @cuda
 @pytest.mark.parametrize("rows", [1, 2, 16, 64])
 def test_int4_kernels_equal_the_dequantised_product(rows):
-    """The int4 weight-only products of decode as the model calls them (Triton: the one-row GEMV; at 2-64 rows
-    int4_mm's default form for the rows) against the weight dequantised and multiplied in fp64 (the weight
-    rounded to the dtype first where that form rounds it: planes with groups under 128, dequant), in bf16 and
-    fp16: outputs that fill no tile evenly, groups of 128, 64 and 32, llama2-7b's shapes; the result within the
-    dtype's rounding of it (bf16's one-row GEMV, which sums each word's 8 products in bf16x2 by four roundings,
-    within 2^-6 of the sum of the products' magnitudes more, its worst case, and its error's norm within 2^-6
-    of the result's), the same bits on a second call; and every nibble read exactly (scale 1, zero 0, x of ones: integer sums,
-    exact in fp32 and in bf16's four-term sums, rounded once; through cuBLAS for dequant, whose sums may round)."""
+    """The int4 weight-only products of decode as the model calls them (Triton: the one-row GEMV; at 2-64 rows int4_mm's
+    default form for the rows) against the weight dequantised and multiplied in fp64 (the weight rounded to the
+    dtype first where that form rounds it: planes with groups under 128, dequant), in bf16 and fp16: outputs that
+    fill no tile evenly, groups of 128, 64 and 32, llama2-7b's shapes; the result within the dtype's rounding of it
+    (bf16's one-row GEMV, which sums each word's 8 products in bf16x2 by four roundings, within 2^-6 of the sum of
+    the products' magnitudes more, its worst case, and its error's norm within 2^-6 of the result's), the same bits
+    on a second call; and every nibble read exactly (scale 1, zero 0, x of ones: integer sums, exact in fp32 and in
+    bf16's four-term sums, rounded once; through cuBLAS for dequant, whose sums may round)."""
     import torch.nn.functional as F
 
     from shardlm.inference import int4
