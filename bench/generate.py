@@ -112,7 +112,7 @@ def torchao_int4(model) -> None:
     import torchao.quantization as q
     from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
 
-    from shardlm.inference.int4 import group_size
+    from shardlm.inference.int4_format import group_size
     from shardlm.inference.int8 import unquantised
     kept = unquantised(model)
     ours = [m for block in model.blocks() for m in block.modules()

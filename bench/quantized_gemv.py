@@ -68,7 +68,7 @@ COPIES = 8  # layers' worth of each shape: 8 x 0.4 GB in bf16, 8 x 0.1 GB in int
 # The split-K kernels' launch: outputs a program and warps (the branch's, from an H200 sweep); groups a tile of
 # the last arriver's sum (0: all of them in one tile).
 BN, WARPS, SUM_ROWS = 128, 2, 0
-GEMV_ROWS = 256  # inference/int4.py's GEMV_ROWS
+GEMV_ROWS = 128  # inference/int4.py's GEMV_ROWS
 GROUP_SIZES = (128, 64, 32)  # the largest that divides a layer's inputs is its int4 group
 
 
@@ -240,7 +240,7 @@ def make_system(name: str):
                                                                                       launch=launch)
         return ((lambda w: Int8Linear(_linear(w))), run, (lambda q: q.weight.float() * q.scale.float()[:, None]))
     if name in ("int4", "int4-mm"):
-        from shardlm.inference import int4
+        from shardlm.inference import int4, int4_format
 
         def run(x, op, launch):
             if name == "int4-mm":  # (form, bm, bn, warps)
@@ -248,8 +248,8 @@ def make_system(name: str):
             if launch is None:
                 return int4.int4_linear(x, *op)
             return int4.int4_gemv(x, *op, rows=launch[0], warps=launch[1])
-        return ((lambda w: int4.quantize_weight(w, int4.group_size(w.shape[1]))), run,
-                (lambda op: int4.dequantize(*op, torch.float32)))
+        return ((lambda w: int4_format.quantize_weight(w, int4_format.group_size(w.shape[1]))), run,
+                (lambda op: int4_format.dequantize(*op, torch.float32)))
     if name == "int4-torchao":
         return _torchao, (lambda x, lin, _: lin(x)), _torchao_weight
     if name == "int4-splitk":

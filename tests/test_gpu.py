@@ -266,7 +266,8 @@ def test_int4_kernels_equal_the_dequantised_product(rows):
     import torch.nn.functional as F
 
     from shardlm.inference import int4
-    from shardlm.inference.int4 import Int4Linear, blocked, dequantize, int4_linear, kernel_ok, pack
+    from shardlm.inference.int4 import Int4Linear, int4_linear, kernel_ok
+    from shardlm.inference.int4_format import blocked, dequantize, pack
     g = torch.Generator(device="cuda").manual_seed(0)
     form = "gemv" if rows == 1 else int4.MM_FORM if rows <= int4.MM_PLANES_ROWS else "dequant"
     for dtype, ulp in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
@@ -303,7 +304,8 @@ def test_int4_mm_forms_equal_the_dequantised_product(rows):
     nibble read exactly (scale 1, zero 0, x of ones: integer sums, exact in fp32, rounded once)."""
     import torch.nn.functional as F
 
-    from shardlm.inference.int4 import Int4Linear, blocked, dequantize, int4_dequant, int4_mm, pack
+    from shardlm.inference.int4 import Int4Linear, int4_dequant, int4_mm
+    from shardlm.inference.int4_format import blocked, dequantize, pack
     g = torch.Generator(device="cuda").manual_seed(0)
     # tiles, planes: (form, bm, bn, warps), the tile up to 64 x 128; dequant: bn rows of words a program. A few
     # launches and shapes: each is a compile, and nine launches over six shapes ran past a GPU call's limit.
@@ -417,7 +419,8 @@ def decodes_in_cuda_graphs_as_eagerly(model) -> None:
 @cuda
 def test_int4_prefill_product_is_the_dequantised_product_compiled():
     """More than MAX_ROWS rows (a prompt) dequantise the weight and multiply, compiled as prefill is."""
-    from shardlm.inference.int4 import MAX_ROWS, Int4Linear, dequantize
+    from shardlm.inference.int4 import MAX_ROWS, Int4Linear
+    from shardlm.inference.int4_format import dequantize
     q = Int4Linear(torch.nn.Linear(512, 256, bias=False).cuda().bfloat16())
     x = torch.randn(1, MAX_ROWS + 64, 512, device="cuda").bfloat16()
     torch._dynamo.reset()

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from shardlm.config import ConfigError, load_config
-from shardlm.inference.int4 import (BLOCK, GROUPS, Int4Linear, blocked, dequantize, group_size, pack,
-                                    quantize_weight, to_int4, unblocked, unpack)
+from shardlm.inference.int4 import Int4Linear, to_int4
+from shardlm.inference.int4_format import (BLOCK, GROUPS, blocked, dequantize, group_size, pack, quantize_weight,
+                                           unblocked, unpack)
 from shardlm.model import build_model
 
 @pytest.mark.timeout(60)

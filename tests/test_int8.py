@@ -47,7 +47,7 @@ def test_a_weight_with_inf_or_nan_is_refused_by_name(bad):
     rather than scales of inf or NaN that turn the channel's (int4: the group's) every product to NaN; int4's
     bf16 weights of finite values whose range exceeds fp32's too. The other rows would have been fine."""
     from shardlm.config import RunError
-    from shardlm.inference.int4 import quantize_weight
+    from shardlm.inference.int4_format import quantize_weight
     from shardlm.inference.int8 import Int8Linear
     w = torch.randn(16, 256) * 0.02
     w[11, 200] = bad

@@ -208,7 +208,7 @@ def test_the_gemvs_take_packed_asm_only_where_packed_ok_says(monkeypatch, packed
     import torch
 
     from shardlm.inference import int4, int8
-    from shardlm.inference.int4 import quantize_weight
+    from shardlm.inference.int4_format import quantize_weight
     monkeypatch.setattr(int8, "packed_ok", lambda t: packed)
     monkeypatch.setattr(int4, "packed_ok", lambda t: packed)
     monkeypatch.setattr(int8, "_int8_gemv_kernel", launch8 := Launch())

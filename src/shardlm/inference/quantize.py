@@ -20,7 +20,8 @@ from torch import nn
 from ..config import IGNORE, ConfigError
 from ..model.decoder import LMOutput
 from ..model.loss import trained_count
-from .int4 import GROUPS, to_int4
+from .int4 import to_int4
+from .int4_format import GROUPS
 from .int8 import MAX_ROWS, Int8Linear, int8_linear, to_int8
 
 KINDS = ("none", "int8", "int4")
