@@ -412,6 +412,8 @@ CASES = [
                              "--json"], "--json goes with --prompt", 2),
     ("generate-tp-zero", ["generate", "--model", "{exp}", "--prompt", "x", "--tp", "0"], "--tp 0 must be at least 1", 2),
     ("serve-tp-negative", ["serve", "--model", "{exp}", "--tp", "-2"], "--tp -2 must be at least 1", 2),
+    ("generate-tp-device-index", ["generate", "--model", "{exp}", "--prompt", "x", "--tp", "2", "--device", "cuda:1"],
+     "--device cuda:1 with --tp 2: each rank takes the GPU of its local rank", 2),
     ("generate-output-is-input", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output",
                                   "{longprompts}", "--overwrite"], "is the --input file", 2),
     ("generate-output-a-directory", ["generate", "--model", "{exp}", "--input", "{longprompts}", "--output", "{data}",
