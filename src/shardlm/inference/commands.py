@@ -137,8 +137,8 @@ def _tensor_parallel(a):
     torchrun started (the process group initialised here unless the caller has one)."""
     from ..runtime.device import pick_device
     if a.tp > 1 and a.device.startswith("cuda:"):  # each rank's GPU is its local rank's: K would be ignored
-        raise ConfigError(f"--device {a.device} with --tp {a.tp}: each rank takes the GPU of its local rank (the first "
-                          f"{a.tp} visible); choose them by CUDA_VISIBLE_DEVICES and give --device cuda or leave it out")
+        raise ConfigError(f"--device {a.device} with --tp {a.tp}: each rank takes the GPU of its local rank (the "
+                          f"first {a.tp} visible); choose them by CUDA_VISIBLE_DEVICES, give --device cuda or none")
     world, rank, local = check_world(a.tp)
     device = pick_device(a.device, "--device")
     if a.tp == 1:
