@@ -4,9 +4,9 @@ of requests and the engine's workspace, how many requests fit, and the decode sp
 A decode step reads every weight but the input embedding once, and each row's cached keys and values up to
 the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
 that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
-engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16: 2,468 tok/s at
-batch 16 with a 385-position cache, 53%; 204 at batch 1, 56%, bench/generate.py), and ONE_ROW_EFFICIENCY at
-batch 1 since its one-row products run as a Triton GEMV (model/gemv.py: 228-232 tok/s, 63-64%).
+engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16, batch 16 with a
+385-position cache: 2,468 tok/s on 2026-11-28, 3,008-3,079 since, bench/generate.py; 204 at batch 1), and
+ONE_ROW_EFFICIENCY at batch 1 since its one-row products run as a Triton GEMV (model/gemv.py: 228-240 tok/s).
 
 `generate --quantize int8|int4` (inference/quantize.py) stores linear layers' weights in fewer bytes, which
 shrinks the weights and the bytes a decode step reads; its kernels reach a share of the bound of their own.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from .hardware import GPU
 
-DECODE_EFFICIENCY = 0.55
+DECODE_EFFICIENCY = 0.59  # between the batch-16 rows: within 15% of each
 ONE_ROW_EFFICIENCY = 0.63
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
 # (bench/results.jsonl, thirty-sixth lease): int8 339.6 tok/s through inference/int8.py's one-row kernel (f16x2
