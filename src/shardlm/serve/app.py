@@ -6,14 +6,18 @@ through the worker, and waits on an asyncio queue that the engine's thread feeds
 
 Every HTTP request passes through `Lifecycle`: it counts the requests in flight (a draining server exits
 once none is left), refuses new generation with 503 while draining, and cancels the engine requests of
-an HTTP request that ended early (its client left), so their slots are freed.
+an HTTP request that ended early (its client left, or stopped reading its answer), so their slots are freed.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+import logging
 import threading
 import time
+
+import anyio
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +33,27 @@ _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists i
 # A body shorter than its Content-Length leaves the server waiting for the rest, which h11 and uvicorn do without
 # end; counted in flight, it also kept a draining server from ever exiting. Slow links still send within this.
 BODY_TIMEOUT_S = 30.0
+# A client that stops reading its stream fills the socket's buffers, and then each write waits for it: the engine
+# runs on, but its HTTP request stayed in flight as long as the connection stayed open, and a draining server never
+# exited. A write that cannot go out for this long ends the response and closes the connection.
+SEND_TIMEOUT_S = 30.0
+log = logging.getLogger("shardlm.serve")
+_CUT = contextvars.ContextVar("shardlm_cut", default=False)  # this task's response was cut by SEND_TIMEOUT_S
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _QuietCut(logging.Filter):
+    """Drops uvicorn's error for a response that ended unfinished where this server ended it (the warning logged
+    then says why): it reads as a fault of the server's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.getMessage() == "ASGI callable returned without completing response.")
+
+
+_QUIET_CUT = _QuietCut()
 
 
 class ServerState:
@@ -63,7 +88,11 @@ class Lifecycle:
         try:
             body = await self._body(scope, receive, send)
             if body is not None:
-                await self.app(scope, _replay(body, receive), send)
+                await self.app(scope, _replay(body, receive), _timed(send))
+        except _Stalled:
+            log.warning("shardlm serve: a client read nothing of its answer for %g s: its connection is closed, and "
+                        "its request cancelled where it still ran", SEND_TIMEOUT_S)
+            _CUT.set(True)  # read in this task by uvicorn's log call once the app has returned
         finally:
             self.state.in_flight -= 1
             for r in owned:
@@ -89,6 +118,16 @@ class Lifecycle:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         return b"".join(chunks)
+
+
+def _timed(send):
+    """`send` that raises _Stalled where a write waits SEND_TIMEOUT_S for its client to read."""
+    async def timed(message):
+        with anyio.move_on_after(SEND_TIMEOUT_S) as scope:
+            await send(message)
+        if scope.cancelled_caught:
+            raise _Stalled
+    return timed
 
 
 def _replay(body: bytes, receive):
@@ -129,6 +168,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     app = FastAPI(title="shardlm", docs_url=None, redoc_url=None)
     app.state.serve = state
     app.add_middleware(Lifecycle, state=state, worker=worker)
+    logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT)  # once: a filter already there is not added again
     tok = models.tok
     stop_ids = models.stop_ids
     started = int(time.time())
