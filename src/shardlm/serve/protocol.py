@@ -190,10 +190,13 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
                                 f"reduce the length of the {prompt_param}.", prompt_param, "context_length_exceeded")
         max_tokens = room
     if len(prompt) + max_tokens > models.max_len:
+        # a completion's max_tokens left out is 16 (OpenAI's default): a client that never sent one is told so
+        default = "" if body.get(key) is not None else f", {key}' default"
         raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
                             f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
-                            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
-                            "or the completion.", key if room > 0 else prompt_param, "context_length_exceeded")
+                            f"{max_tokens} in the completion{default}). Please reduce the length of the "
+                            f"{prompt_param} or the completion.", key if room > 0 else prompt_param,
+                       "context_length_exceeded")
     stop = body.get("stop")
     if stop is None:
         stop = []
