@@ -72,8 +72,8 @@ class ServerState:
 class Lifecycle:
     """Pure ASGI middleware (so it also sees a streamed response to its end)."""
 
-    def __init__(self, app, state: ServerState, worker: EngineWorker):
-        self.app, self.state, self.worker = app, state, worker
+    def __init__(self, app, state: ServerState, worker: EngineWorker, max_body: int):
+        self.app, self.state, self.worker, self.max_body = app, state, worker, max_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":  # only POSTs generate
@@ -101,8 +101,10 @@ class Lifecycle:
 
 
     async def _body(self, scope, receive, send) -> bytes | None:
-        """The request's whole body; None where its client left, or stalled and was answered 408."""
-        chunks, more = [], True
+        """The request's whole body; None where its client left, or stalled and was answered 408, or sent more
+        than any request can hold and was answered 413. Such a body is read to its end but not kept: a client
+        writes all of it before it reads an answer, and a connection closed under it is reset, the answer lost."""
+        chunks, more, size = [], True, 0
         while more:
             try:
                 message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
@@ -115,8 +117,16 @@ class Lifecycle:
                 return None
             if message["type"] == "http.disconnect":  # no one is left to answer (once a ClientDisconnect traceback)
                 return None
-            chunks.append(message.get("body", b""))
+            size += len(message.get("body", b""))
+            if size <= self.max_body:
+                chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
+        if size > self.max_body:
+            self.state.rejected += 1
+            err = APIError(413, f"The request body is {size} bytes, beyond the {self.max_body} that any request to "
+                                "this model can hold (its context's worth of text).", code="request_too_large")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return None
         return b"".join(chunks)
 
 
@@ -167,7 +177,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     state = state or ServerState()
     app = FastAPI(title="shardlm", docs_url=None, redoc_url=None)
     app.state.serve = state
-    app.add_middleware(Lifecycle, state=state, worker=worker)
+    app.add_middleware(Lifecycle, state=state, worker=worker, max_body=models.max_body)
     logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT)  # once: a filter already there is not added again
     tok = models.tok
     stop_ids = models.stop_ids

@@ -57,6 +57,10 @@ class Models:
         # context is refused by its length, untokenized. Tokenizing 20 MB took 18 s on the event loop, every
         # other client waiting; 4x spares a normaliser that drops characters.
         self.max_chars = 4 * max_len * max(map(len, tok.tok.get_vocab(with_added_tokens=True)), default=1)
+        # The most bytes a body can hold and still be served: that many characters at JSON's widest escape (12
+        # bytes, a surrogate pair's for one character), and a megabyte for the rest. Bodies were read whole,
+        # whatever their size, before any of this was checked.
+        self.max_body = 12 * self.max_chars + (1 << 20)
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
