@@ -225,3 +225,62 @@ def test_a_body_far_beyond_any_request_is_refused_before_it_is_read(srv):
         assert c.get("/metrics").json()["requests_rejected"] == rejected + 2
         assert c.post("/v1/completions", json={"prompt": "To be " * 1000, "max_tokens": 2}).status_code == 400
         assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def sp_chat_dir(hf_dir, tmp_path_factory):
+    """The tiny Llama under a tokenizer built as Llama 2's is (its decoder drops the space opening a text), with
+    test_serve's chat template."""
+    import shutil
+
+    from helpers import sentencepiece_style_tokenizer
+    from test_serve import CHAT_TEMPLATE
+    d = tmp_path_factory.mktemp("serve_sp_chat") / "llama"
+    shutil.copytree(hf_dir, d)
+    sentencepiece_style_tokenizer().save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE}))
+    return d
+
+
+@pytest.mark.timeout(120)
+def test_a_chat_reply_is_cut_at_a_stop_string_in_the_text_it_sends(sp_chat_dir):
+    """A chat reply opens a message of its own, so such a decoder drops the space before its first word w; the
+    engine looked for stop strings in the reply decoded after the prompt's last id, as a completion continues its
+    prompt, with that space. A stop string " w" ended the reply at its first token, "w" sent with finish_reason
+    stop: a stop string that is nowhere in the text sent."""
+    import threading
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.generation_config import stop_ids_of
+    from shardlm.inference import Request, SamplingParams, prompt_ids
+    with serving(sp_chat_dir, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        messages = [{"role": "user", "content": "To be?"}]
+        ids = prompt_ids(s.tok, chat_prompter(s.tok)(messages), opened=True)
+
+        def tokens(seed):  # the reply's ids, through the server's own worker
+            done, r = threading.Event(), Request(ids, 8, SamplingParams(1.0, seed=seed), stop_ids_of(s.tok))
+            s.worker.submit(r, lambda *_: done.set())
+            assert done.wait(TIMEOUT)
+            return r.completion, len(r.tokens)
+        tried = 0
+        for seed in range(300):
+            new, n = tokens(seed)
+            if not new or not s.tok.tok.id_to_token(new[0]).startswith("\u2581") or not s.tok.decode(new).strip():
+                continue  # the reply's first token opens no word
+            tried += 1
+            body = {"messages": messages, "max_tokens": 8, "temperature": 1.0, "seed": seed}
+            reply = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+            stop = " " + reply.split()[0]
+            cut = reply.find(stop)
+            want = (reply if cut < 0 else reply[:cut], "stop" if cut >= 0 or n < 8 else "length")
+            body["stop"] = stop
+            whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert (whole["message"]["content"], whole["finish_reason"]) == want, (seed, stop, whole)
+            events, done = sse(c.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines())
+            streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+            assert done and (streamed, events[-1]["choices"][0]["finish_reason"]) == want, (seed, stop)
+            if tried == 3:
+                break
+        assert tried == 3

@@ -370,8 +370,9 @@ class Engine:
         """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
         2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
         last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
-        beginning-of-sequence token of an empty prompt), whose first word has no space before it."""
-        before = r.prompt[-1:] if len(r.prompt) > 1 else []
+        beginning-of-sequence token of an empty prompt), and a request that does not `continue` its prompt a text
+        of its own (a chat reply), whose first word has no space before it."""
+        before = r.prompt[-1:] if len(r.prompt) > 1 and r.continues else []
         head = self.decode(before)
         text = self.decode(before + list(ids))
         return text[len(head):] if text.startswith(head) else self.decode(ids)

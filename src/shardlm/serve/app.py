@@ -215,7 +215,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                                 "text.", found[0].split(".")[0].split("[")[0], "invalid_value")
         return body
 
-    def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
+    def start(http: HTTPRequest, params: Params, chat: bool) -> tuple[Request, asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handoff = handoffs.get(loop) or handoffs.setdefault(loop, Handoff(loop))
 
@@ -224,8 +224,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # A whole answer waits for the end alone, so its queue stays empty until then and it can look
         # for a departed client in between.
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
+        # the engine looks for stop strings in the text a client is sent (text_of's, a chat reply's its own)
         request = Request(params.prompt, params.max_tokens, params.sampling, stop_ids, params.stop,
-                          adapter=params.adapter, on_tokens=on_tokens)
+                          adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:
@@ -248,7 +249,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
-        request, queue = start(http, params)
+        request, queue = start(http, params, chat)
         answer = Answer(chat, params)
         if params.stream:
             return StreamingResponse(stream(request, queue, answer), media_type="text/event-stream",
