@@ -284,3 +284,56 @@ def test_a_chat_reply_is_cut_at_a_stop_string_in_the_text_it_sends(sp_chat_dir):
             if tried == 3:
                 break
         assert tried == 3
+
+
+STALLING = """import sys
+import shardlm.inference as inf
+import shardlm.serve.app as app
+app.SEND_TIMEOUT_S = 1.0
+init = inf.Engine.__init__
+def one_token_a_burst(self, *a, **k):  # an event for every token: the stalled stream fills the buffers sooner
+    init(self, *a, **{**k, "sync_every": 1})
+inf.Engine.__init__ = one_token_a_burst
+from shardlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_with_a_client_that_stopped_reading_exits_0(hf_dir):
+    """The stalled stream's request ends at SEND_TIMEOUT_S, but its connection never finished closing (the transport
+    waits to flush what it holds to a client that reads nothing), and uvicorn's shutdown waits for every
+    connection: SIGTERM's drain never ended. Such a connection is dropped once it has had SEND_TIMEOUT_S more."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_serve_startup import started
+    name = "tiny-" + "x" * 100_000
+    proc = subprocess.Popen([sys.executable, "-c", STALLING, "serve", "--model", str(hf_dir), "--port", "0",
+                             "--compile", "off", "--max-batch", "2", "--log-level", "warning",
+                             "--served-model-name", name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{started(proc)}"
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            seed = first_full_seed(c, {"prompt": "To be"}, 120)
+            finished = c.get("/metrics").json()["requests_finished"]
+            body = json.dumps({"prompt": "To be", "max_tokens": 120, "seed": seed, "temperature": 1.0,
+                               "stream": True})
+            with socket.socket() as stalled:
+                stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                stalled.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+                stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+                wait_for(lambda: c.get("/metrics").json()["requests_finished"] > finished, "the stream never ended")
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(TIMEOUT) == 0
+        out = proc.stdout.read()
+        assert "Traceback" not in out and "ERROR" not in out and "its connection is closed" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
