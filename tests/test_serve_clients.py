@@ -194,6 +194,19 @@ def test_a_stop_string_of_a_megabyte_holds_up_no_one(srv):
             assert text == want and time.monotonic() - t0 < 2, (stream, time.monotonic() - t0)
 
 
+@pytest.mark.timeout(60)
+def test_a_chat_whose_rendering_is_far_beyond_the_context_is_refused_untokenized(srv, monkeypatch):
+    """The messages' contents were held to the context in characters, but not the text the template renders from
+    them: 20,000 empty messages render to 180,000 characters, tokenized on the event loop before the 400."""
+    tokenized = []
+    encode = srv.tok.encode
+    monkeypatch.setattr(srv.tok, "encode", lambda text: tokenized.append(len(text)) or encode(text))
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 20_000},
+                   timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages" and not tokenized
+
+
 def raw_post(port, head: bytes, body: bytes = b"") -> bytes:
     """A POST to /v1/completions over a socket of its own, and what came back until the server closed it."""
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:

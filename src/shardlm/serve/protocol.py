@@ -292,4 +292,5 @@ def chat_params(body, models: Models) -> Params:
         text = models.chat(turns)
     except (InstructError, jinja2.TemplateError) as e:
         raise APIError(400, f"The model's chat template refuses these messages: {e}", "messages") from None
+    models.check_length(text, "messages")  # the contents were short, but the template adds to each message
     return _common(body, models, prompt_ids(models.tok, text, opened=True), None, "messages")
