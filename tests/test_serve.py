@@ -44,18 +44,18 @@ def hf_dir(tmp_path_factory):
 
 
 @contextmanager
-def serving(path, max_batch=16, adapters=None, replicas=1):
-    """A server on a free port of 127.0.0.1 in this process; yields its url, engine, worker (a pool of
-    `replicas` workers), tokenizer, model."""
+def serving(path, max_batch=16, adapters=None, replicas=1, base="base", **engine_args):
+    """A server on a free port of 127.0.0.1 in this process, serving the model as `base`; yields its url, engine,
+    worker (a pool of `replicas` workers), tokenizer, model. `engine_args`: more of Engine's arguments."""
     from shardlm.serve.command import build_server
     engines = []
     for _ in range(replicas):
         model, tok, cfg = load_pretrained(path)
-        engine = Engine(model, max_batch, cfg.max_seq_len, compile=False, decode=tok.decode)
+        engine = Engine(model, max_batch, cfg.max_seq_len, compile=False, decode=tok.decode, **engine_args)
         for name, directory in (adapters or {}).items():
             engine.add_adapter(name, directory)
         engines.append(engine)
-    server, worker = build_server(engines if replicas > 1 else engine, tok, "base", adapters or {}, "127.0.0.1", 0,
+    server, worker = build_server(engines if replicas > 1 else engine, tok, base, adapters or {}, "127.0.0.1", 0,
                                   "warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -242,12 +242,15 @@ class Engine:
 
     # ---- prefill ------------------------------------------------------------------------------------
     def _prefill(self, finished: list[Request]) -> None:
-        """One pass over prompt chunks: the new prompts' first chunks together (SDPA's causal kernels),
-        else the continued ones (through the cache), shortest first within the token budget; a few of them,
-        where prefill graphs take one row of each, as one-row passes."""
+        """One pass over prompt chunks: the continued prompts' next chunks (through the cache), else the new
+        prompts' first chunks together (SDPA's causal kernels), shortest first within the token budget; a few
+        of them, where prefill graphs take one row of each, as one-row passes. Continued prompts go first (as
+        vLLM's scheduler runs them before new ones): new ones first starved a long prompt for as long as short
+        requests kept arriving in the other slots, each one new."""
         pending = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
-        fresh = [i for i in pending if self.slots[i].prefilled == 0]
-        rows = fresh or pending
+        continued = [i for i in pending if self.slots[i].prefilled > 0]
+        fresh = not continued
+        rows = continued or pending
         chunk = {i: min(self.prefill_chunk, len(self.slots[i].request.prompt) - self.slots[i].prefilled)
                  for i in rows}
         rows.sort(key=chunk.get)
@@ -259,10 +262,10 @@ class Engine:
             # A pass of its own for each row: one-row graphs (captured at warm-up) replay, where a pass of a few
             # rows would be captured first (or launched layer by layer) while clients wait, and no row is padded
             # to the longest. Beyond a few rows, one pass's single read of the weights wins.
-            logits = torch.cat([self._prefill_forward(self._pass_inputs([i], chunk), bool(fresh),
+            logits = torch.cat([self._prefill_forward(self._pass_inputs([i], chunk), fresh,
                                                       self.slots[i].prefilled + chunk[i]) for i in rows])
         else:
-            logits = self._prefill_forward(self._pass_inputs(rows, chunk), bool(fresh),
+            logits = self._prefill_forward(self._pass_inputs(rows, chunk), fresh,
                                            max(self.slots[i].prefilled + chunk[i] for i in rows))
         slots = torch.tensor(rows, device=self.device)
         counter = torch.tensor([self.slots[i].prefilled + chunk[i] for i in rows], device=self.device)
@@ -367,8 +370,9 @@ class Engine:
         """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
         2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
         last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
-        beginning-of-sequence token of an empty prompt), whose first word has no space before it."""
-        before = r.prompt[-1:] if len(r.prompt) > 1 else []
+        beginning-of-sequence token of an empty prompt), and a request that does not `continue` its prompt a text
+        of its own (a chat reply), whose first word has no space before it."""
+        before = r.prompt[-1:] if len(r.prompt) > 1 and r.continues else []
         head = self.decode(before)
         text = self.decode(before + list(ids))
         return text[len(head):] if text.startswith(head) else self.decode(ids)

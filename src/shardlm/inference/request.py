@@ -20,6 +20,9 @@ class Request:
     tag: object = None
     adapter: str | None = None  # the name of one of the engine's LoRA adapters, applied to this request alone
     on_tokens: Callable | None = None  # called with (request, new ids) as they arrive (on the engine's thread)
+    # Whether the new text continues the prompt's (decoded after its last id, the space opening it kept by
+    # SentencePiece-style decoders), or opens a text of its own (a chat reply: a message, without it).
+    continues: bool = True
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None

@@ -6,14 +6,18 @@ through the worker, and waits on an asyncio queue that the engine's thread feeds
 
 Every HTTP request passes through `Lifecycle`: it counts the requests in flight (a draining server exits
 once none is left), refuses new generation with 503 while draining, and cancels the engine requests of
-an HTTP request that ended early (its client left), so their slots are freed.
+an HTTP request that ended early (its client left, or stopped reading its answer), so their slots are freed.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+import logging
 import threading
 import time
+
+import anyio
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +33,27 @@ _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists i
 # A body shorter than its Content-Length leaves the server waiting for the rest, which h11 and uvicorn do without
 # end; counted in flight, it also kept a draining server from ever exiting. Slow links still send within this.
 BODY_TIMEOUT_S = 30.0
+# A client that stops reading its stream fills the socket's buffers, and then each write waits for it: the engine
+# runs on, but its HTTP request stayed in flight as long as the connection stayed open, and a draining server never
+# exited. A write that cannot go out for this long ends the response and closes the connection.
+SEND_TIMEOUT_S = 30.0
+log = logging.getLogger("shardlm.serve")
+_CUT = contextvars.ContextVar("shardlm_cut", default=False)  # this task's response was cut by SEND_TIMEOUT_S
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _QuietCut(logging.Filter):
+    """Drops uvicorn's error for a response that ended unfinished where this server ended it (the warning logged
+    then says why): it reads as a fault of the server's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.getMessage() == "ASGI callable returned without completing response.")
+
+
+_QUIET_CUT = _QuietCut()
 
 
 class ServerState:
@@ -47,8 +72,8 @@ class ServerState:
 class Lifecycle:
     """Pure ASGI middleware (so it also sees a streamed response to its end)."""
 
-    def __init__(self, app, state: ServerState, worker: EngineWorker):
-        self.app, self.state, self.worker = app, state, worker
+    def __init__(self, app, state: ServerState, worker: EngineWorker, max_body: int):
+        self.app, self.state, self.worker, self.max_body = app, state, worker, max_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":  # only POSTs generate
@@ -63,7 +88,11 @@ class Lifecycle:
         try:
             body = await self._body(scope, receive, send)
             if body is not None:
-                await self.app(scope, _replay(body, receive), send)
+                await self.app(scope, _replay(body, receive), _timed(send))
+        except _Stalled:
+            log.warning("shardlm serve: a client read nothing of its answer for %g s: its connection is closed, and "
+                        "its request cancelled where it still ran", SEND_TIMEOUT_S)
+            _CUT.set(True)  # read in this task by uvicorn's log call once the app has returned
         finally:
             self.state.in_flight -= 1
             for r in owned:
@@ -72,8 +101,10 @@ class Lifecycle:
 
 
     async def _body(self, scope, receive, send) -> bytes | None:
-        """The request's whole body; None where its client left, or stalled and was answered 408."""
-        chunks, more = [], True
+        """The request's whole body; None where its client left, or stalled and was answered 408, or sent more
+        than any request can hold and was answered 413. Such a body is read to its end but not kept: a client
+        writes all of it before it reads an answer, and a connection closed under it is reset, the answer lost."""
+        chunks, more, size = [], True, 0
         while more:
             try:
                 message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
@@ -86,9 +117,27 @@ class Lifecycle:
                 return None
             if message["type"] == "http.disconnect":  # no one is left to answer (once a ClientDisconnect traceback)
                 return None
-            chunks.append(message.get("body", b""))
+            size += len(message.get("body", b""))
+            if size <= self.max_body:
+                chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
+        if size > self.max_body:
+            self.state.rejected += 1
+            err = APIError(413, f"The request body is {size} bytes, beyond the {self.max_body} that any request to "
+                                "this model can hold (its context's worth of text).", code="request_too_large")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return None
         return b"".join(chunks)
+
+
+def _timed(send):
+    """`send` that raises _Stalled where a write waits SEND_TIMEOUT_S for its client to read."""
+    async def timed(message):
+        with anyio.move_on_after(SEND_TIMEOUT_S) as scope:
+            await send(message)
+        if scope.cancelled_caught:
+            raise _Stalled
+    return timed
 
 
 def _replay(body: bytes, receive):
@@ -128,7 +177,8 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     state = state or ServerState()
     app = FastAPI(title="shardlm", docs_url=None, redoc_url=None)
     app.state.serve = state
-    app.add_middleware(Lifecycle, state=state, worker=worker)
+    app.add_middleware(Lifecycle, state=state, worker=worker, max_body=models.max_body)
+    logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT)  # once: a filter already there is not added again
     tok = models.tok
     stop_ids = models.stop_ids
     started = int(time.time())
@@ -165,7 +215,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                                 "text.", found[0].split(".")[0].split("[")[0], "invalid_value")
         return body
 
-    def start(http: HTTPRequest, params: Params) -> tuple[Request, asyncio.Queue]:
+    def start(http: HTTPRequest, params: Params, chat: bool) -> tuple[Request, asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handoff = handoffs.get(loop) or handoffs.setdefault(loop, Handoff(loop))
 
@@ -174,8 +224,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # A whole answer waits for the end alone, so its queue stays empty until then and it can look
         # for a departed client in between.
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
+        # the engine looks for stop strings in the text a client is sent (text_of's, a chat reply's its own)
         request = Request(params.prompt, params.max_tokens, params.sampling, stop_ids, params.stop,
-                          adapter=params.adapter, on_tokens=on_tokens)
+                          adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:
@@ -198,7 +249,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
-        request, queue = start(http, params)
+        request, queue = start(http, params, chat)
         answer = Answer(chat, params)
         if params.stream:
             return StreamingResponse(stream(request, queue, answer), media_type="text/event-stream",

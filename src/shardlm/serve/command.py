@@ -6,6 +6,7 @@ expect); a second signal ends it at once, with that signal's status.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 import threading
@@ -273,4 +274,21 @@ def _draining_server(uvicorn):
             if self.serve_state.draining and self.serve_state.idle:
                 self.should_exit = True
             return await super().on_tick(counter)
+
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn waits for every connection to close, and one whose client stopped reading never does (its
+            # transport waits to flush what was written to it): a drain never ended. Those still open once they
+            # have had SEND_TIMEOUT_S to read are dropped.
+            from . import app
+            late = asyncio.get_running_loop().call_later(app.SEND_TIMEOUT_S, self._drop_connections)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                late.cancel()
+
+        def _drop_connections(self) -> None:
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.abort()
     return DrainingServer

@@ -57,6 +57,10 @@ class Models:
         # context is refused by its length, untokenized. Tokenizing 20 MB took 18 s on the event loop, every
         # other client waiting; 4x spares a normaliser that drops characters.
         self.max_chars = 4 * max_len * max(map(len, tok.tok.get_vocab(with_added_tokens=True)), default=1)
+        # The most bytes a body can hold and still be served: that many characters at JSON's widest escape (12
+        # bytes, a surrogate pair's for one character), and a megabyte for the rest. Bodies were read whole,
+        # whatever their size, before any of this was checked.
+        self.max_body = 12 * self.max_chars + (1 << 20)
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
@@ -190,10 +194,13 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
                                 f"reduce the length of the {prompt_param}.", prompt_param, "context_length_exceeded")
         max_tokens = room
     if len(prompt) + max_tokens > models.max_len:
+        # a completion's max_tokens left out is 16 (OpenAI's default): a client that never sent one is told so
+        default = "" if body.get(key) is not None else f", {key}' default"
         raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
                             f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
-                            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
-                            "or the completion.", key if room > 0 else prompt_param, "context_length_exceeded")
+                            f"{max_tokens} in the completion{default}). Please reduce the length of the "
+                            f"{prompt_param} or the completion.", key if room > 0 else prompt_param,
+                       "context_length_exceeded")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -285,4 +292,5 @@ def chat_params(body, models: Models) -> Params:
         text = models.chat(turns)
     except (InstructError, jinja2.TemplateError) as e:
         raise APIError(400, f"The model's chat template refuses these messages: {e}", "messages") from None
+    models.check_length(text, "messages")  # the contents were short, but the template adds to each message
     return _common(body, models, prompt_ids(models.tok, text, opened=True), None, "messages")

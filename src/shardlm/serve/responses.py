@@ -46,7 +46,12 @@ class TextStream:
                 self.text += new
                 self.prefix, self.read = self.read, len(self.ids)
         text = self._cut(self.text)
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        # Only the text not yet sent can be held (what was sent ended before any stop string's start), so prefixes
+        # up to its length are tried, not every prefix of a stop string: a client's 400 kB one held the event loop
+        # for seconds, every other client waiting.
+        unsent = len(text) - len(self.sent)
+        hold = max((k for s in self.stop for k in range(1, min(len(s), unsent + 1)) if text.endswith(s[:k])),
+                   default=0)
         return self._advance(text[:len(text) - hold])
 
     def finish(self) -> str:

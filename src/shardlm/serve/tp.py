@@ -59,7 +59,7 @@ def agree_slots(slots: int, group) -> int:
 
 def _fields(r: Request) -> dict:
     return {"prompt": list(r.prompt), "max_new_tokens": r.max_new_tokens, "sampling": r.sampling,
-            "stop_ids": tuple(r.stop_ids), "stop": tuple(r.stop), "adapter": r.adapter}
+            "stop_ids": tuple(r.stop_ids), "stop": tuple(r.stop), "adapter": r.adapter, "continues": r.continues}
 
 
 class Leader:
