@@ -61,9 +61,17 @@ def _check_activations(cfg, device: torch.device, any_rank, mem, free: int | Non
         fixes = ["lower train.seq_len or train.micro_batch_size"] + \
             (["recompute (train.recompute full)"] if t.recompute != "full" else []) + \
             ["split each sequence (parallel.cp)"]
+        act = mem.activations + mem.buffers
+        beside = ""
+        # Activations that would fit alone are refused for the model state beside them, which the message named
+        # not: moe-1b's 7.1 GiB "against 22.9 GiB free" (its 18.2 GiB of weights and AdamW state unsaid).
+        if act * share <= free * slack:
+            beside = (f", beside {(mem.total - act) / 2**30:,.1f} GiB for the weights, gradients and optimizer state "
+                      f"({mem.total / 2**30:,.1f} GiB in all)")
+            fixes.append("shard the model (parallel.zero_stage 3, parallel.tp, more ranks)")
         raise ConfigError(f"a micro-batch of {t.micro_batch_size} x {t.seq_len:,} tokens (train.micro_batch_size x "
-                          f"train.seq_len) needs about {(mem.activations + mem.buffers) / 2**30:,.1f} GiB for its "
-                          f"activations by the planner's count, and {device} has {free / 2**30:.1f} GiB free"
+                          f"train.seq_len) needs about {act / 2**30:,.1f} GiB for its activations by the planner's "
+                          f"count{beside}, and {device} has {free / 2**30:.1f} GiB free"
                           f"{f' for {share} ranks' if share > 1 else ''}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
 
 

@@ -205,13 +205,17 @@ class Eta:
 
 def _moe(r: dict) -> str:
     """The MoE layers in one part: the worst layer's max / mean expert load (and expert-parallel rank load), the
-    dropped token copies and the forwards run in chunks past parallel.ep_load_budget summed over the layers (per
-    layer in metrics.jsonl and TensorBoard, keys moe/layer{i}/...)."""
+    dropped token copies (and their share of those routed) and the forwards run in chunks past
+    parallel.ep_load_budget summed over the layers (per layer in metrics.jsonl and TensorBoard, keys
+    moe/layer{i}/...)."""
     loads = [v for k, v in r.items() if k.startswith("moe/") and k.endswith("/max_over_mean")]
     if not loads:
         return ""
     dropped = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/dropped"))
     ranks = [v for k, v in r.items() if k.startswith("moe/") and k.endswith("/ep_max_over_mean")]
     chunked = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/chunked"))
+    routed = sum(v for k, v in r.items() if k.startswith("moe/") and k.endswith("/routed"))
+    # a count alone, summed over layers and the steps since the last log, said nothing of how much was lost
+    share = f" ({100 * dropped / routed:.1f}%)" if routed else ""
     return (f" | moe max/mean {max(loads):.2f}" + (f" (ranks {max(ranks):.2f})" if ranks else "")
-            + (f" dropped {dropped}" if dropped else "") + (f" chunked {chunked}" if chunked else ""))
+            + (f" dropped {dropped}{share}" if dropped else "") + (f" chunked {chunked}" if chunked else ""))

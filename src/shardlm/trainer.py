@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import compat, rundir
 from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
 from .config import IGNORE, Config, ConfigError, config_from_dict
-from .config.expert_checks import untrained_router_note
+from .config.expert_checks import moe_notes
 from .data.loader import open_train_data
 from .divergence import TrainingError, diagnose, refuse_nan_loss
 from .generation_config import own_generation_config, stop_ids_of
@@ -99,7 +99,7 @@ class Trainer:
         # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
         # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
         compat.check_same_data(self.data, data_dir, cfg.data.eval_path)
-        for note in [*compat.data_notes(t, data_dir, self.data), untrained_router_note(cfg)] if self.mesh.is_main else ():
+        for note in [*compat.data_notes(t, data_dir, self.data), *moe_notes(cfg)] if self.mesh.is_main else ():
             if note:
                 log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)

@@ -3,6 +3,7 @@ experts reads, refused on a dense model; what a mixture of experts runs with; Lo
 runtime (checks.validate) and the planner (plan/layout.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 from ..naming import Naming
@@ -81,6 +82,30 @@ def untrained_router_note(cfg: Config) -> str | None:
                  f"probability), {fixes}")
     return ("note: model.top_k = 1 with model.router_renormalize = True weighs every token's expert by 1, so the loss "
             "trains the router not at all (only train.moe_aux_loss_coef's balance loss does): " + fixes)
+
+
+def moe_notes(cfg: Config) -> list[str]:
+    """The notes a mixture of experts trains under (the trainer prints them): untrained_router_note's, a capacity
+    below a balanced load, which drops copies however evenly the router spreads them (model/moe.py's capacity
+    per expert per sequence), and a padded dispatch asked for under capacity routing, whose survivors go by
+    exact counts (parallel/expert.py)."""
+    m, p, seq = cfg.model, cfg.parallel, cfg.train.seq_len
+    notes = [n for n in (untrained_router_note(cfg),) if n]
+    if not (m.num_experts and m.capacity_factor > 0):
+        return notes
+    balanced = seq * m.top_k / m.num_experts
+    capacity = min(math.ceil(min(m.capacity_factor, m.num_experts / m.top_k) * balanced), seq)
+    if capacity * m.num_experts < seq * m.top_k:
+        lost = 1 - capacity * m.num_experts / (seq * m.top_k)
+        notes.append(f"note: model.capacity_factor = {m.capacity_factor} lets each expert take {capacity} token "
+                     f"cop{'y' if capacity == 1 else 'ies'} per sequence of the {balanced:g} a balanced load gives it: "
+                     f"at least {100 * lost:.1f}% of the copies are dropped in training, however evenly the router "
+                     "spreads them (1 keeps a balanced load; the Switch Transformer trained at 1 to 1.25)")
+    if p.ep > 1 and p.ep_dispatch == "padded":
+        notes.append(f"note: parallel.ep_dispatch = 'padded' with model.capacity_factor = {m.capacity_factor}: "
+                     "training sends the copies capacity keeps by their exact counts (padded blocks are sized for "
+                     "dropless routing); evaluation, dropless, sends padded blocks")
+    return notes
 
 
 def _router_frozen(cfg: Config) -> bool:

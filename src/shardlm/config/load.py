@@ -142,6 +142,31 @@ HF_NAMES = {"lora.r": ("lora.rank", "PEFT"), "lora.lora_alpha": ("lora.alpha", "
             "train.report_to": ("train.tensorboard (true or false)", "TrainingArguments"),
             "train.eval_steps": ("train.eval_every", "TrainingArguments"),
             "train.logging_steps": ("train.log_every", "TrainingArguments")}
+# The mixture-of-experts keys under other trainers' names (config.json's, Megatron-LM's flags, DeepSpeed-MoE's):
+# near spelling alone answered num_experts_per_tok, the top-k, with model.num_experts. Megatron-LM's and
+# DeepSeek's moe_layer_freq count layers otherwise than model.moe_every, so it is left to the list of keys.
+HF_NAMES |= {
+    "model.num_local_experts": ("model.num_experts", "Mixtral"),
+    "model.num_experts_per_tok": ("model.top_k", "Mixtral"),
+    "model.n_routed_experts": ("model.num_experts", "DeepSeek"),
+    "model.moe_intermediate_size": ("model.moe_ffn_hidden_size", "Qwen2-MoE"),
+    "model.shared_expert_intermediate_size": ("model.shared_expert_ffn_hidden_size", "Qwen2-MoE"),
+    "model.norm_topk_prob": ("model.router_renormalize", "Qwen2-MoE"),
+    "model.decoder_sparse_step": ("model.moe_every", "Qwen2-MoE"),
+    "model.first_k_dense_replace": ("model.moe_first_dense", "DeepSeek"),
+    "model.scoring_func": ("model.router_scoring", "DeepSeek"),
+    "model.router_aux_loss_coef": ("train.moe_aux_loss_coef", "Mixtral"),
+    "model.router_z_loss_coef": ("train.moe_z_loss_coef", "Switch Transformers"),
+    "model.moe_router_topk": ("model.top_k", "Megatron-LM"),
+    "model.moe_expert_capacity_factor": ("model.capacity_factor", "Megatron-LM"),
+    "model.moe_router_bias_update_rate": ("model.router_bias_update_rate", "Megatron-LM"),
+    "model.moe_router_score_function": ("model.router_scoring", "Megatron-LM"),
+    "model.moe_shared_expert_intermediate_size": ("model.shared_expert_ffn_hidden_size", "Megatron-LM"),
+    "train.moe_aux_loss_coeff": ("train.moe_aux_loss_coef", "Megatron-LM"),
+    "train.moe_z_loss_coeff": ("train.moe_z_loss_coef", "Megatron-LM"),
+    "parallel.expert_model_parallel_size": ("parallel.ep", "Megatron-LM"),
+    "parallel.ep_size": ("parallel.ep", "DeepSpeed-MoE"),
+}
 
 
 # Names other tools give two meanings: the hint names both of ours.

@@ -58,7 +58,7 @@ class MoEBalance:
         return per_layer
 
     def stats(self) -> dict:
-        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../aux_loss"} for the steps since the last call, and
+        """{"moe/layer{i}/max_over_mean", ".../dropped", ".../routed", ".../aux_loss"} for the steps since the last call, and
         under expert parallelism ".../ep_max_over_mean" (by rank) and, where any ran, ".../chunked" (the training
         forwards, summed over the ranks, whose experts took more than parallel.ep_load_budget and ran in chunks);
         a collective over every rank (call it on all of them); {} for a dense model."""
@@ -89,6 +89,7 @@ class MoEBalance:
             if row[-1]:  # forwards run in chunks, summed over the ranks; said where any ran (a rare event)
                 out[f"moe/layer{layer}/chunked"] = int(row[-1].item())
             out[f"moe/layer{layer}/dropped"] = int(copies - kept.sum().item())
+            out[f"moe/layer{layer}/routed"] = int(copies)  # what the dropped count is out of
             out[f"moe/layer{layer}/aux_loss"] = e * ((routed / copies) * (probs / tokens)).sum().item()
         return out
 
