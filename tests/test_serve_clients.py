@@ -10,20 +10,11 @@ import time
 import pytest
 
 from test_serve import TIMEOUT, reference, serving, sse, wait_for
-from test_serve_load import at_rest, no_errors_logged, templated_llama
+from test_serve_load import at_rest, no_errors_logged, server_fixtures
 
 httpx = pytest.importorskip("httpx")
 
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return templated_llama(tmp_path_factory.mktemp("serve_clients") / "llama")
-
-
-@pytest.fixture(scope="module")
-def srv(hf_dir):
-    with serving(hf_dir) as s:
-        yield s
+hf_dir, srv = server_fixtures("serve_clients")
 
 
 def first_full_seed(c, body, n):

@@ -28,15 +28,21 @@ def templated_llama(d):
     return d
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return templated_llama(tmp_path_factory.mktemp("serve_load") / "llama")
+def server_fixtures(name: str):
+    """A test module's fixtures `hf_dir` (templated_llama, under a directory `name`) and `srv` (a server over it),
+    each module its own."""
+    @pytest.fixture(scope="module", name="hf_dir")
+    def hf_dir(tmp_path_factory):
+        return templated_llama(tmp_path_factory.mktemp(name) / "llama")
+
+    @pytest.fixture(scope="module", name="srv")
+    def srv(hf_dir):
+        with serving(hf_dir) as s:
+            yield s
+    return hf_dir, srv
 
 
-@pytest.fixture(scope="module")
-def srv(hf_dir):
-    with serving(hf_dir) as s:
-        yield s
+hf_dir, srv = server_fixtures("serve_load")
 
 
 @contextmanager
