@@ -181,6 +181,61 @@ def test_decode_attention_kernel_reads_each_rows_keys_like_the_masked_products(d
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,window,rope", [(32, 32, 0, True), (32, 8, 0, True), (8, 2, 37, True),
+                                                  (4, 4, 0, False)])
+def test_decode_step_kernel_rotates_writes_and_attends_as_the_unfused_step(dtype, heads, kv, window, rope):
+    """decode_attention.attention_step (RoPE, cache writes and attention in one kernel) against the unfused
+    step (test_decode_attention.unfused) on 64 rows, many heads reading each new key while one writes it: the
+    same caches and outputs; then the engine with it, compiled in CUDA graphs, against the same engine without
+    it: the same greedy tokens in fp32, scored within bf16's rounding in bf16."""
+    from unittest import mock
+
+    from test_decode_attention import unfused
+
+    from shardlm.inference import slots
+    from shardlm.inference.decode_attention import SPLIT, attention_step
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d, keys = 64, 4 * SPLIT
+    scratch = keys + 3
+    positions = torch.tensor([[0], [keys - 1], [SPLIT - 1], [SPLIT], [100], [scratch], [1], [200]] * 8, device="cuda")
+    n = positions.shape[0]
+    qkv = torch.randn(n, 1, (heads + 2 * kv) * d, device="cuda", generator=g).to(dtype)
+    caches = [torch.randn(n, kv, scratch + 1, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    angles = None
+    if rope:
+        turns = positions[:, :, None, None].float() * torch.rand(d // 2, device="cuda", generator=g).repeat(2)
+        angles = (turns.cos().to(dtype), turns.sin().to(dtype))
+    bounds = slots.visible_bounds(positions, keys, window, scratch)
+    want_k, want_v = (c.clone() for c in caches)
+    want = unfused(qkv, angles, want_k, want_v, positions, bounds, heads, keys)
+    got = attention_step(qkv, angles, *caches, positions, bounds, heads, keys)
+    active = positions[:, 0] != scratch
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # FMAs or not
+    torch.testing.assert_close(caches[0][active], want_k[active], **tol)
+    torch.testing.assert_close(caches[1][active], want_v[active], atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else tol))
+    if heads != 8:
+        return
+    import dataclasses
+
+    from shardlm.config import load_config
+    from shardlm.inference import Engine, Request
+    from shardlm.model import build_model
+    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2, num_kv_heads=2, sliding_window=6)
+    model = build_model(cfg, device="cuda", dtype=dtype, seed=3).eval()
+    if dtype == torch.bfloat16:
+        decodes_in_cuda_graphs_as_eagerly(model)
+        return
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (9, 2, 15)]
+    runs = []
+    for fused in (True, False):
+        with mock.patch.object(slots, "step_kernel_ok", slots.step_kernel_ok if fused else lambda x, k: False):
+            runs.append([r.tokens for r in Engine(model, 3, 48, compile=True).run([Request(p, 8) for p in prompts])])
+    assert runs[0] == runs[1]
+
+
+@cuda
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_int8_kernel_equals_the_dequantised_product(rows):
     """The int8 weight-only product of decode (Triton) against the weight dequantised and multiplied in fp32:
@@ -644,9 +699,9 @@ def test_one_row_gemv_is_the_product_to_rounding_in_and_out_of_cuda_graphs():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
-    """With cuda:0 current, the one-row GEMV, int8's and int4's products and decode attention on cuda:1's
-    tensors give what they give on cuda:0 (Triton launches on the current device unless told)."""
-    from shardlm.inference.decode_attention import decode_attention
+    """With cuda:0 current, the one-row GEMV, int8's and int4's products and decode attention (and its fused
+    step's cache writes) on cuda:1's tensors give what they give on cuda:0 (Triton launches on the current device unless told)."""
+    from shardlm.inference.decode_attention import attention_step, decode_attention
     from shardlm.inference.int4 import Int4Linear
     from shardlm.inference.int8 import Int8Linear
     from shardlm.model import gemv
@@ -659,9 +714,11 @@ def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
         k, v = (torch.randn(1, 4, 40, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
         bounds = (torch.zeros(1, dtype=torch.int32, device=device), torch.full((1,), 40, dtype=torch.int32,
                                                                                 device=device))
+        qkv = torch.randn(1, 1, 12 * 64, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
             return [gemv.linear(x, lin.weight), Int8Linear(lin)(x), Int4Linear(lin)(x),
-                    decode_attention(q, k, v, None, bounds)]
+                    decode_attention(q, k, v, None, bounds),
+                    attention_step(qkv, None, k, v, torch.full((1, 1), 39, device=device), bounds, 4, 40), k, v]
 
     torch.cuda.set_device(0)
     for got, want in zip(outputs("cuda:1"), outputs("cuda:0")):

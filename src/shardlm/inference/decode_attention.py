@@ -28,10 +28,22 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     import triton.language as tl
 
     @triton.jit
+    def _rotated(x_ptr, d, cos, sin, D: tl.constexpr, ROPE: tl.constexpr):
+        """A head's D values at x_ptr in fp32, rotated by RoPE where ROPE: x cos + rotate_half(x) sin, with
+        rotate_half(x) = (-x2, x1), in fp32 as the compiled step computes it."""
+        x = tl.load(x_ptr + d).to(tl.float32)
+        if ROPE:
+            other = tl.load(x_ptr + (d + D // 2) % D).to(tl.float32)
+            x = x * cos + tl.where(d < D // 2, -other, other) * sin
+        return x
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, acc_ptr, max_ptr, sum_ptr,
-                      sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale,
+                      sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale, cos_ptr, sin_ptr, pos_ptr, sc_n,
                       HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr):
+        # FUSED: q_ptr is the step's q, k and v projection, a row [HEADS + 2 KV heads, D] (sq_n apart), not yet
+        # rotated; the row's new key and value, at its position pos_ptr[row], go into the caches from here.
         row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.maximum(tl.load(lo_ptr + row), split * SPLIT)
         end = tl.minimum(tl.load(hi_ptr + row), split * SPLIT + SPLIT)
@@ -40,9 +52,25 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
         acc = tl.zeros([D], tl.float32)
         if start < end:
-            q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
             keys = k_ptr + row.to(tl.int64) * sk_n + (head // GROUP) * sk_h
             values = v_ptr + row.to(tl.int64) * sv_n + (head // GROUP) * sv_h
+            if FUSED:
+                cos, sin = d, d  # unread without RoPE
+                if ROPE:
+                    cos = tl.load(cos_ptr + row * sc_n + d).to(tl.float32)
+                    sin = tl.load(sin_ptr + row * sc_n + d).to(tl.float32)
+                proj = q_ptr + row * sq_n
+                # rounded to the model's type as the unfused step's q and cached key are
+                q = _rotated(proj + head * D, d, cos, sin, D, ROPE).to(q_ptr.dtype.element_ty).to(tl.float32) * scale
+                kv = HEADS + head // GROUP
+                new_k = _rotated(proj + kv * D, d, cos, sin, D, ROPE).to(k_ptr.dtype.element_ty)
+                new_v = tl.load(proj + (kv + HEADS // GROUP) * D + d).to(v_ptr.dtype.element_ty)
+                p = tl.load(pos_ptr + row)
+                if (head % GROUP == 0) & (p >= split * SPLIT) & (p < split * SPLIT + SPLIT):
+                    tl.store(keys + p * sk_t + d, new_k)
+                    tl.store(values + p * sv_t + d, new_v)
+            else:
+                q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
             for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
                 t = split * SPLIT + i * BLOCK + tl.arange(0, BLOCK)
                 ok = (t >= start) & (t < end)
@@ -50,6 +78,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 # crosses): one memory latency a tile, not two
                 k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
                 v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                if FUSED:  # the new position's key and value from registers: the cache's may not be written yet
+                    new = (t == p)[:, None]
+                    k = tl.where(new, new_k.to(tl.float32)[None, :], k)
+                    v = tl.where(new, new_v.to(tl.float32)[None, :], v)
                 x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
                 new = tl.maximum(best, tl.max(x, 0))
                 fade = tl.exp(best - new)
@@ -85,34 +117,57 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             best = new
         tl.store(y_ptr + pair * D + d, (out / tl.maximum(total, 1e-30)).to(y_ptr.dtype.element_ty))
 
+    def _launch(q, k, v, lo, hi, n, heads, keys, fused=None):
+        """The two kernels over `keys` cached positions of n rows' `heads` query heads; `fused`: (cos, sin,
+        positions) where q is the step's projection (FUSED above); cos and sin None without RoPE."""
+        d = k.shape[-1]
+        acc, best, total = _split_outputs(n, heads, keys, d, q.device)
+        splits = acc.shape[2]
+        cos, sin, pos = fused if fused is not None else (None, None, lo)
+        rope = cos is not None
+        cos, sin = (cos, sin) if rope else (q, q)
+        _split_kernel[(n, heads, splits)](
+            q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), d ** -0.5, cos, sin, pos, cos.stride(0),
+            HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, FUSED=fused is not None,
+            ROPE=rope, num_warps=WARPS)
+        y = q.new_empty(n, heads, d)
+        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
+        return y
+
     # An opaque custom op, not a triton_op: the compiler then neither analyses the kernels for what they write
     # nor copies the cache views they read, and the decode step's CUDA graph captures the launches as they are.
     @torch.library.custom_op("shardlm::decode_attention", mutates_args=())
     def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor) -> torch.Tensor:
         with on_device(q):
-            acc, best, total = _split_outputs(q, k)
-            n, heads, d = q.shape
-            splits = acc.shape[2]
-            _split_kernel[(n, heads, splits)](
-                q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), d ** -0.5,
-                HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS)
-            y = q.new_empty(n, heads, d)
-            _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
-            return y
+            n, heads, _ = q.shape
+            return _launch(q, k, v, lo, hi, n, heads, k.shape[2])
 
     @_attention.register_fake
     def _(q, k, v, lo, hi):
         return q.new_empty(q.shape)
 
+    # Its cache writes reach the caches through their addresses, as gemv_all_reduce_ll.py's reach the peers'
+    # buffers: declared, the compiler would functionalise them (a copy of the cache a layer at worst). Nothing
+    # else in a decode step reads or writes a layer's cache, so no order the compiler picks can differ.
+    @torch.library.custom_op("shardlm::decode_attention_step", mutates_args=())
+    def _attention_step(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, k: torch.Tensor,
+                        v: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, heads: int,
+                        keys: int) -> torch.Tensor:
+        with on_device(qkv):
+            return _launch(qkv, k, v, lo, hi, qkv.shape[0], heads, keys, (cos, sin, positions))
 
-def _split_outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @_attention_step.register_fake
+    def _(qkv, cos, sin, k, v, positions, lo, hi, heads, keys):
+        return qkv.new_empty(qkv.shape[0], heads, k.shape[-1])
+
+
+def _split_outputs(n: int, heads: int, keys: int, d: int, device) -> tuple[torch.Tensor, ...]:
     """The kernel's outputs, empty: each split's unnormalised sum [n, H, splits, d], maximum and total."""
-    n, heads, d = q.shape
-    splits = -(-k.shape[2] // SPLIT)
-    acc = q.new_empty((n, heads, splits, d), dtype=torch.float32)
-    best = q.new_empty((n, heads, splits), dtype=torch.float32)
+    splits = -(-keys // SPLIT)
+    acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=device)
+    best = torch.empty((n, heads, splits), dtype=torch.float32, device=device)
     return acc, best, torch.empty_like(best)
 
 
@@ -138,3 +193,27 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         lo, hi = bounds
     y = torch.ops.shardlm.decode_attention(q[:, :, 0].contiguous(), k, v, lo, hi)
     return y.to(v.dtype).reshape(n, 1, heads * d)
+
+
+def step_kernel_ok(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a decode step's attention over k_cache, its RoPE and its cache writes run as one kernel
+    (attention_step) for the layer's normalised input x [n, T, hidden]: kernel_ok's conditions, one query a
+    row, in the cache's dtype."""
+    d = k_cache.shape[-1]
+    return (triton_ok(x) and hasattr(torch.library, "custom_op") and d >= 16 and d & (d - 1) == 0
+            and k_cache.stride(-1) == 1 and x.dim() == 3 and x.shape[1] == 1 and x.dtype == k_cache.dtype)
+
+
+def attention_step(qkv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, positions: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor],
+                   heads: int, keys: int) -> torch.Tensor:
+    """A decode step's attention from its projection qkv [n, 1, (H + 2 KV) d] (q, k, v, not yet rotated):
+    each row's key rotated by `angles` (cos, sin [n, 1, 1, d]; None: no RoPE) and its value written into its
+    slot (row i's) of k_cache and v_cache [slots, KV, positions, d] at `positions` [n, 1], and its rotated
+    query attending to the slot's keys within `bounds` (visible_bounds) among the first `keys`: one kernel
+    where the unfused step runs several (the rotations, the cache writes, attention). Returns [n, 1, H d]."""
+    n, d = qkv.shape[0], k_cache.shape[-1]
+    cos, sin = (None, None) if angles is None else (a.reshape(n, d).contiguous() for a in angles)
+    y = torch.ops.shardlm.decode_attention_step(qkv.reshape(n, -1).contiguous(), cos, sin, k_cache, v_cache,
+                                                positions.reshape(n).contiguous(), *bounds, heads, keys)
+    return y.reshape(n, 1, heads * d)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..model import Decoder
-from .decode_attention import decode_attention, kernel_ok
+from .decode_attention import attention_step, decode_attention, kernel_ok, step_kernel_ok
 
 
 class StaticKVCache:
@@ -207,14 +207,19 @@ def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.
     each prompt, which rules out one CUDA graph per shape, and eager, a 7B model's prefill spends most of its
     time launching a few hundred small operators per layer."""
     attn = block.attn
-    q, k, v = attn.project(block.attn_norm(x), angles)
-    k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
-    v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
-    if fresh:
-        y = attend_fresh(q, k, v, mask)
-    elif slots is None:
-        y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
+    h = block.attn_norm(x)
+    if not fresh and slots is None and mask.bounds is not None and step_kernel_ok(h, k_cache):
+        # a decode step (row i in slot i): rotations, cache writes and attention in one kernel
+        y = attention_step(attn.qkv(h), angles, k_cache, v_cache, positions, mask.bounds, attn.n_heads, keys)
     else:
-        y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
+        q, k, v = attn.project(h, angles)
+        k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+        v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+        if fresh:
+            y = attend_fresh(q, k, v, mask)
+        elif slots is None:
+            y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
+        else:
+            y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
     x = x + attn.out(y)
     return x + block.mlp(block.mlp_norm(x))

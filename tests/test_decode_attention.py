@@ -1,0 +1,66 @@
+"""A decode step's attention with its RoPE and cache writes in one kernel (decode_attention.attention_step):
+run by Triton's interpreter on the CPU where triton is installed (tests/test_gpu.py runs it on a GPU and in the
+engine), against the unfused step: the rotations in torch, the cache writes by indexing, the flash-decoding
+kernel."""
+import pytest
+import torch
+
+
+def unfused(qkv, angles, k_cache, v_cache, positions, bounds, heads, keys):
+    """What slots.decoder_layer does without the fused kernel, the rotations in fp32 as the compiled step."""
+    from shardlm.inference.decode_attention import decode_attention
+    from shardlm.model.rope import rotate_half
+    n, d = qkv.shape[0], k_cache.shape[-1]
+    kv = k_cache.shape[1]
+    q, k, v = qkv.view(n, 1, heads + 2 * kv, d).transpose(1, 2).split([heads, kv, kv], dim=1)
+    if angles is not None:
+        cos, sin = (a.float() for a in angles)
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(qkv.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(qkv.dtype)
+    rows = torch.arange(n)
+    k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+    v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+    return decode_attention(q, k_cache[:, :, :keys], v_cache[:, :, :keys], None, bounds)
+
+
+def check_step_interpreted() -> None:
+    """Run under TRITON_INTERPRET=1, in fp16 (the interpreter's bf16 is broken): rows at the first position,
+    the last, either side of a split's edge, mid-way, and an idle slot (at the scratch position, which sees
+    nothing); with and without RoPE, GQA and a sliding window; the same outputs and the same caches."""
+    from shardlm.inference.decode_attention import SPLIT, attention_step
+    from shardlm.inference.slots import visible_bounds
+    g = torch.Generator().manual_seed(0)
+    d, keys = 32, 3 * SPLIT
+    scratch = keys + 5
+    positions = torch.tensor([[0], [keys - 1], [SPLIT - 1], [SPLIT], [100], [scratch]])
+    n = positions.shape[0]
+    for heads, kv, window, rope in ((4, 4, 0, True), (4, 2, 0, True), (4, 1, 37, True), (2, 2, 0, False)):
+        qkv = torch.randn(n, 1, (heads + 2 * kv) * d, generator=g).half()
+        caches = [torch.randn(n, kv, scratch + 1, d, generator=g).half() for _ in range(2)]
+        angles = None
+        if rope:
+            turns = positions[:, :, None, None].float() * torch.rand(d // 2, generator=g).repeat(2)
+            angles = (turns.cos().half(), turns.sin().half())
+        bounds = visible_bounds(positions, keys, window, scratch)
+        want_k, want_v = (c.clone() for c in caches)
+        want = unfused(qkv, angles, want_k, want_v, positions, bounds, heads, keys)
+        got = attention_step(qkv, angles, *caches, positions, bounds, heads, keys)
+        assert got.shape == (n, 1, heads * d) and got.dtype == torch.float16
+        active = positions[:, 0] != scratch  # the idle row's scratch write is never read: either may skip it
+        torch.testing.assert_close(caches[0][active], want_k[active], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(caches[1][active], want_v[active], atol=0, rtol=0)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        assert (got[~active] == 0).all()
+
+
+@pytest.mark.timeout(240)
+def test_attention_step_in_tritons_interpreter():
+    from helpers import run_in_tritons_interpreter
+    run_in_tritons_interpreter("test_decode_attention", "check_step_interpreted")
+
+
+def test_decode_step_takes_the_fused_kernel_only_on_a_gpu():
+    """On the CPU the decode step keeps its unfused path (tests/test_gpu.py checks a GPU's choice)."""
+    from shardlm.inference.decode_attention import step_kernel_ok
+    x, cache = torch.zeros(2, 1, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
+    assert not step_kernel_ok(x, cache)
