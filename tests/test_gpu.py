@@ -700,7 +700,8 @@ def test_one_row_gemv_is_the_product_to_rounding_in_and_out_of_cuda_graphs():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
     """With cuda:0 current, the one-row GEMV, int8's and int4's products and decode attention (and its fused
-    step's cache writes) on cuda:1's tensors give what they give on cuda:0 (Triton launches on the current device unless told)."""
+    step's cache writes) on cuda:1's tensors give what they give on cuda:0 (Triton launches on the current
+    device unless told)."""
     from shardlm.inference.decode_attention import attention_step, decode_attention
     from shardlm.inference.int4 import Int4Linear
     from shardlm.inference.int8 import Int8Linear
