@@ -186,9 +186,38 @@ def profile(args, engine, prompt, system, batch):
         sync(engine.device.type)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    Path(args.out, f"generate-{system}-b{batch}-r{rank}-profile.txt").write_text(table)
+    trace = Path(args.out, f"generate-{system}-b{batch}-r{rank}-trace.json")
+    prof.export_chrome_trace(str(trace))
+    gaps = idle_gaps(json.loads(trace.read_text()), min(32, args.new))
+    trace.unlink()  # tens of MB; the summary is what is kept
+    Path(args.out, f"generate-{system}-b{batch}-r{rank}-profile.txt").write_text(table + "\n" + gaps + "\n")
     if rank == 0:
-        print("\n".join(table.splitlines()[:9]), file=sys.stderr, flush=True)
+        print("\n".join(table.splitlines()[:9]) + "\n" + gaps, file=sys.stderr, flush=True)
+
+
+def idle_gaps(trace: dict, tokens: int) -> str:
+    """Where the GPU waits between kernels: the profile's kernels, copies and memsets merged into busy spans,
+    and the gaps between them by length (a CUDA graph's launches a microsecond or so apart, a step's host work,
+    a burst's host sync), each bucket's count and milliseconds a token over `tokens` new tokens (the prompt's
+    prefill, once, included)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not spans:
+        return "idle gaps: no kernels in the trace"
+    busy, gaps, (start, end) = 0.0, [], spans[0]
+    for a, b in spans[1:]:
+        if a > end:
+            busy += end - start
+            gaps.append(a - end)
+            start = a
+        end = max(end, b)
+    busy += end - start
+    span = end - spans[0][0]
+    buckets = [(0, 2), (2, 10), (10, 100), (100, float("inf"))]
+    parts = [f"{lo}-{hi if hi != float('inf') else ''} us: {sum(lo <= g < hi for g in gaps)} gaps "
+             f"{sum(g for g in gaps if lo <= g < hi) / tokens / 1e3:.3f} ms" for lo, hi in buckets]
+    return (f"idle gaps a token ({tokens} tokens): span {span / tokens / 1e3:.3f} ms, kernels busy "
+            f"{busy / tokens / 1e3:.3f} ms, " + "; ".join(parts))
 
 
 def hf_model(args, device):
