@@ -14,6 +14,11 @@ arrival order, --concurrency at a time, left-padded to the longest prompt of all
 output of all (one compiled shape, its static cache), each request's own tokens counted. Rows with bench
 "serve" go to bench/results.jsonl. `--systems shardlm-split0,shardlm,...`: also the engine with
 `prefill_split=0` (a few prompts prefilled in one pass, not one-row passes), beside the default.
+
+`--systems cli,cli-int8,cli-int4,cli-tp2 --gpus 2`: the same random weights written as an HF checkpoint and
+served by `shardlm serve` started as a command, as a user starts it (`--quantize int8|int4`; `--tp 2` under
+torchrun, rank 0 serving HTTP), each sent the first --concurrency requests one at a time: batch-1 decoding
+through the API, int8, int4 and tp 2 each against `cli` (bf16, one GPU) in the same call.
 """
 from __future__ import annotations
 
@@ -192,6 +197,64 @@ def run_shardlm(args, model, tok, reqs, device, name="shardlm", **engine_args):
     return rows
 
 
+def run_cli(args, model_dir: Path, reqs, system: str) -> list[dict]:
+    """`shardlm serve --model model_dir` started as a user starts it, a process of its own (under torchrun for
+    `cli-tpN`, with --quantize for `cli-int8`/`cli-int4`), its first --concurrency requests sent one at a time:
+    batch-1 decoding through the HTTP API, compared with `cli` (bf16, one GPU) in the same call."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kind = system.removeprefix("cli").removeprefix("-")
+    tp = int(kind[2:]) if kind.startswith("tp") else 1
+    flags = ["--quantize", kind] if kind in ("int8", "int4") else ["--tp", str(tp)] if tp > 1 else []
+    serve = ["-m", "shardlm", "serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", "base",
+             "--max-batch", str(args.concurrency), "--max-len", str(args.max_prompt + args.max_new), *flags]
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp)] if tp > 1 else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log = open(Path(model_dir).parent / f"serve-{system}.log", "w")
+    proc = subprocess.Popen([sys.executable, *launch, *serve], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900  # loading, quantising, compiling and warming up a 7B model
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{system}: shardlm serve exited {proc.returncode} before it served "
+                                   f"(its log: {log.name})")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{system}: shardlm serve did not answer /health in 900 s (its log: {log.name})")
+            time.sleep(1)
+        drive_sync(url, reqs[:2], None, 1)  # the first requests' prefill shapes, warmed
+        return [{"system": f"shardlm-{system}-batch-1", **drive_sync(url, reqs[:args.concurrency], None, 1)}]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server drains and exits; torchrun's ranks with it
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def checkpoint(model, cfg, tok, directory: Path) -> Path:
+    """The model's random weights and the word tokenizer as an HF checkpoint directory, for `shardlm serve`."""
+    from shardlm.model.hf import write_hf_dir
+    out = directory / "model"
+    write_hf_dir({k: v.detach() for k, v in model.state_dict().items()}, cfg, out, tokenizer=tok)
+    return out
+
+
 def run_hf_static(args, model, cfg, reqs, device):
     from generate import hf_from
     from shardlm.inference.compiled import cuda_graphs_in_this_thread
@@ -232,7 +295,7 @@ def run_hf_static(args, model, cfg, reqs, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=1, help="serving here runs on one GPU")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the cli-tpN systems may take (the others take one)")
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=16)
@@ -241,12 +304,14 @@ def main():
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--rates", default="2,8,inf", help="Poisson arrival rates, requests a second")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--systems", default="shardlm,hf-static", help="also shardlm-splitN (Engine prefill_split=N)")
+    p.add_argument("--systems", default="shardlm,hf-static",
+                   help="also shardlm-splitN (Engine prefill_split=N), and `shardlm serve` started as a command "
+                        "(batch 1): cli, cli-int8, cli-int4, cli-tpN")
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
     args = p.parse_args()
-    if args.gpus != 1:
-        sys.exit("bench/serve.py measures one GPU (--gpus 1); tp 2 against tp 1 at batch 1 is "
-                 "bench/generate.py --gpus 2 --systems shardlm,shardlm-tp2 --batches 1")
+    for system in args.systems.split(","):
+        if system.startswith("cli-tp") and int(system[6:]) > args.gpus:
+            sys.exit(f"--systems {system} takes {system[6:]} GPUs: give --gpus {system[6:]}")
     args.rates = [float(r) for r in args.rates.split(",") if r]
     import tempfile
 
@@ -255,7 +320,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.config.recompile_limit = 64
     model, cfg = build(argparse.Namespace(preset=args.preset), device)
-    tok = word_tokenizer(cfg.vocab_size, Path(tempfile.mkdtemp()))
+    scratch = Path(tempfile.mkdtemp())
+    tok = word_tokenizer(cfg.vocab_size, scratch / "tokenizer")
     reqs = workload(args, cfg.vocab_size)
     rows = []
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -264,6 +330,10 @@ def main():
     for system in args.systems.split(","):
         if system.startswith("shardlm-split"):  # the engine with prefill_split=N (one-row prefill passes)
             got = run_shardlm(args, model, tok, reqs, device, system, prefill_split=int(system[len("shardlm-split"):]))
+        elif system.startswith("cli"):
+            if not (scratch / "model").is_dir():
+                checkpoint(model, cfg, tok, scratch)
+            got = run_cli(args, scratch / "model", reqs, system)
         else:
             got = runs[system]()
         for r in got:  # recorded as each system ends: a call cut short keeps what it measured
@@ -271,19 +341,23 @@ def main():
                      tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30
                      if device == "cuda" else None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
             print(json.dumps(r), flush=True)
-        record(args.record, "serve", card, 1, got)
+        record(args.record, "serve", card, int(system[6:]) if system.startswith("cli-tp") else 1, got)
         rows += got
-    print(f"\n{'system':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
+    print(f"\n{'system':<26} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
     for r in rows:
         lat = (f"{r['ttft_p50']:>9.3f} {r['ttft_p99']:>9.3f} {r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms"
                if "ttft_p50" in r else "")
-        print(f"{r['system']:<22} {r['tok_s']:>8.1f} {lat}")
+        print(f"{r['system']:<26} {r['tok_s']:>8.1f} {lat}")
     by = {r["system"]: r["tok_s"] for r in rows}
     closed, single = by.get(f"shardlm-closed-{args.concurrency}"), by.get("shardlm-batch-1")
     hf = by.get(f"hf-static-batches-{args.concurrency}")
     if closed and single:
         print(f"{args.concurrency} concurrent / batch 1: {closed / single:.1f}x" +
               (f"; / transformers' static batches: {closed / hf:.2f}x" if hf else ""))
+    base = by.get("shardlm-cli-batch-1")
+    for name, tok_s in by.items():
+        if base and name.startswith("shardlm-cli-") and name != "shardlm-cli-batch-1":
+            print(f"{name.removesuffix('-batch-1')} / cli (bf16, one GPU) at batch 1: {tok_s / base:.2f}x")
 
 
 if __name__ == "__main__":
