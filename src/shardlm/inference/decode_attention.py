@@ -71,10 +71,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 kv = HEADS + head // GROUP
                 new_k = _rotated(proj + kv * D, d, cos, sin, D, ROPE).to(k_ptr.dtype.element_ty)
                 new_v = tl.load(proj + (kv + HEADS // GROUP) * D + d).to(v_ptr.dtype.element_ty)
-                p = tl.load(pos_ptr + row)
-                if (head % GROUP == 0) & (p >= split * SPLIT) & (p < split * SPLIT + SPLIT):
-                    tl.store(keys + p * sk_t + d, new_k)
-                    tl.store(values + p * sv_t + d, new_v)
+                at = tl.load(pos_ptr + row)  # the row's position (`p` is the loop's softmax weights)
+                if (head % GROUP == 0) & (at >= split * SPLIT) & (at < split * SPLIT + SPLIT):
+                    tl.store(keys + at * sk_t + d, new_k)
+                    tl.store(values + at * sv_t + d, new_v)
             else:
                 q = tl.load(q_ptr + row * sq_n + head * sq_h + d).to(tl.float32) * scale
             for i in tl.static_range(SPLIT // BLOCK):  # loads past the row's end are masked off: no traffic
@@ -85,9 +85,9 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 k = tl.load(keys + t[:, None] * sk_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
                 v = tl.load(values + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
                 if FUSED:  # the new position's key and value from registers: the cache's may not be written yet
-                    at_p = (t == p)[:, None]
-                    k = tl.where(at_p, new_k.to(tl.float32)[None, :], k)
-                    v = tl.where(at_p, new_v.to(tl.float32)[None, :], v)
+                    mine = (t == at)[:, None]
+                    k = tl.where(mine, new_k.to(tl.float32)[None, :], k)
+                    v = tl.where(mine, new_v.to(tl.float32)[None, :], v)
                 x = tl.where(ok, tl.sum(k * q[None, :], 1), -1e30)
                 new = tl.maximum(best, tl.max(x, 0))
                 fade = tl.exp(best - new)
