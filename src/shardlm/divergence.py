@@ -50,6 +50,17 @@ def diagnose(e: NonFiniteGradient, cfg: Config, fresh: bool, out: Path | None) -
     return TrainingError(f"{e}: {why}; the step was skipped, the weights are finite ({last_checkpoint(out)})")
 
 
+def step_numbers(engine, step: int, cfg: Config, fresh: bool, out: Path | None) -> tuple[float, int]:
+    """The last step's (gradient norm, skipped steps), read from the device; a bf16/fp32 gradient that stopped
+    being finite since they were last read raises its TrainingError. A save reads them first: bf16/fp32 report
+    a divergence only when they are read (train.log_every), and a save between reads kept the diverged run's
+    weights under a later step and, past train.keep_checkpoints, deleted the last checkpoint before it."""
+    try:
+        return engine.step_stats(step)
+    except NonFiniteGradient as e:
+        raise diagnose(e, cfg, fresh, out) from None
+
+
 def last_checkpoint(out: Path | None) -> str:
     found = complete_checkpoints(out) if out is not None else []
     return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was saved"

@@ -26,13 +26,13 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
 from .data.loader import open_train_data
-from .divergence import TrainingError, diagnose, refuse_nan_loss
+from .divergence import TrainingError, refuse_nan_loss, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
-from .optim import NonFiniteGradient, lr_at, warmup_note
+from .optim import lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
 from .precision import make_loss_scaler
@@ -272,7 +272,11 @@ class Trainer:
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):
+            self._step_numbers()  # no checkpoint of weights after a gradient that was not finite
             return self.saver.save(self.step, state, wait)
+
+    def _step_numbers(self) -> tuple[float, int]:
+        return step_numbers(self.engine, self.step, self.cfg, self.resumed_from is None, self.out)
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
@@ -307,11 +311,8 @@ class Trainer:
                 first = not records  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
-                        try:
-                            norm, skipped = self.engine.step_stats(self.step) if loss is not None else \
-                                (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
-                        except NonFiniteGradient as e:
-                            raise diagnose(e, self.cfg, self.resumed_from is None, self.out) from None
+                        norm, skipped = self._step_numbers() if loss is not None else \
+                            (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
                         loss = self.global_mean(loss) if loss is not None else None
                     elapsed = time.perf_counter() - since
                     tok_s = tokens_since / elapsed
