@@ -28,3 +28,37 @@ def test_a_save_after_a_gradient_that_was_not_finite_keeps_the_last_good_checkpo
     assert "the gradient of step 4 was not finite" in line and "after 3 updates the run diverged" in line, line
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
     assert line.endswith(f"(the last checkpoint is {run / 'checkpoints' / 'step_00000002'})"), line
+
+
+def test_an_fp16_nan_loss_before_any_update_names_the_initialisation_not_the_learning_rate(tmp_path, capsys):
+    """A first fp16 step whose forward overflows was blamed on train.lr ("the run diverged (lower train.lr")
+    though no update had run."""
+    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--model.init_std", 30,
+                 "--train.steps", 2)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "train.lr" not in line, line
+    assert "step 1: the loss is nan in fp16 before any update" in line and "model.init_std = 30" in line, line
+    assert line.endswith("use train.precision bf16 or a smaller model.init_std"), line
+
+
+def test_fp16_fine_tuning_weights_past_its_range_names_them_and_bf16(tmp_path, capsys):
+    """A checkpoint trained in bf16 or fp32 can hold activations past fp16's range: fine-tuning it in fp16
+    told the user to lower train.lr."""
+    from safetensors.torch import load_file, save_file
+    train(capsys, "--out", tmp_path / "base", "--train.steps", 1)
+    assert cli_proc(capsys, "export", "--checkpoint", tmp_path / "base", "--out", tmp_path / "hf").returncode == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    save_file({k: v if "norm" in k else v * 300 for k, v in load_file(weights).items()}, weights)
+    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--train.init_from", tmp_path / "hf",
+                 "--train.steps", 2)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "train.lr" not in line, line
+    assert "before any update" in line and line.endswith("with train.init_from's weights: use train.precision bf16")
+
+
+def test_an_fp16_nan_loss_after_updates_is_divergence(tmp_path, capsys):
+    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--train.lr", "1e3", "--train.steps", 4)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and line.endswith(
+        "step 2: the loss is nan in fp16, which is no loss-scale overflow: the run diverged (lower train.lr, or "
+        "train.precision bf16)"), line

@@ -221,7 +221,8 @@ class Trainer:
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
         total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
         if self.cfg.train.precision == "fp16":
-            refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
+            untouched = self.resumed_from is None and self.step == self.scaler.skipped_steps + self.untrained_steps
+            refuse_nan_loss(total, self.step, untouched, self.cfg)
         skipped = self.scaler.skipped_steps
         self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
         self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
