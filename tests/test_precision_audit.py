@@ -62,3 +62,17 @@ def test_an_fp16_nan_loss_after_updates_is_divergence(tmp_path, capsys):
     assert proc.returncode == 1 and line.endswith(
         "step 2: the loss is nan in fp16, which is no loss-scale overflow: the run diverged (lower train.lr, or "
         "train.precision bf16)"), line
+
+
+def test_bf16_on_a_gpu_without_bf16_is_refused_before_the_run_starts(tmp_path, capsys, monkeypatch):
+    """A T4 (7.5) or a V100 (7.0) has no bf16 arithmetic: the bf16 presets (gpt2-124m and up) started there, torch
+    emulating what it could, the Triton kernels failing as they were built. Refused before --out is made."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.version, "hip", None)
+    proc = train(capsys, "--out", tmp_path / "run", "--train.device", "cuda", "--train.precision", "bf16")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "train.precision = 'bf16' needs a GPU with bf16 arithmetic" in line, line
+    assert "Tesla T4 is 7.5: use train.precision fp16" in line and not (tmp_path / "run").exists()

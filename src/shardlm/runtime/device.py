@@ -31,14 +31,17 @@ def pick_device(name: str = "auto", option: str = "train.device") -> torch.devic
 
 
 
-def training_device(name: str, parallel, mesh, compile: bool = False) -> torch.device:
+def training_device(name: str, parallel, mesh, compile: bool = False, precision: str = "fp32") -> torch.device:
     """The device of this training rank (`train.device`; under torchrun each rank its local GPU), with the
     parallel settings only GPUs can run refused elsewhere before a run claims its directory: on the CPU they
     would fail once the engine is built, as a traceback on every rank (and a single process, which never
-    reduces, would not say it ignored them). So is `compile` (train.compile) on a CPU without a C++ compiler."""
+    reduces, would not say it ignored them). So is `compile` (train.compile) on a CPU without a C++ compiler,
+    and `precision` bf16 on a GPU without bf16 arithmetic."""
     device = pick_device(name)
     if device.type == "cuda" and mesh.world > 1:
         device = torch.device("cuda", mesh.local_rank)
+    if precision == "bf16" and device.type == "cuda" and not torch.version.hip:
+        _check_bf16(device)
     for key in ("reduce_algo", "pp_transfer"):
         if getattr(parallel, key) == "copy_engine" and device.type != "cuda":
             raise ConfigError(f"parallel.{key} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
@@ -46,6 +49,17 @@ def training_device(name: str, parallel, mesh, compile: bool = False) -> torch.d
     if compile and device.type == "cpu":
         _check_cpp_compiler()
     return device
+
+
+def _check_bf16(device: torch.device) -> None:
+    """bf16 arithmetic came with compute capability 8.0 (A100, RTX 30xx): on a V100 or a T4 torch emulates some of
+    it, slowly, and the Triton kernels (the fused AdamW, compiled blocks) may not build at all; the gpt2-124m and
+    larger presets train in bf16."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ConfigError(f"train.precision = 'bf16' needs a GPU with bf16 arithmetic (compute capability 8.0 or newer: "
+                          f"A100, H100, RTX 30xx and later), and {torch.cuda.get_device_name(device)} is {major}.{minor}: "
+                          "use train.precision fp16 (with dynamic loss scaling) or fp32")
 
 
 def _check_cpp_compiler() -> None:
