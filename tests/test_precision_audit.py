@@ -64,15 +64,42 @@ def test_an_fp16_nan_loss_after_updates_is_divergence(tmp_path, capsys):
         "train.precision bf16)"), line
 
 
+def fake_gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:
+    """torch.cuda as a machine with one such GPU shows it, for the checks made before anything runs on it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
 def test_bf16_on_a_gpu_without_bf16_is_refused_before_the_run_starts(tmp_path, capsys, monkeypatch):
     """A T4 (7.5) or a V100 (7.0) has no bf16 arithmetic: the bf16 presets (gpt2-124m and up) started there, torch
     emulating what it could, the Triton kernels failing as they were built. Refused before --out is made."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    monkeypatch.setattr(torch.version, "hip", None)
+    fake_gpu(monkeypatch, (7, 5), "Tesla T4")
     proc = train(capsys, "--out", tmp_path / "run", "--train.device", "cuda", "--train.precision", "bf16")
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "train.precision = 'bf16' needs a GPU with bf16 arithmetic" in line, line
     assert "Tesla T4 is 7.5: use train.precision fp16" in line and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "efficient"])
+def test_an_attention_kernel_the_cpu_lacks_is_refused_before_the_run_starts(tmp_path, capsys, backend):
+    """It ended the first step in SDPA's 'No viable backend' traceback, the run's directory made."""
+    proc = train(capsys, "--out", tmp_path / "run", "--train.attention", backend, "--train.device", "cpu")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and line.endswith(
+        f"train.attention = '{backend}' is a CUDA kernel, and this run is on the CPU: use train.attention auto, "
+        "flash or math"), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_a_16_bit_attention_kernel_in_fp32_on_a_gpu_is_refused(tmp_path, capsys, monkeypatch, backend):
+    """FlashAttention's and cuDNN's kernels take fp16 and bf16 only: in fp32 SDPA found no kernel at the first step."""
+    fake_gpu(monkeypatch, (9, 0), "NVIDIA H200")
+    proc = train(capsys, "--out", tmp_path / "run", "--train.attention", backend, "--train.device", "cuda")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and line.endswith(
+        f"train.attention = '{backend}' takes fp16 and bf16 only, and train.precision is 'fp32': use train.precision "
+        "bf16, or train.attention auto or efficient"), line

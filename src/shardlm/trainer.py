@@ -59,7 +59,7 @@ class Trainer:
         self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
-        self.device = training_device(t.device, cfg.parallel, self.mesh, t.compile, t.precision)  # before --out is touched
+        self.device = training_device(t, cfg.parallel, self.mesh)  # before --out is touched
         # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
         # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
         # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
