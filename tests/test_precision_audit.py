@@ -103,3 +103,42 @@ def test_a_16_bit_attention_kernel_in_fp32_on_a_gpu_is_refused(tmp_path, capsys,
     assert proc.returncode == 2 and line.endswith(
         f"train.attention = '{backend}' takes fp16 and bf16 only, and train.precision is 'fp32': use train.precision "
         "bf16, or train.attention auto or efficient"), line
+
+
+def diverge(rank, world, overrides: dict):
+    """A bf16 run at train.lr 1e3, its numbers read only every 10 steps: the error this rank stops with."""
+    from dist_fns import tiny_trainer
+    from shardlm.trainer import TrainingError
+    trainer = tiny_trainer(world, {"train.precision": "bf16", "train.lr": "1e3", "train.steps": "12",
+                                   "train.log_every": "10", **overrides})
+    try:
+        trainer.run()
+    except TrainingError as e:
+        return str(e)
+    return None
+
+
+def test_classic_data_parallel_ranks_name_the_same_first_step_that_was_not_finite():
+    """Classic DP's ranks without the optimizer read the norm of the step they logged: rank 1 said 'the gradient of
+    step 10 was not finite ... after 9 updates' where rank 0 said step 4, and where a later step's gradient was
+    finite again it did not stop at all, left waiting for rank 0."""
+    from shardlm.testing.distributed import run_distributed
+    errors = run_distributed(diverge, 2, {"parallel.dp_mode": "classic"}, timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith("the gradient of step 4 was not finite (its norm: nan): "
+                                                           "after 3 updates the run diverged"), errors
+
+
+def test_the_norm_named_is_the_first_non_finite_steps(monkeypatch):
+    """The error named the first non-finite step with the norm of the last step run: 'the gradient of step 2 was
+    not finite (its norm: 0.41)' where a later step's gradient was finite again."""
+    from dist_fns import tiny_trainer
+    from shardlm.trainer import TrainingError
+    trainer = tiny_trainer(1, {"train.precision": "bf16", "train.steps": "3", "train.log_every": "10"})
+    real, calls = trainer.forward_backward.forward, []
+
+    def forward(x, y):  # step 2's micro-batches (two a step) only
+        calls.append(1)
+        return real(x, y) * (float("nan") if len(calls) in (3, 4) else 1.0)
+    trainer.forward_backward.forward = forward
+    with pytest.raises(TrainingError, match=r"the gradient of step 2 was not finite \(its norm: nan\): after 1 updates the run"):
+        trainer.run()
