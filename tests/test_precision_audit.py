@@ -142,3 +142,23 @@ def test_the_norm_named_is_the_first_non_finite_steps(monkeypatch):
     trainer.forward_backward.forward = forward
     with pytest.raises(TrainingError, match=r"the gradient of step 2 was not finite \(its norm: nan\): after 1 updates the run"):
         trainer.run()
+
+
+def test_an_fp16_overflow_at_the_minimum_loss_scale_names_the_checkpoint_to_resume_in_bf16(tmp_path):
+    """It said 'use train.precision bf16' and not from where: a run whose later steps all overflow has its last
+    update's weights in its last checkpoint, which a resume in bf16 continues."""
+    from dist_fns import tiny_trainer
+    from shardlm.trainer import TrainingError
+    trainer = tiny_trainer(1, {"train.precision": "fp16", "train.steps": "60", "train.log_every": "10",
+                               "train.save_every": "5"}, out_dir=tmp_path / "run")
+    real, calls = trainer.forward_backward.forward, []
+
+    def forward(x, y):  # every micro-batch from step 6 on overflows
+        calls.append(1)
+        return real(x, y) * (float("inf") if len(calls) > 10 else 1.0)
+    trainer.forward_backward.forward = forward
+    with pytest.raises(TrainingError) as e:
+        trainer.run()
+    assert str(e.value).startswith("fp16 gradients overflow at the minimum loss scale 1.0 (step 23)"), e.value
+    assert str(e.value).endswith(f"use train.precision bf16 (the last checkpoint is "
+                                 f"{tmp_path / 'run' / 'checkpoints' / 'step_00000020'})"), e.value

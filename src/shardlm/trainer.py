@@ -26,7 +26,7 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
 from .data.loader import open_train_data
-from .divergence import TrainingError, refuse_nan_loss, step_numbers
+from .divergence import TrainingError, last_checkpoint, refuse_nan_loss, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
@@ -35,7 +35,7 @@ from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
-from .precision import make_loss_scaler
+from .precision import LossScaleError, make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
@@ -224,7 +224,10 @@ class Trainer:
             untouched = self.resumed_from is None and self.step == self.scaler.skipped_steps + self.untrained_steps
             refuse_nan_loss(total, self.step, untouched, self.cfg)
         skipped = self.scaler.skipped_steps
-        self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        try:
+            self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        except LossScaleError as e:  # the checkpoint to resume in bf16 from
+            raise TrainingError(f"{e} ({last_checkpoint(self.out)})") from None
         self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
