@@ -162,3 +162,13 @@ def test_an_fp16_overflow_at_the_minimum_loss_scale_names_the_checkpoint_to_resu
     assert str(e.value).startswith("fp16 gradients overflow at the minimum loss scale 1.0 (step 23)"), e.value
     assert str(e.value).endswith(f"use train.precision bf16 (the last checkpoint is "
                                  f"{tmp_path / 'run' / 'checkpoints' / 'step_00000020'})"), e.value
+
+
+def test_the_console_shows_fp16s_loss_scale_beside_the_skipped_steps(tmp_path, capsys):
+    """The console said 'skipped 2' and nothing of the scale, which only metrics.jsonl held: a scale backing off
+    step after step looked like one settling."""
+    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--model.init_std", 0.3,
+                 "--train.steps", 3, "--train.log_every", 1)
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert " | grad-norm inf | " in steps[0] and " | skipped 1 (loss scale 65536)" in steps[0], steps
+    assert steps[2].endswith(" | skipped 2 (loss scale 32768)"), steps
