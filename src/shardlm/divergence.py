@@ -25,13 +25,20 @@ class TrainingError(RunError):
 def refuse_nan_loss(loss: torch.Tensor, step: int, fresh: bool, cfg: Config) -> None:
     """fp16: a loss-scale overflow gives inf gradients and a skipped step; a nan loss (forward) is not one,
     and skipping it would skip every step from here on. fp16 waits for the host each step anyway. `step`
-    counts the steps done before this one; `fresh`: the run resumed no checkpoint."""
+    counts the steps done before this one; `fresh`: no update has changed the weights yet (the run resumed no
+    checkpoint, and every step so far was skipped), so the learning rate cannot be to blame."""
     nan = torch.isnan(loss).to(torch.float32)
     if dist.is_initialized():
         dist.all_reduce(nan, op=dist.ReduceOp.MAX)  # every rank stops alike
     if nan.item():
-        if step == 0 and fresh and (bad := compat.non_finite_init(cfg)):
-            raise TrainingError(f"step 1: the loss is nan: {bad}")
+        if fresh and (bad := compat.non_finite_init(cfg)):
+            raise TrainingError(f"step {step + 1}: the loss is nan: {bad}")
+        if fresh:  # a model trained in bf16 often holds activations past fp16's range; or an init_std far too large
+            init_from = cfg.train.init_from
+            start = "train.init_from's weights" if init_from else f"model.init_std = {cfg.model.init_std:g}'s initialisation"
+            raise TrainingError(f"step {step + 1}: the loss is nan in fp16 before any update, so the learning rate is "
+                                f"not to blame: the forward overflowed fp16 (largest value 65504) with {start}: use "
+                                "train.precision bf16" + ("" if init_from else " or a smaller model.init_std"))
         raise TrainingError(f"step {step + 1}: the loss is nan in fp16, which is no loss-scale overflow: "
                             "the run diverged (lower train.lr, or train.precision bf16)")
 
@@ -48,6 +55,17 @@ def diagnose(e: NonFiniteGradient, cfg: Config, fresh: bool, out: Path | None) -
         why = (f"after {e.step - 1} updates the run diverged (lower train.lr = {cfg.train.lr:g} or raise "
                f"train.warmup_steps = {cfg.train.warmup_steps})")
     return TrainingError(f"{e}: {why}; the step was skipped, the weights are finite ({last_checkpoint(out)})")
+
+
+def step_numbers(engine, step: int, cfg: Config, fresh: bool, out: Path | None) -> tuple[float, int]:
+    """The last step's (gradient norm, skipped steps), read from the device; a bf16/fp32 gradient that stopped
+    being finite since they were last read raises its TrainingError. A save reads them first: bf16/fp32 report
+    a divergence only when they are read (train.log_every), and a save between reads kept the diverged run's
+    weights under a later step and, past train.keep_checkpoints, deleted the last checkpoint before it."""
+    try:
+        return engine.step_stats(step)
+    except NonFiniteGradient as e:
+        raise diagnose(e, cfg, fresh, out) from None
 
 
 def last_checkpoint(out: Path | None) -> str:

@@ -179,6 +179,8 @@ def format_line(r: dict) -> str:
     return (f"step {r['step']:>6} | loss {loss} | grad-norm {norm} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {r['mem_gib']:.2f} GiB"
             + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else "")
+            # fp16's overflows: the scale beside them tells a settling scale from one that keeps backing off
+            + (f" (loss scale {r['loss_scale']:g})" if r.get("skipped_steps") and r.get("loss_scale") else "")
             + (f" | untrained {r['untrained_steps']}" if r.get("untrained_steps") else "")
             + (f" | disk {r['disk_gb_s']:.2f} GB/s" if r.get("disk_gb_s") is not None else "") + _moe(r))
 

@@ -155,6 +155,7 @@ class MasterWeightOptimizer:
         self._skip = torch.zeros((), dtype=torch.int32, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.int32, device=self.device)
         self._first_nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # its step; 0: none
+        self._first_norm = torch.zeros((), device=self.device)  # its norm: later steps' may be finite again
         self.last_norm = torch.zeros((), device=self.device)
 
     def _state_buffer(self, name: str, n: int, home: torch.device) -> torch.Tensor:
@@ -280,6 +281,7 @@ class MasterWeightOptimizer:
             self._nonfinite += self._skip  # reported (and fatal) at the next sync
             first = (self._first_nonfinite == 0) & ~finite
             self._first_nonfinite.copy_(torch.where(first, step, self._first_nonfinite))
+            self._first_norm.copy_(torch.where(first, norm, self._first_norm))
         scale = torch.full((), grad_factor / loss_scale, device=self.device)
         if cfg.grad_clip > 0:
             scale = scale * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
@@ -324,8 +326,12 @@ class MasterWeightOptimizer:
         """Host view of the last step: (its grad norm, steps skipped so far). In bf16/fp32 a step whose
         gradient was not finite (skipped, so the weights stay finite) raises NonFiniteGradient."""
         if int(self._nonfinite):
-            raise NonFiniteGradient(int(self._first_nonfinite), float(self.last_norm))
+            raise NonFiniteGradient(int(self._first_nonfinite), float(self._first_norm))
         return float(self.last_norm), self.scaler.skipped_steps
+
+    def first_nonfinite(self) -> torch.Tensor:
+        """[the first step whose gradient was not finite (0: none), its norm] on the device, no sync."""
+        return torch.stack([self._first_nonfinite.to(torch.float64), self._first_norm.to(torch.float64)])
 
     # ---- layout-free state: full tensors keyed by parameter name (collective when sharded) ---------
     def _full(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:

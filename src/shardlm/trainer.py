@@ -26,16 +26,16 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
 from .data.loader import open_train_data
-from .divergence import TrainingError, diagnose, refuse_nan_loss
+from .divergence import TrainingError, last_checkpoint, refuse_nan_loss, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
-from .optim import NonFiniteGradient, lr_at, warmup_note
+from .optim import lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
-from .precision import make_loss_scaler
+from .precision import LossScaleError, make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
@@ -59,7 +59,7 @@ class Trainer:
         self.owns_process_group &= dist.is_initialized()
         self.out = Path(out_dir) if out_dir is not None else None
         t = cfg.train
-        self.device = training_device(t.device, cfg.parallel, self.mesh, t.compile)  # before --out is touched
+        self.device = training_device(t, cfg.parallel, self.mesh)  # before --out is touched
         # On GPUs a stalled peer must end this rank within parallel.timeout_s once training runs (see
         # Watchdog: NCCL's own timeout would let a step go on with aborted collectives' data); gloo raises
         # by itself. Setup is left to NCCL's timeout: loading a large checkpoint may take long on every rank.
@@ -221,9 +221,13 @@ class Trainer:
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
         total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
         if self.cfg.train.precision == "fp16":
-            refuse_nan_loss(total, self.step, self.resumed_from is None, self.cfg)
+            untouched = self.resumed_from is None and self.step == self.scaler.skipped_steps + self.untrained_steps
+            refuse_nan_loss(total, self.step, untouched, self.cfg)
         skipped = self.scaler.skipped_steps
-        self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        try:
+            self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        except LossScaleError as e:  # the checkpoint to resume in bf16 from
+            raise TrainingError(f"{e} ({last_checkpoint(self.out)})") from None
         self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
@@ -272,7 +276,11 @@ class Trainer:
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}"):
+            self._step_numbers()  # no checkpoint of weights after a gradient that was not finite
             return self.saver.save(self.step, state, wait)
+
+    def _step_numbers(self) -> tuple[float, int]:
+        return step_numbers(self.engine, self.step, self.cfg, self.resumed_from is None, self.out)
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
@@ -307,11 +315,8 @@ class Trainer:
                 first = not records  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
-                        try:
-                            norm, skipped = self.engine.step_stats(self.step) if loss is not None else \
-                                (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
-                        except NonFiniteGradient as e:
-                            raise diagnose(e, self.cfg, self.resumed_from is None, self.out) from None
+                        norm, skipped = self._step_numbers() if loss is not None else \
+                            (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
                         loss = self.global_mean(loss) if loss is not None else None
                     elapsed = time.perf_counter() - since
                     tok_s = tokens_since / elapsed

@@ -6,8 +6,6 @@ idle through the optimizer step; rank 0 also holds the only optimizer state.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,7 +26,8 @@ class ClassicEngine(LocalEngine):
         self.scaler = scaler
         # Only the root holds optimizer state; the others only compute gradients.
         self.opt = MasterWeightOptimizer(self.flat, cfg.train, scaler) if self.rank == 0 else None
-        self.stats = torch.zeros(3, device=self.flat.device)  # norm, loss scale, skipped steps
+        # norm, loss scale, skipped steps, and the first step whose gradient was not finite (0: none) and its norm
+        self.stats = torch.zeros(5, dtype=torch.float64, device=self.flat.device)
 
     def finish_backward(self, last: bool) -> None:
         if last:
@@ -39,8 +38,10 @@ class ClassicEngine(LocalEngine):
     def optimizer_step(self, lr: float, step: int) -> None:
         if self.opt is not None:
             self.opt.step(lr, step, self.grad_shard, lambda b: self.flat.buckets[b].data, self.grad_factor())
-            self.stats.copy_(torch.stack([self.opt.last_norm.float(), torch.tensor(float(self.scaler.scale)).to(self.stats),
-                                          torch.tensor(float(self.scaler.skipped_steps)).to(self.stats)]))
+            self.stats.copy_(torch.cat([torch.stack([self.opt.last_norm.to(self.stats),
+                                                     torch.tensor(float(self.scaler.scale)).to(self.stats),
+                                                     torch.tensor(float(self.scaler.skipped_steps)).to(self.stats)]),
+                                        self.opt.first_nonfinite().to(self.stats)]))
         for b in self.flat.buckets:
             dist.broadcast(b.data, src=self.root, group=self.group)
         dist.broadcast(self.stats, src=self.root, group=self.group)
@@ -52,10 +53,10 @@ class ClassicEngine(LocalEngine):
     def step_stats(self, step: int) -> tuple[float, int]:
         if self.opt is not None:
             return self.opt.sync(step)
-        norm = float(self.stats[0])
-        if not math.isfinite(norm) and not isinstance(self.scaler, DynamicLossScaler):
-            raise NonFiniteGradient(step, norm)  # as the root raises: every rank stops alike
-        return norm, int(self.stats[2])
+        norm, _, skipped, first, first_norm = self.stats.tolist()
+        if first and not isinstance(self.scaler, DynamicLossScaler):
+            raise NonFiniteGradient(int(first), first_norm)  # as the root raises: every rank stops alike
+        return norm, int(skipped)
 
     def gather_full_state(self):
         return (None, None) if self.opt is None else super().gather_full_state()

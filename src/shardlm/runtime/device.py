@@ -31,21 +31,48 @@ def pick_device(name: str = "auto", option: str = "train.device") -> torch.devic
 
 
 
-def training_device(name: str, parallel, mesh, compile: bool = False) -> torch.device:
+def training_device(train, parallel, mesh) -> torch.device:
     """The device of this training rank (`train.device`; under torchrun each rank its local GPU), with the
     parallel settings only GPUs can run refused elsewhere before a run claims its directory: on the CPU they
     would fail once the engine is built, as a traceback on every rank (and a single process, which never
-    reduces, would not say it ignored them). So is `compile` (train.compile) on a CPU without a C++ compiler."""
-    device = pick_device(name)
+    reduces, would not say it ignored them). So are train.compile on a CPU without a C++ compiler, bf16 on a
+    GPU without bf16 arithmetic, and an attention kernel (train.attention) the device or precision lacks."""
+    device = pick_device(train.device)
     if device.type == "cuda" and mesh.world > 1:
         device = torch.device("cuda", mesh.local_rank)
+    if train.precision == "bf16" and device.type == "cuda" and not torch.version.hip:
+        _check_bf16(device)
+    _check_attention(train.attention, train.precision, device.type)
     for key in ("reduce_algo", "pp_transfer"):
         if getattr(parallel, key) == "copy_engine" and device.type != "cuda":
             raise ConfigError(f"parallel.{key} = 'copy_engine' needs CUDA GPUs (peer-to-peer copies), and this "
                               f"run is on {device.type}: use parallel.{key} auto")
-    if compile and device.type == "cpu":
+    if train.compile and device.type == "cpu":
         _check_cpp_compiler()
     return device
+
+
+def _check_bf16(device: torch.device) -> None:
+    """bf16 arithmetic came with compute capability 8.0 (A100, RTX 30xx): on a V100 or a T4 torch emulates some of
+    it, slowly, and the Triton kernels (the fused AdamW, compiled blocks) may not build at all; the gpt2-124m and
+    larger presets train in bf16."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ConfigError(f"train.precision = 'bf16' needs a GPU with bf16 arithmetic (compute capability 8.0 or newer: "
+                          f"A100, H100, RTX 30xx and later), and {torch.cuda.get_device_name(device)} is {major}.{minor}: "
+                          "use train.precision fp16 (with dynamic loss scaling) or fp32")
+
+
+def _check_attention(backend: str, precision: str, device_type: str) -> None:
+    """A kernel that cannot take the run's tensors ended its first step in SDPA's "No viable backend" traceback
+    (model.set_attention allows that kernel alone): cuDNN's and the memory-efficient ones are CUDA's, and
+    FlashAttention's and cuDNN's take fp16 and bf16 only on a GPU."""
+    key = f"train.attention = {backend!r}"
+    if device_type == "cpu" and backend in ("cudnn", "efficient"):
+        raise ConfigError(f"{key} is a CUDA kernel, and this run is on the CPU: use train.attention auto, flash or math")
+    if device_type == "cuda" and backend in ("flash", "cudnn") and precision == "fp32":
+        raise ConfigError(f"{key} takes fp16 and bf16 only, and train.precision is 'fp32': use train.precision bf16, "
+                          "or train.attention auto or efficient")
 
 
 def _check_cpp_compiler() -> None:
