@@ -57,7 +57,8 @@ def test_fp16_fine_tuning_weights_past_its_range_names_them_and_bf16(tmp_path, c
 
 
 def test_an_fp16_nan_loss_after_updates_is_divergence(tmp_path, capsys):
-    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--train.lr", "1e3", "--train.steps", 4)
+    proc = train(capsys, "--out", tmp_path / "run", "--train.precision", "fp16", "--train.lr", "1e3",
+                 "--train.steps", 4)
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and line.endswith(
         "step 2: the loss is nan in fp16, which is no loss-scale overflow: the run diverged (lower train.lr, or "
@@ -140,7 +141,8 @@ def test_the_norm_named_is_the_first_non_finite_steps():
         calls.append(1)
         return real(x, y) * (float("nan") if len(calls) in (3, 4) else 1.0)
     trainer.forward_backward.forward = forward
-    with pytest.raises(TrainingError, match=r"the gradient of step 2 was not finite \(its norm: nan\): after 1 updates the run"):
+    with pytest.raises(TrainingError,
+                       match=r"the gradient of step 2 was not finite \(its norm: nan\): after 1 updates the run"):
         trainer.run()
 
 

@@ -7,6 +7,7 @@ written of weights that are not finite or beyond fp16's range: the last good one
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from . import compat
 from .checkpoint import complete_checkpoints
 from .config import Config, RunError
 from .optim import NonFiniteGradient
+from .precision import LossScaleError
 
 
 class TrainingError(RunError):
@@ -35,7 +37,8 @@ def refuse_nan_loss(loss: torch.Tensor, step: int, fresh: bool, cfg: Config) -> 
             raise TrainingError(f"step {step + 1}: the loss is nan: {bad}")
         if fresh:  # a model trained in bf16 often holds activations past fp16's range; or an init_std far too large
             init_from = cfg.train.init_from
-            start = "train.init_from's weights" if init_from else f"model.init_std = {cfg.model.init_std:g}'s initialisation"
+            start = ("train.init_from's weights" if init_from
+                     else f"model.init_std = {cfg.model.init_std:g}'s initialisation")
             raise TrainingError(f"step {step + 1}: the loss is nan in fp16 before any update, so the learning rate is "
                                 f"not to blame: the forward overflowed fp16 (largest value 65504) with {start}: use "
                                 "train.precision bf16" + ("" if init_from else " or a smaller model.init_std"))
@@ -66,6 +69,18 @@ def step_numbers(engine, step: int, cfg: Config, fresh: bool, out: Path | None) 
         return engine.step_stats(step)
     except NonFiniteGradient as e:
         raise diagnose(e, cfg, fresh, out) from None
+
+
+@contextmanager
+def numerical_failures(total: torch.Tensor, step: int, fresh: bool, cfg: Config, out: Path | None):
+    """Around a step's update: fp16's nan loss refused before it (refuse_nan_loss; `fresh`: no update yet), and
+    a loss scale backed off to its minimum named with the checkpoint that a resume in bf16 starts from."""
+    if cfg.train.precision == "fp16":
+        refuse_nan_loss(total, step, fresh, cfg)
+    try:
+        yield
+    except LossScaleError as e:
+        raise TrainingError(f"{e} ({last_checkpoint(out)})") from None
 
 
 def last_checkpoint(out: Path | None) -> str:

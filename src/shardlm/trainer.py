@@ -26,7 +26,7 @@ from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_ch
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
 from .data.loader import open_train_data
-from .divergence import TrainingError, last_checkpoint, refuse_nan_loss, step_numbers
+from .divergence import TrainingError, numerical_failures, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
 from .memory_check import check_memory
@@ -35,7 +35,7 @@ from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
-from .precision import LossScaleError, make_loss_scaler
+from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
@@ -220,14 +220,10 @@ class Trainer:
                 aux_weights = [int((y != IGNORE).sum()) * replicas / self.mesh.cp / max(trained, 1) for _, y in whole]
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
         total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
-        if self.cfg.train.precision == "fp16":
-            untouched = self.resumed_from is None and self.step == self.scaler.skipped_steps + self.untrained_steps
-            refuse_nan_loss(total, self.step, untouched, self.cfg)
         skipped = self.scaler.skipped_steps
-        try:
+        untouched = self.resumed_from is None and self.step == skipped + self.untrained_steps  # no update yet
+        with numerical_failures(total, self.step, untouched, self.cfg, self.out):
             self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
-        except LossScaleError as e:  # the checkpoint to resume in bf16 from
-            raise TrainingError(f"{e} ({last_checkpoint(self.out)})") from None
         self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
@@ -323,11 +319,9 @@ class Trainer:
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
                            "tokens_per_s": tok_s,
                            "mfu": tok_s * self.flops_per_token / (self.peak * self.mesh.world) if self.peak else None,
-                           "mem_gib": memory_gib(self.device), "skipped_steps": skipped}
-                    if t.precision == "fp16":
-                        rec["loss_scale"] = self.scaler.scale
-                    if self.cfg.data.skip_untrained:
-                        rec["untrained_steps"] = self.untrained_steps
+                           "mem_gib": memory_gib(self.device), "skipped_steps": skipped,
+                           **({"loss_scale": self.scaler.scale} if t.precision == "fp16" else {}),
+                           **({"untrained_steps": self.untrained_steps} if self.cfg.data.skip_untrained else {})}
                     rec.update(self.engine.metrics())
                     rec.update(self.moe.stats())  # per MoE layer, over the global batch
                     if do_eval:

@@ -58,8 +58,9 @@ def _check_bf16(device: torch.device) -> None:
     larger presets train in bf16."""
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
-        raise ConfigError(f"train.precision = 'bf16' needs a GPU with bf16 arithmetic (compute capability 8.0 or newer: "
-                          f"A100, H100, RTX 30xx and later), and {torch.cuda.get_device_name(device)} is {major}.{minor}: "
+        raise ConfigError(f"train.precision = 'bf16' needs a GPU with bf16 arithmetic (compute capability 8.0 or "
+                          f"newer: A100, H100, RTX 30xx and later), and {torch.cuda.get_device_name(device)} is "
+                          f"{major}.{minor}: "
                           "use train.precision fp16 (with dynamic loss scaling) or fp32")
 
 
@@ -69,7 +70,8 @@ def _check_attention(backend: str, precision: str, device_type: str) -> None:
     FlashAttention's and cuDNN's take fp16 and bf16 only on a GPU."""
     key = f"train.attention = {backend!r}"
     if device_type == "cpu" and backend in ("cudnn", "efficient"):
-        raise ConfigError(f"{key} is a CUDA kernel, and this run is on the CPU: use train.attention auto, flash or math")
+        raise ConfigError(f"{key} is a CUDA kernel, and this run is on the CPU: use train.attention auto, flash "
+                          "or math")
     if device_type == "cuda" and backend in ("flash", "cudnn") and precision == "fp32":
         raise ConfigError(f"{key} takes fp16 and bf16 only, and train.precision is 'fp32': use train.precision bf16, "
                           "or train.attention auto or efficient")
