@@ -5,11 +5,10 @@ runs AdamW (Loshchilov & Hutter 2019) or SGD with momentum on it in one fused pa
 mixed-precision training prescribes; in fp32 the parameters are their own masters. With
 `train.optimizer_dtype = "bf16"` the masters and moments are bf16 (Megatron's precision-aware optimizer, HF's
 pure-bf16 training): each update is computed in fp32 and rounded once to bf16, and bf16 parameters are their
-own masters wherever the optimizer is not sharded. Gradients are
-unscaled, clipped by the global L2 norm (Pascanu et al. 2013), and a step whose norm is not finite is
-skipped. Its state is saved by parameter name, so a checkpoint does not depend on how parameters are
-laid out or sharded. The offloaded variant (masters, moments and the step on the CPU) is
-parallel/offload.py.
+own masters wherever the optimizer is not sharded. Gradients are unscaled, clipped by the global L2 norm
+(Pascanu et al. 2013), and a step whose norm is not finite is skipped. Its state is saved by parameter name,
+so a checkpoint does not depend on how parameters are laid out or sharded. The offloaded variant (masters,
+moments and the step on the CPU) is parallel/offload.py.
 """
 from __future__ import annotations
 
