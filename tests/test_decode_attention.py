@@ -84,7 +84,7 @@ def _check_step(held: bool) -> None:
         bounds = visible_bounds(positions, keys, window, scratch)
         want_k, want_v = (c.clone() for c in caches)
         want = unfused(qkv, angles, want_k, want_v, positions, bounds, heads, keys)
-        got = attention_step(qkv, angles, *caches, positions, bounds, heads, keys)
+        got = attention_step(qkv, angles, *caches, positions, heads, keys, window, scratch)
         assert got.shape == (n, 1, heads * d) and got.dtype == torch.float16
         active = positions[:, 0] != scratch  # the idle row's scratch write is never read: either may skip it
         torch.testing.assert_close(caches[0][active], want_k[active], atol=1e-3, rtol=1e-3)

@@ -209,7 +209,7 @@ def test_decode_step_kernel_rotates_writes_and_attends_as_the_unfused_step(dtype
     bounds = slots.visible_bounds(positions, keys, window, scratch)
     want_k, want_v = (c.clone() for c in caches)
     want = unfused(qkv, angles, want_k, want_v, positions, bounds, heads, keys)
-    got = attention_step(qkv, angles, *caches, positions, bounds, heads, keys)
+    got = attention_step(qkv, angles, *caches, positions, heads, keys, window, scratch)
     active = positions[:, 0] != scratch
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # FMAs or not
     torch.testing.assert_close(caches[0][active], want_k[active], **tol)
@@ -719,7 +719,7 @@ def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
         with torch.no_grad():
             return [gemv.linear(x, lin.weight), Int8Linear(lin)(x), Int4Linear(lin)(x),
                     decode_attention(q, k, v, None, bounds),
-                    attention_step(qkv, None, k, v, torch.full((1, 1), 39, device=device), bounds, 4, 40), k, v]
+                    attention_step(qkv, None, k, v, torch.full((1, 1), 39, device=device), 4, 40, 0, 40), k, v]
 
     torch.cuda.set_device(0)
     for got, want in zip(outputs("cuda:1"), outputs("cuda:0")):

@@ -46,13 +46,21 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, acc_ptr, max_ptr, sum_ptr,
                       sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale, cos_ptr, sin_ptr, pos_ptr, sc_n,
-                      HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr):
+                      keys, window, idle, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr):
         # FUSED: q_ptr is the step's q, k and v projection, a row [HEADS + 2 KV heads, D] (sq_n apart), not yet
-        # rotated; the row's new key and value, at its position pos_ptr[row], go into the caches from here.
+        # rotated; the row's new key and value, at its position pos_ptr[row], go into the caches from here, and
+        # its bounds come from that position as slots.visible_bounds computes them (lo_ptr and hi_ptr unread).
         row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start = tl.maximum(tl.load(lo_ptr + row), split * SPLIT)
-        end = tl.minimum(tl.load(hi_ptr + row), split * SPLIT + SPLIT)
+        if FUSED:
+            at = tl.load(pos_ptr + row)
+            live = at != idle
+            lo = tl.where(live & (window > 0), tl.minimum(tl.maximum(at + 1 - window, 0), keys), 0)
+            hi = tl.where(live, tl.minimum(at + 1, keys), 0)
+        else:
+            lo, hi = tl.load(lo_ptr + row), tl.load(hi_ptr + row)
+        start = tl.maximum(lo, split * SPLIT)
+        end = tl.minimum(hi, split * SPLIT + SPLIT)
         d = tl.arange(0, D)
         best = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
         total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -71,7 +79,6 @@ if triton is not None and hasattr(torch.library, "custom_op"):
                 kv = HEADS + head // GROUP
                 new_k = _rotated(proj + kv * D, d, cos, sin, D, ROPE).to(k_ptr.dtype.element_ty)
                 new_v = tl.load(proj + (kv + HEADS // GROUP) * D + d).to(v_ptr.dtype.element_ty)
-                at = tl.load(pos_ptr + row)  # the row's position (`p` is the loop's softmax weights)
                 if (head % GROUP == 0) & (at >= split * SPLIT) & (at < split * SPLIT + SPLIT):
                     tl.store(keys + at * sk_t + d, new_k)
                     tl.store(values + at * sv_t + d, new_v)
@@ -124,17 +131,19 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         tl.store(y_ptr + pair * D + d, (out / tl.maximum(total, 1e-30)).to(y_ptr.dtype.element_ty))
 
     def _launch(q, k, v, lo, hi, n, heads, keys, fused=None):
-        """The two kernels over `keys` cached positions of n rows' `heads` query heads; `fused`: (cos, sin,
-        positions) where q is the step's projection (FUSED above); cos and sin None without RoPE."""
+        """The two kernels over `keys` cached positions of n rows' `heads` query heads, within bounds lo and hi;
+        `fused`: (cos, sin, positions, window, idle) where q is the step's projection (FUSED above; lo and hi
+        None); cos and sin None without RoPE."""
         d = k.shape[-1]
         acc, best, total = _split_outputs(n, heads, keys, d, q.device)
         splits = acc.shape[2]
-        cos, sin, pos = fused if fused is not None else (None, None, lo)
+        cos, sin, pos, window, idle = fused if fused is not None else (None, None, lo, 0, -1)
+        lo, hi = (pos, pos) if fused is not None else (lo, hi)
         rope = cos is not None
         cos, sin = (cos, sin) if rope else (q, q)
         _split_kernel[(n, heads, splits)](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), d ** -0.5, cos, sin, pos, cos.stride(0),
+            v.stride(0), v.stride(1), v.stride(2), d ** -0.5, cos, sin, pos, cos.stride(0), keys, window, idle,
             HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, FUSED=fused is not None,
             ROPE=rope, num_warps=WARPS)
         y = q.new_empty(n, heads, d)
@@ -159,13 +168,13 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     # else in a decode step reads or writes a layer's cache, so no order the compiler picks can differ.
     @torch.library.custom_op("shardlm::decode_attention_step", mutates_args=())
     def _attention_step(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, k: torch.Tensor,
-                        v: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, heads: int,
-                        keys: int) -> torch.Tensor:
+                        v: torch.Tensor, positions: torch.Tensor, heads: int, keys: int, window: int,
+                        idle: int) -> torch.Tensor:
         with on_device(qkv):
-            return _launch(qkv, k, v, lo, hi, qkv.shape[0], heads, keys, (cos, sin, positions))
+            return _launch(qkv, k, v, None, None, qkv.shape[0], heads, keys, (cos, sin, positions, window, idle))
 
     @_attention_step.register_fake
-    def _(qkv, cos, sin, k, v, positions, lo, hi, heads, keys):
+    def _(qkv, cos, sin, k, v, positions, heads, keys, window, idle):
         return qkv.new_empty(qkv.shape[0], heads, k.shape[-1])
 
 
@@ -214,15 +223,18 @@ def step_kernel_ok(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def attention_step(qkv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, positions: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor],
-                   heads: int, keys: int) -> torch.Tensor:
+                   v_cache: torch.Tensor, positions: torch.Tensor, heads: int, keys: int, window: int,
+                   idle: int) -> torch.Tensor:
     """A decode step's attention from its projection qkv [n, 1, (H + 2 KV) d] (q, k, v, not yet rotated):
     each row's key rotated by `angles` (cos, sin [n, 1, 1, d]; None: no RoPE) and its value written into its
     slot (row i's) of k_cache and v_cache [slots, KV, positions, d] at `positions` [n, 1], and its rotated
-    query attending to the slot's keys within `bounds` (visible_bounds) among the first `keys`: one kernel
-    where the unfused step runs several (the rotations, the cache writes, attention). Returns [n, 1, H d]."""
+    query attending to the slot's keys that slots.visible_bounds shows it among the first `keys` (its position
+    and the `window` before it, 0: all; a row at `idle` none, and it writes nothing): one kernel where the
+    unfused step runs several (the rotations, the cache writes, the bounds, attention). The bounds are the
+    kernel's own: computed outside, the compiler recomputed them for every layer, two kernels a layer (1-1.5
+    us each on an H200, bench/README.md). Returns [n, 1, H d]."""
     n, d = qkv.shape[0], k_cache.shape[-1]
     cos, sin = (None, None) if angles is None else (a.reshape(n, d).contiguous() for a in angles)
     y = torch.ops.shardlm.decode_attention_step(qkv.reshape(n, -1).contiguous(), cos, sin, k_cache, v_cache,
-                                                positions.reshape(n).contiguous(), *bounds, heads, keys)
+                                                positions.reshape(n).contiguous(), heads, keys, window, idle)
     return y.reshape(n, 1, heads * d)

@@ -92,9 +92,12 @@ def visible_bounds(positions: torch.Tensor, keys: int, window: int, idle: int) -
 
 class CachedMask(NamedTuple):
     """What queries over the cache see: `visible`'s mask [n, T, keys], and for one query a row its bounds
-    (visible_bounds), else None."""
+    (visible_bounds), else None; what both are computed from, the sliding window (0: none) and the idle
+    position."""
     mask: torch.Tensor
     bounds: tuple[torch.Tensor, torch.Tensor] | None
+    window: int
+    idle: int
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: CachedMask) -> torch.Tensor:
@@ -191,7 +194,8 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
         mask = model.window_mask(0, t, ids.device)
     else:
         mask = CachedMask(visible(positions, keys, window, cache.scratch),
-                          visible_bounds(positions, keys, window, cache.scratch) if t == 1 else None)
+                          visible_bounds(positions, keys, window, cache.scratch) if t == 1 else None,
+                          window, cache.scratch)
     for i, block in enumerate(model.blocks()):
         x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
     h = model.norm(x)
@@ -210,7 +214,8 @@ def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.
     h = block.attn_norm(x)
     if not fresh and slots is None and mask.bounds is not None and step_kernel_ok(h, k_cache):
         # a decode step (row i in slot i): rotations, cache writes and attention in one kernel
-        y = attention_step(attn.qkv(h), angles, k_cache, v_cache, positions, mask.bounds, attn.n_heads, keys)
+        y = attention_step(attn.qkv(h), angles, k_cache, v_cache, positions, attn.n_heads, keys, mask.window,
+                           mask.idle)
     else:
         q, k, v = attn.project(h, angles)
         k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
