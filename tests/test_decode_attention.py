@@ -108,3 +108,25 @@ def test_decode_step_takes_the_fused_kernel_only_on_a_gpu():
     from shardlm.inference.decode_attention import step_kernel_ok
     x, cache = torch.zeros(2, 1, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
     assert not step_kernel_ok(x, cache)
+
+
+@pytest.mark.timeout(240)
+def test_the_kernels_compile_for_hopper_in_every_mode():
+    """Compiled on the CPU by Triton for sm_90 (what the interpreter never does: it ran a kernel whose argument
+    a local name shadowed, which Triton's compiler refuses)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from test_quant_asm import compiles_for
+
+    from shardlm.inference import decode_attention as da
+    sig = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
+    sig.update(lo_ptr="*i32", hi_ptr="*i32", acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32")
+    sig.update(dict.fromkeys(["sq_n", "sq_h", "sk_n", "sk_h", "sk_t", "sv_n", "sv_h", "sv_t"], "i32"))
+    sig.update(scale="fp32", cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", sc_n="i32", n_keys="i32",
+               window="i32", idle="i32")
+    for fused in (False, True):
+        for rope in (False, True):
+            modes = dict(HEADS=8, GROUP=2, D=64, SPLIT=da.SPLIT, BLOCK=da.BLOCK, FUSED=fused, ROPE=rope)
+            assert compiles_for(da._split_kernel, {**sig, **dict.fromkeys(modes, "constexpr")}, modes, 90)
+    modes = dict(SPLITS=8, BLOCK=16, D=64)
+    assert compiles_for(da._combine_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                                             "y_ptr": "*bf16", **dict.fromkeys(modes, "constexpr")}, modes, 90)

@@ -46,7 +46,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, acc_ptr, max_ptr, sum_ptr,
                       sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale, cos_ptr, sin_ptr, pos_ptr, sc_n,
-                      keys, window, idle, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      n_keys, window, idle, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr):
         # FUSED: q_ptr is the step's q, k and v projection, a row [HEADS + 2 KV heads, D] (sq_n apart), not yet
         # rotated; the row's new key and value, at its position pos_ptr[row], go into the caches from here, and
@@ -55,8 +55,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         if FUSED:
             at = tl.load(pos_ptr + row)
             live = at != idle
-            lo = tl.where(live & (window > 0), tl.minimum(tl.maximum(at + 1 - window, 0), keys), 0)
-            hi = tl.where(live, tl.minimum(at + 1, keys), 0)
+            lo = tl.where(live & (window > 0), tl.minimum(tl.maximum(at + 1 - window, 0), n_keys), 0)
+            hi = tl.where(live, tl.minimum(at + 1, n_keys), 0)
         else:
             lo, hi = tl.load(lo_ptr + row), tl.load(hi_ptr + row)
         start = tl.maximum(lo, split * SPLIT)
