@@ -99,6 +99,36 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_grap
     assert got == [r.tokens for r in eager.run([Request(p, 4) for p in prompts + prompts])]
 
 
+def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
+    """warm_up_batches runs the greedy and the sampling decode step over every slot and over the one row a
+    request alone in the first slot steps as: requests alone and together, greedy and sampled, then compile
+    nothing new, and give eager decoding's tokens."""
+    from shardlm.serve.worker import warm_up_batches
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"))
+    monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()
+    model = tiny(**CASES["llama_gqa"])
+    engine = Engine(model, max_batch=3, max_len=48, compile=True, compile_prefill=False, prefill_chunk=8)
+    for batch in warm_up_batches(engine):
+        engine.run(batch)
+    warmed = len(graphs)
+
+    def requests(prompts):
+        return [Request(p, 5, SamplingParams(0.8, seed=i) if i % 2 else SamplingParams()) for i, p in enumerate(prompts)]
+    prompts = prompts_of((5, 13, 2, 9))
+    runs = [prompts[:1], prompts[1:2], prompts[:2], prompts[1:]]
+    got = [[r.tokens for r in engine.run(requests(p))] for p in runs]
+    assert warmed == 4 and len(graphs) == warmed
+    eager = Engine(model, max_batch=3, max_len=48, compile=False)
+    assert got == [[r.tokens for r in eager.run(requests(p))] for p in runs]
+
+
 def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):
     """cuDNN's attention (SDPA's choice on Hopper) builds a plan for every new shape, tens to hundreds of
     milliseconds, and prompts come in every length: a prompt's attention runs with it disabled, and only there

@@ -25,10 +25,15 @@ def compile_errors() -> tuple[type, ...]:
 
 class CompiledOrEager:
     """`fn` compiled with `options`; from a call that fails to compile on, `fn` itself, with a warning naming
-    `what`. A failed compile runs none of the function, so that call is simply run again eagerly."""
+    `what`. A failed compile runs none of the function, so that call is simply run again eagerly. `shapes`: the
+    compiles `fn` may take (static shapes, one each); Dynamo's limit (8 a function by default, process-wide) is
+    raised to it, else the shapes past it would run eagerly."""
 
-    def __init__(self, fn: Callable, what: str, **options):
+    def __init__(self, fn: Callable, what: str, shapes: int = 0, **options):
         self.eager, self.what = fn, what
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), shapes))
         self.graphs = options.get("mode") == "reduce-overhead"
         self.fn = torch.compile(fn, **options)
 

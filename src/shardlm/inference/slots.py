@@ -222,8 +222,9 @@ def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.
         v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
         if fresh:
             y = attend_fresh(q, k, v, mask)
-        elif slots is None:
-            y = attend_cached(q, k_cache[:, :, :keys], v_cache[:, :, :keys], mask)
+        elif slots is None:  # row i in slot i, the first rows of the cache's
+            n = x.shape[0]
+            y = attend_cached(q, k_cache[:n, :, :keys], v_cache[:n, :, :keys], mask)
         else:
             y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
     x = x + attn.out(y)

@@ -25,9 +25,9 @@ SWITCH_S = 0.0005  # the process's GIL switch interval while a worker runs (sys.
 
 def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     """Requests that compile (on a GPU: capture) what serving runs before a client waits on it, each batch run
-    to its end in turn: the greedy and the sampling decode step, and the compiled prefill block
-    (inference/slots.decoder_layer) in each class of shapes the compiler tells apart although its sizes are
-    symbolic: one row and several (it specialises a size of 1), a prompt's first chunk and a later one, which
+    to its end in turn: the greedy and the sampling decode step (over every slot, and over one row), and the
+    compiled prefill block (inference/slots.decoder_layer) in each class of shapes the compiler tells apart
+    although its sizes are symbolic: one row and several (it specialises a size of 1), a prompt's first chunk and a later one, which
     reads the cache. The sizes differ from the cache's: the compiler assumes sizes equal that were equal
     when it traced, and would compile again the first time they differ. Then a prompt alone of each length
     whose prefill is a CUDA graph (Engine.graphed_prompts), capturing it. `token`: the prompts' one id."""
@@ -40,7 +40,10 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     # two new tokens run a decode step; a slot of 2 positions (--max-len 2) holds no second, nor decodes
     new = min(2, engine.max_len - len(prompt))
     several = [Request(prompt, new) for _ in range(rows - 1)] + [Request(prompt, new, SamplingParams(1.0, seed=0))]
-    return [several, [Request(prompt, new)], *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
+    # each decode step over every slot and, for a request alone, over one row (Engine._decode_burst)
+    steps = [several, [Request(prompt, new), Request(prompt, new)], [Request(prompt, new)],
+             [Request(prompt, new, SamplingParams(1.0, seed=0))]]
+    return [*steps, *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
 
 
 class Closed(RuntimeError):
