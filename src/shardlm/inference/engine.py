@@ -22,7 +22,7 @@ from .adapters import AdapterRows, install_adapters
 from .compiled import CompiledOrEager
 from .one_shot import fused_check, use_one_shot
 from .prefill_graphs import PrefillGraphs
-from .request import Request, Slot
+from .request import Request, Slot, accept, new_text
 from .sampler import greedy, sample
 from .slots import WITHOUT_CUDNN_ATTENTION, StaticKVCache, decoder_layer, forward_tokens
 
@@ -239,7 +239,7 @@ class Engine:
     def _end_cancelled(self, r: Request, finished: list[Request]) -> None:
         r.finish_reason = "cancelled"
         if self.decode is not None and r.text is None:
-            r.text = self._decode_new(r, r.completion)
+            r.text = new_text(r, r.completion, self.decode)
         finished.append(r)
 
     # ---- prefill ------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class Engine:
         self.pos[at] = torch.tensor([len(self.slots[i].request.prompt) for i in done], device=self.device)
         self.active[at] = 1
         for i, token in zip(done, first[mine].tolist()):
-            if self._accept(self.slots[i].request, [token]):
+            if accept(self.slots[i].request, [token], self.decode):
                 self._release(i, finished)
 
     def _pass_inputs(self, rows: list[int], chunk: dict[int, int]) -> dict[str, torch.Tensor]:
@@ -343,7 +343,7 @@ class Engine:
         if self._check_sums is not None:
             self._check_sums()
         for i in live:
-            if self._accept(self.slots[i].request, new[i]):
+            if accept(self.slots[i].request, new[i], self.decode):
                 self._release(i, finished)
 
     def _keys(self, reach: int) -> int:
@@ -353,45 +353,3 @@ class Engine:
         while keys < reach:
             keys *= 2
         return min(keys, self.max_len + 1)
-
-    def _accept(self, r: Request, new: list[int]) -> bool:
-        """Append `new` to r's tokens up to a stop or its budget; whether r has finished."""
-        taken = []
-        for token in new:
-            taken.append(token)
-            r.tokens.append(token)
-            if token in r.stop_ids or self._stopped_by_string(r):
-                r.finish_reason = "stop"
-                break
-            if len(r.tokens) == r.max_new_tokens:
-                r.finish_reason = "length"
-                break
-        if r.on_tokens is not None and taken:
-            r.on_tokens(r, taken)
-        if r.done and self.decode is not None and r.text is None:
-            r.text = self._decode_new(r, r.completion)
-        return r.done
-
-    def _decode_new(self, r: Request, ids: list[int]) -> str:
-        """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
-        2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
-        last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
-        beginning-of-sequence token of an empty prompt), and a request that does not `continue` its prompt a text
-        of its own (a chat reply), whose first word has no space before it."""
-        before = r.prompt[-1:] if len(r.prompt) > 1 and r.continues else []
-        head = self.decode(before)
-        text = self.decode(before + list(ids))
-        return text[len(head):] if text.startswith(head) else self.decode(ids)
-
-    def _stopped_by_string(self, r: Request) -> bool:
-        """Whether the newest token completed one of r's stop strings. Only the tokens that can hold one are
-        decoded (a character takes at most 4 byte-level tokens), not the whole completion each token."""
-        if not r.stop or self.decode is None:
-            return False
-        n = 4 * max(map(len, r.stop)) + 1
-        tail = self.decode(r.tokens[-n:]) if len(r.tokens) > n else self._decode_new(r, r.tokens)
-        if not any(s in tail for s in r.stop):
-            return False
-        text = self._decode_new(r, r.tokens)
-        r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
-        return True

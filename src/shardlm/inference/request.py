@@ -1,4 +1,5 @@
-"""A generation request and the slot that holds it in the engine (engine.py)."""
+"""A generation request, the slot that holds it in the engine (engine.py), and how its new tokens end it: stop
+tokens, stop strings in the decoded text, its budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,3 +54,49 @@ class Slot:
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.request.prompt)
+
+
+def accept(r: Request, new: list[int], decode: Callable | None) -> bool:
+    """Append `new` to r's tokens up to a stop or its budget; whether r has finished. `decode`: the tokenizer's
+    ids -> text, for stop strings and r.text (None: neither)."""
+    taken = []
+    for token in new:
+        taken.append(token)
+        r.tokens.append(token)
+        if token in r.stop_ids or _stopped_by_string(r, decode):
+            r.finish_reason = "stop"
+            break
+        if len(r.tokens) == r.max_new_tokens:
+            r.finish_reason = "length"
+            break
+    if r.on_tokens is not None and taken:
+        r.on_tokens(r, taken)
+    if r.done and decode is not None and r.text is None:
+        r.text = new_text(r, r.completion, decode)
+    return r.done
+
+
+def new_text(r: Request, ids: list[int], decode: Callable) -> str:
+    """The text of r's new `ids`, decoded after the prompt's last token: SentencePiece-style decoders (Llama
+    2's, Mistral's) drop the space that opens a text, and the completion's first word ran into the prompt's
+    last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
+    beginning-of-sequence token of an empty prompt), and a request that does not `continue` its prompt a text
+    of its own (a chat reply), whose first word has no space before it."""
+    before = r.prompt[-1:] if len(r.prompt) > 1 and r.continues else []
+    head = decode(before)
+    text = decode(before + list(ids))
+    return text[len(head):] if text.startswith(head) else decode(ids)
+
+
+def _stopped_by_string(r: Request, decode: Callable | None) -> bool:
+    """Whether the newest token completed one of r's stop strings. Only the tokens that can hold one are
+    decoded (a character takes at most 4 byte-level tokens), not the whole completion each token."""
+    if not r.stop or decode is None:
+        return False
+    n = 4 * max(map(len, r.stop)) + 1
+    tail = decode(r.tokens[-n:]) if len(r.tokens) > n else new_text(r, r.tokens, decode)
+    if not any(s in tail for s in r.stop):
+        return False
+    text = new_text(r, r.tokens, decode)
+    r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
+    return True

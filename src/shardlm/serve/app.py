@@ -241,7 +241,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                              "server is still up: retry it.")
 
     def text_of(answer: Answer) -> TextStream:
-        # A completion continues its prompt's text, the space that opens it included (as Engine._decode_new
+        # A completion continues its prompt's text, the space that opens it included (as request.new_text
         # decodes it); a chat template places the space between turns itself (Llama 2's "[/INST] " + content),
         # so a message's content has none.
         prompt = answer.params.prompt
