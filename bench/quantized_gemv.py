@@ -12,7 +12,8 @@ in a graph of their own.
 
 Systems:
 - `bf16`: torch.nn.functional.linear (cuBLAS).
-- `int8`: shardlm.inference.int8's int8_linear (per-channel int8, its one-row GEMV and few-row tl.dot kernels).
+- `int8`: shardlm.inference.int8's int8_linear (per-channel int8, its one-row GEMV and few-row tl.dot kernels;
+  beyond MAX_ROWS rows the weight dequantised and multiplied as bf16). `int8-mm`: its tl.dot kernel at any rows.
 - `int4`: shardlm.inference.int4 (`--quantize int4`): words [N/8, K/8, 8], each block of 8 outputs one
   contiguous run along K, its one-row kernel a program a block (`--gemv-rows` rows of words a step and `--warps`
   swept at one row), its few-row forms at 2-64.
@@ -62,7 +63,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("bf16", "int8", "int4", "int4-mm", "int4-torchao", "int4-splitk", "int4-splitk-atomic")
+SYSTEMS = ("bf16", "int8", "int8-mm", "int4", "int4-mm", "int4-torchao", "int4-splitk", "int4-splitk-atomic")
 SPLITK = ("int4-splitk", "int4-splitk-atomic")
 COPIES = 8  # layers' worth of each shape: 8 x 0.4 GB in bf16, 8 x 0.1 GB in int4, against an L2 of tens of MB
 # The split-K kernels' launch: outputs a program and warps (the branch's, from an H200 sweep); groups a tile of
@@ -239,6 +240,10 @@ def make_system(name: str):
             return int8_linear(x, q.weight, q.scale) if launch is None else int8_gemv(x, q.weight, q.scale,
                                                                                       launch=launch)
         return ((lambda w: Int8Linear(_linear(w))), run, (lambda q: q.weight.float() * q.scale.float()[:, None]))
+    if name == "int8-mm":  # the few-row tl.dot kernel at any rows: whether prefill's prompts should take it
+        from shardlm.inference import int8
+        return ((lambda w: int8.Int8Linear(_linear(w))), (lambda x, q, _: torch.ops.shardlm.int8_mm(x, q.weight, q.scale)),
+                (lambda q: q.weight.float() * q.scale.float()[:, None]))
     if name in ("int4", "int4-mm"):
         from shardlm.inference import int4, int4_format
 
