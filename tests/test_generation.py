@@ -129,6 +129,36 @@ def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
     assert got == [[r.tokens for r in eager.run(requests(p))] for p in runs]
 
 
+def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
+    """Data-parallel replicas (serve --replicas) are engines of one process whose steps share their code objects,
+    and Dynamo counts every engine's graphs against one limit (it does not tell the engines apart by identity):
+    two engines' steps at each key bucket and at one row and every slot all compile, none failing the step
+    (with fullgraph, a step past the limit raised FailOnRecompileLimitHit, which is not a compile error the
+    engine falls back from) and none falling back to eager."""
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, whatever ran before
+    torch._dynamo.reset()
+    engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
+                      compile_prefill=False) for _ in range(2)]
+    buckets = sorted({engines[0]._keys(2 ** i) for i in range(13)})
+    assert buckets == [512, 1024, 2048, 2049]
+    with torch.no_grad():
+        for e in engines:
+            for keys in buckets:
+                for m in (1, 2):
+                    e._steps[0](e.tokens[:m], e.pos[:m], keys)
+    assert len(graphs) == 2 * 2 * len(buckets)
+    assert all(e._steps[0].fn is not e._steps[0].eager for e in engines)
+    torch._dynamo.reset()
+
+
 def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):
     """cuDNN's attention (SDPA's choice on Hopper) builds a plan for every new shape, tens to hundreds of
     milliseconds, and prompts come in every length: a prompt's attention runs with it disabled, and only there
