@@ -67,6 +67,30 @@ def test_what_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch, 
     assert [r.tokens for r in got] == want
 
 
+def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(monkeypatch):
+    """A step shape past Dynamo's recompile limit (fullgraph: FailOnRecompileLimitHit, not a Dynamo error) does
+    not fail the step, and so every request in it: the step runs eagerly from then on, with a warning."""
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()
+    model = tiny(**CASES["llama_gqa"])
+    engine = Engine(model, max_batch=2, max_len=48, compile=True, compile_prefill=False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # room for one shape: one row
+    prompts = prompts_of((5, 9))
+    want = [greedy_full_forward(model, p, 4) for p in prompts]
+    alone = engine.run([Request(prompts[0], 4)])
+    with pytest.warns(UserWarning, match="the decode step runs eagerly: compiling it failed"):
+        together = engine.run([Request(p, 4) for p in prompts])
+    assert [alone[0].tokens] + [r.tokens for r in together] == [want[0]] + want
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("slots,prefill_graphs", [(4, 0), (6, 64)])
 def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_graphs, monkeypatch):
     """worker.warm_up_batches compiles every class of prefill shapes serving meets (one row and several, a first
