@@ -153,6 +153,37 @@ def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
     assert got == [[r.tokens for r in eager.run(requests(p))] for p in runs]
 
 
+def test_after_the_warm_up_no_key_bucket_compiles_a_decode_step_again(monkeypatch):
+    """A decode step is a graph for each key bucket (Engine._keys) as well as each row count: warm_up_batches
+    compiles the greedy and the sampling step at one row and every slot in every bucket, so that requests of
+    any length, alone and together, compile nothing new (before, only the bucket of its one prompt length)."""
+    from shardlm.serve.worker import warm_up_batches
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()
+    model = tiny(**CASES["llama_gqa"], max_seq_len=1100)
+    engine = Engine(model, max_batch=3, max_len=1100, compile=True, compile_prefill=False, prefill_chunk=64)
+    buckets = {engine._keys(2 ** i) for i in range(12)}
+    assert buckets == {512, 1024, 1101}
+    for batch in warm_up_batches(engine):
+        engine.run(batch)
+    warmed = len(graphs)
+    for n in (5, 700, 1095):
+        prompt = prompts_of((n,))[0]
+        engine.run([Request(prompt, 3)])
+        engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1))])
+        engine.run([Request(prompt, 3), Request(prompt[:7], 3)])
+        engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1)), Request(prompt[:7], 3)])
+    assert warmed == 4 * len(buckets) and len(graphs) == warmed
+    torch._dynamo.reset()
+
+
 def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
     """Data-parallel replicas (serve --replicas) are engines of one process whose steps share their code objects,
     and Dynamo counts every engine's graphs against one limit (it does not tell the engines apart by identity):
