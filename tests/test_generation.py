@@ -67,6 +67,30 @@ def test_what_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch, 
     assert [r.tokens for r in got] == want
 
 
+def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(monkeypatch):
+    """A step shape past Dynamo's recompile limit (fullgraph: FailOnRecompileLimitHit, not a Dynamo error) does
+    not fail the step, and so every request in it: the step runs eagerly from then on, with a warning."""
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()
+    model = tiny(**CASES["llama_gqa"])
+    engine = Engine(model, max_batch=2, max_len=48, compile=True, compile_prefill=False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # room for one shape: one row
+    prompts = prompts_of((5, 9))
+    want = [greedy_full_forward(model, p, 4) for p in prompts]
+    alone = engine.run([Request(prompts[0], 4)])
+    with pytest.warns(UserWarning, match="the decode step runs eagerly: compiling it failed"):
+        together = engine.run([Request(p, 4) for p in prompts])
+    assert [alone[0].tokens] + [r.tokens for r in together] == [want[0]] + want
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("slots,prefill_graphs", [(4, 0), (6, 64)])
 def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_graphs, monkeypatch):
     """worker.warm_up_batches compiles every class of prefill shapes serving meets (one row and several, a first
@@ -127,6 +151,67 @@ def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
     assert warmed == 4 and len(graphs) == warmed
     eager = Engine(model, max_batch=3, max_len=48, compile=False)
     assert got == [[r.tokens for r in eager.run(requests(p))] for p in runs]
+
+
+def test_after_the_warm_up_no_key_bucket_compiles_a_decode_step_again(monkeypatch):
+    """A decode step is a graph for each key bucket (Engine._keys) as well as each row count: warm_up_batches
+    compiles the greedy and the sampling step at one row and every slot in every bucket, so that requests of
+    any length, alone and together, compile nothing new (before, only the bucket of its one prompt length)."""
+    from shardlm.serve.worker import warm_up_batches
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    torch._dynamo.reset()
+    model = tiny(**CASES["llama_gqa"], max_seq_len=1100)
+    engine = Engine(model, max_batch=3, max_len=1100, compile=True, compile_prefill=False, prefill_chunk=64)
+    buckets = {engine._keys(2 ** i) for i in range(12)}
+    assert buckets == {512, 1024, 1101}
+    for batch in warm_up_batches(engine):
+        engine.run(batch)
+    warmed = len(graphs)
+    for n in (5, 700, 1095):
+        prompt = prompts_of((n,))[0]
+        engine.run([Request(prompt, 3)])
+        engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1))])
+        engine.run([Request(prompt, 3), Request(prompt[:7], 3)])
+        engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1)), Request(prompt[:7], 3)])
+    assert warmed == 4 * len(buckets) and len(graphs) == warmed
+    torch._dynamo.reset()
+
+
+def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
+    """Data-parallel replicas (serve --replicas) are engines of one process whose steps share their code objects,
+    and Dynamo counts every engine's graphs against one limit (it does not tell the engines apart by identity):
+    two engines' steps at each key bucket and at one row and every slot all compile, none failing the step
+    (with fullgraph, a step past the limit raised FailOnRecompileLimitHit, which is not a compile error the
+    engine falls back from) and none falling back to eager."""
+    graphs, real = [], torch.compile
+
+    def counting(fn, **options):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
+    monkeypatch.setattr(torch, "compile", counting)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, whatever ran before
+    torch._dynamo.reset()
+    engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
+                      compile_prefill=False) for _ in range(2)]
+    buckets = sorted({engines[0]._keys(2 ** i) for i in range(13)})
+    assert buckets == [512, 1024, 2048, 2049]
+    with torch.no_grad():
+        for e in engines:
+            for keys in buckets:
+                for m in (1, 2):
+                    e._steps[0](e.tokens[:m], e.pos[:m], keys)
+    assert len(graphs) == 2 * 2 * len(buckets)
+    assert all(e._steps[0].fn is not e._steps[0].eager for e in engines)
+    torch._dynamo.reset()
 
 
 def test_prompts_attend_through_kernels_without_per_shape_plans(monkeypatch):

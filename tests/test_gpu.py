@@ -451,8 +451,8 @@ def test_int4_engine_decodes_in_cuda_graphs_as_it_does_eagerly():
 
 def decodes_in_cuda_graphs_as_eagerly(model) -> None:
     """The compiled engine (CUDA graph trees, no skip: every product inside the graphs) at one row, at three, and
-    at one row of three slots (a request alone) gives greedy tokens that the eager model's forward over prompt + tokens scores within bf16's rounding of its
-    best at every step. Not token for token against the eager engine: the compiled norms and attention round
+    at one row of three slots (a request alone) gives greedy tokens that the eager model's forward over prompt
+    + tokens scores within bf16's rounding of its best at every step. Not token for token against the eager engine: the compiled norms and attention round
     otherwise, and random weights meet near-ties (a run of 8 tokens once parted at the fourth)."""
     from torch._dynamo.utils import counters
 

@@ -13,27 +13,39 @@ import torch
 
 def compile_errors() -> tuple[type, ...]:
     """What torch.compile raises for a function it cannot take: Dynamo's errors, and Inductor's code
-    generation errors (a subclass of them in recent builds, reaching the caller as they are), and a guard on
-    a data-dependent size."""
+    generation errors (a subclass of them in recent builds, reaching the caller as they are), a guard on
+    a data-dependent size, and a fullgraph compile past Dynamo's recompile limit (a plain Exception)."""
     import torch._inductor.exc as inductor
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     extra = [inductor.InductorError] if hasattr(inductor, "InductorError") else []
+    extra += [e for e in (getattr(torch._dynamo.exc, n, None) for n in ("FailOnRecompileLimitHit",
+                                                                     "FailOnCacheLimitHit")) if e is not None]
     # a branch on a value only the run knows (an MoE's expert loop on a GPU without grouped kernels for the
     # dtype) reaches the caller as the shape engine's error, not Dynamo's
     return (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode, *extra)
 
 
+_SHAPES: dict = {}  # a code object -> the compiles its CompiledOrEagers may take, in this process
+
+
 class CompiledOrEager:
     """`fn` compiled with `options`; from a call that fails to compile on, `fn` itself, with a warning naming
     `what`. A failed compile runs none of the function, so that call is simply run again eagerly. `shapes`: the
-    compiles `fn` may take (static shapes, one each); Dynamo's limit (8 a function by default, process-wide) is
-    raised to it, else the shapes past it would run eagerly."""
+    compiles `fn` may take (static shapes, one each). Dynamo counts the compiles of a code object against one
+    limit (8 by default, process-wide), every engine's together (data-parallel replicas, engines rebuilt for
+    adapters: it does not tell them apart), so the limit is raised to the shapes of every CompiledOrEager of
+    `fn`'s code so far: past it a fullgraph compile raises FailOnRecompileLimitHit (then run eagerly)."""
 
     def __init__(self, fn: Callable, what: str, shapes: int = 0, **options):
         self.eager, self.what = fn, what
-        config = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, limit, max(getattr(config, limit), shapes))
+        if shapes:
+            code = getattr(getattr(fn, "__func__", fn), "__code__", fn)
+            _SHAPES[code] = total = _SHAPES.get(code, 0) + shapes
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            for name in (limit, "accumulated_recompile_limit"):
+                if hasattr(config, name):
+                    setattr(config, name, max(getattr(config, name), total))
         self.graphs = options.get("mode") == "reduce-overhead"
         self.fn = torch.compile(fn, **options)
 

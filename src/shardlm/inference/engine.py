@@ -5,8 +5,9 @@ keep decoding; a request leaves as soon as it has its tokens.
 
 Decode is a different program from training (pytorch-labs gpt-fast): one step over every slot (a request
 alone in the first: one row), of fixed shapes, compiled once and on a GPU replayed as a CUDA graph, so that
-batch-1 decode is bound by reading the weights rather than by launching kernels. Greedy and sampling steps are two graphs; the host picks one from
-what it knows of the requests, never from the device. The host reads the new tokens once per burst of up
+batch-1 decode is bound by reading the weights rather than by launching kernels. Greedy and sampling steps
+are graphs apart (each at one row and at every slot); the host picks one from what it knows of the
+requests, never from the device. The host reads the new tokens once per burst of up
 to `sync_every` steps (a request never runs past its token budget inside one): stop tokens and stop
 strings are checked then, so no step waits for the host.
 """
@@ -348,7 +349,8 @@ class Engine:
 
     def _keys(self, reach: int) -> int:
         """The cached positions a decode step reads: a power of two (at least 512) covering `reach`, so a
-        step over short requests reads little of a long cache, at the cost of one graph per size."""
+        step over short requests reads little of a long cache, at the cost of graphs per size (four: greedy and
+        sampling, one row and every slot; serve/worker.warm_up_batches compiles them all)."""
         keys = 512
         while keys < reach:
             keys *= 2

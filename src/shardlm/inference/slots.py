@@ -82,7 +82,8 @@ def visible(positions: torch.Tensor, keys: int, window: int, idle: int | None = 
 
 def visible_bounds(positions: torch.Tensor, keys: int, window: int, idle: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For one query a row (`positions` [n, 1]): the first cached position `visible` shows it and one past the
-    last (int32 [n] each); 0 and 0 for an idle row. Computed once a decode step for every layer's kernel."""
+    last (int32 [n] each); 0 and 0 for an idle row. Computed once a decode step for every layer's unfused
+    kernel (decode_attention); the fused step's kernel computes the same from each row's position."""
     pos = positions[:, 0].int()
     hi = (pos + 1).clamp_max(keys)
     lo = (pos + 1 - window).clamp(0, keys) if window else torch.zeros_like(hi)

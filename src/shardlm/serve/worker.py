@@ -25,12 +25,13 @@ SWITCH_S = 0.0005  # the process's GIL switch interval while a worker runs (sys.
 
 def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     """Requests that compile (on a GPU: capture) what serving runs before a client waits on it, each batch run
-    to its end in turn: the greedy and the sampling decode step (over every slot, and over one row), and the
-    compiled prefill block (inference/slots.decoder_layer) in each class of shapes the compiler tells apart
-    although its sizes are symbolic: one row and several (it specialises a size of 1), a prompt's first chunk and a later one, which
-    reads the cache. The sizes differ from the cache's: the compiler assumes sizes equal that were equal
-    when it traced, and would compile again the first time they differ. Then a prompt alone of each length
-    whose prefill is a CUDA graph (Engine.graphed_prompts), capturing it. `token`: the prompts' one id."""
+    to its end in turn: the greedy and the sampling decode step (over every slot, and over one row) in every
+    key bucket (Engine._keys), and the compiled prefill block (inference/slots.decoder_layer) in each class of
+    shapes the compiler tells apart although its sizes are symbolic: one row and several (it specialises a
+    size of 1), a prompt's first chunk and a later one, which reads the cache. The sizes differ from the
+    cache's: the compiler assumes sizes equal that were equal when it traced, and would compile again the
+    first time they differ. Then a prompt alone of each length whose prefill is a CUDA graph
+    (Engine.graphed_prompts), capturing it. `token`: the prompts' one id."""
     taken = {*engine.cache.k[0].shape, engine.prefill_chunk}
     # more rows than the engine prefills one at a time (Engine's prefill_split), where its slots allow
     least = max(2, min(getattr(engine, "prefill_split", 0) + 1, len(engine.slots) - 1))
@@ -43,6 +44,19 @@ def warm_up_batches(engine, token: int = 0) -> list[list[Request]]:
     # each decode step over every slot and, for a request alone, over one row (Engine._decode_burst)
     steps = [several, [Request(prompt, new), Request(prompt, new)], [Request(prompt, new)],
              [Request(prompt, new, SamplingParams(1.0, seed=0))]]
+
+    def bucket(n: int) -> int:  # the keys (Engine._keys) of the decode burst after a prompt of n tokens
+        return engine._keys(n + min(engine.sync_every, engine.max_len - n) + 1)
+    # and in every other key bucket, each a graph of its own (where compiled): the shortest prompt whose burst
+    # reads it
+    seen = {bucket(len(prompt))} if new == 2 else set()
+    for n in range(1, engine.max_len - 1) if engine.compile else ():
+        if bucket(n) not in seen:
+            seen.add(bucket(n))
+            p, sampled = [token] * n, SamplingParams(1.0, seed=0)
+            steps += [[Request(p, 2)], [Request(p, 2, sampled)]]
+            if len(engine.slots) > 1:
+                steps += [[Request(p, 2), Request(p, 2)], [Request(p, 2), Request(p, 2, sampled)]]
     return [*steps, *([Request([token] * n, 1)] for n in engine.graphed_prompts())]
 
 
