@@ -67,9 +67,9 @@ def test_what_the_compiler_cannot_take_runs_eagerly_with_a_warning(monkeypatch, 
     assert [r.tokens for r in got] == want
 
 
-def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(monkeypatch):
-    """A step shape past Dynamo's recompile limit (fullgraph: FailOnRecompileLimitHit, not a Dynamo error) does
-    not fail the step, and so every request in it: the step runs eagerly from then on, with a warning."""
+def counting_compiles(monkeypatch) -> list:
+    """torch.compile made to record each graph the compiler traces (run as traced: no code generated) in the
+    list returned, with the dynamic and fullgraph options the caller gave."""
     graphs, real = [], torch.compile
 
     def counting(fn, **options):
@@ -78,6 +78,13 @@ def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(
             return gm.forward
         return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
     monkeypatch.setattr(torch, "compile", counting)
+    return graphs
+
+
+def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(monkeypatch):
+    """A step shape past Dynamo's recompile limit (fullgraph: FailOnRecompileLimitHit, not a Dynamo error) does
+    not fail the step, and so every request in it: the step runs eagerly from then on, with a warning."""
+    counting_compiles(monkeypatch)
     torch._dynamo.reset()
     model = tiny(**CASES["llama_gqa"])
     engine = Engine(model, max_batch=2, max_len=48, compile=True, compile_prefill=False)
@@ -98,14 +105,7 @@ def test_after_the_warm_up_serving_compiles_no_prefill_again(slots, prefill_grap
     the graphs it made, and the tokens are eager prefill's. With prefill graphs (padded, uncaptured on a CPU) a
     few prompts prefill one at a time, six in one pass."""
     from shardlm.serve.worker import warm_up_batches
-    graphs, real = [], torch.compile
-
-    def counting(fn, **options):  # the compiler's graphs counted, each run as traced (no code generated)
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        return real(fn, backend=backend, dynamic=options.get("dynamic"))
-    monkeypatch.setattr(torch, "compile", counting)
+    graphs = counting_compiles(monkeypatch)
     torch._dynamo.reset()  # nothing compiled before (another case's graphs) serves this one
     model = tiny(**CASES["llama_gqa"])
     engine = Engine(model, max_batch=slots, max_len=48, compile=False, compile_prefill=True, prefill_chunk=8,
@@ -128,14 +128,7 @@ def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
     request alone in the first slot steps as: requests alone and together, greedy and sampled, then compile
     nothing new, and give eager decoding's tokens."""
     from shardlm.serve.worker import warm_up_batches
-    graphs, real = [], torch.compile
-
-    def counting(fn, **options):
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        return real(fn, backend=backend, dynamic=options.get("dynamic"))
-    monkeypatch.setattr(torch, "compile", counting)
+    graphs = counting_compiles(monkeypatch)
     torch._dynamo.reset()
     model = tiny(**CASES["llama_gqa"])
     engine = Engine(model, max_batch=3, max_len=48, compile=True, compile_prefill=False, prefill_chunk=8)
@@ -158,14 +151,7 @@ def test_after_the_warm_up_no_key_bucket_compiles_a_decode_step_again(monkeypatc
     compiles the greedy and the sampling step at one row and every slot in every bucket, so that requests of
     any length, alone and together, compile nothing new (before, only the bucket of its one prompt length)."""
     from shardlm.serve.worker import warm_up_batches
-    graphs, real = [], torch.compile
-
-    def counting(fn, **options):
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
-    monkeypatch.setattr(torch, "compile", counting)
+    graphs = counting_compiles(monkeypatch)
     torch._dynamo.reset()
     model = tiny(**CASES["llama_gqa"], max_seq_len=1100)
     engine = Engine(model, max_batch=3, max_len=1100, compile=True, compile_prefill=False, prefill_chunk=64)
@@ -190,14 +176,7 @@ def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
     two engines' steps at each key bucket and at one row and every slot all compile, none failing the step
     (with fullgraph, a step past the limit raised FailOnRecompileLimitHit, which is not a compile error the
     engine falls back from) and none falling back to eager."""
-    graphs, real = [], torch.compile
-
-    def counting(fn, **options):
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        return real(fn, backend=backend, dynamic=options.get("dynamic"), fullgraph=options.get("fullgraph", False))
-    monkeypatch.setattr(torch, "compile", counting)
+    graphs = counting_compiles(monkeypatch)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, whatever ran before
     torch._dynamo.reset()
     engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
