@@ -110,6 +110,16 @@ def test_decode_step_takes_the_fused_kernel_only_on_a_gpu():
     assert not step_kernel_ok(x, cache)
 
 
+def split_kernel_signature() -> dict:
+    """decode_attention._split_kernel's runtime arguments and their types, for Triton's compiler."""
+    sig = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
+    sig.update(lo_ptr="*i32", hi_ptr="*i32", acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32")
+    sig.update(dict.fromkeys(["sq_n", "sq_h", "sk_n", "sk_h", "sk_t", "sv_n", "sv_h", "sv_t"], "i32"))
+    sig.update(scale="fp32", cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", sc_n="i32", n_keys="i32",
+               window="i32", idle="i32")
+    return sig
+
+
 @pytest.mark.timeout(240)
 def test_the_kernels_compile_for_hopper_in_every_mode():
     """Compiled on the CPU by Triton for sm_90 (what the interpreter never does: it ran a kernel whose argument
@@ -118,11 +128,7 @@ def test_the_kernels_compile_for_hopper_in_every_mode():
     from test_quant_asm import compiles_for
 
     from shardlm.inference import decode_attention as da
-    sig = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
-    sig.update(lo_ptr="*i32", hi_ptr="*i32", acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32")
-    sig.update(dict.fromkeys(["sq_n", "sq_h", "sk_n", "sk_h", "sk_t", "sv_n", "sv_h", "sv_t"], "i32"))
-    sig.update(scale="fp32", cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", sc_n="i32", n_keys="i32",
-               window="i32", idle="i32")
+    sig = split_kernel_signature()
     for fused in (False, True):
         for rope in (False, True):
             modes = dict(HEADS=8, GROUP=2, D=64, SPLIT=da.SPLIT, BLOCK=da.BLOCK, FUSED=fused, ROPE=rope)
