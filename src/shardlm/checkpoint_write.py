@@ -4,6 +4,7 @@ beside them, everything fsynced, then renamed into place and older checkpoints r
 (a full or read-only disk) removes the temporary directory and names the checkpoint that is kept."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -109,7 +110,11 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
-        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+        # Through memory: torch.save's own writes fail on a full disk with a RuntimeError naming neither the
+        # cause nor the file ("basic_ios::clear: iostream error"), which _FailingSave does not catch.
+        rng_bytes = io.BytesIO()
+        torch.save(rng if rng is not None else rng_state(), rng_bytes)
+        (tmp / "rng.pt").write_bytes(rng_bytes.getvalue())
         if tokenizer is not None:  # with its tokenizer_config.json: the chat template and the end-of-text token
             tokenizer.save(tmp)
         if generation_config is not None:  # its eos ids stop generate/serve on the checkpoint, and go to exports
