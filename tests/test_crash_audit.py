@@ -1,6 +1,7 @@
 """Saves that a misbehaving disk or a crash interrupts: each must end in one line naming the checkpoint's path
 and keep the previous checkpoint whole, whichever file of the save the disk fails at."""
 import os
+import stat
 
 import pytest
 from shardlm.checkpoint import complete_checkpoints, load_checkpoint
@@ -16,7 +17,7 @@ def _train(capsys, run, *args):
     return status, capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full")
+@pytest.mark.skipif(not (os.path.exists(FULL) and stat.S_ISCHR(os.stat(FULL).st_mode)), reason="needs /dev/full")
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 @pytest.mark.parametrize("fails", ["rng.pt", "tokenizer.json"])
 def test_a_disk_that_fills_at_the_rng_state_or_tokenizer_fails_the_save_in_one_line(tmp_path, monkeypatch, capsys,
@@ -43,3 +44,31 @@ def test_a_disk_that_fills_at_the_rng_state_or_tokenizer_fails_the_save_in_one_l
     assert [p.name for p in complete_checkpoints(run)] == ["step_00000002"]
     load_checkpoint(run)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_an_asynchronous_save_whose_writer_starts_late_records_the_steps_it_saved(tmp_path, monkeypatch):
+    """The writer thread read the optimizer's step count when it ran, not when the save copied the state: a
+    thread that started after the next update (a busy host, the GIL) recorded one step more than its moments
+    hold, and the run resumed from it applied AdamW's bias correction of the wrong step, silently off the
+    uninterrupted run's trajectory."""
+    import threading
+    import time
+
+    import dist_fns
+    import shardlm.run_checkpoint as run_checkpoint
+    real = run_checkpoint._usable
+
+    def late(*args, **kwargs):  # called first in the writer: there, it waits past the next training step
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(1.0)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(run_checkpoint, "_usable", late)
+    over = {"train.steps": "6", "train.save_every": "2", "train.keep_checkpoints": "5",
+            "train.checkpoint_async": "true"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    monkeypatch.setattr(run_checkpoint, "_usable", real)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
+    optimizer = load_checkpoint(ckpt)["optimizer"]
+    assert {optimizer[k].item() for k in optimizer if k.endswith("::step")} == {4.0}
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(ckpt))
+    assert resumed["losses"] == pytest.approx(full["losses"][4:], rel=1e-6)
