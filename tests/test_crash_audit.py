@@ -72,3 +72,26 @@ def test_an_asynchronous_save_whose_writer_starts_late_records_the_steps_it_save
     assert {optimizer[k].item() for k in optimizer if k.endswith("::step")} == {4.0}
     resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), str(ckpt))
     assert resumed["losses"] == pytest.approx(full["losses"][4:], rel=1e-6)
+
+
+@pytest.mark.skipif(not (os.path.exists(FULL) and stat.S_ISCHR(os.stat(FULL).st_mode)), reason="needs /dev/full")
+def test_a_full_disk_at_a_save_says_how_much_to_free_and_where(tmp_path, monkeypatch, capsys):
+    """"No space left on device; step_2 is kept" left the user to guess how much to free: a save writes a whole
+    checkpoint beside the kept ones before rotating the oldest out, so it needs a checkpoint's size free."""
+    import shardlm.checkpoint_write as checkpoint_write
+    import shardlm.run_checkpoint as run_checkpoint
+    real = checkpoint_write.begin_checkpoint
+
+    def begin(run_dir, step, *args, **kwargs):
+        tmp = real(run_dir, step, *args, **kwargs)
+        if step == 4:
+            (tmp / "rank00000-0000.safetensors").symlink_to(FULL)
+        return tmp
+    monkeypatch.setattr(run_checkpoint, "begin_checkpoint", begin)
+    run = tmp_path / "run"
+    status, err = _train(capsys, run)
+    kept = run / "checkpoints" / "step_00000002"
+    size = sum(p.stat().st_size for p in kept.iterdir())
+    assert status == 1 and "No space left on device" in err[-1], err[-6:]
+    assert f"free at least {size / 2**20:.1f} MiB (the size of step_00000002) on the filesystem of " \
+           f"{run / 'checkpoints'}" in err[-1], err[-1]
