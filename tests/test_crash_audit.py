@@ -2,8 +2,10 @@
 and keep the previous checkpoint whole, whichever file of the save the disk fails at."""
 import os
 import stat
+from pathlib import Path
 
 import pytest
+import torch
 from shardlm.checkpoint import complete_checkpoints, load_checkpoint
 
 QUIET = ["--train.tensorboard", "false", "--train.log_every", "1"]
@@ -95,3 +97,47 @@ def test_a_full_disk_at_a_save_says_how_much_to_free_and_where(tmp_path, monkeyp
     assert status == 1 and "No space left on device" in err[-1], err[-6:]
     assert f"free at least {size / 2**20:.1f} MiB (the size of step_00000002) on the filesystem of " \
            f"{run / 'checkpoints'}" in err[-1], err[-1]
+
+
+def _tp_load_while_a_save_commits(rank, world, run, hidden):
+    """load_pretrained of run directory `run` at --tp `world`, the run's next checkpoint (`hidden`, moved aside)
+    committed just after rank 0 looked for the newest: the logits of a few tokens."""
+    import time
+
+    import shardlm.inference.load as load
+    from shardlm.inference import load_pretrained
+    from shardlm.mesh import build_mesh
+    real = load.resolve_checkpoint
+
+    def resolve(path, *args, **kwargs):
+        if rank > 0:
+            time.sleep(2.0)  # the ranks start apart: this one looks after the save below
+        found = real(path, *args, **kwargs)
+        if rank == 0 and Path(hidden).exists():
+            Path(hidden).rename(Path(run) / "checkpoints" / "step_00000004")  # the training run commits it
+        return found
+    load.resolve_checkpoint = resolve
+    model, _, _ = load_pretrained(run, tp_group=build_mesh(tp=world).group("tp"))
+    with torch.no_grad():
+        return model(torch.tensor([[1, 2, 3, 4, 5, 6]])).float()
+
+
+def test_tensor_parallel_ranks_load_the_same_checkpoint_while_the_run_saves(tmp_path):
+    """generate, eval and serve --tp N of a run still training: each rank took the newest checkpoint it found,
+    and a save committed between two ranks' looks gave them different steps' slices, one model of two
+    checkpoints' weights, without a word. The first rank picks; the others load its pick."""
+    from shardlm.config import load_config
+    from shardlm.inference import load_pretrained
+    from shardlm.testing.distributed import run_distributed
+    from shardlm.trainer import Trainer
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    hidden = tmp_path / "next-save"
+    (run / "checkpoints" / "step_00000004").rename(hidden)
+    logits = run_distributed(_tp_load_while_a_save_commits, 2, str(run), str(hidden), timeout=180)
+    one, _, _ = load_pretrained(run / "checkpoints" / "step_00000002")
+    with torch.no_grad():
+        want = one(torch.tensor([[1, 2, 3, 4, 5, 6]])).float()
+    for got in logits:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
