@@ -141,3 +141,41 @@ def test_tensor_parallel_ranks_load_the_same_checkpoint_while_the_run_saves(tmp_
         want = one(torch.tensor([[1, 2, 3, 4, 5, 6]])).float()
     for got in logits:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_serve_replicas_serve_one_checkpoint_while_the_run_saves(tmp_path, monkeypatch):
+    """serve --replicas N of a run still training loaded the run once per replica, each taking the newest
+    checkpoint then: a save committed between two loads (each seconds to minutes of a large model) put two
+    steps' weights behind one model name, a client's answers depending on the replica it reached."""
+    import shardlm.inference as inference
+    import shardlm.serve.command as command
+    from shardlm.serve.command import cmd_serve
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    run = tmp_path / "run"
+    cfg = load_config("tiny", {"train.steps": "4", "train.save_every": "2", "train.tensorboard": "false"})
+    Trainer(cfg, out_dir=run, log=lambda *a: None).run()
+    hidden = tmp_path / "next-save"
+    (run / "checkpoints" / "step_00000004").rename(hidden)
+    monkeypatch.setattr(command, "_replica_devices", lambda replicas, tp, device, asked="auto": [device] * replicas)
+    real = inference.load_pretrained
+
+    def load(*args, **kwargs):
+        got = real(*args, **kwargs)
+        if hidden.exists():  # the training run commits its next save while the server loads
+            hidden.rename(run / "checkpoints" / "step_00000004")
+        return got
+    monkeypatch.setattr(inference, "load_pretrained", load)
+
+    class Built(Exception):
+        pass
+    engines = []
+
+    def build(engine, *args, **kwargs):
+        engines.extend(engine if isinstance(engine, list) else [engine])
+        raise Built
+    monkeypatch.setattr(command, "build_server", build)
+    with pytest.raises(Built):
+        cmd_serve(["--model", str(run), "--replicas", "2", "--port", "0", "--device", "cpu"])
+    first, second = (dict(e.model.named_parameters()) for e in engines)
+    assert all(torch.equal(first[n], second[n]) for n in first)
