@@ -4,6 +4,8 @@ beside them, everything fsynced, then renamed into place and older checkpoints r
 (a full or read-only disk) removes the temporary directory and names the checkpoint that is kept."""
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import shutil
@@ -93,11 +95,29 @@ class _FailingSave:
 
 
 def failed_save(run_dir, step: int, why: str) -> CheckpointError:
-    """The error of a save that failed (its temporary directory removed), saying which checkpoint is kept."""
+    """The error of a save that failed (its temporary directory removed), saying which checkpoint is kept, and
+    on a full disk how much to free."""
     earlier = complete_checkpoints(run_dir)
     kept = f"{earlier[-1]} is kept" if earlier else "no earlier checkpoint exists"
     final = Path(run_dir) / CKPT_DIR / f"step_{step:08d}"
-    return CheckpointError(f"saving step {step} to {final} failed: {why}; {kept}")
+    room = _room(earlier, final.parent) if any(full in why for full in _FULL) else ""
+    return CheckpointError(f"saving step {step} to {final} failed: {why}; {kept}{room}")
+
+
+_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # as OSError's strerror and a rank's message say them
+
+
+def _room(earlier: list[Path], root: Path) -> str:
+    """A save writes a whole checkpoint beside the kept ones before rotating the oldest out: that much must be free."""
+    try:
+        size = sum(f.stat().st_size for f in earlier[-1].iterdir()) if earlier else 0
+    except OSError:
+        size = 0
+    need = f"at least {size / 2**30:.1f} GiB" if size >= 2**30 else f"at least {size / 2**20:.1f} MiB" if size \
+        else "room for a whole checkpoint"
+    of = f" (the size of {earlier[-1].name})" if size else ""
+    return (f"; free {need}{of} on the filesystem of {root}: a save writes a checkpoint beside the kept ones before "
+            "the oldest is rotated out (train.keep_checkpoints), then resume")
 
 
 def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, written: dict, tokenizer=None,
@@ -109,7 +129,11 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
-        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+        # Through memory: torch.save's own writes fail on a full disk with a RuntimeError naming neither the
+        # cause nor the file ("basic_ios::clear: iostream error"), which _FailingSave does not catch.
+        rng_bytes = io.BytesIO()
+        torch.save(rng if rng is not None else rng_state(), rng_bytes)
+        (tmp / "rng.pt").write_bytes(rng_bytes.getvalue())
         if tokenizer is not None:  # with its tokenizer_config.json: the chat template and the end-of-text token
             tokenizer.save(tmp)
         if generation_config is not None:  # its eos ids stop generate/serve on the checkpoint, and go to exports

@@ -82,7 +82,7 @@ class CheckpointSaver:
                 self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
-            path = self._commit(step, state, tmp, self._write(step, tmp, parts), rng_state())
+            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps()), rng_state())
         self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
         return path
 
@@ -143,13 +143,16 @@ class CheckpointSaver:
         self.parallel.engine.wait_for_weights()  # an update still in flight writes the masters
         return Path(self.out) / CKPT_DIR / f".tmp-step_{step:08d}"
 
-    def _write(self, step: int, tmp: Path, parts) -> dict:
+    def _steps(self) -> int:
+        """The optimizer's step count (AdamW's bias correction), taken with the state it goes with: an asynchronous
+        save's writer reading it later recorded the updates made meanwhile."""
+        return max([e.opt.steps_taken for e in self.parallel.engine.group_engines() if e.opt is not None], default=0)
+
+    def _write(self, step: int, tmp: Path, parts, steps: int) -> dict:
         """This rank's files: their records, the manifest entries, and what went wrong (None: nothing)."""
         t = self.cfg.train
         usable = _usable(t.precision, step, self.out)
-        engines = self.parallel.engine.group_engines()
-        mine = {"files": [], "pieces": [], "problem": None,
-                "steps": max([e.opt.steps_taken for e in engines if e.opt is not None], default=0)}
+        mine = {"files": [], "pieces": [], "problem": None, "steps": steps}
         try:
             mine["files"], mine["pieces"], mine["problem"] = write_shards(
                 parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, partial(write_tensors, sync=False), fsync_files,
@@ -162,9 +165,10 @@ class CheckpointSaver:
 
     def _start(self, step: int, state: dict, tmp: Path, copies: list) -> None:
         pending = {"step": step, "state": state, "tmp": tmp, "rng": rng_state(), "start": time.perf_counter()}
+        steps = self._steps()
 
         def write():
-            pending["written"] = self._write(step, tmp, copies)
+            pending["written"] = self._write(step, tmp, copies, steps)
         pending["thread"] = threading.Thread(target=write, name=f"save-step-{step}", daemon=True)
         pending["thread"].start()
         self.pending = pending

@@ -89,7 +89,9 @@ class Tokenizer:
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.tok.save(str(directory / "tokenizer.json"))
+        # Written here, not by the tokenizers library, whose failed write (a full disk) is a bare Exception
+        # rather than an OSError: a checkpoint's save would end in a traceback instead of its error.
+        (directory / "tokenizer.json").write_text(self.tok.to_str(pretty=True), encoding="utf-8")
         if self.source is not None and self.source.is_dir():
             for name in HF_SIDE_FILES:  # not generation_config.json: the model's (generation_config.py)
                 if (self.source / name).is_file() and name != "generation_config.json":

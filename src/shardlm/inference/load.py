@@ -15,7 +15,7 @@ from safetensors import safe_open
 from ..adapter_check import check_adapter_target
 from ..checkpoint import MANIFEST, CheckpointError, read_state, resolve_checkpoint
 from ..sharded_read import ShardedState
-from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
+from ..config import ConfigError, LoRAConfig, ModelConfig, RunError, config_from_dict
 from ..model import Decoder
 from ..model.hf import open_hf_dir
 from ..model.moe import moe_layers
@@ -61,7 +61,7 @@ _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.flo
 class _Source:
     """The model's tensors by name, read one at a time: `names`, `read(name)`, `dtype` as stored."""
 
-    def __init__(self, path: Path, log=None):
+    def __init__(self, path: Path, log=None, verify: bool = True):
         # config.json makes it an HF directory, weights or not: its own error (no weights, an architecture not
         # supported) says what is wrong, where the checkpoint's advised training from it (--train.init_from).
         if (path / "config.json").is_file():
@@ -72,7 +72,7 @@ class _Source:
             with safe_open(str(tensors.where[first]), framework="pt") as st:
                 self.dtype = _STORED_DTYPES.get(st.get_slice(first).get_dtype(), torch.float32)
             return
-        ckpt = resolve_checkpoint(path, log)
+        ckpt = resolve_checkpoint(path, log, verify=verify)
         state = read_state(ckpt)
         full = config_from_dict(state["config"])
         self.cfg, self.lora, self.tok_dir = full.model, full.lora, ckpt
@@ -94,20 +94,39 @@ class _Source:
             return st.get_tensor(name)
 
 
+def _agreed(path: Path, tp_group) -> Path:
+    """The checkpoint every tensor-parallel rank loads: the first rank's pick of a run's newest that verifies (it
+    notes one skipped as damaged), sent to the others. Each picking its own, a save that a run still training
+    committed between two ranks' looks gave them slices of different steps: one model of two checkpoints."""
+    if (path / "config.json").is_file():  # an HF directory: nothing to pick
+        return path
+    import torch.distributed as dist
+    first = dist.get_global_rank(tp_group, 0)
+    pick: list = [None]
+    if dist.get_rank() == first:
+        try:
+            pick[0] = str(resolve_checkpoint(path))
+        except (RunError, OSError) as e:  # every rank stops on it, not the first one alone
+            pick[0] = e
+    dist.broadcast_object_list(pick, src=first, group=tp_group)
+    if isinstance(pick[0], BaseException):
+        raise pick[0]
+    return Path(pick[0])
+
+
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
-                    adapter: str | Path | None = None, tp_group=None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+                    adapter: str | Path | None = None, tp_group=None,
+                    verify: bool = True) -> tuple[Decoder, Tokenizer, ModelConfig]:
     """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
     run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights. With
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
-    its slice of each sharded weight."""
+    its slice of each sharded weight. `verify` False: `path` is a checkpoint verified already."""
     path, device = Path(path), torch.device(device)
     if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
         raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
                                 "config.json, *.safetensors, tokenizer.json and tokenizer_config.json into a "
                                 "directory and give that)")
-    # Every tensor-parallel rank resolves the checkpoint; one note of a damaged one skipped is enough.
-    quiet = tp_group is not None and torch.distributed.get_rank(tp_group) != 0
-    src = _Source(path, (lambda note: None) if quiet else None)
+    src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group), verify=False)
     tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
     cfg = src.cfg
     dtype = inference_dtype(dtype, device, src.dtype)

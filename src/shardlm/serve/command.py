@@ -151,7 +151,13 @@ def cmd_serve(argv: list[str]) -> int:
                           "a shardlm LoRA run's own: shardlm export --merge)")
     device, group, main = _tensor_parallel(a)
     devices = _replica_devices(a.replicas, a.tp, device, a.device)
-    model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, tp_group=group)
+    source, verified = a.model, False
+    if len(devices) > 1 and Path(a.model).is_dir() and not (Path(a.model) / "config.json").is_file():
+        # The replicas load one checkpoint, verified once: each taking a run's newest, a save that the run still
+        # training committed between two loads put two steps' weights behind one model name.
+        from ..checkpoint import resolve_checkpoint
+        source, verified = str(resolve_checkpoint(a.model)), True
+    model, tok, cfg = load_pretrained(source, device=device, dtype=a.dtype, tp_group=group, verify=not verified)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
     if a.max_len and a.max_len > max_len and main:  # once, not once per --tp rank
@@ -171,7 +177,7 @@ def cmd_serve(argv: list[str]) -> int:
         engine = Leader(engine, plans)
     engines = [engine]
     for other in devices[1:]:  # data-parallel replicas: the same model again on each further GPU
-        again, _, _ = load_pretrained(a.model, device=other, dtype=a.dtype)
+        again, _, _ = load_pretrained(source, device=other, dtype=a.dtype, verify=not verified)
         quantize(again, a.quantize)
         engines.append(Engine(again, min(slots, slots_that_fit(again, max_len, a.max_batch)), max_len,
                               compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode))
