@@ -386,7 +386,8 @@ def test_the_stop_ids_are_the_tokenizers_and_the_generation_configs(hf_dir, tmp_
 
 
 def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
-    """Compiled steps and CUDA graphs belong to the thread that made them: the warm-up runs where serving does."""
+    """Compiled steps and CUDA graphs belong to the thread that made them: the warm-up runs where serving does,
+    telling its progress (serve's bar) batch by batch before start returns."""
     from shardlm.inference import Request
     from shardlm.serve.worker import EngineWorker
     model, tok, _ = load_pretrained(hf_dir)
@@ -394,8 +395,9 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
     threads, step = [], engine.step
     engine.step = lambda: threads.append(threading.current_thread()) or step()
     warm = [[Request([tok.eos_id], 2)], [Request([tok.eos_id], 2)]]
-    worker = EngineWorker(engine).start(warm)
-    assert all(r.done for batch in warm for r in batch) and threads
+    warmed = []
+    worker = EngineWorker(engine).start(warm, progress=warmed.append)
+    assert all(r.done for batch in warm for r in batch) and threads and warmed == [1, 1]
     done = threading.Event()
     worker.submit(Request(tok.encode("To be"), 3), lambda r, error: done.set())
     assert done.wait(TIMEOUT)

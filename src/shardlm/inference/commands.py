@@ -189,7 +189,7 @@ def _load(a, read=None, source: str = ""):
     return model, tok, cfg
 
 
-def _progress(total: int, what: str, shown: bool = True, unit: str = "req"):
+def progress_bar(total: int, what: str, shown: bool = True, unit: str = "req"):
     """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
     (update, close)."""
     from tqdm import tqdm
@@ -238,7 +238,7 @@ def cmd_eval(argv: list[str]) -> int:
         bar = None
         def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
             nonlocal bar
-            bar = bar or _progress(len(ids) // a.seq_len, "eval", a.main, unit="window")
+            bar = bar or progress_bar(len(ids) // a.seq_len, "eval", a.main, unit="window")
             bar[0](k)
         try:
             r = evaluate_ids(model, ids, a.seq_len, a.batch_size, update)
@@ -257,7 +257,7 @@ def cmd_eval(argv: list[str]) -> int:
     for i, q in enumerate(ids):  # named with what to do, not as the engine's 'prompt i' once it has been built
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
         check_room(q, a.max_new_tokens, "--max-new-tokens", model.cfg.max_seq_len, f"--data {a.data}: example {i + 1}")
-    update, close = _progress(len(prompts), "eval", a.main)
+    update, close = progress_bar(len(prompts), "eval", a.main)
     try:
         new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
@@ -369,7 +369,7 @@ def cmd_generate(argv: list[str]) -> int:
 def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     """Runs the engine, writing each completion once it and all before it are done (a crash keeps them);
     under tensor parallelism every rank runs the same requests and the first writes them."""
-    update, close = _progress(len(requests), "generate", main)
+    update, close = progress_bar(len(requests), "generate", main)
     written = 0
     try:
         with open(out if main else os.devnull, "w", encoding="utf-8") as f:

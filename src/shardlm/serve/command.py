@@ -10,10 +10,11 @@ import asyncio
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..inference.commands import check_world, runtime_args
+from ..inference.commands import check_world, progress_bar, runtime_args
 
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
@@ -241,7 +242,17 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     from .worker import EngineWorker
     from .replicas import ReplicaPool
     engines = engine if isinstance(engine, list) else [engine]
-    workers = [EngineWorker(e).start(warm(e)) for e in engines]
+    workers, start = [], time.perf_counter()
+    for e in engines:  # a bar on a terminal: compiling a large model's steps at a long context takes minutes
+        batches = warm(e)
+        update, close = progress_bar(len(batches), "warming up", unit="batch")
+        try:
+            workers.append(EngineWorker(e).start(batches, progress=update))
+        finally:
+            close()
+    if any(e.compile for e in engines):
+        print(f"shardlm serve: warmed up in {time.perf_counter() - start:.0f} s (the decode and prefill steps "
+              "serving runs compiled and captured)", file=sys.stderr, flush=True)
     worker = workers[0] if len(workers) == 1 else ReplicaPool(workers)
     state = ServerState()
     models = Models(base, {n: str(d) for n, d in adapters.items()}, engines[0].max_len, tok, chat_prompter(tok),

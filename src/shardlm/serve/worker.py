@@ -80,11 +80,12 @@ class EngineWorker:
                        "requests_failed": 0, "tokens_generated": 0}
         self._thread = threading.Thread(target=self._loop, name="shardlm-engine", daemon=True)
 
-    def start(self, warm: list[list[Request]] = ()) -> "EngineWorker":
+    def start(self, warm: list[list[Request]] = (), progress: Callable | None = None) -> "EngineWorker":
         """Start the thread, and return once it has run `warm` (batches of requests that compile the steps
-        before a client waits on them, warm_up_batches) on it: compiled steps and CUDA graphs belong to the
-        thread that made them, so every step runs on this one."""
+        before a client waits on them, warm_up_batches) on it, `progress(1)` after each: compiled steps and CUDA
+        graphs belong to the thread that made them, so every step runs on this one."""
         self._warm, self._ready, self._failed = list(warm), threading.Event(), None
+        self._warmed = progress or (lambda n: None)
         # The event loop's thread holds the GIL up to the switch interval (5 ms) before the engine's thread,
         # back from a step, gets it to launch the next: a stall of up to a whole decode step each time.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
@@ -145,6 +146,7 @@ class EngineWorker:
         try:
             for batch in self._warm:
                 engine.run(batch)
+                self._warmed(1)
         except Exception as e:
             self._failed = e
             return
