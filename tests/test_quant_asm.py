@@ -254,3 +254,47 @@ def test_the_packed_asm_needs_sm80_and_the_fp32_forms_do_not():
                                 capability) is want, ("int8", capability, packed)
             assert compiles_for(int4._int4_gemv_kernel, sig4, dict(K=256, G=128, ROWS=16, BF16X2=packed),
                                 capability) is want, ("int4", capability, packed)
+
+
+@pytest.mark.timeout(240)
+def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_launch():
+    """kernels.pdl_launch's flag, compiled for sm_90 on the CPU: each decode kernel's PTX waits for the kernel
+    before it (griddepcontrol.wait) ahead of its first load or store, and lets the next one launch;
+    without the flag neither appears."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shardlm.inference import decode_attention as da
+    from shardlm.inference import int4, int8
+    from shardlm.model import gemv
+    split = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
+    split.update(lo_ptr="*i32", hi_ptr="*i32", acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32")
+    split.update(dict.fromkeys(["sq_n", "sq_h", "sk_n", "sk_h", "sk_t", "sv_n", "sv_h", "sv_t"], "i32"))
+    split.update(scale="fp32", cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", sc_n="i32", n_keys="i32",
+                 window="i32", idle="i32")
+    kernels = [
+        (gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "sw": "i32"},
+         dict(N=64, K=256, BN=4, BK=128)),
+        (int8._int8_gemv_kernel, {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32",
+                                  "sw": "i32", "magic": "i32"}, dict(K=256, BN=8, BK=128, HALF2=True)),
+        (int4._int4_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
+                                  "y_ptr": "*bf16", "magic": "i32"}, dict(K=256, G=128, ROWS=16, BF16X2=True)),
+        (da._split_kernel, split, dict(HEADS=8, GROUP=2, D=64, SPLIT=da.SPLIT, BLOCK=da.BLOCK, FUSED=True,
+                                       ROPE=True)),
+        (da._combine_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "y_ptr": "*bf16"},
+         dict(SPLITS=8, BLOCK=16, D=64)),
+    ]
+    for fn, signature, constexprs in kernels:
+        for pdl in (False, True):
+            modes = {**constexprs, "PDL": pdl}
+            sig = {**signature, **dict.fromkeys(modes, "constexpr")}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=modes, attrs=attrs),
+                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            body = ptx[ptx.index(".entry"):]
+            assert ("griddepcontrol.wait" in body) is pdl and ("griddepcontrol.launch_dependents" in body) is pdl
+            if pdl:
+                first_load = min(body.find(op) for op in ("ld.global", "st.global") if op in body)
+                assert body.index("griddepcontrol.wait") < first_load, fn.__name__
