@@ -267,6 +267,7 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
     from triton.compiler import ASTSource
 
     from shardlm.inference import decode_attention as da
+    from shardlm.inference import gemv_all_reduce_ll as ll
     from shardlm.inference import int4, int8
     from shardlm.model import gemv
     split = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
@@ -285,6 +286,9 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
                                        ROPE=True)),
         (da._combine_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "y_ptr": "*bf16"},
          dict(SPLITS=8, BLOCK=16, D=64)),
+        (ll._gemv_all_reduce_ll_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "buffers_ptr": "*i64",
+                                         "epochs_ptr": "*i32", "status_ptr": "*i32", "sw": "i32"},
+         dict(N=64, K=256, RANK=0, WORLD=2, BN=4, BK=128, PER=2, REDUCE=True, MAX_SPINS=1 << 30, STRONG=False)),
     ]
     for fn, signature, constexprs in kernels:
         for pdl in (False, True):
