@@ -264,17 +264,14 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
+    from test_decode_attention import split_kernel_signature
     from triton.compiler import ASTSource
 
     from shardlm.inference import decode_attention as da
     from shardlm.inference import gemv_all_reduce_ll as ll
     from shardlm.inference import int4, int8
     from shardlm.model import gemv
-    split = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
-    split.update(lo_ptr="*i32", hi_ptr="*i32", acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32")
-    split.update(dict.fromkeys(["sq_n", "sq_h", "sk_n", "sk_h", "sk_t", "sv_n", "sv_h", "sv_t"], "i32"))
-    split.update(scale="fp32", cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", sc_n="i32", n_keys="i32",
-                 window="i32", idle="i32")
+    split = split_kernel_signature()
     kernels = [
         (gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "sw": "i32"},
          dict(N=64, K=256, BN=4, BK=128)),
