@@ -259,8 +259,8 @@ def test_the_packed_asm_needs_sm80_and_the_fp32_forms_do_not():
 @pytest.mark.timeout(240)
 def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_launch():
     """kernels.pdl_launch's flag, compiled for sm_90 on the CPU: each decode kernel's PTX waits for the kernel
-    before it (griddepcontrol.wait) ahead of its first load or store, and lets the next one launch;
-    without the flag neither appears."""
+    before it (griddepcontrol.wait) ahead of its first load or store (of a weight apart), and lets the next one
+    launch; without the flag neither appears."""
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -269,7 +269,7 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
 
     from shardlm.inference import decode_attention as da
     from shardlm.inference import gemv_all_reduce_ll as ll
-    from shardlm.inference import int4, int8
+    from shardlm.inference import int4, int8, step_kernels
     from shardlm.model import gemv
     split = split_kernel_signature()
     kernels = [
@@ -286,6 +286,9 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
         (ll._gemv_all_reduce_ll_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "buffers_ptr": "*i64",
                                          "epochs_ptr": "*i32", "status_ptr": "*i32", "sw": "i32"},
          dict(N=64, K=256, RANK=0, WORLD=2, BN=4, BK=128, PER=2, REDUCE=True, MAX_SPINS=1 << 30, STRONG=False)),
+        (step_kernels._add_rms_norm_kernel, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
+                                             "h_ptr": "*bf16", "eps": "fp32"}, dict(K=4096, BLOCK=4096)),
+        (step_kernels._silu_mul_kernel, {"h_ptr": "*bf16", "y_ptr": "*bf16"}, dict(F=11008, BLOCK=1024)),
     ]
     for fn, signature, constexprs in kernels:
         for pdl in (False, True):
@@ -296,6 +299,7 @@ def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_l
                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
             body = ptx[ptx.index(".entry"):]
             assert ("griddepcontrol.wait" in body) is pdl and ("griddepcontrol.launch_dependents" in body) is pdl
-            if pdl:
-                first_load = min(body.find(op) for op in ("ld.global", "st.global") if op in body)
-                assert body.index("griddepcontrol.wait") < first_load, fn.__name__
+            if pdl:  # the norm's weight (no kernel writes it) is loaded before the wait
+                ops = ("st.global",) if fn is step_kernels._add_rms_norm_kernel else ("ld.global", "st.global")
+                first = min(body.find(op) for op in ops if op in body)
+                assert body.index("griddepcontrol.wait") < first, fn.__name__
