@@ -27,6 +27,48 @@ def check_kernels_interpreted() -> None:
     assert not step_kernels.norm_ok(norm, x)  # the interpreter's tensors are on the CPU
 
 
+def check_decode_layer_interpreted() -> None:
+    """Run under TRITON_INTERPRET=1, in fp16, the kernels let run on the CPU: a decode step through
+    slots.decode_layer (the fused attention step, add_norm, SwiGLU) against the same step through decoder_layer's
+    unfused path, for Llama with GQA, GPT-2 (LayerNorm, no RoPE), a sliding window and MoE, at one row and at
+    three with an idle one: the same logits and caches within fp16's roundings of the fused RoPE."""
+    from test_generation import tiny
+
+    from shardlm.inference import decode_attention, slots, step_kernels
+    from shardlm.inference.slots import StaticKVCache, decoder_layer, forward_tokens
+    decode_attention.triton_ok = step_kernels.triton_ok = lambda t: True
+    taken, real = [], slots.decode_layer
+    slots.decode_layer = lambda *a: taken.append(1) or real(*a)
+    g = torch.Generator().manual_seed(0)
+    max_len = 64
+    for changes in (dict(num_kv_heads=2), dict(arch="gpt2"), dict(sliding_window=6), dict(num_experts=4, top_k=2)):
+        model = tiny(**changes).half()
+        for name, p in model.named_parameters():  # each norm its own weights (initialised to ones, all alike)
+            if "norm" in name:
+                p.data.uniform_(0.5, 1.5, generator=g)
+        rope = None if changes.get("arch") == "gpt2" else model.rope(0, max_len, "cpu", torch.half)
+        for positions in ([[9]], [[5], [20], [max_len - 1]]):  # the last: an idle row, at the scratch position
+            n = len(positions)
+            caches = [StaticKVCache(model, n, max_len, "cpu", torch.half) for _ in range(2)]
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                b.copy_(a.copy_(torch.randn(a.shape, generator=g).half()))
+            ids, at = torch.randint(0, 200, (n, 1), generator=g), torch.tensor(positions)
+            taken.clear()
+            with torch.no_grad():
+                got = forward_tokens(model, caches[0], rope, ids, at, keys=32)
+                want = forward_tokens(model, caches[1], rope, ids, at, keys=32, layer=lambda *a: decoder_layer(*a))
+            assert taken, changes
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                torch.testing.assert_close(a[..., :max_len - 1, :], b[..., :max_len - 1, :], atol=0.01, rtol=0.01)
+
+
+@pytest.mark.timeout(240)
+def test_decode_layer_in_tritons_interpreter():
+    from helpers import run_in_tritons_interpreter
+    run_in_tritons_interpreter("test_step_kernels", "check_decode_layer_interpreted")
+
+
 @pytest.mark.timeout(240)
 def test_step_kernels_in_tritons_interpreter():
     from helpers import run_in_tritons_interpreter
