@@ -63,6 +63,49 @@ def check_decode_layer_interpreted() -> None:
                 torch.testing.assert_close(a[..., :max_len - 1, :], b[..., :max_len - 1, :], atol=0.01, rtol=0.01)
 
 
+def check_compiled_step_logs_little() -> None:
+    """Run under TRITON_INTERPRET=1, the kernels let run on the CPU: Inductor's log of an opaque op that a graph
+    calls first prints the op's arguments (torch 2.11 prints them whether or not the log is on), and an argument
+    behind a chain of opaque ops prints the chain, doubled at each add_norm. int4's decode step first calls the
+    int8 head's product at its end: printed behind every layer's kernels, a 32-layer model's compile took
+    minutes. Compiled with the log on, the head's printout is no longer than the first layer's ops', and the
+    logits are the eager step's."""
+    import logging
+
+    from test_generation import tiny
+
+    from shardlm.inference import decode_attention, int4, int8, slots, step_kernels
+    from shardlm.inference.quantize import quantize
+    from shardlm.inference.slots import StaticKVCache, forward_tokens
+    decode_attention.triton_ok = step_kernels.triton_ok = int4.triton_ok = int8.triton_ok = lambda t: True
+    taken, real = [], slots.decode_layer
+    slots.decode_layer = lambda *a: taken.append(1) or real(*a)
+    model = tiny(num_layers=6).half()
+    quantize(model, "int4")
+    rope = model.rope(0, 64, "cpu", torch.half)
+    cache = StaticKVCache(model, 1, 64, "cpu", torch.half)
+    ids, at = torch.tensor([[7]]), torch.tensor([[9]])
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(len(record.getMessage()))
+    logging.getLogger("torch._inductor.graph").addHandler(handler)
+    torch._logging.set_logs(inductor=logging.INFO)
+    torch._inductor.config.force_disable_caches = True  # a cached graph is not lowered again, nor logged
+    with torch.no_grad():
+        got = torch.compile(lambda: forward_tokens(model, cache, rope, ids, at, keys=32))()
+        want = forward_tokens(model, cache, rope, ids, at, keys=32)
+    assert taken
+    *first_layer, head = logged  # each op's first call: the first layer's ops, then the head's product
+    assert head <= max(first_layer), logged
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.timeout(240)
+def test_compiled_step_logs_little_in_tritons_interpreter():
+    from helpers import run_in_tritons_interpreter
+    run_in_tritons_interpreter("test_step_kernels", "check_compiled_step_logs_little")
+
+
 @pytest.mark.timeout(240)
 def test_decode_layer_in_tritons_interpreter():
     from helpers import run_in_tritons_interpreter
