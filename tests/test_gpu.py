@@ -236,6 +236,33 @@ def test_decode_step_kernel_rotates_writes_and_attends_as_the_unfused_step(dtype
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_kernels_are_the_sum_the_rmsnorm_and_swiglu(dtype):
+    """step_kernels' add_norm and SwiGLU on a GPU (launched as the decode step's chain, kernels.pdl_launch): the
+    sum exactly x + delta's, the norm decoder.RMSNorm's to a rounding, SwiGLU F.silu(gate) * up's, for 1 and 16
+    rows of 4,096 and 5,000 values."""
+    import torch.nn.functional as F
+
+    from shardlm.inference import step_kernels
+    from shardlm.model.decoder import RMSNorm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, width in ((1, 4096), (16, 5000)):
+        norm = RMSNorm(width, 1e-5).cuda().to(dtype)
+        norm.weight.data.normal_(generator=g)
+        x, delta = (torch.randn(n, 1, width, device="cuda", generator=g).to(dtype) * 3 for _ in range(2))
+        assert step_kernels.norm_ok(norm, x)
+        with torch.no_grad():
+            total, h = step_kernels.add_norm(norm, x, delta)
+            torch.testing.assert_close(total, x + delta, atol=0, rtol=0)
+            torch.testing.assert_close(h, norm(x + delta), **({} if dtype == torch.float32 else
+                                                               dict(atol=2e-2, rtol=1e-2)))
+        h = torch.randn(n, 1, 2 * width, device="cuda", generator=g).to(dtype) * 3
+        gate, up = h.chunk(2, dim=-1)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)  # exp's forms
+        torch.testing.assert_close(torch.ops.shardlm.silu_mul(h), F.silu(gate) * up, **tol)
+
+
+@cuda
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_int8_kernel_equals_the_dequantised_product(rows):
     """The int8 weight-only product of decode (Triton) against the weight dequantised and multiplied in fp32:

@@ -254,3 +254,52 @@ def test_the_packed_asm_needs_sm80_and_the_fp32_forms_do_not():
                                 capability) is want, ("int8", capability, packed)
             assert compiles_for(int4._int4_gemv_kernel, sig4, dict(K=256, G=128, ROWS=16, BF16X2=packed),
                                 capability) is want, ("int4", capability, packed)
+
+
+@pytest.mark.timeout(240)
+def test_the_decode_kernels_wait_for_their_inputs_under_programmatic_dependent_launch():
+    """kernels.pdl_launch's flag, compiled for sm_90 on the CPU: each decode kernel's PTX waits for the kernel
+    before it (griddepcontrol.wait) ahead of its first load or store (of a weight apart), and lets the next one
+    launch; without the flag neither appears."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from test_decode_attention import split_kernel_signature
+    from triton.compiler import ASTSource
+
+    from shardlm.inference import decode_attention as da
+    from shardlm.inference import gemv_all_reduce_ll as ll
+    from shardlm.inference import int4, int8, step_kernels
+    from shardlm.model import gemv
+    split = split_kernel_signature()
+    kernels = [
+        (gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "sw": "i32"},
+         dict(N=64, K=256, BN=4, BK=128)),
+        (int8._int8_gemv_kernel, {"x_ptr": "*fp16", "w_ptr": "*i8", "s_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32",
+                                  "sw": "i32", "magic": "i32"}, dict(K=256, BN=8, BK=128, HALF2=True)),
+        (int4._int4_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
+                                  "y_ptr": "*bf16", "magic": "i32"}, dict(K=256, G=128, ROWS=16, BF16X2=True)),
+        (da._split_kernel, split, dict(HEADS=8, GROUP=2, D=64, SPLIT=da.SPLIT, BLOCK=da.BLOCK, FUSED=True,
+                                       ROPE=True)),
+        (da._combine_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "y_ptr": "*bf16"},
+         dict(SPLITS=8, BLOCK=16, D=64)),
+        (ll._gemv_all_reduce_ll_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "buffers_ptr": "*i64",
+                                         "epochs_ptr": "*i32", "status_ptr": "*i32", "sw": "i32"},
+         dict(N=64, K=256, RANK=0, WORLD=2, BN=4, BK=128, PER=2, REDUCE=True, MAX_SPINS=1 << 30, STRONG=False)),
+        (step_kernels._add_rms_norm_kernel, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
+                                             "h_ptr": "*bf16", "eps": "fp32"}, dict(K=4096, BLOCK=4096)),
+        (step_kernels._silu_mul_kernel, {"h_ptr": "*bf16", "y_ptr": "*bf16"}, dict(F=11008, BLOCK=1024)),
+    ]
+    for fn, signature, constexprs in kernels:
+        for pdl in (False, True):
+            modes = {**constexprs, "PDL": pdl}
+            sig = {**signature, **dict.fromkeys(modes, "constexpr")}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=modes, attrs=attrs),
+                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            body = ptx[ptx.index(".entry"):]
+            assert ("griddepcontrol.wait" in body) is pdl and ("griddepcontrol.launch_dependents" in body) is pdl
+            if pdl:  # the norm's weight (no kernel writes it) is loaded before the wait
+                ops = ("st.global",) if fn is step_kernels._add_rms_norm_kernel else ("ld.global", "st.global")
+                first = min(body.find(op) for op in ops if op in body)
+                assert body.index("griddepcontrol.wait") < first, fn.__name__

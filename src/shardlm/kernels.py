@@ -53,6 +53,36 @@ def packed_ok(t: torch.Tensor) -> bool:
     return _capability(torch.cuda.current_device() if t.device.index is None else t.device.index) >= (8, 0)
 
 
+def pdl_launch(t: torch.Tensor) -> dict:
+    """A decode kernel's launch options for `t`'s GPU: programmatic dependent launch where it has it (Hopper on,
+    Triton's griddepcontrol ops): the kernel is launched while the previous one in the stream still runs and
+    waits inside (wait_for_inputs, its first step) until that one has finished and its writes are visible, so
+    that the launch and the start of its programs overlap the previous kernel's tail. {} elsewhere (and with
+    SHARDLM_PDL=0)."""
+    if not (t.is_cuda and gdc is not None and os.environ.get("SHARDLM_PDL", "1") != "0"):
+        return {}
+    index = torch.cuda.current_device() if t.device.index is None else t.device.index
+    return {"PDL": True, "launch_pdl": True} if _capability(index) >= (9, 0) else {}
+
+
+try:  # Triton's grid dependency control (3.4 on)
+    from triton.language.extra.cuda import gdc
+except ImportError:  # pragma: no cover - depends on the install
+    gdc = None
+
+if triton is not None:
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """A kernel's first step under pdl_launch, in every program before it reads or writes anything another
+        kernel may touch (weights apart): wait for the previous kernel, then let the next one launch. Every
+        program waits, so this kernel ends after the previous one, and a kernel launched the usual way after it
+        finds both done."""
+        if PDL:
+            gdc.gdc_wait()
+            gdc.gdc_launch_dependents()
+else:  # pragma: no cover - depends on the install
+    wait_for_inputs = None
+
 if triton is not None:
     @triton.jit
     def _adamw_kernel(master_ptr, param_ptr, grad_ptr, m_ptr, v_ptr, n, scale_ptr, skip_ptr,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import on_device, triton, triton_ok
+from ..kernels import on_device, pdl_launch, triton, triton_ok, wait_for_inputs
 
 
 # Keys a loop iteration loads, keys a program reads at most, warps a program: an H200's best over 32-256,
@@ -47,10 +47,12 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _split_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, acc_ptr, max_ptr, sum_ptr,
                       sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale, cos_ptr, sin_ptr, pos_ptr, sc_n,
                       n_keys, window, idle, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr):
+                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, ROPE: tl.constexpr,
+                      PDL: tl.constexpr = False):
         # FUSED: q_ptr is the step's q, k and v projection, a row [HEADS + 2 KV heads, D] (sq_n apart), not yet
         # rotated; the row's new key and value, at its position pos_ptr[row], go into the caches from here, and
         # its bounds come from that position as slots.visible_bounds computes them (lo_ptr and hi_ptr unread).
+        wait_for_inputs(PDL)
         row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if FUSED:
             at = tl.load(pos_ptr + row)
@@ -109,9 +111,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _combine_kernel(acc_ptr, max_ptr, sum_ptr, y_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                        D: tl.constexpr):
+                        D: tl.constexpr, PDL: tl.constexpr = False):
         # BLOCK splits at a time with the same online rescaling as the splits' own: a long context's hundreds
         # of splits at once would not fit one program's registers.
+        wait_for_inputs(PDL)
         pair = tl.program_id(0)  # row * heads + head
         d = tl.arange(0, D)
         best = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
@@ -141,13 +144,14 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         lo, hi = (pos, pos) if fused is not None else (lo, hi)
         rope = cos is not None
         cos, sin = (cos, sin) if rope else (q, q)
+        pdl = pdl_launch(q)
         _split_kernel[(n, heads, splits)](
             q, k, v, lo, hi, acc, best, total, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), d ** -0.5, cos, sin, pos, cos.stride(0), keys, window, idle,
             HEADS=heads, GROUP=heads // k.shape[1], D=d, SPLIT=SPLIT, BLOCK=BLOCK, FUSED=fused is not None,
-            ROPE=rope, num_warps=WARPS)
+            ROPE=rope, num_warps=WARPS, **pdl)
         y = q.new_empty(n, heads, d)
-        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1)
+        _combine_kernel[(n * heads,)](acc, best, total, y, SPLITS=splits, BLOCK=16, D=d, num_warps=1, **pdl)
         return y
 
     # An opaque custom op, not a triton_op: the compiler then neither analyses the kernels for what they write

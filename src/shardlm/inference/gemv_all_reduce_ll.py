@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import on_device, triton
+from ..kernels import on_device, pdl_launch, triton, wait_for_inputs
 
 # Reads of a peer's flag before a program gives up (its output wrong, `status` set for `check`, which the engine
 # raises): about ten minutes at half a microsecond a read (a load from L2 and a block-wide minimum), beyond
@@ -58,7 +58,10 @@ if triton is not None and hasattr(torch.library, "custom_op"):
     def _gemv_all_reduce_ll_kernel(x_ptr, w_ptr, y_ptr, buffers_ptr, epochs_ptr, status_ptr, sw, N: tl.constexpr,
                                    K: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BN: tl.constexpr,
                                    BK: tl.constexpr, PER: tl.constexpr, REDUCE: tl.constexpr,
-                                   MAX_SPINS: tl.constexpr, STRONG: tl.constexpr):
+                                   MAX_SPINS: tl.constexpr, STRONG: tl.constexpr, PDL: tl.constexpr = False):
+        # Under kernels.pdl_launch the wait comes before anything is read or sent: that this rank has finished its
+        # calls before the one a peer's values belong to (above) then still holds.
+        wait_for_inputs(PDL)
         pid = tl.program_id(0)
         n = pid * BN + tl.arange(0, BN)
         # rounded as the unfused product's output is
@@ -117,7 +120,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
             _gemv_all_reduce_ll_kernel[(triton.cdiv(n, bn),)](x, w, y, buffers, epochs, status, w.stride(0), N=n,
                                                                K=k, RANK=rank, WORLD=world, BN=bn, BK=bk,
                                                                PER=4 // x.element_size(), REDUCE=reduce,
-                                                               MAX_SPINS=max_spins, STRONG=strong, num_warps=warps)
+                                                               MAX_SPINS=max_spins, STRONG=strong, num_warps=warps,
+                                                               **pdl_launch(x))
             return y
 
     @_gemv_all_reduce_ll.register_fake

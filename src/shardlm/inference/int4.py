@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..kernels import on_device, packed_ok, triton, triton_ok
+from ..kernels import on_device, packed_ok, pdl_launch, triton, triton_ok, wait_for_inputs
 from .int4_format import BLOCK, GROUPS, dequantize, eligible, group_size, quantize_weight
 from .int8 import unquantised
 
@@ -93,12 +93,13 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, magic, K: tl.constexpr, G: tl.constexpr,
-                          ROWS: tl.constexpr, BF16X2: tl.constexpr):
+                          ROWS: tl.constexpr, BF16X2: tl.constexpr, PDL: tl.constexpr = False):
         # One program a block of 8 outputs: it streams the block's contiguous run of words along K, ROWS rows
         # of words a step, a thread a row: its words (one per output) and its 8 inputs, each read once and
         # taken apart in registers. The kernel is bound by the instructions it issues per nibble, so everything
         # else is done once per row, not once per nibble. BF16X2 (bf16 on sm_80+): _dot8_bf16x2; otherwise (fp16,
         # Triton's interpreter) each nibble to fp32 by its bits (an AND-OR, a subtraction, an FMA).
+        wait_for_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, 8)
         w_ptr += b * (K // 8) * 8
@@ -256,7 +257,7 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         y = x.new_empty(1, n) if y is None else y
         pairs = x.dtype == torch.bfloat16 and packed_ok(x) and x.data_ptr() % 4 == 0  # x read as 32-bit pairs
         _int4_gemv_kernel[(n // BLOCK,)](x, words, scale, zero, y, MAGIC, K=k, G=k // scale.shape[1], ROWS=rows,
-                                         BF16X2=pairs, num_warps=warps)
+                                         BF16X2=pairs, num_warps=warps, **pdl_launch(x))
         return y
 
     def int4_dequant(words, scale, zero, dtype, rows: int = MM_DEQUANT_ROWS, warps: int = MM_WARPS) -> torch.Tensor:

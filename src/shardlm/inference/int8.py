@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import RunError
-from ..kernels import on_device, packed_ok, triton, triton_ok
+from ..kernels import on_device, packed_ok, pdl_launch, triton, triton_ok, wait_for_inputs
 
 MAX_ROWS = 64  # rows beyond which the product is the GPU's arithmetic, not the weight's reading
 CHUNK = 2048  # outputs quantised at a time
@@ -111,13 +111,14 @@ if triton is not None and hasattr(torch.library, "custom_op"):
 
     @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, sw, magic, K: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, HALF2: tl.constexpr):
+                          BK: tl.constexpr, HALF2: tl.constexpr, PDL: tl.constexpr = False):
         # BN outputs a program, BK inputs a step, the weight read as int32 words of 4 bytes (K and the row stride
         # multiples of 4). A thread holds several rows at the same inputs, so that each input is loaded and
         # converted once for all of them: the kernel is bound by the instructions it issues a byte, not by the
         # memory. HALF2 (sm_80+): _dot4_f16x2, 4.1 instructions a byte counted in its loop; otherwise (Triton's
         # interpreter) each byte to fp32 by its bits, 5.2 counted, 3.5 at the least: a quarter of a sign flip and
         # of a shift, an AND-OR, a subtraction, an FMA.
+        wait_for_inputs(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
         c = tl.arange(0, BK // 4)
@@ -152,7 +153,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         y = x.new_empty(1, n) if y is None else y
         bn, bk, warps, stages = launch or (GEMV_WIDE_LAUNCH if n >= WIDE else GEMV_NARROW_LAUNCH)
         _int8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale, y, n, w.stride(0), MAGIC, K=k, BN=bn, BK=bk,
-                                                 HALF2=packed_ok(x), num_warps=warps, num_stages=stages)
+                                                 HALF2=packed_ok(x), num_warps=warps, num_stages=stages,
+                                                 **pdl_launch(x))
         return y
 
     # An opaque custom op (as decode_attention.py's): the compiler calls it as it is, inside the CUDA graph.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..model import Decoder
+from . import step_kernels
 from .decode_attention import attention_step, decode_attention, kernel_ok, step_kernel_ok
 
 
@@ -197,9 +198,18 @@ def forward_tokens(model: Decoder, cache: StaticKVCache, rope: tuple | None, ids
         mask = CachedMask(visible(positions, keys, window, cache.scratch),
                           visible_bounds(positions, keys, window, cache.scratch) if t == 1 else None,
                           window, cache.scratch)
-    for i, block in enumerate(model.blocks()):
-        x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
-    h = model.norm(x)
+    if not fresh and slots is None and t == 1 and layer is decoder_layer and step_kernel_ok(x, cache.k[0]):
+        delta = None  # each block's output, added to x by the next block's first norm kernel
+        for i, block in enumerate(model.blocks()):
+            x, delta = decode_layer(block, cache.k[i], cache.v[i], x, delta, angles, positions, mask, keys)
+        # The last sum and norm as the compiler's kernel, not add_norm's opaque op: Inductor (torch 2.11) prints
+        # an opaque op's arguments when a graph first calls it, through every opaque op behind them, and the head's
+        # (int8's product under int4) is first called here, behind a chain whose printout doubles at each norm.
+        h = model.norm(x + delta)
+    else:
+        for i, block in enumerate(model.blocks()):
+            x = layer(block, cache.k[i], cache.v[i], x, angles, rows, positions, slots, mask, fresh, keys)
+        h = model.norm(x)
     h = h[:, -1] if last is None else h[torch.arange(n, device=h.device), last]
     return model.output(h, model.head_weight)
 
@@ -212,21 +222,29 @@ def decoder_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.
     each prompt, which rules out one CUDA graph per shape, and eager, a 7B model's prefill spends most of its
     time launching a few hundred small operators per layer."""
     attn = block.attn
-    h = block.attn_norm(x)
-    if not fresh and slots is None and mask.bounds is not None and step_kernel_ok(h, k_cache):
-        # a decode step (row i in slot i): rotations, cache writes and attention in one kernel
-        y = attention_step(attn.qkv(h), angles, k_cache, v_cache, positions, attn.n_heads, keys, mask.window,
-                           mask.idle)
+    q, k, v = attn.project(block.attn_norm(x), angles)
+    k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+    v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+    if fresh:
+        y = attend_fresh(q, k, v, mask)
+    elif slots is None:  # row i in slot i, the first rows of the cache's
+        n = x.shape[0]
+        y = attend_cached(q, k_cache[:n, :, :keys], v_cache[:n, :, :keys], mask)
     else:
-        q, k, v = attn.project(h, angles)
-        k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
-        v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
-        if fresh:
-            y = attend_fresh(q, k, v, mask)
-        elif slots is None:  # row i in slot i, the first rows of the cache's
-            n = x.shape[0]
-            y = attend_cached(q, k_cache[:n, :, :keys], v_cache[:n, :, :keys], mask)
-        else:
-            y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
+        y = attend_cached(q, k_cache[slots, :, :keys], v_cache[slots, :, :keys], mask)
     x = x + attn.out(y)
     return x + block.mlp(block.mlp_norm(x))
+
+
+def decode_layer(block, k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor, delta: torch.Tensor | None,
+                 angles, positions: torch.Tensor, mask: CachedMask, keys: int):
+    """decoder_layer for a decode step on a GPU (one query a row, row i in slot i) as a chain of kernels that
+    each start as the one before ends (kernels.pdl_launch): the rotations, the cache writes and attention in one
+    (decode_attention.attention_step), each residual add with the norm after it, SwiGLU (step_kernels.py).
+    Takes the residual stream x and the previous block's output `delta` not yet added (None: nothing to add);
+    returns the same pair for the next block."""
+    attn = block.attn
+    x, h = step_kernels.add_norm(block.attn_norm, x, delta)
+    y = attention_step(attn.qkv(h), angles, k_cache, v_cache, positions, attn.n_heads, keys, mask.window, mask.idle)
+    x, h = step_kernels.add_norm(block.mlp_norm, x, attn.out(y))
+    return x, step_kernels.mlp(block.mlp, h)

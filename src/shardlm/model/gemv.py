@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import on_device, triton, triton_ok
+from ..kernels import on_device, pdl_launch, triton, triton_ok, wait_for_inputs
 
 
 def launch(n: int, k: int) -> tuple[int, int, int]:
@@ -39,7 +39,9 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         return tl.sum(acc, 1)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, sw, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, sw, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        wait_for_inputs(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         tl.store(y_ptr + n, gemv_tile(x_ptr, w_ptr, n, sw, N, K, BN, BK).to(y_ptr.dtype.element_ty), mask=n < N)
 
@@ -50,7 +52,8 @@ if triton is not None and hasattr(torch.library, "custom_op"):
         with on_device(x):
             n, k = w.shape
             y = x.new_empty(n)
-            _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, w.stride(0), N=n, K=k, BN=bn, BK=bk, num_warps=warps)
+            _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, w.stride(0), N=n, K=k, BN=bn, BK=bk, num_warps=warps,
+                                                **pdl_launch(x))
             return y
 
     @gemv.register_fake
