@@ -4,10 +4,10 @@ of requests and the engine's workspace, how many requests fit, and the decode sp
 A decode step reads every weight but the input embedding once, and each row's cached keys and values up to
 the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
 that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
-engine's compiled step reached DECODE_EFFICIENCY of that bound on one H200 (llama2-7b, bf16, batch 16 with a
-385-position cache: 2,468 tok/s on 2026-11-28, 3,008-3,079 since, bench/generate.py; 204 at batch 1), and
-ONE_ROW_EFFICIENCY at batch 1 since its one-row products run as a Triton GEMV (model/gemv.py: 228-240 tok/s; 248-251
-since attention took its RoPE and cache writes, inference/decode_attention.py).
+engine's compiled step reaches DECODE_EFFICIENCY of that bound on one H200 and ONE_ROW_EFFICIENCY at batch 1,
+where its one-row products run as a Triton GEMV (model/gemv.py), since a step's kernels launch as one chain
+(inference/step_kernels.py; llama2-7b, bf16, bench/generate.py, 2026-12-01: 261-264 tok/s at batch 1, 2,881-2,897
+at batch 16 with a 729-position cache; before the chain 246-251 and 3,008-3,079 with a 385-position one).
 
 `generate --quantize int8|int4` (inference/quantize.py) stores linear layers' weights in fewer bytes, which
 shrinks the weights and the bytes a decode step reads; its kernels reach a share of the bound of their own.
@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from .hardware import GPU
 
-DECODE_EFFICIENCY = 0.59  # between the batch-16 rows: within 15% of each
-ONE_ROW_EFFICIENCY = 0.63
+DECODE_EFFICIENCY = 0.72
+ONE_ROW_EFFICIENCY = 0.73
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
-# (bench/results.jsonl, thirty-sixth and thirty-seventh leases): int8 336.8-351.1 tok/s through inference/int8.py's
-# one-row kernel (f16x2 dots); int4 402.9-450.3 through inference/int4.py's (bf16x2 dots), each bound by the
-# instructions it issues a byte or nibble, not by the memory's rate. Larger batches are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.48, "int4": 0.31}
+# (bench/results.jsonl): int8 384.6 tok/s through inference/int8.py's one-row kernel (f16x2 dots) in the launch
+# chain (336.8-355.8 before it); int4 402.9-465.8 through inference/int4.py's (bf16x2 dots), not yet measured in
+# the chain; each bound by the instructions it issues a byte or nibble, not by the memory's rate. Larger batches
+# are not measured quantised.
+QUANTIZED_EFFICIENCY = {"int8": 0.52, "int4": 0.31}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
