@@ -567,7 +567,7 @@ def test_the_planner_predicts_the_measured_decode():
     start = next(i for i, r in enumerate(rows) if r.get("commit") == "7cd7714")  # the chain's first rows
     measured = [r for r in rows[start:] if r["bench"] == "generate" and r["system"] == "shardlm"
                 and "H200" in r["card"]]
-    assert {r["batch"] for r in measured} == {1, 16}
+    assert {1, 16} <= {r["batch"] for r in measured}
     for r in measured:
         e = plan_inference(load_config(r["model"]).model, gpu("h200"), r["batch"], r["prompt"] + r["new_tokens"],
                            2, HEADROOM, CUDA_CONTEXT)
