@@ -23,10 +23,10 @@ DECODE_EFFICIENCY = 0.72
 ONE_ROW_EFFICIENCY = 0.73
 # The quantised products' share of their own, smaller bound: llama2-7b at batch 1 on one H200
 # (bench/results.jsonl): int8 384.6 tok/s through inference/int8.py's one-row kernel (f16x2 dots) in the launch
-# chain (336.8-355.8 before it); int4 402.9-465.8 through inference/int4.py's (bf16x2 dots), not yet measured in
-# the chain; each bound by the instructions it issues a byte or nibble, not by the memory's rate. Larger batches
+# chain (336.8-355.8 before it); int4 501.5 through inference/int4.py's (bf16x2 dots) in the chain (402.9-465.8
+# before it); each bound by the instructions it issues a byte or nibble, not by the memory's rate. Larger batches
 # are not measured quantised.
-QUANTIZED_EFFICIENCY = {"int8": 0.52, "int4": 0.31}
+QUANTIZED_EFFICIENCY = {"int8": 0.52, "int4": 0.38}
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
