@@ -214,7 +214,9 @@ def run_cli(args, model_dir: Path, reqs, system: str) -> list[dict]:
     tp = int(kind[2:]) if kind.startswith("tp") else 1
     flags = ["--quantize", kind] if kind in ("int8", "int4") else ["--tp", str(tp)] if tp > 1 else []
     serve = ["-m", "shardlm", "serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", "base",
-             "--max-batch", str(args.concurrency), "--max-len", str(args.max_prompt + args.max_new), *flags]
+             "--max-batch", str(args.concurrency), *flags]
+    if args.serve_len != 0:  # 0: the model's whole context, as `shardlm serve` starts without --max-len
+        serve += ["--max-len", str(args.serve_len or args.max_prompt + args.max_new)]
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp)] if tp > 1 else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log = open(Path(model_dir).parent / f"serve-{system}.log", "w")
@@ -310,6 +312,9 @@ def main():
     p.add_argument("--systems", default="shardlm,hf-static",
                    help="also shardlm-splitN (Engine prefill_split=N), and `shardlm serve` started as a command "
                         "(batch 1): cli, cli-int8, cli-int4, cli-tpN")
+    p.add_argument("--serve-len", type=int, default=None,
+                   help="the cli systems' --max-len (default: the longest request; 0: none given, the model's "
+                        "context, which sets how many decode graphs the server compiles before it serves)")
     p.add_argument("--record", default=str(ROOT / "bench" / "results.jsonl"))
     args = p.parse_args()
     for system in args.systems.split(","):
