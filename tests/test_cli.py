@@ -18,6 +18,18 @@ def test_help(cmd, capsys):
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc
 
 
+def test_inductors_note_on_splitting_a_softmax_is_not_shown(capsys):
+    """A server's start compiled the sampling step's softmax over the vocabulary at several shapes on a GPU, and
+    each printed Inductor's multi-line advice to file a PyTorch issue: nothing a user can act on."""
+    import warnings
+    cli_proc(capsys, "--help")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn("\nOnline softmax is disabled on the fly since Inductor decides to\nsplit the reduction.",
+                      UserWarning)
+        warnings.warn("another note", UserWarning)
+    assert [str(w.message) for w in seen] == ["another note"]
+
+
 def test_overrides_without_a_config_name():
     out = run_cli("train", "--train.steps", "50", "--train.log_every=10", "--print-config").stdout
     assert "steps = 50" in out and "log_every = 10" in out and "hidden_size = 256" in out  # the default preset

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -340,6 +341,9 @@ def _prints_bad_input() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Inductor's note when it splits a softmax's reduction (the sampling step's, over the vocabulary), once per
+    # compiled shape at a server's start, is about its own kernels' speed: nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: shardlm {train,eval,generate,serve,data,export,plan} ... | shardlm --version\n\n"
               "  train     train a model (default: the embedded default on the stdlib's sources)\n"
