@@ -2,6 +2,7 @@
 mixed-length and continuous batching, per-request sampling, stops, and `shardlm generate --input`."""
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -147,9 +148,10 @@ def test_after_the_warm_up_serving_compiles_no_decode_step_again(monkeypatch):
 
 
 def test_after_the_warm_up_no_key_bucket_compiles_a_decode_step_again(monkeypatch):
-    """A decode step is a graph for each key bucket (Engine._keys) as well as each row count: warm_up_batches
-    compiles the greedy and the sampling step at one row and every slot in every bucket, so that requests of
-    any length, alone and together, compile nothing new (before, only the bucket of its one prompt length)."""
+    """warm_up_batches runs the greedy and the sampling step at one row and every slot in every key bucket
+    (Engine._keys), so that requests of any length, alone and together, compile nothing new (before, only the
+    bucket of its one prompt length); and the key count is dynamic, so that the buckets short of the whole
+    cache share their compiles: at most two a step and row count, whatever the context."""
     from shardlm.serve.worker import warm_up_batches
     graphs = counting_compiles(monkeypatch)
     torch._dynamo.reset()
@@ -166,14 +168,14 @@ def test_after_the_warm_up_no_key_bucket_compiles_a_decode_step_again(monkeypatc
         engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1))])
         engine.run([Request(prompt, 3), Request(prompt[:7], 3)])
         engine.run([Request(prompt, 3, SamplingParams(0.8, seed=1)), Request(prompt[:7], 3)])
-    assert warmed == 4 * len(buckets) and len(graphs) == warmed
+    assert warmed <= 8 and len(graphs) == warmed
     torch._dynamo.reset()
 
 
 def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
     """Data-parallel replicas (serve --replicas) are engines of one process whose steps share their code objects,
     and Dynamo counts every engine's graphs against one limit (it does not tell the engines apart by identity):
-    two engines' steps at each key bucket and at one row and every slot all compile, none failing the step
+    two engines' steps in every key bucket, at one row and every slot, all compile, none failing the step
     (with fullgraph, a step past the limit raised FailOnRecompileLimitHit, which is not a compile error the
     engine falls back from) and none falling back to eager."""
     graphs = counting_compiles(monkeypatch)
@@ -181,15 +183,14 @@ def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
     torch._dynamo.reset()
     engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
                       compile_prefill=False) for _ in range(2)]
-    buckets = sorted({engines[0]._keys(2 ** i) for i in range(13)})
-    assert buckets == [512, 1024, 2048, 2049]
-    with torch.no_grad():
-        for e in engines:
-            for keys in buckets:
-                for m in (1, 2):
-                    e._steps[0](e.tokens[:m], e.pos[:m], keys)
-    assert len(graphs) == 2 * 2 * len(buckets)
-    assert all(e._steps[0].fn is not e._steps[0].eager for e in engines)
+    for e in engines:  # prompts whose bursts read 512, 1024, 2048 and all 2049 cached positions
+        for n in (5, 600, 1500, 2040):
+            prompt = prompts_of((n,))[0]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a step run eagerly says so
+                e.run([Request(prompt, 3)])
+                e.run([Request(prompt, 3), Request(prompt[:9], 3)])
+    assert 0 < len(graphs) <= 2 * 2 * 2
     torch._dynamo.reset()
 
 

@@ -72,6 +72,7 @@ class Engine:
         self.top_p = torch.ones(n, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
         self.out = torch.zeros(n, sync_every, dtype=torch.long, device=dev)
+        self._key_space = torch.empty(self.max_len + 1, 0, device=dev)  # _key_count's
         self.slots: list[Slot | None] = [None] * n
         self.adapters: dict[str, int] = {}  # name -> index into the stacked adapters (adapters.py)
         self._adapter_dirs: dict = {}
@@ -91,10 +92,9 @@ class Engine:
         steps = (self._greedy_step, self._sampling_step)
         if self.compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # a graph for each key bucket (_keys), at one row and at every slot
-            shapes = 2 * len({self._keys(2 ** i) for i in range(self.max_len.bit_length() + 1)})
-            steps = tuple(CompiledOrEager(f, "the decode step", shapes=shapes, mode=mode, fullgraph=True,
-                                          dynamic=False) for f in steps)
+            # at one row and at every slot: a graph for every key bucket but the whole cache, and one for that
+            steps = tuple(CompiledOrEager(f, "the decode step", shapes=4, mode=mode, fullgraph=True, dynamic=False)
+                          for f in steps)
         self._steps = steps
         # Prefill's shapes follow the prompts: one graph of a block with symbolic sizes, for every layer.
         self._layer = CompiledOrEager(decoder_layer, "prefill", dynamic=True) if self.compile_prefill else None
@@ -120,13 +120,13 @@ class Engine:
         self._build_steps()
 
     # ---- the compiled decode step -------------------------------------------------------------------
-    def _logits(self, tokens, pos, keys):
-        return forward_tokens(self.model, self.cache, self.rope, tokens[:, None], pos[:, None], keys=keys)
+    def _logits(self, tokens, pos, keys: torch.Tensor):
+        return forward_tokens(self.model, self.cache, self.rope, tokens[:, None], pos[:, None], keys=keys.shape[0])
 
-    def _greedy_step(self, tokens, pos, keys: int):
+    def _greedy_step(self, tokens, pos, keys: torch.Tensor):
         return greedy(self._logits(tokens, pos, keys))
 
-    def _sampling_step(self, tokens, pos, temperature, top_k, top_p, seed, keys: int):
+    def _sampling_step(self, tokens, pos, temperature, top_k, top_p, seed, keys: torch.Tensor):
         return sample(self._logits(tokens, pos, keys), temperature, top_k, top_p, seed, pos + 1)
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ class Engine:
         pos = [len(self.slots[i].request.prompt) + len(self.slots[i].request.tokens) - 1 for i in live]
         steps = min(self.sync_every, self.max_len - max(pos))
         reach = max(pos) + steps + 1
-        keys = self._keys(reach)
+        keys = self._key_count(self._keys(reach))
         sampling = any(not self.slots[i].request.sampling.greedy for i in live)
         # A request alone in the first slot steps as one row (slots fill from the first): one-row kernels, where
         # all the slots' step ran every linear layer at their rows (int4's at 0.7x bf16's speed, served alone).
@@ -347,10 +347,19 @@ class Engine:
             if accept(self.slots[i].request, new[i], self.decode):
                 self._release(i, finished)
 
+    def _key_count(self, keys: int) -> torch.Tensor:
+        """`keys` as the size of an empty tensor [keys, 0] that the compiler takes as dynamic: one compiled step
+        serves every key count short of the whole cache (a CUDA graph is recorded for each, without compiling;
+        the whole cache, its size equal to the cache's, is a compile of its own). As a plain int each count was a
+        compile of its own, four a bucket (greedy and sampling, one row and every slot), minutes for a 7B model
+        at a long context."""
+        count = self._key_space[:keys]
+        torch._dynamo.maybe_mark_dynamic(count, 0)
+        return count
+
     def _keys(self, reach: int) -> int:
         """The cached positions a decode step reads: a power of two (at least 512) covering `reach`, so a
-        step over short requests reads little of a long cache, at the cost of graphs per size (four: greedy and
-        sampling, one row and every slot; serve/worker.warm_up_batches compiles them all)."""
+        step over short requests reads little of a long cache (each size a CUDA graph of its own)."""
         keys = 512
         while keys < reach:
             keys *= 2
