@@ -17,15 +17,27 @@ def _data(tmp_path: Path) -> Path:
     return tmp_path / "data"
 
 
-def _torchrun(tmp_path: Path, out: str, body: str, launcher: list, *args: str) -> subprocess.CompletedProcess:
-    """torchrun of 2 ranks of `shardlm train tiny` at dp 2 into `out`, `body` run in each worker first (the fault)."""
-    script = tmp_path / "worker.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _worker_script(tmp_path: Path, out: str, body: str) -> Path:
+    """A worker that runs `body` (the fault), then `shardlm train` with its arguments."""
+    script = tmp_path / f"worker-{out}.py"
     script.write_text("import os, signal, sys\nfrom shardlm.cli import main\nfrom shardlm.trainer import Trainer\n"
                       f"{body}\nsys.exit(main(sys.argv[1:]))\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
-           str(script), "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.tensorboard", "false",
-           "--train.sample_tokens", "0", "--data.path", str(_data(tmp_path)), "--out", str(tmp_path / out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return script
+
+
+def _torchrun_command(tmp_path: Path, out: str, script: Path, launcher: list, *args: str) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
+            str(script), "train", "tiny", "--parallel.dp", "2", "--train.device", "cpu", "--train.tensorboard", "false",
+            "--train.sample_tokens", "0", "--data.path", str(_data(tmp_path)), "--out", str(tmp_path / out), *args]
+
+
+def _torchrun(tmp_path: Path, out: str, body: str, launcher: list, *args: str) -> subprocess.CompletedProcess:
+    """torchrun of 2 ranks of `shardlm train tiny` at dp 2 into `out`, `body` run in each worker first (the fault)."""
+    command = _torchrun_command(tmp_path, out, _worker_script(tmp_path, out, body), launcher, *args)
+    return subprocess.run(command, capture_output=True, text=True, timeout=150, env=ENV)
 
 
 def _losses(run: Path) -> dict:
@@ -45,40 +57,38 @@ Trainer.train_step = dying
 """
 
 
-@pytest.mark.timeout(200)
-def test_a_group_torchrun_restarts_joins_again_and_trains(tmp_path):
-    """torch's rendezvous leaves the failed attempt's keys (each rank's address) in torchrun's store, which the
-    restart reuses: a restarted rank that read a peer's key before that peer had rewritten it tried the dead
-    process's address and gave up ('Gloo connectFullMesh failed ... Connection refused'), or the group waited at
-    the rendezvous until its timeout. It went either way about half the time, so two restarts here. Each attempt
-    now joins under keys of its own."""
-    done = _torchrun(tmp_path, "r", _killing_rank_1_at(2, attempts=2), ["--max-restarts", "2"], "--train.steps", "4",
+@pytest.mark.timeout(300)
+def test_a_group_torchrun_restarts_joins_again_and_resumes_the_checkpoint_its_failed_attempt_saved(tmp_path):
+    """torchrun --max-restarts runs the same command again, twice here (rank 1 killed in step 5 by the first two
+    attempts), and the run ends as the uninterrupted one does:
+    - torch's rendezvous leaves the failed attempt's keys (each rank's address) in torchrun's store, which the
+      restart reuses: a restarted rank that read a peer's key before that peer had rewritten it tried the dead
+      process's address and gave up ('Gloo connectFullMesh failed ... Connection refused'), or the group waited at
+      the rendezvous until its timeout, about half the time. Each attempt now joins under keys of its own.
+    - a restart was refused beside the checkpoints its failed attempt had saved ("already holds a run's
+      checkpoints"), so every restart was spent on that refusal. It now resumes the newest of them."""
+    common = ["--train.steps", "8", "--train.save_every", "2"]
+    script = _worker_script(tmp_path, "reference", "")
+    reference = subprocess.Popen(_torchrun_command(tmp_path, "reference", script, [], *common), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=ENV)  # beside the run that fails
+    done = _torchrun(tmp_path, "r", _killing_rank_1_at(5, attempts=2), ["--max-restarts", "2"], *common,
                      "--parallel.timeout_s", "30")
+    reference_err = reference.communicate(timeout=150)[1]
     assert done.returncode == 0, done.stderr[-3000:]
     assert "connectFullMesh" not in done.stderr and "Connection refused" not in done.stderr, done.stderr[-3000:]
-    assert sorted(_losses(tmp_path / "r")) == [1, 2, 3, 4]  # started over: nothing was saved to resume
-
-
-@pytest.mark.timeout(300)
-def test_a_group_torchrun_restarts_resumes_the_checkpoint_its_failed_attempt_saved(tmp_path):
-    """torchrun --max-restarts runs the same command again: it was refused beside the checkpoints its failed attempt
-    had saved ("already holds a run's checkpoints"), so every restart was spent on that refusal. It now resumes the
-    newest of them, and the run ends as the uninterrupted one does."""
-    common = ["--train.steps", "8", "--train.save_every", "2"]
-    done = _torchrun(tmp_path, "r", _killing_rank_1_at(5), ["--max-restarts", "1"], *common)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"torchrun restart 1: resuming the newest checkpoint in {tmp_path / 'r'}, saved by the attempt that " \
-           "failed" in done.stdout + done.stderr, done.stderr[-3000:]
+    for attempt in (1, 2):
+        assert f"torchrun restart {attempt}: resuming the newest checkpoint in {tmp_path / 'r'}, saved by an " \
+               "attempt that failed" in done.stdout + done.stderr, done.stderr[-3000:]
     assert "already holds" not in done.stderr
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
-    reference = _torchrun(tmp_path, "reference", "", [], *common)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert reference.returncode == 0, reference_err[-3000:]
     assert _losses(tmp_path / "r") == _losses(tmp_path / "reference")
 
 
-def test_a_restart_resumes_only_what_its_failed_attempt_saved(tmp_path, monkeypatch):
-    """Checkpoints older than the failed attempt (another run's, which it was refused beside or was to
-    --overwrite) are not the restart's to resume; one that attempt saved is. No other agent's restart takes them."""
+def test_a_restart_resumes_only_what_its_job_saved(tmp_path, monkeypatch):
+    """Checkpoints older than the job's first attempt (another run's, which it was refused beside or was to
+    --overwrite) are not a restart's to resume; one that an attempt of the job saved is. No other agent's restart
+    takes them."""
     import os
     import time
 
@@ -101,6 +111,17 @@ def test_a_restart_resumes_only_what_its_failed_attempt_saved(tmp_path, monkeypa
     assert not restarted()
     state.touch()  # now saved by that attempt
     assert restarted() and not restarted("another job")
+    # A first restart that died before saving anything: the second resumes what the first attempt saved (it was
+    # refused beside it, "already holds a run's checkpoints", and so was every restart after it).
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    lock, again = rundir.claim(tmp_path / "r", True, lambda value: value)
+    assert again
+    lock.release()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    lock, again = rundir.claim(tmp_path / "r", True, lambda value: value)
+    assert again
+    lock.release()
 
 
 @pytest.mark.timeout(200)

@@ -12,7 +12,7 @@ rules that keep two runs from mixing in one directory or a run from losing its o
 - One process group owns the directory for the run's life (`claim`, runlock.py): a second run into it, or a
   resume of a run still going, is refused before either writes anything.
 - A group that torchrun restarts (`--max-restarts`) runs the failed attempt's command again: it continues from
-  the checkpoints that attempt saved rather than being refused beside them (`claim`).
+  the checkpoints the job's attempts saved rather than being refused beside them (`claim`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def claim(out: Path, main: bool, from_main, log=print) -> tuple[RunLock | None, 
             lock = acquire(out, log)
             if again := restarted(out, lock):
                 log(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming the newest checkpoint in "
-                    f"{out}, saved by the attempt that failed")
+                    f"{out}, saved by an attempt that failed")
         except ConfigError as e:
             failure = str(e)
         except OSError as e:
@@ -61,15 +61,17 @@ def claim(out: Path, main: bool, from_main, log=print) -> tuple[RunLock | None, 
 
 def restarted(out: Path, lock: RunLock) -> bool:
     """Whether this is an attempt torchrun restarted after a failure, whose previous attempt (the same agent) held
-    `out` and saved a checkpoint there. Run again unchanged, its command was refused beside that attempt's own
-    checkpoints (given --resume of an earlier checkpoint, beside the later ones), and the restart was wasted."""
+    `out`, and an attempt of that job (the previous one, or one before it whose restart died before saving) saved a
+    checkpoint there. Run again unchanged, its command was refused beside the job's own checkpoints (given --resume
+    of an earlier checkpoint, beside the later ones), and the restart was wasted."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         return False
     before, newest = lock.previous_owner(), complete_checkpoints(out)
     if not before or before.get("launcher") != launcher() or not newest:
         return False
-    # Saved by that attempt: not an older run's that it was to --overwrite when it died.
-    return (newest[-1] / STATE).stat().st_mtime >= before.get("started", float("inf"))
+    # Saved by the job: not an older run's that it was to --overwrite when it died.
+    began = before.get("job_started", before.get("started", float("inf")))
+    return (newest[-1] / STATE).stat().st_mtime >= began
 
 
 def _refuse_foreign(out: Path) -> None:

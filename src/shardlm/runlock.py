@@ -129,11 +129,16 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
             "into it at the same time")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join(["shardlm", *sys.argv[1:]])[:300]}
-    if (who := launcher()) is not None:
-        info["launcher"] = who
     previous = os.pread(fd, 1 << 16, 0)
     lock = _held[path] = _Lock(path, fd, created, previous)
     handle = RunLock(lock)
+    if (who := launcher()) is not None:
+        info["launcher"] = who
+        # When the job's first attempt took the directory: a restart resumes what any attempt of the job saved
+        # (a second restart follows an attempt that may have died before saving anything of its own).
+        before = handle.previous_owner() or {}
+        info["job_started"] = before.get("job_started", before.get("started")) \
+            if before.get("launcher") == who else info["started"]
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

@@ -71,7 +71,7 @@ class Trainer:
             self.run_lock, restart = rundir.claim(self.out, self.mesh.is_main, self.mesh.from_main, log)
             if self.run_lock is not None:  # a Trainer never closed lets go of the directory when collected
                 weakref.finalize(self, self.run_lock.release)
-            resume = self.out if restart else resume  # torchrun's restart continues its failed attempt's saves
+            resume = self.out if restart else resume  # torchrun's restart continues its job's saves
         try:
             self._setup(cfg, resume, overwrite, log)
         except BaseException:
