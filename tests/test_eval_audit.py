@@ -92,13 +92,16 @@ def test_an_unreadable_data_file_is_one_line_before_the_model_loads(byte_model_d
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     for path in (tmp_path / "t.txt", tmp_path / "p.jsonl"):
         path.chmod(0)
-    for args, flag in ((["eval", "--data", tmp_path / "t.txt", "--seq-len", 32], "--data"),
-                       (["eval", "--tasks", "bleu", "--data", tmp_path / "p.jsonl"], "--data"),
-                       (["generate", "--input", tmp_path / "p.jsonl", "--output", tmp_path / "o.jsonl"], "--input")):
-        r = subprocess.run([*prefix, sys.executable, "-m", "shardlm", *map(str, args), "--model", str(byte_model_dir)],
-                           capture_output=True, text=True, timeout=100)
-        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert f"{flag} {args[args.index(flag) + 1]} cannot be read: Permission denied" in r.stderr, r.stderr
+    cases = ((["eval", "--data", tmp_path / "t.txt", "--seq-len", 32], "--data"),
+             (["eval", "--tasks", "bleu", "--data", tmp_path / "p.jsonl"], "--data"),
+             (["generate", "--input", tmp_path / "p.jsonl", "--output", tmp_path / "o.jsonl"], "--input"))
+    procs = [subprocess.Popen([*prefix, sys.executable, "-m", "shardlm", *map(str, args), "--model",
+                               str(byte_model_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]  # side by side: each mostly starts Python
+    for (args, flag), proc in zip(cases, procs):
+        stderr = proc.communicate(timeout=100)[1]
+        assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+        assert f"{flag} {args[args.index(flag) + 1]} cannot be read: Permission denied" in stderr, stderr
 
 
 @pytest.mark.timeout(180)
@@ -122,8 +125,10 @@ def test_model_files_the_user_may_not_read_are_named_as_such(byte_model_dir, tmp
     locked = [hf / "model.safetensors", *(tmp_path / "run" / "checkpoints").glob("step_*/*.safetensors")]
     for f in locked:
         f.chmod(0)
-    for model in (hf, tmp_path / "run"):
-        r = subprocess.run([*prefix, sys.executable, "-m", "shardlm", "eval", "--model", str(model), "--data",
-                            str(tmp_path / "t.txt"), "--seq-len", "32"], capture_output=True, text=True, timeout=100)
-        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
-        assert "cannot be read: Permission denied" in r.stderr and "damaged" not in r.stderr, r.stderr
+    procs = [subprocess.Popen([*prefix, sys.executable, "-m", "shardlm", "eval", "--model", str(model), "--data",
+                               str(tmp_path / "t.txt"), "--seq-len", "32"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for model in (hf, tmp_path / "run")]
+    for proc in procs:
+        stderr = proc.communicate(timeout=100)[1]
+        assert proc.returncode in (1, 2) and "Traceback" not in stderr, stderr
+        assert "cannot be read: Permission denied" in stderr and "damaged" not in stderr, stderr
