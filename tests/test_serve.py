@@ -405,6 +405,25 @@ def test_every_step_warm_up_included_runs_on_the_workers_thread(hf_dir):
     assert set(threads) == {worker._thread} and not worker._thread.is_alive()
 
 
+def test_a_warm_up_without_a_terminal_is_told_in_lines(hf_dir, capsys, monkeypatch):
+    """On a GPU a server compiles and captures every step before it serves (minutes for a 7B model at a long
+    context); its progress bar shows on a terminal only, so a server started by a service or nohup logged
+    nothing in that time. A line says the warm-up began, and another its progress every 30 s."""
+    import shardlm.serve.command as command
+    from shardlm.inference import Request
+    model, tok, _ = load_pretrained(hf_dir)
+    engine = Engine(model, 2, 32, compile=False, decode=tok.decode)
+    clock = iter(range(0, 10_000, 20))  # 20 s a reading: a line at the second batch's end, none at the last
+    monkeypatch.setattr(command.time, "perf_counter", lambda: float(next(clock)))
+    warm = lambda e: [[Request([tok.eos_id], 2)] for _ in range(3)]  # noqa: E731
+    capsys.readouterr()
+    server, worker = command.build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning", warm)
+    worker.close(TIMEOUT)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "shardlm serve: warming up: 3 batches of requests through every step serving runs", lines
+    assert [x for x in lines if "of 3 batches" in x] == ["shardlm serve: warming up: 2 of 3 batches in 40 s"], lines
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("max_len", [2, 3])
 def test_the_warm_up_fits_the_shortest_slots(hf_dir, max_len):

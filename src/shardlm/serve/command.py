@@ -246,6 +246,8 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     for e in engines:  # a bar on a terminal: compiling a large model's steps at a long context takes minutes
         batches = warm(e)
         update, close = progress_bar(len(batches), "warming up", unit="batch")
+        if batches and not sys.stderr.isatty():  # no bar in a log file: lines say the start is under way
+            update = _logged_progress(update, len(batches), e.compile)
         try:
             workers.append(EngineWorker(e).start(batches, progress=update))
         finally:
@@ -260,6 +262,27 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker
+
+
+def _logged_progress(update, total: int, compiled: bool, every_s: float = 30.0):
+    """`update`, and a line on stderr now and at most every `every_s` seconds after it: where no bar shows (a
+    service's log, nohup), a server that compiles before it serves was silent for minutes."""
+    start = last = time.perf_counter()
+    print(f"shardlm serve: warming up: {total} batches of requests through every step serving runs"
+          + (", compiling and capturing each (minutes for a large model at a long context)" if compiled else ""),
+          file=sys.stderr, flush=True)
+    done = 0
+
+    def logged(n: int = 1):
+        nonlocal done, last
+        update(n)
+        done += n
+        now = time.perf_counter()
+        if now - last >= every_s and done < total:
+            last = now
+            print(f"shardlm serve: warming up: {done} of {total} batches in {now - start:.0f} s", file=sys.stderr,
+                  flush=True)
+    return logged
 
 
 def _draining_server(uvicorn):
