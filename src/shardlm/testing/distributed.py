@@ -92,10 +92,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
         p.start()
     deadline = time.monotonic() + timeout
     got: dict[int, tuple[str, object]] = {}
+    grace = 2.0  # seconds the ranks get to exit once the call is decided
     try:
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
+                grace = 0.0  # the ranks still running are the hung ones: nothing to wait for
                 missing = sorted(set(range(world_size)) - set(got))
                 raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                                    f"(a hang, or a peer that died)" + _errors(got))
@@ -111,8 +113,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
                     raise DistributedError(f"ranks {dead} died without reporting (exit codes "
                                            f"{[procs[r].exitcode for r in dead]})" + _errors(got))
     finally:
+        end = time.monotonic() + grace  # one grace period for all the ranks to exit, then they are killed
         for p in procs:
-            p.join(timeout=2.0)
+            p.join(timeout=max(0.0, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
