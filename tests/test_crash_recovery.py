@@ -109,7 +109,7 @@ def test_a_restart_resumes_only_what_its_job_saved(tmp_path, monkeypatch):
         lock.release(undo=True)  # its record back: the failed attempt's, for the next call
         return again
     assert not restarted()
-    state.touch()  # now saved by that attempt
+    os.utime(state, (time.time() + 1, time.time() + 1))  # now saved by that attempt (past a coarse clock's tick)
     assert restarted() and not restarted("another job")
     # A first restart that died before saving anything: the second resumes what the first attempt saved (it was
     # refused beside it, "already holds a run's checkpoints", and so was every restart after it).
@@ -122,6 +122,12 @@ def test_a_restart_resumes_only_what_its_job_saved(tmp_path, monkeypatch):
     lock, again = rundir.claim(tmp_path / "r", True, lambda value: value)
     assert again
     lock.release()
+    # A job's first attempt counts from its own start, even where the record before it names the same launcher
+    # (torchrun as pid 1 in a container, the default run id): another job's checkpoints are not its to resume.
+    from shardlm.runlock import owner
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    acquire(tmp_path / "r").release()
+    assert owner(tmp_path / "r")["job_started"] == owner(tmp_path / "r")["started"]
 
 
 @pytest.mark.timeout(200)

@@ -137,8 +137,9 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
         # When the job's first attempt took the directory: a restart resumes what any attempt of the job saved
         # (a second restart follows an attempt that may have died before saving anything of its own).
         before = handle.previous_owner() or {}
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
         info["job_started"] = before.get("job_started", before.get("started")) \
-            if before.get("launcher") == who else info["started"]
+            if restart and before.get("launcher") == who else info["started"]
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

@@ -247,7 +247,7 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
         batches = warm(e)
         update, close = progress_bar(len(batches), "warming up", unit="batch")
         if batches and not sys.stderr.isatty():  # no bar in a log file: lines say the start is under way
-            update = _logged_progress(update, len(batches), e.compile)
+            update, close = _logged_progress(update, close, len(batches), e.compile)
         try:
             workers.append(EngineWorker(e).start(batches, progress=update))
         finally:
@@ -264,25 +264,34 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     return _draining_server(uvicorn)(config, state), worker
 
 
-def _logged_progress(update, total: int, compiled: bool, every_s: float = 30.0):
-    """`update`, and a line on stderr now and at most every `every_s` seconds after it: where no bar shows (a
-    service's log, nohup), a server that compiles before it serves was silent for minutes."""
-    start = last = time.perf_counter()
+WARM_UP_LINE_EVERY_S = 30.0
+
+
+def _logged_progress(update, close, total: int, compiled: bool):
+    """`update` and `close`, with a line on stderr now and one every WARM_UP_LINE_EVERY_S seconds until `close`
+    (a thread of its own: one batch may compile for minutes): where no bar shows (a service's log, nohup), a
+    server that compiles before it serves was silent all that time."""
+    start, done, stop = time.perf_counter(), [0], threading.Event()
     print(f"shardlm serve: warming up: {total} batches of requests through every step serving runs"
           + (", compiling and capturing each (minutes for a large model at a long context)" if compiled else ""),
           file=sys.stderr, flush=True)
-    done = 0
 
-    def logged(n: int = 1):
-        nonlocal done, last
+    def tell():
+        while not stop.wait(WARM_UP_LINE_EVERY_S):
+            print(f"shardlm serve: warming up: {done[0]} of {total} batches done in "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    teller = threading.Thread(target=tell, name="warm-up lines", daemon=True)
+    teller.start()
+
+    def counted(n: int = 1):
+        done[0] += n
         update(n)
-        done += n
-        now = time.perf_counter()
-        if now - last >= every_s and done < total:
-            last = now
-            print(f"shardlm serve: warming up: {done} of {total} batches in {now - start:.0f} s", file=sys.stderr,
-                  flush=True)
-    return logged
+
+    def closed():
+        stop.set()
+        teller.join()
+        close()
+    return counted, closed
 
 
 def _draining_server(uvicorn):
