@@ -9,13 +9,12 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
 from .config import SECTIONS, ConfigError, RunError, load_config, parse_overrides, preset_names, validate
 from .config.load import refuse_empty_paths, refuse_misplaced_train_args
-from .runtime.console import silence_stdout
+from .runtime.console import hide_compiler_notes, silence_stdout
 
 TRAIN_EPILOG = f"""\
 Any config key can be overridden as --section.key value (sections: {', '.join(SECTIONS)}),
@@ -341,9 +340,7 @@ def _prints_bad_input() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Inductor's note when it splits a softmax's reduction (the sampling step's, over the vocabulary), once per
-    # compiled shape at a server's start, is about its own kernels' speed: nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
+    hide_compiler_notes()
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: shardlm {train,eval,generate,serve,data,export,plan} ... | shardlm --version\n\n"
               "  train     train a model (default: the embedded default on the stdlib's sources)\n"

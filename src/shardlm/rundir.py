@@ -24,7 +24,7 @@ from pathlib import Path
 from .checkpoint import (CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial,
                          unfinished_save)
 from .config import ConfigError
-from .runlock import RunLock, acquire, launcher
+from .runlock import RunLock, acquire, launcher, restarted_attempt
 
 METRICS, TENSORBOARD, CONFIG = "metrics.jsonl", "tensorboard", "config.toml"
 
@@ -64,7 +64,7 @@ def restarted(out: Path, lock: RunLock) -> bool:
     `out`, and an attempt of that job (the previous one, or one before it whose restart died before saving) saved a
     checkpoint there. Run again unchanged, its command was refused beside the job's own checkpoints (given --resume
     of an earlier checkpoint, beside the later ones), and the restart was wasted."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+    if not restarted_attempt():
         return False
     before, newest = lock.previous_owner(), complete_checkpoints(out)
     if not before or before.get("launcher") != launcher() or not newest:

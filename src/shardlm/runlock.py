@@ -108,6 +108,11 @@ def launcher() -> str | None:
     return None if run_id is None else f"{run_id} {socket.gethostname()} {os.getppid()}"
 
 
+def restarted_attempt() -> bool:
+    """Whether torchrun's --max-restarts started this process again after a failed attempt of its job."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
 def acquire(run_dir: str | Path, log=print) -> RunLock:
     """Take the run directory's lock (creating the directory), or raise RunLocked naming its owner."""
     run_dir = Path(run_dir)
@@ -137,9 +142,8 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
         # When the job's first attempt took the directory: a restart resumes what any attempt of the job saved
         # (a second restart follows an attempt that may have died before saving anything of its own).
         before = handle.previous_owner() or {}
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
         info["job_started"] = before.get("job_started", before.get("started")) \
-            if restart and before.get("launcher") == who else info["started"]
+            if restarted_attempt() and before.get("launcher") == who else info["started"]
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

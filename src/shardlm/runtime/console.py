@@ -1,11 +1,19 @@
 """A console whose reader may go away (`shardlm train | head`, a closed tee or ssh session): what is left to
 say goes to stderr, and the caller learns it (`lost`) to stop as a signal would, instead of dying in a
-BrokenPipeError with the steps since the last checkpoint."""
+BrokenPipeError with the steps since the last checkpoint. And what it is not shown: notes meant for others.
+"""
 from __future__ import annotations
 
 import errno
 import os
 import sys
+import warnings
+
+
+def hide_compiler_notes() -> None:
+    """Inductor's note when it splits a softmax's reduction (the sampling step's, over the vocabulary), printed once
+    per compiled shape at a server's start, is about its own kernels' speed: nothing a user can act on."""
+    warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
 
 
 def silence_stdout(stream=None) -> None:
