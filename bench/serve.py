@@ -240,8 +240,10 @@ def run_cli(args, model_dir: Path, reqs, system: str) -> list[dict]:
             time.sleep(1)
         start_s = time.monotonic() - started  # what a user waits for: from the command to a served /health
         drive_sync(url, reqs[:2], None, 1)  # the first requests' prefill shapes, warmed
-        return [{"system": f"shardlm-{system}-batch-1", **drive_sync(url, reqs[:args.concurrency], None, 1),
-                 "start_s": start_s}]
+        got = drive_sync(url, reqs[:args.concurrency], None, 1)
+        peak = httpx.get(url + "/metrics", timeout=5).json().get("memory_peak_bytes")  # the server's (rank 0's)
+        return [{"system": f"shardlm-{system}-batch-1", **got, "start_s": start_s,
+                 "peak_mem_gib": peak / 2**30 if peak is not None else None}]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server drains and exits; torchrun's ranks with it
         try:
@@ -336,6 +338,8 @@ def main():
     runs = {"shardlm": lambda: run_shardlm(args, model, tok, reqs, device),
             "hf-static": lambda: run_hf_static(args, model, cfg, reqs, device)}
     for system in args.systems.split(","):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         if system.startswith("shardlm-split"):  # the engine with prefill_split=N (one-row prefill passes)
             got = run_shardlm(args, model, tok, reqs, device, system, prefill_split=int(system[len("shardlm-split"):]))
         elif system.startswith("cli"):
@@ -345,9 +349,10 @@ def main():
         else:
             got = runs[system]()
         for r in got:  # recorded as each system ends: a call cut short keeps what it measured
+            if "peak_mem_gib" not in r:  # in this process: the model's weights and the system's own memory
+                r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
             r.update(model=args.preset, seq=args.max_prompt + args.max_new, micro_batch=args.concurrency,
-                     tok_s_gpu=r["tok_s"], mfu=None, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30
-                     if device == "cuda" else None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
+                     tok_s_gpu=r["tok_s"], mfu=None, command="python bench/serve.py " + " ".join(sys.argv[1:]))
             print(json.dumps(r), flush=True)
         record(args.record, "serve", card, int(system[6:]) if system.startswith("cli-tp") else 1, got)
         rows += got

@@ -752,3 +752,29 @@ def test_triton_products_launch_on_their_tensors_gpu_not_the_current_one():
     for got, want in zip(outputs("cuda:1"), outputs("cuda:0")):
         assert got.device == torch.device("cuda:1")
         assert torch.equal(got.cpu(), want.cpu())
+
+
+@cuda
+def test_server_metrics_report_its_gpu_memory(tmp_path):
+    """/metrics' memory keys are the serving process's own allocator counts: at least the weights and the
+    cache it holds, the peak at least the current."""
+    import threading
+
+    from helpers import save_hf
+
+    from shardlm.inference import Engine, Request, load_pretrained
+    from shardlm.serve.worker import EngineWorker
+    save_hf("llama", tmp_path / "hf")
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="fp32")
+    engine = Engine(model, 2, compile=False)
+    worker = EngineWorker(engine).start()
+    try:
+        done = threading.Event()
+        worker.submit(Request([5, 9, 2], 4), lambda r, error: done.set())
+        assert done.wait(60)
+        m = worker.metrics()
+    finally:
+        worker.close(60)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for t in (*engine.cache.k, *engine.cache.v))
+    assert m["memory_peak_bytes"] >= m["memory_bytes"] >= held > 0

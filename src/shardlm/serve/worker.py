@@ -17,6 +17,8 @@ import traceback
 from collections import deque
 from typing import Callable
 
+import torch
+
 from ..inference import Engine, Request, SamplingParams
 
 log = logging.getLogger("shardlm.serve")
@@ -194,9 +196,13 @@ class EngineWorker:
             recent = sum(n for _, n in self._recent)
             counts = dict(self.counts)
         in_use = self.engine.in_use
-        return {**counts, "requests_active": in_use, "requests_queued": self.engine.queued,
-                "tokens_per_s": round(recent / self.window_s, 3), "window_s": self.window_s,
-                "slots_in_use": in_use, "slots": len(self.engine.slots)}
+        out = {**counts, "requests_active": in_use, "requests_queued": self.engine.queued,
+               "tokens_per_s": round(recent / self.window_s, 3), "window_s": self.window_s,
+               "slots_in_use": in_use, "slots": len(self.engine.slots)}
+        if self.engine.device.type == "cuda":  # what this process holds on its GPU: weights, cache, graphs' pools
+            out.update(memory_bytes=torch.cuda.memory_allocated(self.engine.device),
+                       memory_peak_bytes=torch.cuda.max_memory_allocated(self.engine.device))
+        return out
 
 
 def _quietly(callback: Callable, *args) -> None:
