@@ -1,7 +1,6 @@
-"""The `shardlm` command: train, eval, generate, data prepare, export.
-
-`shardlm train [CONFIG] [--section.key value ...] [--out DIR] [--resume DIR] [--print-config]` runs under plain
-Python or torchrun (`torchrun --nproc-per-node N -m shardlm train ...`)."""
+"""The `shardlm` command: train, eval, generate, serve, data prepare, export, plan. `shardlm train [CONFIG]
+[--section.key value ...] [--out DIR] [--resume DIR] [--print-config]` runs under plain Python or torchrun
+(`torchrun --nproc-per-node N -m shardlm train ...`)."""
 from __future__ import annotations
 
 import argparse
