@@ -117,3 +117,19 @@ def test_the_planner_and_the_config_import_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_training_that_compiles_nothing_never_imports_the_compiler(tmp_path):
+    """Importing torch._dynamo costs a process about a second (a third of a CPU `shardlm train tiny`): modules
+    mark their eager functions lazily (model/lazy_compiler.py) and the model is built on the meta device
+    without torch's random init (model/meta_init.py), each of which imported it before."""
+    from helpers import TEXT
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+    code = ("import sys\nfrom shardlm.cli import main\n"
+            f"assert main(['data', 'prepare', '--input', {str(tmp_path / 'text.txt')!r}, '--tokenizer', 'byte', "
+            f"'--out', {str(tmp_path / 'data')!r}]) == 0\n"
+            f"assert main(['train', 'tiny', '--train.steps', '2', '--data.path', {str(tmp_path / 'data')!r}, '--out', "
+            f"{str(tmp_path / 'run')!r}, '--train.tensorboard', 'false']) == 0\n"
+            "assert 'torch._dynamo' not in sys.modules, 'the compiler was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

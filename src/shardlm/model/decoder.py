@@ -20,6 +20,7 @@ from .activation_offload import ActivationOffload
 from .attention import SDPA, WHOLE, WholeSequence
 from .kv_cache import KVCache
 from .loss import linear_cross_entropy, trained_count
+from .meta_init import Embedding
 from .moe import MoE
 from .recompute import run_block, set_block_recompute
 from .rope import rope_inv_freq, rotate_half
@@ -189,8 +190,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         tied_head = last and cfg.tie_embeddings
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or tied_head else None
-        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if first and cfg.arch == "gpt2" else None
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size) if first or tied_head else None
+        self.pos_embed = Embedding(cfg.max_seq_len, cfg.hidden_size) if first and cfg.arch == "gpt2" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in (range(cfg.num_layers) if layers is None else layers)})
         self.norm = make_norm(cfg) if last else None
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std) if last and not tied_head else None

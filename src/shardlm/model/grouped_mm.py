@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lazy_compiler import eager
+
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [N, in] whose rows are sorted into groups of counts[e] rows, weight [E, out, in]: each group times
@@ -31,7 +33,7 @@ def _grouped_mm(x, weight, counts):
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 
-_eager_grouped_mm = torch.compiler.disable(_grouped_mm)
+_eager_grouped_mm = eager(_grouped_mm)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -65,7 +67,7 @@ def grouped_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _PROBED[key]
 
 
-@torch.compiler.disable  # run, not traced, when the first call comes from a compiled block
+@eager  # run, not traced, when the first call comes from a compiled block
 def _probe(dtype) -> bool:
     """Whether the CPU's _grouped_mm runs forward and backward. Its tensors are its own: apart from any
     autograd state of the caller (no_grad, inference mode, a checkpoint's saved-tensor hooks, which would

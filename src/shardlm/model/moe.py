@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .lazy_compiler import eager
 from .grouped_mm import grouped_mm
 from .weight_grad import Linear
 
@@ -247,7 +248,7 @@ def _accumulate(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.T
         layer.step_routed = routed if layer.step_routed is None else layer.step_routed + routed
 
 
-@torch.compiler.disable  # whether autograd's engine runs this is no value the compiler can trace
+@eager  # whether autograd's engine runs this is no value the compiler can trace
 def _keep(layer: MoE, losses: tuple, routed: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor) -> None:
     """_accumulate from the first run of a recomputed block only (not its recomputation inside backward)."""
     if not in_backward():

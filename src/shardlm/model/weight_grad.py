@@ -15,7 +15,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import gemv
+from .lazy_compiler import eager
 from .lora_linear import lora_linear
+from .meta_init import NoInitOnMeta
 
 
 class WeightGradStore:
@@ -35,7 +37,7 @@ class WeightGradStore:
             compute()
 
 
-class Linear(nn.Linear):
+class Linear(NoInitOnMeta, nn.Linear):
     """nn.Linear whose weight gradient a WeightGradStore may defer (`weight_grads`, None: never), and to which
     low-rank adapters may add their update (`lora`, parallel/lora.py)."""
     weight_grads: WeightGradStore | None = None
@@ -93,7 +95,7 @@ def adapted_linear(x, weight, bias, store: WeightGradStore | None, lora):
 # Outside any compiled graph: torch.compile traces a Function's backward when it compiles the forward, with
 # the store's `deferring` read then (False) as a constant, so a compiled block would compute every dW at once
 # and leave its W actions nothing to do. The graph breaks here keep the matmul eager and fuse the rest.
-@torch.compiler.disable
+@eager
 def _deferrable_linear(x, weight, bias, store):
     return _DeferrableLinear.apply(x, weight, bias, store)
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from ..model.lazy_compiler import eager
 from ..model.moe import MoE, in_backward, moe_layers
 from ..sharding import TPSharding
 from .expert_chunks import budget_rows, run_in_chunks
@@ -133,7 +134,7 @@ class ExpertParallelMoE(MoE):
         dest = (j[:, None] >= end).sum(-1)
         return returned[dest * n + j - start[dest]]
 
-    @torch.compiler.disable  # host-side split sizes and collectives: run eagerly between compiled graphs
+    @eager  # host-side split sizes and collectives: run eagerly between compiled graphs
     def _exact(self, rows: torch.Tensor, counts: torch.Tensor, copies: int) -> torch.Tensor:
         ep, local = self.ep, self.num_experts // self.ep
         # 1. counts exchanged: received[s, e] rows from rank s for local expert e.

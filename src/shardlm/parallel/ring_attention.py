@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import RING_QUERY_ROWS
+from ..model.lazy_compiler import eager
 from .ring_kernels import block_backward, block_forward, ring_kernel, sdpa_prefers_cudnn
 
 QUERY_ROWS = RING_QUERY_ROWS  # the plain-op kernel's queries a pass (its fp32 scores: [b, h, rows, chunk])
@@ -211,7 +212,7 @@ def _with_masks(context, holder: int, mask, q, step: list) -> list[tuple[slice, 
     return [(qs, ks, causal, block[..., qs, ks] if masked else None) for qs, ks, causal, masked in step]
 
 
-@torch.compiler.disable  # its point-to-point sends stay eager; the block around it compiles
+@eager  # its point-to-point sends stay eager; the block around it compiles
 def ring_attention(q, k, v, mask, context, kernel: str | None = None, tally: Counter | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence (`context`: parallel/context.py's
     ContextParallel); `mask`: the whole sequence's boolean mask (Decoder.window_mask, packed documents), or
