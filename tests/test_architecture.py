@@ -119,10 +119,11 @@ def test_the_planner_and_the_config_import_no_torch():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_training_that_compiles_nothing_never_imports_the_compiler(tmp_path):
+def test_a_training_or_generation_that_compiles_nothing_never_imports_the_compiler(tmp_path):
     """Importing torch._dynamo costs a process about a second (a third of a CPU `shardlm train tiny`): modules
     mark their eager functions lazily (model/lazy_compiler.py) and the model is built on the meta device
-    without torch's random init (model/meta_init.py), each of which imported it before."""
+    without torch's random init (model/meta_init.py), each of which imported it before; an eager engine marks no dynamic
+    size, and ZeRO's hooks are disabled for the compiler only where blocks compile."""
     from helpers import TEXT
     (tmp_path / "text.txt").write_text(TEXT * 4)
     code = ("import sys\nfrom shardlm.cli import main\n"
@@ -130,6 +131,8 @@ def test_a_training_that_compiles_nothing_never_imports_the_compiler(tmp_path):
             f"'--out', {str(tmp_path / 'data')!r}]) == 0\n"
             f"assert main(['train', 'tiny', '--train.steps', '2', '--data.path', {str(tmp_path / 'data')!r}, '--out', "
             f"{str(tmp_path / 'run')!r}, '--train.tensorboard', 'false']) == 0\n"
+            f"assert main(['generate', '--model', {str(tmp_path / 'run')!r}, '--prompt', 'the', "
+            "'--max-new-tokens', '3']) == 0\n"
             "assert 'torch._dynamo' not in sys.modules, 'the compiler was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

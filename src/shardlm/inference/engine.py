@@ -354,7 +354,8 @@ class Engine:
         compile of its own, four a bucket (greedy and sampling, one row and every slot), minutes for a 7B model
         at a long context."""
         count = self._key_space[:keys]
-        torch._dynamo.maybe_mark_dynamic(count, 0)
+        if self.compile:  # the mark is the compiler's: an eager engine need not import it (a second a process)
+            torch._dynamo.maybe_mark_dynamic(count, 0)
         return count
 
     def _keys(self, reach: int) -> int:

@@ -30,6 +30,7 @@ from torch import nn
 from ..comm.collectives import resolve_reduce_algo
 from ..comm.transport import sharded_transport
 from ..flat import FlatParams
+from ..model.lazy_compiler import eager
 from ..optim import MasterWeightOptimizer
 from .buckets import BucketReadiness, reverse_order_buckets
 from .engine import Engine
@@ -43,12 +44,6 @@ from .update_overlap import DelayedUpdate, OverlappedUpdate
 # 25 MB in a 1B model's block): waiting for the previous bucket alone stalled backward on every bucket
 # of the block. Stage 3's buckets are whole blocks already: one in flight suffices there.
 REDUCTIONS_IN_FLIGHT = 4
-
-
-def eager(fn):
-    """Hooks run eagerly even inside a compiled block: collectives and storage resizes stay out of the
-    graph (a graph break), as FSDP2's hooks do under torch.compile."""
-    return torch._dynamo.disable(fn, recursive=True)
 
 
 class ZeroEngine(Engine):
@@ -124,11 +119,17 @@ class ZeroEngine(Engine):
             first[b] = min(first[b], point.get(id(param), last))
         self.first_read = first
         self.gather_order = sorted(range(len(first)), key=lambda b: (first[b], b))
-        model.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(0)))
+        model.register_forward_pre_hook(self._hook(lambda mod, args: self._wait_weight_gathers(0)))
         for i, block in enumerate(parts.layers):
-            block.register_forward_pre_hook(eager(lambda mod, args, at=i + 1: self._wait_weight_gathers(at)))
+            block.register_forward_pre_hook(self._hook(lambda mod, args, at=i + 1: self._wait_weight_gathers(at)))
         if parts.final_norm is not None:  # a pipeline stage before the last has none
-            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._wait_weight_gathers(last)))
+            parts.final_norm.register_forward_pre_hook(self._hook(lambda mod, args: self._wait_weight_gathers(last)))
+
+    def _hook(self, fn):
+        """A forward hook as it is, or where blocks compile (train.compile) run eagerly inside them: its
+        collectives and storage resizes stay out of the graph (a graph break), as FSDP2's hooks do under
+        torch.compile."""
+        return eager(fn) if self.cfg.train.compile else fn
 
     def wait_for_weights(self) -> None:
         if self.delayed is not None and self.delayed.land(self._param_shard):

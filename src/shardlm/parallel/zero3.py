@@ -27,7 +27,7 @@ from torch import nn
 from ..flat import FlatParams, alloc_storage, free_storage, trainable
 from ..runtime.device import host_empty
 from .offload_disk import MappedFiles
-from .zero import ZeroEngine, eager
+from .zero import ZeroEngine
 from .zero3_frozen import FrozenShards
 
 
@@ -150,12 +150,12 @@ class Zero3Engine(ZeroEngine):
         for i, block in enumerate(parts.layers):
             block.register_forward_pre_hook(self._block_pre_hook(i))
             block.register_forward_hook(self._block_post_hook(i))
-        model.register_forward_pre_hook(eager(lambda mod, args: self._gather_role(self.embed_unit, "embed")))
+        model.register_forward_pre_hook(self._hook(lambda mod, args: self._gather_role(self.embed_unit, "embed")))
         if not tied:
             # The embeddings' backward needs no weights: free them once the lookup is done.
-            parts.layers[0].register_forward_pre_hook(eager(lambda mod, args: self._release_role(self.embed_unit, "embed")))
-            parts.final_norm.register_forward_pre_hook(eager(lambda mod, args: self._gather_role(self.head_unit, "head")))
-        model.register_forward_hook(self._model_post_hook)
+            parts.layers[0].register_forward_pre_hook(self._hook(lambda mod, args: self._release_role(self.embed_unit, "embed")))
+            parts.final_norm.register_forward_pre_hook(self._hook(lambda mod, args: self._gather_role(self.head_unit, "head")))
+        model.register_forward_hook(self._hook(lambda mod, args, out: self._model_post_hook(mod, args, out)))
 
     def _gather_role(self, b: int | None, role) -> None:
         self._gather(b)
@@ -207,7 +207,6 @@ class Zero3Engine(ZeroEngine):
             work[0].wait()
 
     def _block_pre_hook(self, i: int):
-        @eager
         def hook(module, args):
             self._gather_role(self.block_units[i], ("block", i))
             if not self.in_backward:  # prefetch what forward needs next: overlaps this block's compute
@@ -217,10 +216,9 @@ class Zero3Engine(ZeroEngine):
                     self._frozen("issue", "head" if j >= n else ("block", j))
                     if j >= n:
                         break
-        return hook
+        return self._hook(hook)
 
     def _block_post_hook(self, i: int):
-        @eager
         def hook(module, args, output):
             if self.in_backward:  # a recomputation inside backward: the unit stays for its gradients
                 return output
@@ -228,10 +226,9 @@ class Zero3Engine(ZeroEngine):
             if torch.is_grad_enabled() and output.requires_grad:
                 output.register_hook(self._pre_backward(i))
             return output
-        return hook
+        return self._hook(hook)
 
     def _pre_backward(self, i: int):
-        @eager
         def hook(grad):
             self.in_backward = True
             # The gradient of block i's output is that of block i + 1's input: the later block's backward
@@ -242,9 +239,8 @@ class Zero3Engine(ZeroEngine):
                 self._issue_gather(self.block_units[j])
                 self._frozen("issue", ("block", j))
             return grad
-        return hook
+        return self._hook(hook)
 
-    @eager
     def _model_post_hook(self, module, args, output):
         if not torch.is_grad_enabled():  # eval or generation: nothing will need the head again
             self._release(self.head_unit)
