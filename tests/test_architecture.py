@@ -122,8 +122,8 @@ def test_the_planner_and_the_config_import_no_torch():
 def test_a_training_or_generation_that_compiles_nothing_never_imports_the_compiler(tmp_path):
     """Importing torch._dynamo costs a process about a second (a third of a CPU `shardlm train tiny`): modules
     mark their eager functions lazily (model/lazy_compiler.py) and the model is built on the meta device
-    without torch's random init (model/meta_init.py), each of which imported it before; an eager engine marks no dynamic
-    size, and ZeRO's hooks are disabled for the compiler only where blocks compile."""
+    without torch's random init (model/meta_init.py), each of which imported it before; an eager engine
+    marks no dynamic size, and ZeRO's hooks are disabled for the compiler only where blocks compile."""
     from helpers import TEXT
     (tmp_path / "text.txt").write_text(TEXT * 4)
     code = ("import sys\nfrom shardlm.cli import main\n"
