@@ -241,7 +241,10 @@ def run_cli(args, model_dir: Path, reqs, system: str) -> list[dict]:
         start_s = time.monotonic() - started  # what a user waits for: from the command to a served /health
         drive_sync(url, reqs[:2], None, 1)  # the first requests' prefill shapes, warmed
         got = drive_sync(url, reqs[:args.concurrency], None, 1)
-        peak = httpx.get(url + "/metrics", timeout=5).json().get("memory_peak_bytes")  # the server's (rank 0's)
+        try:  # the server's peak (rank 0's); a failed /metrics costs the row its memory, not its timings
+            peak = httpx.get(url + "/metrics", timeout=5).json().get("memory_peak_bytes")
+        except (httpx.HTTPError, ValueError):
+            peak = None
         return [{"system": f"shardlm-{system}-batch-1", **got, "start_s": start_s,
                  "peak_mem_gib": peak / 2**30 if peak is not None else None}]
     finally:

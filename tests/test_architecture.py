@@ -130,9 +130,9 @@ def test_a_training_or_generation_that_compiles_nothing_never_imports_the_compil
             f"assert main(['data', 'prepare', '--input', {str(tmp_path / 'text.txt')!r}, '--tokenizer', 'byte', "
             f"'--out', {str(tmp_path / 'data')!r}]) == 0\n"
             f"assert main(['train', 'tiny', '--train.steps', '2', '--data.path', {str(tmp_path / 'data')!r}, '--out', "
-            f"{str(tmp_path / 'run')!r}, '--train.tensorboard', 'false']) == 0\n"
+            f"{str(tmp_path / 'run')!r}, '--train.tensorboard', 'false', '--train.device', 'cpu']) == 0\n"
             f"assert main(['generate', '--model', {str(tmp_path / 'run')!r}, '--prompt', 'the', "
-            "'--max-new-tokens', '3']) == 0\n"
+            "'--max-new-tokens', '3', '--device', 'cpu']) == 0\n"
             "assert 'torch._dynamo' not in sys.modules, 'the compiler was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

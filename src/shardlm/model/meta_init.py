@@ -1,6 +1,7 @@
 """Layers built on the meta device without torch's random init: the model is built there, then materialised
-and filled by Decoder.init_weights (or a checkpoint), so the init of a meta tensor fills nothing, and its meta
-kernels, Python references, import torch's compiler (about a second a process; model/lazy_compiler.py)."""
+and filled by Decoder.init_weights (or a checkpoint), so the init of a meta tensor fills nothing; and an
+embedding's (normal_, whose meta kernel is a Python reference) imports torch's compiler, about a second a
+process (model/lazy_compiler.py)."""
 from __future__ import annotations
 
 from torch import nn

@@ -126,9 +126,9 @@ class ZeroEngine(Engine):
             parts.final_norm.register_forward_pre_hook(self._hook(lambda mod, args: self._wait_weight_gathers(last)))
 
     def _hook(self, fn):
-        """A forward hook as it is, or where blocks compile (train.compile) run eagerly inside them: its
-        collectives and storage resizes stay out of the graph (a graph break), as FSDP2's hooks do under
-        torch.compile."""
+        """A hook (a module's, or a tensor's in backward) as it is, or where blocks compile (train.compile) run
+        eagerly inside them: its collectives and storage resizes stay out of the graph (a graph break), as
+        FSDP2's hooks do under torch.compile."""
         return eager(fn) if self.cfg.train.compile else fn
 
     def wait_for_weights(self) -> None:

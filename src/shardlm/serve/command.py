@@ -28,7 +28,8 @@ endpoints (OpenAI's API; see the README's Serving section):
   GET  /health                {"status": "ok"}, 503 {"status": "draining"} while shutting down
   GET  /metrics               JSON: requests total/active/queued/finished/cancelled/failed/rejected, tokens
                               generated, tokens_per_s over the last window_s seconds, slots_in_use / slots,
-                              on a GPU memory_bytes and memory_peak_bytes (torch's allocator, this rank's)
+                              on a GPU memory_bytes and memory_peak_bytes (torch's allocator: this rank's;
+                              with --replicas, the sum over their GPUs)
                               (Prometheus' text format to a client that asks for it: Accept text/plain)
 """
 

@@ -79,10 +79,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, device: 
     else:
         ctx = mp.get_context("forkserver")
         # Once, when the server starts, with what workers would otherwise import each time, lazily: sympy
-        # (materialising a model built on the meta device) and torch._dynamo (ZeRO's eager-only hooks).
+        # (materialising a model built on the meta device) and torch._dynamo (a second a rank, for the first
+        # call of any compiler-disabled function: ring attention, MoE's probes, compiled blocks).
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
-                                    "shardlm.trainer", "shardlm.parallel.zero3", "shardlm.parallel.ddp",
-                                    "shardlm.parallel.classic"])
+                                    "torch._dynamo", "shardlm.trainer", "shardlm.parallel.zero3",
+                                    "shardlm.parallel.ddp", "shardlm.parallel.classic"])
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
