@@ -153,8 +153,10 @@ class Zero3Engine(ZeroEngine):
         model.register_forward_pre_hook(self._hook(lambda mod, args: self._gather_role(self.embed_unit, "embed")))
         if not tied:
             # The embeddings' backward needs no weights: free them once the lookup is done.
-            parts.layers[0].register_forward_pre_hook(self._hook(lambda mod, args: self._release_role(self.embed_unit, "embed")))
-            parts.final_norm.register_forward_pre_hook(self._hook(lambda mod, args: self._gather_role(self.head_unit, "head")))
+            parts.layers[0].register_forward_pre_hook(
+                self._hook(lambda mod, args: self._release_role(self.embed_unit, "embed")))
+            parts.final_norm.register_forward_pre_hook(
+                self._hook(lambda mod, args: self._gather_role(self.head_unit, "head")))
         model.register_forward_hook(self._hook(lambda mod, args, out: self._model_post_hook(mod, args, out)))
 
     def _gather_role(self, b: int | None, role) -> None:
