@@ -11,8 +11,9 @@ path `eval --tasks` took before it (prompts of equal length batched together, th
 
 Random bf16 weights, greedy, no stop token (every row decodes --new tokens). Each system runs in its own
 subprocess. tok/s counts new tokens over the whole call (prefill included, as a user waits for it); GB/s is
-the weights' bytes read per decode step times the steps a second, against the card's HBM bandwidth (the
-batch-1 bound: HBM bandwidth / weight bytes). The old path decodes about 90 ms a step at 7B, so it runs
+the weights' bytes read per decode step times the steps a second (of a mixture's routed experts, those the
+step's rows reach, in the planner's expectation), against the card's HBM bandwidth (the bound: HBM bandwidth /
+those bytes). The old path decodes about 90 ms a step at 7B, so it runs
 --old-batches of its batches (drawn at random) and its time for all is extrapolated from theirs, stated
 in its row. Rows with bench "generate" go to bench/results.jsonl.
 """
@@ -126,6 +127,7 @@ def torchao_int4(model) -> None:
 def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str = ""):
     from shardlm.inference import Engine, Request
     from shardlm.inference.quantize import quantize
+    from shardlm.plan.inference import unreached_expert_bytes
     group = None
     if tp > 1:  # under torchrun: one GPU a rank, every rank the same requests, rank 0 reports
         import torch.distributed as dist
@@ -139,6 +141,7 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         group = build_mesh(tp=tp).group("tp")
     model, cfg = build(args, device, group)
     weights = weight_bytes(model) * tp  # GB/s below counts the 16-bit bytes the quantised weights stand for
+    itemsize = next(model.parameters()).element_size()
     if quantized == "int4-torchao":
         torchao_int4(model)
     else:
@@ -160,8 +163,9 @@ def run_shardlm(args, device, quantized: str = "none", tp: int = 1, variant: str
         t = time.perf_counter()
         done = engine.run([Request(p, args.new) for p in prompts])
         sync(device)
-        rows.append(row(args, weights, system, batch, time.perf_counter() - t, device,
-                        first=done[0].tokens[:8], tp=tp))
+        # of a mixture's routed experts, a step reads those its rows reach (the planner's expectation)
+        read = weights - unreached_expert_bytes(cfg, itemsize, batch)
+        rows.append(row(args, read, system, batch, time.perf_counter() - t, device, first=done[0].tokens[:8], tp=tp))
         if tp > 1 and torch.distributed.get_rank() == 0:  # now: the job's teardown may not end (below)
             print("RESULT " + json.dumps(rows[-1]), flush=True)
         if args.profile and batch == args.batches[0]:
@@ -340,7 +344,7 @@ def run_agree(args, device):
 
 
 def row(args, wb, system, batch, seconds, device, first, tp: int = 1):
-    """`wb`: the whole model's weight bytes (every rank reads its 1/tp of them a step)."""
+    """`wb`: the weight bytes a step reads (every rank its 1/tp of them)."""
     tok_s = batch * args.new / seconds
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     hbm = next((v * tp for k, v in HBM.items() if k in card), None)

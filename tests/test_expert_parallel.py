@@ -136,10 +136,11 @@ def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
     one process's per micro-batch: losses and gradient norms agree to 1e-4 and 3e-4, SGD's weights to 3e-5.
     AdamW turns the rounding of a nearly cancelling gradient into up to lr a step (its update is m / sqrt(v),
     about 1 in size whatever the gradient's), as data parallelism's own fp16 roundings do, so its weights are
-    held to that: within 3 steps of lr, and under 2% of them beyond 1e-4. Which weights those are depends on
-    the data: dp 2 at ep 1 against one process, the control this test once ran beside it, reached 3.9e-3 with
-    5,993 weights of 288k beyond 1e-4 (ep 2: 6,024) when it was written, 9.1e-4 with 45 (ep 2: 1.3e-3, 459) with
-    the packages of 2026-11-30."""
+    held to that: within 3 steps of lr, and under 3% of them beyond 1e-4. Which weights those are depends on
+    the data and on the CPU's kernels: dp 2 at ep 1 against one process, the control this test once ran beside
+    it, reached 3.9e-3 with 5,993 weights of 288k beyond 1e-4 (2.1%; ep 2: 6,024) when it was written, 9.1e-4
+    with 45 (ep 2: 1.3e-3, 459) with the packages of 2026-11-30, and ep 2 3.9e-3 with 6,027 on the machine of
+    2026-12-01 (data parallelism's own share there: a bound of 2% failed it)."""
     over = {**FP16, **({"train.optimizer": "sgd", "train.lr": "1e-2"} if optimizer == "sgd" else {})}
     ref = reference({k: v for k, v in over.items() if not k.startswith("parallel.")})
     furthest, far = fp16_deviation({**over, "parallel.ep": "2"}, ref)
@@ -147,7 +148,7 @@ def test_expert_parallel_in_fp16_trains_as_one_process(optimizer):
         assert furthest <= 3e-5, furthest
         return
     lr, weights = load_config("tiny").train.lr, sum(w.numel() for w in ref["masters"].values())
-    assert furthest <= 3 * lr and far <= 0.02 * weights, (furthest, far, weights)
+    assert furthest <= 3 * lr and far <= 0.03 * weights, (furthest, far, weights)
 
 
 @pytest.mark.parametrize("layout", [{}, {"parallel.ep": "2"}, {"parallel.zero_stage": "3"},

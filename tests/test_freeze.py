@@ -71,6 +71,39 @@ def test_frozen_weights_stay_and_take_no_optimizer_memory(case, precision, tenso
     assert full["grads"] > memory["grads"]
 
 
+@pytest.mark.parametrize("preset, over", [("gpt2-124m", {"model.num_layers": "2"}),
+                                          ("tiny", {"model.qkv_bias": "true", "model.tie_embeddings": "false"}),
+                                          ("qwen2-moe-a2.7b", {"model.num_layers": "2"}),
+                                          ("mixtral-tiny", {"model.moe_first_dense": "1", "model.num_layers": "3"})])
+def test_the_planners_parameter_names_are_the_models(preset, over):
+    """The planner matches train.freeze against ModelConfig.parameter_shapes (no torch): the Decoder's own."""
+    cfg = load_config(preset, over).model
+    with torch.device("meta"):
+        from shardlm.model import Decoder
+        model = Decoder(cfg)
+    assert list(cfg.parameter_shapes().items()) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("case", ["moe", "embed"])
+def test_the_planner_charges_frozen_parameters_what_the_engine_does(case):
+    """The plan of a frozen run (Layout.from_config, as the pre-launch memory check makes it) holds their
+    gradients and optimizer state less by exactly what the engine saves: a freeze that fits was refused."""
+    from shardlm.plan import Layout, Workload, estimate_memory
+    over = {**CASES[case], "train.precision": "fp32"}
+    base = {k: v for k, v in over.items() if k != "train.freeze"}
+    engine, plan = {}, {}
+    for name, o in (("frozen", over), ("full", base)):
+        trainer = dist_fns.tiny_trainer(1, o)
+        engine[name], cfg = trainer.engine.memory(), trainer.cfg
+        t = cfg.train
+        plan[name] = estimate_memory(cfg.model, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size),
+                                     Layout.from_config(cfg))
+    saved = engine["full"]["optimizer"] - engine["frozen"]["optimizer"]
+    assert saved > 0 and plan["full"].optimizer - plan["frozen"].optimizer == saved
+    assert plan["full"].grads - plan["frozen"].grads == saved / 2  # fp32 gradients: half the moments' bytes
+    assert plan["full"].params == plan["frozen"].params  # frozen weights are held as the trained ones
+
+
 @pytest.mark.parametrize("case", ["moe", "embed"])
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_dp_2_equals_one_process(case, mode):

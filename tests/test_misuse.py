@@ -57,6 +57,9 @@ CASES = [
      "model.safetensors is not a readable safetensors file", 2),
     ("init-non-finite", ["train", "tiny", "--train.init_from", "{nonfinite}", "--data.path", "{data}", "--out", "{new}",
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
+    # the model section is the checkpoint's, a config's own max_seq_len gone: the fix is named
+    ("init-shorter-context", ["train", "tiny", "--train.init_from", "{exp}", "--train.seq_len", "256", "--out", "{new}"],
+     "exceeds model.max_seq_len = 128 (train.init_from's config.json's; --model.max_seq_len 256 overrides it)", 2),
     ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
      "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
     ("init-bert", ["train", "tiny", "--train.init_from", "{bert}", "--data.path", "{data}", "--out", "{new}"],
@@ -126,6 +129,13 @@ CASES = [
     ("config-empty", ["train", "", "--out", "{new}"], "the config is empty: give a TOML file or a preset", 2),
     ("generate-model-empty", ["generate", "--model", "", "--prompt", "x"], "--model is empty: give a path", 2),
     ("export-out-empty", ["export", "--checkpoint", "{run}", "--out", ""], "--out is empty: give a path", 2),
+    # as an override: the built-in corpus trained without a word, LoRA on a random base
+    ("data-path-empty", ["train", "tiny", "--data.path", "", "--out", "{new}"], "--data.path is empty: give a path", 2),
+    ("init-from-unset", ["train", "tiny", "--train.init_from=", "--out", "{new}"],
+     "--train.init_from is empty: give a path", 2),
+    # refused before training, not after the last save
+    ("sample-prompt-too-long", ["train", "tiny", "--train.sample_tokens", "8", "--train.sample_prompt", "x" * 200,
+                                "--out", "{new}"], "train.sample_prompt is 200 tokens, which leaves no room", 2),
     # other tools' ways of giving a config
     ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
      "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),

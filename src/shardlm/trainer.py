@@ -91,6 +91,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(data_dir)
         if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
             cfg.model.vocab_size = self.tokenizer.vocab_size
+        if t.sample_tokens and self.mesh.pp == 1:
+            self._check_sample_prompt()
         check_memory(cfg, self.device, self._any_rank)
         self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
@@ -194,6 +196,17 @@ class Trainer:
                      f"nothing to do (raise train.steps above {self.step} to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def _check_sample_prompt(self) -> None:
+        """The sample runs after the last save: a prompt it cannot take is refused before training, not there."""
+        t = self.cfg.train
+        try:
+            n = len(prompt_ids(self.tokenizer, t.sample_prompt))
+        except ValueError as e:
+            raise ConfigError(f"train.sample_prompt: {e}") from None
+        if n >= self.cfg.model.max_seq_len - 1:
+            raise ConfigError(f"train.sample_prompt is {n} tokens, which leaves no room for a sample in "
+                              f"model.max_seq_len = {self.cfg.model.max_seq_len}: shorten it")
+
     def _guard(self, label: str):
         """A host section that waits on peer ranks: guarded by the watchdog where there is one."""
         return self.watchdog.guard(label) if self.watchdog is not None else nullcontext()

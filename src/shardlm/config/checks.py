@@ -130,7 +130,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if m.arch == "llama" and m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+        # Under init_from the model section is the checkpoint's config.json, whatever a config file's said
+        whose = (f" (train.init_from's config.json's; --model.max_seq_len {t.seq_len} overrides it)"
+                 if cfg.train.init_from else "")
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}{whose}")
     # The sample after training may run to max_seq_len: past the window too.
     longest = max(t.seq_len, m.max_seq_len if t.sample_tokens else 0)
     if m.sliding_window and longest > m.sliding_window and t.attention == "flash":

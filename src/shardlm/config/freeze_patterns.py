@@ -29,3 +29,10 @@ def freezes(pattern: str, name: str) -> bool:
     """Whether `pattern` freezes the parameter `name`: it matches the name or one of the modules holding it."""
     parts = name.split(".")
     return any(matches(pattern, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
+
+
+def frozen_by_pattern(spec: str, names) -> dict[str, set[str]]:
+    """Each pattern of `spec` with the parameter names (of `names`) it freezes: an empty set names a pattern
+    that freezes nothing, which the engine and the planner refuse."""
+    names = list(names)
+    return {p: {n for n in names if freezes(p, n)} for p in patterns(spec)}

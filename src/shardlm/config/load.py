@@ -284,6 +284,10 @@ def refuse_empty_paths(argv: list[str]) -> None:
             raise ConfigError(f"{flag} is empty: give a path (is the shell variable for it set?)")
 
 
+# The keys whose value is a path, whose default "" means none: set on the command line, "" is a mistake.
+PATH_KEYS = ("data.path", "data.eval_path", "data.tokenizer", "train.init_from", "parallel.offload_dir")
+
+
 def parse_overrides(args: list[str]) -> dict[str, str]:
     """`--section.key value` and `--section.key=value` pairs into a flat dict."""
     out: dict[str, str] = {}
@@ -302,5 +306,8 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
                 raise ConfigError(f"{key} is missing a value: give --{key} VALUE (or --{key}=VALUE)")
             value = args[i + 1]
             i += 2
+        if value == "" and key in PATH_KEYS:
+            # Left empty, these read as not given: the built-in corpus trained, or LoRA on a random base.
+            raise ConfigError(f"--{key} is empty: give a path (is the shell variable for it set?)")
         out[key] = value
     return out

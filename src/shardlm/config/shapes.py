@@ -43,6 +43,13 @@ class ModelShapes:
         """Whether layer i's MLP is a mixture of experts: after the dense first layers, every moe_every-th."""
         return bool(self.num_experts) and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
 
+    def moe_layers(self) -> int:
+        """How many layers are mixtures of experts (is_moe_layer's, counted without visiting each layer: the
+        planner asks thousands of times a search)."""
+        if not self.num_experts or self.num_layers <= self.moe_first_dense:
+            return 0
+        return (self.num_layers // self.moe_every) - (self.moe_first_dense // self.moe_every)
+
     def param_counts(self) -> dict[str, int]:
         """Parameters by group, exactly as the runtime model allocates them."""
         h, q, kv, f, v = self.hidden_size, self.num_heads * self.head_size, self.kv_heads * self.head_size, self.ffn_size, self.vocab_size
@@ -58,7 +65,7 @@ class ModelShapes:
         dense = qkv + attn_out + norms + mlp
         # A MoE layer: the router, the shared expert and its gate (Qwen2-MoE) and num_experts SwiGLU experts, of
         # which a token runs top_k.
-        n_moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        n_moe = self.moe_layers()
         routed, shared = 3 * h * self.moe_ffn_size, self.shared_expert_ffn_hidden_size
         moe_fixed = qkv + attn_out + norms + h * self.num_experts + (3 * h * shared + h if shared else 0)
         experts = n_moe * self.num_experts * routed
@@ -76,6 +83,46 @@ class ModelShapes:
                 # what one token's forward multiplies by: top_k of the experts
                 "active_layers": active, "active_per_layer": per_layer(active),
                 "expert_per_layer": per_layer(experts)}
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's name and shape as the runtime's Decoder allocates them, in its order, without torch:
+        what the planner matches train.freeze's patterns against (a test holds the two equal)."""
+        h, q, kv, f, v = self.hidden_size, self.num_heads * self.head_size, self.kv_heads * self.head_size, self.ffn_size, self.vocab_size
+        gpt2, out = self.arch == "gpt2", {"embed.weight": (v, h)}
+        if gpt2:
+            out["pos_embed.weight"] = (self.max_seq_len, h)
+
+        def linear(name, outs, ins, bias=self.has_bias):
+            out[f"{name}.weight"] = (outs, ins)
+            if bias:
+                out[f"{name}.bias"] = (outs,)
+
+        def norm(name):  # LayerNorm's bias in GPT-2, RMSNorm's weight alone in the Llama family
+            out[f"{name}.weight"] = (h,)
+            if gpt2:
+                out[f"{name}.bias"] = (h,)
+        for i in range(self.num_layers):
+            p = f"layers.{i}"
+            norm(f"{p}.attn_norm")
+            linear(f"{p}.attn.qkv", q + 2 * kv, h, self.has_bias or self.qkv_bias)
+            linear(f"{p}.attn.out", h, q)
+            norm(f"{p}.mlp_norm")
+            if self.is_moe_layer(i):
+                e, fe, shared = self.num_experts, self.moe_ffn_size, self.shared_expert_ffn_hidden_size
+                out[f"{p}.mlp.router.weight"] = (e, h)
+                out[f"{p}.mlp.experts.up.weight"] = (e, 2 * fe, h)
+                out[f"{p}.mlp.experts.down.weight"] = (e, h, fe)
+                if shared:
+                    linear(f"{p}.mlp.shared.up", 2 * shared, h, False)
+                    linear(f"{p}.mlp.shared.down", h, shared, False)
+                    linear(f"{p}.mlp.shared_gate", 1, h, False)
+            else:
+                linear(f"{p}.mlp.up", f if gpt2 else 2 * f, h)
+                linear(f"{p}.mlp.down", h, f)
+        norm("norm")
+        if not self.tie_embeddings:
+            out["lm_head.weight"] = (v, h)
+        return out
 
     def kv_bytes_per_token(self, itemsize: int, kv_heads: int | None = None) -> int:
         """The keys and values one position holds in a KV cache over every layer (`kv_heads` per layer, the

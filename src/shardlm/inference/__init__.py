@@ -40,7 +40,8 @@ def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
     max_len = max(len(p) for p in prompts) + max_new_tokens
     # Under tensor parallelism the fewest slots any rank's memory holds: ranks that each took their own count
     # batched the prompts differently, and their steps' collectives no longer met.
-    slots = slots_that_fit(model, max_len, min(batch_size, len(prompts)), group=tensor_parallel_group(model))
+    slots = slots_that_fit(model, max_len, min(batch_size, len(prompts)), group=tensor_parallel_group(model),
+                           shorter="shorten the longest prompt or --max-new-tokens")
     engine = Engine(model, slots, max_len, compile=compile)
     stops = tuple(stop_ids)
     requests = [Request(list(p), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), stops)

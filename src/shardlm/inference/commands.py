@@ -356,7 +356,8 @@ def cmd_generate(argv: list[str]) -> int:
         check_vocab(r.prompt, cfg.vocab_size, row["where"])
         check_room(r.prompt, r.max_new_tokens, row["max_new_from"], cfg.max_seq_len, row["where"])
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model))
+    slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model),
+                           shorter="shorten the longest prompt or its number of new tokens")
     engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.decode)
     if a.input is None:
         (r,) = engine.run(requests)

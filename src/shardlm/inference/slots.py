@@ -10,7 +10,6 @@ products per layer, grouped by key/value head so GQA never copies keys.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..memory_check import free_memory
 from ..model import Decoder
 from . import step_kernels
 from .decode_attention import attention_step, decode_attention, kernel_ok, step_kernel_ok
@@ -39,20 +39,17 @@ class StaticKVCache:
                 torch._dynamo.mark_static_address(t)
 
 
-def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9, group=None) -> int:
+def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9, group=None,
+                   shorter: str = "shorten the context (--max-len)") -> int:
     """How many slots of `max_len` positions fit in `share` of the memory the GPU (or on the CPU, the host) has
     free, at most `limit`. Each slot holds its keys and values and its fp32 logits and sampling workspace.
     With a tensor-parallel `group`, the fewest any of its ranks holds (a collective): every rank's engine
-    must have as many, or their steps' shapes and collectives would differ."""
+    must have as many, or their steps' shapes and collectives would differ. `shorter`: the advice where not
+    even one slot fits."""
     p = next(model.parameters())
-    if p.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(p.device)
-        where = "the GPU"
-    else:
-        try:  # Linux's available physical pages; elsewhere the limit as given
-            free, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host"
-        except (ValueError, OSError, AttributeError):
-            free, where = None, "the host"
+    # On the host, what Linux counts available: the page cache that the checkpoint's files just filled is
+    # memory a slot can take (free pages alone undercounted it); elsewhere the limit as given.
+    free, where = free_memory(p.device), "the GPU" if p.device.type == "cuda" else "the host"
     cfg = model.cfg
     per_slot = (cfg.kv_bytes_per_token(p.element_size(), model.cache_heads()) * (max_len + 1)
                 + 4 * 4 * cfg.vocab_size)
@@ -64,8 +61,7 @@ def slots_that_fit(model: Decoder, max_len: int, limit: int, share: float = 0.9,
     if fit < 1:
         have = f"{free / 2**30:.2f} GiB" if free is not None and fit == int(share * free // per_slot) else "too little"
         raise ConfigError(f"out of memory: one slot of {max_len} positions needs {per_slot / 2**30:.2f} GiB, "
-                          f"{where} has {have} free{' (on some rank)' if group is not None else ''}: shorten the "
-                          "context (--max-len)")
+                          f"{where} has {have} free{' (on some rank)' if group is not None else ''}: {shorter}")
     return min(limit, fit)
 
 

@@ -25,15 +25,14 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import ConfigError
-from ..config.freeze_patterns import freezes, patterns
+from ..config.freeze_patterns import frozen_by_pattern, patterns
 
 
 def frozen_names(model: nn.Module, spec: str) -> set[str]:
     """The names of the parameters `spec` freezes in `model`; a pattern that freezes none (it matches no
     name, or only modules without parameters) is a ConfigError naming it."""
-    pats = patterns(spec)
-    params = [n for n, _ in model.named_parameters()]
-    frozen = {p: {n for n in params if freezes(p, n)} for p in pats}
+    frozen = frozen_by_pattern(spec, (n for n, _ in model.named_parameters()))
+    pats = list(frozen)
     unmatched = [p for p in pats if not frozen[p]]
     if unmatched:
         raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"

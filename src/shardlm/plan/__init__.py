@@ -1,6 +1,7 @@
 """The planner: per-GPU memory, FLOPs, step time, MFU and communication of a training layout, before launch.
 
-Pure arithmetic (no torch import), sharing the runtime's shape arithmetic (shardlm.config.ModelConfig).
+Pure arithmetic (no torch import, but to name train.freeze's parameters: frozen.py), sharing the runtime's
+shape arithmetic (shardlm.config.ModelConfig).
 memory.py, flops.py, comm.py and offload.py each document their formulas and sources; search.py ranks layouts.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..config.views import group_span
 from .comm import comm_bytes, comm_seconds
 from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
                     model_flops_per_token, moe_routing_seconds, recompute_flops_per_token)
+from .frozen import frozen_flops_per_token, frozen_of
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
 from .memory import (Memory, checkpoint_bytes, estimate_memory, in_flight, nf4_weights, paper_model_states,
@@ -57,7 +59,8 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     check(m, w, L, gpus)
     mem = estimate_memory(m, w, L)
     tokens_per_gpu = w.global_batch * w.seq / (L.dp * L.cp)  # a model replica's tokens, split over tp x pp
-    per_token = L.lora.flops_per_token(m, w.seq) if L.lora.rank else model_flops_per_token(m, w.seq)
+    per_token = L.lora.flops_per_token(m, w.seq) if L.lora.rank else \
+        model_flops_per_token(m, w.seq) - frozen_flops_per_token(m, L)
     model = per_token * tokens_per_gpu / (L.tp * L.pp)
     extra = recompute_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     b = bubble(w, L)
@@ -99,7 +102,9 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
 def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
     """(the whole, the most one rank writes) of a sharded checkpoint (parallel/sharded_state.py): every trained
     parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
-    elements it owns), and a LoRA run's frozen base in fp32, written by the ranks of the first data replica."""
-    trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params()
-    frozen = m.num_params() if L.lora.rank else 0
+    elements it owns), and a LoRA run's frozen base (or train.freeze's parameters) in fp32, written by the ranks
+    of the first data replica."""
+    held = frozen_of(m, L.freeze)
+    frozen = m.num_params() if L.lora.rank else held.total if held is not None else 0
+    trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params() - frozen
     return 12 * trained + 4 * frozen, 12 * trained / L.gpus + 4 * frozen / (L.pp * L.tp)

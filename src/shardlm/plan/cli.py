@@ -87,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     ft = p.add_argument_group("fine-tuning (default: a TOML --model's [lora] section)")
     ft.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank, the base frozen")
     ft.add_argument("--lora-targets", default="all-linear", help="HF module names (q_proj,v_proj,...) or all-linear")
+    ft.add_argument("--freeze", default="", help="train.freeze's module patterns held fixed (\"experts,router\"): "
+                    "no gradients, optimizer state or weight-gradient FLOPs for them")
     ft.add_argument("--quantize", default="none", help="nf4: QLoRA's 4-bit base; with --inference, int8 or int4: "
                     "the served weights (generate/serve --quantize)")
     inf = p.add_argument_group("inference (with --inference)")
@@ -182,7 +184,7 @@ def run(argv: list[str]) -> int:
                     virtual_stages=a.virtual_stages,
                     precision=a.precision, optimizer_dtype=a.optimizer_dtype, attention=a.attention,
                     reduce_dtype=a.reduce_dtype,
-                    reduce_algo=a.reduce_algo, lora=lora_from_args(a))
+                    reduce_algo=a.reduce_algo, lora=lora_from_args(a), freeze=a.freeze)
     if a.search:
         return search_layouts(a, model, layout, g)
     if a.largest:

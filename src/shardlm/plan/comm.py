@@ -25,7 +25,8 @@ from ..config import BLOCK_RECOMPUTE, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span, within_node
 from .hardware import GPU
 from .layout import Layout, Workload
-from .memory import expert_params, expert_replicas, nf4_weights, rank_layers, stage_params, trained_and_frozen
+from .memory import (expert_params, expert_replicas, nf4_weights, rank_layers, stage_params, trained_and_frozen,
+                     trained_experts)
 
 
 def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
@@ -34,10 +35,10 @@ def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     act = 2 if L.precision != "fp32" else 4
     micro = w.global_batch // (w.micro_batch * L.dp)
     phi = stage_params(m, L, 0) - nf4_weights(m, L, 0)  # gathered by ZeRO-3 (QLoRA's 4-bit weights stay whole)
-    grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone
-    experts = expert_params(m, L, 0)  # gathered over edp; reduced there too unless LoRA freezes them
-    groups = {"dp+cp": (grads - (0.0 if L.lora.rank else experts), phi - experts),
-              "edp": (0.0 if L.lora.rank else experts, experts)}
+    grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone, or what train.freeze leaves
+    experts = expert_params(m, L, 0)  # gathered over edp; reduced there too, those that train
+    trained = trained_experts(m, L, 0)
+    groups = {"dp+cp": (grads - trained, phi - experts), "edp": (trained, experts)}
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
         red = act  # the 16-bit values travel; each rank sums its slice in fp32 (comm/collectives.py)

@@ -74,7 +74,7 @@ def check_flags(a) -> None:
                         "into a TOML file for --model)")
     if a.params:  # each was read as nothing: --tp 2 printed the whole model's states on each GPU, --search dp 1
         unread = [f for f, on in (("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--ep", a.ep > 1), ("--search", a.search),
-                                  ("--largest", a.largest)) if on]
+                                  ("--largest", a.largest), ("--freeze", a.freeze)) if on]
         if unread:
             raise PlanError(f"--params gives the ZeRO paper's model states over --dp (x --cp) replicas of the whole "
                             f"model, and {', '.join(unread)} need{'s' if len(unread) == 1 else ''} the model's shape: "
@@ -141,6 +141,8 @@ def check_inference_flags(a, model: ModelConfig, defaults) -> int:
                         "--inference plans one GPU serving the whole model")
     if a.lora_rank is not None:
         raise PlanError("--lora-rank plans LoRA fine-tuning; --inference counts no adapters")
+    if a.freeze:
+        raise PlanError("--freeze plans fine-tuning with modules held fixed; --inference trains nothing")
     if a.quantize not in QUANTIZE:
         nf4 = " (nf4 is QLoRA's 4-bit base for training with --lora-rank)" if a.quantize == "nf4" else ""
         raise PlanError(f"--quantize {a.quantize!r} with --inference is not one of {', '.join(QUANTIZE)}{nf4}")
@@ -162,8 +164,12 @@ def check_inference_flags(a, model: ModelConfig, defaults) -> int:
 # A TOML --model's run settings that a plan takes as flags (the rest of [train] and [parallel] shape no plan).
 RUN_FLAGS = {"train.seq_len": "seq", "train.micro_batch_size": "micro_batch", "train.global_batch_size": "global_batch",
              "train.precision": "precision", "train.recompute": "recompute", "train.optimizer_dtype": "optimizer_dtype",
+             "train.freeze": "freeze",
              **{f"parallel.{k}": k for k in ("dp", "tp", "pp", "cp", "ep", "sp", "offload", "pp_schedule",
-                                              "virtual_stages", "offload_activations")}, "parallel.zero_stage": "zero"}
+                                              "virtual_stages", "offload_activations", "cp_comm", "ep_dispatch",
+                                              "ep_load_budget", "offload_dir", "delayed_update", "overlap_update",
+                                              "reduce_dtype", "reduce_algo")},
+             "parallel.zero_stage": "zero"}
 
 
 def unplanned_settings(source: str, planned: dict) -> str:

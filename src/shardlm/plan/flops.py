@@ -70,7 +70,7 @@ def skipped_flops_per_token(m: ModelConfig, recompute: str) -> float:
     """The forward FLOPs a partial recomputation's recomputed forward leaves out (model/recompute.py): the
     dense MLP's down projection (ffn x hidden), with full-skip-out-down also attention's output projection
     (heads x head_dim x hidden), 2 FLOPs a weight, every layer (an MoE layer's experts are not counted)."""
-    dense = sum(not m.is_moe_layer(i) for i in range(m.num_layers))
+    dense = m.num_layers - m.moe_layers()
     down = 2 * m.ffn_size * m.hidden_size * dense if recompute in ("full-skip-down", "full-skip-out-down") else 0
     out = 2 * m.num_heads * m.head_size * m.hidden_size * m.num_layers if recompute == "full-skip-out-down" else 0
     return float(down + out)
@@ -80,7 +80,7 @@ def moe_routing_seconds(m: ModelConfig, w: Workload, L: Layout, hbm_bw: float) -
     """A step's routed-copy passes (MOE_ROUTING_BYTES) on the busiest rank: its pipeline stage's MoE layers,
     its replica's tokens (each tp rank routes its slice), top_k copies each. Fixed-size blocks at ep > 1
     (parallel.ep_dispatch padded) hold ep times the copies on the experts' side of the passes, half of them."""
-    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / L.pp
+    layers = m.moe_layers() / L.pp
     if not layers:
         return 0.0
     copies = w.global_batch * w.seq / (L.dp * L.cp * L.tp) * m.top_k

@@ -1,8 +1,8 @@
 """The planner's inference figures (`shardlm plan --inference`): memory of the weights, the KV cache of a batch
 of requests and the engine's workspace, how many requests fit, and the decode speed.
 
-A decode step reads every weight but the input embedding once, and each row's cached keys and values up to
-the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
+A decode step reads every weight but the input embedding once (of a mixture's routed experts, those its rows'
+choices reach), and each row's cached keys and values up to the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
 that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
 engine's compiled step reaches DECODE_EFFICIENCY of that bound on one H200 and ONE_ROW_EFFICIENCY at batch 1,
 where its one-row products run as a Triton GEMV (model/gemv.py), since a step's kernels launch as one chain
@@ -27,6 +27,10 @@ ONE_ROW_EFFICIENCY = 0.73
 # before it); each bound by the instructions it issues a byte or nibble, not by the memory's rate. Larger batches
 # are not measured quantised.
 QUANTIZED_EFFICIENCY = {"int8": 0.52, "int4": 0.38}
+# A mixture's decode step reaches less of its (smaller) bound: routing, sorting and grouped GEMMs of a few rows per
+# expert. mixtral-8x7b's shape on one H200 (bench/generate.py --preset mixtral-8x7b --prompt 128 --new 64,
+# 2026-12-01): 83.8 tok/s at batch 1 and 423.4 at 16, 0.45 and 0.51 of the bound with only the reached experts read.
+MOE_DECODE_EFFICIENCY = 0.48
 QUANTIZE = ("none", "int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # inference/quantize.py's: the largest that divides a layer's input is its group
 PREFILL_TOKENS = 8192  # the engine's default tokens per prefill pass (inference.Engine)
@@ -53,7 +57,7 @@ def linears(m: ModelConfig) -> list[tuple[int, int, int, str]]:
     which --quantize leaves as it is) or "head" (an untied output head, which --quantize stores in int8).
     The routed experts are stacked weights, not linear layers: no --quantize touches them."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    n_moe = m.moe_layers()
     up = 2 * m.ffn_size if m.arch != "gpt2" else m.ffn_size
     out = [(h, q + 2 * kv, m.num_layers, "block"), (q, h, m.num_layers, "block"),
            (h, up, m.num_layers - n_moe, "block"), (m.ffn_size, h, m.num_layers - n_moe, "block")]
@@ -103,15 +107,31 @@ def plan_inference(m: ModelConfig, g: GPU, batch: int, context: int, itemsize: i
     workspace = activations + batch * logits
     usable = g.memory * (1 - headroom) - reserved
     slots = max(0, int((usable - weights - activations) // (per_slot + logits)))
-    read = weights - m.param_counts()["embedding"] * itemsize
     cache = context * m.kv_bytes_per_token(itemsize)  # a row's at `context` positions: the batch's slowest step
     # The quantised products reach their own share of the bound; attention over the cache stays bf16's.
     # The one-row GEMV takes 16-bit weights, and not a mixture's experts (grouped GEMMs).
     gemv = itemsize == 2 and not m.num_experts
 
     def tokens_per_s(rows: int) -> float:
-        share = QUANTIZED_EFFICIENCY.get(quantize, ONE_ROW_EFFICIENCY if rows == 1 and gemv else DECODE_EFFICIENCY)
-        return rows * g.hbm_bw / (read / share + rows * cache / DECODE_EFFICIENCY)
+        share = QUANTIZED_EFFICIENCY.get(quantize, ONE_ROW_EFFICIENCY if rows == 1 and gemv else
+                                         MOE_DECODE_EFFICIENCY if m.num_experts else DECODE_EFFICIENCY)
+        return rows * g.hbm_bw / (step_read(m, weights, itemsize, rows) / share + rows * cache / DECODE_EFFICIENCY)
 
     return InferencePlan(weights, batch * per_slot, workspace, weights + batch * per_slot + workspace <= usable,
-                         slots, (read + batch * cache) / g.hbm_bw, tokens_per_s(batch), tokens_per_s(1))
+                         slots, (step_read(m, weights, itemsize, batch) + batch * cache) / g.hbm_bw,
+                         tokens_per_s(batch), tokens_per_s(1))
+
+
+def step_read(m: ModelConfig, weights: float, itemsize: int, rows: int) -> float:
+    """The weight bytes a decode step of `rows` reads: all but the input embedding and the experts it does not
+    reach."""
+    return weights - m.param_counts()["embedding"] * itemsize - unreached_expert_bytes(m, itemsize, rows)
+
+
+def unreached_expert_bytes(m: ModelConfig, itemsize: int, rows: int) -> float:
+    """A mixture's routed experts that a step of `rows` leaves unread (a grouped GEMM reads no expert without
+    rows): in expectation, at balanced routing, (1 - top_k / num_experts)^rows of them; 0 for a dense model."""
+    if not m.num_experts:
+        return 0.0
+    unreached = (1 - min(m.top_k, m.num_experts) / m.num_experts) ** rows
+    return unreached * m.param_counts()["expert_per_layer"] * m.num_layers * itemsize

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config import (BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig,
                       check_expert_lora, check_layout, lora_targets)
+from ..schedules import split_layers
 
 
 class PlanError(ConfigError):
@@ -31,6 +32,7 @@ class Layout(ParallelConfig):
     loss_chunk: int = 2048         # tokens per chunk of shardlm's fused head + loss; 0: full logits
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 0: every weight trained
     free_grads: bool = True        # one process gives its gradients' memory back between steps (train.free_grads)
+    freeze: str = ""               # train.freeze's module patterns: held fixed, no gradients nor optimizer state
 
     @property
     def gpus(self) -> int:
@@ -41,10 +43,20 @@ class Layout(ParallelConfig):
         """The layout a training config runs."""
         return cls(**vars(cfg.parallel), recompute=cfg.train.recompute, precision=cfg.train.precision,
                    optimizer_dtype=cfg.train.optimizer_dtype, loss_chunk=cfg.train.loss_chunk_tokens, lora=cfg.lora,
-                   free_grads=cfg.train.free_grads)
+                   free_grads=cfg.train.free_grads, freeze=cfg.train.freeze)
 
 
 FLAGS = Naming(flags=True)
+
+
+def stage_layers(m: ModelConfig, L: Layout, rank: int) -> list[int]:
+    """The layers pipeline rank `rank` holds: its stages rank, rank + pp, ... of the runtime's own split
+    (schedules.split_layers: balanced by compute, or parallel.pp_layers)."""
+    if L.pp == 1:
+        return list(range(m.num_layers))
+    stages = L.pp * L.virtual_stages
+    split = split_layers(m, stages, L.pp_layers)
+    return [i for s in range(rank, stages, L.pp) for i in split[s]]
 
 
 def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None = None) -> None:
@@ -83,6 +95,12 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
             lora_targets(model.arch, L.lora.targets)
         except ConfigError as e:
             raise PlanError(str(e).replace("lora.targets", "--lora-targets")) from None
+    if L.freeze:
+        from .frozen import frozen_of
+        try:
+            frozen_of(model, L.freeze)
+        except ConfigError as e:
+            raise PlanError(str(e).replace("train.freeze", "--freeze")) from None
     try:
         check_layout(model, L, work.seq, work.micro_batch, work.global_batch, gpus, FLAGS)
     except ConfigError as e:

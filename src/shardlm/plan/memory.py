@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 from ..config import BLOCK_RECOMPUTE, FREE_GRAD_BUCKET_MB, NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span
-from ..schedules import split_layers
 from .flops import simulated
-from .layout import Layout, Workload, expert_loads
+from .frozen import frozen_expert_inputs, frozen_of, head_frozen
+from .layout import Layout, Workload, expert_loads, stage_layers
 
 MiB = 2**20
 WORKSPACE = 256 * MiB
@@ -79,13 +79,8 @@ def paper_model_states(phi: float, stage: int, nd: int, k: int = 12) -> float:
 
 
 def rank_layers(m: ModelConfig, L: Layout, rank: int) -> int:
-    """Layers held by pipeline rank `rank`: its stages rank, rank + pp, ... of the runtime's own split
-    (schedules.split_layers: balanced by compute, or parallel.pp_layers)."""
-    if L.pp == 1:
-        return m.num_layers
-    stages = L.pp * L.virtual_stages
-    split = split_layers(m, stages, L.pp_layers)
-    return sum(len(split[s]) for s in range(rank, stages, L.pp))
+    """How many layers pipeline rank `rank` holds (layout.stage_layers)."""
+    return m.num_layers if L.pp == 1 else len(stage_layers(m, L, rank))
 
 
 def stage_params(m: ModelConfig, L: Layout, stage: int) -> float:
@@ -127,7 +122,7 @@ def zero_shard(m: ModelConfig, L: Layout, stage: int, phi: float) -> float:
     parameter's over its own reduce group, the experts' over edp and the rest over dp x cp, so experts held
     whole by one rank (edp 1) keep all their state there. LoRA's adapters (counted on the dense linears,
     LoRAConfig.adapter_count) are all dense."""
-    experts = 0.0 if L.lora.rank else expert_params(m, L, stage)
+    experts = trained_experts(m, L, stage)
     return (phi - experts) / group_span(L, "dp+cp")[0] + experts / expert_replicas(L)
 
 
@@ -137,10 +132,31 @@ def bf16_optimizer_bytes(m: ModelConfig, L: Layout, stage: int, phi: float) -> f
     own masters."""
     if L.zero_stage == 0:
         return 4.0 * phi
-    experts = 0.0 if L.lora.rank else expert_params(m, L, stage)
+    experts = trained_experts(m, L, stage)
     dense, edp = group_span(L, "dp+cp")[0], expert_replicas(L)
     masters = (phi - experts) / dense * (dense > 1) + experts / edp * (edp > 1)
     return 4.0 * zero_shard(m, L, stage, phi) + 2.0 * masters
+
+
+def frozen_params(m: ModelConfig, L: Layout, stage: int) -> tuple[float, float]:
+    """train.freeze's parameters on pipeline rank `stage`, before ZeRO (plan/frozen.py): (the dense ones after
+    tensor parallelism, the routed experts' ep share). (0, 0) without a freeze, and under LoRA."""
+    f = None if L.lora.rank else frozen_of(m, L.freeze)
+    if f is None:
+        return 0.0, 0.0
+    layers = stage_layers(m, L, stage)
+    dense = sum(f.dense[i] for i in layers) / L.tp
+    if stage == 0:
+        dense += f.embedding / L.tp + f.position
+    if stage == L.pp - 1:
+        dense += (f.head + (f.embedding if m.tie_embeddings and L.pp > 1 else 0)) / L.tp  # a tied head's copy
+    return dense, sum(f.experts[i] for i in layers) / L.ep
+
+
+def trained_experts(m: ModelConfig, L: Layout, stage: int) -> float:
+    """The routed experts' parameters pipeline rank `stage` trains: none under LoRA (a frozen base), else those
+    train.freeze leaves."""
+    return 0.0 if L.lora.rank else expert_params(m, L, stage) - frozen_params(m, L, stage)[1]
 
 
 def expert_replicas(L: Layout) -> int:
@@ -151,11 +167,13 @@ def expert_replicas(L: Layout) -> int:
 
 def trained_and_frozen(m: ModelConfig, L: Layout, stage: int, p_b: int) -> tuple[float, float]:
     """(parameters trained, bytes of the frozen ones) on pipeline rank `stage`, before ZeRO. Without LoRA
-    every parameter trains. With it only the adapters do (LoRAConfig.adapter_count, over the rank's layers
-    and tensor-parallel degree); the base is frozen in 16-bit, QLoRA's block linears in NF4."""
+    every parameter trains but those train.freeze holds (plan/frozen.py). With LoRA only the adapters do
+    (LoRAConfig.adapter_count, over the rank's layers and tensor-parallel degree); the base is frozen in
+    16-bit, QLoRA's block linears in NF4."""
     phi = stage_params(m, L, stage)
-    if not L.lora.rank:
-        return phi, 0.0
+    if not L.lora.rank:  # train.freeze's parameters: held in the weights' dtype, as a LoRA base is
+        frozen = sum(frozen_params(m, L, stage))
+        return phi - frozen, frozen * p_b
     adapters = L.lora.adapter_count(m) * rank_layers(m, L, stage) / m.num_layers / L.tp
     return adapters, phi * p_b - nf4_weights(m, L, stage) * (p_b - NF4_BYTES_PER_WEIGHT)
 
@@ -201,7 +219,9 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool 
                 # at the worst load a rank's experts hold (expert_loads), plus each token's routing. Past the
                 # budget a layer keeps the arrived rows alone (its chunks' intermediates: expert_chunk_bytes).
                 held, arrived, _ = (1, 1, "") if balanced else expert_loads(m, L)
-                kept = arrived * h if held < arrived else held * (3 * m.moe_ffn_size + h)
+                up, down = frozen_expert_inputs(m, L)  # frozen projections keep no input for their weight
+                f_e = m.moe_ffn_size
+                kept = arrived * h if held < arrived else held * (2 * f_e + (1 - down) * f_e + (1 - up) * h)
                 mlp = s * b * m.top_k / t * kept + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):
@@ -242,7 +262,7 @@ def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:
     final = 2 * act * tokens * h  # the final norm's input and output
     if L.loss_chunk:
         c = min(L.loss_chunk, tokens)
-        head_grad = 0 if L.lora.rank else v * h * act  # a frozen head forms no weight gradient
+        head_grad = 0 if L.lora.rank or head_frozen(m, L) else v * h * act  # a frozen head forms no weight gradient
         return final + c * v * (4 + act) + head_grad + tokens * h * act
     return final + tokens * v * (act + 4 + 4)  # logits, their fp32 copy, the softmax gradient
 
@@ -278,7 +298,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
         if L.zero_stage == 3:  # ZeRO-3 shards a frozen base in its own units, all but QLoRA's 4-bit weights,
             # a frozen expert over edp. (QLoRA's 4-bit count is one dense MLP a layer: not split for experts.)
             nf4 = nf4_weights(m, L, stage) * NF4_BYTES_PER_WEIGHT
-            experts = p_b * expert_params(m, L, stage) if L.lora.rank and L.lora.quantize != "nf4" else 0.0
+            experts = p_b * (expert_params(m, L, stage) if L.lora.rank and L.lora.quantize != "nf4" else
+                             frozen_params(m, L, stage)[1])
             frozen = (frozen - nf4 - experts) / n + experts / group_span(L, "edp")[0] + nf4
         params += frozen
         per_layer = activation_per_layer(m, w, L)
