@@ -213,10 +213,11 @@ def test_a_resume_that_changes_the_freeze_is_refused(tmp_path):
         dist_fns.tiny_trainer(1, {"train.steps": "4"}, out_dir=str(tmp_path / "b"), resume=ckpt)
 
 
-def test_freeze_composes_with_lora():
+def test_freeze_composes_with_lora(tmp_path):
     """LoRA froze the base already; a pattern may freeze adapters too (those of block 0 here), and freezing
-    every adapter leaves nothing to train."""
-    trainer = dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.freeze": "layers.0", "train.steps": "2"})
+    every adapter leaves nothing to train. A run that saves (its checkpoint's size planned) starts."""
+    trainer = dist_fns.tiny_trainer(1, {"lora.rank": "4", "train.freeze": "layers.0", "train.steps": "2"},
+                                    out_dir=tmp_path / "run")
     trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and all(n.startswith("layers.1.") and ".lora." in n for n in trained)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.startswith("layers.0.")}

@@ -59,7 +59,8 @@ CASES = [
                          "--train.steps", "1"], "holds non-finite weights (layers.0.attn.qkv.weight has nan", 1),
     # the model section is the checkpoint's, a config's own max_seq_len gone: the fix is named
     ("init-shorter-context", ["train", "tiny", "--train.init_from", "{exp}", "--train.seq_len", "256", "--out", "{new}"],
-     "exceeds model.max_seq_len = 128 (train.init_from's config.json's; --model.max_seq_len 256 overrides it)", 2),
+     "exceeds model.max_seq_len = 128 (with train.init_from, the checkpoint's config.json's unless "
+     "--model.max_seq_len overrides it)", 2),
     ("init-pickled", ["train", "tiny", "--train.init_from", "{pickled}", "--data.path", "{data}", "--out", "{new}"],
      "has no *.safetensors weights: it holds pytorch_model.bin, PyTorch's pickled weights", 2),
     ("init-bert", ["train", "tiny", "--train.init_from", "{bert}", "--data.path", "{data}", "--out", "{new}"],

@@ -209,6 +209,20 @@ def test_plan_freeze_holds_no_state_for_frozen_modules(tmp_path, capsys):
         assert bad.returncode != 0 and msg in bad.stderr, bad.stderr
 
 
+def test_frozen_parameters_where_the_engine_keeps_them():
+    """ZeRO-3 shards frozen weights over dp x cp but keeps experts split over ep whole on each rank
+    (zero3_frozen.py); the final norm frozen alone leaves the head's gradient; under LoRA the patterns name
+    adapters, which the run checks: the plan counts the LoRA base as frozen and nothing more."""
+    from shardlm.config import LoRAConfig
+    m, g, w = load_config("moe-1b").model, gpu("h200"), Workload(2048, 1, 4)
+    experts = 2 * m.param_counts()["expert_per_layer"] * m.num_layers  # bf16
+    one, two = (estimate_memory(m, w, Layout(dp=4, ep=ep, zero_stage=3, freeze="experts")) for ep in (1, 2))
+    assert two.params - one.params == pytest.approx(experts / 2 - experts / 4)
+    assert estimate_memory(m, w, Layout(freeze="norm")).activations == estimate_memory(m, w, Layout()).activations
+    lora = LoRAConfig(rank=4)
+    assert estimate(m, w, Layout(lora=lora, freeze="layers.0"), gpu("h200")) == estimate(m, w, Layout(lora=lora), g)
+
+
 def test_plan_refuses_a_lora_rank_the_runtime_refuses(capsys):
     """A rank above the hidden size, which `train` refuses, was planned (tiny at rank 100000: 2.29 GiB of
     checkpoint for adapters that can learn nothing more than rank 64's)."""

@@ -131,7 +131,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
         # Under init_from the model section is the checkpoint's config.json, whatever a config file's said
-        whose = (f" (train.init_from's config.json's; --model.max_seq_len {t.seq_len} overrides it)"
+        whose = (" (with train.init_from, the checkpoint's config.json's unless --model.max_seq_len overrides it)"
                  if cfg.train.init_from else "")
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}{whose}")
     # The sample after training may run to max_seq_len: past the window too.

@@ -32,7 +32,24 @@ def freezes(pattern: str, name: str) -> bool:
 
 
 def frozen_by_pattern(spec: str, names) -> dict[str, set[str]]:
-    """Each pattern of `spec` with the parameter names (of `names`) it freezes: an empty set names a pattern
-    that freezes nothing, which the engine and the planner refuse."""
+    """Each pattern of `spec` with the parameter names (of `names`, a model's in its order) it freezes. A
+    pattern that freezes none (it matches no name, or only modules without parameters) is a ConfigError
+    naming it and the modules there are, as the engine and the planner both refuse it."""
     names = list(names)
-    return {p: {n for n in names if freezes(p, n)} for p in patterns(spec)}
+    frozen = {p: {n for n in names if freezes(p, n)} for p in patterns(spec)}
+    unmatched = [p for p, held in frozen.items() if not held]
+    if unmatched:
+        raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
+                          f" no parameter of this model (its modules: {module_names(names)}; layers.N is block N)")
+    return frozen
+
+
+def module_names(names) -> str:
+    """The modules' own names (each a pattern matching every module of that name) in the model's order, those
+    that hold parameters: read off the parameters' dotted names."""
+    seen = []
+    for name in names:
+        for part in name.split(".")[:-1]:
+            if not part.isdigit() and part not in seen:
+                seen.append(part)
+    return ", ".join(seen)

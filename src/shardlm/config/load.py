@@ -284,7 +284,8 @@ def refuse_empty_paths(argv: list[str]) -> None:
             raise ConfigError(f"{flag} is empty: give a path (is the shell variable for it set?)")
 
 
-# The keys whose value is a path, whose default "" means none: set on the command line, "" is a mistake.
+# The keys whose value names a file or directory ("" for none, data.tokenizer's "byte" the built-in one): given
+# on the command line, "" is an unset shell variable, not a choice.
 PATH_KEYS = ("data.path", "data.eval_path", "data.tokenizer", "train.init_from", "parallel.offload_dir")
 
 

@@ -33,10 +33,6 @@ def frozen_names(model: nn.Module, spec: str) -> set[str]:
     name, or only modules without parameters) is a ConfigError naming it."""
     frozen = frozen_by_pattern(spec, (n for n, _ in model.named_parameters()))
     pats = list(frozen)
-    unmatched = [p for p in pats if not frozen[p]]
-    if unmatched:
-        raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
-                          f" no parameter of this model (its modules: {_examples(model)}; layers.N is block N)")
     # Under LoRA the base is frozen already: a pattern naming only base weights ("embed", "experts") once
     # trained exactly as without it.
     idle = [p for p in pats if not any(model.get_parameter(n).requires_grad for n in frozen[p])]
@@ -73,14 +69,3 @@ def _has(model: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _examples(model: nn.Module) -> str:
-    """The modules' own names (each a pattern matching every module of that name), in the model's order: those
-    holding parameters (a name without any, as Decoder's `output`, would be refused as a pattern)."""
-    seen = []
-    for n, m in model.named_modules():
-        last = n.rpartition(".")[2]
-        if last and not last.isdigit() and last not in seen and next(m.parameters(), None) is not None:
-            seen.append(last)
-    return ", ".join(seen)

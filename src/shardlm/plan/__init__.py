@@ -1,7 +1,6 @@
 """The planner: per-GPU memory, FLOPs, step time, MFU and communication of a training layout, before launch.
 
-Pure arithmetic (no torch import, but to name train.freeze's parameters: frozen.py), sharing the runtime's
-shape arithmetic (shardlm.config.ModelConfig).
+Pure arithmetic (no torch import), sharing the runtime's shape arithmetic (shardlm.config.ModelConfig).
 memory.py, flops.py, comm.py and offload.py each document their formulas and sources; search.py ranks layouts.
 """
 from __future__ import annotations
@@ -104,7 +103,7 @@ def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
     parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
     elements it owns), and a LoRA run's frozen base (or train.freeze's parameters) in fp32, written by the ranks
     of the first data replica."""
-    held = frozen_of(m, L.freeze)
+    held = None if L.lora.rank else frozen_of(m, L.freeze)
     frozen = m.num_params() if L.lora.rank else held.total if held is not None else 0
     trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params() - frozen
     return 12 * trained + 4 * frozen, 12 * trained / L.gpus + 4 * frozen / (L.pp * L.tp)

@@ -38,7 +38,9 @@ def reduce_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, float]:
     grads, _ = trained_and_frozen(m, L, 0, act)  # reduced: LoRA's adapters alone, or what train.freeze leaves
     experts = expert_params(m, L, 0)  # gathered over edp; reduced there too, those that train
     trained = trained_experts(m, L, 0)
-    groups = {"dp+cp": (grads - trained, phi - experts), "edp": (trained, experts)}
+    # Frozen experts split over ep or routed whole per tp rank stay whole under ZeRO-3 (zero3_frozen.py)
+    gathered = experts if L.ep == 1 and L.tp == 1 else trained
+    groups = {"dp+cp": (grads - trained, phi - experts), "edp": (trained, gathered)}
     red = 4 if (L.reduce_dtype == "fp32" or L.precision == "fp32") else act
     if L.reduce_algo in ("auto", "all_to_all", "copy_engine"):
         red = act  # the 16-bit values travel; each rank sums its slice in fp32 (comm/collectives.py)

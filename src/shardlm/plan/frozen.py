@@ -3,7 +3,7 @@ model's own parameter names (ModelConfig.parameter_shapes, the Decoder's), so th
 with frozen modules ("experts,router", "embed", "layers.0") charges them no gradient, fp32 master or optimizer
 moment, no weight-gradient FLOPs, and frozen experts no inputs kept for backward, as the engine allocates and
 computes none. LoRA's frozen base is counted apart (LoRAConfig); patterns under LoRA, which can only freeze
-adapters, change nothing the plan counts."""
+adapters, are neither checked nor counted here (the run checks them against its adapters' names)."""
 from __future__ import annotations
 
 import json
@@ -18,20 +18,21 @@ from ..config.freeze_patterns import frozen_by_pattern
 @dataclass(frozen=True)
 class Frozen:
     """Frozen parameters by where they live: per layer the dense ones (attention, norms, router, shared
-    expert) and the routed experts, then the token and position embeddings and the head (the final norm
-    counted with it); and the share of the MoE layers whose experts' up (down) projections are frozen, whose
+    expert) and the routed experts, then the token and position embeddings, the final norm and the output
+    head; and the share of the MoE layers whose experts' up (down) projections are frozen, whose
     inputs backward then keeps not (they serve only the weight's gradient)."""
     dense: tuple[int, ...]
     experts: tuple[int, ...]
     embedding: int = 0
     position: int = 0
+    final_norm: int = 0
     head: int = 0
     expert_up: float = 0.0
     expert_down: float = 0.0
 
     @property
     def total(self) -> int:
-        return sum(self.dense) + sum(self.experts) + self.embedding + self.position + self.head
+        return sum(self.dense) + sum(self.experts) + self.embedding + self.position + self.final_norm + self.head
 
 
 def frozen_of(m: ModelConfig, spec: str) -> Frozen | None:
@@ -46,16 +47,11 @@ def frozen_of(m: ModelConfig, spec: str) -> Frozen | None:
 def _count(model_json: str, spec: str) -> Frozen:
     m = ModelConfig(**json.loads(model_json))
     shapes = m.parameter_shapes()
-    frozen = frozen_by_pattern(spec, shapes)
-    unmatched = [p for p, names in frozen.items() if not names]
-    if unmatched:
-        raise ConfigError(f"train.freeze: {', '.join(map(repr, unmatched))} match"
-                          f"{'es' if len(unmatched) == 1 else ''} no parameter of this model")
-    names = set().union(*frozen.values())
+    names = set().union(*frozen_by_pattern(spec, shapes).values())
     if len(names) == len(shapes):
         raise ConfigError(f"train.freeze = {spec!r} freezes every trainable parameter: nothing would train")
     dense, experts = [0] * m.num_layers, [0] * m.num_layers
-    ends = {"embed": 0, "pos_embed": 0, "head": 0}
+    ends = {"embed": 0, "pos_embed": 0, "norm": 0, "lm_head": 0}
     for name in names:
         n = math.prod(shapes[name])
         if name.startswith("layers."):
@@ -65,12 +61,12 @@ def _count(model_json: str, spec: str) -> Frozen:
             else:
                 dense[i] += n
         else:
-            ends[name.split(".")[0] if name.startswith(("embed.", "pos_embed.")) else "head"] += n
+            ends[name.split(".")[0]] += n
     moe = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
     share = {p: sum(f"layers.{i}.mlp.experts.{p}.weight" in names for i in moe) / max(len(moe), 1)
              for p in ("up", "down")}
-    return Frozen(tuple(dense), tuple(experts), ends["embed"], ends["pos_embed"], ends["head"], share["up"],
-                  share["down"])
+    return Frozen(tuple(dense), tuple(experts), ends["embed"], ends["pos_embed"], ends["norm"], ends["lm_head"],
+                  share["up"], share["down"])
 
 
 def head_frozen(m: ModelConfig, L) -> bool:
@@ -81,13 +77,14 @@ def head_frozen(m: ModelConfig, L) -> bool:
 
 def frozen_flops_per_token(m: ModelConfig, L) -> float:
     """The weight-gradient FLOPs a token does not cost for train.freeze's parameters (2 a multiplying
-    parameter, of the 6 training counts): the dense ones and the head, the experts at top_k of num_experts
-    (an embedding is a lookup)."""
+    parameter, of the 6 training counts): the dense ones and the head (a tied one with the embedding), the
+    experts at top_k of num_experts (an embedding's lookup and the norms' scales are no products)."""
     f = None if L.lora.rank else frozen_of(m, L.freeze)
     if f is None:
         return 0.0
     routed = min(m.top_k, m.num_experts) / m.num_experts if m.num_experts else 0.0
-    return 2.0 * (sum(f.dense) + f.head + sum(f.experts) * routed)
+    head = f.head + (f.embedding if m.tie_embeddings else 0)
+    return 2.0 * (sum(f.dense) + head + sum(f.experts) * routed)
 
 
 def frozen_expert_inputs(m: ModelConfig, L) -> tuple[float, float]:

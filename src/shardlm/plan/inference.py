@@ -1,12 +1,12 @@
 """The planner's inference figures (`shardlm plan --inference`): memory of the weights, the KV cache of a batch
 of requests and the engine's workspace, how many requests fit, and the decode speed.
 
-A decode step reads every weight but the input embedding once (of a mixture's routed experts, those its rows'
-choices reach), and each row's cached keys and values up to the positions it attends over, so its time is at least those bytes over the memory's bandwidth (the bound
-that gpt-fast and the inference literature quote: batch-1 tokens/s = bandwidth / weight bytes). The
-engine's compiled step reaches DECODE_EFFICIENCY of that bound on one H200 and ONE_ROW_EFFICIENCY at batch 1,
-where its one-row products run as a Triton GEMV (model/gemv.py), since a step's kernels launch as one chain
-(inference/step_kernels.py; llama2-7b, bf16, bench/generate.py, 2026-12-01: 261-264 tok/s at batch 1, 2,881-2,897
+A decode step reads every weight but the input embedding once (of a mixture's routed experts, those its
+rows' choices reach), and each row's cached keys and values up to the positions it attends over, so its
+time is at least those bytes over the memory's bandwidth (the bound that gpt-fast and the inference
+literature quote: batch-1 tokens/s = bandwidth / weight bytes). The engine's compiled step reaches
+DECODE_EFFICIENCY of that bound on one H200 and ONE_ROW_EFFICIENCY at batch 1, where its one-row products run
+as a Triton GEMV (model/gemv.py), since a step's kernels launch as one chain (inference/step_kernels.py; llama2-7b, bf16, bench/generate.py, 2026-12-01: 261-264 tok/s at batch 1, 2,881-2,897
 at batch 16 with a 729-position cache; before the chain 246-251 and 3,008-3,079 with a 385-position one).
 
 `generate --quantize int8|int4` (inference/quantize.py) stores linear layers' weights in fewer bytes, which

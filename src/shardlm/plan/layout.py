@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..config import (BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig,
                       check_expert_lora, check_layout, lora_targets)
 from ..schedules import split_layers
+from .frozen import frozen_of
 
 
 class PlanError(ConfigError):
@@ -95,8 +96,7 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
             lora_targets(model.arch, L.lora.targets)
         except ConfigError as e:
             raise PlanError(str(e).replace("lora.targets", "--lora-targets")) from None
-    if L.freeze:
-        from .frozen import frozen_of
+    if L.freeze and not L.lora.rank:  # under LoRA the run checks them against its adapters' names
         try:
             frozen_of(model, L.freeze)
         except ConfigError as e:

@@ -148,8 +148,8 @@ def frozen_params(m: ModelConfig, L: Layout, stage: int) -> tuple[float, float]:
     dense = sum(f.dense[i] for i in layers) / L.tp
     if stage == 0:
         dense += f.embedding / L.tp + f.position
-    if stage == L.pp - 1:
-        dense += (f.head + (f.embedding if m.tie_embeddings and L.pp > 1 else 0)) / L.tp  # a tied head's copy
+    if stage == L.pp - 1:  # the final norm whole on each tp rank, a tied head's copy on the last stage
+        dense += f.final_norm + (f.head + (f.embedding if m.tie_embeddings and L.pp > 1 else 0)) / L.tp
     return dense, sum(f.experts[i] for i in layers) / L.ep
 
 
@@ -295,12 +295,13 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             opt = 0.0
             if L.offload == "params":
                 params = 0.0
-        if L.zero_stage == 3:  # ZeRO-3 shards a frozen base in its own units, all but QLoRA's 4-bit weights,
-            # a frozen expert over edp. (QLoRA's 4-bit count is one dense MLP a layer: not split for experts.)
+        if L.zero_stage == 3:  # ZeRO-3 shards a frozen base over dp x cp in its own units, all but QLoRA's 4-bit
+            # weights and frozen experts split over ep or routed whole per tp rank, which each rank keeps whole
+            # (parallel/zero3_frozen.py). (QLoRA's 4-bit count is one dense MLP a layer: not split for experts.)
             nf4 = nf4_weights(m, L, stage) * NF4_BYTES_PER_WEIGHT
             experts = p_b * (expert_params(m, L, stage) if L.lora.rank and L.lora.quantize != "nf4" else
                              frozen_params(m, L, stage)[1])
-            frozen = (frozen - nf4 - experts) / n + experts / group_span(L, "edp")[0] + nf4
+            frozen = (frozen - nf4 - experts) / n + experts / (n if L.ep == 1 and L.tp == 1 else 1) + nf4
         params += frozen
         per_layer = activation_per_layer(m, w, L)
         layers = rank_layers(m, L, stage)
@@ -369,7 +370,8 @@ def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
             # One process takes its gradients bucket by bucket in backward (train.free_grads): at the activations'
             # peak, early in backward, the head's and about one bucket's exist; nearly all of them meet the first
             # block's backward (its activations, or its recomputed forward), and all of them the step.
-            head = 0 if L.lora.rank else m.param_counts()["lm_head"] or m.param_counts()["embedding"]
+            counts = m.param_counts()
+            head = 0 if L.lora.rank or head_frozen(m, L) else counts["lm_head"] or counts["embedding"]
             early = min(grads, g_b * head + FREE_GRAD_BUCKET_MB * MiB)
             late = per_layer + recomputed
             cand = max((params + early + opt + buffers + acts, Memory(params, early, opt, acts, buffers, per_layer)),
