@@ -490,6 +490,14 @@ def test_generate_a_jsonl_file(tmp_path, capsys):
     before = out.read_text()
     proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and out.read_text() == before
+    import shardlm.inference.engine as engine
+    with pytest.MonkeyPatch.context() as mp:  # a crash midway through --overwrite leaves the old output whole
+        mp.setattr(engine.Engine, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        cut = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--overwrite")
+    assert cut.returncode == 130 and out.read_text() == before
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", out, "--overwrite",
+             "--max-new-tokens", 6, "--max-batch", 2)
+    assert out.read_text() == before and not (tmp_path / ".out.jsonl.partial").exists()  # greedy lines again
     src.write_text('{"prompt": "a", "top_p": 0}\n')
     proc = cli_proc(capsys, "generate", "--model", tmp_path / "hf", "--input", src, "--output", tmp_path / "o2.jsonl")
     assert proc.returncode == 2 and f"{src}:1: " in proc.stderr and "top_p" in proc.stderr

@@ -339,7 +339,9 @@ def test_scores_ten_thousand_layouts_quickly():
         for L in layouts:
             estimate(m, w, L, g)
             n += 1
-    assert time.perf_counter() - t < 2.0  # about 0.4 s on one core of the CI machine
+    # About 0.4 s on one core of the CI machine of 2026-11; 1.3-2.0 s on the slower 2-core machine of 2026-12-01
+    # (2.3-2.7 s there before param_counts stopped visiting every layer). A search stays seconds, not minutes.
+    assert time.perf_counter() - t < 4.0
 
 
 def test_the_default_sequence_fits_the_models_context():

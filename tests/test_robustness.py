@@ -115,8 +115,16 @@ def test_overwrite_deletes_only_once_asked_and_only_what_follows_the_resumed_che
     said = []
     rundir.overwrite_run(tmp_path / "run", ckpt, said.append)
     assert names() == ["step_00000003"] and len(said) == 2
-    rundir.overwrite_run(tmp_path / "run", None, said.append)
+    import shutil
+    real_rmtree = shutil.rmtree
+    with pytest.MonkeyPatch.context() as mp:  # a kill midway through the deletion: nothing is left to resume
+        mp.setattr(shutil, "rmtree", lambda p, **k: None if p.name == ".old-checkpoints" else real_rmtree(p, **k))
+        rundir.overwrite_run(tmp_path / "run", None, said.append)
     assert names() == [] and "deleted the checkpoints (up to step_00000003)" in said[-1]
+    assert not (tmp_path / "run" / "checkpoints").exists() and (tmp_path / "run" / ".old-checkpoints").is_dir()
+    from shardlm.checkpoint import remove_partial
+    remove_partial(tmp_path / "run")  # the next run in the directory sweeps what was left
+    assert not (tmp_path / "run" / ".old-checkpoints").exists()
 
 
 def test_a_changed_global_batch_is_refused_in_the_same_directory_only(tmp_path, capsys):
@@ -660,3 +668,14 @@ def test_a_non_finite_gradient_under_optimizer_offload_leaves_every_weight_as_it
     after = trainer.engine.owned_shards("master")
     assert all(torch.equal(masters[n][2], after[n][2]) for n in masters)
     assert all(torch.equal(weights[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_large_checkpoints_verification_before_a_resume_is_said(tmp_path, capsys, monkeypatch):
+    """The main rank reads every file of the checkpoint it resumes (CRC32s) while the others wait: minutes on a
+    large run, which passed without a word. Past VERIFY_SAID bytes it says how many it reads."""
+    import shardlm.trainer as trainer
+    run = tmp_path / "run"
+    train_here(capsys, "--train.steps", 2, "--out", run, check=True)
+    monkeypatch.setattr(trainer, "VERIFY_SAID", 0)
+    resumed = here(capsys, "train", "--resume", run, "--train.steps", 3, check=True)
+    assert "verifying the checkpoint's" in resumed.stdout + resumed.stderr, resumed.stdout + resumed.stderr

@@ -82,7 +82,9 @@ def file_crc32(path: Path, done=None) -> int:
 
 def remove_partial(run_dir: str | Path) -> list[Path]:
     """Delete the temporary directories that saves cut short (a crash, a full disk) left behind, and what a
-    deletion cut short left of a checkpoint rotated out (`discard`); returns the former."""
+    deletion cut short left of a checkpoint rotated out, or of the checkpoints --overwrite deleted (`discard`);
+    returns the former."""
+    shutil.rmtree(Path(run_dir) / f".old-{CKPT_DIR}", ignore_errors=True)
     root = Path(run_dir) / CKPT_DIR
     partial = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
     for p in [*partial, *(root.glob(".old-step_*") if root.is_dir() else [])]:

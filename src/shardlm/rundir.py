@@ -159,7 +159,7 @@ def overwrite_run(out: Path, checkpoint: Path | None, log=print) -> None:
             discard(p)
             log(f"--overwrite: deleted {p.name}, after the resumed {checkpoint.name}")
     elif existing:
-        shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        discard(out / CKPT_DIR)  # renamed away first: a kill midway leaves no half of it for --resume to take
         shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         (out / METRICS).unlink(missing_ok=True)
         log(f"--overwrite: deleted the checkpoints (up to {existing[-1].name}) and metrics in {out}")

@@ -25,7 +25,7 @@ from . import compat, rundir
 from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
-from .data.loader import open_train_data
+from .data.loader import data_bytes, open_train_data
 from .divergence import TrainingError, numerical_failures, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
 from .inference import generate_text, prompt_ids
@@ -44,6 +44,8 @@ from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, sign
 from .runtime.watchdog import Watchdog
 from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
+
+VERIFY_SAID = 2**30  # bytes of token shards whose check at start is said: a few seconds a GB per rank
 
 
 class Trainer:
@@ -94,9 +96,15 @@ class Trainer:
         if t.sample_tokens and self.mesh.pp == 1:
             self._check_sample_prompt()
         check_memory(cfg, self.device, self._any_rank)
+        checked = time.perf_counter()
+        size = sum(data_bytes(d) for d in (data_dir, cfg.data.eval_path) if d)
+        if size > VERIFY_SAID and self.mesh.is_main:  # minutes on a large dataset, on every rank: said, not silent
+            log(f"checking the CRC32 of {size / 1e9:,.1f} GB of token shards on each rank before training")
         self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
                                     cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
                                     self.mesh.dp, self.mesh.dp_rank)
+        if size > VERIFY_SAID and self.mesh.is_main:
+            log(f"checked in {time.perf_counter() - checked:,.0f} s")
         compat.check_trainable(data_dir, self.data.train.shards.index)
         # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
         # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
@@ -152,6 +160,21 @@ class Trainer:
     def _any_rank(self, failed: bool) -> bool:
         return self.mesh.any_rank(failed, self.device)
 
+    def _said_progress(self, total: int):
+        """A checkpoint's verification as log lines (its bytes, then every 30 s), where it is large enough to take
+        a while: the other ranks wait on it, and a resume of a large run spent minutes silent."""
+        if total < VERIFY_SAID:
+            return lambda n: None
+        self.log(f"verifying the checkpoint's {total / 1e9:,.1f} GB (CRC32 of every file) before resuming")
+        read, said = [0], [time.perf_counter()]
+
+        def update(n: int) -> None:
+            read[0] += n
+            if time.perf_counter() - said[0] > 30:
+                said[0] = time.perf_counter()
+                self.log(f"verified {read[0] / 1e9:,.1f} of {total / 1e9:,.1f} GB")
+        return update
+
     def _check_resume(self, resume) -> tuple[Path, bool]:
         """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
         it continues its own run in this run's directory; a resume that would change the model, its adapters
@@ -159,7 +182,7 @@ class Trainer:
         chosen = None
         if self.mesh.is_main:
             try:
-                chosen = str(resolve_checkpoint(resume, self.log, option="--resume"))
+                chosen = str(resolve_checkpoint(resume, self.log, option="--resume", progress=self._said_progress))
             except (CheckpointError, FileNotFoundError) as e:
                 chosen = e
         chosen = self.mesh.from_main(chosen)

@@ -49,6 +49,17 @@ def read_index(directory: Path) -> dict:
     return index
 
 
+def data_bytes(directory: str | Path) -> int:
+    """The bytes of a prepared directory's token shards and loss masks, by its index (what opening it reads)."""
+    index = read_index(Path(directory))
+    try:
+        itemsize = np.dtype(index["dtype"]).itemsize
+        masks = sum(m["tokens"] for m in index.get("loss_mask") or [])  # a byte a token
+        return sum(s["tokens"] * itemsize for s in index["shards"]) + masks
+    except (KeyError, TypeError):
+        return 0  # a corrupt index: TokenShards names what is wrong with it
+
+
 class TokenShards:
     """The memory-mapped shards of one prepared directory, checked against its index and the model."""
 

@@ -176,15 +176,17 @@ def _tensor_parallel(a):
     return device, build_mesh(tp=a.tp).group("tp"), rank == 0
 
 
-def _load(a, read=None, source: str = ""):
+def _load(a, read=None, source: str = "", chats: bool = False):
     """The model, tokenizer and config `a` asks for; under --tp, after refusing ranks whose file `source` held
-    other contents (`read`: what this rank read from it)."""
+    other contents (`read`: what this rank read from it). `chats`: `source` holds chats, which a tokenizer
+    without a chat template is refused for before the weights load."""
     from .load import load_pretrained
     from .quantize import quantize
     device, group, a.main = _tensor_parallel(a)
     if group is not None and read is not None:
         check_same_read(read, source)
-    model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group)
+    model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group,
+                                      check_tokenizer=(lambda tok: _chat_template(tok, source)) if chats else None)
     quantize(model, a.quantize)
     return model, tok, cfg
 
@@ -230,7 +232,8 @@ def cmd_eval(argv: list[str]) -> int:
         if a.seed + len(prompts) - 1 >= INT64:  # prompt i samples with seed --seed + i
             raise ConfigError(f"--seed {a.seed}: prompt i samples with --seed + i, and {a.seed} + "
                               f"{len(prompts) - 1} does not fit in 64 bits; give a lower --seed")
-    model, tok, _ = _load(a, text if tasks == ["loss"] else (prompts, refs), f"--data {a.data}")
+    model, tok, _ = _load(a, text if tasks == ["loss"] else (prompts, refs), f"--data {a.data}",
+                          chats=tasks != ["loss"] and any(not isinstance(q, str) for q in prompts))
     if tasks == ["loss"]:
         from .perplexity import evaluate_ids
         ids = tok.encode_document(text)
@@ -277,14 +280,20 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
-    """A held-out chat's turns before its answer, rendered as training and serve render them."""
+def _chat_template(tok, source: str):
+    """The tokenizer's chat renderer; a ConfigError where it has no chat template."""
     from ..data.instruct import chat_prompter
-    from . import prompt_ids
     chat = chat_prompter(tok)
     if chat is None:
         raise ConfigError(f"{source} holds chats (messages) and the model's tokenizer has no chat template to "
                           "render them (chat_template.jinja or tokenizer_config.json's chat_template): give prompts")
+    return chat
+
+
+def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
+    """A held-out chat's turns before its answer, rendered as training and serve render them."""
+    from . import prompt_ids
+    chat = _chat_template(tok, source)
     import jinja2
     try:
         return prompt_ids(tok, chat(turns), opened=True)
@@ -343,7 +352,8 @@ def cmd_generate(argv: list[str]) -> int:
                  "max_new_from": "--max-new-tokens"}]
     for r in rows:
         r["stop"] = r["stop"] or tuple(a.stop)
-    model, tok, cfg = _load(a, rows if a.input is not None else None, f"--input {a.input}")
+    model, tok, cfg = _load(a, rows if a.input is not None else None, f"--input {a.input}",
+                            chats=any(r.get("messages") is not None for r in rows))
     from ..generation_config import stop_ids_of
     from . import Engine, Request, prompt_ids, slots_that_fit
     from ..parallel.tensor import tensor_parallel_group
@@ -369,11 +379,15 @@ def cmd_generate(argv: list[str]) -> int:
 
 def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     """Runs the engine, writing each completion once it and all before it are done (a crash keeps them);
-    under tensor parallelism every rank runs the same requests and the first writes them."""
+    under tensor parallelism every rank runs the same requests and the first writes them. An output that
+    --overwrite replaces is replaced once the new one is whole: until then the lines go to a file beside it
+    (.NAME.partial, which a crash leaves), so that a crash does not cost the old one too."""
     update, close = progress_bar(len(requests), "generate", main)
     written = 0
+    replacing = main and out.exists()
+    target = out.with_name(f".{out.name}.partial") if replacing else out
     try:
-        with open(out if main else os.devnull, "w", encoding="utf-8") as f:
+        with open(target if main else os.devnull, "w", encoding="utf-8") as f:
             def flush():
                 nonlocal written
                 while written < len(requests) and requests[written].done:
@@ -392,6 +406,8 @@ def _generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
                 flush()
             engine.run(requests, progress)
             flush()
+        if replacing:
+            os.replace(target, out)
     finally:
         close()
     if main:

@@ -115,12 +115,13 @@ def _agreed(path: Path, tp_group) -> Path:
 
 
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
-                    adapter: str | Path | None = None, tp_group=None,
-                    verify: bool = True) -> tuple[Decoder, Tokenizer, ModelConfig]:
+                    adapter: str | Path | None = None, tp_group=None, verify: bool = True,
+                    check_tokenizer=None) -> tuple[Decoder, Tokenizer, ModelConfig]:
     """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
     run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights. With
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
-    its slice of each sharded weight. `verify` False: `path` is a checkpoint verified already."""
+    its slice of each sharded weight. `verify` False: `path` is a checkpoint verified already.
+    `check_tokenizer(tok)`: called before the weights load, to refuse input the tokenizer cannot take early."""
     path, device = Path(path), torch.device(device)
     if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
         raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
@@ -128,6 +129,8 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
                                 "directory and give that)")
     src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group), verify=False)
     tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
+    if check_tokenizer is not None:
+        check_tokenizer(tok)
     cfg = src.cfg
     dtype = inference_dtype(dtype, device, src.dtype)
     lora, adapters = None, {}
