@@ -89,12 +89,14 @@ def test_a_decode_step_past_dynamos_recompile_limit_runs_eagerly_with_a_warning(
     torch._dynamo.reset()
     model = tiny(**CASES["llama_gqa"])
     engine = Engine(model, max_batch=2, max_len=48, compile=True, compile_prefill=False)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # room for one shape: one row
-    prompts = prompts_of((5, 9))
-    want = [greedy_full_forward(model, p, 4) for p in prompts]
-    alone = engine.run([Request(prompts[0], 4)])
-    with pytest.warns(UserWarning, match="the decode step runs eagerly: compiling it failed"):
-        together = engine.run([Request(p, 4) for p in prompts])
+    # torch's own patch, not monkeypatch: pytest 9.2's undo deletes what a module's __getattr__ gave, which hides
+    # a Dynamo config entry for the rest of the process (every later compile then fails on it)
+    with torch._dynamo.config.patch(recompile_limit=1):  # room for one shape: one row
+        prompts = prompts_of((5, 9))
+        want = [greedy_full_forward(model, p, 4) for p in prompts]
+        alone = engine.run([Request(prompts[0], 4)])
+        with pytest.warns(UserWarning, match="the decode step runs eagerly: compiling it failed"):
+            together = engine.run([Request(p, 4) for p in prompts])
     assert [alone[0].tokens] + [r.tokens for r in together] == [want[0]] + want
     torch._dynamo.reset()
 
@@ -183,13 +185,11 @@ def test_replicas_in_one_process_compile_every_decode_shape(monkeypatch):
     # A limit of one graph a code object, and no shapes counted before: the engines' graphs (two each now that the
     # key count is dynamic) compile only as far as CompiledOrEager raises the limit for every engine's shapes.
     monkeypatch.setattr(compiled, "_SHAPES", {})
-    for name in ("recompile_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            monkeypatch.setattr(torch._dynamo.config, name, 1)
+    limits = {n: 1 for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(torch._dynamo.config, n)}
     torch._dynamo.reset()
-    engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
-                      compile_prefill=False) for _ in range(2)]
-    with warnings.catch_warnings(record=True) as said:
+    with torch._dynamo.config.patch(**limits), warnings.catch_warnings(record=True) as said:  # as above: not monkeypatch
+        engines = [Engine(tiny(**CASES["llama_gqa"], max_seq_len=2048), max_batch=2, max_len=2048, compile=True,
+                          compile_prefill=False) for _ in range(2)]
         warnings.simplefilter("always")
         for e in engines:  # prompts whose bursts read 512, 1024, 2048 and all 2049 cached positions
             for n in (5, 600, 1500, 2040):
