@@ -76,12 +76,13 @@ def test_a_run_longer_than_one_pass_over_its_data_is_said(tmp_path, capsys):
 
 def test_a_large_datasets_check_at_start_is_said(monkeypatch):
     """Every rank reads every token shard once at start (their CRC32s): minutes on hundreds of GB, which a run
-    spent silent. Past VERIFY_SAID bytes the main rank says so, and how long it took."""
+    spent silent. Past SAID_BYTES (runtime/said.py) the main rank says so, and how long it took."""
+    import shardlm.runtime.said as said_module
     import shardlm.trainer as trainer
     from shardlm.config import load_config
     from shardlm.data.loader import data_bytes
     said = []
-    monkeypatch.setattr(trainer, "VERIFY_SAID", 0)
+    monkeypatch.setattr(said_module, "SAID_BYTES", 0)
     t = trainer.Trainer(load_config("tiny", {"train.tensorboard": "false"}), log=said.append)
     size = data_bytes(t.data_dir)
     assert size > 0 and f"checking the CRC32 of {size / 1e9:,.1f} GB of token shards on each rank" in "\n".join(said)

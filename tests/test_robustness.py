@@ -672,10 +672,10 @@ def test_a_non_finite_gradient_under_optimizer_offload_leaves_every_weight_as_it
 
 def test_a_large_checkpoints_verification_before_a_resume_is_said(tmp_path, capsys, monkeypatch):
     """The main rank reads every file of the checkpoint it resumes (CRC32s) while the others wait: minutes on a
-    large run, which passed without a word. Past VERIFY_SAID bytes it says how many it reads."""
-    import shardlm.trainer as trainer
+    large run, which passed without a word. Past SAID_BYTES (runtime/said.py) it says how many it reads."""
+    import shardlm.runtime.said as said_module
     run = tmp_path / "run"
     train_here(capsys, "--train.steps", 2, "--out", run, check=True)
-    monkeypatch.setattr(trainer, "VERIFY_SAID", 0)
+    monkeypatch.setattr(said_module, "SAID_BYTES", 0)
     resumed = here(capsys, "train", "--resume", run, "--train.steps", 3, check=True)
     assert "verifying the checkpoint's" in resumed.stdout + resumed.stderr, resumed.stdout + resumed.stderr

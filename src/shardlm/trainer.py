@@ -28,7 +28,8 @@ from .config.expert_checks import moe_notes
 from .data.loader import data_bytes, open_train_data
 from .divergence import TrainingError, numerical_failures, step_numbers
 from .generation_config import own_generation_config, stop_ids_of
-from .inference import generate_text, prompt_ids
+from .inference import generate_text
+from .inference.reference import prompt_room
 from .memory_check import check_memory
 from .mesh import DeviceMesh, init_distributed
 from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
@@ -41,11 +42,10 @@ from .runtime.console import Console
 from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
+from .runtime.said import said_check, said_progress
 from .runtime.watchdog import Watchdog
 from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
-
-VERIFY_SAID = 2**30  # bytes of token shards whose check at start is said: a few seconds a GB per rank
 
 
 class Trainer:
@@ -93,18 +93,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(data_dir)
         if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
             cfg.model.vocab_size = self.tokenizer.vocab_size
-        if t.sample_tokens and self.mesh.pp == 1:
-            self._check_sample_prompt()
+        if t.sample_tokens and self.mesh.pp == 1:  # the sample runs after the last save: refused before training
+            prompt_room(self.tokenizer, t.sample_prompt, cfg.model.max_seq_len, "train.sample_prompt")
         check_memory(cfg, self.device, self._any_rank)
-        checked = time.perf_counter()
         size = sum(data_bytes(d) for d in (data_dir, cfg.data.eval_path) if d)
-        if size > VERIFY_SAID and self.mesh.is_main:  # minutes on a large dataset, on every rank: said, not silent
-            log(f"checking the CRC32 of {size / 1e9:,.1f} GB of token shards on each rank before training")
-        self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
-                                    cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
-                                    self.mesh.dp, self.mesh.dp_rank)
-        if size > VERIFY_SAID and self.mesh.is_main:
-            log(f"checked in {time.perf_counter() - checked:,.0f} s")
+        checking = f"checking the CRC32 of {size / 1e9:,.1f} GB of token shards on each rank before training"
+        with said_check(log if self.mesh.is_main else None, checking, size):
+            self.data = open_train_data(data_dir, cfg.data.eval_path or None, cfg.data.eval_windows, t.seq_len,
+                                        cfg.model.vocab_size, t.seed, t.global_batch_size, t.micro_batch_size,
+                                        self.mesh.dp, self.mesh.dp_rank)
         compat.check_trainable(data_dir, self.data.train.shards.index)
         # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
         # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
@@ -160,21 +157,6 @@ class Trainer:
     def _any_rank(self, failed: bool) -> bool:
         return self.mesh.any_rank(failed, self.device)
 
-    def _said_progress(self, total: int):
-        """A checkpoint's verification as log lines (its bytes, then every 30 s), where it is large enough to take
-        a while: the other ranks wait on it, and a resume of a large run spent minutes silent."""
-        if total < VERIFY_SAID:
-            return lambda n: None
-        self.log(f"verifying the checkpoint's {total / 1e9:,.1f} GB (CRC32 of every file) before resuming")
-        read, said = [0], [time.perf_counter()]
-
-        def update(n: int) -> None:
-            read[0] += n
-            if time.perf_counter() - said[0] > 30:
-                said[0] = time.perf_counter()
-                self.log(f"verified {read[0] / 1e9:,.1f} of {total / 1e9:,.1f} GB")
-        return update
-
     def _check_resume(self, resume) -> tuple[Path, bool]:
         """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
         it continues its own run in this run's directory; a resume that would change the model, its adapters
@@ -182,7 +164,9 @@ class Trainer:
         chosen = None
         if self.mesh.is_main:
             try:
-                chosen = str(resolve_checkpoint(resume, self.log, option="--resume", progress=self._said_progress))
+                said = said_progress(self.log, "verifying the checkpoint's {:,.1f} GB (CRC32 of every file) before "
+                                               "resuming")
+                chosen = str(resolve_checkpoint(resume, self.log, option="--resume", progress=said))
             except (CheckpointError, FileNotFoundError) as e:
                 chosen = e
         chosen = self.mesh.from_main(chosen)
@@ -219,17 +203,6 @@ class Trainer:
                      f"nothing to do (raise train.steps above {self.step} to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def _check_sample_prompt(self) -> None:
-        """The sample runs after the last save: a prompt it cannot take is refused before training, not there."""
-        t = self.cfg.train
-        try:
-            n = len(prompt_ids(self.tokenizer, t.sample_prompt))
-        except ValueError as e:
-            raise ConfigError(f"train.sample_prompt: {e}") from None
-        if n >= self.cfg.model.max_seq_len - 1:
-            raise ConfigError(f"train.sample_prompt is {n} tokens, which leaves no room for a sample in "
-                              f"model.max_seq_len = {self.cfg.model.max_seq_len}: shorten it")
-
     def _guard(self, label: str):
         """A host section that waits on peer ranks: guarded by the watchdog where there is one."""
         return self.watchdog.guard(label) if self.watchdog is not None else nullcontext()
@@ -400,11 +373,10 @@ class Trainer:
         elif t.sample_tokens:
             # Every rank decodes the same tokens (ZeRO-3 gathers are collectives; generation's KV cache runs
             # the whole sequence on each rank, without context parallelism's exchanges); rank 0 prints them.
-            room = self.cfg.model.max_seq_len - len(prompt_ids(self.tokenizer, t.sample_prompt)) - 1
+            room = prompt_room(self.tokenizer, t.sample_prompt, self.cfg.model.max_seq_len, "train.sample_prompt")
             with self._guard("the sample"):
-                text = generate_text(self.model, self.tokenizer, t.sample_prompt,
-                                     max(0, min(t.sample_tokens, room)), temperature=0.8, top_k=40, seed=t.seed,
-                                     stop_ids=self.stop_ids)
+                text = generate_text(self.model, self.tokenizer, t.sample_prompt, min(t.sample_tokens, room),
+                                     temperature=0.8, top_k=40, seed=t.seed, stop_ids=self.stop_ids)
             if self.mesh.is_main:
                 self.log("sample:\n" + t.sample_prompt + text)
         return records

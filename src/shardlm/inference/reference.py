@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import ConfigError
 from ..generation_config import stop_ids_of
 from ..model import Decoder, KVCache
 from ..tokenizer import Tokenizer
@@ -70,6 +71,18 @@ def prompt_ids(tok: Tokenizer, prompt: str, opened: bool = False) -> list[int]:
             raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
         ids = [tok.eos_id]
     return ids
+
+
+def prompt_room(tok: Tokenizer, prompt: str, max_seq_len: int, key: str) -> int:
+    """The new tokens `prompt` (the config `key`'s) leaves room for in `max_seq_len`; none is a ConfigError."""
+    try:
+        n = len(prompt_ids(tok, prompt))
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    if n >= max_seq_len - 1:
+        raise ConfigError(f"{key} is {n} tokens, which leaves no room for a sample in model.max_seq_len = "
+                          f"{max_seq_len}: shorten it")
+    return max_seq_len - n - 1
 
 
 def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
