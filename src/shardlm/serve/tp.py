@@ -161,7 +161,8 @@ def _stop(error: Exception, what: str) -> None:
 
 
 def follow(engine: Engine, group) -> int:
-    """A follower rank's loop: each plan from rank 0 applied to `engine`, until the exit plan; returns 0."""
+    """A follower rank's loop: each plan from rank 0 applied to `engine`, until the exit plan, at which the
+    process exits 0."""
     rank = dist.get_rank()
 
     def stay(sig, _):
@@ -178,7 +179,11 @@ def follow(engine: Engine, group) -> int:
             _stop(e, f"heard no plan from rank 0 within {PLAN_TIMEOUT_S:.0f} s, or lost it (rank 0 exited or hangs)")
         plan: Plan = box[0]
         if plan.exit:
-            return 0
+            # Nothing of a follower's is left to write: it leaves now, not at interpreter shutdown, where the gloo
+            # group's threads can abort the process (pytorch#190489; seen as exit -6 after SIGTERM under load).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if plan.abort:
             engine.abort_all()
             held.clear()
