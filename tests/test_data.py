@@ -437,6 +437,45 @@ def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path,
     prepare(files, "byte", tmp_path / "out", progress=False)
 
 
+def test_the_default_corpus_leaves_no_partial_copy_behind(tmp_path, monkeypatch):
+    """An interrupted first preparation (Ctrl-C) left a stdlib-*.tmp-* directory in the cache for good, as did a
+    killed one; the next run removes a dead process's copy of this host and keeps a live one's and another
+    host's (a shared home's cache is also written by other nodes)."""
+    import shutil
+    import socket
+    import subprocess
+    import sysconfig
+
+    import shardlm.data.default as default
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "a.py").write_text("x = 1\n" * 50)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "lib")})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache = default.default_corpus()
+    shutil.rmtree(cache)
+
+    def interrupted(files, tokenizer, out, progress):
+        (out / "half").parent.mkdir(parents=True)
+        (out / "half").write_bytes(b"x")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(default, "prepare", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            default.default_corpus()
+    assert list(cache.parent.iterdir()) == []
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    with subprocess.Popen(["sleep", "60"]) as live:
+        kept = [f"{cache.name}.tmp-{host}-{live.pid}", f"{cache.name}.tmp-elsewhere-{dead.pid}"]
+        for name in kept + [f"{cache.name}.tmp-{host}-{dead.pid}"]:
+            (cache.parent / name).mkdir()
+        assert default.default_corpus() == cache and (cache / "index.json").is_file()
+        assert sorted(p.name for p in cache.parent.iterdir()) == sorted([cache.name] + kept)
+        live.kill()
+
+
 @pytest.mark.timeout(60)
 def test_text_field_reads_records_that_hold_a_prompt_as_text(tmp_path):
     """A jsonl of {"prompt": ...} records to pretrain on: --text-field prompt was refused as having no effect, and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -45,13 +46,36 @@ def default_corpus(progress: bool = False) -> Path:
         _check_writable(cache.parent)
         # Several processes of one machine (ranks, concurrent jobs) may get here at once: each prepares
         # into its own directory and the first to finish renames it into place.
-        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-        prepare(files, "byte", tmp, progress=progress)
+        tmp = cache.with_name(f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+        _sweep_stale(cache)
         try:
+            prepare(files, "byte", tmp, progress=progress)
             os.rename(tmp, cache)
         except OSError:  # another process won the race: its copy is complete
+            if not (cache / INDEX).is_file():
+                raise
+        finally:  # an interrupted preparation leaves no half-written copy behind
             shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+def _sweep_stale(cache: Path) -> None:
+    # A process killed mid-preparation (SIGKILL, power loss) could not clean up: its pid is gone. Only this
+    # host's are judged, as a cache directory in a shared home is also written by other nodes' ranks.
+    for tmp in cache.parent.glob(f"{cache.name}.tmp-{socket.gethostname()}-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _check_writable(directory: Path) -> None:

@@ -12,7 +12,7 @@ from ..config.views import group_span
 from .comm import comm_bytes, comm_seconds
 from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
                     model_flops_per_token, moe_routing_seconds, recompute_flops_per_token)
-from .frozen import frozen_flops_per_token, frozen_of
+from .frozen import frozen_flops_per_token, layout_frozen
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
 from .memory import (Memory, checkpoint_bytes, estimate_memory, in_flight, nf4_weights, paper_model_states,
@@ -103,7 +103,7 @@ def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
     parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
     elements it owns), and a LoRA run's frozen base (or train.freeze's parameters) in fp32, written by the ranks
     of the first data replica."""
-    held = None if L.lora.rank else frozen_of(m, L.freeze)
+    held = layout_frozen(m, L)
     frozen = m.num_params() if L.lora.rank else held.total if held is not None else 0
     trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params() - frozen
     return 12 * trained + 4 * frozen, 12 * trained / L.gpus + 4 * frozen / (L.pp * L.tp)

@@ -69,9 +69,15 @@ def _count(model_json: str, spec: str) -> Frozen:
                   share["up"], share["down"])
 
 
+def layout_frozen(m: ModelConfig, L) -> Frozen | None:
+    """What a layout's train.freeze holds fixed; None without one, and under LoRA (whose adapters are the trained
+    set, its base counted apart)."""
+    return None if L.lora.rank else frozen_of(m, L.freeze)
+
+
 def head_frozen(m: ModelConfig, L) -> bool:
     """Whether train.freeze holds the output head (a tied one with the embedding)."""
-    f = None if L.lora.rank else frozen_of(m, L.freeze)
+    f = layout_frozen(m, L)
     return f is not None and bool(f.head or (m.tie_embeddings and f.embedding))
 
 
@@ -79,7 +85,7 @@ def frozen_flops_per_token(m: ModelConfig, L) -> float:
     """The weight-gradient FLOPs a token does not cost for train.freeze's parameters (2 a multiplying
     parameter, of the 6 training counts): the dense ones and the head (a tied one with the embedding), the
     experts at top_k of num_experts (an embedding's lookup and the norms' scales are no products)."""
-    f = None if L.lora.rank else frozen_of(m, L.freeze)
+    f = layout_frozen(m, L)
     if f is None:
         return 0.0
     routed = min(m.top_k, m.num_experts) / m.num_experts if m.num_experts else 0.0
@@ -90,5 +96,5 @@ def frozen_flops_per_token(m: ModelConfig, L) -> float:
 def frozen_expert_inputs(m: ModelConfig, L) -> tuple[float, float]:
     """The share of MoE layers whose experts' up, and down, projections train.freeze holds: their inputs (a
     token copy's row, and its SwiGLU output) are not kept for backward there."""
-    f = None if L.lora.rank else frozen_of(m, L.freeze)
+    f = layout_frozen(m, L)
     return (0.0, 0.0) if f is None else (f.expert_up, f.expert_down)

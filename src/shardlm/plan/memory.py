@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from ..config import BLOCK_RECOMPUTE, FREE_GRAD_BUCKET_MB, NF4_BYTES_PER_WEIGHT, ModelConfig, exchanged_kv_heads
 from ..config.views import group_span
 from .flops import simulated
-from .frozen import frozen_expert_inputs, frozen_of, head_frozen
+from .frozen import frozen_expert_inputs, head_frozen, layout_frozen
 from .layout import Layout, Workload, expert_loads, stage_layers
 
 MiB = 2**20
@@ -141,7 +141,7 @@ def bf16_optimizer_bytes(m: ModelConfig, L: Layout, stage: int, phi: float) -> f
 def frozen_params(m: ModelConfig, L: Layout, stage: int) -> tuple[float, float]:
     """train.freeze's parameters on pipeline rank `stage`, before ZeRO (plan/frozen.py): (the dense ones after
     tensor parallelism, the routed experts' ep share). (0, 0) without a freeze, and under LoRA."""
-    f = None if L.lora.rank else frozen_of(m, L.freeze)
+    f = layout_frozen(m, L)
     if f is None:
         return 0.0, 0.0
     layers = stage_layers(m, L, stage)
