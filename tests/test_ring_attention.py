@@ -3,8 +3,6 @@ each rank holds, the work each ring step gives it), the block kernel each device
 CPU kernel actually run, and the output and gradients against SDPA over the whole sequence (gloo, fp32) with
 causal, sliding-window and packed-document masks, with and without grouped-query attention. The trainer's
 runs at cp 2 and 4 against one process are tests/test_context_parallel.py's (comm p2p)."""
-import math
-
 import pytest
 import ring_fns
 import torch
