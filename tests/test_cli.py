@@ -209,6 +209,40 @@ def test_export_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
     assert "exported" in out and "verify" not in capsys.readouterr().err  # not a terminal: no bar
 
 
+def test_long_work_off_a_terminal_is_told_in_lines(monkeypatch, capsys):
+    """generate and eval over a file, export's verification and writing, data preparation: their bars show on a
+    terminal only, so in a scheduler's log a 7B export or 10,000 prompts said nothing for minutes. Off a
+    terminal a line says the count, the share and the time left every 30 s (0.05 here), and one the end; work
+    shorter than that says nothing, and another rank's nothing at all."""
+    import re
+    import time
+
+    import shardlm.runtime.progress as progress_module
+    from shardlm.runtime.progress import progress
+    with progress(10, "generate", "requests"):
+        pass
+    assert capsys.readouterr().err == ""  # within the interval
+    monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.05)
+    with progress(10, "generate", "requests", shown=False) as bar:
+        bar.update(3)
+        time.sleep(0.2)
+    assert capsys.readouterr().err == ""
+    with progress(10, "generate", "requests") as bar:
+        bar.update(3)
+        time.sleep(0.2)
+        bar.update(7)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(x == "generate: 3 of 10 requests (30%) in 0s, about 0s left" for x in lines[:-1]), lines
+    assert re.fullmatch(r"generate: 10 requests in 0s", lines[-1]), lines
+    with progress(3 * 2**30, "verify", "B", scale=True, opening="verifying the checkpoint") as bar:
+        bar.update(2**30)
+        time.sleep(0.2)
+        bar.update(2 * 2**30)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "verifying the checkpoint" and lines[1] == "verify: 1.07GB of 3.22GB (33%) in 0s, about 0s left"
+    assert lines[-1] == "verify: 3.22GB in 0s", lines
+
+
 def test_the_header_says_one_step_and_lora_keys_that_rank_0_leaves_unused(tmp_path, capsys):
     """`--lora.alpha` without `--lora.rank` trains every weight, as rank 0 means: the header says so rather than
     leaving a user to find that their fine-tune was not a LoRA one; and it counts one step in the singular."""

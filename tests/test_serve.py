@@ -412,13 +412,14 @@ def test_a_warm_up_without_a_terminal_is_told_in_lines(hf_dir, capsys, monkeypat
     fixed interval (30 s; 0.05 s here, each batch's steps slowed to outlast it), while a batch runs."""
     import re
 
+    import shardlm.runtime.progress
     import shardlm.serve.command as command
     from shardlm.inference import Request
     model, tok, _ = load_pretrained(hf_dir)
     engine = Engine(model, 2, 32, compile=False, decode=tok.decode)
     step = engine.step
     engine.step = lambda: time.sleep(0.1) or step()
-    monkeypatch.setattr(command, "WARM_UP_LINE_EVERY_S", 0.05)
+    monkeypatch.setattr(shardlm.runtime.progress, "LINE_EVERY_S", 0.05)
     warm = lambda e: [[Request([tok.eos_id], 2)] for _ in range(3)]  # noqa: E731
     capsys.readouterr()
     server, worker = command.build_server(engine, tok, "base", {}, "127.0.0.1", 0, "warning", warm)
@@ -426,9 +427,11 @@ def test_a_warm_up_without_a_terminal_is_told_in_lines(hf_dir, capsys, monkeypat
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "shardlm serve: warming up: 3 batches of requests through every step serving runs", lines
     told = [x for x in lines[1:] if "warming up" in x]
-    assert told and all(re.fullmatch(r"shardlm serve: warming up: [0-2] of 3 batches done in \d+ s", x)
-                        for x in told), lines
-    assert any(x.startswith("shardlm serve: warming up: 0 of 3") for x in told), lines  # while the first one runs
+    assert len(told) >= 2 and all(
+        re.fullmatch(r"shardlm serve: warming up: [0-2] of 3 batches \(\d+%\) in \d+s(, about \d+s left)?", x)
+        for x in told[:-1]), lines
+    assert any(x.startswith("shardlm serve: warming up: 0 of 3") for x in told), lines  # while the first runs
+    assert re.fullmatch(r"shardlm serve: warming up: 3 batches in \d+s", told[-1]), lines  # it ended
     time.sleep(0.2)
     assert "warming up" not in capsys.readouterr().err  # no line after the warm-up
 

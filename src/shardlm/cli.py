@@ -279,7 +279,7 @@ def cmd_export(argv: list[str]) -> int:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
                     write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],
                                  metadata=mark, generation_config=own_generation_config(ckpt["path"]),
-                                 progress=_bar(bars, "export", "param"))
+                                 progress=_bar(bars, "export", "parameters"))
         except OSError as e:
             raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
     what = "the LoRA adapter of " if lora.rank and not a.merge else ""
@@ -291,14 +291,13 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def _bar(bars: ExitStack, what: str, unit: str):
-    """A `progress` for verify_checkpoint and write_hf_dir: a tqdm bar on a terminal (none when stderr is a file
-    or a pipe), opened once its total is known and closed with `bars` or by the next bar."""
-    from tqdm import tqdm
+    """A `progress` for verify_checkpoint and write_hf_dir (runtime/progress.py), opened once its total is known
+    and closed with `bars` or by the next one."""
+    from .runtime.progress import progress
 
     def start(total: int):
         bars.close()  # one bar at a time: an open one would be redrawn below the next
-        return bars.enter_context(tqdm(total=total, desc=what, unit=unit, unit_scale=True, disable=None,
-                                       file=sys.stderr)).update
+        return bars.enter_context(progress(total, what, unit, scale=True)).update
     return start
 
 

@@ -21,6 +21,7 @@ import torch
 
 from .config import RunError
 from .extras import broken_line, is_missing
+from .runtime.progress import duration
 
 PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks from the vendors' datasheets
     "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
@@ -200,9 +201,7 @@ class Eta:
         done = step - self.start[0]
         if not self.shown or not done or step >= self.total:
             return ""
-        left = round((now - self.start[1]) / done * (self.total - step))
-        h, m, sec = left // 3600, left // 60 % 60, left % 60
-        return f" | eta {h}h{m:02d}m" if h else f" | eta {m}m{sec:02d}s" if m else f" | eta {sec}s"
+        return f" | eta {duration((now - self.start[1]) / done * (self.total - step))}"
 
 
 def _moe(r: dict) -> str:

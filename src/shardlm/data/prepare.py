@@ -24,6 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..runtime.progress import progress as progress_bar
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
 from .documents import PrepareError, iter_pieces, pyarrow_modules
 from .swap import SCRATCH, building, remove_leftovers
@@ -141,8 +142,6 @@ def _output_dir(out: Path) -> Path:
 
 def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, text_field: str,
            progress: bool) -> dict:
-    from tqdm import tqdm
-
     dtype = token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
@@ -185,8 +184,7 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
         pending, pending_chars = [], 0
 
     # Closed before an error propagates, so the error is the last line the command prints.
-    with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
-              disable=not progress) as bar:
+    with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as bar:
         try:
             for path in inputs:
                 for text, ends, nbytes in iter_pieces(path, text_field, CHUNK_CHARS):
@@ -236,8 +234,6 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
                     progress: bool) -> dict:
     """Instruction examples (data/instruct.py): token shards and loss-mask shards of the same lengths; with
     `pad_to`, one window of pad_to + 1 tokens per example, never split across shards."""
-    from tqdm import tqdm
-
     from .instruct import InstructError, examples, fit
     dtype = token_dtype(tok.vocab_size)
     if pad_to:
@@ -245,8 +241,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
     count = truncated = trained = inside = untrained = plain_chats = 0
     try:
-        with tqdm(total=sum(p.stat().st_size for p in inputs), unit="B", unit_scale=True, desc="tokenize",
-                  disable=not progress) as bar:
+        with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as bar:
             for path in inputs:
                 for ids, mask, nbytes, plain_chat in examples(path, tok):
                     plain_chats += plain_chat

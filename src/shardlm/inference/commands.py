@@ -12,7 +12,8 @@ from pathlib import Path
 from ..config import ConfigError, RunError
 from ..config.input_files import input_file
 from ..config.load import refuse_non_utf8
-from .output_file import generate_file, progress_bar
+from ..runtime.progress import progress
+from .output_file import generate_file
 from .request_lines import INT64, check_output, check_room, check_same_read, check_vocab, read_requests
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile: Engine's compile
@@ -233,13 +234,13 @@ def cmd_eval(argv: list[str]) -> int:
         bar = None
         def update(k):  # the bar opens with the first batch: a refused --seq-len prints its error line alone
             nonlocal bar
-            bar = bar or progress_bar(len(ids) // a.seq_len, "eval", a.main, unit="window")
-            bar[0](k)
+            bar = bar or progress(len(ids) // a.seq_len, "eval", "windows", a.main)
+            bar.update(k)
         try:
             r = evaluate_ids(model, ids, a.seq_len, a.batch_size, update)
         finally:
             if bar is not None:
-                bar[1]()
+                bar.close()
         if a.main:
             print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
@@ -252,12 +253,9 @@ def cmd_eval(argv: list[str]) -> int:
     for i, q in enumerate(ids):  # named with what to do, not as the engine's 'prompt i' once it has been built
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
         check_room(q, a.max_new_tokens, "--max-new-tokens", model.cfg.max_seq_len, f"--data {a.data}: example {i + 1}")
-    update, close = progress_bar(len(prompts), "eval", a.main)
-    try:
+    with progress(len(prompts), "eval", "requests", a.main) as bar:
         new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
-                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], update)
-    finally:
-        close()
+                            a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], bar.update)
     completions = [tok.decode(ids) for ids in new]
     scores = score(completions, refs, tasks)
     if not a.main:

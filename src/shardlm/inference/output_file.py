@@ -1,6 +1,5 @@
 """`generate --input/--output`'s output file: each completion written once it and every line before it are done
-(a crash keeps them, in input order), an output that --overwrite replaces swapped in only once whole; and the
-commands' tqdm progress bar."""
+(a crash keeps them, in input order), an output that --overwrite replaces swapped in only once whole."""
 from __future__ import annotations
 
 import json
@@ -8,13 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def progress_bar(total: int, what: str, shown: bool = True, unit: str = "req"):
-    """A tqdm bar on a terminal (nothing when stderr is a file or pipe, or where not `shown`); returns
-    (update, close)."""
-    from tqdm import tqdm
-    bar = tqdm(total=total, desc=what, unit=unit, disable=None if shown else True, file=sys.stderr)
-    return bar.update, bar.close
+from ..runtime.progress import progress
 
 
 def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
@@ -22,7 +15,7 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     under tensor parallelism every rank runs the same requests and the first writes them. An output that
     --overwrite replaces is replaced once the new one is whole: until then the lines go to a file beside it
     (.NAME.partial, which a crash leaves), so that a crash does not cost the old one too."""
-    update, close = progress_bar(len(requests), "generate", main)
+    bar = progress(len(requests), "generate", "requests", main)
     written = 0
     replacing = main and out.exists()
     target = out.with_name(f".{out.name}.partial") if replacing else out
@@ -41,15 +34,15 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
                     written += 1
                 f.flush()
 
-            def progress(n):
-                update(n)
+            def advance(n):
+                bar.update(n)
                 flush()
-            engine.run(requests, progress)
+            engine.run(requests, advance)
             flush()
         if replacing:
             os.replace(target, out)
     finally:
-        close()
+        bar.close()
     if main:
         n, new = len(requests), sum(len(r.tokens) for r in requests)
         print(f"{n} completion{'s' if n != 1 else ''}, {new:,} new token{'s' if new != 1 else ''} -> {out}",

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..inference.commands import check_world, progress_bar, runtime_args
+from ..inference.commands import check_world, runtime_args
+from ..runtime.progress import progress
 
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
@@ -247,13 +248,13 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     workers, start = [], time.perf_counter()
     for e in engines:  # a bar on a terminal: compiling a large model's steps at a long context takes minutes
         batches = warm(e)
-        update, close = progress_bar(len(batches), "warming up", unit="batch")
-        if batches and not sys.stderr.isatty():  # no bar in a log file: lines say the start is under way
-            update, close = _logged_progress(update, close, len(batches), e.compile)
-        try:
-            workers.append(EngineWorker(e).start(batches, progress=update))
-        finally:
-            close()
+        # Off a terminal (a service's log, nohup) lines say the start is under way: a server that compiles before
+        # it serves was silent for minutes.
+        opening = (f"shardlm serve: warming up: {len(batches)} batches of requests through every step serving runs"
+                   + (", compiling and capturing each (minutes for a large model at a long context)" if e.compile
+                      else "")) if batches else None
+        with progress(len(batches), "shardlm serve: warming up", "batches", opening=opening) as bar:
+            workers.append(EngineWorker(e).start(batches, progress=bar.update))
     if any(e.compile for e in engines):
         print(f"shardlm serve: warmed up in {time.perf_counter() - start:.0f} s (the decode and prefill steps "
               "serving runs compiled and captured)", file=sys.stderr, flush=True)
@@ -264,36 +265,6 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker
-
-
-WARM_UP_LINE_EVERY_S = 30.0
-
-
-def _logged_progress(update, close, total: int, compiled: bool):
-    """`update` and `close`, with a line on stderr now and one every WARM_UP_LINE_EVERY_S seconds until `close`
-    (a thread of its own: one batch may compile for minutes): where no bar shows (a service's log, nohup), a
-    server that compiles before it serves was silent all that time."""
-    start, done, stop = time.perf_counter(), [0], threading.Event()
-    print(f"shardlm serve: warming up: {total} batches of requests through every step serving runs"
-          + (", compiling and capturing each (minutes for a large model at a long context)" if compiled else ""),
-          file=sys.stderr, flush=True)
-
-    def tell():
-        while not stop.wait(WARM_UP_LINE_EVERY_S):
-            print(f"shardlm serve: warming up: {done[0]} of {total} batches done in "
-                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    teller = threading.Thread(target=tell, name="warm-up lines", daemon=True)
-    teller.start()
-
-    def counted(n: int = 1):
-        done[0] += n
-        update(n)
-
-    def closed():
-        stop.set()
-        teller.join()
-        close()
-    return counted, closed
 
 
 def _draining_server(uvicorn):
