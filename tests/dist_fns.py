@@ -1067,3 +1067,24 @@ def cli_with_rank_one_reading(rank, world, argv, other):
     with contextlib.redirect_stderr(err):
         status = main([str(a) for a in argv])
     return status, err.getvalue()
+
+
+def first_rank_works_past_the_timeout(rank, world, work_s, tick_s):
+    """first_rank_result over a group whose timeout (2 s) is shorter than the first rank's work."""
+    from datetime import timedelta
+
+    from shardlm.runtime.first_rank import first_rank_result
+    group = dist.new_group(timeout=timedelta(seconds=2))
+
+    def work():
+        time.sleep(work_s)
+        return "picked"
+
+    def damaged():
+        time.sleep(work_s)
+        raise ValueError("damaged")
+    picked = first_rank_result(work, group, tick_s)
+    try:
+        first_rank_result(damaged, group, tick_s)
+    except ValueError as e:
+        return picked, str(e)

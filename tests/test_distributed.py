@@ -29,6 +29,14 @@ def test_harness_reports_a_rank_error():
         run_distributed(dist_fns.raise_on_rank_zero, 2, timeout=60)
 
 
+@pytest.mark.timeout(60)
+def test_peers_wait_for_the_first_rank_past_the_group_timeout():
+    """A resume or a tensor-parallel load: the first rank picks and verifies the checkpoint (every byte's CRC32,
+    many minutes for a large model on a network disk) while the others waited in one broadcast, ended by the
+    process group's timeout. They now wait as long as the work, and its error reaches them all."""
+    assert run_distributed(dist_fns.first_rank_works_past_the_timeout, 3, 4.0, 0.5) == [("picked", "damaged")] * 3
+
+
 def test_mesh_groups_at_world_4():
     results = run_distributed(dist_fns.mesh_groups, 4, 2, 2, 1)
     # grid (pp=1, dp=2, tp=2): tp pairs {0,1},{2,3}; dp pairs {0,2},{1,3}

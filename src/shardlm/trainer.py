@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
+from .checkpoint import load_checkpoint, read_state, resolve_checkpoint
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
 from .data.loader import data_bytes, open_train_data
@@ -42,6 +42,7 @@ from .runtime.console import Console
 from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
+from .runtime.first_rank import first_rank_result
 from .runtime.said import said_check, said_progress
 from .runtime.watchdog import Watchdog
 from .rng_state import rng_layout, set_rng_state
@@ -161,17 +162,8 @@ class Trainer:
         """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
         it continues its own run in this run's directory; a resume that would change the model, its adapters
         or its data is refused here, before the model is built and before --overwrite deletes anything."""
-        chosen = None
-        if self.mesh.is_main:
-            try:
-                said = said_progress(self.log, "verifying the checkpoint's {:,.1f} GB (CRC32 of every file) before "
-                                               "resuming")
-                chosen = str(resolve_checkpoint(resume, self.log, option="--resume", progress=said))
-            except (CheckpointError, FileNotFoundError) as e:
-                chosen = e
-        chosen = self.mesh.from_main(chosen)
-        if isinstance(chosen, Exception):
-            raise chosen
+        said = said_progress(self.log, "verifying the checkpoint's {:,.1f} GB (CRC32 of every file) before resuming")
+        chosen = first_rank_result(lambda: str(resolve_checkpoint(resume, self.log, option="--resume", progress=said)))
         path, state = Path(chosen), read_state(chosen)
         saved = config_from_dict(state["config"], f"the config saved in {path}")
         compat.check_resume(path, saved, self.cfg)

@@ -15,12 +15,13 @@ from safetensors import safe_open
 from ..adapter_check import check_adapter_target
 from ..checkpoint import MANIFEST, CheckpointError, read_state, resolve_checkpoint
 from ..sharded_read import ShardedState
-from ..config import ConfigError, LoRAConfig, ModelConfig, RunError, config_from_dict
+from ..config import ConfigError, LoRAConfig, ModelConfig, config_from_dict
 from ..model import Decoder
 from ..model.hf import open_hf_dir
 from ..model.moe import moe_layers
 from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
+from ..runtime.first_rank import first_rank_result
 from ..tokenizer import Tokenizer, load_tokenizer
 
 
@@ -100,18 +101,7 @@ def _agreed(path: Path, tp_group) -> Path:
     committed between two ranks' looks gave them slices of different steps: one model of two checkpoints."""
     if (path / "config.json").is_file():  # an HF directory: nothing to pick
         return path
-    import torch.distributed as dist
-    first = dist.get_global_rank(tp_group, 0)
-    pick: list = [None]
-    if dist.get_rank() == first:
-        try:
-            pick[0] = str(resolve_checkpoint(path))
-        except (RunError, OSError) as e:  # every rank stops on it, not the first one alone
-            pick[0] = e
-    dist.broadcast_object_list(pick, src=first, group=tp_group)
-    if isinstance(pick[0], BaseException):
-        raise pick[0]
-    return Path(pick[0])
+    return Path(first_rank_result(lambda: str(resolve_checkpoint(path)), tp_group))
 
 
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
