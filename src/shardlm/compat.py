@@ -20,7 +20,6 @@ import json
 import os
 from pathlib import Path
 
-import torch.distributed as dist
 
 from .checkpoint import CheckpointError
 from .config import Config, ConfigError, TrainConfig, lora_targets
@@ -352,9 +351,10 @@ def schedule_note(saved: TrainConfig, saved_step: int, now: TrainConfig, step: i
             f"{lr_at(step, now):.2e}, where the checkpoint's schedule continued at {lr_at(saved_step, saved):.2e}")
 
 
-def train_data_dir(cfg: Config, mesh) -> Path:
+def train_data_dir(cfg: Config) -> Path:
     """The prepared data a run trains on: data.path (refused where it is not prepared), else the embedded default
-    corpus, which the main rank prepares (with progress) while the others wait."""
+    corpus, which the main rank prepares (with progress) while the others wait, each stopping on its error (an
+    unwritable cache had the others wait out the process group's timeout)."""
     if cfg.data.path:
         if not (Path(cfg.data.path) / "index.json").is_file():  # before its tokenizer is looked for
             raise ConfigError(not_prepared(cfg.data.path))
@@ -362,8 +362,6 @@ def train_data_dir(cfg: Config, mesh) -> Path:
         read_index(Path(cfg.data.path))  # another tool's index.json: said so before its tokenizer is looked for
         return Path(cfg.data.path)
     from .data.default import default_corpus
-    if mesh.is_main:
-        path = default_corpus(progress=True)
-    if mesh.world > 1:
-        dist.barrier()
-    return default_corpus() if not mesh.is_main else path
+    from .runtime.first_rank import first_rank_result
+    first_rank_result(lambda: default_corpus(progress=True))
+    return default_corpus()  # this node's copy: a node without a shared home prepares its own

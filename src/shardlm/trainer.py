@@ -90,7 +90,7 @@ class Trainer:
             if self._any_rank(failed is not None):
                 raise ConfigError(failed or f"rank 0 could not prepare --out {self.out} (its message says why)")
 
-        self.data_dir = data_dir = compat.train_data_dir(self.cfg, self.mesh)
+        self.data_dir = data_dir = compat.train_data_dir(self.cfg)
         self.tokenizer = load_tokenizer(data_dir)
         if cfg.model.vocab_size == 0:  # the data's tokenizer says how many token ids there are
             cfg.model.vocab_size = self.tokenizer.vocab_size
