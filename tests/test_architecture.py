@@ -13,8 +13,8 @@ LAYERS = [
     ["naming"],                                                                                    # no imports
     ["schedules"],                                                                                 # no torch
     ["config", "cpu_adam", "sharding", "generation_config", "rng_state", "extras"],               # no shardlm imports
-    ["sharded_read"],
-    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "runtime", "flat", "runlock"],
+    ["sharded_read", "runtime"],
+    ["hf_config", "kernels", "precision", "tokenizer", "metrics", "checkpoint", "flat", "runlock"],
     ["plan", "grad_norm", "data", "model", "mesh", "rundir", "checkpoint_write"],        # plan: no torch
     ["comm"],
     ["optim"],

@@ -103,6 +103,19 @@ def test_work_that_never_finishes_ends_the_process_with_a_message(how):
     assert "training step 7 made no progress for 0.3 s" in done.stderr
 
 
+def test_a_guarded_section_that_makes_progress_outlasts_the_timeout():
+    """A large model's save on a slow disk outlasts parallel.timeout_s without stalling: the watchdog ended the
+    run in it, at every save. Progress said inside the section (each file written) moves its deadline on; the
+    section ends it where progress stops."""
+    code = ("import time\nfrom shardlm.runtime.watchdog import Watchdog\nw = Watchdog(0.5)\n"
+            "with w.guard('saving step 7') as alive:\n"
+            "    for _ in range(20):\n        time.sleep(0.1)\n        alive()\n"
+            "    print('outlasted', flush=True)\n    time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "outlasted\n", (done.stdout, done.stderr)
+    assert "saving step 7 made no progress for 0.5 s" in done.stderr
+
+
 def test_the_watchdog_names_the_stalled_peer_and_where_it_is(tmp_path):
     """On GPUs the watchdog, not a failed collective, ends a rank whose peer stalled: its message said only
     'a peer rank died or stalled'. It now reads the peers' beats as a failed collective's message does: here

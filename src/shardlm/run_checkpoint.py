@@ -28,6 +28,7 @@ from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
 from .rng_state import rng_layout, rng_state
+from .runtime.first_rank import first_rank_result
 from .runtime.device import host_empty
 
 
@@ -43,6 +44,7 @@ class CheckpointSaver:
         self.any_rank, self.host_group, self.log = any_rank, host_group, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: dict | None = None  # the asynchronous save in flight
+        self.alive = lambda: None  # the synchronous save's (`save`)
         self.pin = torch.cuda.is_available()
         self.staging: torch.Tensor | None = None  # its host copy of this rank's pieces, kept for the next
         if out is not None and (why := grace_warning(cfg)):
@@ -67,11 +69,14 @@ class CheckpointSaver:
             self.staging = host_empty(max(need, 1), torch.float32, self.pin)
         return self.staging
 
-    def save(self, step: int, state: dict, wait: bool = False) -> Path | None:
+    def save(self, step: int, state: dict, wait: bool = False, alive=lambda: None) -> Path | None:
         """Save step `step`; returns the checkpoint's path on the main rank once it is committed (an
-        asynchronous save: None now, its path from `poll` or `finish`). `wait`: synchronously."""
+        asynchronous save: None now, its path from `poll` or `finish`). `wait`: synchronously. `alive()` is
+        called as a synchronous save makes progress (each file written, each answer of a rank waiting for the
+        main rank's writes): the watchdog's sign that a long save is no stall."""
         self.finish()
         t, start = self.cfg.train, time.perf_counter()
+        self.alive = alive
         if t.checkpoint_format == "full" or self.cfg.parallel.delayed_update:
             path = self._save_gathered(step, state)
         else:
@@ -82,7 +87,7 @@ class CheckpointSaver:
                 self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
-            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps()), rng_state())
+            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps(), self.alive), rng_state())
         self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
         return path
 
@@ -117,19 +122,24 @@ class CheckpointSaver:
     def _save_gathered(self, step: int, state: dict) -> Path | None:
         masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
         everyone = self._on_main(rng_state())
-        path, error = None, None
-        if self.parallel.mesh.is_main:
-            try:
-                refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
-                path = save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
-                                       keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config,
-                                       rng=self._every_rank(everyone))
-            except RunError as e:
-                error = e
-        # The others wait here while the main rank writes (NCCL's timeout, twice parallel.timeout_s, bounds
-        # it), and stop with it if it could not save.
-        self._together(error, f"rank 0 could not save step {step} (its message says why)")
-        return path
+
+        def write():
+            refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
+            return save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
+                                   keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config,
+                                   rng=self._every_rank(everyone))
+        return self._by_main(write, step)
+
+    def _by_main(self, work, step: int) -> Path | None:
+        """work() (the main rank's writes) on the main rank, its result there; the others wait, however long the
+        writes take (runtime/first_rank.py), and stop with it where it could not save."""
+        try:
+            path = first_rank_result(work, on_tick=self.alive)
+        except RunError:
+            if self.parallel.mesh.is_main:
+                raise
+            raise TrainingError(f"rank 0 could not save step {step} (its message says why)") from None
+        return path if self.parallel.mesh.is_main else None
 
     def _begin(self, step: int) -> Path:
         """The temporary directory every rank writes into, made by the main rank."""
@@ -148,15 +158,16 @@ class CheckpointSaver:
         save's writer reading it later recorded the updates made meanwhile."""
         return max([e.opt.steps_taken for e in self.parallel.engine.group_engines() if e.opt is not None], default=0)
 
-    def _write(self, step: int, tmp: Path, parts, steps: int) -> dict:
-        """This rank's files: their records, the manifest entries, and what went wrong (None: nothing)."""
+    def _write(self, step: int, tmp: Path, parts, steps: int, alive=None) -> dict:
+        """This rank's files: their records, the manifest entries, and what went wrong (None: nothing);
+        `alive()` called as each file is written."""
         t = self.cfg.train
         usable = _usable(t.precision, step, self.out)
         mine = {"files": [], "pieces": [], "problem": None, "steps": steps}
         try:
             mine["files"], mine["pieces"], mine["problem"] = write_shards(
                 parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, partial(write_tensors, sync=False), fsync_files,
-                usable)
+                usable, alive)
         except OSError as e:
             mine["problem"] = f"{e.strerror or e} (rank {self.rank})" if self.rank else (e.strerror or str(e))
         except Exception as e:  # in a save's thread nothing else would report it
@@ -176,8 +187,8 @@ class CheckpointSaver:
     def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict) -> Path | None:
         """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
         everyone = self._on_main({**mine, "rng": rng})
-        path, error = None, None
-        if self.parallel.mesh.is_main:
+
+        def commit():
             try:
                 problem = next((m["problem"] for m in everyone if m["problem"] is not None), None)
                 if isinstance(problem, str):
@@ -191,15 +202,14 @@ class CheckpointSaver:
                 except OSError as e:
                     raise failed_save(self.out, step, e.strerror or str(e)) from None
                 written = {name: record for m in everyone for name, record in m["files"]}
-                path = commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
+                return commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
                                          keep=self.cfg.train.keep_checkpoints,
                                          rng=self._every_rank([m["rng"] for m in everyone]),
                                          generation_config=self.generation_config)
-            except RunError as e:
+            except RunError:
                 shutil.rmtree(tmp, ignore_errors=True)
-                error = e
-        self._together(error, f"rank 0 could not save step {step} (its message says why)")
-        return path
+                raise
+        return self._by_main(commit, step)
 
     def _every_rank(self, states: list) -> dict:
         """rng.pt: rank 0's state, and every rank's for a resume in the same layout. Pipeline stages of unequal

@@ -196,8 +196,9 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
-        """A host section that waits on peer ranks: guarded by the watchdog where there is one."""
-        return self.watchdog.guard(label) if self.watchdog is not None else nullcontext()
+        """A host section that waits on peer ranks: guarded by the watchdog where there is one; it gives the
+        section what to call as it makes progress."""
+        return self.watchdog.guard(label) if self.watchdog is not None else nullcontext(lambda: None)
 
     def train_step(self) -> torch.Tensor | None:
         """One optimizer step; returns the mean loss over the global batch as a device tensor (no sync), None
@@ -272,9 +273,9 @@ class Trainer:
         state = {"config": compat.located(self.cfg.to_dict()), "data": self.data.state(self.step),
                  "loss_scaler": self.scaler.state_dict(), "untrained_steps": self.untrained_steps,
                  "router_bias": self.moe.state()}
-        with self._guard(f"saving step {self.step}"):
+        with self._guard(f"saving step {self.step}") as alive:
             self._step_numbers()  # no checkpoint of weights after a gradient that was not finite
-            return self.saver.save(self.step, state, wait)
+            return self.saver.save(self.step, state, wait, alive)
 
     def _step_numbers(self) -> tuple[float, int]:
         return step_numbers(self.engine, self.step, self.cfg, self.resumed_from is None, self.out)

@@ -97,7 +97,7 @@ def pieces(engine, model, mesh, buffer_bytes: int) -> Iterator[tuple[dict, torch
 
 
 def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_file, sync_files,
-                 usable=lambda name, value: None) -> tuple[list, list, Exception | None]:
+                 usable=lambda name, value: None, written=None) -> tuple[list, list, Exception | None]:
     """Write `parts` ((entry, values) as `pieces` gives them, none over half of `buffer_bytes`) into files
     `rank{rank:05d}-{n:04d}.safetensors` under `directory`, each holding about half of `buffer_bytes`
     (`write_file(path, tensors)` writes one, unsynced, and returns its record), then flush them all to disk
@@ -105,7 +105,7 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
     disk never waits for the copies and at most `buffer_bytes` are staged; one flush at the end, not one a
     file, lets the kernel write back in the background meanwhile. Returns the files' records as (name,
     record), the manifest entries, and the first error `usable(name, master)` found (a master not worth
-    saving), else None."""
+    saving), else None. `written()` is called as each file is written, and flushed."""
     files, entries, staged, size, problem = [], [], {}, 0, None
     writing = None  # the file being written: (name, its future)
 
@@ -115,6 +115,8 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
             name, future = writing
             writing = None
             files.append((name, future.result()))  # an OSError of the write raises here
+            if written is not None:
+                written()
 
     def flush(pool):
         nonlocal staged, size, writing
@@ -140,7 +142,10 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
             flush(pool)
         finally:
             wait()
-        pool.submit(sync_files, [directory / name for name, _ in files]).result()
+        for name, _ in files:  # one file at a time: each a sign of progress where a flush takes minutes
+            pool.submit(sync_files, [directory / name]).result()
+            if written is not None:
+                written()
     return files, entries, problem
 
 

@@ -16,9 +16,10 @@ from ..config import RunError
 TICK_S = 10.0
 
 
-def first_rank_result(work, group=None, tick_s: float | None = None):
+def first_rank_result(work, group=None, tick_s: float | None = None, on_tick=None):
     """`work()`, run on the first rank of `group` (None: the world), its result on every rank of the group; an
-    exception it raised is raised on every rank."""
+    exception it raised is raised on every rank. `on_tick()` is called on every rank at each answer (a
+    watchdog's sign that the wait is alive)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return work()
     first = dist.get_global_rank(group, 0) if group is not None else 0
@@ -30,11 +31,15 @@ def first_rank_result(work, group=None, tick_s: float | None = None):
             thread.join(TICK_S if tick_s is None else tick_s)
             done = not thread.is_alive()
             dist.broadcast_object_list([done, _sendable(box.get("value")) if done else None], src=first, group=group)
+            if on_tick is not None:
+                on_tick()
             if done:
                 return _returned(box["value"])
     while True:
         said = [None, None]
         dist.broadcast_object_list(said, src=first, group=group)
+        if on_tick is not None:
+            on_tick()
         if said[0]:
             return _returned(said[1])
 
@@ -47,9 +52,10 @@ def _run(work, box: dict) -> None:
 
 
 def _sendable(value):
-    """The value, or an exception that cannot be pickled as a RunError with its message."""
+    """The value, or an exception that does not survive pickling (an exception class whose arguments are not its
+    message) as a RunError with its message."""
     try:
-        pickle.dumps(value)
+        pickle.loads(pickle.dumps(value))
         return value
     except Exception:
         if isinstance(value, BaseException):

@@ -22,13 +22,19 @@ from .heartbeat import Peers
 
 
 class _Flag:
-    """A waitable for `Watchdog.guard`: done when the guarded host section has returned."""
+    """A waitable for `Watchdog.guard`: done when the guarded host section has returned. `alive()`, called
+    inside the section as it makes progress (a save's each file written), moves its deadline on: a large
+    model's save on a slow disk outlasts parallel.timeout_s and stalls nowhere."""
 
-    def __init__(self):
-        self.done = False
+    def __init__(self, timeout_s: float):
+        self.done, self.timeout_s = False, timeout_s
+        self.deadline = time.monotonic() + timeout_s
 
     def query(self) -> bool:
         return self.done
+
+    def alive(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s
 
 
 class Watchdog:
@@ -47,11 +53,12 @@ class Watchdog:
 
     @contextlib.contextmanager
     def guard(self, label: str):
-        """The block must return within timeout_s (it waits on peers: collectives, their results)."""
-        flag = _Flag()
+        """The block must return within timeout_s (it waits on peers: collectives, their results), or within
+        timeout_s of its last call of what it is given (`alive`)."""
+        flag = _Flag(self.timeout_s)
         self.watch(flag, label)
         try:
-            yield
+            yield flag.alive
         finally:
             flag.done = True
 
@@ -59,7 +66,7 @@ class Watchdog:
         while not self.stop.wait(min(1.0, self.timeout_s / 4)):
             while self.pending and self.pending[0][1].query():
                 self.pending.popleft()
-            if self.pending and time.monotonic() > self.pending[0][0]:
+            if self.pending and time.monotonic() > max(self.pending[0][0], getattr(self.pending[0][1], "deadline", 0)):
                 peers = Peers.from_env()
                 if peers is not None:
                     peers.gave_up()
