@@ -1070,11 +1070,11 @@ def cli_with_rank_one_reading(rank, world, argv, other):
 
 
 def first_rank_works_past_the_timeout(rank, world, work_s, tick_s):
-    """first_rank_result over a group whose timeout (2 s) is shorter than the first rank's work."""
+    """first_rank_result over a group whose timeout (1 s) is shorter than the first rank's work."""
     from datetime import timedelta
 
     from shardlm.runtime.first_rank import first_rank_result
-    group = dist.new_group(timeout=timedelta(seconds=2))
+    group = dist.new_group(timeout=timedelta(seconds=1))
 
     def work():
         time.sleep(work_s)

