@@ -19,7 +19,8 @@ TICK_S = 10.0
 def first_rank_result(work, group=None, tick_s: float | None = None, on_tick=None):
     """`work()`, run on the first rank of `group` (None: the world), its result on every rank of the group; an
     exception it raised is raised on every rank. `on_tick()` is called on every rank at each answer (a
-    watchdog's sign that the wait is alive)."""
+    watchdog's sign that the wait is alive). `work` runs in a thread beside those answers: it must use no
+    collective of its own."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return work()
     first = dist.get_global_rank(group, 0) if group is not None else 0
