@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from ..runtime.progress import progress
+from ..runtime.progress import duration, progress
 
 
 def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
@@ -15,7 +16,7 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     under tensor parallelism every rank runs the same requests and the first writes them. An output that
     --overwrite replaces is replaced once the new one is whole: until then the lines go to a file beside it
     (.NAME.partial, which a crash leaves), so that a crash does not cost the old one too."""
-    bar = progress(len(requests), "generate", "requests", main)
+    bar, start = progress(len(requests), "generate", "requests", main), time.perf_counter()
     written = 0
     replacing = main and out.exists()
     target = out.with_name(f".{out.name}.partial") if replacing else out
@@ -44,7 +45,7 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     finally:
         bar.close()
     if main:
-        n, new = len(requests), sum(len(r.tokens) for r in requests)
-        print(f"{n} completion{'s' if n != 1 else ''}, {new:,} new token{'s' if new != 1 else ''} -> {out}",
-              file=sys.stderr)
+        n, new, took = len(requests), sum(len(r.tokens) for r in requests), time.perf_counter() - start
+        print(f"{n} completion{'s' if n != 1 else ''}, {new:,} new token{'s' if new != 1 else ''} in "
+              f"{duration(took)} ({new / max(took, 1e-9):,.0f} tokens/s) -> {out}", file=sys.stderr)
     return 0
