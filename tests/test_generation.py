@@ -469,6 +469,21 @@ def test_stop_tokens_and_strings():
     assert not engine.busy
 
 
+def test_a_stop_string_never_matches_half_a_character():
+    """A character's bytes arrive one token at a time, and until the last the text ends in U+FFFD: a stop string
+    holding one ended an answer 'é...' at its first byte, with nothing said. It matches only a real one."""
+    model = tiny()
+    prompt = prompts_of((5,))[0]
+    alone = generate_ids(model, torch.tensor([prompt]), 8)[0].tolist()
+    assert alone[0] != alone[1]
+    byte = {alone[0]: 0xC3, alone[1]: 0xA9}  # 'é' in two tokens; every other token 'b'
+    text = lambda ids: bytes(byte.get(i, 0x62) for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    engine = Engine(model, max_batch=1, max_len=32, decode=text)
+    [r] = engine.run([Request(prompt, 8, stop=("\ufffd",))])
+    assert r.text.startswith("é"), r.text
+    assert r.finish_reason == ("stop" if "\ufffd" in text(alone) else "length")
+
+
 def test_generate_a_jsonl_file(tmp_path, capsys):
     """`generate --input/--output`: one line out per line in, in order, with per-line settings; an existing
     output is kept unless --overwrite."""

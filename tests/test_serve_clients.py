@@ -68,7 +68,7 @@ def test_a_client_that_stops_reading_its_stream_holds_up_no_one_and_is_let_go(hf
 @pytest.mark.timeout(60)
 def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_are_served(srv):
     """128 positions: prompt + max_tokens = 128 runs to its last position, streamed or not, as the reference decoder
-    does; one more is a 400 naming the parameter, max_tokens' default (16) included, and said to be the default."""
+    does; one more is a 400 naming the parameter, 'max_tokens' default (16) included, and said to be the default."""
     ids = srv.tok.encode("To be, or not to be, that is the question " * 40)
     assert len(ids) >= 128
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
@@ -85,7 +85,7 @@ def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_are_served(srv):
         r = c.post("/v1/completions", json={"prompt": ids[:113]})
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
-        assert "16 in the completion, max_tokens' default" in error["message"], error
+        assert "16 in the completion, 'max_tokens' default)" in error["message"], error
         full = c.post("/v1/completions", json={"prompt": ids[:128], "max_tokens": 0})
         assert full.json()["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
         r = c.post("/v1/completions", json={"prompt": ids[:128]})

@@ -165,3 +165,24 @@ def test_metrics_are_prometheus_text_to_a_prometheus_scraper_and_json_to_everyon
     assert types["shardlm_slots_in_use"] == "gauge" and samples["shardlm_draining"] == "0"
     assert float(samples["shardlm_requests_finished_total"]) == as_json["requests_finished"] >= 1
     assert all(float(v) >= 0 for v in samples.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_forced_tool_call_or_audio_is_refused_and_a_wrong_model_comes_first(srv):
+    """tool_choice "required" (or a named function), function_call, and audio output were answered 200 with
+    plain text, the client told nothing; their neutral values pass (asked of /v1/completions here, whose checks
+    are chat's: this model has no chat template). A completion with a wrong model and a malformed prompt was
+    told of the prompt, where a chat is told of the model (404) first."""
+    chat = {"prompt": "weather?", "max_tokens": 2}
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        for param, value in [("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {
+                "name": "get_weather"}}), ("function_call", {"name": "get_weather"}),
+                ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"})]:
+            r = c.post("/v1/completions", json={**chat, param: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+        for param, value in [("tool_choice", "auto"), ("tool_choice", "none"), ("modalities", ["text"]),
+                             ("parallel_tool_calls", False)]:
+            assert c.post("/v1/completions", json={**chat, param: value}).status_code == 200, param
+        for route, body in [("/v1/completions", {"prompt": 5}), ("/v1/chat/completions", {"messages": 5})]:
+            r = c.post(route, json={**body, "model": "nope"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (route, r.text)

@@ -94,9 +94,14 @@ def _stopped_by_string(r: Request, decode: Callable | None) -> bool:
     if not r.stop or decode is None:
         return False
     n = 4 * max(map(len, r.stop)) + 1
-    tail = decode(r.tokens[-n:]) if len(r.tokens) > n else new_text(r, r.tokens, decode)
+    # A character whose bytes are still arriving decodes as U+FFFD, which is no text of the answer yet (a stop
+    # string holding one matched the first byte of an 'é'); and the tail may start inside a character.
+    tail = (decode(r.tokens[-n:]) if len(r.tokens) > n else new_text(r, r.tokens, decode)).rstrip("\ufffd")
     if not any(s in tail for s in r.stop):
         return False
-    text = new_text(r, r.tokens, decode)
-    r.text = text[:min(at for at in (text.find(s) for s in r.stop) if at >= 0)]
+    text = new_text(r, r.tokens, decode).rstrip("\ufffd")
+    found = [at for at in (text.find(s) for s in r.stop) if at >= 0]
+    if not found:
+        return False
+    r.text = text[:min(found)]
     return True

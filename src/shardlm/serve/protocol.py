@@ -126,6 +126,9 @@ def _flag(body: dict, param: str) -> bool:
 _NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
             "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
             "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,),
+            # a forced tool call, or audio, asked for an answer of another kind than this server's text
+            "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+            "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]), "audio": (None,),
             # vLLM's sampling extensions, which clients written for it send: ignored, the answer would change unsaid
             "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
             "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
@@ -195,7 +198,7 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
         max_tokens = room
     if len(prompt) + max_tokens > models.max_len:
         # a completion's max_tokens left out is 16 (OpenAI's default): a client that never sent one is told so
-        default = "" if body.get(key) is not None else f", {key}' default"
+        default = "" if body.get(key) is not None else f", '{key}' default"
         raise APIError(400, f"This model's maximum context length is {models.max_len} tokens. However, you "
                             f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
                             f"{max_tokens} in the completion{default}). Please reduce the length of the "
@@ -225,6 +228,7 @@ def completion_params(body, models: Models) -> Params:
     """/v1/completions: `prompt` is a string, a list of token ids, or a list of one of either."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    models.adapter_of(body)  # an unknown model is a 404, whatever else is wrong with the request
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
