@@ -165,6 +165,22 @@ def test_a_rank_whose_peers_never_start_says_what_it_waits_for(tmp_path):
     assert "shardlm train: error: a peer rank died or stalled: rank 1 (never heard from)" in done.stderr, done.stderr
 
 
+def test_a_rank_started_before_rank_0_waits_quietly_and_names_the_store_it_could_not_reach(tmp_path):
+    """Rank 1 started by hand (or by srun on another node) before rank 0: its heartbeat's store client printed
+    screens of C++ frames every 2 s, and with rank 0 never started it ended long after the timeout with 'a
+    peer rank died or stalled: which one could not be told'."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                           "--parallel.timeout_s", "3", "--out", tmp_path / "r"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert (f"shardlm train: error: rank 1 could not reach the job's store at 127.0.0.1:{port} within 3 s: rank 0 "
+            "serves it") in done.stderr, done.stderr
+    assert done.stderr.count("TCP client failed") <= 2, done.stderr  # torch's rendezvous client's own, not a beat's
+
+
 def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):
     """Ctrl-C while `data prepare` tokenizes (or eval scores, or a model loads) ended in a KeyboardInterrupt
     traceback; now one line and the shell's status for SIGINT, the output directory never made."""

@@ -857,8 +857,11 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "WORLD_SIZE = 2 but RANK is not set: start the ranks with torchrun (torchrun --nproc-per-node 2 -m shardlm ...)"),
     ({"LOCAL_WORLD_SIZE": "two"}, "the environment variable LOCAL_WORLD_SIZE = 'two' is not a whole number 1 or more"),
+    # `srun -n 2 python -m shardlm ...`: each task trained alone (or was refused the run directory), Slurm unnamed.
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "this is task 1 of a Slurm step of 2 (SLURM_STEP_NUM_TASKS), "
+     "but torchrun's variables (WORLD_SIZE, RANK, MASTER_ADDR) are not set: each task would run alone"),
 ], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world",
-        "rank-without-world", "world-without-rank", "local-world-not-a-number"])
+        "rank-without-world", "world-without-rank", "local-world-not-a-number", "slurm-tasks-without-torchrun"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

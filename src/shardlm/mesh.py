@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, RunError, validate
 from .config.views import VIEWS, view_shapes
 
 AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
@@ -137,6 +137,13 @@ def _env_int(name: str, default: int, low: int = 0, high: int | None = None,
 
 
 def world_from_env() -> tuple[int, int, int]:
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if "WORLD_SIZE" not in os.environ and tasks.isdigit() and int(tasks) > 1:
+        # `srun -n 2 python -m shardlm train`: Slurm's variables are not torch's, and each task trained alone.
+        raise ConfigError(f"this is task {os.environ.get('SLURM_PROCID', '?')} of a Slurm step of {tasks} "
+                          "(SLURM_STEP_NUM_TASKS), but torchrun's variables (WORLD_SIZE, RANK, MASTER_ADDR) are not "
+                          "set: each task would run alone, as a job of its own. Start one `srun torchrun` task per "
+                          "node (examples/slurm.sbatch), or set WORLD_SIZE=1 to run each task as its own job")
     world = _env_int("WORLD_SIZE", 1, low=1)
     # Half of a job script's variables: without RANK every process took rank 0 (C++ frames of the heartbeat's
     # store, then torch's 'environment variable RANK expected'); without WORLD_SIZE a RANK 1 ran alone, unsaid.
@@ -350,6 +357,14 @@ def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
         threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
     try:
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    except RuntimeError as e:  # DistStoreError, DistNetworkError
+        if "trying to connect to" not in str(e):
+            raise
+        # Otherwise said as a peer that "died or stalled, which one could not be told".
+        raise RunError(f"rank {os.environ.get('RANK', '?')} could not reach the job's store at "
+                       f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout.total_seconds():g} "
+                       "s: rank 0 serves it (torchrun's agent, under torchrun) and was not started, or cannot be "
+                       "reached from this host; start every rank with the same MASTER_ADDR and MASTER_PORT") from None
     finally:
         done.set()
 

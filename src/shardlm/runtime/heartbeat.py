@@ -48,6 +48,9 @@ class Peers:
         return cls(int(os.environ.get("RANK", 0)), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
     def _client(self, seconds: float = 5):
+        # A store not served yet (a rank started before rank 0) or no longer: refused here at once, where the
+        # store's client retries to its timeout and prints screens of C++ frames at each try.
+        socket.create_connection((self.host, self.port), timeout=seconds).close()
         return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
 
 
