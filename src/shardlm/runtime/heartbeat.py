@@ -47,10 +47,11 @@ class Peers:
             return None
         return cls(int(os.environ.get("RANK", 0)), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
-    def _client(self, seconds: float = 5):
-        # A store not served yet (a rank started before rank 0) or no longer: refused here at once, where the
-        # store's client retries to its timeout and prints screens of C++ frames at each try.
-        socket.create_connection((self.host, self.port), timeout=seconds).close()
+    def _client(self, seconds: float = 5, probe: bool = False):
+        """A client of the store; `probe`: refused at once where nothing listens yet (a rank started before rank
+        0), where the store's client retries to its timeout and prints screens of C++ frames at each try."""
+        if probe:
+            socket.create_connection((self.host, self.port), timeout=seconds).close()
         return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
 
 
@@ -175,7 +176,7 @@ class Heartbeat(Peers):
             if (here := self._where()) != where:
                 where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
-                store = store or self._client(BEAT_TIMEOUT_S)
+                store = store or self._client(BEAT_TIMEOUT_S, probe=True)
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
                 store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
@@ -187,7 +188,7 @@ class Heartbeat(Peers):
         """Tell the peers this rank is stopping on an error of its own: its message is printed, or is `unprinted`,
         which a peer reporting the failure then prints."""
         try:  # briefly: this rank is on its way out
-            self._client(2).set(f"{FAILED}{self.attempt}/{self.rank}", unprinted[:1000] or "1")
+            self._client(2, probe=True).set(f"{FAILED}{self.attempt}/{self.rank}", unprinted[:1000] or "1")
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers fall back on the beats
             pass
 
