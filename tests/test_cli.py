@@ -149,16 +149,21 @@ def test_a_rank_started_without_torchrun_prints_its_own_bad_input(tmp_path, monk
     assert said not in capsys.readouterr().err and said in (tmp_path / "error.json").read_text()
 
 
+def _one_rank_of_two(tmp_path, rank: int, timeout_s: int):
+    """(the port, the finished process) of `rank` of a world of 2 started by hand, its peer never."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0"}
+    return port, subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
+                                 "--parallel.timeout_s", str(timeout_s), "--out", tmp_path / "r"],
+                                capture_output=True, text=True, env=env, timeout=120)
+
+
 def test_a_rank_whose_peers_never_start_says_what_it_waits_for(tmp_path):
     """Rank 0 of a world of 2 started by hand, rank 1 never: it waited in silence until the timeout. A node's
     first rank now says, once the wait is no longer a start-up's, what it waits for; at the timeout the error
     names the rank never heard from."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    done = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
-                           "--parallel.timeout_s", "4", "--out", tmp_path / "r"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    port, done = _one_rank_of_two(tmp_path, 0, 4)
     assert done.returncode == 1
     assert (f"shardlm: waiting for all 2 ranks to join at 127.0.0.1:{port} (for up to 4 s): each must be started, "
             "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") in done.stderr, done.stderr
@@ -169,12 +174,7 @@ def test_a_rank_started_before_rank_0_waits_quietly_and_names_the_store_it_could
     """Rank 1 started by hand (or by srun on another node) before rank 0: its heartbeat's store client printed
     screens of C++ frames every 2 s, and with rank 0 never started it ended long after the timeout with 'a
     peer rank died or stalled: which one could not be told'."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0"}
-    done = subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
-                           "--parallel.timeout_s", "3", "--out", tmp_path / "r"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    port, done = _one_rank_of_two(tmp_path, 1, 3)
     assert done.returncode == 1
     assert (f"shardlm train: error: rank 1 could not reach the job's store at 127.0.0.1:{port} within 3 s: rank 0 "
             "serves it") in done.stderr, done.stderr
