@@ -28,8 +28,8 @@ from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
 from .rng_state import rng_layout, rng_state
-from .runtime.first_rank import first_rank_result
 from .runtime.device import host_empty
+from .runtime.first_rank import first_rank_result
 
 
 class CheckpointSaver:

@@ -22,8 +22,9 @@ def duration(seconds: float) -> str:
 def progress(total: int, what: str, unit: str = "it", shown: bool = True, scale: bool = False,
              opening: str | None = None):
     """A bar (update(n), close(), a context manager that closes) for `total` units of work called `what`, on
-    stderr; silent where not `shown` (another rank's). `unit` names a unit as a line counts them ("requests"), `scale` in k, M, G (1.2GB, 6.74G
-    parameters); `opening` is said first off a terminal, where the work may say nothing for long."""
+    stderr; silent where not `shown` (another rank's). `unit` names a unit as a line counts them ("requests"),
+    `scale` in k, M, G (1.2GB, 6.74G parameters); `opening` is said first off a terminal, where the work may say
+    nothing for long."""
     if shown and sys.stderr.isatty():
         from tqdm import tqdm
         return tqdm(total=total, desc=what, unit=unit, unit_scale=scale, file=sys.stderr)
