@@ -44,7 +44,6 @@ class CheckpointSaver:
         self.any_rank, self.host_group, self.log = any_rank, host_group, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: dict | None = None  # the asynchronous save in flight
-        self.alive = lambda: None  # the synchronous save's (`save`)
         self.pin = torch.cuda.is_available()
         self.staging: torch.Tensor | None = None  # its host copy of this rank's pieces, kept for the next
         if out is not None and (why := grace_warning(cfg)):
@@ -76,9 +75,8 @@ class CheckpointSaver:
         main rank's writes): the watchdog's sign that a long save is no stall."""
         self.finish()
         t, start = self.cfg.train, time.perf_counter()
-        self.alive = alive
         if t.checkpoint_format == "full" or self.cfg.parallel.delayed_update:
-            path = self._save_gathered(step, state)
+            path = self._save_gathered(step, state, alive)
         else:
             tmp = self._begin(step)
             parts = self._pieces()
@@ -87,7 +85,8 @@ class CheckpointSaver:
                 self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
-            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps(), self.alive), rng_state())
+            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps(), alive), rng_state(),
+                                alive)
         self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
         return path
 
@@ -119,7 +118,7 @@ class CheckpointSaver:
         dist.gather_object(mine, everyone, dst=0)
         return everyone
 
-    def _save_gathered(self, step: int, state: dict) -> Path | None:
+    def _save_gathered(self, step: int, state: dict, alive) -> Path | None:
         masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
         everyone = self._on_main(rng_state())
 
@@ -128,13 +127,13 @@ class CheckpointSaver:
             return save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
                                    keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config,
                                    rng=self._every_rank(everyone))
-        return self._by_main(write, step)
+        return self._by_main(write, step, alive)
 
-    def _by_main(self, work, step: int) -> Path | None:
+    def _by_main(self, work, step: int, alive) -> Path | None:
         """work() (the main rank's writes) on the main rank, its result there; the others wait, however long the
         writes take (runtime/first_rank.py), and stop with it where it could not save."""
         try:
-            path = first_rank_result(work, on_tick=self.alive)
+            path = first_rank_result(work, on_tick=alive)
         except RunError:
             if self.parallel.mesh.is_main:
                 raise
@@ -184,7 +183,7 @@ class CheckpointSaver:
         pending["thread"].start()
         self.pending = pending
 
-    def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict) -> Path | None:
+    def _commit(self, step: int, state: dict, tmp: Path, mine: dict, rng: dict, alive=None) -> Path | None:
         """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
         everyone = self._on_main({**mine, "rng": rng})
 
@@ -209,7 +208,7 @@ class CheckpointSaver:
             except RunError:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        return self._by_main(commit, step)
+        return self._by_main(commit, step, alive)
 
     def _every_rank(self, states: list) -> dict:
         """rng.pt: rank 0's state, and every rank's for a resume in the same layout. Pipeline stages of unequal
