@@ -178,7 +178,8 @@ def test_a_rank_started_before_rank_0_waits_quietly_and_names_the_store_it_could
     assert done.returncode == 1
     assert (f"shardlm train: error: rank 1 could not reach the job's store at 127.0.0.1:{port} within 3 s: rank 0 "
             "serves it") in done.stderr, done.stderr
-    assert done.stderr.count("TCP client failed") <= 2, done.stderr  # torch's rendezvous client's own, not a beat's
+    # One client's retries (torch's rendezvous, as many as the machine's speed allows), none of a beat's
+    assert done.stderr.count("(try=0,") <= 1, done.stderr
 
 
 def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):
