@@ -886,8 +886,8 @@ def killed_after_the_first_file_of(rank, world, overrides: dict, out_dir, step: 
     from shardlm import run_checkpoint
     write = run_checkpoint.write_tensors
 
-    def write_then_die(path, tensors, sync=True):
-        got = write(path, tensors, sync)
+    def write_then_die(path, tensors, sync=True, moved=None):
+        got = write(path, tensors, sync, moved)
         if f".tmp-step_{step:08d}" in str(path):
             os.kill(os.getpid(), signal.SIGKILL)
         return got
@@ -1069,22 +1069,42 @@ def cli_with_rank_one_reading(rank, world, argv, other):
     return status, err.getvalue()
 
 
-def first_rank_works_past_the_timeout(rank, world, work_s, tick_s):
-    """first_rank_result over a group whose timeout (1 s) is shorter than the first rank's work."""
+def long_work_past_the_timeout(rank, world, work_s):
+    """first_rank_result and every_rank_done over a group whose timeout (1 s) is shorter than the work, with a
+    stall limit of 1 s: work that says it moves (every 0.1 s) is waited for, its result or error reaching every
+    rank; work that stops moving ends the wait on every rank, naming it (and the rank whose part stopped)."""
+    import threading
     from datetime import timedelta
 
-    from shardlm.runtime.first_rank import first_rank_result
+    from shardlm.config import RunError
+    from shardlm.runtime.first_rank import Moved, every_rank_done, first_rank_result
     group = dist.new_group(timeout=timedelta(seconds=1))
 
-    def work():
-        time.sleep(work_s)
-        return "picked"
+    def moving(moved, then=lambda: "picked"):
+        end = time.monotonic() + work_s
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            moved()
+        return then()
 
     def damaged():
-        time.sleep(work_s)
         raise ValueError("damaged")
-    picked = first_rank_result(work, group, tick_s)
+    said = [first_rank_result(moving, group, 1.0, "the pick")]
     try:
-        first_rank_result(damaged, group, tick_s)
+        first_rank_result(lambda moved: moving(moved, damaged), group, 1.0, "the pick")
     except ValueError as e:
-        return picked, str(e)
+        said.append(str(e))
+    try:
+        first_rank_result(lambda moved: time.sleep(30), group, 1.0, "the pick")
+    except RunError as e:
+        said.append(str(e))
+    for part in (moving, lambda moved: time.sleep(30)):  # rank 1's part; rank 0's is done at once
+        moved = Moved()
+        thread = threading.Thread(target=part if rank == 1 else (lambda moved: None), args=(moved,), daemon=True)
+        thread.start()
+        try:
+            every_rank_done(thread, moved, group, 1.0, "the writes")
+            said.append("all done")
+        except RunError as e:
+            said.append(str(e))
+    return said

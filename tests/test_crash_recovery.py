@@ -162,24 +162,43 @@ def test_torchruns_summary_names_why_when_one_rank_runs_out_of_memory(tmp_path):
     assert "traceback : shardlm train: error:" in summary, summary
 
 
-@pytest.mark.timeout(300)
-def test_a_save_by_rank_0_longer_than_the_group_timeout_completes(tmp_path):
-    """Rank 0 commits a sharded checkpoint (its state, the old checkpoints deleted; a full one it writes whole,
-    through the same wait) while the others wait: a large model on a slow disk outlasted parallel.timeout_s, and
-    the waiting rank's collective ended the run at its first save, every time. Here rank 0's commit takes 7 s
-    against a group timeout of 4 s."""
-    slow = """
+# Each call of a save's writes (a tensor, a commit) takes 6 s on the rank named, saying it moves every second.
+_SLOWED = """
 import time
 import shardlm.run_checkpoint as rc
-import shardlm.runtime.first_rank as first_rank
-first_rank.TICK_S = 0.5
-def slowed(f):
+def slowed(f, rank, moving=True):
     def run(*args, **kwargs):
-        time.sleep(7)
+        if os.environ["RANK"] == rank:
+            for _ in range(6 if moving else 600):
+                time.sleep(1)
+                if moving:
+                    kwargs["moved"]()
         return f(*args, **kwargs)
     return run
-rc.commit_checkpoint = slowed(rc.commit_checkpoint)
 """
+
+
+@pytest.mark.timeout(300)
+def test_a_save_longer_than_the_group_timeout_completes_while_it_moves(tmp_path):
+    """Rank 1 writes its shards while rank 0, done with its own, waits; then rank 0 commits (the state, the old
+    checkpoints deleted; a full checkpoint it writes whole, through the same wait) while rank 1 waits: a large
+    model on a slow disk outlasted parallel.timeout_s, and the waiting rank's collective ended the run at its
+    first save, every time. Here each takes 6 s against a group timeout of 4 s."""
+    slow = _SLOWED + 'rc.write_tensors = slowed(rc.write_tensors, "1")\n' \
+                     'rc.commit_checkpoint = slowed(rc.commit_checkpoint, "0")\n'
     done = _torchrun(tmp_path, "r", slow, [], "--train.steps", "1", "--parallel.timeout_s", "4")
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank, what", [("1", "writing step 1 on rank 1"), ("0", "rank 0's writes of step 1")])
+def test_a_save_that_stops_moving_ends_every_rank_naming_it(tmp_path, rank, what):
+    """A write that never returns (a network filesystem that hangs): the ranks waiting for it were kept alive
+    by each other's answers, forever. After parallel.timeout_s without progress every rank stops, naming it."""
+    function = "write_tensors" if rank == "1" else "commit_checkpoint"
+    hung = _SLOWED + f'rc.{function} = slowed(rc.{function}, "{rank}", moving=False)\n'
+    done = _torchrun(tmp_path, "r", hung, [], "--train.steps", "1", "--parallel.timeout_s", "4")
+    assert done.returncode != 0
+    assert f"{what} made no progress for 4 s (parallel.timeout_s)" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "r" / "checkpoints" / "step_00000001").exists()

@@ -67,6 +67,23 @@ def test_bf16_training_on_gpu(tmp_path):
 
 
 @cuda
+def test_a_save_written_by_its_thread_from_the_gpu_holds_the_weights_trained(tmp_path):
+    """A synchronous sharded save is written by a thread (runtime/first_rank.py: the main thread answers the
+    ranks that finished sooner), which copies each piece off the GPU itself: what it wrote is the weights the
+    run ended with, and the optimizer state is there."""
+    from shardlm.checkpoint import load_checkpoint
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+    cfg = load_config("tiny", {"train.steps": "3", "train.device": "cuda", "train.sample_tokens": "0"})
+    trainer = Trainer(cfg, out_dir=tmp_path, log=lambda *a: None)
+    trainer.run()
+    saved = load_checkpoint(tmp_path)
+    assert saved["state"]["step"] == 3 and len(saved["optimizer"]) > 0
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(saved["model"][name], p.detach().float().cpu()), name
+
+
+@cuda
 def test_compiled_chunked_loss_matches_eager():
     from shardlm.model.loss import linear_cross_entropy
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -51,14 +51,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_files(paths) -> None:
+def fsync_files(paths, moved=None) -> None:
+    """Each file flushed to disk; `moved()` called after each (minutes for tens of GB)."""
     for f in paths:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+        if moved is not None:
+            moved()
 
 
-def fsync_tree(path: Path) -> None:
-    fsync_files(path.iterdir())
+def fsync_tree(path: Path, moved=None) -> None:
+    fsync_files(path.iterdir(), moved)
     fsync_dir(path)
 
 

@@ -22,18 +22,19 @@ from .rng_state import rng_state
 
 def save_checkpoint(run_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
                     optimizer: dict[str, torch.Tensor], state: dict, tokenizer=None, keep: int = 2,
-                    generation_config: dict | None = None, rng: dict | None = None) -> Path:
+                    generation_config: dict | None = None, rng: dict | None = None, moved=None) -> Path:
     """Write step `step`'s checkpoint atomically and keep the newest `keep` of those up to it; a failed
-    write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was."""
+    write (disk full, read-only) raises CheckpointError and leaves every earlier checkpoint as it was.
+    `moved()` is called as the writes make progress (runtime/first_rank.py)."""
     tmp = begin_checkpoint(run_dir, step, f"-{os.getpid()}")
     # write_tensors, not safetensors' save_file, whose I/O errors are not OSError: a full disk must end in
     # failed_save's line, not a traceback; the checksums come from memory too.
     with _FailingSave(run_dir, step, tmp):
         cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
-        written = {name: write_tensors(tmp / name, cpu(tensors), sync=False)
+        written = {name: write_tensors(tmp / name, cpu(tensors), sync=False, moved=moved)
                    for name, tensors in (("model.safetensors", masters), ("optimizer.safetensors", optimizer))}
     return commit_checkpoint(run_dir, step, tmp, state, written, tokenizer, keep, rng=rng,
-                             generation_config=generation_config)
+                             generation_config=generation_config, moved=moved)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
@@ -51,12 +52,13 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
                        torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], sync: bool = True) -> dict:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], sync: bool = True, moved=None) -> dict:
     """One safetensors file of a sharded save (CPU tensors), flushed to disk where `sync`; its record (size,
-    CRC32) for state.json. The format (a little-endian u64 header size, the JSON header padded to 8 bytes, the tensors'
-    bytes) is written here rather than by safetensors' save_file, so that each tensor's memory goes to the
-    file as it is and its checksum is taken from memory on the way, not by reading the file back: a third
-    of the time on one disk (bench/README.md, "Sixteenth lease"). safetensors reads it."""
+    CRC32) for state.json; `moved()` called after each tensor written. The format (a little-endian u64 header
+    size, the JSON header padded to 8 bytes, the tensors' bytes) is written here rather than by safetensors'
+    save_file, so that each tensor's memory goes to the file as it is and its checksum is taken from memory on
+    the way, not by reading the file back: a third of the time on one disk (bench/README.md, "Sixteenth
+    lease"). safetensors reads it."""
     datas, header, at = [], {"__metadata__": {"format": "pt"}}, 0
     for key, t in tensors.items():
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -72,6 +74,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], sync: bool = Tru
         for data in datas:
             crc = zlib.crc32(data, crc)  # zlib and the write release the GIL: a save's thread runs beside training
             f.write(data)
+            if moved is not None:
+                moved()
         f.flush()
         if sync:
             os.fsync(f.fileno())
@@ -121,11 +125,14 @@ def _room(earlier: list[Path], root: Path) -> str:
 
 
 def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, written: dict, tokenizer=None,
-                      keep: int = 2, rng: dict | None = None, generation_config: dict | None = None) -> Path:
+                      keep: int = 2, rng: dict | None = None, generation_config: dict | None = None,
+                      moved=None) -> Path:
     """Complete the checkpoint in `tmp` (`written`: the records of files written and checksummed already,
     by name; the others are checksummed here) with the RNG state (`rng`: as it was at the step saved; else
     now), the tokenizer, the generation_config.json of the weights' source (`generation_config`: the run's,
-    generation_config.py) and state.json, written last; rename it into place and rotate."""
+    generation_config.py) and state.json, written last; rename it into place and rotate. `moved()` is called
+    as it makes progress (each file flushed, each old checkpoint deleted)."""
+    moved = moved or (lambda *_: None)
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     with _FailingSave(run_dir, step, tmp):
@@ -138,10 +145,10 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
             tokenizer.save(tmp)
         if generation_config is not None:  # its eos ids stop generate/serve on the checkpoint, and go to exports
             write_generation_config(tmp, generation_config)
-        files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": file_crc32(f)}
+        files = {f.name: written.get(f.name) or {"bytes": f.stat().st_size, "crc32": file_crc32(f, moved)}
                  for f in sorted(tmp.iterdir())}
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1) + "\n")
-        fsync_tree(tmp)
+        fsync_tree(tmp, moved)
         if final.exists():  # re-saving the same step (a resumed run that wrote to the same directory)
             discard(final)
         os.replace(tmp, final)
@@ -150,4 +157,5 @@ def commit_checkpoint(run_dir: str | Path, step: int, tmp: Path, state: dict, wr
     older = [p for p in complete_checkpoints(run_dir) if p.name <= final.name]
     for old in older[:-keep] if keep > 0 else []:
         discard(old)
+        moved()
     return final

@@ -29,7 +29,7 @@ from .divergence import TrainingError, refuse_unusable_weights
 from .parallel.sharded_state import pieces, snapshot, write_shards
 from .rng_state import rng_layout, rng_state
 from .runtime.device import host_empty
-from .runtime.first_rank import first_rank_result
+from .runtime.first_rank import Moved, every_rank_done, first_rank_result
 
 
 class CheckpointSaver:
@@ -71,9 +71,9 @@ class CheckpointSaver:
     def save(self, step: int, state: dict, wait: bool = False, alive=lambda: None) -> Path | None:
         """Save step `step`; returns the checkpoint's path on the main rank once it is committed (an
         asynchronous save: None now, its path from `poll` or `finish`). `wait`: synchronously. `alive()` is
-        called as a synchronous save makes progress (each file written, each answer of a rank waiting for the
-        main rank's writes): the watchdog's sign that a long save is no stall."""
-        self.finish()
+        called while the ranks wait for each other's writes and they make progress: the watchdog's sign that
+        a long save is no stall (one that stops making progress for parallel.timeout_s is ended, with a message)."""
+        self.finish(alive)
         t, start = self.cfg.train, time.perf_counter()
         if t.checkpoint_format == "full" or self.cfg.parallel.delayed_update:
             path = self._save_gathered(step, state, alive)
@@ -85,29 +85,40 @@ class CheckpointSaver:
                 self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
-            path = self._commit(step, state, tmp, self._write(step, tmp, parts, self._steps(), alive), rng_state(),
-                                alive)
+            # Written by a thread as an asynchronous save is (from the state itself, not a copy), so that the
+            # main thread can answer ranks that finished their writes sooner: they wait as long as it writes.
+            self._start(step, state, tmp, parts)
+            path = self._complete(alive)
         self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
         return path
 
-    def poll(self) -> Path | None:
+    def poll(self, alive=lambda: None) -> Path | None:
         """Commit the save in flight if every rank has written its part (a host-side collective while one is)."""
         if self.pending is None:
             return None
         busy = torch.tensor([float(self.pending["thread"].is_alive())])
         if self.host_group() is not None:
             dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.host_group())
-        return None if busy.item() else self.finish()
+        return None if busy.item() else self.finish(alive)
 
-    def finish(self) -> Path | None:
+    def finish(self, alive=lambda: None) -> Path | None:
         """Wait for the save in flight and commit it."""
-        pending, self.pending = self.pending, None
-        if pending is None:
+        if self.pending is None:
             return None
-        pending["thread"].join()
-        path = self._commit(pending["step"], pending["state"], pending["tmp"], pending["written"], pending["rng"])
-        self.log(f"step {pending['step']}: saved in {time.perf_counter() - pending['start']:.2f} s, in the background")
+        step, start = self.pending["step"], self.pending["start"]
+        path = self._complete(alive)
+        self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s, in the background")
         return path
+
+    def _complete(self, alive) -> Path | None:
+        """Wait for every rank's writes of the save in flight, then commit it."""
+        pending, self.pending = self.pending, None
+        every_rank_done(pending["thread"], pending["moved"], self.host_group(), self.cfg.parallel.timeout_s,
+                        f"writing step {pending['step']}", alive)
+        if "interrupted" in pending:
+            raise pending["interrupted"]
+        return self._commit(pending["step"], pending["state"], pending["tmp"], pending["written"], pending["rng"],
+                            alive)
 
     # ---- the parts of a save ----------------------------------------------------------------------
     def _on_main(self, mine):
@@ -122,18 +133,19 @@ class CheckpointSaver:
         masters, optim = self.parallel.gather_full_state()  # a collective when the state is sharded
         everyone = self._on_main(rng_state())
 
-        def write():
+        def write(moved):
             refuse_unusable_weights(masters, self.cfg.train.precision, step, self.out)
             return save_checkpoint(self.out, step, masters, optim, state, self.tokenizer,
                                    keep=self.cfg.train.keep_checkpoints, generation_config=self.generation_config,
-                                   rng=self._every_rank(everyone))
+                                   rng=self._every_rank(everyone), moved=moved)
         return self._by_main(write, step, alive)
 
     def _by_main(self, work, step: int, alive) -> Path | None:
-        """work() (the main rank's writes) on the main rank, its result there; the others wait, however long the
-        writes take (runtime/first_rank.py), and stop with it where it could not save."""
+        """work(moved) (the main rank's writes) on the main rank, its result there; the others wait as long as
+        the writes make progress (runtime/first_rank.py), and stop with it where it could not save."""
         try:
-            path = first_rank_result(work, on_tick=alive)
+            path = first_rank_result(work, stall_s=self.cfg.parallel.timeout_s,
+                                     what=f"rank 0's writes of step {step}", on_tick=alive)
         except RunError:
             if self.parallel.mesh.is_main:
                 raise
@@ -157,28 +169,33 @@ class CheckpointSaver:
         save's writer reading it later recorded the updates made meanwhile."""
         return max([e.opt.steps_taken for e in self.parallel.engine.group_engines() if e.opt is not None], default=0)
 
-    def _write(self, step: int, tmp: Path, parts, steps: int, alive=None) -> dict:
+    def _write(self, step: int, tmp: Path, parts, steps: int, moved) -> dict:
         """This rank's files: their records, the manifest entries, and what went wrong (None: nothing);
-        `alive()` called as each file is written."""
+        `moved()` called as each tensor is written and each file flushed."""
         t = self.cfg.train
         usable = _usable(t.precision, step, self.out)
         mine = {"files": [], "pieces": [], "problem": None, "steps": steps}
         try:
             mine["files"], mine["pieces"], mine["problem"] = write_shards(
-                parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, partial(write_tensors, sync=False), fsync_files,
-                usable, alive)
+                parts, tmp, self.rank, t.checkpoint_buffer_mb * 2**20, partial(write_tensors, sync=False, moved=moved),
+                fsync_files, usable, moved)
         except OSError as e:
             mine["problem"] = f"{e.strerror or e} (rank {self.rank})" if self.rank else (e.strerror or str(e))
         except Exception as e:  # in a save's thread nothing else would report it
             mine["problem"] = f"{type(e).__name__}: {e} (rank {self.rank})"
         return mine
 
-    def _start(self, step: int, state: dict, tmp: Path, copies: list) -> None:
-        pending = {"step": step, "state": state, "tmp": tmp, "rng": rng_state(), "start": time.perf_counter()}
+    def _start(self, step: int, state: dict, tmp: Path, parts) -> None:
+        """This rank's writes of `parts` begun in a thread: the save in flight."""
+        pending = {"step": step, "state": state, "tmp": tmp, "rng": rng_state(), "start": time.perf_counter(),
+                   "moved": Moved()}
         steps = self._steps()
 
         def write():
-            pending["written"] = self._write(step, tmp, copies, steps)
+            try:
+                pending["written"] = self._write(step, tmp, parts, steps, pending["moved"])
+            except BaseException as e:  # not a failed write (_write says those): an interrupt, for the main thread
+                pending["interrupted"] = e
         pending["thread"] = threading.Thread(target=write, name=f"save-step-{step}", daemon=True)
         pending["thread"].start()
         self.pending = pending
@@ -187,7 +204,7 @@ class CheckpointSaver:
         """Every rank's records to the main rank, which writes the manifest and commits the checkpoint."""
         everyone = self._on_main({**mine, "rng": rng})
 
-        def commit():
+        def commit(moved):
             try:
                 problem = next((m["problem"] for m in everyone if m["problem"] is not None), None)
                 if isinstance(problem, str):
@@ -204,7 +221,7 @@ class CheckpointSaver:
                 return commit_checkpoint(self.out, step, tmp, state, written, self.tokenizer,
                                          keep=self.cfg.train.keep_checkpoints,
                                          rng=self._every_rank([m["rng"] for m in everyone]),
-                                         generation_config=self.generation_config)
+                                         generation_config=self.generation_config, moved=moved)
             except RunError:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

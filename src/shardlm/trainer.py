@@ -43,7 +43,7 @@ from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
 from .runtime.first_rank import first_rank_result
-from .runtime.said import said_check, said_progress
+from .runtime.said import also_moved, said_check, said_progress
 from .runtime.watchdog import Watchdog
 from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
@@ -163,7 +163,9 @@ class Trainer:
         it continues its own run in this run's directory; a resume that would change the model, its adapters
         or its data is refused here, before the model is built and before --overwrite deletes anything."""
         said = said_progress(self.log, "verifying the checkpoint's {:,.1f} GB (CRC32 of every file) before resuming")
-        chosen = first_rank_result(lambda: str(resolve_checkpoint(resume, self.log, option="--resume", progress=said)))
+        chosen = first_rank_result(lambda moved: str(resolve_checkpoint(
+            resume, self.log, option="--resume", progress=also_moved(said, moved))),
+            stall_s=self.cfg.parallel.timeout_s, what="rank 0's check of the checkpoint to resume")
         path, state = Path(chosen), read_state(chosen)
         saved = config_from_dict(state["config"], f"the config saved in {path}")
         compat.check_resume(path, saved, self.cfg)
@@ -339,8 +341,8 @@ class Trainer:
                     since, tokens_since = time.perf_counter(), 0
                 if self.stopped_by:
                     break
-                with self._guard(f"the save before step {self.step}"):
-                    self.saver.poll()
+                with self._guard(f"the save before step {self.step}") as alive:
+                    self.saver.poll(alive)
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save(wait=False)
         if self.step > 0 and (self.resumed_from is None or records):

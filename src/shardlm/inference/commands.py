@@ -187,7 +187,8 @@ def _load(a, read=None, source: str = "", chats: bool = False):
     if group is not None and read is not None:
         check_same_read(read, source)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group,
-                                      check_tokenizer=(lambda tok: _chat_template(tok, source)) if chats else None)
+                                      check_tokenizer=(lambda tok: _chat_template(tok, source)) if chats else None,
+                                      stall_s=TIMEOUT_S)
     quantize(model, a.quantize)
     return model, tok, cfg
 

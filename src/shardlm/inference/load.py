@@ -22,6 +22,7 @@ from ..model.moe import moe_layers
 from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
 from ..runtime.first_rank import first_rank_result
+from ..runtime.said import also_moved
 from ..tokenizer import Tokenizer, load_tokenizer
 
 
@@ -95,29 +96,32 @@ class _Source:
             return st.get_tensor(name)
 
 
-def _agreed(path: Path, tp_group) -> Path:
+def _agreed(path: Path, tp_group, stall_s: float | None) -> Path:
     """The checkpoint every tensor-parallel rank loads: the first rank's pick of a run's newest that verifies (it
     notes one skipped as damaged), sent to the others. Each picking its own, a save that a run still training
     committed between two ranks' looks gave them slices of different steps: one model of two checkpoints."""
     if (path / "config.json").is_file():  # an HF directory: nothing to pick
         return path
-    return Path(first_rank_result(lambda: str(resolve_checkpoint(path)), tp_group))
+    return Path(first_rank_result(lambda moved: str(resolve_checkpoint(path, progress=also_moved(None, moved))),
+                                  tp_group, stall_s, "rank 0's check of the checkpoint"))
 
 
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
                     adapter: str | Path | None = None, tp_group=None, verify: bool = True,
-                    check_tokenizer=None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+                    check_tokenizer=None, stall_s: float | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
     """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
     run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights. With
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
     its slice of each sharded weight. `verify` False: `path` is a checkpoint verified already.
-    `check_tokenizer(tok)`: called before the weights load, to refuse input the tokenizer cannot take early."""
+    `check_tokenizer(tok)`: called before the weights load, to refuse input the tokenizer cannot take early.
+    `stall_s`: how long the other ranks of `tp_group` wait for the first rank's check of a checkpoint to make
+    progress (the group's timeout)."""
     path, device = Path(path), torch.device(device)
     if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
         raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
                                 "config.json, *.safetensors, tokenizer.json and tokenizer_config.json into a "
                                 "directory and give that)")
-    src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group), verify=False)
+    src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group, stall_s), verify=False)
     tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
     if check_tokenizer is not None:
         check_tokenizer(tok)

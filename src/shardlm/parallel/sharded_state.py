@@ -47,10 +47,16 @@ def _owned_ranges(opt, b: int, off: int, numel: int) -> list[tuple[int, int]]:
 
 
 def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tuple, torch.Tensor]]:
-    """(name, kind, lo, hi, local shape, values) of every piece this rank writes; kind "master" or a moment."""
+    """(name, kind, lo, hi, local shape, values) of every piece this rank writes; kind "master" or a moment.
+    ZeRO-3's gather of a frozen base (a collective) runs in this call, in the caller's thread: the pieces may be
+    taken and written by another, beside the main thread's collectives."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    # ZeRO-3 shards a frozen base: gathered whole, a collective, so before any write can fail on one rank.
+    # Gathered whole before any write can fail on one rank.
     sharded = engine.frozen_state() if frozen else {}
+    return _owned(engine, model, mesh, frozen, sharded)
+
+
+def _owned(engine, model, mesh, frozen: list, sharded: dict):
     for e in engine.group_engines():
         opt = e.opt
         if opt is None:
@@ -85,10 +91,12 @@ def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tupl
 
 def pieces(engine, model, mesh, buffer_bytes: int) -> Iterator[tuple[dict, torch.Tensor]]:
     """This rank's pieces as (manifest entry, values), none larger than half of `buffer_bytes` (a larger one in
-    parts): the file `write_shards` stages each into."""
-    specs = shardings(model)
-    step = max(1, buffer_bytes // 8)
-    for name, kind, lo, hi, shape, values in owned_pieces(engine, model, mesh):
+    parts): the file `write_shards` stages each into. Its collective runs in this call (owned_pieces)."""
+    return _split(owned_pieces(engine, model, mesh), shardings(model), max(1, buffer_bytes // 8))
+
+
+def _split(owned, specs: dict, step: int):
+    for name, kind, lo, hi, shape, values in owned:
         spec = None if (s := specs.get(name)) is None else _spec_dict(s)
         for at in range(0, hi - lo, step):
             part = values[at:at + step]

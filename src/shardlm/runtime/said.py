@@ -38,3 +38,17 @@ def said_progress(log, what: str):
                 log(f"verified {read[0] / 1e9:,.1f} of {total / 1e9:,.1f} GB")
         return update
     return start
+
+
+def also_moved(progress, moved):
+    """A verification's `progress` (said_progress's, or None) that also calls `moved()` as bytes are read: long
+    work's sign of progress to the ranks waiting for it (runtime/first_rank.py)."""
+    def start(total: int):
+        update = progress(total) if progress is not None else None
+
+        def each(n: int) -> None:
+            if update is not None:
+                update(n)
+            moved()
+        return each
+    return start

@@ -145,7 +145,7 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError("--adapter: this version's engine cannot apply adapters per request (it has no "
                           "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
                           "a PEFT merge), or use shardlm generate --adapter")
-    from ..inference.commands import _tensor_parallel
+    from ..inference.commands import TIMEOUT_S, _tensor_parallel
     from ..inference.quantize import quantize
     from .worker import warm_up_batches
     if adapters and a.tp > 1:
@@ -161,7 +161,8 @@ def cmd_serve(argv: list[str]) -> int:
         # training committed between two loads put two steps' weights behind one model name.
         from ..checkpoint import resolve_checkpoint
         source, verified = str(resolve_checkpoint(a.model)), True
-    model, tok, cfg = load_pretrained(source, device=device, dtype=a.dtype, tp_group=group, verify=not verified)
+    model, tok, cfg = load_pretrained(source, device=device, dtype=a.dtype, tp_group=group, verify=not verified,
+                                      stall_s=TIMEOUT_S)
     quantize(model, a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
     if a.max_len and a.max_len > max_len and main:  # once, not once per --tp rank
