@@ -198,8 +198,7 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
-        """A host section that waits on peer ranks: guarded by the watchdog where there is one; it gives the
-        section what to call as it makes progress."""
+        """A host section that waits on peer ranks, guarded by the watchdog where there is one (it yields `alive`)."""
         return self.watchdog.guard(label) if self.watchdog is not None else nullcontext(lambda: None)
 
     def train_step(self) -> torch.Tensor | None:
@@ -238,8 +237,7 @@ class Trainer:
     def slice_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a batch of sequences: under context parallelism the slice of each that its
         model holds (parallel/context.py), else all of it."""
-        sequence = self.model.sequence
-        return sequence.local(x), sequence.local(y)
+        return self.model.sequence.local(x), self.model.sequence.local(y)
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean of a per-rank scalar over the replicas (dp x cp: each rank saw an equal share of the
