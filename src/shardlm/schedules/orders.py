@@ -4,6 +4,8 @@ by compute. No torch.
 """
 from __future__ import annotations
 
+import itertools
+
 from ..naming import Naming
 from .table import Action, ScheduleError, lower, rank_of
 
@@ -146,5 +148,5 @@ def split_layers(cfg, stages: int, counts: str = "") -> list[list[int]]:
         if not sizes or min(sizes) == 0:
             base, extra = divmod(L, stages)
             sizes = [base + (1 if i < extra else 0) for i in range(stages)]
-    starts = [sum(sizes[:i]) for i in range(stages)]
+    starts = itertools.accumulate(sizes, initial=0)
     return [list(range(a, a + n)) for a, n in zip(starts, sizes)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .table import NOMINAL, SENDS, Action, ScheduleError, batches, counterpart, peer, rank_of
+from .table import NOMINAL, SENDS, Action, ScheduleError, batches, counterpart, peer, rank_of, recv_for
 
 
 class Streams:
@@ -19,44 +19,40 @@ class Streams:
 
     def __init__(self, pp: int, comm: float = 0.0):
         self.pp, self.comm = pp, comm
-        self.posted: dict = {}   # (flow, "SEND"/"RECV") -> [(action, post time)] in posting order
+        self.posted: dict = {}   # flow -> ([(send, post time)], [(receive, post time)]) in posting order
         self.count: dict = {}    # flow -> pairs matched
         self.last: dict = {}     # flow -> when its last pair matched
         self.matched: dict = {}  # action -> when it matched
         self.done_at = [0.0] * pp
         self.waits: list = []    # (rank, from, to): an operation launched before its peer's, waiting for it
 
-    def _flow(self, rank: int, a: Action) -> tuple[tuple, str]:
-        other = peer(a, self.pp)
-        if a.kind.startswith("SEND"):
-            return (a.kind[-1], rank, other), "SEND"
-        return (a.kind[-1], other, rank), "RECV"
-
     def post(self, rank: int, batch: list[Action], time: float) -> None:
         for a in batch:
-            flow, side = self._flow(rank, a)
-            self.posted.setdefault((flow, side), []).append((a, time))
-            self._match(flow)
+            other, sending = peer(a, self.pp), a.kind.startswith("SEND")
+            flow = (a.kind[-1], rank, other) if sending else (a.kind[-1], other, rank)
+            if (ops := self.posted.get(flow)) is None:
+                ops = self.posted[flow] = ([], [])
+            ops[0 if sending else 1].append((a, time))
+            self._match(flow, *ops)
 
-    def _match(self, flow: tuple) -> None:
-        sends, recvs = self.posted.get((flow, "SEND"), []), self.posted.get((flow, "RECV"), [])
-        k = self.count.get(flow, 0)
-        for (sa, st), (ra, rt) in zip(sends[k:], recvs[k:]):
+    def _match(self, flow: tuple, sends: list, recvs: list) -> None:
+        k, ready = self.count.get(flow, 0), min(len(sends), len(recvs))
+        if k == ready:  # most posts: the peer's side of the pair is not posted yet
+            return
+        last, (src, dst), matched, done_at = self.last.get(flow, 0.0), flow[1:], self.matched, self.done_at
+        for k in range(k, ready):  # indices, not slices: a flow may hold hundreds of operations
+            (sa, st), (ra, rt) = sends[k], recvs[k]
             if counterpart(sa) != ra:
-                raise ScheduleError(f"rank {flow[1]} sends {sa} where rank {flow[2]} receives {ra}: "
-                                    "their orders differ")
-            before = self.last.get(flow, 0.0)
-            self.matched[sa] = self.matched[ra] = self.last[flow] = max(st, rt, before) + self.comm
-            for r, launched in ((flow[1], max(st, before)), (flow[2], max(rt, before))):
-                self.waits.append((r, launched, max(st, rt, before)))
-            for r in flow[1:]:
-                self.done_at[r] = max(self.done_at[r], self.last[flow])
-            k += 1
-        self.count[flow] = k
+                raise ScheduleError(f"rank {src} sends {sa} where rank {dst} receives {ra}: their orders differ")
+            met = max(st, rt, last)
+            self.waits += ((src, max(st, last), met), (dst, max(rt, last), met))
+            last = matched[sa] = matched[ra] = met + self.comm
+            done_at[src], done_at[dst] = max(done_at[src], last), max(done_at[dst], last)
+        self.last[flow], self.count[flow] = last, ready
 
     def unmatched(self) -> list[str]:
-        return [f"rank {flow[1] if side == 'SEND' else flow[2]} {a}" for (flow, side), ops in self.posted.items()
-                for a, _ in ops[self.count.get(flow, 0):]]
+        return [f"rank {flow[1 + side]} {a}" for flow, both in self.posted.items() for side in (0, 1)
+                for a, _ in both[side][self.count.get(flow, 0):]]
 
 
 def validate(tables: list[list[Action]], pp: int, v: int, m: int) -> None:
@@ -140,12 +136,14 @@ def simulate(tables: list[list[Action]], pp: int, cost: dict | None = None, comm
                 if isinstance(item, list):
                     streams.post(r, item, clock[r])
                 else:
-                    need = [a for a in _needs(item, S, set()) if a.kind.startswith("RECV")]
-                    times = [streams.matched.get(a) for a in need]
-                    if any(t is None for t in times):
-                        break
+                    need = recv_for(item, S)  # the one receive a compute may wait for
+                    start = clock[r]
+                    if need is not None:
+                        if need not in streams.matched:
+                            break
+                        start = max(start, streams.matched[need])
                     c = cost.get((item.kind, item.stage), cost[item.kind])
-                    clock[r] = max([clock[r], *times]) + c
+                    clock[r] = start + c
                     busy[r] += c
                     computing[r].append((clock[r] - c, clock[r]))
                     if item.kind == "F":

@@ -84,7 +84,7 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
         for r in range(pp):
             while len(starts[r]) < len(orders[r]):
                 a = orders[r][len(starts[r])]
-                need = _recv_for(a, S)
+                need = recv_for(a, S)
                 if need is not None and need not in sent:
                     break
                 starts[r].append(max(clock[r], sent[need]) if need is not None else clock[r])
@@ -96,11 +96,13 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
         waiting = ", ".join(f"rank {r} at {orders[r][len(starts[r])]}" for r in range(pp)
                             if len(starts[r]) < len(orders[r]))
         raise ScheduleError(f"the compute orders deadlock: {waiting} wait for data never computed")
+    mine: list[list] = [[] for _ in range(pp)]  # each rank's receives (when sent, order sent, receive)
+    for k, (recv, t) in enumerate(sent.items()):
+        mine[rank_of(recv.stage, pp)].append((t, k, recv))
     lowered: list[list[Action]] = [[] for _ in range(pp)]
     for r in range(pp):
         at: dict = {}  # compute index -> the receives posted before it, in the order their data is sent
-        mine = [(t, k, recv) for k, (recv, t) in enumerate(sent.items()) if rank_of(recv.stage, pp) == r]
-        for t, _, recv in sorted(mine):
+        for t, _, recv in sorted(mine[r]):
             i = bisect.bisect_left(starts[r], t)  # the first compute starting once the data is sent
             running = orders[r][i - 1] if i else None
             if running and t - starts[r][i - 1] < starts[r][i - 1] + cost.get((running.kind, running.stage),
@@ -115,7 +117,8 @@ def lower(orders: list[list[Action]], pp: int, v: int, cost: dict | None = None)
     return lowered
 
 
-def _recv_for(a: Action, S: int) -> Action | None:
+def recv_for(a: Action, S: int) -> Action | None:
+    """The receive whose data compute action `a` waits for (None: it needs none), of S stages."""
     if a.kind == "F" and a.stage > 0:
         return Action("RECV_F", a.stage, a.mb)
     if a.kind in ("B", "I") and a.stage < S - 1:
