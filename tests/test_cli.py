@@ -2,8 +2,10 @@
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -149,9 +151,9 @@ def test_a_rank_started_without_torchrun_prints_its_own_bad_input(tmp_path, monk
     assert said not in capsys.readouterr().err and said in (tmp_path / "error.json").read_text()
 
 
-def _one_rank_of_two(tmp_path, rank: int, timeout_s: int):
+def _one_rank_of_two(tmp_path, rank: int, timeout_s: int, port: int | None = None):
     """(the port, the finished process) of `rank` of a world of 2 started by hand, its peer never."""
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0"}
     return port, subprocess.run([sys.executable, "-m", "shardlm", "train", "tiny", "--parallel.dp", "2",
@@ -180,6 +182,23 @@ def test_a_rank_started_before_rank_0_waits_quietly_and_names_the_store_it_could
             "serves it") in done.stderr, done.stderr
     # One client's retries (torch's rendezvous, as many as the machine's speed allows), none of a beat's
     assert done.stderr.count("(try=0,") <= 1, done.stderr
+
+
+def test_a_rank_whose_store_port_holds_a_silent_listener_stops_at_the_timeout_naming_it(tmp_path):
+    """Something else at MASTER_PORT that accepts connections and never answers (a stopped process of an earlier
+    job still holding the port): torch's store client waits on it forever, whatever parallel.timeout_s, and rank
+    1 waited in silence (its rendezvous, its heartbeat, and its farewell on a config error). It now stops at the
+    timeout with one line naming the address."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel completes the connections; nothing ever reads or answers them
+        start = time.monotonic()
+        port, done = _one_rank_of_two(tmp_path, 1, 3, silent.getsockname()[1])
+        took = time.monotonic() - start
+    assert done.returncode == 1
+    assert (f"shardlm train: error: rank 1: 127.0.0.1:{port} accepts connections but did not answer as torch's "
+            "store within 3 s") in done.stderr, done.stderr
+    assert took < 60, took
 
 
 def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_path, monkeypatch, capsys):

@@ -255,6 +255,29 @@ def test_the_heartbeat_names_a_killed_peer_at_once_and_a_peer_that_stopped_on_it
         me.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_farewell_and_a_report_end_where_something_silent_holds_the_store_port():
+    """Something at the store's address that accepts connections and never answers (a stopped process of an
+    earlier job still holding the port): torch's store client waits there forever whatever its timeout, so a
+    rank's farewell on its own error (a bad config, before any rendezvous), its beats and its report of a failed
+    collective hung. Each now ends within its own wait."""
+    import socket
+
+    from shardlm.runtime.heartbeat import Heartbeat
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel completes the connections; nothing ever reads or answers them
+        me = Heartbeat(1, 2, "127.0.0.1", silent.getsockname()[1], interval=0.2)
+        try:
+            start = time.monotonic()
+            me.farewell("bad config")  # a client's wait of 2 s
+            assert me.report() == "which one could not be told"  # 5 s
+            assert time.monotonic() - start < 12
+        finally:
+            me.close()
+        assert not me.thread.is_alive()  # its beat did not hang either
+
+
 def test_the_heartbeat_names_where_each_peer_was_when_none_died(tmp_path):
     """A peer alive but stalled (here in a read from a file that never comes, as on a hung filesystem) beats
     on: the report said 'which one could not be told'. A beat now tells where the rank's training thread is in

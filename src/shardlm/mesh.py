@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, RunError, validate
 from .config.views import VIEWS, view_shapes
+from .runtime.store import StoreSilent, store_answers
 
 AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
 # ("dp", "cp", "tp"), ("edp", "tp"), ("cp", "tp"): a mixture of experts under tensor parallelism routes each tp
@@ -355,16 +356,25 @@ def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
                   "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", file=sys.stderr, flush=True)
     if say:
         threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
+    host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), os.environ.get("RANK", "?")
+    unreachable = RunError(f"rank {rank} could not reach the job's store at {host}:{port} within "
+                           f"{timeout.total_seconds():g} s: rank 0 serves it (torchrun's agent, under torchrun) and "
+                           "was not started, or cannot be reached from this host; start every rank with the same "
+                           "MASTER_ADDR and MASTER_PORT")
     try:
+        if rank != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # torch's client would wait forever on something listening there that is not a store
+            if not store_answers(host, port, world, timeout.total_seconds()):
+                raise unreachable
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    except StoreSilent as e:
+        raise RunError(f"rank {rank}: {e}: a stopped or hung process of an earlier job may hold the port, or "
+                       "another service listens there; free it, or set MASTER_PORT to a free port, the same on "
+                       "every rank") from None
     except RuntimeError as e:  # DistStoreError, DistNetworkError
-        if "trying to connect to" not in str(e):
+        if isinstance(e, RunError) or "trying to connect to" not in str(e):
             raise
-        # Otherwise said as a peer that "died or stalled, which one could not be told".
-        raise RunError(f"rank {os.environ.get('RANK', '?')} could not reach the job's store at "
-                       f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout.total_seconds():g} "
-                       "s: rank 0 serves it (torchrun's agent, under torchrun) and was not started, or cannot be "
-                       "reached from this host; start every rank with the same MASTER_ADDR and MASTER_PORT") from None
+        raise unreachable from None  # otherwise said as a peer that "died or stalled, which one could not be told"
     finally:
         done.set()
 

@@ -18,9 +18,8 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
+from .store import StoreSilent, store_client
 
 PREFIX = "shardlm/heartbeat/"  # then torchrun's restart count (an attempt's beats are not its restart's) and the rank
 BEAT_TIMEOUT_S = 2.0  # a beat's wait for the store: what closing may wait for where the store is unreachable
@@ -48,11 +47,8 @@ class Peers:
         return cls(int(os.environ.get("RANK", 0)), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
     def _client(self, seconds: float = 5, probe: bool = False):
-        """A client of the store; `probe`: refused at once where nothing listens yet (a rank started before rank
-        0), where the store's client retries to its timeout and prints screens of C++ frames at each try."""
-        if probe:
-            socket.create_connection((self.host, self.port), timeout=seconds).close()
-        return dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timedelta(seconds=seconds))
+        """A client of the store (runtime/store.py: never hung by something else listening at its address)."""
+        return store_client(self.host, self.port, self.world, seconds, probe)
 
 
     def failed(self) -> list[int]:
@@ -166,7 +162,7 @@ class Heartbeat(Peers):
         return None
 
     def _beat(self) -> None:
-        store, where, since = None, None, 0.0
+        store, where, since, silent = None, None, 0.0, False
         while not self.stop.is_set():
             if self.launcher is not None and os.getppid() != self.launcher:
                 print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
@@ -176,10 +172,13 @@ class Heartbeat(Peers):
             if (here := self._where()) != where:
                 where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
-                store = store or self._client(BEAT_TIMEOUT_S, probe=True)
+                store = store or (None if silent else self._client(BEAT_TIMEOUT_S, probe=True))
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
-                store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
+                if store is not None:
+                    store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
+            except StoreSilent:  # its client is left blocked in a thread: no more of them, one a beat
+                store, silent = None, True
             except Exception:  # noqa: BLE001
                 store = None
             self.stop.wait(self.interval)
