@@ -1108,3 +1108,31 @@ def long_work_past_the_timeout(rank, world, work_s):
         except RunError as e:
             said.append(str(e))
     return said
+
+
+def default_corpus_of_rank_0(rank, world, cache, stuck):
+    """The default corpus (here three small files, rank 0's reads of them 0.4 s apart, or stuck after the
+    first) prepared by rank 0 alone while the others wait, at parallel.timeout_s 1: each rank's prepared
+    directory, or what stopped it."""
+    from pathlib import Path
+
+    import shardlm.data.default as default
+    import shardlm.data.prepare as prepare
+    from shardlm.compat import train_data_dir
+    from shardlm.config import RunError, load_config
+    os.environ["XDG_CACHE_HOME"] = cache
+    files = sorted(Path(os.__file__).parent.glob("json/*.py"))[:3]
+    default.default_sources = lambda: files
+    pieces, read = prepare.iter_pieces, []
+
+    def slow(*args):
+        for piece in pieces(*args):
+            time.sleep(3600 if stuck and read else 0.4)
+            read.append(1)
+            yield piece
+    if rank == 0:
+        prepare.iter_pieces = slow
+    try:
+        return str(train_data_dir(load_config("tiny", {"parallel.timeout_s": "1"})))
+    except RunError as e:
+        return str(e)

@@ -454,7 +454,7 @@ def test_the_default_corpus_leaves_no_partial_copy_behind(tmp_path, monkeypatch)
     cache = default.default_corpus()
     shutil.rmtree(cache)
 
-    def interrupted(files, tokenizer, out, progress):
+    def interrupted(files, tokenizer, out, progress, moved):
         (out / "half").parent.mkdir(parents=True)
         (out / "half").write_bytes(b"x")
         raise KeyboardInterrupt

@@ -1,4 +1,6 @@
 """The multi-process harness itself, the device mesh, and the tensor-parallel layers at degree 2 and 4."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,6 +42,19 @@ def test_peers_wait_for_long_work_past_the_group_timeout_as_long_as_it_moves():
     assert run_distributed(dist_fns.long_work_past_the_timeout, 2, 1.6) == [
         ["picked", "damaged", f"the pick {stuck} (a network filesystem that hangs?)", "all done",
          f"the writes on rank 1 {stuck} (a network filesystem that hangs?)"]] * 2
+
+
+
+def test_the_default_corpus_prepared_by_rank_0_is_waited_for_while_it_moves_and_ends_every_rank_if_stuck(tmp_path):
+    """The other ranks wait for rank 0's preparation of the default corpus; a preparation stuck (a cache on a
+    filesystem that hangs) kept every rank waiting forever, as rank 0's answers kept the group alive. Reads that
+    move take longer than parallel.timeout_s and are waited for; stuck, every rank stops, naming it."""
+    got = run_distributed(dist_fns.default_corpus_of_rank_0, 2, str(tmp_path / "moving"), False)
+    assert got[0] == got[1] and (Path(got[0]) / "index.json").is_file(), got
+    said = ("rank 0's preparation of the default corpus made no progress for 1 s (parallel.timeout_s): a read or "
+            "write that does not return")
+    assert all(r.startswith(said) for r in run_distributed(dist_fns.default_corpus_of_rank_0, 2,
+                                                            str(tmp_path / "stuck"), True)), said
 
 
 def test_mesh_groups_at_world_4():

@@ -363,6 +363,6 @@ def train_data_dir(cfg: Config) -> Path:
         return Path(cfg.data.path)
     from .data.default import default_corpus
     from .runtime.first_rank import first_rank_result
-    # No stall limit: this local work (seconds to a minute) tells the waiting ranks no progress to go by.
-    first_rank_result(lambda moved: default_corpus(progress=True))
+    first_rank_result(lambda moved: default_corpus(progress=True, moved=moved), stall_s=cfg.parallel.timeout_s,
+                      what="rank 0's preparation of the default corpus")
     return default_corpus()  # this node's copy: a node without a shared home prepares its own

@@ -37,8 +37,8 @@ def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
     return files
 
 
-def default_corpus(progress: bool = False) -> Path:
-    """Prepare (once) and return the directory of the default corpus."""
+def default_corpus(progress: bool = False, moved=None) -> Path:
+    """Prepare (once) and return the directory of the default corpus (`moved`: as prepare's)."""
     files = default_sources()
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
@@ -49,7 +49,7 @@ def default_corpus(progress: bool = False) -> Path:
         tmp = cache.with_name(f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         _sweep_stale(cache)
         try:
-            prepare(files, "byte", tmp, progress=progress)
+            prepare(files, "byte", tmp, progress=progress, moved=moved)
             os.rename(tmp, cache)
         except OSError:  # another process won the race: its copy is complete
             if not (cache / INDEX).is_file():

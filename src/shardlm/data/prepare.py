@@ -140,8 +140,20 @@ def _output_dir(out: Path) -> Path:
     return final
 
 
+class _Moving:
+    """A progress bar whose updates also call `moved()` (None: nothing more)."""
+
+    def __init__(self, bar, moved):
+        self.bar, self.moved = bar, moved
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.moved is not None:
+            self.moved()
+
+
 def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, text_field: str,
-           progress: bool) -> dict:
+           progress: bool, moved=None) -> dict:
     dtype = token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, shard_tokens)
     eos = np.asarray([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
@@ -184,7 +196,8 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
         pending, pending_chars = [], 0
 
     # Closed before an error propagates, so the error is the last line the command prints.
-    with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as bar:
+    with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as shown:
+        bar = _Moving(shown, moved)
         try:
             for path in inputs:
                 for text, ends, nbytes in iter_pieces(path, text_field, CHUNK_CHARS):
@@ -231,7 +244,7 @@ def _write_plain_template(out: Path, tok: Tokenizer) -> None:
 
 
 def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, pad_to: int | None,
-                    progress: bool) -> dict:
+                    progress: bool, moved=None) -> dict:
     """Instruction examples (data/instruct.py): token shards and loss-mask shards of the same lengths; with
     `pad_to`, one window of pad_to + 1 tokens per example, never split across shards."""
     from .instruct import InstructError, examples, fit
@@ -241,7 +254,8 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
     count = truncated = trained = inside = untrained = plain_chats = 0
     try:
-        with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as bar:
+        with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as shown:
+            bar = _Moving(shown, moved)
             for path in inputs:
                 for ids, mask, nbytes, plain_chat in examples(path, tok):
                     plain_chats += plain_chat
@@ -314,12 +328,13 @@ def _refuse_repeats(inputs: list[Path]) -> None:
 
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
             shard_tokens: int = 1 << 27, text_field: str | None = None, progress: bool = True,
-            pad_to: int | None = None) -> dict:
+            pad_to: int | None = None, moved=None) -> dict:
     """Tokenize `inputs` into `out`/shard_*.bin + index.json + tokenizer.json; returns the index.
 
     `text_field` (default "text") names the jsonl field or parquet column of plain-text inputs; given where no
     input has one, it is refused. `out` is replaced only by a complete dataset: after any error it holds what it
-    held before.
+    held before. `moved()`, where given, is called as the bytes are read: long work's sign of progress to the
+    ranks waiting for it (runtime/first_rank.py).
     """
     shard_tokens = check_shard_tokens(shard_tokens, "shard_tokens")
     out = Path(out)
@@ -359,8 +374,8 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
         final = _output_dir(out)
         with building(final) as scratch:
             if instruct and all(instruct):
-                return _write_instruct(inputs, tok, scratch, shard_tokens, pad_to, progress)
-            return _write(inputs, tok, scratch, shard_tokens, text_field or "text", progress)
+                return _write_instruct(inputs, tok, scratch, shard_tokens, pad_to, progress, moved)
+            return _write(inputs, tok, scratch, shard_tokens, text_field or "text", progress, moved)
     except (ValueError, OSError) as e:
         final = final or Path(os.path.realpath(out))
         if (final / INDEX).is_file():
