@@ -1111,8 +1111,8 @@ def long_work_past_the_timeout(rank, world, work_s):
 
 
 def default_corpus_of_rank_0(rank, world, cache, stuck):
-    """The default corpus (here three small files, rank 0's reads of them 0.4 s apart, or stuck after the
-    first) prepared by rank 0 alone while the others wait, at parallel.timeout_s 1: each rank's prepared
+    """The default corpus (here three small files, rank 0's reads of them 0.8 s apart, or stuck after the
+    first) prepared by rank 0 alone while the others wait, at parallel.timeout_s 2: each rank's prepared
     directory, or what stopped it."""
     from pathlib import Path
 
@@ -1127,12 +1127,12 @@ def default_corpus_of_rank_0(rank, world, cache, stuck):
 
     def slow(*args):
         for piece in pieces(*args):
-            time.sleep(3600 if stuck and read else 0.4)
+            time.sleep(3600 if stuck and read else 0.8)
             read.append(1)
             yield piece
     if rank == 0:
         prepare.iter_pieces = slow
     try:
-        return str(train_data_dir(load_config("tiny", {"parallel.timeout_s": "1"})))
+        return str(train_data_dir(load_config("tiny", {"parallel.timeout_s": "2"})))
     except RunError as e:
         return str(e)

@@ -38,7 +38,7 @@ def test_peers_wait_for_long_work_past_the_group_timeout_as_long_as_it_moves():
     process group's timeout; a save: each rank writes its shards, the first done waiting for the last. They
     now wait as long as the work, and its error reaches them all; work stuck (a filesystem that hangs), whose
     waits then lasted forever, ends every rank's wait after the stall limit (the group's timeout), named."""
-    stuck = "made no progress for 1 s (parallel.timeout_s): a read or write that does not return"
+    stuck = "made no progress for 2 s (parallel.timeout_s): a read or write that does not return"
     assert run_distributed(dist_fns.long_work_past_the_timeout, 2, 1.6) == [
         ["picked", "damaged", f"the pick {stuck} (a network filesystem that hangs?)", "all done",
          f"the writes on rank 1 {stuck} (a network filesystem that hangs?)"]] * 2
@@ -51,7 +51,7 @@ def test_the_default_corpus_prepared_by_rank_0_is_waited_for_while_it_moves_and_
     move take longer than parallel.timeout_s and are waited for; stuck, every rank stops, naming it."""
     got = run_distributed(dist_fns.default_corpus_of_rank_0, 2, str(tmp_path / "moving"), False)
     assert got[0] == got[1] and (Path(got[0]) / "index.json").is_file(), got
-    said = ("rank 0's preparation of the default corpus made no progress for 1 s (parallel.timeout_s): a read or "
+    said = ("rank 0's preparation of the default corpus made no progress for 2 s (parallel.timeout_s): a read or "
             "write that does not return")
     assert all(r.startswith(said) for r in run_distributed(dist_fns.default_corpus_of_rank_0, 2,
                                                             str(tmp_path / "stuck"), True)), said

@@ -362,7 +362,7 @@ def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
                            "was not started, or cannot be reached from this host; start every rank with the same "
                            "MASTER_ADDR and MASTER_PORT")
     try:
-        if rank != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if int(os.environ.get("RANK", 0)) != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # torch's client would wait forever on something listening there that is not a store
             if not store_answers(host, port, world, timeout.total_seconds()):
                 raise unreachable

@@ -162,7 +162,7 @@ class Heartbeat(Peers):
         return None
 
     def _beat(self) -> None:
-        store, where, since, silent = None, None, 0.0, False
+        store, where, since, waiting = None, None, 0.0, None
         while not self.stop.is_set():
             if self.launcher is not None and os.getppid() != self.launcher:
                 print(f"shardlm: the launcher (pid {self.launcher}) has gone: stopping after this step, saved",
@@ -172,13 +172,15 @@ class Heartbeat(Peers):
             if (here := self._where()) != where:
                 where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
-                store = store or (None if silent else self._client(BEAT_TIMEOUT_S, probe=True))
+                if waiting is not None and not waiting.is_alive():  # an unanswered client's wait has ended
+                    waiting = None
+                store = store or (self._client(BEAT_TIMEOUT_S, probe=True) if waiting is None else None)
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
                 if store is not None:
                     store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
-            except StoreSilent:  # its client is left blocked in a thread: no more of them, one a beat
-                store, silent = None, True
+            except StoreSilent as e:  # its client is left waiting in a thread: no other until that one ends
+                store, waiting = None, e.thread
             except Exception:  # noqa: BLE001
                 store = None
             self.stop.wait(self.interval)

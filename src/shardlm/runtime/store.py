@@ -4,7 +4,9 @@ MASTER_ADDR:MASTER_PORT for the rendezvous, the heartbeats and the farewells.
 torch's client connects, then waits for the store's answer to a ping with no limit, whatever its timeout: where
 something else accepts connections at that address and never answers (a stopped or hung process of an earlier
 job still holding the port, another service), every rank but the first waited there forever, in silence. The
-client is made in a thread here and given up after its own timeout (torch's c10d, 2.11-2.13)."""
+client is made in a thread here and given up after its own timeout (torch's c10d, 2.11-2.13). The thread is left
+blocked in its read (a daemon, which the process's exit ends; a listener that resets the connection while this
+process exits may make the exit an abort instead)."""
 from __future__ import annotations
 
 import socket
@@ -18,7 +20,12 @@ ANSWER_S = 30.0  # a live store answers a connected client in milliseconds
 
 
 class StoreSilent(RuntimeError):
-    """Something accepts connections at the store's address but does not answer as torch's store."""
+    """Something accepts connections at the store's address but does not answer as torch's store; `thread` is
+    the client's, still waiting for the answer."""
+
+    def __init__(self, message: str, thread: threading.Thread):
+        super().__init__(message)
+        self.thread = thread
 
 
 def store_client(host: str, port: int, world: int, seconds: float, probe: bool = False):
@@ -40,7 +47,7 @@ def store_client(host: str, port: int, world: int, seconds: float, probe: bool =
     thread.join(seconds + 1.0)  # left blocked where it hangs: a daemon, which the process's exit ends
     if thread.is_alive():
         raise StoreSilent(f"{host}:{port} accepts connections but did not answer as torch's store within "
-                          f"{seconds:.0f} s")
+                          f"{seconds:.0f} s", thread)
     if "error" in made:
         raise made["error"]
     return made["store"]
