@@ -873,7 +873,8 @@ def test_exact_dispatch_is_charged_at_its_load_budget():
     """The exact dispatch's experts are charged at their worst load (plan/memory.py's expert_loads): every
     token copy of the ep group on one rank, ep balanced loads, or past parallel.ep_load_budget its checkpointed
     chunks (parallel/expert_chunks.py): every layer keeps the arrived rows, and one chunk's intermediates (the
-    budget's) exist at a time. The padded blocks hold ep loads at any routing; at a balanced load every layout
+    budget's) exist at a time; but a load of the budget itself runs whole, keeping everything, and was charged
+    less than a balanced load. The padded blocks hold ep loads at any routing; at a balanced load every layout
     holds one."""
     m = load_config("moe-1b").model
     w = Workload(2048, 4, 16)
@@ -886,7 +887,10 @@ def test_exact_dispatch_is_charged_at_its_load_budget():
     one = per_layer(1, "auto", 2.0)
     assert per_layer(4, "exact", 2.0, balanced=True) == one == per_layer(4, "padded", 2.0, balanced=True)
     arrived = act * copies * 4 * m.hidden_size  # ep 4: every copy of the group on one rank, its input rows
-    assert per_layer(4, "exact", 2.0) - one == per_layer(4, "exact", 3.0) - one == pytest.approx(arrived - row)
+    for budget in (2.0, 3.0):  # the budget's loads whole outweigh the arrived rows of wide experts
+        assert budget * row > arrived
+        assert per_layer(4, "exact", budget) - one == pytest.approx((budget - 1) * row)
+        assert per_layer(4, "exact", budget) > per_layer(4, "exact", budget, balanced=True)
     chunk = act * copies * 3 * m.moe_ffn_size  # one balanced load's up (2f gated) and activation
     for budget, transient in ((2.0, 2 * chunk), (3.0, 3 * chunk), (4.0, 0.0), (0.0, 0.0)):
         layout = Layout(dp=4, ep=4, ep_dispatch="exact", ep_load_budget=budget)

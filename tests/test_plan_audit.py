@@ -91,3 +91,36 @@ def test_a_search_names_what_cp_asks_of_the_sequence_and_heads(capsys, args, say
     --gpus", where the same plan without --search names the sequence length cp must divide."""
     got = cli_proc(capsys, "plan", "--model", "tiny", "--gpus", 2, "--cp", 2, "--search", *map(str, args))
     assert got.returncode == 2 and says in got.stderr, got.stdout + got.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, said", [
+    (("--arch", "llama", "--layers", 4, "--hidden", 300, "--heads", 4, "--vocab", 1000),
+     "the model: model head size 75 must be even for rotary embeddings"),
+    (("--arch", "llama", "--layers", 4, "--hidden", 512, "--heads", 8, "--kv-heads", 3, "--vocab", 1000),
+     "the model: model.num_heads = 8 is not divisible by model.num_kv_heads = 3"),
+    (("--arch", "gpt", "--layers", 4, "--hidden", 512, "--heads", 8, "--experts", 4, "--vocab", 1000),
+     "the model: model.num_experts = 4 needs model.arch = 'llama'"),
+    (("--model", "HF0"), "the Hugging Face config's num_attention_heads = 0 must be positive")])
+def test_a_model_train_refuses_is_refused_by_the_plan_too(capsys, tmp_path, args, said):
+    """The planner never validated the model: a head size of 75, key/value heads not dividing the heads, GPT-2
+    experts were planned without a word, and a config.json with 0 heads ended in a ZeroDivisionError."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 0,
+        "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 128}))
+    got = cli_proc(capsys, "plan", *(tmp_path if a == "HF0" else a for a in args))
+    assert got.returncode == 2 and said in got.stderr, got.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_search_over_a_batch_no_run_takes_is_refused_at_once_and_inference_on_one_gpu_is_planned(capsys):
+    """--search --global-batch 1e12 tried every divisor one by one and simulated pipelines of millions of
+    micro-batches (it ran for minutes); --model tiny at 4.2M said to try a larger batch. --inference --gpus 1,
+    one GPU as asked, was refused as tensor-parallel serving. --params beside --lora-rank or --offload printed
+    the paper's full states without a word."""
+    got = cli_proc(capsys, "plan", "--model", "llama2-7b", "--search", "--gpus", 8, "--global-batch", 10**12)
+    assert got.returncode == 2 and "is over 65,536 micro-batches a step on each rank" in got.stderr, got.stderr
+    assert "lower it (to 33,554,432 at most here)" in got.stderr
+    assert cli_proc(capsys, "plan", "--model", "tiny", "--inference", "--gpus", 1).returncode == 0
+    got = cli_proc(capsys, "plan", "--params", "7e9", "--lora-rank", 16, "--offload", "optimizer")
+    assert got.returncode == 2 and "--lora-rank, --offload need the model's shape" in got.stderr, got.stderr

@@ -77,6 +77,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     except (TypeError, ValueError) as e:  # "hidden_size": "64", "rope_parameters": [...]: arithmetic on it failed
         raise ConfigError(f"the Hugging Face config holds a value of the wrong type ({e}): fix config.json, or "
                           "download or save the model again") from None
+    except ZeroDivisionError:  # the head size is hidden_size // num_attention_heads
+        raise ConfigError(f"the Hugging Face config's num_attention_heads = {hf.get('num_attention_heads')!r} must be "
+                          "positive: fix config.json, or download or save the model again") from None
     # Every value as the TOML path checks it (ConfigError naming the key): "num_hidden_layers": null or
     # "rms_norm_eps": "x" once reached the model's build and ended there in a traceback.
     typed = Config()

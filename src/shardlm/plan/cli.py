@@ -290,8 +290,8 @@ def nothing_fits(a, scored: int, gpus: int) -> str:
     if not scored:
         return (f"no layout of {gpus} GPUs is valid for this model and batch: dp x tp x pp{' x cp' if a.cp > 1 else ''} "
                 f"must be {gpus}, tp divide the attention and key/value heads within a node, pp the layers, "
-                "--global-batch must be a multiple of dp, and a pipeline needs at least pp micro-batches a step: try a "
-                "larger --global-batch or fewer --gpus")
+                "--global-batch must be a multiple of dp, and a pipeline needs at least pp micro-batches a step (and "
+                "a rank at most 65,536): try a larger --global-batch or fewer --gpus")
     fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
         (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
     tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]

@@ -74,7 +74,10 @@ def check_flags(a) -> None:
                         "into a TOML file for --model)")
     if a.params:  # each was read as nothing: --tp 2 printed the whole model's states on each GPU, --search dp 1
         unread = [f for f, on in (("--tp", a.tp > 1), ("--pp", a.pp > 1), ("--ep", a.ep > 1), ("--search", a.search),
-                                  ("--largest", a.largest), ("--freeze", a.freeze)) if on]
+                                  ("--largest", a.largest), ("--freeze", a.freeze), ("--lora-rank", a.lora_rank),
+                                  ("--quantize", a.quantize != "none"), ("--offload", a.offload != "none"),
+                                  ("--recompute", a.recompute != "none"), ("--precision", a.precision != "bf16"))
+                  if on]
         if unread:
             raise PlanError(f"--params gives the ZeRO paper's model states over --dp (x --cp) replicas of the whole "
                             f"model, and {', '.join(unread)} need{'s' if len(unread) == 1 else ''} the model's shape: "
@@ -129,7 +132,7 @@ def check_inference_flags(a, model: ModelConfig, defaults) -> int:
     if a.largest:
         raise PlanError("--largest finds the largest model a training layout fits; --inference plans serving: give "
                         "one of them")
-    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, a.gpus is not None), ("tp", a.tp, a.tp > 1)) if on]
+    parallel = [f"--{n} {v}" for n, v, on in (("gpus", a.gpus, (a.gpus or 1) > 1), ("tp", a.tp, a.tp > 1)) if on]
     if parallel:
         raise PlanError(f"{' '.join(parallel)}: --inference plans one GPU holding the whole model; tensor-parallel "
                         "serving (serve or generate --tp N) holds about 1/N of the weights on each GPU, which it "

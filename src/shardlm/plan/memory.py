@@ -217,11 +217,14 @@ def activation_per_layer(m: ModelConfig, w: Workload, L: Layout, balanced: bool 
             mlp = s * b * (3 * f if m.arch != "gpt2" else 2 * f) / t  # up (2f gated) and activation
             if m.num_experts:  # each token copy's input row and up (2f gated) and activation in its expert,
                 # at the worst load a rank's experts hold (expert_loads), plus each token's routing. Past the
-                # budget a layer keeps the arrived rows alone (its chunks' intermediates: expert_chunk_bytes).
+                # budget a layer keeps the arrived rows alone (its chunks' intermediates: expert_chunk_bytes);
+                # a load of the budget itself runs whole, keeping everything: the worse of the two.
                 held, arrived, _ = (1, 1, "") if balanced else expert_loads(m, L)
                 up, down = frozen_expert_inputs(m, L)  # frozen projections keep no input for their weight
                 f_e = m.moe_ffn_size
-                kept = arrived * h if held < arrived else held * (2 * f_e + (1 - down) * f_e + (1 - up) * h)
+                kept = held * (2 * f_e + (1 - down) * f_e + (1 - up) * h)
+                if held < arrived:
+                    kept = max(kept, arrived * h)
                 mlp = s * b * m.top_k / t * kept + s * b * m.num_experts * m.top_k / t
             per = act * (norms + attn + mlp)
             if L.attention == "standard" and L.recompute != "selective" and not (L.cp > 1 and L.cp_comm == "p2p"):

@@ -7,13 +7,25 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import ConfigError, LoRAConfig, ModelConfig, load_config
+from ..config import Config, ConfigError, LoRAConfig, ModelConfig, TrainConfig, load_config, validate
 from .layout import PlanError
 
 SEQ = 2048  # --seq's default, where the model's context holds it
 
 
 def model_from_args(a) -> ModelConfig:
+    """The model to plan (--model, or --arch and its shape flags, with --experts/--top-k), refused as `shardlm
+    train` refuses it: a head size of 75 or none, key/value heads not dividing the heads, GPT-2 with grouped-query
+    attention, a negative size were planned without a word, or ended in a ZeroDivisionError."""
+    model = _model_from_args(a)
+    try:  # the model's own checks, beside train's defaults elsewhere (the layout is the planner's to check)
+        validate(Config(model=model, train=TrainConfig(seq_len=max(1, min(TrainConfig.seq_len, model.max_seq_len)))))
+    except ConfigError as e:
+        raise PlanError(f"the model: {e}") from None
+    return model
+
+
+def _model_from_args(a) -> ModelConfig:
     if a.model:
         path = Path(a.model)
         if path.is_dir() or path.suffix == ".json":

@@ -14,13 +14,18 @@ from dataclasses import replace
 from itertools import product
 
 from ..config import BLOCK_RECOMPUTE, ModelConfig
+from ..config.checks import MAX_ACCUM
 from . import Estimate, HEADROOM, estimate
 from .hardware import GPU
 from .layout import Layout, PlanError, Workload, check
 
 
+MAX_MICRO = 64  # sequences a micro-batch the search tries at most
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def expert_degrees(m: ModelConfig, dp: int, cp: int) -> list[int]:
@@ -43,7 +48,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
             if w.global_batch % dp:
                 continue
             for ep, micro in product(expert_degrees(m, dp, cp), divisors(w.global_batch // dp)):
-                if micro > 64:
+                if micro > MAX_MICRO or w.global_batch // (dp * micro) > MAX_ACCUM:  # train refuses the latter
                     continue
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for sp in ((False, True) if tp > 1 else (False,)):
@@ -77,6 +82,10 @@ def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, b
     # What cp asks of the sequence and the heads holds at every tp and pp searched: named, as a plan without
     # --search names it, not left to read as no valid layout at all.
     check(m, Workload(w.seq, 1, 1), Layout(cp=base.cp, cp_comm=base.cp_comm))
+    if w.global_batch > MAX_ACCUM * MAX_MICRO * gpus:  # not one layout valid: said before trying millions
+        raise PlanError(f"--global-batch {w.global_batch:,} is over {MAX_ACCUM:,} micro-batches a step on each rank "
+                        f"even at dp {gpus} and {MAX_MICRO} sequences a micro-batch, more than any run takes: lower "
+                        f"it (to {MAX_ACCUM * MAX_MICRO * gpus:,} at most here)")
     fitting, scored, rejected = [], 0, 0
     for work, layout in layouts(m, w, gpus, gpus_per_node, base):
         try:
