@@ -76,6 +76,11 @@ def test_the_planner_sizes_a_sharded_checkpoint_and_a_slow_one_is_warned_of_at_s
     lora = load_config("llama2-7b", {"lora.rank": "16"})
     whole, per_rank = save_bytes(lora.model, Layout.from_config(lora))
     assert whole == 12 * lora.lora.adapter_count(lora.model) + 4 * lora.model.num_params() == per_rank
+    # Frozen experts split over ep: each ep rank writes its block (planned as written by every rank whole)
+    moe = load_config("mixtral-8x7b", {"parallel.dp": "8", "parallel.ep": "8", "parallel.zero_stage": "3",
+                                       "train.freeze": "experts,router"})
+    whole, per_rank = save_bytes(moe.model, Layout.from_config(moe))
+    assert per_rank == pytest.approx(whole / 8, rel=0.01)  # beside them, the routers (4 MB) on every rank
     assert grace_warning(cfg) is None  # 9.4 GB a rank at 6/8 GB/s: 13 s
     said = grace_warning(load_config("llama2-7b", {}), disk_bw=1e9)  # 81 GB at 1 GB/s
     assert said is not None and "81 s" in said and "train.save_every" in said

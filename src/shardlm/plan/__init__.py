@@ -102,8 +102,13 @@ def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
     """(the whole, the most one rank writes) of a sharded checkpoint (parallel/sharded_state.py): every trained
     parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
     elements it owns), and a LoRA run's frozen base (or train.freeze's parameters) in fp32, written by the ranks
-    of the first data replica."""
+    of the first data replica: its routed experts by the first of their edp ranks, each ep rank its block (whole on
+    every tp rank: the first writes)."""
     held = layout_frozen(m, L)
-    frozen = m.num_params() if L.lora.rank else held.total if held is not None else 0
+    if L.lora.rank:
+        frozen, experts = m.num_params(), m.param_counts()["expert_per_layer"] * m.moe_layers()
+    else:
+        frozen, experts = (held.total, sum(held.experts)) if held is not None else (0, 0)
     trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params() - frozen
-    return 12 * trained + 4 * frozen, 12 * trained / L.gpus + 4 * frozen / (L.pp * L.tp)
+    per_rank = 12 * trained / L.gpus + 4 * (frozen - experts) / (L.pp * L.tp) + 4 * experts / (L.pp * L.ep)
+    return 12 * trained + 4 * frozen, per_rank
