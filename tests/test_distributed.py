@@ -38,13 +38,13 @@ def test_peers_wait_for_long_work_past_the_group_timeout_as_long_as_it_moves():
     process group's timeout; a save: each rank writes its shards, the first done waiting for the last. They
     now wait as long as the work, and its error reaches them all; work stuck (a filesystem that hangs), whose
     waits then lasted forever, ends every rank's wait after the stall limit (the group's timeout), named."""
-    stuck = "made no progress for 2 s (parallel.timeout_s): a read or write that does not return"
+    stuck = "made no progress for 1 s (parallel.timeout_s): a read or write that does not return"
     assert run_distributed(dist_fns.long_work_past_the_timeout, 2, 1.6) == [
         ["picked", "damaged", f"the pick {stuck} (a network filesystem that hangs?)", "all done",
          f"the writes on rank 1 {stuck} (a network filesystem that hangs?)"]] * 2
 
 
-
+@pytest.mark.timeout(60)
 def test_the_default_corpus_prepared_by_rank_0_is_waited_for_while_it_moves_and_ends_every_rank_if_stuck(tmp_path):
     """The other ranks wait for rank 0's preparation of the default corpus; a preparation stuck (a cache on a
     filesystem that hangs) kept every rank waiting forever, as rank 0's answers kept the group alive. Reads that

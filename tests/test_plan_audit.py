@@ -124,3 +124,12 @@ def test_a_search_over_a_batch_no_run_takes_is_refused_at_once_and_inference_on_
     assert cli_proc(capsys, "plan", "--model", "tiny", "--inference", "--gpus", 1).returncode == 0
     got = cli_proc(capsys, "plan", "--params", "7e9", "--lora-rank", 16, "--offload", "optimizer")
     assert got.returncode == 2 and "--lora-rank, --offload need the model's shape" in got.stderr, got.stderr
+
+
+@pytest.mark.timeout(60)
+def test_expert_dispatch_flags_on_a_dense_model_are_refused(capsys):
+    """--ep-dispatch exact and --ep-load-budget 4 beside a dense model were planned without a word, where train
+    refuses their keys on a dense model."""
+    got = cli_proc(capsys, "plan", "--model", "llama2-7b", "--ep-dispatch", "exact", "--ep-load-budget", 4)
+    assert got.returncode == 2 and ("--ep-dispatch exact, --ep-load-budget 4 apply to a mixture of experts, and "
+                                    "this model is dense") in got.stderr, got.stderr

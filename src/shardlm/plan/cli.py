@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..config import ModelConfig, ParallelConfig
 from . import CUDA_CONTEXT, HEADROOM, Layout, PlanError, Workload, estimate, gpu, paper_model_states
 from .flags import RUN_FLAGS, check_flags, check_inference_flags, unplanned_settings
 from .hardware import GPUS, parse_bytes
@@ -68,10 +68,10 @@ def parser() -> argparse.ArgumentParser:
                      help="with --offload optimizer at dp 1: the CPU update beside the next forward (exact)")
     lay.add_argument("--cp-comm", default="a2a", choices=("a2a", "p2p"),
                      help="with --cp: Ulysses' all-to-all of heads (a2a) or ring attention (p2p)")
-    lay.add_argument("--ep-dispatch", default="auto", choices=("auto", "padded", "exact"),
+    lay.add_argument("--ep-dispatch", default=ParallelConfig.ep_dispatch, choices=("auto", "padded", "exact"),
                      help="with --ep: rows sent in fixed-size blocks (padded: ep times a balanced load's memory and "
                           "bytes, no host sync) or by exact counts; auto: padded at ep 2")
-    lay.add_argument("--ep-load-budget", type=float, default=2.0,
+    lay.add_argument("--ep-load-budget", type=float, default=ParallelConfig.ep_load_budget,
                      help="with --ep and exact counts: the most rows a rank's experts take in one pass, in balanced "
                           "loads; past it they run in recomputed chunks (planned at it); 0: no chunks")
     lay.add_argument("--sp", action="store_true")
@@ -288,10 +288,10 @@ def nothing_fits(a, scored: int, gpus: int) -> str:
     micro-batch itself (and refuses --zero), so naming those sent users round in a circle. None scored: no layout
     was valid at all, which more GPUs (the advice for memory) only makes worse."""
     if not scored:
-        return (f"no layout of {gpus} GPUs is valid for this model and batch: dp x tp x pp{' x cp' if a.cp > 1 else ''} "
-                f"must be {gpus}, tp divide the attention and key/value heads within a node, pp the layers, "
-                "--global-batch must be a multiple of dp, and a pipeline needs at least pp micro-batches a step (and "
-                "a rank at most 65,536): try a larger --global-batch or fewer --gpus")
+        return (f"no layout of {gpus} GPU{'s' if gpus > 1 else ''} is valid for this model and batch: dp x tp x "
+                f"pp{' x cp' if a.cp > 1 else ''} must be {gpus}, tp divide the attention and key/value heads within "
+                "a node, pp the layers, --global-batch must be a multiple of dp, and a pipeline needs at least pp "
+                "micro-batches a step (and a rank at most 65,536): try a larger --global-batch or fewer --gpus")
     fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
         (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
     tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]

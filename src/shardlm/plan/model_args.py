@@ -7,7 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import Config, ConfigError, LoRAConfig, ModelConfig, TrainConfig, load_config, validate
+from ..config import (Config, ConfigError, LoRAConfig, ModelConfig, ParallelConfig, TrainConfig, load_config,
+                      validate)
 from .layout import PlanError
 
 SEQ = 2048  # --seq's default, where the model's context holds it
@@ -70,6 +71,13 @@ def with_experts(cfg: ModelConfig, a) -> ModelConfig:
     """The model with --experts and --top-k where given, each alone: --top-k alone was ignored, --experts reset a
     preset's top-k to 2, and --experts 0 left a preset's experts in place (0 read as not given)."""
     experts = cfg.num_experts if a.experts is None else a.experts
+    moe_only = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+                for flag, value, given in (("--ep-dispatch", a.ep_dispatch, a.ep_dispatch != ParallelConfig.ep_dispatch),
+                                           ("--ep-load-budget", a.ep_load_budget,
+                                            a.ep_load_budget != ParallelConfig.ep_load_budget)) if given]
+    if not experts and moe_only:  # train refuses their keys on a dense model (config/expert_checks.py)
+        verb = "apply" if len(moe_only) > 1 else "applies"
+        raise PlanError(f"{', '.join(moe_only)} {verb} to a mixture of experts, and this model is dense")
     if not experts and a.top_k is not None:
         raise PlanError(f"--top-k {a.top_k} applies to a mixture of experts, and this model is dense: give --experts "
                         "too")
