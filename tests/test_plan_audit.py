@@ -18,7 +18,7 @@ def test_an_infinite_gpu_figure_is_refused(capsys, flag, value):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [("--hbm-bw", "1e-300", "--tokens", "1e10"),
+@pytest.mark.parametrize("args", [("--hbm-bw", "1e-300B/s", "--tokens", "1e10"),
                                   ("--tokens", "1e300", "--price-per-gpu-hour", "1e300")])
 def test_json_never_holds_infinity_or_nan(capsys, args):
     """Out-of-range figures overflowed into train_days Infinity and cost NaN, which json.dumps writes as bare
@@ -133,3 +133,11 @@ def test_expert_dispatch_flags_on_a_dense_model_are_refused(capsys):
     got = cli_proc(capsys, "plan", "--model", "llama2-7b", "--ep-dispatch", "exact", "--ep-load-budget", 4)
     assert got.returncode == 2 and ("--ep-dispatch exact, --ep-load-budget 4 apply to a mixture of experts, and "
                                     "this model is dense") in got.stderr, got.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_size_without_a_unit_is_not_read_as_bytes(capsys):
+    """--gpu-memory 80 was planned as 80 bytes: 'of 0.00 GiB (DOES NOT FIT)'."""
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--gpu-memory", "80")
+    assert got.returncode == 2 and "--gpu-memory '80' has no unit and is read as 80 bytes" in got.stderr, got.stderr
+    assert cli_proc(capsys, "plan", "--model", "tiny", "--gpu-memory", "8e10").returncode == 0

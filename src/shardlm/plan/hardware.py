@@ -61,6 +61,9 @@ def parse_bytes(text: str, flag: str = "") -> float:
     if not (value > 0 and math.isfinite(value)):  # inf (or 1e400) planned NaN requests and Infinity tokens/s
         raise ValueError(f"{flag + ' ' if flag else ''}{text!r} is not a positive, finite size (e.g. 80GiB, 3.35TB/s, "
                          "1e12)")
+    if number == t and value < 2**20:  # `--gpu-memory 80` was planned as 80 bytes: "0.00 GiB, DOES NOT FIT"
+        raise ValueError(f"{flag + ' ' if flag else ''}{text!r} has no unit and is read as {value:g} bytes: give "
+                         "one (e.g. 80GiB, 80GB, 3.35TB/s)")
     return value
 
 
