@@ -356,13 +356,13 @@ def rendezvous(backend: str, timeout: timedelta, world: int, say: bool) -> None:
                   "with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", file=sys.stderr, flush=True)
     if say:
         threading.Thread(target=waiting, name="shardlm-rendezvous", daemon=True).start()
-    host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), os.environ.get("RANK", "?")
+    host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ.get("RANK", 0))
     unreachable = RunError(f"rank {rank} could not reach the job's store at {host}:{port} within "
                            f"{timeout.total_seconds():g} s: rank 0 serves it (torchrun's agent, under torchrun) and "
                            "was not started, or cannot be reached from this host; start every rank with the same "
                            "MASTER_ADDR and MASTER_PORT")
     try:
-        if int(os.environ.get("RANK", 0)) != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # torch's client would wait forever on something listening there that is not a store
             if not store_answers(host, port, world, timeout.total_seconds()):
                 raise unreachable

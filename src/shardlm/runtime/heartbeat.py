@@ -172,14 +172,13 @@ class Heartbeat(Peers):
             if (here := self._where()) != where:
                 where, since = here, time.time()
             try:  # the store may come up after this process, or go with its host: keep trying
-                if waiting is not None and not waiting.is_alive():  # an unanswered client's wait has ended
-                    waiting = None
-                store = store or (self._client(BEAT_TIMEOUT_S, probe=True) if waiting is None else None)
+                if store is None and (waiting is None or not waiting.is_alive()):  # one unanswered client at most
+                    store = self._client(BEAT_TIMEOUT_S, probe=True)
                 # After a tab, which no host name holds: since when the training thread is where it is.
                 at = f"\t{since!r} {where}" if where else ""
                 if store is not None:
                     store.set(f"{PREFIX}{self.attempt}/{self.rank}", f"{time.time()!r} {self.me}{at}")
-            except StoreSilent as e:  # its client is left waiting in a thread: no other until that one ends
+            except StoreSilent as e:  # its client is left waiting in a thread
                 store, waiting = None, e.thread
             except Exception:  # noqa: BLE001
                 store = None
