@@ -219,6 +219,23 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in the second the `shardlm` command spends importing torch, before main() could catch it, printed a
+    traceback through torch's modules."""
+    import sys
+    import types
+
+    from shardlm.__main__ import run
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+    monkeypatch.setitem(sys.modules, "shardlm.cli", Importing("shardlm.cli"))
+    capsys.readouterr()
+    assert run() == 130
+    assert capsys.readouterr().err.strip() == "shardlm: interrupted (Ctrl-C)"
+
+
 def test_export_shows_its_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
     """A 7B export is minutes of checksumming the checkpoint, then of writing: it ran without a word until
     'exported'. On a terminal each phase has its bar, one at a time, each ending at its total; a file or a pipe

@@ -106,3 +106,53 @@ def test_a_seed_that_overflows_for_a_later_line_is_named_before_the_model(model_
     ok = cli_proc(capsys, command, "--model", model_dir, *args[:-1], str(2**63 - 2), "--max-new-tokens", "2",
                   *(["--overwrite"] if command == "generate" else []))
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_output_through_a_link_or_to_a_device_keeps_what_it_names(model_dir, tmp_path, capsys):
+    """--output a link: its file replaced (with --overwrite), the link kept; a link to /dev/null (or /dev/null
+    itself, /dev/stdout, a fifo): written as it is. Both were replaced by a regular file holding the completions."""
+    import os
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"prompt": "b"})
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("the old completions\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(mine)
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", link, "--max-new-tokens", "2",
+                 "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and os.readlink(link) == str(mine)
+    assert [json.loads(line)["prompt"] for line in mine.read_text().splitlines()] == ["a", "b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "link.jsonl", "mine.jsonl"]  # no partial left
+    if not os.path.exists(os.devnull):
+        return
+    null = tmp_path / "null.jsonl"
+    null.symlink_to(os.devnull)
+    r = cli_proc(capsys, "generate", "--model", model_dir, "--input", src, "--output", null, "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert null.is_symlink() and os.readlink(null) == os.devnull
+
+
+@pytest.mark.timeout(120)
+def test_eval_json_writes_an_overflowing_perplexity_as_null(model_dir, tmp_path, capsys):
+    """A diverged model's loss past 709.78 nats a token: its perplexity overflows a double, which json.dumps wrote
+    as Infinity, a token strict JSON parsers refuse."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (huge / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 1e5  # logits of about 1e4: losses far past 709
+    save_file(tensors, huge / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "text.txt").write_text(TEXT[:400])
+    r = cli_proc(capsys, "eval", "--model", huge, "--data", tmp_path / "text.txt", "--seq-len", "32", "--json")
+    assert r.returncode == 0, r.stderr
+
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+    got = json.loads(r.stdout, parse_constant=refuse)
+    assert got["loss"] > 709.79 and got["perplexity"] is None, got
+    assert torch.isfinite(torch.tensor(got["loss"]))

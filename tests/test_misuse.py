@@ -138,6 +138,15 @@ CASES = [
     ("sample-prompt-too-long", ["train", "tiny", "--train.sample_tokens", "8", "--train.sample_prompt", "x" * 200,
                                 "--out", "{new}"], "train.sample_prompt is 200 tokens, which leaves no room", 2),
     # other tools' ways of giving a config
+    ("config-not-utf8", ["train", "{notutf8}", "--out", "{new}"],
+     "notutf8.toml: not UTF-8 text, as TOML must be (byte 23: invalid continuation byte)", 2),
+    # a scaling without its type was read as unscaled RoPE, the factor never applied
+    ("rope-scaling-no-type", ["train", "tiny", "--model.rope_scaling", '{{"factor": 2}}', "--out", "{new}"],
+     "model.rope_scaling sets factor but no rope_type, so nothing would read it: add rope_type ('linear', 'llama3')",
+     2),
+    # the rotary table is built for every position: out of memory, blaming train.seq_len
+    ("max-seq-len-huge", ["train", "tiny", "--data.path", "{data}", "--model.max_seq_len", str(10**11), "--out",
+                          "{new}"], "model.max_seq_len = 100,000,000,000 needs about 23,841.9 GiB for the rotary", 2),
     ("override-without-dashes", ["train", "tiny", "train.steps=2", "--out", "{new}"],
      "'train.steps=2': an override is written with two dashes: --train.steps=2", 2),
     ("config-flag", ["train", "--config", "tiny", "--out", "{new}"], "--config: the config is the first argument", 2),
@@ -363,6 +372,15 @@ CASES = [
      "--max-new-tokens -1 must not be negative", 2),
     ("generate-nan-temperature", ["generate", "--model", "{exp}", "--prompt", "x", "--temperature", "nan"],
      "--temperature nan must be a finite number", 2),
+    # beyond float32 and int64, as the engine holds them: once a traceback after the model had loaded
+    ("generate-huge-temperature", ["generate", "--model", "{exp}", "--prompt", "x", "--temperature", "1e39"],
+     "--temperature 1e+39 must be a finite number in [0, 3.403e+38]", 2),
+    ("generate-huge-top-k", ["generate", "--model", "{exp}", "--prompt", "x", "--temperature", "1", "--top-k",
+                             str(10**23)], f"--top-k {10**23} must not be negative (0: every token) and fit in 64", 2),
+    ("generate-line-huge-temperature", ["generate", "--model", "{exp}", "--input", "{line_hotter}", "--output",
+                                        "{new}.jsonl"], "line_hotter.jsonl:1: temperature = 1e+39 exceeds 3.403e+38", 2),
+    ("generate-template-raises", ["generate", "--model", "{raising}", "--input", "{chats}", "--output", "{new}.jsonl"],
+     "chats.jsonl:2: the model's chat template fails on a conversation: no system turn here", 2),  # its line named
     ("generate-huge-seed", ["generate", "--model", "{exp}", "--prompt", "x", "--seed", str(10**30)],
      "does not fit in 64 bits", 2),
     ("generate-max-batch", ["generate", "--model", "{exp}", "--prompt", "x", "--max-batch", "0"],
@@ -467,7 +485,7 @@ BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
              "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
-             "line_cold": {"prompt": "a", "temperature": -1}, "line_top_p": {"prompt": "a", "top_p": 1.5},
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_hotter": {"prompt": "a", "temperature": 1e39}, "line_top_p": {"prompt": "a", "top_p": 1.5},
              "line_surrogate": {"prompt": "a\ud800", "completion": "b"}}  # written as the escape \ud800
 
 
@@ -521,6 +539,8 @@ def world(tmp_path_factory):
     p["toplevel"].write_text("steps = 2\n[model]\nnum_layers = 1\n")
     p["listfreeze"] = root / "listfreeze.toml"  # a TOML list where the key takes one comma-separated string
     p["listfreeze"].write_text('[train]\nfreeze = ["router", "experts"]\n')
+    p["notutf8"] = root / "notutf8.toml"  # Latin-1, say
+    p["notutf8"].write_bytes(b"[train]\nsteps = 2\n# caf\xe9\n")
     p["nofield"] = root / "nofield.jsonl"
     p["nofield"].write_text(json.dumps({"body": "text"}) + "\n")
     for name, line in BAD_LINES.items():
@@ -577,6 +597,14 @@ def world(tmp_path_factory):
     p["sharedmoe"] = root / "sharedmoe"  # a mixture of experts with a shared expert and no qkv biases: no HF class
     ok("train", "mixtral-tiny", *QUIET, "--train.steps", "1", "--data.path", p["data"], "--out", p["sharedmoe"],
        "--model.shared_expert_ffn_hidden_size", "32")
+    p["raising"] = root / "raising"  # a chat template that refuses a conversation, as templates on the Hub do
+    shutil.copytree(p["exp"], p["raising"])
+    (p["raising"] / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turn here') }}{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    p["chats"] = root / "chats.jsonl"
+    p["chats"].write_text("".join(json.dumps({"messages": turns}) + "\n" for turns in (
+        [{"role": "user", "content": "hi"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])))
     p["nostate"] = root / "nostate"  # a run whose only checkpoint lost its state.json
     shutil.copytree(p["run"], p["nostate"])
     (p["nostate"] / "checkpoints" / "step_00000002" / "state.json").unlink()

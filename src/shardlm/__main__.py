@@ -1,6 +1,15 @@
-"""`python -m shardlm` (and `torchrun ... -m shardlm train ...`)."""
+"""`python -m shardlm` (and `torchrun ... -m shardlm train ...`), and the `shardlm` command's entry point."""
 import sys
 
-from .cli import main
 
-sys.exit(main())
+def run() -> int:
+    try:
+        from .cli import main  # imports torch: about a second
+    except KeyboardInterrupt:  # Ctrl-C then printed a traceback through torch's modules
+        print("shardlm: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

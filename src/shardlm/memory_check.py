@@ -28,6 +28,7 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
         raise ConfigError(f"the model ({cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
                           f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
                           f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+    _check_rope_table(cfg.model, device, any_rank, free)
     _check_activations(cfg, device, any_rank, mem, free)
     # Offload's host memory: every rank of this node takes its share of the same RAM.
     host, local = host_bytes(cfg.model, layout, work), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -44,6 +45,19 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
                           f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                           f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
                           f"(parallel.dp, parallel.cp), or use a host with more memory{disk}")
+
+
+def _check_rope_table(m, device: torch.device, any_rank, free: int | None) -> None:
+    """Refuse a rotary table that cannot fit: it is built for every position up to model.max_seq_len, which a
+    typo can make 10**11, and the out-of-memory error that followed blamed train.seq_len."""
+    # positions x head_dim float32s, about four such tensors alive at once while cos and sin are taken
+    need = 16 * m.max_seq_len * m.head_size if m.arch != "gpt2" else 0
+    short = free is not None and need > free
+    if any_rank(short):
+        where = f"{device} has {free / 2**30:,.1f} GiB free" if short else "another rank's device has less free"
+        raise ConfigError(f"model.max_seq_len = {m.max_seq_len:,} needs about {need / 2**30:,.1f} GiB for the rotary "
+                          f"position table built for every position, and {where}: lower model.max_seq_len to the "
+                          "longest sequence the model is to see")
 
 
 def _check_activations(cfg, device: torch.device, any_rank, mem, free: int | None) -> None:

@@ -77,6 +77,11 @@ def check_rope_scaling(scaling: dict) -> None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_KEYS:
         raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
+    unread = sorted(k for k in scaling if k not in ("rope_type", "type"))
+    if kind == "default" and unread:  # {"factor": 2} was taken as unscaled RoPE, its factor never applied
+        raise ConfigError(f"model.rope_scaling sets {', '.join(unread)} but no rope_type, so nothing would read "
+                          f"{'them' if len(unread) > 1 else 'it'}: add rope_type "
+                          f"({', '.join(repr(k) for k in ROPE_KEYS if k != 'default')}), or leave rope_scaling out")
     missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
     if missing:
         raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "

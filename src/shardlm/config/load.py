@@ -236,6 +236,8 @@ def load_config(source: str | None = None, overrides: dict[str, Any] | None = No
             apply_overrides(cfg, _flatten(tomllib.load(f), str(path)))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte {e.start}: {e.reason})") from None
     apply_overrides(cfg, overrides or {})
     return cfg
 

@@ -93,11 +93,12 @@ def _refuse_unused(a, tasks: list[str]) -> None:
 
 def _check_sampling(a) -> None:
     """Each sampling flag refused on its own, by name."""
+    from .sampler import MAX_TEMPERATURE
     for flag, value, ok, rule in (
             ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0, "must not be negative"),
-            ("--temperature", a.temperature, math.isfinite(a.temperature) and a.temperature >= 0,
-             "must be a finite number, not negative (0 is greedy)"),
-            ("--top-k", a.top_k, a.top_k >= 0, "must not be negative (0: every token)"),
+            ("--temperature", a.temperature, 0 <= a.temperature <= MAX_TEMPERATURE,
+             f"must be a finite number in [0, {MAX_TEMPERATURE:.4g}] (0 is greedy)"),
+            ("--top-k", a.top_k, 0 <= a.top_k < INT64, "must not be negative (0: every token) and fit in 64 bits"),
             ("--top-p", a.top_p, 0 < a.top_p <= 1, "is in (0, 1]"),
             ("--seed", a.seed, -INT64 <= a.seed < INT64, "does not fit in 64 bits")):
         if not ok:
@@ -204,8 +205,8 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
     _sampling_args(p)
     p.set_defaults(**dict.fromkeys(SAMPLING))  # told apart from not given: the loss task refuses them
-    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}, or the text '
-                   'tasks\' scores with "examples" and "completions"')
+    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} (perplexity null '
+                   'past a double\'s range), or the text tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
     from ..text_metrics import loss_text, parse_tasks, read_examples, require_scorers
     tasks = parse_tasks(a.tasks)
@@ -243,7 +244,9 @@ def cmd_eval(argv: list[str]) -> int:
             if bar is not None:
                 bar.close()
         if a.main:
-            print(json.dumps(r) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
+            # JSON has no infinity: a perplexity past a double's range (a diverged model) is written null
+            strict = {**r, "perplexity": r["perplexity"] if math.isfinite(r["perplexity"]) else None}
+            print(json.dumps(strict) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
         return 0
     from ..generation_config import stop_ids_of
@@ -284,11 +287,14 @@ def _chat_template(tok, source: str):
 def _chat_ids(tok, turns: list[dict], source: str) -> list[int]:
     """A held-out chat's turns before its answer, rendered as training and serve render them."""
     from . import prompt_ids
+    from ..data.instruct import InstructError
     chat = _chat_template(tok, source)
     import jinja2
     try:
         return prompt_ids(tok, chat(turns), opened=True)
-    except jinja2.TemplateError as e:  # a traceback, where data prepare names the line of a chat it fails on
+    # a traceback, where data prepare names the line of a chat it fails on; the template's own raise_exception
+    # (InstructError) named no line
+    except (jinja2.TemplateError, InstructError) as e:
         raise ConfigError(f"{source}: the model's chat template fails on a conversation: {e}") from None
 
 
@@ -350,7 +356,7 @@ def cmd_generate(argv: list[str]) -> int:
     from ..parallel.tensor import tensor_parallel_group
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
     asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
-             _chat_ids(tok, r["messages"], f"--input {a.input}") for r in rows]
+             _chat_ids(tok, r["messages"], r["where"]) for r in rows]
     requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
                 for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):

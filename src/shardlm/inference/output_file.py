@@ -18,8 +18,11 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     (.NAME.partial, which a crash leaves), so that a crash does not cost the old one too."""
     bar, start = progress(len(requests), "generate", "requests", main), time.perf_counter()
     written = 0
-    replacing = main and out.exists()
-    target = out.with_name(f".{out.name}.partial") if replacing else out
+    # Through a link, the file it names is replaced (the link kept); a device or a pipe (/dev/stdout, a fifo) is
+    # written as it is: replacing it would put a file where it was.
+    real = Path(os.path.realpath(out))
+    replacing = main and real.is_file()
+    target = real.with_name(f".{real.name}.partial") if replacing else out
     try:
         with open(target if main else os.devnull, "w", encoding="utf-8") as f:
             def flush():
@@ -41,7 +44,7 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
             engine.run(requests, advance)
             flush()
         if replacing:
-            os.replace(target, out)
+            os.replace(target, real)
     finally:
         bar.close()
     if main:

@@ -61,7 +61,7 @@ def _line_number(where: str, obj: dict, key: str, default: float) -> float:
 def read_requests(path: Path, a) -> list[dict]:
     """The lines of a --input file, checked before the model loads: each a dict of prompt and settings."""
     from ..data.jsonl import JSON_KINDS, objects
-    from .sampler import SamplingParams
+    from .sampler import MAX_TEMPERATURE, SamplingParams
     input_file(path, "--input")
     rows = []
     for where, obj, _ in objects(path, ConfigError, " with a prompt"):
@@ -90,6 +90,8 @@ def read_requests(path: Path, a) -> list[dict]:
         # Each named alone: SamplingParams' own message lists every setting, the valid ones too.
         if temperature < 0:
             raise ConfigError(f"{where}: temperature = {temperature:g} must not be negative (0 is greedy)")
+        if temperature > MAX_TEMPERATURE:  # the engine holds it in float32
+            raise ConfigError(f"{where}: temperature = {temperature:g} exceeds {MAX_TEMPERATURE:.4g}, float32's largest")
         if not 0 < top_p <= 1:
             raise ConfigError(f"{where}: top_p = {top_p:g} must be in (0, 1] (1: no nucleus cut)")
         top_k = _line_integer(where, obj, "top_k", a.top_k)
@@ -143,7 +145,12 @@ def check_output(out: Path, src: Path, overwrite: bool) -> None:
     if out.exists() and out.samefile(src):
         raise ConfigError(f"--output {out} is the --input file: the completions would replace the prompts; name "
                           "another file")
-    parent = out.absolute().parent
+    if out.exists() and not out.is_file():  # a device or a pipe (/dev/null, /dev/stdout, a fifo): written as it is
+        if not os.access(out, os.W_OK):
+            raise ConfigError(f"--output {out} cannot be written: permission denied")
+        return
+    real = Path(os.path.realpath(out))  # through a link, the file it names is the one replaced
+    parent = real.parent
     if not parent.is_dir():
         raise ConfigError(f"--output {out}: its directory {parent} "
                           f"{'is not a directory' if parent.exists() else 'does not exist'}")
@@ -153,7 +160,7 @@ def check_output(out: Path, src: Path, overwrite: bool) -> None:
     # loaded and the prompts have been decoding. Probed with a file of its own beside `out`, never `out`
     # itself: every rank of `--tp` checks at once, and one rank's probe must not be another's `out`.
     try:
-        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{real.name}.")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: the engine holds temperatures in float32
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,9 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
-            raise ValueError(f"temperature ({self.temperature}) and top_k ({self.top_k}) must not be negative "
-                             f"and top_p ({self.top_p}) must lie in (0, 1]")
+        if not (0 <= self.temperature <= MAX_TEMPERATURE and self.top_k >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"temperature ({self.temperature}) must lie in [0, {MAX_TEMPERATURE:.4g}], top_k "
+                             f"({self.top_k}) must not be negative and top_p ({self.top_p}) must lie in (0, 1]")
 
     @property
     def greedy(self) -> bool:
