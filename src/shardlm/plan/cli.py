@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("work")
     w.add_argument("--seq", type=int, default=None,
                    help=f"tokens per sequence (default: {SEQ}, or the model's max_seq_len where that is shorter)")
-    w.add_argument("--micro-batch", type=int, default=1)
+    w.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences a micro-batch (default: 1; with --search, every one that divides the batch)")
     w.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x dp")
     w.add_argument("--tokens", type=float, default=0.0,
                    help="total training tokens (for train_flops, train_days, gpu_hours)")
@@ -189,7 +190,8 @@ def run(argv: list[str]) -> int:
         return search_layouts(a, model, layout, g)
     if a.largest:
         return largest_model(a, model, layout, g)
-    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * dp, a.tokens)
+    micro = a.micro_batch or 1
+    work = Workload(a.seq, micro, a.global_batch or micro * dp, a.tokens)
     if a.model and Path(a.model).suffix == ".toml" and Path(a.model).is_file():
         planned = {**{f: getattr(layout, f) for f in RUN_FLAGS.values() if hasattr(layout, f)},
                    "seq": work.seq, "micro_batch": work.micro_batch, "global_batch": work.global_batch,
@@ -259,9 +261,9 @@ def model_states(a, g, dp: int, note: str) -> int:
 def search_layouts(a, model: ModelConfig, layout: Layout, g) -> int:
     from .search import search, why
     gpus = a.gpus or layout.gpus
-    batch = a.global_batch or a.micro_batch * gpus
-    best, scored, rejected, headroom = search(model, Workload(a.seq, a.micro_batch, batch, a.tokens), g, gpus,
-                                              a.gpus_per_node, layout, a.top, a.price_per_gpu_hour)
+    batch = a.global_batch or (a.micro_batch or 1) * gpus
+    best, scored, rejected, headroom = search(model, Workload(a.seq, a.micro_batch or 1, batch, a.tokens), g, gpus,
+                                              a.gpus_per_node, layout, a.top, a.price_per_gpu_hour, a.micro_batch)
     if a.json:
         print(dumps([{"layout": asdict(L), "micro_batch": w.micro_batch, **e.to_dict()} for e, w, L in best]))
         if not best:  # a bare [] said nothing of why
@@ -291,18 +293,24 @@ def nothing_fits(a, scored: int, gpus: int) -> str:
         return (f"no layout of {gpus} GPU{'s' if gpus > 1 else ''} is valid for this model and batch: dp x tp x "
                 f"pp{' x cp' if a.cp > 1 else ''} must be {gpus}, tp divide the attention and key/value heads within "
                 "a node, pp the layers, --global-batch must be a multiple of dp, and a pipeline needs at least pp "
-                "micro-batches a step (and a rank at most 65,536): try a larger --global-batch or fewer --gpus")
+                "micro-batches a step (and a rank at most 65,536)"
+                f"{f', and --micro-batch {a.micro_batch} divide its share of the batch' if a.micro_batch else ''}: "
+                "try a larger --global-batch or fewer --gpus")
     fixes = ["more --gpus"] + (["--offload optimizer"] if a.offload == "none" else []) + \
-        (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else [])
+        (["LoRA (--lora-rank 16)"] if not a.lora_rank else []) + (["a shorter --seq"] if a.seq > 1024 else []) + \
+        ([f"a --micro-batch under {a.micro_batch} (or none: the search tries each)"]
+         if (a.micro_batch or 1) > 1 else [])
     tries = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
-    return (f"nothing fits: none of the {scored} layouts searched (every ZeRO stage, recomputation and micro-batch) "
+    micro = f"at --micro-batch {a.micro_batch}" if a.micro_batch else "and micro-batch"
+    return (f"nothing fits: none of the {scored} layouts searched (every ZeRO stage, recomputation {micro}) "
             f"fits; try {tries}")
 
 
 def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
     from .search import largest
     host = parse_bytes(a.host_memory, "--host-memory") if a.host_memory else None
-    work = Workload(a.seq, a.micro_batch, a.global_batch or a.micro_batch * layout.dp)
+    micro = a.micro_batch or 1
+    work = Workload(a.seq, micro, a.global_batch or micro * layout.dp)
     found = largest(base, work, layout, g, host, a.gpus_per_node)
     if found is None:
         print(f"no model of this shape fits {g.name} with this layout")

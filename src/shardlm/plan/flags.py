@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from .layout import PlanError
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")  # a model's shape, with --arch
-AT_LEAST_ONE = ("dp", "global_batch", "top", *SHAPE, "top_k")
+AT_LEAST_ONE = ("dp", "micro_batch", "global_batch", "top", *SHAPE, "top_k")
 FINITE = ("tokens", "price_per_gpu_hour", "params")
 
 

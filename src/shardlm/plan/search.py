@@ -35,7 +35,8 @@ def expert_degrees(m: ModelConfig, dp: int, cp: int) -> list[int]:
     return divisors(math.gcd(m.num_experts, dp * cp))
 
 
-def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout):
+def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: Layout, micro_batch: int | None = None):
+    """Every valid layout with its micro-batch (`micro_batch`: that one only, where it divides a replica's batch)."""
     cp = base.cp  # context parallelism is searched over only where asked for (--cp): it pays for long sequences
     for tp in divisors(min(gpus // cp, gpus_per_node)):
         # ring attention (p2p) keeps the heads whole: only Ulysses needs cp to divide them
@@ -47,7 +48,9 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
             dp = gpus // (tp * pp * cp)
             if w.global_batch % dp:
                 continue
-            for ep, micro in product(expert_degrees(m, dp, cp), divisors(w.global_batch // dp)):
+            micros = divisors(w.global_batch // dp) if micro_batch is None else \
+                [micro_batch] if (w.global_batch // dp) % micro_batch == 0 else []
+            for ep, micro in product(expert_degrees(m, dp, cp), micros):
                 if micro > MAX_MICRO or w.global_batch // (dp * micro) > MAX_ACCUM:  # train refuses the latter
                     continue
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
@@ -74,8 +77,9 @@ def why(e: Estimate, L: Layout, best: Estimate | None) -> str:
 
 
 def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, base: Layout = Layout(),
-           top: int = 5, price_per_gpu_hour: float = 0.0):
-    """(ranked fitting (estimate, workload, layout) triples, number scored, number that did not fit)."""
+           top: int = 5, price_per_gpu_hour: float = 0.0, micro_batch: int | None = None):
+    """(ranked fitting (estimate, workload, layout) triples, number scored, number that did not fit); every
+    micro-batch dividing a replica's batch tried, or `micro_batch` only."""
     if gpus % base.cp:
         raise PlanError(f"--gpus {gpus} is not a multiple of --cp {base.cp}: the search spreads dp x tp x pp over "
                         "the GPUs cp leaves")
@@ -87,7 +91,7 @@ def search(m: ModelConfig, w: Workload, g: GPU, gpus: int, gpus_per_node: int, b
                         f"even at dp {gpus} and {MAX_MICRO} sequences a micro-batch, more than any run takes: lower "
                         f"it (to {MAX_ACCUM * MAX_MICRO * gpus:,} at most here)")
     fitting, scored, rejected = [], 0, 0
-    for work, layout in layouts(m, w, gpus, gpus_per_node, base):
+    for work, layout in layouts(m, w, gpus, gpus_per_node, base, micro_batch):
         try:
             e = estimate(m, work, layout, g, gpus_per_node, gpus, price_per_gpu_hour=price_per_gpu_hour)
         except PlanError:
