@@ -98,9 +98,10 @@ def test_a_search_names_what_cp_asks_of_the_sequence_and_heads(capsys, args, say
     (("--arch", "llama", "--layers", 4, "--hidden", 300, "--heads", 4, "--vocab", 1000),
      "the model: model head size 75 must be even for rotary embeddings"),
     (("--arch", "llama", "--layers", 4, "--hidden", 512, "--heads", 8, "--kv-heads", 3, "--vocab", 1000),
-     "the model: model.num_heads = 8 is not divisible by model.num_kv_heads = 3"),
+     "the model: --heads 8 is not divisible by --kv-heads 3"),  # the flags typed, not config keys
     (("--arch", "gpt", "--layers", 4, "--hidden", 512, "--heads", 8, "--experts", 4, "--vocab", 1000),
-     "the model: model.num_experts = 4 needs model.arch = 'llama'"),
+     "the model: --experts 4 needs model.arch = 'llama'"),
+    (("--model", "mixtral-tiny", "--top-k", 9), "the model: --top-k 9 must be between 1 and the 4 experts"),
     (("--model", "HF0"), "the Hugging Face config's num_attention_heads = 0 must be positive")])
 def test_a_model_train_refuses_is_refused_by_the_plan_too(capsys, tmp_path, args, said):
     """The planner never validated the model: a head size of 75, key/value heads not dividing the heads, GPT-2

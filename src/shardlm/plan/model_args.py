@@ -4,6 +4,7 @@ LoRA settings that go with it."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,8 +23,24 @@ def model_from_args(a) -> ModelConfig:
     try:  # the model's own checks, beside train's defaults elsewhere (the layout is the planner's to check)
         validate(Config(model=model, train=TrainConfig(seq_len=max(1, min(TrainConfig.seq_len, model.max_seq_len)))))
     except ConfigError as e:
-        raise PlanError(f"the model: {e}") from None
+        raise PlanError(f"the model: {_as_flags(str(e), a)}") from None
     return model
+
+
+# The config keys plan's flags set: a refusal of a value the user typed names the flag, not a key never written.
+FLAG_OF = {"num_layers": "layers", "hidden_size": "hidden", "num_heads": "heads", "num_kv_heads": "kv_heads",
+           "ffn_hidden_size": "ffn", "vocab_size": "vocab", "num_experts": "experts", "top_k": "top_k"}
+
+
+def _as_flags(message: str, a) -> str:
+    """`message` with each `model.KEY = VALUE` (or `model.KEY`) that a flag of this command gave written as that
+    flag: `--top-k 9 must be between 1 and the 4 experts`, not `model.top_k = 9 ...`."""
+    def flag(match):
+        name = FLAG_OF.get(match.group(1))
+        if name is None or getattr(a, name, None) is None:  # from --model's config: its key is the right name
+            return match.group(0)
+        return f"--{name.replace('_', '-')}" + (" " if match.group(2) else "")
+    return re.sub(r"model\.(\w+)( = )?", flag, message)
 
 
 def _model_from_args(a) -> ModelConfig:
