@@ -220,8 +220,8 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_leaves_no_output(tmp_p
 
 
 def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
-    """Ctrl-C in the second the `shardlm` command spends importing torch, before main() could catch it, printed a
-    traceback through torch's modules."""
+    """Ctrl-C in the tenths of a second the `shardlm` command spends importing its CLI, before main() could catch
+    it, printed a traceback through the config's modules."""
     import sys
     import types
 

@@ -134,9 +134,10 @@ def test_an_output_through_a_link_or_to_a_device_keeps_what_it_names(model_dir, 
 
 
 @pytest.mark.timeout(120)
-def test_eval_json_writes_an_overflowing_perplexity_as_null(model_dir, tmp_path, capsys):
-    """A diverged model's loss past 709.78 nats a token: its perplexity overflows a double, which json.dumps wrote
-    as Infinity, a token strict JSON parsers refuse."""
+@pytest.mark.parametrize("weights", ["huge", "nan"])
+def test_eval_json_writes_what_is_not_a_finite_number_as_null(model_dir, tmp_path, capsys, weights):
+    """A diverged model: a loss past 709.78 nats a token overflows the perplexity, NaN logits make both NaN, which
+    json.dumps wrote as Infinity and NaN, tokens strict JSON parsers refuse."""
     import torch
     from safetensors.torch import load_file, save_file
     huge = tmp_path / "huge"
@@ -145,7 +146,8 @@ def test_eval_json_writes_an_overflowing_perplexity_as_null(model_dir, tmp_path,
         if f.is_file() and f.suffix != ".safetensors":
             (huge / f.name).write_bytes(f.read_bytes())
     tensors = load_file(model_dir / "model.safetensors")
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 1e5  # logits of about 1e4: losses far past 709
+    # logits of about 1e4: losses far past 709; or NaN logits
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * (1e5 if weights == "huge" else float("nan"))
     save_file(tensors, huge / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "text.txt").write_text(TEXT[:400])
     r = cli_proc(capsys, "eval", "--model", huge, "--data", tmp_path / "text.txt", "--seq-len", "32", "--json")
@@ -154,5 +156,31 @@ def test_eval_json_writes_an_overflowing_perplexity_as_null(model_dir, tmp_path,
     def refuse(token):
         raise AssertionError(f"{token} is not JSON")
     got = json.loads(r.stdout, parse_constant=refuse)
-    assert got["loss"] > 709.79 and got["perplexity"] is None, got
-    assert torch.isfinite(torch.tensor(got["loss"]))
+    assert got["perplexity"] is None and got["tokens"] > 0, got
+    if weights == "huge":
+        assert got["loss"] > 709.79 and torch.isfinite(torch.tensor(got["loss"]))
+    else:
+        assert got["loss"] is None
+
+
+@pytest.mark.timeout(120)
+def test_output_to_dev_stdout_redirected_to_a_file_appends_to_it(model_dir, tmp_path):
+    """`--output /dev/stdout >> log`: /dev/stdout resolves to the log, a regular file, which was refused as existing
+    and, with --overwrite, replaced (unlinking the file the shell had open); it is appended to."""
+    import os
+    import subprocess
+    import sys
+    if not os.path.exists("/dev/stdout"):
+        pytest.skip("no /dev/stdout")
+    src = _lines(tmp_path / "in.jsonl", {"prompt": "a"}, {"prompt": "b"})
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"earlier": 1}\n')
+    inode = log.stat().st_ino
+    with open(log, "a") as out:
+        proc = subprocess.run([sys.executable, "-m", "shardlm", "generate", "--model", str(model_dir), "--input",
+                               str(src), "--output", "/dev/stdout", "--max-new-tokens", "2"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[0] == {"earlier": 1} and [x["prompt"] for x in lines[1:]] == ["a", "b"], lines
+    assert log.stat().st_ino == inode

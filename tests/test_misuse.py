@@ -142,8 +142,11 @@ CASES = [
      "notutf8.toml: not UTF-8 text, as TOML must be (byte 23: invalid continuation byte)", 2),
     # a scaling without its type was read as unscaled RoPE, the factor never applied
     ("rope-scaling-no-type", ["train", "tiny", "--model.rope_scaling", '{{"factor": 2}}', "--out", "{new}"],
-     "model.rope_scaling sets factor but no rope_type, so nothing would read it: add rope_type ('linear', 'llama3')",
+     "model.rope_scaling sets factor but no rope_type, so nothing would read it: give rope_type ('linear', 'llama3')",
      2),
+    ("rope-scaling-default-theta", ["train", "tiny", "--model.rope_scaling", '{{"rope_type": "default", "rope_theta": '
+                                    '5e5}}', "--out", "{new}"], "model.rope_scaling sets rope_theta, which rope_type "
+     "'default' does not read (the base is model.rope_theta)", 2),
     # the rotary table is built for every position: out of memory, blaming train.seq_len
     ("max-seq-len-huge", ["train", "tiny", "--data.path", "{data}", "--model.max_seq_len", str(10**11), "--out",
                           "{new}"], "model.max_seq_len = 100,000,000,000 needs about 23,841.9 GiB for the rotary", 2),
@@ -379,6 +382,8 @@ CASES = [
                              str(10**23)], f"--top-k {10**23} must not be negative (0: every token) and fit in 64", 2),
     ("generate-line-huge-temperature", ["generate", "--model", "{exp}", "--input", "{line_hotter}", "--output",
                                         "{new}.jsonl"], "line_hotter.jsonl:1: temperature = 1e+39 exceeds 3.403e+38", 2),
+    ("generate-line-huge-integer", ["generate", "--model", "{exp}", "--input", "{line_huge_int}", "--output",
+                                    "{new}.jsonl"], "must be a number within a double's range", 2),  # OverflowError
     ("generate-template-raises", ["generate", "--model", "{raising}", "--input", "{chats}", "--output", "{new}.jsonl"],
      "chats.jsonl:2: the model's chat template fails on a conversation: no system turn here", 2),  # its line named
     ("generate-huge-seed", ["generate", "--model", "{exp}", "--prompt", "x", "--seed", str(10**30)],
@@ -485,7 +490,8 @@ BAD_LINES = {"line_max_tokens": {"prompt": "a", "max_tokens": 3}, "line_typo": {
              "line_fraction": {"prompt": "a", "max_new_tokens": 2.7},
              "line_bool": {"prompt": "a", "max_new_tokens": True}, "line_string": {"prompt": "a", "top_k": "x"},
              "line_hot": {"prompt": "a", "temperature": "hot"}, "line_prompt": {"prompt": 5},
-             "line_cold": {"prompt": "a", "temperature": -1}, "line_hotter": {"prompt": "a", "temperature": 1e39}, "line_top_p": {"prompt": "a", "top_p": 1.5},
+             "line_cold": {"prompt": "a", "temperature": -1}, "line_hotter": {"prompt": "a", "temperature": 1e39},
+             "line_huge_int": {"prompt": "a", "top_p": 10**400}, "line_top_p": {"prompt": "a", "top_p": 1.5},
              "line_surrogate": {"prompt": "a\ud800", "completion": "b"}}  # written as the escape \ud800
 
 

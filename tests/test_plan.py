@@ -485,6 +485,8 @@ def test_search_keeps_a_micro_batch_it_is_given(capsys):
     given = json.loads(cli_here(capsys, *args, "--micro-batch", 4))
     assert given and {r["micro_batch"] for r in given} == {4}
     assert {r["micro_batch"] for r in json.loads(cli_here(capsys, *args))} == {1, 2, 4, 8, 16}
+    big = json.loads(cli_here(capsys, *args[:6], "--global-batch", 256, *args[8:], "--micro-batch", 128))
+    assert big and {r["micro_batch"] for r in big} == {128}  # past the 64 the search tries of itself
     none = run_cli(*args[:-2], "--micro-batch", 3, check=False)
     assert none.stdout.strip() == "[]" and "--micro-batch 3 divide its share of the batch" in none.stderr
 

@@ -4,8 +4,8 @@ import sys
 
 def run() -> int:
     try:
-        from .cli import main  # imports torch: about a second
-    except KeyboardInterrupt:  # Ctrl-C then printed a traceback through torch's modules
+        from .cli import main  # the config's modules: a few tenths of a second on a slow machine
+    except KeyboardInterrupt:  # Ctrl-C then printed a traceback through them
         print("shardlm: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     return main()

@@ -52,9 +52,11 @@ def _check_rope_table(m, device: torch.device, any_rank, free: int | None) -> No
     typo can make 10**11, and the out-of-memory error that followed blamed train.seq_len."""
     # positions x head_dim float32s, about four such tensors alive at once while cos and sin are taken
     need = 16 * m.max_seq_len * m.head_size if m.arch != "gpt2" else 0
-    short = free is not None and need > free
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1  # ranks share host memory
+    short = free is not None and need * share > free
     if any_rank(short):
-        where = f"{device} has {free / 2**30:,.1f} GiB free" if short else "another rank's device has less free"
+        where = (f"{device} has {free / 2**30:,.1f} GiB free{f' for {share} ranks' if share > 1 else ''}" if short
+                 else "another rank's device has less free")
         raise ConfigError(f"model.max_seq_len = {m.max_seq_len:,} needs about {need / 2**30:,.1f} GiB for the rotary "
                           f"position table built for every position, and {where}: lower model.max_seq_len to the "
                           "longest sequence the model is to see")

@@ -79,8 +79,11 @@ def check_rope_scaling(scaling: dict) -> None:
         raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
     unread = sorted(k for k in scaling if k not in ("rope_type", "type"))
     if kind == "default" and unread:  # {"factor": 2} was taken as unscaled RoPE, its factor never applied
-        raise ConfigError(f"model.rope_scaling sets {', '.join(unread)} but no rope_type, so nothing would read "
-                          f"{'them' if len(unread) > 1 else 'it'}: add rope_type "
+        them = "them" if len(unread) > 1 else "it"
+        why = (", which rope_type 'default' does not read" if {"rope_type", "type"} & scaling.keys() else
+               f" but no rope_type, so nothing would read {them}")
+        theta = " (the base is model.rope_theta)" if "rope_theta" in unread else ""
+        raise ConfigError(f"model.rope_scaling sets {', '.join(unread)}{why}{theta}: give rope_type "
                           f"({', '.join(repr(k) for k in ROPE_KEYS if k != 'default')}), or leave rope_scaling out")
     missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
     if missing:

@@ -205,8 +205,8 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="windows (loss) or prompts decoded at once")
     _sampling_args(p)
     p.set_defaults(**dict.fromkeys(SAMPLING))  # told apart from not given: the loss task refuses them
-    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} (perplexity null '
-                   'past a double\'s range), or the text tasks\' scores with "examples" and "completions"')
+    p.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} (null where not a '
+                   'finite number), or the text tasks\' scores with "examples" and "completions"')
     a = p.parse_args(argv)
     from ..text_metrics import loss_text, parse_tasks, read_examples, require_scorers
     tasks = parse_tasks(a.tasks)
@@ -244,8 +244,9 @@ def cmd_eval(argv: list[str]) -> int:
             if bar is not None:
                 bar.close()
         if a.main:
-            # JSON has no infinity: a perplexity past a double's range (a diverged model) is written null
-            strict = {**r, "perplexity": r["perplexity"] if math.isfinite(r["perplexity"]) else None}
+            # JSON has no infinity or NaN: a diverged model's loss (NaN logits) or a perplexity past a double's
+            # range is written null
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}
             print(json.dumps(strict) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
         return 0

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..runtime.progress import duration, progress
+from .request_lines import written_in_place
 
 
 def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
@@ -18,13 +19,13 @@ def generate_file(engine, requests, rows, out: Path, main: bool = True) -> int:
     (.NAME.partial, which a crash leaves), so that a crash does not cost the old one too."""
     bar, start = progress(len(requests), "generate", "requests", main), time.perf_counter()
     written = 0
-    # Through a link, the file it names is replaced (the link kept); a device or a pipe (/dev/stdout, a fifo) is
-    # written as it is: replacing it would put a file where it was.
-    real = Path(os.path.realpath(out))
-    replacing = main and real.is_file()
+    # Through a link, the file it names is replaced (the link kept); a device, a pipe or a descriptor is appended
+    # to: replacing it would put a file where it was, or unlink the file a shell redirected stdout to.
+    in_place, real = written_in_place(out), Path(os.path.realpath(out))
+    replacing = main and not in_place and real.is_file()
     target = real.with_name(f".{real.name}.partial") if replacing else out
     try:
-        with open(target if main else os.devnull, "w", encoding="utf-8") as f:
+        with open(target if main else os.devnull, "a" if in_place else "w", encoding="utf-8") as f:
             def flush():
                 nonlocal written
                 while written < len(requests) and requests[written].done:

@@ -53,8 +53,12 @@ def _line_number(where: str, obj: dict, key: str, default: float) -> float:
     value = obj.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number")
+    try:  # an integer of 400 digits overflows a float: math.isfinite raised OverflowError
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise ConfigError(f"{where}: {key} = {json.dumps(value)} must be a number within a double's range")
     return float(value)
 
 
@@ -138,6 +142,13 @@ def check_room(prompt: list[int], new: int, new_from: str, limit: int, where: st
                           f"model's max_seq_len {limit}: {fix}")
 
 
+def written_in_place(out: Path) -> bool:
+    """A device, a pipe or a descriptor (/dev/null, a fifo, /dev/stdout, /dev/fd/N): written where it is and appended
+    to, never replaced by a file. /dev/stdout redirected to a file (`> log`) resolves to that regular file."""
+    return (out.exists() and not out.is_file()) or str(out.absolute()).startswith(
+        ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/"))
+
+
 def check_output(out: Path, src: Path, overwrite: bool) -> None:
     """--output before anything runs: a file to be (re)written, in a directory that exists, and not --input."""
     if out.is_dir():
@@ -145,8 +156,8 @@ def check_output(out: Path, src: Path, overwrite: bool) -> None:
     if out.exists() and out.samefile(src):
         raise ConfigError(f"--output {out} is the --input file: the completions would replace the prompts; name "
                           "another file")
-    if out.exists() and not out.is_file():  # a device or a pipe (/dev/null, /dev/stdout, a fifo): written as it is
-        if not os.access(out, os.W_OK):
+    if written_in_place(out):
+        if out.exists() and not os.access(out, os.W_OK):
             raise ConfigError(f"--output {out} cannot be written: permission denied")
         return
     real = Path(os.path.realpath(out))  # through a link, the file it names is the one replaced

@@ -51,7 +51,8 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
             micros = divisors(w.global_batch // dp) if micro_batch is None else \
                 [micro_batch] if (w.global_batch // dp) % micro_batch == 0 else []
             for ep, micro in product(expert_degrees(m, dp, cp), micros):
-                if micro > MAX_MICRO or w.global_batch // (dp * micro) > MAX_ACCUM:  # train refuses the latter
+                # the cap bounds the micro-batches tried, not one given; train refuses the accumulations' bound
+                if micro_batch is None and micro > MAX_MICRO or w.global_batch // (dp * micro) > MAX_ACCUM:
                     continue
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for sp in ((False, True) if tp > 1 else (False,)):
