@@ -591,6 +591,28 @@ def test_serve_refuses_settings_it_cannot_serve_with_one_line(hf_dir, capsys, mo
     assert message.format(port=port) in err and "\n" not in err, err
 
 
+def test_a_link_local_host_without_its_interface_names_the_host(hf_dir, monkeypatch, capsys):
+    """--host fe80::... (an address `ip addr` shows) without %IFACE fails to bind with EINVAL, which was reported as
+    `--port 8123 on fe80::...: Invalid argument`, the wrong flag and no fix."""
+    import errno
+
+    import shardlm.inference
+    from shardlm.cli import main
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("fe80::1", 0))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            pytest.skip(f"binding fe80::1 here fails otherwise: {e}")
+    else:
+        pytest.skip("fe80::1 binds here")
+    monkeypatch.setattr(shardlm.inference, "load_pretrained", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", "--model", str(hf_dir), "--host", "fe80::1", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--host fe80::1: Invalid argument: a link-local IPv6 address is bound through its interface: give " \
+        "fe80::1%IFACE" in err and "\n" not in err, err
+
+
 def test_serve_counts_its_slots_in_words(hf_dir, monkeypatch, capsys):
     from shardlm.cli import main
     from shardlm.serve import command

@@ -341,3 +341,52 @@ def test_sigterm_with_a_client_that_stopped_reading_exits_0(hf_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client", ["endless", "trickle"])
+def test_a_body_that_never_ends_or_trickles_in_is_answered_in_bounded_time(srv, monkeypatch, client):
+    """A chunked body that never ended was drained for ever, and a byte every 29 s (never 30 s apart) held its
+    request open for ever, a SIGTERM's drain waiting on it too: each is answered once the largest body could have
+    arrived (here the timeout shortened to 1 s): 413 and closed, 408."""
+    import select
+
+    import shardlm.serve.app as app
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(app, "BODY_RATE", 1 << 40)
+    port = int(srv.url.rsplit(":", 1)[1])
+    head = (b"Transfer-Encoding: chunked\r\n" if client == "endless" else b"Content-Length: 100\r\n")
+    chunk = b"x" * 65536
+    got, t0 = b"", time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head + b"\r\n")
+        while not select.select([sock], [], [], 0 if client == "endless" else 0.3)[0]:
+            assert time.monotonic() - t0 < 20, "no answer"
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if client == "endless" else b"x")
+        while len(got) < 12 or b"\r\n\r\n" not in got:
+            got += sock.recv(1 << 16)
+    assert got.startswith(b"HTTP/1.1 413" if client == "endless" else b"HTTP/1.1 408"), got[:200]
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_stop_lists_past_openais_four_and_keys_past_the_misspelling_check_cost_no_one(srv, monkeypatch):
+    """75,000 stop strings were each looked for after every token, slowing the whole batch; 70,000 unknown keys each
+    went through difflib on the event loop (2.5 s). Stop lists are held to OpenAI's 4; a misspelling is still named,
+    and only the first 64 unknown keys are compared."""
+    import difflib
+    compared = []
+    close = difflib.get_close_matches
+    monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: compared.append(a[0]) or close(*a, **k))
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, "stop": list("abcde")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, "stop": list("abcd")}).status_code \
+            == 200
+        r = c.post("/v1/completions", json={"prompt": "To be", "temprature": 0.5})
+        assert r.status_code == 400 and "did you mean 'temperature'" in r.json()["error"]["message"], r.text
+        compared.clear()
+        junk = {f"junk{i}": i for i in range(20_000)}
+        assert c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2, **junk}).status_code == 200
+    assert len(compared) <= 64

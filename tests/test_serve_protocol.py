@@ -186,3 +186,28 @@ def test_a_forced_tool_call_or_audio_is_refused_and_a_wrong_model_comes_first(sr
         for route, body in [("/v1/completions", {"prompt": 5}), ("/v1/chat/completions", {"messages": 5})]:
             r = c.post(route, json={**body, "model": "nope"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (route, r.text)
+
+
+NAMED = "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n{% endfor %}"
+
+
+@pytest.mark.timeout(120)
+def test_a_messages_name_reaches_the_template_and_a_tool_call_is_refused(hf_dir, tmp_path):
+    """Every message reached the template as its role and content only: a name was dropped and an assistant's
+    tool calls became an empty turn, both answered 200. A name is rendered; tool calls are refused, and the empty
+    keys the openai SDK echoes with an earlier answer (refusal, tool_calls null) pass."""
+    with serving(with_template(hf_dir, tmp_path / "named", NAMED), max_batch=2) as s, \
+            httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        def prompt_tokens(messages):
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+        hi = {"role": "user", "content": "hi"}
+        assert prompt_tokens([{**hi, "name": "alice"}]) > prompt_tokens([hi])
+        echoed = {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None, "annotations": []}
+        assert prompt_tokens([hi, echoed, hi]) == prompt_tokens([hi, {"role": "assistant", "content": "yo"}, hi])
+        call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+        r = c.post("/v1/chat/completions", json={"messages": [hi, {**echoed, "content": None, "tool_calls": call}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls", r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{**hi, "name": 5}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].name", r.text

@@ -33,6 +33,9 @@ _OWNED = "shardlm.requests"  # the scope key under which an HTTP request lists i
 # A body shorter than its Content-Length leaves the server waiting for the rest, which h11 and uvicorn do without
 # end; counted in flight, it also kept a draining server from ever exiting. Slow links still send within this.
 BODY_TIMEOUT_S = 30.0
+# The slowest a body may arrive on the whole: one byte every 29 s (never BODY_TIMEOUT_S apart) held a request, and a
+# server told to stop, forever.
+BODY_RATE = 64 * 1024
 # A client that stops reading its stream fills the socket's buffers, and then each write waits for it: the engine
 # runs on, but its HTTP request stayed in flight as long as the connection stayed open, and a draining server never
 # exited. A write that cannot go out for this long ends the response and closes the connection.
@@ -103,16 +106,24 @@ class Lifecycle:
     async def _body(self, scope, receive, send) -> bytes | None:
         """The request's whole body; None where its client left, or stalled and was answered 408, or sent more
         than any request can hold and was answered 413. Such a body is read to its end but not kept: a client
-        writes all of it before it reads an answer, and a connection closed under it is reset, the answer lost."""
+        writes all of it before it reads an answer, and a connection closed under it is reset, the answer lost.
+        A body with no end is drained only as long as the largest one may take (at BODY_RATE), then answered."""
         chunks, more, size = [], True, 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_TIMEOUT_S + self.max_body / BODY_RATE
         while more:
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+                message = await asyncio.wait_for(receive(), max(0.0, min(BODY_TIMEOUT_S, left)))
             except asyncio.TimeoutError:
+                if size > self.max_body:  # a body with no end (chunked), drained until now: refused, and closed
+                    break
                 self.state.rejected += 1
-                err = APIError(408, f"The request body stopped arriving: nothing for {BODY_TIMEOUT_S:g} s before its "
-                                    "Content-Length was reached. Send the whole body, with a Content-Length that "
-                                    "counts its bytes.", code="request_timeout")
+                why = (f"nothing for {BODY_TIMEOUT_S:g} s" if left > BODY_TIMEOUT_S else
+                       f"it came slower than {BODY_RATE // 1024} KiB/s")
+                err = APIError(408, f"The request body stopped arriving: {why} before its Content-Length was "
+                                    "reached. Send the whole body, with a Content-Length that counts its bytes.",
+                               code="request_timeout")
                 await JSONResponse(err.body(), status_code=408, headers={"connection": "close"})(scope, receive, send)
                 return None
             if message["type"] == "http.disconnect":  # no one is left to answer (once a ClientDisconnect traceback)
@@ -123,9 +134,11 @@ class Lifecycle:
             more = message.get("more_body", False)
         if size > self.max_body:
             self.state.rejected += 1
-            err = APIError(413, f"The request body is {size} bytes, beyond the {self.max_body} that any request to "
-                                "this model can hold (its context's worth of text).", code="request_too_large")
-            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            err = APIError(413, f"The request body is {size}{'+' if more else ''} bytes, beyond the {self.max_body} "
+                                "that any request to this model can hold (its context's worth of text).",
+                           code="request_too_large")
+            await JSONResponse(err.body(), status_code=413, headers={"connection": "close"} if more else None)(
+                scope, receive, send)
             return None
         return b"".join(chunks)
 

@@ -116,6 +116,11 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
                 "0.0.0.0 (every interface)")
     if e.errno == errno.EACCES:
         return f"--port {port} on {host}: {why}: ports below 1024 need root; pick one from 1024 on"
+    if e.errno == errno.EINVAL and host.lower().startswith("fe80:") and "%" not in host:
+        return (f"--host {host}: {why}: a link-local IPv6 address is bound through its interface: give "
+                f"{host}%IFACE (say %eth0), or :: for every interface")
+    if e.errno == errno.EINVAL:
+        return f"--host {host}: {why}: not an address to listen on; use 127.0.0.1, 0.0.0.0 or ::"
     return f"--port {port} on {host}: {why}"
 
 
