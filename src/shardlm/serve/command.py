@@ -20,8 +20,10 @@ from ..runtime.progress import progress
 EPILOG = """\
 endpoints (OpenAI's API; see the README's Serving section):
   POST /v1/completions        prompt, max_tokens (16), temperature (1), top_p, top_k (extension), seed,
-                              stop, stream (server-sent events), stream_options.include_usage; n = 1 only
-  POST /v1/chat/completions   messages, rendered with the tokenizer's chat template; max_tokens (default:
+                              stop (up to 4), stream (server-sent events), stream_options.include_usage;
+                              n = 1 only
+  POST /v1/chat/completions   messages (role, content, name; no tool calls), rendered with the tokenizer's
+                              chat template; max_tokens (default:
                               the rest of the context) or max_completion_tokens; the same sampling fields
   GET  /v1/models             the base model (its id: --served-model-name, default the --model argument)
                               and each --adapter, whose id is its NAME: a request's "model" picks one
