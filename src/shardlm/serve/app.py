@@ -119,8 +119,10 @@ class Lifecycle:
                 if size > self.max_body:  # a body with no end (chunked), drained until now: refused, and closed
                     break
                 self.state.rejected += 1
+                total = BODY_TIMEOUT_S + self.max_body / BODY_RATE
                 why = (f"nothing for {BODY_TIMEOUT_S:g} s" if left > BODY_TIMEOUT_S else
-                       f"it came slower than {BODY_RATE // 1024} KiB/s")
+                       f"it was still arriving after {total:.0f} s ({BODY_TIMEOUT_S:g} s and the largest body at "
+                       f"{BODY_RATE // 1024} KiB/s)")
                 err = APIError(408, f"The request body stopped arriving: {why} before its Content-Length was "
                                     "reached. Send the whole body, with a Content-Length that counts its bytes.",
                                code="request_timeout")
