@@ -172,7 +172,8 @@ def test_a_forced_tool_call_or_audio_is_refused_and_a_wrong_model_comes_first(sr
     """tool_choice "required" (or a named function), function_call, and audio output were answered 200 with
     plain text, the client told nothing; their neutral values pass (asked of /v1/completions here, whose checks
     are chat's: this model has no chat template). A completion with a wrong model and a malformed prompt was
-    told of the prompt, where a chat is told of the model (404) first."""
+    told of the prompt, where a chat is told of the model (404) first. vLLM's stream_options.continuous_usage_stats
+    is refused too."""
     chat = {"prompt": "weather?", "max_tokens": 2}
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
         for param, value in [("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {
@@ -183,6 +184,12 @@ def test_a_forced_tool_call_or_audio_is_refused_and_a_wrong_model_comes_first(sr
         for param, value in [("tool_choice", "auto"), ("tool_choice", "none"), ("modalities", ["text"]),
                              ("parallel_tool_calls", False)]:
             assert c.post("/v1/completions", json={**chat, param: value}).status_code == 200, param
+        streamed = {**chat, "stream": True}  # vLLM's per-chunk usage, which was streamed without it
+        r = c.post("/v1/completions", json={**streamed, "stream_options": {"continuous_usage_stats": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
+        assert c.post("/v1/completions", json={**streamed, "stream_options": {"include_usage": True,
+                                                                            "continuous_usage_stats": False}}
+                      ).status_code == 200
         for route, body in [("/v1/completions", {"prompt": 5}), ("/v1/chat/completions", {"messages": 5})]:
             r = c.post(route, json={**body, "model": "nope"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (route, r.text)

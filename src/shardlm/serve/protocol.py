@@ -226,6 +226,10 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
     include_usage = False if include_usage is None else include_usage
     if not isinstance(include_usage, bool):
         raise _wrong_type("stream_options.include_usage", "a boolean")
+    for key, value in (options or {}).items():  # vLLM's continuous_usage_stats: true was answered without them
+        if key != "include_usage" and value not in (None, False):
+            raise APIError(400, f"'stream_options.{key}' is not supported: this server reads include_usage only.",
+                           f"stream_options.{key}", "unsupported_parameter")
     return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),
                   tuple(stop), stream, include_usage)
 
