@@ -179,3 +179,47 @@ def test_serve_replicas_serve_one_checkpoint_while_the_run_saves(tmp_path, monke
         cmd_serve(["--model", str(run), "--replicas", "2", "--port", "0", "--device", "cpu"])
     first, second = (dict(e.model.named_parameters()) for e in engines)
     assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_with_nothing_to_train_mid_run_saves_the_steps_before_it_and_says_how_to_go_on(tmp_path):
+    """Packed instruction data can hold a global batch of prompt tokens only hundreds of steps in: the run stopped
+    there (data.skip_untrained is off) without a checkpoint, every step since the last save lost. It saves them
+    first and names the command that continues them past such batches."""
+    from shardlm.config import load_config
+    from shardlm.divergence import TrainingError
+    from shardlm.trainer import Trainer
+
+    def trainer(run, untrained, resume=False, **over):
+        cfg = load_config("tiny", {"train.steps": "5", "train.tensorboard": "false", "train.sample_tokens": "0",
+                                   **over})
+        t = Trainer(cfg, out_dir=run, log=lambda *a: None, resume=run if resume else None)
+        real = t.data.trained_tokens
+        t.data.trained_tokens = lambda step: 0 if untrained(step) else real(step)
+        return t
+
+    run = tmp_path / "run"
+    with pytest.raises(TrainingError) as stop:
+        trainer(run, lambda step: step == 3).run()  # the fourth step's batch
+    said = str(stop.value)
+    assert said.startswith("step 4: no token of its batch is trained on"), said
+    assert f"steps 1-3 are saved: continue them with `shardlm train --resume {run} --data.skip_untrained true`, " \
+        "which skips such steps (counted in the metrics), or fix the data" in said, said
+    assert [p.name for p in complete_checkpoints(run)] == ["step_00000003"]
+    resumed = trainer(run, lambda step: step == 3, resume=True, **{"data.skip_untrained": "true"})
+    records = resumed.run()
+    resumed.close()
+    assert resumed.step == 5 and records[-1]["untrained_steps"] == 1
+
+    # a periodic save of the step before, still being written in the background: committed, and named
+    with pytest.raises(TrainingError) as stop:
+        trainer(tmp_path / "async", lambda step: step == 3, **{"train.save_every": "3",
+                                                               "train.checkpoint_async": "true"}).run()
+    assert "steps 1-3 are saved: continue them with" in str(stop.value), str(stop.value)
+    assert [p.name for p in complete_checkpoints(tmp_path / "async")] == ["step_00000003"]
+
+    with pytest.raises(TrainingError) as first:  # nothing trained before it: nothing to save
+        trainer(tmp_path / "first", lambda step: True).run()
+    assert "so its loss would read 0: fix the data, or set data.skip_untrained = true" in str(first.value)
+    assert not complete_checkpoints(tmp_path / "first")

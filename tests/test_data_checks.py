@@ -55,6 +55,24 @@ def test_an_eval_path_holding_the_training_data_is_refused(tmp_path, eval_is):
     assert len(data.eval_range) == len(data.eval) > 0
 
 
+@pytest.mark.timeout(60)
+def test_packed_eval_examples_beside_training_data_that_is_not_packed_are_refused(tmp_path):
+    """The mask that keeps packed examples apart follows data.path: eval examples packed (no --pad-to) beside
+    padded training examples were scored attending across examples, their eval loss no example's own. Refused,
+    naming how data.path was prepared; packed beside packed, and padded eval data, are taken."""
+    from shardlm.data.loader import DataError, open_train_data
+    records = [{"prompt": f"question {i}?", "completion": f"answer {i}."} for i in range(40)]
+    data = write_jsonl(tmp_path / "c.jsonl", records)
+    for name, pad in (("padded", 32), ("packed", None)):
+        prepare([data], "byte", tmp_path / name, pad_to=pad, progress=False)
+    args = dict(eval_windows=4, seq_len=32, model_vocab=257, seed=0, global_batch=4, micro_batch=4)
+    with pytest.raises(DataError, match=r"data.eval_path .*packed.* data.path .*padded was prepared with --pad-to 32"):
+        open_train_data(tmp_path / "padded", tmp_path / "packed", **args)
+    prepare([write_jsonl(tmp_path / "d.jsonl", records[::-1])], "byte", tmp_path / "other", progress=False)
+    open_train_data(tmp_path / "packed", tmp_path / "other", **args)
+    open_train_data(tmp_path / "packed", tmp_path / "padded", **args)
+
+
 @pytest.mark.timeout(120)
 def test_a_run_longer_than_one_pass_over_its_data_is_said(tmp_path, capsys):
     """20 steps of 8 windows over 10 windows read each about 16 times, with no word (only a batch larger than

@@ -192,3 +192,23 @@ def test_a_quoted_pattern_is_expanded_not_called_unmatched(tmp_path, capsys):
     r = cli_proc(capsys, "data", "prepare", "--input", tmp_path / "in" / "*.md", "--tokenizer", "byte",
                  "--out", tmp_path / "out2")
     assert r.returncode == 2 and "a pattern that matched no file" in r.stderr
+
+
+def test_empty_answers_are_refused_when_every_one_is_and_counted_when_some_are(tmp_path, capsys):
+    """A completion of "" trains only the end-of-text after the prompt: the example still had a trained token, so a
+    file whose every answer was empty (a conversion that read another field) prepared without a word and trained a
+    model to stop at once. All empty is refused; some are counted, the first named."""
+    def prepare(name, records):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return cli_proc(capsys, "data", "prepare", "--input", path, "--tokenizer", "byte", "--out", tmp_path / name)
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}
+    r = prepare("none", [{"prompt": "What is 2+2?", "completion": ""}, chat])
+    assert r.returncode == 2 and "every one of the 2 examples has an empty answer" in r.stderr, r.stderr
+    assert not (tmp_path / "none").exists()
+    r = prepare("some", [{"prompt": "What is 2+2?", "completion": "4"}, {"prompt": "Name a colour.", "completion": ""}])
+    assert r.returncode == 0 and ", 1 with an empty answer (the first: " in r.stdout, r.stdout
+    assert r.stdout.split("the first: ")[1].startswith(f"{tmp_path / 'some.jsonl'}:2)"), r.stdout
+    r = prepare("full", [{"prompt": "What is 2+2?", "completion": "4"}])
+    assert r.returncode == 0 and "empty answer" not in r.stdout + r.stderr

@@ -97,3 +97,65 @@ def test_an_adapter_export_in_fp16_checks_the_adapter_not_the_base(tmp_path, mon
 def torch_fp16():
     import torch
     return torch.float16
+
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A Hugging Face directory to fine-tune from: a tiny model's export, with no chat template."""
+    root = tmp_path_factory.mktemp("base")
+    cli_here(None, "train", "tiny", "--train.steps", "1", "--train.sample_tokens", "0", "--out", root / "pre")
+    cli_here(None, "export", "--checkpoint", root / "pre", "--out", root / "hf")
+    return root / "hf"
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_trained_under_a_changed_rope_is_not_exported_as_the_bases(base, tmp_path, capsys):
+    """`--model.rope_theta` (or rope_scaling, norm_eps, a window) over train.init_from trains the adapters for
+    another model than the base's config.json, which is all a PEFT adapter is applied with (by PEFT, and by
+    eval/generate/serve --adapter): the export wrote it without a word, and it ran under the base's RoPE. It is
+    refused naming the key and both values; --merge writes the model trained."""
+    cli_here(capsys, "train", "tiny", "--train.init_from", base, "--model.rope_theta", "1000000", "--train.steps",
+             "1", "--lora.rank", "4", "--lora.targets", "q_proj", "--train.sample_tokens", "0", "--out",
+             tmp_path / "run")
+    proc = cli_proc(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
+    assert proc.returncode == 2 and not (tmp_path / "adapter").exists(), (proc.returncode, proc.stderr)
+    assert f"model.rope_theta is 1000000.0 here and 10000.0 in {base}'s config.json" in proc.stderr, proc.stderr
+    assert "export --merge for the model it trained" in proc.stderr and "Traceback" not in proc.stderr
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "merged", "--merge")
+    assert '"rope_theta": 1000000.0' in (tmp_path / "merged" / "config.json").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_an_adapter_carries_the_chat_template_its_data_was_rendered_in(base, tmp_path, capsys):
+    """Chats prepared over a base without a chat template are rendered as '<|role|>' turns, a template written
+    into the dataset's tokenizer, which the run keeps: its adapter export held no tokenizer, so `eval`/`generate
+    --adapter` over the base refused every chat ("no chat template"), and PEFT users had none to load. The
+    adapter directory holds the run's tokenizer, which eval/generate --adapter take where the base has no template,
+    and the run's generation_config.json, whose end-of-text ids they stop on as they did with the base's."""
+    import json
+    import shutil
+
+    from shardlm.generation_config import stop_ids_of
+    from shardlm.inference.load import load_pretrained
+    shutil.copytree(base, tmp_path / "base")
+    base = tmp_path / "base"
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 65]}))
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                      {"role": "assistant", "content": f"yo {i}"}]}) + "\n"
+                             for i in range(40)))
+    cli_here(capsys, "data", "prepare", "--input", chats, "--tokenizer", base, "--out", tmp_path / "data")
+    cli_here(capsys, "train", "tiny", "--train.init_from", base, "--data.path", tmp_path / "data", "--train.steps",
+             "1", "--train.seq_len", "16", "--lora.rank", "4", "--lora.targets", "q_proj", "--train.sample_tokens",
+             "0", "--out", tmp_path / "run")
+    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
+    assert "chat_template" in json.loads((tmp_path / "adapter" / "tokenizer_config.json").read_text())
+    held = tmp_path / "held.jsonl"
+    held.write_text(chats.read_text().splitlines(keepends=True)[0])
+    scores = {}
+    for model in (["--model", tmp_path / "run"], ["--model", base, "--adapter", tmp_path / "adapter"]):
+        out = cli_here(capsys, "eval", *model, "--tasks", "bleu", "--data", held, "--max-new-tokens", "4", "--json")
+        scores[len(model)] = json.loads(out)["completions"]
+    assert scores[2] == scores[4], scores  # the run and its base + adapter: the same prompt, the same greedy tokens
+    assert stop_ids_of(load_pretrained(base, adapter=tmp_path / "adapter")[1]) == (256, 65)

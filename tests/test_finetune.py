@@ -123,6 +123,31 @@ def test_chats_rendered_without_a_template_leave_that_format_as_the_datasets_cha
     assert served == ("<s>" if bos else "") + "<|user|>\nhi\n<|assistant|>\n"
 
 
+def test_a_generation_prompt_that_opens_more_than_a_finished_answer_masks_the_answer_after_the_common_part(tmp_path):
+    """DeepSeek-R1-Distill's template prompts with "<｜Assistant｜><think>\\n" but renders a finished answer as
+    "<｜Assistant｜>" + its text after any </think>: every conversation was refused as "renders turn 2 by rewriting
+    the turns before it", which it does not. The answer is trained from where the two part."""
+    from shardlm.data.prepare import prepare
+    tok_dir = bracket_chat_tokenizer(tmp_path / "tok")
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '[user]' + m['content'] }}{% else %}"
+                "{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+                "{{ '[assistant]' + c + eos_token }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '[assistant]<think>\\n' }}{% endif %}")
+    settings = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nx\n</think>yo"},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "<b>ok</b>"}]}])
+    prepare([data], str(tok_dir), tmp_path / "out", progress=False)
+    assert trained_text(tmp_path / "out") == ("yo#<b>ok</b>#", "[user]hi[assistant][user]and?[assistant]")
+    # a template that does rewrite earlier turns (each numbered from the last) is still refused
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template.replace(
+        "'[user]'", "'[user' + loop.revindex|string + ']'")}))
+    from shardlm.data.prepare import PrepareError
+    with pytest.raises(PrepareError, match="renders turn 2 by rewriting the turns before it"):
+        prepare([data], str(tok_dir), tmp_path / "again", progress=False)
+
+
 def test_prepare_renders_chat_with_the_tokenizers_template(tmp_path):
     from shardlm.data.prepare import prepare
     tok_dir = bracket_chat_tokenizer(tmp_path / "tok")

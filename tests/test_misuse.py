@@ -232,7 +232,10 @@ CASES = [
     ("prepare-empty-input", ["data", "prepare", "--input", "{file}", "--tokenizer", "byte", "--out", "{new}"],
      "/file: no text to tokenize (empty): give files that hold text", 2),
     ("prepare-pad-to-zero", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
-                             "--pad-to", "0"], "--pad-to 0 must be a positive number of tokens", 2),
+                             "--pad-to", "0"], "--pad-to 0 must be the training's seq_len, a number of tokens from 1 "
+                             "to 16,777,216", 2),
+    ("prepare-pad-to-huge", ["data", "prepare", "--input", "{longprompts}", "--tokenizer", "byte", "--out", "{new}",
+                             "--pad-to", "100000000000"], "--pad-to 100000000000 must be the training's seq_len", 2),
     ("prepare-no-field", ["data", "prepare", "--input", "{nofield}", "--tokenizer", "byte", "--out", "{new}"],
      "no 'text' field (fields: 'body')", 2),
     ("prepare-input-twice", ["data", "prepare", "--input", "{text}", "{text}", "--tokenizer", "byte", "--out", "{new}"],
@@ -838,6 +841,26 @@ def test_an_eval_with_nothing_held_out_is_said(world, tmp_path, capsys):
     assert main(["train", "tiny", *QUIET, "--data.path", str(paths["data"]), "--train.steps", "1", "--train.eval_every",
                  "1", "--data.eval_windows", "0", "--out", str(tmp_path / "run")]) == 0
     assert "note: train.eval_every = 1 but nothing is held out for eval" in capsys.readouterr().out
+
+
+def test_windows_held_out_that_no_eval_reads_are_said(tmp_path, capsys):
+    """With train.eval_every = 0 the last data.eval_windows (up to a tenth of the data) were still held out, never
+    trained on, without a word: a sorted instruction set lost its last examples. Said where they are 1% or more
+    of the data, with both fixes; not where an eval reads them or none are held out."""
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?", "completion": f"answer {i}."}) + "\n"
+                            for i in range(200)))
+    assert main(["data", "prepare", "--input", str(data), "--tokenizer", "byte", "--out", str(tmp_path / "d"),
+                 "--pad-to", "32"]) == 0
+    for over, said in ((["--train.eval_every", "0"], True), (["--train.eval_every", "2"], False),
+                       (["--train.eval_every", "0", "--data.eval_windows", "0"], False)):
+        capsys.readouterr()
+        assert main(["train", "tiny", *QUIET, "--data.path", str(tmp_path / "d"), "--train.seq_len", "32",
+                     "--train.steps", "1", "--out", str(tmp_path / "run"), "--overwrite", *over]) == 0
+        out = capsys.readouterr().out
+        note = (f"note: the last 16 windows of {tmp_path / 'd'} are held out for eval and never trained on, and "
+                "train.eval_every = 0 evaluates none: set data.eval_windows = 0 to train on them")
+        assert (note in out) == said, out
 
 
 def test_instruction_data_smaller_than_a_batch_or_a_window_is_said(tmp_path, capsys):

@@ -217,6 +217,8 @@ def cmd_data(argv: list[str]) -> int:
         cut = f", {index['truncated']:,} cut to --pad-to" if index["truncated"] else ""
         if index["untrained_examples"]:  # the loss of a step made of these alone would be 0, and train nothing
             cut += f", {index['untrained_examples']:,} with no token to train on"
+        if index.get("empty_answers"):  # trained only to stop: most often data converted from the wrong field
+            cut += f", {index['empty_answers']:,} with an empty answer (the first: {index['first_empty_answer']})"
         print(f"{index['examples']:,} instruction examples, {index['total_tokens']:,} tokens of which "
               f"{index['trained_tokens']:,} trained on{cut}, in {len(index['shards'])} shard(s) -> {a.out}")
         if index.get("plain_chat_examples"):
@@ -248,7 +250,8 @@ def cmd_export(argv: list[str]) -> int:
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
     from .export import check_out, refuse_beyond_fp16, refuse_replacing_base, writing
-    from .generation_config import own_generation_config
+    from .generation_config import own_generation_config, write_generation_config
+    from .hf_config import changed_from_base
     from .model.hf import write_hf_dir
     from .parallel.lora import merged, peft_state, write_peft_dir
     from .precision import DTYPES
@@ -265,6 +268,10 @@ def cmd_export(argv: list[str]) -> int:
         base = full.train.init_from or None
         if lora.rank and not a.merge:
             refuse_replacing_base(a.out, base)
+            if base and (changed := changed_from_base(cfg, base)):
+                raise ConfigError(f"{ckpt['path']}: " + "; ".join(changed) + ": a PEFT adapter is applied with its "
+                                  "base's config.json, under which this run's adapters compute another model; "
+                                  "export --merge for the model it trained")
         state, mark = ckpt["model"], {}
         if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
             mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
@@ -275,6 +282,11 @@ def cmd_export(argv: list[str]) -> int:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
                     write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=base, metadata=mark)
+                    # The run's tokenizer beside it, as a Trainer's save_model writes it: its chat template may be
+                    # the data's (data prepare writes one where the base has none), which the base lacks.
+                    load_tokenizer(ckpt["path"]).save(scratch)
+                    if generation := own_generation_config(ckpt["path"]):  # its stop ids, beside that tokenizer
+                        write_generation_config(scratch, generation)
                 else:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
                     write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],

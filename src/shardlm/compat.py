@@ -268,17 +268,21 @@ def check_trainable(data_dir: Path, index: dict) -> None:
     now refuses to write one) would train at a loss of 0 and learn nothing."""
     untrained = index.get("untrained_examples", 0)
     if index.get("loss_mask") and 0 in (index.get("trained_tokens"), index.get("examples", 1) - untrained):
-        raise ConfigError(f"{data_dir}: no example has a token to train on (empty completions, or prompts cut at "
-                          "--pad-to): fix the data and prepare it again")
+        raise ConfigError(f"{data_dir}: no example has a token to train on (prompts cut at --pad-to): fix the data "
+                          "and prepare it again")
 
 
-def untrained_step(step: int, data_dir: Path) -> str:
-    return (f"step {step}: no token of its batch is trained on ({data_dir}: examples with empty completions, or "
-            "prompts cut at --pad-to), so its loss would read 0: fix the data, or set data.skip_untrained = true "
-            "to skip such steps (counted in the metrics)")
+def untrained_step(step: int, data_dir: Path, resume: str | None = None) -> str:
+    """`resume`: the command that continues the steps saved before this one, where some were."""
+    done = "step 1 is" if step == 2 else f"steps 1-{step - 1} are"
+    fix = (f"{done} saved: continue them with `{resume} --data.skip_untrained true`, which skips "
+           "such steps (counted in the metrics), or fix the data" if resume else
+           "fix the data, or set data.skip_untrained = true to skip such steps (counted in the metrics)")
+    return (f"step {step}: no token of its batch is trained on ({data_dir}: prompts cut at --pad-to, or packed "
+            f"windows that hold only prompt tokens), so its loss would read 0: {fix}")
 
 
-def data_notes(t, data_dir: Path, data) -> list[str]:
+def data_notes(t, data_dir: Path, data, resumed: bool = False) -> list[str]:
     """What a run on this data would do that a user does not see (`t`: the train section, `data`: TrainData): no
     eval, a batch larger than the data, more than one pass over it, or examples never trained on. A tiny
     instruction set trained 16 copies of its one window a step and silently left out the examples past it."""
@@ -286,6 +290,12 @@ def data_notes(t, data_dir: Path, data) -> list[str]:
     if t.eval_every and not len(data.eval_range):  # else eval_loss is null, unexplained
         notes.append(f"note: train.eval_every = {t.eval_every} but nothing is held out for eval ({data_dir} is under "
                      "ten windows, or data.eval_windows = 0): set data.eval_path, or train.eval_every = 0")
+    held = len(data.eval_range) if data.eval is data.train else 0
+    # (not on a resume: the windows trained on are the checkpoint's to keep)
+    if not t.eval_every and held and 100 * held >= data.train_windows and not resumed:  # a small instruction set's last examples
+        notes.append(f"note: the last {held} windows of {data_dir} are held out for eval and never trained on, and "
+                     "train.eval_every = 0 evaluates none: set data.eval_windows = 0 to train on them, or "
+                     "train.eval_every to evaluate them")
     shards = data.train.shards
     if not shards.pad_to:  # packed: each shard's tail short of a window fills none
         total = sum(len(x) for x in shards.tokens)

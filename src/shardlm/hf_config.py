@@ -316,6 +316,25 @@ def with_init_from(cfg: Config, overrides: dict | None = None) -> Config:
     return cfg
 
 
+# The keys that change what a model computes from the same weights: a run that overrode one over its base trains
+# adapters for that model, which the base's config.json (all a PEFT adapter is applied with) does not give.
+MATH_KEYS = ("norm_eps", "rope_theta", "rope_scaling", "sliding_window", "top_k", "router_scoring",
+             "router_renormalize")
+
+
+def changed_from_base(ours: ModelConfig, base: str) -> list[str]:
+    """The MATH_KEYS on which `ours` differs from the Hugging Face model in directory `base`, each as "model.KEY
+    is A here and B in its config.json"; none where that config cannot be read (the base moved: nothing to compare)."""
+    import json
+    from pathlib import Path
+    try:
+        theirs = model_config_from_hf(json.loads((Path(base) / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError):
+        return []
+    return [f"model.{k} is {getattr(ours, k)!r} here and {getattr(theirs, k)!r} in {base}'s config.json"
+            for k in MATH_KEYS if getattr(ours, k) != getattr(theirs, k)]
+
+
 # The keys that fix the weights' shapes or what they mean: an override of one would fail on a tensor's shape while
 # the weights load, or load them into another model.
 WEIGHT_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

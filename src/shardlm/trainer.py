@@ -107,7 +107,8 @@ class Trainer:
         # Each rank reads its own files (a node's local copy): other tokens on one rank trained on silently.
         # An index lists its shards' sizes and CRC32s, which the loader checked against the files.
         compat.check_same_data(self.data, data_dir, cfg.data.eval_path)
-        for note in [*compat.data_notes(t, data_dir, self.data), *moe_notes(cfg)] if self.mesh.is_main else ():
+        notes = [*compat.data_notes(t, data_dir, self.data, resumed=resume is not None), *moe_notes(cfg)]
+        for note in notes if self.mesh.is_main else ():
             if note:
                 log(note)
         if resume is None:  # a resume checks the checkpoint's tokenizer instead (_resume)
@@ -130,6 +131,7 @@ class Trainer:
         self.forward_backward = self.parallel.forward_backward
         self.moe = MoEBalance(self.model, self.mesh, cfg.model, self.device)  # router bias, per-layer load statistics
         self.step = 0
+        self.saved_step = 0  # the step of the last checkpoint written or resumed: a stop that would lose steps saves
         self.stopped_by = 0  # the signal that stopped run() before train.steps, if one did
         # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
         self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
@@ -188,6 +190,7 @@ class Trainer:
         set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
+        self.saved_step = self.step
         saved = config_from_dict(ckpt["state"]["config"]).train
         if self.step < self.cfg.train.steps and self.mesh.is_main and (
                 note := compat.schedule_note(saved, ckpt["state"]["step"], self.cfg.train, self.step)):
@@ -210,7 +213,7 @@ class Trainer:
         trained, weights, aux_weights = self.data.trained_tokens(self.step), None, None
         if trained == 0:  # alike on every rank: the count is the global batch's
             if not self.cfg.data.skip_untrained:
-                raise TrainingError(compat.untrained_step(self.step + 1, self.data_dir))
+                raise TrainingError(compat.untrained_step(self.step + 1, self.data_dir, self._save_unsaved()))
             self.untrained_steps += 1
             return None
         if trained is not None:
@@ -275,7 +278,21 @@ class Trainer:
                  "router_bias": self.moe.state()}
         with self._guard(f"saving step {self.step}") as alive:
             self._step_numbers()  # no checkpoint of weights after a gradient that was not finite
-            return self.saver.save(self.step, state, wait, alive)
+            path = self.saver.save(self.step, state, wait, alive)
+        self.saved_step = self.step
+        return path
+
+    def _save_unsaved(self) -> str | None:
+        """Before a stop that leaves the run where its data has a batch it cannot train (every rank alike): the
+        steps trained since the last checkpoint saved, and the command that continues them. Packed instruction
+        data can hold such a batch hundreds of steps in, where a run that saves only at its end lost them all."""
+        if self.out is None:
+            return None
+        if self.step > self.saved_step:
+            self.save()
+        else:
+            self.saver.finish()  # a periodic save of this very step may still be being written
+        return resume_command(self.out, self.mesh.world) if self.step else None
 
     def _step_numbers(self) -> tuple[float, int]:
         return step_numbers(self.engine, self.step, self.cfg, self.resumed_from is None, self.out)

@@ -163,11 +163,13 @@ def _split(record: dict, where: str, template, eos: str, bos: str) -> list[tuple
             raise InstructError(f"{where}: no assistant message: nothing to train on")
         out, before = [], ""
         for i, m in enumerate(messages):
+            text = _render(template, messages[:i + 1], eos, bos)
             if m["role"] == "assistant":  # the header that opens the answer is prompt, not answer
                 header = _render(template, messages[:i], eos, bos, generation_prompt=True)
+                if not text.startswith(header):
+                    header = _answer_opening(template, messages[:i + 1], eos, bos) or header
                 out.append((_after(header, before, where, i), False))
                 before = header
-            text = _render(template, messages[:i + 1], eos, bos)
             out.append((_after(text, before, where, i), m["role"] == "assistant"))
             before = text
         return out
@@ -195,6 +197,17 @@ def _bad_message(messages) -> str:
     return ""
 
 
+ANSWER_PROBE = "SHARDLMANSWERPROBE"  # content no template changes: where it lands, a finished answer starts
+
+
+def _answer_opening(template, messages: list[dict], eos: str, bos: str) -> str | None:
+    """The text of `messages` before its last (the assistant's) answer, as the template renders a finished turn:
+    for templates whose generation prompt opens more than a finished answer does (DeepSeek-R1's adds "<think>\\n"
+    to the prompt only). None where the probe's content does not come through."""
+    probe = _render(template, messages[:-1] + [{**messages[-1], "content": ANSWER_PROBE}], eos, bos)
+    return probe[:probe.index(ANSWER_PROBE)] if ANSWER_PROBE in probe else None
+
+
 def _after(text: str, before: str, where: str, i: int) -> str:
     if not text.startswith(before):
         raise InstructError(f"{where}: the chat template renders turn {i + 1} by rewriting the turns before it, "
@@ -203,10 +216,11 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 
 
 def examples(path: Path, tok: Tokenizer):
-    """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template) of
-    every example of a jsonl file, each opened as the tokenizer opens a text (`bos_ids`: a chat template places
-    them itself) and closed by the end-of-text token (trained on where it closes an answer: the model learns to
-    stop; not after a conversation's last turn that is not the assistant's)."""
+    """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template, its place
+    in the file where its answers are all empty, else None) of every example of a jsonl file, each opened as the
+    tokenizer opens a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token
+    (trained on where it closes an answer: the model learns to stop; not after a conversation's last turn that
+    is not the assistant's)."""
     if tok.eos_id is None:
         where = getattr(tok, "source", None) or "the tokenizer"
         raise InstructError(f"instruction data needs a tokenizer with an end-of-text token, which closes each answer "
@@ -217,7 +231,10 @@ def examples(path: Path, tok: Tokenizer):
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
         ids = [] if template is not None and "messages" in record else list(tok.bos_ids)
         mask = [False] * len(ids)
-        for piece, trained in _encode(tok, _pieces(record, where, template, eos, tok.bos_token)):
+        pieces = _pieces(record, where, template, eos, tok.bos_token)
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"] \
+            if "messages" in record else [record["completion"]]
+        for piece, trained in _encode(tok, pieces):
             ids += piece
             mask += [trained] * len(piece)
         # The end-of-text closing an answer is trained (the model learns to stop); one closing a conversation that
@@ -228,7 +245,7 @@ def examples(path: Path, tok: Tokenizer):
             ids.append(tok.eos_id)
             mask.append(answered)
         yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
-               template is None and "messages" in record)
+               template is None and "messages" in record, None if any(a.strip() for a in answers) else where)
 
 
 def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:

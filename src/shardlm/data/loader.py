@@ -247,10 +247,24 @@ def open_train_data(path: str | Path, eval_path: str | Path | None, eval_windows
     if eval_path:
         ev = WindowDataset(TokenShards(eval_path, model_vocab), seq_len)
         _refuse_shared_shards(train.shards, ev.shards)
+        _refuse_other_packing(train.shards, ev.shards)
         return TrainData(train, ev, range(len(ev)), len(train), seed, global_batch, micro_batch, dp, dp_rank)
     held = min(eval_windows, len(train) // 10)  # never hold out more than a tenth of the data
     n = len(train) - held
     return TrainData(train, train, range(n, len(train)), n, seed, global_batch, micro_batch, dp, dp_rank)
+
+
+def _refuse_other_packing(train: TokenShards, eval_: TokenShards) -> None:
+    """Packed instruction examples are kept apart by an attention mask the run takes from data.path: eval data
+    packed where the training's is not (padded with --pad-to, or plain text) was scored with each example
+    attending to the one before it, its eval loss no example's own."""
+    def packed(s):
+        return s.masks is not None and not s.pad_to
+    if packed(eval_) and not packed(train):
+        how = f"with --pad-to {train.pad_to}" if train.pad_to else "as plain text"
+        raise DataError(f"data.eval_path {eval_.dir} holds instruction examples packed into windows (prepared without "
+                        f"--pad-to), which the run would score attending across examples: data.path {train.dir} was "
+                        f"prepared {how}; prepare the eval data alike")
 
 
 def _refuse_shared_shards(train: TokenShards, eval_: TokenShards) -> None:

@@ -243,6 +243,9 @@ def _write_plain_template(out: Path, tok: Tokenizer) -> None:
     path.write_text(json.dumps({**settings, "chat_template": plain_template(tok)}, indent=1) + "\n")
 
 
+MAX_PAD_TO = 1 << 24  # tokens of one --pad-to window (16.8M): beyond any model's context
+
+
 def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, pad_to: int | None,
                     progress: bool, moved=None) -> dict:
     """Instruction examples (data/instruct.py): token shards and loss-mask shards of the same lengths; with
@@ -252,13 +255,16 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     if pad_to:
         shard_tokens = max(1, shard_tokens // (pad_to + 1)) * (pad_to + 1)
     tokens, masks = ShardWriter(out, dtype, shard_tokens), ShardWriter(out, np.dtype(np.uint8), shard_tokens, "mask")
-    count = truncated = trained = inside = untrained = plain_chats = 0
+    count = truncated = trained = inside = untrained = plain_chats = empty = 0
+    first_empty = None
     try:
         with progress_bar(sum(p.stat().st_size for p in inputs), "tokenize", "B", progress, scale=True) as shown:
             bar = _Moving(shown, moved)
             for path in inputs:
-                for ids, mask, nbytes, plain_chat in examples(path, tok):
+                for ids, mask, nbytes, plain_chat, empty_at in examples(path, tok):
                     plain_chats += plain_chat
+                    empty += empty_at is not None
+                    first_empty = first_empty or empty_at
                     inside += bool((ids[:-1] == tok.eos_id).any())  # packing finds examples by this token
                     if pad_to:
                         ids, mask, cut = fit(ids, mask, pad_to + 1, tok.eos_id)
@@ -277,12 +283,17 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
     shards, mask_shards = tokens.finish(), masks.finish()
     if not shards:
         raise PrepareError("the inputs hold no examples")
+    if empty == count:  # only the closing end-of-text trained: a model that stops at once, learnt without a word
+        raise PrepareError(f"every one of the {count:,} examples has an empty answer (completion, or the assistant's "
+                           "content, is \"\" or blank), so training would only teach the model to stop at once: "
+                           "fix the data (a conversion that filled the answer from another field?)")
     if untrained == count:
-        raise PrepareError(f"no example of the {count:,} has a token to train on (empty completions"
-                           + (f", or prompts as long as --pad-to {pad_to}" if pad_to else "") + "): fix the data")
+        raise PrepareError(f"no example of the {count:,} has a token to train on"
+                           + (f" (prompts as long as --pad-to {pad_to})" if pad_to else "") + ": fix the data")
     index = {"format": "shardlm-tokens", "version": 1, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": "tokenizer.json", "tokenizer_fingerprint": fingerprint(tok),
              "documents": count, "examples": count, "untrained_examples": untrained,
+             "empty_answers": empty, "first_empty_answer": first_empty,
              "total_tokens": sum(x["tokens"] for x in shards), "trained_tokens": trained, "shards": shards,
              "loss_mask": mask_shards, "pad_to": pad_to, "truncated": truncated, "eos_inside_examples": inside,
              "plain_chat_examples": plain_chats}
@@ -365,8 +376,10 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                                "prepared into one dataset: " + ", ".join(str(p) for p, i in zip(inputs, instruct) if i))
         if pad_to is not None and not all(instruct):
             raise PrepareError("--pad-to applies to instruction examples (prompt/completion or messages jsonl)")
-        if pad_to is not None and pad_to < 1:
-            raise PrepareError(f"--pad-to {pad_to} must be a positive number of tokens (the training's seq_len)")
+        if pad_to is not None and not 1 <= pad_to <= MAX_PAD_TO:
+            # each example is written as a whole window: a typo's 10^11 ended in a MemoryError's traceback
+            raise PrepareError(f"--pad-to {pad_to} must be the training's seq_len, a number of tokens from 1 to "
+                               f"{MAX_PAD_TO:,}")
         if text_field is not None and all(i or p.suffix.lower() not in (".jsonl", ".parquet")
                                           for p, i in zip(inputs, instruct)):
             raise PrepareError(f"--text-field {text_field} has no effect on these inputs: it names the field of "

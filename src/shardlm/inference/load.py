@@ -23,7 +23,7 @@ from ..parallel.lora import is_adapter_key, merged, read_peft_dir
 from ..precision import DTYPES
 from ..runtime.first_rank import first_rank_result
 from ..runtime.said import also_moved
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer import Tokenizer, fingerprint, load_tokenizer
 
 
 def inference_dtype(name: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
@@ -106,6 +106,17 @@ def _agreed(path: Path, tp_group, stall_s: float | None) -> Path:
                                   tp_group, stall_s, "rank 0's check of the checkpoint"))
 
 
+def _with_adapters_chat_template(tok: Tokenizer, adapter: Path) -> Tokenizer:
+    """The adapter's own tokenizer where the base has no chat template and it has one of the same tokens: a
+    shardlm adapter export carries its run's (data prepare writes a template where the base has none) and the
+    run's generation_config.json, whose end-of-text ids a tokenizer read from the adapter takes."""
+    from ..data.instruct import chat_prompter
+    if not (adapter / "tokenizer.json").is_file() or chat_prompter(tok) is not None:
+        return tok
+    own = load_tokenizer(adapter)
+    return own if fingerprint(own) == fingerprint(tok) and chat_prompter(own) is not None else tok
+
+
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
                     adapter: str | Path | None = None, tp_group=None, verify: bool = True,
                     check_tokenizer=None, stall_s: float | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
@@ -123,6 +134,8 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
                                 "directory and give that)")
     src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group, stall_s), verify=False)
     tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
+    if adapter is not None:
+        tok = _with_adapters_chat_template(tok, Path(adapter))
     if check_tokenizer is not None:
         check_tokenizer(tok)
     cfg = src.cfg
