@@ -159,3 +159,13 @@ def test_an_adapter_carries_the_chat_template_its_data_was_rendered_in(base, tmp
         scores[len(model)] = json.loads(out)["completions"]
     assert scores[2] == scores[4], scores  # the run and its base + adapter: the same prompt, the same greedy tokens
     assert stop_ids_of(load_pretrained(base, adapter=tmp_path / "adapter")[1]) == (256, 65)
+
+    import httpx
+    from test_serve import TIMEOUT, serving
+    with serving(base, adapters={"tuned": tmp_path / "adapter"}) as s:  # per request: the adapter's, not the base's
+        asks = {name: httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": name, "messages": [{"role": "user", "content": "hi 0"}], "max_tokens": 4, "temperature": 0})
+            for name in ("tuned", "base")}
+    assert asks["tuned"].status_code == 200, asks["tuned"].text
+    assert asks["tuned"].json()["choices"][0]["message"]["content"] == scores[4][0], (asks["tuned"].json(), scores)
+    assert asks["base"].status_code == 400 and "no chat template" in asks["base"].text

@@ -106,11 +106,12 @@ def _agreed(path: Path, tp_group, stall_s: float | None) -> Path:
                                   tp_group, stall_s, "rank 0's check of the checkpoint"))
 
 
-def _with_adapters_chat_template(tok: Tokenizer, adapter: Path) -> Tokenizer:
+def with_adapters_chat_template(tok: Tokenizer, adapter: str | Path) -> Tokenizer:
     """The adapter's own tokenizer where the base has no chat template and it has one of the same tokens: a
     shardlm adapter export carries its run's (data prepare writes a template where the base has none) and the
     run's generation_config.json, whose end-of-text ids a tokenizer read from the adapter takes."""
     from ..data.instruct import chat_prompter
+    adapter = Path(adapter)
     if not (adapter / "tokenizer.json").is_file() or chat_prompter(tok) is not None:
         return tok
     own = load_tokenizer(adapter)
@@ -135,7 +136,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
     src = _Source(path, verify=verify) if tp_group is None else _Source(_agreed(path, tp_group, stall_s), verify=False)
     tok = load_tokenizer(src.tok_dir)  # an HF directory without tokenizer.json was named after its weights loaded
     if adapter is not None:
-        tok = _with_adapters_chat_template(tok, Path(adapter))
+        tok = with_adapters_chat_template(tok, adapter)
     if check_tokenizer is not None:
         check_tokenizer(tok)
     cfg = src.cfg

@@ -248,6 +248,7 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     import uvicorn
 
     from ..data.instruct import chat_prompter
+    from ..inference.load import with_adapters_chat_template
     from .app import ServerState, create_app
     from .protocol import Models
     from .worker import EngineWorker
@@ -268,8 +269,9 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
               "serving runs compiled and captured)", file=sys.stderr, flush=True)
     worker = workers[0] if len(workers) == 1 else ReplicaPool(workers)
     state = ServerState()
+    own = {n: with_adapters_chat_template(tok, d) for n, d in adapters.items()}
     models = Models(base, {n: str(d) for n, d in adapters.items()}, engines[0].max_len, tok, chat_prompter(tok),
-                    engines[0].model.cfg.vocab_size)
+                    engines[0].model.cfg.vocab_size, {n: chat_prompter(t) for n, t in own.items() if t is not tok})
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker

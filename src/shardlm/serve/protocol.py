@@ -47,8 +47,10 @@ class Models:
     """The served ids: the base model's, and each adapter's under its own name (vLLM's convention)."""
 
     def __init__(self, base: str, adapters: dict[str, str], max_len: int, tok: Tokenizer, chat=None,
-                 model_vocab: int | None = None):
+                 model_vocab: int | None = None, adapter_chats: dict | None = None):
         self.base, self.adapters, self.max_len, self.tok, self.chat = base, adapters, max_len, tok, chat
+        # An adapter's own chat template where the base has none (its export carries its run's tokenizer)
+        self.adapter_chats = adapter_chats or {}
         # A token id beyond the embedding would fail the step (on a GPU, a device-side assert ends the
         # process), so prompts of ids are held to what both the tokenizer and the model know.
         self.vocab = min(tok.vocab_size, model_vocab or tok.vocab_size)
@@ -288,7 +290,8 @@ def chat_params(body, models: Models) -> Params:
     from ..data.instruct import InstructError
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    models.adapter_of(body)  # an unknown model is a 404, whatever else is wrong with the request
+    _, adapter = models.adapter_of(body)  # an unknown model is a 404, whatever else is wrong with the request
+    chat = models.adapter_chats.get(adapter, models.chat)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _wrong_type("messages", "a non-empty list of {role, content} objects")
@@ -308,13 +311,13 @@ def chat_params(body, models: Models) -> Params:
             raise _wrong_type(f"messages[{i}].name", "a string")
         turns.append({"role": role, "content": _content(m, i), **({"name": m["name"]} if m.get("name") else {})})
     models.check_length("".join(t["content"] for t in turns), "messages")
-    if models.chat is None:
+    if chat is None:
         raise APIError(400, "The served model's tokenizer has no chat template (chat_template.jinja or "
                             "tokenizer_config.json's chat_template), so it cannot render messages: use "
                             "/v1/completions with a prompt.",
                        "messages", "no_chat_template")
     try:
-        text = models.chat(turns)
+        text = chat(turns)
     except (InstructError, jinja2.TemplateError) as e:
         raise APIError(400, f"The model's chat template refuses these messages: {e}", "messages") from None
     models.check_length(text, "messages")  # the contents were short, but the template adds to each message
