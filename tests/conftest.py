@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# Inductor compiles in a pool of fresh interpreters (each importing torch: 2.5 CPU-s here) in every process that
+# compiles, the suite's ranks included; on a 2-core machine they only take cores from the ranks.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Keep the suite deterministic and light on a 2-core CI machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

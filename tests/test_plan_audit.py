@@ -142,3 +142,48 @@ def test_a_memory_size_without_a_unit_is_not_read_as_bytes(capsys):
     got = cli_proc(capsys, "plan", "--model", "tiny", "--gpu-memory", "80")
     assert got.returncode == 2 and "--gpu-memory '80' has no unit and is read as 80 bytes" in got.stderr, got.stderr
     assert cli_proc(capsys, "plan", "--model", "tiny", "--gpu-memory", "8e10").returncode == 0
+
+
+def _mixtral_dir(directory, layers=2, hidden=64):
+    """A Hugging Face Mixtral's config.json alone: what train.init_from's model is read from."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 300, "hidden_size": hidden,
+        "intermediate_size": 96, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    return directory
+
+
+@pytest.mark.timeout(60)
+def test_a_fine_tunes_toml_keeps_its_own_model_keys_over_init_from(tmp_path, capsys):
+    """With train.init_from the model section came from its config.json alone: a TOML's [model] capacity_factor,
+    router_bias_update_rate or top_k (keys a config.json does not hold, or that the user changed) were dropped
+    without a word, while the same keys given as --model.* flags were kept. The file's keys now apply as its
+    flags do, a weight key of another model is refused as theirs is, and a preset's [model] still gives way."""
+    base = _mixtral_dir(tmp_path / "mix")
+    toml = tmp_path / "ft.toml"
+    toml.write_text(f'[model]\ncapacity_factor = 1.25\nrouter_bias_update_rate = 0.001\ntop_k = 1\n'
+                    f'[train]\ninit_from = "{base}"\n')
+    printed = cli_here(capsys, "train", toml, "--print-config")
+    assert all(line in printed.splitlines() for line in ("capacity_factor = 1.25", "router_bias_update_rate = 0.001",
+                                                         "top_k = 1", "num_experts = 4")), printed
+    assert "top_k = 2" in cli_here(capsys, "train", toml, "--model.top_k", "2", "--print-config").splitlines()
+    toml.write_text(f'[model]\nnum_layers = 3\n[train]\ninit_from = "{base}"\n')
+    got = cli_proc(capsys, "train", toml, "--print-config")
+    assert got.returncode == 2 and "model.num_layers is 3 here and 2 in" in got.stderr, got.stderr
+    assert "num_experts = 4" in cli_here(capsys, "train", "tiny", "--train.init_from", base, "--print-config")
+
+
+@pytest.mark.timeout(60)
+def test_plan_of_a_fine_tunes_toml_plans_its_init_from_model(tmp_path, capsys):
+    """`plan --model FT.toml` planned the file's (default, dense, tiny) [model] while its run trains train.init_from's
+    Mixtral: an 8-GPU layout of a 47B model 'fit' in 0.3 GiB, and --ep was refused as needing experts."""
+    base = _mixtral_dir(tmp_path / "mix", layers=8, hidden=512)
+    toml = tmp_path / "ft.toml"
+    toml.write_text(f'[train]\ninit_from = "{base}"\n')
+    direct = json.loads(cli_here(capsys, "plan", "--model", base, "--gpus", "2", "--ep", "2", "--json"))
+    planned = json.loads(cli_here(capsys, "plan", "--model", toml, "--gpus", "2", "--ep", "2", "--json"))
+    assert planned["memory"] == direct["memory"] and planned["flops_per_step"] == direct["flops_per_step"]
+    toml.write_text(f'[train]\ninit_from = "{tmp_path / "nowhere"}"\n')
+    got = cli_proc(capsys, "plan", "--model", toml, "--gpus", "1")
+    assert got.returncode == 2 and f"--model {toml}: train.init_from = " in got.stderr, got.stderr

@@ -70,8 +70,10 @@ def cmd_train(argv: list[str]) -> int:
         cfg = config_from_dict(read_state(args.resume)["config"], f"the config saved in {args.resume}")
         apply_overrides(cfg, overrides)
     else:
+        from .config.load import own_model_keys
         from .hf_config import with_init_from
-        cfg = with_init_from(load_config(args.config, overrides), overrides)
+        cfg = load_config(args.config, overrides)
+        cfg = with_init_from(cfg, {**own_model_keys(args.config), **overrides} if cfg.train.init_from else overrides)
     if args.print_config:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())

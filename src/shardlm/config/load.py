@@ -242,6 +242,20 @@ def load_config(source: str | None = None, overrides: dict[str, Any] | None = No
     return cfg
 
 
+def own_model_keys(source: str | None) -> dict[str, Any]:
+    """A user's TOML file's own [model] keys (`model.KEY`: value), not a preset's: with train.init_from the model
+    is the checkpoint's config.json, over which these still apply as `--model.*` overrides do. A fine-tune's
+    capacity_factor or router_bias_update_rate, which no config.json holds, was dropped without a word."""
+    if source is None:
+        return {}
+    path = _resolve_source(source)
+    if any(path.parent == d for d in CONFIG_DIRS):
+        return {}
+    with open(path, "rb") as f:  # load_config read it already: no error of its own left to name
+        model = tomllib.load(f).get("model", {})
+    return {f"model.{k}": v for k, v in model.items()} if isinstance(model, dict) else {}
+
+
 def config_from_dict(d: dict, where: str = "the saved config") -> Config:
     """The config a checkpoint saved (`where`: which). A key it holds that this version does not know, or a value
     of another type, was named as if the user had given it: a checkpoint of another version (or edited by hand)."""

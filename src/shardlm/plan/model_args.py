@@ -45,9 +45,10 @@ def _as_flags(message: str, a) -> str:
 
 def _model_from_args(a) -> ModelConfig:
     if a.model:
+        from ..config.load import own_model_keys
+        from ..hf_config import model_config_from_hf, with_init_from
         path = Path(a.model)
         if path.is_dir() or path.suffix == ".json":
-            from ..hf_config import model_config_from_hf
             cfg_file = path / "config.json" if path.is_dir() else path
             if not cfg_file.is_file():
                 run = path / "config.toml"  # a shardlm run directory records the config it trained with
@@ -71,6 +72,11 @@ def _model_from_args(a) -> ModelConfig:
                 raise PlanError(f"--model {cfg_file} is not valid JSON ({e}): download or save it again") from None
         else:
             full = load_config(a.model)
+            if full.train.init_from:  # a fine-tune trains config.json's model, under its file's own [model] keys
+                try:
+                    full = with_init_from(full, own_model_keys(a.model))
+                except ConfigError as e:
+                    raise PlanError(f"--model {a.model}: {e}") from None
             cfg = full.model if full.model.vocab_size else replace(full.model, vocab_size=data_vocab(a.model, full))
         return with_experts(cfg, a)
     need = ("layers", "hidden", "heads", "vocab")
