@@ -218,3 +218,7 @@ def test_a_messages_name_reaches_the_template_and_a_tool_call_is_refused(hf_dir,
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls", r.text
         r = c.post("/v1/chat/completions", json={"messages": [{**hi, "name": 5}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].name", r.text
+        # content parts are lines of one message, as vLLM joins them (they ran together into one word)
+        parts = [{"type": "text", "text": "To be"}, {"type": "text", "text": "or not"}]
+        assert prompt_tokens([{"role": "user", "content": parts}]) == \
+            prompt_tokens([{"role": "user", "content": "To be\nor not"}])

@@ -270,7 +270,8 @@ MESSAGE_KEYS = ("role", "content", "name")
 
 
 def _content(m: dict, i: int) -> str:
-    """A message's text: a string, or OpenAI's list of content parts, all of type text."""
+    """A message's text: a string, or OpenAI's list of content parts, all of type text, one a line (as vLLM and
+    TensorRT-LLM join them: ["To be", "or not"] read as the one word "To beor not")."""
     content = m.get("content")
     if isinstance(content, str):
         return content
@@ -278,7 +279,7 @@ def _content(m: dict, i: int) -> str:
         return ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts.",
                    f"messages[{i}].content", "invalid_type")
 
