@@ -184,3 +184,42 @@ def test_output_to_dev_stdout_redirected_to_a_file_appends_to_it(model_dir, tmp_
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines[0] == {"earlier": 1} and [x["prompt"] for x in lines[1:]] == ["a", "b"], lines
     assert log.stat().st_ino == inode
+
+
+@pytest.mark.timeout(180)
+def test_a_chat_rows_completion_opens_as_serve_and_eval_open_it(tmp_path, capsys):
+    """Under a tokenizer whose decoder drops the space opening a text (Llama 2's, Mistral's), `generate --input`
+    decoded a chat's answer after its prompt's last token, as a completion continues its prompt: the answer's
+    first word kept a space that serve and eval (and transformers) drop, the template placing its own."""
+    import torch
+
+    from helpers import sentencepiece_style_tokenizer
+    d = tmp_path / "sp"
+    tok = sentencepiece_style_tokenizer()
+    model = hf_model("llama")
+    # Every greedy token a word's start: the output head reads one feature, its sign choosing between two words
+    heads = [i for t, i in sorted(tok.get_vocab().items()) if t.startswith("\u2581") and len(t) > 2][:2]
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[heads[0], 0], model.lm_head.weight[heads[1], 0] = 10, -10
+    model.save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"}))
+    words = ["To be", "or not", "that is"]
+    chats = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": "x"}]} for w in words]
+    _lines(tmp_path / "chats.jsonl", *chats)
+    _lines(tmp_path / "in.jsonl", *({"messages": c["messages"][:1]} for c in chats))
+    got = cli_proc(capsys, "generate", "--model", d, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "out.jsonl", "--max-new-tokens", "3", "--temperature", "0")
+    assert got.returncode == 0, got.stderr
+    generated = [json.loads(line)["completion"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    pytest.importorskip("sacrebleu")
+    got = cli_proc(capsys, "eval", "--model", d, "--tasks", "bleu", "--data", tmp_path / "chats.jsonl",
+                   "--max-new-tokens", "3", "--json")
+    assert got.returncode == 0, got.stderr
+    assert generated == json.loads(got.stdout)["completions"]
+    assert generated and not any(text.startswith(" ") for text in generated), generated

@@ -358,8 +358,9 @@ def cmd_generate(argv: list[str]) -> int:
     stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
     asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
              _chat_ids(tok, r["messages"], r["where"]) for r in rows]
-    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i)
-                for i, (ids, r) in enumerate(zip(asked, rows))]
+    # A chat's answer is a turn of its own (its template places the space before it), as serve and eval decode it
+    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i,
+                        continues=r.get("messages") is None) for i, (ids, r) in enumerate(zip(asked, rows))]
     for r, row in zip(requests, rows):
         check_vocab(r.prompt, cfg.vocab_size, row["where"])
         check_room(r.prompt, r.max_new_tokens, row["max_new_from"], cfg.max_seq_len, row["where"])
