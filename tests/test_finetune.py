@@ -603,3 +603,18 @@ def test_instruction_examples_tokenize_as_one_text_as_transformers_does_with_a_s
         [False] * len(served) + [True] * (len(ids) - len(first) - len(served)))
     assert mask[:len(first)] == [False] * len(theirs("Reverse: a b 3\n").input_ids) + [True] * (
         len(first) - len(theirs("Reverse: a b 3\n").input_ids))
+
+
+def test_an_export_stops_transformers_at_the_runs_end_of_text_too(tmp_path, capsys):
+    """A base whose generation_config.json ends texts at one token, fine-tuned on data whose tokenizer ends them at
+    another (Qwen2.5's base with eos_token set to <|im_end|>): shardlm stopped at both, the export's config.json
+    named the data's, but its generation_config.json, which transformers' generate reads, the base's alone."""
+    import transformers
+
+    from shardlm.tokenizer import load_tokenizer
+    source = _source_with_tokenizer(tmp_path, {"bos_token_id": 1, "eos_token_id": 7, "temperature": 0.6})
+    eos = load_tokenizer(source).eos_id
+    assert eos != 7
+    _, export = _run_and_export(tmp_path, capsys, source)
+    written = transformers.GenerationConfig.from_pretrained(export)
+    assert written.eos_token_id == [7, eos] and written.temperature == 0.6

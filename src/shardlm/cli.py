@@ -252,7 +252,7 @@ def cmd_export(argv: list[str]) -> int:
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
     from .export import check_out, refuse_beyond_fp16, refuse_replacing_base, writing
-    from .generation_config import own_generation_config, write_generation_config
+    from .generation_config import own_generation_config, with_eos, write_generation_config
     from .hf_config import changed_from_base
     from .model.hf import write_hf_dir
     from .parallel.lora import merged, peft_state, write_peft_dir
@@ -286,9 +286,10 @@ def cmd_export(argv: list[str]) -> int:
                     write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=base, metadata=mark)
                     # The run's tokenizer beside it, as a Trainer's save_model writes it: its chat template may be
                     # the data's (data prepare writes one where the base has none), which the base lacks.
-                    load_tokenizer(ckpt["path"]).save(scratch)
+                    tok = load_tokenizer(ckpt["path"])
+                    tok.save(scratch)
                     if generation := own_generation_config(ckpt["path"]):  # its stop ids, beside that tokenizer
-                        write_generation_config(scratch, generation)
+                        write_generation_config(scratch, with_eos(generation, tok.eos_id))
                 else:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
                     write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],

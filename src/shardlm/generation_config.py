@@ -39,6 +39,15 @@ def derived_generation_config(bos_id: int | None, eos_id: int | None) -> dict:
     return {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
 
 
+def with_eos(config: dict, eos_id: int | None) -> dict:
+    """The weights' source's generation config, which also stops at the run's tokenizer's end-of-text: a base
+    fine-tuned to end its turns with another token (Qwen2.5's <|im_end|>, set as the data's eos_token) stopped
+    there in shardlm, which stops on both, while transformers' generate, reading this file, ran past it."""
+    have = config.get("eos_token_id")
+    ids = have if isinstance(have, list) else [] if have is None else [have]
+    return config if eos_id is None or eos_id in ids else {**config, "eos_token_id": [*ids, eos_id]}
+
+
 def write_generation_config(directory: str | Path, config: dict) -> None:
     (Path(directory) / GENERATION_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, ModelConfig
-from ..generation_config import derived_generation_config, write_generation_config
+from ..generation_config import derived_generation_config, with_eos, write_generation_config
 from ..hf_config import hf_config_from_model, model_config_from_hf  # noqa: F401 (re-exported)
 
 def _hf_names(cfg: ModelConfig, i: int) -> dict:
@@ -365,7 +365,7 @@ def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Pa
     bos = tokenizer.bos_ids[0] if tokenizer is not None and tokenizer.bos_ids else None
     config = hf_config_from_model(cfg, dtype_name, eos, bos)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(out, generation_config if generation_config is not None else
+    write_generation_config(out, with_eos(generation_config, eos) if generation_config is not None else
                             derived_generation_config(config["bos_token_id"], config["eos_token_id"]))
     if tokenizer is not None:
         tokenizer.save(out)
