@@ -212,3 +212,28 @@ def test_empty_answers_are_refused_when_every_one_is_and_counted_when_some_are(t
     assert r.stdout.split("the first: ")[1].startswith(f"{tmp_path / 'some.jsonl'}:2)"), r.stdout
     r = prepare("full", [{"prompt": "What is 2+2?", "completion": "4"}])
     assert r.returncode == 0 and "empty answer" not in r.stdout + r.stderr
+
+
+def _word_level(directory, vocab):
+    """A word-level tokenizer without its unk_token in the vocabulary: any other word fails to encode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return directory
+
+
+def test_a_text_the_tokenizer_cannot_encode_is_one_line(tmp_path, capsys):
+    """The tokenizers library raises a bare Exception for a word its WordLevel model cannot map (no unk_token in
+    the vocabulary): prepare (and every command that encodes) ended in its traceback."""
+    tok = _word_level(tmp_path / "tok", {"a": 0, "hello": 1, "world": 2, "</s>": 3})
+    (tmp_path / "ok.txt").write_text("hello world a")
+    (tmp_path / "bad.txt").write_text("hello there")
+    assert cli_proc(capsys, "data", "prepare", "--input", tmp_path / "ok.txt", "--tokenizer", tok, "--out",
+                    tmp_path / "ok").returncode == 0
+    r = cli_proc(capsys, "data", "prepare", "--input", tmp_path / "bad.txt", "--tokenizer", tok, "--out",
+                 tmp_path / "bad")
+    assert r.returncode == 2 and "cannot encode this text (WordLevel error: Missing [UNK] token" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()

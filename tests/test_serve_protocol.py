@@ -222,3 +222,19 @@ def test_a_messages_name_reaches_the_template_and_a_tool_call_is_refused(hf_dir,
         parts = [{"type": "text", "text": "To be"}, {"type": "text", "text": "or not"}]
         assert prompt_tokens([{"role": "user", "content": parts}]) == \
             prompt_tokens([{"role": "user", "content": "To be\nor not"}])
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_400(hf_dir, tmp_path):
+    """A word a WordLevel tokenizer without its unk_token cannot map: the library's bare Exception was a 500 naming
+    an internal error, the client's text at fault."""
+    from test_data_prepare_audit import _word_level
+    where = tmp_path / "m"
+    shutil.copytree(hf_dir, where, ignore=shutil.ignore_patterns("tokenizer*"))
+    _word_level(tmp_path / "tok", {"a": 0, "hello": 1, "world": 2, "</s>": 3})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, where / name)
+    with serving(where, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        assert c.post("/v1/completions", json={"prompt": "hello a", "max_tokens": 1}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "hello zebra", "max_tokens": 1})
+        assert r.status_code == 400 and "cannot encode this text" in r.json()["error"]["message"], r.text

@@ -42,6 +42,20 @@ def byte_tokenizer() -> HFTokenizer:
     return tok
 
 
+class TokenizerError(ValueError):
+    """A text the tokenizer cannot encode: the tokenizers library raises a bare Exception (a WordLevel model without
+    its unk_token: "Missing [UNK] token from the vocabulary"), a traceback in every command and a 500 in serve."""
+
+
+def _encoding(source, fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the library's own errors are bare Exceptions
+        raise TokenizerError(f"{source or 'the tokenizer'} cannot encode this text ({e}): a tokenizer that cannot "
+                             "encode every text (no unk_token, no byte fallback) is not one to train or serve "
+                             "with") from None
+
+
 class Tokenizer:
     """encode / decode / eos_id / bos_ids / vocab_size / save over one `tokenizers.Tokenizer`.
 
@@ -60,7 +74,7 @@ class Tokenizer:
         self.eos_id = tok.token_to_id(eos) if eos else None
         # As transformers 5 reads them, from tokenizer.json's post-processor (tokenizer_config.json's
         # add_bos_token does not change them there).
-        self.bos_ids = _prefix(tok)
+        self.bos_ids = _encoding(source, lambda: _prefix(tok))
         if bos_token is None and self.bos_ids:
             bos_token = tok.id_to_token(self.bos_ids[0])
         self.bos_token = bos_token or ""
@@ -74,10 +88,10 @@ class Tokenizer:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return _encoding(self.source, lambda: self.tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return _encoding(self.source, lambda: [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)])
 
     def encode_document(self, text: str) -> list[int]:
         """`text` as the start of a sequence: after the tokens the tokenizer puts first (`bos_ids`)."""

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from ..data.jsonl import unpaired_surrogate
 from ..inference import Request
+from ..tokenizer import TokenizerError
 from .protocol import APIError, Models, Params, chat_params, completion_params
 from .responses import DONE, Answer, TextStream, error_event, prometheus
 from .worker import Closed, EngineWorker
@@ -209,6 +210,10 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # its headers too: a 405 names the methods the path takes (Allow), as HTTP asks of it
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
                             headers=e.headers)
+
+    @app.exception_handler(TokenizerError)
+    async def untokenizable(_, e: TokenizerError):  # the client's text, not the server, is at fault
+        return await api_error(_, APIError(400, f"The request's text cannot be tokenized: {e}"))
 
     @app.exception_handler(Exception)
     async def internal_error(_, e: Exception):
