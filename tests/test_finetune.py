@@ -618,3 +618,28 @@ def test_an_export_stops_transformers_at_the_runs_end_of_text_too(tmp_path, caps
     _, export = _run_and_export(tmp_path, capsys, source)
     written = transformers.GenerationConfig.from_pretrained(export)
     assert written.eos_token_id == [7, eos] and written.temperature == 0.6
+
+
+def test_a_chat_without_a_template_is_trained_on_the_tokens_it_is_served_as(tmp_path):
+    """Under a SentencePiece tokenizer (Metaspace, "<s>" opening each text: Llama 2's, Mistral's) a conversation
+    prepared without a chat template was encoded after <s> as a text of its own, a word start (U+2581) before its
+    first turn; served (and by transformers' apply_chat_template of the export) through the template written for
+    it, "<s>" is part of the text and no word start follows it: every served prompt differed from the trained
+    ones at its second token."""
+    from helpers import sentencepiece_style_tokenizer
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.data.loader import TokenShards
+    from shardlm.data.prepare import prepare
+    from shardlm.inference import prompt_ids
+    from shardlm.tokenizer import load_tokenizer
+    (tmp_path / "tok").mkdir()
+    sentencepiece_style_tokenizer().save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    chat = [{"role": "user", "content": "say 3"}]
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat + [{"role": "assistant", "content": "3!"}]}])
+    prepare([data], str(tmp_path / "tok"), tmp_path / "out", progress=False)
+    trained = np.concatenate([np.asarray(t) for t in TokenShards(tmp_path / "out").tokens]).tolist()
+    tok = load_tokenizer(tmp_path / "out")
+    served = prompt_ids(tok, chat_prompter(tok)(chat), opened=True)
+    assert served[0] == tok.bos_ids[0] and trained[:len(served)] == served, (trained, served)

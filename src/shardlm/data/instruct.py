@@ -229,9 +229,16 @@ def examples(path: Path, tok: Tokenizer):
     template = _chat_template(tok)
     eos = tok.decode([tok.eos_id])
     for where, record, nbytes in objects(path, InstructError, " with prompt and completion, or messages"):
-        ids = [] if template is not None and "messages" in record else list(tok.bos_ids)
-        mask = [False] * len(ids)
+        plain_chat = template is None and "messages" in record
         pieces = _pieces(record, where, template, eos, tok.bos_token)
+        opened = "messages" in record and template is not None  # a chat template places the opening tokens
+        if plain_chat and tok.bos_ids and tok.bos_token:
+            # Opened by its bos_token's text, as plain_template (written for serving it) renders it: a SentencePiece
+            # tokenizer then marks no word start before the first turn, which, encoded alone, it did.
+            pieces[0] = (tok.bos_token + pieces[0][0], pieces[0][1])
+            opened = True
+        ids = [] if opened else list(tok.bos_ids)
+        mask = [False] * len(ids)
         answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"] \
             if "messages" in record else [record["completion"]]
         for piece, trained in _encode(tok, pieces):
@@ -245,7 +252,7 @@ def examples(path: Path, tok: Tokenizer):
             ids.append(tok.eos_id)
             mask.append(answered)
         yield (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), nbytes,
-               template is None and "messages" in record, None if any(a.strip() for a in answers) else where)
+               plain_chat, None if any(a.strip() for a in answers) else where)
 
 
 def _encode(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> list[tuple[list[int], bool]]:
