@@ -772,3 +772,36 @@ def test_one_shot_all_reduces_asked_of_a_model_without_tensor_parallelism_are_re
     with pytest.raises(RuntimeError, match="not tensor-parallel"):
         Engine(model, 2, compile=False, one_shot=True)
     assert not Engine(model, 2, compile=False).one_shot and not Engine(model, 2, compile=False, one_shot=False).one_shot
+
+
+def test_a_chat_templates_end_of_turn_token_ends_a_completion(tmp_path, capsys):
+    """A base model's template that closes an assistant's turn with a special token its generation_config.json
+    does not name (Qwen2.5's base: <|im_end|>, eos <|endoftext|>): fine-tuned on chats, the model answers
+    "...<|im_end|>" then the end-of-text, and every reply (serve's, generate's, eval's) carried the end of turn
+    as text. That token ends a completion too; a turn closed by the end-of-text or by plain text adds none."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    from shardlm.generation_config import stop_ids_of
+    from shardlm.inference import load_pretrained, prompt_ids
+    from shardlm.tokenizer import load_tokenizer
+    save_hf("llama", tmp_path / "hf")
+    model, tok, _ = load_pretrained(tmp_path / "hf")
+    render = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}CLOSE" \
+        "{% else %}END{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    prompt = prompt_ids(tok, "<user>hiEND<assistant>", opened=True)
+    alone = generate_ids(model, torch.tensor([prompt]), 12)[0].tolist()
+    k = next(i for i in range(2, len(alone)) if alone[i] not in alone[:i] and alone[i] != tok.eos_id)
+    turn = tok.tok.id_to_token(alone[k])  # made the template's end of turn: where greedy decoding first emits it
+    hf = HFTokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(turn, special=True)])
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    settings = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    for closing, stops in (("END", (tok.eos_id,)), ("{{ eos_token }}", (tok.eos_id,)), (turn, (tok.eos_id, alone[k]))):
+        (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+            {**settings, "chat_template": render.replace("CLOSE", closing)}))
+        assert stop_ids_of(load_tokenizer(tmp_path / "hf")) == stops, closing
+    (tmp_path / "in.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", tmp_path / "in.jsonl", "--output",
+             tmp_path / "out.jsonl", "--max-new-tokens", 12, "--compile", "off")
+    got = json.loads((tmp_path / "out.jsonl").read_text())
+    assert got["finish_reason"] == "stop" and got["completion"] == load_tokenizer(tmp_path / "hf").decode(alone[:k])

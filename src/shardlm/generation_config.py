@@ -54,13 +54,15 @@ def write_generation_config(directory: str | Path, config: dict) -> None:
 
 def stop_ids_of(tok, generation: dict | None = None) -> tuple[int, ...]:
     """The ids that end a completion, for everything that generates (generate, eval, serve, a run's sample):
-    the tokenizer's end-of-text token, and the eos_token_id (one or a list) of `generation`, else of the
+    the tokenizer's end-of-text token, the eos_token_id (one or a list) of `generation`, else of the
     generation_config.json beside the tokenizer's files (`own_generation_config`: not one made from the model
-    class's defaults), on which transformers' generate and vLLM stop too."""
+    class's defaults), on which transformers' generate and vLLM stop too, and the special token its chat template
+    ends an assistant's turn with (data.instruct.turn_end_id)."""
+    from .data.instruct import turn_end_id
     ids = [] if tok.eos_id is None else [tok.eos_id]
     found = generation or own_generation_config(getattr(tok, "source", None)) or {}
     extra = found.get("eos_token_id")
-    extra = extra if isinstance(extra, list) else [extra]
+    extra = (extra if isinstance(extra, list) else [extra]) + [turn_end_id(tok)]
     ids += [t for t in extra if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size
             and t not in ids]
     return tuple(ids)

@@ -208,6 +208,27 @@ def _answer_opening(template, messages: list[dict], eos: str, bos: str) -> str |
     return probe[:probe.index(ANSWER_PROBE)] if ANSWER_PROBE in probe else None
 
 
+def turn_end_id(tok: Tokenizer) -> int | None:
+    """The special token the tokenizer's chat template closes an assistant's turn with (Qwen's <|im_end|>, Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>), where that is not its end-of-text: a base model's template whose
+    generation_config.json names only the end-of-text, fine-tuned on chats, answers "...<|im_end|>\\n" and the
+    end-of-text after it, the end of turn decoded into the reply. None without a template, where a turn ends in
+    plain text, or where the template refuses the probe."""
+    template = _chat_template(tok)
+    if template is None:
+        return None
+    eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER_PROBE}]
+    try:
+        text = _render(template, probe, eos, tok.bos_token)
+    except Exception:  # noqa: BLE001 - a template's own refusals and errors: no end of turn to learn of it
+        return None
+    after = text[text.index(ANSWER_PROBE) + len(ANSWER_PROBE):] if ANSWER_PROBE in text else ""
+    ids = tok.encode(after) if after else []
+    special = tok.tok.get_added_tokens_decoder()
+    return ids[0] if ids and ids[0] in special and special[ids[0]].special and ids[0] != tok.eos_id else None
+
+
 def _after(text: str, before: str, where: str, i: int) -> str:
     if not text.startswith(before):
         raise InstructError(f"{where}: the chat template renders turn {i + 1} by rewriting the turns before it, "
