@@ -237,3 +237,21 @@ def test_a_text_the_tokenizer_cannot_encode_is_one_line(tmp_path, capsys):
                  tmp_path / "bad")
     assert r.returncode == 2 and "cannot encode this text (WordLevel error: Missing [UNK] token" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_an_end_of_text_named_only_in_special_tokens_map_json_is_transformers_one(tmp_path):
+    """Older Hub checkpoints name their special tokens in special_tokens_map.json alone: shardlm read
+    tokenizer_config.json only and took the first usual end-of-text name the vocabulary holds (<|endoftext|>),
+    where transformers takes the map's (<|im_end|>, over the config's too): documents separated, and generation
+    stopped, elsewhere."""
+    from transformers import AutoTokenizer
+
+    from shardlm.tokenizer import load_tokenizer
+    tok = _word_level(tmp_path / "tok", {"a": 0, "<|endoftext|>": 1, "<|im_end|>": 2, "[UNK]": 3})
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tok / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 2
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))  # the map wins there too
+    assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 2
+    (tok / "special_tokens_map.json").write_text(json.dumps({"pad_token": "a"}))  # silent on eos: the config's
+    assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 1

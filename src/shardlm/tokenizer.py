@@ -146,7 +146,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         how = (slow_tokenizer_hint(path) or "; copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
                "from where the model came from into it") if path.is_dir() else ""
         raise FileNotFoundError(f"no tokenizer.json at {path}{how}")
-    settings = {}
+    settings, named_in = {}, {}  # named_in: a key's file, where not tokenizer_config.json
     cfg = file.parent / "tokenizer_config.json"
     if cfg.is_file():
         try:
@@ -155,11 +155,23 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
             raise ValueError(f"{cfg} is not valid JSON ({e}): fetch or write it again") from None
     if not isinstance(settings, dict):  # `[]` once ended in an AttributeError's traceback
         raise ValueError(f"{cfg} holds {type(settings).__name__}, not a JSON object: fetch or write it again")
+    # Older Hub checkpoints name their special tokens in special_tokens_map.json, which transformers reads over
+    # tokenizer_config.json's: an eos guessed from the usual names (or the config's) stopped elsewhere than theirs.
+    mapped = file.parent / "special_tokens_map.json"
+    if mapped.is_file():
+        try:
+            extra = json.loads(mapped.read_text())
+        except ValueError as e:
+            raise ValueError(f"{mapped} is not valid JSON ({e}): fetch or write it again") from None
+        if isinstance(extra, dict):
+            taken = {k: extra[k] for k in ("eos_token", "bos_token") if extra.get(k) is not None}
+            settings, named_in = {**settings, **taken}, dict.fromkeys(taken, mapped)
     eos, bos = (v.get("content") if isinstance(v, dict) else v for v in (settings.get("eos_token"),
                                                                           settings.get("bos_token")))
     for key, value in (("eos_token", eos), ("bos_token", bos)):
         if value is not None and not isinstance(value, str):  # an id where the token's text belongs
-            raise ValueError(f"{cfg}: {key} is {value!r}, not the token's text (e.g. \"</s>\"): fix it there")
+            raise ValueError(f"{named_in.get(key, cfg)}: {key} is {value!r}, not the token's text (e.g. \"</s>\"): "
+                             "fix it there")
     try:
         tok = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
@@ -168,5 +180,6 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if eos and tok.token_to_id(eos) is None:
         # Silently no end-of-text otherwise: documents packed with nothing between them, generation that never
         # stops on it.
-        raise ValueError(f"{cfg}: eos_token {eos!r} is no token of {file}: name one it holds there")
+        raise ValueError(f"{named_in.get('eos_token', cfg)}: eos_token {eos!r} is no token of {file}: name one it "
+                         "holds there")
     return Tokenizer(tok, source=file.parent, eos_token=eos, bos_token=bos)
