@@ -242,8 +242,8 @@ def test_a_text_the_tokenizer_cannot_encode_is_one_line(tmp_path, capsys):
 def test_an_end_of_text_named_only_in_special_tokens_map_json_is_transformers_one(tmp_path):
     """Older Hub checkpoints name their special tokens in special_tokens_map.json alone: shardlm read
     tokenizer_config.json only and took the first usual end-of-text name the vocabulary holds (<|endoftext|>),
-    where transformers takes the map's (<|im_end|>, over the config's too): documents separated, and generation
-    stopped, elsewhere."""
+    where transformers takes the map's (<|im_end|>, over a config without added_tokens_decoder's too): documents
+    separated, and generation stopped, elsewhere."""
     from transformers import AutoTokenizer
 
     from shardlm.tokenizer import load_tokenizer
@@ -254,4 +254,9 @@ def test_an_end_of_text_named_only_in_special_tokens_map_json_is_transformers_on
     (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))  # the map wins there too
     assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 2
     (tok / "special_tokens_map.json").write_text(json.dumps({"pad_token": "a"}))  # silent on eos: the config's
+    assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 1
+    # a config of transformers >= 4.34 (its added_tokens_decoder) is read alone, the map left as it is
+    (tok / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "added_tokens_decoder": {
+        "1": {"content": "<|endoftext|>", "special": True}, "2": {"content": "<|im_end|>", "special": True}}}))
     assert load_tokenizer(tok).eos_id == AutoTokenizer.from_pretrained(tok).eos_token_id == 1

@@ -169,3 +169,7 @@ def test_an_adapter_carries_the_chat_template_its_data_was_rendered_in(base, tmp
     assert asks["tuned"].status_code == 200, asks["tuned"].text
     assert asks["tuned"].json()["choices"][0]["message"]["content"] == scores[4][0], (asks["tuned"].json(), scores)
     assert asks["base"].status_code == 400 and "no chat template" in asks["base"].text
+    from shardlm.serve.protocol import Models  # the adapter's answers end where eval's and generate's do
+    tok = load_pretrained(base)[1]
+    own = load_pretrained(base, adapter=tmp_path / "adapter")[1]
+    assert Models("base", {"tuned": ""}, 64, tok, adapter_toks={"tuned": own}).stops_of("tuned") == (256, 65)

@@ -781,7 +781,7 @@ def test_a_chat_templates_end_of_turn_token_ends_a_completion(tmp_path, capsys):
     as text. That token ends a completion too; a turn closed by the end-of-text or by plain text adds none."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer
 
-    from shardlm.generation_config import stop_ids_of
+    from shardlm.data.instruct import completion_stop_ids
     from shardlm.inference import load_pretrained, prompt_ids
     from shardlm.tokenizer import load_tokenizer
     save_hf("llama", tmp_path / "hf")
@@ -799,7 +799,7 @@ def test_a_chat_templates_end_of_turn_token_ends_a_completion(tmp_path, capsys):
     for closing, stops in (("END", (tok.eos_id,)), ("{{ eos_token }}", (tok.eos_id,)), (turn, (tok.eos_id, alone[k]))):
         (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
             {**settings, "chat_template": render.replace("CLOSE", closing)}))
-        assert stop_ids_of(load_tokenizer(tmp_path / "hf")) == stops, closing
+        assert completion_stop_ids(load_tokenizer(tmp_path / "hf")) == stops, closing
     (tmp_path / "in.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     cli_here(capsys, "generate", "--model", tmp_path / "hf", "--input", tmp_path / "in.jsonl", "--output",
              tmp_path / "out.jsonl", "--max-new-tokens", 12, "--compile", "off")

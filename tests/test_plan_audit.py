@@ -171,7 +171,10 @@ def test_a_fine_tunes_toml_keeps_its_own_model_keys_over_init_from(tmp_path, cap
     toml.write_text(f'[model]\nnum_layers = 3\n[train]\ninit_from = "{base}"\n')
     got = cli_proc(capsys, "train", toml, "--print-config")
     assert got.returncode == 2 and "model.num_layers is 3 here and 2 in" in got.stderr, got.stderr
-    assert "num_experts = 4" in cli_here(capsys, "train", "tiny", "--train.init_from", base, "--print-config")
+    import shardlm
+    from pathlib import Path
+    for preset in ("tiny", Path(shardlm.__file__).parent / "configs" / "tiny.toml"):  # by name or path, gives way
+        assert "num_experts = 4" in cli_here(capsys, "train", preset, "--train.init_from", base, "--print-config")
 
 
 @pytest.mark.timeout(60)

@@ -251,6 +251,7 @@ def cmd_export(argv: list[str]) -> int:
     from .adapter_check import ADAPTER_KEY, MERGED_KEY, adapter_fingerprint
     from .checkpoint import load_checkpoint
     from .config import config_from_dict
+    from .data.instruct import turn_end_id
     from .export import check_out, refuse_beyond_fp16, refuse_replacing_base, writing
     from .generation_config import own_generation_config, with_eos, write_generation_config
     from .hf_config import changed_from_base
@@ -280,20 +281,20 @@ def cmd_export(argv: list[str]) -> int:
         state = merged(state, cfg, lora) if a.merge else state
         if a.dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
             refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
+        tok = load_tokenizer(ckpt["path"])
         try:
             with writing(a.out, a.overwrite) as scratch:
                 if lora.rank and not a.merge:
                     write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=base, metadata=mark)
                     # The run's tokenizer beside it, as a Trainer's save_model writes it: its chat template may be
                     # the data's (data prepare writes one where the base has none), which the base lacks.
-                    tok = load_tokenizer(ckpt["path"])
                     tok.save(scratch)
                     if generation := own_generation_config(ckpt["path"]):  # its stop ids, beside that tokenizer
-                        write_generation_config(scratch, with_eos(generation, tok.eos_id))
+                        write_generation_config(scratch, with_eos(generation, tok.eos_id, turn_end_id(tok)))
                 else:
                     # the generation_config.json the run kept from its weights' source, else one from config.json
-                    write_hf_dir(state, cfg, scratch, load_tokenizer(ckpt["path"]), dtype=DTYPES[a.dtype],
-                                 metadata=mark, generation_config=own_generation_config(ckpt["path"]),
+                    write_hf_dir(state, cfg, scratch, tok, dtype=DTYPES[a.dtype], metadata=mark,
+                                 generation_config=own_generation_config(ckpt["path"]), stops=(turn_end_id(tok),),
                                  progress=_bar(bars, "export", "parameters"))
         except OSError as e:
             raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None

@@ -39,13 +39,15 @@ def derived_generation_config(bos_id: int | None, eos_id: int | None) -> dict:
     return {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
 
 
-def with_eos(config: dict, eos_id: int | None) -> dict:
-    """The weights' source's generation config, which also stops at the run's tokenizer's end-of-text: a base
-    fine-tuned to end its turns with another token (Qwen2.5's <|im_end|>, set as the data's eos_token) stopped
-    there in shardlm, which stops on both, while transformers' generate, reading this file, ran past it."""
+def with_eos(config: dict, *stops: int | None) -> dict:
+    """A generation config that also stops at `stops` (None: none): the run's tokenizer's end-of-text and its chat
+    template's end of turn, where shardlm stops (data.instruct.completion_stop_ids). A base fine-tuned to end its turns with another
+    token (Qwen2.5's <|im_end|>, set as the data's eos_token) stopped there in shardlm while transformers'
+    generate, reading this file, ran past it."""
     have = config.get("eos_token_id")
     ids = have if isinstance(have, list) else [] if have is None else [have]
-    return config if eos_id is None or eos_id in ids else {**config, "eos_token_id": [*ids, eos_id]}
+    new = [t for t in dict.fromkeys(stops) if t is not None and t not in ids]
+    return {**config, "eos_token_id": [*ids, *new]} if new else config
 
 
 def write_generation_config(directory: str | Path, config: dict) -> None:
@@ -56,13 +58,12 @@ def stop_ids_of(tok, generation: dict | None = None) -> tuple[int, ...]:
     """The ids that end a completion, for everything that generates (generate, eval, serve, a run's sample):
     the tokenizer's end-of-text token, the eos_token_id (one or a list) of `generation`, else of the
     generation_config.json beside the tokenizer's files (`own_generation_config`: not one made from the model
-    class's defaults), on which transformers' generate and vLLM stop too, and the special token its chat template
-    ends an assistant's turn with (data.instruct.turn_end_id)."""
-    from .data.instruct import turn_end_id
+    class's defaults), on which transformers' generate and vLLM stop too. What generates stops at these and at
+    the chat template's end of turn: data.instruct.completion_stop_ids."""
     ids = [] if tok.eos_id is None else [tok.eos_id]
     found = generation or own_generation_config(getattr(tok, "source", None)) or {}
     extra = found.get("eos_token_id")
-    extra = (extra if isinstance(extra, list) else [extra]) + [turn_end_id(tok)]
+    extra = extra if isinstance(extra, list) else [extra]
     ids += [t for t in extra if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size
             and t not in ids]
     return tuple(ids)

@@ -47,13 +47,14 @@ class TokenizerError(ValueError):
     its unk_token: "Missing [UNK] token from the vocabulary"), a traceback in every command and a 500 in serve."""
 
 
-def _encoding(source, fn):
+def _encoding(fn, what: str = "the tokenizer cannot encode this text"):
     try:
         return fn()
-    except Exception as e:  # noqa: BLE001 - the library's own errors are bare Exceptions
-        raise TokenizerError(f"{source or 'the tokenizer'} cannot encode this text ({e}): a tokenizer that cannot "
-                             "encode every text (no unk_token, no byte fallback) is not one to train or serve "
-                             "with") from None
+    except Exception as e:  # noqa: BLE001 - the library's own errors are bare Exceptions, nothing more specific
+        if type(e) is not Exception:
+            raise
+        raise TokenizerError(f"{what} ({e}): a tokenizer that cannot encode every text (no unk_token, no byte "
+                             "fallback) is not one to train or serve with") from None
 
 
 class Tokenizer:
@@ -74,7 +75,7 @@ class Tokenizer:
         self.eos_id = tok.token_to_id(eos) if eos else None
         # As transformers 5 reads them, from tokenizer.json's post-processor (tokenizer_config.json's
         # add_bos_token does not change them there).
-        self.bos_ids = _encoding(source, lambda: _prefix(tok))
+        self.bos_ids = _encoding(lambda: _prefix(tok), f"{source or 'the tokenizer'} cannot encode even the text 'a'")
         if bos_token is None and self.bos_ids:
             bos_token = tok.id_to_token(self.bos_ids[0])
         self.bos_token = bos_token or ""
@@ -88,10 +89,10 @@ class Tokenizer:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return _encoding(self.source, lambda: self.tok.encode(text, add_special_tokens=False).ids)
+        return _encoding(lambda: self.tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return _encoding(self.source, lambda: [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)])
+        return _encoding(lambda: [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)])
 
     def encode_document(self, text: str) -> list[int]:
         """`text` as the start of a sequence: after the tokens the tokenizer puts first (`bos_ids`)."""
@@ -156,9 +157,10 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if not isinstance(settings, dict):  # `[]` once ended in an AttributeError's traceback
         raise ValueError(f"{cfg} holds {type(settings).__name__}, not a JSON object: fetch or write it again")
     # Older Hub checkpoints name their special tokens in special_tokens_map.json, which transformers reads over
-    # tokenizer_config.json's: an eos guessed from the usual names (or the config's) stopped elsewhere than theirs.
+    # tokenizer_config.json's where that config predates added_tokens_decoder (transformers 4.34): an eos guessed
+    # from the usual names (or the config's) stopped elsewhere than theirs.
     mapped = file.parent / "special_tokens_map.json"
-    if mapped.is_file():
+    if mapped.is_file() and "added_tokens_decoder" not in settings:
         try:
             extra = json.loads(mapped.read_text())
         except ValueError as e:

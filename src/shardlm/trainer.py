@@ -25,9 +25,10 @@ from . import compat, rundir
 from .checkpoint import load_checkpoint, read_state, resolve_checkpoint
 from .config import IGNORE, Config, ConfigError, config_from_dict
 from .config.expert_checks import moe_notes
+from .data.instruct import completion_stop_ids
 from .data.loader import data_bytes, open_train_data
 from .divergence import TrainingError, numerical_failures, step_numbers
-from .generation_config import own_generation_config, stop_ids_of
+from .generation_config import own_generation_config
 from .inference import generate_text
 from .inference.reference import prompt_room
 from .memory_check import check_memory
@@ -139,7 +140,7 @@ class Trainer:
         generation = own_generation_config(checkpoint) or own_generation_config(t.init_from)
         self.saver = CheckpointSaver(self.parallel, cfg, self.out, self.tokenizer, self._any_rank, self.host_group,
                                      self.log if self.mesh.is_main else lambda *a: None, generation)
-        self.stop_ids = stop_ids_of(self.tokenizer, generation)  # where the sample ends, as generate's would
+        self.stop_ids = completion_stop_ids(self.tokenizer, generation)  # where the sample ends, as generate's would
         self.resumed_from = None
         if checkpoint is not None:
             self._resume(checkpoint)

@@ -249,7 +249,7 @@ def own_model_keys(source: str | None) -> dict[str, Any]:
     if source is None:
         return {}
     path = _resolve_source(source)
-    if any(path.parent == d for d in CONFIG_DIRS):
+    if any(path.resolve().parent == d for d in CONFIG_DIRS):
         return {}
     with open(path, "rb") as f:  # load_config read it already: no error of its own left to name
         model = tomllib.load(f).get("model", {})

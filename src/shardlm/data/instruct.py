@@ -213,20 +213,26 @@ def turn_end_id(tok: Tokenizer) -> int | None:
     <|eot_id|>, Gemma's <end_of_turn>), where that is not its end-of-text: a base model's template whose
     generation_config.json names only the end-of-text, fine-tuned on chats, answers "...<|im_end|>\\n" and the
     end-of-text after it, the end of turn decoded into the reply. None without a template, where a turn ends in
-    plain text, or where the template refuses the probe."""
-    template = _chat_template(tok)
-    if template is None:
-        return None
+    plain text, or where the template does not parse or refuses the probe."""
     eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER_PROBE}]
     try:
-        text = _render(template, probe, eos, tok.bos_token)
+        template = _chat_template(tok)  # one that does not parse is refused where chats are rendered, not here
+        text = _render(template, probe, eos, tok.bos_token) if template is not None else ""
     except Exception:  # noqa: BLE001 - a template's own refusals and errors: no end of turn to learn of it
         return None
     after = text[text.index(ANSWER_PROBE) + len(ANSWER_PROBE):] if ANSWER_PROBE in text else ""
     ids = tok.encode(after) if after else []
     special = tok.tok.get_added_tokens_decoder()
     return ids[0] if ids and ids[0] in special and special[ids[0]].special and ids[0] != tok.eos_id else None
+
+
+def completion_stop_ids(tok: Tokenizer, generation: dict | None = None) -> tuple[int, ...]:
+    """Where everything that generates (generate, eval, serve, a run's sample) ends a completion: stop_ids_of's
+    end-of-text ids, and the special token the chat template ends an assistant's turn with (turn_end_id)."""
+    from ..generation_config import stop_ids_of
+    ids, turn = stop_ids_of(tok, generation), turn_end_id(tok)
+    return ids + (turn,) if turn is not None and turn not in ids else ids
 
 
 def _after(text: str, before: str, where: str, i: int) -> str:
@@ -239,7 +245,8 @@ def _after(text: str, before: str, where: str, i: int) -> str:
 def examples(path: Path, tok: Tokenizer):
     """(token ids, loss mask, bytes read, whether it is a conversation rendered without a chat template, its place
     in the file where its answers are all empty, else None) of every example of a jsonl file, each opened as the
-    tokenizer opens a text (`bos_ids`: a chat template places them itself) and closed by the end-of-text token
+    tokenizer opens a text (`bos_ids`; a chat template places them itself, and a chat without one opens with
+    the bos_token's text, as the template written for it does) and closed by the end-of-text token
     (trained on where it closes an answer: the model learns to stop; not after a conversation's last turn that
     is not the assistant's)."""
     if tok.eos_id is None:

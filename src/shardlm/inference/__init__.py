@@ -23,7 +23,7 @@ def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
                   batch_size: int = 8, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int = 0, compile: bool | None = None, progress: Callable | None = None) -> list[list[int]]:
     """The new tokens of every prompt (token ids), in order, each cut before its first of `stop_ids`
-    (generation_config.stop_ids_of's: the end of text and a chat model's end of turn), all of them
+    (data.instruct.completion_stop_ids': the end of text and a chat model's end of turn), all of them
     through one engine of up to `batch_size` slots, longest prompts first. Prompt i samples with seed
     `seed + i`, the same tokens whatever the batch. `progress(n)`: told of every n finished."""
     if batch_size < 1:

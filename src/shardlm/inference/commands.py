@@ -250,7 +250,7 @@ def cmd_eval(argv: list[str]) -> int:
             print(json.dumps(strict) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
                                                f"{r['tokens']} predicted tokens")
         return 0
-    from ..generation_config import stop_ids_of
+    from ..data.instruct import completion_stop_ids
     from ..text_metrics import score
     from . import generate_many, prompt_ids
     ids = [prompt_ids(tok, q) if isinstance(q, str) else _chat_ids(tok, q, f"--data {a.data}: example {i + 1}")
@@ -259,7 +259,7 @@ def cmd_eval(argv: list[str]) -> int:
         check_vocab(q, model.cfg.vocab_size, f"--data {a.data}: example {i + 1}")
         check_room(q, a.max_new_tokens, "--max-new-tokens", model.cfg.max_seq_len, f"--data {a.data}: example {i + 1}")
     with progress(len(prompts), "eval", "requests", a.main) as bar:
-        new = generate_many(model, ids, a.max_new_tokens, stop_ids_of(tok),
+        new = generate_many(model, ids, a.max_new_tokens, completion_stop_ids(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], bar.update)
     completions = [tok.decode(ids) for ids in new]
     scores = score(completions, refs, tasks)
@@ -352,10 +352,10 @@ def cmd_generate(argv: list[str]) -> int:
         r["stop"] = r["stop"] or tuple(a.stop)
     model, tok, cfg = _load(a, rows if a.input is not None else None, f"--input {a.input}",
                             chats=any(r.get("messages") is not None for r in rows))
-    from ..generation_config import stop_ids_of
+    from ..data.instruct import completion_stop_ids
     from . import Engine, Request, prompt_ids, slots_that_fit
     from ..parallel.tensor import tensor_parallel_group
-    stop_ids = stop_ids_of(tok)  # as serve's: the tokenizer's end of text and generation_config.json's eos ids
+    stop_ids = completion_stop_ids(tok)  # as serve's: end of text, generation_config.json's eos ids, end of turn
     asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
              _chat_ids(tok, r["messages"], r["where"]) for r in rows]
     # A chat's answer is a turn of its own (its template places the space before it), as serve and eval decode it

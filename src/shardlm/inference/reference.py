@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 
 from ..config import ConfigError
-from ..generation_config import stop_ids_of
 from ..model import Decoder, KVCache
 from ..tokenizer import Tokenizer
 
@@ -34,7 +33,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def generate_ids(model: Decoder, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = ()) -> torch.Tensor:
     """New tokens only, shape [batch, <= max_new_tokens]; stops early when every row produced one of
-    `stop_ids` (generation_config.stop_ids_of's)."""
+    `stop_ids` (data.instruct.completion_stop_ids')."""
     was_training = model.training
     model.eval()
     b, t = ids.shape
@@ -87,10 +86,11 @@ def prompt_room(tok: Tokenizer, prompt: str, max_seq_len: int, key: str) -> int:
 
 def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None) -> str:
-    """The completion's text, up to its first of `stop_ids` (default: stop_ids_of the tokenizer)."""
+    """The completion's text, up to its first of `stop_ids` (default: the tokenizer's completion_stop_ids)."""
     device = next(model.parameters()).device
     ids = prompt_ids(tok, prompt)
-    stops = stop_ids_of(tok) if stop_ids is None else tuple(stop_ids)
+    from ..data.instruct import completion_stop_ids
+    stops = completion_stop_ids(tok) if stop_ids is None else tuple(stop_ids)
     new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
                        seed, stop_ids=stops)[0].tolist()
     return tok.decode(next((new[:i] for i, t in enumerate(new) if t in stops), new))

@@ -349,11 +349,13 @@ class SafetensorsShards:
 
 def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
                  dtype: torch.dtype | None = None, metadata: dict | None = None,
-                 max_shard_bytes: int = 2**30, generation_config: dict | None = None, progress=None) -> None:
+                 max_shard_bytes: int = 2**30, generation_config: dict | None = None, progress=None,
+                 stops: tuple[int | None, ...] = ()) -> None:
     """A directory that transformers' from_pretrained loads: config.json, model.safetensors (or its shards of about
     `max_shard_bytes` and their index), tokenizer files, and generation_config.json as save_pretrained writes
     it: `generation_config` (the weights' source's, carried through the run), else one made from config.json's
-    bos/eos ids as GenerationConfig.from_model_config makes it. `progress`: called with the elements to write,
+    bos/eos ids as GenerationConfig.from_model_config makes it; either also stops at the tokenizer's end-of-text
+    and at `stops` (a chat template's end of turn), as shardlm does. `progress`: called with the elements to write,
     it returns what to call with the elements of each file written (a large model is minutes of writing)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -365,8 +367,8 @@ def write_hf_dir(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Pa
     bos = tokenizer.bos_ids[0] if tokenizer is not None and tokenizer.bos_ids else None
     config = hf_config_from_model(cfg, dtype_name, eos, bos)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(out, with_eos(generation_config, eos) if generation_config is not None else
-                            derived_generation_config(config["bos_token_id"], config["eos_token_id"]))
+    write_generation_config(out, with_eos(generation_config, eos, *stops) if generation_config is not None else
+                            with_eos(derived_generation_config(config["bos_token_id"], config["eos_token_id"]), *stops))
     if tokenizer is not None:
         tokenizer.save(out)
         if not (out / "tokenizer_config.json").is_file():

@@ -196,7 +196,6 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
     app.add_middleware(Lifecycle, state=state, worker=worker, max_body=models.max_body)
     logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT)  # once: a filter already there is not added again
     tok = models.tok
-    stop_ids = models.stop_ids
     started = int(time.time())
     handoffs: dict[asyncio.AbstractEventLoop, Handoff] = {}
 
@@ -212,7 +211,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
                             headers=e.headers)
 
     @app.exception_handler(TokenizerError)
-    async def untokenizable(_, e: TokenizerError):  # the client's text, not the server, is at fault
+    async def untokenizable(_, e: TokenizerError):  # a chat's rendered text: a prompt's is refused as the prompt
         return await api_error(_, APIError(400, f"The request's text cannot be tokenized: {e}"))
 
     @app.exception_handler(Exception)
@@ -245,8 +244,8 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # for a departed client in between.
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
         # the engine looks for stop strings in the text a client is sent (text_of's, a chat reply's its own)
-        request = Request(params.prompt, params.max_tokens, params.sampling, stop_ids, params.stop,
-                          adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
+        request = Request(params.prompt, params.max_tokens, params.sampling, models.stops_of(params.adapter),
+                          params.stop, adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:
@@ -266,7 +265,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # so a message's content has none.
         prompt = answer.params.prompt
         context = prompt[-1:] if not answer.chat and len(prompt) > 1 else ()
-        return TextStream(tok.decode, stop_ids, answer.params.stop, context=context)
+        return TextStream(tok.decode, models.stops_of(answer.params.adapter), answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params, chat)

@@ -254,6 +254,8 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
     from .worker import EngineWorker
     from .replicas import ReplicaPool
     engines = engine if isinstance(engine, list) else [engine]
+    # before the warm-up: an adapter's unreadable tokenizer files end the start at once, not after minutes of it
+    own = {n: t for n, d in adapters.items() if (t := with_adapters_chat_template(tok, d)) is not tok}
     workers, start = [], time.perf_counter()
     for e in engines:  # a bar on a terminal: compiling a large model's steps at a long context takes minutes
         batches = warm(e)
@@ -269,9 +271,8 @@ def build_server(engine, tok, base: str, adapters: dict, host: str, port: int, l
               "serving runs compiled and captured)", file=sys.stderr, flush=True)
     worker = workers[0] if len(workers) == 1 else ReplicaPool(workers)
     state = ServerState()
-    own = {n: with_adapters_chat_template(tok, d) for n, d in adapters.items()}
     models = Models(base, {n: str(d) for n, d in adapters.items()}, engines[0].max_len, tok, chat_prompter(tok),
-                    engines[0].model.cfg.vocab_size, {n: chat_prompter(t) for n, t in own.items() if t is not tok})
+                    engines[0].model.cfg.vocab_size, own)
     config = uvicorn.Config(create_app(worker, models, state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None)
     return _draining_server(uvicorn)(config, state), worker

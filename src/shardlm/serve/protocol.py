@@ -10,7 +10,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
-from ..generation_config import stop_ids_of
+from ..data.instruct import completion_stop_ids
 from ..inference import SamplingParams, prompt_ids
 from ..tokenizer import Tokenizer
 
@@ -47,14 +47,18 @@ class Models:
     """The served ids: the base model's, and each adapter's under its own name (vLLM's convention)."""
 
     def __init__(self, base: str, adapters: dict[str, str], max_len: int, tok: Tokenizer, chat=None,
-                 model_vocab: int | None = None, adapter_chats: dict | None = None):
+                 model_vocab: int | None = None, adapter_toks: dict[str, Tokenizer] | None = None):
+        from ..data.instruct import chat_prompter
         self.base, self.adapters, self.max_len, self.tok, self.chat = base, adapters, max_len, tok, chat
-        # An adapter's own chat template where the base has none (its export carries its run's tokenizer)
-        self.adapter_chats = adapter_chats or {}
+        # An adapter's own tokenizer where the base has no chat template (its export carries its run's): its
+        # template renders that adapter's chats, and its end of turn and generation_config.json end its answers
+        own = adapter_toks or {}
+        self.adapter_chats = {n: chat_prompter(t) for n, t in own.items()}
+        self._stops = {n: completion_stop_ids(t) for n, t in own.items()}
         # A token id beyond the embedding would fail the step (on a GPU, a device-side assert ends the
         # process), so prompts of ids are held to what both the tokenizer and the model know.
         self.vocab = min(tok.vocab_size, model_vocab or tok.vocab_size)
-        self.stop_ids = stop_ids_of(tok)
+        self.stop_ids = completion_stop_ids(tok)
         # The most characters a token stands for (its longest vocabulary entry): a prompt that far beyond the
         # context is refused by its length, untokenized. Tokenizing 20 MB took 18 s on the event loop, every
         # other client waiting; 4x spares a normaliser that drops characters.
@@ -63,6 +67,10 @@ class Models:
         # bytes, a surrogate pair's for one character), and a megabyte for the rest. Bodies were read whole,
         # whatever their size, before any of this was checked.
         self.max_body = 12 * self.max_chars + (1 << 20)
+
+    def stops_of(self, adapter: str | None) -> tuple[int, ...]:
+        """The ids that end a completion of the base (None) or of an adapter."""
+        return self._stops.get(adapter, self.stop_ids)
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
