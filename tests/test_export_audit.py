@@ -126,50 +126,73 @@ def test_an_adapter_trained_under_a_changed_rope_is_not_exported_as_the_bases(ba
     assert '"rope_theta": 1000000.0' in (tmp_path / "merged" / "config.json").read_text()
 
 
+@pytest.fixture(scope="module")
+def chat_adapter(base, tmp_path_factory):
+    """A LoRA run over `base` (whose generation_config.json ends texts at 256 and 65) on chats prepared without a
+    chat template, and its adapter export: (base, run, adapter, held-out chat file)."""
+    import json
+    import shutil
+    root = tmp_path_factory.mktemp("chat")
+    shutil.copytree(base, root / "base")
+    base = root / "base"
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 65]}))
+    chats = root / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                      {"role": "assistant", "content": f"yo {i}"}]}) + "\n"
+                             for i in range(40)))
+    cli_here(None, "data", "prepare", "--input", chats, "--tokenizer", base, "--out", root / "data")
+    cli_here(None, "train", "tiny", "--train.init_from", base, "--data.path", root / "data", "--train.steps", "1",
+             "--train.seq_len", "16", "--lora.rank", "4", "--lora.targets", "q_proj", "--train.sample_tokens", "0",
+             "--out", root / "run")
+    cli_here(None, "export", "--checkpoint", root / "run", "--out", root / "adapter")
+    held = root / "held.jsonl"
+    held.write_text(chats.read_text().splitlines(keepends=True)[0])
+    return base, root / "run", root / "adapter", held
+
+
 @pytest.mark.timeout(180)
-def test_an_adapter_carries_the_chat_template_its_data_was_rendered_in(base, tmp_path, capsys):
+def test_an_adapter_carries_the_chat_template_its_data_was_rendered_in(chat_adapter, capsys):
     """Chats prepared over a base without a chat template are rendered as '<|role|>' turns, a template written
     into the dataset's tokenizer, which the run keeps: its adapter export held no tokenizer, so `eval`/`generate
     --adapter` over the base refused every chat ("no chat template"), and PEFT users had none to load. The
     adapter directory holds the run's tokenizer, which eval/generate --adapter take where the base has no template,
     and the run's generation_config.json, whose end-of-text ids they stop on as they did with the base's."""
     import json
-    import shutil
 
     from shardlm.generation_config import stop_ids_of
     from shardlm.inference.load import load_pretrained
-    shutil.copytree(base, tmp_path / "base")
-    base = tmp_path / "base"
-    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 65]}))
-    chats = tmp_path / "chat.jsonl"
-    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
-                                                      {"role": "assistant", "content": f"yo {i}"}]}) + "\n"
-                             for i in range(40)))
-    cli_here(capsys, "data", "prepare", "--input", chats, "--tokenizer", base, "--out", tmp_path / "data")
-    cli_here(capsys, "train", "tiny", "--train.init_from", base, "--data.path", tmp_path / "data", "--train.steps",
-             "1", "--train.seq_len", "16", "--lora.rank", "4", "--lora.targets", "q_proj", "--train.sample_tokens",
-             "0", "--out", tmp_path / "run")
-    cli_here(capsys, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "adapter")
-    assert "chat_template" in json.loads((tmp_path / "adapter" / "tokenizer_config.json").read_text())
-    held = tmp_path / "held.jsonl"
-    held.write_text(chats.read_text().splitlines(keepends=True)[0])
+    base, run, adapter, held = chat_adapter
+    assert "chat_template" in json.loads((adapter / "tokenizer_config.json").read_text())
     scores = {}
-    for model in (["--model", tmp_path / "run"], ["--model", base, "--adapter", tmp_path / "adapter"]):
+    for model in (["--model", run], ["--model", base, "--adapter", adapter]):
         out = cli_here(capsys, "eval", *model, "--tasks", "bleu", "--data", held, "--max-new-tokens", "4", "--json")
         scores[len(model)] = json.loads(out)["completions"]
     assert scores[2] == scores[4], scores  # the run and its base + adapter: the same prompt, the same greedy tokens
-    assert stop_ids_of(load_pretrained(base, adapter=tmp_path / "adapter")[1]) == (256, 65)
+    assert stop_ids_of(load_pretrained(base, adapter=adapter)[1]) == (256, 65)
 
+
+@pytest.mark.timeout(180)
+def test_serve_renders_an_adapters_chats_with_its_own_template_and_ends_them_at_its_stops(chat_adapter):
+    """serve took every chat template and stop id from the base: an adapter carrying its run's template was
+    refused chats the base has no template for. (No capsys here: uvicorn's logging setup closes every handler's
+    stream that is not sys.stderr, and absl's, which rouge-score imports, holds pytest's own.)"""
     import httpx
+
+    from shardlm.data.instruct import chat_prompter
+    from shardlm.inference import generate_many, prompt_ids
+    from shardlm.inference.load import load_pretrained
+    from shardlm.serve.protocol import Models
     from test_serve import TIMEOUT, serving
-    with serving(base, adapters={"tuned": tmp_path / "adapter"}) as s:  # per request: the adapter's, not the base's
+    base, _, adapter, _ = chat_adapter
+    model, tok, _ = load_pretrained(base, adapter=adapter)
+    ids = prompt_ids(tok, chat_prompter(tok)([{"role": "user", "content": "hi 0"}]), opened=True)
+    want = tok.decode(generate_many(model, [ids], 4, (256, 65), compile=False)[0])
+    with serving(base, adapters={"tuned": adapter}) as s:
         asks = {name: httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT, json={
             "model": name, "messages": [{"role": "user", "content": "hi 0"}], "max_tokens": 4, "temperature": 0})
             for name in ("tuned", "base")}
     assert asks["tuned"].status_code == 200, asks["tuned"].text
-    assert asks["tuned"].json()["choices"][0]["message"]["content"] == scores[4][0], (asks["tuned"].json(), scores)
+    assert asks["tuned"].json()["choices"][0]["message"]["content"] == want, asks["tuned"].json()
     assert asks["base"].status_code == 400 and "no chat template" in asks["base"].text
-    from shardlm.serve.protocol import Models  # the adapter's answers end where eval's and generate's do
-    tok = load_pretrained(base)[1]
-    own = load_pretrained(base, adapter=tmp_path / "adapter")[1]
-    assert Models("base", {"tuned": ""}, 64, tok, adapter_toks={"tuned": own}).stops_of("tuned") == (256, 65)
+    assert Models("base", {"tuned": ""}, 64, load_pretrained(base)[1], adapter_toks={"tuned": tok}).stops_of(
+        "tuned") == (256, 65)
