@@ -194,5 +194,12 @@ def test_serve_renders_an_adapters_chats_with_its_own_template_and_ends_them_at_
     assert asks["tuned"].status_code == 200, asks["tuned"].text
     assert asks["tuned"].json()["choices"][0]["message"]["content"] == want, asks["tuned"].json()
     assert asks["base"].status_code == 400 and "no chat template" in asks["base"].text
-    assert Models("base", {"tuned": ""}, 64, load_pretrained(base)[1], adapter_toks={"tuned": tok}).stops_of(
-        "tuned") == (256, 65)
+    import shutil
+
+    from shardlm.tokenizer import load_tokenizer
+    plain = base.parent / "plain"  # the base's tokenizer without its generation_config.json: it stops at 256 alone
+    plain.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, plain / name)
+    models = Models("base", {"tuned": ""}, 64, load_tokenizer(plain), adapter_toks={"tuned": tok})
+    assert (models.stops_of(None), models.stops_of("tuned")) == ((256,), (256, 65))
