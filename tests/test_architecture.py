@@ -19,8 +19,8 @@ LAYERS = [
     ["comm"],
     ["optim"],
     ["parallel"],
-    ["text_metrics", "compat", "export", "adapter_check", "memory_check"],
-    ["inference", "testing", "divergence"],
+    ["text_metrics", "compat", "adapter_check", "memory_check"],
+    ["inference", "testing", "divergence", "export"],
     ["run_checkpoint"],
     ["trainer", "serve"],                                                                         # serve: HTTP over inference
     ["cli"],

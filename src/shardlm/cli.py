@@ -248,61 +248,11 @@ def cmd_export(argv: list[str]) -> int:
                         "(default: the adapter alone, in PEFT's format)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (a previous export)")
     a = p.parse_args(argv)
-    from .adapter_check import ADAPTER_KEY, MERGED_KEY, adapter_fingerprint
-    from .checkpoint import load_checkpoint
-    from .config import config_from_dict
-    from .data.instruct import turn_end_id
-    from .export import check_out, refuse_beyond_fp16, refuse_replacing_base, writing
-    from .generation_config import own_generation_config, with_eos, write_generation_config
-    from .hf_config import changed_from_base
-    from .model.hf import write_hf_dir
-    from .parallel.lora import merged, peft_state, write_peft_dir
-    from .precision import DTYPES
-    from .tokenizer import load_tokenizer
-    check_out(a.out, a.overwrite)  # before reading a large checkpoint
+    from .export import export_run
     with ExitStack() as bars:  # closed before an error propagates, so the error is the last line printed
-        # A 7B run is minutes of checksumming (its optimizer state too), then of writing: each has its bar.
-        ckpt = load_checkpoint(a.checkpoint, with_optimizer=False, progress=_bar(bars, "verify", "B"))
-        full = config_from_dict(ckpt["state"]["config"])
-        cfg, lora = full.model, full.lora
-        if a.merge and not lora.rank:
-            raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to "
-                              "merge")
-        base = full.train.init_from or None
-        if lora.rank and not a.merge:
-            refuse_replacing_base(a.out, base)
-            if base and (changed := changed_from_base(cfg, base)):
-                raise ConfigError(f"{ckpt['path']}: " + "; ".join(changed) + ": a PEFT adapter is applied with its "
-                                  "base's config.json, under which this run's adapters compute another model; "
-                                  "export --merge for the model it trained")
-        state, mark = ckpt["model"], {}
-        if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
-            mark = {(MERGED_KEY if a.merge else ADAPTER_KEY): adapter_fingerprint(state)}
-        state = merged(state, cfg, lora) if a.merge else state
-        if a.dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
-            refuse_beyond_fp16(peft_state(state, cfg) if lora.rank and not a.merge else state, a.out)
-        tok = load_tokenizer(ckpt["path"])
-        try:
-            with writing(a.out, a.overwrite) as scratch:
-                if lora.rank and not a.merge:
-                    write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[a.dtype], base=base, metadata=mark)
-                    # The run's tokenizer beside it, as a Trainer's save_model writes it: its chat template may be
-                    # the data's (data prepare writes one where the base has none), which the base lacks.
-                    tok.save(scratch)
-                    if generation := own_generation_config(ckpt["path"]):  # its stop ids, beside that tokenizer
-                        write_generation_config(scratch, with_eos(generation, tok.eos_id, turn_end_id(tok)))
-                else:
-                    # the generation_config.json the run kept from its weights' source, else one from config.json
-                    write_hf_dir(state, cfg, scratch, tok, dtype=DTYPES[a.dtype], metadata=mark,
-                                 generation_config=own_generation_config(ckpt["path"]), stops=(turn_end_id(tok),),
-                                 progress=_bar(bars, "export", "parameters"))
-        except OSError as e:
-            raise RunError(f"writing {a.out} failed ({e.strerror or e}); it is as it was before the export") from None
-    what = "the LoRA adapter of " if lora.rank and not a.merge else ""
-    # Without train.init_from the adapter's base is the run's random start, which no other export writes.
-    how = " (PEFT format; --merge for the merged model)" if base else (" (PEFT format, of this run's random base, "
-                                                                       "no train.init_from: only --merge writes that)")
-    print(f"exported {what}{ckpt['path']} -> {a.out}" + (how if what else ""))
+        done = export_run(a.checkpoint, a.out, dtype=a.dtype, merge=a.merge, overwrite=a.overwrite,
+                          bar=lambda what, unit: _bar(bars, what, unit))
+    print(done)
     return 0
 
 

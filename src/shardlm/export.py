@@ -1,4 +1,5 @@
-"""Where `shardlm export` may write, and writing it whole or not at all.
+"""`shardlm export`: a run as a Hugging Face directory or a PEFT adapter; where it may write, and writing it whole
+or not at all.
 
 An export once went wherever --out said: `--out RUN/checkpoints/step_N` replaced the checkpoint's fp32 weights
 with bf16 ones and the run could not resume. Now a checkpoint, a run directory (or its checkpoints folder) and a
@@ -122,3 +123,62 @@ def refuse_beyond_fp16(state: dict, out: str) -> None:
     if bad is not None:
         raise ConfigError(f"--dtype fp16: {bad} holds values beyond fp16's range (65504), which would be written to "
                           f"{out} as inf: export as bf16 or fp32")
+
+
+def export_run(checkpoint: str, out: str, *, dtype: str, merge: bool, overwrite: bool, bar) -> str:
+    """`shardlm export`: a run's checkpoint as a Hugging Face directory, or a LoRA run's adapter in PEFT's format
+    (`merge` folds it into the weights instead). `bar(what, unit)` opens a progress bar; returns what was done."""
+    from .adapter_check import ADAPTER_KEY, MERGED_KEY, adapter_fingerprint
+    from .checkpoint import load_checkpoint
+    from .config import RunError, config_from_dict
+    from .data.instruct import turn_end_id
+    from .generation_config import own_generation_config, with_eos, write_generation_config
+    from .hf_config import changed_from_base
+    from .model.hf import write_hf_dir
+    from .parallel.lora import merged, peft_state, write_peft_dir
+    from .precision import DTYPES
+    from .tokenizer import load_tokenizer
+    check_out(out, overwrite)  # before reading a large checkpoint
+    # A 7B run is minutes of checksumming (its optimizer state too), then of writing: each has its bar.
+    ckpt = load_checkpoint(checkpoint, with_optimizer=False, progress=bar("verify", "B"))
+    full = config_from_dict(ckpt["state"]["config"])
+    cfg, lora = full.model, full.lora
+    if merge and not lora.rank:
+        raise ConfigError(f"--merge: {ckpt['path']} is not a LoRA run (lora.rank = 0): it has no adapters to merge")
+    base = full.train.init_from or None
+    adapter = bool(lora.rank) and not merge
+    if adapter:
+        refuse_replacing_base(out, base)
+        if base and (changed := changed_from_base(cfg, base)):
+            raise ConfigError(f"{ckpt['path']}: " + "; ".join(changed) + ": a PEFT adapter is applied with its "
+                              "base's config.json, under which this run's adapters compute another model; "
+                              "export --merge for the model it trained")
+    state, mark = ckpt["model"], {}
+    if lora.rank:  # both exports of one run carry its adapters' fingerprint: --adapter refuses the pair
+        mark = {(MERGED_KEY if merge else ADAPTER_KEY): adapter_fingerprint(state)}
+    state = merged(state, cfg, lora) if merge else state
+    if dtype == "fp16":  # what is written: an adapter export leaves the frozen base out
+        refuse_beyond_fp16(peft_state(state, cfg) if adapter else state, out)
+    tok = load_tokenizer(ckpt["path"])
+    try:
+        with writing(out, overwrite) as scratch:
+            if adapter:
+                write_peft_dir(state, cfg, lora, scratch, dtype=DTYPES[dtype], base=base, metadata=mark)
+                # The run's tokenizer beside it, as a Trainer's save_model writes it: its chat template may be
+                # the data's (data prepare writes one where the base has none), which the base lacks.
+                tok.save(scratch)
+                if generation := own_generation_config(ckpt["path"]):  # its stop ids, beside that tokenizer
+                    write_generation_config(scratch, with_eos(generation, tok.eos_id, turn_end_id(tok)))
+            else:
+                # the generation_config.json the run kept from its weights' source, else one from config.json
+                write_hf_dir(state, cfg, scratch, tok, dtype=DTYPES[dtype], metadata=mark,
+                             generation_config=own_generation_config(ckpt["path"]), stops=(turn_end_id(tok),),
+                             progress=bar("export", "parameters"))
+    except OSError as e:
+        raise RunError(f"writing {out} failed ({e.strerror or e}); it is as it was before the export") from None
+    if not adapter:
+        return f"exported {ckpt['path']} -> {out}"
+    # Without train.init_from the adapter's base is the run's random start, which no other export writes.
+    how = ("PEFT format; --merge for the merged model" if base
+           else "PEFT format, of this run's random base, no train.init_from: only --merge writes that")
+    return f"exported the LoRA adapter of {ckpt['path']} -> {out} ({how})"
