@@ -2,9 +2,12 @@
 megabyte cut at a word's end, so that memory stays bounded and the pieces give the whole text's tokens), each
 line of a jsonl file and each row of a parquet file (their text field). Read strictly: bytes that are not UTF-8
 text, a line that is not a JSON object with a string field, a column missing or not strings stop the run with an
-error naming the file (and line)."""
+error naming the file (and line). The inputs themselves: a quoted pattern matched here as a shell would, one file
+given twice refused."""
 from __future__ import annotations
 
+import glob
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -14,6 +17,26 @@ from .jsonl import BOM, JSON_KINDS, objects
 
 class PrepareError(ValueError):
     """An input that cannot be read as text of its kind, a bad size, or an output that cannot be replaced."""
+
+
+def expanded(pattern: str) -> list[str]:
+    """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
+    it was refused as "a pattern that matched no file" while it matched some."""
+    if os.path.lexists(pattern) or not any(c in pattern for c in "*?["):
+        return [pattern]
+    return sorted(glob.glob(pattern, recursive=True)) or [pattern]
+
+
+def refuse_repeats(inputs: list[Path]) -> None:
+    """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
+    seen = {}
+    for p in inputs:
+        st = p.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), p)
+        if first is not p:
+            same = "" if str(first) == str(p) else f" (the same file as {first})"
+            raise PrepareError(f"--input {p} is given twice{same}: its text would be in the dataset twice; give each "
+                               "file once")
 
 
 def _decode(path: Path, data: bytes, offset: int, line: int) -> str:

@@ -13,7 +13,6 @@ tokenizer's type error.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import numpy as np
 
 from ..runtime.progress import progress as progress_bar
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
-from .documents import PrepareError, iter_pieces, pyarrow_modules
+from .documents import PrepareError, expanded, iter_pieces, pyarrow_modules, refuse_repeats
 from .swap import SCRATCH, building, remove_leftovers
 
 MAGIC = b"SHLMTOK1"
@@ -317,26 +316,6 @@ def _load_tokenizer(spec: str | Path) -> Tokenizer:
                             "directory and give that)")
 
 
-def _expanded(pattern: str) -> list[str]:
-    """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
-    it was refused as "a pattern that matched no file" while it matched some."""
-    if os.path.lexists(pattern) or not any(c in pattern for c in "*?["):
-        return [pattern]
-    return sorted(glob.glob(pattern, recursive=True)) or [pattern]
-
-
-def _refuse_repeats(inputs: list[Path]) -> None:
-    """One file given twice (a shell glob beside its name, a path and a link to it) would be trained on twice."""
-    seen = {}
-    for p in inputs:
-        st = p.stat()
-        first = seen.setdefault((st.st_dev, st.st_ino), p)
-        if first is not p:
-            same = "" if str(first) == str(p) else f" (the same file as {first})"
-            raise PrepareError(f"--input {p} is given twice{same}: its text would be in the dataset twice; give each "
-                               "file once")
-
-
 def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str | Path, *,
             shard_tokens: int = 1 << 27, text_field: str | None = None, progress: bool = True,
             pad_to: int | None = None, moved=None) -> dict:
@@ -352,7 +331,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
     final = None
     try:
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else _load_tokenizer(tokenizer)
-        inputs = [Path(q) for p in inputs for q in _expanded(str(p))]
+        inputs = [Path(q) for p in inputs for q in expanded(str(p))]
         for p in inputs:
             if p.is_dir():
                 raise PrepareError(f"input {p} is a directory, not a file: give its files ({p / '*'})")
@@ -368,7 +347,7 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 raise PrepareError(f"input {p} cannot be read: {e.strerror or e}") from None
             if p.suffix.lower() == ".parquet":
                 pyarrow_modules(p)
-        _refuse_repeats(inputs)
+        refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p, text_field or "text") for p in inputs]
         if any(instruct) and not all(instruct):
