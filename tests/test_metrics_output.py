@@ -156,3 +156,54 @@ def test_tensorboard_drops_an_abandoned_futures_steps_when_a_resumed_stretch_ran
     trainer.close()
     assert _tensorboard_steps(run) == [1, 2, 5, 6]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA GH200 480GB", 989.0), ("NVIDIA L40", 181.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla V100-SXM2-16GB", 125.0), ("NVIDIA RTX A1000", None),
+    ("NVIDIA GeForce RTX 4080", None)])
+def test_mfu_takes_the_peak_of_the_card_named_not_of_one_whose_name_it_contains(name, tflops):
+    """The peak was the first key found anywhere in the card's name: an L40 took the L4's (MFU shown 1.5x too
+    high), an RTX A1000 the A100's, an H100 PCIe the SXM part's; a card not in the table shows no MFU."""
+    from shardlm.metrics import card_peak_tflops
+    assert card_peak_tflops(name) == tflops
+
+
+@pytest.mark.timeout(120)
+def test_a_run_keeps_a_bounded_number_of_records_in_memory(tmp_path, monkeypatch):
+    """run() kept every record on every rank for the whole run (each MoE layer's statistics: tens of KiB a
+    record, gigabytes over a long run); it returns the last RECORDS_KEPT and metrics.jsonl holds them all."""
+    import shardlm.trainer
+    monkeypatch.setattr(shardlm.trainer, "RECORDS_KEPT", 2)
+    cfg = load_config("tiny", {"train.steps": "4", "train.log_every": "1", "train.tensorboard": "false",
+                               "train.sample_tokens": "0"})
+    trainer = Trainer(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
+    records = trainer.run()
+    trainer.close()
+    assert [r["step"] for r in records] == [3, 4]
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in written] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_that_changes_the_micro_batch_says_eval_scores_other_windows(tmp_path):
+    """Eval scores train.eval_batches x train.micro_batch_size held-out windows: resumed on another layout with
+    another micro batch, its eval_loss stepped at the resume with no word of why, and of the eval_batches that
+    keeps the windows."""
+    over = {"train.steps": "1", "train.tensorboard": "false", "train.sample_tokens": "0", "train.eval_every": "1",
+            "train.global_batch_size": "4", "train.micro_batch_size": "2", "data.eval_windows": "8"}
+    trainer = Trainer(load_config("tiny", over), out_dir=tmp_path / "run", log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    said = []
+    for micro, steps in (("1", "2"), ("2", "3")):
+        resumed = Trainer(load_config("tiny", {**over, "train.steps": steps, "train.micro_batch_size": micro}),
+                          out_dir=tmp_path / "run", resume=tmp_path / "run", log=said.append)
+        resumed.run()
+        resumed.close()
+    notes = [line for line in said if "held-out windows" in line]
+    assert notes == ["note: eval scores 4 held-out windows (train.eval_batches 4 x train.micro_batch_size 1), the "
+                     "checkpoint's run scored 8; train.eval_batches 8 scores the checkpoint's windows",
+                     "note: eval scores 8 held-out windows (train.eval_batches 4 x train.micro_batch_size 2), the "
+                     "checkpoint's run scored 4; train.eval_batches 2 scores the checkpoint's windows"], said

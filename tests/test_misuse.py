@@ -30,6 +30,8 @@ CASES = [
     ("model-key", ["train", "--resume", "{run}", "--model.num_layers", "3"], "model.num_layers is 2 in the checkpoint", 2),
     ("resume-seq-len", ["train", "--resume", "{run}", "--train.seq_len", "16"],
      "train.seq_len is 32 in the checkpoint and 16 in this run", 2),
+    ("resume-eval-windows", ["train", "--resume", "{run}", "--data.eval_windows", "1"],
+     "data.eval_windows is 16 in the checkpoint and 1 in this run, which changes the windows left to train on", 2),
     ("resume-global-batch", ["train", "--resume", "{run}", "--train.global_batch_size", "12"],
      "16 samples were consumed, not a whole number of batches; leave it out (a resume without a config or override "
      "continues with the checkpoint's) or set it back to 8, or resume into another --out with one that divides 16",

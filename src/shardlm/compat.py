@@ -153,15 +153,27 @@ def check_state_records(path: Path, state: dict) -> None:
 
 
 def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
-                      seq_len: int) -> None:
+                      seq_len: int, data_cfg=None) -> None:
     """The sample order continues only over the same windows, seed and whole global batches."""
     check_state_records(path, state)
     data = state["data"]
     if data["train_windows"] != train_windows or data["seed"] != seed:
-        # The windows are the data cut at train.seq_len: a changed seq_len alone was blamed on data.path.
-        saved = state["config"]["train"]["seq_len"]
-        how = (f"train.seq_len is {saved} in the checkpoint and {seq_len} in this run: " + KEEP.format(old=saved)
-               if saved != seq_len else "resume with the checkpoint's data.path and train.seed")
+        # The windows are the data cut at train.seq_len, less those held out for eval: a changed seq_len or
+        # eval setting alone was blamed on data.path.
+        saved_cfg = state["config"]
+        saved = saved_cfg["train"]["seq_len"]
+        keys = ("eval_path", "eval_windows") if data_cfg is not None and data["seed"] == seed else ()
+        held = [(k, saved_cfg.get("data", {}).get(k), getattr(data_cfg, k)) for k in keys]
+        held = [(k, old, new) for k, old, new in held if old is not None and old != new]
+        if saved != seq_len:
+            how = f"train.seq_len is {saved} in the checkpoint and {seq_len} in this run: " + KEEP.format(old=saved)
+        elif held:
+            key, old, new = held[0]
+            how = (f"data.{key} is {old!r} in the checkpoint and {new!r} in this run, which changes the windows left "
+                   "to train on (without data.eval_path, the eval windows are held out of data.path): "
+                   + KEEP.format(old=old))
+        else:
+            how = "resume with the checkpoint's data.path and train.seed"
         raise ResumeMismatch(f"cannot resume {path}: its data ({data['train_windows']} windows, seed {data['seed']}) "
                              f"differs from this run's ({train_windows}, {seed}); the sample order would not "
                              f"continue: {how}")
@@ -359,6 +371,21 @@ def schedule_note(saved: TrainConfig, saved_step: int, now: TrainConfig, step: i
         return None
     return (f"note: the learning-rate schedule is not the checkpoint's ({changed}): step {step + 1} runs at lr "
             f"{lr_at(step, now):.2e}, where the checkpoint's schedule continued at {lr_at(saved_step, saved):.2e}")
+
+
+def eval_set_note(saved: TrainConfig, now: TrainConfig, held_out: int) -> str | None:
+    """Eval scores the first train.eval_batches x train.micro_batch_size held-out windows: a resume that changes
+    either (a new layout's micro batch most often) scores other windows, and the eval curve steps at the resume
+    with no change of the model. The note saying so, or None. `held_out`: the windows there are to score."""
+    then = min(held_out, saved.eval_batches * saved.micro_batch_size)
+    count = min(held_out, now.eval_batches * now.micro_batch_size)
+    if not now.eval_every or then == count:
+        return None
+    same = then // now.micro_batch_size if then % now.micro_batch_size == 0 else None
+    how = (f"; train.eval_batches {same} scores the checkpoint's windows" if same
+           else "; eval_loss before and after it is not one curve")
+    return (f"note: eval scores {count} held-out windows (train.eval_batches {now.eval_batches} x "
+            f"train.micro_batch_size {now.micro_batch_size}), the checkpoint's run scored {then}{how}")
 
 
 def train_data_dir(cfg: Config) -> Path:

@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -23,20 +24,33 @@ from .config import RunError
 from .extras import broken_line, is_missing
 from .runtime.progress import duration
 
-PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks from the vendors' datasheets
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
-    "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
-}
+# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets, by the model as torch.cuda.get_device_name
+# spells it, variants first: a whole-word match ("NVIDIA L40" is no L4, "RTX A1000" no A100, "GH200" no H200),
+# and the PCIe/NVL boards of a chip run at lower clocks than its SXM part.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+    ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("L40", 181.0), ("L4", 121.0), ("A10G", 125.0), ("A10", 125.0), ("V100", 125.0), ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
+)
+
+
+def card_peak_tflops(name: str) -> float | None:
+    """The dense 16-bit peak of the card `name` names; None for one not in the table (no MFU is shown: a
+    wrong peak would show a wrong one)."""
+    words = re.sub(r"[^A-Za-z0-9]+", " ", name).upper().split()
+    for key, tflops in PEAK_TFLOPS:
+        wanted = key.upper().split()
+        if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
+            return tflops
+    return None
 
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
     if override_tflops > 0:
         return override_tflops * 1e12
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
+    if device.type == "cuda" and (tflops := card_peak_tflops(torch.cuda.get_device_name(device))):
+        return tflops * 1e12
     return None
 
 

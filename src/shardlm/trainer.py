@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import weakref
+from collections import deque
 from contextlib import closing, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +49,9 @@ from .runtime.said import also_moved, said_check, said_progress
 from .runtime.watchdog import Watchdog
 from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
+
+
+RECORDS_KEPT = 1000
 
 
 class Trainer:
@@ -174,7 +178,7 @@ class Trainer:
         compat.check_resume(path, saved, self.cfg)
         compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
         compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
-                                 self.cfg.train.global_batch_size, self.cfg.train.seq_len)
+                                 self.cfg.train.global_batch_size, self.cfg.train.seq_len, self.cfg.data)
         own = self.out is not None and rundir.check_resume_into(
             self.out, Path(resume), path, self.overwrite, saved.train.global_batch_size, self.cfg.train.global_batch_size)
         compat.warn_changed_data(path, state, self.data.train.shards, self.log if self.mesh.is_main else None)
@@ -195,6 +199,9 @@ class Trainer:
         saved = config_from_dict(ckpt["state"]["config"]).train
         if self.step < self.cfg.train.steps and self.mesh.is_main and (
                 note := compat.schedule_note(saved, ckpt["state"]["step"], self.cfg.train, self.step)):
+            self.log(note)
+        if self.step < self.cfg.train.steps and self.mesh.is_main and (
+                note := compat.eval_set_note(saved, self.cfg.train, len(self.data.eval_range))):
             self.log(note)
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
@@ -300,15 +307,17 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train to train.steps, or until a SIGTERM or SIGINT: then every rank stops after the same step
-        and saves it (runtime/preemption.py), and `stopped_by` names the signal."""
+        and saves it (runtime/preemption.py), and `stopped_by` names the signal. Returns the last RECORDS_KEPT
+        records logged (metrics.jsonl holds them all)."""
         with StopSignals(self.host_group()) as signals:
-            return self._run(signals)
+            return list(self._run(signals))
 
     def _run(self, signals: StopSignals) -> list[dict]:
         from tqdm import tqdm
 
         t = self.cfg.train
-        records = []
+        # Bounded: a record holds each MoE layer's statistics, tens of KiB a line, on every rank for the whole run.
+        records, logged = deque(maxlen=RECORDS_KEPT), 0
         tokens_per_step = t.global_batch_size * t.seq_len
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.mesh.is_main or not sys.stderr.isatty())
@@ -328,7 +337,7 @@ class Trainer:
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
-                first = not records  # the first step this process runs (a resumed one too): alive within seconds
+                first = not logged  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         norm, skipped = self._step_numbers() if loss is not None else \
@@ -348,6 +357,7 @@ class Trainer:
                         with self._guard(f"the evaluation at step {self.step}"):
                             rec["eval_loss"] = self.evaluate()
                     records.append(rec)
+                    logged += 1
                     self.metrics.log(rec)
                     if self.mesh.is_main:
                         line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "") \
@@ -361,7 +371,7 @@ class Trainer:
                     self.saver.poll(alive)
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save(wait=False)
-        if self.step > 0 and (self.resumed_from is None or records):
+        if self.step > 0 and (self.resumed_from is None or logged):
             path = self.save()
             if path:
                 self.log(f"saved {path}")

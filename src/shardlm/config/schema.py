@@ -93,7 +93,7 @@ class TrainConfig:
     log_every: int = 10
     gc_every: int = 50             # steps between Python's garbage collections, every rank at once; 0: Python's own
     eval_every: int = 0            # 0 disables periodic eval
-    eval_batches: int = 4
+    eval_batches: int = 4          # eval scores the first eval_batches x micro_batch_size held-out windows
     save_every: int = 0            # 0 saves only at the end
     keep_checkpoints: int = 2
     checkpoint_format: str = "sharded"  # sharded: every rank writes what it owns | full: gathered onto rank 0
