@@ -1136,3 +1136,18 @@ def default_corpus_of_rank_0(rank, world, cache, stuck):
         return str(train_data_dir(load_config("tiny", {"parallel.timeout_s": "2"})))
     except RunError as e:
         return str(e)
+
+
+def train_into_own_out(rank, world, root: str, overrides: dict):
+    """Train `tiny` with --out `root`/rank<r>: each rank's own directory, as a path local to each node gives
+    (the mesh is built here: the launch's check that the ranks were given one --out is not what is tested)."""
+    from shardlm.config import ConfigError
+    from shardlm.mesh import build_mesh
+    try:
+        trainer = tiny_trainer(world, {"train.steps": "1", **overrides}, out_dir=f"{root}/rank{rank}",
+                               mesh=build_mesh(dp=world))
+    except ConfigError as e:
+        return str(e)
+    trainer.run()
+    trainer.close()
+    return None

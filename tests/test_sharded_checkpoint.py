@@ -249,3 +249,20 @@ def test_pipeline_stages_of_unequal_layers_resume_their_own_dropout_streams(tmp_
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
     resumed = run_distributed(dist_fns.train_and_capture, 2, over, str(tmp_path / "b"), ckpt, timeout=120)
     assert resumed[0]["losses"] == full[0]["losses"][2:]
+
+
+@pytest.mark.timeout(200)
+def test_an_out_that_is_not_shared_by_every_rank_is_refused_before_training(tmp_path):
+    """A sharded checkpoint is written by every rank into rank 0's --out: one local to each node (the default
+    runs/... in each node's own working directory) trained the whole run and failed at its save on the other
+    nodes, every step lost. Refused at the start, on every rank; gathered checkpoints, which rank 0 alone
+    writes, train."""
+    said = run_distributed(dist_fns.train_into_own_out, 2, str(tmp_path / "sharded"), {}, timeout=150)
+    assert said[1].startswith(f"--out {tmp_path / 'sharded' / 'rank1'}: rank 1 (on "), said
+    assert "does not see the files rank 0 writes there (a directory local to each node?)" in said[1], said
+    assert "some ranks do not see the files rank 0 writes there" in said[0], said
+    assert not (tmp_path / "sharded" / "rank0").exists()  # the refused run leaves no directory behind
+    said = run_distributed(dist_fns.train_into_own_out, 2, str(tmp_path / "full"),
+                           {"train.checkpoint_format": "full"}, timeout=150)
+    assert said == [None, None]
+    assert (tmp_path / "full" / "rank0" / "checkpoints" / "step_00000001" / "state.json").is_file()

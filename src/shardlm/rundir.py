@@ -11,6 +11,8 @@ rules that keep two runs from mixing in one directory or a run from losing its o
 - Temporary directories of saves cut short are removed.
 - One process group owns the directory for the run's life (`claim`, runlock.py): a second run into it, or a
   resume of a run still going, is refused before either writes anything.
+- Every rank must see the directory rank 0 locked: a sharded checkpoint is written by all of them into it
+  (`refuse_unshared`).
 - A group that torchrun restarts (`--max-restarts`) runs the failed attempt's command again: it continues from
   the checkpoints the job's attempts saved rather than being refused beside them (`claim`).
 """
@@ -19,12 +21,13 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from .checkpoint import (CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial,
                          unfinished_save)
 from .config import ConfigError
-from .runlock import RunLock, acquire, launcher, restarted_attempt
+from .runlock import RunLock, acquire, launcher, owner, restarted_attempt
 
 METRICS, TENSORBOARD, CONFIG = "metrics.jsonl", "tensorboard", "config.toml"
 
@@ -57,6 +60,22 @@ def claim(out: Path, main: bool, from_main, log=print) -> tuple[RunLock | None, 
     if failure:
         raise ConfigError(failure)
     return lock, again
+
+
+def refuse_unshared(out: Path, rank: int, from_main, any_rank) -> None:
+    """Every rank writes its pieces of a sharded checkpoint into rank 0's --out: a path local to each node (the
+    default runs/... under each node's own working directory, /scratch) failed at the first save, on the other
+    nodes, with everything trained since the start lost. Each rank looks for the lock rank 0 holds there
+    (`from_main`, `any_rank`: the mesh's broadcast from rank 0 and its any-rank check)."""
+    seen = owner(out)
+    main = from_main(seen)
+    blind = main is None or seen != main
+    if any_rank(blind):
+        who = f"rank {rank} (on {socket.gethostname()}) does not see" if blind else "some ranks do not see"
+        raise ConfigError(f"--out {out}: {who} the files rank 0 writes there (a directory local to each node?): "
+                          "every rank writes its part of a sharded checkpoint into it; give an --out on a filesystem "
+                          "every node shares, or set train.checkpoint_format = 'full' (gathered onto rank 0, which "
+                          "alone writes)")
 
 
 def restarted(out: Path, lock: RunLock) -> bool:

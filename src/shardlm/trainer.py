@@ -89,6 +89,9 @@ class Trainer:
 
     def _setup(self, cfg: Config, resume, overwrite: bool, log) -> None:
         t = cfg.train
+        sharded = t.checkpoint_format == "sharded" and not cfg.parallel.delayed_update  # every rank writes
+        if self.out is not None and self.mesh.world > 1 and sharded:
+            rundir.refuse_unshared(self.out, self.mesh.rank, self.mesh.from_main, self._any_rank)
         if self.out is not None:
             failed = rundir.prepare(self.out, Path(resume) if resume is not None else None, overwrite,
                                     self.mesh.is_main, log)
@@ -327,7 +330,11 @@ class Trainer:
         since, tokens_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
-                loss = self.train_step()
+                # The step's host section waits on peers too (fp16's overflow check, MoE's exact dispatch counts,
+                # offload's scale): guarded, or a peer lost mid-step left this rank to NCCL's longer timeout. Not
+                # this process's first step, whose compilation may outlast parallel.timeout_s on every rank.
+                with self._guard(f"training step {self.step + 1}") if logged else nullcontext():
+                    loss = self.train_step()
                 self.step += 1
                 tokens_since += tokens_per_step if loss is not None else 0
                 collector.step(self.step)
