@@ -327,6 +327,69 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
     assert (tmp_path / "merged" / "model.safetensors").is_file()
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_a_resumed_qlora_run_reads_its_frozen_base_a_tensor_at_a_time(tmp_path, monkeypatch, stage):
+    """A resume read every frozen weight of the checkpoint (in fp32) into one dict before quantising the first:
+    4x a 16-bit model's bytes of host memory on every rank, the out-of-memory kill of a 70B QLoRA resume. Each
+    is read as it is set."""
+    import weakref
+
+    import shardlm.trainer
+    from shardlm.sharded_read import LazyMap
+    over = {**QLORA, "train.steps": "1", "train.device": "cpu", "parallel.zero_stage": stage}
+    dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    real, alive, most = shardlm.trainer.load_checkpoint, set(), [0]
+
+    def counted(*args, **kwargs):
+        ckpt = real(*args, **kwargs)
+        model = ckpt["model"]
+
+        def read(key):
+            value = model[key].clone()
+            if ".lora." not in key:  # the frozen base's
+                alive.add(key)
+                weakref.finalize(value, alive.discard, key)
+                most[0] = max(most[0], len(alive))
+            return value
+        ckpt["model"] = LazyMap(list(model), read)
+        return ckpt
+    monkeypatch.setattr(shardlm.trainer, "load_checkpoint", counted)
+    resumed = dist_fns.train_and_capture(0, 1, {**over, "train.steps": "2"}, str(tmp_path / "b"), str(tmp_path / "a"))
+    assert len(resumed["losses"]) == 1 and 0 < most[0] <= 2, most
+
+
+@pytest.mark.timeout(180)
+def test_an_asynchronous_qlora_save_dequantises_its_base_a_tensor_at_a_time(tmp_path, monkeypatch):
+    """An asynchronous save listed every piece before copying any: each NF4 weight dequantised at once, the
+    16-bit base on the GPU beside the 4-bit one (out of memory at the first save of a run QLoRA made fit). Each
+    is dequantised as it is copied; the run resumes as the synchronous save's does."""
+    import shardlm.parallel.sharded_state as sharded_state
+    import shardlm.run_checkpoint as run_checkpoint
+    from shardlm.parallel.qlora import is_nf4
+    plain, snapshot, made, most = sharded_state.plain, run_checkpoint.snapshot, [], [0]
+
+    def counted(t):
+        value = plain(t)
+        if is_nf4(t):  # its storage outlives the tensor in the views (pieces) taken of it
+            made.append(value.untyped_storage()._weak_ref())
+        return value
+
+    def copied(*args, **kwargs):  # the dequantised weights still held once the host copy is made
+        out = snapshot(*args, **kwargs)
+        most[0] = max(most[0], sum(not torch.UntypedStorage._expired(ref) for ref in made))
+        return out
+    monkeypatch.setattr(sharded_state, "plain", counted)
+    monkeypatch.setattr(run_checkpoint, "snapshot", copied)
+    over = {**QLORA, "train.steps": "4", "train.save_every": "2", "train.device": "cpu",
+            "train.checkpoint_async": "true"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    assert made and most[0] <= 1, most
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
+                                         str(tmp_path / "a" / "checkpoints" / "step_00000002"))
+    torch.testing.assert_close(resumed["losses"], full["losses"][2:], rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_adapter_count_and_flops_are_what_the_model_trains(arch):
     """LoRAConfig.adapter_count (the planner's and the MFU's) against the parameters the model trains; the FLOPs per

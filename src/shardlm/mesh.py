@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import threading
 import warnings
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, RunError, validate
 from .config.views import VIEWS, view_shapes
+from .runtime.device import pick_device
 from .runtime.store import StoreSilent, store_answers
 
 AXES, EXPERT_AXES = VIEWS["dense"], VIEWS["experts"]  # outermost to innermost
@@ -161,6 +163,15 @@ def world_from_env() -> tuple[int, int, int]:
                     fix=f"the ranks of WORLD_SIZE = {world} are numbered 0 to {world - 1}, one each: start them with "
                         "torchrun, which numbers them, or set RANK to this process's number")
     _env_int("LOCAL_WORLD_SIZE", 1, low=1)  # int() of it elsewhere (memory_check, offload, ...) named no variable
+    per_node = [int(n) for n in re.findall(r"\d+(?=\(|,|$)", os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))]
+    if world > 1 and "LOCAL_RANK" not in os.environ and max(per_node, default=1) > 1:
+        # srun's tasks given RANK and WORLD_SIZE by a job script: every task of a node took GPU 0 (NCCL's
+        # "Duplicate GPU detected", said as a peer that stalled).
+        raise ConfigError(f"this is task {os.environ.get('SLURM_LOCALID', '?')} on its node of a Slurm step of "
+                          f"{os.environ['SLURM_STEP_TASKS_PER_NODE']} tasks per node, and LOCAL_RANK is not set: "
+                          "every task of a node would take its first GPU; set LOCAL_RANK=$SLURM_LOCALID and "
+                          "LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE in the task's environment, or start one "
+                          "`srun torchrun` task per node (examples/slurm.sbatch), which sets them")
     return world, rank, _env_int("LOCAL_RANK", 0)
 
 
@@ -279,6 +290,8 @@ def init_distributed(cfg: Config, also: dict | None = None) -> DeviceMesh:
     validate(cfg, world)
     if world == 1:
         return DeviceMesh()
+    if cfg.train.device.startswith("cuda"):  # refused before the rendezvous: it would join with gloo, the rest
+        pick_device(cfg.train.device)        # with NCCL, and both wait out the timeout
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)
     if use_cuda:

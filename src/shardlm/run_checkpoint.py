@@ -53,7 +53,7 @@ class CheckpointSaver:
         if out is not None and t.checkpoint_async and sharded:
             # Made now rather than at the first save: page-locking tens of GB would stall the steps it overlaps.
             start = time.perf_counter()
-            self._staging_for(list(self._pieces()))
+            self._staging()
             log(f"asynchronous saves: {self.staging.numel() * 4 / 2**30:.2f} GiB of host memory for this rank's "
                 f"copy, made in {time.perf_counter() - start:.1f} s")
 
@@ -61,10 +61,12 @@ class CheckpointSaver:
         buffer = self.cfg.train.checkpoint_buffer_mb * 2**20
         return pieces(self.parallel.engine, self.parallel.model, self.parallel.mesh, buffer)
 
-    def _staging_for(self, parts: list) -> torch.Tensor:
-        need = sum(values.numel() for _, values in parts)
-        if self.staging is None or self.staging.numel() < need:
-            self.staging = None  # the old one freed before the new one is made
+    def _staging(self) -> torch.Tensor:
+        """The host buffer an asynchronous save copies this rank's pieces into (their number is the run's).
+        Counted, and later copied, a piece at a time: a QLoRA base's pieces are its NF4 weights dequantized as
+        they come, which held all at once would take the 16-bit model's memory on the GPU."""
+        if self.staging is None:
+            need = sum(values.numel() for _, values in self._pieces())
             self.staging = host_empty(max(need, 1), torch.float32, self.pin)
         return self.staging
 
@@ -79,15 +81,14 @@ class CheckpointSaver:
             path = self._save_gathered(step, state, alive)
         else:
             tmp = self._begin(step)
-            parts = self._pieces()
             if t.checkpoint_async and not wait:
-                parts = list(parts)
-                self._start(step, state, tmp, snapshot(parts, self.pin, self._staging_for(parts)))
+                staging = self._staging()
+                self._start(step, state, tmp, snapshot(self._pieces(), self.pin, staging))
                 self.log(f"step {step}: copied to host memory in {time.perf_counter() - start:.2f} s, being written")
                 return None
             # Written by a thread as an asynchronous save is (from the state itself, not a copy), so that the
             # main thread can answer ranks that finished their writes sooner: they wait as long as it writes.
-            self._start(step, state, tmp, parts)
+            self._start(step, state, tmp, self._pieces())
             path = self._complete(alive)
         self.log(f"step {step}: saved in {time.perf_counter() - start:.2f} s")
         return path

@@ -98,7 +98,8 @@ class Parallelized:
             whole = lambda k: k.split("::")[0] not in self.specs  # noqa: E731 - a tensor tp leaves as it is
             masters, optim = masters.mapped(local, whole), optim.mapped(local, whole)
         frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
-        rest = self.engine.load_frozen({n: masters[n] for n in frozen})
+        # Lazily, each read as it is set: a QLoRA base held whole in host memory (as fp32) took 4x the model's bytes.
+        rest = self.engine.load_frozen(masters.where(lambda k: k in frozen))
         masters = masters.where(lambda k: k not in frozen)
         with torch.no_grad():
             for name, value in rest.items():

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..flat import FlatParams, alloc_storage, free_storage, trainable
 from ..runtime.device import host_empty
+from ..sharded_read import as_lazy
 from .offload_disk import MappedFiles
 from .zero import ZeroEngine
 from .zero3_frozen import FrozenShards
@@ -310,9 +311,9 @@ class Zero3Engine(ZeroEngine):
     def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.frozen is None:
             return state
-        names = self.frozen.names()
-        self.frozen.load({n: v for n, v in state.items() if n in names})
-        return {n: v for n, v in state.items() if n not in names}
+        names, state = self.frozen.names(), as_lazy(state)  # read as loaded, not all at once
+        self.frozen.load(state.where(lambda n: n in names))
+        return state.where(lambda n: n not in names)
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         out = [("params", b.data) for b in self.flat.buckets if self.unsharded[b.index]]
