@@ -26,7 +26,7 @@ from .checkpoint import CKPT_DIR, MANIFEST, CheckpointError, fsync_files
 from .checkpoint_write import begin_checkpoint, commit_checkpoint, failed_save, save_checkpoint, write_tensors
 from .config import RunError
 from .divergence import TrainingError, refuse_unusable_weights
-from .parallel.sharded_state import pieces, snapshot, write_shards
+from .parallel.sharded_state import pieces, snapshot, staged_bytes, write_shards
 from .rng_state import rng_layout, rng_state
 from .runtime.device import host_empty
 from .runtime.first_rank import Moved, every_rank_done, first_rank_result
@@ -54,7 +54,7 @@ class CheckpointSaver:
             # Made now rather than at the first save: page-locking tens of GB would stall the steps it overlaps.
             start = time.perf_counter()
             self._staging()
-            log(f"asynchronous saves: {self.staging.numel() * 4 / 2**30:.2f} GiB of host memory for this rank's "
+            log(f"asynchronous saves: {self.staging.numel() / 2**30:.2f} GiB of host memory for this rank's "
                 f"copy, made in {time.perf_counter() - start:.1f} s")
 
     def _pieces(self):
@@ -66,8 +66,8 @@ class CheckpointSaver:
         Counted, and later copied, a piece at a time: a QLoRA base's pieces are its NF4 weights dequantized as
         they come, which held all at once would take the 16-bit model's memory on the GPU."""
         if self.staging is None:
-            need = sum(values.numel() for _, values in self._pieces())
-            self.staging = host_empty(max(need, 1), torch.float32, self.pin)
+            need = sum(staged_bytes(values) for _, values in self._pieces())
+            self.staging = host_empty(max(need, 1), torch.uint8, self.pin)
         return self.staging
 
     def save(self, step: int, state: dict, wait: bool = False, alive=lambda: None) -> Path | None:

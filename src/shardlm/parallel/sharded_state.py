@@ -139,12 +139,12 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-rank{rank}") as pool:
         try:
             for entry, values in parts:
-                value = values.detach().to("cpu", torch.float32).contiguous()
+                value = values.detach().to("cpu", stored_dtype(values)).contiguous()
                 if entry["kind"] == "master" and problem is None:
                     problem = usable(entry["name"], value)
                 entries.append(entry)
                 staged[entry["key"]] = value
-                size += value.numel() * 4
+                size += value.numel() * value.element_size()
                 if 2 * size >= buffer_bytes:
                     flush(pool)
             flush(pool)
@@ -157,18 +157,30 @@ def write_shards(parts, directory: Path, rank: int, buffer_bytes: int, write_fil
     return files, entries, problem
 
 
+def stored_dtype(values: torch.Tensor) -> torch.dtype:
+    """The dtype a piece is written in: a 16-bit one as it is held (a LoRA run's frozen base, bf16 masters and
+    moments: fp32 would double their bytes and add nothing), any other in fp32. Readers assemble in fp32."""
+    return values.dtype if values.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def staged_bytes(values: torch.Tensor) -> int:
+    """A piece's bytes in an asynchronous save's staging buffer, rounded up to keep the next one aligned."""
+    return -(-values.numel() * stored_dtype(values).itemsize // 16) * 16
+
+
 def snapshot(parts, pin: bool, staging: torch.Tensor | None = None) -> list[tuple[dict, torch.Tensor]]:
     """The pieces copied into host memory (page-locked where `pin`), so that training may change its own
     buffers while a thread writes these: an asynchronous save's one pass over the state. `staging`: a host
-    buffer of at least their elements to copy into (kept from save to save: page-locking tens of GB takes
-    seconds), else fresh memory."""
+    byte buffer of at least their staged_bytes to copy into (kept from save to save: page-locking tens of GB
+    takes seconds), else fresh memory."""
     out, at = [], 0
     for entry, values in parts:
-        n = values.numel()
+        n, dtype = values.numel(), stored_dtype(values)
         if staging is not None:
-            copy, at = staging[at:at + n], at + n
+            copy = staging[at:at + n * dtype.itemsize].view(dtype)
+            at += staged_bytes(values)
         else:
-            copy = host_empty(n, torch.float32, pin)
+            copy = host_empty(n, dtype, pin)
         copy.copy_(values.detach().reshape(-1), non_blocking=pin)
         out.append((entry, copy))
     if pin:

@@ -100,15 +100,17 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
 
 def save_bytes(m: ModelConfig, L: Layout) -> tuple[float, float]:
     """(the whole, the most one rank writes) of a sharded checkpoint (parallel/sharded_state.py): every trained
-    parameter's fp32 master and AdamW moments once, spread evenly over the world's ranks (each writes the
-    elements it owns), and a LoRA run's frozen base (or train.freeze's parameters) in fp32, written by the ranks
-    of the first data replica: its routed experts by the first of their edp ranks, each ep rank its block (whole on
-    every tp rank: the first writes)."""
+    parameter's master and AdamW moments once (fp32, or bf16 under --optimizer-dtype bf16), spread evenly over
+    the world's ranks (each writes the elements it owns), and a LoRA run's frozen base (or train.freeze's
+    parameters) in the training dtype, written by the ranks of the first data replica: its routed experts by
+    the first of their edp ranks, each ep rank its block (whole on every tp rank: the first writes)."""
     held = layout_frozen(m, L)
     if L.lora.rank:
         frozen, experts = m.num_params(), m.param_counts()["expert_per_layer"] * m.moe_layers()
     else:
         frozen, experts = (held.total, sum(held.experts)) if held is not None else (0, 0)
     trained = L.lora.adapter_count(m) if L.lora.rank else m.num_params() - frozen
-    per_rank = 12 * trained / L.gpus + 4 * (frozen - experts) / (L.pp * L.tp) + 4 * experts / (L.pp * L.ep)
-    return 12 * trained + 4 * frozen, per_rank
+    state = 6 if L.optimizer_dtype == "bf16" else 12  # a master and two moments
+    kept = 4 if L.precision == "fp32" else 2
+    per_rank = state * trained / L.gpus + kept * (frozen - experts) / (L.pp * L.tp) + kept * experts / (L.pp * L.ep)
+    return state * trained + kept * frozen, per_rank
