@@ -390,6 +390,22 @@ def test_an_asynchronous_qlora_save_dequantises_its_base_a_tensor_at_a_time(tmp_
     torch.testing.assert_close(resumed["losses"], full["losses"][2:], rtol=1e-3, atol=0)
 
 
+@pytest.mark.timeout(180)
+def test_a_qlora_resume_at_another_tensor_parallel_size_says_its_base_is_quantised_anew(tmp_path):
+    """Each tensor-parallel rank quantises its shard of the base: resumed at another parallel.tp, the base was
+    quantised again in other blocks and the adapters went on over a base they were not fitted to, unsaid."""
+    over = {**QLORA, **LAYOUTS["tp2-sp"], "model.hidden_size": "128", "train.steps": "1"}
+    run_distributed(dist_fns.train_and_capture, 2, over, str(tmp_path / "a"), timeout=150)
+    one = {**over, "parallel.tp": "1", "parallel.sp": "false", "train.steps": "2", "train.device": "cpu"}
+    said = dist_fns.lines_of_a_resume(0, 1, one, str(tmp_path / "a"))
+    assert any(line.startswith("note: lora.quantize = 'nf4' at parallel.tp 1, the checkpoint's 2: each rank "
+                               "quantises its shard of the base") for line in said), said
+    same = {**one, "train.steps": "1"}
+    dist_fns.train_and_capture(0, 1, same, str(tmp_path / "b"))
+    said = dist_fns.lines_of_a_resume(0, 1, {**same, "train.steps": "2"}, str(tmp_path / "b"))
+    assert not any("lora.quantize" in line for line in said), said  # the same layout: the same blocks
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_adapter_count_and_flops_are_what_the_model_trains(arch):
     """LoRAConfig.adapter_count (the planner's and the MFU's) against the parameters the model trains; the FLOPs per

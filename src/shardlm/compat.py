@@ -373,6 +373,18 @@ def schedule_note(saved: TrainConfig, saved_step: int, now: TrainConfig, step: i
             f"{lr_at(step, now):.2e}, where the checkpoint's schedule continued at {lr_at(saved_step, saved):.2e}")
 
 
+def requantized_note(saved: Config, now: Config) -> str | None:
+    """QLoRA quantises each tensor-parallel rank's shard of a weight in blocks of its own: resumed at another
+    parallel.tp, the checkpoint's base (saved dequantised) is quantised again in other blocks, and the adapters
+    continue on a base a little off the one they were fitted to, which the loss shows. The note, or None."""
+    if now.lora.quantize != "nf4" or saved.parallel.tp == now.parallel.tp:
+        return None
+    return (f"note: lora.quantize = 'nf4' at parallel.tp {now.parallel.tp}, the checkpoint's {saved.parallel.tp}: "
+            "each rank quantises its shard of the base, so the base is quantised again in other blocks and differs "
+            "from the one the adapters were trained on (within NF4's rounding); the loss may step at the resume "
+            f"(parallel.tp {saved.parallel.tp} keeps the base)")
+
+
 def eval_set_note(saved: TrainConfig, now: TrainConfig, held_out: int) -> str | None:
     """Eval scores the first train.eval_batches x train.micro_batch_size held-out windows: a resume that changes
     either (a new layout's micro batch most often) scores other windows, and the eval curve steps at the resume

@@ -199,7 +199,10 @@ class Trainer:
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
         self.saved_step = self.step
-        saved = config_from_dict(ckpt["state"]["config"]).train
+        saved_cfg = config_from_dict(ckpt["state"]["config"])
+        saved = saved_cfg.train
+        if self.mesh.is_main and (note := compat.requantized_note(saved_cfg, self.cfg)):
+            self.log(note)
         if self.step < self.cfg.train.steps and self.mesh.is_main and (
                 note := compat.schedule_note(saved, ckpt["state"]["step"], self.cfg.train, self.step)):
             self.log(note)
