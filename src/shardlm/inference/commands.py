@@ -183,14 +183,12 @@ def _load(a, read=None, source: str = "", chats: bool = False):
     other contents (`read`: what this rank read from it). `chats`: `source` holds chats, which a tokenizer
     without a chat template is refused for before the weights load."""
     from .load import load_pretrained
-    from .quantize import quantize
     device, group, a.main = _tensor_parallel(a)
     if group is not None and read is not None:
         check_same_read(read, source)
     model, tok, cfg = load_pretrained(a.model, device=device, dtype=a.dtype, adapter=a.adapter, tp_group=group,
                                       check_tokenizer=(lambda tok: _chat_template(tok, source)) if chats else None,
-                                      stall_s=TIMEOUT_S)
-    quantize(model, a.quantize)
+                                      stall_s=TIMEOUT_S, quantize=a.quantize)
     return model, tok, cfg
 
 

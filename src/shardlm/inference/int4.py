@@ -355,17 +355,23 @@ class Int4Linear(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
 
+def int4_block(block: nn.Module, kept: set[int]) -> None:
+    """Every nn.Linear of `block` that int4 can take (eligible), but those in `kept` (unquantised), as an
+    Int4Linear, in place."""
+    for name, m in list(block.named_modules()):
+        if isinstance(m, nn.Linear) and id(m) not in kept and eligible(m):
+            parent, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, leaf, Int4Linear(m))
+
+
 def to_int4(model: nn.Module) -> int:
-    """Every nn.Linear of `model`'s blocks that int4 can take (eligible) as an Int4Linear, in place; how many
-    (ConfigError where none). The output head is not one of them: quantize.quantize_head stores it in int8."""
+    """Every nn.Linear of `model`'s blocks that int4 can take (eligible) as an Int4Linear, in place (those that
+    are not yet); how many the blocks hold (ConfigError where none). The output head is not one of them:
+    quantize.quantize_head stores it in int8."""
     kept = unquantised(model)
-    swapped = 0
     for block in model.blocks():
-        for name, m in list(block.named_modules()):
-            if isinstance(m, nn.Linear) and id(m) not in kept and eligible(m):
-                parent, _, leaf = name.rpartition(".")
-                setattr(block.get_submodule(parent) if parent else block, leaf, Int4Linear(m))
-                swapped += 1
+        int4_block(block, kept)
+    swapped = sum(isinstance(m, Int4Linear) for block in model.blocks() for m in block.modules())
     if not swapped:
         raise ConfigError(f"--quantize int4: none of this model's linear layers can be quantised (int4 needs an "
                           f"input size that a group of {', '.join(map(str, GROUPS))} divides and an output size "

@@ -236,15 +236,19 @@ def unquantised(model: nn.Module) -> set[int]:
     return {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "unquantised", ())}
 
 
+def int8_block(block: nn.Module, kept: set[int]) -> None:
+    """Every nn.Linear of `block` but those in `kept` (unquantised) as an Int8Linear, in place."""
+    for name, m in list(block.named_modules()):
+        if isinstance(m, nn.Linear) and id(m) not in kept:
+            parent, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, leaf, Int8Linear(m))
+
+
 def to_int8(model: nn.Module) -> int:
-    """Every nn.Linear of `model`'s blocks as an Int8Linear, in place; how many. The output head is not one
-    of them: quantize.quantize_head stores it in int8 (QuantizedHead) for both --quantize kinds."""
+    """Every nn.Linear of `model`'s blocks as an Int8Linear, in place (those that are not yet); how many the
+    blocks hold. The output head is not one of them: quantize.quantize_head stores it in int8 (QuantizedHead)
+    for both --quantize kinds."""
     kept = unquantised(model)
-    swapped = 0
     for block in model.blocks():
-        for name, m in list(block.named_modules()):
-            if isinstance(m, nn.Linear) and id(m) not in kept:
-                parent, _, leaf = name.rpartition(".")
-                setattr(block.get_submodule(parent) if parent else block, leaf, Int8Linear(m))
-                swapped += 1
-    return swapped
+        int8_block(block, kept)
+    return sum(isinstance(m, Int8Linear) for block in model.blocks() for m in block.modules())

@@ -1,7 +1,8 @@
 """A model for inference from a Hugging Face directory or a shardlm run or checkpoint, built on the meta
 device and filled tensor by tensor straight into its place on the target device, in the dtype it will run
 in: a 7B model never exists in fp32 on the host or the GPU. LoRA adapters (a run's own, or a PEFT adapter
-directory's) are folded into each base weight as it is read.
+directory's) are folded into each base weight as it is read. Quantised for inference (--quantize), each block is
+quantised as it is filled: the 16-bit model never lies on the device whole.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from ..precision import DTYPES
 from ..runtime.first_rank import first_rank_result
 from ..runtime.said import also_moved
 from ..tokenizer import Tokenizer, fingerprint, load_tokenizer
+from . import quantize as quantization
+from .int8 import unquantised
 
 
 def inference_dtype(name: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
@@ -120,14 +123,17 @@ def with_adapters_chat_template(tok: Tokenizer, adapter: str | Path) -> Tokenize
 
 def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | None = None,
                     adapter: str | Path | None = None, tp_group=None, verify: bool = True,
-                    check_tokenizer=None, stall_s: float | None = None) -> tuple[Decoder, Tokenizer, ModelConfig]:
+                    check_tokenizer=None, stall_s: float | None = None,
+                    quantize: str = "none") -> tuple[Decoder, Tokenizer, ModelConfig]:
     """The model in eval mode on `device` in `dtype` (`inference_dtype`), its tokenizer and config. A LoRA
     run's adapters, or those of the PEFT adapter directory `adapter`, are merged into its weights. With
     `tp_group`, the model is the training's tensor-parallel one (parallel/tensor.py) and this rank keeps only
     its slice of each sharded weight. `verify` False: `path` is a checkpoint verified already.
     `check_tokenizer(tok)`: called before the weights load, to refuse input the tokenizer cannot take early.
     `stall_s`: how long the other ranks of `tp_group` wait for the first rank's check of a checkpoint to make
-    progress (the group's timeout)."""
+    progress (the group's timeout). `quantize` (inference/quantize.py's kinds): the blocks' linear layers in int8
+    or int4, each block quantised as it is filled."""
+    quantization.check_kind(quantize)
     path, device = Path(path), torch.device(device)
     if not path.exists():  # a Hub name as from_pretrained takes it (gpt2, meta-llama/...): nothing is fetched
         raise FileNotFoundError(f"--model {path}: no such directory (for a Hugging Face Hub model, download its "
@@ -158,33 +164,51 @@ def load_pretrained(path: str | Path, device="cpu", dtype: str | torch.dtype | N
         tensor_parallel(model, tp_group)
         model.to(dtype)  # the parallel layers it put in are made in the default dtype (fp32)
         specs = shardings(model)
-    model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    missing = set(params) - {n for n in src.names if not is_adapter_key(n)}
+    shapes = dict(model.named_parameters())  # on meta: what the checkpoint must hold
+    missing = set(shapes) - {n for n in src.names if not is_adapter_key(n)}
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{path} lacks {sorted(missing)[0]}{more} of its model")
-    for name in src.names:
-        if is_adapter_key(name):
-            continue
-        if name not in params:
-            raise CheckpointError(f"{path} holds {name}, which a {cfg.arch} model of its config has not")
-        t = src.read(name)
-        if adapters:
-            prefix = name.removesuffix(".weight") + ".lora."
-            mine = {k: v for k, v in adapters.items() if k.startswith(prefix)}
-            if mine:
-                t = merged({name: t, **mine}, cfg, lora)[name]
-        if name in specs:
-            if tuple(t.shape) != specs[name].full_shape(params[name].shape):
+    extra = next((n for n in src.names if not is_adapter_key(n) and n not in shapes), None)
+    if extra is not None:
+        raise CheckpointError(f"{path} holds {extra}, which a {cfg.arch} model of its config has not")
+
+    def fill(names: list[str], params: dict) -> None:
+        for name in names:
+            t = src.read(name)
+            if adapters:
+                prefix = name.removesuffix(".weight") + ".lora."
+                mine = {k: v for k, v in adapters.items() if k.startswith(prefix)}
+                if mine:
+                    t = merged({name: t, **mine}, cfg, lora)[name]
+            if name in specs:
+                if tuple(t.shape) != specs[name].full_shape(params[name].shape):
+                    raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
+                                          f"{specs[name].full_shape(params[name].shape)}")
+                t = specs[name].local(t)
+            if t.shape != params[name].shape:
                 raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
-                                      f"{specs[name].full_shape(params[name].shape)}")
-            t = specs[name].local(t)
-        if t.shape != params[name].shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the config gives "
-                                  f"{tuple(params[name].shape)}")
-        with torch.no_grad():
-            params[name].copy_(t)
+                                      f"{tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(t)
+    names = [n for n in src.names if not is_adapter_key(n)]
+    if quantize == "none":
+        model.to_empty(device=device)
+        fill(names, dict(model.named_parameters()))
+    else:  # the blocks made, filled and quantised one at a time, the rest first
+        kept = unquantised(model)
+        model.to_empty(device=device, recurse=False)
+        for child in model.children():
+            if child is not model.layers:
+                child.to_empty(device=device)
+        fill([n for n in names if not n.startswith("layers.")], dict(model.named_parameters()))
+        for key, block in model.layers.items():
+            block.to_empty(device=device)
+            prefix = f"layers.{key}."
+            fill([n for n in names if n.startswith(prefix)],
+                 {prefix + n: p for n, p in block.named_parameters()})
+            quantization.quantize_block(block, quantize, kept)
+        quantization.quantize(model, quantize)  # the head; int4 refused where no layer could take it
     for m in moe_layers(model) if src.router_bias else ():  # routed as in training (parallel/moe_balance.py)
         m.router_bias = torch.tensor(src.router_bias[str(m.layer)], dtype=torch.float32, device=device)
     model.eval()

@@ -20,20 +20,31 @@ from torch import nn
 from ..config import IGNORE, ConfigError
 from ..model.decoder import LMOutput
 from ..model.loss import trained_count
-from .int4 import to_int4
+from .int4 import int4_block, to_int4
 from .int4_format import GROUPS
-from .int8 import MAX_ROWS, Int8Linear, int8_linear, to_int8
+from .int8 import MAX_ROWS, Int8Linear, int8_block, int8_linear, to_int8
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUPS = GROUPS  # the largest of these that divides a layer's input size is its int4 group
 
 
-def quantize(model: nn.Module, kind: str) -> int:
-    """Quantise the blocks' linear layers of `model` in place to `kind` (none, int8, int4), and its output head
-    to int8 (quantize_head); returns how many of the blocks' layers. int4 leaves a layer whose input size no
-    group of INT4_GROUPS divides as it is (ConfigError where that is every layer)."""
+def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ConfigError(f"--quantize {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def quantize_block(block: nn.Module, kind: str, kept: set[int]) -> None:
+    """One block's linear layers in `kind` (int8, int4) but those in `kept` (int8.unquantised): a model being
+    loaded is quantised block by block as each is filled, so that its 16-bit weights never lie on the device
+    whole (a 70B model's are 140 GB, its int4 ones 35); `quantize` does the rest."""
+    (int8_block if kind == "int8" else int4_block)(block, kept)
+
+
+def quantize(model: nn.Module, kind: str) -> int:
+    """Quantise the blocks' linear layers of `model` in place to `kind` (none, int8, int4) (those quantize_block
+    left), and its output head to int8 (quantize_head); returns how many of the blocks' layers are. int4 leaves a
+    layer whose input size no group of INT4_GROUPS divides as it is (ConfigError where that is every layer)."""
+    check_kind(kind)
     if kind == "none":
         return 0
     swapped = to_int8(model) if kind == "int8" else to_int4(model)

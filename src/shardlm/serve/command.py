@@ -153,7 +153,6 @@ def cmd_serve(argv: list[str]) -> int:
                           "Engine.add_adapter yet); serve the merged model instead (shardlm export --merge, or "
                           "a PEFT merge), or use shardlm generate --adapter")
     from ..inference.commands import TIMEOUT_S, _tensor_parallel
-    from ..inference.quantize import quantize
     from .worker import warm_up_batches
     if adapters and a.tp > 1:
         # export --merge merges a LoRA run's own adapters, not a PEFT directory's: the advice once sent there
@@ -169,8 +168,7 @@ def cmd_serve(argv: list[str]) -> int:
         from ..checkpoint import resolve_checkpoint
         source, verified = str(resolve_checkpoint(a.model)), True
     model, tok, cfg = load_pretrained(source, device=device, dtype=a.dtype, tp_group=group, verify=not verified,
-                                      stall_s=TIMEOUT_S)
-    quantize(model, a.quantize)
+                                      stall_s=TIMEOUT_S, quantize=a.quantize)
     max_len = min(a.max_len or cfg.max_seq_len, cfg.max_seq_len)
     if a.max_len and a.max_len > max_len and main:  # once, not once per --tp rank
         print(f"shardlm serve: --max-len {a.max_len} is beyond the model's context: {max_len}", file=sys.stderr)
@@ -189,8 +187,7 @@ def cmd_serve(argv: list[str]) -> int:
         engine = Leader(engine, plans)
     engines = [engine]
     for other in devices[1:]:  # data-parallel replicas: the same model again on each further GPU
-        again, _, _ = load_pretrained(source, device=other, dtype=a.dtype, verify=not verified)
-        quantize(again, a.quantize)
+        again, _, _ = load_pretrained(source, device=other, dtype=a.dtype, verify=not verified, quantize=a.quantize)
         engines.append(Engine(again, min(slots, slots_that_fit(again, max_len, a.max_batch)), max_len,
                               compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode))
     for e in engines:
