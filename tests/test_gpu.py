@@ -795,3 +795,43 @@ def test_server_metrics_report_its_gpu_memory(tmp_path):
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     held += sum(t.numel() * t.element_size() for t in (*engine.cache.k, *engine.cache.v))
     assert m["memory_peak_bytes"] >= m["memory_bytes"] >= held > 0
+
+
+@cuda
+def test_an_asynchronous_save_of_16_bit_state_resumes_on_the_gpu(tmp_path):
+    """An asynchronous save's page-locked staging holds each piece in the dtype it is written in (a LoRA run's
+    bf16 base beside its fp32 adapters' masters and moments): the run resumes on its trajectory."""
+    import dist_fns
+    over = {"lora.rank": "4", "train.precision": "bf16", "train.steps": "4", "train.save_every": "2",
+            "train.device": "cuda", "train.checkpoint_async": "true", "parallel.dp": "1"}
+    full = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
+    resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"),
+                                         str(tmp_path / "a" / "checkpoints" / "step_00000002"))
+    assert resumed["losses"] == full["losses"][2:]
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_model_quantised_as_it_loads_on_the_gpu_is_the_one_quantised_after(tmp_path, kind):
+    """generate/serve --quantize quantise each block as it is filled on the device: the same weights as the
+    whole model loaded and then quantised, and the peak no higher."""
+    import dataclasses
+
+    from shardlm.config import load_config
+    from shardlm.inference import load_pretrained
+    from shardlm.inference.quantize import quantize
+    from shardlm.model import build_model
+    from shardlm.model.hf import write_hf_dir
+    cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2)
+    write_hf_dir(build_model(cfg, seed=3).state_dict(), cfg, tmp_path / "hf")
+    torch.cuda.reset_peak_memory_stats()
+    model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="bf16", quantize=kind)
+    by_block = torch.cuda.max_memory_allocated()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ref, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="bf16")
+    quantize(ref, kind)
+    assert torch.cuda.max_memory_allocated() >= by_block
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
