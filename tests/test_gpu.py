@@ -823,7 +823,8 @@ def test_a_model_quantised_as_it_loads_on_the_gpu_is_the_one_quantised_after(tmp
     from shardlm.model import build_model
     from shardlm.model.hf import write_hf_dir
     cfg = dataclasses.replace(load_config("tiny").model, init_std=0.2)
-    write_hf_dir(build_model(cfg, seed=3).state_dict(), cfg, tmp_path / "hf")
+    from shardlm.tokenizer import load_tokenizer
+    write_hf_dir(build_model(cfg, seed=3).state_dict(), cfg, tmp_path / "hf", load_tokenizer("byte"))
     torch.cuda.reset_peak_memory_stats()
     model, _, _ = load_pretrained(tmp_path / "hf", device="cuda", dtype="bf16", quantize=kind)
     by_block = torch.cuda.max_memory_allocated()
