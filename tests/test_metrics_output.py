@@ -207,3 +207,22 @@ def test_a_resume_that_changes_the_micro_batch_says_eval_scores_other_windows(tm
                      "checkpoint's run scored 8; train.eval_batches 8 scores the checkpoint's windows",
                      "note: eval scores 8 held-out windows (train.eval_batches 4 x train.micro_batch_size 2), the "
                      "checkpoint's run scored 4; train.eval_batches 2 scores the checkpoint's windows"], said
+
+
+@pytest.mark.timeout(120)
+def test_mfu_of_a_run_with_frozen_weights_counts_no_weight_gradient_for_them(tmp_path):
+    """train.freeze: MFU counted 6 x every matmul parameter, the frozen ones' weight gradients too, which are
+    never computed (a LoRA run's frozen base counted 4 x): overstated by up to a third of the frozen share."""
+    from shardlm.plan import Layout
+    from shardlm.plan.frozen import layout_frozen
+    over = {"train.steps": "1", "train.log_every": "1", "train.tensorboard": "false", "train.peak_tflops": "1",
+            "train.sample_tokens": "0"}
+    per_token = {}
+    for freeze in ("", "layers.0"):
+        cfg = load_config("tiny", {**over, "train.freeze": freeze})
+        trainer = Trainer(cfg, log=lambda *a: None)
+        (record,) = trainer.run()
+        trainer.close()
+        per_token[freeze] = record["mfu"] * 1e12 / record["tokens_per_s"]
+    frozen = layout_frozen(cfg.model, Layout.from_config(cfg))
+    assert per_token["layers.0"] == pytest.approx(per_token[""] - 2 * sum(frozen.dense), rel=1e-9)

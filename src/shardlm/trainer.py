@@ -38,6 +38,8 @@ from .metrics import Eta, MetricsLogger, format_line, memory_gib, peak_flops
 from .optim import lr_at, warmup_note
 from .parallel.moe_balance import MoEBalance
 from .parallel.parallelize import parallelize
+from .plan import Layout
+from .plan.frozen import frozen_flops_per_token
 from .precision import make_loss_scaler
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
@@ -153,8 +155,9 @@ class Trainer:
             self._resume(checkpoint)
         if (note := warmup_note(t)) and self.mesh.is_main and self.step < t.steps:  # no schedule runs: no note
             log(note)
+        # What is computed: frozen weights (a LoRA base, train.freeze's) have no weight gradient to compute.
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
-            cfg.model.flops_per_token(t.seq_len)
+            cfg.model.flops_per_token(t.seq_len) - frozen_flops_per_token(cfg.model, Layout.from_config(cfg))
         self.peak = peak_flops(self.device, t.peak_tflops)
         if self.out is not None and self.mesh.is_main and (overwrite or same_dir):
             (rundir.overwrite_run if overwrite else rundir.drop_damaged_after)(self.out, checkpoint, log)
