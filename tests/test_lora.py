@@ -325,6 +325,8 @@ def test_a_qlora_run_resumes_close_to_its_trajectory_and_exports_merged(tmp_path
     torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=1e-3, atol=0)
     cli_here(capsys, "export", "--checkpoint", tmp_path / "a", "--merge", "--out", tmp_path / "merged")
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+    said = cli_here(capsys, "export", "--checkpoint", tmp_path / "a", "--out", tmp_path / "adapter")
+    assert "; fitted to the base quantised to NF4: load the base in 4-bit NF4" in said, said  # not the 16-bit one
 
 
 @pytest.mark.timeout(180)

@@ -226,3 +226,19 @@ def test_mfu_of_a_run_with_frozen_weights_counts_no_weight_gradient_for_them(tmp
         per_token[freeze] = record["mfu"] * 1e12 / record["tokens_per_s"]
     frozen = layout_frozen(cfg.model, Layout.from_config(cfg))
     assert per_token["layers.0"] == pytest.approx(per_token[""] - 2 * sum(frozen.dense), rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_the_logged_loss_is_the_mean_over_the_steps_since_the_last_record(tmp_path):
+    """Only every train.log_every-th step's loss was logged: a spike between two records never showed. The
+    record's loss is the mean of the steps' since the previous record (HF Trainer's, Megatron's)."""
+    over = {"train.steps": "5", "train.tensorboard": "false", "train.sample_tokens": "0"}
+    every = Trainer(load_config("tiny", {**over, "train.log_every": "1"}), log=lambda *a: None)
+    each = [r["loss"] for r in every.run()]
+    every.close()
+    sparse = Trainer(load_config("tiny", {**over, "train.log_every": "2"}), log=lambda *a: None)
+    records = sparse.run()
+    sparse.close()
+    assert [r["step"] for r in records] == [1, 2, 4, 5]
+    got = [r["loss"] for r in records]
+    assert got == pytest.approx([each[0], each[1], (each[2] + each[3]) / 2, each[4]], rel=1e-6)

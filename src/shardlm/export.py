@@ -181,4 +181,7 @@ def export_run(checkpoint: str, out: str, *, dtype: str, merge: bool, overwrite:
     # Without train.init_from the adapter's base is the run's random start, which no other export writes.
     how = ("PEFT format; --merge for the merged model" if base
            else "PEFT format, of this run's random base, no train.init_from: only --merge writes that")
+    if lora.quantize == "nf4":  # QLoRA's adapters fit the base as NF4 rounds it; --merge folds them into that
+        how += ("; fitted to the base quantised to NF4: load the base in 4-bit NF4 (bitsandbytes' load_in_4bit) "
+                "for the numbers it trained with")
     return f"exported the LoRA adapter of {ckpt['path']} -> {out} ({how})"

@@ -334,6 +334,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         # Tokens of the steps run since the last record: a step skipped as untrained ran no forward (none counted).
         since, tokens_since, eta = time.perf_counter(), 0, Eta(t.steps, shown=bar.disable)
+        losses_since, trained_since = None, 0  # the losses of the steps trained since the last record
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
                 # The step's host section waits on peers too (fp16's overflow check, MoE's exact dispatch counts,
@@ -343,6 +344,9 @@ class Trainer:
                     loss = self.train_step()
                 self.step += 1
                 tokens_since += tokens_per_step if loss is not None else 0
+                if loss is not None:  # on the device: no sync a step
+                    losses_since = loss.clone() if losses_since is None else losses_since + loss
+                    trained_since += 1
                 collector.step(self.step)
                 bar.update(1)
                 if self.console.lost:
@@ -355,7 +359,9 @@ class Trainer:
                     with self._guard(f"the metrics of step {self.step}"):
                         norm, skipped = self._step_numbers() if loss is not None else \
                             (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
-                        loss = self.global_mean(loss) if loss is not None else None
+                        # The mean over the steps since the last record (HF Trainer's and Megatron's): a spike
+                        # between two records shows.
+                        loss = self.global_mean(losses_since / trained_since) if trained_since else None
                     elapsed = time.perf_counter() - since
                     tok_s = tokens_since / elapsed
                     rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": norm,
@@ -377,7 +383,7 @@ class Trainer:
                             + eta(self.step)
                         with bar.external_write_mode() if not bar.disable else nullcontext():
                             self.log(line)
-                    since, tokens_since = time.perf_counter(), 0
+                    since, tokens_since, losses_since, trained_since = time.perf_counter(), 0, None, 0
                 if self.stopped_by:
                     break
                 with self._guard(f"the save before step {self.step}") as alive:
