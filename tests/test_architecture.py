@@ -19,7 +19,7 @@ LAYERS = [
     ["comm"],
     ["optim"],
     ["parallel"],
-    ["text_metrics", "compat", "adapter_check", "memory_check"],
+    ["text_metrics", "compat", "resume_notes", "adapter_check", "memory_check"],
     ["inference", "testing", "divergence", "export"],
     ["run_checkpoint"],
     ["trainer", "serve"],                                                                         # serve: HTTP over inference

@@ -166,8 +166,16 @@ def test_layout_must_match_world_size():
                        r"run one process, without torchrun, or set a layout of 2, e.g. --parallel.dp 2$"):
         validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"parallel.dp \(2\) x parallel.tp \(1\) x parallel.pp \(1\) = 2 != world size 4: "
-                       r"launch 2 processes \(torchrun --nproc-per-node 2\), or set a layout of 4, e.g. --parallel.dp 4$"):
+                       r"launch 2 processes \(torchrun --nproc-per-node 2\), or set a layout of 4, e.g. --parallel.dp 4 "
+                       r"--train.micro_batch_size 2$"):  # 8 samples a step, 4 at a time, do not split over 4 ranks
         validate(load_config("tiny", {"parallel.dp": "2"}), world_size=4)
+    validate(load_config("tiny", {"parallel.dp": "4", "train.micro_batch_size": "2"}), world_size=4)  # the hint runs
+    with pytest.raises(ConfigError, match=r"train.global_batch_size = 8 is not divisible by train.micro_batch_size "
+                                          r"\(4\) x parallel.dp \(4\): set train.micro_batch_size to 2$"):
+        validate(load_config("tiny", {"parallel.dp": "4"}), world_size=4)
+    with pytest.raises(ConfigError, match=r"set train.global_batch_size to a multiple of 4, e.g. 12$"):
+        validate(load_config("tiny", {"parallel.dp": "4", "train.micro_batch_size": "1", "train.global_batch_size": "10"}),
+                 world_size=4)
     with pytest.raises(ConfigError, match=r"= 2 != world size 3: .* or set a layout of 3 \(the other axes' 2 does not "
                                           r"divide 3\)$"):
         validate(load_config("tiny", {"parallel.tp": "2"}), world_size=3)
@@ -271,3 +279,45 @@ def test_a_control_character_in_a_string_survives_config_toml(tmp_path):
     cfg = load_config("tiny", {"train.sample_prompt": 'def\r"\\\n\t\x1b\x7f'})
     (tmp_path / "config.toml").write_text(cfg.to_toml())
     assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg and _run_config(tmp_path / "config.toml")
+
+
+def test_a_home_relative_path_in_a_toml_file_is_the_users_home(tmp_path, monkeypatch):
+    """"~/data" in a TOML file (or --data.path=~/data, which no shell expands) was looked for as a directory named
+    '~' and refused as missing."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.toml").write_text('[data]\npath = "~/data"\n[train]\ninit_from = "~/hf"\n')
+    cfg = load_config(str(tmp_path / "run.toml"), {"data.eval_path": "~/held"})
+    assert (cfg.data.path, cfg.train.init_from, cfg.data.eval_path) == \
+        (str(tmp_path / "data"), str(tmp_path / "hf"), str(tmp_path / "held"))
+
+
+def test_a_rope_scaling_of_nulls_lists_and_odd_keys_is_written_and_read_back(tmp_path):
+    """An HF config.json's rope_scaling may hold null ("attention_factor": null) or a list: writing the run's
+    config.toml (and --print-config) raised a TypeError traceback after the model was built; a key with a space or
+    a dot was written bare, TOML that did not read back (or read as a nested table)."""
+    scaling = '{"rope_type": "linear", "factor": 2.0, "attention_factor": null, "short": [1, 2], "a b": 1, "x.y": 2}'
+    cfg = load_config("tiny", {"model.rope_scaling": scaling})
+    validate(cfg)
+    (tmp_path / "c.toml").write_text(cfg.to_toml())
+    assert load_config(str(tmp_path / "c.toml")).model.rope_scaling == \
+        {"rope_type": "linear", "factor": 2.0, "short": [1, 2], "a b": 1, "x.y": 2}  # null: unset, as HF reads it
+
+
+def test_a_config_path_without_its_suffix_is_the_users_file_not_the_preset_of_its_name(tmp_path, monkeypatch):
+    """`train ../configs/tiny` joined the relative path onto the presets' directory and trained the bundled tiny
+    (an absolute path took the user's file): the user's tiny.toml is the one read, however it is named."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.toml").write_text("[train]\nsteps = 3\n")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    for source in ("../configs/tiny", str(tmp_path / "configs" / "tiny"), "../configs/tiny.toml"):
+        assert load_config(source).train.steps == 3, source
+    assert load_config("tiny").train.steps != 3  # a bare name is the preset
+
+
+def test_a_double_bracketed_section_is_named_as_an_array_of_tables(tmp_path):
+    """`[[train]]` read as a key `train` outside any section, "and no section has such a key", about a section."""
+    (tmp_path / "c.toml").write_text("[[train]]\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"c.toml: \[\[train\]\] is an array of tables \(a list of sections\): "
+                                          r"write \[train\], one table$"):
+        load_config(str(tmp_path / "c.toml"))

@@ -242,3 +242,20 @@ def test_the_logged_loss_is_the_mean_over_the_steps_since_the_last_record(tmp_pa
     assert [r["step"] for r in records] == [1, 2, 4, 5]
     got = [r["loss"] for r in records]
     assert got == pytest.approx([each[0], each[1], (each[2] + each[3]) / 2, each[4]], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_given_another_config_names_the_optimizer_settings_it_changes(tmp_path):
+    """`train tiny --resume RUN` takes the preset's values over the run's: a --train.weight_decay 0 given at the
+    start went back to 0.1 without a word."""
+    over = {"train.steps": "1", "train.tensorboard": "false", "train.sample_tokens": "0"}
+    trainer = Trainer(load_config("tiny", {**over, "train.weight_decay": "0", "train.grad_clip": "0.5"}),
+                      out_dir=tmp_path / "run", log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    said = []
+    Trainer(load_config("tiny", {**over, "train.steps": "2"}), out_dir=tmp_path / "run", resume=tmp_path / "run",
+            log=said.append).close()
+    assert ("note: this run's config is not the checkpoint's (train.weight_decay 0.0 -> 0.1, train.grad_clip 0.5 -> "
+            "1.0): a resume takes the config and flags given; `shardlm train --resume RUN` alone continues with the "
+            "run's own") in said, said

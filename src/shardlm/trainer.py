@@ -41,6 +41,7 @@ from .parallel.parallelize import parallelize
 from .plan import Layout
 from .plan.frozen import frozen_flops_per_token
 from .precision import make_loss_scaler
+from .resume_notes import resume_notes
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
@@ -202,15 +203,9 @@ class Trainer:
         self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
         self.resumed_from = ckpt["path"]
         self.saved_step = self.step
-        saved_cfg = config_from_dict(ckpt["state"]["config"])
-        saved = saved_cfg.train
-        if self.mesh.is_main and (note := compat.requantized_note(saved_cfg, self.cfg)):
-            self.log(note)
-        if self.step < self.cfg.train.steps and self.mesh.is_main and (
-                note := compat.schedule_note(saved, ckpt["state"]["step"], self.cfg.train, self.step)):
-            self.log(note)
-        if self.step < self.cfg.train.steps and self.mesh.is_main and (
-                note := compat.eval_set_note(saved, self.cfg.train, len(self.data.eval_range))):
+        saved = config_from_dict(ckpt["state"]["config"])
+        notes = resume_notes(saved, ckpt["state"]["step"], self.cfg, self.step, len(self.data.eval_range))
+        for note in notes if self.mesh.is_main else ():
             self.log(note)
         if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
             self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "

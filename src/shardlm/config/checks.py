@@ -229,6 +229,15 @@ def _spelled(value, allowed) -> str:
     return f" (did you mean {same[0]!r}? choices are lowercase)" if same else ""
 
 
+def _dividing_micro(global_batch: int, micro_batch: int, dp: int) -> int | None:
+    """The largest micro batch up to `micro_batch` that splits `global_batch` evenly over `dp` ranks; None where
+    the global batch does not divide by dp at all."""
+    if dp < 1 or micro_batch < 1 or global_batch % dp:
+        return None
+    share = global_batch // dp
+    return max(d for d in range(1, min(micro_batch, share) + 1) if share % d == 0)
+
+
 def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
                  world: int | None = None, naming: Naming = Naming()) -> None:
     """A layout against the model, the batch and (when given) the world size; raises ConfigError naming the
@@ -264,8 +273,11 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
             # a layout of one needs no torchrun at all
             launch = (f"launch {p.world} processes (torchrun --nproc-per-node {p.world})" if p.world > 1
                       else "run one process, without torchrun")
+            dp = world // other
+            micro = _dividing_micro(global_batch, micro_batch, dp) if world % other == 0 else None
             hint = (f": {launch}, or set a layout of {world}"
-                    + (f", e.g. --parallel.dp {world // other}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
+                    + (f", e.g. --parallel.dp {dp}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
+                       + (f" --train.micro_batch_size {micro}" if micro not in (None, micro_batch) else "")
                        if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     both = math.gcd(m.num_heads, m.ffn_size)  # the tp values that fit, named: the fix is one of them
@@ -388,5 +400,9 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if bad:
         raise ConfigError(f"{' and '.join(bad)} must be positive")
     if global_batch % (micro_batch * p.dp):
+        micro = _dividing_micro(global_batch, micro_batch, p.dp)
+        fix = (f"set {key('micro_batch')} to {micro}" if micro else
+               f"set {key('global_batch')} to a multiple of {micro_batch * p.dp}, e.g. "
+               f"{-(-global_batch // (micro_batch * p.dp)) * micro_batch * p.dp}")
         raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
-                          f"({micro_batch}) x {key('dp')} ({p.dp})")
+                          f"({micro_batch}) x {key('dp')} ({p.dp}): {fix}")

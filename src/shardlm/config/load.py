@@ -6,6 +6,7 @@ non-editable install has them), and a source checkout's top-level configs/.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from decimal import Decimal, InvalidOperation
 from dataclasses import fields
@@ -36,6 +37,10 @@ def _resolve_source(source: str) -> Path:
     p = Path(source)
     if p.suffix == ".toml" and p.is_file():
         return p
+    if p.suffix != ".toml" and len(p.parts) > 1 and p.with_name(p.name + ".toml").is_file():
+        # `../configs/tiny`, a path without its suffix: joined onto the presets' directory it named the bundled
+        # preset of that name (an absolute one the user's file), silently
+        return p.with_name(p.name + ".toml")
     for d in CONFIG_DIRS:
         if (d / f"{source}.toml").is_file():
             return d / f"{source}.toml"
@@ -213,6 +218,9 @@ def apply_overrides(cfg: Config, flat: dict[str, Any]) -> None:
 def _flatten(d: dict, where: str) -> dict[str, Any]:
     flat = {}
     for section, body in d.items():
+        if section in SECTIONS and isinstance(body, list) and all(isinstance(b, dict) for b in body):
+            raise ConfigError(f"{where}: [[{section}]] is an array of tables (a list of sections): write [{section}], "
+                              "one table")
         if not isinstance(body, dict):  # a key above every [section]: TOML puts it in none
             cfg = Config()
             homes = [s for s in SECTIONS if section in get_type_hints(type(getattr(cfg, s)))]
@@ -239,6 +247,11 @@ def load_config(source: str | None = None, overrides: dict[str, Any] | None = No
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte {e.start}: {e.reason})") from None
     apply_overrides(cfg, overrides or {})
+    for key in PATH_KEYS:  # a TOML file's "~/data" (and --data.path=~/data) is no shell's to expand
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(cfg, section), name, os.path.expanduser(value))
     return cfg
 
 

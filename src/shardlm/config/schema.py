@@ -6,6 +6,7 @@ run, and the shape arithmetic the planner shares comes from shapes.py's mixins.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from .shapes import LoRAShapes, ModelShapes
@@ -207,9 +208,14 @@ def dump_toml(d: dict) -> str:
         if isinstance(v, str):  # TOML's basic strings take no control character but tab: \r, ESC, DEL escaped
             return '"' + "".join(_ESCAPES.get(c, f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c)
                                  for c in v) + '"'
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):  # TOML has no null: a key set to None (an HF config.json's "unset") is left out
+            return "{" + ", ".join(f"{key(k)} = {val(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    def key(k):  # bare where TOML allows, else quoted ("a b", "x.y" read back as one key)
+        return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else val(str(k))
 
     lines = []
     for section, body in d.items():
