@@ -440,6 +440,23 @@ def test_the_sampler_draws_from_the_softmax():
     assert torch.equal(freq(1.0, 0, 1e-6), torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double))
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_engine_never_draws_a_row_past_the_tokenizers_vocabulary(compile):
+    """A model's vocabulary padded past its tokenizer's (Qwen2.5: 151936 rows for 151665 tokens) drew those rows
+    like any other, tokens that decode to nothing; given the tokenizer's size, the engine draws only its ids, at
+    temperature 0 and above, in prefill and decode."""
+    model = tiny()
+    vocab = model.cfg.vocab_size - 16
+    with torch.no_grad():
+        model.head_weight[vocab:] = model.head_weight[:vocab].abs().mean() * 50  # the padding rows' logits lead
+    requests = [Request([5, 6, 7], 6, SamplingParams(t, 0, 1.0, 1)) for t in (0.0, 1.0)]
+    Engine(model, max_batch=2, max_len=32, compile=compile).run(requests)
+    assert all(max(r.completion) >= vocab for r in requests)  # as they were drawn without a limit
+    requests = [Request([5, 6, 7], 6, SamplingParams(t, 0, 1.0, 1)) for t in (0.0, 1.0)]
+    Engine(model, max_batch=2, max_len=32, compile=compile, vocab=vocab).run(requests)
+    assert all(len(r.completion) == 6 and max(r.completion) < vocab for r in requests), [r.completion for r in requests]
+
+
 def test_the_sampler_never_draws_a_token_top_k_removed():
     """The hashed uniform of 24 bits reached exactly 1.0 at its top value (float32 rounds 2^24 - 0.5 up): that
     token's Gumbel noise was +inf, and it was drawn over any logit and through top-k's and top-p's masks

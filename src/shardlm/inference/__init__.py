@@ -21,11 +21,13 @@ __all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids"
 
 def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: Sequence[int] = (),
                   batch_size: int = 8, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, compile: bool | None = None, progress: Callable | None = None) -> list[list[int]]:
+                  seed: int = 0, compile: bool | None = None, progress: Callable | None = None,
+                  vocab: int | None = None) -> list[list[int]]:
     """The new tokens of every prompt (token ids), in order, each cut before its first of `stop_ids`
     (data.instruct.completion_stop_ids': the end of text and a chat model's end of turn), all of them
     through one engine of up to `batch_size` slots, longest prompts first. Prompt i samples with seed
-    `seed + i`, the same tokens whatever the batch. `progress(n)`: told of every n finished."""
+    `seed + i`, the same tokens whatever the batch. `progress(n)`: told of every n finished. `vocab`: the
+    tokenizer's ids, past which the model's rows are never drawn (Engine's)."""
     if batch_size < 1:
         raise ValueError(f"--batch-size {batch_size} must be at least 1")
     limit = model.cfg.max_seq_len
@@ -42,7 +44,7 @@ def generate_many(model: Decoder, prompts: list[list[int]], max_new_tokens: int,
     # batched the prompts differently, and their steps' collectives no longer met.
     slots = slots_that_fit(model, max_len, min(batch_size, len(prompts)), group=tensor_parallel_group(model),
                            shorter="shorten the longest prompt or --max-new-tokens")
-    engine = Engine(model, slots, max_len, compile=compile)
+    engine = Engine(model, slots, max_len, compile=compile, vocab=vocab)
     stops = tuple(stop_ids)
     requests = [Request(list(p), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), stops)
                 for i, p in enumerate(prompts)]

@@ -48,8 +48,12 @@ class Engine:
     def __init__(self, model: Decoder, max_batch: int = 16, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 8, prefill_chunk: int = 512,
                  prefill_tokens: int = 8192, decode: Callable | None = None, compile_prefill: bool | None = None,
-                 prefill_graphs: int | None = None, prefill_split: int = 4, one_shot: bool | None = None):
+                 prefill_graphs: int | None = None, prefill_split: int = 4, one_shot: bool | None = None,
+                 vocab: int | None = None):
         cfg = model.cfg
+        # The tokenizer's ids (Tokenizer.vocab_size): the rows past them (a vocabulary padded to a multiple of 64,
+        # Qwen's 151936 for 151665 tokens) are never drawn, as vLLM masks them: none decodes to any text.
+        self.vocab = vocab if vocab is not None and 0 < vocab < cfg.vocab_size else None
         self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -121,7 +125,11 @@ class Engine:
 
     # ---- the compiled decode step -------------------------------------------------------------------
     def _logits(self, tokens, pos, keys: torch.Tensor):
-        return forward_tokens(self.model, self.cache, self.rope, tokens[:, None], pos[:, None], keys=keys.shape[0])
+        return self._drawable(forward_tokens(self.model, self.cache, self.rope, tokens[:, None], pos[:, None],
+                                             keys=keys.shape[0]))
+
+    def _drawable(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.vocab is None else logits[..., :self.vocab]
 
     def _greedy_step(self, tokens, pos, keys: torch.Tensor):
         return greedy(self._logits(tokens, pos, keys))
@@ -272,7 +280,7 @@ class Engine:
                                            max(self.slots[i].prefilled + chunk[i] for i in rows))
         slots = torch.tensor(rows, device=self.device)
         counter = torch.tensor([self.slots[i].prefilled + chunk[i] for i in rows], device=self.device)
-        first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
+        first = sample(self._drawable(logits), self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        counter)
         done = [i for i in rows if self.slots[i].prefilled + chunk[i] == len(self.slots[i].request.prompt)]
         for i in rows:
