@@ -21,7 +21,7 @@ LAYERS = [
     ["parallel"],
     ["text_metrics", "compat", "resume_notes", "adapter_check", "memory_check"],
     ["inference", "testing", "divergence", "export"],
-    ["run_checkpoint"],
+    ["run_checkpoint", "resuming"],
     ["trainer", "serve"],                                                                         # serve: HTTP over inference
     ["cli"],
     ["__main__"],

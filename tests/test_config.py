@@ -313,6 +313,8 @@ def test_a_config_path_without_its_suffix_is_the_users_file_not_the_preset_of_it
     for source in ("../configs/tiny", str(tmp_path / "configs" / "tiny"), "../configs/tiny.toml"):
         assert load_config(source).train.steps == 3, source
     assert load_config("tiny").train.steps != 3  # a bare name is the preset
+    monkeypatch.chdir(tmp_path / "configs")
+    assert load_config("./tiny").train.steps == 3 and load_config("tiny").train.steps != 3
 
 
 def test_a_double_bracketed_section_is_named_as_an_array_of_tables(tmp_path):

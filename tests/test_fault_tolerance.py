@@ -171,14 +171,15 @@ def test_the_trainer_guards_its_waits_on_peers():
 def test_a_step_that_waits_on_a_lost_peer_is_ended_by_the_watchdog():
     """Only a step's completion on the GPU was watched, from when the host had queued it all: a host wait inside
     the step (fp16's overflow check, MoE's exact dispatch counts) on a peer lost mid-step was left to NCCL's
-    timeout, twice parallel.timeout_s, and ended without a word of which rank. The step is guarded from its
-    start (the process's first step aside: its compilation may outlast the timeout)."""
+    timeout, twice parallel.timeout_s, and ended without a word of which rank. The step's forward, backward and
+    update are guarded (the process's first step that computes aside: its compilation may outlast the timeout)."""
     code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
             "from shardlm.runtime.watchdog import Watchdog\n"
             "cfg = load_config('tiny', {'train.steps': '3', 'train.log_every': '1', 'train.device': 'cpu',\n"
             "                           'train.tensorboard': 'false'})\n"
-            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\nstep = tr.train_step\n"
-            "tr.train_step = lambda: time.sleep(30) if tr.step == 1 else step()\ntr.run()\nprint('still alive')\n")
+            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\nstep = tr.forward_backward\n"
+            "tr.forward_backward = lambda *a: (time.sleep(30) if tr.step == 1 else None) or step(*a)\ntr.run()\n"
+            "print('still alive')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
     assert "training step 2 made no progress for 0.5 s" in done.stderr, done.stderr[-2000:]

@@ -337,11 +337,11 @@ def test_a_resumed_qlora_run_reads_its_frozen_base_a_tensor_at_a_time(tmp_path, 
     is read as it is set."""
     import weakref
 
-    import shardlm.trainer
+    import shardlm.resuming
     from shardlm.sharded_read import LazyMap
     over = {**QLORA, "train.steps": "1", "train.device": "cpu", "parallel.zero_stage": stage}
     dist_fns.train_and_capture(0, 1, over, str(tmp_path / "a"))
-    real, alive, most = shardlm.trainer.load_checkpoint, set(), [0]
+    real, alive, most = shardlm.resuming.load_checkpoint, set(), [0]
 
     def counted(*args, **kwargs):
         ckpt = real(*args, **kwargs)
@@ -356,7 +356,7 @@ def test_a_resumed_qlora_run_reads_its_frozen_base_a_tensor_at_a_time(tmp_path, 
             return value
         ckpt["model"] = LazyMap(list(model), read)
         return ckpt
-    monkeypatch.setattr(shardlm.trainer, "load_checkpoint", counted)
+    monkeypatch.setattr(shardlm.resuming, "load_checkpoint", counted)
     resumed = dist_fns.train_and_capture(0, 1, {**over, "train.steps": "2"}, str(tmp_path / "b"), str(tmp_path / "a"))
     assert len(resumed["losses"]) == 1 and 0 < most[0] <= 2, most
 

@@ -919,13 +919,8 @@ def test_a_warmup_longer_than_the_run_is_said(world, tmp_path, capsys):
     # `srun -n 2 python -m shardlm ...`: each task trained alone (or was refused the run directory), Slurm unnamed.
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "this is task 1 of a Slurm step of 2 (SLURM_STEP_NUM_TASKS), "
      "but torchrun's variables (WORLD_SIZE, RANK, MASTER_ADDR) are not set: each task would run alone"),
-    # srun's tasks given RANK and WORLD_SIZE by a job script, not LOCAL_RANK: every task of a node took GPU 0.
-    ({"SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "WORLD_SIZE": "2", "RANK": "1",
-      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "this is task 1 on its node of a Slurm step of 2 tasks per "
-     "node, and LOCAL_RANK is not set: every task of a node would take its first GPU; set LOCAL_RANK=$SLURM_LOCALID"),
 ], ids=["no-rendezvous", "no-port", "port-not-a-number", "world-not-a-number", "rank-not-a-number", "rank-past-world",
-        "rank-without-world", "world-without-rank", "local-world-not-a-number", "slurm-tasks-without-torchrun",
-        "slurm-tasks-without-local-rank"])
+        "rank-without-world", "world-without-rank", "local-world-not-a-number", "slurm-tasks-without-torchrun"])
 def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path, monkeypatch, capsys):
     """Before any rendezvous (which would wait for ranks never started) and before --out is made."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -937,6 +932,25 @@ def test_torchruns_variables_set_wrong_by_hand_are_named(env, fragment, tmp_path
         status, lines = _cli(argv, capsys)
         assert status == 2 and len(lines) == 1 and fragment in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+def test_srun_tasks_without_local_rank_on_a_node_of_several_gpus_are_named(tmp_path, monkeypatch, capsys):
+    """srun's tasks given RANK and WORLD_SIZE by a job script, not LOCAL_RANK: every task of a node took its first
+    GPU (NCCL's "Duplicate GPU detected", said as a peer that stalled). A task shown its one GPU
+    (--gpus-per-task 1) is right to take it."""
+    from shardlm.mesh import world_from_env
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1", "WORLD_SIZE": "4", "RANK": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    status, lines = _cli(["train", "tiny", *QUIET, "--parallel.dp", "4", "--out", tmp_path / "new"], capsys)
+    assert status == 2 and len(lines) == 1 and ("this is task 1 on its node of a Slurm step of 2(x2) tasks per node, "
+                                                "and LOCAL_RANK is not set: every task of a node would take its first "
+                                                "GPU; set LOCAL_RANK=$SLURM_LOCALID") in lines[0], lines
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert world_from_env() == (4, 1, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a rank without a GPU")

@@ -161,9 +161,17 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
         # eval setting alone was blamed on data.path.
         saved_cfg = state["config"]
         saved = saved_cfg["train"]["seq_len"]
-        keys = ("eval_path", "eval_windows") if data_cfg is not None and data["seed"] == seed else ()
-        held = [(k, saved_cfg.get("data", {}).get(k), getattr(data_cfg, k)) for k in keys]
-        held = [(k, old, new) for k, old, new in held if old is not None and old != new]
+        # Only without data.eval_path are the eval windows held out of data.path's (a path compared as given or
+        # not: the checkpoint keeps it absolute).
+        old_eval = saved_cfg.get("data", {}).get("eval_path")
+        new_eval = getattr(data_cfg, "eval_path", None)
+        held = []
+        if data_cfg is not None and data["seed"] == seed and old_eval is not None and bool(old_eval) != bool(new_eval):
+            held = [("eval_path", old_eval, new_eval)]
+        elif data_cfg is not None and data["seed"] == seed and not old_eval and not new_eval:
+            old_windows = saved_cfg.get("data", {}).get("eval_windows")
+            if old_windows is not None and old_windows != data_cfg.eval_windows:
+                held = [("eval_windows", old_windows, data_cfg.eval_windows)]
         if saved != seq_len:
             how = f"train.seq_len is {saved} in the checkpoint and {seq_len} in this run: " + KEEP.format(old=saved)
         elif held:

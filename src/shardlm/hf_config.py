@@ -137,7 +137,7 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
             _refuse("attention_bias", hf["attention_bias"],
                     "Llama then adds a bias to o_proj too; shardlm has biases on q, k and v only (Qwen2)")
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = dict(hf.get(rope_key) or {})
+    rope = {k: v for k, v in (hf.get(rope_key) or {}).items() if v is not None}  # null: unset, as transformers reads it
     theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:

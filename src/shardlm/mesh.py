@@ -164,9 +164,10 @@ def world_from_env() -> tuple[int, int, int]:
                         "torchrun, which numbers them, or set RANK to this process's number")
     _env_int("LOCAL_WORLD_SIZE", 1, low=1)  # int() of it elsewhere (memory_check, offload, ...) named no variable
     per_node = [int(n) for n in re.findall(r"\d+(?=\(|,|$)", os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))]
-    if world > 1 and "LOCAL_RANK" not in os.environ and max(per_node, default=1) > 1:
+    if world > 1 and "LOCAL_RANK" not in os.environ and max(per_node, default=1) > 1 and torch.cuda.device_count() > 1:
         # srun's tasks given RANK and WORLD_SIZE by a job script: every task of a node took GPU 0 (NCCL's
-        # "Duplicate GPU detected", said as a peer that stalled).
+        # "Duplicate GPU detected", said as a peer that stalled). A task shown its one GPU (--gpus-per-task 1)
+        # or none (a CPU job) is right to take the first.
         raise ConfigError(f"this is task {os.environ.get('SLURM_LOCALID', '?')} on its node of a Slurm step of "
                           f"{os.environ['SLURM_STEP_TASKS_PER_NODE']} tasks per node, and LOCAL_RANK is not set: "
                           "every task of a node would take its first GPU; set LOCAL_RANK=$SLURM_LOCALID and "

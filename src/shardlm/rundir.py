@@ -22,6 +22,7 @@ import itertools
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from .checkpoint import (CKPT_DIR, STATE, checkpoint_step, complete_checkpoints, discard, remove_partial,
@@ -69,6 +70,11 @@ def refuse_unshared(out: Path, rank: int, from_main, any_rank) -> None:
     (`from_main`, `any_rank`: the mesh's broadcast from rank 0 and its any-rank check)."""
     seen = owner(out)
     main = from_main(seen)
+    for _ in range(10):  # a network filesystem's client may serve its cached view of the file for a few seconds
+        if main is None or seen == main:
+            break
+        time.sleep(0.5)
+        seen = owner(out)
     blind = main is None or seen != main
     if any_rank(blind):
         who = f"rank {rank} (on {socket.gethostname()}) does not see" if blind else "some ranks do not see"

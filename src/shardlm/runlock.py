@@ -147,6 +147,7 @@ def acquire(run_dir: str | Path, log=print) -> RunLock:
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.fsync(fd)  # on NFS the record reaches the server, where the other nodes' ranks look for it, only now
     except OSError:  # a full disk: the refused run leaves the directory as it found it, as any refusal does
         handle.release(undo=True)
         raise

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, rundir
-from .checkpoint import load_checkpoint, read_state, resolve_checkpoint
-from .config import IGNORE, Config, ConfigError, config_from_dict
+from .config import IGNORE, Config, ConfigError
 from .config.expert_checks import moe_notes
 from .data.instruct import completion_stop_ids
 from .data.loader import data_bytes, open_train_data
@@ -41,16 +40,14 @@ from .parallel.parallelize import parallelize
 from .plan import Layout
 from .plan.frozen import frozen_flops_per_token
 from .precision import make_loss_scaler
-from .resume_notes import resume_notes
+from . import resuming
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
 from .runtime.gc_schedule import ScheduledGC
 from .runtime.preemption import LazyHostGroup, StopSignals, resume_command, signal_name
-from .runtime.first_rank import first_rank_result
-from .runtime.said import also_moved, said_check, said_progress
+from .runtime.said import said_check
 from .runtime.watchdog import Watchdog
-from .rng_state import rng_layout, set_rng_state
 from .tokenizer import load_tokenizer
 
 
@@ -126,7 +123,7 @@ class Trainer:
             compat.check_tokenizer(cfg, data_dir, self.data.train.shards.index, self.tokenizer, None,
                                    log if self.mesh.is_main else lambda *a: None)
         self.untrained_steps = 0  # steps whose batch held no trained token, skipped (data.skip_untrained)
-        checkpoint, same_dir = self._check_resume(resume) if resume is not None else (None, False)
+        checkpoint, same_dir = resuming.choose(self, resume) if resume is not None else (None, False)
 
         self.scaler = make_loss_scaler(t.precision)
         self.parallel = parallelize(cfg, self.mesh, self.device, self.scaler, resuming=resume is not None)
@@ -144,6 +141,7 @@ class Trainer:
         self.step = 0
         self.saved_step = 0  # the step of the last checkpoint written or resumed: a stop that would lose steps saves
         self.stopped_by = 0  # the signal that stopped run() before train.steps, if one did
+        self.computed = False  # whether this process has run a step's forward and backward (compiled them)
         # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
         self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
         # The weights' source's generation_config.json (a chat model's end of turn), kept in every checkpoint
@@ -153,7 +151,7 @@ class Trainer:
         self.stop_ids = completion_stop_ids(self.tokenizer, generation)  # where the sample ends, as generate's would
         self.resumed_from = None
         if checkpoint is not None:
-            self._resume(checkpoint)
+            resuming.load(self, checkpoint)
         if (note := warmup_note(t)) and self.mesh.is_main and self.step < t.steps:  # no schedule runs: no note
             log(note)
         # What is computed: frozen weights (a LoRA base, train.freeze's) have no weight gradient to compute.
@@ -171,45 +169,6 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------------
     def _any_rank(self, failed: bool) -> bool:
         return self.mesh.any_rank(failed, self.device)
-
-    def _check_resume(self, resume) -> tuple[Path, bool]:
-        """The checkpoint to resume (the main rank picks and verifies it, the others take its pick) and whether
-        it continues its own run in this run's directory; a resume that would change the model, its adapters
-        or its data is refused here, before the model is built and before --overwrite deletes anything."""
-        said = said_progress(self.log, "verifying the checkpoint's {:,.1f} GB (CRC32 of every file) before resuming")
-        chosen = first_rank_result(lambda moved: str(resolve_checkpoint(
-            resume, self.log, option="--resume", progress=also_moved(said, moved))),
-            stall_s=self.cfg.parallel.timeout_s, what="rank 0's check of the checkpoint to resume")
-        path, state = Path(chosen), read_state(chosen)
-        saved = config_from_dict(state["config"], f"the config saved in {path}")
-        compat.check_resume(path, saved, self.cfg)
-        compat.check_tokenizer(self.cfg, self.data_dir, self.data.train.shards.index, self.tokenizer, path)
-        compat.check_resume_data(path, state, self.data.train_windows, self.data.sampler.seed,
-                                 self.cfg.train.global_batch_size, self.cfg.train.seq_len, self.cfg.data)
-        own = self.out is not None and rundir.check_resume_into(
-            self.out, Path(resume), path, self.overwrite, saved.train.global_batch_size, self.cfg.train.global_batch_size)
-        compat.warn_changed_data(path, state, self.data.train.shards, self.log if self.mesh.is_main else None)
-        return path, own
-
-    def _resume(self, path: Path) -> None:
-        """Load the checkpoint `_check_resume` chose."""
-        ckpt = load_checkpoint(path, log=self.log, verify=False)
-        data = ckpt["state"]["data"]
-        self.untrained_steps = ckpt["state"].get("untrained_steps", 0)
-        self.parallel.load_full_state(ckpt["model"], ckpt["optimizer"])
-        self.scaler.load_state_dict(ckpt["state"]["loss_scaler"])
-        self.moe.load(ckpt["state"].get("router_bias"))
-        set_rng_state(ckpt["rng"], self.mesh.rank, rng_layout(self.cfg.parallel))
-        self.step = data["consumed_samples"] // self.cfg.train.global_batch_size
-        self.resumed_from = ckpt["path"]
-        self.saved_step = self.step
-        saved = config_from_dict(ckpt["state"]["config"])
-        notes = resume_notes(saved, ckpt["state"]["step"], self.cfg, self.step, len(self.data.eval_range))
-        for note in notes if self.mesh.is_main else ():
-            self.log(note)
-        if self.step >= self.cfg.train.steps and self.mesh.is_main:  # once, not once per rank
-            self.log(f"checkpoint {ckpt['path']} is at step {self.step}, train.steps is {self.cfg.train.steps}: "
-                     f"nothing to do (raise train.steps above {self.step} to continue)")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _guard(self, label: str):
@@ -237,11 +196,16 @@ class Trainer:
             if self.mesh.cp > 1:  # MoE auxiliary losses span whole sequences: the mean of their slices' weights
                 aux_weights = [int((y != IGNORE).sum()) * replicas / self.mesh.cp / max(trained, 1) for _, y in whole]
         batches = ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in cpu)
-        total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
-        skipped = self.scaler.skipped_steps
-        untouched = self.resumed_from is None and self.step == skipped + self.untrained_steps  # no update yet
-        with numerical_failures(total, self.step, untouched, self.cfg, self.out):
-            self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        # The step's host section waits on peers too (fp16's overflow check, MoE's exact dispatch counts,
+        # offload's scale): guarded, or a peer lost mid-step left this rank to NCCL's longer timeout. Not this
+        # process's first step that computes, whose compilation may outlast parallel.timeout_s on every rank.
+        with self._guard(f"training step {self.step + 1}") if self.computed else nullcontext():
+            total = self.forward_backward(batches, accum, self.device, weights, aux_weights)
+            skipped = self.scaler.skipped_steps
+            untouched = self.resumed_from is None and self.step == skipped + self.untrained_steps  # no update yet
+            with numerical_failures(total, self.step, untouched, self.cfg, self.out):
+                self.engine.optimizer_step(lr_at(self.step, self.cfg.train), self.step + 1)
+        self.computed = True
         self.moe.after_step(self.scaler.skipped_steps != skipped)  # DeepSeek-V3's bias update (global loads)
         if self.watchdog is not None and self.device.type == "cuda":  # the step's collectives, in time
             done = torch.cuda.Event()
@@ -332,11 +296,7 @@ class Trainer:
         losses_since, trained_since = None, 0  # the losses of the steps trained since the last record
         with closing(bar), ScheduledGC(t.gc_every) as collector:
             while self.step < t.steps:
-                # The step's host section waits on peers too (fp16's overflow check, MoE's exact dispatch counts,
-                # offload's scale): guarded, or a peer lost mid-step left this rank to NCCL's longer timeout. Not
-                # this process's first step, whose compilation may outlast parallel.timeout_s on every rank.
-                with self._guard(f"training step {self.step + 1}") if logged else nullcontext():
-                    loss = self.train_step()
+                loss = self.train_step()
                 self.step += 1
                 tokens_since += tokens_per_step if loss is not None else 0
                 if loss is not None:  # on the device: no sync a step

@@ -37,7 +37,7 @@ def _resolve_source(source: str) -> Path:
     p = Path(source)
     if p.suffix == ".toml" and p.is_file():
         return p
-    if p.suffix != ".toml" and len(p.parts) > 1 and p.with_name(p.name + ".toml").is_file():
+    if p.suffix != ".toml" and ("/" in source or os.sep in source) and p.with_name(p.name + ".toml").is_file():
         # `../configs/tiny`, a path without its suffix: joined onto the presets' directory it named the bundled
         # preset of that name (an absolute one the user's file), silently
         return p.with_name(p.name + ".toml")
@@ -85,7 +85,7 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
                 value = json.loads(value)
             if not isinstance(value, dict):
                 raise ValueError
-            return dict(value)
+            return {k: v for k, v in value.items() if v is not None}  # JSON's null is unset, and TOML has none
     except (ValueError, TypeError):
         pass
     how = ""  # the two a first config gets wrong: a bool spelled otherwise, a TOML list where one string goes

@@ -210,7 +210,8 @@ def dump_toml(d: dict) -> str:
                                  for c in v) + '"'
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):  # TOML has no null: a key set to None (an HF config.json's "unset") is left out
+        if isinstance(v, dict):  # TOML has no null: a key set to None (an HF config.json's "unset") is left out,
+            # as loading leaves it out of the config too
             return "{" + ", ".join(f"{key(k)} = {val(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
