@@ -938,7 +938,7 @@ def test_srun_tasks_without_local_rank_on_a_node_of_several_gpus_are_named(tmp_p
     """srun's tasks given RANK and WORLD_SIZE by a job script, not LOCAL_RANK: every task of a node took its first
     GPU (NCCL's "Duplicate GPU detected", said as a peer that stalled). A task shown its one GPU
     (--gpus-per-task 1) is right to take it."""
-    from shardlm.mesh import world_from_env
+    from shardlm.runtime.launch_env import world_from_env
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1", "WORLD_SIZE": "4", "RANK": "1",

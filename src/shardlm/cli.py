@@ -78,7 +78,7 @@ def cmd_train(argv: list[str]) -> int:
         validate(cfg, world_size=cfg.parallel.world)  # the layout's own world size: torchrun is not needed here
         print(cfg.to_toml())
         return 0
-    from .mesh import check_rendezvous_env, world_from_env
+    from .runtime.launch_env import check_rendezvous_env, world_from_env
     from .runtime.heartbeat import Heartbeat, ranks_named
     from .runtime.watchdog import peer_failure
     out = args.out or _run_dir_of(args.resume) or str(Path("runs") / Path(args.config or "default").stem)

@@ -6,7 +6,8 @@ or refused with its name and value: a checkpoint never loads into a model that c
 from __future__ import annotations
 
 from .config import Config, ConfigError, ModelConfig, apply_overrides
-from .config.checks import NON_NEGATIVE, POSITIVE, check_rope_scaling
+from .config.checks import NON_NEGATIVE, POSITIVE
+from .config.rope_checks import check_rope_scaling
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}

@@ -140,8 +140,7 @@ class Trainer:
         self.moe = MoEBalance(self.model, self.mesh, cfg.model, self.device)  # router bias, per-layer load statistics
         self.step = 0
         self.saved_step = 0  # the step of the last checkpoint written or resumed: a stop that would lose steps saves
-        self.stopped_by = 0  # the signal that stopped run() before train.steps, if one did
-        self.computed = False  # whether this process has run a step's forward and backward (compiled them)
+        self.stopped_by, self.computed = 0, False  # the signal that stopped run() early; a step's forward run
         # The stop checks' and asynchronous saves' gloo group (runtime/preemption.py); destroyed with the others.
         self.host_group = LazyHostGroup(timedelta(seconds=cfg.parallel.timeout_s))
         # The weights' source's generation_config.json (a chat model's end of turn), kept in every checkpoint
@@ -154,7 +153,7 @@ class Trainer:
             resuming.load(self, checkpoint)
         if (note := warmup_note(t)) and self.mesh.is_main and self.step < t.steps:  # no schedule runs: no note
             log(note)
-        # What is computed: frozen weights (a LoRA base, train.freeze's) have no weight gradient to compute.
+        # What is computed: frozen weights (a LoRA base, train.freeze's) have no weight gradient.
         self.flops_per_token = cfg.lora.flops_per_token(cfg.model, t.seq_len) if cfg.lora.rank else \
             cfg.model.flops_per_token(t.seq_len) - frozen_flops_per_token(cfg.model, Layout.from_config(cfg))
         self.peak = peak_flops(self.device, t.peak_tflops)
@@ -314,8 +313,7 @@ class Trainer:
                     with self._guard(f"the metrics of step {self.step}"):
                         norm, skipped = self._step_numbers() if loss is not None else \
                             (None, self.scaler.skipped_steps)  # an untrained step skipped: no update to ask about
-                        # The mean over the steps since the last record (HF Trainer's and Megatron's): a spike
-                        # between two records shows.
+                        # The mean over the steps since the last record (HF Trainer's, Megatron's): spikes show.
                         loss = self.global_mean(losses_since / trained_since) if trained_since else None
                     elapsed = time.perf_counter() - since
                     tok_s = tokens_since / elapsed

@@ -13,7 +13,8 @@ so parameter counts have one source of truth. By concern:
 """
 from __future__ import annotations
 
-from .checks import BLOCK_RECOMPUTE, CHOICES, NON_NEGATIVE, POSITIVE, ROPE_KEYS, UNIT_INTERVAL, Naming, check_layout, validate
+from .checks import BLOCK_RECOMPUTE, CHOICES, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Naming, check_layout, validate
+from .rope_checks import ROPE_KEYS
 from .expert_checks import check_expert_lora
 from .errors import ConfigError, RunError
 from .load import CONFIG_DIRS, apply_overrides, config_from_dict, load_config, parse_overrides, preset_names

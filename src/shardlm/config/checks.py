@@ -13,6 +13,7 @@ from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from .expert_checks import check_dense, check_experts
 from ..naming import Naming
+from .rope_checks import check_rope_scaling
 from .schema import SECTIONS, Config, ModelConfig, ParallelConfig, TrainConfig
 from .shapes import lora_targets
 
@@ -58,41 +59,12 @@ NON_NEGATIVE = ("model.vocab_size", "model.num_kv_heads", "model.num_experts", "
                 "parallel.ep_load_budget")
 
 
-ROPE_KEYS = {"default": (), "linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 UNIT_INTERVAL = ("train.beta1", "train.beta2", "train.momentum", "lora.dropout")  # in [0, 1)
 # (train key, value): the keys it leaves unread (set away from their defaults once without a word), and their reader.
 UNREAD = {("optimizer", "adamw"): (("momentum",), "optimizer = 'sgd'"),
           ("optimizer", "sgd"): (("beta1", "beta2", "eps"), "optimizer = 'adamw'"),
           ("lr_schedule", "constant"): (("min_lr_ratio",), "lr_schedule = 'cosine' or 'linear'")}
 MAX_ACCUM = 1 << 16  # micro-batches per rank a step: global_batch_size 1e30 ran on, deaf to SIGTERM (heard between)
-
-
-def check_rope_scaling(scaling: dict) -> None:
-    """RoPE scaling of a supported type with every key it reads, each a positive number: a config.json read for
-    inference (no `validate`) once met a missing key as a KeyError, and a string as a TypeError, in the first
-    forward pass."""
-    if not scaling:
-        return
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_KEYS:
-        raise ConfigError(f"model.rope_scaling type {kind!r} is not supported ({', '.join(ROPE_KEYS)})")
-    unread = sorted(k for k in scaling if k not in ("rope_type", "type"))
-    if kind == "default" and unread:  # {"factor": 2} was taken as unscaled RoPE, its factor never applied
-        them = "them" if len(unread) > 1 else "it"
-        why = (", which rope_type 'default' does not read" if {"rope_type", "type"} & scaling.keys() else
-               f" but no rope_type, so nothing would read {them}")
-        theta = " (the base is model.rope_theta)" if "rope_theta" in unread else ""
-        raise ConfigError(f"model.rope_scaling sets {', '.join(unread)}{why}{theta}: give rope_type "
-                          f"({', '.join(repr(k) for k in ROPE_KEYS if k != 'default')}), or leave rope_scaling out")
-    missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
-    if missing:
-        raise ConfigError(f"model.rope_scaling of type {kind!r} lacks {', '.join(missing)} (it has "
-                          f"{', '.join(sorted(scaling)) or 'nothing'})")
-    for k in ROPE_KEYS[kind]:
-        v = scaling[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"model.rope_scaling.{k} = {v!r} must be a positive number")
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:

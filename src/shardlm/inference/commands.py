@@ -120,7 +120,7 @@ def check_world(tp: int) -> tuple[int, int, int]:
     """(world, rank, local rank) of a generate/eval/serve launch, refused where the processes started (torchrun's
     WORLD_SIZE, or one set by hand) are not --tp's: `torchrun --nproc-per-node 2 ... generate` without --tp would run
     the whole model in each process, each printing (or writing) every answer; each `serve` would race for the port."""
-    from ..mesh import world_from_env
+    from ..runtime.launch_env import world_from_env
     if tp < 1:  # else told to start `torchrun --nproc-per-node 0`
         raise ConfigError(f"--tp {tp} must be at least 1 (1: one process)")
     world, rank, local = world_from_env()
@@ -148,7 +148,8 @@ def _tensor_parallel(a):
     import torch
     import torch.distributed as dist
 
-    from ..mesh import build_mesh, check_rendezvous_env, check_same_settings, rendezvous
+    from ..mesh import build_mesh, check_same_settings, rendezvous
+    from ..runtime.launch_env import check_rendezvous_env
     if a.quantize != "none":
         raise ConfigError("--quantize with --tp: the tensor-parallel linears are not quantised yet; give one of them")
     if device.type == "cuda":
