@@ -153,36 +153,26 @@ def test_the_watchdog_names_the_stalled_peer_and_where_it_is(tmp_path):
                      r"\(for \d+ s\); exiting", done.stderr), done.stderr
 
 
-def test_the_trainer_guards_its_waits_on_peers():
-    """The trainer's host sections that wait on peers (here the metrics of a step) run under its watchdog:
-    one that stalls ends the run with a message naming it. On CPU the trainer has no watchdog of its own
-    (gloo times out by itself), so the test gives it one."""
-    code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
-            "from shardlm.runtime.watchdog import Watchdog\n"
-            "cfg = load_config('tiny', {'train.steps': '2', 'train.log_every': '1', 'train.device': 'cpu',\n"
-            "                           'train.tensorboard': 'false'})\n"
-            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\n"
-            "tr.engine.step_stats = lambda step: time.sleep(30)\ntr.run()\nprint('still alive')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
-    assert "the metrics of step 1 made no progress for 0.5 s" in done.stderr
-
-
-def test_a_step_that_waits_on_a_lost_peer_is_ended_by_the_watchdog():
-    """Only a step's completion on the GPU was watched, from when the host had queued it all: a host wait inside
-    the step (fp16's overflow check, MoE's exact dispatch counts) on a peer lost mid-step was left to NCCL's
-    timeout, twice parallel.timeout_s, and ended without a word of which rank. The step's forward, backward and
-    update are guarded (the process's first step that computes aside: its compilation may outlast the timeout)."""
+@pytest.mark.parametrize("stall, said", [
+    ("tr.engine.step_stats = lambda step: time.sleep(30)", "the metrics of step 1"),
+    ("step = tr.forward_backward\ntr.forward_backward = lambda *a: (time.sleep(30) if tr.step == 1 else None) or step(*a)",
+     "training step 2"),
+], ids=["metrics", "step"])
+def test_the_trainer_guards_its_waits_on_peers(stall, said):
+    """The trainer's host sections that wait on peers run under its watchdog: one that stalls ends the run with a
+    message naming it. Among them the step's forward, backward and update (fp16's overflow check, MoE's exact
+    dispatch counts), once left to NCCL's timeout, twice parallel.timeout_s, without a word of which rank; the
+    process's first step that computes aside, whose compilation may outlast the timeout. On CPU the trainer has
+    no watchdog of its own (gloo times out by itself), so the test gives it one."""
     code = ("import time\nfrom shardlm.config import load_config\nfrom shardlm.trainer import Trainer\n"
             "from shardlm.runtime.watchdog import Watchdog\n"
             "cfg = load_config('tiny', {'train.steps': '3', 'train.log_every': '1', 'train.device': 'cpu',\n"
             "                           'train.tensorboard': 'false'})\n"
-            "tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\nstep = tr.forward_backward\n"
-            "tr.forward_backward = lambda *a: (time.sleep(30) if tr.step == 1 else None) or step(*a)\ntr.run()\n"
+            f"tr = Trainer(cfg, log=lambda *a: None)\ntr.watchdog = Watchdog(0.5)\n{stall}\ntr.run()\n"
             "print('still alive')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "still alive" not in done.stdout, done.stderr[-2000:]
-    assert "training step 2 made no progress for 0.5 s" in done.stderr, done.stderr[-2000:]
+    assert f"{said} made no progress for 0.5 s" in done.stderr, done.stderr[-2000:]
 
 
 def test_finished_work_keeps_the_watchdog_quiet():
