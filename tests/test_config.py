@@ -89,6 +89,8 @@ def test_toml_file_and_overrides(tmp_path):
     ({"model.router_bias_update_rate": "0.001"}, "model.router_bias_update_rate = 0.001 applies to a mixture"),
     ({"model.sliding_window": "8", "train.attention": "flash"}, "train.attention = 'flash' takes no attention mask"),
     ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.sliding_window": "8"}, "model.arch = 'gpt2' has no"),
+    # trained, then refused by transformers at the export's load (GPT-2's config.json has no head_dim)
+    ({"model.arch": "gpt2", "model.num_kv_heads": "0", "model.head_dim": "32"}, "model.head_dim = 32 needs model.arch"),
     # The preset's num_kv_heads, left set under --model.arch gpt2, is the key named.
     ({"model.arch": "gpt2"}, "model.num_kv_heads = 2 needs model.arch = 'llama'"),
     ({"parallel.cp": "2", "parallel.cp_comm": "p2p", "train.seq_len": "30"},

@@ -101,12 +101,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.num_kv_heads}")
     llama_only = [f"model.{k} = {v!r}" for k, v in (("num_kv_heads", m.num_kv_heads), ("qkv_bias", m.qkv_bias),
-                  ("rope_scaling", m.rope_scaling), ("sliding_window", m.sliding_window))
-                  if v and not (k == "num_kv_heads" and v == m.num_heads)]
+                  ("rope_scaling", m.rope_scaling), ("sliding_window", m.sliding_window), ("head_dim", m.head_dim))
+                  if v and not (k == "num_kv_heads" and v == m.num_heads)
+                  and not (k == "head_dim" and v * m.num_heads == m.hidden_size)]
     if m.arch == "gpt2" and llama_only:  # named: the key is often a preset's, left set under --model.arch gpt2
-        raise ConfigError(f"model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling or "
-                          f"sliding_window: {', '.join(llama_only)} needs model.arch = 'llama' (for GPT-2 leave it "
-                          "unset; model.num_kv_heads 0 is one per head)")
+        raise ConfigError(f"model.arch = 'gpt2' has no grouped-query attention, separate qkv_bias, rope_scaling, "
+                          f"sliding_window or head size of its own (GPT-2's config.json has none to export): "
+                          f"{', '.join(llama_only)} needs model.arch = 'llama' (for GPT-2 leave it unset; "
+                          "model.num_kv_heads 0 is one per head)")
     if m.arch == "llama" and m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     if t.seq_len > m.max_seq_len:
