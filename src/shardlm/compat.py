@@ -151,9 +151,22 @@ def check_state_records(path: Path, state: dict) -> None:
                               "state.json the run saved, or resume another checkpoint")
 
 
+def _held_out_change(saved: dict, now) -> tuple | None:
+    """The eval setting (data section `saved` in the checkpoint, `now` in this run) that changed the windows
+    data.path holds out for eval, which it does only without data.eval_path: (key, old, new), or None. A path
+    counts as given or not (the checkpoint keeps it absolute)."""
+    old_path, old_windows = saved.get("eval_path"), saved.get("eval_windows")
+    if old_path is not None and bool(old_path) != bool(now.eval_path):
+        return "eval_path", old_path, now.eval_path
+    if not old_path and not now.eval_path and old_windows is not None and old_windows != now.eval_windows:
+        return "eval_windows", old_windows, now.eval_windows
+    return None
+
+
 def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, global_batch: int,
-                      seq_len: int, data_cfg=None) -> None:
-    """The sample order continues only over the same windows, seed and whole global batches."""
+                      seq_len: int, data_cfg) -> None:
+    """The sample order continues only over the same windows, seed and whole global batches (`data_cfg`: this
+    run's data section, to name an eval setting that changed the windows)."""
     check_state_records(path, state)
     data = state["data"]
     if data["train_windows"] != train_windows or data["seed"] != seed:
@@ -161,21 +174,11 @@ def check_resume_data(path: Path, state: dict, train_windows: int, seed: int, gl
         # eval setting alone was blamed on data.path.
         saved_cfg = state["config"]
         saved = saved_cfg["train"]["seq_len"]
-        # Only without data.eval_path are the eval windows held out of data.path's (a path compared as given or
-        # not: the checkpoint keeps it absolute).
-        old_eval = saved_cfg.get("data", {}).get("eval_path")
-        new_eval = getattr(data_cfg, "eval_path", None)
-        held = []
-        if data_cfg is not None and data["seed"] == seed and old_eval is not None and bool(old_eval) != bool(new_eval):
-            held = [("eval_path", old_eval, new_eval)]
-        elif data_cfg is not None and data["seed"] == seed and not old_eval and not new_eval:
-            old_windows = saved_cfg.get("data", {}).get("eval_windows")
-            if old_windows is not None and old_windows != data_cfg.eval_windows:
-                held = [("eval_windows", old_windows, data_cfg.eval_windows)]
+        held = _held_out_change(saved_cfg.get("data", {}), data_cfg) if data["seed"] == seed else None
         if saved != seq_len:
             how = f"train.seq_len is {saved} in the checkpoint and {seq_len} in this run: " + KEEP.format(old=saved)
         elif held:
-            key, old, new = held[0]
+            key, old, new = held
             how = (f"data.{key} is {old!r} in the checkpoint and {new!r} in this run, which changes the windows left "
                    "to train on (without data.eval_path, the eval windows are held out of data.path): "
                    + KEEP.format(old=old))

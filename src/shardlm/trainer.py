@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import compat, rundir
+from . import compat, resuming, rundir
 from .config import IGNORE, Config, ConfigError
 from .config.expert_checks import moe_notes
 from .data.instruct import completion_stop_ids
@@ -40,7 +40,6 @@ from .parallel.parallelize import parallelize
 from .plan import Layout
 from .plan.frozen import frozen_flops_per_token
 from .precision import make_loss_scaler
-from . import resuming
 from .run_checkpoint import CheckpointSaver
 from .runtime.console import Console
 from .runtime.device import training_device
@@ -284,7 +283,7 @@ class Trainer:
 
         t = self.cfg.train
         # Bounded: a record holds each MoE layer's statistics, tens of KiB a line, on every rank for the whole run.
-        records, logged = deque(maxlen=RECORDS_KEPT), 0
+        records = deque(maxlen=RECORDS_KEPT)
         tokens_per_step = t.global_batch_size * t.seq_len
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.mesh.is_main or not sys.stderr.isatty())
@@ -308,7 +307,7 @@ class Trainer:
                 with self._guard(f"the stop check of step {self.step}"):
                     self.stopped_by = signals.agreed()
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
-                first = not logged  # the first step this process runs (a resumed one too): alive within seconds
+                first = not records  # the first step this process runs (a resumed one too): alive within seconds
                 if first or self.step % t.log_every == 0 or self.step == t.steps or do_eval or self.stopped_by:
                     with self._guard(f"the metrics of step {self.step}"):
                         norm, skipped = self._step_numbers() if loss is not None else \
@@ -329,7 +328,6 @@ class Trainer:
                         with self._guard(f"the evaluation at step {self.step}"):
                             rec["eval_loss"] = self.evaluate()
                     records.append(rec)
-                    logged += 1
                     self.metrics.log(rec)
                     if self.mesh.is_main:
                         line = format_line(rec) + (f" | eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") else "") \
@@ -343,7 +341,7 @@ class Trainer:
                     self.saver.poll(alive)
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save(wait=False)
-        if self.step > 0 and (self.resumed_from is None or logged):
+        if self.step > 0 and (self.resumed_from is None or records):
             path = self.save()
             if path:
                 self.log(f"saved {path}")
