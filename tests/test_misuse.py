@@ -326,7 +326,7 @@ CASES = [
     ("plan-inference-tp", ["plan", "--model", "tiny", "--inference", "--tp", "2"], "--tp 2: --inference plans one GPU", 2),
     ("plan-inference-context", ["plan", "--model", "tiny", "--inference", "--context", "100000"],
      "between 2 and the model's max_seq_len", 2),
-    ("plan-pipeline-micro-batches", ["plan", "--model", "tiny", "--pp", "2"],
+    ("plan-pipeline-micro-batches", ["plan", "--model", "tiny", "--pp", "2", "--global-batch", "1"],
      "needs at least --pp 2 micro-batches per step to fill the pipeline, not 1: raise --global-batch or lower "
      "--micro-batch (or use --pp-schedule gpipe)", 2),
     ("plan-unknown-schedule", ["plan", "--model", "tiny", "--pp", "2", "--global-batch", "4", "--pp-schedule", "foo"],

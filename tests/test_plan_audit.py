@@ -52,11 +52,11 @@ def test_params_refuses_what_it_does_not_plan(capsys, extra):
 
 @pytest.mark.timeout(60)
 def test_a_search_with_no_valid_layout_does_not_say_nothing_fits(capsys):
-    """--search --gpus 16 --global-batch 4 of tiny scored no layout at all (every one too few micro-batches for its
+    """--search --gpus 32 --global-batch 4 of tiny scored no layout at all (every one too few micro-batches for its
     pipeline or a dp the batch does not divide), and said "nothing fits ... try more --gpus", which made it worse."""
-    got = cli_proc(capsys, "plan", "--model", "tiny", "--search", "--gpus", 16, "--global-batch", 4)
+    got = cli_proc(capsys, "plan", "--model", "tiny", "--search", "--gpus", 32, "--global-batch", 4)
     assert "more --gpus" not in got.stdout and "nothing fits" not in got.stdout
-    assert "no layout of 16 GPUs is valid" in got.stdout and "--global-batch" in got.stdout
+    assert "no layout of 32 GPUs is valid" in got.stdout and "--global-batch" in got.stdout
 
 
 @pytest.mark.timeout(60)

@@ -27,7 +27,7 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
         where = f"{device} has {free / 2**30:.1f} GiB free" if short else "another rank's device has less free"
         raise ConfigError(f"the model ({cfg.model.num_params() / 1e9:.3g}B parameters) needs at least "
                           f"{need / 2**30:.1f} GiB per rank for its weights, gradients and optimizer state, and "
-                          f"{where}: shrink the model, or shard it (parallel.zero_stage 3, parallel.tp, more ranks)")
+                          f"{where}: shrink the model, or shard it ({_sharding_hint(cfg.parallel)})")
     _check_rope_table(cfg.model, device, any_rank, free)
     _check_activations(cfg, device, any_rank, mem, free)
     # Offload's host memory: every rank of this node takes its share of the same RAM.
@@ -45,6 +45,14 @@ def check_memory(cfg, device: torch.device, any_rank) -> None:
                           f"in host memory ({local} rank{'s' if local > 1 else ''} on this node: "
                           f"{host * local / 2**30:.1f} GiB), and {where}: shard it over more ranks or nodes "
                           f"(parallel.dp, parallel.cp), or use a host with more memory{disk}")
+
+
+def _sharding_hint(p) -> str:
+    """What shards a model's state further under this layout: ZeRO-2/3 are refused beside pipeline stages."""
+    if p.pp > 1:
+        split = ", a balanced split (parallel.pp_layers '')" if p.pp_layers else ""
+        return f"parallel.zero_stage 1, parallel.tp, more pipeline stages (parallel.pp){split}"
+    return "parallel.zero_stage 3, parallel.tp, more ranks"
 
 
 def _check_rope_table(m, device: torch.device, any_rank, free: int | None) -> None:
@@ -84,7 +92,7 @@ def _check_activations(cfg, device: torch.device, any_rank, mem, free: int | Non
         if act * share <= free * slack:
             beside = (f", beside {(mem.total - act) / 2**30:,.1f} GiB for the weights, gradients and optimizer state "
                       f"({mem.total / 2**30:,.1f} GiB in all)")
-            fixes.append("shard the model (parallel.zero_stage 3, parallel.tp, more ranks)")
+            fixes.append(f"shard the model ({_sharding_hint(cfg.parallel)})")
         raise ConfigError(f"a micro-batch of {t.micro_batch_size} x {t.seq_len:,} tokens (train.micro_batch_size x "
                           f"train.seq_len) needs about {act / 2**30:,.1f} GiB for its activations by the planner's "
                           f"count{beside}, and {device} has {free / 2**30:.1f} GiB free"

@@ -12,7 +12,7 @@ class Naming:
     flags: bool = False
     CONFIG_KEYS = {"global_batch": "train.global_batch_size", "micro_batch": "train.micro_batch_size",
                    "seq": "train.seq_len", "quantize": "lora.quantize", "targets": "lora.targets",
-                   "num_experts": "model.num_experts"}
+                   "num_experts": "model.num_experts", "freeze": "train.freeze"}
     FLAGS = {"zero_stage": "zero", "targets": "lora_targets", "num_experts": "experts"}
 
     def key(self, name: str) -> str:

@@ -16,6 +16,7 @@ from ..naming import Naming
 from .rope_checks import check_rope_scaling
 from .schema import SECTIONS, Config, ModelConfig, ParallelConfig, TrainConfig
 from .shapes import lora_targets
+from .stage_checks import batch_fix, check_batch, check_stages_train, schedule_takes
 
 
 # Full recomputation and its partial forms, which skip the last linear of a block's halves (model/recompute.py).
@@ -167,6 +168,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"parallel.tp_async = True is not yet validated with context parallelism (parallel.cp = "
                           f"{p.cp}): use parallel.cp = 1 or parallel.tp_async = False")
     check_layout(m, p, t.seq_len, t.micro_batch_size, t.global_batch_size, world_size)
+    check_stages_train(m, p.pp, p.virtual_stages, p.pp_layers, t.freeze, cfg.lora)
 
 
 def check_bf16_optimizer(cfg: Config) -> None:
@@ -203,15 +205,6 @@ def _spelled(value, allowed) -> str:
     return f" (did you mean {same[0]!r}? choices are lowercase)" if same else ""
 
 
-def _dividing_micro(global_batch: int, micro_batch: int, dp: int) -> int | None:
-    """The largest micro batch up to `micro_batch` that splits `global_batch` evenly over `dp` ranks; None where
-    the global batch does not divide by dp at all."""
-    if dp < 1 or micro_batch < 1 or global_batch % dp:
-        return None
-    share = global_batch // dp
-    return max(d for d in range(1, min(micro_batch, share) + 1) if share % d == 0)
-
-
 def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, global_batch: int,
                  world: int | None = None, naming: Naming = Naming()) -> None:
     """A layout against the model, the batch and (when given) the world size; raises ConfigError naming the
@@ -238,8 +231,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
         if naming.flags:
             hint = ""
         elif world == 1:  # every axis above 1 named: pp, cp or ep left as they were would refuse the next try
-            ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp")
-                            or getattr(p, a) > 1) + (" --parallel.pp_layers ''" if p.pp_layers else "")
+            ones = " ".join(f"--parallel.{a} 1" for a in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")
+                            if a in ("dp", "tp") or getattr(p, a) > 1) + (" --parallel.pp_layers ''" if p.pp_layers
+                                                                           else "") + \
+                (" --parallel.sp false" if p.sp else "")
             hint = (f": start {p.world} processes, e.g. `torchrun --nproc-per-node {p.world} -m shardlm train ...`, "
                     f"or set the layout for one ({ones}; checkpoints resume under any layout)")
         else:  # ep must divide the new dp x cp, which carries the experts
@@ -248,10 +243,13 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
             launch = (f"launch {p.world} processes (torchrun --nproc-per-node {p.world})" if p.world > 1
                       else "run one process, without torchrun")
             dp = world // other
-            micro = _dividing_micro(global_batch, micro_batch, dp) if world % other == 0 else None
+            batch = ""
+            if world % other == 0 and (global_batch % (micro_batch * dp)
+                                       or not schedule_takes(global_batch // (micro_batch * dp), p)):
+                name, value, _ = batch_fix(global_batch, micro_batch, dp, p)
+                batch = f" --{key(name)} {value}"
             hint = (f": {launch}, or set a layout of {world}"
-                    + (f", e.g. --parallel.dp {dp}" + (f" --parallel.ep {ep}" if ep != p.ep else "")
-                       + (f" --train.micro_batch_size {micro}" if micro not in (None, micro_batch) else "")
+                    + (f", e.g. --parallel.dp {dp}" + (f" --parallel.ep {ep}" if ep != p.ep else "") + batch
                        if world % other == 0 else f" (the other axes' {other} does not divide {world})"))
         raise ConfigError(f"{got} = {p.world} != {'--gpus' if naming.flags else 'world size'} {world}{hint}")
     both = math.gcd(m.num_heads, m.ffn_size)  # the tp values that fit, named: the fix is one of them
@@ -294,6 +292,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"{show('virtual_stages', p.virtual_stages)} needs {show('pp_schedule', 'interleaved')}")
     if p.pp > 1:
+        check_batch(p, seq, micro_batch, global_batch, naming)  # before the schedule's count, which floors it
         try:
             check_schedule(p.pp_schedule, p.pp, p.virtual_stages, global_batch // (micro_batch * p.dp), naming)
         except ScheduleError as e:
@@ -369,14 +368,4 @@ def check_layout(m: ModelConfig, p: ParallelConfig, seq: int, micro_batch: int, 
                           f"{key('ep')} above 1, or leave {key('ep_load_budget')} at {ParallelConfig.ep_load_budget:g}")
     if m.num_experts and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"model.top_k = {m.top_k} must be between 1 and the {m.num_experts} experts")
-    bad = [f"{key(k)} ({v})" for k, v in (("seq", seq), ("micro_batch", micro_batch), ("global_batch", global_batch))
-           if v < 1]
-    if bad:
-        raise ConfigError(f"{' and '.join(bad)} must be positive")
-    if global_batch % (micro_batch * p.dp):
-        micro = _dividing_micro(global_batch, micro_batch, p.dp)
-        fix = (f"set {key('micro_batch')} to {micro}" if micro else
-               f"set {key('global_batch')} to a multiple of {micro_batch * p.dp}, e.g. "
-               f"{-(-global_batch // (micro_batch * p.dp)) * micro_batch * p.dp}")
-        raise ConfigError(f"{show('global_batch', global_batch)} is not divisible by {key('micro_batch')} "
-                          f"({micro_batch}) x {key('dp')} ({p.dp}): {fix}")
+    check_batch(p, seq, micro_batch, global_batch, naming)

@@ -11,7 +11,7 @@ from ..config import BLOCK_RECOMPUTE, NF4_BYTES_PER_WEIGHT, ModelConfig
 from ..config.views import group_span
 from .comm import comm_bytes, comm_seconds
 from .flops import (ADAM_BYTES, ADAM_BYTES_BF16, ATTENTION_EFFICIENCY, EFFICIENCY, attention_flops_per_token, bubble,
-                    model_flops_per_token, moe_routing_seconds, recompute_flops_per_token)
+                    model_flops_per_token, moe_routing_seconds, recompute_flops_per_token, stage_imbalance)
 from .frozen import frozen_flops_per_token, layout_frozen
 from .hardware import GPU, gpu
 from .layout import Layout, PlanError, Workload, check
@@ -68,7 +68,7 @@ def estimate(m: ModelConfig, w: Workload, L: Layout, g: GPU, gpus_per_node: int 
     fused = L.attention == "flash"
     attention = fused * attention_flops_per_token(m, w.seq, L.recompute) * tokens_per_gpu / (L.tp * L.pp)
     rest = model + extra - 2 * attention
-    compute = (rest / efficiency + attention / attention_efficiency) / g.peak_flops * (1 + b)
+    compute = (rest / efficiency + attention / attention_efficiency) / g.peak_flops * (1 + b) * stage_imbalance(m, L)
     phi, _ = trained_and_frozen(m, L, 0, 2)
     shard = zero_shard(m, L, 0, phi) if L.zero_stage >= 1 else phi  # each parameter over its own reduce group
     separate_master = L.zero_stage >= 1 and group_span(L, "dp+cp")[0] > 1  # else the weights are the masters

@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--recompute", default="none")
     lay.add_argument("--pp-schedule", default="1f1b")
     lay.add_argument("--virtual-stages", type=int, default=1)
+    lay.add_argument("--pp-layers", default="", help="layers per pipeline stage, e.g. 10,11,11 (default: balanced "
+                     "by compute)")
     lay.add_argument("--precision", default="bf16")
     lay.add_argument("--optimizer-dtype", default="fp32", choices=("fp32", "bf16"),
                      help="bf16: the optimizer's masters and moments in bf16 (train.optimizer_dtype)")
@@ -182,7 +184,7 @@ def run(argv: list[str]) -> int:
                     zero_stage=a.zero, offload=a.offload,
                     offload_dir=a.offload_dir, delayed_update=a.delayed_update, overlap_update=a.overlap_update,
                     offload_activations=a.offload_activations, sp=a.sp, recompute=a.recompute, pp_schedule=a.pp_schedule,
-                    virtual_stages=a.virtual_stages,
+                    virtual_stages=a.virtual_stages, pp_layers=a.pp_layers,
                     precision=a.precision, optimizer_dtype=a.optimizer_dtype, attention=a.attention,
                     reduce_dtype=a.reduce_dtype,
                     reduce_algo=a.reduce_algo, lora=lora_from_args(a), freeze=a.freeze)
@@ -191,7 +193,7 @@ def run(argv: list[str]) -> int:
     if a.largest:
         return largest_model(a, model, layout, g)
     micro = a.micro_batch or 1
-    work = Workload(a.seq, micro, a.global_batch or micro * dp, a.tokens)
+    work = Workload(a.seq, micro, a.global_batch or default_global_batch(micro, layout), a.tokens)
     if a.model and Path(a.model).suffix == ".toml" and Path(a.model).is_file():
         planned = {**{f: getattr(layout, f) for f in RUN_FLAGS.values() if hasattr(layout, f)},
                    "seq": work.seq, "micro_batch": work.micro_batch, "global_batch": work.global_batch,
@@ -291,8 +293,8 @@ def nothing_fits(a, scored: int, gpus: int) -> str:
     was valid at all, which more GPUs (the advice for memory) only makes worse."""
     if not scored:
         return (f"no layout of {gpus} GPU{'s' if gpus > 1 else ''} is valid for this model and batch: dp x tp x "
-                f"pp{' x cp' if a.cp > 1 else ''} must be {gpus}, tp divide the attention and key/value heads within "
-                "a node, pp the layers, --global-batch must be a multiple of dp, and a pipeline needs at least pp "
+                f"pp{' x cp' if a.cp > 1 else ''} must be {gpus}, tp divide the attention heads within a node, pp "
+                "be at most the layers, --global-batch must be a multiple of dp, and a pipeline needs at least pp "
                 "micro-batches a step (and a rank at most 65,536)"
                 f"{f', and --micro-batch {a.micro_batch} divide its share of the batch' if a.micro_batch else ''}: "
                 "try a larger --global-batch or fewer --gpus")
@@ -306,11 +308,17 @@ def nothing_fits(a, scored: int, gpus: int) -> str:
             f"fits; try {tries}")
 
 
+def default_global_batch(micro: int, L: Layout) -> int:
+    """A step of one micro-batch per data-parallel rank, and per pipeline stage (every schedule's fewest: 1F1B
+    needs at least pp, interleaved a multiple of it)."""
+    return micro * L.dp * L.pp
+
+
 def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
     from .search import largest
     host = parse_bytes(a.host_memory, "--host-memory") if a.host_memory else None
     micro = a.micro_batch or 1
-    work = Workload(a.seq, micro, a.global_batch or micro * layout.dp)
+    work = Workload(a.seq, micro, a.global_batch or default_global_batch(micro, layout))
     found = largest(base, work, layout, g, host, a.gpus_per_node)
     if found is None:
         print(f"no model of this shape fits {g.name} with this layout")

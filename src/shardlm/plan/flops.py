@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..config import BLOCK_RECOMPUTE, ModelConfig
+from ..config import BLOCK_RECOMPUTE, ModelConfig, rank_layers
 from ..schedules import Simulation, schedule, simulate
 from .layout import Layout, Workload
 
@@ -96,3 +96,15 @@ def bubble(w: Workload, L: Layout) -> float:
         return 0.0
     sim = simulated(L.pp_schedule, L.pp, L.virtual_stages, w.global_batch // (w.micro_batch * L.dp))
     return sim.time / max(sim.busy) - 1
+
+
+def stage_imbalance(m: ModelConfig, L: Layout) -> float:
+    """The busiest pipeline rank's compute over an even share (1: balanced), by split_layers' own cost (a layer's
+    FLOPs per token, the head's on the last rank) for a split given by parallel.pp_layers; a split balanced by
+    compute is within a layer of even, which the fitted efficiencies absorb."""
+    if L.pp == 1 or not L.pp_layers:
+        return 1.0
+    per_layer = m.param_counts()["active_per_layer"]
+    cost = [per_layer * len(layers) for layers in rank_layers(m, L.pp, L.virtual_stages, L.pp_layers)]
+    cost[-1] += m.vocab_size * m.hidden_size
+    return L.pp * max(cost) / sum(cost)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import (BLOCK_RECOMPUTE, Config, ConfigError, LoRAConfig, ModelConfig, Naming, ParallelConfig,
-                      check_expert_lora, check_layout, lora_targets)
-from ..schedules import split_layers
+                      check_expert_lora, check_layout, check_stages_train, lora_targets, rank_layers)
 from .frozen import frozen_of
 
 
@@ -53,11 +52,7 @@ FLAGS = Naming(flags=True)
 def stage_layers(m: ModelConfig, L: Layout, rank: int) -> list[int]:
     """The layers pipeline rank `rank` holds: its stages rank, rank + pp, ... of the runtime's own split
     (schedules.split_layers: balanced by compute, or parallel.pp_layers)."""
-    if L.pp == 1:
-        return list(range(m.num_layers))
-    stages = L.pp * L.virtual_stages
-    split = split_layers(m, stages, L.pp_layers)
-    return [i for s in range(rank, stages, L.pp) for i in split[s]]
+    return rank_layers(m, L.pp, L.virtual_stages, L.pp_layers)[rank] if L.pp > 1 else list(range(m.num_layers))
 
 
 def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None = None) -> None:
@@ -103,6 +98,7 @@ def check(model: ModelConfig, work: Workload, layout: Layout, gpus: int | None =
             raise PlanError(str(e).replace("train.freeze", "--freeze")) from None
     try:
         check_layout(model, L, work.seq, work.micro_batch, work.global_batch, gpus, FLAGS)
+        check_stages_train(model, L.pp, L.virtual_stages, L.pp_layers, L.freeze, L.lora, FLAGS)
     except ConfigError as e:
         raise PlanError(str(e)) from None
 

@@ -272,7 +272,9 @@ def head_and_loss(m: ModelConfig, w: Workload, L: Layout) -> float:
 
 def estimate_memory(m: ModelConfig, w: Workload, L: Layout) -> Memory:
     worst = None
-    for stage in sorted({0, L.pp - 1}):
+    # A split balanced by compute loads the first rank (the embedding, layers rounded up, most micro-batches in
+    # flight) or the last (the head) most; a split given by parallel.pp_layers may load any.
+    for stage in range(L.pp) if L.pp_layers else sorted({0, L.pp - 1}):
         n = L.replicas
         mixed = L.precision != "fp32"
         p_b, g_b, k = (2, 2, 12) if mixed else (4, 4, 8)

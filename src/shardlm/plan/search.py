@@ -40,10 +40,11 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
     cp = base.cp  # context parallelism is searched over only where asked for (--cp): it pays for long sequences
     for tp in divisors(min(gpus // cp, gpus_per_node)):
         # ring attention (p2p) keeps the heads whole: only Ulysses needs cp to divide them
-        if m.num_heads % tp or m.kv_heads % tp or gpus % (tp * cp) or base.cp_comm == "a2a" and (m.num_heads // tp) % cp:
+        # key/value heads that tp does not divide are kept whole on each rank, as the runtime does
+        if m.num_heads % tp or gpus % (tp * cp) or base.cp_comm == "a2a" and (m.num_heads // tp) % cp:
             continue
-        for pp in divisors(gpus // (tp * cp)):
-            if m.num_layers % pp:
+        for pp in divisors(gpus // (tp * cp)):  # the runtime's split takes any pp up to the layers
+            if pp > m.num_layers:
                 continue
             dp = gpus // (tp * pp * cp)
             if w.global_batch % dp:
@@ -58,7 +59,7 @@ def layouts(m: ModelConfig, w: Workload, gpus: int, gpus_per_node: int, base: La
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for recompute in ("none", "selective", *BLOCK_RECOMPUTE):
                             schedules = [("1f1b", 1), ("zb-h1", 1)] if pp > 1 else [("1f1b", 1)]
-                            if pp > 1 and m.num_layers % (pp * 2) == 0:
+                            if pp > 1 and m.num_layers >= pp * 2:
                                 schedules.append(("interleaved", 2))
                             for sched, v in schedules:
                                 yield replace(w, micro_batch=micro), replace(
@@ -124,6 +125,7 @@ def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: floa
             step: int = 256) -> tuple[ModelConfig, Estimate] | None:
     """The widest scaling of `base` (widths in multiples of `step`) whose layout `L` fits the GPU and, with
     offload, `host_memory` bytes per node (None: unbounded) shared by the node's ranks; None if none does."""
+    check(base, w, L)  # a layout refused as such is said so, not as no width fitting
     best = None
     ranks_per_node = min(L.gpus, gpus_per_node)
     for hidden in range(step, 64 * 1024 + 1, step):
@@ -132,7 +134,7 @@ def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: floa
             continue
         try:
             e = estimate(m, w, L, g, gpus_per_node)
-        except PlanError:
+        except PlanError:  # a width this layout cannot split (its heads over cp, say)
             continue
         if not e.fits or (host_memory is not None and e.host_memory * ranks_per_node > host_memory):
             if best is not None:
