@@ -122,6 +122,45 @@ def test_a_completion_keeps_the_space_that_opens_it_under_a_sentencepiece_tokeni
         assert r["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
 
 
+@pytest.mark.timeout(120)
+def test_a_prompt_ending_in_a_byte_fallback_character_leaves_the_completions_text_whole(sp_dir):
+    """The completion was decoded after the prompt's last id alone: where the prompt ends in an emoji (four byte
+    ids), that id is part of a character, and the byte-fallback decoder turned the completion's own bytes into
+    replacement characters ('\ufffd\ufffdeueu' for '4ueueu'), streamed and whole."""
+    from shardlm.inference import generate_ids
+    with serving(sp_dir, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        found = 0
+        for prompt in (f"{w} {e}" for w in ("be", "To", "or", "not", "the") for e in ("\U0001F600", "\u4e16", "\u2713")):
+            ids = s.tok.encode_document(prompt)
+            new = generate_ids(s.model, torch.tensor([ids]), 6)[0].tolist()
+            want = s.tok.decode(ids + new)[len(s.tok.decode(ids)):]
+            if "\ufffd" in want:  # the model's own bytes are invalid here: no whole text to compare
+                continue
+            found += s.tok.tok.id_to_token(new[0]).startswith("<0x")
+            assert completion(c, {"prompt": prompt, "max_tokens": 6, "temperature": 0}) == (want, want), prompt
+        assert found  # the case at hand: a completion opening with a byte id after a prompt's character
+
+
+def test_a_stop_string_after_byte_fallback_characters_ends_the_request():
+    """The engine decoded only the last 4 x len(stop) + 1 ids for a stop string; a window opening inside a
+    character of byte ids decoded to replacement characters all, the stop in it unseen: the request ran on to
+    max_tokens, finish_reason 'length'."""
+    from helpers import sentencepiece_style_tokenizer
+    from shardlm.inference.request import Request, accept
+    from shardlm.tokenizer import Tokenizer
+    sp = Tokenizer(sentencepiece_style_tokenizer(), eos_token="</s>")
+    for text, stop, before in (("ok \U0001F389\U0001F600" + "\U0001F389" * 8, "\U0001F600", "ok \U0001F389"),
+                               ("\u8c22\u8c22\u3002" + "\u8c22" * 10, "\u3002", "\u8c22\u8c22"),
+                               ("Done \u2713\u2713\nNext step", "\n", "Done \u2713\u2713")):
+        ids = sp.encode(text)
+        r = Request([5, 6], len(ids), stop_ids=(sp.eos_id,), stop=(stop,), continues=False)
+        for i, t in enumerate(ids):
+            if accept(r, [t], sp.decode):
+                break
+        assert r.finish_reason == "stop" and r.text == before, (text, r.finish_reason, r.text)
+        assert sp.decode(r.tokens).endswith(stop), text  # not a token later
+
+
 @pytest.fixture(scope="module")
 def srv(hf_dir):
     with serving(hf_dir, max_batch=2) as s:

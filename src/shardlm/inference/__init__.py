@@ -10,12 +10,13 @@ from ..parallel.tensor import tensor_parallel_group
 from .engine import Engine, Request
 from .load import inference_dtype, load_pretrained
 from .perplexity import evaluate_ids
+from .request import prompt_context
 from .reference import generate_ids, generate_text, prompt_ids, sample_next, until_eos
 from .sampler import SamplingParams
 from .slots import slots_that_fit
 
 __all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids", "generate_many",
-           "generate_text", "inference_dtype", "load_pretrained", "prompt_ids", "sample_next", "slots_that_fit",
+           "generate_text", "inference_dtype", "load_pretrained", "prompt_context", "prompt_ids", "sample_next", "slots_that_fit",
            "until_eos"]
 
 

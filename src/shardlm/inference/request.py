@@ -56,6 +56,10 @@ class Slot:
         return self.prefilled == len(self.request.prompt)
 
 
+# The most byte-level ids one character takes (UTF-8's longest).
+CHARACTER_IDS = 4
+
+
 def accept(r: Request, new: list[int], decode: Callable | None) -> bool:
     """Append `new` to r's tokens up to a stop or its budget; whether r has finished. `decode`: the tokenizer's
     ids -> text, for stop strings and r.text (None: neither)."""
@@ -82,10 +86,27 @@ def new_text(r: Request, ids: list[int], decode: Callable) -> str:
     last (a stop string opening with that space went unseen). A prompt of one token opens a document (the
     beginning-of-sequence token of an empty prompt), and a request that does not `continue` its prompt a text
     of its own (a chat reply), whose first word has no space before it."""
-    before = r.prompt[-1:] if len(r.prompt) > 1 and r.continues else []
+    before = prompt_context(r.prompt, decode) if len(r.prompt) > 1 and r.continues else []
     head = decode(before)
     text = decode(before + list(ids))
     return text[len(head):] if text.startswith(head) else decode(ids)
+
+
+def clean_suffix(ids: list[int], decode: Callable, least: int) -> list[int] | None:
+    """The shortest suffix of `ids`, of at least `least` ids and at most CHARACTER_IDS more, that starts on a
+    character: its text does not open with a replacement character. A byte-fallback decoder (Llama 2's,
+    Mistral's) turns a whole run of byte ids that starts inside a character into replacement characters, the
+    valid bytes after it included. None: no such suffix (invalid bytes)."""
+    for k in range(least, min(len(ids), least + CHARACTER_IDS) + 1):
+        if not decode(ids[-k:]).startswith("\ufffd"):
+            return ids[-k:]
+    return None
+
+
+def prompt_context(prompt: list[int], decode: Callable) -> list[int]:
+    """The prompt's last ids that a completion's text is decoded after: its last character's (one id, or the
+    bytes of one), so that a prompt ending in an emoji does not turn the completion's bytes into U+FFFD."""
+    return clean_suffix(prompt, decode, 1) or prompt[-1:]
 
 
 def _stopped_by_string(r: Request, decode: Callable | None) -> bool:
@@ -96,7 +117,8 @@ def _stopped_by_string(r: Request, decode: Callable | None) -> bool:
     n = 4 * max(map(len, r.stop)) + 1
     # A character whose bytes are still arriving decodes as U+FFFD, which is no text of the answer yet (a stop
     # string holding one matched the first byte of an 'é'); and the tail may start inside a character.
-    tail = (decode(r.tokens[-n:]) if len(r.tokens) > n else new_text(r, r.tokens, decode)).rstrip("\ufffd")
+    window = clean_suffix(r.tokens, decode, n) if len(r.tokens) > n else None
+    tail = (decode(window) if window is not None else new_text(r, r.tokens, decode)).rstrip("\ufffd")
     if not any(s in tail for s in r.stop):
         return False
     text = new_text(r, r.tokens, decode).rstrip("\ufffd")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..data.jsonl import unpaired_surrogate
-from ..inference import Request
+from ..inference import Request, prompt_context
 from ..tokenizer import TokenizerError
 from .protocol import APIError, Models, Params, chat_params, completion_params
 from .responses import DONE, Answer, TextStream, error_event, prometheus
@@ -264,7 +264,7 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # decodes it); a chat template places the space between turns itself (Llama 2's "[/INST] " + content),
         # so a message's content has none.
         prompt = answer.params.prompt
-        context = prompt[-1:] if not answer.chat and len(prompt) > 1 else ()
+        context = prompt_context(prompt, tok.decode) if not answer.chat and len(prompt) > 1 else ()
         return TextStream(tok.decode, models.stops_of(answer.params.adapter), answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
