@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import TEXT, make_tokenizer, run_cli
+from helpers import TEXT, make_tokenizer, run_cli, write_jsonl
 from shardlm.data.loader import DataError, GlobalSampler, TokenShards, WindowDataset, open_train_data
 from shardlm.data.prepare import HEADER_BYTES, prepare
 from shardlm.tokenizer import load_tokenizer
@@ -277,6 +277,7 @@ UNREADABLE = [
     ("array.jsonl", b'["text"]\n', r"array.jsonl:1: an array, not an object with a 'text' field"),
     ("surrogate.jsonl", b'{"text": "a\\ud800b"}\n', r"surrogate.jsonl:1: 'text' holds an unpaired surrogate"),
     ("fake.parquet", b"not a parquet file", r"fake.parquet: not a readable parquet file"),
+    ("deep.jsonl", b'{"text": ' + b"[" * 200000 + b"]" * 200000 + b"}\n", r"deep.jsonl:1: JSON nested too deeply"),
 ]
 
 
@@ -286,6 +287,30 @@ def test_unreadable_inputs_are_named(tmp_path, name, data, message):
     with pytest.raises(ValueError, match=message):
         prepare([tmp_path / name], "byte", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_input_of_another_type_or_parquet_column_is_refused_before_any_input_is_tokenized(tmp_path, monkeypatch):
+    """Found when its turn came, after the inputs before it had been tokenized (hours, on a large corpus)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import shardlm.data.prepare as prep
+    (tmp_path / "big.txt").write_text("text " * 100)
+    (tmp_path / "z.csv").write_text("a,b\n")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "z.parquet")
+    monkeypatch.setattr(prep, "iter_pieces", lambda *a: pytest.fail("an input was read before the checks"))
+    for last, said in (("z.csv", "z.csv: unsupported input type '.csv'"), ("z.parquet", "z.parquet: no column 'text'")):
+        with pytest.raises(ValueError, match=said):
+            prepare([tmp_path / "big.txt", tmp_path / last], "byte", tmp_path / "out", progress=False)
+
+
+def test_an_empty_input_among_instruction_examples_is_named(tmp_path):
+    """An empty .jsonl reads as no instruction data, and the refusal of mixed inputs named the good file alone."""
+    from shardlm.data.prepare import PrepareError
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "completion": "b"}])
+    (tmp_path / "b.jsonl").write_text("\n")
+    with pytest.raises(PrepareError, match=r"instruction examples in .*a.jsonl; plain text in .*b.jsonl \(empty\)"):
+        prepare([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], "byte", tmp_path / "out", progress=False)
 
 
 def test_parquet_columns_must_exist_and_hold_strings(tmp_path):
@@ -435,6 +460,35 @@ def test_the_default_corpus_reads_a_module_linked_under_two_names_once(tmp_path,
     files = default_sources()
     assert [f.name for f in files] == ["a.py", "b.py"]
     prepare(files, "byte", tmp_path / "out", progress=False)
+
+
+def test_the_default_corpus_is_prepared_again_for_a_source_edited_at_the_same_size(tmp_path, monkeypatch):
+    """Its cache was keyed by each file's path and size: a module edited in place kept its old tokens."""
+    import sysconfig
+
+    from shardlm.data.default import default_corpus
+    from shardlm.data.loader import TokenShards
+    (tmp_path / "lib").mkdir()
+    src = tmp_path / "lib" / "m.py"
+    src.write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "lib")})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = default_corpus()
+    src.write_text("y = 2\n")
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 10**9))
+    again = default_corpus()
+    assert again != first and bytes(TokenShards(again).tokens[0][:6].astype("uint8")) == b"y = 2\n"
+
+
+def test_a_special_tokens_spelling_in_plain_text_is_text(tmp_path):
+    """A document quoting "<|endoftext|>" was cut there by the special token it tokenized as, unsaid (the
+    document count said one); it is the text it spells, as nanoGPT's encode_ordinary reads it."""
+    from shardlm.data.loader import TokenShards
+    text = "GPT-2 ends texts with <|endoftext|> as a token."
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "next"}) + "\n")
+    index = prepare([tmp_path / "a.jsonl"], "byte", tmp_path / "out", progress=False)
+    ids = [int(t) for t in TokenShards(tmp_path / "out").tokens[0]]
+    assert index["documents"] == 2 and ids.count(256) == 2 and ids[:len(text)] == list(text.encode())
 
 
 def test_the_default_corpus_leaves_no_partial_copy_behind(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 import dist_fns
 from helpers import bracket_chat_tokenizer, cli_here, write_jsonl
-from shardlm.config import ConfigError, load_config
+from shardlm.config import IGNORE, ConfigError, load_config
 from shardlm.hf_config import with_init_from
 from shardlm.model import Decoder
 from shardlm.model.hf import read_hf_dir, write_hf_dir
@@ -278,6 +278,20 @@ def test_packed_examples_do_not_attend_across_their_boundary(model):
     m.doc_eos = None
     with torch.no_grad():
         assert not torch.allclose(m(torch.cat([a, b, c], 1)), packed, atol=1e-3)  # unmasked, they do
+
+
+def test_a_packed_example_is_not_trained_to_guess_the_next_ones_first_token(tmp_path):
+    """The target after an example's closing end-of-text is the next example's first token, which the closed one
+    (all the model's attention sees there) cannot predict; with an empty prompt and no beginning-of-sequence
+    token it was trained on, where --pad-to (one example a window) never trains it."""
+    from shardlm.data.loader import open_train_data
+    from shardlm.data.prepare import prepare
+    data = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "", "completion": "XY"}, {"prompt": "", "completion": "ZW"}] * 4)
+    prepare([data], "byte", tmp_path / "packed", progress=False)
+    x, y = open_train_data(tmp_path / "packed", None, 0, 8, 300, 0, 1, 1).train.pairs([0])
+    eos = 256
+    assert (x == eos).any() and (y[x == eos] == IGNORE).all(), (x, y)
+    assert (y[x != eos] != IGNORE).all()  # the rest, answers and their end-of-text, all trained
 
 
 def test_bad_instruction_data_fails_naming_the_line(tmp_path):

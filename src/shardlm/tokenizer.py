@@ -81,6 +81,7 @@ class Tokenizer:
         self.bos_token = bos_token or ""
         # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
         # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
+        self._plain: HFTokenizer | None = None  # encode_plain_batch's copy, made on first use
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
                                1 + max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
 
@@ -93,6 +94,14 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return _encoding(lambda: [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)])
+
+    def encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        """Documents' text, a special token's spelling in it encoded as the text it is (nanoGPT's
+        encode_ordinary, Megatron's GPT-2 preprocessing): a page quoting "<|endoftext|>" ends no document."""
+        if self._plain is None:
+            self._plain = HFTokenizer.from_str(self.tok.to_str())
+            self._plain.encode_special_tokens = True
+        return _encoding(lambda: [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)])
 
     def encode_document(self, text: str) -> list[int]:
         """`text` as the start of a sequence: after the tokens the tokenizer puts first (`bos_ids`)."""

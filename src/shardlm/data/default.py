@@ -18,6 +18,8 @@ from ..config import ConfigError
 from .prepare import INDEX, prepare
 
 BUDGET_BYTES = 4 << 20
+# How the corpus is tokenized, in its cache key: a release that tokenizes it otherwise prepares it again.
+TOKENIZATION = "byte, special tokens' spellings as text"
 
 
 def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
@@ -40,7 +42,10 @@ def default_sources(budget: int = BUDGET_BYTES) -> list[Path]:
 def default_corpus(progress: bool = False, moved=None) -> Path:
     """Prepare (once) and return the directory of the default corpus (`moved`: as prepare's)."""
     files = default_sources()
-    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+    # A source edited in place keeps its size, not its modification time.
+    stats = [(p, p.stat()) for p in files]
+    key = hashlib.sha256("\n".join([TOKENIZATION] + [f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats])
+                         .encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / f"stdlib-{key}"
     if not (cache / INDEX).is_file():
         _check_writable(cache.parent)

@@ -19,6 +19,8 @@ class PrepareError(ValueError):
     """An input that cannot be read as text of its kind, a bad size, or an output that cannot be replaced."""
 
 
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".py", "")  # read as one document each
+
 def expanded(pattern: str) -> list[str]:
     """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
     it was refused as "a pattern that matched no file" while it matched some."""
@@ -142,7 +144,18 @@ def pyarrow_modules(path: Path):
                  for m in ("pyarrow", "pyarrow.parquet"))
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+def check_input_type(path: Path, text_field: str) -> None:
+    """Before any input is tokenized: a suffix that is read, and a parquet file's text column (its schema only),
+    refused naming the file (found when its turn came, they ended hours of tokenizing the inputs before)."""
+    suffix = path.suffix.lower()
+    if suffix not in TEXT_SUFFIXES + (".jsonl", ".parquet"):
+        raise PrepareError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
+    if suffix == ".parquet":
+        _parquet_text(path, text_field)
+
+
+def _parquet_text(path: Path, text_field: str):
+    """(pyarrow, the opened ParquetFile) of a parquet input whose column `text_field` holds strings."""
     pa, pq = pyarrow_modules(path)
     try:
         pf = pq.ParquetFile(path)
@@ -156,6 +169,11 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]
     string_view = getattr(pa.types, "is_string_view", lambda t: False)
     if not (pa.types.is_string(values) or pa.types.is_large_string(values) or string_view(values)):
         raise PrepareError(f"{path}: column {text_field!r} holds {kind}, not strings")
+    return pa, pf
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    pa, pf = _parquet_text(path, text_field)
     per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
     row = 0
     try:
@@ -178,7 +196,7 @@ def iter_pieces(path: Path, text_field: str, chunk: int) -> Iterator[tuple[str, 
     A text file is one document, streamed in pieces; every jsonl line or parquet row is a document.
     """
     suffix = path.suffix.lower()
-    if suffix in (".txt", ".text", ".md", ".py", ""):
+    if suffix in TEXT_SUFFIXES:
         pieces = _text_pieces(path, chunk)
         piece = next(pieces, None)
         while piece is not None:

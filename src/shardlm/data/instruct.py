@@ -43,7 +43,7 @@ def is_instruct(path: Path, text_field: str = "text") -> bool:
             if raw.strip():
                 try:
                     record = json.loads(raw.removeprefix(BOM.encode()))
-                except ValueError:
+                except (ValueError, RecursionError):  # read again, and named, as plain text
                     return False
                 return isinstance(record, dict) and ("messages" in record or ("prompt" in record and
                                                   ("completion" in record or text_field not in record)))

@@ -32,6 +32,8 @@ def objects(path: Path, error: type[Exception], expected: str = "") -> Iterator[
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise error(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:  # no ValueError: it was a traceback
+                raise error(f"{where}: JSON nested too deeply to read (thousands of levels)") from None
             if not isinstance(record, dict):
                 raise error(f"{where}: {JSON_KINDS.get(type(record), 'a value')}, not an object{expected}")
             # Valid UTF-8 holds no lone surrogate, but a \ud800 escape makes one, which tokenizers reject with a

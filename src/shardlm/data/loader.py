@@ -166,13 +166,20 @@ class WindowDataset:
         return torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
 
     def trained(self, indices) -> torch.Tensor | None:
-        """Which targets of the windows `indices` are trained on ([n, seq_len] bool), None: all of them."""
+        """Which targets of the windows `indices` are trained on ([n, seq_len] bool), None: all of them. Packed
+        examples train no target whose input is the end-of-text closing the one before: that target opens the
+        next example, which the closed one's tokens (all its attention sees) cannot predict; where the opening
+        token was trained (an empty prompt, no beginning-of-sequence token), the model learnt to guess it."""
         if self.shards.masks is None:
             return None
+        eos = self.shards.index.get("eos_id") if not self.shards.pad_to else None
         rows = []
         for i in indices:
             s, off = self._slice(int(i))
-            rows.append(np.asarray(self.shards.masks[s][off + 1:off + self.seq_len + 1], dtype=bool))
+            row = np.asarray(self.shards.masks[s][off + 1:off + self.seq_len + 1], dtype=bool)
+            if eos is not None:
+                row &= np.asarray(self.shards.tokens[s][off:off + self.seq_len]) != eos
+            rows.append(row)
         return torch.from_numpy(np.stack(rows))
 
     def pairs(self, indices) -> tuple[torch.Tensor, torch.Tensor]:

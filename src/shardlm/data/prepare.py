@@ -25,7 +25,7 @@ import numpy as np
 
 from ..runtime.progress import progress as progress_bar
 from ..tokenizer import HF_SIDE_FILES, Tokenizer, fingerprint, load_tokenizer, slow_tokenizer_hint
-from .documents import PrepareError, expanded, iter_pieces, pyarrow_modules, refuse_repeats
+from .documents import PrepareError, check_input_type, expanded, iter_pieces, refuse_repeats
 from .swap import SCRATCH, building, remove_leftovers
 
 MAGIC = b"SHLMTOK1"
@@ -139,6 +139,12 @@ def _output_dir(out: Path) -> Path:
     return final
 
 
+def _blank(path: Path) -> bool:
+    """Whether `path` holds no text at all (whitespace at most)."""
+    with open(path, "rb") as f:
+        return not any(line.strip() for line in f)
+
+
 class _Moving:
     """A progress bar whose updates also call `moved()` (None: nothing more)."""
 
@@ -173,10 +179,10 @@ def _write(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens: int, tex
         before = [tail] + [text[-1:] for text, _ in pending[:-1]]
         opens = [starts] + [ends for _, ends in pending[:-1]]
         texts = [text if first else ctx + text for (text, _), first, ctx in zip(pending, opens, before)]
-        for (text, ends), first, ctx, ids in zip(pending, opens, before, tok.encode_batch(texts)):
+        for (text, ends), first, ctx, ids in zip(pending, opens, before, tok.encode_plain_batch(texts)):
             if not first:
-                skip = tok.encode(ctx)
-                ids = ids[len(skip):] if ids[:len(skip)] == skip else tok.encode(text)
+                skip = tok.encode_plain_batch([ctx])[0]
+                ids = ids[len(skip):] if ids[:len(skip)] == skip else tok.encode_plain_batch([text])[0]
             if starts and documents and not len(eos):
                 # Nothing would mark where one document ends and the next begins: training would read them as
                 # one text, and the index would still count them apart.
@@ -272,7 +278,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
                     masks.write(mask)
                     count += 1
                     trained += int(mask.sum())
-                    untrained += not mask[bool(pad_to):].any()  # a window's first token is no target
+                    untrained += not mask[1:].any()  # an example's first token is no target, packed or not
                     bar.update(nbytes)
     except InstructError as e:
         for w in (tokens, masks):
@@ -345,14 +351,17 @@ def prepare(inputs: Iterable[str | Path], tokenizer: str | Tokenizer, out: str |
                 open(p, "rb").close()
             except OSError as e:
                 raise PrepareError(f"input {p} cannot be read: {e.strerror or e}") from None
-            if p.suffix.lower() == ".parquet":
-                pyarrow_modules(p)
         refuse_repeats(inputs)
         from .instruct import is_instruct
         instruct = [is_instruct(p, text_field or "text") for p in inputs]
         if any(instruct) and not all(instruct):
+            plain = [f"{p}{' (empty)' if _blank(p) else ''}" for p, i in zip(inputs, instruct) if not i]
             raise PrepareError("instruction examples (prompt/completion or messages jsonl) and plain text cannot be "
-                               "prepared into one dataset: " + ", ".join(str(p) for p, i in zip(inputs, instruct) if i))
+                               "prepared into one dataset: instruction examples in "
+                               + ", ".join(str(p) for p, i in zip(inputs, instruct) if i)
+                               + "; plain text in " + ", ".join(plain))
+        for p in inputs:
+            check_input_type(p, text_field or "text")
         if pad_to is not None and not all(instruct):
             raise PrepareError("--pad-to applies to instruction examples (prompt/completion or messages jsonl)")
         if pad_to is not None and not 1 <= pad_to <= MAX_PAD_TO:
