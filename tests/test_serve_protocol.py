@@ -161,6 +161,32 @@ def test_a_stop_string_after_byte_fallback_characters_ends_the_request():
         assert sp.decode(r.tokens).endswith(stop), text  # not a token later
 
 
+@pytest.mark.timeout(120)
+def test_special_tokens_are_left_out_of_the_text_and_stop_where_named(hf_dir, tmp_path):
+    """A special token the model emits (a chat template's turn marker) was decoded into the answer's text, where
+    transformers' pipelines and vLLM leave it out; named as a stop string, it then could never be seen."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    from shardlm.inference import generate_ids
+    with serving(hf_dir, max_batch=2) as s:
+        ids = s.tok.encode_document("To be or not")
+        new = generate_ids(s.model, torch.tensor([ids]), 6)[0].tolist()
+    marker = s.tok.tok.id_to_token(new[2])  # made special below: the model emits it third
+    where = tmp_path / "special"
+    shutil.copytree(hf_dir, where)
+    tok = HFTokenizer.from_file(str(where / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(marker, special=True)])
+    assert tok.token_to_id(marker) == new[2]
+    tok.save(str(where / "tokenizer.json"))
+    with serving(where, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        body = {"prompt": "To be or not", "max_tokens": 6, "temperature": 0}
+        want = s.tok.text(ids + new)[len(s.tok.text(ids)):]
+        assert completion(c, body) == (want, want) and marker not in want
+        r = c.post("/v1/completions", json={**body, "stop": [marker]}).json()["choices"][0]
+        assert r["finish_reason"] == "stop" and r["text"] == s.tok.decode(new[:2]), r
+    assert s.tok.decode(new).count(marker) >= 1  # decode keeps it: data and templates need the tokens as they are
+
+
 @pytest.fixture(scope="module")
 def srv(hf_dir):
     with serving(hf_dir, max_batch=2) as s:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 BYTE_EOS = "<|endoftext|>"
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback: one UTF-8 byte of a character
 HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",  # transformers >= 4.47's
                  "generation_config.json")
 
@@ -82,6 +84,7 @@ class Tokenizer:
         # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
         # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
         self._plain: HFTokenizer | None = None  # encode_plain_batch's copy, made on first use
+        self._hidden: frozenset[int] | None = None  # the ids text() leaves out, found on first use
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
                                1 + max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
 
@@ -109,6 +112,19 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def text(self, ids) -> str:
+        """`ids` as the text a reader is given: special tokens (an end-of-text, a chat template's turn markers)
+        left out, as transformers' pipelines and vLLM return generated text."""
+        if self._hidden is None:
+            self._hidden = frozenset(self.special_ids().values())
+        return self.tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
+
+    def special_ids(self) -> dict[str, int]:
+        """Each special token's text and id; not byte-fallback pieces ("<0x0A>"), which some tokenizer.json files
+        mark special and which are text (a character's UTF-8 bytes)."""
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()
+                if t.special and not BYTE_PIECE.fullmatch(t.content)}
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

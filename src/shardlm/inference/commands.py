@@ -261,7 +261,7 @@ def cmd_eval(argv: list[str]) -> int:
         new = generate_many(model, ids, a.max_new_tokens, completion_stop_ids(tok),
                             a.batch_size, a.temperature, a.top_k, a.top_p, a.seed, COMPILE[a.compile], bar.update,
                             vocab=tok.vocab_size)
-    completions = [tok.decode(ids) for ids in new]
+    completions = [tok.text(ids) for ids in new]
     scores = score(completions, refs, tasks)
     if not a.main:
         return 0
@@ -367,7 +367,7 @@ def cmd_generate(argv: list[str]) -> int:
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     slots = slots_that_fit(model, max_len, min(a.max_batch, len(requests)), group=tensor_parallel_group(model),
                            shorter="shorten the longest prompt or its number of new tokens")
-    engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.decode, vocab=tok.vocab_size)
+    engine = Engine(model, slots, max_len, compile=COMPILE[a.compile], decode=tok.text, vocab=tok.vocab_size)
     if a.input is None:
         (r,) = engine.run(requests)
         if a.main:

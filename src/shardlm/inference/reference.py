@@ -93,7 +93,7 @@ def generate_text(model: Decoder, tok: Tokenizer, prompt: str, max_new_tokens: i
     stops = completion_stop_ids(tok) if stop_ids is None else tuple(stop_ids)
     new = generate_ids(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
                        seed, stop_ids=stops)[0].tolist()
-    return tok.decode(next((new[:i] for i, t in enumerate(new) if t in stops), new))
+    return tok.text(next((new[:i] for i, t in enumerate(new) if t in stops), new))
 
 
 def until_eos(ids: list[int], eos_id: int | None) -> list[int]:

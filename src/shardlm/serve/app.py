@@ -244,8 +244,8 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # for a departed client in between.
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
         # the engine looks for stop strings in the text a client is sent (text_of's, a chat reply's its own)
-        request = Request(params.prompt, params.max_tokens, params.sampling, models.stops_of(params.adapter),
-                          params.stop, adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
+        request = Request(params.prompt, params.max_tokens, params.sampling,
+                          models.stops_of(params.adapter) + params.stop_ids, params.stop, adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:
@@ -264,8 +264,9 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         # decodes it); a chat template places the space between turns itself (Llama 2's "[/INST] " + content),
         # so a message's content has none.
         prompt = answer.params.prompt
-        context = prompt_context(prompt, tok.decode) if not answer.chat and len(prompt) > 1 else ()
-        return TextStream(tok.decode, models.stops_of(answer.params.adapter), answer.params.stop, context=context)
+        context = prompt_context(prompt, tok.text) if not answer.chat and len(prompt) > 1 else ()
+        return TextStream(tok.text, models.stops_of(answer.params.adapter) + answer.params.stop_ids,
+                          answer.params.stop, context=context)
 
     async def generate(http: HTTPRequest, params: Params, chat: bool):
         request, queue = start(http, params, chat)

@@ -179,7 +179,7 @@ def cmd_serve(argv: list[str]) -> int:
         plans = plan_group()
         slots = agree_slots(slots, plans)
     engine = Engine(model, slots, max_len, compile={"auto": None, "on": True, "off": False}[a.compile],
-                    decode=tok.decode, vocab=tok.vocab_size)
+                    decode=tok.text, vocab=tok.vocab_size)
     if plans is not None:
         from .tp import Leader, follow
         if not main:
@@ -189,7 +189,7 @@ def cmd_serve(argv: list[str]) -> int:
     for other in devices[1:]:  # data-parallel replicas: the same model again on each further GPU
         again, _, _ = load_pretrained(source, device=other, dtype=a.dtype, verify=not verified, quantize=a.quantize)
         engines.append(Engine(again, min(slots, slots_that_fit(again, max_len, a.max_batch)), max_len,
-                              compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.decode,
+                              compile={"auto": None, "on": True, "off": False}[a.compile], decode=tok.text,
                               vocab=tok.vocab_size))
     for e in engines:
         for name, directory in adapters.items():
