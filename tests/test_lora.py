@@ -202,6 +202,26 @@ def test_a_lora_checkpoint_resumes_under_another_layout_on_the_same_trajectory(t
         torch.testing.assert_close(r["losses"], full["losses"][3:], rtol=RTOL, atol=0)
 
 
+def test_a_lora_checkpoint_saved_under_zero3_holds_each_ranks_shard_of_the_base(tmp_path):
+    """ZeRO-3 shards the frozen base; its sharded save gathered every unit whole on every rank (a 70B base on
+    every GPU at the first save) for the first rank to write. Each rank writes its own shard now, and one
+    process resumes from them on the same trajectory."""
+    import json
+
+    from shardlm.parallel.lora import is_adapter_key
+    over = {**LORA, "lora.targets": TARGETS["llama"], "train.steps": "6", "train.save_every": "3",
+            "train.keep_checkpoints": "5", "parallel.persist_threshold": "100"}
+    zero3 = {"parallel.dp": "2", "parallel.zero_stage": "3"}
+    full = run_distributed(dist_fns.train_and_capture, 2, {**over, **zero3}, str(tmp_path / "a"), timeout=240)[0]
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000003"
+    base = [p for p in json.loads((ckpt / "manifest.json").read_text())["pieces"] if not is_adapter_key(p["name"])]
+    written = {r: sum(p["hi"] - p["lo"] for p in base if p["file"].startswith(f"rank{r:05d}-")) for r in (0, 1)}
+    assert written[0] and written[1] and abs(written[0] - written[1]) < 0.1 * sum(written.values()), written
+    resumed = dist_fns.train_and_capture(0, 1, {**over, "train.device": "cpu", "parallel.dp": "1"},
+                                         str(tmp_path / "b"), str(ckpt))
+    torch.testing.assert_close(resumed["losses"], full["losses"][3:], rtol=RTOL, atol=0)
+
+
 # ---- QLoRA ---------------------------------------------------------------------------------------------
 
 NF4_HALF_GAP = (1.0 - 0.7229568362236023) / 2  # the widest gap between NF4's levels (Dettmers et al. 2023), halved

@@ -81,6 +81,11 @@ class Engine:
         """Frozen parameters this engine shards (ZeRO-3), whole by name (a collective); the model holds the rest."""
         return {}
 
+    def frozen_shard_pieces(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        """This rank's shard of each frozen parameter it shards (ZeRO-3): (lo, hi, values) flat ranges by
+        name, no collective."""
+        return {}
+
     def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Take this rank's part of the frozen parameters it shards from full `state`; returns the others."""
         return state

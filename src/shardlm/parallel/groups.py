@@ -94,6 +94,9 @@ class GroupedEngine(Engine):
     def frozen_state(self) -> dict[str, torch.Tensor]:
         return self.engines[0].frozen_state()
 
+    def frozen_shard_pieces(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        return self.engines[0].frozen_shard_pieces()
+
     def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.engines[0].load_frozen(state)
 

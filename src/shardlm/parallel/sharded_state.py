@@ -10,7 +10,7 @@ tensor-parallel sharding that maps local to full (placement.TPSharding). Pieces 
 half `train.checkpoint_buffer_mb`, one written while the next is staged, so a save raises a rank's host
 memory by that buffer, not by its shard. Frozen parameters (a LoRA base) are written whole (as the model
 holds them) by the ranks at data-parallel coordinate 0 (frozen experts split over ep: at edp
-coordinate 0, each its block).
+coordinate 0, each its block), or where ZeRO-3 shards them, each rank its shard, as the trained ones.
 
 Loading is by name, as before (checkpoint.py's `ShardedState`: each full tensor assembled from its pieces
 when it is read, one at a time); the layout that loads takes its own slices of it
@@ -48,12 +48,16 @@ def _owned_ranges(opt, b: int, off: int, numel: int) -> list[tuple[int, int]]:
 
 def owned_pieces(engine, model, mesh) -> Iterator[tuple[str, str, int, int, tuple, torch.Tensor]]:
     """(name, kind, lo, hi, local shape, values) of every piece this rank writes; kind "master" or a moment.
-    ZeRO-3's gather of a frozen base (a collective) runs in this call, in the caller's thread: the pieces may be
-    taken and written by another, beside the main thread's collectives."""
+    No collective: the pieces may be taken and written by another thread, beside the main thread's."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    # Gathered whole before any write can fail on one rank.
-    sharded = engine.frozen_state() if frozen else {}
-    return _owned(engine, model, mesh, frozen, sharded)
+    return _owned(engine, model, mesh, frozen, engine.frozen_shard_pieces() if frozen else {})
+
+
+def _ranges_written(spec, shape, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` of a local tensor of `shape` less the elements another tensor-parallel rank writes."""
+    for d_lo, d_hi in (spec.duplicates(shape) if spec is not None else []):
+        ranges = [r for a, z in ranges for r in ((a, min(z, d_lo)), (max(a, d_hi), z)) if r[1] > r[0]]
+    return ranges
 
 
 def _owned(engine, model, mesh, frozen: list, sharded: dict):
@@ -73,19 +77,21 @@ def _owned(engine, model, mesh, frozen: list, sharded: dict):
         return
     specs, placements = shardings(model), data_placements(model)
     for name, p in frozen:
+        if any(mesh.coord(a) for a in placements[name].copies):
+            continue
+        shape, spec = tuple(p.shape), specs.get(name)
+        if name in sharded:  # ZeRO-3's: each rank of dp x cp its own shard of it
+            for lo, hi, values in sharded[name]:
+                for a, z in _ranges_written(spec, shape, [(lo, hi)]):
+                    yield name, "master", a, z, shape, values[a - lo:z - lo]
+            continue
         # Written by the first of its replicas: dp x cp's (dense), edp's (experts split over ep, train.freeze).
         if placements[name].reduce == "dp+cp" and (mesh.coord("dp") or mesh.coord("cp")):
             continue
         if placements[name].reduce != "dp+cp" and any(mesh.coord(a) for a in placements[name].reduce.split("+")):
             continue
-        if any(mesh.coord(a) for a in placements[name].copies):
-            continue
-        value = sharded[name] if name in sharded else plain(p.detach())
-        spec, numel = specs.get(name), value.numel()
-        ranges = [(0, numel)]
-        for d_lo, d_hi in (spec.duplicates(value.shape) if spec is not None else []):
-            ranges = [r for a, z in ranges for r in ((a, min(z, d_lo)), (max(a, d_hi), z)) if r[1] > r[0]]
-        for a, z in ranges:
+        value = plain(p.detach())
+        for a, z in _ranges_written(spec, tuple(value.shape), [(0, value.numel())]):
             yield name, "master", a, z, tuple(value.shape), value.reshape(-1)[a:z]
 
 

@@ -308,6 +308,9 @@ class Zero3Engine(ZeroEngine):
     def frozen_state(self) -> dict[str, torch.Tensor]:
         return {} if self.frozen is None else self.frozen.full_state()
 
+    def frozen_shard_pieces(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        return {} if self.frozen is None else self.frozen.shard_pieces()
+
     def load_frozen(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.frozen is None:
             return state

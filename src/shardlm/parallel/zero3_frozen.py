@@ -110,6 +110,19 @@ class FrozenShards:
                 self.release(role)
         return out
 
+    def shard_pieces(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        """This rank's shard of every sharded frozen parameter, by name: (lo, hi, values) flat ranges of the
+        parameter that its shard of the unit holds (none: another rank's shard holds it all), with no collective:
+        a sharded checkpoint writes these, and so no rank holds the frozen base whole."""
+        out: dict[str, list] = {}
+        for names, params, _, shard in self.units.values():
+            start, end, at = self.rank * shard.numel(), (self.rank + 1) * shard.numel(), 0
+            for name, p in zip(names, params):
+                lo, hi = max(start, at), min(end, at + p.numel())
+                out[name] = [(lo - at, hi - at, shard[lo - start:hi - start])] if hi > lo else []
+                at += p.numel()
+        return out
+
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's slices of full frozen tensors by name (and the whole of any gathered now)."""
         for role, (names, params, full, shard) in self.units.items():
