@@ -204,10 +204,9 @@ CASES = [
     ("export-merge-full", ["export", "--checkpoint", "{run}", "--out", "{new}", "--merge"], "is not a LoRA run", 2),
     ("export-fp16-overflow", ["export", "--checkpoint", "{bigrun}", "--out", "{new}", "--dtype", "fp16"],
      "holds values beyond fp16's range (65504)", 2),
-    ("export-moe-no-hf-class", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
-     "this mixture of experts (model.shared_expert_ffn_hidden_size = 32) is neither Mixtral's", 2),  # which key, said
-    ("export-moe-no-hf-class-how", ["export", "--checkpoint", "{sharedmoe}", "--out", "{new}"],
-     "Hugging Face has no class here that computes it; shardlm generate, eval and serve read the run itself", 2),
+    ("export-moe-no-hf-class", ["export", "--checkpoint", "{sigmoidmoe}", "--out", "{new}"],
+     "model.router_scoring = 'sigmoid' has no Hugging Face class here (Mixtral and Qwen2-MoE score with a softmax); "
+     "shardlm generate, eval and serve read the run itself", 2),
     ("export-an-export", ["export", "--checkpoint", "{exp}", "--out", "{new}"], "holds no complete checkpoint", 2),
     ("export-checkpoints-folder", ["export", "--checkpoint", "{run}/checkpoints", "--out", "{new}"],
      "/checkpoints is the checkpoints folder of the run ", 2),
@@ -605,9 +604,9 @@ def world(tmp_path_factory):
     p["tokconfig_model"] = root / "tokconfig_model"  # an HF model whose tokenizer_config.json names no token of it
     shutil.copytree(p["exp"], p["tokconfig_model"])
     (p["tokconfig_model"] / "tokenizer_config.json").write_text('{"eos_token": "<nope>"}')
-    p["sharedmoe"] = root / "sharedmoe"  # a mixture of experts with a shared expert and no qkv biases: no HF class
-    ok("train", "mixtral-tiny", *QUIET, "--train.steps", "1", "--data.path", p["data"], "--out", p["sharedmoe"],
-       "--model.shared_expert_ffn_hidden_size", "32")
+    p["sigmoidmoe"] = root / "sigmoidmoe"  # a mixture of experts scored as DeepSeek-V3's: no HF class
+    ok("train", "mixtral-tiny", *QUIET, "--train.steps", "1", "--data.path", p["data"], "--out", p["sigmoidmoe"],
+       "--model.router_scoring", "sigmoid")
     p["raising"] = root / "raising"  # a chat template that refuses a conversation, as templates on the Hub do
     shutil.copytree(p["exp"], p["raising"])
     (p["raising"] / "chat_template.jinja").write_text(

@@ -190,6 +190,19 @@ def test_a_qwen2_moe_without_a_shared_expert_exports_as_qwen2_moe(tmp_path):
     reads_as_transformers(tmp_path / "export", 24)
 
 
+def test_a_mixture_of_experts_without_qkv_biases_exports_as_qwen2_moe(tmp_path):
+    """DeepSeek-style layers (a shared expert, dense first layers, no qkv biases) trained from scratch: the export
+    was refused as neither Mixtral's nor Qwen2-MoE's, where Qwen2-MoE's class computes them (qkv_bias false)."""
+    cfg = load_config("mixtral-tiny", {"model.shared_expert_ffn_hidden_size": "48", "model.moe_first_dense": "1",
+                                        "model.moe_ffn_hidden_size": "64",
+                                        "model.num_layers": "3"}).model
+    assert not cfg.qkv_bias
+    model = build_model(cfg)
+    write_hf_dir(model.state_dict(), cfg, tmp_path / "export")
+    assert read_hf_dir(tmp_path / "export")[0] == cfg
+    reads_as_transformers(tmp_path / "export", 24)
+
+
 @pytest.mark.parametrize("kind, key, value, message", [
     ("mixtral", "num_experts_per_tok", 0, "num_experts_per_tok = 0 must be between 1 and its 4 experts"),
     ("mixtral", "num_experts_per_tok", 5, "num_experts_per_tok = 5 must be between 1 and its 4 experts"),

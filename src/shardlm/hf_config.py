@@ -215,11 +215,9 @@ def _hf_moe_class(cfg: ModelConfig) -> str:
         ("moe_ffn_hidden_size", cfg.moe_ffn_size, cfg.ffn_size)) if v != mixtral]
     if not unlike:
         return "MixtralForCausalLM"
-    if cfg.qkv_bias:  # without a shared expert too: Qwen2-MoE's of 0 features adds 0 (model/hf.py writes it so)
-        return "Qwen2MoeForCausalLM"
-    raise ConfigError(f"this mixture of experts ({', '.join(unlike)}) is neither Mixtral's (every layer, experts of "
-                      "ffn_hidden_size, renormalised top-k, no shared expert, no qkv biases) nor Qwen2-MoE's (qkv biases, "
-                      f"any shared expert): Hugging Face has no class here that computes it{READ_THE_RUN}")
+    # Qwen2-MoE's class computes the rest: any shared expert (0 features adds 0, model/hf.py writes it so), dense
+    # layers, other expert sizes, top-k renormalised or not, qkv biases or none (its config's qkv_bias).
+    return "Qwen2MoeForCausalLM"
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int | None = None,
@@ -260,7 +258,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", eos_id: int |
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_ffn_size,
                    shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, norm_topk_prob=cfg.router_renormalize,
                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(range(cfg.moe_first_dense)),
-                   qkv_bias=True, output_router_logits=False)
+                   qkv_bias=cfg.qkv_bias, output_router_logits=False)
     if model_type in ("qwen2", "qwen2_moe"):
         # Qwen2 slides the layers from max_window_layers on, Qwen2-MoE every other one below it: layer_types,
         # which both read first, says every layer.
