@@ -16,6 +16,18 @@ from shardlm.config.views import group_span
 from shardlm.plan.memory import activation_per_layer, expert_chunk_bytes, expert_loads
 
 
+def test_a_card_of_another_name_is_planned_from_its_figures(capsys):
+    """The refusal of an unknown --gpu said to give its figures, which were then refused the same way; a known
+    card's figures overridden were reported under its own name."""
+    flags = ("plan", "--model", "llama2-7b", "--gpu-memory", "24GiB", "--gpu-tflops", "165", "--hbm-bw", "1TB/s")
+    custom = cli_proc(capsys, *flags, "--gpu", "rtx4090")
+    assert custom.returncode == 0 and custom.stdout.startswith("rtx4090, per GPU") and "24.00 GiB" in custom.stdout
+    known = cli_proc(capsys, *flags[:5])
+    assert known.stdout.startswith("H100 SXM 80GB with --gpu-memory given, per GPU"), known.stdout
+    short = cli_proc(capsys, *flags[:5], "--gpu", "rtx4090")
+    assert short.returncode != 0 and "give its figures, --gpu-memory, --gpu-tflops and --hbm-bw" in short.stderr
+
+
 def test_zero_paper_figure_1():
     """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, Nd = 64, K = 12: 120, 31.4, 16.6, 1.88 GB."""
     got = [paper_model_states(7.5e9, s, 64) / 1e9 for s in range(4)]

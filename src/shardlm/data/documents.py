@@ -20,6 +20,7 @@ class PrepareError(ValueError):
 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".py", "")  # read as one document each
+READ_TYPES = ".txt, .text, .md, .py or no suffix (a document each), .jsonl, .parquet (a document a line or row)"
 
 def expanded(pattern: str) -> list[str]:
     """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
@@ -149,7 +150,7 @@ def check_input_type(path: Path, text_field: str) -> None:
     refused naming the file (found when its turn came, they ended hours of tokenizing the inputs before)."""
     suffix = path.suffix.lower()
     if suffix not in TEXT_SUFFIXES + (".jsonl", ".parquet"):
-        raise PrepareError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
+        raise PrepareError(f"{path}: unsupported input type {suffix!r} ({READ_TYPES})")
     if suffix == ".parquet":
         _parquet_text(path, text_field)
 
@@ -210,4 +211,4 @@ def iter_pieces(path: Path, text_field: str, chunk: int) -> Iterator[tuple[str, 
         for text, nbytes in _parquet_documents(path, text_field):
             yield text, True, nbytes
     else:
-        raise PrepareError(f"{path}: unsupported input type {suffix!r} (.txt, .jsonl, .parquet)")
+        raise PrepareError(f"{path}: unsupported input type {suffix!r} ({READ_TYPES})")

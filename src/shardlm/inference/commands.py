@@ -247,7 +247,7 @@ def cmd_eval(argv: list[str]) -> int:
             # range is written null
             strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}
             print(json.dumps(strict) if a.json else f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
-                                               f"{r['tokens']} predicted tokens")
+                                               f"{r['tokens']:,} predicted tokens")
         return 0
     from ..data.instruct import completion_stop_ids
     from ..text_metrics import score

@@ -67,10 +67,27 @@ def parse_bytes(text: str, flag: str = "") -> float:
     return value
 
 
+# What a card of no known name must be given (--gpu-memory, --gpu-tflops, --hbm-bw); its links are a PCIe card's
+# (L40S's) unless --nvlink-bw and --network-bw say otherwise.
+CUSTOM = ("memory", "peak_flops", "hbm_bw")
+
+
 def gpu(name: str, **overrides) -> GPU:
+    """A known card, its figures replaced by `overrides` (its name then says which), or a card of another name
+    from overrides of at least CUSTOM's."""
+    given = {k: v for k, v in overrides.items() if v is not None}
     key = name.lower()
     if key not in GPUS:
-        raise ValueError(f"unknown --gpu {name!r} (known: {', '.join(GPUS)}); override its figures with "
-                         "--gpu-memory, --gpu-tflops, --hbm-bw, --nvlink-bw, --network-bw, --pcie-bw, --host-bw, "
-                         "--disk-bw")
-    return replace(GPUS[key], **{k: v for k, v in overrides.items() if v is not None})
+        if all(k in given for k in CUSTOM):
+            return replace(GPUS["l40s"], name=name, **given)
+        raise ValueError(f"unknown --gpu {name!r} (known: {', '.join(GPUS)}): give its figures, --gpu-memory, "
+                         "--gpu-tflops and --hbm-bw (and --nvlink-bw, --network-bw, --pcie-bw, --host-bw, --disk-bw "
+                         "where they matter), or override a known card's")
+    card = GPUS[key]
+    if not given:
+        return card
+    return replace(card, name=f"{card.name} with {', '.join(FLAGS[k] for k in given)} given", **given)
+
+
+FLAGS = {"memory": "--gpu-memory", "peak_flops": "--gpu-tflops", "hbm_bw": "--hbm-bw", "nvlink_bw": "--nvlink-bw",
+         "network_bw": "--network-bw", "pcie_bw": "--pcie-bw", "host_bw": "--host-bw", "disk_bw": "--disk-bw"}
