@@ -41,7 +41,9 @@ def begin_checkpoint(run_dir: str | Path, step: int, suffix: str = "") -> Path:
     """The empty temporary directory step `step`'s files are written into (a sharded save: by every rank)."""
     tmp = Path(run_dir) / CKPT_DIR / f".tmp-step_{step:08d}{suffix}"
     with _FailingSave(run_dir, step, tmp):
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if not tmp.parent.is_dir():  # its entry in the run directory, made durable as the commit's rename will be
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            fsync_dir(tmp.parent.parent)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
