@@ -46,6 +46,18 @@ def test_training_starts_from_the_checkpoints_weights(tmp_path, layout, lora):
         torch.testing.assert_close(masters[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_a_resume_whose_config_names_no_base_keeps_the_runs(tmp_path, capsys):
+    """A preset given beside --resume has no train.init_from: the run then recorded none, and its exported
+    adapter named "this run's random base" as its base."""
+    import json
+    path, _ = hf_dir(tmp_path)
+    cli_here(capsys, "train", "tiny", "--train.init_from", path, "--train.steps", "2", "--lora.rank", "4",
+             "--out", tmp_path / "run")
+    cli_here(capsys, "train", "tiny", "--resume", tmp_path / "run", "--train.steps", "3", "--lora.rank", "4")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000003" / "state.json").read_text())
+    assert state["config"]["train"]["init_from"] == str(path)
+
+
 def test_the_model_section_comes_from_the_checkpoint(tmp_path, capsys):
     path, want = hf_dir(tmp_path, num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3)
     cfg = with_init_from(load_config("tiny", {"train.init_from": str(path), "model.max_seq_len": "64"}),

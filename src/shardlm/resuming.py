@@ -27,6 +27,10 @@ def choose(trainer, resume) -> tuple[Path, bool]:
     path, state = Path(chosen), read_state(chosen)
     saved = config_from_dict(state["config"], f"the config saved in {path}")
     compat.check_resume(path, saved, trainer.cfg)
+    if saved.train.init_from and not trainer.cfg.train.init_from:
+        # A config without it (a preset given beside --resume): the weights are the checkpoint's either way, and
+        # the run keeps naming its base (an exported adapter's base_model_name_or_path, the generation config).
+        trainer.cfg.train.init_from = saved.train.init_from
     compat.check_tokenizer(trainer.cfg, trainer.data_dir, trainer.data.train.shards.index, trainer.tokenizer, path)
     compat.check_resume_data(path, state, trainer.data.train_windows, trainer.data.sampler.seed,
                              trainer.cfg.train.global_batch_size, trainer.cfg.train.seq_len, trainer.cfg.data)
