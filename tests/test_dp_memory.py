@@ -64,6 +64,11 @@ def test_offload_threads_default_to_the_rank_share_of_the_cores(monkeypatch, gpu
     assert offload_threads(0) == max(1, cores - gpu)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
     assert offload_threads(0) == 1
+    # Bound to 16 of 128 cores (srun --cpus-per-task 16): the rank's share already, not divided by 8 ranks again.
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert offload_threads(0) == 16 - gpu
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])

@@ -13,6 +13,7 @@ moments and the step on the CPU) is parallel/offload.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -361,9 +362,10 @@ class MasterWeightOptimizer:
         return out
 
     @torch.no_grad()
-    def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
         """Take this rank's shard of every bucket from full per-name tensors; returns the 16-bit weights of
-        this rank's bucket shards (the caller puts them where its layout keeps parameters). Values are read
+        this rank's bucket shards, each made on the device as the caller takes it (which puts it where its
+        layout keeps parameters): all at once, an offloaded rank's whole shard was on the GPU. Values are read
         in fp32 and stored in the state's dtype: a checkpoint of either train.optimizer_dtype resumes under
         the other (fp32 masters and moments rounded to nearest bf16; bf16 ones widened exactly)."""
         missing = [n for n in self.names if n not in masters]
@@ -397,4 +399,4 @@ class MasterWeightOptimizer:
         for k, parts in self.state.items():
             scatter(parts, state, lambda n, k=k: f"{n}::{k}")
         self.steps_taken = int(state[f"{self.names[0]}::step"])
-        return [m.to(self.device, self.flat.dtype) for m in self.master_parts]
+        return (m.to(self.device, self.flat.dtype) for m in self.master_parts)

@@ -42,8 +42,11 @@ def offload_threads(requested: int) -> int:
     pass, and the passes are memory-bound (half the cores stream as fast as all: bench/README.md)."""
     if requested > 0:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    # Bound to fewer cores than the host has (srun --cpus-per-task, torchrun --numa-binding): they are this
+    # rank's share already, which divided by the node's ranks again left its updates one thread.
+    share = cores if cores < total else cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, share - 1 if torch.cuda.is_available() else share)
 
 

@@ -48,18 +48,18 @@ class MappedFiles:
             # A name of its own (O_EXCL): runs in other containers on one host's disk share pids, and a pid-named
             # file was truncated and unlinked by the other run between its creation and its mapping.
             fd, path = tempfile.mkstemp(prefix=f"shardlm-{name}-", suffix=".bin", dir=self.directory)
+            # Unlinked at once, the descriptor keeping the data: a process killed while a filesystem without
+            # fallocate writes every block (minutes for tens of GB) left the whole file behind for good.
+            os.unlink(path)
             if size:
                 os.posix_fallocate(fd, 0, size)
-            mapped = torch.from_file(path, shared=True, size=n, dtype=dtype)
+            mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=n, dtype=dtype)
         except (OSError, RuntimeError) as e:
             if fd is not None:
                 os.close(fd)
             why = e.strerror if isinstance(e, OSError) else str(e)
             raise ConfigError(f"parallel.offload_dir = {str(self.directory)!r}: {why} ({size / 2**30:.2f} GiB "
                               f"for {name})") from None
-        finally:
-            if path is not None:
-                os.unlink(path)  # the open descriptor and the mapping keep the data
         self.fds[name] = fd
         self.mapped[name] = mapped
         return mapped

@@ -121,18 +121,21 @@ class DelayedUpdate:
         scale, skip = scale.cpu(), self.opt.skip_flag().cpu()
         self.pending = self.pool.submit(self._update, lr, grads, scale, skip, self.copied)
 
-    def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> None:
+    def _update(self, lr: float, grads: list, scale: torch.Tensor, skip: torch.Tensor, copied) -> bool:
+        """Whether it wrote `staged`: a skipped step (a gradient not finite) writes nothing there, which after
+        a first step holds no update at all (uninitialised memory)."""
         if copied is not None:
             copied.synchronize()  # the last landing's copies have read the staged shards
         start = time.perf_counter()
         self.opt._update_on_host(lr, grads, self.staged, scale, skip)
         self.host_grads.seconds["delayed_update"] += time.perf_counter() - start
+        return not bool(skip)
 
     def finish(self) -> None:
         """Wait for the update in flight: the masters and moments are then the step's, the weights not yet."""
         if self.pending is not None:
-            self.pending.result()
-            self.pending, self.unlanded = None, True
+            wrote = self.pending.result()
+            self.pending, self.unlanded = None, self.unlanded or wrote
 
     def resume(self, masters: list[torch.Tensor]) -> None:
         """A checkpoint's masters (this rank's shards) are the update that its run had not landed yet."""
