@@ -248,23 +248,26 @@ def test_plan_refuses_a_lora_rank_the_runtime_refuses(capsys):
 def test_offload_host_memory():
     """Per rank in host memory: 16 bytes a parameter of the rank's shard (fp32 masters, two moments,
     gradients), the gradients' pinned staging slots and two buckets' 16-bit staging of the updated weights, 4
-    with the masters and moments on disk; 18 with parameter offload (its 16-bit shards, updated in place: no
-    weights staged), 4 with those on disk too; none without offload."""
+    with the masters and moments on disk (and the disk tier's work buffers); 18 with parameter offload (its
+    16-bit shards, updated in place: no weights staged), 4 with those on disk too; none without offload. The
+    largest bucket sizes the slots: the embedding's or the head's, a bucket of its own (llama3-8b's
+    7.8 GiB of slots were planned as 0.2)."""
     m, g, w = load_config("llama2-7b").model, gpu("h100"), Workload(2048, 1, 8)
-    n = m.num_params()
+    n, head = m.num_params(), m.vocab_size * m.hidden_size
     host = estimate(m, w, Layout(zero_stage=2, offload="optimizer"), g).host_memory
     disk = estimate(m, w, Layout(zero_stage=2, offload="optimizer", offload_dir="/nvme"), g).host_memory
-    # eight 25 MB buckets' gradient shards (bf16 at one rank), two buckets' updated bf16 weights
-    staging = 8 * 25 * 2**20 / 2 * 2 + 2 * 32 * 2**20
-    assert host == pytest.approx(16 * n + staging) and disk == pytest.approx(4 * n + staging)
+    # eight slots of the head's gradient shard (bf16 at one rank), two of its updated bf16 weights (the pinned
+    # allocator's power of two), and on disk two fp32 work buffers for each of three files
+    staging = 8 * head * 2 + 2 * 2 ** math.ceil(math.log2(head * 2))
+    assert host == pytest.approx(16 * n + staging) and disk == pytest.approx(4 * n + staging + 2 * 3 * 4 * head)
     params = Layout(zero_stage=3, offload="params")
-    unit = m.param_counts()["per_layer"] * 8 * 2  # ZeRO-3's staging slots hold a whole block's shard
-    assert estimate(m, w, params, g).host_memory == pytest.approx(18 * n + unit)
+    block = m.param_counts()["per_layer"]  # ZeRO-3's staging slots hold a whole block's shard
+    assert estimate(m, w, params, g).host_memory == pytest.approx(18 * n + block * 8 * 2)
     assert estimate(m, w, Layout(**{**params.__dict__, "offload_dir": "/nvme"}), g).host_memory == \
-        pytest.approx(4 * n + unit)  # the 16-bit shards on disk too
+        pytest.approx(4 * n + block * 8 * 2 + 2 * 3 * 4 * block)  # the 16-bit shards on disk too
     two = estimate(m, w, Layout(dp=2, zero_stage=2, offload="optimizer"), g).host_memory
     # each rank's half, its gradient shards reduced in fp32 (the default reduce_dtype)
-    assert two == pytest.approx(8 * n + 8 * 25 * 2**20 / 2 / 2 * 4 + 2 * 16 * 2**20)
+    assert two == pytest.approx(8 * n + 8 * head / 2 * 4 + 2 * 2 ** math.ceil(math.log2(head)))
     assert estimate(m, w, Layout(zero_stage=2), g).host_memory == 0
 
 

@@ -103,8 +103,13 @@ def host_bytes(m: ModelConfig, L: Layout, w: Workload | None = None) -> float:
     # shard, locked at their exact size; a ZeRO-3 bucket is a whole block), and the updated 16-bit weights' on their way up: a bucket's
     # shard or two at a time, each block rounded up to a power of two by the pinned allocator (parameter
     # offload updates its shards where they lie).
-    unit = max(L.bucket_mb * 2**20 / 2, layer_params(m, L) if L.zero_stage == 3 else 0)
+    # A parameter larger than a bucket is a bucket of its own: the embedding's and the head's (vocab-parallel
+    # over tp) size the slots and the staging on the stages that hold them.
+    unit = max(L.bucket_mb * 2**20 / 2, layer_params(m, L) if L.zero_stage == 3 else 0,
+               0 if L.lora.rank else m.vocab_size * m.hidden_size / L.tp)
     staging = 8 * unit / L.replicas * reduced_bytes(L) if L.zero_stage >= 2 else 0.0
     if L.offload != "params" and not L.delayed_update:
         staging += 2 * 2.0 ** math.ceil(math.log2(unit / L.replicas * 2))
+    if L.offload_dir:  # the disk tier's two fp32 work buffers per file (a master and two moments) of a bucket
+        staging += 2 * 3 * 4 * unit / L.replicas
     return trained * per_param + staging + acts
