@@ -37,3 +37,11 @@ def test_the_trainer_prints_them(capsys, tmp_path):
                     "--train.steps", "1", "--model.capacity_factor", "0.0001", "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert "at least 93.8% of the copies are dropped in training" in proc.stdout + proc.stderr
+
+
+def test_capacity_routing_under_ring_attention_says_its_ranks_attend_unevenly():
+    """It keeps each rank's slice contiguous (not zig-zag) without a word: attention up to twice as long."""
+    ring = {**MOE, "model.capacity_factor": "1.25", "parallel.cp": "2", "parallel.cp_comm": "p2p"}
+    assert any("keeps each rank's slice of a sequence contiguous" in n for n in moe_notes(load_config("tiny", ring)))
+    for other in ({"parallel.cp_comm": "a2a"}, {"model.capacity_factor": "0"}):
+        assert not moe_notes(load_config("tiny", {**ring, **other})), other

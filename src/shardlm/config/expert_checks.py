@@ -101,6 +101,11 @@ def moe_notes(cfg: Config) -> list[str]:
                      f"cop{'y' if capacity == 1 else 'ies'} per sequence of the {balanced:g} a balanced load gives it: "
                      f"at least {100 * lost:.1f}% of the copies are dropped in training, however evenly the router "
                      "spreads them (1 keeps a balanced load; the Switch Transformer trained at 1 to 1.25)")
+    if p.cp > 1 and p.cp_comm == "p2p":
+        notes.append(f"note: model.capacity_factor = {m.capacity_factor} under ring attention (parallel.cp_comm = "
+                     "'p2p') keeps each rank's slice of a sequence contiguous, as an expert's queue runs along it in "
+                     "order, not zig-zag: the last rank attends over every earlier slice, the first over its own, "
+                     "so attention runs up to twice as long (dropless routing, or Ulysses' 'a2a', is balanced)")
     if p.ep > 1 and p.ep_dispatch == "padded":
         notes.append(f"note: parallel.ep_dispatch = 'padded' with model.capacity_factor = {m.capacity_factor}: "
                      "training sends the copies capacity keeps by their exact counts (padded blocks are sized for "

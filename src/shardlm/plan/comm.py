@@ -85,7 +85,8 @@ def model_parallel_bytes(m: ModelConfig, w: Workload, L: Layout) -> dict[str, fl
     if L.cp > 1 and L.cp_comm == "p2p":  # ring attention: each forward (and backward) passes cp - 1 chunks of k
         # and v on; backward also each chunk's fp32 gradient all the way home (cp passes). Its time is counted as
         # the attention FLOPs of flash attention: its fp32 scores outside the fused kernels, and the causal
-        # imbalance between its ranks (the last does cp blocks, the first one), are not modelled.
+        # imbalance of the contiguous layout capacity routing keeps (the last rank does cp blocks, the first
+        # one; zig-zag chunks balance them otherwise), are not modelled.
         chunk = tokens * 2 * (m.kv_heads // t if m.kv_heads % t == 0 else q) * m.head_size
         cp = (passes * (L.cp - 1) * chunk * act + L.cp * chunk * 4) * layers * micro
     # Expert parallelism: dispatch and combine all-to-alls forward and again backward, each moving the
