@@ -245,3 +245,12 @@ def test_frozen_experts_at_ep_2_x_edp_2_equal_one_process_and_resume(tmp_path):
     ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
     resumed = dist_fns.train_and_capture(0, 1, over, str(tmp_path / "b"), ckpt)
     assert resumed["losses"] == pytest.approx(results[0]["losses"][2:], rel=1e-5)
+
+
+def test_a_lora_runs_routing_bias_is_said_held_with_its_router(tmp_path, capsys):
+    """LoRA freezes the router with the base, and with it the routing bias (model.router_bias_update_rate): the
+    bias stayed zero without a word."""
+    from helpers import cli_here
+    said = cli_here(capsys, "train", "mixtral-tiny", "--model.router_bias_update_rate", "0.01", "--train.steps", "2",
+                    "--lora.rank", "4", "--lora.targets", "q_proj,v_proj", "--out", tmp_path / "lora")
+    assert "the routing bias of 2 MoE layers held with its router" in said, said

@@ -21,9 +21,11 @@ GShard's (Lepikhin et al. 2020) expert capacity, counted per sequence rather tha
 ceil(factor x seq_len x k / E) copies per expert per sequence: which copies are dropped then turns on each
 sequence's routing alone, the same at every dp, ep, pp, cp and micro-batching (a per-batch capacity would drop
 different tokens at each layout; under context parallelism `sequences` carries each expert's queue over from
-the ranks holding the earlier slices). Priority by position (GShard's order, Megatron-core's drop policy
-"position"; deterministic, unlike a priority by probability it needs no second sort over near-equal fp32
-scores); a dropped copy adds nothing and its token keeps the residual path and its other experts. Training
+the ranks holding the earlier slices). Priority by position (Megatron-core's drop policy "position", the Switch
+Transformer's order at top-1; deterministic, unlike a priority by probability it needs no second sort over
+near-equal fp32 scores): a token's k copies queue at its position, so a late token can lose all of them, where
+GShard queues every first choice before any second; a dropped copy adds nothing and its token keeps the residual
+path and its other experts. Training
 only: evaluation and generation run dropless, as the exported Hugging Face model does.
 `model.router_bias_update_rate` > 0 adds DeepSeek-V3's selection bias (Liu et al. 2024: auxiliary-loss-free
 balancing) to the scores for the top-k choice only; parallel/moe_balance.py updates it after each step from
@@ -284,8 +286,8 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
 def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, num_experts: int,
                   taken: torch.Tensor | None = None) -> torch.Tensor:
     """Which token copies (`flat` [T k], the chosen expert of each, token-major) an expert of capacity
-    `capacity` per sequence keeps ([T k] bool). Priority by position (GShard's and the Switch Transformer's
-    order; Megatron-core's drop policy "position"): within each sequence an expert takes its copies in token
+    `capacity` per sequence keeps ([T k] bool). Priority by position (Megatron-core's drop policy "position",
+    the Switch Transformer's order at top-1; not GShard's, which takes every first choice first): within each sequence an expert takes its copies in token
     order and drops those past its capacity. Decided by each sequence's routing alone, so the same copies are
     dropped however sequences are grouped into ranks (dp, ep) and micro-batches. `taken` [sequences, E]: the
     copies each expert was sent in the slices of each sequence before these tokens (context parallelism)."""

@@ -22,7 +22,10 @@ def run_header(cfg, trainer, out) -> str:
         adapters = sum(q.numel() for q in trainer.model.parameters() if q.requires_grad)
         base = f" over an {cfg.lora.quantize.upper()} base (QLoRA)" if cfg.lora.quantize != "none" else ""
         base += "" if cfg.train.init_from else " over a random base, frozen (no train.init_from to fine-tune)"
-        layout += f", LoRA rank {cfg.lora.rank}{base} ({adapters / 1e6:.3f}M trainable on this rank)"
+        # model.router_bias_update_rate moves no bias of the router LoRA freezes with the base: said, not silent
+        held = len(trainer.moe.layers) if trainer.moe.rate > 0 else 0
+        bias = f"; the routing bias of {held} MoE layer{'s' if held > 1 else ''} held with its router" if held else ""
+        layout += f", LoRA rank {cfg.lora.rank}{base} ({adapters / 1e6:.3f}M trainable on this rank{bias})"
     elif cfg.lora != type(cfg.lora)():  # [lora] keys given beside rank 0, which switches adapters off
         layout += ", lora.rank 0: no adapters, every weight trains (the other [lora] keys unused)"
     if cfg.train.freeze:  # train.freeze: what it holds fixed on this rank
