@@ -298,7 +298,8 @@ def test_a_packed_example_is_not_trained_to_guess_the_next_ones_first_token(tmp_
     token it was trained on, where --pad-to (one example a window) never trains it."""
     from shardlm.data.loader import open_train_data
     from shardlm.data.prepare import prepare
-    data = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "", "completion": "XY"}, {"prompt": "", "completion": "ZW"}] * 4)
+    pair = [{"prompt": "", "completion": "XY"}, {"prompt": "", "completion": "ZW"}]
+    data = write_jsonl(tmp_path / "a.jsonl", pair * 4)
     prepare([data], "byte", tmp_path / "packed", progress=False)
     x, y = open_train_data(tmp_path / "packed", None, 0, 8, 300, 0, 1, 1).train.pairs([0])
     eos = 256

@@ -223,3 +223,12 @@ def test_a_chat_rows_completion_opens_as_serve_and_eval_open_it(tmp_path, capsys
     assert got.returncode == 0, got.stderr
     assert generated == json.loads(got.stdout)["completions"]
     assert generated and not any(text.startswith(" ") for text in generated), generated
+
+
+def test_a_stop_string_that_is_a_special_tokens_text_stops_as_its_id():
+    """Generated text leaves special tokens out, so `--stop "<|im_end|>"` (or a line's) would never be seen in
+    it: generate and serve split such strings off as stop ids."""
+    from shardlm.tokenizer import Tokenizer, byte_tokenizer
+    tok = Tokenizer(byte_tokenizer())
+    assert tok.split_stops(("<|endoftext|>", "\n\n")) == (("\n\n",), (256,))
+    assert tok.text([104, 105, 256]) == "hi" and tok.decode([104, 105, 256]) == "hi<|endoftext|>"

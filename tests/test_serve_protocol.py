@@ -130,7 +130,8 @@ def test_a_prompt_ending_in_a_byte_fallback_character_leaves_the_completions_tex
     from shardlm.inference import generate_ids
     with serving(sp_dir, max_batch=2) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         found = 0
-        for prompt in (f"{w} {e}" for w in ("be", "To", "or", "not", "the") for e in ("\U0001F600", "\u4e16", "\u2713")):
+        marks = ("\U0001F600", "\u4e16", "\u2713")
+        for prompt in (f"{w} {e}" for w in ("be", "To", "or", "not", "the") for e in marks):
             ids = s.tok.encode_document(prompt)
             new = generate_ids(s.model, torch.tensor([ids]), 6)[0].tolist()
             want = s.tok.decode(ids + new)[len(s.tok.decode(ids)):]

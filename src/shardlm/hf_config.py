@@ -199,7 +199,8 @@ READ_THE_RUN = "; shardlm generate, eval and serve read the run itself (--model 
 
 def _hf_moe_class(cfg: ModelConfig) -> str:
     """The HF class that computes this mixture of experts: Mixtral's (every layer, experts of the dense size,
-    renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (a shared expert, qkv biases)."""
+    renormalised softmax top-k, no shared expert, no biases) or Qwen2-MoE's (every other: shared expert, dense layers,
+    other expert sizes, qkv biases or none)."""
     if cfg.router_bias_update_rate > 0:
         raise ConfigError(f"model.router_bias_update_rate = {cfg.router_bias_update_rate}: the experts were chosen "
                           "with DeepSeek-V3's selection bias, which Mixtral's and Qwen2-MoE's routers lack (an export "

@@ -81,10 +81,10 @@ class Tokenizer:
         if bos_token is None and self.bos_ids:
             bos_token = tok.id_to_token(self.bos_ids[0])
         self.bos_token = bos_token or ""
-        # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
-        # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
         self._plain: HFTokenizer | None = None  # encode_plain_batch's copy, made on first use
         self._hidden: frozenset[int] | None = None  # the ids text() leaves out, found on first use
+        # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
+        # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
                                1 + max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
 
@@ -119,6 +119,12 @@ class Tokenizer:
         if self._hidden is None:
             self._hidden = frozenset(self.special_ids().values())
         return self.tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
+
+    def split_stops(self, stops) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Stop strings as (those looked for in the text, the ids of those that are a special token's text): the
+        text leaves special tokens out (text()), so such a string could never be seen; it stops as its token."""
+        special = self.special_ids()
+        return tuple(s for s in stops if s not in special), tuple(special[s] for s in stops if s in special)
 
     def special_ids(self) -> dict[str, int]:
         """Each special token's text and id; not byte-fallback pieces ("<0x0A>"), which some tokenizer.json files

@@ -26,5 +26,6 @@ from .stage_checks import check_stages_train, rank_layers
 __all__ = ["BLOCK_RECOMPUTE", "CHOICES", "CONFIG_DIRS", "FREE_GRAD_BUCKET_MB", "IGNORE", "LORA_MODULES", "NF4_BLOCK", "NF4_BYTES_PER_WEIGHT", "NON_NEGATIVE",
            "POSITIVE", "RING_QUERY_ROWS", "ROPE_KEYS", "SECTIONS", "UNIT_INTERVAL", "Config", "ConfigError",
            "DataConfig", "LoRAConfig", "ModelConfig", "Naming", "ParallelConfig", "RunError", "TrainConfig",
-           "apply_overrides", "block_linears", "check_expert_lora", "check_layout", "check_stages_train", "config_from_dict", "dump_toml", "exchanged_kv_heads", "fused_parts",
+           "apply_overrides", "block_linears", "check_expert_lora", "check_layout",
+           "check_stages_train", "config_from_dict", "dump_toml", "exchanged_kv_heads", "fused_parts",
            "load_config", "lora_targets", "parse_overrides", "preset_names", "rank_layers", "validate"]

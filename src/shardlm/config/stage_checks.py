@@ -47,7 +47,8 @@ def check_stages_train(m: ModelConfig, pp: int, virtual_stages: int, pp_layers: 
     names = m.parameter_shapes()
     frozen = set() if lora.rank else set().union(*frozen_by_pattern(freeze, names).values())
     for r, mine in enumerate(layers):
-        where = f"pipeline rank {r}'s layer{'s' if len(mine) > 1 else ''} {_spans(mine)}" if mine else f"pipeline rank {r} (no layers)"
+        where = (f"pipeline rank {r}'s layer{'s' if len(mine) > 1 else ''} {_spans(mine)}" if mine
+                 else f"pipeline rank {r} (no layers)")
         if lora.rank:
             chosen = lora_targets(m.arch, lora.targets)
             if not any(n in chosen for i in mine for path in block_linears(m, i) for n in LORA_MODULES[m.arch][path]):

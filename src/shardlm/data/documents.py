@@ -22,6 +22,7 @@ class PrepareError(ValueError):
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".py", "")  # read as one document each
 READ_TYPES = ".txt, .text, .md, .py or no suffix (a document each), .jsonl, .parquet (a document a line or row)"
 
+
 def expanded(pattern: str) -> list[str]:
     """A pattern no shell expanded (quoted, or from a script that runs no shell) as the files it matches, sorted;
     it was refused as "a pattern that matched no file" while it matched some."""

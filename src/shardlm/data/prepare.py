@@ -277,7 +277,7 @@ def _write_instruct(inputs: list[Path], tok: Tokenizer, out: Path, shard_tokens:
                     tokens.write(ids)
                     masks.write(mask)
                     count += 1
-                    trained += int(mask.sum())
+                    trained += int(mask[1:].sum())  # an example's first token is no target
                     untrained += not mask[1:].any()  # an example's first token is no target, packed or not
                     bar.update(nbytes)
     except InstructError as e:

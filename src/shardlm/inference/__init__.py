@@ -16,7 +16,8 @@ from .sampler import SamplingParams
 from .slots import slots_that_fit
 
 __all__ = ["Engine", "Request", "SamplingParams", "evaluate_ids", "generate_ids", "generate_many",
-           "generate_text", "inference_dtype", "load_pretrained", "prompt_context", "prompt_ids", "sample_next", "slots_that_fit",
+           "generate_text", "inference_dtype", "load_pretrained", "prompt_context",
+           "prompt_ids", "sample_next", "slots_that_fit",
            "until_eos"]
 
 

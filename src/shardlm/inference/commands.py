@@ -359,8 +359,10 @@ def cmd_generate(argv: list[str]) -> int:
     asked = [prompt_ids(tok, r["prompt"]) if r.get("messages") is None else
              _chat_ids(tok, r["messages"], r["where"]) for r in rows]
     # A chat's answer is a turn of its own (its template places the space before it), as serve and eval decode it
-    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids, r["stop"], tag=i,
-                        continues=r.get("messages") is None) for i, (ids, r) in enumerate(zip(asked, rows))]
+    stops = [tok.split_stops(r["stop"]) for r in rows]
+    requests = [Request(ids, r["max_new"], r["sampling"], stop_ids + special, strings, tag=i,
+                        continues=r.get("messages") is None)
+                for i, (ids, r, (strings, special)) in enumerate(zip(asked, rows, stops))]
     for r, row in zip(requests, rows):
         check_vocab(r.prompt, cfg.vocab_size, row["where"])
         check_room(r.prompt, r.max_new_tokens, row["max_new_from"], cfg.max_seq_len, row["where"])

@@ -114,7 +114,7 @@ def _stopped_by_string(r: Request, decode: Callable | None) -> bool:
     decoded (a character takes at most 4 byte-level tokens), not the whole completion each token."""
     if not r.stop or decode is None:
         return False
-    n = 4 * max(map(len, r.stop)) + 1
+    n = CHARACTER_IDS * max(map(len, r.stop)) + 1
     # A character whose bytes are still arriving decodes as U+FFFD, which is no text of the answer yet (a stop
     # string holding one matched the first byte of an 'é'); and the tail may start inside a character.
     window = clean_suffix(r.tokens, decode, n) if len(r.tokens) > n else None

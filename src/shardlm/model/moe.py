@@ -288,9 +288,10 @@ def capacity_keep(flat: torch.Tensor, copies_per_sequence: int, capacity: int, n
     """Which token copies (`flat` [T k], the chosen expert of each, token-major) an expert of capacity
     `capacity` per sequence keeps ([T k] bool). Priority by position (Megatron-core's drop policy "position",
     the Switch Transformer's order at top-1; not GShard's, which takes every first choice first): within each
-    sequence an expert takes its copies in token order and drops those past its capacity. Decided by each sequence's routing alone, so the same copies are
-    dropped however sequences are grouped into ranks (dp, ep) and micro-batches. `taken` [sequences, E]: the
-    copies each expert was sent in the slices of each sequence before these tokens (context parallelism)."""
+    sequence an expert takes its copies in token order and drops those past its capacity. Decided by each sequence's
+    routing alone, so the same copies are dropped however sequences are grouped into ranks (dp, ep) and micro-
+    batches. `taken` [sequences, E]: the copies each expert was sent in the slices of each sequence before these
+    tokens (context parallelism)."""
     slot = torch.arange(flat.numel(), device=flat.device)
     key = (slot // copies_per_sequence) * num_experts + flat  # (sequence, expert)
     order = key.argsort(stable=True)  # grouped by (sequence, expert), in position order within each

@@ -44,9 +44,11 @@ def offload_threads(requested: int) -> int:
         return requested
     total = os.cpu_count() or 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
-    # Bound to fewer cores than the host has (srun --cpus-per-task, torchrun --numa-binding): they are this
-    # rank's share already, which divided by the node's ranks again left its updates one thread.
-    share = cores if cores < total else cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Bound to fewer cores than the host has, the set is shared by the node's ranks in proportion: one srun
+    # task per rank (--cpus-per-task) holds its own share already, which divided by the node's ranks again left
+    # its updates one thread; every rank in one task's set (or a NUMA node's) shares it.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = cores // max(1, round(local * cores / total))
     return max(1, share - 1 if torch.cuda.is_available() else share)
 
 

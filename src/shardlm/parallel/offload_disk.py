@@ -113,7 +113,10 @@ class DiskOffloadedOptimizer(OffloadedOptimizer):
         return self._state_buffer(name, n, home)  # a file's reserved blocks read as zeros: none written
 
     def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        weights = super().load(masters, state)
+        super().load(masters, state)
+        # The 16-bit shards made in host memory before the files' pages are dropped (taken lazily on the device,
+        # each bucket would read its masters back from disk after).
+        weights = [m.to(self.flat.dtype) for m in self.master_parts]
         self.files.release()
         return weights
 

@@ -316,6 +316,9 @@ def default_global_batch(micro: int, L: Layout) -> int:
 
 def largest_model(a, base: ModelConfig, layout: Layout, g) -> int:
     from .search import largest
+    if layout.pp_layers:  # the widths scaled try other depths, which no one split sums to
+        raise PlanError(f"--pp-layers {layout.pp_layers} fixes the layers, and --largest scales the depth too: "
+                        "leave --pp-layers out (each depth is split balanced by compute)")
     host = parse_bytes(a.host_memory, "--host-memory") if a.host_memory else None
     micro = a.micro_batch or 1
     work = Workload(a.seq, micro, a.global_batch or default_global_batch(micro, layout))

@@ -101,7 +101,8 @@ def check_searched(a) -> None:
     """--search tries every value of these itself: one given was ignored without a word (`--search --zero 3` ranked
     ZeRO-0 layouts first). Without --gpus, --dp x --tp x --pp x --cp is the number of GPUs searched, and stays."""
     fixed = [("--zero", a.zero, 0), ("--ep", a.ep, 1), ("--sp", a.sp, False), ("--recompute", a.recompute, "none"),
-             ("--pp-schedule", a.pp_schedule, "1f1b"), ("--virtual-stages", a.virtual_stages, 1), ("--pp-layers", a.pp_layers, "")]
+             ("--pp-schedule", a.pp_schedule, "1f1b"), ("--virtual-stages", a.virtual_stages, 1),
+             ("--pp-layers", a.pp_layers, "")]
     if a.gpus is not None:
         fixed += [("--dp", a.dp, None), ("--tp", a.tp, 1), ("--pp", a.pp, 1)]
     for flag, value, default in fixed:
@@ -115,7 +116,8 @@ def check_searched(a) -> None:
 # Flags that shape a training plan only: given with --inference they would be ignored, so they are refused.
 TRAINING_ONLY = ("seq", "micro_batch", "global_batch", "tokens", "price_per_gpu_hour", "offload", "offload_dir",
                  "offload_activations", "delayed_update", "overlap_update", "cp_comm", "ep_dispatch", "ep_load_budget",
-                 "sp", "recompute", "pp_schedule", "virtual_stages", "pp_layers", "attention", "reduce_dtype", "reduce_algo",
+                 "sp", "recompute", "pp_schedule", "virtual_stages", "pp_layers", "attention", "reduce_dtype",
+                 "reduce_algo",
                  "lora_targets", "host_memory", "top")
 
 
@@ -169,7 +171,8 @@ RUN_FLAGS = {"train.seq_len": "seq", "train.micro_batch_size": "micro_batch", "t
              "train.precision": "precision", "train.recompute": "recompute", "train.optimizer_dtype": "optimizer_dtype",
              "train.freeze": "freeze",
              **{f"parallel.{k}": k for k in ("dp", "tp", "pp", "cp", "ep", "sp", "offload", "pp_schedule",
-                                              "virtual_stages", "pp_layers", "offload_activations", "cp_comm", "ep_dispatch",
+                                              "virtual_stages", "pp_layers", "offload_activations", "cp_comm",
+                                              "ep_dispatch",
                                               "ep_load_budget", "offload_dir", "delayed_update", "overlap_update",
                                               "reduce_dtype", "reduce_algo")},
              "parallel.zero_stage": "zero"}

@@ -99,12 +99,17 @@ def bubble(w: Workload, L: Layout) -> float:
 
 
 def stage_imbalance(m: ModelConfig, L: Layout) -> float:
-    """The busiest pipeline rank's compute over an even share (1: balanced), by split_layers' own cost (a layer's
-    FLOPs per token, the head's on the last rank) for a split given by parallel.pp_layers; a split balanced by
-    compute is within a layer of even, which the fitted efficiencies absorb."""
+    """A split given by parallel.pp_layers: its busiest pipeline rank's compute over that of the split balanced
+    by compute (1: as balanced), by split_layers' own cost (a layer's FLOPs per token, the head's on the last
+    rank). The balanced split's own unevenness is in the measured pipeline rows the efficiencies were fitted
+    to, so it is the reference."""
     if L.pp == 1 or not L.pp_layers:
         return 1.0
+    return _busiest(m, L, L.pp_layers) / _busiest(m, L, "")
+
+
+def _busiest(m: ModelConfig, L: Layout, pp_layers: str) -> float:
     per_layer = m.param_counts()["active_per_layer"]
-    cost = [per_layer * len(layers) for layers in rank_layers(m, L.pp, L.virtual_stages, L.pp_layers)]
+    cost = [per_layer * len(layers) for layers in rank_layers(m, L.pp, L.virtual_stages, pp_layers)]
     cost[-1] += m.vocab_size * m.hidden_size
-    return L.pp * max(cost) / sum(cost)
+    return max(cost)

@@ -125,8 +125,12 @@ def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: floa
             step: int = 256) -> tuple[ModelConfig, Estimate] | None:
     """The widest scaling of `base` (widths in multiples of `step`) whose layout `L` fits the GPU and, with
     offload, `host_memory` bytes per node (None: unbounded) shared by the node's ranks; None if none does."""
-    check(base, w, L)  # a layout refused as such is said so, not as no width fitting
-    best = None
+    try:
+        check(base, w, L)
+        refused = None
+    except PlanError as e:  # said where no width passes: the layout as such, not as no width fitting
+        refused = e
+    best, estimated = None, False
     ranks_per_node = min(L.gpus, gpus_per_node)
     for hidden in range(step, 64 * 1024 + 1, step):
         m = scaled(base, hidden)
@@ -136,9 +140,12 @@ def largest(base: ModelConfig, w: Workload, L: Layout, g: GPU, host_memory: floa
             e = estimate(m, w, L, g, gpus_per_node)
         except PlanError:  # a width this layout cannot split (its heads over cp, say)
             continue
+        estimated = True
         if not e.fits or (host_memory is not None and e.host_memory * ranks_per_node > host_memory):
             if best is not None:
                 break  # memory grows with the width: nothing wider fits either
             continue
         best = (m, e)
+    if not estimated and refused is not None:
+        raise refused
     return best

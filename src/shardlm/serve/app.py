@@ -245,7 +245,8 @@ def create_app(worker: EngineWorker, models: Models, state: ServerState | None =
         on_tokens = (lambda r, ids: put(("tokens", list(ids)))) if params.stream else None
         # the engine looks for stop strings in the text a client is sent (text_of's, a chat reply's its own)
         request = Request(params.prompt, params.max_tokens, params.sampling,
-                          models.stops_of(params.adapter) + params.stop_ids, params.stop, adapter=params.adapter, on_tokens=on_tokens, continues=not chat)
+                          models.stops_of(params.adapter) + params.stop_ids, params.stop, adapter=params.adapter,
+                          on_tokens=on_tokens, continues=not chat)
         try:
             worker.submit(request, lambda r, error: put(("done", error)))
         except ValueError as e:

@@ -60,7 +60,6 @@ class Models:
         # process), so prompts of ids are held to what both the tokenizer and the model know.
         self.vocab = min(tok.vocab_size, model_vocab or tok.vocab_size)
         self.stop_ids = completion_stop_ids(tok)
-        self.special = tok.special_ids()
         # The most characters a token stands for (its longest vocabulary entry): a prompt that far beyond the
         # context is refused by its length, untokenized. Tokenizing 20 MB took 18 s on the event loop, every
         # other client waiting; 4x spares a normaliser that drops characters.
@@ -242,11 +241,9 @@ def _common(body, models: Models, prompt: list[int], default_max_tokens: int | N
         if key != "include_usage" and value not in (None, False):
             raise APIError(400, f"'stream_options.{key}' is not supported: this server reads include_usage only.",
                            f"stream_options.{key}", "unsupported_parameter")
-    # A special token's text is left out of the answer's text (Tokenizer.text), so as a stop string it would
-    # never be seen: it stops as the token it names.
-    stop_ids = tuple(models.special[s] for s in stop if s in models.special)
+    strings, stop_ids = models.tok.split_stops(stop)
     return Params(model, adapter, prompt, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p, seed),
-                  tuple(s for s in stop if s not in models.special), stream, include_usage, stop_ids)
+                  strings, stream, include_usage, stop_ids)
 
 
 def completion_params(body, models: Models) -> Params:
