@@ -7,8 +7,7 @@ mixed-precision training prescribes; in fp32 the parameters are their own master
 pure-bf16 training): each update is computed in fp32 and rounded once to bf16, and bf16 parameters are their
 own masters wherever the optimizer is not sharded. Gradients are unscaled, clipped by the global L2 norm
 (Pascanu et al. 2013), and a step whose norm is not finite is skipped. Its state is saved by parameter name,
-so a checkpoint does not depend on how parameters are laid out or sharded. The offloaded variant (masters,
-moments and the step on the CPU) is parallel/offload.py.
+so a checkpoint does not depend on how parameters are laid out or sharded. Offloaded: parallel/offload.py.
 """
 from __future__ import annotations
 
@@ -363,11 +362,10 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def load(self, masters: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Take this rank's shard of every bucket from full per-name tensors; returns the 16-bit weights of
-        this rank's bucket shards, each made on the device as the caller takes it (which puts it where its
-        layout keeps parameters): all at once, an offloaded rank's whole shard was on the GPU. Values are read
-        in fp32 and stored in the state's dtype: a checkpoint of either train.optimizer_dtype resumes under
-        the other (fp32 masters and moments rounded to nearest bf16; bf16 ones widened exactly)."""
+        """Take this rank's shard of every bucket from full per-name tensors; returns the 16-bit weights of its
+        bucket shards, each made on the device as the caller takes it (all at once, an offloaded rank's whole
+        shard was on the GPU). Values are read in fp32 and stored in the state's dtype: a checkpoint of either
+        train.optimizer_dtype resumes under the other (fp32 rounded to nearest bf16; bf16 widened exactly)."""
         missing = [n for n in self.names if n not in masters]
         if missing:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")

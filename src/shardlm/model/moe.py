@@ -25,8 +25,7 @@ the ranks holding the earlier slices). Priority by position (Megatron-core's dro
 Transformer's order at top-1; deterministic, unlike a priority by probability it needs no second sort over
 near-equal fp32 scores): a token's k copies queue at its position, so a late token can lose all of them, where
 GShard queues every first choice before any second; a dropped copy adds nothing and its token keeps the residual
-path and its other experts. Training
-only: evaluation and generation run dropless, as the exported Hugging Face model does.
+path and its other experts. Training only: evaluation and generation run dropless, as the exported HF model does.
 `model.router_bias_update_rate` > 0 adds DeepSeek-V3's selection bias (Liu et al. 2024: auxiliary-loss-free
 balancing) to the scores for the top-k choice only; parallel/moe_balance.py updates it after each step from
 the global batch's loads, and gathers the per-layer statistics recorded here (`stats`) for the logs.
