@@ -83,6 +83,7 @@ class Tokenizer:
         self.bos_token = bos_token or ""
         self._plain: HFTokenizer | None = None  # encode_plain_batch's copy, made on first use
         self._hidden: frozenset[int] | None = None  # the ids text() leaves out, found on first use
+        self._special: dict[str, int] | None = None  # special_ids(), kept for each request's stop strings
         # The ids a model needs rows for: a tokenizer.json's ids may leave gaps (an added token numbered past the
         # vocabulary), where the count of tokens is below the largest id, which would then wrap in uint16 shards.
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
@@ -117,13 +118,16 @@ class Tokenizer:
         """`ids` as the text a reader is given: special tokens (an end-of-text, a chat template's turn markers)
         left out, as transformers' pipelines and vLLM return generated text."""
         if self._hidden is None:
-            self._hidden = frozenset(self.special_ids().values())
+            self._special = self._special or self.special_ids()
+            self._hidden = frozenset(self._special.values())
         return self.tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
 
     def split_stops(self, stops) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Stop strings as (those looked for in the text, the ids of those that are a special token's text): the
         text leaves special tokens out (text()), so such a string could never be seen; it stops as its token."""
-        special = self.special_ids()
+        if self._special is None:
+            self._special = self.special_ids()
+        special = self._special
         return tuple(s for s in stops if s not in special), tuple(special[s] for s in stops if s in special)
 
     def special_ids(self) -> dict[str, int]:

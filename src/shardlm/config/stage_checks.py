@@ -7,7 +7,8 @@ the layout is refused here, before any process starts, by the model's own parame
 from __future__ import annotations
 
 from ..naming import Naming
-from ..schedules import rank_of, split_layers
+from ..schedules import ScheduleError, rank_of, split_layers
+from ..schedules import check_layout as check_schedule
 from .errors import ConfigError
 from .freeze_patterns import frozen_by_pattern
 from .schema import LoRAConfig, ModelConfig, ParallelConfig
@@ -46,11 +47,11 @@ def check_stages_train(m: ModelConfig, pp: int, virtual_stages: int, pp_layers: 
     last = rank_of(pp * virtual_stages - 1, pp)
     names = m.parameter_shapes()
     frozen = set() if lora.rank else set().union(*frozen_by_pattern(freeze, names).values())
+    chosen = lora_targets(m.arch, lora.targets) if lora.rank else set()
     for r, mine in enumerate(layers):
         where = (f"pipeline rank {r}'s layer{'s' if len(mine) > 1 else ''} {_spans(mine)}" if mine
                  else f"pipeline rank {r} (no layers)")
         if lora.rank:
-            chosen = lora_targets(m.arch, lora.targets)
             if not any(n in chosen for i in mine for path in block_linears(m, i) for n in LORA_MODULES[m.arch][path]):
                 raise ConfigError(f"{show('targets', lora.targets)} adapts no linear of {where} under {split} "
                                   "(their MLPs are mixtures of experts, which take no adapters): that stage would "
@@ -76,10 +77,14 @@ def dividing_micro(global_batch: int, micro_batch: int, dp: int, p: ParallelConf
 
 
 def schedule_takes(micro_batches: int, p: ParallelConfig) -> bool:
-    """Whether `p`'s pipeline schedule runs this many micro-batches a step (its own check says why not)."""
-    if p.pp == 1 or p.pp_schedule in ("naive", "gpipe"):
+    """Whether `p`'s pipeline schedule runs this many micro-batches a step (its own check, schedules')."""
+    if p.pp == 1:
         return True
-    return micro_batches >= p.pp and (p.pp_schedule != "interleaved" or micro_batches % p.pp == 0)
+    try:
+        check_schedule(p.pp_schedule, p.pp, p.virtual_stages, micro_batches)
+    except ScheduleError:
+        return False
+    return True
 
 
 def batch_fix(global_batch: int, micro_batch: int, dp: int, p: ParallelConfig) -> tuple[str, int, int]:
